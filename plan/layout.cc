@@ -1,0 +1,93 @@
+#include "plan/layout.h"
+
+#include "absl/strings/str_cat.h"
+
+namespace refit {
+
+int32_t Layout::AddTensor(std::string name, Dims shape, DType dtype) {
+  tensors.push_back({std::move(name), shape, dtype});
+  return static_cast<int32_t>(tensors.size() - 1);
+}
+
+int32_t Layout::AddWorker(std::string name, int32_t node, int32_t gpu) {
+  workers.push_back({std::move(name), node, gpu});
+  return static_cast<int32_t>(workers.size() - 1);
+}
+
+int32_t Layout::AddBuffer(int32_t worker, std::string name, DType dtype, Dims shape) {
+  buffers.push_back({std::move(name), worker, dtype, shape});
+  return static_cast<int32_t>(buffers.size() - 1);
+}
+
+void Layout::AddPiece(int32_t tensor, const Box& tensor_box, int32_t buffer,
+                      const Box& buffer_box) {
+  pieces.push_back({tensor, buffer, tensor_box, buffer_box});
+}
+
+int64_t Layout::TotalBufferBytes() const {
+  int64_t total = 0;
+  for (const Buffer& b : buffers) total += b.NumBytes();
+  return total;
+}
+
+absl::StatusOr<PieceView> ViewOf(const Box& tensor_box, const Box& buffer_box,
+                                 const Dims& buffer_shape) {
+  PieceView view;
+  const Dims buffer_strides = RowMajorStrides(buffer_shape);
+  view.offset = 0;
+  for (int d = 0; d < buffer_box.rank; ++d) view.offset += buffer_box.origin[d] * buffer_strides[d];
+  view.strides.rank = tensor_box.rank;
+  if (tensor_box.NumElements() != buffer_box.NumElements()) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "tensor box ", tensor_box.ToString(), " holds ", tensor_box.NumElements(),
+        " elements but buffer box ", buffer_box.ToString(), " holds ", buffer_box.NumElements()));
+  }
+  if (tensor_box.NumElements() == 0) {
+    view.strides = RowMajorStrides(tensor_box.shape_dims());
+    return view;
+  }
+  // The buffer box, seen as a strided view of the buffer, reshaped to the tensor box's shape:
+  // PyTorch's view-stride rule. Walk both shapes from the innermost dimension; every maximal run
+  // of buffer dimensions that is contiguous in memory (a "chunk") must be split exactly by tensor
+  // dimensions, which then get row-major strides within that chunk.
+  const Box& old = buffer_box;
+  int view_d = tensor_box.rank - 1;
+  int64_t chunk_base_stride = old.rank > 0 ? buffer_strides[old.rank - 1] : 1;
+  int64_t tensor_numel = 1;
+  int64_t view_numel = 1;
+  for (int d = old.rank - 1; d >= 0; --d) {
+    tensor_numel *= old.shape[d];
+    bool chunk_ends = d == 0 || (old.shape[d - 1] != 1 &&
+                                 buffer_strides[d - 1] != tensor_numel * chunk_base_stride);
+    if (chunk_ends) {
+      while (view_d >= 0 && (view_numel < tensor_numel || tensor_box.shape[view_d] == 1)) {
+        view.strides[view_d] = view_numel * chunk_base_stride;
+        view_numel *= tensor_box.shape[view_d];
+        --view_d;
+      }
+      if (view_numel != tensor_numel) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            "tensor box ", tensor_box.ToString(), " cannot be laid out by strides in buffer box ",
+            old.ToString(), " of a buffer of shape ", buffer_shape.ToString()));
+      }
+      if (d > 0) {
+        chunk_base_stride = buffer_strides[d - 1];
+        tensor_numel = 1;
+        view_numel = 1;
+      }
+    }
+  }
+  // Remaining tensor dimensions must all be of extent 1.
+  while (view_d >= 0) {
+    if (tensor_box.shape[view_d] != 1) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "tensor box ", tensor_box.ToString(), " cannot be laid out by strides in buffer box ",
+          old.ToString()));
+    }
+    view.strides[view_d] = 1;
+    --view_d;
+  }
+  return view;
+}
+
+}  // namespace refit

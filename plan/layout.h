@@ -1,0 +1,84 @@
+// The layout model: which boxes of which logical tensors sit where in which workers' buffers.
+//
+// A Layout is one side of a model group (the trainers' or the inference engines'). It is plain
+// data with indices instead of pointers, so it can be built by generators, decoded from files or
+// received over the wire, and planned without touching memory.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "absl/container/flat_hash_map.h"
+#include "absl/status/statusor.h"
+#include "plan/box.h"
+#include "plan/dtype.h"
+
+namespace refit {
+
+// The model's canonical tensor, e.g. "model.layers.3.self_attn.q_proj.weight", [4096, 4096], bf16.
+struct LogicalTensor {
+  std::string name;
+  Dims shape;
+  DType dtype = DType::kBF16;
+};
+
+// A process that owns memory on one GPU (or host memory) of one node.
+struct Worker {
+  std::string name;
+  int32_t node = 0;  // index of the node in the cluster; both sides share one numbering
+  int32_t gpu = 0;   // index of the GPU within its node
+};
+
+// One contiguous, row-major region of a worker's memory.
+struct Buffer {
+  std::string name;
+  int32_t worker = 0;  // index into Layout::workers
+  DType dtype = DType::kBF16;
+  Dims shape;
+  int64_t NumBytes() const { return shape.NumElements() * DTypeSize(dtype); }
+};
+
+// "Box `tensor_box` of tensor `tensor` sits at box `buffer_box` of buffer `buffer`." Both boxes
+// hold the same number of elements; the k-th element of one in row-major order is the k-th of
+// the other. When the shapes differ (an FSDP flat shard holding a few rows of a matrix, an
+// expert's matrix inside a stacked [E, rows, cols] buffer), the buffer box must be reachable
+// from the tensor box by strides: see BufferStrides().
+struct Piece {
+  int32_t tensor = 0;  // index into Layout::tensors
+  int32_t buffer = 0;  // index into Layout::buffers
+  Box tensor_box;
+  Box buffer_box;
+};
+
+struct Layout {
+  std::vector<LogicalTensor> tensors;
+  std::vector<Worker> workers;
+  std::vector<Buffer> buffers;
+  std::vector<Piece> pieces;
+
+  // Builders: append and return the index. They check nothing; ValidateLayout does.
+  int32_t AddTensor(std::string name, Dims shape, DType dtype);
+  int32_t AddWorker(std::string name, int32_t node, int32_t gpu);
+  int32_t AddBuffer(int32_t worker, std::string name, DType dtype, Dims shape);
+  void AddPiece(int32_t tensor, const Box& tensor_box, int32_t buffer, const Box& buffer_box);
+
+  // Name lookups, built by IndexNames() (ValidateLayout calls it).
+  absl::flat_hash_map<std::string, int32_t> tensor_index;
+  absl::flat_hash_map<std::string, int32_t> worker_index;
+
+  const Worker& worker_of(const Piece& p) const { return workers[buffers[p.buffer].worker]; }
+  int64_t TotalBufferBytes() const;
+};
+
+// Strides, in elements of the buffer, of each tensor-box dimension of piece `p`: the element at
+// tensor index i (relative to the tensor box's origin) lives at
+// Offset + sum_d i[d] * stride[d]. Fails when the two boxes' shapes are not related by strides.
+struct PieceView {
+  int64_t offset = 0;  // elements from the buffer's start to the tensor box's first element
+  Dims strides;        // per tensor-box dimension
+};
+absl::StatusOr<PieceView> ViewOf(const Box& tensor_box, const Box& buffer_box,
+                                 const Dims& buffer_shape);
+
+}  // namespace refit

@@ -1,0 +1,138 @@
+#include "plan/lower.h"
+
+#include <algorithm>
+
+namespace refit {
+
+const char* LinkClassName(LinkClass link) {
+  switch (link) {
+    case LinkClass::kLocal: return "local";
+    case LinkClass::kNvlink: return "nvlink";
+    case LinkClass::kNetwork: return "network";
+  }
+  return "?";
+}
+
+int64_t CopyDescriptor::NumElements() const {
+  int64_t n = inner;
+  for (int d = 0; d < outer_rank; ++d) n *= count[d];
+  return n;
+}
+
+DType CopyDescriptor::WireDType() const {
+  return DTypeSize(src_dtype) <= DTypeSize(dst_dtype) ? src_dtype : dst_dtype;
+}
+
+int64_t CopyDescriptor::WireBytes() const { return NumElements() * DTypeSize(WireDType()); }
+
+void LowerCopy(const Box& region, const CopyEnd& src, const CopyEnd& dst, bool src_is_destination,
+               std::vector<CopyDescriptor>& out) {
+  if (region.IsEmpty()) return;
+  int64_t src_offset = src.view.offset;
+  int64_t dst_offset = dst.view.offset;
+  // Loops from outermost to innermost: extent, source stride, destination stride.
+  int n = 0;
+  std::array<int64_t, kMaxRank> count{}, ss{}, ds{};
+  for (int d = 0; d < region.rank; ++d) {
+    src_offset += (region.origin[d] - src.tensor_box->origin[d]) * src.view.strides[d];
+    dst_offset += (region.origin[d] - dst.tensor_box->origin[d]) * dst.view.strides[d];
+    if (region.shape[d] == 1) continue;
+    // Merge into the previous (outer) loop when both sides are contiguous across the two.
+    if (n > 0 && ss[n - 1] == src.view.strides[d] * region.shape[d] &&
+        ds[n - 1] == dst.view.strides[d] * region.shape[d]) {
+      count[n - 1] *= region.shape[d];
+      ss[n - 1] = src.view.strides[d];
+      ds[n - 1] = dst.view.strides[d];
+      continue;
+    }
+    count[n] = region.shape[d];
+    ss[n] = src.view.strides[d];
+    ds[n] = dst.view.strides[d];
+    ++n;
+  }
+  CopyDescriptor base;
+  base.src_buffer = src.buffer;
+  base.dst_buffer = dst.buffer;
+  base.src_dtype = src.dtype;
+  base.dst_dtype = dst.dtype;
+  base.src_is_destination = src_is_destination;
+  base.inner = 1;
+  if (n > 0 && ss[n - 1] == 1 && ds[n - 1] == 1) {
+    base.inner = count[n - 1];
+    --n;
+  }
+  // Keep the innermost kMaxOuterDims loops in the descriptor; enumerate the rest.
+  const int kept = std::min(n, kMaxOuterDims);
+  const int extra = n - kept;
+  base.outer_rank = static_cast<uint8_t>(kept);
+  for (int i = 0; i < kept; ++i) {
+    base.count[i] = count[extra + i];
+    base.src_stride[i] = ss[extra + i];
+    base.dst_stride[i] = ds[extra + i];
+  }
+  std::array<int64_t, kMaxRank> index{};
+  while (true) {
+    CopyDescriptor d = base;
+    d.src_offset = src_offset;
+    d.dst_offset = dst_offset;
+    for (int i = 0; i < extra; ++i) {
+      d.src_offset += index[i] * ss[i];
+      d.dst_offset += index[i] * ds[i];
+    }
+    out.push_back(d);
+    int i = extra - 1;
+    for (; i >= 0; --i) {
+      if (++index[i] < count[i]) break;
+      index[i] = 0;
+    }
+    if (i < 0) break;
+  }
+}
+
+void SplitDescriptor(const CopyDescriptor& d, int64_t max_wire_bytes,
+                     std::vector<CopyDescriptor>& out) {
+  const int64_t elem = DTypeSize(d.WireDType());
+  if (d.WireBytes() <= max_wire_bytes) {
+    out.push_back(d);
+    return;
+  }
+  if (d.outer_rank == 0) {
+    const int64_t per_part = std::max<int64_t>(1, max_wire_bytes / elem);
+    for (int64_t start = 0; start < d.inner; start += per_part) {
+      CopyDescriptor part = d;
+      part.src_offset += start;
+      part.dst_offset += start;
+      part.inner = std::min(per_part, d.inner - start);
+      out.push_back(part);
+    }
+    return;
+  }
+  // Cut the outermost loop; a single iteration that is still too large is cut further.
+  CopyDescriptor one = d;
+  one.outer_rank = d.outer_rank - 1;
+  for (int i = 0; i < one.outer_rank; ++i) {
+    one.count[i] = d.count[i + 1];
+    one.src_stride[i] = d.src_stride[i + 1];
+    one.dst_stride[i] = d.dst_stride[i + 1];
+  }
+  const int64_t one_bytes = one.WireBytes();
+  if (one_bytes > max_wire_bytes) {
+    for (int64_t k = 0; k < d.count[0]; ++k) {
+      CopyDescriptor slice = one;
+      slice.src_offset = d.src_offset + k * d.src_stride[0];
+      slice.dst_offset = d.dst_offset + k * d.dst_stride[0];
+      SplitDescriptor(slice, max_wire_bytes, out);
+    }
+    return;
+  }
+  const int64_t per_part = std::max<int64_t>(1, max_wire_bytes / one_bytes);
+  for (int64_t start = 0; start < d.count[0]; start += per_part) {
+    CopyDescriptor part = d;
+    part.count[0] = std::min(per_part, d.count[0] - start);
+    part.src_offset += start * d.src_stride[0];
+    part.dst_offset += start * d.dst_stride[0];
+    out.push_back(part);
+  }
+}
+
+}  // namespace refit

@@ -1,0 +1,199 @@
+#include "plan/validate.h"
+
+#include <algorithm>
+#include <numeric>
+
+#include "absl/container/flat_hash_set.h"
+#include "absl/strings/str_cat.h"
+
+namespace refit {
+namespace {
+
+absl::Status Invalid(absl::string_view side, std::string message) {
+  return absl::InvalidArgumentError(absl::StrCat(side, " layout: ", message));
+}
+
+std::string Quote(absl::string_view s) { return absl::StrCat("\"", s, "\""); }
+
+bool HasNegative(const Dims& d) {
+  for (int i = 0; i < d.rank; ++i) {
+    if (d[i] < 0) return true;
+  }
+  return false;
+}
+
+// Reports the first pair of overlapping pieces among `pieces` (all in one buffer). Sweeps along
+// the dimension with the most distinct origins, so pieces stacked along any one axis cost
+// O(n log n), not O(n^2).
+absl::Status CheckNoOverlap(const Layout& layout, absl::string_view side,
+                            std::vector<int32_t>& pieces) {
+  if (pieces.size() < 2) return absl::OkStatus();
+  const int rank = layout.pieces[pieces[0]].buffer_box.rank;
+  int sweep = 0;
+  if (rank > 1) {
+    size_t best = 0;
+    for (int d = 0; d < rank; ++d) {
+      absl::flat_hash_set<int64_t> origins;
+      for (int32_t p : pieces) origins.insert(layout.pieces[p].buffer_box.origin[d]);
+      if (origins.size() > best) best = origins.size(), sweep = d;
+    }
+  }
+  auto box = [&](int32_t p) -> const Box& { return layout.pieces[p].buffer_box; };
+  if (rank == 0) {
+    // A scalar buffer holds one element: two non-empty pieces in it overlap.
+    std::erase_if(pieces, [&](int32_t p) { return box(p).IsEmpty(); });
+    if (pieces.size() < 2) return absl::OkStatus();
+    return Invalid(side, absl::StrCat("pieces ", DescribePiece(layout, pieces[0]), " and ",
+                                      DescribePiece(layout, pieces[1]),
+                                      " overlap in scalar buffer"));
+  }
+  std::sort(pieces.begin(), pieces.end(),
+            [&](int32_t a, int32_t b) { return box(a).origin[sweep] < box(b).origin[sweep]; });
+  std::vector<int32_t> active;
+  for (int32_t p : pieces) {
+    const Box& b = box(p);
+    if (b.IsEmpty()) continue;
+    std::erase_if(active, [&](int32_t q) { return box(q).end(sweep) <= b.origin[sweep]; });
+    for (int32_t q : active) {
+      if (Intersects(box(q), b)) {
+        return Invalid(side, absl::StrCat("pieces ", DescribePiece(layout, q), " and ",
+                                          DescribePiece(layout, p), " overlap at buffer box ",
+                                          Intersect(box(q), b).ToString()));
+      }
+    }
+    active.push_back(p);
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+std::string DescribePiece(const Layout& layout, int32_t piece) {
+  const Piece& p = layout.pieces[piece];
+  const Buffer& buffer = layout.buffers[p.buffer];
+  return absl::StrCat("tensor ", Quote(layout.tensors[p.tensor].name), " box ",
+                      p.tensor_box.ToString(), " (worker ", Quote(layout.workers[buffer.worker].name),
+                      " buffer ", Quote(buffer.name), " box ", p.buffer_box.ToString(), ")");
+}
+
+absl::Status ValidateLayout(Layout& layout, absl::string_view side) {
+  layout.tensor_index.clear();
+  layout.worker_index.clear();
+  for (size_t i = 0; i < layout.tensors.size(); ++i) {
+    const LogicalTensor& t = layout.tensors[i];
+    if (t.name.empty()) return Invalid(side, absl::StrCat("tensor #", i, " has no name"));
+    if (HasNegative(t.shape)) {
+      return Invalid(side, absl::StrCat("tensor ", Quote(t.name), " has a negative extent in shape ",
+                                        t.shape.ToString()));
+    }
+    if (!layout.tensor_index.emplace(t.name, static_cast<int32_t>(i)).second) {
+      return Invalid(side, absl::StrCat("tensor ", Quote(t.name), " is declared twice"));
+    }
+  }
+  for (size_t i = 0; i < layout.workers.size(); ++i) {
+    const Worker& w = layout.workers[i];
+    if (w.name.empty()) return Invalid(side, absl::StrCat("worker #", i, " has no name"));
+    if (w.node < 0 || w.gpu < 0) {
+      return Invalid(side, absl::StrCat("worker ", Quote(w.name), " has node ", w.node, " and gpu ",
+                                        w.gpu, "; both must be >= 0"));
+    }
+    if (!layout.worker_index.emplace(w.name, static_cast<int32_t>(i)).second) {
+      return Invalid(side, absl::StrCat("worker ", Quote(w.name), " is declared twice"));
+    }
+  }
+  absl::flat_hash_set<std::pair<int32_t, std::string>> buffer_names;
+  for (size_t i = 0; i < layout.buffers.size(); ++i) {
+    const Buffer& b = layout.buffers[i];
+    if (b.worker < 0 || b.worker >= static_cast<int32_t>(layout.workers.size())) {
+      return Invalid(side, absl::StrCat("buffer ", Quote(b.name), " refers to worker #", b.worker,
+                                        ", which does not exist"));
+    }
+    const std::string& wname = layout.workers[b.worker].name;
+    if (b.name.empty()) {
+      return Invalid(side, absl::StrCat("worker ", Quote(wname), " has a buffer with no name"));
+    }
+    if (HasNegative(b.shape)) {
+      return Invalid(side, absl::StrCat("worker ", Quote(wname), " buffer ", Quote(b.name),
+                                        " has a negative extent in shape ", b.shape.ToString()));
+    }
+    if (!buffer_names.emplace(b.worker, b.name).second) {
+      return Invalid(side, absl::StrCat("worker ", Quote(wname), " declares buffer ", Quote(b.name),
+                                        " twice"));
+    }
+  }
+
+  std::vector<std::vector<int32_t>> pieces_of_buffer(layout.buffers.size());
+  for (size_t i = 0; i < layout.pieces.size(); ++i) {
+    const Piece& p = layout.pieces[i];
+    if (p.buffer < 0 || p.buffer >= static_cast<int32_t>(layout.buffers.size())) {
+      return Invalid(side, absl::StrCat("piece #", i, " refers to buffer #", p.buffer,
+                                        ", which does not exist"));
+    }
+    const Buffer& buffer = layout.buffers[p.buffer];
+    const std::string where = absl::StrCat("worker ", Quote(layout.workers[buffer.worker].name),
+                                           " buffer ", Quote(buffer.name));
+    if (p.tensor < 0 || p.tensor >= static_cast<int32_t>(layout.tensors.size())) {
+      return Invalid(side, absl::StrCat(where, ": a piece refers to tensor #", p.tensor,
+                                        ", which is not declared"));
+    }
+    const LogicalTensor& t = layout.tensors[p.tensor];
+    const std::string what = absl::StrCat(where, ": piece of tensor ", Quote(t.name));
+    if (p.tensor_box.rank != t.shape.rank) {
+      return Invalid(side, absl::StrCat(what, " has a box of rank ", p.tensor_box.rank,
+                                        " but the tensor has rank ", t.shape.rank, " (shape ",
+                                        t.shape.ToString(), ")"));
+    }
+    if (!Contains(Box::Whole(t.shape), p.tensor_box) || HasNegative(p.tensor_box.shape_dims()) ||
+        HasNegative(p.tensor_box.origin_dims())) {
+      return Invalid(side, absl::StrCat(what, " box ", p.tensor_box.ToString(),
+                                        " lies outside the tensor's shape ", t.shape.ToString()));
+    }
+    if (p.buffer_box.rank != buffer.shape.rank) {
+      return Invalid(side, absl::StrCat(what, " has a buffer box ", p.buffer_box.ToString(),
+                                        " of rank ", p.buffer_box.rank, " but the buffer has shape ",
+                                        buffer.shape.ToString()));
+    }
+    if (!Contains(Box::Whole(buffer.shape), p.buffer_box) ||
+        HasNegative(p.buffer_box.shape_dims()) || HasNegative(p.buffer_box.origin_dims())) {
+      return Invalid(side, absl::StrCat(what, " buffer box ", p.buffer_box.ToString(),
+                                        " lies outside the buffer's shape ",
+                                        buffer.shape.ToString()));
+    }
+    if (buffer.dtype != t.dtype) {
+      return Invalid(side, absl::StrCat(what, ": the buffer holds ", DTypeName(buffer.dtype),
+                                        " but the tensor is ", DTypeName(t.dtype)));
+    }
+    auto view = ViewOf(p.tensor_box, p.buffer_box, buffer.shape);
+    if (!view.ok()) return Invalid(side, absl::StrCat(what, ": ", view.status().message()));
+    pieces_of_buffer[p.buffer].push_back(static_cast<int32_t>(i));
+  }
+  for (auto& pieces : pieces_of_buffer) {
+    if (auto s = CheckNoOverlap(layout, side, pieces); !s.ok()) return s;
+  }
+  return absl::OkStatus();
+}
+
+absl::Status ValidatePair(const Layout& source, const Layout& destination) {
+  for (const LogicalTensor& d : destination.tensors) {
+    auto it = source.tensor_index.find(d.name);
+    if (it == source.tensor_index.end()) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("destination layout: tensor ", Quote(d.name),
+                       " is unknown to the source layout (no trainer declares it)"));
+    }
+    const LogicalTensor& s = source.tensors[it->second];
+    if (!(s.shape == d.shape)) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "tensor ", Quote(d.name), " has shape ", s.shape.ToString(), " in the source layout but ",
+          d.shape.ToString(), " in the destination layout"));
+    }
+    if (!CanConvert(s.dtype, d.dtype)) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "tensor ", Quote(d.name), " is ", DTypeName(s.dtype), " in the source layout but ",
+          DTypeName(d.dtype), " in the destination layout; only bf16, fp16 and fp32 convert"));
+    }
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace refit

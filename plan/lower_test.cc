@@ -1,2 +1,86 @@
+#include "plan/lower.h"
+
 #include <catch2/catch.hpp>
-TEST_CASE("placeholder") { CHECK(true); }
+#include <deque>
+
+#include "plan/test_layouts.h"
+
+namespace refit {
+namespace {
+using testing::B;
+
+CopyEnd End(const Box& box, int64_t offset, Dims strides) {
+  static std::deque<Box> keep;  // stable addresses: CopyEnd points at its box
+  keep.push_back(box);
+  return CopyEnd{&keep.back(), PieceView{offset, strides}, 0, DType::kBF16};
+}
+
+TEST_CASE("whole rows contiguous on both sides merge into one run") {
+  std::vector<CopyDescriptor> out;
+  const Box whole = B({0, 0}, {8, 16});
+  LowerCopy(B({2, 0}, {4, 16}), End(whole, 0, Dims{16, 1}), End(B({2, 0}, {4, 16}), 100, Dims{16, 1}),
+            false, out);
+  REQUIRE(out.size() == 1);
+  CHECK(out[0].outer_rank == 0);
+  CHECK(out[0].inner == 64);
+  CHECK(out[0].src_offset == 32);
+  CHECK(out[0].dst_offset == 100);
+}
+
+TEST_CASE("a column slice is a strided loop of runs") {
+  std::vector<CopyDescriptor> out;
+  LowerCopy(B({0, 4}, {8, 4}), End(B({0, 0}, {8, 16}), 0, Dims{16, 1}),
+            End(B({0, 4}, {8, 4}), 0, Dims{4, 1}), false, out);
+  REQUIRE(out.size() == 1);
+  CHECK(out[0].outer_rank == 1);
+  CHECK(out[0].inner == 4);
+  CHECK(out[0].count[0] == 8);
+  CHECK(out[0].src_stride[0] == 16);
+  CHECK(out[0].dst_stride[0] == 4);
+  CHECK(out[0].src_offset == 4);
+}
+
+TEST_CASE("more loops than a descriptor holds are enumerated") {
+  std::vector<CopyDescriptor> out;
+  // Rank 6, every dimension strided differently on the two sides.
+  const Box src_box = B({0, 0, 0, 0, 0, 0}, {3, 3, 3, 3, 3, 3});
+  const Box region = B({1, 0, 1, 0, 1, 1}, {2, 2, 2, 2, 2, 2});
+  LowerCopy(region, End(src_box, 0, RowMajorStrides(src_box.shape_dims())),
+            End(region, 0, RowMajorStrides(region.shape_dims())), false, out);
+  int64_t elements = 0;
+  for (const auto& d : out) elements += d.NumElements();
+  CHECK(elements == region.NumElements());
+  CHECK(out.size() == 2 * 2);  // inner run + three loops kept, two leading loops enumerated
+}
+
+TEST_CASE("splitting keeps every element and bounds every part") {
+  CopyDescriptor d;
+  d.inner = 10;
+  d.outer_rank = 2;
+  d.count = {7, 5, 0};
+  d.src_stride = {1000, 100, 0};
+  d.dst_stride = {50, 10, 0};
+  d.src_dtype = d.dst_dtype = DType::kF32;
+  for (int64_t limit : {4, 40, 200, 1000, 4000, 100000}) {
+    std::vector<CopyDescriptor> parts;
+    SplitDescriptor(d, limit, parts);
+    int64_t elements = 0;
+    for (const auto& p : parts) {
+      elements += p.NumElements();
+      CHECK(p.WireBytes() <= std::max<int64_t>(limit, 4));
+    }
+    CHECK(elements == d.NumElements());
+  }
+}
+
+TEST_CASE("the wire carries the narrower dtype") {
+  CopyDescriptor d;
+  d.inner = 3;
+  d.src_dtype = DType::kF32;
+  d.dst_dtype = DType::kBF16;
+  CHECK(d.WireDType() == DType::kBF16);
+  CHECK(d.WireBytes() == 6);
+}
+
+}  // namespace
+}  // namespace refit

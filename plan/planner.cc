@@ -439,9 +439,16 @@ void Planner::ComputeCost() {
   // The lower bound: bytes a node lacks must enter through its NICs; bytes only one node holds
   // must leave through its NICs; bytes a GPU lacks must enter through its NVLink and NIC; every
   // byte a GPU needs must be written to its memory.
-  const double node_nic = topo_.nics_per_node * nic;
+  // Data moves between the GPUs of the two layouts, so a node's usable NICs are its
+  // participating GPUs' NICs.
+  std::vector<std::vector<int32_t>> node_nics(node_net_need_.size());
+  for (size_t g = 0; g < plan_.gpus.size(); ++g) {
+    auto& nics = node_nics[gpu_node_[g]];
+    if (std::find(nics.begin(), nics.end(), gpu_nic_[g]) == nics.end()) nics.push_back(gpu_nic_[g]);
+  }
   double bound = 0;
   for (size_t n = 0; n < node_net_need_.size(); ++n) {
+    const double node_nic = static_cast<double>(node_nics[n].size()) * nic;
     bound = std::max({bound, node_net_need_[n] / node_nic, node_unique_out_[n] / node_nic});
   }
   for (size_t g = 0; g < plan_.gpus.size(); ++g) {

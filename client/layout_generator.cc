@@ -1,0 +1,441 @@
+#include "client/layout_generator.h"
+
+#include <algorithm>
+
+#include "absl/container/flat_hash_map.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_replace.h"
+#include "client/model_tensors.h"
+#include "plan/flat_range.h"
+
+namespace refit {
+namespace {
+
+// [begin, end) of part `i` when `extent` is split into `parts` (first parts take the remainder).
+std::pair<int64_t, int64_t> Part(int64_t extent, int64_t parts, int64_t i) {
+  const int64_t base = extent / parts, rest = extent % parts;
+  const int64_t begin = i * base + std::min(i, rest);
+  return {begin, begin + base + (i < rest ? 1 : 0)};
+}
+
+int64_t RoundUp(int64_t v, int64_t m) { return (v + m - 1) / m * m; }
+
+Box RowsOf(const Dims& shape, int64_t begin, int64_t end, int dim = 0) {
+  Box b = Box::Whole(shape);
+  b.origin[dim] = begin;
+  b.shape[dim] = end - begin;
+  return b;
+}
+
+// Shared by both sides: the layout under construction, its tensors declared up front.
+class Builder {
+ public:
+  Builder(const ModelConfig& model, DType dtype) : defs_(ModelTensors(model)), dtype_(dtype) {
+    for (size_t i = 0; i < defs_.size(); ++i) {
+      layout_.AddTensor(defs_[i].name, defs_[i].shape, dtype);
+      index_.emplace(defs_[i].name, static_cast<int32_t>(i));
+    }
+  }
+  const std::vector<TensorDef>& defs() const { return defs_; }
+  int32_t Index(const std::string& name) const { return index_.at(name); }
+  const TensorDef& Def(const std::string& name) const { return defs_[Index(name)]; }
+
+  int32_t Worker(const std::string& name, int32_t rank, const PlacementOptions& where) {
+    return layout_.AddWorker(name, where.first_node + rank / where.gpus_per_node,
+                             rank % where.gpus_per_node);
+  }
+  int32_t Buffer(int32_t worker, const std::string& name, Dims shape) {
+    return layout_.AddBuffer(worker, name, dtype_, shape);
+  }
+  // A piece whose buffer box is `buffer_origin` + the tensor box's shape (same rank), or, when
+  // ranks differ, the tensor box's shape prefixed by 1s.
+  void Put(int32_t tensor, const Box& tensor_box, int32_t buffer, Dims buffer_origin) {
+    Box bb;
+    bb.rank = buffer_origin.rank;
+    const int lead = buffer_origin.rank - tensor_box.rank;
+    for (int d = 0; d < bb.rank; ++d) {
+      bb.origin[d] = buffer_origin[d];
+      bb.shape[d] = d < lead ? 1 : tensor_box.shape[d - lead];
+    }
+    if (!tensor_box.IsEmpty()) layout_.AddPiece(tensor, tensor_box, buffer, bb);
+  }
+  // A piece laid out flat at element `offset` of a 1-D buffer (FSDP).
+  void PutFlat(int32_t tensor, const Box& tensor_box, int32_t buffer, int64_t offset) {
+    if (tensor_box.IsEmpty()) return;
+    layout_.AddPiece(tensor, tensor_box, buffer,
+                     Box::FromDims(Dims{offset}, Dims{tensor_box.NumElements()}));
+  }
+  // A buffer holding exactly one piece: tensor box == buffer.
+  void Own(int32_t worker, const std::string& buffer_name, int32_t tensor, const Box& box) {
+    if (box.IsEmpty()) return;
+    const int32_t b = Buffer(worker, buffer_name, box.shape_dims());
+    Dims zeros;
+    zeros.rank = box.rank;
+    Put(tensor, box, b, zeros);
+  }
+  Layout Take() { return std::move(layout_); }
+
+ private:
+  std::vector<TensorDef> defs_;
+  DType dtype_;
+  Layout layout_;
+  absl::flat_hash_map<std::string, int32_t> index_;
+};
+
+std::string Sibling(const std::string& name, absl::string_view from, absl::string_view to) {
+  return absl::StrReplaceAll(name, {{from, to}});
+}
+
+// Rows of a head-split tensor that rank t of tp holds: whole heads, `unit` rows each.
+std::pair<int64_t, int64_t> HeadRows(const TensorDef& def, int dim, int64_t tp, int64_t t) {
+  const int64_t heads = def.shape[dim] / def.head_unit;
+  auto [h0, h1] = Part(heads, tp, t);
+  return {h0 * def.head_unit, h1 * def.head_unit};
+}
+
+// ---------------------------------------------------------------------------------------------
+// Trainer, Megatron style.
+
+absl::Status AddMegatronRank(Builder& b, const ModelConfig& m, const TrainerParallelism& p,
+                             int32_t worker, int64_t t, int64_t ep_rank, int64_t stage) {
+  const int64_t L = m.num_hidden_layers;
+  auto [layer0, layer1] = Part(L, p.pp, stage);
+  const int64_t tp = p.tp;
+  for (const TensorDef& def : b.defs()) {
+    const bool in_stage = def.layer < 0   ? stage == 0
+                          : def.layer >= L ? stage == p.pp - 1
+                                           : def.layer >= layer0 && def.layer < layer1;
+    if (!in_stage) continue;
+    const int32_t ti = b.Index(def.name);
+    const std::string lp = absl::StrCat("decoder.layers.", def.layer, ".");
+    const std::string suffix = def.shape.rank == 1 ? "bias" : "weight";
+    switch (def.role) {
+      case Role::kReplicated:
+      case Role::kLatentQA:
+      case Role::kLatentKVA:
+        b.Own(worker, def.name, ti, Box::Whole(def.shape));
+        break;
+      case Role::kEmbedding:
+      case Role::kLmHead: {
+        const int64_t per = RoundUp(def.shape[0], 128 * tp) / tp;
+        const int32_t buf = b.Buffer(worker, def.role == Role::kEmbedding
+                                                 ? "embedding.word_embeddings.weight"
+                                                 : "output_layer.weight",
+                                     Dims{per, def.shape[1]});
+        const int64_t r0 = std::min(t * per, def.shape[0]), r1 = std::min((t + 1) * per, def.shape[0]);
+        b.Put(ti, RowsOf(def.shape, r0, r1), buf, Dims{0, 0});
+        break;
+      }
+      case Role::kQ: {
+        // linear_qkv: per query group g, [q heads of g; k_g; v_g].
+        const TensorDef& k = b.Def(Sibling(def.name, "q_proj", "k_proj"));
+        const int64_t hd = def.head_unit, groups = m.num_key_value_heads;
+        if (groups % tp != 0) {
+          return absl::InvalidArgumentError(absl::StrCat(
+              "Megatron needs tp (", tp, ") to divide num_key_value_heads (", groups, ")"));
+        }
+        const int64_t local = groups / tp, qpg = m.num_attention_heads / groups;
+        Dims shape = def.shape;
+        shape[0] = local * (qpg + 2) * hd;
+        const int32_t buf = b.Buffer(worker, lp + "self_attention.linear_qkv." + suffix, shape);
+        auto at = [&](int64_t row) { return shape.rank == 1 ? Dims{row} : Dims{row, 0}; };
+        const int32_t vi = b.Index(Sibling(def.name, "q_proj", "v_proj"));
+        for (int64_t g = 0; g < local; ++g) {
+          const int64_t G = t * local + g, row = g * (qpg + 2) * hd;
+          b.Put(ti, RowsOf(def.shape, G * qpg * hd, (G + 1) * qpg * hd), buf, at(row));
+          b.Put(b.Index(k.name), RowsOf(k.shape, G * hd, (G + 1) * hd), buf, at(row + qpg * hd));
+          b.Put(vi, RowsOf(k.shape, G * hd, (G + 1) * hd), buf, at(row + (qpg + 1) * hd));
+        }
+        break;
+      }
+      case Role::kK:
+      case Role::kV:
+      case Role::kUp:
+        break;  // fused with kQ / kGate
+      case Role::kGate: {
+        if (def.expert >= 0) {
+          auto [e0, e1] = Part(m.num_experts, p.ep, ep_rank);
+          if (def.expert < e0 || def.expert >= e1) break;
+        }
+        const int32_t up = b.Index(Sibling(def.name, "gate_proj", "up_proj"));
+        auto [r0, r1] = Part(def.shape[0], tp, t);
+        const std::string name =
+            def.expert >= 0 ? absl::StrCat(lp, "mlp.experts.linear_fc1.weight",
+                                           def.expert - Part(m.num_experts, p.ep, ep_rank).first)
+            : def.shared    ? lp + "mlp.shared_experts.linear_fc1.weight"
+                            : lp + "mlp.linear_fc1.weight";
+        const int32_t buf = b.Buffer(worker, name, Dims{2 * (r1 - r0), def.shape[1]});
+        b.Put(ti, RowsOf(def.shape, r0, r1), buf, Dims{0, 0});
+        b.Put(up, RowsOf(def.shape, r0, r1), buf, Dims{r1 - r0, 0});
+        break;
+      }
+      case Role::kDown: {
+        if (def.expert >= 0) {
+          auto [e0, e1] = Part(m.num_experts, p.ep, ep_rank);
+          if (def.expert < e0 || def.expert >= e1) break;
+        }
+        auto [c0, c1] = Part(def.shape[1], tp, t);
+        const std::string name =
+            def.expert >= 0 ? absl::StrCat(lp, "mlp.experts.linear_fc2.weight",
+                                           def.expert - Part(m.num_experts, p.ep, ep_rank).first)
+            : def.shared    ? lp + "mlp.shared_experts.linear_fc2.weight"
+                            : lp + "mlp.linear_fc2.weight";
+        b.Own(worker, name, ti, RowsOf(def.shape, c0, c1, 1));
+        break;
+      }
+      case Role::kO: {
+        auto [c0, c1] = HeadRows(def, 1, tp, t);
+        b.Own(worker, lp + "self_attention.linear_proj.weight", ti, RowsOf(def.shape, c0, c1, 1));
+        break;
+      }
+      case Role::kLatentQB:
+      case Role::kLatentKVB: {
+        auto [r0, r1] = HeadRows(def, 0, tp, t);
+        b.Own(worker, def.name, ti, RowsOf(def.shape, r0, r1));
+        break;
+      }
+    }
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<Layout> MakeFsdpLayout(const ModelConfig& m, const TrainerParallelism& p,
+                                      const PlacementOptions& where, DType dtype) {
+  Builder b(m, dtype);
+  const int64_t world = p.fsdp;
+  std::vector<int32_t> workers;
+  for (int64_t r = 0; r < world; ++r) {
+    workers.push_back(b.Worker(absl::StrCat("fsdp-rank", r), static_cast<int32_t>(r), where));
+  }
+  // Units: the embedding, each layer, the final norm and head (FSDP wraps each block).
+  const int64_t L = m.num_hidden_layers;
+  for (int64_t unit = -1; unit <= L; ++unit) {
+    std::vector<int32_t> members;
+    int64_t total = 0;
+    for (size_t i = 0; i < b.defs().size(); ++i) {
+      const int64_t layer = std::min(b.defs()[i].layer, L);
+      if (layer == unit) {
+        members.push_back(static_cast<int32_t>(i));
+        total += b.defs()[i].shape.NumElements();
+      }
+    }
+    if (members.empty()) continue;
+    const int64_t shard = RoundUp(total, world) / world;
+    const std::string name = unit < 0    ? "flat_param.embed"
+                             : unit == L ? "flat_param.head"
+                                         : absl::StrCat("flat_param.layers.", unit);
+    for (int64_t r = 0; r < world; ++r) {
+      const int32_t buf = b.Buffer(workers[r], name, Dims{shard});
+      const int64_t lo = r * shard, hi = (r + 1) * shard;
+      int64_t start = 0;
+      for (int32_t ti : members) {
+        const Dims& shape = b.defs()[ti].shape;
+        const int64_t n = shape.NumElements();
+        const int64_t a = std::max(lo, start), e = std::min(hi, start + n);
+        for (const Box& box : FlatRangeToBoxes(shape, a - start, std::max(a, e) - start)) {
+          b.PutFlat(ti, box, buf, LinearIndex(box.origin_dims(), shape) + start - lo);
+        }
+        start += n;
+      }
+    }
+  }
+  return b.Take();
+}
+
+// ---------------------------------------------------------------------------------------------
+// Inference, vLLM style.
+
+void AddVllmRank(Builder& b, const ModelConfig& m, const InferenceParallelism& p, int32_t worker,
+                 int64_t t, int64_t d) {
+  const int64_t tp = p.tp;
+  const int64_t ep_world = p.World(), ep_rank = d * tp + t;
+  auto [e0, e1] = p.expert_parallel ? Part(m.num_experts, ep_world, ep_rank)
+                                    : std::pair<int64_t, int64_t>{0, m.num_experts};
+  // The stacked expert buffers of the layer being generated (experts come in order).
+  int32_t last_w13 = -1, last_w2 = -1;
+  for (const TensorDef& def : b.defs()) {
+    const int32_t ti = b.Index(def.name);
+    const std::string lp = absl::StrCat("model.layers.", def.layer, ".");
+    const std::string suffix = def.shape.rank == 1 ? "bias" : "weight";
+    switch (def.role) {
+      case Role::kReplicated:
+        b.Own(worker, def.name, ti, Box::Whole(def.shape));
+        break;
+      case Role::kLatentQA: {
+        // fused_qkv_a_proj = [q_a_proj; kv_a_proj_with_mqa], replicated.
+        const TensorDef& kva = b.Def(lp + "self_attn.kv_a_proj_with_mqa.weight");
+        const int32_t buf = b.Buffer(worker, lp + "self_attn.fused_qkv_a_proj.weight",
+                                     Dims{def.shape[0] + kva.shape[0], def.shape[1]});
+        b.Put(ti, Box::Whole(def.shape), buf, Dims{0, 0});
+        b.Put(b.Index(kva.name), Box::Whole(kva.shape), buf, Dims{def.shape[0], 0});
+        break;
+      }
+      case Role::kLatentKVA:
+        if (m.q_lora_rank == 0) b.Own(worker, def.name, ti, Box::Whole(def.shape));
+        break;  // else fused above
+      case Role::kEmbedding:
+      case Role::kLmHead: {
+        const int64_t padded = RoundUp(def.shape[0], 64);
+        const int64_t per = (padded + tp - 1) / tp;
+        const int32_t buf = b.Buffer(worker, def.name, Dims{per, def.shape[1]});
+        const int64_t r0 = std::min(t * per, def.shape[0]), r1 = std::min((t + 1) * per, def.shape[0]);
+        b.Put(ti, RowsOf(def.shape, r0, r1), buf, Dims{0, 0});
+        break;
+      }
+      case Role::kQ: {
+        const TensorDef& k = b.Def(Sibling(def.name, "q_proj", "k_proj"));
+        const int32_t vi = b.Index(Sibling(def.name, "q_proj", "v_proj"));
+        const int64_t hd = def.head_unit, kv = m.num_key_value_heads;
+        auto [q0, q1] = HeadRows(def, 0, tp, t);
+        int64_t k0, k1;
+        if (kv >= tp) {
+          std::tie(k0, k1) = HeadRows(k, 0, tp, t);
+        } else {  // fewer kv heads than ranks: each rank keeps a copy of its group's head
+          k0 = t * kv / tp * hd;
+          k1 = k0 + hd;
+        }
+        Dims shape = def.shape;
+        shape[0] = (q1 - q0) + 2 * (k1 - k0);
+        const int32_t buf = b.Buffer(worker, lp + "self_attn.qkv_proj." + suffix, shape);
+        auto at = [&](int64_t row) { return shape.rank == 1 ? Dims{row} : Dims{row, 0}; };
+        b.Put(ti, RowsOf(def.shape, q0, q1), buf, at(0));
+        b.Put(b.Index(k.name), RowsOf(k.shape, k0, k1), buf, at(q1 - q0));
+        b.Put(vi, RowsOf(k.shape, k0, k1), buf, at(q1 - q0 + k1 - k0));
+        break;
+      }
+      case Role::kK:
+      case Role::kV:
+      case Role::kUp:
+        break;  // fused with kQ / kGate
+      case Role::kGate: {
+        const int32_t up = b.Index(Sibling(def.name, "gate_proj", "up_proj"));
+        if (def.expert >= 0) {
+          if (def.expert < e0 || def.expert >= e1) break;
+          // Stacked: w13_weight [E_local, 2 * inter_t, hidden].
+          const int64_t split = p.expert_parallel ? 1 : tp, part = p.expert_parallel ? 0 : t;
+          auto [r0, r1] = Part(def.shape[0], split, part);
+          const std::string name = lp + "mlp.experts.w13_weight";
+          int32_t buf;
+          if (def.expert == e0) {
+            buf = b.Buffer(worker, name, Dims{e1 - e0, 2 * (r1 - r0), def.shape[1]});
+          } else {
+            buf = last_w13;
+          }
+          last_w13 = buf;
+          b.Put(ti, RowsOf(def.shape, r0, r1), buf, Dims{def.expert - e0, 0, 0});
+          b.Put(up, RowsOf(def.shape, r0, r1), buf, Dims{def.expert - e0, r1 - r0, 0});
+          break;
+        }
+        auto [r0, r1] = Part(def.shape[0], tp, t);
+        const std::string name = Sibling(def.name, "gate_proj", "gate_up_proj");
+        const int32_t buf = b.Buffer(worker, name, Dims{2 * (r1 - r0), def.shape[1]});
+        b.Put(ti, RowsOf(def.shape, r0, r1), buf, Dims{0, 0});
+        b.Put(up, RowsOf(def.shape, r0, r1), buf, Dims{r1 - r0, 0});
+        break;
+      }
+      case Role::kDown: {
+        if (def.expert >= 0) {
+          if (def.expert < e0 || def.expert >= e1) break;
+          const int64_t split = p.expert_parallel ? 1 : tp, part = p.expert_parallel ? 0 : t;
+          auto [c0, c1] = Part(def.shape[1], split, part);
+          int32_t buf;
+          if (def.expert == e0) {
+            buf = b.Buffer(worker, lp + "mlp.experts.w2_weight", Dims{e1 - e0, def.shape[0], c1 - c0});
+          } else {
+            buf = last_w2;
+          }
+          last_w2 = buf;
+          b.Put(ti, RowsOf(def.shape, c0, c1, 1), buf, Dims{def.expert - e0, 0, 0});
+          break;
+        }
+        auto [c0, c1] = Part(def.shape[1], tp, t);
+        b.Own(worker, def.name, ti, RowsOf(def.shape, c0, c1, 1));
+        break;
+      }
+      case Role::kO: {
+        auto [c0, c1] = HeadRows(def, 1, tp, t);
+        b.Own(worker, def.name, ti, RowsOf(def.shape, c0, c1, 1));
+        break;
+      }
+      case Role::kLatentQB:
+      case Role::kLatentKVB: {
+        auto [r0, r1] = HeadRows(def, 0, tp, t);
+        b.Own(worker, def.name, ti, RowsOf(def.shape, r0, r1));
+        break;
+      }
+    }
+  }
+}
+
+absl::Status CheckPositive(std::initializer_list<std::pair<const char*, int32_t>> values) {
+  for (auto [name, v] : values) {
+    if (v < 1) return absl::InvalidArgumentError(absl::StrCat(name, " must be >= 1, not ", v));
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+absl::StatusOr<Layout> MakeTrainerLayout(const ModelConfig& m, const TrainerParallelism& p,
+                                         const PlacementOptions& where, DType dtype) {
+  if (auto s = CheckPositive({{"gpus per node", where.gpus_per_node}}); !s.ok()) return s;
+  if (p.fsdp > 0) {
+    if (p.tp != 1 || p.pp != 1 || p.ep != 1 || p.cp != 1) {
+      return absl::InvalidArgumentError("FSDP here shards everything over its ranks: tp, pp, ep and cp must be 1");
+    }
+    return MakeFsdpLayout(m, p, where, dtype);
+  }
+  if (auto s = CheckPositive({{"tp", p.tp}, {"pp", p.pp}, {"ep", p.ep}, {"dp", p.dp}, {"cp", p.cp}});
+      !s.ok()) {
+    return s;
+  }
+  if ((p.dp * p.cp) % p.ep != 0) {
+    return absl::InvalidArgumentError(absl::StrCat("ep (", p.ep, ") must divide dp * cp (",
+                                                   p.dp * p.cp, "): Megatron carves expert groups out of them"));
+  }
+  if (p.pp > m.num_hidden_layers) {
+    return absl::InvalidArgumentError(absl::StrCat("pp (", p.pp, ") exceeds the number of layers (",
+                                                   m.num_hidden_layers, ")"));
+  }
+  if (m.num_experts > 0 && p.ep > m.num_experts) {
+    return absl::InvalidArgumentError(absl::StrCat("ep (", p.ep, ") exceeds the number of experts (",
+                                                   m.num_experts, ")"));
+  }
+  Builder b(m, dtype);
+  for (int64_t stage = 0; stage < p.pp; ++stage) {
+    for (int64_t d = 0; d < p.dp; ++d) {
+      for (int64_t c = 0; c < p.cp; ++c) {
+        for (int64_t t = 0; t < p.tp; ++t) {
+          const int64_t rank = t + p.tp * (c + p.cp * (d + p.dp * stage));
+          const int32_t w = b.Worker(absl::StrCat("trainer-rank", rank), static_cast<int32_t>(rank), where);
+          const int64_t ep_rank = (d * p.cp + c) % p.ep;
+          if (auto s = AddMegatronRank(b, m, p, w, t, ep_rank, stage); !s.ok()) return s;
+        }
+      }
+    }
+  }
+  return b.Take();
+}
+
+absl::StatusOr<Layout> MakeInferenceLayout(const ModelConfig& m, const InferenceParallelism& p,
+                                           const PlacementOptions& where, DType dtype) {
+  if (auto s = CheckPositive({{"tp", p.tp}, {"dp", p.dp}, {"gpus per node", where.gpus_per_node}});
+      !s.ok()) {
+    return s;
+  }
+  if (p.expert_parallel && m.num_experts > 0 && p.World() > m.num_experts) {
+    return absl::InvalidArgumentError(absl::StrCat("expert parallelism over ", p.World(),
+                                                   " ranks exceeds the number of experts (", m.num_experts, ")"));
+  }
+  Builder b(m, dtype);
+  for (int64_t d = 0; d < p.dp; ++d) {
+    for (int64_t t = 0; t < p.tp; ++t) {
+      const int64_t rank = d * p.tp + t;
+      const int32_t w = b.Worker(absl::StrCat("vllm-dp", d, "-tp", t), static_cast<int32_t>(rank), where);
+      AddVllmRank(b, m, p, w, t, d);
+    }
+  }
+  return b.Take();
+}
+
+}  // namespace refit

@@ -1,0 +1,99 @@
+#include "client/model_tensors.h"
+
+#include "absl/strings/str_cat.h"
+
+namespace refit {
+
+std::vector<TensorDef> ModelTensors(const ModelConfig& c) {
+  std::vector<TensorDef> out;
+  const int64_t H = c.hidden_size, L = c.num_hidden_layers;
+  auto add = [&](std::string name, Dims shape, Role role, int64_t layer, int64_t unit = 0) {
+    TensorDef t;
+    t.name = std::move(name);
+    t.shape = shape;
+    t.role = role;
+    t.layer = layer;
+    t.head_unit = unit;
+    out.push_back(t);
+    return &out.back();
+  };
+  auto mlp = [&](const std::string& prefix, int64_t inter, int64_t layer, int64_t expert,
+                 bool shared) {
+    for (auto [name, role, shape] : {std::tuple{"gate_proj", Role::kGate, Dims{inter, H}},
+                                     std::tuple{"up_proj", Role::kUp, Dims{inter, H}},
+                                     std::tuple{"down_proj", Role::kDown, Dims{H, inter}}}) {
+      TensorDef* t = add(absl::StrCat(prefix, name, ".weight"), shape, role, layer);
+      t->expert = expert;
+      t->shared = shared;
+    }
+  };
+
+  add("model.embed_tokens.weight", Dims{c.vocab_size, H}, Role::kEmbedding, -1);
+  for (int64_t l = 0; l < L; ++l) {
+    const std::string p = absl::StrCat("model.layers.", l, ".");
+    add(p + "input_layernorm.weight", Dims{H}, Role::kReplicated, l);
+    if (c.kv_lora_rank > 0) {
+      const int64_t qk = c.qk_nope_head_dim + c.qk_rope_head_dim;
+      const int64_t heads = c.num_attention_heads;
+      if (c.q_lora_rank > 0) {
+        add(p + "self_attn.q_a_proj.weight", Dims{c.q_lora_rank, H}, Role::kLatentQA, l);
+        add(p + "self_attn.q_a_layernorm.weight", Dims{c.q_lora_rank}, Role::kReplicated, l);
+        add(p + "self_attn.q_b_proj.weight", Dims{heads * qk, c.q_lora_rank}, Role::kLatentQB, l, qk);
+      } else {
+        add(p + "self_attn.q_proj.weight", Dims{heads * qk, H}, Role::kLatentQB, l, qk);
+      }
+      add(p + "self_attn.kv_a_proj_with_mqa.weight", Dims{c.kv_lora_rank + c.qk_rope_head_dim, H},
+          Role::kLatentKVA, l);
+      add(p + "self_attn.kv_a_layernorm.weight", Dims{c.kv_lora_rank}, Role::kReplicated, l);
+      add(p + "self_attn.kv_b_proj.weight",
+          Dims{heads * (c.qk_nope_head_dim + c.v_head_dim), c.kv_lora_rank}, Role::kLatentKVB, l,
+          c.qk_nope_head_dim + c.v_head_dim);
+      add(p + "self_attn.o_proj.weight", Dims{H, heads * c.v_head_dim}, Role::kO, l, c.v_head_dim);
+    } else {
+      const int64_t hd = c.head_dim;
+      add(p + "self_attn.q_proj.weight", Dims{c.num_attention_heads * hd, H}, Role::kQ, l, hd);
+      add(p + "self_attn.k_proj.weight", Dims{c.num_key_value_heads * hd, H}, Role::kK, l, hd);
+      add(p + "self_attn.v_proj.weight", Dims{c.num_key_value_heads * hd, H}, Role::kV, l, hd);
+      if (c.attention_bias) {
+        add(p + "self_attn.q_proj.bias", Dims{c.num_attention_heads * hd}, Role::kQ, l, hd);
+        add(p + "self_attn.k_proj.bias", Dims{c.num_key_value_heads * hd}, Role::kK, l, hd);
+        add(p + "self_attn.v_proj.bias", Dims{c.num_key_value_heads * hd}, Role::kV, l, hd);
+      }
+      if (c.qk_norm) {
+        add(p + "self_attn.q_norm.weight", Dims{hd}, Role::kReplicated, l);
+        add(p + "self_attn.k_norm.weight", Dims{hd}, Role::kReplicated, l);
+      }
+      add(p + "self_attn.o_proj.weight", Dims{H, c.num_attention_heads * hd}, Role::kO, l, hd);
+    }
+    add(p + "post_attention_layernorm.weight", Dims{H}, Role::kReplicated, l);
+    if (!c.IsMoeLayer(l)) {
+      mlp(p + "mlp.", c.intermediate_size, l, -1, false);
+      continue;
+    }
+    add(p + "mlp.gate.weight", Dims{c.num_experts, H}, Role::kReplicated, l);
+    if (c.router_bias) {
+      add(p + "mlp.gate.e_score_correction_bias", Dims{c.num_experts}, Role::kReplicated, l);
+    }
+    for (int64_t e = 0; e < c.num_experts; ++e) {
+      mlp(absl::StrCat(p, "mlp.experts.", e, "."), c.moe_intermediate_size, l, e, false);
+    }
+    if (c.n_shared_experts > 0) {
+      mlp(p + "mlp.shared_experts.", c.n_shared_experts * c.moe_intermediate_size, l, -1, true);
+    }
+    if (c.shared_expert_intermediate_size > 0) {
+      mlp(p + "mlp.shared_expert.", c.shared_expert_intermediate_size, l, -1, true);
+      add(p + "mlp.shared_expert_gate.weight", Dims{1, H}, Role::kReplicated, l);
+    }
+  }
+  add("model.norm.weight", Dims{H}, Role::kReplicated, L);
+  if (!c.tie_word_embeddings) add("lm_head.weight", Dims{c.vocab_size, H}, Role::kLmHead, L);
+  return out;
+}
+
+int64_t CountParameters(const ModelConfig& config) {
+  int64_t n = 0;
+  for (const TensorDef& t : ModelTensors(config)) n += t.shape.NumElements();
+  return n;
+}
+
+}  // namespace refit

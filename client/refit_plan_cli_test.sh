@@ -1,0 +1,47 @@
+#!/usr/bin/env bash
+# refit-layout and refit-plan as a user runs them: real configs in, JSON summary out, bad input
+# gets one line and exit code 2.
+set -uo pipefail
+layout=client/refit-layout
+plan=client/refit-plan
+tmp=$(mktemp -d)
+trap 'rm -rf "$tmp"' EXIT
+fail() { echo "FAIL: $*"; exit 1; }
+
+$layout --config tests/configs/qwen3-30b-a3b.json --scale-down 16 --layers 2 --side trainer \
+  --tp 2 --ep 2 --dp 2 -o "$tmp/src.json" || fail "refit-layout trainer"
+$layout --config tests/configs/qwen3-30b-a3b.json --scale-down 16 --layers 2 --side inference \
+  --tp 4 --first-node 1 -o "$tmp/dst.json" || fail "refit-layout inference"
+out=$($plan --src "$tmp/src.json" --dst "$tmp/dst.json" --verify --json) || fail "refit-plan: $out"
+for key in tensors pieces transfers messages bytes_total bytes_network bytes_nvlink bytes_local \
+           max_nic_bytes predicted_seconds lower_bound_seconds planning_seconds; do
+  echo "$out" | grep -q "\"$key\":" || fail "missing $key in $out"
+done
+echo "$out" | grep -q '"verified":true' || fail "not verified: $out"
+echo "$out" | grep -q '"bytes_network":0,' && fail "expected network bytes: $out"
+human=$($plan --src "$tmp/src.json" --dst "$tmp/dst.json" --verify) || fail "human summary"
+echo "$human" | grep -q "^verified:" || fail "human summary lacks verification: $human"
+
+expect_2() {  # expect exit code 2 and exactly one line on stderr that contains $1
+  local want=$1; shift
+  "$@" >"$tmp/out" 2>"$tmp/err"
+  local rc=$?
+  [ $rc -eq 2 ] || fail "exit $rc, not 2, for: $* ($(cat "$tmp/err"))"
+  [ "$(wc -l <"$tmp/err")" -eq 1 ] || fail "more than one line for: $*: $(cat "$tmp/err")"
+  grep -q -- "$want" "$tmp/err" || fail "stderr lacks '$want': $(cat "$tmp/err")"
+}
+expect_2 "cannot open" $plan --src "$tmp/none.json" --dst "$tmp/dst.json"
+echo '{"tensors": [' >"$tmp/broken.json"
+expect_2 "not a layout" $plan --src "$tmp/broken.json" --dst "$tmp/dst.json"
+# A destination that needs what no source holds: drop the trainer's last worker.
+python3 - "$tmp/src.json" "$tmp/partial.json" <<'PY'
+import json, sys
+layout = json.load(open(sys.argv[1]))
+layout["workers"] = layout["workers"][:-1]
+json.dump(layout, open(sys.argv[2], "w"))
+PY
+expect_2 "have no source" $plan --src "$tmp/partial.json" --dst "$tmp/dst.json"
+expect_2 "unknown flag" $plan --src "$tmp/src.json" --dst "$tmp/dst.json" --frobnicate
+expect_2 "required" $plan --src "$tmp/src.json"
+expect_2 "divide num_key_value_heads" $layout --config tests/configs/llama3-8b.json --side trainer --tp 16
+echo "all refit-plan CLI checks passed"

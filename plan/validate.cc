@@ -15,6 +15,17 @@ absl::Status Invalid(absl::string_view side, std::string message) {
 
 std::string Quote(absl::string_view s) { return absl::StrCat("\"", s, "\""); }
 
+// Element counts and byte sizes must fit comfortably in int64 (so offsets never overflow).
+bool TooLarge(const Dims& d, int element_size) {
+  constexpr int64_t kLimit = int64_t{1} << 60;
+  int64_t n = element_size;
+  for (int i = 0; i < d.rank; ++i) {
+    if (d[i] != 0 && n > kLimit / d[i]) return true;
+    n *= d[i];
+  }
+  return false;
+}
+
 bool HasNegative(const Dims& d) {
   for (int i = 0; i < d.rank; ++i) {
     if (d[i] < 0) return true;
@@ -86,6 +97,10 @@ absl::Status ValidateLayout(Layout& layout, absl::string_view side) {
       return Invalid(side, absl::StrCat("tensor ", Quote(t.name), " has a negative extent in shape ",
                                         t.shape.ToString()));
     }
+    if (TooLarge(t.shape, DTypeSize(t.dtype))) {
+      return Invalid(side, absl::StrCat("tensor ", Quote(t.name), " of shape ", t.shape.ToString(),
+                                        " is too large (over 2^60 bytes)"));
+    }
     if (!layout.tensor_index.emplace(t.name, static_cast<int32_t>(i)).second) {
       return Invalid(side, absl::StrCat("tensor ", Quote(t.name), " is declared twice"));
     }
@@ -115,6 +130,11 @@ absl::Status ValidateLayout(Layout& layout, absl::string_view side) {
     if (HasNegative(b.shape)) {
       return Invalid(side, absl::StrCat("worker ", Quote(wname), " buffer ", Quote(b.name),
                                         " has a negative extent in shape ", b.shape.ToString()));
+    }
+    if (TooLarge(b.shape, DTypeSize(b.dtype))) {
+      return Invalid(side, absl::StrCat("worker ", Quote(wname), " buffer ", Quote(b.name),
+                                        " of shape ", b.shape.ToString(),
+                                        " is too large (over 2^60 bytes)"));
     }
     if (!buffer_names.emplace(b.worker, b.name).second) {
       return Invalid(side, absl::StrCat("worker ", Quote(wname), " declares buffer ", Quote(b.name),

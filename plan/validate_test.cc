@@ -80,6 +80,14 @@ TEST_CASE("bounds, ranks and dtypes") {
     l.pieces[0].buffer_box = B({0, 0}, {2, 4});
     CHECK(Has(ErrorOf(l), "holds 16 elements but buffer box [0:2, 0:4] holds 8"));
   }
+  SECTION("absurd sizes") {
+    Layout l = TwoShards();
+    l.tensors[0].shape = Dims{int64_t{1} << 40, int64_t{1} << 40};
+    CHECK(Has(ErrorOf(l), "is too large"));
+    Layout m = TwoShards();
+    m.buffers[0].shape = Dims{int64_t{1} << 62, 4};
+    CHECK(Has(ErrorOf(m), "is too large"));
+  }
   SECTION("negative shape") {
     Layout l = TwoShards();
     l.tensors[0].shape = Dims{-8, 4};

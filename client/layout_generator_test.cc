@@ -49,7 +49,7 @@ PlanStats PlanAndVerify(const ModelConfig& m, const TrainerParallelism& tp,
   // Every destination byte of the model was moved: the inference side needs the whole model
   // dp times, each element once per replica.
   int64_t needed = 0;
-  for (const Piece& p : dst->pieces) needed += p.tensor_box.NumElements();
+  for (const Piece& p : dst->pieces) needed += dst->tensor_box(p).NumElements();
   CHECK(verified->elements_checked == needed);
   return plan->stats;
 }

@@ -50,7 +50,7 @@ void PackMessage(const Plan& plan, const Message& m, const BufferMemory& src,
   staging.resize(static_cast<size_t>(m.bytes));
   std::byte* out = staging.data();
   for (int64_t i = 0; i < m.num_descriptors; ++i) {
-    const CopyDescriptor& d = plan.descriptors[m.first_descriptor + i];
+    const CopyDescriptor& d = plan.descriptor(m, i);
     const DType wire = d.WireDType();
     const int64_t ssize = DTypeSize(d.src_dtype), wsize = DTypeSize(wire);
     std::byte* base = SourceOf(d, src, dst).data();
@@ -65,7 +65,7 @@ void UnpackMessage(const Plan& plan, const Message& m, std::span<const std::byte
                    const BufferMemory& dst) {
   const std::byte* in = staging.data();
   for (int64_t i = 0; i < m.num_descriptors; ++i) {
-    const CopyDescriptor& d = plan.descriptors[m.first_descriptor + i];
+    const CopyDescriptor& d = plan.descriptor(m, i);
     const DType wire = d.WireDType();
     const int64_t dsize = DTypeSize(d.dst_dtype), wsize = DTypeSize(wire);
     std::byte* base = dst[d.dst_buffer].data();
@@ -98,7 +98,7 @@ absl::Status CheckDescriptorBounds(const Plan& plan, const BufferMemory& src,
 
 void ExecuteOnHost(const Plan& plan, const BufferMemory& src, const BufferMemory& dst) {
   std::vector<std::byte> staging;
-  for (int stage = 0; stage < 2; ++stage) {
+  for (int stage = 0; stage < kMaxStages; ++stage) {
     for (const Message& m : plan.messages) {
       if (m.stage != stage) continue;
       PackMessage(plan, m, src, dst, staging);

@@ -28,7 +28,7 @@ void UnpackMessage(const Plan& plan, const Message& m, std::span<const std::byte
 absl::Status CheckDescriptorBounds(const Plan& plan, const BufferMemory& src,
                                    const BufferMemory& dst);
 
-// Runs every message: stage 0, then stage 1.
+// Runs every message, stage by stage.
 void ExecuteOnHost(const Plan& plan, const BufferMemory& src, const BufferMemory& dst);
 
 }  // namespace refit

@@ -21,7 +21,13 @@ int32_t Layout::AddBuffer(int32_t worker, std::string name, DType dtype, Dims sh
 
 void Layout::AddPiece(int32_t tensor, const Box& tensor_box, int32_t buffer,
                       const Box& buffer_box) {
-  pieces.push_back({tensor, buffer, tensor_box, buffer_box});
+  pieces.push_back({tensor, buffer, InternBox(tensor_box), InternBox(buffer_box)});
+}
+
+int32_t Layout::InternBox(const Box& box) {
+  auto [it, added] = box_ids.emplace(box, static_cast<int32_t>(boxes.size()));
+  if (added) boxes.push_back(box);
+  return it->second;
 }
 
 int64_t Layout::TotalBufferBytes() const {

@@ -44,11 +44,14 @@ struct Buffer {
 // the other. When the shapes differ (an FSDP flat shard holding a few rows of a matrix, an
 // expert's matrix inside a stacked [E, rows, cols] buffer), the buffer box must be reachable
 // from the tensor box by strides: see BufferStrides().
+//
+// Boxes are interned in Layout::boxes (a piece holds their indices): replicas and ranks share
+// most boxes, and a frontier model's layout has millions of pieces.
 struct Piece {
-  int32_t tensor = 0;  // index into Layout::tensors
-  int32_t buffer = 0;  // index into Layout::buffers
-  Box tensor_box;
-  Box buffer_box;
+  int32_t tensor = 0;      // index into Layout::tensors
+  int32_t buffer = 0;      // index into Layout::buffers
+  int32_t tensor_box = 0;  // index into Layout::boxes
+  int32_t buffer_box = 0;  // index into Layout::boxes
 };
 
 struct Layout {
@@ -56,6 +59,7 @@ struct Layout {
   std::vector<Worker> workers;
   std::vector<Buffer> buffers;
   std::vector<Piece> pieces;
+  std::vector<Box> boxes;  // interned; see Piece
 
   // Builders: append and return the index. They check nothing; ValidateLayout does.
   int32_t AddTensor(std::string name, Dims shape, DType dtype);
@@ -63,12 +67,22 @@ struct Layout {
   int32_t AddBuffer(int32_t worker, std::string name, DType dtype, Dims shape);
   void AddPiece(int32_t tensor, const Box& tensor_box, int32_t buffer, const Box& buffer_box);
 
-  // Name lookups, built by IndexNames() (ValidateLayout calls it).
+  // Replaces a piece's box (tests and tools that edit layouts).
+  void SetTensorBox(size_t piece, const Box& box) { pieces[piece].tensor_box = InternBox(box); }
+  void SetBufferBox(size_t piece, const Box& box) { pieces[piece].buffer_box = InternBox(box); }
+  int32_t InternBox(const Box& box);
+
+  const Box& tensor_box(const Piece& p) const { return boxes[p.tensor_box]; }
+  const Box& buffer_box(const Piece& p) const { return boxes[p.buffer_box]; }
+
+  // Name lookups, built by ValidateLayout.
   absl::flat_hash_map<std::string, int32_t> tensor_index;
   absl::flat_hash_map<std::string, int32_t> worker_index;
 
   const Worker& worker_of(const Piece& p) const { return workers[buffers[p.buffer].worker]; }
   int64_t TotalBufferBytes() const;
+
+  absl::flat_hash_map<Box, int32_t, BoxHash> box_ids;  // InternBox's index into boxes
 };
 
 // Strides, in elements of the buffer, of each tensor-box dimension of piece `p`: the element at

@@ -20,6 +20,7 @@ struct PlanGpu {
 };
 
 inline constexpr int kMaxOuterDims = 3;
+inline constexpr int kMaxStages = 8;
 
 // One strided copy: `inner` contiguous elements, repeated over up to kMaxOuterDims outer loops
 // (count[0] outermost). Offsets and strides are in elements of the respective buffer. A copy with
@@ -36,7 +37,8 @@ struct CopyDescriptor {
   uint8_t outer_rank = 0;
   DType src_dtype = DType::kBF16;
   DType dst_dtype = DType::kBF16;
-  bool src_is_destination = false;  // stage-1 forward: reads a buffer the round already filled
+  bool src_is_destination = false;  // stage > 0: reads a destination buffer the round filled
+  int32_t message = 0;              // index into Plan::messages of the message that carries it
 
   int64_t NumElements() const;
   // Bytes this copy puts on a link: elements at the narrower of the two dtypes (casts happen on
@@ -47,16 +49,17 @@ struct CopyDescriptor {
 static_assert(sizeof(CopyDescriptor) <= 128, "descriptors are kept small: millions per plan");
 
 // A bounded batch of descriptors from one GPU to one GPU: one pack, one send, one unpack.
-// Stage 0 reads sources; stage 1 forwards bytes that stage 0 landed on a node to that node's other
-// GPUs (the NVLink fan-out of topology routing) and may start only after the stage-0 messages
-// into its source GPU are complete.
+// Stage 0 reads sources. A stage s > 0 message reads destination buffers that stages < s filled:
+// the NVLink fan-out of topology routing, or a network relay to another destination node. It may
+// start once the messages that filled its source regions are complete; executing stage by stage
+// is always correct.
 struct Message {
   int32_t src_gpu = 0;  // index into Plan::gpus
   int32_t dst_gpu = 0;
   uint8_t stage = 0;
   LinkClass link = LinkClass::kLocal;
   int64_t bytes = 0;
-  int64_t first_descriptor = 0;
+  int64_t first_descriptor = 0;  // index into Plan::message_descriptors
   int64_t num_descriptors = 0;
 };
 
@@ -70,7 +73,8 @@ struct PlanStats {
   int64_t bytes_network = 0;
   int64_t bytes_nvlink = 0;
   int64_t bytes_local = 0;
-  int64_t bytes_forwarded = 0;  // part of bytes_nvlink/bytes_local that stage 1 moves
+  int64_t bytes_forwarded = 0;  // bytes read from destinations (stages > 0): fan-out and relays
+  int32_t stages = 0;           // number of stages with messages
   int64_t max_nic_bytes = 0;    // the busiest NIC's bytes in its busier direction
   double predicted_seconds = 0;
   double lower_bound_seconds = 0;
@@ -79,9 +83,17 @@ struct PlanStats {
 
 struct Plan {
   std::vector<PlanGpu> gpus;
-  std::vector<CopyDescriptor> descriptors;  // grouped by message, messages in execution order
-  std::vector<Message> messages;
+  std::vector<CopyDescriptor> descriptors;  // in the order the planner made them
+  // Message m's descriptors are descriptors[message_descriptors[m.first_descriptor + k]] for
+  // k < m.num_descriptors. An index rather than a sorted copy: the descriptors of a frontier
+  // model's plan are hundreds of MB, and each daemon lays out only its own part.
+  std::vector<int64_t> message_descriptors;
+  std::vector<Message> messages;  // in execution order: stage, sending GPU, receiving GPU
   PlanStats stats;
+
+  const CopyDescriptor& descriptor(const Message& m, int64_t k) const {
+    return descriptors[message_descriptors[m.first_descriptor + k]];
+  }
 };
 
 }  // namespace refit

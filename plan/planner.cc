@@ -34,7 +34,17 @@ struct PiecesByTensor {
 };
 
 // Volume of the union of boxes (small lists: the destination nodes that need one region).
-int64_t UnionVolume(const std::vector<Box>& boxes) {
+int64_t UnionVolume(std::vector<Box>& boxes) {
+  // Usually the same few boxes, needed by many nodes: drop exact repeats first.
+  std::sort(boxes.begin(), boxes.end(), [](const Box& a, const Box& b) {
+    for (int d = 0; d < a.rank; ++d) {
+      if (a.origin[d] != b.origin[d]) return a.origin[d] < b.origin[d];
+      if (a.shape[d] != b.shape[d]) return a.shape[d] < b.shape[d];
+    }
+    return false;
+  });
+  boxes.erase(std::unique(boxes.begin(), boxes.end()), boxes.end());
+  if (boxes.size() == 1) return boxes[0].NumElements();
   std::vector<Box> disjoint;
   for (const Box& b : boxes) {
     std::vector<Box> parts = {b};
@@ -85,7 +95,9 @@ class Planner {
   absl::flat_hash_map<int32_t, int32_t> node_ids_;
   std::vector<int32_t> gpu_node_;  // dense node id of each GPU
   std::vector<int32_t> gpu_nic_;   // dense NIC id of each GPU
-  std::vector<int32_t> src_piece_gpu_, dst_piece_gpu_;
+  std::vector<int32_t> src_buffer_gpu_, dst_buffer_gpu_;
+  int32_t SrcGpu(int32_t piece) const { return src_buffer_gpu_[src_.pieces[piece].buffer]; }
+  int32_t DstGpu(int32_t piece) const { return dst_buffer_gpu_[dst_.pieces[piece].buffer]; }
   int32_t num_nics_ = 0;
 
   // Loads, in wire bytes.
@@ -93,25 +105,66 @@ class Planner {
   // Lower-bound accounting.
   std::vector<int64_t> node_net_need_, node_unique_out_, gpu_remote_need_, gpu_total_need_;
 
-  struct Bucket {
+  // Descriptors are appended as they are made, tagged with their (stage, src, dst) group, and
+  // sorted into groups in place at the end.
+  struct Group {
     uint8_t stage;
     int32_t src_gpu, dst_gpu;
     LinkClass link;
-    std::vector<CopyDescriptor> descriptors;
   };
-  absl::flat_hash_map<uint64_t, int32_t> bucket_of_;
-  std::vector<Bucket> buckets_;
+  absl::flat_hash_map<uint64_t, int32_t> group_of_;  // when there are too many GPUs for the table
+  std::vector<int32_t> group_table_;                  // [stage][src gpu][dst gpu] -> group
+  std::vector<Group> groups_;
+  std::vector<CopyDescriptor> lowered_;
 
   // Scratch reused across tensors.
   RegionSet src_regions_, need_regions_;
   std::vector<std::pair<Box, int32_t>> items_;
-  std::vector<int32_t> remaining_, by_node_, seen_gpus_;
+  std::vector<int32_t> remaining_, by_node_, seen_gpus_, same_node_;
   std::vector<char> region_single_node_;
   std::vector<int32_t> region_node_;
   std::vector<std::vector<Box>> region_needed_elsewhere_;
   int64_t wire_elem_bytes_ = 0;
-  int64_t stage1_max_bytes_ = 0;
+  // Per stage: the longest time one message of it takes on its link (a pipeline's fill).
+  std::array<double, kMaxStages> stage_tail_{};
+  double LinkGbps(LinkClass link) const {
+    const double gbps = link == LinkClass::kNetwork  ? topo_.nic_gbps
+                        : link == LinkClass::kNvlink ? topo_.nvlink_gbps
+                                                     : topo_.local_copy_gbps;
+    return gbps * 1e9;
+  }
+
+  // Regions that crossed the network into a destination node, this tensor: relay candidates.
+  struct Landing {
+    int32_t piece;  // destination piece that holds the region
+    int32_t node;
+    uint8_t stage;  // stage of the transfer that lands it
+    int32_t next;   // next landing of the same box, or -1
+  };
+  absl::flat_hash_map<Box, int32_t, BoxHash> landing_of_box_;
+  std::vector<Landing> landings_;
+
+  // The view of the piece used last, per side: consecutive copies often share their source.
+  struct CachedView {
+    const Layout* layout = nullptr;
+    int32_t piece = -1;
+    PieceView view;
+  };
+  CachedView view_cache_[2];
+  const PieceView& ViewOfPiece(const Layout& layout, int32_t piece, int side);
 };
+
+const PieceView& Planner::ViewOfPiece(const Layout& layout, int32_t piece, int side) {
+  CachedView& c = view_cache_[side];
+  if (c.layout != &layout || c.piece != piece) {
+    const Piece& p = layout.pieces[piece];
+    c.layout = &layout;
+    c.piece = piece;
+    // Validated layouts: every piece has a view.
+    c.view = *ViewOf(layout.tensor_box(p), layout.buffer_box(p), layout.buffers[p.buffer].shape);
+  }
+  return c.view;
+}
 
 int32_t Planner::NodeId(int32_t node) {
   auto [it, added] = node_ids_.emplace(node, static_cast<int32_t>(node_ids_.size()));
@@ -144,14 +197,11 @@ absl::StatusOr<Plan> Planner::Run() {
         "topology: gpus_per_node, nics_per_node and every bandwidth must be positive");
   }
 
-  src_piece_gpu_.resize(src_.pieces.size());
-  for (size_t i = 0; i < src_.pieces.size(); ++i) {
-    src_piece_gpu_[i] = GpuId(src_.worker_of(src_.pieces[i]));
-  }
-  dst_piece_gpu_.resize(dst_.pieces.size());
-  for (size_t i = 0; i < dst_.pieces.size(); ++i) {
-    dst_piece_gpu_[i] = GpuId(dst_.worker_of(dst_.pieces[i]));
-  }
+  for (const Buffer& b : src_.buffers) src_buffer_gpu_.push_back(GpuId(src_.workers[b.worker]));
+  for (const Buffer& b : dst_.buffers) dst_buffer_gpu_.push_back(GpuId(dst_.workers[b.worker]));
+  // One descriptor per destination piece is typical; reserving avoids regrowing a vector of
+  // hundreds of MB.
+  plan_.descriptors.reserve(dst_.pieces.size() + dst_.pieces.size() / 8 + 16);
   absl::flat_hash_map<int64_t, int32_t> nic_ids;
   for (const PlanGpu& g : plan_.gpus) {
     const int64_t key = (int64_t{g.node} << 32) | static_cast<uint32_t>(topo_.NicOf(g.gpu));
@@ -159,6 +209,11 @@ absl::StatusOr<Plan> Planner::Run() {
   }
   num_nics_ = static_cast<int32_t>(nic_ids.size());
   const size_t G = plan_.gpus.size();
+  if (G <= 1024) group_table_.assign(kMaxStages * G * G, -1);
+  if (opt_.max_relay_depth < 0 || opt_.max_relay_depth > kMaxStages - 2) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("max_relay_depth must be in [0, ", kMaxStages - 2, "]"));
+  }
   nic_send_.assign(num_nics_, 0);
   nic_recv_.assign(num_nics_, 0);
   nvl_send_.assign(G, 0);
@@ -170,14 +225,23 @@ absl::StatusOr<Plan> Planner::Run() {
   node_unique_out_.assign(node_ids_.size(), 0);
 
   const PiecesByTensor src_by_tensor(src_), dst_by_tensor(dst_);
+  const auto t_setup = std::chrono::steady_clock::now();
   for (size_t t = 0; t < dst_.tensors.size(); ++t) {
     if (dst_by_tensor.of(static_cast<int32_t>(t)).empty()) continue;
     REFIT_RETURN_IF_ERROR(PlanTensor(static_cast<int32_t>(t), src_by_tensor, dst_by_tensor));
     ++plan_.stats.tensors;
   }
   plan_.stats.pieces = static_cast<int64_t>(src_.pieces.size() + dst_.pieces.size());
+  const auto t_tensors = std::chrono::steady_clock::now();
   BuildMessages();
+  const auto t_messages = std::chrono::steady_clock::now();
   ComputeCost();
+  if (getenv("REFIT_PLAN_TIMING")) {
+    auto secs = [](auto a, auto b) { return std::chrono::duration<double>(b - a).count(); };
+    fprintf(stderr, "setup %.3f tensors %.3f messages %.3f cost %.3f\n", secs(start, t_setup),
+            secs(t_setup, t_tensors), secs(t_tensors, t_messages),
+            secs(t_messages, std::chrono::steady_clock::now()));
+  }
   plan_.stats.planning_seconds =
       std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   return std::move(plan_);
@@ -192,7 +256,7 @@ absl::Status Planner::PlanTensor(int32_t dst_tensor, const PiecesByTensor& src_b
 
   // Match: index the source regions of this tensor.
   items_.clear();
-  for (int32_t p : src_by_tensor.of(src_tensor)) items_.push_back({src_.pieces[p].tensor_box, p});
+  for (int32_t p : src_by_tensor.of(src_tensor)) items_.push_back({src_.tensor_box(src_.pieces[p]), p});
   src_regions_.Build(items_);
   region_single_node_.assign(src_regions_.size(), 1);
   region_node_.assign(src_regions_.size(), -1);
@@ -202,23 +266,25 @@ absl::Status Planner::PlanTensor(int32_t dst_tensor, const PiecesByTensor& src_b
   for (size_t s = 0; s < src_regions_.size(); ++s) {
     region_needed_elsewhere_[s].clear();
     for (int32_t p : src_regions_.owners(s)) {
-      const int32_t node = gpu_node_[src_piece_gpu_[p]];
+      const int32_t node = gpu_node_[SrcGpu(p)];
       if (region_node_[s] == -1) region_node_[s] = node;
       if (region_node_[s] != node) region_single_node_[s] = 0;
     }
   }
 
+  landing_of_box_.clear();
+  landings_.clear();
   // Destination pieces of this tensor, node by node.
   by_node_.assign(dst_by_tensor.of(dst_tensor).begin(), dst_by_tensor.of(dst_tensor).end());
   std::stable_sort(by_node_.begin(), by_node_.end(), [&](int32_t a, int32_t b) {
-    return gpu_node_[dst_piece_gpu_[a]] < gpu_node_[dst_piece_gpu_[b]];
+    return gpu_node_[DstGpu(a)] < gpu_node_[DstGpu(b)];
   });
   for (size_t i = 0; i < by_node_.size();) {
-    const int32_t node = gpu_node_[dst_piece_gpu_[by_node_[i]]];
+    const int32_t node = gpu_node_[DstGpu(by_node_[i])];
     size_t j = i;
     items_.clear();
-    for (; j < by_node_.size() && gpu_node_[dst_piece_gpu_[by_node_[j]]] == node; ++j) {
-      items_.push_back({dst_.pieces[by_node_[j]].tensor_box, by_node_[j]});
+    for (; j < by_node_.size() && gpu_node_[DstGpu(by_node_[j])] == node; ++j) {
+      items_.push_back({dst_.tensor_box(dst_.pieces[by_node_[j]]), by_node_[j]});
     }
     i = j;
     need_regions_.Build(items_);
@@ -269,7 +335,7 @@ int32_t Planner::LeastSendingSource(std::span<const int32_t> holders, LinkClass 
   int32_t best = holders[0];
   int64_t best_load = INT64_MAX;
   for (int32_t c : holders) {
-    const int32_t g = src_piece_gpu_[c];
+    const int32_t g = SrcGpu(c);
     const int64_t load = link == LinkClass::kNetwork ? nic_send_[gpu_nic_[g]] : nvl_send_[g];
     if (load < best_load) best = c, best_load = load;
   }
@@ -281,16 +347,16 @@ void Planner::Route(const Box& x, std::span<const int32_t> needers,
   const int64_t bytes = x.NumElements() * wire_elem_bytes_;
   // Lower-bound accounting: what this node and each of its GPUs must receive.
   bool node_has_it = false;
-  for (int32_t c : holders) node_has_it |= gpu_node_[src_piece_gpu_[c]] == node;
+  for (int32_t c : holders) node_has_it |= gpu_node_[SrcGpu(c)] == node;
   if (!node_has_it) node_net_need_[node] += bytes;
 
   remaining_.clear();
   seen_gpus_.clear();
   for (int32_t h : needers) {
-    const int32_t g = dst_piece_gpu_[h];
+    const int32_t g = DstGpu(h);
     int32_t local = -1;
     for (int32_t c : holders) {
-      if (src_piece_gpu_[c] == g) {
+      if (SrcGpu(c) == g) {
         local = c;
         break;
       }
@@ -310,11 +376,13 @@ void Planner::Route(const Box& x, std::span<const int32_t> needers,
   if (remaining_.empty()) return;
 
   if (node_has_it) {
-    std::vector<int32_t> same_node;
+    same_node_.clear();
     for (int32_t c : holders) {
-      if (gpu_node_[src_piece_gpu_[c]] == node) same_node.push_back(c);
+      if (gpu_node_[SrcGpu(c)] == node) same_node_.push_back(c);
     }
-    for (int32_t h : remaining_) Emit(x, LeastSendingSource(same_node, LinkClass::kNvlink), false, h, 0);
+    for (int32_t h : remaining_) {
+      Emit(x, LeastSendingSource(same_node_, LinkClass::kNvlink), false, h, 0);
+    }
     return;
   }
   if (!opt_.routing) {
@@ -326,13 +394,35 @@ void Planner::Route(const Box& x, std::span<const int32_t> needers,
   // Network once: land on the needing GPU whose NIC has received least, fan out from there.
   int32_t landing = remaining_[0];
   for (int32_t h : remaining_) {
-    if (nic_recv_[gpu_nic_[dst_piece_gpu_[h]]] < nic_recv_[gpu_nic_[dst_piece_gpu_[landing]]]) {
-      landing = h;
+    if (nic_recv_[gpu_nic_[DstGpu(h)]] < nic_recv_[gpu_nic_[DstGpu(landing)]]) landing = h;
+  }
+  // From the least-loaded sending NIC: a source, or a node that already received this region.
+  const int32_t source = LeastSendingSource(holders, LinkClass::kNetwork);
+  int64_t best_load = nic_send_[gpu_nic_[SrcGpu(source)]];
+  int32_t relay = -1;
+  auto found = landing_of_box_.find(x);
+  if (found != landing_of_box_.end()) {
+    for (int32_t l = found->second; l >= 0; l = landings_[l].next) {
+      const Landing& candidate = landings_[l];
+      if (candidate.node == node || candidate.stage >= opt_.max_relay_depth) continue;
+      // A relay adds a stage, whose pipeline fill costs about one message: take it only when
+      // it saves more than that on the busier NIC.
+      const int64_t load = nic_send_[gpu_nic_[DstGpu(candidate.piece)]] + opt_.max_message_bytes;
+      if (load < best_load) best_load = load, relay = l;
     }
   }
-  Emit(x, LeastSendingSource(holders, LinkClass::kNetwork), false, landing, 0);
+  uint8_t landed_stage = 0;
+  if (relay >= 0) {
+    landed_stage = landings_[relay].stage + 1;
+    Emit(x, landings_[relay].piece, true, landing, landed_stage);
+  } else {
+    Emit(x, source, false, landing, 0);
+  }
+  const int32_t head = found != landing_of_box_.end() ? found->second : -1;
+  landings_.push_back({landing, node, landed_stage, head});
+  landing_of_box_[x] = static_cast<int32_t>(landings_.size() - 1);
   for (int32_t h : remaining_) {
-    if (h != landing) Emit(x, landing, true, h, 1);
+    if (h != landing) Emit(x, landing, true, h, landed_stage + 1);
   }
 }
 
@@ -342,8 +432,8 @@ void Planner::Emit(const Box& x, int32_t from_piece, bool from_destination, int3
   const Piece& from = from_layout.pieces[from_piece];
   const Piece& to = dst_.pieces[to_piece];
   const int32_t from_gpu =
-      from_destination ? dst_piece_gpu_[from_piece] : src_piece_gpu_[from_piece];
-  const int32_t to_gpu = dst_piece_gpu_[to_piece];
+      from_destination ? DstGpu(from_piece) : SrcGpu(from_piece);
+  const int32_t to_gpu = DstGpu(to_piece);
   const int64_t bytes = x.NumElements() * wire_elem_bytes_;
   LinkClass link = LinkClass::kLocal;
   if (gpu_node_[from_gpu] != gpu_node_[to_gpu]) {
@@ -360,58 +450,90 @@ void Planner::Emit(const Box& x, int32_t from_piece, bool from_destination, int3
     local_[to_gpu] += bytes;
     plan_.stats.bytes_local += bytes;
   }
-  if (stage == 1) plan_.stats.bytes_forwarded += bytes;
+  if (stage > 0) plan_.stats.bytes_forwarded += bytes;
   plan_.stats.bytes_total += bytes;
   ++plan_.stats.transfers;
 
   const Buffer& from_buffer = from_layout.buffers[from.buffer];
   const Buffer& to_buffer = dst_.buffers[to.buffer];
-  // Validated layouts: every piece has a view.
-  const CopyEnd from_end{&from.tensor_box, *ViewOf(from.tensor_box, from.buffer_box, from_buffer.shape),
+  const CopyEnd from_end{&from_layout.tensor_box(from), ViewOfPiece(from_layout, from_piece, 0),
                          from.buffer, from_buffer.dtype};
-  const CopyEnd to_end{&to.tensor_box, *ViewOf(to.tensor_box, to.buffer_box, to_buffer.shape),
-                       to.buffer, to_buffer.dtype};
+  const CopyEnd to_end{&dst_.tensor_box(to), ViewOfPiece(dst_, to_piece, 1), to.buffer,
+                       to_buffer.dtype};
   const uint64_t key = (uint64_t{stage} << 62) | (uint64_t(uint32_t(from_gpu)) << 31) |
                        uint64_t(uint32_t(to_gpu));
-  auto [it, added] = bucket_of_.emplace(key, static_cast<int32_t>(buckets_.size()));
-  if (added) buckets_.push_back({stage, from_gpu, to_gpu, link, {}});
-  LowerCopy(x, from_end, to_end, from_destination, buckets_[it->second].descriptors);
+  int32_t group;
+  if (!group_table_.empty()) {  // dense table: no hashing on the hot path
+    int32_t& slot =
+        group_table_[(size_t{stage} * plan_.gpus.size() + from_gpu) * plan_.gpus.size() + to_gpu];
+    if (slot < 0) {
+      slot = static_cast<int32_t>(groups_.size());
+      groups_.push_back({stage, from_gpu, to_gpu, link});
+    }
+    group = slot;
+  } else {
+    auto [it, added] = group_of_.emplace(key, static_cast<int32_t>(groups_.size()));
+    if (added) groups_.push_back({stage, from_gpu, to_gpu, link});
+    group = it->second;
+  }
+  lowered_.clear();
+  LowerCopy(x, from_end, to_end, from_destination, lowered_);
+  for (CopyDescriptor& d : lowered_) {
+    d.message = group;
+    if (d.WireBytes() <= opt_.max_message_bytes) {
+      plan_.descriptors.push_back(d);
+    } else {
+      SplitDescriptor(d, opt_.max_message_bytes, plan_.descriptors);
+    }
+  }
 }
 
 void Planner::BuildMessages() {
-  std::sort(buckets_.begin(), buckets_.end(), [](const Bucket& a, const Bucket& b) {
-    return std::tie(a.stage, a.src_gpu, a.dst_gpu) < std::tie(b.stage, b.src_gpu, b.dst_gpu);
+  // Groups in execution order: stage, then sending GPU, then receiving GPU.
+  const size_t G = groups_.size();
+  std::vector<int32_t> order(G), rank(G);
+  std::iota(order.begin(), order.end(), 0);
+  std::sort(order.begin(), order.end(), [&](int32_t a, int32_t b) {
+    return std::tie(groups_[a].stage, groups_[a].src_gpu, groups_[a].dst_gpu) <
+           std::tie(groups_[b].stage, groups_[b].src_gpu, groups_[b].dst_gpu);
   });
-  size_t total = 0;
-  for (const Bucket& b : buckets_) total += b.descriptors.size();
-  plan_.descriptors.reserve(total);
-  std::vector<CopyDescriptor> parts;
-  for (Bucket& b : buckets_) {
-    Message m{b.src_gpu, b.dst_gpu, b.stage, b.link, 0,
-              static_cast<int64_t>(plan_.descriptors.size()), 0};
+  for (size_t r = 0; r < G; ++r) rank[order[r]] = static_cast<int32_t>(r);
+  // Counting sort of descriptor indices by group rank: one sequential pass, no copy of the
+  // descriptors themselves.
+  std::vector<CopyDescriptor>& desc = plan_.descriptors;
+  std::vector<int64_t> begin(G + 1, 0);
+  for (const CopyDescriptor& d : desc) ++begin[rank[d.message] + 1];
+  std::partial_sum(begin.begin(), begin.end(), begin.begin());
+  std::vector<int64_t>& index = plan_.message_descriptors;
+  index.resize(desc.size());
+  {
+    std::vector<int64_t> next(begin.begin(), begin.end() - 1);
+    for (size_t i = 0; i < desc.size(); ++i) index[next[rank[desc[i].message]]++] = static_cast<int64_t>(i);
+  }
+  // Cut each group into messages of at most max_message_bytes.
+  for (size_t r = 0; r < G; ++r) {
+    const Group& g = groups_[order[r]];
+    Message m{g.src_gpu, g.dst_gpu, g.stage, g.link, 0, begin[r], 0};
     auto close = [&] {
       if (m.num_descriptors == 0) return;
-      if (m.stage == 1) stage1_max_bytes_ = std::max(stage1_max_bytes_, m.bytes);
+      stage_tail_[m.stage] = std::max(stage_tail_[m.stage], m.bytes / LinkGbps(m.link));
+      plan_.stats.stages = std::max<int32_t>(plan_.stats.stages, m.stage + 1);
       plan_.messages.push_back(m);
-      m.first_descriptor = static_cast<int64_t>(plan_.descriptors.size());
+      m.first_descriptor += m.num_descriptors;
       m.num_descriptors = 0;
       m.bytes = 0;
     };
-    for (const CopyDescriptor& d : b.descriptors) {
-      parts.clear();
-      SplitDescriptor(d, opt_.max_message_bytes, parts);
-      for (const CopyDescriptor& part : parts) {
-        const int64_t bytes = part.WireBytes();
-        if (m.bytes + bytes > opt_.max_message_bytes) close();
-        plan_.descriptors.push_back(part);
-        m.bytes += bytes;
-        ++m.num_descriptors;
-      }
+    for (int64_t i = begin[r]; i < begin[r + 1]; ++i) {
+      CopyDescriptor& d = desc[index[i]];
+      const int64_t bytes = d.WireBytes();
+      if (m.bytes + bytes > opt_.max_message_bytes) close();
+      d.message = static_cast<int32_t>(plan_.messages.size());
+      m.bytes += bytes;
+      ++m.num_descriptors;
     }
     close();
-    std::vector<CopyDescriptor>().swap(b.descriptors);  // release as we go: bounds peak memory
   }
-  plan_.stats.descriptors = static_cast<int64_t>(plan_.descriptors.size());
+  plan_.stats.descriptors = static_cast<int64_t>(desc.size());
   plan_.stats.messages = static_cast<int64_t>(plan_.messages.size());
 }
 
@@ -427,14 +549,17 @@ void Planner::ComputeCost() {
     busiest = std::max({busiest, std::max(nvl_send_[g], nvl_recv_[g]) / nvl, local_[g] / hbm});
   }
   // Links work in parallel and messages pipeline: the busiest resource sets the pace, plus one
-  // message latency to fill the pipe and the last forwarded message's NVLink hop.
+  // message latency to fill the pipe, plus, for every later stage, the time of its longest
+  // message: a stage can start on a region only once the message that lands it is complete.
   double latency = 0;
   if (plan_.stats.bytes_network > 0) {
     latency = topo_.network_latency_us * 1e-6;
   } else if (plan_.stats.bytes_nvlink > 0) {
     latency = topo_.nvlink_latency_us * 1e-6;
   }
-  plan_.stats.predicted_seconds = busiest + latency + stage1_max_bytes_ / nvl;
+  double tails = 0;
+  for (int s = 1; s < kMaxStages; ++s) tails += stage_tail_[s];
+  plan_.stats.predicted_seconds = busiest + latency + tails;
 
   // The lower bound: bytes a node lacks must enter through its NICs; bytes only one node holds
   // must leave through its NICs; bytes a GPU lacks must enter through its NVLink and NIC; every

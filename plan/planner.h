@@ -6,7 +6,10 @@
 //            the fewest bytes so far (greedy balancing of bytes per sending GPU and NIC).
 //   Route    a region needed by several GPUs of one destination node crosses the network once,
 //            lands on the needing GPU whose NIC has received the fewest bytes, and is forwarded
-//            over NVLink to the others (stage 1).
+//            over NVLink to the others. A region several destination nodes need may be relayed
+//            from a node that already received it, when that node's NIC has sent less than any
+//            source's: sources that hold the only copy are not the bottleneck (NCCL M2N's ring of
+//            domains, generalised). Each hop is one stage later than the one it reads from.
 //   Lower    copy descriptors, grouped per (stage, sending GPU, receiving GPU) into messages of
 //            bounded size, so thousands of small tensors travel as a few large messages.
 //   Cost     bytes per link class and per GPU and NIC; the predicted time; the lower bound.
@@ -28,6 +31,9 @@ struct PlanOptions {
   bool routing = true;
   // Upper bound on one message's bytes: the unit of staging and pipelining.
   int64_t max_message_bytes = int64_t{64} << 20;
+  // Longest chain of network relays between destination nodes (0: every region crosses the
+  // network from a source). Stages are 0 .. max_relay_depth + 1.
+  int32_t max_relay_depth = 3;
 };
 
 // Plans the refit of `destination` from `source`. Both layouts must have passed ValidateLayout;

@@ -208,6 +208,7 @@ TEST_CASE("random layout pairs: every destination element written exactly once, 
     options.topology.gpus_per_node = 4;
     options.topology.nics_per_node = static_cast<int32_t>(gen.Uniform(1, 4));
     options.routing = gen.Coin(0.7);
+    options.max_relay_depth = static_cast<int32_t>(gen.Uniform(0, 3));
     options.max_message_bytes = gen.Coin(0.5) ? gen.Uniform(1, 64) : int64_t{1} << 20;
     auto plan = MakePlan(src, dst, options);
     INFO(plan.status().message());
@@ -220,7 +221,7 @@ TEST_CASE("random layout pairs: every destination element written exactly once, 
     std::vector<std::vector<bool>> covered(dst.buffers.size());
     for (size_t b = 0; b < dst.buffers.size(); ++b) covered[b].assign(counts[b].size(), false);
     int64_t needed = 0;
-    for (const Piece& p : dst.pieces) needed += p.tensor_box.NumElements();
+    for (const Piece& p : dst.pieces) needed += dst.tensor_box(p).NumElements();
     int64_t written = 0;
     for (const auto& c : counts) {
       for (int n : c) {
@@ -229,9 +230,25 @@ TEST_CASE("random layout pairs: every destination element written exactly once, 
       }
     }
     REQUIRE(written == needed);
-    for (const Message& m : plan->messages) {
+    int64_t next_descriptor = 0;
+    for (size_t i = 0; i < plan->messages.size(); ++i) {
+      const Message& m = plan->messages[i];
       REQUIRE(m.bytes <= std::max<int64_t>(options.max_message_bytes, 8));
+      REQUIRE(m.first_descriptor == next_descriptor);  // messages tile the index in order
+      int64_t bytes = 0;
+      for (int64_t k = 0; k < m.num_descriptors; ++k) {
+        const CopyDescriptor& d = plan->descriptor(m, k);
+        REQUIRE(d.message == static_cast<int32_t>(i));
+        REQUIRE(d.src_is_destination == (m.stage > 0));
+        bytes += d.WireBytes();
+      }
+      REQUIRE(bytes == m.bytes);
+      next_descriptor += m.num_descriptors;
     }
+    REQUIRE(next_descriptor == static_cast<int64_t>(plan->descriptors.size()));
+    std::vector<int64_t> index = plan->message_descriptors;  // a permutation of the descriptors
+    std::sort(index.begin(), index.end());
+    for (size_t k = 0; k < index.size(); ++k) REQUIRE(index[k] == static_cast<int64_t>(k));
     REQUIRE(plan->stats.predicted_seconds >= plan->stats.lower_bound_seconds);
     REQUIRE(plan->stats.bytes_total ==
             plan->stats.bytes_network + plan->stats.bytes_nvlink + plan->stats.bytes_local);

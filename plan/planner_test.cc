@@ -85,6 +85,33 @@ TEST_CASE("topology routing: a region two GPUs of a node need crosses the networ
   }
 }
 
+TEST_CASE("a source that holds the only copy is relieved by relays between destination nodes") {
+  Layout src, dst;
+  // One trainer GPU holds 8 tensors; 4 engine nodes each need all of them.
+  for (int t = 0; t < 8; ++t) {
+    const std::string name = absl::StrCat("w", t);
+    AddSplitTensor(src, name, Dims{512, 512}, DType::kBF16, 0, {0, 512}, {{0, 0}}, "trainer");
+    for (int n = 1; n <= 4; ++n) {
+      AddSplitTensor(dst, name, Dims{512, 512}, DType::kBF16, 0, {0, 512}, {{n, 0}},
+                     absl::StrCat("engine", n, "_"));
+    }
+  }
+  const int64_t total = 8 * 512 * 512 * 2;  // 4 MiB, in messages of 64 KiB
+  PlanOptions direct;
+  direct.max_message_bytes = 64 << 10;
+  direct.max_relay_depth = 0;
+  const Plan without = PlanAndVerify(src, dst, direct);
+  CHECK(without.stats.max_nic_bytes == 4 * total);  // the source's NIC sends every copy
+  CHECK(without.stats.stages == 1);
+  PlanOptions relayed = direct;
+  relayed.max_relay_depth = 3;
+  const Plan with = PlanAndVerify(src, dst, relayed);
+  CHECK(with.stats.bytes_network == 4 * total);     // still one copy into each node
+  CHECK(with.stats.max_nic_bytes <= 2 * total);
+  CHECK(with.stats.stages > 1);
+  CHECK(with.stats.predicted_seconds < without.stats.predicted_seconds);
+}
+
 TEST_CASE("sources are balanced across replicas' NICs") {
   Layout src, dst;
   // Four data-parallel replicas on node 0, GPUs 0..3; eight tensors needed on node 1.

@@ -3,7 +3,6 @@
 #include <algorithm>
 #include <numeric>
 
-#include "absl/container/flat_hash_set.h"
 
 namespace refit {
 namespace {
@@ -37,8 +36,8 @@ void RegionSet::Build(std::span<const std::pair<Box, int32_t>> boxes_and_owners)
   boxes_.clear();
   owner_begin_.clear();
   owners_.clear();
-  std::vector<std::pair<Box, int32_t>> sorted;
-  sorted.reserve(boxes_and_owners.size());
+  std::vector<std::pair<Box, int32_t>>& sorted = sorted_;
+  sorted.clear();
   for (const auto& bo : boxes_and_owners) {
     if (!bo.first.IsEmpty()) sorted.push_back(bo);
   }
@@ -61,7 +60,7 @@ void RegionSet::Build(std::span<const std::pair<Box, int32_t>> boxes_and_owners)
 
 // The general case: split overlapping boxes until the regions are disjoint. Quadratic in the
 // number of overlapping boxes, which real layouts keep small (a few differently split replicas).
-void RegionSet::Refine(std::vector<std::pair<Box, int32_t>>& sorted) {
+void RegionSet::Refine(const std::vector<std::pair<Box, int32_t>>& sorted) {
   struct Region {
     Box box;
     std::vector<int32_t> owners;
@@ -109,12 +108,14 @@ void RegionSet::BuildIndex() {
   const int rank = boxes_[0].rank;
   axis_ = 0;
   if (rank > 1 && boxes_.size() > 1) {
-    // Index along the dimension that separates the regions best.
+    // Index along the dimension that separates the regions best (most distinct origins).
     size_t best = 0;
     for (int d = 0; d < rank; ++d) {
-      absl::flat_hash_set<int64_t> origins;
-      for (const Box& b : boxes_) origins.insert(b.origin[d]);
-      if (origins.size() > best) best = origins.size(), axis_ = d;
+      origins_.clear();
+      for (const Box& b : boxes_) origins_.push_back(b.origin[d]);
+      std::sort(origins_.begin(), origins_.end());
+      const size_t distinct = std::unique(origins_.begin(), origins_.end()) - origins_.begin();
+      if (distinct > best) best = distinct, axis_ = d;
     }
   }
   std::iota(order_.begin(), order_.end(), 0);

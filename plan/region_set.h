@@ -34,7 +34,7 @@ class RegionSet {
 
  private:
   void BuildIndex();
-  void Refine(std::vector<std::pair<Box, int32_t>>& sorted);
+  void Refine(const std::vector<std::pair<Box, int32_t>>& sorted);
 
   std::vector<Box> boxes_;
   std::vector<int32_t> owner_begin_;  // size() + 1 entries
@@ -46,6 +46,10 @@ class RegionSet {
   int64_t max_extent_ = 0;
   std::vector<int32_t> order_;
   std::vector<int64_t> order_origin_;
+
+  // Scratch, kept to avoid allocating per tensor.
+  std::vector<std::pair<Box, int32_t>> sorted_;
+  std::vector<int64_t> origins_;
 };
 
 template <typename Fn>

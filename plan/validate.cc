@@ -39,17 +39,17 @@ bool HasNegative(const Dims& d) {
 absl::Status CheckNoOverlap(const Layout& layout, absl::string_view side,
                             std::vector<int32_t>& pieces) {
   if (pieces.size() < 2) return absl::OkStatus();
-  const int rank = layout.pieces[pieces[0]].buffer_box.rank;
+  const int rank = layout.buffer_box(layout.pieces[pieces[0]]).rank;
   int sweep = 0;
   if (rank > 1) {
     size_t best = 0;
     for (int d = 0; d < rank; ++d) {
       absl::flat_hash_set<int64_t> origins;
-      for (int32_t p : pieces) origins.insert(layout.pieces[p].buffer_box.origin[d]);
+      for (int32_t p : pieces) origins.insert(layout.buffer_box(layout.pieces[p]).origin[d]);
       if (origins.size() > best) best = origins.size(), sweep = d;
     }
   }
-  auto box = [&](int32_t p) -> const Box& { return layout.pieces[p].buffer_box; };
+  auto box = [&](int32_t p) -> const Box& { return layout.buffer_box(layout.pieces[p]); };
   if (rank == 0) {
     // A scalar buffer holds one element: two non-empty pieces in it overlap.
     std::erase_if(pieces, [&](int32_t p) { return box(p).IsEmpty(); });
@@ -83,8 +83,9 @@ std::string DescribePiece(const Layout& layout, int32_t piece) {
   const Piece& p = layout.pieces[piece];
   const Buffer& buffer = layout.buffers[p.buffer];
   return absl::StrCat("tensor ", Quote(layout.tensors[p.tensor].name), " box ",
-                      p.tensor_box.ToString(), " (worker ", Quote(layout.workers[buffer.worker].name),
-                      " buffer ", Quote(buffer.name), " box ", p.buffer_box.ToString(), ")");
+                      layout.tensor_box(p).ToString(), " (worker ",
+                      Quote(layout.workers[buffer.worker].name), " buffer ", Quote(buffer.name),
+                      " box ", layout.buffer_box(p).ToString(), ")");
 }
 
 absl::Status ValidateLayout(Layout& layout, absl::string_view side) {
@@ -157,25 +158,33 @@ absl::Status ValidateLayout(Layout& layout, absl::string_view side) {
                                         ", which is not declared"));
     }
     const LogicalTensor& t = layout.tensors[p.tensor];
+    const int32_t num_boxes = static_cast<int32_t>(layout.boxes.size());
+    if (p.tensor_box < 0 || p.tensor_box >= num_boxes || p.buffer_box < 0 ||
+        p.buffer_box >= num_boxes) {
+      return Invalid(side, absl::StrCat(where, ": a piece of tensor ", Quote(t.name),
+                                        " refers to a box that does not exist"));
+    }
+    const Box& tensor_box = layout.tensor_box(p);
+    const Box& buffer_box = layout.buffer_box(p);
     const std::string what = absl::StrCat(where, ": piece of tensor ", Quote(t.name));
-    if (p.tensor_box.rank != t.shape.rank) {
-      return Invalid(side, absl::StrCat(what, " has a box of rank ", p.tensor_box.rank,
+    if (tensor_box.rank != t.shape.rank) {
+      return Invalid(side, absl::StrCat(what, " has a box of rank ", tensor_box.rank,
                                         " but the tensor has rank ", t.shape.rank, " (shape ",
                                         t.shape.ToString(), ")"));
     }
-    if (!Contains(Box::Whole(t.shape), p.tensor_box) || HasNegative(p.tensor_box.shape_dims()) ||
-        HasNegative(p.tensor_box.origin_dims())) {
-      return Invalid(side, absl::StrCat(what, " box ", p.tensor_box.ToString(),
+    if (!Contains(Box::Whole(t.shape), tensor_box) || HasNegative(tensor_box.shape_dims()) ||
+        HasNegative(tensor_box.origin_dims())) {
+      return Invalid(side, absl::StrCat(what, " box ", tensor_box.ToString(),
                                         " lies outside the tensor's shape ", t.shape.ToString()));
     }
-    if (p.buffer_box.rank != buffer.shape.rank) {
-      return Invalid(side, absl::StrCat(what, " has a buffer box ", p.buffer_box.ToString(),
-                                        " of rank ", p.buffer_box.rank, " but the buffer has shape ",
+    if (buffer_box.rank != buffer.shape.rank) {
+      return Invalid(side, absl::StrCat(what, " has a buffer box ", buffer_box.ToString(),
+                                        " of rank ", buffer_box.rank, " but the buffer has shape ",
                                         buffer.shape.ToString()));
     }
-    if (!Contains(Box::Whole(buffer.shape), p.buffer_box) ||
-        HasNegative(p.buffer_box.shape_dims()) || HasNegative(p.buffer_box.origin_dims())) {
-      return Invalid(side, absl::StrCat(what, " buffer box ", p.buffer_box.ToString(),
+    if (!Contains(Box::Whole(buffer.shape), buffer_box) ||
+        HasNegative(buffer_box.shape_dims()) || HasNegative(buffer_box.origin_dims())) {
+      return Invalid(side, absl::StrCat(what, " buffer box ", buffer_box.ToString(),
                                         " lies outside the buffer's shape ",
                                         buffer.shape.ToString()));
     }
@@ -183,7 +192,7 @@ absl::Status ValidateLayout(Layout& layout, absl::string_view side) {
       return Invalid(side, absl::StrCat(what, ": the buffer holds ", DTypeName(buffer.dtype),
                                         " but the tensor is ", DTypeName(t.dtype)));
     }
-    auto view = ViewOf(p.tensor_box, p.buffer_box, buffer.shape);
+    auto view = ViewOf(tensor_box, buffer_box, buffer.shape);
     if (!view.ok()) return Invalid(side, absl::StrCat(what, ": ", view.status().message()));
     pieces_of_buffer[p.buffer].push_back(static_cast<int32_t>(i));
   }

@@ -55,19 +55,19 @@ TEST_CASE("overlapping pieces in one buffer name both tensors, the worker and th
 TEST_CASE("bounds, ranks and dtypes") {
   SECTION("tensor box outside the tensor") {
     Layout l = TwoShards();
-    l.pieces[1].tensor_box = B({5, 0}, {4, 4});
+    l.SetTensorBox(1, B({5, 0}, {4, 4}));
     const std::string e = ErrorOf(l);
     CHECK(Has(e, "box [5:9, 0:4] lies outside the tensor's shape [8, 4]"));
     CHECK(Has(e, "\"rank1\""));
   }
   SECTION("buffer box outside the buffer") {
     Layout l = TwoShards();
-    l.pieces[0].buffer_box = B({1, 0}, {4, 4});
+    l.SetBufferBox(0, B({1, 0}, {4, 4}));
     CHECK(Has(ErrorOf(l), "lies outside the buffer's shape [4, 4]"));
   }
   SECTION("rank disagreement") {
     Layout l = TwoShards();
-    l.pieces[0].tensor_box = B({0}, {16});
+    l.SetTensorBox(0, B({0}, {16}));
     CHECK(Has(ErrorOf(l), "has a box of rank 1 but the tensor has rank 2"));
   }
   SECTION("dtype disagreement") {
@@ -77,7 +77,7 @@ TEST_CASE("bounds, ranks and dtypes") {
   }
   SECTION("element counts disagree") {
     Layout l = TwoShards();
-    l.pieces[0].buffer_box = B({0, 0}, {2, 4});
+    l.SetBufferBox(0, B({0, 0}, {2, 4}));
     CHECK(Has(ErrorOf(l), "holds 16 elements but buffer box [0:2, 0:4] holds 8"));
   }
   SECTION("absurd sizes") {

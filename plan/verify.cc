@@ -21,10 +21,10 @@ uint64_t SplitMix64(uint64_t x) {
 // Calls fn(linear index in tensor, element offset in buffer) for every element of a piece.
 template <typename Fn>
 void ForEachElement(const Layout& layout, const Piece& p, Fn&& fn) {
-  const Box& box = p.tensor_box;
+  const Box& box = layout.tensor_box(p);
   if (box.IsEmpty()) return;
   const Buffer& buffer = layout.buffers[p.buffer];
-  const PieceView view = *ViewOf(box, p.buffer_box, buffer.shape);
+  const PieceView view = *ViewOf(box, layout.buffer_box(p), buffer.shape);
   const Dims& shape = layout.tensors[p.tensor].shape;
   const Dims tensor_strides = RowMajorStrides(shape);
   std::array<int64_t, kMaxRank> i{};

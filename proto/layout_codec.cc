@@ -158,8 +158,8 @@ v1::Layout LayoutToProto(const Layout& layout, absl::string_view model) {
   for (const Piece& p : layout.pieces) {
     v1::Piece* out = buffers[p.buffer]->add_pieces();
     out->set_tensor(layout.tensors[p.tensor].name);
-    BoxTo(p.tensor_box, out->mutable_tensor_box());
-    BoxTo(p.buffer_box, out->mutable_buffer_box());
+    BoxTo(layout.tensor_box(p), out->mutable_tensor_box());
+    BoxTo(layout.buffer_box(p), out->mutable_buffer_box());
   }
   return proto;
 }
@@ -209,7 +209,8 @@ std::string LayoutToJson(const Layout& layout, absl::string_view model) {
         const Piece& p = layout.pieces[pieces_of[b][k]];
         absl::StrAppend(&out, k ? ",\n  " : "\n  ", "{\"tensor\":",
                         JsonString(layout.tensors[p.tensor].name), ",\"tensorBox\":",
-                        JsonBox(p.tensor_box), ",\"bufferBox\":", JsonBox(p.buffer_box), "}");
+                        JsonBox(layout.tensor_box(p)), ",\"bufferBox\":", JsonBox(layout.buffer_box(p)),
+                        "}");
       }
       out += "]}";
     }

@@ -1,5 +1,7 @@
 #include "plan/layout.h"
 
+#include <algorithm>
+
 #include "absl/strings/str_cat.h"
 
 namespace refit {
@@ -50,6 +52,12 @@ absl::StatusOr<PieceView> ViewOf(const Box& tensor_box, const Box& buffer_box,
   }
   if (tensor_box.NumElements() == 0) {
     view.strides = RowMajorStrides(tensor_box.shape_dims());
+    return view;
+  }
+  if (tensor_box.rank == buffer_box.rank &&
+      std::equal(tensor_box.shape.begin(), tensor_box.shape.begin() + tensor_box.rank,
+                 buffer_box.shape.begin())) {
+    view.strides = buffer_strides;  // the common case: same shape, element for element
     return view;
   }
   // The buffer box, seen as a strided view of the buffer, reshaped to the tensor box's shape:

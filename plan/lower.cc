@@ -23,7 +23,9 @@ DType CopyDescriptor::WireDType() const {
   return DTypeSize(src_dtype) <= DTypeSize(dst_dtype) ? src_dtype : dst_dtype;
 }
 
-int64_t CopyDescriptor::WireBytes() const { return NumElements() * DTypeSize(WireDType()); }
+int64_t CopyDescriptor::WireBytes() const {
+  return NumElements() * std::min(DTypeSize(src_dtype), DTypeSize(dst_dtype));
+}
 
 void LowerCopy(const Box& region, const CopyEnd& src, const CopyEnd& dst, bool src_is_destination,
                std::vector<CopyDescriptor>& out) {

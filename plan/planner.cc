@@ -106,7 +106,7 @@ class Planner {
   std::vector<int64_t> node_net_need_, node_unique_out_, gpu_remote_need_, gpu_total_need_;
 
   // Descriptors are appended as they are made, tagged with their (stage, src, dst) group, and
-  // sorted into groups in place at the end.
+  // indexed by group at the end (BuildMessages).
   struct Group {
     uint8_t stage;
     int32_t src_gpu, dst_gpu;
@@ -120,14 +120,14 @@ class Planner {
   // Scratch reused across tensors.
   RegionSet src_regions_, need_regions_;
   std::vector<std::pair<Box, int32_t>> items_;
-  std::vector<int32_t> remaining_, by_node_, seen_gpus_, same_node_;
+  std::vector<int32_t> remaining_, by_node_, seen_gpus_, same_node_, holder_gpus_;
   std::vector<char> region_single_node_;
   std::vector<int32_t> region_node_;
   std::vector<std::vector<Box>> region_needed_elsewhere_;
   int64_t wire_elem_bytes_ = 0;
   // Per stage: the longest time one message of it takes on its link (a pipeline's fill).
   std::array<double, kMaxStages> stage_tail_{};
-  double LinkGbps(LinkClass link) const {
+  double LinkBytesPerSecond(LinkClass link) const {
     const double gbps = link == LinkClass::kNetwork  ? topo_.nic_gbps
                         : link == LinkClass::kNvlink ? topo_.nvlink_gbps
                                                      : topo_.local_copy_gbps;
@@ -225,23 +225,14 @@ absl::StatusOr<Plan> Planner::Run() {
   node_unique_out_.assign(node_ids_.size(), 0);
 
   const PiecesByTensor src_by_tensor(src_), dst_by_tensor(dst_);
-  const auto t_setup = std::chrono::steady_clock::now();
   for (size_t t = 0; t < dst_.tensors.size(); ++t) {
     if (dst_by_tensor.of(static_cast<int32_t>(t)).empty()) continue;
     REFIT_RETURN_IF_ERROR(PlanTensor(static_cast<int32_t>(t), src_by_tensor, dst_by_tensor));
     ++plan_.stats.tensors;
   }
   plan_.stats.pieces = static_cast<int64_t>(src_.pieces.size() + dst_.pieces.size());
-  const auto t_tensors = std::chrono::steady_clock::now();
   BuildMessages();
-  const auto t_messages = std::chrono::steady_clock::now();
   ComputeCost();
-  if (getenv("REFIT_PLAN_TIMING")) {
-    auto secs = [](auto a, auto b) { return std::chrono::duration<double>(b - a).count(); };
-    fprintf(stderr, "setup %.3f tensors %.3f messages %.3f cost %.3f\n", secs(start, t_setup),
-            secs(t_setup, t_tensors), secs(t_tensors, t_messages),
-            secs(t_messages, std::chrono::steady_clock::now()));
-  }
   plan_.stats.planning_seconds =
       std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   return std::move(plan_);
@@ -345,9 +336,13 @@ int32_t Planner::LeastSendingSource(std::span<const int32_t> holders, LinkClass 
 void Planner::Route(const Box& x, std::span<const int32_t> needers,
                     std::span<const int32_t> holders, int32_t node) {
   const int64_t bytes = x.NumElements() * wire_elem_bytes_;
-  // Lower-bound accounting: what this node and each of its GPUs must receive.
+  holder_gpus_.clear();
   bool node_has_it = false;
-  for (int32_t c : holders) node_has_it |= gpu_node_[SrcGpu(c)] == node;
+  for (int32_t c : holders) {
+    holder_gpus_.push_back(SrcGpu(c));
+    node_has_it |= gpu_node_[holder_gpus_.back()] == node;
+  }
+  // Lower-bound accounting: what this node and each of its GPUs must receive.
   if (!node_has_it) node_net_need_[node] += bytes;
 
   remaining_.clear();
@@ -355,10 +350,12 @@ void Planner::Route(const Box& x, std::span<const int32_t> needers,
   for (int32_t h : needers) {
     const int32_t g = DstGpu(h);
     int32_t local = -1;
-    for (int32_t c : holders) {
-      if (SrcGpu(c) == g) {
-        local = c;
-        break;
+    if (node_has_it) {
+      for (size_t k = 0; k < holders.size(); ++k) {
+        if (holder_gpus_[k] == g) {
+          local = holders[k];
+          break;
+        }
       }
     }
     // Every needing piece is written; a GPU receives what it lacks at least once.
@@ -516,7 +513,7 @@ void Planner::BuildMessages() {
     Message m{g.src_gpu, g.dst_gpu, g.stage, g.link, 0, begin[r], 0};
     auto close = [&] {
       if (m.num_descriptors == 0) return;
-      stage_tail_[m.stage] = std::max(stage_tail_[m.stage], m.bytes / LinkGbps(m.link));
+      stage_tail_[m.stage] = std::max(stage_tail_[m.stage], m.bytes / LinkBytesPerSecond(m.link));
       plan_.stats.stages = std::max<int32_t>(plan_.stats.stages, m.stage + 1);
       plan_.messages.push_back(m);
       m.first_descriptor += m.num_descriptors;

@@ -1,0 +1,107 @@
+#include "client/shared_memory.h"
+
+#include <fcntl.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <cerrno>
+#include <cstring>
+
+#include "absl/strings/str_cat.h"
+
+namespace refit {
+namespace {
+
+absl::Status Errno(const std::string& what) {
+  const int e = errno;
+  const std::string message = absl::StrCat(what, ": ", std::strerror(e));
+  if (e == ENOENT) return absl::NotFoundError(message);
+  if (e == EEXIST) return absl::AlreadyExistsError(message);
+  if (e == EACCES || e == EPERM) return absl::PermissionDeniedError(message);
+  return absl::InternalError(message);
+}
+
+}  // namespace
+
+absl::StatusOr<SharedMemory> SharedMemory::Create(const std::string& name, size_t bytes) {
+  const int fd = shm_open(name.c_str(), O_RDWR | O_CREAT | O_EXCL, 0600);
+  if (fd < 0) return Errno(absl::StrCat("shm_open(\"", name, "\")"));
+  SharedMemory m;
+  m.name_ = name;
+  m.owner_ = true;
+  const size_t size = bytes == 0 ? 1 : bytes;  // mmap refuses 0 bytes
+  if (ftruncate(fd, static_cast<off_t>(size)) != 0) {
+    auto s = Errno(absl::StrCat("ftruncate(\"", name, "\", ", size, ")"));
+    close(fd);
+    shm_unlink(name.c_str());
+    return s;
+  }
+  void* data = mmap(nullptr, size, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+  close(fd);
+  if (data == MAP_FAILED) {
+    shm_unlink(name.c_str());
+    return Errno(absl::StrCat("mmap(\"", name, "\")"));
+  }
+  m.data_ = data;
+  m.size_ = size;
+  return m;
+}
+
+absl::StatusOr<SharedMemory> SharedMemory::Open(const std::string& name, size_t bytes) {
+  const int fd = shm_open(name.c_str(), O_RDWR, 0);
+  if (fd < 0) return Errno(absl::StrCat("shm_open(\"", name, "\")"));
+  struct stat st;
+  if (fstat(fd, &st) != 0) {
+    auto s = Errno(absl::StrCat("fstat(\"", name, "\")"));
+    close(fd);
+    return s;
+  }
+  if (static_cast<size_t>(st.st_size) < bytes || st.st_size == 0) {
+    close(fd);
+    return absl::InvalidArgumentError(absl::StrCat("shared memory \"", name, "\" has ",
+                                                   st.st_size, " bytes; ", bytes, " are needed"));
+  }
+  void* data = mmap(nullptr, st.st_size, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+  close(fd);
+  if (data == MAP_FAILED) return Errno(absl::StrCat("mmap(\"", name, "\")"));
+  SharedMemory m;
+  m.name_ = name;
+  m.data_ = data;
+  m.size_ = static_cast<size_t>(st.st_size);
+  return m;
+}
+
+SharedMemory::SharedMemory(SharedMemory&& other) noexcept { *this = std::move(other); }
+
+SharedMemory& SharedMemory::operator=(SharedMemory&& other) noexcept {
+  if (this != &other) {
+    Reset();
+    name_ = std::move(other.name_);
+    data_ = other.data_;
+    size_ = other.size_;
+    owner_ = other.owner_;
+    other.data_ = nullptr;
+    other.size_ = 0;
+    other.owner_ = false;
+  }
+  return *this;
+}
+
+SharedMemory::~SharedMemory() { Reset(); }
+
+void SharedMemory::Reset() {
+  if (data_ != nullptr) munmap(data_, size_);
+  if (owner_) shm_unlink(name_.c_str());
+  data_ = nullptr;
+  size_ = 0;
+  owner_ = false;
+}
+
+std::string UniqueShmName(const std::string& tag) {
+  static std::atomic<int64_t> counter{0};
+  return absl::StrCat("/refit-", getpid(), "-", counter++, "-", tag);
+}
+
+}  // namespace refit

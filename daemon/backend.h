@@ -1,0 +1,62 @@
+// The data plane behind one interface: the daemon maps workers' buffers and runs its part of
+// each round's plan through a DataBackend. `host` (shared memory, TCP between daemons) runs
+// anywhere; `cuda` (CUDA IPC, NCCL, kernels) on GPU nodes.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <span>
+#include <string>
+
+#include "absl/container/flat_hash_map.h"
+#include "absl/status/statusor.h"
+#include "absl/time/time.h"
+#include "plan/host_copy.h"
+#include "plan/plan.h"
+#include "proto/refit.pb.h"
+
+namespace refit {
+
+// A worker's buffer, reachable by the daemon until destroyed.
+class MappedBuffer {
+ public:
+  virtual ~MappedBuffer() = default;
+  virtual std::span<std::byte> bytes() const = 0;
+};
+
+// This node's part of one round: the whole plan, and the memory of the buffers on this node
+// (spans indexed like the plan's layouts' buffers; empty for buffers elsewhere).
+struct TransferJob {
+  std::string group;
+  int64_t round_id = 0;
+  int32_t node = 0;
+  std::shared_ptr<const Plan> plan;
+  BufferMemory src;
+  BufferMemory dst;
+  absl::flat_hash_map<int32_t, std::string> data_addresses;  // node -> its data plane address
+  absl::Time deadline;
+};
+
+struct TransferStats {
+  int64_t bytes_sent = 0;
+  int64_t bytes_received = 0;
+  int64_t bytes_local = 0;
+};
+
+class DataBackend {
+ public:
+  virtual ~DataBackend() = default;
+  virtual std::string name() const = 0;
+  // Where peers reach this node's data plane.
+  virtual std::string data_address() const = 0;
+  // Makes a worker's buffer of `bytes` reachable; errors say what is wrong with the handle.
+  virtual absl::StatusOr<std::unique_ptr<MappedBuffer>> Map(const v1::BufferMemory& memory,
+                                                            int64_t bytes) = 0;
+  // Runs this node's messages, in stage order, until every message into this node has landed or
+  // the deadline passes. Errors name the round, the stage and the peer at fault.
+  virtual absl::StatusOr<TransferStats> Transfer(const TransferJob& job) = 0;
+  // Ends a running Transfer of that round early with ABORTED(reason).
+  virtual void Cancel(const std::string& group, int64_t round_id, const std::string& reason) = 0;
+};
+
+}  // namespace refit

@@ -1,0 +1,50 @@
+// The host data plane: buffers in POSIX shared memory; messages between daemons over TCP, one
+// message at a time per connection (staging bounded by the plan's max_message_bytes per
+// connection), packed and unpacked with the CPU reference of plan/host_copy.h.
+#pragma once
+
+#include <condition_variable>
+#include <mutex>
+#include <thread>
+#include <vector>
+
+#include "daemon/backend.h"
+#include "daemon/socket.h"
+
+namespace refit {
+
+class HostBackend : public DataBackend {
+ public:
+  // Listens for peers on `listen_address` ("host:0" picks a port).
+  static absl::StatusOr<std::unique_ptr<HostBackend>> Start(const std::string& listen_address);
+  ~HostBackend() override;
+
+  std::string name() const override { return "host"; }
+  std::string data_address() const override { return address_; }
+  absl::StatusOr<std::unique_ptr<MappedBuffer>> Map(const v1::BufferMemory& memory,
+                                                    int64_t bytes) override;
+  absl::StatusOr<TransferStats> Transfer(const TransferJob& job) override;
+  void Cancel(const std::string& group, int64_t round_id, const std::string& reason) override;
+
+ private:
+  struct Job;
+  HostBackend() = default;
+  void AcceptLoop();
+  void ReadLoop(int connection);
+  std::shared_ptr<Job> WaitForJob(const std::string& group, int64_t round_id, absl::Time deadline);
+  absl::Status Send(Job& job, const Message& m, int64_t index, std::vector<std::byte>& staging);
+
+  std::string address_;
+  Fd listener_;
+  std::thread acceptor_;
+
+  std::mutex mu_;
+  std::condition_variable jobs_changed_;
+  absl::flat_hash_map<std::pair<std::string, int64_t>, std::shared_ptr<Job>> jobs_;
+  std::vector<Fd> connections_;         // accepted, one reader thread each
+  std::vector<std::thread> readers_;
+  absl::flat_hash_map<std::string, Fd> outgoing_;  // cached connections to peers, by address
+  bool stopping_ = false;
+};
+
+}  // namespace refit

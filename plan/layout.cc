@@ -38,6 +38,24 @@ int64_t Layout::TotalBufferBytes() const {
   return total;
 }
 
+Layout WorkerLayout(const Layout& layout, int32_t worker) {
+  Layout out;
+  out.tensors = layout.tensors;
+  const Worker& w = layout.workers[worker];
+  out.AddWorker(w.name, w.node, w.gpu);
+  std::vector<int32_t> buffer_map(layout.buffers.size(), -1);
+  for (size_t b = 0; b < layout.buffers.size(); ++b) {
+    const Buffer& buffer = layout.buffers[b];
+    if (buffer.worker == worker) buffer_map[b] = out.AddBuffer(0, buffer.name, buffer.dtype, buffer.shape);
+  }
+  for (const Piece& p : layout.pieces) {
+    if (buffer_map[p.buffer] >= 0) {
+      out.AddPiece(p.tensor, layout.tensor_box(p), buffer_map[p.buffer], layout.buffer_box(p));
+    }
+  }
+  return out;
+}
+
 absl::StatusOr<PieceView> ViewOf(const Box& tensor_box, const Box& buffer_box,
                                  const Dims& buffer_shape) {
   PieceView view;

@@ -85,6 +85,9 @@ struct Layout {
   absl::flat_hash_map<Box, int32_t, BoxHash> box_ids;  // InternBox's index into boxes
 };
 
+// The part of `layout` one worker holds: every tensor, that worker, its buffers and their pieces.
+Layout WorkerLayout(const Layout& layout, int32_t worker);
+
 // Strides, in elements of the buffer, of each tensor-box dimension of piece `p`: the element at
 // tensor index i (relative to the tensor box's origin) lives at
 // Offset + sum_d i[d] * stride[d]. Fails when the two boxes' shapes are not related by strides.

@@ -1,0 +1,91 @@
+#include "daemon/config.h"
+
+#include "absl/strings/str_cat.h"
+#include "client/cli_flags.h"
+#include "google/protobuf/struct.pb.h"
+#include "google/protobuf/util/json_util.h"
+#include "proto/layout_codec.h"
+
+namespace refit {
+
+DaemonConfig ParseDaemonFlags(int argc, char** argv) {
+  DaemonConfig c;
+  std::string config_file;
+  int64_t node = c.node, max_message = c.max_message_bytes, missed = c.heartbeats_missed,
+          max_rpc = c.max_rpc_bytes;
+  double prepare_s = absl::ToDoubleSeconds(c.prepare_timeout),
+         transfer_s = absl::ToDoubleSeconds(c.transfer_timeout),
+         commit_s = absl::ToDoubleSeconds(c.commit_timeout),
+         peer_s = absl::ToDoubleSeconds(c.peer_timeout),
+         heartbeat_s = absl::ToDoubleSeconds(c.heartbeat);
+  CliFlags flags("refitd", "[--config FILE] [flags]");
+  flags.String("config", &config_file, "JSON file of flag values, e.g. {\"node\": 1, \"coordinator\": \"10.0.0.1:7070\"}");
+  flags.Int("node", &node, "this node's index in the cluster");
+  flags.String("listen", &c.listen, "gRPC address for peers and operators (host:port; port 0 picks one)");
+  flags.String("worker-socket", &c.worker_socket, "Unix socket for local workers (default /tmp/refitd-<node>.sock)");
+  flags.String("coordinator", &c.coordinator, "the coordinator's --listen address; empty: this daemon coordinates");
+  flags.String("data-listen", &c.data_listen, "host data plane address peers send messages to");
+  flags.String("backend", &c.backend, "data plane: host (shared memory + TCP) or cuda");
+  flags.Int("max-message-bytes", &max_message, "staging bound: one message's bytes, per connection");
+  flags.Double("prepare-timeout", &prepare_s, "seconds for every worker to confirm PREPARE");
+  flags.Double("transfer-timeout", &transfer_s, "seconds for a round's transfer");
+  flags.Double("commit-timeout", &commit_s, "seconds for every worker to confirm COMMIT");
+  flags.Double("peer-timeout", &peer_s, "seconds for one control call between daemons");
+  flags.Double("heartbeat", &heartbeat_s, "seconds between a daemon's heartbeats to the coordinator");
+  flags.Int("heartbeats-missed", &missed, "a daemon silent for this many heartbeats is declared dead");
+  flags.Int("max-rpc-bytes", &max_rpc, "largest gRPC message accepted (layouts of big models are large)");
+  flags.String("log-level", &c.log_level, "trace, debug, info, warn, error, off");
+  flags.String("address-file", &c.address_file, "write \"<listen address> <worker socket>\" here once serving");
+  // Config file first, then the command line over it.
+  for (int i = 1; i < argc; ++i) {
+    const std::string a = argv[i];
+    if (a == "--config" && i + 1 < argc) config_file = argv[i + 1];
+    if (a.rfind("--config=", 0) == 0) config_file = a.substr(9);
+  }
+  if (!config_file.empty()) {
+    auto text = ReadFile(config_file);
+    if (!text.ok()) flags.Fail(std::string(text.status().message()));
+    google::protobuf::Struct s;
+    if (!google::protobuf::util::JsonStringToMessage(*text, &s).ok()) {
+      flags.Fail(absl::StrCat(config_file, ": not a JSON object"));
+    }
+    std::vector<std::string> args = {"refitd"};
+    for (const auto& [key, value] : s.fields()) {
+      std::string v;
+      switch (value.kind_case()) {
+        case google::protobuf::Value::kStringValue: v = value.string_value(); break;
+        case google::protobuf::Value::kNumberValue: v = absl::StrCat(value.number_value()); break;
+        case google::protobuf::Value::kBoolValue: v = value.bool_value() ? "true" : "false"; break;
+        default: flags.Fail(absl::StrCat(config_file, ": \"", key, "\" must be a string, number or boolean"));
+      }
+      args.push_back(absl::StrCat("--", key, "=", v));
+    }
+    std::vector<char*> ptrs;
+    for (auto& a : args) ptrs.push_back(a.data());
+    flags.Parse(static_cast<int>(ptrs.size()), ptrs.data());
+  }
+  const auto positional = flags.Parse(argc, argv);
+  if (!positional.empty()) flags.Fail(absl::StrCat("unexpected argument \"", positional[0], "\""));
+  if (node < 0) flags.Fail("--node must be >= 0");
+  if (max_message < 4096 || max_message > (int64_t{1} << 31)) {
+    flags.Fail("--max-message-bytes must be in [4096, 2^31]");
+  }
+  if (c.backend != "host" && c.backend != "cuda") flags.Fail("--backend must be host or cuda");
+  for (double v : {prepare_s, transfer_s, commit_s, peer_s, heartbeat_s}) {
+    if (v <= 0) flags.Fail("every timeout and the heartbeat must be positive");
+  }
+  if (max_rpc < 1024 || max_rpc > (int64_t{2} << 30) - 1) flags.Fail("--max-rpc-bytes must be in [1024, 2^31)");
+  c.max_rpc_bytes = max_rpc;
+  c.node = static_cast<int32_t>(node);
+  c.max_message_bytes = max_message;
+  c.heartbeats_missed = static_cast<int>(std::max<int64_t>(1, missed));
+  c.prepare_timeout = absl::Seconds(prepare_s);
+  c.transfer_timeout = absl::Seconds(transfer_s);
+  c.commit_timeout = absl::Seconds(commit_s);
+  c.peer_timeout = absl::Seconds(peer_s);
+  c.heartbeat = absl::Seconds(heartbeat_s);
+  if (c.worker_socket.empty()) c.worker_socket = absl::StrCat("/tmp/refitd-", c.node, ".sock");
+  return c;
+}
+
+}  // namespace refit

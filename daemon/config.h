@@ -1,0 +1,38 @@
+// refitd's configuration: one struct with documented defaults, from flags and an optional JSON
+// config file whose keys are the flags' names (flags given on the command line win).
+#pragma once
+
+#include <cstdint>
+#include <string>
+
+#include "absl/status/statusor.h"
+#include "absl/time/time.h"
+
+namespace refit {
+
+struct DaemonConfig {
+  int32_t node = 0;                       // this node's index in the cluster (--node)
+  std::string listen = "127.0.0.1:0";     // gRPC for peers and operators (--listen)
+  std::string worker_socket;              // Unix socket for local workers (--worker-socket);
+                                          // default /tmp/refitd-<node>.sock
+  std::string coordinator;                // the coordinator's --listen address; empty: this is it
+  std::string data_listen = "127.0.0.1:0";  // host data plane (--data-listen)
+  std::string backend = "host";           // host | cuda (--backend)
+  int64_t max_message_bytes = 16 << 20;   // staging chunk per connection (--max-message-bytes)
+  absl::Duration prepare_timeout = absl::Seconds(10);
+  absl::Duration transfer_timeout = absl::Seconds(60);
+  absl::Duration commit_timeout = absl::Seconds(10);
+  absl::Duration peer_timeout = absl::Seconds(5);   // one control RPC between daemons
+  absl::Duration heartbeat = absl::Milliseconds(500);
+  int heartbeats_missed = 4;              // a peer silent this many heartbeats is dead
+  int64_t max_rpc_bytes = 256 << 20;     // largest gRPC message accepted (--max-rpc-bytes)
+  std::string log_level = "info";
+  std::string address_file;               // write "<listen> <worker socket>" here once serving
+
+  bool is_coordinator() const { return coordinator.empty(); }
+};
+
+// Parses argv (and --config FILE). Exits 2 with one line on bad input; 0 on --help.
+DaemonConfig ParseDaemonFlags(int argc, char** argv);
+
+}  // namespace refit

@@ -1,0 +1,110 @@
+// sim-worker: a stand-in trainer or inference process for the local cluster and its tests. It
+// holds one worker of a layout file in shared memory and registers it with its node's refitd.
+// Trainer: on PREPARE(v) fills its pieces with the values of version v (a function of tensor,
+// element and v). Inference: poisons its buffers at start; on COMMIT(v) checks every byte of
+// its buffers (pieces hold version v's values, padding is still poison) and reports the result.
+//
+//   sim-worker --daemon unix:/tmp/refitd-2.sock --group policy --role inference \
+//              --layout engine.json --worker vllm-dp0-tp1 --report /tmp/w.log
+#include <csignal>
+#include <cstdio>
+#include <fstream>
+#include <mutex>
+
+#include "absl/strings/str_cat.h"
+#include "client/cli_flags.h"
+#include "client/worker_client.h"
+#include "plan/validate.h"
+#include "plan/verify.h"
+#include "proto/layout_codec.h"
+
+namespace {
+std::mutex report_mu;
+std::string report_path;
+
+void Report(const std::string& line) {
+  std::lock_guard<std::mutex> lock(report_mu);
+  std::fprintf(stderr, "sim-worker: %s\n", line.c_str());
+  if (!report_path.empty()) std::ofstream(report_path, std::ios::app) << line << "\n";
+}
+}  // namespace
+
+int main(int argc, char** argv) {
+  using namespace refit;
+  std::string daemon, group = "policy", role_name, layout_path, worker_name;
+  int64_t prepare_delay_ms = 0;
+  CliFlags flags("sim-worker", "--daemon ADDR --role trainer|inference --layout F --worker NAME");
+  flags.String("daemon", &daemon, "the node's refitd: unix:/tmp/refitd-<node>.sock or host:port");
+  flags.String("group", &group, "model group");
+  flags.String("role", &role_name, "trainer or inference");
+  flags.String("layout", &layout_path, "the side's layout JSON (from refit-layout)");
+  flags.String("worker", &worker_name, "which worker of the layout this process is");
+  flags.String("report", &report_path, "append one line per round event here");
+  flags.Int("prepare-delay-ms", &prepare_delay_ms, "wait this long before confirming PREPARE (tests)");
+  flags.Parse(argc, argv);
+  if (daemon.empty() || layout_path.empty() || worker_name.empty()) {
+    flags.Fail("--daemon, --layout and --worker are required");
+  }
+  if (role_name != "trainer" && role_name != "inference") flags.Fail("--role must be trainer or inference");
+  const v1::Role role = role_name == "trainer" ? v1::TRAINER : v1::INFERENCE;
+  auto text = ReadFile(layout_path);
+  if (!text.ok()) flags.Fail(std::string(text.status().message()));
+  auto side = ParseLayoutJson(*text);
+  if (!side.ok()) flags.Fail(std::string(side.status().message()));
+  if (auto s = ValidateLayout(*side, role_name); !s.ok()) flags.Fail(std::string(s.message()));
+  auto found = side->worker_index.find(worker_name);
+  if (found == side->worker_index.end()) flags.Fail(absl::StrCat("no worker \"", worker_name, "\" in ", layout_path));
+  Layout mine = WorkerLayout(*side, found->second);
+  if (auto s = ValidateLayout(mine, role_name); !s.ok()) flags.Fail(std::string(s.message()));
+
+  sigset_t signals;
+  sigemptyset(&signals);
+  sigaddset(&signals, SIGINT);
+  sigaddset(&signals, SIGTERM);
+  pthread_sigmask(SIG_BLOCK, &signals, nullptr);
+
+  std::unique_ptr<WorkerClient> client;
+  BufferMemory memory;
+  auto spec_for = [&](int64_t version) {
+    FillSpec spec;
+    spec.seed = static_cast<uint64_t>(version);
+    spec.numeric.assign(mine.tensors.size(), false);  // both sides share dtypes in this cluster
+    return spec;
+  };
+  WorkerCallbacks callbacks;
+  callbacks.on_prepare = [&](int64_t version) {
+    if (prepare_delay_ms > 0) absl::SleepFor(absl::Milliseconds(prepare_delay_ms));
+    if (role == v1::TRAINER) FillSources(mine, spec_for(version), memory);  // "the optimizer step"
+    Report(absl::StrCat("prepare ", version));
+    return absl::OkStatus();
+  };
+  callbacks.on_commit = [&](int64_t version) {
+    if (role == v1::TRAINER) {
+      Report(absl::StrCat("commit ", version));
+      return;
+    }
+    auto checked = CheckDestinations(mine, mine, spec_for(version), memory);
+    if (checked.ok()) {
+      Report(absl::StrCat("commit ", version, " ok ", checked->elements_checked, " elements ",
+                          checked->padding_bytes_checked, " padding bytes"));
+    } else {
+      Report(absl::StrCat("commit ", version, " FAIL ", checked.status().message()));
+    }
+  };
+  callbacks.on_abort = [&](int64_t round, const std::string& reason) {
+    Report(absl::StrCat("abort round ", round, ": ", reason));
+  };
+  auto connected = WorkerClient::Connect(daemon, group, role, mine, callbacks);
+  if (!connected.ok()) {
+    std::fprintf(stderr, "sim-worker: %s\n", std::string(connected.status().message()).c_str());
+    return 1;
+  }
+  client = *std::move(connected);
+  for (size_t b = 0; b < client->num_buffers(); ++b) memory.push_back(client->buffer(b));
+  if (role == v1::INFERENCE) PoisonDestinations(memory);
+  Report(absl::StrCat("registered ", client->worker_id()));
+  int sig = 0;
+  sigwait(&signals, &sig);
+  client->Unregister().IgnoreError();
+  return 0;
+}

@@ -1,0 +1,147 @@
+#!/usr/bin/env bash
+# A real cluster on loopback: 4 daemons (training nodes 0-1, inference nodes 2-3), two model
+# groups at once (Llama-3-8B structure: Megatron TP2 PP2 -> vLLM TP2 DP2; Qwen3-30B-A3B structure:
+# FSDP over 4 ranks -> vLLM TP2 with stacked experts, DP2), several rounds each, every inference
+# byte checked after every round; then faults: a trainer worker, an inference worker and a
+# non-coordinator daemon killed mid-round. Each round aborts within its deadline naming the
+# culprit, the daemons keep serving, and the next round after re-registration is byte-exact.
+set -uo pipefail
+BIN=$(mktemp -d)
+for p in daemon/refitd client/refitctl client/refit-layout tests/workers/sim-worker; do
+  ln -s "$PWD/$p" "$BIN/"
+done
+RUN=$(mktemp -d)
+source tools/cluster_lib.sh
+trap 'stop_all; rm -rf "$BIN"' EXIT
+fail() { echo "FAIL: $*"; for f in "$RUN"/daemon*.log; do echo "== $f"; tail -n 15 "$f"; done; exit 1; }
+
+L="$BIN/refit-layout"
+$L --config tests/configs/llama3-8b.json --scale-down 32 --layers 4 --side trainer --tp 2 --pp 2 --gpus-per-node 2 -o "$RUN/policy-t.json" || fail layout
+$L --config tests/configs/llama3-8b.json --scale-down 32 --layers 4 --side inference --tp 2 --dp 2 --gpus-per-node 2 --first-node 2 -o "$RUN/policy-i.json" || fail layout
+$L --config tests/configs/qwen3-30b-a3b.json --scale-down 32 --layers 2 --side trainer --fsdp 4 --gpus-per-node 2 -o "$RUN/reward-t.json" || fail layout
+$L --config tests/configs/qwen3-30b-a3b.json --scale-down 32 --layers 2 --side inference --tp 2 --dp 2 --gpus-per-node 2 --first-node 2 -o "$RUN/reward-i.json" || fail layout
+
+for n in 0 1 2 3; do start_daemon "$n" --prepare-timeout 5 --transfer-timeout 10 --commit-timeout 5 || fail "daemon $n"; done
+declare -A NODE_OF
+start_side() {  # GROUP ROLE LAYOUT [extra flags for every worker]
+  local group=$1 role=$2 layout=$3; shift 3
+  while read -r name node; do
+    start_worker "$group-$name" "$node" "$group" "$role" "$layout" "$name" "$@"
+    NODE_OF[$group-$name]=$node
+    STARTED+=("$group-$name")
+  done < <(workers_of "$layout")
+}
+STARTED=()
+start_side policy trainer "$RUN/policy-t.json"
+start_side policy inference "$RUN/policy-i.json"
+start_side reward trainer "$RUN/reward-t.json"
+start_side reward inference "$RUN/reward-i.json"
+wait_registered "${STARTED[@]}" || fail "registration"
+ctl status || fail status
+ctl workers >/dev/null || fail workers
+
+# every_inference_ok GROUP VERSION: each inference worker of GROUP checked version VERSION.
+every_inference_ok() {
+  local group=$1 v=$2 n=0
+  for r in "$RUN/$group"-vllm-*.report; do
+    grep -q "^commit $v ok" "$r" || fail "$(basename "$r") did not verify version $v: $(tail -n 2 "$r")"
+    n=$((n + 1))
+  done
+  [ "$n" -eq 4 ] || fail "expected 4 inference workers in $group, found $n"
+}
+
+echo "== rounds, two groups at once"
+for v in 1 2 3; do
+  ctl refit policy "$v" >"$RUN/policy-$v.out" 2>&1 &
+  p1=$!
+  ctl refit reward "$v" >"$RUN/reward-$v.out" 2>&1 &
+  p2=$!
+  wait $p1 || fail "policy round $v: $(cat "$RUN/policy-$v.out")"
+  wait $p2 || fail "reward round $v: $(cat "$RUN/reward-$v.out")"
+  cat "$RUN/policy-$v.out" "$RUN/reward-$v.out" | grep committed
+  every_inference_ok policy "$v"
+  every_inference_ok reward "$v"
+done
+
+echo "== stale version and unknown group are refused, the cluster keeps serving"
+out=$(ctl refit policy 2 2>&1) && fail "stale version accepted: $out"
+echo "$out" | grep -q "FAILED_PRECONDITION" || fail "stale version: $out"
+out=$(ctl refit nosuchgroup 9 2>&1) && fail "unknown group accepted: $out"
+echo "$out" | grep -q "NOT_FOUND" || fail "unknown group: $out"
+
+# kill_mid_round GROUP VERSION VICTIM_KEY: restart VICTIM with a slow PREPARE, start a round,
+# kill the victim while the round waits for it; the round must abort within 5 s naming it.
+kill_mid_round() {
+  local group=$1 v=$2 key=$3 culprit=$4
+  kill "${WORKER_PID[$key]}"; wait "${WORKER_PID[$key]}" 2>/dev/null
+  rm -f "$RUN/$key.report"
+  local role=trainer layout="$RUN/$group-t.json"
+  [[ $key == *vllm* ]] && { role=inference; layout="$RUN/$group-i.json"; }
+  start_worker "$key" "${NODE_OF[$key]}" "$group" "$role" "$layout" "${key#$group-}" --prepare-delay-ms 4000
+  wait_registered "$key" || fail "re-registration of $key"
+  ctl refit "$group" "$v" >"$RUN/abort-$v.out" 2>&1 &
+  local p=$!
+  sleep 0.7
+  local t0=$(date +%s.%N)
+  kill -9 "${WORKER_PID[$key]}"
+  wait $p && fail "round $v of $group committed although $key was killed"
+  local dt=$(echo "$(date +%s.%N) - $t0" | bc)
+  echo "aborted after ${dt}s: $(cat "$RUN/abort-$v.out")"
+  grep -q "ABORTED" "$RUN/abort-$v.out" || fail "not an ABORTED error: $(cat "$RUN/abort-$v.out")"
+  grep -q "$culprit" "$RUN/abort-$v.out" || fail "the reason does not name $culprit"
+  [ "$(echo "$dt < 5" | bc)" -eq 1 ] || fail "abort took ${dt}s"
+  # Recovery: the worker comes back (without the delay) and the next round is byte-exact.
+  rm -f "$RUN/$key.report"
+  start_worker "$key" "${NODE_OF[$key]}" "$group" "$role" "$layout" "${key#$group-}"
+  wait_registered "$key" || fail "re-registration of $key"
+  ctl refit "$group" "$((v + 1))" | grep committed || fail "round $((v + 1)) after recovery"
+  every_inference_ok "$group" "$((v + 1))"
+}
+
+echo "== a trainer worker killed mid-round"
+kill_mid_round policy 4 policy-trainer-rank1 "policy/trainer-rank1"
+echo "== an inference worker killed mid-round"
+kill_mid_round reward 4 reward-vllm-dp1-tp0 "reward/vllm-dp1-tp0"
+
+echo "== a non-coordinator daemon killed mid-round"
+# Node 3's workers confirm PREPARE slowly; node 3's daemon dies meanwhile.
+for key in "${!NODE_OF[@]}"; do
+  if [ "${NODE_OF[$key]}" -eq 3 ] && [[ $key == policy-* ]]; then
+    kill "${WORKER_PID[$key]}"; wait "${WORKER_PID[$key]}" 2>/dev/null; rm -f "$RUN/$key.report"
+    start_worker "$key" 3 policy inference "$RUN/policy-i.json" "${key#policy-}" --prepare-delay-ms 4000
+    wait_registered "$key" || fail "re-registration of $key"
+  fi
+done
+ctl refit policy 7 >"$RUN/abort-7.out" 2>&1 &
+p=$!
+sleep 0.7
+t0=$(date +%s.%N)
+kill -9 "${DAEMON_PID[3]}"
+wait $p && fail "round 7 committed although node 3 died"
+dt=$(echo "$(date +%s.%N) - $t0" | bc)
+echo "aborted after ${dt}s: $(cat "$RUN/abort-7.out")"
+grep -q "node 3" "$RUN/abort-7.out" || fail "the reason does not name node 3"
+[ "$(echo "$dt < 5" | bc)" -eq 1 ] || fail "abort took ${dt}s"
+ctl status >/dev/null || fail "the coordinator stopped serving"
+# Node 3 restarts with its workers; both groups refit again.
+for key in "${!NODE_OF[@]}"; do
+  [ "${NODE_OF[$key]}" -eq 3 ] && { kill -9 "${WORKER_PID[$key]}" 2>/dev/null; wait "${WORKER_PID[$key]}" 2>/dev/null; }
+done
+start_daemon 3 --prepare-timeout 5 --transfer-timeout 10 --commit-timeout 5 || fail "daemon 3 restart"
+RESTARTED=()
+for key in "${!NODE_OF[@]}"; do
+  if [ "${NODE_OF[$key]}" -eq 3 ]; then
+    group=${key%%-*}; name=${key#$group-}
+    role=trainer; layout="$RUN/$group-t.json"
+    [[ $name == vllm* ]] && { role=inference; layout="$RUN/$group-i.json"; }
+    rm -f "$RUN/$key.report"
+    start_worker "$key" 3 "$group" "$role" "$layout" "$name"
+    RESTARTED+=("$key")
+  fi
+done
+wait_registered "${RESTARTED[@]}" || fail "re-registration on node 3"
+ctl refit policy 8 | grep committed || fail "policy round 8 after node 3 restarted"
+ctl refit reward 8 | grep committed || fail "reward round 8 after node 3 restarted"
+every_inference_ok policy 8
+every_inference_ok reward 8
+echo "cluster test passed"

@@ -67,11 +67,15 @@ void PrintRound(const v1::RoundStats& r, bool json, bool header) {
     std::printf("%s\n", Json(r).c_str());
     return;
   }
-  if (header) std::printf("%-10s %-6s %-8s %-12s %-10s %-9s %-9s %s\n", "GROUP", "ROUND", "VERSION", "STATE", "BYTES", "SECONDS", "GB/S", "REASON");
-  std::printf("%-10s %-6lld %-8lld %-12s %-10s %-9.3f %-9.2f %s\n", r.group().c_str(),
+  // SECONDS is the whole round (workers' prepare and commit included); GB/S is over the transfer.
+  if (header) {
+    std::printf("%-10s %-6s %-8s %-12s %-10s %-8s %-8s %-8s %-8s %-7s %s\n", "GROUP", "ROUND", "VERSION",
+                "STATE", "BYTES", "SECONDS", "PREPARE", "TRANSFER", "COMMIT", "GB/S", "REASON");
+  }
+  std::printf("%-10s %-6lld %-8lld %-12s %-10s %-8.3f %-8.3f %-8.3f %-8.3f %-7.2f %s\n", r.group().c_str(),
               (long long)r.round_id(), (long long)r.version(), StateName(r.state()), Human(r.bytes()).c_str(),
-              r.seconds(), r.transfer_seconds() > 0 ? r.bytes() / r.transfer_seconds() / 1e9 : 0.0,
-              r.reason().c_str());
+              r.seconds(), r.prepare_seconds(), r.transfer_seconds(), r.commit_seconds(),
+              r.transfer_seconds() > 0 ? r.bytes() / r.transfer_seconds() / 1e9 : 0.0, r.reason().c_str());
 }
 
 }  // namespace

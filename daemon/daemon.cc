@@ -45,7 +45,6 @@ struct Daemon::InstalledPlan {
 struct Daemon::NodeInfo {
   std::string control_address, data_address;
   int64_t incarnation = 0;
-  absl::Time last_seen;
   bool alive = false;
   std::vector<v1::RegisterWorkerRequest> workers;
 };
@@ -171,7 +170,6 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(const DaemonConfig& config
     me.control_address = d->address_;
     me.data_address = d->backend_->data_address();
     me.incarnation = d->incarnation_;
-    me.last_seen = absl::Now();
     me.alive = true;
   }
   if (config.is_coordinator()) {
@@ -704,8 +702,21 @@ absl::Status Daemon::Join(const v1::JoinRequest& request, v1::JoinResponse* resp
   if (request.node() == config_.node) {
     return absl::AlreadyExistsError(absl::StrCat("node ", request.node(), " is the coordinator's own index"));
   }
+  {
+    // The common case, a heartbeat from a known, live daemon: no need for mu_.
+    std::lock_guard<std::mutex> lock(beat_mu_);
+    auto it = beats_.find(request.node());
+    if (it != beats_.end() && it->second.first == request.incarnation()) {
+      it->second.second = absl::Now();
+      return absl::OkStatus();
+    }
+  }
   std::lock_guard<std::mutex> lock(mu_);
   NodeInfo& n = nodes_[request.node()];
+  {
+    std::lock_guard<std::mutex> beat(beat_mu_);
+    beats_[request.node()] = {request.incarnation(), absl::Now()};
+  }
   if (n.incarnation != request.incarnation() || !n.alive) {
     if (n.incarnation != 0 && n.incarnation != request.incarnation()) {
       Logger("rpc")->warn("node {} restarted; its old workers are gone", request.node());
@@ -716,7 +727,6 @@ absl::Status Daemon::Join(const v1::JoinRequest& request, v1::JoinResponse* resp
   }
   n.control_address = request.control_address();
   n.data_address = request.data_address();
-  n.last_seen = absl::Now();
   n.alive = true;
   RecomputeEpochs();
   return absl::OkStatus();
@@ -733,8 +743,11 @@ void Daemon::ApplySync(const v1::SyncWorkersRequest& request) {
   NodeInfo& n = nodes_[request.node()];
   n.incarnation = request.incarnation();
   n.workers.assign(request.workers().begin(), request.workers().end());
-  n.last_seen = absl::Now();
   n.alive = true;
+  if (request.node() != config_.node) {
+    std::lock_guard<std::mutex> beat(beat_mu_);
+    beats_[request.node()] = {request.incarnation(), absl::Now()};
+  }
   for (const auto& w : n.workers) groups_[w.group()];  // a group exists once a worker names it
   RecomputeEpochs();
 }
@@ -772,6 +785,10 @@ void Daemon::MarkNodeDead(int32_t node, const std::string& why) {
   if (it == nodes_.end() || !it->second.alive) return;
   it->second.alive = false;
   it->second.workers.clear();
+  {
+    std::lock_guard<std::mutex> beat(beat_mu_);
+    beats_.erase(node);  // its next heartbeat takes the slow path and resyncs
+  }
   Logger("rpc")->warn("node {} ({}) is dead: {}", node, it->second.control_address, why);
   RecomputeEpochs();
 }
@@ -783,12 +800,12 @@ void Daemon::MonitorLoop() {
       std::unique_lock<std::mutex> lock(mu_);
       changed_.wait_for(lock, absl::ToChronoNanoseconds(config_.heartbeat), [&] { return stopping_; });
       if (stopping_) return;
+    }
+    {
+      std::lock_guard<std::mutex> beat(beat_mu_);
       const absl::Time now = absl::Now();
-      for (const auto& [node, info] : nodes_) {
-        if (node != config_.node && info.alive &&
-            now - info.last_seen > config_.heartbeat * config_.heartbeats_missed) {
-          silent.push_back(node);
-        }
+      for (const auto& [node, seen] : beats_) {
+        if (now - seen.second > config_.heartbeat * config_.heartbeats_missed) silent.push_back(node);
       }
     }
     for (int32_t node : silent) {

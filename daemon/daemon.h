@@ -116,6 +116,11 @@ class Daemon {
   std::deque<v1::RoundStats> round_log_;  // WatchRounds reads from here
   int64_t round_log_start_ = 0;           // sequence number of round_log_.front()
 
+  // Heartbeats, apart from mu_: planning a large group under mu_ must not make live nodes look
+  // dead. node -> (incarnation, last heartbeat).
+  std::mutex beat_mu_;
+  std::map<int32_t, std::pair<int64_t, absl::Time>> beats_;
+
   std::mutex stubs_mu_;
   std::map<std::string, std::unique_ptr<v1::RefitPeer::Stub>> peer_stubs_;
   std::unique_ptr<v1::RefitControl::Stub> coordinator_stub_;

@@ -1,25 +1,61 @@
 #!/usr/bin/env bash
-# The main job (README): a real model's trainer and inference layouts, planned, executed on the
-# CPU and checked byte for byte. Qwen3-30B-A3B's structure (48 layers, 128 experts, GQA, qk-norm)
-# with every width divided by 16 so that it fits a laptop: a Megatron trainer TP2 PP2 EP4 DP4
-# on 4 nodes of 8 GPUs refits a vLLM engine TP4 DP2 (fused qkv and gate_up, stacked experts,
-# padded vocabulary) on 1 more node.
-#   bash tools/demo.sh [--scale-down N] [extra refit-plan flags]
+# The main job (README): a real refit on a local cluster, on the CPU.
+#
+# Qwen3-30B-A3B's structure (48 layers, 128 experts, GQA, qk-norm) with every width divided by 16
+# so that it fits a laptop. Two "training node" daemons hold a Megatron trainer TP2 EP2 DP2 (four
+# processes), two "inference node" daemons hold a vLLM engine TP2 DP2 (four processes: fused qkv
+# and gate_up, stacked experts, padded vocabulary). Every worker is its own process with its
+# weights in shared memory. The trainers produce new weights for each version; each round moves
+# them into the engines (daemon to daemon over TCP, host backend), and every engine checks every
+# byte it received before the round is reported.
+#   bash tools/demo.sh [--scale-down N] [--rounds N]
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash tools/setup.sh
 scale=16
-if [ "${1:-}" = "--scale-down" ]; then scale=$2; shift 2; fi
-bazel build //client:refit-layout //client:refit-plan 2>&1 | grep -vE '^(INFO|Loading|Analyzing|Target|  bazel-bin)' || true
-bin=bazel-bin/client
-out=out/demo
-mkdir -p "$out"
+rounds=3
+while [ $# -gt 0 ]; do
+  case $1 in
+    --scale-down) scale=$2; shift 2;;
+    --rounds) rounds=$2; shift 2;;
+    *) echo "demo: unknown argument $1" >&2; exit 2;;
+  esac
+done
+echo "== building"
+bazel build //daemon:refitd //client:refitctl //client:refit-layout //tests/workers:sim-worker 2>&1 |
+  grep -E "ERROR|error:" || true
+BIN=$(mktemp -d)
+for p in daemon/refitd client/refitctl client/refit-layout tests/workers/sim-worker; do
+  cp "bazel-bin/$p" "$BIN/"
+done
+RUN=$(mktemp -d)
+source tools/cluster_lib.sh
+trap 'stop_all; rm -rf "$BIN"' EXIT
+
 model=tests/configs/qwen3-30b-a3b.json
 echo "== layouts: $model, widths / $scale"
-$bin/refit-layout --config "$model" --scale-down "$scale" --side trainer \
-  --tp 2 --pp 2 --ep 4 --dp 4 --gpus-per-node 8 -o "$out/trainer.json"
-$bin/refit-layout --config "$model" --scale-down "$scale" --side inference \
-  --tp 4 --dp 2 --gpus-per-node 8 --first-node 4 -o "$out/inference.json"
-ls -l "$out"/*.json | awk '{print "   ", $NF, $5, "bytes"}'
-echo "== plan and verify on the CPU"
-$bin/refit-plan --src "$out/trainer.json" --dst "$out/inference.json" --verify "$@"
+"$BIN/refit-layout" --config "$model" --scale-down "$scale" --side trainer --tp 2 --ep 2 --dp 2 \
+  --gpus-per-node 2 -o "$RUN/trainer.json"
+"$BIN/refit-layout" --config "$model" --scale-down "$scale" --side inference --tp 2 --dp 2 \
+  --gpus-per-node 2 --first-node 2 -o "$RUN/inference.json"
+
+echo "== starting 4 daemons and 8 worker processes"
+for n in 0 1 2 3; do start_daemon "$n"; done
+keys=()
+while read -r name node; do start_worker "$name" "$node" policy trainer "$RUN/trainer.json" "$name"; keys+=("$name"); done < <(workers_of "$RUN/trainer.json")
+while read -r name node; do start_worker "$name" "$node" policy inference "$RUN/inference.json" "$name"; keys+=("$name"); done < <(workers_of "$RUN/inference.json")
+wait_registered "${keys[@]}"
+ctl status
+echo
+ctl plan policy
+echo
+echo "== $rounds rounds"
+for v in $(seq 1 "$rounds"); do
+  if [ "$v" -eq 1 ]; then ctl refit policy "$v"; else ctl refit policy "$v" | tail -n 1; fi
+  for r in "$RUN"/vllm-*.report; do
+    grep -q "^commit $v ok" "$r" || { echo "demo: $(basename "$r" .report) did not verify version $v: $(tail -n 1 "$r")"; exit 1; }
+  done
+done
+echo
+echo "every inference worker checked every byte of every version:"
+grep -h "ok" "$RUN"/vllm-*.report | tail -n 4 | sed 's/^/  /'

@@ -27,6 +27,7 @@ struct Daemon::LocalWorker {
   bool has_session = false;
   bool gone = false;  // unregistered or its session ended: never used again
   std::deque<v1::RoundEvent> outbox;
+  std::condition_variable wake;  // its session writer: an event, or the worker is gone
   int64_t prepared_round = -1;
   int64_t resumed_round = -1;
   int64_t version = 0;  // inference: the version its buffers hold (0: none or unknown)
@@ -325,7 +326,7 @@ absl::Status Daemon::Register(const v1::RegisterWorkerRequest& request,
     }
     workers_[worker->id] = worker;
   }
-  if (auto s = SyncToCoordinator(); !s.ok()) {
+  if (auto s = SyncToCoordinator(&worker->request, ""); !s.ok()) {
     std::lock_guard<std::mutex> lock(mu_);
     workers_.erase(worker->id);
     return absl::UnavailableError(absl::StrCat("register: the coordinator did not take the worker: ",
@@ -352,12 +353,14 @@ void Daemon::DropWorker(const std::string& id, const std::string& reason) {
     auto w = FindWorker(id);
     if (w == nullptr) return;
     w->gone = true;
+    w->wake.notify_all();
     group = w->request.group();
     workers_.erase(id);
     if (auto it = active_rounds_.find(group); it != active_rounds_.end()) round = it->second;
   }
   changed_.notify_all();
   Logger("worker")->warn("worker {} left: {}", id, reason);
+  SyncToCoordinator(nullptr, id).IgnoreError();
   // A round of its group cannot complete any more: end this node's transfer now.
   if (round >= 0) {
     backend_->Cancel(group, round, absl::StrCat("worker \"", id, "\" on node ", config_.node, " left: ", reason));
@@ -366,7 +369,7 @@ void Daemon::DropWorker(const std::string& id, const std::string& reason) {
 
 void Daemon::Push(LocalWorker& w, v1::RoundEvent event) {
   w.outbox.push_back(std::move(event));
-  changed_.notify_all();
+  w.wake.notify_all();
 }
 
 absl::Status Daemon::Session(grpc::ServerContext* context,
@@ -393,14 +396,16 @@ absl::Status Daemon::Session(grpc::ServerContext* context,
       if (m.kind_case() == v1::WorkerMessage::kResumed) w->resumed_round = m.resumed();
       changed_.notify_all();
     }
+    std::lock_guard<std::mutex> lock(mu_);
     reader_done = true;
-    changed_.notify_all();
+    w->wake.notify_all();
   });
   while (true) {
     v1::RoundEvent event;
     {
       std::unique_lock<std::mutex> lock(mu_);
-      changed_.wait_for(lock, std::chrono::milliseconds(200), [&] {
+      // Its own condition variable: a thousand sessions must not all wake for every event.
+      w->wake.wait_for(lock, std::chrono::milliseconds(200), [&] {
         return stopping_ || w->gone || reader_done || !w->outbox.empty() || context->IsCancelled();
       });
       if (stopping_ || w->gone || reader_done || context->IsCancelled()) break;
@@ -418,7 +423,6 @@ absl::Status Daemon::Session(grpc::ServerContext* context,
   const bool unregistered = w->gone;
   if (!unregistered) {
     DropWorker(w->id, "its session ended (process exited or connection lost)");
-    SyncToCoordinator().IgnoreError();
   }
   return absl::OkStatus();
 }
@@ -431,7 +435,7 @@ absl::Status Daemon::Unregister(const v1::UnregisterWorkerRequest& request) {
     }
   }
   DropWorker(request.worker_id(), "unregistered");
-  return SyncToCoordinator();
+  return absl::OkStatus();
 }
 
 v1::SyncWorkersRequest Daemon::LocalSnapshot() {
@@ -447,13 +451,26 @@ v1::SyncWorkersRequest Daemon::LocalSnapshot() {
   return sync;
 }
 
-absl::Status Daemon::SyncToCoordinator() {
-  v1::SyncWorkersRequest sync = LocalSnapshot();
+absl::Status Daemon::SyncToCoordinator(const v1::RegisterWorkerRequest* added,
+                                       const std::string& removed) {
   if (config_.is_coordinator()) {
+    // In place: a snapshot per registration would make registering n workers O(n^2).
     std::lock_guard<std::mutex> lock(mu_);
-    ApplySync(sync);
+    auto& mine = nodes_[config_.node].workers;
+    if (added != nullptr) {
+      mine.push_back(*added);
+      mine.back().clear_memory();
+      groups_[added->group()];
+    }
+    if (!removed.empty()) {
+      std::erase_if(mine, [&](const v1::RegisterWorkerRequest& r) {
+        return absl::StrCat(r.group(), "/", r.worker().name()) == removed;
+      });
+    }
+    RecomputeEpochs();
     return absl::OkStatus();
   }
+  v1::SyncWorkersRequest sync = LocalSnapshot();
   grpc::ClientContext ctx;
   ctx.set_deadline(Deadline(config_.peer_timeout));
   v1::SyncWorkersResponse out;
@@ -480,7 +497,7 @@ void Daemon::HeartbeatLoop() {
       Logger("rpc")->warn("heartbeat to the coordinator at {} failed: {}", config_.coordinator, std::string(s.message()));
       continue;
     }
-    if (out.resync()) SyncToCoordinator().IgnoreError();  // the coordinator restarted
+    if (out.resync()) SyncToCoordinator(nullptr, "").IgnoreError();  // the coordinator restarted
   }
 }
 

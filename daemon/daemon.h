@@ -76,7 +76,9 @@ class Daemon {
   absl::Status AwaitWorkers(const std::string& group, const std::vector<std::string>& ids,
                             int64_t round_id, bool resumed, absl::Duration timeout,
                             const char* phase);
-  absl::Status SyncToCoordinator();
+  // Tells the coordinator this node's workers changed (one added or removed; remote daemons send
+  // the whole list).
+  absl::Status SyncToCoordinator(const v1::RegisterWorkerRequest* added, const std::string& removed);
   v1::SyncWorkersRequest LocalSnapshot();
   void HeartbeatLoop();
 

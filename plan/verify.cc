@@ -122,7 +122,12 @@ absl::StatusOr<CheckReport> CheckDestinations(const Layout& source, const Layout
   std::string first_wrong;
   for (const Piece& p : destination.pieces) {
     const LogicalTensor& t = destination.tensors[p.tensor];
-    const int32_t src_tensor = source.tensor_index.at(t.name);
+    auto found = source.tensor_index.find(t.name);
+    if (found == source.tensor_index.end()) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "tensor \"", t.name, "\" is not in the source layout (validate both layouts first)"));
+    }
+    const int32_t src_tensor = found->second;
     const bool numeric = spec.numeric[src_tensor];
     const uint64_t name_hash = HashName(t.name);
     const int size = DTypeSize(t.dtype);

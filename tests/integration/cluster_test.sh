@@ -50,7 +50,10 @@ every_inference_ok() {
   [ "$n" -eq 4 ] || fail "expected 4 inference workers in $group, found $n"
 }
 
-echo "== rounds, two groups at once"
+echo "== rounds, two groups at once (watched from a non-coordinator daemon)"
+"$BIN/refitctl" --daemon "unix:$RUN/refitd-2.sock" -o json watch policy >"$RUN/watch.out" 2>&1 &
+WATCH=$!
+sleep 0.3
 for v in 1 2 3; do
   ctl refit policy "$v" >"$RUN/policy-$v.out" 2>&1 &
   p1=$!
@@ -62,6 +65,11 @@ for v in 1 2 3; do
   every_inference_ok policy "$v"
   every_inference_ok reward "$v"
 done
+
+kill $WATCH; wait $WATCH 2>/dev/null
+grep -c '"state":"COMMITTED"' "$RUN/watch.out" | grep -q '^3$' || fail "watch saw: $(cat "$RUN/watch.out")"
+grep -q '"state":"TRANSFERRING"' "$RUN/watch.out" || fail "watch did not see progress: $(cat "$RUN/watch.out")"
+"$BIN/refitctl" --daemon "unix:$RUN/refitd-3.sock" -o json status | grep -q '"ready":true' || fail "status through node 3"
 
 echo "== stale version and unknown group are refused, the cluster keeps serving"
 out=$(ctl refit policy 2 2>&1) && fail "stale version accepted: $out"

@@ -30,8 +30,6 @@ struct Daemon::LocalWorker {
   std::condition_variable wake;  // its session writer: an event, or the worker is gone
   int64_t prepared_round = -1;
   int64_t resumed_round = -1;
-  int64_t version = 0;  // inference: the version its buffers hold (0: none or unknown)
-  int64_t bytes = 0;
 };
 
 // A group's plan as this daemon executes it.
@@ -230,6 +228,7 @@ Daemon::~Daemon() {
   Shutdown();
   if (heartbeat_.joinable()) heartbeat_.join();
   if (monitor_.joinable()) monitor_.join();
+  for (std::thread& t : background_) t.join();  // rounds started by StartRefit end by deadlines
   if (server_) server_->Wait();
   unlink(config_.worker_socket.c_str());
 }
@@ -315,7 +314,6 @@ absl::Status Daemon::Register(const v1::RegisterWorkerRequest& request,
                                        w.buffers(b).name(), "\": ", mapped.status().message()));
     }
     worker->buffers.push_back(*std::move(mapped));
-    worker->bytes += bytes;
   }
   {
     std::lock_guard<std::mutex> lock(mu_);
@@ -412,9 +410,6 @@ absl::Status Daemon::Session(grpc::ServerContext* context,
       if (w->outbox.empty()) continue;
       event = w->outbox.front();
       w->outbox.pop_front();
-      if (event.kind() == v1::RoundEvent::COMMIT && w->request.role() == v1::INFERENCE) {
-        w->version = event.version();
-      }
     }
     if (!stream->Write(event)) break;
   }
@@ -603,7 +598,6 @@ absl::Status Daemon::RunPhase(const v1::PhaseRequest& request, v1::PhaseResponse
       e.set_round_id(request.round_id());
       e.set_version(request.version());
       e.set_reason(request.reason());
-      if (w->request.role() == v1::INFERENCE) w->version = 0;  // its buffers are not any version
       Push(*w, e);
     }
     return absl::OkStatus();
@@ -633,7 +627,6 @@ absl::Status Daemon::RunPhase(const v1::PhaseRequest& request, v1::PhaseResponse
           e.set_kind(v1::RoundEvent::PREPARE);
           e.set_round_id(request.round_id());
           e.set_version(request.version());
-          if (w->request.role() == v1::INFERENCE) w->version = 0;  // about to be overwritten
           Push(*w, e);
         }
       }
@@ -1091,30 +1084,37 @@ absl::Status Daemon::Refit(const v1::RefitRequest& request, v1::RoundStats* stat
   if (!config_.is_coordinator()) {
     return Forward(CoordinatorStub(), &v1::RefitControl::Stub::Refit, request, stats, round_timeout);
   }
-  int64_t round_id;
-  {
-    std::lock_guard<std::mutex> lock(mu_);
-    auto it = groups_.find(request.group());
-    if (it == groups_.end()) {
-      std::vector<std::string> known;
-      for (const auto& [name, g] : groups_) known.push_back(name);
-      return absl::NotFoundError(absl::StrCat("no model group \"", request.group(), "\" (known: ",
-                                              known.empty() ? "none" : absl::StrJoin(known, ", "), ")"));
-    }
-    GroupState& g = it->second;
-    if (request.version() <= 0) return absl::InvalidArgumentError("version must be positive");
-    if (g.busy) {
-      return absl::AbortedError(absl::StrCat("group \"", request.group(), "\" is already running a round"));
-    }
-    if (request.version() <= g.version) {
-      return absl::FailedPreconditionError(absl::StrCat(
-          "version ", request.version(), " is not newer than group \"", request.group(),
-          "\"'s committed version ", g.version));
-    }
-    if (auto s = EnsurePlan(request.group()); !s.ok()) return s;
-    g.busy = true;
-    round_id = next_round_++;
+  auto round_id = BeginRound(request);
+  if (!round_id.ok()) return round_id.status();
+  return FinishRound(request, *round_id, stats);
+}
+
+absl::StatusOr<int64_t> Daemon::BeginRound(const v1::RefitRequest& request) {
+  std::lock_guard<std::mutex> lock(mu_);
+  auto it = groups_.find(request.group());
+  if (it == groups_.end()) {
+    std::vector<std::string> known;
+    for (const auto& [name, g] : groups_) known.push_back(name);
+    return absl::NotFoundError(absl::StrCat("no model group \"", request.group(), "\" (known: ",
+                                            known.empty() ? "none" : absl::StrJoin(known, ", "), ")"));
   }
+  GroupState& g = it->second;
+  if (request.version() <= 0) return absl::InvalidArgumentError("version must be positive");
+  if (g.busy) {
+    return absl::AbortedError(absl::StrCat("group \"", request.group(), "\" is already running a round"));
+  }
+  if (request.version() <= g.version) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "version ", request.version(), " is not newer than group \"", request.group(),
+        "\"'s committed version ", g.version));
+  }
+  if (auto s = EnsurePlan(request.group()); !s.ok()) return s;
+  g.busy = true;
+  return next_round_++;
+}
+
+absl::Status Daemon::FinishRound(const v1::RefitRequest& request, int64_t round_id,
+                                 v1::RoundStats* stats) {
   const absl::Status s = RunRound(request.group(), round_id, request.version(), stats);
   std::lock_guard<std::mutex> lock(mu_);
   GroupState& g = groups_[request.group()];
@@ -1128,15 +1128,15 @@ absl::Status Daemon::StartRefit(const v1::RefitRequest& request, v1::StartRefitR
     return Forward(CoordinatorStub(), &v1::RefitControl::Stub::StartRefit, request, response,
                    config_.peer_timeout);
   }
-  // Run the round on its own thread; report the id it will get.
-  {
-    std::lock_guard<std::mutex> lock(mu_);
-    response->set_round_id(next_round_);
-  }
-  std::thread([this, request] {
+  // Checked now (a stale version is refused here); run on a thread the daemon joins at shutdown.
+  auto round_id = BeginRound(request);
+  if (!round_id.ok()) return round_id.status();
+  response->set_round_id(*round_id);
+  std::lock_guard<std::mutex> lock(mu_);
+  background_.emplace_back([this, request, id = *round_id] {
     v1::RoundStats stats;
-    Refit(request, &stats).IgnoreError();  // the outcome goes to WatchRounds
-  }).detach();
+    FinishRound(request, id, &stats).IgnoreError();  // the outcome goes to WatchRounds
+  });
   return absl::OkStatus();
 }
 

@@ -91,6 +91,9 @@ class Daemon {
   absl::Status CallPeer(int32_t node, const v1::PhaseRequest& request, v1::PhaseResponse* response,
                         absl::Duration timeout);
   absl::Status CallInstall(int32_t node, const v1::InstallPlanRequest& request);
+  // Checks a refit request and reserves the group (busy) and a round id.
+  absl::StatusOr<int64_t> BeginRound(const v1::RefitRequest& request);
+  absl::Status FinishRound(const v1::RefitRequest& request, int64_t round_id, v1::RoundStats* stats);
   absl::Status RunRound(const std::string& group, int64_t round_id, int64_t version, v1::RoundStats* stats);
   void Publish(const v1::RoundStats& stats);  // to WatchRounds
   v1::RefitControl::Stub* CoordinatorStub();
@@ -103,6 +106,7 @@ class Daemon {
   std::vector<std::unique_ptr<grpc::Service>> services_;
   std::unique_ptr<grpc::Server> server_;
   std::thread heartbeat_, monitor_;
+  std::vector<std::thread> background_;  // rounds started by StartRefit (guarded by mu_)
 
   std::mutex mu_;
   std::condition_variable changed_;  // any state change: workers, rounds, shutdown

@@ -165,6 +165,28 @@ TEST_CASE("rounds: unknown group, not ready, a real round, stale and repeated ve
   CHECK(Says(refit("policy", 2), grpc::StatusCode::FAILED_PRECONDITION, "not newer"));
   CHECK(Says(refit("policy", 1), grpc::StatusCode::FAILED_PRECONDITION, "committed version 2"));
 
+  // Without waiting: checked at once, then the round runs on its own.
+  {
+    grpc::ClientContext ctx;
+    v1::RefitRequest r;
+    r.set_group("policy");
+    r.set_version(2);
+    v1::StartRefitResponse started;
+    CHECK(Says(c.control->StartRefit(&ctx, r, &started), grpc::StatusCode::FAILED_PRECONDITION, "not newer"));
+  }
+  {
+    grpc::ClientContext ctx;
+    v1::RefitRequest r;
+    r.set_group("policy");
+    r.set_version(3);
+    v1::StartRefitResponse started;
+    REQUIRE(c.control->StartRefit(&ctx, r, &started).ok());
+    CHECK(started.round_id() == 3);
+  }
+  const absl::Time until = absl::Now() + absl::Seconds(10);
+  while ((*e)->version() != 3 && absl::Now() < until) absl::SleepFor(absl::Milliseconds(20));
+  CHECK((*e)->version() == 3);
+
   grpc::ClientContext ctx;
   v1::GetPlanRequest pr;
   pr.set_group("policy");

@@ -8,6 +8,7 @@
 #include <atomic>
 #include <cerrno>
 #include <cstring>
+#include <random>
 
 #include "absl/strings/str_cat.h"
 
@@ -99,9 +100,15 @@ void SharedMemory::Reset() {
   owner_ = false;
 }
 
+void SharedMemory::Unlink() {
+  if (owner_) shm_unlink(name_.c_str());
+  owner_ = false;
+}
+
 std::string UniqueShmName(const std::string& tag) {
   static std::atomic<int64_t> counter{0};
-  return absl::StrCat("/refit-", getpid(), "-", counter++, "-", tag);
+  static const uint64_t salt = std::random_device()() ^ (uint64_t{std::random_device()()} << 32);
+  return absl::StrCat("/refit-", getpid(), "-", absl::Hex(salt), "-", counter++, "-", tag);
 }
 
 }  // namespace refit

@@ -26,6 +26,9 @@ class SharedMemory {
   ~SharedMemory();
 
   std::span<std::byte> bytes() const { return {static_cast<std::byte*>(data_), size_}; }
+  // Removes the name; the memory lives on while mapped. Once the daemon has mapped a buffer, the
+  // worker unlinks it, so a killed worker leaves nothing behind in /dev/shm.
+  void Unlink();
   const std::string& name() const { return name_; }
 
  private:
@@ -36,7 +39,7 @@ class SharedMemory {
   bool owner_ = false;  // unlinks the name when destroyed
 };
 
-// A name no other process uses: "/refit-<pid>-<counter>-<tag>".
+// A name no other process uses: "/refit-<pid>-<random>-<counter>-<tag>" (pids are reused).
 std::string UniqueShmName(const std::string& tag);
 
 }  // namespace refit

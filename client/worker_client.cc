@@ -50,6 +50,7 @@ absl::StatusOr<std::unique_ptr<WorkerClient>> WorkerClient::Connect(
     if (!s.ok()) return s;
     c->worker_id_ = response.worker_id();
   }
+  for (SharedMemory& m : c->memory_) m.Unlink();  // the daemon holds its own mapping now
   c->session_ = c->stub_->Session(&c->session_context_);
   v1::WorkerMessage hello;
   hello.set_hello(c->worker_id_);

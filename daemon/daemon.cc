@@ -465,6 +465,9 @@ absl::Status Daemon::SyncToCoordinator(const v1::RegisterWorkerRequest* added,
     RecomputeEpochs();
     return absl::OkStatus();
   }
+  // One sync at a time, snapshot taken inside: two registrations racing must not let an older
+  // snapshot (without the newer worker) reach the coordinator last.
+  std::lock_guard<std::mutex> order(sync_mu_);
   v1::SyncWorkersRequest sync = LocalSnapshot();
   grpc::ClientContext ctx;
   ctx.set_deadline(Deadline(config_.peer_timeout));

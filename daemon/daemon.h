@@ -127,6 +127,8 @@ class Daemon {
   std::mutex beat_mu_;
   std::map<int32_t, std::pair<int64_t, absl::Time>> beats_;
 
+  std::mutex sync_mu_;  // orders SyncToCoordinator calls (remote daemons)
+
   std::mutex stubs_mu_;
   std::map<std::string, std::unique_ptr<v1::RefitPeer::Stub>> peer_stubs_;
   std::unique_ptr<v1::RefitControl::Stub> coordinator_stub_;

@@ -20,6 +20,9 @@ std::pair<int64_t, int64_t> Part(int64_t extent, int64_t parts, int64_t i) {
 
 int64_t RoundUp(int64_t v, int64_t m) { return (v + m - 1) / m * m; }
 
+// The origin of row `row` of a weight (rank 2) or bias (rank 1) buffer.
+Dims RowAt(int rank, int64_t row) { return rank == 1 ? Dims{row} : Dims{row, 0}; }
+
 Box RowsOf(const Dims& shape, int64_t begin, int64_t end, int dim = 0) {
   Box b = Box::Whole(shape);
   b.origin[dim] = begin;
@@ -138,7 +141,7 @@ absl::Status AddMegatronRank(Builder& b, const ModelConfig& m, const TrainerPara
         Dims shape = def.shape;
         shape[0] = local * (qpg + 2) * hd;
         const int32_t buf = b.Buffer(worker, lp + "self_attention.linear_qkv." + suffix, shape);
-        auto at = [&](int64_t row) { return shape.rank == 1 ? Dims{row} : Dims{row, 0}; };
+        auto at = [&](int64_t row) { return RowAt(shape.rank, row); };
         const int32_t vi = b.Index(Sibling(def.name, "q_proj", "v_proj"));
         for (int64_t g = 0; g < local; ++g) {
           const int64_t G = t * local + g, row = g * (qpg + 2) * hd;
@@ -297,7 +300,7 @@ void AddVllmRank(Builder& b, const ModelConfig& m, const InferenceParallelism& p
         Dims shape = def.shape;
         shape[0] = (q1 - q0) + 2 * (k1 - k0);
         const int32_t buf = b.Buffer(worker, lp + "self_attn.qkv_proj." + suffix, shape);
-        auto at = [&](int64_t row) { return shape.rank == 1 ? Dims{row} : Dims{row, 0}; };
+        auto at = [&](int64_t row) { return RowAt(shape.rank, row); };
         b.Put(ti, RowsOf(def.shape, q0, q1), buf, at(0));
         b.Put(b.Index(k.name), RowsOf(k.shape, k0, k1), buf, at(q1 - q0));
         b.Put(vi, RowsOf(k.shape, k0, k1), buf, at(q1 - q0 + k1 - k0));

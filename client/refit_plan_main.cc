@@ -53,11 +53,8 @@ int main(int argc, char** argv) {
   if (src_path.empty() || dst_path.empty()) flags.Fail("--src and --dst are required");
 
   auto load = [&](const std::string& path, const char* side) {
-    auto text = ReadFile(path);
-    if (!text.ok()) flags.Fail(std::string(text.status().message()));
-    auto layout = ParseLayoutJson(*text);
-    if (!layout.ok()) flags.Fail(absl::StrCat(path, ": ", layout.status().message()));
-    if (auto s = ValidateLayout(*layout, side); !s.ok()) flags.Fail(absl::StrCat(path, ": ", s.message()));
+    auto layout = ReadLayoutFile(path, side);
+    if (!layout.ok()) flags.Fail(std::string(layout.status().message()));
     return *std::move(layout);
   };
   const Layout src = load(src_path, "source");

@@ -9,6 +9,7 @@
 #include "absl/strings/str_join.h"
 #include "google/protobuf/util/json_util.h"
 #include "plan/status_macros.h"
+#include "plan/validate.h"
 
 namespace refit {
 namespace {
@@ -280,6 +281,15 @@ std::string SummaryToJson(const PlanStats& s, bool verified) {
       ",\"lower_bound_seconds\":", absl::StrFormat("%.9g", s.lower_bound_seconds),
       ",\"planning_seconds\":", absl::StrFormat("%.6g", s.planning_seconds),
       ",\"verified\":", verified ? "true" : "false", "}");
+}
+
+absl::StatusOr<Layout> ReadLayoutFile(const std::string& path, absl::string_view side) {
+  auto text = ReadFile(path);
+  if (!text.ok()) return text.status();
+  auto layout = ParseLayoutJson(*text);
+  if (!layout.ok()) return Annotate(layout.status(), path);
+  if (auto s = ValidateLayout(*layout, side); !s.ok()) return Annotate(s, path);
+  return layout;
 }
 
 absl::StatusOr<std::string> ReadFile(const std::string& path) {

@@ -30,4 +30,8 @@ std::string SummaryToJson(const PlanStats& stats, bool verified);
 // Reads a whole file; NOT_FOUND naming the path when it cannot.
 absl::StatusOr<std::string> ReadFile(const std::string& path);
 
+// Reads, parses and validates a layout file (`side` names it in errors); errors start with the
+// path.
+absl::StatusOr<Layout> ReadLayoutFile(const std::string& path, absl::string_view side);
+
 }  // namespace refit

@@ -47,11 +47,8 @@ int main(int argc, char** argv) {
   }
   if (role_name != "trainer" && role_name != "inference") flags.Fail("--role must be trainer or inference");
   const v1::Role role = role_name == "trainer" ? v1::TRAINER : v1::INFERENCE;
-  auto text = ReadFile(layout_path);
-  if (!text.ok()) flags.Fail(std::string(text.status().message()));
-  auto side = ParseLayoutJson(*text);
+  auto side = ReadLayoutFile(layout_path, role_name);
   if (!side.ok()) flags.Fail(std::string(side.status().message()));
-  if (auto s = ValidateLayout(*side, role_name); !s.ok()) flags.Fail(std::string(s.message()));
   auto found = side->worker_index.find(worker_name);
   if (found == side->worker_index.end()) flags.Fail(absl::StrCat("no worker \"", worker_name, "\" in ", layout_path));
   Layout mine = WorkerLayout(*side, found->second);

@@ -1,6 +1,8 @@
 #include "daemon/config.h"
 
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_split.h"
 #include "client/cli_flags.h"
 #include "google/protobuf/struct.pb.h"
 #include "google/protobuf/util/json_util.h"
@@ -26,6 +28,8 @@ DaemonConfig ParseDaemonFlags(int argc, char** argv) {
   flags.String("coordinator", &c.coordinator, "the coordinator's --listen address; empty: this daemon coordinates");
   flags.String("data-listen", &c.data_listen, "host data plane address peers send messages to");
   flags.String("backend", &c.backend, "data plane: host (shared memory + TCP) or cuda");
+  std::string gpus;
+  flags.String("gpus", &gpus, "comma-separated local GPU indices this daemon serves (empty: any)");
   flags.Int("max-message-bytes", &max_message, "staging bound: one message's bytes, per connection");
   flags.Double("prepare-timeout", &prepare_s, "seconds for every worker to confirm PREPARE");
   flags.Double("transfer-timeout", &transfer_s, "seconds for a round's transfer");
@@ -71,6 +75,11 @@ DaemonConfig ParseDaemonFlags(int argc, char** argv) {
     flags.Fail("--max-message-bytes must be in [4096, 2^31]");
   }
   if (c.backend != "host" && c.backend != "cuda") flags.Fail("--backend must be host or cuda");
+  for (absl::string_view part : absl::StrSplit(gpus, ',', absl::SkipEmpty())) {
+    int32_t gpu = -1;
+    if (!absl::SimpleAtoi(part, &gpu) || gpu < 0) flags.Fail(absl::StrCat("--gpus: \"", part, "\" is not a GPU index"));
+    c.gpus.push_back(gpu);
+  }
   for (double v : {prepare_s, transfer_s, commit_s, peer_s, heartbeat_s}) {
     if (v <= 0) flags.Fail("every timeout and the heartbeat must be positive");
   }

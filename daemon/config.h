@@ -4,6 +4,7 @@
 
 #include <cstdint>
 #include <string>
+#include <vector>
 
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
@@ -18,6 +19,8 @@ struct DaemonConfig {
   std::string coordinator;                // the coordinator's --listen address; empty: this is it
   std::string data_listen = "127.0.0.1:0";  // host data plane (--data-listen)
   std::string backend = "host";           // host | cuda (--backend)
+  std::vector<int32_t> gpus;              // local GPU indices this daemon serves (--gpus 0,1);
+                                          // empty: any. A worker on another GPU is refused.
   int64_t max_message_bytes = 16 << 20;   // staging chunk per connection (--max-message-bytes)
   absl::Duration prepare_timeout = absl::Seconds(10);
   absl::Duration transfer_timeout = absl::Seconds(60);

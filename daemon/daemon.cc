@@ -291,6 +291,13 @@ absl::Status Daemon::Register(const v1::RegisterWorkerRequest& request,
                                                    w.buffers_size(), " buffers but ",
                                                    request.memory_size(), " memory handles"));
   }
+  if (!config_.gpus.empty() &&
+      std::find(config_.gpus.begin(), config_.gpus.end(), w.gpu()) == config_.gpus.end()) {
+    return absl::InvalidArgumentError(absl::StrCat("register: worker \"", w.name(), "\" is on GPU ",
+                                                   w.gpu(), ", which node ", config_.node,
+                                                   "'s daemon does not serve (--gpus ",
+                                                   absl::StrJoin(config_.gpus, ","), ")"));
+  }
   // The worker's own part of the layout must be well formed before it joins a group.
   v1::Layout mine;
   *mine.mutable_tensors() = request.tensors();

@@ -31,6 +31,7 @@ struct Cluster {
     c.prepare_timeout = absl::Seconds(3);
     c.commit_timeout = absl::Seconds(3);
     c.log_level = "warn";
+    c.gpus = {0, 1, 2, 3};
     auto d = Daemon::Start(c);
     REQUIRE(d.ok());
     daemon = *std::move(d);
@@ -98,6 +99,11 @@ TEST_CASE("bad registrations get clear errors and the daemon keeps serving") {
     auto r = Request("t0", v1::TRAINER, 0, 8);
     r.mutable_worker()->set_name(std::string(300 << 10, 'x'));
     CHECK(Register(c, r).error_code() == grpc::StatusCode::RESOURCE_EXHAUSTED);
+  }
+  SECTION("a GPU this daemon does not serve") {
+    auto r = Request("t0", v1::TRAINER, 0, 8);
+    r.mutable_worker()->set_gpu(5);
+    CHECK(Says(Register(c, r), grpc::StatusCode::INVALID_ARGUMENT, "GPU 5, which node 0's daemon does not serve"));
   }
   SECTION("unknown worker") {
     grpc::ClientContext ctx;

@@ -1,0 +1,53 @@
+// Copy items: a message's copy descriptors resolved to addresses, in the form the GPU kernels
+// (copy_kernels.h) and their CPU twin execute. Pure C++: built and tested without a GPU.
+//
+// An item copies `inner` contiguous elements, repeated over up to three strided loops, from `src`
+// to `dst`, converting src_dtype to dst_dtype. Packing a message writes its descriptors one after
+// another into staging at the wire dtype; unpacking reads them back in the same order. The work
+// is cut into units (one run, or a segment of a long run) so that one launch balances thousands
+// of items of any size.
+#pragma once
+
+#include <cstdint>
+#include <vector>
+
+#include "plan/host_copy.h"
+#include "plan/plan.h"
+
+namespace refit {
+
+struct CopyItem {
+  uint64_t src = 0;  // address of the first element (device or host)
+  uint64_t dst = 0;
+  int64_t inner = 0;  // elements per run
+  int64_t count[kMaxOuterDims] = {1, 1, 1};  // loops, outermost first (padded with 1)
+  int64_t src_stride[kMaxOuterDims] = {0, 0, 0};  // in elements
+  int64_t dst_stride[kMaxOuterDims] = {0, 0, 0};
+  int64_t segment = 0;   // elements per work unit within a run
+  int64_t segments = 0;  // work units per run
+  uint8_t src_dtype = 0;
+  uint8_t dst_dtype = 0;
+  int64_t Units() const { return count[0] * count[1] * count[2] * segments; }
+};
+static_assert(sizeof(CopyItem) == 112 + 8, "CopyItem is shared with the kernels: keep it plain");
+
+struct CopyWork {
+  std::vector<CopyItem> items;
+  std::vector<int64_t> unit_begin;  // items.size() + 1 prefix sums of Units()
+  int64_t bytes = 0;                // staging bytes
+};
+
+// Addresses of each buffer of a layout (0 where the buffer is not here).
+using BufferAddresses = std::vector<uint64_t>;
+
+// Items that pack message `m` (sources from src/dst addresses as the descriptor says) into
+// `staging`, or unpack `staging` into the destinations. `segment_bytes` bounds one work unit.
+CopyWork PackWork(const Plan& plan, const Message& m, const BufferAddresses& src,
+                  const BufferAddresses& dst, uint64_t staging, int64_t segment_bytes = 16384);
+CopyWork UnpackWork(const Plan& plan, const Message& m, uint64_t staging,
+                    const BufferAddresses& dst, int64_t segment_bytes = 16384);
+
+// The CPU twin of the kernels: runs the items on host memory (addresses are host pointers).
+void RunCopyWorkOnHost(const CopyWork& work);
+
+}  // namespace refit

@@ -1,0 +1,19 @@
+// CUDA kernels that execute copy items (copy_items.h): one launch per message packs all of its
+// descriptors into staging, or unpacks staging into all of its destinations, converting among
+// bf16, fp16 and fp32 on the way. Each warp takes work units (a run, or a segment of a long run)
+// in turn; same-dtype runs move in 16-byte loads and stores when both ends are aligned.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "kernels/copy_items.h"
+
+namespace refit {
+
+// `items` and `unit_begin` (n_items + 1 entries) in device memory.
+cudaError_t LaunchCopyItems(const CopyItem* items, const int64_t* unit_begin, int n_items,
+                            int64_t total_units, cudaStream_t stream);
+
+}  // namespace refit

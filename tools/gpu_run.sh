@@ -1,0 +1,22 @@
+#!/usr/bin/env bash
+# Runs every GPU test and benchmark on a GPU machine, from programs built and bundled here:
+#   here:   bash tools/gpu_run.sh --bundle        (builds, bundles into .device/)
+#   there:  bash tools/gpu_run.sh                 (runs; logs under $OUT, default out/gpu)
+set -uo pipefail
+cd "$(dirname "$0")/.."
+programs=(kernels/copy_kernels_test kernels/copy_bench)
+if [ "${1:-}" = "--bundle" ]; then
+  bazel build //kernels:copy_kernels_test //kernels:copy_bench 2>&1 | grep -E "ERROR|error:" && exit 1
+  ../shared/device/bundle .device "${programs[@]/#/bazel-bin/}"
+  exit $?
+fi
+out=${OUT:-out/gpu}
+mkdir -p "$out"
+export LD_LIBRARY_PATH=$PWD/.device/lib:/usr/local/cuda/lib64 NCCL_NVLS_ENABLE=0
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader >"$out/machine.txt" 2>&1
+status=0
+.device/bin/copy_kernels_test --durations yes >"$out/copy_kernels_test.log" 2>&1 || status=1
+.device/bin/copy_bench --repeat 20 >"$out/copy_bench.jsonl" 2>"$out/copy_bench.err" || status=1
+tail -n 3 "$out/copy_kernels_test.log"
+cat "$out/copy_bench.jsonl"
+exit $status

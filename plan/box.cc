@@ -179,12 +179,6 @@ std::vector<Box> Subtract(const Box& a, const Box& b) {
   return out;
 }
 
-Box Translate(const Box& box, const Dims& offset, bool negate) {
-  Box r = box;
-  for (int d = 0; d < box.rank; ++d) r.origin[d] += negate ? -offset[d] : offset[d];
-  return r;
-}
-
 int64_t LinearIndex(const Dims& index, const Dims& shape) {
   int64_t linear = 0;
   for (int d = 0; d < shape.rank; ++d) linear = linear * shape[d] + index[d];

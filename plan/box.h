@@ -67,8 +67,6 @@ bool Intersects(const Box& a, const Box& b);
 bool Contains(const Box& outer, const Box& inner);
 // a \ b as disjoint boxes (at most 2 * rank of them).
 std::vector<Box> Subtract(const Box& a, const Box& b);
-// The box shifted by -origin_of: coordinates relative to another box's origin.
-Box Translate(const Box& box, const Dims& offset, bool negate);
 // Position of `index` in a row-major array of `shape`.
 int64_t LinearIndex(const Dims& index, const Dims& shape);
 

@@ -79,7 +79,6 @@ struct Layout {
   absl::flat_hash_map<std::string, int32_t> tensor_index;
   absl::flat_hash_map<std::string, int32_t> worker_index;
 
-  const Worker& worker_of(const Piece& p) const { return workers[buffers[p.buffer].worker]; }
   int64_t TotalBufferBytes() const;
 
   absl::flat_hash_map<Box, int32_t, BoxHash> box_ids;  // InternBox's index into boxes

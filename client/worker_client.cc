@@ -15,7 +15,7 @@ absl::Status FromGrpc(const grpc::Status& s) {
 
 absl::StatusOr<std::unique_ptr<WorkerClient>> WorkerClient::Connect(
     const std::string& daemon, const std::string& group, v1::Role role, const Layout& layout,
-    WorkerCallbacks callbacks, absl::Duration timeout) {
+    WorkerCallbacks callbacks, absl::Duration timeout, std::vector<v1::BufferMemory> memory) {
   if (layout.workers.size() != 1) {
     return absl::InvalidArgumentError(absl::StrCat("a worker's layout holds exactly one worker, not ",
                                                    layout.workers.size()));
@@ -29,7 +29,14 @@ absl::StatusOr<std::unique_ptr<WorkerClient>> WorkerClient::Connect(
   request.set_role(role);
   *request.mutable_tensors() = proto.tensors();
   *request.mutable_worker() = proto.workers(0);
-  for (const Buffer& b : layout.buffers) {
+  if (!memory.empty()) {
+    if (memory.size() != layout.buffers.size()) {
+      return absl::InvalidArgumentError(absl::StrCat(layout.buffers.size(), " buffers but ",
+                                                     memory.size(), " memory handles"));
+    }
+    for (auto& m : memory) *request.add_memory() = std::move(m);
+  }
+  for (const Buffer& b : memory.empty() ? layout.buffers : std::vector<Buffer>{}) {
     auto shm = SharedMemory::Create(UniqueShmName("buf"), static_cast<size_t>(b.NumBytes()));
     if (!shm.ok()) return shm.status();
     v1::SharedMemory* m = request.add_memory()->mutable_shm();

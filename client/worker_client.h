@@ -35,9 +35,12 @@ class WorkerClient {
  public:
   // `layout` holds this worker only (its buffers and pieces) and the tensors they name.
   // `daemon` is "unix:/tmp/refitd-0.sock" or "host:port".
+  // `memory`: one exported handle per buffer (e.g. ExportCudaBuffer) for memory the worker
+  // allocated itself; empty: the library allocates host shared memory (buffer() gives it).
   static absl::StatusOr<std::unique_ptr<WorkerClient>> Connect(
       const std::string& daemon, const std::string& group, v1::Role role, const Layout& layout,
-      WorkerCallbacks callbacks, absl::Duration timeout = absl::Seconds(10));
+      WorkerCallbacks callbacks, absl::Duration timeout = absl::Seconds(10),
+      std::vector<v1::BufferMemory> memory = {});
   ~WorkerClient();  // ends the session; the daemon drops the worker
 
   std::span<std::byte> buffer(size_t index) const { return memory_[index].bytes(); }

@@ -9,6 +9,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "daemon/cuda_backend.h"
 #include "daemon/grpc_status.h"
 #include "daemon/host_backend.h"
 #include "daemon/logging.h"
@@ -152,12 +153,15 @@ Daemon::Daemon(const DaemonConfig& config) : config_(config) {
 absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(const DaemonConfig& config) {
   SetLogLevel(config.log_level);
   std::unique_ptr<Daemon> d(new Daemon(config));
-  if (config.backend != "host") {
-    return absl::UnimplementedError("--backend=cuda is not built yet; use --backend=host");
+  if (config.backend == "cuda") {
+    auto backend = CudaBackend::Start(config.gpus);
+    if (!backend.ok()) return backend.status();
+    d->backend_ = *std::move(backend);
+  } else {
+    auto backend = HostBackend::Start(config.data_listen);
+    if (!backend.ok()) return backend.status();
+    d->backend_ = *std::move(backend);
   }
-  auto backend = HostBackend::Start(config.data_listen);
-  if (!backend.ok()) return backend.status();
-  d->backend_ = *std::move(backend);
   if (auto s = d->Serve(); !s.ok()) return s;
   Logger("rpc")->info("node {} serving on {} and unix:{}, data plane {} ({}), {}", config.node,
                       d->address_, config.worker_socket, d->backend_->data_address(),

@@ -72,6 +72,24 @@ CopyWork UnpackWork(const Plan& plan, const Message& m, uint64_t staging,
   return Build<false>(plan, m, {}, dst, staging, segment_bytes);
 }
 
+CopyWork DirectWork(const Plan& plan, const Message& m, const BufferAddresses& src,
+                    const BufferAddresses& dst, int64_t segment_bytes) {
+  CopyWork w;
+  w.unit_begin.push_back(0);
+  for (int64_t k = 0; k < m.num_descriptors; ++k) {
+    const CopyDescriptor& d = plan.descriptor(m, k);
+    CopyItem it = ItemFor(d, segment_bytes);
+    const BufferAddresses& from = d.src_is_destination ? dst : src;
+    it.src = from[d.src_buffer] + static_cast<uint64_t>(d.src_offset * DTypeSize(d.src_dtype));
+    it.dst = dst[d.dst_buffer] + static_cast<uint64_t>(d.dst_offset * DTypeSize(d.dst_dtype));
+    it.src_dtype = static_cast<uint8_t>(d.src_dtype);
+    it.dst_dtype = static_cast<uint8_t>(d.dst_dtype);
+    w.unit_begin.push_back(w.unit_begin.back() + it.Units());
+    w.items.push_back(it);
+  }
+  return w;
+}
+
 void RunCopyWorkOnHost(const CopyWork& work) {
   // Unit by unit, exactly as the kernel decodes them.
   for (size_t i = 0; i < work.items.size(); ++i) {

@@ -47,6 +47,11 @@ CopyWork PackWork(const Plan& plan, const Message& m, const BufferAddresses& src
 CopyWork UnpackWork(const Plan& plan, const Message& m, uint64_t staging,
                     const BufferAddresses& dst, int64_t segment_bytes = 16384);
 
+// Items that copy message `m` straight from its sources to its destinations, without staging:
+// for GPUs that reach each other's memory (one node, peer access).
+CopyWork DirectWork(const Plan& plan, const Message& m, const BufferAddresses& src,
+                    const BufferAddresses& dst, int64_t segment_bytes = 16384);
+
 // The CPU twin of the kernels: runs the items on host memory (addresses are host pointers).
 void RunCopyWorkOnHost(const CopyWork& work);
 

@@ -45,5 +45,23 @@ TEST_CASE("items pack and unpack exactly like the CPU reference") {
   }
 }
 
+TEST_CASE("direct items (no staging) give the CPU reference's destinations") {
+  for (uint64_t seed = 100; seed <= 130; ++seed) {
+    TestPlan t = MakeTestPlan(seed);
+    HostBuffers src(t.src), ref(t.dst), got(t.dst);
+    const FillSpec spec = MakeFillSpec(t.src, t.dst, seed);
+    FillSources(t.src, spec, src.memory);
+    PoisonDestinations(ref.memory);
+    PoisonDestinations(got.memory);
+    ExecuteOnHost(t.plan, src.memory, ref.memory);
+    for (int stage = 0; stage < kMaxStages; ++stage) {
+      for (const Message& m : t.plan.messages) {
+        if (m.stage == stage) RunCopyWorkOnHost(DirectWork(t.plan, m, src.addresses(), got.addresses(), 128));
+      }
+    }
+    for (size_t b = 0; b < t.dst.buffers.size(); ++b) REQUIRE(ref.storage[b] == got.storage[b]);
+  }
+}
+
 }  // namespace
 }  // namespace refit

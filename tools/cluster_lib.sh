@@ -28,7 +28,7 @@ start_daemon() {
 # start_worker KEY NODE GROUP ROLE LAYOUT WORKER [extra flags]
 start_worker() {
   local key=$1 node=$2 group=$3 role=$4 layout=$5 worker=$6; shift 6
-  "$BIN/sim-worker" --daemon "unix:$RUN/refitd-$node.sock" --group "$group" --role "$role" \
+  "${WORKER_BIN:-$BIN/sim-worker}" --daemon "unix:$RUN/refitd-$node.sock" --group "$group" --role "$role" \
     --layout "$layout" --worker "$worker" --report "$RUN/$key.report" "$@" >>"$RUN/$key.log" 2>&1 &
   WORKER_PID[$key]=$!
 }

@@ -4,9 +4,11 @@
 #   there:  bash tools/gpu_run.sh                 (runs; logs under $OUT, default out/gpu)
 set -uo pipefail
 cd "$(dirname "$0")/.."
-programs=(kernels/copy_kernels_test kernels/copy_bench)
+programs=(kernels/copy_kernels_test kernels/copy_bench daemon/refitd client/refitctl client/refit-layout
+          tests/workers/sim-worker-cuda)
 if [ "${1:-}" = "--bundle" ]; then
-  bazel build //kernels:copy_kernels_test //kernels:copy_bench 2>&1 | grep -E "ERROR|error:" && exit 1
+  bazel build //kernels:copy_kernels_test //kernels:copy_bench //daemon:refitd //client:refitctl \
+    //client:refit-layout //tests/workers:sim-worker-cuda 2>&1 | grep -E "ERROR|error:" && exit 1
   ../shared/device/bundle .device "${programs[@]/#/bazel-bin/}"
   exit $?
 fi
@@ -19,4 +21,10 @@ status=0
 .device/bin/copy_bench --repeat 20 >"$out/copy_bench.jsonl" 2>"$out/copy_bench.err" || status=1
 tail -n 3 "$out/copy_kernels_test.log"
 cat "$out/copy_bench.jsonl"
+gpus=$(nvidia-smi -L 2>/dev/null | wc -l)
+if [ "$gpus" -ge 2 ]; then
+  RUN=/tmp/refit-colocated bash tests/gpu/colocated.sh >"$out/colocated.log" 2>&1 || status=1
+  cp /tmp/refit-colocated/daemon0.log "$out/colocated_daemon0.log" 2>/dev/null
+  tail -n 12 "$out/colocated.log"
+fi
 exit $status

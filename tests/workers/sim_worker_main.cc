@@ -17,6 +17,11 @@
 #include "plan/validate.h"
 #include "plan/verify.h"
 #include "proto/layout_codec.h"
+#ifdef REFIT_SIM_WORKER_CUDA
+#include <cuda_runtime.h>
+
+#include "client/cuda_export.h"
+#endif
 
 namespace {
 std::mutex report_mu;
@@ -61,7 +66,40 @@ int main(int argc, char** argv) {
   pthread_sigmask(SIG_BLOCK, &signals, nullptr);
 
   std::unique_ptr<WorkerClient> client;
-  BufferMemory memory;
+  BufferMemory memory;  // what FillSources / CheckDestinations see: host memory
+#ifdef REFIT_SIM_WORKER_CUDA
+  // The weights live on the GPU, all buffers in one allocation (as in PyTorch's caching
+  // allocator, buffers sit at offsets from its base); host copies are for filling and checking.
+  const int gpu = mine.workers[0].gpu;
+  if (cudaSetDevice(gpu) != cudaSuccess) flags.Fail(absl::StrCat("no GPU ", gpu));
+  std::vector<int64_t> offsets;
+  int64_t total = 0;
+  for (const Buffer& b : mine.buffers) {
+    offsets.push_back(total);
+    total += (b.NumBytes() + 255) / 256 * 256;
+  }
+  char* device = nullptr;
+  if (cudaMalloc(&device, std::max<int64_t>(total, 256)) != cudaSuccess) flags.Fail("cudaMalloc failed");
+  std::vector<std::vector<std::byte>> host(mine.buffers.size());
+  std::vector<v1::BufferMemory> exported;
+  for (size_t b = 0; b < mine.buffers.size(); ++b) {
+    host[b].resize(static_cast<size_t>(mine.buffers[b].NumBytes()));
+    memory.emplace_back(host[b].data(), host[b].size());
+    auto e = ExportCudaBuffer(device + offsets[b], mine.buffers[b].NumBytes());
+    if (!e.ok()) flags.Fail(std::string(e.status().message()));
+    exported.push_back(*e);
+  }
+  auto to_device = [&] {
+    for (size_t b = 0; b < host.size(); ++b) cudaMemcpy(device + offsets[b], host[b].data(), host[b].size(), cudaMemcpyHostToDevice);
+  };
+  auto to_host = [&] {
+    for (size_t b = 0; b < host.size(); ++b) cudaMemcpy(host[b].data(), device + offsets[b], host[b].size(), cudaMemcpyDeviceToHost);
+  };
+#else
+  std::vector<v1::BufferMemory> exported;  // the library allocates shared memory
+  auto to_device = [] {};
+  auto to_host = [] {};
+#endif
   auto spec_for = [&](int64_t version) {
     FillSpec spec;
     spec.seed = static_cast<uint64_t>(version);
@@ -71,7 +109,10 @@ int main(int argc, char** argv) {
   WorkerCallbacks callbacks;
   callbacks.on_prepare = [&](int64_t version) {
     if (prepare_delay_ms > 0) absl::SleepFor(absl::Milliseconds(prepare_delay_ms));
-    if (role == v1::TRAINER) FillSources(mine, spec_for(version), memory);  // "the optimizer step"
+    if (role == v1::TRAINER) {
+      FillSources(mine, spec_for(version), memory);  // "the optimizer step"
+      to_device();
+    }
     Report(absl::StrCat("prepare ", version));
     return absl::OkStatus();
   };
@@ -80,6 +121,7 @@ int main(int argc, char** argv) {
       Report(absl::StrCat("commit ", version));
       return;
     }
+    to_host();
     auto checked = CheckDestinations(mine, mine, spec_for(version), memory);
     if (checked.ok()) {
       Report(absl::StrCat("commit ", version, " ok ", checked->elements_checked, " elements ",
@@ -91,14 +133,19 @@ int main(int argc, char** argv) {
   callbacks.on_abort = [&](int64_t round, const std::string& reason) {
     Report(absl::StrCat("abort round ", round, ": ", reason));
   };
-  auto connected = WorkerClient::Connect(daemon, group, role, mine, callbacks);
+  auto connected = WorkerClient::Connect(daemon, group, role, mine, callbacks, absl::Seconds(10), exported);
   if (!connected.ok()) {
     std::fprintf(stderr, "sim-worker: %s\n", std::string(connected.status().message()).c_str());
     return 1;
   }
   client = *std::move(connected);
-  for (size_t b = 0; b < client->num_buffers(); ++b) memory.push_back(client->buffer(b));
-  if (role == v1::INFERENCE) PoisonDestinations(memory);
+  if (exported.empty()) {
+    for (size_t b = 0; b < client->num_buffers(); ++b) memory.push_back(client->buffer(b));
+  }
+  if (role == v1::INFERENCE) {
+    PoisonDestinations(memory);
+    to_device();
+  }
   Report(absl::StrCat("registered ", client->worker_id()));
   int sig = 0;
   sigwait(&signals, &sig);

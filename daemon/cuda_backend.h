@@ -1,0 +1,47 @@
+// The cuda data plane (in progress, issue 4): workers' buffers reached through CUDA IPC handles,
+// each allocation opened once and cached until its last buffer is released; messages inside a
+// node copied straight from source to destination by the copy kernels running on the receiving
+// GPU, reading the sender's memory over NVLink (peer access), stage by stage. Messages between
+// nodes need NCCL, which is not built yet: a plan that has them is refused with that reason.
+#pragma once
+
+#include <atomic>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <set>
+#include <vector>
+
+#include "daemon/backend.h"
+
+namespace refit {
+
+class CudaBackend : public DataBackend {
+ public:
+  // `gpus`: the local GPU indices this daemon serves (peer access is enabled among them).
+  static absl::StatusOr<std::unique_ptr<CudaBackend>> Start(const std::vector<int32_t>& gpus);
+  ~CudaBackend() override;
+
+  std::string name() const override { return "cuda"; }
+  std::string data_address() const override { return ""; }
+  absl::StatusOr<std::unique_ptr<MappedBuffer>> Map(const v1::BufferMemory& memory,
+                                                    int64_t bytes) override;
+  absl::StatusOr<TransferStats> Transfer(const TransferJob& job) override;
+  void Cancel(const std::string& group, int64_t round_id, const std::string& reason) override;
+
+  struct Allocation;  // an opened IPC handle
+
+ private:
+  CudaBackend() = default;
+  // `address` (in its owner GPU's import) as GPU `gpu`'s kernels must use it.
+  absl::StatusOr<uint64_t> AddressOn(int32_t gpu, uint64_t address);
+  void Forget(Allocation* a);
+  std::map<uint64_t, Allocation*> by_base_;  // owner-context base -> allocation
+  std::vector<int32_t> gpus_;
+  std::mutex mu_;
+  std::map<std::string, std::weak_ptr<Allocation>> opened_;  // by handle bytes
+  std::map<std::pair<std::string, int64_t>, std::string> cancelled_;
+  std::map<int32_t, void*> streams_;  // cudaStream_t per GPU
+};
+
+}  // namespace refit

@@ -58,6 +58,21 @@ struct Fixture {
   }
 };
 
+// A job for `node` of the fixture's plan alone: the other two nodes' addresses lead nowhere.
+TransferJob LonelyJob(const Fixture& f, const Memory& dst, const HostBackend& self, int32_t node,
+                      int64_t round, absl::Duration timeout) {
+  TransferJob job;
+  job.group = "policy";
+  job.round_id = round;
+  job.node = node;
+  job.plan = f.plan;
+  job.src = BufferMemory(f.src.buffers.size());
+  job.dst = dst.OnNode(f.dst, node);
+  for (int32_t n = 0; n < 3; ++n) job.data_addresses[n] = n == node ? self.data_address() : "127.0.0.1:1";
+  job.deadline = absl::Now() + timeout;
+  return job;
+}
+
 TEST_CASE("three daemons' host backends execute one plan byte for byte, round after round") {
   Fixture f;
   std::vector<std::unique_ptr<HostBackend>> nodes;
@@ -108,15 +123,7 @@ TEST_CASE("a daemon that never sends: the receiver's transfer ends at its deadli
   auto a = HostBackend::Start("127.0.0.1:0");
   REQUIRE(a.ok());
   Memory dst(f.dst);
-  TransferJob job;
-  job.group = "policy";
-  job.round_id = 7;
-  job.node = 1;
-  job.plan = f.plan;
-  job.src = BufferMemory(f.src.buffers.size());
-  job.dst = dst.OnNode(f.dst, 1);
-  job.data_addresses = {{0, "127.0.0.1:1"}, {1, (*a)->data_address()}, {2, "127.0.0.1:1"}};
-  job.deadline = absl::Now() + absl::Milliseconds(300);
+  const TransferJob job = LonelyJob(f, dst, **a, 1, 7, absl::Milliseconds(300));
   const absl::Time start = absl::Now();
   auto r = (*a)->Transfer(job);
   REQUIRE_FALSE(r.ok());
@@ -131,15 +138,7 @@ TEST_CASE("Cancel ends a waiting transfer with the reason") {
   auto a = HostBackend::Start("127.0.0.1:0");
   REQUIRE(a.ok());
   Memory dst(f.dst);
-  TransferJob job;
-  job.group = "policy";
-  job.round_id = 9;
-  job.node = 2;
-  job.plan = f.plan;
-  job.src = BufferMemory(f.src.buffers.size());
-  job.dst = dst.OnNode(f.dst, 2);
-  job.data_addresses = {{0, "127.0.0.1:1"}, {1, "127.0.0.1:1"}, {2, (*a)->data_address()}};
-  job.deadline = absl::Now() + absl::Seconds(30);
+  const TransferJob job = LonelyJob(f, dst, **a, 2, 9, absl::Seconds(30));
   absl::StatusOr<TransferStats> r = absl::UnknownError("not run");
   std::thread t([&] { r = (*a)->Transfer(job); });
   absl::SleepFor(absl::Milliseconds(100));

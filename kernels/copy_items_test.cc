@@ -14,12 +14,8 @@ namespace {
 
 TEST_CASE("items pack and unpack exactly like the CPU reference") {
   for (uint64_t seed = 1; seed <= 40; ++seed) {
-    TestPlan t = MakeTestPlan(seed);
-    HostBuffers src(t.src), ref(t.dst), got(t.dst);
-    const FillSpec spec = MakeFillSpec(t.src, t.dst, seed);
-    FillSources(t.src, spec, src.memory);
-    PoisonDestinations(ref.memory);
-    PoisonDestinations(got.memory);
+    TestRun run(seed);
+    auto& [t, src, ref, got, spec] = run;
     for (int stage = 0; stage < kMaxStages; ++stage) {
       for (const Message& m : t.plan.messages) {
         if (m.stage != stage) continue;
@@ -47,12 +43,8 @@ TEST_CASE("items pack and unpack exactly like the CPU reference") {
 
 TEST_CASE("direct items (no staging) give the CPU reference's destinations") {
   for (uint64_t seed = 100; seed <= 130; ++seed) {
-    TestPlan t = MakeTestPlan(seed);
-    HostBuffers src(t.src), ref(t.dst), got(t.dst);
-    const FillSpec spec = MakeFillSpec(t.src, t.dst, seed);
-    FillSources(t.src, spec, src.memory);
-    PoisonDestinations(ref.memory);
-    PoisonDestinations(got.memory);
+    TestRun run(seed);
+    auto& [t, src, ref, got, spec] = run;
     ExecuteOnHost(t.plan, src.memory, ref.memory);
     for (int stage = 0; stage < kMaxStages; ++stage) {
       for (const Message& m : t.plan.messages) {

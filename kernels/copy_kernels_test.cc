@@ -54,12 +54,8 @@ TEST_CASE("GPU pack and unpack match the CPU reference byte for byte") {
   REFIT_CUDA_CHECK(cudaStreamCreate(&stream));
   int64_t messages = 0, bytes = 0;
   for (uint64_t seed = 1; seed <= 60; ++seed) {
-    TestPlan t = MakeTestPlan(seed);
-    HostBuffers src(t.src), ref(t.dst), got(t.dst);
-    const FillSpec spec = MakeFillSpec(t.src, t.dst, seed);
-    FillSources(t.src, spec, src.memory);
-    PoisonDestinations(ref.memory);
-    PoisonDestinations(got.memory);
+    TestRun run(seed);
+    auto& [t, src, ref, got, spec] = run;
     DeviceLayout dsrc(t.src), ddst(t.dst);
     dsrc.Upload(src);
     ddst.Upload(got);

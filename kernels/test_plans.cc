@@ -52,3 +52,14 @@ BufferAddresses HostBuffers::addresses() const {
 }
 
 }  // namespace refit
+
+namespace refit {
+
+TestRun::TestRun(uint64_t seed)
+    : t(MakeTestPlan(seed)), src(t.src), ref(t.dst), got(t.dst), spec(MakeFillSpec(t.src, t.dst, seed)) {
+  FillSources(t.src, spec, src.memory);
+  PoisonDestinations(ref.memory);
+  PoisonDestinations(got.memory);
+}
+
+}  // namespace refit

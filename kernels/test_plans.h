@@ -8,6 +8,7 @@
 #include "kernels/copy_items.h"
 #include "plan/layout.h"
 #include "plan/plan.h"
+#include "plan/verify.h"
 
 namespace refit {
 
@@ -22,6 +23,15 @@ struct HostBuffers {
   BufferMemory memory;
   explicit HostBuffers(const Layout& l);
   BufferAddresses addresses() const;
+};
+
+// A test plan with host memory: sources filled, two destination copies poisoned (one for the
+// CPU reference, one for the code under test).
+struct TestRun {
+  TestPlan t;
+  HostBuffers src, ref, got;
+  FillSpec spec;
+  explicit TestRun(uint64_t seed);
 };
 
 }  // namespace refit

@@ -8,19 +8,34 @@
 # weights in shared memory. The trainers produce new weights for each version; each round moves
 # them into the engines (daemon to daemon over TCP, host backend), and every engine checks every
 # byte it received before the round is reported.
-#   bash tools/demo.sh [--scale-down N] [--rounds N]
+#
+# Where two or more GPUs are present (and --cpu is not given), the refit runs on them instead:
+# one daemon with the node's GPUs (--backend cuda), trainers FSDP over two GPUs and a TP=2
+# engine on the same GPUs, weights in GPU memory shared by CUDA IPC (tests/gpu/colocated.sh).
+#   bash tools/demo.sh [--cpu] [--scale-down N] [--rounds N]
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash tools/setup.sh
 scale=16
 rounds=3
+cpu=0
 while [ $# -gt 0 ]; do
   case $1 in
     --scale-down) scale=$2; shift 2;;
     --rounds) rounds=$2; shift 2;;
+    --cpu) cpu=1; shift;;
     *) echo "demo: unknown argument $1" >&2; exit 2;;
   esac
 done
+gpus=$( (nvidia-smi -L 2>/dev/null || true) | grep -c "^GPU" || true)
+if [ "$cpu" -eq 0 ] && [ "$gpus" -ge 2 ]; then
+  echo "== $gpus GPUs: the refit runs on GPUs 0 and 1 (--cpu for the CPU cluster)"
+  bazel build //daemon:refitd //client:refitctl //client:refit-layout //tests/workers:sim-worker-cuda 2>&1 |
+    grep -E "ERROR|error:" || true
+  BIN=$(mktemp -d)
+  for p in daemon/refitd client/refitctl client/refit-layout tests/workers/sim-worker-cuda; do cp "bazel-bin/$p" "$BIN/"; done
+  BIN=$BIN SCALE=$((scale / 2 > 0 ? scale / 2 : 1)) exec bash tests/gpu/colocated.sh
+fi
 echo "== building"
 bazel build //daemon:refitd //client:refitctl //client:refit-layout //tests/workers:sim-worker 2>&1 |
   grep -E "ERROR|error:" || true

@@ -8,7 +8,7 @@ packages=(
   libgrpc++-dev protobuf-compiler-grpc libprotobuf-dev protobuf-compiler
   libspdlog-dev libfmt-dev catch2 libabsl-dev
   clang libclang-rt-14-dev
-  python3-numpy python3-matplotlib
+  python3-numpy python3-matplotlib bc
 )
 missing=()
 for p in "${packages[@]}"; do

@@ -175,45 +175,81 @@ absl::StatusOr<TransferStats> CudaBackend::Transfer(const TransferJob& job) {
           plan.gpus[m.dst_gpu].node, "; the cuda backend does not run NCCL yet (use --backend=host)"));
     }
   }
+  // Addresses as each receiving GPU's kernels see them (imports differ per GPU).
+  std::map<int32_t, std::pair<BufferAddresses, BufferAddresses>> here;
+  auto addresses_on = [&](int32_t gpu) -> absl::StatusOr<const std::pair<BufferAddresses, BufferAddresses>*> {
+    auto [it, added] = here.try_emplace(gpu);
+    if (added) {
+      for (uint64_t a : src) {
+        auto t = AddressOn(gpu, a);
+        if (!t.ok()) return t.status();
+        it->second.first.push_back(*t);
+      }
+      for (uint64_t a : dst) {
+        auto t = AddressOn(gpu, a);
+        if (!t.ok()) return t.status();
+        it->second.second.push_back(*t);
+      }
+    }
+    return &it->second;
+  };
+  // Device arrays of the stage in flight, freed whichever way the transfer ends; a Cancel of
+  // this round is forgotten then too.
+  std::vector<std::pair<int32_t, void*>> device_arrays;
+  struct Cleanup {
+    CudaBackend* b;
+    const TransferJob& job;
+    std::vector<std::pair<int32_t, void*>>& arrays;
+    ~Cleanup() {
+      for (auto& [gpu, p] : arrays) {
+        cudaSetDevice(gpu);
+        cudaStreamSynchronize(static_cast<cudaStream_t>(b->streams_[gpu]));
+        cudaFree(p);
+      }
+      std::lock_guard<std::mutex> lock(b->mu_);
+      b->cancelled_.erase({job.group, job.round_id});
+      b->active_.erase({job.group, job.round_id});
+    }
+  } cleanup{this, job, device_arrays};
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    active_.insert({job.group, job.round_id});
+  }
+
   for (int stage = 0; stage < kMaxStages; ++stage) {
-    // Launch every message of this stage on its receiving GPU, then wait (polling, by deadline).
-    std::vector<std::pair<int32_t, void*>> device_arrays;  // (gpu, allocation) to free
-    std::set<int32_t> used;
+    // Every message of this stage, batched per receiving GPU: one launch per GPU per stage.
+    std::map<int32_t, CopyWork> batch;
     for (const Message& m : plan.messages) {
       if (m.stage != stage || plan.gpus[m.dst_gpu].node != job.node) continue;
       const int32_t gpu = plan.gpus[m.dst_gpu].gpu;
-      auto stream = streams_.find(gpu);
-      if (stream == streams_.end()) return absl::FailedPreconditionError(absl::StrCat("GPU ", gpu, " is not served here"));
-      // Addresses as this GPU's kernels see them.
-      BufferAddresses src_here(src.size()), dst_here(dst.size());
-      for (size_t b = 0; b < src.size(); ++b) {
-        auto a = AddressOn(gpu, src[b]);
-        if (!a.ok()) return a.status();
-        src_here[b] = *a;
+      if (!streams_.contains(gpu)) return absl::FailedPreconditionError(absl::StrCat("GPU ", gpu, " is not served here"));
+      auto addr = addresses_on(gpu);
+      if (!addr.ok()) return addr.status();
+      const CopyWork w = DirectWork(plan, m, (*addr)->first, (*addr)->second);
+      CopyWork& all = batch[gpu];
+      if (all.unit_begin.empty()) all.unit_begin.push_back(0);
+      for (size_t i = 0; i < w.items.size(); ++i) {
+        all.items.push_back(w.items[i]);
+        all.unit_begin.push_back(all.unit_begin.back() + w.items[i].Units());
       }
-      for (size_t b = 0; b < dst.size(); ++b) {
-        auto a = AddressOn(gpu, dst[b]);
-        if (!a.ok()) return a.status();
-        dst_here[b] = *a;
-      }
-      const CopyWork w = DirectWork(plan, m, src_here, dst_here);
-      CUDA_RETURN_IF_ERROR(cudaSetDevice(gpu), "cudaSetDevice");
+      (plan.gpus[m.src_gpu].gpu == gpu ? stats.bytes_local : stats.bytes_received) += m.bytes;
+    }
+    for (const auto& [gpu, w] : batch) {
+      auto s = static_cast<cudaStream_t>(streams_[gpu]);
       const size_t item_bytes = w.items.size() * sizeof(CopyItem), begin_bytes = w.unit_begin.size() * sizeof(int64_t);
       void* arrays = nullptr;
-      auto s = static_cast<cudaStream_t>(stream->second);
-      CUDA_RETURN_IF_ERROR(cudaMallocAsync(&arrays, item_bytes + begin_bytes, s), "cudaMallocAsync");
+      CUDA_RETURN_IF_ERROR(cudaSetDevice(gpu), "cudaSetDevice");
+      CUDA_RETURN_IF_ERROR(cudaMalloc(&arrays, item_bytes + begin_bytes), "cudaMalloc");
       device_arrays.push_back({gpu, arrays});
       CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(arrays, w.items.data(), item_bytes, cudaMemcpyHostToDevice, s), "copy items");
       CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(static_cast<char*>(arrays) + item_bytes, w.unit_begin.data(), begin_bytes,
                                            cudaMemcpyHostToDevice, s), "copy units");
-      CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(s), "staging the items");  // host vectors die here
       CUDA_RETURN_IF_ERROR(LaunchCopyItems(static_cast<const CopyItem*>(arrays),
                                            reinterpret_cast<const int64_t*>(static_cast<char*>(arrays) + item_bytes),
                                            static_cast<int>(w.items.size()), w.unit_begin.back(), s), "copy kernel");
-      used.insert(gpu);
-      (plan.gpus[m.src_gpu].gpu == gpu ? stats.bytes_local : stats.bytes_received) += m.bytes;
     }
-    for (int32_t gpu : used) {
+    // Wait for every GPU of the stage, polling: a deadline and a Cancel must be able to end it.
+    for (const auto& [gpu, w] : batch) {
       auto s = static_cast<cudaStream_t>(streams_[gpu]);
       while (true) {
         const cudaError_t q = cudaStreamQuery(s);
@@ -227,22 +263,21 @@ absl::StatusOr<TransferStats> CudaBackend::Transfer(const TransferJob& job) {
         if (absl::Now() > job.deadline) {
           return absl::DeadlineExceededError(absl::StrCat("round ", job.round_id, ": GPU ", gpu, " did not finish stage ", stage));
         }
-        absl::SleepFor(absl::Microseconds(50));
+        absl::SleepFor(absl::Microseconds(20));
       }
     }
-    for (auto& [gpu, arrays] : device_arrays) {
+    for (auto& [gpu, p] : device_arrays) {
       cudaSetDevice(gpu);
-      cudaFreeAsync(arrays, static_cast<cudaStream_t>(streams_[gpu]));
+      cudaFree(p);
     }
+    device_arrays.clear();
   }
-  std::lock_guard<std::mutex> lock(mu_);
-  cancelled_.erase({job.group, job.round_id});
   return stats;
 }
 
 void CudaBackend::Cancel(const std::string& group, int64_t round_id, const std::string& reason) {
   std::lock_guard<std::mutex> lock(mu_);
-  cancelled_[{group, round_id}] = reason;
+  if (active_.contains({group, round_id})) cancelled_[{group, round_id}] = reason;
 }
 
 }  // namespace refit

@@ -40,6 +40,7 @@ class CudaBackend : public DataBackend {
   std::vector<int32_t> gpus_;
   std::mutex mu_;
   std::map<std::string, std::weak_ptr<Allocation>> opened_;  // by handle bytes
+  std::set<std::pair<std::string, int64_t>> active_;  // rounds transferring now
   std::map<std::pair<std::string, int64_t>, std::string> cancelled_;
   std::map<int32_t, void*> streams_;  // cudaStream_t per GPU
 };

@@ -4,10 +4,10 @@
 #   there:  bash tools/gpu_run.sh                 (runs; logs under $OUT, default out/gpu)
 set -uo pipefail
 cd "$(dirname "$0")/.."
-programs=(kernels/copy_kernels_test kernels/copy_bench daemon/refitd client/refitctl client/refit-layout
+programs=(kernels/copy_kernels_test kernels/copy_bench kernels/peer_bench daemon/refitd client/refitctl client/refit-layout
           tests/workers/sim-worker-cuda)
 if [ "${1:-}" = "--bundle" ]; then
-  bazel build //kernels:copy_kernels_test //kernels:copy_bench //daemon:refitd //client:refitctl \
+  bazel build //kernels:copy_kernels_test //kernels:copy_bench //kernels:peer_bench //daemon:refitd //client:refitctl \
     //client:refit-layout //tests/workers:sim-worker-cuda 2>&1 | grep -E "ERROR|error:" && exit 1
   ../shared/device/bundle .device "${programs[@]/#/bazel-bin/}"
   exit $?
@@ -23,7 +23,9 @@ tail -n 3 "$out/copy_kernels_test.log"
 cat "$out/copy_bench.jsonl"
 gpus=$(nvidia-smi -L 2>/dev/null | wc -l)
 if [ "$gpus" -ge 2 ]; then
-  RUN=/tmp/refit-colocated bash tests/gpu/colocated.sh >"$out/colocated.log" 2>&1 || status=1
+  .device/bin/peer_bench --repeat 10 >"$out/peer_bench.jsonl" 2>&1 || status=1
+  cat "$out/peer_bench.jsonl"
+  RUN=/tmp/refit-colocated SCALE=${SCALE:-4} bash tests/gpu/colocated.sh >"$out/colocated.log" 2>&1 || status=1
   cp /tmp/refit-colocated/daemon0.log "$out/colocated_daemon0.log" 2>/dev/null
   tail -n 12 "$out/colocated.log"
 fi

@@ -35,6 +35,8 @@ struct TransferJob {
   BufferMemory dst;
   absl::flat_hash_map<int32_t, std::string> data_addresses;  // node -> its data plane address
   absl::Time deadline;
+  int64_t epoch = 0;       // membership epoch of the plan: a new one means new peers
+  std::string nccl_id;     // cuda backend: the communicator's ncclUniqueId for this epoch
 };
 
 struct TransferStats {
@@ -57,6 +59,8 @@ class DataBackend {
   virtual absl::StatusOr<TransferStats> Transfer(const TransferJob& job) = 0;
   // Ends a running Transfer of that round early with ABORTED(reason).
   virtual void Cancel(const std::string& group, int64_t round_id, const std::string& reason) = 0;
+  // A fresh communicator id for the coordinator to hand out (empty: this backend needs none).
+  virtual absl::StatusOr<std::string> NewCommunicatorId() { return std::string(); }
 };
 
 }  // namespace refit

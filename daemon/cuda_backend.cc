@@ -1,6 +1,7 @@
 #include "daemon/cuda_backend.h"
 
 #include <cuda_runtime.h>
+#include <nccl.h>
 
 #include "absl/strings/str_cat.h"
 #include "daemon/logging.h"
@@ -20,7 +21,97 @@ absl::Status CudaError(cudaError_t e, const std::string& what) {
     if (auto s_ = CudaError((call), (what)); !s_.ok()) return s_;   \
   } while (0)
 
+absl::Status NcclError(ncclResult_t r, const std::string& what) {
+  if (r == ncclSuccess || r == ncclInProgress) return absl::OkStatus();
+  return absl::UnavailableError(absl::StrCat(what, ": ", ncclGetErrorString(r)));
+}
+
 }  // namespace
+
+struct CudaBackend::Communicator {
+  std::string id;
+  std::map<int32_t, ncclComm_t> by_gpu;  // local GPU -> its rank's communicator
+  bool ready = false;
+  void Abort() {
+    for (auto& [g, c] : by_gpu) {
+      cudaSetDevice(g);
+      ncclCommAbort(c);
+    }
+    by_gpu.clear();
+  }
+  ~Communicator() {
+    for (auto& [g, c] : by_gpu) {
+      cudaSetDevice(g);
+      ncclCommDestroy(c);
+    }
+  }
+  // Polls every rank until none is in progress; errors (a dead peer) and the deadline fail.
+  absl::Status Wait(absl::Time deadline, const std::string& what) {
+    while (true) {
+      bool pending = false;
+      for (auto& [g, c] : by_gpu) {
+        ncclResult_t state = ncclSuccess;
+        ncclCommGetAsyncError(c, &state);
+        if (state == ncclInProgress) pending = true;
+        else if (state != ncclSuccess) return NcclError(state, what);
+      }
+      if (!pending) return absl::OkStatus();
+      if (absl::Now() > deadline) return absl::DeadlineExceededError(absl::StrCat(what, ": deadline exceeded"));
+      absl::SleepFor(absl::Microseconds(100));
+    }
+  }
+};
+
+absl::StatusOr<std::string> CudaBackend::NewCommunicatorId() {
+  ncclUniqueId id;
+  if (auto s = NcclError(ncclGetUniqueId(&id), "ncclGetUniqueId"); !s.ok()) return s;
+  return std::string(reinterpret_cast<const char*>(&id), sizeof id);
+}
+
+void CudaBackend::DropCommunicator(const std::string& group) {
+  auto it = comms_.find(group);
+  if (it == comms_.end()) return;
+  it->second->Abort();
+  comms_.erase(it);
+}
+
+absl::StatusOr<CudaBackend::Communicator*> CudaBackend::CommunicatorFor(const TransferJob& job) {
+  auto& slot = comms_[job.group];
+  if (slot != nullptr && slot->id == job.nccl_id && slot->ready) return slot.get();
+  if (slot != nullptr) slot->Abort();
+  if (job.nccl_id.size() != sizeof(ncclUniqueId)) {
+    return absl::FailedPreconditionError("the plan crosses nodes but came without an NCCL id");
+  }
+  slot = std::make_unique<Communicator>();
+  slot->id = job.nccl_id;
+  ncclUniqueId id;
+  std::memcpy(&id, job.nccl_id.data(), sizeof id);
+  const int nranks = static_cast<int>(job.plan->gpus.size());
+  if (auto s = NcclError(ncclGroupStart(), "ncclGroupStart"); !s.ok()) return s;
+  for (size_t r = 0; r < job.plan->gpus.size(); ++r) {
+    const PlanGpu& g = job.plan->gpus[r];
+    if (g.node != job.node) continue;
+    cudaSetDevice(g.gpu);
+    ncclConfig_t config = NCCL_CONFIG_INITIALIZER;
+    config.blocking = 0;  // init and abort must not hang on a dead peer
+    ncclComm_t comm;
+    const ncclResult_t res = ncclCommInitRankConfig(&comm, nranks, id, static_cast<int>(r), &config);
+    if (res != ncclSuccess && res != ncclInProgress) {
+      ncclGroupEnd();
+      return NcclError(res, "ncclCommInitRankConfig");
+    }
+    slot->by_gpu[g.gpu] = comm;
+  }
+  if (auto s = NcclError(ncclGroupEnd(), "ncclGroupEnd"); !s.ok()) return s;
+  if (auto s = slot->Wait(job.deadline, absl::StrCat("round ", job.round_id, ": NCCL communicator of ", nranks, " ranks"));
+      !s.ok()) {
+    DropCommunicator(job.group);
+    return s;
+  }
+  slot->ready = true;
+  return slot.get();
+}
+
 
 // An IPC allocation, opened in the context of its own GPU and, when another GPU's kernels read or
 // write it, in that GPU's context too (with lazy peer access): a pointer from one device's import
@@ -167,12 +258,15 @@ absl::StatusOr<TransferStats> CudaBackend::Transfer(const TransferJob& job) {
   BufferAddresses src, dst;
   for (const auto& s : job.src) src.push_back(reinterpret_cast<uint64_t>(s.data()));
   for (const auto& s : job.dst) dst.push_back(reinterpret_cast<uint64_t>(s.data()));
+  // Messages between nodes travel by NCCL: pack on the sending GPU, send/recv, unpack.
+  Communicator* comm = nullptr;
   for (const Message& m : plan.messages) {
-    if (plan.gpus[m.src_gpu].node != plan.gpus[m.dst_gpu].node &&
-        (plan.gpus[m.src_gpu].node == job.node || plan.gpus[m.dst_gpu].node == job.node)) {
-      return absl::UnimplementedError(absl::StrCat(
-          "round ", job.round_id, ": the plan moves data between nodes ", plan.gpus[m.src_gpu].node, " and ",
-          plan.gpus[m.dst_gpu].node, "; the cuda backend does not run NCCL yet (use --backend=host)"));
+    const bool crosses = plan.gpus[m.src_gpu].node != plan.gpus[m.dst_gpu].node;
+    if (crosses && (plan.gpus[m.src_gpu].node == job.node || plan.gpus[m.dst_gpu].node == job.node)) {
+      auto c = CommunicatorFor(job);
+      if (!c.ok()) return c.status();
+      comm = *c;
+      break;
     }
   }
   // Addresses as each receiving GPU's kernels see them (imports differ per GPU).
@@ -221,6 +315,7 @@ absl::StatusOr<TransferStats> CudaBackend::Transfer(const TransferJob& job) {
     std::map<int32_t, CopyWork> batch;
     for (const Message& m : plan.messages) {
       if (m.stage != stage || plan.gpus[m.dst_gpu].node != job.node) continue;
+      if (plan.gpus[m.src_gpu].node != job.node) continue;  // arrives by NCCL, below
       const int32_t gpu = plan.gpus[m.dst_gpu].gpu;
       if (!streams_.contains(gpu)) return absl::FailedPreconditionError(absl::StrCat("GPU ", gpu, " is not served here"));
       auto addr = addresses_on(gpu);
@@ -248,6 +343,84 @@ absl::StatusOr<TransferStats> CudaBackend::Transfer(const TransferJob& job) {
                                            reinterpret_cast<const int64_t*>(static_cast<char*>(arrays) + item_bytes),
                                            static_cast<int>(w.items.size()), w.unit_begin.back(), s), "copy kernel");
     }
+    // Between nodes: staging per message on both ends (plan order on both sides keeps each pair
+    // of GPUs' sends and receives matched), all in one NCCL group.
+    std::vector<std::pair<int32_t, std::pair<CopyWork, void*>>> unpacks;  // (gpu, (work, staging))
+    std::set<int32_t> nccl_gpus;
+    if (comm != nullptr) {
+      std::vector<std::tuple<int32_t, int, void*, int64_t, bool>> ops;  // gpu, peer, buffer, bytes, send
+      for (size_t i = 0; i < plan.messages.size(); ++i) {
+        const Message& m = plan.messages[i];
+        const PlanGpu& from = plan.gpus[m.src_gpu];
+        const PlanGpu& to = plan.gpus[m.dst_gpu];
+        if (m.stage != stage || from.node == to.node) continue;
+        if (from.node != job.node && to.node != job.node) continue;
+        const int32_t gpu = from.node == job.node ? from.gpu : to.gpu;
+        auto s = static_cast<cudaStream_t>(streams_[gpu]);
+        CUDA_RETURN_IF_ERROR(cudaSetDevice(gpu), "cudaSetDevice");
+        void* staging = nullptr;
+        CUDA_RETURN_IF_ERROR(cudaMalloc(&staging, std::max<int64_t>(m.bytes, 16)), "staging");
+        device_arrays.push_back({gpu, staging});
+        auto addr = addresses_on(gpu);
+        if (!addr.ok()) return addr.status();
+        if (from.node == job.node) {
+          CopyWork w = PackWork(plan, m, (*addr)->first, (*addr)->second, reinterpret_cast<uint64_t>(staging));
+          const size_t ib = w.items.size() * sizeof(CopyItem), bb = w.unit_begin.size() * sizeof(int64_t);
+          void* arrays = nullptr;
+          CUDA_RETURN_IF_ERROR(cudaMalloc(&arrays, ib + bb), "cudaMalloc");
+          device_arrays.push_back({gpu, arrays});
+          CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(arrays, w.items.data(), ib, cudaMemcpyHostToDevice, s), "items");
+          CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(static_cast<char*>(arrays) + ib, w.unit_begin.data(), bb, cudaMemcpyHostToDevice, s), "units");
+          CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(s), "items");
+          CUDA_RETURN_IF_ERROR(LaunchCopyItems(static_cast<const CopyItem*>(arrays),
+                                               reinterpret_cast<const int64_t*>(static_cast<char*>(arrays) + ib),
+                                               static_cast<int>(w.items.size()), w.unit_begin.back(), s), "pack");
+          ops.emplace_back(gpu, m.dst_gpu, staging, m.bytes, true);
+          stats.bytes_sent += m.bytes;
+        } else {
+          unpacks.push_back({gpu, {UnpackWork(plan, m, reinterpret_cast<uint64_t>(staging), (*addr)->second), staging}});
+          ops.emplace_back(gpu, m.src_gpu, staging, m.bytes, false);
+          stats.bytes_received += m.bytes;
+        }
+        nccl_gpus.insert(gpu);
+      }
+      if (auto st = NcclError(ncclGroupStart(), "ncclGroupStart"); !st.ok()) return st;
+      for (auto& [gpu, peer, buffer, bytes, send] : ops) {
+        cudaSetDevice(gpu);
+        auto s = static_cast<cudaStream_t>(streams_[gpu]);
+        const ncclResult_t r = send ? ncclSend(buffer, static_cast<size_t>(bytes), ncclUint8, peer, comm->by_gpu[gpu], s)
+                                    : ncclRecv(buffer, static_cast<size_t>(bytes), ncclUint8, peer, comm->by_gpu[gpu], s);
+        if (r != ncclSuccess && r != ncclInProgress) {
+          ncclGroupEnd();
+          DropCommunicator(job.group);
+          return NcclError(r, "ncclSend/ncclRecv");
+        }
+      }
+      const ncclResult_t end = ncclGroupEnd();
+      if (end != ncclSuccess && end != ncclInProgress) {
+        DropCommunicator(job.group);
+        return NcclError(end, "ncclGroupEnd");
+      }
+      if (auto st = comm->Wait(job.deadline, absl::StrCat("round ", job.round_id, " stage ", stage)); !st.ok()) {
+        DropCommunicator(job.group);
+        return st;
+      }
+      for (auto& [gpu, ws] : unpacks) {
+        auto& [w, staging] = ws;
+        auto s = static_cast<cudaStream_t>(streams_[gpu]);
+        cudaSetDevice(gpu);
+        const size_t ib = w.items.size() * sizeof(CopyItem), bb = w.unit_begin.size() * sizeof(int64_t);
+        void* arrays = nullptr;
+        CUDA_RETURN_IF_ERROR(cudaMalloc(&arrays, ib + bb), "cudaMalloc");
+        device_arrays.push_back({gpu, arrays});
+        CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(arrays, w.items.data(), ib, cudaMemcpyHostToDevice, s), "items");
+        CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(static_cast<char*>(arrays) + ib, w.unit_begin.data(), bb, cudaMemcpyHostToDevice, s), "units");
+        CUDA_RETURN_IF_ERROR(LaunchCopyItems(static_cast<const CopyItem*>(arrays),
+                                             reinterpret_cast<const int64_t*>(static_cast<char*>(arrays) + ib),
+                                             static_cast<int>(w.items.size()), w.unit_begin.back(), s), "unpack");
+      }
+    }
+    for (int32_t gpu : nccl_gpus) batch.try_emplace(gpu);  // wait for these streams too
     // Wait for every GPU of the stage, polling: a deadline and a Cancel must be able to end it.
     for (const auto& [gpu, w] : batch) {
       auto s = static_cast<cudaStream_t>(streams_[gpu]);
@@ -258,10 +431,15 @@ absl::StatusOr<TransferStats> CudaBackend::Transfer(const TransferJob& job) {
         {
           std::lock_guard<std::mutex> lock(mu_);
           auto c = cancelled_.find({job.group, job.round_id});
-          if (c != cancelled_.end()) return absl::AbortedError(c->second);
+          if (c != cancelled_.end()) {
+            if (comm != nullptr) DropCommunicator(job.group);  // its peer may be gone: abort, rebuild
+            return absl::AbortedError(c->second);
+          }
         }
         if (absl::Now() > job.deadline) {
-          return absl::DeadlineExceededError(absl::StrCat("round ", job.round_id, ": GPU ", gpu, " did not finish stage ", stage));
+          if (comm != nullptr) DropCommunicator(job.group);
+          return absl::DeadlineExceededError(absl::StrCat("round ", job.round_id, ": GPU ", gpu, " did not finish stage ", stage,
+                                                          comm != nullptr ? " (a peer daemon may be dead: NCCL aborted)" : ""));
         }
         absl::SleepFor(absl::Microseconds(20));
       }

@@ -12,6 +12,7 @@
 #include <set>
 #include <vector>
 
+#include "absl/time/time.h"
 #include "daemon/backend.h"
 
 namespace refit {
@@ -28,6 +29,7 @@ class CudaBackend : public DataBackend {
                                                     int64_t bytes) override;
   absl::StatusOr<TransferStats> Transfer(const TransferJob& job) override;
   void Cancel(const std::string& group, int64_t round_id, const std::string& reason) override;
+  absl::StatusOr<std::string> NewCommunicatorId() override;
 
   struct Allocation;  // an opened IPC handle
 
@@ -43,6 +45,14 @@ class CudaBackend : public DataBackend {
   std::set<std::pair<std::string, int64_t>> active_;  // rounds transferring now
   std::map<std::pair<std::string, int64_t>, std::string> cancelled_;
   std::map<int32_t, void*> streams_;  // cudaStream_t per GPU
+
+  // One NCCL communicator per (group, id) over every GPU of the plan (rank = the plan's GPU
+  // index), one rank per local GPU in this process. Built at the first transfer that needs it
+  // (all daemons do so in the same round), aborted on any failure and rebuilt with a new id.
+  struct Communicator;
+  absl::StatusOr<Communicator*> CommunicatorFor(const TransferJob& job);
+  void DropCommunicator(const std::string& group);
+  std::map<std::string, std::unique_ptr<Communicator>> comms_;  // by group
 };
 
 }  // namespace refit

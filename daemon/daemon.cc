@@ -39,6 +39,7 @@ struct Daemon::InstalledPlan {
   Layout src, dst;
   std::shared_ptr<const Plan> plan;
   absl::flat_hash_map<int32_t, std::string> data_addresses;
+  std::string nccl_id;
 };
 
 // The coordinator's view of a node.
@@ -584,6 +585,7 @@ absl::Status Daemon::InstallPlan(const v1::InstallPlanRequest& request) {
   if (!plan.ok()) return plan.status();
   installed->plan = std::make_shared<const Plan>(*std::move(plan));
   for (const v1::NodeAddress& n : request.nodes()) installed->data_addresses[n.node()] = n.data_address();
+  installed->nccl_id = request.nccl_id();
   Logger("plan")->info("group \"{}\" epoch {}: installed a plan of {} messages, {} bytes",
                        request.group(), request.epoch(), installed->plan->stats.messages,
                        installed->plan->stats.bytes_total);
@@ -654,6 +656,8 @@ absl::Status Daemon::RunPhase(const v1::PhaseRequest& request, v1::PhaseResponse
       job.plan = installed->plan;
       job.data_addresses = installed->data_addresses;
       job.deadline = absl::Now() + timeout;
+      job.epoch = installed->epoch;
+      job.nccl_id = installed->nccl_id;
       std::vector<std::shared_ptr<LocalWorker>> hold;  // keeps mappings alive for the transfer
       auto resolve = [&](const Layout& l, BufferMemory& memory) -> absl::Status {
         memory.assign(l.buffers.size(), {});
@@ -1026,7 +1030,12 @@ absl::Status Daemon::RunRound(const std::string& group, int64_t round_id, int64_
     for (auto& t : threads) t.join();
     return first;
   };
-  absl::Status status = on_all(to_install, [&](int32_t n) { return CallInstall(n, install); }, false);
+  absl::Status status;
+  if (!to_install.empty()) {  // a new membership: a new communicator (cuda backend)
+    auto id = backend_->NewCommunicatorId();
+    if (id.ok()) install.set_nccl_id(*id); else status = id.status();
+  }
+  if (status.ok()) status = on_all(to_install, [&](int32_t n) { return CallInstall(n, install); }, false);
   if (status.ok()) {
     std::lock_guard<std::mutex> lock(mu_);
     for (int32_t n : to_install) groups_[group].installed_epoch[n] = epoch;
@@ -1070,6 +1079,11 @@ absl::Status Daemon::RunRound(const std::string& group, int64_t round_id, int64_
                           round_id, version, stats->bytes(), stats->seconds());
   } else {
     abort_all(std::string(status.message()));
+    {
+      // The next round installs the plan again, with a fresh communicator: an aborted one is gone.
+      std::lock_guard<std::mutex> lock(mu_);
+      groups_[group].installed_epoch.clear();
+    }
     stats->set_state(v1::RoundStats::ABORTED);
     stats->set_reason(std::string(status.message()));
     Logger("round")->warn("group \"{}\" round {} aborted: {}", group, round_id, std::string(status.message()));

@@ -9,6 +9,7 @@ BIN=${BIN:-.device/bin}
 WORKER_BIN=$BIN/sim-worker-cuda
 RUN=${RUN:-$(mktemp -d)}
 mkdir -p "$RUN"
+rm -f "$RUN"/*.report "$RUN"/*.log "$RUN"/*.addr  # a reused folder must not hold old reports
 source tools/cluster_lib.sh
 trap stop_all EXIT
 fail() { echo "FAIL: $*"; tail -n 20 "$RUN"/daemon0.log; exit 1; }

@@ -1,8 +1,10 @@
-// The cuda data plane (in progress, issue 4): workers' buffers reached through CUDA IPC handles,
-// each allocation opened once and cached until its last buffer is released; messages inside a
-// node copied straight from source to destination by the copy kernels running on the receiving
-// GPU, reading the sender's memory over NVLink (peer access), stage by stage. Messages between
-// nodes need NCCL, which is not built yet: a plan that has them is refused with that reason.
+// The cuda data plane: workers' buffers reached through CUDA IPC handles, each allocation opened
+// once per GPU that touches it and cached until its last buffer is released. Messages inside a
+// node are copied straight from source to destination by the copy kernels on the receiving GPU,
+// reading the sender's memory over NVLink. Messages between nodes are packed on the sending GPU,
+// moved by NCCL send/recv on a communicator per group and membership (one rank per local GPU;
+// nonblocking init; aborted on failure, deadline or cancel, then rebuilt), and unpacked. Stage by
+// stage. Not yet: staging bounded by a flag, pipelining chunks, zero-copy for contiguous ends.
 #pragma once
 
 #include <atomic>

@@ -29,6 +29,6 @@ if [ "$gpus" -ge 2 ]; then
   cp /tmp/refit-colocated/daemon0.log "$out/colocated_daemon0.log" 2>/dev/null
   tail -n 12 "$out/colocated.log"
   RUN=/tmp/refit-disaggregated SCALE=${SCALE:-4} bash tests/gpu/disaggregated.sh >"$out/disaggregated.log" 2>&1 || status=1
-  tail -n 14 "$out/disaggregated.log"
+  tail -n 20 "$out/disaggregated.log"
 fi
 exit $status

@@ -4,10 +4,10 @@
 #   there:  bash tools/gpu_run.sh                 (runs; logs under $OUT, default out/gpu)
 set -uo pipefail
 cd "$(dirname "$0")/.."
-programs=(kernels/copy_kernels_test kernels/copy_bench kernels/peer_bench daemon/refitd client/refitctl client/refit-layout
+programs=(client/cuda_export_test kernels/copy_kernels_test kernels/copy_bench kernels/peer_bench daemon/refitd client/refitctl client/refit-layout
           tests/workers/sim-worker-cuda)
 if [ "${1:-}" = "--bundle" ]; then
-  bazel build //kernels:copy_kernels_test //kernels:copy_bench //kernels:peer_bench //daemon:refitd //client:refitctl \
+  bazel build //client:cuda_export_test //kernels:copy_kernels_test //kernels:copy_bench //kernels:peer_bench //daemon:refitd //client:refitctl \
     //client:refit-layout //tests/workers:sim-worker-cuda 2>&1 | grep -E "ERROR|error:" && exit 1
   ../shared/device/bundle .device "${programs[@]/#/bazel-bin/}"
   exit $?
@@ -17,6 +17,8 @@ mkdir -p "$out"
 export LD_LIBRARY_PATH=$PWD/.device/lib:/usr/local/cuda/lib64 NCCL_NVLS_ENABLE=0
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader >"$out/machine.txt" 2>&1
 status=0
+.device/bin/cuda_export_test >"$out/cuda_export_test.log" 2>&1 || status=1
+tail -n 2 "$out/cuda_export_test.log"
 .device/bin/copy_kernels_test --durations yes >"$out/copy_kernels_test.log" 2>&1 || status=1
 .device/bin/copy_bench --repeat 20 >"$out/copy_bench.jsonl" 2>"$out/copy_bench.err" || status=1
 tail -n 3 "$out/copy_kernels_test.log"

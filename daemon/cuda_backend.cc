@@ -21,6 +21,26 @@ absl::Status CudaError(cudaError_t e, const std::string& what) {
     if (auto s_ = CudaError((call), (what)); !s_.ok()) return s_;   \
   } while (0)
 
+// Copies a work list's items to GPU `gpu` (the allocation is appended to `arrays`, for the caller
+// to free once the stream is done) and launches the copy kernel on `stream`, all in stream order:
+// nothing here blocks on earlier work (an NCCL receive from a dead peer must not hang us). The
+// caller keeps `w` alive until the stream is done.
+absl::Status Launch(int32_t gpu, cudaStream_t stream, const CopyWork& w,
+                    std::vector<std::pair<int32_t, void*>>& arrays, const char* what) {
+  const size_t item_bytes = w.items.size() * sizeof(CopyItem);
+  const size_t begin_bytes = w.unit_begin.size() * sizeof(int64_t);
+  void* device = nullptr;
+  CUDA_RETURN_IF_ERROR(cudaSetDevice(gpu), "cudaSetDevice");
+  CUDA_RETURN_IF_ERROR(cudaMalloc(&device, item_bytes + begin_bytes), "cudaMalloc");
+  arrays.push_back({gpu, device});
+  char* units = static_cast<char*>(device) + item_bytes;
+  CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(device, w.items.data(), item_bytes, cudaMemcpyHostToDevice, stream), what);
+  CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(units, w.unit_begin.data(), begin_bytes, cudaMemcpyHostToDevice, stream), what);
+  return CudaError(LaunchCopyItems(static_cast<const CopyItem*>(device), reinterpret_cast<const int64_t*>(units),
+                                   static_cast<int>(w.items.size()), w.unit_begin.back(), stream),
+                   what);
+}
+
 absl::Status NcclError(ncclResult_t r, const std::string& what) {
   if (r == ncclSuccess || r == ncclInProgress) return absl::OkStatus();
   return absl::UnavailableError(absl::StrCat(what, ": ", ncclGetErrorString(r)));
@@ -330,22 +350,12 @@ absl::StatusOr<TransferStats> CudaBackend::Transfer(const TransferJob& job) {
       (plan.gpus[m.src_gpu].gpu == gpu ? stats.bytes_local : stats.bytes_received) += m.bytes;
     }
     for (const auto& [gpu, w] : batch) {
-      auto s = static_cast<cudaStream_t>(streams_[gpu]);
-      const size_t item_bytes = w.items.size() * sizeof(CopyItem), begin_bytes = w.unit_begin.size() * sizeof(int64_t);
-      void* arrays = nullptr;
-      CUDA_RETURN_IF_ERROR(cudaSetDevice(gpu), "cudaSetDevice");
-      CUDA_RETURN_IF_ERROR(cudaMalloc(&arrays, item_bytes + begin_bytes), "cudaMalloc");
-      device_arrays.push_back({gpu, arrays});
-      CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(arrays, w.items.data(), item_bytes, cudaMemcpyHostToDevice, s), "copy items");
-      CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(static_cast<char*>(arrays) + item_bytes, w.unit_begin.data(), begin_bytes,
-                                           cudaMemcpyHostToDevice, s), "copy units");
-      CUDA_RETURN_IF_ERROR(LaunchCopyItems(static_cast<const CopyItem*>(arrays),
-                                           reinterpret_cast<const int64_t*>(static_cast<char*>(arrays) + item_bytes),
-                                           static_cast<int>(w.items.size()), w.unit_begin.back(), s), "copy kernel");
+      if (auto st = Launch(gpu, static_cast<cudaStream_t>(streams_[gpu]), w, device_arrays, "copy"); !st.ok()) return st;
     }
     // Between nodes: staging per message on both ends (plan order on both sides keeps each pair
     // of GPUs' sends and receives matched), all in one NCCL group.
     std::vector<std::pair<int32_t, std::pair<CopyWork, void*>>> unpacks;  // (gpu, (work, staging))
+    std::vector<CopyWork> packs;  // alive until the stage is done
     std::set<int32_t> nccl_gpus;
     if (comm != nullptr) {
       std::vector<std::tuple<int32_t, int, void*, int64_t, bool>> ops;  // gpu, peer, buffer, bytes, send
@@ -364,17 +374,8 @@ absl::StatusOr<TransferStats> CudaBackend::Transfer(const TransferJob& job) {
         auto addr = addresses_on(gpu);
         if (!addr.ok()) return addr.status();
         if (from.node == job.node) {
-          CopyWork w = PackWork(plan, m, (*addr)->first, (*addr)->second, reinterpret_cast<uint64_t>(staging));
-          const size_t ib = w.items.size() * sizeof(CopyItem), bb = w.unit_begin.size() * sizeof(int64_t);
-          void* arrays = nullptr;
-          CUDA_RETURN_IF_ERROR(cudaMalloc(&arrays, ib + bb), "cudaMalloc");
-          device_arrays.push_back({gpu, arrays});
-          CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(arrays, w.items.data(), ib, cudaMemcpyHostToDevice, s), "items");
-          CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(static_cast<char*>(arrays) + ib, w.unit_begin.data(), bb, cudaMemcpyHostToDevice, s), "units");
-          CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(s), "items");
-          CUDA_RETURN_IF_ERROR(LaunchCopyItems(static_cast<const CopyItem*>(arrays),
-                                               reinterpret_cast<const int64_t*>(static_cast<char*>(arrays) + ib),
-                                               static_cast<int>(w.items.size()), w.unit_begin.back(), s), "pack");
+          packs.push_back(PackWork(plan, m, (*addr)->first, (*addr)->second, reinterpret_cast<uint64_t>(staging)));
+          if (auto st = Launch(gpu, s, packs.back(), device_arrays, "pack"); !st.ok()) return st;
           ops.emplace_back(gpu, m.dst_gpu, staging, m.bytes, true);
           stats.bytes_sent += m.bytes;
         } else {
@@ -406,18 +407,9 @@ absl::StatusOr<TransferStats> CudaBackend::Transfer(const TransferJob& job) {
         return st;
       }
       for (auto& [gpu, ws] : unpacks) {
-        auto& [w, staging] = ws;
-        auto s = static_cast<cudaStream_t>(streams_[gpu]);
-        cudaSetDevice(gpu);
-        const size_t ib = w.items.size() * sizeof(CopyItem), bb = w.unit_begin.size() * sizeof(int64_t);
-        void* arrays = nullptr;
-        CUDA_RETURN_IF_ERROR(cudaMalloc(&arrays, ib + bb), "cudaMalloc");
-        device_arrays.push_back({gpu, arrays});
-        CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(arrays, w.items.data(), ib, cudaMemcpyHostToDevice, s), "items");
-        CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(static_cast<char*>(arrays) + ib, w.unit_begin.data(), bb, cudaMemcpyHostToDevice, s), "units");
-        CUDA_RETURN_IF_ERROR(LaunchCopyItems(static_cast<const CopyItem*>(arrays),
-                                             reinterpret_cast<const int64_t*>(static_cast<char*>(arrays) + ib),
-                                             static_cast<int>(w.items.size()), w.unit_begin.back(), s), "unpack");
+        if (auto st = Launch(gpu, static_cast<cudaStream_t>(streams_[gpu]), ws.first, device_arrays, "unpack"); !st.ok()) {
+          return st;
+        }
       }
     }
     for (int32_t gpu : nccl_gpus) batch.try_emplace(gpu);  // wait for these streams too

@@ -14,7 +14,7 @@ DaemonConfig ParseDaemonFlags(int argc, char** argv) {
   DaemonConfig c;
   std::string config_file;
   int64_t node = c.node, max_message = c.max_message_bytes, missed = c.heartbeats_missed,
-          max_rpc = c.max_rpc_bytes;
+          max_rpc = c.max_rpc_bytes, staging = c.staging_bytes;
   double prepare_s = absl::ToDoubleSeconds(c.prepare_timeout),
          transfer_s = absl::ToDoubleSeconds(c.transfer_timeout),
          commit_s = absl::ToDoubleSeconds(c.commit_timeout),
@@ -31,6 +31,7 @@ DaemonConfig ParseDaemonFlags(int argc, char** argv) {
   std::string gpus;
   flags.String("gpus", &gpus, "comma-separated local GPU indices this daemon serves (empty: any)");
   flags.Int("max-message-bytes", &max_message, "staging bound: one message's bytes, per connection");
+  flags.Int("staging-bytes", &staging, "cuda backend: staging memory per GPU per group (pipelined network steps)");
   flags.Double("prepare-timeout", &prepare_s, "seconds for every worker to confirm PREPARE");
   flags.Double("transfer-timeout", &transfer_s, "seconds for a round's transfer");
   flags.Double("commit-timeout", &commit_s, "seconds for every worker to confirm COMMIT");
@@ -74,6 +75,8 @@ DaemonConfig ParseDaemonFlags(int argc, char** argv) {
   if (max_message < 4096 || max_message > (int64_t{1} << 31)) {
     flags.Fail("--max-message-bytes must be in [4096, 2^31]");
   }
+  if (staging < (int64_t{1} << 20)) flags.Fail("--staging-bytes must be at least 1048576");
+  c.staging_bytes = staging;
   if (c.backend != "host" && c.backend != "cuda") flags.Fail("--backend must be host or cuda");
   for (absl::string_view part : absl::StrSplit(gpus, ',', absl::SkipEmpty())) {
     int32_t gpu = -1;

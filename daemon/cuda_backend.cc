@@ -3,9 +3,12 @@
 #include <cuda_runtime.h>
 #include <nccl.h>
 
+#include <cstring>
+
 #include "absl/strings/str_cat.h"
 #include "daemon/logging.h"
 #include "kernels/copy_kernels.h"
+#include "kernels/network_schedule.h"
 
 namespace refit {
 namespace {
@@ -20,26 +23,6 @@ absl::Status CudaError(cudaError_t e, const std::string& what) {
   do {                                                              \
     if (auto s_ = CudaError((call), (what)); !s_.ok()) return s_;   \
   } while (0)
-
-// Copies a work list's items to GPU `gpu` (the allocation is appended to `arrays`, for the caller
-// to free once the stream is done) and launches the copy kernel on `stream`, all in stream order:
-// nothing here blocks on earlier work (an NCCL receive from a dead peer must not hang us). The
-// caller keeps `w` alive until the stream is done.
-absl::Status Launch(int32_t gpu, cudaStream_t stream, const CopyWork& w,
-                    std::vector<std::pair<int32_t, void*>>& arrays, const char* what) {
-  const size_t item_bytes = w.items.size() * sizeof(CopyItem);
-  const size_t begin_bytes = w.unit_begin.size() * sizeof(int64_t);
-  void* device = nullptr;
-  CUDA_RETURN_IF_ERROR(cudaSetDevice(gpu), "cudaSetDevice");
-  CUDA_RETURN_IF_ERROR(cudaMalloc(&device, item_bytes + begin_bytes), "cudaMalloc");
-  arrays.push_back({gpu, device});
-  char* units = static_cast<char*>(device) + item_bytes;
-  CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(device, w.items.data(), item_bytes, cudaMemcpyHostToDevice, stream), what);
-  CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(units, w.unit_begin.data(), begin_bytes, cudaMemcpyHostToDevice, stream), what);
-  return CudaError(LaunchCopyItems(static_cast<const CopyItem*>(device), reinterpret_cast<const int64_t*>(units),
-                                   static_cast<int>(w.items.size()), w.unit_begin.back(), stream),
-                   what);
-}
 
 absl::Status NcclError(ncclResult_t r, const std::string& what) {
   if (r == ncclSuccess || r == ncclInProgress) return absl::OkStatus();
@@ -64,6 +47,15 @@ struct CudaBackend::Communicator {
       cudaSetDevice(g);
       ncclCommDestroy(c);
     }
+  }
+  // An asynchronous error of any rank (a dead peer on the socket transport), or OK.
+  absl::Status Errors(const std::string& what) {
+    for (auto& [g, c] : by_gpu) {
+      ncclResult_t state = ncclSuccess;
+      ncclCommGetAsyncError(c, &state);
+      if (state != ncclSuccess && state != ncclInProgress) return NcclError(state, what);
+    }
+    return absl::OkStatus();
   }
   // Polls every rank until none is in progress; errors (a dead peer) and the deadline fail.
   absl::Status Wait(absl::Time deadline, const std::string& what) {
@@ -201,20 +193,24 @@ class IpcBuffer : public MappedBuffer {
 
 }  // namespace
 
-absl::StatusOr<std::unique_ptr<CudaBackend>> CudaBackend::Start(const std::vector<int32_t>& gpus) {
+absl::StatusOr<std::unique_ptr<CudaBackend>> CudaBackend::Start(const std::vector<int32_t>& gpus, int64_t staging_bytes) {
   int count = 0;
   CUDA_RETURN_IF_ERROR(cudaGetDeviceCount(&count), "no usable GPU for --backend=cuda");
   std::unique_ptr<CudaBackend> b(new CudaBackend());
   b->gpus_ = gpus;
+  b->staging_bytes_ = staging_bytes;
   if (b->gpus_.empty()) {
     for (int i = 0; i < count; ++i) b->gpus_.push_back(i);
   }
   for (int32_t g : b->gpus_) {
     if (g >= count) return absl::InvalidArgumentError(absl::StrCat("--gpus names GPU ", g, "; this node has ", count));
     CUDA_RETURN_IF_ERROR(cudaSetDevice(g), absl::StrCat("GPU ", g));
-    cudaStream_t s;
-    CUDA_RETURN_IF_ERROR(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking), "stream");
-    b->streams_[g] = s;
+    GpuStreams& streams = b->streams_[g];
+    for (void** s : {&streams.compute, &streams.comm, &streams.direct}) {
+      cudaStream_t created;
+      CUDA_RETURN_IF_ERROR(cudaStreamCreateWithFlags(&created, cudaStreamNonBlocking), "stream");
+      *s = created;
+    }
     for (int32_t peer : b->gpus_) {
       if (peer == g) continue;
       int can = 0;
@@ -229,9 +225,15 @@ absl::StatusOr<std::unique_ptr<CudaBackend>> CudaBackend::Start(const std::vecto
 }
 
 CudaBackend::~CudaBackend() {
-  for (auto& [g, s] : streams_) {
+  std::vector<std::string> groups;
+  for (const auto& [group, p] : prepared_) groups.push_back(group);
+  for (const auto& group : groups) DropPrepared(group);
+  comms_.clear();
+  for (auto& [g, streams] : streams_) {
     cudaSetDevice(g);
-    cudaStreamDestroy(static_cast<cudaStream_t>(s));
+    for (void* s : {streams.compute, streams.comm, streams.direct}) {
+      if (s != nullptr) cudaStreamDestroy(static_cast<cudaStream_t>(s));
+    }
   }
 }
 
@@ -272,176 +274,310 @@ absl::StatusOr<std::unique_ptr<MappedBuffer>> CudaBackend::Map(const v1::BufferM
   return std::unique_ptr<MappedBuffer>(new IpcBuffer(a, ipc.offset(), bytes));
 }
 
+// A group's plan as this node executes it, built once per plan and buffer addresses and reused
+// round after round: the schedule, its copy items uploaded to each GPU, the staging and the
+// events that chain the pipeline.
+struct CudaBackend::Prepared {
+  struct DeviceWork {
+    const CopyItem* items = nullptr;
+    const int64_t* units = nullptr;
+    int n = 0;
+    int64_t total_units = 0;
+  };
+  struct OnGpu {
+    void* arrays = nullptr;   // every item of this GPU, one allocation
+    void* staging = nullptr;
+    std::vector<DeviceWork> direct;                 // per stage
+    std::vector<std::vector<DeviceWork>> pack, unpack;  // per stage, per step
+    std::vector<std::vector<cudaEvent_t>> packed, moved;  // per stage, per step
+  };
+  std::shared_ptr<const Plan> plan;
+  BufferAddresses src, dst;
+  NodeSchedule schedule;
+  std::map<int32_t, OnGpu> gpus;
+
+  ~Prepared() {
+    for (auto& [g, on] : gpus) {
+      cudaSetDevice(g);
+      for (auto* list : {&on.packed, &on.moved}) {
+        for (auto& events : *list) {
+          for (cudaEvent_t e : events) cudaEventDestroy(e);
+        }
+      }
+      cudaFree(on.arrays);
+      cudaFree(on.staging);
+    }
+  }
+};
+
+absl::StatusOr<CudaBackend::Prepared*> CudaBackend::PreparedFor(const TransferJob& job, const BufferAddresses& src,
+                                                                const BufferAddresses& dst) {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto it = prepared_.find(job.group);
+    if (it != prepared_.end() && it->second->plan == job.plan && it->second->src == src && it->second->dst == dst) {
+      return it->second.get();
+    }
+  }
+  DropPrepared(job.group);
+  auto p = std::make_unique<Prepared>();
+  p->plan = job.plan;
+  p->src = src;
+  p->dst = dst;
+  ScheduleOptions options;
+  options.node = job.node;
+  options.staging_budget = staging_bytes_;
+  auto schedule = BuildNodeSchedule(
+      *job.plan, options,
+      [&](int32_t gpu) -> absl::StatusOr<std::pair<BufferAddresses, BufferAddresses>> {
+        if (!streams_.contains(gpu)) return absl::FailedPreconditionError(absl::StrCat("GPU ", gpu, " is not served here"));
+        std::pair<BufferAddresses, BufferAddresses> out;
+        for (auto [from, to] : {std::pair{&src, &out.first}, std::pair{&dst, &out.second}}) {
+          for (uint64_t a : *from) {
+            auto t = AddressOn(gpu, a);
+            if (!t.ok()) return t.status();
+            to->push_back(*t);
+          }
+        }
+        return out;
+      },
+      [&](int32_t gpu, int64_t bytes) -> absl::StatusOr<uint64_t> {
+        void*& staging = p->gpus[gpu].staging;
+        CUDA_RETURN_IF_ERROR(cudaSetDevice(gpu), "cudaSetDevice");
+        CUDA_RETURN_IF_ERROR(cudaMalloc(&staging, bytes), absl::StrCat("staging of ", bytes, " bytes on GPU ", gpu));
+        return reinterpret_cast<uint64_t>(staging);
+      });
+  if (!schedule.ok()) return schedule.status();
+  p->schedule = *std::move(schedule);
+  // Upload every work list of each GPU into one device allocation.
+  std::map<int32_t, std::vector<std::pair<const CopyWork*, Prepared::DeviceWork*>>> works;
+  for (int stage = 0; stage < kMaxStages; ++stage) {
+    const StageSchedule& s = p->schedule.stages[stage];
+    for (const auto& [gpu, w] : s.direct) {
+      Prepared::OnGpu& on = p->gpus[gpu];
+      on.direct.resize(kMaxStages);
+      works[gpu].push_back({&w, &on.direct[stage]});
+    }
+    for (const auto& [gpu, steps] : s.steps) {
+      Prepared::OnGpu& on = p->gpus[gpu];
+      on.pack.resize(kMaxStages);
+      on.unpack.resize(kMaxStages);
+      on.packed.resize(kMaxStages);
+      on.moved.resize(kMaxStages);
+      on.pack[stage].resize(steps.size());
+      on.unpack[stage].resize(steps.size());
+      CUDA_RETURN_IF_ERROR(cudaSetDevice(gpu), "cudaSetDevice");
+      for (size_t k = 0; k < steps.size(); ++k) {
+        works[gpu].push_back({&steps[k].pack, &on.pack[stage][k]});
+        works[gpu].push_back({&steps[k].unpack, &on.unpack[stage][k]});
+        for (auto* events : {&on.packed[stage], &on.moved[stage]}) {
+          cudaEvent_t e;
+          CUDA_RETURN_IF_ERROR(cudaEventCreateWithFlags(&e, cudaEventDisableTiming), "cudaEventCreate");
+          events->push_back(e);
+        }
+      }
+    }
+  }
+  for (auto& [gpu, list] : works) {
+    std::vector<std::byte> host;
+    std::vector<std::pair<size_t, size_t>> at;  // (items, units) offsets
+    for (auto& [w, d] : list) {
+      const size_t items = host.size();
+      host.resize(items + w->items.size() * sizeof(CopyItem));
+      std::memcpy(host.data() + items, w->items.data(), w->items.size() * sizeof(CopyItem));
+      const size_t units = host.size();
+      host.resize(units + w->unit_begin.size() * sizeof(int64_t));
+      std::memcpy(host.data() + units, w->unit_begin.data(), w->unit_begin.size() * sizeof(int64_t));
+      host.resize((host.size() + 15) / 16 * 16);
+      at.push_back({items, units});
+    }
+    Prepared::OnGpu& on = p->gpus[gpu];
+    CUDA_RETURN_IF_ERROR(cudaSetDevice(gpu), "cudaSetDevice");
+    CUDA_RETURN_IF_ERROR(cudaMalloc(&on.arrays, std::max<size_t>(host.size(), 16)), "copy items");
+    CUDA_RETURN_IF_ERROR(cudaMemcpy(on.arrays, host.data(), host.size(), cudaMemcpyHostToDevice), "copy items");
+    auto* base = static_cast<std::byte*>(on.arrays);
+    for (size_t i = 0; i < list.size(); ++i) {
+      auto& [w, d] = list[i];
+      d->items = reinterpret_cast<const CopyItem*>(base + at[i].first);
+      d->units = reinterpret_cast<const int64_t*>(base + at[i].second);
+      d->n = static_cast<int>(w->items.size());
+      d->total_units = w->unit_begin.empty() ? 0 : w->unit_begin.back();
+    }
+  }
+  std::string staging;
+  for (const auto& [gpu, bytes] : p->schedule.region_bytes) {
+    absl::StrAppend(&staging, staging.empty() ? "" : ", ", "GPU ", gpu, ": ", p->schedule.StagingBytes(gpu), " bytes (",
+                    p->schedule.depth[gpu], " steps in flight)");
+  }
+  Logger("data")->info("group \"{}\" node {}: prepared; network {} bytes out, {} in ({} zero-copy) in {} operations; "
+                       "NVLink {} bytes; local {} bytes; staging {}",
+                       job.group, job.node, p->schedule.bytes_sent, p->schedule.bytes_received,
+                       p->schedule.bytes_zero_copy, p->schedule.network_ops, p->schedule.bytes_peer,
+                       p->schedule.bytes_local, staging.empty() ? "none" : staging);
+  std::lock_guard<std::mutex> lock(mu_);
+  auto& slot = prepared_[job.group];
+  slot = std::move(p);
+  return slot.get();
+}
+
+void CudaBackend::DropPrepared(const std::string& group) {
+  std::unique_ptr<Prepared> old;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto it = prepared_.find(group);
+    if (it == prepared_.end()) return;
+    old = std::move(it->second);
+    prepared_.erase(it);
+  }
+  for (auto& [gpu, on] : old->gpus) SyncStreams(gpu);
+}
+
+void CudaBackend::SyncStreams(int32_t gpu) {
+  auto it = streams_.find(gpu);
+  if (it == streams_.end()) return;
+  cudaSetDevice(gpu);
+  for (void* s : {it->second.compute, it->second.comm, it->second.direct}) cudaStreamSynchronize(static_cast<cudaStream_t>(s));
+}
+
 absl::StatusOr<TransferStats> CudaBackend::Transfer(const TransferJob& job) {
-  const Plan& plan = *job.plan;
-  TransferStats stats;
   BufferAddresses src, dst;
   for (const auto& s : job.src) src.push_back(reinterpret_cast<uint64_t>(s.data()));
   for (const auto& s : job.dst) dst.push_back(reinterpret_cast<uint64_t>(s.data()));
-  // Messages between nodes travel by NCCL: pack on the sending GPU, send/recv, unpack.
-  Communicator* comm = nullptr;
-  for (const Message& m : plan.messages) {
-    const bool crosses = plan.gpus[m.src_gpu].node != plan.gpus[m.dst_gpu].node;
-    if (crosses && (plan.gpus[m.src_gpu].node == job.node || plan.gpus[m.dst_gpu].node == job.node)) {
-      auto c = CommunicatorFor(job);
-      if (!c.ok()) return c.status();
-      comm = *c;
-      break;
-    }
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    active_.insert({job.group, job.round_id});
   }
-  // Addresses as each receiving GPU's kernels see them (imports differ per GPU).
-  std::map<int32_t, std::pair<BufferAddresses, BufferAddresses>> here;
-  auto addresses_on = [&](int32_t gpu) -> absl::StatusOr<const std::pair<BufferAddresses, BufferAddresses>*> {
-    auto [it, added] = here.try_emplace(gpu);
-    if (added) {
-      for (uint64_t a : src) {
-        auto t = AddressOn(gpu, a);
-        if (!t.ok()) return t.status();
-        it->second.first.push_back(*t);
-      }
-      for (uint64_t a : dst) {
-        auto t = AddressOn(gpu, a);
-        if (!t.ok()) return t.status();
-        it->second.second.push_back(*t);
-      }
-    }
-    return &it->second;
-  };
-  // Device arrays of the stage in flight, freed whichever way the transfer ends; a Cancel of
-  // this round is forgotten then too.
-  std::vector<std::pair<int32_t, void*>> device_arrays;
+  Communicator* comm = nullptr;
+  // Whichever way the transfer fails: abort NCCL (its kernels may wait on a dead peer), let the
+  // streams drain, and rebuild everything for the next round.
+  bool ok = false;
   struct Cleanup {
     CudaBackend* b;
     const TransferJob& job;
-    std::vector<std::pair<int32_t, void*>>& arrays;
+    Communicator*& comm;
+    bool& ok;
     ~Cleanup() {
-      for (auto& [gpu, p] : arrays) {
-        cudaSetDevice(gpu);
-        cudaStreamSynchronize(static_cast<cudaStream_t>(b->streams_[gpu]));
-        cudaFree(p);
+      if (!ok) {
+        if (comm != nullptr) b->DropCommunicator(job.group);
+        b->DropPrepared(job.group);
       }
       std::lock_guard<std::mutex> lock(b->mu_);
       b->cancelled_.erase({job.group, job.round_id});
       b->active_.erase({job.group, job.round_id});
     }
-  } cleanup{this, job, device_arrays};
-  {
-    std::lock_guard<std::mutex> lock(mu_);
-    active_.insert({job.group, job.round_id});
-  }
+  } cleanup{this, job, comm, ok};
 
+  auto prepared = PreparedFor(job, src, dst);
+  if (!prepared.ok()) return prepared.status();
+  const Prepared& p = **prepared;
+  const NodeSchedule& schedule = p.schedule;
+  if (schedule.uses_network) {
+    auto c = CommunicatorFor(job);
+    if (!c.ok()) return c.status();
+    comm = *c;
+  }
+  const auto started = absl::Now();
   for (int stage = 0; stage < kMaxStages; ++stage) {
-    // Every message of this stage, batched per receiving GPU: one launch per GPU per stage.
-    std::map<int32_t, CopyWork> batch;
-    for (const Message& m : plan.messages) {
-      if (m.stage != stage || plan.gpus[m.dst_gpu].node != job.node) continue;
-      if (plan.gpus[m.src_gpu].node != job.node) continue;  // arrives by NCCL, below
-      const int32_t gpu = plan.gpus[m.dst_gpu].gpu;
-      if (!streams_.contains(gpu)) return absl::FailedPreconditionError(absl::StrCat("GPU ", gpu, " is not served here"));
-      auto addr = addresses_on(gpu);
-      if (!addr.ok()) return addr.status();
-      const CopyWork w = DirectWork(plan, m, (*addr)->first, (*addr)->second);
-      CopyWork& all = batch[gpu];
-      if (all.unit_begin.empty()) all.unit_begin.push_back(0);
-      for (size_t i = 0; i < w.items.size(); ++i) {
-        all.items.push_back(w.items[i]);
-        all.unit_begin.push_back(all.unit_begin.back() + w.items[i].Units());
-      }
-      (plan.gpus[m.src_gpu].gpu == gpu ? stats.bytes_local : stats.bytes_received) += m.bytes;
-    }
-    for (const auto& [gpu, w] : batch) {
-      if (auto st = Launch(gpu, static_cast<cudaStream_t>(streams_[gpu]), w, device_arrays, "copy"); !st.ok()) return st;
-    }
-    // Between nodes: staging per message on both ends (plan order on both sides keeps each pair
-    // of GPUs' sends and receives matched), all in one NCCL group.
-    std::vector<std::pair<int32_t, std::pair<CopyWork, void*>>> unpacks;  // (gpu, (work, staging))
-    std::vector<CopyWork> packs;  // alive until the stage is done
-    std::set<int32_t> nccl_gpus;
-    if (comm != nullptr) {
-      std::vector<std::tuple<int32_t, int, void*, int64_t, bool>> ops;  // gpu, peer, buffer, bytes, send
-      for (size_t i = 0; i < plan.messages.size(); ++i) {
-        const Message& m = plan.messages[i];
-        const PlanGpu& from = plan.gpus[m.src_gpu];
-        const PlanGpu& to = plan.gpus[m.dst_gpu];
-        if (m.stage != stage || from.node == to.node) continue;
-        if (from.node != job.node && to.node != job.node) continue;
-        const int32_t gpu = from.node == job.node ? from.gpu : to.gpu;
-        auto s = static_cast<cudaStream_t>(streams_[gpu]);
+    const StageSchedule& s = schedule.stages[stage];
+    if (s.direct.empty() && s.steps.empty()) continue;
+    std::set<int32_t> busy;
+    // Pack the first steps ahead, then copy inside the node on a stream of its own.
+    for (const auto& [gpu, steps] : s.steps) {
+      const Prepared::OnGpu& on = p.gpus.at(gpu);
+      const GpuStreams& st = streams_.at(gpu);
+      const int32_t depth = std::max(1, schedule.depth.count(gpu) ? schedule.depth.at(gpu) : 1);
+      for (int32_t k = 0; k < depth && k < static_cast<int32_t>(steps.size()); ++k) {
+        const auto& w = on.pack[stage][k];
         CUDA_RETURN_IF_ERROR(cudaSetDevice(gpu), "cudaSetDevice");
-        void* staging = nullptr;
-        CUDA_RETURN_IF_ERROR(cudaMalloc(&staging, std::max<int64_t>(m.bytes, 16)), "staging");
-        device_arrays.push_back({gpu, staging});
-        auto addr = addresses_on(gpu);
-        if (!addr.ok()) return addr.status();
-        if (from.node == job.node) {
-          packs.push_back(PackWork(plan, m, (*addr)->first, (*addr)->second, reinterpret_cast<uint64_t>(staging)));
-          if (auto st = Launch(gpu, s, packs.back(), device_arrays, "pack"); !st.ok()) return st;
-          ops.emplace_back(gpu, m.dst_gpu, staging, m.bytes, true);
-          stats.bytes_sent += m.bytes;
-        } else {
-          unpacks.push_back({gpu, {UnpackWork(plan, m, reinterpret_cast<uint64_t>(staging), (*addr)->second), staging}});
-          ops.emplace_back(gpu, m.src_gpu, staging, m.bytes, false);
-          stats.bytes_received += m.bytes;
-        }
-        nccl_gpus.insert(gpu);
+        CUDA_RETURN_IF_ERROR(LaunchCopyItems(w.items, w.units, w.n, w.total_units, static_cast<cudaStream_t>(st.compute)), "pack");
+        CUDA_RETURN_IF_ERROR(cudaEventRecord(on.packed[stage][k], static_cast<cudaStream_t>(st.compute)), "cudaEventRecord");
       }
+      busy.insert(gpu);
+    }
+    for (const auto& [gpu, w] : s.direct) {
+      const auto& d = p.gpus.at(gpu).direct[stage];
+      CUDA_RETURN_IF_ERROR(cudaSetDevice(gpu), "cudaSetDevice");
+      CUDA_RETURN_IF_ERROR(LaunchCopyItems(d.items, d.units, d.n, d.total_units, static_cast<cudaStream_t>(streams_.at(gpu).direct)),
+                           "copy");
+      busy.insert(gpu);
+    }
+    // Step k: its sends wait for their pack; one NCCL group for every local GPU's operations;
+    // the unpack of step k and the pack of step k + depth (into the slots step k freed) follow.
+    for (int32_t k = 0; k < s.num_steps; ++k) {
       if (auto st = NcclError(ncclGroupStart(), "ncclGroupStart"); !st.ok()) return st;
-      for (auto& [gpu, peer, buffer, bytes, send] : ops) {
+      for (const auto& [gpu, steps] : s.steps) {
+        if (k >= static_cast<int32_t>(steps.size())) continue;
+        const Prepared::OnGpu& on = p.gpus.at(gpu);
+        auto comm_stream = static_cast<cudaStream_t>(streams_.at(gpu).comm);
         cudaSetDevice(gpu);
-        auto s = static_cast<cudaStream_t>(streams_[gpu]);
-        const ncclResult_t r = send ? ncclSend(buffer, static_cast<size_t>(bytes), ncclUint8, peer, comm->by_gpu[gpu], s)
-                                    : ncclRecv(buffer, static_cast<size_t>(bytes), ncclUint8, peer, comm->by_gpu[gpu], s);
-        if (r != ncclSuccess && r != ncclInProgress) {
-          ncclGroupEnd();
-          DropCommunicator(job.group);
-          return NcclError(r, "ncclSend/ncclRecv");
+        cudaStreamWaitEvent(comm_stream, on.packed[stage][k], 0);
+        for (const NetworkOp& op : steps[k].ops) {
+          auto* buffer = reinterpret_cast<void*>(op.buffer);
+          const ncclResult_t r =
+              op.send ? ncclSend(buffer, static_cast<size_t>(op.bytes), ncclUint8, op.peer, comm->by_gpu.at(gpu), comm_stream)
+                      : ncclRecv(buffer, static_cast<size_t>(op.bytes), ncclUint8, op.peer, comm->by_gpu.at(gpu), comm_stream);
+          if (r != ncclSuccess && r != ncclInProgress) {
+            ncclGroupEnd();
+            return NcclError(r, op.send ? "ncclSend" : "ncclRecv");
+          }
         }
       }
       const ncclResult_t end = ncclGroupEnd();
-      if (end != ncclSuccess && end != ncclInProgress) {
-        DropCommunicator(job.group);
-        return NcclError(end, "ncclGroupEnd");
-      }
-      if (auto st = comm->Wait(job.deadline, absl::StrCat("round ", job.round_id, " stage ", stage)); !st.ok()) {
-        DropCommunicator(job.group);
+      if (end != ncclSuccess && end != ncclInProgress) return NcclError(end, "ncclGroupEnd");
+      if (auto st = comm->Wait(job.deadline, absl::StrCat("round ", job.round_id, " stage ", stage, " step ", k)); !st.ok()) {
         return st;
       }
-      for (auto& [gpu, ws] : unpacks) {
-        if (auto st = Launch(gpu, static_cast<cudaStream_t>(streams_[gpu]), ws.first, device_arrays, "unpack"); !st.ok()) {
-          return st;
+      for (const auto& [gpu, steps] : s.steps) {
+        if (k >= static_cast<int32_t>(steps.size())) continue;
+        const Prepared::OnGpu& on = p.gpus.at(gpu);
+        const GpuStreams& st = streams_.at(gpu);
+        auto compute = static_cast<cudaStream_t>(st.compute);
+        cudaSetDevice(gpu);
+        CUDA_RETURN_IF_ERROR(cudaEventRecord(on.moved[stage][k], static_cast<cudaStream_t>(st.comm)), "cudaEventRecord");
+        CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(compute, on.moved[stage][k], 0), "cudaStreamWaitEvent");
+        const auto& u = on.unpack[stage][k];
+        CUDA_RETURN_IF_ERROR(LaunchCopyItems(u.items, u.units, u.n, u.total_units, compute), "unpack");
+        const int32_t next = k + std::max(1, schedule.depth.count(gpu) ? schedule.depth.at(gpu) : 1);
+        if (next < static_cast<int32_t>(steps.size())) {
+          const auto& w = on.pack[stage][next];
+          CUDA_RETURN_IF_ERROR(LaunchCopyItems(w.items, w.units, w.n, w.total_units, compute), "pack");
+          CUDA_RETURN_IF_ERROR(cudaEventRecord(on.packed[stage][next], compute), "cudaEventRecord");
         }
       }
     }
-    for (int32_t gpu : nccl_gpus) batch.try_emplace(gpu);  // wait for these streams too
-    // Wait for every GPU of the stage, polling: a deadline and a Cancel must be able to end it.
-    for (const auto& [gpu, w] : batch) {
-      auto s = static_cast<cudaStream_t>(streams_[gpu]);
-      while (true) {
-        const cudaError_t q = cudaStreamQuery(s);
-        if (q == cudaSuccess) break;
-        if (q != cudaErrorNotReady) return CudaError(q, absl::StrCat("round ", job.round_id, " on GPU ", gpu));
-        {
-          std::lock_guard<std::mutex> lock(mu_);
-          auto c = cancelled_.find({job.group, job.round_id});
-          if (c != cancelled_.end()) {
-            if (comm != nullptr) DropCommunicator(job.group);  // its peer may be gone: abort, rebuild
-            return absl::AbortedError(c->second);
+    // Wait for every stream of the stage, polling: a deadline, a Cancel and an NCCL error (a
+    // dead peer on the socket transport) must be able to end it.
+    for (int32_t gpu : busy) {
+      const GpuStreams& st = streams_.at(gpu);
+      for (void* stream : {st.direct, st.comm, st.compute}) {
+        while (true) {
+          const cudaError_t q = cudaStreamQuery(static_cast<cudaStream_t>(stream));
+          if (q == cudaSuccess) break;
+          if (q != cudaErrorNotReady) return CudaError(q, absl::StrCat("round ", job.round_id, " on GPU ", gpu));
+          {
+            std::lock_guard<std::mutex> lock(mu_);
+            auto c = cancelled_.find({job.group, job.round_id});
+            if (c != cancelled_.end()) return absl::AbortedError(c->second);
           }
+          if (comm != nullptr) {
+            if (auto e = comm->Errors(absl::StrCat("round ", job.round_id, " stage ", stage)); !e.ok()) return e;
+          }
+          if (absl::Now() > job.deadline) {
+            return absl::DeadlineExceededError(absl::StrCat("round ", job.round_id, ": GPU ", gpu, " did not finish stage ", stage,
+                                                            comm != nullptr ? " (a peer daemon may be dead: NCCL aborted)" : ""));
+          }
+          absl::SleepFor(absl::Microseconds(20));
         }
-        if (absl::Now() > job.deadline) {
-          if (comm != nullptr) DropCommunicator(job.group);
-          return absl::DeadlineExceededError(absl::StrCat("round ", job.round_id, ": GPU ", gpu, " did not finish stage ", stage,
-                                                          comm != nullptr ? " (a peer daemon may be dead: NCCL aborted)" : ""));
-        }
-        absl::SleepFor(absl::Microseconds(20));
       }
     }
-    for (auto& [gpu, p] : device_arrays) {
-      cudaSetDevice(gpu);
-      cudaFree(p);
-    }
-    device_arrays.clear();
   }
+  ok = true;
+  TransferStats stats;
+  stats.bytes_sent = schedule.bytes_sent;
+  stats.bytes_received = schedule.bytes_received + schedule.bytes_peer;
+  stats.bytes_local = schedule.bytes_local;
+  Logger("data")->debug("group \"{}\" round {}: moved in {:.3f} ms", job.group, job.round_id,
+                        absl::ToDoubleMilliseconds(absl::Now() - started));
   return stats;
 }
 

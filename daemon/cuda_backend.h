@@ -3,8 +3,12 @@
 // node are copied straight from source to destination by the copy kernels on the receiving GPU,
 // reading the sender's memory over NVLink. Messages between nodes are packed on the sending GPU,
 // moved by NCCL send/recv on a communicator per group and membership (one rank per local GPU;
-// nonblocking init; aborted on failure, deadline or cancel, then rebuilt), and unpacked. Stage by
-// stage. Not yet: staging bounded by a flag, pipelining chunks, zero-copy for contiguous ends.
+// nonblocking init; aborted on failure, deadline or cancel, then rebuilt), and unpacked, pipelined
+// in steps (kernels/network_schedule.h): pack step k+1 while step k is on the wire and step k-1
+// is unpacked, in staging bounded per GPU; descriptors contiguous at both ends go zero-copy.
+// Three streams per GPU: compute (pack, unpack), comm (NCCL), direct (copies inside the node).
+// A group's schedule, items, staging and events are built once per plan and buffer addresses,
+// and dropped after any failure.
 #pragma once
 
 #include <atomic>
@@ -22,7 +26,9 @@ namespace refit {
 class CudaBackend : public DataBackend {
  public:
   // `gpus`: the local GPU indices this daemon serves (peer access is enabled among them).
-  static absl::StatusOr<std::unique_ptr<CudaBackend>> Start(const std::vector<int32_t>& gpus);
+  // `staging_bytes`: the most staging one group's rounds hold on each GPU.
+  static absl::StatusOr<std::unique_ptr<CudaBackend>> Start(const std::vector<int32_t>& gpus,
+                                                          int64_t staging_bytes);
   ~CudaBackend() override;
 
   std::string name() const override { return "cuda"; }
@@ -34,6 +40,7 @@ class CudaBackend : public DataBackend {
   absl::StatusOr<std::string> NewCommunicatorId() override;
 
   struct Allocation;  // an opened IPC handle
+  struct Prepared;    // a group's schedule on this node, ready to run
 
  private:
   CudaBackend() = default;
@@ -46,7 +53,18 @@ class CudaBackend : public DataBackend {
   std::map<std::string, std::weak_ptr<Allocation>> opened_;  // by handle bytes
   std::set<std::pair<std::string, int64_t>> active_;  // rounds transferring now
   std::map<std::pair<std::string, int64_t>, std::string> cancelled_;
-  std::map<int32_t, void*> streams_;  // cudaStream_t per GPU
+  struct GpuStreams {
+    void* compute = nullptr;  // cudaStream_t
+    void* comm = nullptr;
+    void* direct = nullptr;
+  };
+  std::map<int32_t, GpuStreams> streams_;
+  int64_t staging_bytes_ = 0;
+  std::map<std::string, std::unique_ptr<Prepared>> prepared_;  // by group
+  absl::StatusOr<Prepared*> PreparedFor(const TransferJob& job, const std::vector<uint64_t>& src,
+                                        const std::vector<uint64_t>& dst);
+  void DropPrepared(const std::string& group);
+  void SyncStreams(int32_t gpu);
 
   // One NCCL communicator per (group, id) over every GPU of the plan (rank = the plan's GPU
   // index), one rank per local GPU in this process. Built at the first transfer that needs it

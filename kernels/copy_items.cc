@@ -29,47 +29,64 @@ void Packed(CopyItem& it, int64_t (&stride)[kMaxOuterDims]) {
   stride[0] = it.inner * it.count[2] * it.count[1];
 }
 
-template <bool kPack>
-CopyWork Build(const Plan& plan, const Message& m, const BufferAddresses& src,
-               const BufferAddresses& dst, uint64_t staging, int64_t segment_bytes) {
-  CopyWork w;
-  w.unit_begin.push_back(0);
-  for (int64_t k = 0; k < m.num_descriptors; ++k) {
-    const CopyDescriptor& d = plan.descriptor(m, k);
-    CopyItem it = ItemFor(d, segment_bytes);
-    const DType wire = d.WireDType();
-    const uint64_t at = staging + static_cast<uint64_t>(w.bytes);
-    if (kPack) {
-      const BufferAddresses& from = d.src_is_destination ? dst : src;
-      it.src = from[d.src_buffer] + static_cast<uint64_t>(d.src_offset * DTypeSize(d.src_dtype));
-      it.dst = at;
-      Packed(it, it.dst_stride);
-      it.src_dtype = static_cast<uint8_t>(d.src_dtype);
-      it.dst_dtype = static_cast<uint8_t>(wire);
-    } else {
-      it.src = at;
-      Packed(it, it.src_stride);
-      it.dst = dst[d.dst_buffer] + static_cast<uint64_t>(d.dst_offset * DTypeSize(d.dst_dtype));
-      it.src_dtype = static_cast<uint8_t>(wire);
-      it.dst_dtype = static_cast<uint8_t>(d.dst_dtype);
-    }
-    w.bytes += d.NumElements() * DTypeSize(wire);
-    w.unit_begin.push_back(w.unit_begin.back() + it.Units());
-    w.items.push_back(it);
-  }
-  return w;
+void Append(CopyWork& w, const CopyItem& it) {
+  if (w.unit_begin.empty()) w.unit_begin.push_back(0);
+  w.unit_begin.push_back(w.unit_begin.back() + it.Units());
+  w.items.push_back(it);
 }
 
 }  // namespace
 
+void AppendPackItem(const CopyDescriptor& d, const BufferAddresses& src, const BufferAddresses& dst,
+                    uint64_t staging, int64_t segment_bytes, CopyWork& w) {
+  CopyItem it = ItemFor(d, segment_bytes);
+  const DType wire = d.WireDType();
+  const BufferAddresses& from = d.src_is_destination ? dst : src;
+  it.src = from[d.src_buffer] + static_cast<uint64_t>(d.src_offset * DTypeSize(d.src_dtype));
+  it.dst = staging + static_cast<uint64_t>(w.bytes);
+  Packed(it, it.dst_stride);
+  it.src_dtype = static_cast<uint8_t>(d.src_dtype);
+  it.dst_dtype = static_cast<uint8_t>(wire);
+  w.bytes += d.NumElements() * DTypeSize(wire);
+  Append(w, it);
+}
+
+void AppendUnpackItem(const CopyDescriptor& d, uint64_t staging, const BufferAddresses& dst,
+                      int64_t segment_bytes, CopyWork& w) {
+  CopyItem it = ItemFor(d, segment_bytes);
+  const DType wire = d.WireDType();
+  it.src = staging + static_cast<uint64_t>(w.bytes);
+  Packed(it, it.src_stride);
+  it.dst = dst[d.dst_buffer] + static_cast<uint64_t>(d.dst_offset * DTypeSize(d.dst_dtype));
+  it.src_dtype = static_cast<uint8_t>(wire);
+  it.dst_dtype = static_cast<uint8_t>(d.dst_dtype);
+  w.bytes += d.NumElements() * DTypeSize(wire);
+  Append(w, it);
+}
+
+void AppendWork(const CopyWork& more, CopyWork& w) {
+  for (const CopyItem& it : more.items) Append(w, it);
+  w.bytes += more.bytes;
+}
+
 CopyWork PackWork(const Plan& plan, const Message& m, const BufferAddresses& src,
                   const BufferAddresses& dst, uint64_t staging, int64_t segment_bytes) {
-  return Build<true>(plan, m, src, dst, staging, segment_bytes);
+  CopyWork w;
+  w.unit_begin.push_back(0);
+  for (int64_t k = 0; k < m.num_descriptors; ++k) {
+    AppendPackItem(plan.descriptor(m, k), src, dst, staging, segment_bytes, w);
+  }
+  return w;
 }
 
 CopyWork UnpackWork(const Plan& plan, const Message& m, uint64_t staging,
                     const BufferAddresses& dst, int64_t segment_bytes) {
-  return Build<false>(plan, m, {}, dst, staging, segment_bytes);
+  CopyWork w;
+  w.unit_begin.push_back(0);
+  for (int64_t k = 0; k < m.num_descriptors; ++k) {
+    AppendUnpackItem(plan.descriptor(m, k), staging, dst, segment_bytes, w);
+  }
+  return w;
 }
 
 CopyWork DirectWork(const Plan& plan, const Message& m, const BufferAddresses& src,

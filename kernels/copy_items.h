@@ -47,6 +47,15 @@ CopyWork PackWork(const Plan& plan, const Message& m, const BufferAddresses& src
 CopyWork UnpackWork(const Plan& plan, const Message& m, uint64_t staging,
                     const BufferAddresses& dst, int64_t segment_bytes = 16384);
 
+// One descriptor's item appended to `w`: packed at staging + w.bytes, or unpacked from there
+// (w.bytes then grows by its wire bytes); building blocks of the functions above.
+void AppendPackItem(const CopyDescriptor& d, const BufferAddresses& src, const BufferAddresses& dst,
+                    uint64_t staging, int64_t segment_bytes, CopyWork& w);
+void AppendUnpackItem(const CopyDescriptor& d, uint64_t staging, const BufferAddresses& dst,
+                      int64_t segment_bytes, CopyWork& w);
+// Appends `more`'s items to `w` (one launch runs both).
+void AppendWork(const CopyWork& more, CopyWork& w);
+
 // Items that copy message `m` straight from its sources to its destinations, without staging:
 // for GPUs that reach each other's memory (one node, peer access).
 CopyWork DirectWork(const Plan& plan, const Message& m, const BufferAddresses& src,

@@ -1,6 +1,8 @@
 // The ceilings of a 2-GPU node, measured: copy-engine peer copy GPU0 -> GPU1, the copy kernel
 // reading GPU0's memory from GPU1 (what the cuda backend does inside a node), and a local
-// device-to-device copy. Medians of --repeat runs after 3 warm-up runs; one JSON line.
+// device-to-device copy; also both directions at once by copy engine, and NCCL send/recv
+// GPU0 -> GPU1 (one process, ncclCommInitAll: what NCCL itself reaches on this link). Medians of
+// --repeat runs after 3 warm-up runs; one JSON line.
 //   peer_bench [--bytes 1073741824] [--repeat 10]
 #include <algorithm>
 #include <cstdio>
@@ -9,6 +11,9 @@
 #include <string>
 #include <vector>
 
+#include <nccl.h>
+
+#include "absl/time/clock.h"
 #include "kernels/copy_kernels.h"
 #include "kernels/cuda_check.h"
 
@@ -35,6 +40,24 @@ std::vector<float> Time(int runs, cudaStream_t s, const std::function<void()>& f
     if (r >= 3) out.push_back(ms);
   }
   return out;
+}
+
+// Wall-clock milliseconds of `fn` (which must end synchronized), medians after 3 warm-ups.
+std::vector<float> WallTime(int runs, const std::function<void()>& fn) {
+  std::vector<float> out;
+  for (int r = 0; r < runs + 3; ++r) {
+    const absl::Time t0 = absl::Now();
+    fn();
+    if (r >= 3) out.push_back(static_cast<float>(absl::ToDoubleMilliseconds(absl::Now() - t0)));
+  }
+  return out;
+}
+
+void NcclCheck(ncclResult_t r) {
+  if (r != ncclSuccess) {
+    std::fprintf(stderr, "peer_bench: NCCL: %s\n", ncclGetErrorString(r));
+    std::exit(1);
+  }
 }
 
 }  // namespace
@@ -80,11 +103,42 @@ int main(int argc, char** argv) {
     REFIT_CUDA_CHECK(LaunchCopyItems(static_cast<CopyItem*>(items.get()), static_cast<int64_t*>(units.get()), 1, it.Units(), s));
   });
   const auto local = Time(repeat, s, [&] { REFIT_CUDA_CHECK(cudaMemcpyAsync(other1.get(), on1.get(), bytes, cudaMemcpyDeviceToDevice, s)); });
+  // Both directions at once (the colocated case moves data both ways).
+  REFIT_CUDA_CHECK(cudaSetDevice(0));
+  cudaError_t e0 = cudaDeviceEnablePeerAccess(1, 0);
+  if (e0 != cudaSuccess && e0 != cudaErrorPeerAccessAlreadyEnabled) REFIT_CUDA_CHECK(e0);
+  cudaGetLastError();
+  DeviceBuffer back0(bytes);
+  cudaStream_t s0;
+  REFIT_CUDA_CHECK(cudaStreamCreate(&s0));
+  const auto bidir = WallTime(repeat, [&] {
+    REFIT_CUDA_CHECK(cudaMemcpyPeerAsync(on1.get(), 1, on0.get(), 0, bytes, s));
+    REFIT_CUDA_CHECK(cudaMemcpyPeerAsync(back0.get(), 0, other1.get(), 1, bytes, s0));
+    REFIT_CUDA_CHECK(cudaStreamSynchronize(s));
+    REFIT_CUDA_CHECK(cudaStreamSynchronize(s0));
+  });
+  // NCCL send/recv GPU0 -> GPU1.
+  ncclComm_t comms[2];
+  const int devices[2] = {0, 1};
+  NcclCheck(ncclCommInitAll(comms, 2, devices));
+  const auto nccl = WallTime(repeat, [&] {
+    NcclCheck(ncclGroupStart());
+    REFIT_CUDA_CHECK(cudaSetDevice(0));
+    NcclCheck(ncclSend(on0.get(), static_cast<size_t>(bytes), ncclUint8, 1, comms[0], s0));
+    REFIT_CUDA_CHECK(cudaSetDevice(1));
+    NcclCheck(ncclRecv(on1.get(), static_cast<size_t>(bytes), ncclUint8, 0, comms[1], s));
+    NcclCheck(ncclGroupEnd());
+    REFIT_CUDA_CHECK(cudaStreamSynchronize(s0));
+    REFIT_CUDA_CHECK(cudaStreamSynchronize(s));
+  });
+  for (ncclComm_t c : comms) ncclCommDestroy(c);
   const double gb = bytes / 1e9;
   std::printf("{\"bytes\":%lld,\"runs\":%d,\"peer_copy_engine_ms\":%.3f,\"peer_copy_engine_gbps\":%.1f,"
               "\"peer_kernel_ms\":%.3f,\"peer_kernel_gbps\":%.1f,\"kernel_vs_copy_engine\":%.3f,"
-              "\"local_d2d_ms\":%.3f,\"local_d2d_gbps\":%.1f}\n",
+              "\"local_d2d_ms\":%.3f,\"local_d2d_gbps\":%.1f,\"bidirectional_copy_engine_gbps_each_way\":%.1f,"
+              "\"nccl_send_recv_ms\":%.3f,\"nccl_send_recv_gbps\":%.1f}\n",
               (long long)bytes, repeat, Median(peer), gb / (Median(peer) / 1e3), Median(kernel),
-              gb / (Median(kernel) / 1e3), Median(peer) / Median(kernel), Median(local), gb / (Median(local) / 1e3));
+              gb / (Median(kernel) / 1e3), Median(peer) / Median(kernel), Median(local), gb / (Median(local) / 1e3),
+              gb / (Median(bidir) / 1e3), Median(nccl), gb / (Median(nccl) / 1e3));
   return 0;
 }

@@ -4,9 +4,14 @@
 // element and v). Inference: poisons its buffers at start; on COMMIT(v) checks every byte of
 // its buffers (pieces hold version v's values, padding is still poison) and reports the result.
 //
-//   sim-worker --daemon unix:/tmp/refitd-2.sock --group policy --role inference \
+// With --same-data (benchmarks of big models): every round carries version 1's values, so the
+// trainer fills once; the inference side checks its first commit fully and every later one byte
+// for byte against that verified copy. Destinations are poisoned at every PREPARE either way.
+//
+//   sim-worker --daemon unix:/tmp/refitd-2.sock --group policy --role inference
 //              --layout engine.json --worker vllm-dp0-tp1 --report /tmp/w.log
 #include <csignal>
+#include <cstring>
 #include <cstdio>
 #include <fstream>
 #include <mutex>
@@ -38,6 +43,7 @@ int main(int argc, char** argv) {
   using namespace refit;
   std::string daemon, group = "policy", role_name, layout_path, worker_name;
   int64_t prepare_delay_ms = 0;
+  bool same_data = false;
   CliFlags flags("sim-worker", "--daemon ADDR --role trainer|inference --layout F --worker NAME");
   flags.String("daemon", &daemon, "the node's refitd: unix:/tmp/refitd-<node>.sock or host:port");
   flags.String("group", &group, "model group");
@@ -46,6 +52,7 @@ int main(int argc, char** argv) {
   flags.String("worker", &worker_name, "which worker of the layout this process is");
   flags.String("report", &report_path, "append one line per round event here");
   flags.Int("prepare-delay-ms", &prepare_delay_ms, "wait this long before confirming PREPARE (tests)");
+  flags.Bool("same-data", &same_data, "every round carries version 1's values (fill once, compare to a verified copy)");
   flags.Parse(argc, argv);
   if (daemon.empty() || layout_path.empty() || worker_name.empty()) {
     flags.Fail("--daemon, --layout and --worker are required");
@@ -95,24 +102,33 @@ int main(int argc, char** argv) {
   auto to_host = [&] {
     for (size_t b = 0; b < host.size(); ++b) cudaMemcpy(host[b].data(), device + offsets[b], host[b].size(), cudaMemcpyDeviceToHost);
   };
+  auto poison = [&] {
+    cudaMemset(device, static_cast<int>(kPoison), std::max<int64_t>(total, 256));
+    cudaDeviceSynchronize();
+  };
 #else
   std::vector<v1::BufferMemory> exported;  // the library allocates shared memory
   auto to_device = [] {};
   auto to_host = [] {};
+  auto poison = [&] { PoisonDestinations(memory); };
 #endif
   auto spec_for = [&](int64_t version) {
     FillSpec spec;
-    spec.seed = static_cast<uint64_t>(version);
+    spec.seed = static_cast<uint64_t>(same_data ? 1 : version);
     spec.numeric.assign(mine.tensors.size(), false);  // both sides share dtypes in this cluster
     return spec;
   };
+  bool filled = false;
+  std::vector<std::vector<std::byte>> verified;  // --same-data: the first checked commit's bytes
   WorkerCallbacks callbacks;
   callbacks.on_prepare = [&](int64_t version) {
     if (prepare_delay_ms > 0) absl::SleepFor(absl::Milliseconds(prepare_delay_ms));
-    if (role == v1::TRAINER) {
+    if (role == v1::TRAINER && !(same_data && filled)) {
       FillSources(mine, spec_for(version), memory);  // "the optimizer step"
       to_device();
+      filled = true;
     }
+    if (role == v1::INFERENCE) poison();
     Report(absl::StrCat("prepare ", version));
     return absl::OkStatus();
   };
@@ -122,7 +138,22 @@ int main(int argc, char** argv) {
       return;
     }
     to_host();
+    if (same_data && !verified.empty()) {
+      int64_t bytes = 0;
+      for (size_t b = 0; b < memory.size(); ++b) {
+        if (std::memcmp(memory[b].data(), verified[b].data(), memory[b].size()) != 0) {
+          Report(absl::StrCat("commit ", version, " FAIL buffer ", mine.buffers[b].name, " differs from the verified round"));
+          return;
+        }
+        bytes += static_cast<int64_t>(memory[b].size());
+      }
+      Report(absl::StrCat("commit ", version, " ok ", bytes, " bytes equal to the verified round"));
+      return;
+    }
     auto checked = CheckDestinations(mine, mine, spec_for(version), memory);
+    if (checked.ok() && same_data) {
+      for (const auto& span : memory) verified.emplace_back(span.begin(), span.end());
+    }
     if (checked.ok()) {
       Report(absl::StrCat("commit ", version, " ok ", checked->elements_checked, " elements ",
                           checked->padding_bytes_checked, " padding bytes"));

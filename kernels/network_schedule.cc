@@ -1,0 +1,180 @@
+#include "kernels/network_schedule.h"
+
+#include <algorithm>
+
+#include "absl/strings/str_cat.h"
+#include "plan/dtype.h"
+
+namespace refit {
+namespace {
+
+constexpr int64_t kSlotAlign = 256;
+
+int64_t AlignUp(int64_t n) { return (n + kSlotAlign - 1) / kSlotAlign * kSlotAlign; }
+
+bool Contiguous(const CopyDescriptor& d, const std::array<int64_t, kMaxOuterDims>& stride) {
+  int64_t expect = d.inner;
+  for (int i = d.outer_rank - 1; i >= 0; --i) {
+    if (d.count[i] > 1 && stride[i] != expect) return false;
+    expect *= d.count[i];
+  }
+  return true;
+}
+
+// One network operation before addresses: a staged part of a message (its descriptors that are
+// not zero-copy) or one zero-copy descriptor.
+struct Unit {
+  const Message* message = nullptr;
+  std::vector<int64_t> descriptors;  // indices k into the message
+  bool zero_copy = false;
+  int64_t bytes = 0;
+};
+
+// The operations of one local GPU with one peer in one direction, in plan order.
+struct PairKey {
+  int32_t peer;
+  bool send;
+  bool operator<(const PairKey& o) const { return std::tie(peer, send) < std::tie(o.peer, o.send); }
+};
+
+}  // namespace
+
+bool IsZeroCopy(const CopyDescriptor& d, int64_t min_bytes) {
+  return d.src_dtype == d.dst_dtype && d.WireBytes() >= min_bytes && Contiguous(d, d.src_stride) &&
+         Contiguous(d, d.dst_stride);
+}
+
+int64_t NodeSchedule::StagingBytes(int32_t gpu) const {
+  auto r = region_bytes.find(gpu);
+  auto d = depth.find(gpu);
+  return r == region_bytes.end() || d == depth.end() ? 0 : r->second * d->second;
+}
+
+absl::StatusOr<NodeSchedule> BuildNodeSchedule(const Plan& plan, const ScheduleOptions& options,
+                                               const AddressesOn& addresses_on, const StagingOn& staging_on) {
+  NodeSchedule out;
+  out.stages.resize(kMaxStages);
+  const int32_t node = options.node;
+  // Pass 1: units per (stage, local GPU, peer, direction), and each GPU's largest step.
+  std::vector<std::map<int32_t, std::map<PairKey, std::vector<Unit>>>> pairs(kMaxStages);
+  for (const Message& m : plan.messages) {
+    const PlanGpu& from = plan.gpus[m.src_gpu];
+    const PlanGpu& to = plan.gpus[m.dst_gpu];
+    if (from.node != node && to.node != node) continue;
+    if (from.node == to.node) continue;  // direct, pass 2
+    out.uses_network = true;
+    const bool send = from.node == node;
+    Unit staged{&m, {}, false, 0};
+    std::vector<Unit> zero;
+    for (int64_t k = 0; k < m.num_descriptors; ++k) {
+      const CopyDescriptor& d = plan.descriptor(m, k);
+      if (IsZeroCopy(d, options.zero_copy_min_bytes)) {
+        zero.push_back(Unit{&m, {k}, true, d.WireBytes()});
+      } else {
+        staged.descriptors.push_back(k);
+        staged.bytes += d.WireBytes();
+      }
+    }
+    auto& list = pairs[m.stage][send ? from.gpu : to.gpu][PairKey{send ? m.dst_gpu : m.src_gpu, send}];
+    if (!staged.descriptors.empty()) list.push_back(std::move(staged));
+    for (Unit& u : zero) list.push_back(std::move(u));
+  }
+  for (int stage = 0; stage < kMaxStages; ++stage) {
+    for (const auto& [gpu, lists] : pairs[stage]) {
+      size_t steps = 0;
+      for (const auto& [key, units] : lists) steps = std::max(steps, units.size());
+      for (size_t k = 0; k < steps; ++k) {
+        int64_t region = 0;
+        int32_t slots = 0;
+        for (const auto& [key, units] : lists) {
+          if (k < units.size() && !units[k].zero_copy) region += AlignUp(units[k].bytes), ++slots;
+        }
+        if (region > options.staging_budget) {
+          return absl::FailedPreconditionError(absl::StrCat(
+              "GPU ", gpu, " needs ", region, " bytes of staging for one step of stage ", stage, " (", slots,
+              " messages at once); the staging budget is ", options.staging_budget,
+              " bytes per GPU: raise --staging-bytes or lower --max-message-bytes"));
+        }
+        out.region_bytes[gpu] = std::max(out.region_bytes[gpu], region);
+      }
+    }
+  }
+  std::map<int32_t, uint64_t> staging;
+  for (const auto& [gpu, region] : out.region_bytes) {
+    if (region == 0) continue;
+    const int32_t depth = static_cast<int32_t>(std::clamp<int64_t>(options.staging_budget / region, 1, options.max_depth));
+    out.depth[gpu] = depth;
+    auto at = staging_on(gpu, region * depth);
+    if (!at.ok()) return at.status();
+    staging[gpu] = *at;
+  }
+  // Pass 2: addresses, items and operations.
+  std::map<int32_t, std::pair<BufferAddresses, BufferAddresses>> addresses;
+  auto addresses_of = [&](int32_t gpu) -> absl::StatusOr<const std::pair<BufferAddresses, BufferAddresses>*> {
+    auto it = addresses.find(gpu);
+    if (it == addresses.end()) {
+      auto a = addresses_on(gpu);
+      if (!a.ok()) return a.status();
+      it = addresses.emplace(gpu, *std::move(a)).first;
+    }
+    return &it->second;
+  };
+  for (const Message& m : plan.messages) {
+    const PlanGpu& from = plan.gpus[m.src_gpu];
+    const PlanGpu& to = plan.gpus[m.dst_gpu];
+    if (to.node != node || from.node != node) continue;
+    auto a = addresses_of(to.gpu);
+    if (!a.ok()) return a.status();
+    AppendWork(DirectWork(plan, m, (*a)->first, (*a)->second, options.segment_bytes), out.stages[m.stage].direct[to.gpu]);
+    (from.gpu == to.gpu ? out.bytes_local : out.bytes_peer) += m.bytes;
+  }
+  for (int stage = 0; stage < kMaxStages; ++stage) {
+    StageSchedule& s = out.stages[stage];
+    for (const auto& [gpu, lists] : pairs[stage]) {
+      auto a = addresses_of(gpu);
+      if (!a.ok()) return a.status();
+      const BufferAddresses& src = (*a)->first;
+      const BufferAddresses& dst = (*a)->second;
+      std::vector<NetworkStep>& steps = s.steps[gpu];
+      for (const auto& [key, units] : lists) steps.resize(std::max(steps.size(), units.size()));
+      for (size_t k = 0; k < steps.size(); ++k) {
+        const uint64_t region = staging[gpu] + (k % std::max(1, out.depth[gpu])) * out.region_bytes[gpu];
+        int64_t used = 0;
+        NetworkStep& step = steps[k];
+        for (const auto& [key, units] : lists) {
+          if (k >= units.size()) continue;
+          const Unit& u = units[k];
+          NetworkOp op{key.peer, key.send, u.zero_copy, u.bytes, 0};
+          if (u.zero_copy) {
+            const CopyDescriptor& d = plan.descriptor(*u.message, u.descriptors[0]);
+            const int size = DTypeSize(d.dst_dtype);
+            op.buffer = key.send ? (d.src_is_destination ? dst : src)[d.src_buffer] + static_cast<uint64_t>(d.src_offset * size)
+                                 : dst[d.dst_buffer] + static_cast<uint64_t>(d.dst_offset * size);
+            out.bytes_zero_copy += u.bytes;
+          } else {
+            op.buffer = region + static_cast<uint64_t>(used);
+            CopyWork w;
+            w.unit_begin.push_back(0);
+            for (int64_t index : u.descriptors) {
+              const CopyDescriptor& d = plan.descriptor(*u.message, index);
+              if (key.send) {
+                AppendPackItem(d, src, dst, op.buffer, options.segment_bytes, w);
+              } else {
+                AppendUnpackItem(d, op.buffer, dst, options.segment_bytes, w);
+              }
+            }
+            AppendWork(w, key.send ? step.pack : step.unpack);
+            used += AlignUp(u.bytes);
+          }
+          (key.send ? out.bytes_sent : out.bytes_received) += u.bytes;
+          ++out.network_ops;
+          step.ops.push_back(op);
+        }
+      }
+      s.num_steps = std::max(s.num_steps, static_cast<int32_t>(steps.size()));
+    }
+  }
+  return out;
+}
+
+}  // namespace refit

@@ -1,0 +1,169 @@
+// The network schedule executed on the CPU in the order the GPU pipeline allows (packs of the
+// next steps ahead, each step's sends matched with its peers' receives, unpacks after): every
+// node's schedule together must give the CPU reference's destinations, byte for byte, at every
+// staging depth, with and without zero-copy; and a budget too small for one step is refused.
+#include "kernels/network_schedule.h"
+
+#include <catch2/catch.hpp>
+#include <cstring>
+#include <set>
+
+#include "kernels/test_plans.h"
+#include "plan/verify.h"
+
+namespace refit {
+namespace {
+
+struct Cluster {
+  std::vector<NodeSchedule> nodes;
+  std::vector<std::vector<std::byte>> staging;  // kept alive for the schedules' addresses
+};
+
+int32_t RankOf(const Plan& plan, int32_t node, int32_t gpu) {
+  for (size_t r = 0; r < plan.gpus.size(); ++r) {
+    if (plan.gpus[r].node == node && plan.gpus[r].gpu == gpu) return static_cast<int32_t>(r);
+  }
+  return -1;
+}
+
+absl::StatusOr<Cluster> Build(TestRun& run, int64_t budget, int64_t zero_copy_min, int32_t max_depth) {
+  Cluster c;
+  std::set<int32_t> nodes;
+  for (const PlanGpu& g : run.t.plan.gpus) nodes.insert(g.node);
+  c.staging.reserve(64);
+  for (int32_t node : nodes) {
+    ScheduleOptions options;
+    options.node = node;
+    options.staging_budget = budget;
+    options.zero_copy_min_bytes = zero_copy_min;
+    options.max_depth = max_depth;
+    options.segment_bytes = 64;
+    auto s = BuildNodeSchedule(
+        run.t.plan, options,
+        [&](int32_t) -> absl::StatusOr<std::pair<BufferAddresses, BufferAddresses>> {
+          return std::make_pair(run.src.addresses(), run.got.addresses());
+        },
+        [&](int32_t, int64_t bytes) -> absl::StatusOr<uint64_t> {
+          REQUIRE(bytes <= budget);
+          c.staging.emplace_back(static_cast<size_t>(bytes));
+          return reinterpret_cast<uint64_t>(c.staging.back().data());
+        });
+    if (!s.ok()) return s.status();
+    c.nodes.resize(std::max<size_t>(c.nodes.size(), node + 1));
+    c.nodes[node] = *std::move(s);
+  }
+  return c;
+}
+
+void Execute(const Plan& plan, Cluster& c) {
+  for (int stage = 0; stage < kMaxStages; ++stage) {
+    int32_t steps = 0;
+    for (auto& n : c.nodes) {
+      for (auto& [gpu, w] : n.stages[stage].direct) RunCopyWorkOnHost(w);
+      steps = std::max(steps, n.stages[stage].num_steps);
+    }
+    auto each_gpu = [&](auto&& f) {
+      for (size_t node = 0; node < c.nodes.size(); ++node) {
+        for (auto& [gpu, list] : c.nodes[node].stages[stage].steps) f(static_cast<int32_t>(node), gpu, list);
+      }
+    };
+    each_gpu([&](int32_t node, int32_t gpu, std::vector<NetworkStep>& list) {
+      const int32_t depth = c.nodes[node].depth[gpu];
+      for (int32_t j = 0; j < depth && j < static_cast<int32_t>(list.size()); ++j) RunCopyWorkOnHost(list[j].pack);
+    });
+    for (int32_t k = 0; k < steps; ++k) {
+      std::map<std::pair<int32_t, int32_t>, const NetworkOp*> sends;  // (from, to)
+      each_gpu([&](int32_t node, int32_t gpu, std::vector<NetworkStep>& list) {
+        if (k >= static_cast<int32_t>(list.size())) return;
+        for (const NetworkOp& op : list[k].ops) {
+          if (op.send) REQUIRE(sends.emplace(std::make_pair(RankOf(plan, node, gpu), op.peer), &op).second);
+        }
+      });
+      size_t matched = 0;
+      each_gpu([&](int32_t node, int32_t gpu, std::vector<NetworkStep>& list) {
+        if (k >= static_cast<int32_t>(list.size())) return;
+        for (const NetworkOp& op : list[k].ops) {
+          if (op.send) continue;
+          auto s = sends.find({op.peer, RankOf(plan, node, gpu)});
+          REQUIRE(s != sends.end());  // a receive without its send in the same step would hang
+          REQUIRE(s->second->bytes == op.bytes);
+          std::memcpy(reinterpret_cast<void*>(op.buffer), reinterpret_cast<const void*>(s->second->buffer),
+                      static_cast<size_t>(op.bytes));
+          ++matched;
+        }
+      });
+      REQUIRE(matched == sends.size());  // and no send without its receive
+      each_gpu([&](int32_t node, int32_t gpu, std::vector<NetworkStep>& list) {
+        if (k >= static_cast<int32_t>(list.size())) return;
+        RunCopyWorkOnHost(list[k].unpack);
+        const int32_t next = k + c.nodes[node].depth[gpu];
+        if (next < static_cast<int32_t>(list.size())) RunCopyWorkOnHost(list[next].pack);
+      });
+    }
+  }
+}
+
+TEST_CASE("every node's schedule together lands every byte, at every depth, with zero-copy") {
+  int64_t zero_copied = 0, staged = 0;
+  for (uint64_t seed = 1; seed <= 60; ++seed) {
+    for (int64_t zero_copy_min : {int64_t{1} << 40, int64_t{8}, int64_t{512}}) {
+      for (int32_t depth : {1, 2, 4}) {
+        TestRun run(seed);
+        auto wide = Build(run, int64_t{1} << 30, zero_copy_min, depth);
+        REQUIRE(wide.ok());
+        int64_t region = 0;
+        for (const auto& n : wide->nodes) {
+          for (const auto& [gpu, r] : n.region_bytes) region = std::max(region, r);
+        }
+        // A budget of exactly `depth` of the largest step: slots are reused as soon as allowed.
+        auto c = Build(run, std::max<int64_t>(region, 1) * depth, zero_copy_min, depth);
+        REQUIRE(c.ok());
+        Execute(run.t.plan, *c);
+        ExecuteOnHost(run.t.plan, run.src.memory, run.ref.memory);
+        INFO("seed " << seed << " zero-copy from " << zero_copy_min << " depth " << depth);
+        for (size_t b = 0; b < run.t.dst.buffers.size(); ++b) REQUIRE(run.ref.storage[b] == run.got.storage[b]);
+        auto checked = CheckDestinations(run.t.src, run.t.dst, run.spec, run.got.memory);
+        INFO(checked.status().message());
+        REQUIRE(checked.ok());
+        for (const auto& n : c->nodes) zero_copied += n.bytes_zero_copy, staged += n.bytes_sent + n.bytes_received;
+      }
+    }
+  }
+  CHECK(zero_copied > 0);  // the zero-copy path was exercised
+  CHECK(staged > zero_copied);
+}
+
+TEST_CASE("a staging budget below one step is refused with what to change") {
+  TestRun run(7);
+  auto wide = Build(run, int64_t{1} << 30, int64_t{1} << 40, 4);
+  REQUIRE(wide.ok());
+  int64_t region = 0;
+  for (const auto& n : wide->nodes) {
+    for (const auto& [gpu, r] : n.region_bytes) region = std::max(region, r);
+  }
+  REQUIRE(region > 0);
+  auto c = Build(run, region - 1, int64_t{1} << 40, 4);
+  REQUIRE(c.status().code() == absl::StatusCode::kFailedPrecondition);
+  CHECK_THAT(std::string(c.status().message()), Catch::Contains("--staging-bytes"));
+}
+
+TEST_CASE("contiguous same-dtype descriptors are zero-copy; strided or cast ones are not") {
+  CopyDescriptor d;
+  d.inner = 1024;
+  d.src_dtype = d.dst_dtype = DType::kBF16;
+  CHECK(IsZeroCopy(d, 2048));
+  CHECK_FALSE(IsZeroCopy(d, 2049));
+  d.outer_rank = 1;
+  d.count[0] = 4;
+  d.src_stride[0] = 1024;
+  d.dst_stride[0] = 1024;
+  CHECK(IsZeroCopy(d, 1));
+  d.dst_stride[0] = 2048;  // a column block of a wider destination
+  CHECK_FALSE(IsZeroCopy(d, 1));
+  d.dst_stride[0] = 1024;
+  d.dst_dtype = DType::kF32;
+  CHECK_FALSE(IsZeroCopy(d, 1));
+}
+
+}  // namespace
+}  // namespace refit

@@ -37,6 +37,7 @@ struct TransferJob {
   absl::Time deadline;
   int64_t epoch = 0;       // membership epoch of the plan: a new one means new peers
   std::string nccl_id;     // cuda backend: the communicator's ncclUniqueId for this epoch
+  int64_t step_bytes = 0;  // cuda backend: one network step's bytes, the same on every node
 };
 
 struct TransferStats {

@@ -4,6 +4,7 @@
 #include <nccl.h>
 
 #include <cstring>
+#include <functional>
 
 #include "absl/strings/str_cat.h"
 #include "daemon/logging.h"
@@ -57,8 +58,10 @@ struct CudaBackend::Communicator {
     }
     return absl::OkStatus();
   }
-  // Polls every rank until none is in progress; errors (a dead peer) and the deadline fail.
-  absl::Status Wait(absl::Time deadline, const std::string& what) {
+  // Polls every rank until none is in progress; errors (a dead peer), `interrupted` (a cancel,
+  // the deadline) fail.
+  absl::Status Wait(const std::function<absl::Status()>& interrupted, const std::string& what) {
+    const absl::Time spin_until = absl::Now() + absl::Milliseconds(2);
     while (true) {
       bool pending = false;
       for (auto& [g, c] : by_gpu) {
@@ -68,8 +71,10 @@ struct CudaBackend::Communicator {
         else if (state != ncclSuccess) return NcclError(state, what);
       }
       if (!pending) return absl::OkStatus();
-      if (absl::Now() > deadline) return absl::DeadlineExceededError(absl::StrCat(what, ": deadline exceeded"));
-      absl::SleepFor(absl::Microseconds(100));
+      if (auto s = interrupted(); !s.ok()) return absl::Status(s.code(), absl::StrCat(what, ": ", s.message()));
+      // Spin at first: between the steps of a round the host must stay ahead of the GPU, and a
+      // sleep costs tens of microseconds; an init that takes long is polled gently.
+      if (absl::Now() > spin_until) absl::SleepFor(absl::Microseconds(50));
     }
   }
 };
@@ -83,7 +88,10 @@ absl::StatusOr<std::string> CudaBackend::NewCommunicatorId() {
 void CudaBackend::DropCommunicator(const std::string& group) {
   auto it = comms_.find(group);
   if (it == comms_.end()) return;
+  const absl::Time t0 = absl::Now();
   it->second->Abort();
+  Logger("data")->warn("group \"{}\": NCCL communicator aborted in {:.0f} ms; the next round builds a new one", group,
+                       absl::ToDoubleMilliseconds(absl::Now() - t0));
   comms_.erase(it);
 }
 
@@ -115,7 +123,7 @@ absl::StatusOr<CudaBackend::Communicator*> CudaBackend::CommunicatorFor(const Tr
     slot->by_gpu[g.gpu] = comm;
   }
   if (auto s = NcclError(ncclGroupEnd(), "ncclGroupEnd"); !s.ok()) return s;
-  if (auto s = slot->Wait(job.deadline, absl::StrCat("round ", job.round_id, ": NCCL communicator of ", nranks, " ranks"));
+  if (auto s = slot->Wait([&] { return Interrupted(job); }, absl::StrCat("round ", job.round_id, ": NCCL communicator of ", nranks, " ranks"));
       !s.ok()) {
     DropCommunicator(job.group);
     return s;
@@ -327,6 +335,7 @@ absl::StatusOr<CudaBackend::Prepared*> CudaBackend::PreparedFor(const TransferJo
   ScheduleOptions options;
   options.node = job.node;
   options.staging_budget = staging_bytes_;
+  options.step_bytes = job.step_bytes;
   auto schedule = BuildNodeSchedule(
       *job.plan, options,
       [&](int32_t gpu) -> absl::StatusOr<std::pair<BufferAddresses, BufferAddresses>> {
@@ -524,7 +533,7 @@ absl::StatusOr<TransferStats> CudaBackend::Transfer(const TransferJob& job) {
       }
       const ncclResult_t end = ncclGroupEnd();
       if (end != ncclSuccess && end != ncclInProgress) return NcclError(end, "ncclGroupEnd");
-      if (auto st = comm->Wait(job.deadline, absl::StrCat("round ", job.round_id, " stage ", stage, " step ", k)); !st.ok()) {
+      if (auto st = comm->Wait([&] { return Interrupted(job); }, absl::StrCat("round ", job.round_id, " stage ", stage, " step ", k)); !st.ok()) {
         return st;
       }
       for (const auto& [gpu, steps] : s.steps) {
@@ -554,17 +563,12 @@ absl::StatusOr<TransferStats> CudaBackend::Transfer(const TransferJob& job) {
           const cudaError_t q = cudaStreamQuery(static_cast<cudaStream_t>(stream));
           if (q == cudaSuccess) break;
           if (q != cudaErrorNotReady) return CudaError(q, absl::StrCat("round ", job.round_id, " on GPU ", gpu));
-          {
-            std::lock_guard<std::mutex> lock(mu_);
-            auto c = cancelled_.find({job.group, job.round_id});
-            if (c != cancelled_.end()) return absl::AbortedError(c->second);
-          }
           if (comm != nullptr) {
             if (auto e = comm->Errors(absl::StrCat("round ", job.round_id, " stage ", stage)); !e.ok()) return e;
           }
-          if (absl::Now() > job.deadline) {
-            return absl::DeadlineExceededError(absl::StrCat("round ", job.round_id, ": GPU ", gpu, " did not finish stage ", stage,
-                                                            comm != nullptr ? " (a peer daemon may be dead: NCCL aborted)" : ""));
+          if (auto s = Interrupted(job); !s.ok()) {
+            return absl::Status(s.code(), absl::StrCat("round ", job.round_id, ": GPU ", gpu, " did not finish stage ", stage,
+                                                       comm != nullptr ? " (NCCL aborted)" : "", ": ", s.message()));
           }
           absl::SleepFor(absl::Microseconds(20));
         }
@@ -576,9 +580,19 @@ absl::StatusOr<TransferStats> CudaBackend::Transfer(const TransferJob& job) {
   stats.bytes_sent = schedule.bytes_sent;
   stats.bytes_received = schedule.bytes_received + schedule.bytes_peer;
   stats.bytes_local = schedule.bytes_local;
-  Logger("data")->debug("group \"{}\" round {}: moved in {:.3f} ms", job.group, job.round_id,
+  Logger("data")->info("group \"{}\" round {}: moved in {:.3f} ms", job.group, job.round_id,
                         absl::ToDoubleMilliseconds(absl::Now() - started));
   return stats;
+}
+
+absl::Status CudaBackend::Interrupted(const TransferJob& job) {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto c = cancelled_.find({job.group, job.round_id});
+    if (c != cancelled_.end()) return absl::AbortedError(c->second);
+  }
+  if (absl::Now() > job.deadline) return absl::DeadlineExceededError("the transfer deadline passed");
+  return absl::OkStatus();
 }
 
 void CudaBackend::Cancel(const std::string& group, int64_t round_id, const std::string& reason) {

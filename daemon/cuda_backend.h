@@ -65,6 +65,8 @@ class CudaBackend : public DataBackend {
                                         const std::vector<uint64_t>& dst);
   void DropPrepared(const std::string& group);
   void SyncStreams(int32_t gpu);
+  // ABORTED once the round is cancelled, DEADLINE_EXCEEDED past its deadline, else OK.
+  absl::Status Interrupted(const TransferJob& job);
 
   // One NCCL communicator per (group, id) over every GPU of the plan (rank = the plan's GPU
   // index), one rank per local GPU in this process. Built at the first transfer that needs it

@@ -40,6 +40,7 @@ struct Daemon::InstalledPlan {
   std::shared_ptr<const Plan> plan;
   absl::flat_hash_map<int32_t, std::string> data_addresses;
   std::string nccl_id;
+  int64_t step_bytes = 0;
 };
 
 // The coordinator's view of a node.
@@ -586,6 +587,7 @@ absl::Status Daemon::InstallPlan(const v1::InstallPlanRequest& request) {
   installed->plan = std::make_shared<const Plan>(*std::move(plan));
   for (const v1::NodeAddress& n : request.nodes()) installed->data_addresses[n.node()] = n.data_address();
   installed->nccl_id = request.nccl_id();
+  installed->step_bytes = request.step_bytes();
   Logger("plan")->info("group \"{}\" epoch {}: installed a plan of {} messages, {} bytes",
                        request.group(), request.epoch(), installed->plan->stats.messages,
                        installed->plan->stats.bytes_total);
@@ -658,6 +660,7 @@ absl::Status Daemon::RunPhase(const v1::PhaseRequest& request, v1::PhaseResponse
       job.deadline = absl::Now() + timeout;
       job.epoch = installed->epoch;
       job.nccl_id = installed->nccl_id;
+      job.step_bytes = installed->step_bytes;
       std::vector<std::shared_ptr<LocalWorker>> hold;  // keeps mappings alive for the transfer
       auto resolve = [&](const Layout& l, BufferMemory& memory) -> absl::Status {
         memory.assign(l.buffers.size(), {});
@@ -818,6 +821,8 @@ void Daemon::MarkNodeDead(int32_t node, const std::string& why) {
     beats_.erase(node);  // its next heartbeat takes the slow path and resyncs
   }
   Logger("rpc")->warn("node {} ({}) is dead: {}", node, it->second.control_address, why);
+  dead_because_[node] = why;
+  for (auto [call, end] = peer_calls_.equal_range(node); call != end; ++call) call->second->TryCancel();
   RecomputeEpochs();
 }
 
@@ -920,7 +925,29 @@ absl::Status Daemon::CallPeer(int32_t node, const v1::PhaseRequest& request,
   }
   grpc::ClientContext ctx;
   ctx.set_deadline(Deadline(timeout + config_.peer_timeout));
-  const absl::Status s = FromGrpc(PeerStub(address)->RunPhase(&ctx, request, response));
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto it = nodes_.find(node);
+    if (it == nodes_.end() || !it->second.alive) {
+      return absl::UnavailableError(absl::StrCat("node ", node, " is not alive"));
+    }
+    peer_calls_.emplace(node, &ctx);
+  }
+  absl::Status s = FromGrpc(PeerStub(address)->RunPhase(&ctx, request, response));
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    for (auto [it, end] = peer_calls_.equal_range(node); it != end; ++it) {
+      if (it->second == &ctx) {
+        peer_calls_.erase(it);
+        break;
+      }
+    }
+    auto dead = dead_because_.find(node);
+    if (!s.ok() && dead != dead_because_.end() && (nodes_.count(node) == 0 || !nodes_[node].alive)) {
+      s = absl::UnavailableError(absl::StrCat("node ", node, " (", address, ") died during ", PhaseName(request.phase()),
+                                              ": ", dead->second));
+    }
+  }
   if (s.ok()) return s;
   // Say which node failed, unless its own message already does.
   const std::string prefix = absl::StrCat("node ", node);
@@ -976,6 +1003,7 @@ absl::Status Daemon::RunRound(const std::string& group, int64_t round_id, int64_
     *install.mutable_source() = g.src;
     *install.mutable_destination() = g.dst;
     install.set_max_message_bytes(config_.max_message_bytes);
+    install.set_step_bytes(config_.staging_bytes / 2);
     for (const auto& [node, info] : nodes_) {
       if (!info.alive) continue;
       v1::NodeAddress* a = install.add_nodes();

@@ -112,6 +112,10 @@ class Daemon {
   std::condition_variable changed_;  // any state change: workers, rounds, shutdown
   bool stopping_ = false;
   std::map<std::string, std::shared_ptr<LocalWorker>> workers_;
+  // Phase calls to peers in flight (under mu_): a peer declared dead has its calls cancelled at
+  // once, so a round does not wait out its deadline on a frozen node.
+  std::multimap<int32_t, grpc::ClientContext*> peer_calls_;
+  std::map<int32_t, std::string> dead_because_;
   std::map<std::string, std::shared_ptr<InstalledPlan>> installed_;
   std::map<std::string, int64_t> active_rounds_;  // group -> round running on this node
 

@@ -9,6 +9,7 @@ namespace refit {
 namespace {
 
 constexpr int64_t kSlotAlign = 256;
+constexpr size_t kMaxOpsPerStep = 256;  // NCCL bounds the operations of one group
 
 int64_t AlignUp(int64_t n) { return (n + kSlotAlign - 1) / kSlotAlign * kSlotAlign; }
 
@@ -79,15 +80,40 @@ absl::StatusOr<NodeSchedule> BuildNodeSchedule(const Plan& plan, const ScheduleO
     if (!staged.descriptors.empty()) list.push_back(std::move(staged));
     for (Unit& u : zero) list.push_back(std::move(u));
   }
+  // Consecutive units of a pair share a step up to step_bytes (at least the plan's largest
+  // message) and kMaxOpsPerStep operations: fewer, larger steps, each an NCCL group launch.
+  int64_t step_target = std::max<int64_t>(1, options.step_bytes);
+  for (const Message& m : plan.messages) step_target = std::max(step_target, m.bytes);
+  using Steps = std::vector<std::vector<Unit>>;
+  std::vector<std::map<int32_t, std::map<PairKey, Steps>>> grouped(kMaxStages);
   for (int stage = 0; stage < kMaxStages; ++stage) {
-    for (const auto& [gpu, lists] : pairs[stage]) {
+    for (auto& [gpu, lists] : pairs[stage]) {
+      for (auto& [key, units] : lists) {
+        Steps& steps = grouped[stage][gpu][key];
+        int64_t bytes = step_target;
+        for (Unit& u : units) {
+          if (steps.empty() || bytes + u.bytes > step_target || steps.back().size() >= kMaxOpsPerStep) {
+            steps.emplace_back();
+            bytes = 0;
+          }
+          bytes += u.bytes;
+          steps.back().push_back(std::move(u));
+        }
+      }
+    }
+  }
+  for (int stage = 0; stage < kMaxStages; ++stage) {
+    for (const auto& [gpu, lists] : grouped[stage]) {
       size_t steps = 0;
-      for (const auto& [key, units] : lists) steps = std::max(steps, units.size());
+      for (const auto& [key, list] : lists) steps = std::max(steps, list.size());
       for (size_t k = 0; k < steps; ++k) {
         int64_t region = 0;
         int32_t slots = 0;
-        for (const auto& [key, units] : lists) {
-          if (k < units.size() && !units[k].zero_copy) region += AlignUp(units[k].bytes), ++slots;
+        for (const auto& [key, list] : lists) {
+          if (k >= list.size()) continue;
+          for (const Unit& u : list[k]) {
+            if (!u.zero_copy) region += AlignUp(u.bytes), ++slots;
+          }
         }
         if (region > options.staging_budget) {
           return absl::FailedPreconditionError(absl::StrCat(
@@ -130,45 +156,46 @@ absl::StatusOr<NodeSchedule> BuildNodeSchedule(const Plan& plan, const ScheduleO
   }
   for (int stage = 0; stage < kMaxStages; ++stage) {
     StageSchedule& s = out.stages[stage];
-    for (const auto& [gpu, lists] : pairs[stage]) {
+    for (const auto& [gpu, lists] : grouped[stage]) {
       auto a = addresses_of(gpu);
       if (!a.ok()) return a.status();
       const BufferAddresses& src = (*a)->first;
       const BufferAddresses& dst = (*a)->second;
       std::vector<NetworkStep>& steps = s.steps[gpu];
-      for (const auto& [key, units] : lists) steps.resize(std::max(steps.size(), units.size()));
+      for (const auto& [key, list] : lists) steps.resize(std::max(steps.size(), list.size()));
       for (size_t k = 0; k < steps.size(); ++k) {
         const uint64_t region = staging[gpu] + (k % std::max(1, out.depth[gpu])) * out.region_bytes[gpu];
         int64_t used = 0;
         NetworkStep& step = steps[k];
-        for (const auto& [key, units] : lists) {
-          if (k >= units.size()) continue;
-          const Unit& u = units[k];
-          NetworkOp op{key.peer, key.send, u.zero_copy, u.bytes, 0};
-          if (u.zero_copy) {
-            const CopyDescriptor& d = plan.descriptor(*u.message, u.descriptors[0]);
-            const int size = DTypeSize(d.dst_dtype);
-            op.buffer = key.send ? (d.src_is_destination ? dst : src)[d.src_buffer] + static_cast<uint64_t>(d.src_offset * size)
-                                 : dst[d.dst_buffer] + static_cast<uint64_t>(d.dst_offset * size);
-            out.bytes_zero_copy += u.bytes;
-          } else {
-            op.buffer = region + static_cast<uint64_t>(used);
-            CopyWork w;
-            w.unit_begin.push_back(0);
-            for (int64_t index : u.descriptors) {
-              const CopyDescriptor& d = plan.descriptor(*u.message, index);
-              if (key.send) {
-                AppendPackItem(d, src, dst, op.buffer, options.segment_bytes, w);
-              } else {
-                AppendUnpackItem(d, op.buffer, dst, options.segment_bytes, w);
+        for (const auto& [key, list] : lists) {
+          if (k >= list.size()) continue;
+          for (const Unit& u : list[k]) {
+            NetworkOp op{key.peer, key.send, u.zero_copy, u.bytes, 0};
+            if (u.zero_copy) {
+              const CopyDescriptor& d = plan.descriptor(*u.message, u.descriptors[0]);
+              const int size = DTypeSize(d.dst_dtype);
+              op.buffer = key.send ? (d.src_is_destination ? dst : src)[d.src_buffer] + static_cast<uint64_t>(d.src_offset * size)
+                                   : dst[d.dst_buffer] + static_cast<uint64_t>(d.dst_offset * size);
+              out.bytes_zero_copy += u.bytes;
+            } else {
+              op.buffer = region + static_cast<uint64_t>(used);
+              CopyWork w;  // this operation's slot, descriptors one after another
+              w.unit_begin.push_back(0);
+              for (int64_t index : u.descriptors) {
+                const CopyDescriptor& d = plan.descriptor(*u.message, index);
+                if (key.send) {
+                  AppendPackItem(d, src, dst, op.buffer, options.segment_bytes, w);
+                } else {
+                  AppendUnpackItem(d, op.buffer, dst, options.segment_bytes, w);
+                }
               }
+              AppendWork(w, key.send ? step.pack : step.unpack);
+              used += AlignUp(u.bytes);
             }
-            AppendWork(w, key.send ? step.pack : step.unpack);
-            used += AlignUp(u.bytes);
+            (key.send ? out.bytes_sent : out.bytes_received) += u.bytes;
+            ++out.network_ops;
+            step.ops.push_back(op);
           }
-          (key.send ? out.bytes_sent : out.bytes_received) += u.bytes;
-          ++out.network_ops;
-          step.ops.push_back(op);
         }
       }
       s.num_steps = std::max(s.num_steps, static_cast<int32_t>(steps.size()));

@@ -2,12 +2,13 @@
 // built and tested on the CPU, executed by the cuda backend.
 //
 // Messages between GPUs of this node become direct copy work, one launch per receiving GPU per
-// stage. Messages between nodes become network operations, cut into steps: for each pair of
-// ranks and direction, the k-th operation is in step k. Every rank derives the same lists from
-// the same plan, so step k of one rank matches step k of its peers and one NCCL group per step
-// cannot deadlock. A descriptor that is contiguous at both ends, of one dtype and large enough,
-// travels zero-copy (sent from the source tensor, received into the destination tensor); the
-// rest of a message is packed into a staging slot of its step and unpacked on the other side.
+// stage. Messages between nodes become network operations, cut into steps: for each pair of ranks
+// and direction, consecutive operations fill a step up to ScheduleOptions::step_bytes (fewer,
+// larger steps: each costs an NCCL launch). Every rank derives the same lists from the same plan,
+// so step k of one rank matches step k of its peers and one NCCL group per step cannot deadlock.
+// A descriptor that is contiguous at both ends, of one dtype and large enough, travels zero-copy
+// (sent from the source tensor, received into the destination tensor); the rest of a message is
+// packed into a staging slot of its step and unpacked on the other side.
 //
 // Staging per GPU is `depth` regions, one per step in flight, each large enough for the largest
 // step: step k uses region k % depth. While step k is on the wire, step k-1 is unpacked and step
@@ -64,6 +65,9 @@ struct ScheduleOptions {
   // Smallest descriptor sent zero-copy: below it packing beats another NCCL operation. Every node
   // must use the same value (it shapes the steps both ends of an operation derive).
   int64_t zero_copy_min_bytes = int64_t{1} << 20;
+  // Bytes of one step between two GPUs (at least the plan's largest message): each step costs
+  // an NCCL group launch, tens of microseconds. Every node must use the same value.
+  int64_t step_bytes = 0;
   int64_t segment_bytes = 16384;
 };
 

@@ -26,7 +26,8 @@ int32_t RankOf(const Plan& plan, int32_t node, int32_t gpu) {
   return -1;
 }
 
-absl::StatusOr<Cluster> Build(TestRun& run, int64_t budget, int64_t zero_copy_min, int32_t max_depth) {
+absl::StatusOr<Cluster> Build(TestRun& run, int64_t budget, int64_t zero_copy_min, int32_t max_depth,
+                              int64_t step_bytes = 0) {
   Cluster c;
   std::set<int32_t> nodes;
   for (const PlanGpu& g : run.t.plan.gpus) nodes.insert(g.node);
@@ -38,6 +39,7 @@ absl::StatusOr<Cluster> Build(TestRun& run, int64_t budget, int64_t zero_copy_mi
     options.zero_copy_min_bytes = zero_copy_min;
     options.max_depth = max_depth;
     options.segment_bytes = 64;
+    options.step_bytes = step_bytes;
     auto s = BuildNodeSchedule(
         run.t.plan, options,
         [&](int32_t) -> absl::StatusOr<std::pair<BufferAddresses, BufferAddresses>> {
@@ -72,27 +74,32 @@ void Execute(const Plan& plan, Cluster& c) {
       for (int32_t j = 0; j < depth && j < static_cast<int32_t>(list.size()); ++j) RunCopyWorkOnHost(list[j].pack);
     });
     for (int32_t k = 0; k < steps; ++k) {
-      std::map<std::pair<int32_t, int32_t>, const NetworkOp*> sends;  // (from, to)
+      // NCCL matches a pair's sends and receives of one group in the order they were posted.
+      std::map<std::pair<int32_t, int32_t>, std::vector<const NetworkOp*>> sends;  // (from, to)
+      size_t posted = 0;
       each_gpu([&](int32_t node, int32_t gpu, std::vector<NetworkStep>& list) {
         if (k >= static_cast<int32_t>(list.size())) return;
         for (const NetworkOp& op : list[k].ops) {
-          if (op.send) REQUIRE(sends.emplace(std::make_pair(RankOf(plan, node, gpu), op.peer), &op).second);
+          if (op.send) sends[{RankOf(plan, node, gpu), op.peer}].push_back(&op), ++posted;
         }
       });
+      std::map<std::pair<int32_t, int32_t>, size_t> next;
       size_t matched = 0;
       each_gpu([&](int32_t node, int32_t gpu, std::vector<NetworkStep>& list) {
         if (k >= static_cast<int32_t>(list.size())) return;
         for (const NetworkOp& op : list[k].ops) {
           if (op.send) continue;
-          auto s = sends.find({op.peer, RankOf(plan, node, gpu)});
-          REQUIRE(s != sends.end());  // a receive without its send in the same step would hang
-          REQUIRE(s->second->bytes == op.bytes);
-          std::memcpy(reinterpret_cast<void*>(op.buffer), reinterpret_cast<const void*>(s->second->buffer),
+          const std::pair<int32_t, int32_t> pair{op.peer, RankOf(plan, node, gpu)};
+          auto& in_order = sends[pair];
+          const size_t i = next[pair]++;
+          REQUIRE(i < in_order.size());  // a receive without its send in the same step would hang
+          REQUIRE(in_order[i]->bytes == op.bytes);
+          std::memcpy(reinterpret_cast<void*>(op.buffer), reinterpret_cast<const void*>(in_order[i]->buffer),
                       static_cast<size_t>(op.bytes));
           ++matched;
         }
       });
-      REQUIRE(matched == sends.size());  // and no send without its receive
+      REQUIRE(matched == posted);  // and no send without its receive
       each_gpu([&](int32_t node, int32_t gpu, std::vector<NetworkStep>& list) {
         if (k >= static_cast<int32_t>(list.size())) return;
         RunCopyWorkOnHost(list[k].unpack);
@@ -109,14 +116,16 @@ TEST_CASE("every node's schedule together lands every byte, at every depth, with
     for (int64_t zero_copy_min : {int64_t{1} << 40, int64_t{8}, int64_t{512}}) {
       for (int32_t depth : {1, 2, 4}) {
         TestRun run(seed);
-        auto wide = Build(run, int64_t{1} << 30, zero_copy_min, depth);
+        // Steps of one message, of several, or of everything between a pair.
+        const int64_t step_bytes = seed % 3 == 0 ? 0 : seed % 3 == 1 ? 3000 : int64_t{1} << 30;
+        auto wide = Build(run, int64_t{1} << 30, zero_copy_min, depth, step_bytes);
         REQUIRE(wide.ok());
         int64_t region = 0;
         for (const auto& n : wide->nodes) {
           for (const auto& [gpu, r] : n.region_bytes) region = std::max(region, r);
         }
         // A budget of exactly `depth` of the largest step: slots are reused as soon as allowed.
-        auto c = Build(run, std::max<int64_t>(region, 1) * depth, zero_copy_min, depth);
+        auto c = Build(run, std::max<int64_t>(region, 1) * depth, zero_copy_min, depth, step_bytes);
         REQUIRE(c.ok());
         Execute(run.t.plan, *c);
         ExecuteOnHost(run.t.plan, run.src.memory, run.ref.memory);

@@ -93,4 +93,35 @@ ctl refit policy 9 | tail -n 1 || fail "round 9 after the daemon came back"
 all_ok 9
 ctl refit policy 10 | tail -n 1 || fail "round 10"
 all_ok 10
+
+echo "== (c) the inference node's daemon freezes after PREPARE: node 0 is inside its NCCL sends"
+# A trainer's slow PREPARE holds the round while daemon 1 (already prepared) is stopped; at
+# TRANSFER daemon 0 posts its sends to a peer that never receives: NCCL over NVLink reports no
+# error, so the coordinator's dead-peer verdict (heartbeats) cancels it, NCCL is aborted, and
+# the stopped daemon is then killed and replaced.
+trainer=$(workers_of "$RUN/t.json" | head -n 1 | cut -d' ' -f1)
+restart_worker "$trainer" trainer "$RUN/t.json" --prepare-delay-ms 800
+ctl refit policy 11 | tail -n 1 || fail "round 11 (builds the communicator of the new membership)"
+all_ok 11
+aborts_before=$(grep -c "communicator aborted" "$RUN/daemon0.log")
+ctl refit policy 12 >"$RUN/abort-12.out" 2>&1 &
+p=$!
+sleep 0.3
+kill -STOP "${DAEMON_PID[1]}"
+t0=$(date +%s%N)
+wait $p && fail "round 12 committed although node 1 was frozen"
+ms=$(( ($(date +%s%N) - t0) / 1000000 ))
+echo "round 12 aborted ${ms} ms after the freeze: $(cat "$RUN/abort-12.out")"
+grep -q "node 1" "$RUN/abort-12.out" || fail "the reason does not name node 1"
+[ "$ms" -lt 10000 ] || fail "abort took ${ms} ms"
+grep "round 12\|communicator aborted" "$RUN/daemon0.log" | tail -n 4
+[ "$(grep -c "communicator aborted" "$RUN/daemon0.log")" -gt "$aborts_before" ] || fail "daemon 0 did not abort its NCCL communicator"
+kill -9 "${DAEMON_PID[1]}"; wait "${DAEMON_PID[1]}" 2>/dev/null
+for key in vllm-dp0-tp0 vllm-dp0-tp1; do kill -9 "${WORKER_PID[$key]}" 2>/dev/null; wait "${WORKER_PID[$key]}" 2>/dev/null; done
+start_daemon 1 --backend cuda --gpus 1 --prepare-timeout 60 --commit-timeout 60 --transfer-timeout 30 || fail "daemon 1 restart"
+restart_worker "$trainer" trainer "$RUN/t.json"
+restart_worker vllm-dp0-tp0 inference "$RUN/i.json"
+restart_worker vllm-dp0-tp1 inference "$RUN/i.json"
+ctl refit policy 13 | tail -n 1 || fail "round 13 after the frozen daemon was replaced"
+all_ok 13
 echo "faults: aborted in time, recovered byte-exact"

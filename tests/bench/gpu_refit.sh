@@ -1,0 +1,95 @@
+#!/usr/bin/env bash
+# One refit benchmark case on a 2-GPU machine, through the real path: refitd with the cuda
+# backend, sim-worker-cuda processes holding the weights in GPU memory, refitctl starting rounds.
+#   MODE=disaggregated  trainer TP=4 (four processes) on GPU 0 under daemon 0, inference TP=2 (two
+#                       processes) on GPU 1 under daemon 1: NCCL between the daemons.
+#   MODE=colocated      one daemon with both GPUs: trainer FSDP=2, inference TP=2 on GPUs 0 and 1.
+# Every round: destinations poisoned at PREPARE; the first round checked element by element,
+# every later one byte for byte against it (sim-worker --same-data). Prints one JSON line: the
+# transfer phase of each measured round (after WARMUP rounds), its median, and what the data
+# plane reported (staging, zero-copy bytes). Run from a bundle: BIN=.device/bin.
+#   MODE=disaggregated CONFIG=tests/configs/llama3-8b.json SCALE=1 bash tests/bench/gpu_refit.sh
+set -uo pipefail
+BIN=${BIN:-.device/bin}
+BACKEND=${BACKEND:-cuda}  # host: a dry run of this script on a CPU machine (no --gpus)
+WORKER_BIN=$BIN/sim-worker-cuda
+[ "$BACKEND" = cuda ] || WORKER_BIN=$BIN/sim-worker
+MODE=${MODE:-disaggregated}
+CONFIG=${CONFIG:-tests/configs/llama3-8b.json}
+SCALE=${SCALE:-1}
+LAYERS=${LAYERS:-0}
+ROUNDS=${ROUNDS:-6}
+WARMUP=${WARMUP:-2}
+MSG=${MSG:-$((64 << 20))}
+STAGING=${STAGING:-$((256 << 20))}
+RUN=${RUN:-$(mktemp -d)}
+mkdir -p "$RUN"
+rm -f "$RUN"/*.report "$RUN"/*.log "$RUN"/*.addr "$RUN"/*.json
+source tools/cluster_lib.sh
+trap stop_all EXIT
+fail() { echo "FAIL: $*" >&2; tail -n 5 "$RUN"/daemon*.log >&2; exit 1; }
+gpus() { [ "$BACKEND" = cuda ] && echo "--gpus $1"; }
+L=("$BIN/refit-layout" --config "$CONFIG" --scale-down "$SCALE" --layers "$LAYERS")
+flags=(--backend "$BACKEND" --max-message-bytes "$MSG" --staging-bytes "$STAGING" --prepare-timeout 300 --commit-timeout 300
+       --transfer-timeout 60)
+if [ "$MODE" = disaggregated ]; then
+  "${L[@]}" --side trainer --tp 4 --gpus-per-node 4 -o "$RUN/t.json" || fail layout
+  "${L[@]}" --side inference --tp 2 --gpus-per-node 2 --first-node 1 -o "$RUN/i.json" || fail layout
+  python3 - "$RUN/t.json" "$RUN/i.json" <<'PY'
+import json, sys
+for path, gpu in ((sys.argv[1], 0), (sys.argv[2], 1)):
+    layout = json.load(open(path))
+    for w in layout["workers"]:
+        w["gpu"] = gpu
+    json.dump(layout, open(path, "w"))
+PY
+  start_daemon 0 "${flags[@]}" $(gpus 0) || fail "daemon 0"
+  start_daemon 1 "${flags[@]}" $(gpus 1) || fail "daemon 1"
+else
+  "${L[@]}" --side trainer --fsdp 2 --gpus-per-node 2 -o "$RUN/t.json" || fail layout
+  "${L[@]}" --side inference --tp 2 --gpus-per-node 2 -o "$RUN/i.json" || fail layout
+  start_daemon 0 "${flags[@]}" $(gpus 0,1) || fail "daemon 0"
+fi
+keys=()
+while read -r name node; do start_worker "$name" "$node" policy trainer "$RUN/t.json" "$name" --same-data; keys+=("$name"); done < <(workers_of "$RUN/t.json")
+while read -r name node; do start_worker "$name" "$node" policy inference "$RUN/i.json" "$name" --same-data; keys+=("$name"); done < <(workers_of "$RUN/i.json")
+for _ in $(seq 600); do
+  [ "$(cat "$RUN"/*.report 2>/dev/null | grep -c "^registered")" -eq ${#keys[@]} ] && break
+  sleep 0.2
+done
+wait_registered "${keys[@]}" || fail registration
+for _ in $(seq 100); do ctl status | grep -q "^policy .*yes" && break; sleep 0.2; done
+ctl -o json status >"$RUN/status.json"
+for v in $(seq 1 $((WARMUP + ROUNDS))); do
+  ctl -o json refit policy "$v" >"$RUN/round$v.json" || fail "round $v: $(cat "$RUN/round$v.json")"
+  for r in "$RUN"/vllm-*.report; do
+    grep -q "^commit $v ok" "$r" || fail "$(basename "$r") round $v: $(tail -n 1 "$r")"
+  done
+done
+python3 - "$RUN" "$MODE" "$CONFIG" "$SCALE" "$LAYERS" "$WARMUP" "$ROUNDS" "$MSG" "$STAGING" <<'PY'
+import glob, json, os, re, statistics, sys
+run, mode, config, scale, layers, warmup, rounds, msg, staging = sys.argv[1:]
+warmup, rounds = int(warmup), int(rounds)
+stats = [json.loads(open(os.path.join(run, f"round{v}.json")).read().strip().splitlines()[-1])
+         for v in range(1, warmup + rounds + 1)]
+measured = stats[warmup:]
+transfer = [float(s["transfer_seconds"]) for s in measured]
+moved = {}  # each daemon's own data-plane time of the measured rounds
+for log in sorted(glob.glob(os.path.join(run, "daemon*.log"))):
+    moved[os.path.basename(log)[:-4]] = [float(m) for m in re.findall(r"moved in ([0-9.]+) ms", open(log).read())][-rounds:]
+prepared = []
+for log in sorted(glob.glob(os.path.join(run, "daemon*.log"))):
+    prepared += re.findall(r"prepared; (.*)", open(log).read())
+status = json.load(open(os.path.join(run, "status.json")))
+group = [g for g in status.get("groups", []) if g.get("name") == "policy"][0]
+nbytes = int(measured[0]["bytes"])
+med = statistics.median(transfer)
+print(json.dumps({
+    "mode": mode, "config": os.path.basename(config), "scale_down": int(scale), "layers": int(layers),
+    "bytes": nbytes, "plan_bytes_total": int(group["plan"]["bytes_total"]),
+    "messages": int(group["plan"]["messages"]), "max_message_bytes": int(msg), "staging_budget": int(staging),
+    "rounds": rounds, "warmup": warmup, "transfer_s": transfer, "median_transfer_s": med,
+    "gbps": nbytes / med / 1e9, "round_s": [float(s["seconds"]) for s in measured],
+    "data_plane_ms": moved, "median_data_plane_ms": {k: statistics.median(v) for k, v in moved.items() if v},
+    "prepared": prepared[:2]}))
+PY

@@ -1,0 +1,47 @@
+#!/usr/bin/env bash
+# Issue 5, part 1: every benchmark of the 2-GPU machine in one run, machine-readable.
+#   here:   bash tools/gpu_run.sh --bundle          (builds, bundles into .device/)
+#   there:  bash tools/gpu_bench.sh                 (results under $OUT, default out/bench)
+# Writes: machine.txt, ceilings.jsonl (peer_bench: copy engine, NCCL, local copy), baselines.jsonl
+# (tests/bench/baselines.py: gather + broadcast, per-tensor send/recv, PyTorch's NCCL ceiling),
+# refit.jsonl (tests/bench/gpu_refit.sh, one line per case) and each case's daemon logs.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+out=${OUT:-out/bench}
+mkdir -p "$out"
+export LD_LIBRARY_PATH=$PWD/.device/lib:/usr/local/cuda/lib64 NCCL_NVLS_ENABLE=0
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader >"$out/machine.txt" 2>&1
+nvidia-smi topo -m >>"$out/machine.txt" 2>&1
+status=0
+ceiling() { .device/bin/peer_bench --repeat 10 >>"$out/ceilings.jsonl" 2>>"$out/ceilings.err" || status=1; }
+ceiling
+# CASES: "label MODE CONFIG SCALE LAYERS MSG STAGING" per line (CASES env overrides the list).
+G=$((1 << 30)); M=$((1 << 20))
+default_cases="dis-8b disaggregated llama3-8b 1 0 $((64 * M)) $((2 * G))
+col-8b colocated llama3-8b 1 0 $((64 * M)) $((2 * G))
+dis-8b-staging256m disaggregated llama3-8b 1 0 $((64 * M)) $((256 * M))
+dis-s12 disaggregated llama3-8b 12 0 $((64 * M)) $((2 * G))
+dis-s8 disaggregated llama3-8b 8 0 $((64 * M)) $((2 * G))
+dis-s4 disaggregated llama3-8b 4 0 $((64 * M)) $((2 * G))
+dis-s2 disaggregated llama3-8b 2 0 $((64 * M)) $((2 * G))
+dis-l16 disaggregated llama3-8b 1 16 $((64 * M)) $((2 * G))
+dis-small8k disaggregated many-small-moe 2 0 $((64 * M)) $((2 * G))"
+while read -r label mode config scale layers msg staging; do
+  [ -n "$label" ] || continue
+  echo "== $label"
+  t0=$(date +%s)
+  RUN=/tmp/bench-$label MODE=$mode CONFIG=tests/configs/$config.json SCALE=$scale LAYERS=$layers MSG=$msg STAGING=$staging \
+    BIN=.device/bin bash tests/bench/gpu_refit.sh >"$out/$label.json" 2>"$out/$label.err" || status=1
+  python3 -c 'import json,sys; d=json.load(open(sys.argv[1])); d["label"]=sys.argv[2]; print(json.dumps(d))' \
+    "$out/$label.json" "$label" >>"$out/refit.jsonl" 2>/dev/null
+  for f in /tmp/bench-$label/daemon*.log; do cp "$f" "$out/$label-$(basename "$f")" 2>/dev/null; done
+  tail -c 700 "$out/$label.json"; tail -n 3 "$out/$label.err"; echo " ($(( $(date +%s) - t0 )) s)"
+done <<<"${CASES:-$default_cases}"
+if [ "${BASELINES:-1}" -eq 1 ]; then
+  echo "== baselines"
+  python3 tests/bench/baselines.py --config tests/configs/llama3-8b.json --rounds 5 --warmup 2 \
+    >"$out/baselines.jsonl" 2>"$out/baselines.err" || status=1
+  cat "$out/baselines.jsonl"; tail -n 3 "$out/baselines.err"
+fi
+ceiling  # again at the end: the ceiling of the same run, before and after
+exit $status

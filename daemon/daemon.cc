@@ -25,6 +25,7 @@ struct Daemon::LocalWorker {
   std::string id;
   v1::RegisterWorkerRequest request;  // worker.node filled in
   std::vector<std::unique_ptr<MappedBuffer>> buffers;
+  absl::flat_hash_map<std::string, int> buffer_index;  // by name: a trainer may hold 100k buffers
   bool has_session = false;
   bool gone = false;  // unregistered or its session ended: never used again
   std::deque<v1::RoundEvent> outbox;
@@ -327,6 +328,7 @@ absl::Status Daemon::Register(const v1::RegisterWorkerRequest& request,
                                        w.buffers(b).name(), "\": ", mapped.status().message()));
     }
     worker->buffers.push_back(*std::move(mapped));
+    worker->buffer_index[w.buffers(b).name()] = b;
   }
   {
     std::lock_guard<std::mutex> lock(mu_);
@@ -662,25 +664,31 @@ absl::Status Daemon::RunPhase(const v1::PhaseRequest& request, v1::PhaseResponse
       job.nccl_id = installed->nccl_id;
       job.step_bytes = installed->step_bytes;
       std::vector<std::shared_ptr<LocalWorker>> hold;  // keeps mappings alive for the transfer
+      // Each buffer of the plan on this node, found by name in its worker's registration (once
+      // per worker, then by hash: linear over 100k buffers, not quadratic).
       auto resolve = [&](const Layout& l, BufferMemory& memory) -> absl::Status {
         memory.assign(l.buffers.size(), {});
+        std::vector<LocalWorker*> by_worker(l.workers.size(), nullptr);
         for (size_t b = 0; b < l.buffers.size(); ++b) {
-          const Worker& w = l.workers[l.buffers[b].worker];
+          const int32_t wi = l.buffers[b].worker;
+          const Worker& w = l.workers[wi];
           if (w.node != config_.node) continue;
-          const std::string id = absl::StrCat(group, "/", w.name);
-          auto local = FindWorker(id);
-          if (local == nullptr) {
-            return absl::AbortedError(absl::StrCat("worker \"", id, "\" left node ", config_.node));
+          if (by_worker[wi] == nullptr) {
+            const std::string id = absl::StrCat(group, "/", w.name);
+            auto local = FindWorker(id);
+            if (local == nullptr) {
+              return absl::AbortedError(absl::StrCat("worker \"", id, "\" left node ", config_.node));
+            }
+            by_worker[wi] = local.get();
+            hold.push_back(std::move(local));
           }
-          const auto& buffers = local->request.worker().buffers();
-          int k = 0;
-          while (k < buffers.size() && buffers[k].name() != l.buffers[b].name) ++k;
-          if (k == buffers.size()) {
-            return absl::FailedPreconditionError(absl::StrCat("worker \"", id, "\" has no buffer \"",
+          LocalWorker& local = *by_worker[wi];
+          auto k = local.buffer_index.find(l.buffers[b].name);
+          if (k == local.buffer_index.end()) {
+            return absl::FailedPreconditionError(absl::StrCat("worker \"", local.id, "\" has no buffer \"",
                                                               l.buffers[b].name, "\""));
           }
-          memory[b] = local->buffers[k]->bytes();
-          hold.push_back(local);
+          memory[b] = local.buffers[k->second]->bytes();
         }
         return absl::OkStatus();
       };

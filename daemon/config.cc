@@ -31,6 +31,7 @@ DaemonConfig ParseDaemonFlags(int argc, char** argv) {
   std::string gpus;
   flags.String("gpus", &gpus, "comma-separated local GPU indices this daemon serves (empty: any)");
   flags.Int("max-message-bytes", &max_message, "staging bound: one message's bytes, per connection");
+  flags.Bool("routing", &c.routing, "coordinator: topology routing, network once per node then NVLink (--norouting: off)");
   flags.Int("staging-bytes", &staging, "cuda backend: staging memory per GPU per group (pipelined network steps)");
   flags.Double("prepare-timeout", &prepare_s, "seconds for every worker to confirm PREPARE");
   flags.Double("transfer-timeout", &transfer_s, "seconds for a round's transfer");

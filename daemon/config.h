@@ -22,6 +22,7 @@ struct DaemonConfig {
   std::vector<int32_t> gpus;              // local GPU indices this daemon serves (--gpus 0,1);
                                           // empty: any. A worker on another GPU is refused.
   int64_t max_message_bytes = 16 << 20;   // staging chunk per connection (--max-message-bytes)
+  bool routing = true;                    // coordinator: topology routing in plans (--norouting: off)
   int64_t staging_bytes = int64_t{256} << 20;  // cuda: staging per GPU per group (--staging-bytes)
   absl::Duration prepare_timeout = absl::Seconds(10);
   absl::Duration transfer_timeout = absl::Seconds(60);

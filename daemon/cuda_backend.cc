@@ -518,8 +518,12 @@ absl::StatusOr<TransferStats> CudaBackend::Transfer(const TransferJob& job) {
         if (k >= static_cast<int32_t>(steps.size())) continue;
         const Prepared::OnGpu& on = p.gpus.at(gpu);
         auto comm_stream = static_cast<cudaStream_t>(streams_.at(gpu).comm);
-        cudaSetDevice(gpu);
-        cudaStreamWaitEvent(comm_stream, on.packed[stage][k], 0);
+        const cudaError_t e = cudaSetDevice(gpu) == cudaSuccess ? cudaStreamWaitEvent(comm_stream, on.packed[stage][k], 0)
+                                                                 : cudaGetLastError();
+        if (e != cudaSuccess) {
+          ncclGroupEnd();
+          return CudaError(e, "ordering a step's sends after its pack");
+        }
         for (const NetworkOp& op : steps[k].ops) {
           auto* buffer = reinterpret_cast<void*>(op.buffer);
           const ncclResult_t r =
@@ -541,7 +545,7 @@ absl::StatusOr<TransferStats> CudaBackend::Transfer(const TransferJob& job) {
         const Prepared::OnGpu& on = p.gpus.at(gpu);
         const GpuStreams& st = streams_.at(gpu);
         auto compute = static_cast<cudaStream_t>(st.compute);
-        cudaSetDevice(gpu);
+        CUDA_RETURN_IF_ERROR(cudaSetDevice(gpu), "cudaSetDevice");
         CUDA_RETURN_IF_ERROR(cudaEventRecord(on.moved[stage][k], static_cast<cudaStream_t>(st.comm)), "cudaEventRecord");
         CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(compute, on.moved[stage][k], 0), "cudaStreamWaitEvent");
         const auto& u = on.unpack[stage][k];

@@ -552,6 +552,7 @@ namespace {
 PlanOptions OptionsFor(const v1::InstallPlanRequest& request) {
   PlanOptions options;
   options.max_message_bytes = request.max_message_bytes();
+  options.routing = !request.no_routing();
   int32_t gpus = 1;
   for (const v1::Layout* l : {&request.source(), &request.destination()}) {
     for (const v1::Worker& w : l->workers()) gpus = std::max(gpus, w.gpu() + 1);
@@ -895,6 +896,7 @@ absl::Status Daemon::EnsurePlan(const std::string& group) {
   *probe.mutable_source() = g.src;
   *probe.mutable_destination() = g.dst;
   probe.set_max_message_bytes(config_.max_message_bytes);
+  probe.set_no_routing(!config_.routing);
   auto src = LayoutFromProto(g.src);
   auto dst = LayoutFromProto(g.dst);
   absl::Status s = src.ok() ? dst.status() : src.status();
@@ -1012,6 +1014,7 @@ absl::Status Daemon::RunRound(const std::string& group, int64_t round_id, int64_
     *install.mutable_destination() = g.dst;
     install.set_max_message_bytes(config_.max_message_bytes);
     install.set_step_bytes(config_.staging_bytes / 2);
+    install.set_no_routing(!config_.routing);
     for (const auto& [node, info] : nodes_) {
       if (!info.alive) continue;
       v1::NodeAddress* a = install.add_nodes();

@@ -15,7 +15,7 @@ nvidia-smi topo -m >>"$out/machine.txt" 2>&1
 status=0
 ceiling() { .device/bin/peer_bench --repeat 10 >>"$out/ceilings.jsonl" 2>>"$out/ceilings.err" || status=1; }
 ceiling
-# CASES: "label MODE CONFIG SCALE LAYERS MSG STAGING" per line (CASES env overrides the list).
+# CASES: "label MODE CONFIG SCALE LAYERS MSG STAGING [ROUTING]" per line (CASES env overrides the list).
 G=$((1 << 30)); M=$((1 << 20))
 default_cases="dis-8b disaggregated llama3-8b 1 0 $((64 * M)) $((2 * G))
 col-8b colocated llama3-8b 1 0 $((64 * M)) $((2 * G))
@@ -26,11 +26,18 @@ dis-s4 disaggregated llama3-8b 4 0 $((64 * M)) $((2 * G))
 dis-s2 disaggregated llama3-8b 2 0 $((64 * M)) $((2 * G))
 dis-l16 disaggregated llama3-8b 1 16 $((64 * M)) $((2 * G))
 dis-small8k disaggregated many-small-moe 2 0 $((64 * M)) $((2 * G))"
-while read -r label mode config scale layers msg staging; do
+# Issue 6, on a 4-GPU machine (SET=four): routing on and off with the daemons' NCCL on sockets,
+# and the 2-GPU cases with 2 GPUs per daemon.
+four_gpu_cases="rep4-routing replicas4 llama3-8b 4 0 $((64 * M)) $((256 * M)) 1
+rep4-norouting replicas4 llama3-8b 4 0 $((64 * M)) $((256 * M)) 0
+dis4-8b disaggregated4 llama3-8b 1 0 $((64 * M)) $((2 * G)) 1
+col4-8b colocated4 llama3-8b 1 0 $((64 * M)) $((2 * G)) 1"
+[ "${SET:-two}" = four ] && default_cases=$four_gpu_cases
+while read -r label mode config scale layers msg staging routing; do
   [ -n "$label" ] || continue
   echo "== $label"
   t0=$(date +%s)
-  RUN=/tmp/bench-$label MODE=$mode CONFIG=tests/configs/$config.json SCALE=$scale LAYERS=$layers MSG=$msg STAGING=$staging \
+  RUN=/tmp/bench-$label ROUTING=${routing:-1} MODE=$mode CONFIG=tests/configs/$config.json SCALE=$scale LAYERS=$layers MSG=$msg STAGING=$staging \
     BIN=.device/bin bash tests/bench/gpu_refit.sh >"$out/$label.json" 2>"$out/$label.err" || status=1
   python3 -c 'import json,sys; d=json.load(open(sys.argv[1])); d["label"]=sys.argv[2]; print(json.dumps(d))' \
     "$out/$label.json" "$label" >>"$out/refit.jsonl" 2>/dev/null

@@ -4,6 +4,8 @@
 #   MODE=disaggregated  trainer TP=4 (four processes) on GPU 0 under daemon 0, inference TP=2 (two
 #                       processes) on GPU 1 under daemon 1: NCCL between the daemons.
 #   MODE=colocated      one daemon with both GPUs: trainer FSDP=2, inference TP=2 on GPUs 0 and 1.
+#   On 4 GPUs (issue 6): MODE=disaggregated4, colocated4 (two daemons of 2 GPUs each) and
+#   replicas4 (two inference replicas on node 1, NCCL on sockets; ROUTING=0 turns routing off).
 # Every round: destinations poisoned at PREPARE; the first round checked element by element,
 # every later one byte for byte against it (sim-worker --same-data). Prints one JSON line: the
 # transfer phase of each measured round (after WARMUP rounds), its median, and what the data
@@ -32,24 +34,54 @@ gpus() { [ "$BACKEND" = cuda ] && echo "--gpus $1"; }
 L=("$BIN/refit-layout" --config "$CONFIG" --scale-down "$SCALE" --layers "$LAYERS")
 flags=(--backend "$BACKEND" --max-message-bytes "$MSG" --staging-bytes "$STAGING" --prepare-timeout 300 --commit-timeout 300
        --transfer-timeout 60)
-if [ "$MODE" = disaggregated ]; then
-  "${L[@]}" --side trainer --tp 4 --gpus-per-node 4 -o "$RUN/t.json" || fail layout
-  "${L[@]}" --side inference --tp 2 --gpus-per-node 2 --first-node 1 -o "$RUN/i.json" || fail layout
-  python3 - "$RUN/t.json" "$RUN/i.json" <<'PY'
+# set_gpus FILE EXPR: each worker's GPU becomes EXPR of its generated index g (python).
+set_gpus() {
+  python3 - "$1" "$2" <<'PY'
 import json, sys
-for path, gpu in ((sys.argv[1], 0), (sys.argv[2], 1)):
-    layout = json.load(open(path))
-    for w in layout["workers"]:
-        w["gpu"] = gpu
-    json.dump(layout, open(path, "w"))
+layout = json.load(open(sys.argv[1]))
+for w in layout["workers"]:
+    g = w.get("gpu", 0)
+    w["gpu"] = eval(sys.argv[2])
+json.dump(layout, open(sys.argv[1], "w"))
 PY
-  start_daemon 0 "${flags[@]}" $(gpus 0) || fail "daemon 0"
-  start_daemon 1 "${flags[@]}" $(gpus 1) || fail "daemon 1"
-else
-  "${L[@]}" --side trainer --fsdp 2 --gpus-per-node 2 -o "$RUN/t.json" || fail layout
-  "${L[@]}" --side inference --tp 2 --gpus-per-node 2 -o "$RUN/i.json" || fail layout
-  start_daemon 0 "${flags[@]}" $(gpus 0,1) || fail "daemon 0"
-fi
+}
+routing=()
+[ "${ROUTING:-1}" -eq 1 ] || routing=(--norouting)
+case "$MODE" in
+  disaggregated)  # 2 GPUs: TP4 on GPU 0 (node 0) -> TP2 on GPU 1 (node 1)
+    "${L[@]}" --side trainer --tp 4 --gpus-per-node 4 -o "$RUN/t.json" || fail layout
+    "${L[@]}" --side inference --tp 2 --gpus-per-node 2 --first-node 1 -o "$RUN/i.json" || fail layout
+    set_gpus "$RUN/t.json" 0; set_gpus "$RUN/i.json" 1
+    start_daemon 0 "${flags[@]}" $(gpus 0) || fail "daemon 0"
+    start_daemon 1 "${flags[@]}" $(gpus 1) || fail "daemon 1" ;;
+  colocated)  # 2 GPUs, one daemon: FSDP2 -> TP2 on GPUs 0 and 1
+    "${L[@]}" --side trainer --fsdp 2 --gpus-per-node 2 -o "$RUN/t.json" || fail layout
+    "${L[@]}" --side inference --tp 2 --gpus-per-node 2 -o "$RUN/i.json" || fail layout
+    start_daemon 0 "${flags[@]}" $(gpus 0,1) || fail "daemon 0" ;;
+  disaggregated4)  # 4 GPUs: TP4 on GPUs 0-1 (node 0) -> TP2 on GPUs 2-3 (node 1)
+    "${L[@]}" --side trainer --tp 4 --gpus-per-node 4 -o "$RUN/t.json" || fail layout
+    "${L[@]}" --side inference --tp 2 --gpus-per-node 2 --first-node 1 -o "$RUN/i.json" || fail layout
+    set_gpus "$RUN/t.json" "g // 2"; set_gpus "$RUN/i.json" "g + 2"
+    start_daemon 0 "${flags[@]}" $(gpus 0,1) || fail "daemon 0"
+    start_daemon 1 "${flags[@]}" $(gpus 2,3) || fail "daemon 1" ;;
+  colocated4)  # 4 GPUs, 2 per daemon: FSDP4 -> TP2 x DP2 over all four
+    "${L[@]}" --side trainer --fsdp 4 --gpus-per-node 2 -o "$RUN/t.json" || fail layout
+    "${L[@]}" --side inference --tp 2 --dp 2 --gpus-per-node 2 -o "$RUN/i.json" || fail layout
+    set_gpus "$RUN/t.json" "g + 2 * w.get('node', 0)"; set_gpus "$RUN/i.json" "g + 2 * w.get('node', 0)"
+    start_daemon 0 "${flags[@]}" $(gpus 0,1) || fail "daemon 0"
+    start_daemon 1 "${flags[@]}" $(gpus 2,3) || fail "daemon 1" ;;
+  replicas4)  # issue 6: TP2 on GPUs 0-1 (node 0) -> two TP1 replicas on GPUs 2-3 (node 1), the
+              # daemons' NCCL on sockets over loopback (a real network path); ROUTING=0 for the
+              # comparison without topology routing
+    "${L[@]}" --side trainer --tp 2 --gpus-per-node 2 -o "$RUN/t.json" || fail layout
+    "${L[@]}" --side inference --tp 1 --dp 2 --gpus-per-node 2 --first-node 1 -o "$RUN/i.json" || fail layout
+    set_gpus "$RUN/i.json" "g + 2"
+    export NCCL_P2P_DISABLE=1 NCCL_SHM_DISABLE=1 NCCL_SOCKET_IFNAME=lo
+    start_daemon 0 "${flags[@]}" "${routing[@]}" $(gpus 0,1) || fail "daemon 0"
+    start_daemon 1 "${flags[@]}" $(gpus 2,3) || fail "daemon 1"
+    unset NCCL_P2P_DISABLE NCCL_SHM_DISABLE NCCL_SOCKET_IFNAME ;;
+  *) fail "MODE must be disaggregated, colocated, disaggregated4, colocated4 or replicas4" ;;
+esac
 keys=()
 while read -r name node; do start_worker "$name" "$node" policy trainer "$RUN/t.json" "$name" --same-data; keys+=("$name"); done < <(workers_of "$RUN/t.json")
 while read -r name node; do start_worker "$name" "$node" policy inference "$RUN/i.json" "$name" --same-data; keys+=("$name"); done < <(workers_of "$RUN/i.json")
@@ -87,8 +119,9 @@ med = statistics.median(transfer)
 print(json.dumps({
     "mode": mode, "config": os.path.basename(config), "scale_down": int(scale), "layers": int(layers),
     "bytes": nbytes, "plan_bytes_total": int(group["plan"]["bytes_total"]),
+    "plan_bytes_network": int(group["plan"]["bytes_network"]), "plan_bytes_nvlink": int(group["plan"]["bytes_nvlink"]),
     "messages": int(group["plan"]["messages"]), "max_message_bytes": int(msg), "staging_budget": int(staging),
-    "rounds": rounds, "warmup": warmup, "transfer_s": transfer, "median_transfer_s": med,
+    "routing": os.environ.get("ROUTING", "1") == "1", "rounds": rounds, "warmup": warmup, "transfer_s": transfer, "median_transfer_s": med,
     "gbps": nbytes / med / 1e9, "round_s": [float(s["seconds"]) for s in measured],
     "data_plane_ms": moved, "median_data_plane_ms": {k: statistics.median(v) for k, v in moved.items() if v},
     "prepared": prepared[:2]}))

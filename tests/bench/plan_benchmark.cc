@@ -7,6 +7,8 @@
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
+#include <map>
+#include <set>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
@@ -44,7 +46,12 @@ int main(int argc, char** argv) {
   std::string only, configs = "tests/configs";
   int64_t repeat = 3;
   bool routing = true;
-  CliFlags flags("plan_benchmark", "[--case NAME] [--repeat N] [--configs DIR]");
+  int64_t gpus_per_node = 8;
+  double nic_gbps = 50, nvlink_gbps = 450;
+  CliFlags flags("plan_benchmark", "[--case NAME] [--repeat N] [--configs DIR] [topology flags]");
+  flags.Int("gpus-per-node", &gpus_per_node, "GPUs per node (one NVLink domain); 72 for GB200 NVL72");
+  flags.Double("nic-gbps", &nic_gbps, "GB/s per NIC, one NIC per GPU (50 = 400 Gb/s)");
+  flags.Double("nvlink-gbps", &nvlink_gbps, "NVLink GB/s per GPU, each way");
   flags.String("case", &only, "run only this case (deepseek-v3, kimi-k2, qwen3-235b)");
   flags.Int("repeat", &repeat, "planning runs per case; the median is reported");
   flags.String("configs", &configs, "folder with the models' config.json files");
@@ -66,17 +73,41 @@ int main(int argc, char** argv) {
     auto model = ParseModelConfig(*text);
     if (!model.ok()) flags.Fail(std::string(model.status().message()));
     const double t0 = Now();
-    auto src = MakeTrainerLayout(*model, c.trainer, {8, 0}, DType::kBF16);
+    const int32_t per_node = static_cast<int32_t>(gpus_per_node);
+    auto src = MakeTrainerLayout(*model, c.trainer, {per_node, 0}, DType::kBF16);
     if (!src.ok()) flags.Fail(std::string(src.status().message()));
-    const int32_t trainer_nodes = (c.trainer.World() + 7) / 8;
-    auto dst = MakeInferenceLayout(*model, c.inference, {8, trainer_nodes}, DType::kBF16);
+    const int32_t trainer_nodes = (c.trainer.World() + per_node - 1) / per_node;
+    const int32_t inference_nodes = (c.inference.World() + per_node - 1) / per_node;
+    auto dst = MakeInferenceLayout(*model, c.inference, {per_node, trainer_nodes}, DType::kBF16);
     if (!dst.ok()) flags.Fail(std::string(dst.status().message()));
     const double t1 = Now();
     if (auto s = ValidateLayout(*src, "source"); !s.ok()) flags.Fail(std::string(s.message()));
     if (auto s = ValidateLayout(*dst, "destination"); !s.ok()) flags.Fail(std::string(s.message()));
     const double validate_seconds = Now() - t1;
-    PlanOptions options;  // 8 GPUs per node, NVLink 450 GB/s, one 400 Gb/s NIC per GPU
+    PlanOptions options;  // by default 8 GPUs per node, NVLink 450 GB/s, one 400 Gb/s NIC per GPU
     options.routing = routing;
+    options.topology.gpus_per_node = per_node;
+    options.topology.nics_per_node = per_node;
+    options.topology.nic_gbps = nic_gbps;
+    options.topology.nvlink_gbps = nvlink_gbps;
+    // The broadcast path users run today (gather to one trainer rank, NCCL broadcast to every
+    // engine, which slices what it needs): each inference node receives the whole model once
+    // (at best over all its engine GPUs' NICs at once), and so does every engine GPU (over
+    // NVLink). The gather is left out: a bound in broadcast's favour.
+    double model_bytes = 0;
+    for (const LogicalTensor& t : src->tensors) model_bytes += static_cast<double>(t.shape.NumElements()) * DTypeSize(t.dtype);
+    std::map<int32_t, int32_t> engine_gpus_on;  // node -> inference GPUs there
+    {
+      std::set<std::pair<int32_t, int32_t>> seen;
+      for (const Worker& w : dst->workers) {
+        if (seen.insert({w.node, w.gpu}).second) ++engine_gpus_on[w.node];
+      }
+    }
+    int32_t fewest = per_node;
+    for (const auto& [node, n] : engine_gpus_on) fewest = std::min(fewest, n);
+    const double broadcast_network_bytes = model_bytes * inference_nodes;
+    const double broadcast_seconds =
+        std::max(model_bytes / (fewest * nic_gbps * 1e9), model_bytes / (nvlink_gbps * 1e9));
     std::vector<double> seconds;
     PlanStats stats;
     for (int64_t r = 0; r < repeat; ++r) {
@@ -94,13 +125,15 @@ int main(int argc, char** argv) {
         "\"predicted_seconds\":%.6f,\"lower_bound_seconds\":%.6f,\"ratio\":%.4f,"
         "\"generate_seconds\":%.3f,\"validate_seconds\":%.3f,\"planning_seconds_median\":%.3f,"
         "\"planning_seconds_min\":%.3f,\"planning_seconds_max\":%.3f,\"runs\":%lld,"
-        "\"peak_rss_gib\":%.3f}\n",
+        "\"peak_rss_gib\":%.3f,\"routing\":%s,\"gpus_per_node\":%d,\"nic_gbps\":%.1f,\"nvlink_gbps\":%.1f,"
+        "\"model_bytes\":%.0f,\"broadcast_network_bytes\":%.0f,\"broadcast_seconds_bound\":%.4f}\n",
         c.name.c_str(), c.trainer.World(), c.inference.World(), (long long)stats.tensors,
         (long long)stats.pieces, (long long)stats.transfers, (long long)stats.messages,
         (long long)stats.bytes_total, (long long)stats.bytes_network, (long long)stats.bytes_nvlink,
         (long long)stats.max_nic_bytes, stats.predicted_seconds, stats.lower_bound_seconds,
         stats.predicted_seconds / stats.lower_bound_seconds, t1 - t0, validate_seconds, median,
-        seconds.front(), seconds.back(), (long long)repeat, PeakRssGiB());
+        seconds.front(), seconds.back(), (long long)repeat, PeakRssGiB(), routing ? "true" : "false", per_node,
+        nic_gbps, nvlink_gbps, model_bytes, broadcast_network_bytes, broadcast_seconds);
     std::fflush(stdout);
   }
   return 0;

@@ -38,6 +38,7 @@ struct TransferJob {
   int64_t epoch = 0;       // membership epoch of the plan: a new one means new peers
   std::string nccl_id;     // cuda backend: the communicator's ncclUniqueId for this epoch
   int64_t step_bytes = 0;  // cuda backend: one network step's bytes, the same on every node
+  int64_t zero_copy_min_bytes = 0;  // cuda backend: smallest zero-copy descriptor (0: default)
 };
 
 struct TransferStats {

@@ -14,7 +14,7 @@ DaemonConfig ParseDaemonFlags(int argc, char** argv) {
   DaemonConfig c;
   std::string config_file;
   int64_t node = c.node, max_message = c.max_message_bytes, missed = c.heartbeats_missed,
-          max_rpc = c.max_rpc_bytes, staging = c.staging_bytes;
+          max_rpc = c.max_rpc_bytes, staging = c.staging_bytes, zero_copy = c.zero_copy_min_bytes;
   double prepare_s = absl::ToDoubleSeconds(c.prepare_timeout),
          transfer_s = absl::ToDoubleSeconds(c.transfer_timeout),
          commit_s = absl::ToDoubleSeconds(c.commit_timeout),
@@ -33,6 +33,7 @@ DaemonConfig ParseDaemonFlags(int argc, char** argv) {
   flags.Int("max-message-bytes", &max_message, "staging bound: one message's bytes, per connection");
   flags.Bool("routing", &c.routing, "coordinator: topology routing, network once per node then NVLink (--norouting: off)");
   flags.Int("staging-bytes", &staging, "cuda backend: staging memory per GPU per group (pipelined network steps)");
+  flags.Int("zero-copy-min-bytes", &zero_copy, "coordinator, cuda: smallest descriptor sent without staging (larger: fewer NCCL operations, more packing)");
   flags.Double("prepare-timeout", &prepare_s, "seconds for every worker to confirm PREPARE");
   flags.Double("transfer-timeout", &transfer_s, "seconds for a round's transfer");
   flags.Double("commit-timeout", &commit_s, "seconds for every worker to confirm COMMIT");
@@ -78,6 +79,8 @@ DaemonConfig ParseDaemonFlags(int argc, char** argv) {
   }
   if (staging < (int64_t{1} << 20)) flags.Fail("--staging-bytes must be at least 1048576");
   c.staging_bytes = staging;
+  if (zero_copy < 1) flags.Fail("--zero-copy-min-bytes must be positive");
+  c.zero_copy_min_bytes = zero_copy;
   if (c.backend != "host" && c.backend != "cuda") flags.Fail("--backend must be host or cuda");
   for (absl::string_view part : absl::StrSplit(gpus, ',', absl::SkipEmpty())) {
     int32_t gpu = -1;

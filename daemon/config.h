@@ -23,7 +23,8 @@ struct DaemonConfig {
                                           // empty: any. A worker on another GPU is refused.
   int64_t max_message_bytes = 16 << 20;   // staging chunk per connection (--max-message-bytes)
   bool routing = true;                    // coordinator: topology routing in plans (--norouting: off)
-  int64_t staging_bytes = int64_t{256} << 20;  // cuda: staging per GPU per group (--staging-bytes)
+  int64_t staging_bytes = int64_t{256} << 20;
+  int64_t zero_copy_min_bytes = int64_t{1} << 20;  // coordinator, cuda (--zero-copy-min-bytes)  // cuda: staging per GPU per group (--staging-bytes)
   absl::Duration prepare_timeout = absl::Seconds(10);
   absl::Duration transfer_timeout = absl::Seconds(60);
   absl::Duration commit_timeout = absl::Seconds(10);

@@ -336,6 +336,7 @@ absl::StatusOr<CudaBackend::Prepared*> CudaBackend::PreparedFor(const TransferJo
   options.node = job.node;
   options.staging_budget = staging_bytes_;
   options.step_bytes = job.step_bytes;
+  if (job.zero_copy_min_bytes > 0) options.zero_copy_min_bytes = job.zero_copy_min_bytes;
   auto schedule = BuildNodeSchedule(
       *job.plan, options,
       [&](int32_t gpu) -> absl::StatusOr<std::pair<BufferAddresses, BufferAddresses>> {

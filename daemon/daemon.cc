@@ -42,6 +42,7 @@ struct Daemon::InstalledPlan {
   absl::flat_hash_map<int32_t, std::string> data_addresses;
   std::string nccl_id;
   int64_t step_bytes = 0;
+  int64_t zero_copy_min_bytes = 0;
 };
 
 // The coordinator's view of a node.
@@ -591,6 +592,7 @@ absl::Status Daemon::InstallPlan(const v1::InstallPlanRequest& request) {
   for (const v1::NodeAddress& n : request.nodes()) installed->data_addresses[n.node()] = n.data_address();
   installed->nccl_id = request.nccl_id();
   installed->step_bytes = request.step_bytes();
+  installed->zero_copy_min_bytes = request.zero_copy_min_bytes();
   Logger("plan")->info("group \"{}\" epoch {}: installed a plan of {} messages, {} bytes",
                        request.group(), request.epoch(), installed->plan->stats.messages,
                        installed->plan->stats.bytes_total);
@@ -664,6 +666,7 @@ absl::Status Daemon::RunPhase(const v1::PhaseRequest& request, v1::PhaseResponse
       job.epoch = installed->epoch;
       job.nccl_id = installed->nccl_id;
       job.step_bytes = installed->step_bytes;
+      job.zero_copy_min_bytes = installed->zero_copy_min_bytes;
       std::vector<std::shared_ptr<LocalWorker>> hold;  // keeps mappings alive for the transfer
       // Each buffer of the plan on this node, found by name in its worker's registration (once
       // per worker, then by hash: linear over 100k buffers, not quadratic).
@@ -1015,6 +1018,7 @@ absl::Status Daemon::RunRound(const std::string& group, int64_t round_id, int64_
     install.set_max_message_bytes(config_.max_message_bytes);
     install.set_step_bytes(config_.staging_bytes / 2);
     install.set_no_routing(!config_.routing);
+    install.set_zero_copy_min_bytes(config_.zero_copy_min_bytes);
     for (const auto& [node, info] : nodes_) {
       if (!info.alive) continue;
       v1::NodeAddress* a = install.add_nodes();

@@ -15,7 +15,7 @@ nvidia-smi topo -m >>"$out/machine.txt" 2>&1
 status=0
 ceiling() { .device/bin/peer_bench --repeat 10 >>"$out/ceilings.jsonl" 2>>"$out/ceilings.err" || status=1; }
 ceiling
-# CASES: "label MODE CONFIG SCALE LAYERS MSG STAGING [ROUTING]" per line (CASES env overrides the list).
+# CASES: "label MODE CONFIG SCALE LAYERS MSG STAGING [ROUTING [ZERO_COPY_MIN]]" per line (CASES env overrides the list).
 G=$((1 << 30)); M=$((1 << 20))
 default_cases="dis-8b disaggregated llama3-8b 1 0 $((64 * M)) $((2 * G))
 col-8b colocated llama3-8b 1 0 $((64 * M)) $((2 * G))
@@ -32,12 +32,20 @@ four_gpu_cases="rep4-routing replicas4 llama3-8b 4 0 $((64 * M)) $((256 * M)) 1
 rep4-norouting replicas4 llama3-8b 4 0 $((64 * M)) $((256 * M)) 0
 dis4-8b disaggregated4 llama3-8b 1 0 $((64 * M)) $((2 * G)) 1
 col4-8b colocated4 llama3-8b 1 0 $((64 * M)) $((2 * G)) 1"
+# Still to measure on 2 GPUs (SET=next): the many-small-tensor case after its fix, and the 16 GB
+# disaggregated refit with more packing and fewer NCCL operations (zero-copy from 16 MiB, or none).
+next_cases="dis-small8k disaggregated many-small-moe 2 0 $((64 * M)) $((2 * G)) 1
+dis-small32k disaggregated many-small-moe 1 0 $((64 * M)) $((2 * G)) 1
+dis-8b-zc16m disaggregated llama3-8b 1 0 $((64 * M)) $((2 * G)) 1 $((16 * M))
+dis-8b-nozc disaggregated llama3-8b 1 0 $((64 * M)) $((2 * G)) 1 $((1 << 40))
+dis-8b-staging256m disaggregated llama3-8b 1 0 $((64 * M)) $((256 * M)) 1"
 [ "${SET:-two}" = four ] && default_cases=$four_gpu_cases
-while read -r label mode config scale layers msg staging routing; do
+[ "${SET:-two}" = next ] && default_cases=$next_cases
+while read -r label mode config scale layers msg staging routing zero_copy; do
   [ -n "$label" ] || continue
   echo "== $label"
   t0=$(date +%s)
-  RUN=/tmp/bench-$label ROUTING=${routing:-1} MODE=$mode CONFIG=tests/configs/$config.json SCALE=$scale LAYERS=$layers MSG=$msg STAGING=$staging \
+  RUN=/tmp/bench-$label ROUTING=${routing:-1} ZERO_COPY=${zero_copy:-$M} MODE=$mode CONFIG=tests/configs/$config.json SCALE=$scale LAYERS=$layers MSG=$msg STAGING=$staging \
     BIN=.device/bin bash tests/bench/gpu_refit.sh >"$out/$label.json" 2>"$out/$label.err" || status=1
   python3 -c 'import json,sys; d=json.load(open(sys.argv[1])); d["label"]=sys.argv[2]; print(json.dumps(d))' \
     "$out/$label.json" "$label" >>"$out/refit.jsonl" 2>/dev/null
@@ -51,4 +59,8 @@ if [ "${BASELINES:-1}" -eq 1 ]; then
   cat "$out/baselines.jsonl"; tail -n 3 "$out/baselines.err"
 fi
 ceiling  # again at the end: the ceiling of the same run, before and after
+# PACK=1: one tarball instead of many files (the device tool brings back only a few files).
+if [ "${PACK:-0}" -eq 1 ]; then
+  tar czf "$out.tgz" -C "$(dirname "$out")" "$(basename "$out")" && rm -rf "$out"
+fi
 exit $status

@@ -33,4 +33,8 @@ if [ "$gpus" -ge 2 ]; then
   RUN=/tmp/refit-disaggregated SCALE=${SCALE:-4} bash tests/gpu/disaggregated.sh >"$out/disaggregated.log" 2>&1 || status=1
   tail -n 20 "$out/disaggregated.log"
 fi
+# PACK=1: one tarball instead of many files (the device tool brings back only a few files).
+if [ "${PACK:-0}" -eq 1 ]; then
+  tar czf "$out.tgz" -C "$(dirname "$out")" "$(basename "$out")" && rm -rf "$out"
+fi
 exit $status

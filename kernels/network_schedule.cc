@@ -125,10 +125,19 @@ absl::StatusOr<NodeSchedule> BuildNodeSchedule(const Plan& plan, const ScheduleO
       }
     }
   }
+  // Steps in flight: as many as the budget holds, at most max_depth, and no more than a stage of
+  // this GPU has steps (more regions would never be used).
+  std::map<int32_t, int64_t> most_steps;
+  for (int stage = 0; stage < kMaxStages; ++stage) {
+    for (const auto& [gpu, lists] : grouped[stage]) {
+      for (const auto& [key, list] : lists) most_steps[gpu] = std::max<int64_t>(most_steps[gpu], list.size());
+    }
+  }
   std::map<int32_t, uint64_t> staging;
   for (const auto& [gpu, region] : out.region_bytes) {
     if (region == 0) continue;
-    const int32_t depth = static_cast<int32_t>(std::clamp<int64_t>(options.staging_budget / region, 1, options.max_depth));
+    const int64_t cap = std::min<int64_t>(options.max_depth, std::max<int64_t>(1, most_steps[gpu]));
+    const int32_t depth = static_cast<int32_t>(std::clamp<int64_t>(options.staging_budget / region, 1, cap));
     out.depth[gpu] = depth;
     auto at = staging_on(gpu, region * depth);
     if (!at.ok()) return at.status();

@@ -54,7 +54,8 @@ workers_of() {
 stop_all() {
   for pid in "${WORKER_PID[@]}"; do kill "$pid" 2>/dev/null; done
   for pid in "${WORKER_PID[@]}"; do wait "$pid" 2>/dev/null; done
-  for pid in "${DAEMON_PID[@]}"; do kill "$pid" 2>/dev/null; done
+  # SIGCONT too: a daemon a test froze (SIGSTOP) would never act on the SIGTERM.
+  for pid in "${DAEMON_PID[@]}"; do kill "$pid" 2>/dev/null; kill -CONT "$pid" 2>/dev/null; done
   for pid in "${DAEMON_PID[@]}"; do wait "$pid" 2>/dev/null; done
   return 0
 }

@@ -3,7 +3,7 @@
 # groups at once (Llama-3-8B structure: Megatron TP2 PP2 -> vLLM TP2 DP2; Qwen3-30B-A3B structure:
 # FSDP over 4 ranks -> vLLM TP2 with stacked experts, DP2), several rounds each, every inference
 # byte checked after every round; then faults: a trainer worker, an inference worker and a
-# non-coordinator daemon killed mid-round. Each round aborts within its deadline naming the
+# non-coordinator daemon killed mid-round, and a daemon frozen mid-round. Each round aborts within its deadline naming the
 # culprit, the daemons keep serving, and the next round after re-registration is byte-exact.
 set -uo pipefail
 BIN=$(mktemp -d)
@@ -131,25 +131,49 @@ echo "aborted after ${dt}s: $(cat "$RUN/abort-7.out")"
 grep -q "node 3" "$RUN/abort-7.out" || fail "the reason does not name node 3"
 [ "$(echo "$dt < 5" | bc)" -eq 1 ] || fail "abort took ${dt}s"
 ctl status >/dev/null || fail "the coordinator stopped serving"
-# Node 3 restarts with its workers; both groups refit again.
-for key in "${!NODE_OF[@]}"; do
-  [ "${NODE_OF[$key]}" -eq 3 ] && { kill -9 "${WORKER_PID[$key]}" 2>/dev/null; wait "${WORKER_PID[$key]}" 2>/dev/null; }
-done
-start_daemon 3 --prepare-timeout 5 --transfer-timeout 10 --commit-timeout 5 || fail "daemon 3 restart"
-RESTARTED=()
-for key in "${!NODE_OF[@]}"; do
-  if [ "${NODE_OF[$key]}" -eq 3 ]; then
-    group=${key%%-*}; name=${key#$group-}
-    role=trainer; layout="$RUN/$group-t.json"
-    [[ $name == vllm* ]] && { role=inference; layout="$RUN/$group-i.json"; }
-    rm -f "$RUN/$key.report"
-    start_worker "$key" 3 "$group" "$role" "$layout" "$name"
-    RESTARTED+=("$key")
-  fi
-done
-wait_registered "${RESTARTED[@]}" || fail "re-registration on node 3"
-ctl refit policy 8 | grep committed || fail "policy round 8 after node 3 restarted"
-ctl refit reward 8 | grep committed || fail "reward round 8 after node 3 restarted"
-every_inference_ok policy 8
-every_inference_ok reward 8
+# restart_node3 VERSION: node 3 (dead or frozen) is killed and restarts with its workers; both
+# groups refit to VERSION, byte-exact.
+restart_node3() {
+  local v=$1 key group name role layout
+  kill -9 "${DAEMON_PID[3]}" 2>/dev/null; wait "${DAEMON_PID[3]}" 2>/dev/null
+  for key in "${!NODE_OF[@]}"; do
+    [ "${NODE_OF[$key]}" -eq 3 ] && { kill -9 "${WORKER_PID[$key]}" 2>/dev/null; wait "${WORKER_PID[$key]}" 2>/dev/null; }
+  done
+  start_daemon 3 --prepare-timeout 5 --transfer-timeout 10 --commit-timeout 5 || fail "daemon 3 restart"
+  RESTARTED=()
+  for key in "${!NODE_OF[@]}"; do
+    if [ "${NODE_OF[$key]}" -eq 3 ]; then
+      group=${key%%-*}; name=${key#$group-}
+      role=trainer; layout="$RUN/$group-t.json"
+      [[ $name == vllm* ]] && { role=inference; layout="$RUN/$group-i.json"; }
+      rm -f "$RUN/$key.report"
+      start_worker "$key" 3 "$group" "$role" "$layout" "$name" "${@:2}"
+      RESTARTED+=("$key")
+    fi
+  done
+  wait_registered "${RESTARTED[@]}" || fail "re-registration on node 3"
+  [ "$v" -gt 0 ] || return 0
+  ctl refit policy "$v" | grep committed || fail "policy round $v after node 3 restarted"
+  ctl refit reward "$v" | grep committed || fail "reward round $v after node 3 restarted"
+  every_inference_ok policy "$v"
+  every_inference_ok reward "$v"
+}
+restart_node3 8
+
+echo "== a non-coordinator daemon frozen mid-round"
+# Node 3 is stopped (SIGSTOP) while the coordinator's PREPARE call to it is in flight: no error
+# ever comes back. The heartbeat verdict (1 s here) must cancel the call and abort the round,
+# long before the phase deadline (5 s + 5 s).
+restart_node3 0 --prepare-delay-ms 3000
+ctl refit policy 9 >"$RUN/abort-9.out" 2>&1 &
+p=$!
+sleep 0.5
+t0=$(date +%s.%N)
+kill -STOP "${DAEMON_PID[3]}"
+wait $p && fail "round 9 committed although node 3 was frozen"
+dt=$(echo "$(date +%s.%N) - $t0" | bc)
+echo "aborted after ${dt}s: $(cat "$RUN/abort-9.out")"
+grep -q "node 3" "$RUN/abort-9.out" || fail "the reason does not name node 3"
+[ "$(echo "$dt < 4" | bc)" -eq 1 ] || fail "abort took ${dt}s: a frozen node must not cost the phase deadline"
+restart_node3 10
 echo "cluster test passed"

@@ -5,10 +5,12 @@
 //
 // Exit codes: 0 planned (and verified); 1 verification failed; 2 invalid input.
 #include <cstdio>
+#include <set>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "client/cli_flags.h"
+#include "kernels/network_schedule.h"
 #include "plan/planner.h"
 #include "plan/validate.h"
 #include "plan/verify.h"
@@ -39,6 +41,8 @@ int main(int argc, char** argv) {
   std::string src_path, dst_path, topology_path;
   bool verify = false, json = false, routing = true;
   int64_t max_message_bytes = int64_t{64} << 20, verify_max_bytes = int64_t{8} << 30, seed = 1;
+  bool executor = false;
+  int64_t staging_bytes = int64_t{256} << 20, zero_copy_min_bytes = int64_t{1} << 20;
   CliFlags flags("refit-plan", "--src S.json --dst D.json [--topology T.json] [--verify] [--json]");
   flags.String("src", &src_path, "source (trainer) layout JSON");
   flags.String("dst", &dst_path, "destination (inference) layout JSON");
@@ -49,6 +53,10 @@ int main(int argc, char** argv) {
   flags.Int("max-message-bytes", &max_message_bytes, "upper bound on one message (staging chunk)");
   flags.Int("verify-max-bytes", &verify_max_bytes, "refuse to verify when both layouts' buffers exceed this");
   flags.Int("seed", &seed, "seed of the verification's source values");
+  flags.Bool("executor", &executor, "also lay out every node's part for the cuda executor (steps, zero-copy, staging) "
+                                    "and predict its network time with the model calibrated on 2 x H200");
+  flags.Int("staging-bytes", &staging_bytes, "--executor: refitd's --staging-bytes (a step is half of it)");
+  flags.Int("zero-copy-min-bytes", &zero_copy_min_bytes, "--executor: refitd's --zero-copy-min-bytes");
   flags.Parse(argc, argv);
   if (src_path.empty() || dst_path.empty()) flags.Fail("--src and --dst are required");
 
@@ -100,6 +108,38 @@ int main(int argc, char** argv) {
               Seconds(s.predicted_seconds).c_str(), Seconds(s.lower_bound_seconds).c_str(),
               s.lower_bound_seconds > 0 ? s.predicted_seconds / s.lower_bound_seconds : 1.0,
               Seconds(s.planning_seconds).c_str());
+  if (executor) {
+    // As every refitd --backend cuda lays it out (addresses do not matter for the shape).
+    std::set<int32_t> nodes;
+    for (const PlanGpu& g : plan->gpus) nodes.insert(g.node);
+    double slowest = 0;
+    for (int32_t node : nodes) {
+      ScheduleOptions o;
+      o.node = node;
+      o.staging_budget = staging_bytes;
+      o.step_bytes = staging_bytes / 2;
+      o.zero_copy_min_bytes = zero_copy_min_bytes;
+      auto schedule = BuildNodeSchedule(
+          *plan, o,
+          [&](int32_t) -> absl::StatusOr<std::pair<BufferAddresses, BufferAddresses>> {
+            return std::make_pair(BufferAddresses(src.buffers.size(), 0), BufferAddresses(dst.buffers.size(), 0));
+          },
+          [](int32_t, int64_t) -> absl::StatusOr<uint64_t> { return 0; });
+      if (!schedule.ok()) flags.Fail(absl::StrCat("node ", node, ": ", schedule.status().message()));
+      if (!schedule->uses_network) continue;
+      int64_t steps = 0, staging = 0;
+      for (const StageSchedule& st : schedule->stages) steps += st.num_steps;
+      for (const auto& [gpu, r] : schedule->region_bytes) staging = std::max(staging, schedule->StagingBytes(gpu));
+      const double seconds = PredictNetworkSeconds(*schedule, ExecutorModel());
+      slowest = std::max(slowest, seconds);
+      std::printf("executor node %d: %lld operations in %lld steps, out %s, in %s (%s zero-copy), staging %s per GPU, "
+                  "predicted %s\n",
+                  node, (long long)schedule->network_ops, (long long)steps, Bytes(schedule->bytes_sent).c_str(),
+                  Bytes(schedule->bytes_received).c_str(), Bytes(schedule->bytes_zero_copy).c_str(), Bytes(staging).c_str(),
+                  Seconds(seconds).c_str());
+    }
+    std::printf("executor: predicted %s for the network part (slowest node)\n", Seconds(slowest).c_str());
+  }
   if (verified) {
     std::printf("verified: %lld destination elements and %lld padding bytes exact (%s on the host)\n",
                 (long long)report.elements_checked, (long long)report.padding_bytes_checked,

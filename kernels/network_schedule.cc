@@ -45,6 +45,31 @@ bool IsZeroCopy(const CopyDescriptor& d, int64_t min_bytes) {
          Contiguous(d, d.dst_stride);
 }
 
+double PredictNetworkSeconds(const NodeSchedule& schedule, const ExecutorModel& model) {
+  if (!schedule.uses_network) return 0;
+  auto staged = [](const NetworkStep& step) {
+    double bytes = 0;
+    for (const NetworkOp& op : step.ops) bytes += op.zero_copy ? 0 : static_cast<double>(op.bytes);
+    return bytes;
+  };
+  double total = model.fixed_us * 1e-6;
+  for (const StageSchedule& stage : schedule.stages) {
+    double slowest = 0;
+    for (const auto& [gpu, steps] : stage.steps) {
+      if (steps.empty()) continue;
+      double sent = 0, received = 0, ops = 0;
+      for (const NetworkStep& step : steps) {
+        for (const NetworkOp& op : step.ops) (op.send ? sent : received) += static_cast<double>(op.bytes), ++ops;
+      }
+      const double seconds = std::max(sent, received) / (model.wire_gbps * 1e9) + ops * model.per_op_us * 1e-6 +
+                             (staged(steps.front()) + staged(steps.back())) / (model.pack_gbps * 1e9);
+      slowest = std::max(slowest, seconds);
+    }
+    total += slowest;
+  }
+  return total;
+}
+
 int64_t NodeSchedule::StagingBytes(int32_t gpu) const {
   auto r = region_bytes.find(gpu);
   auto d = depth.find(gpu);
@@ -56,48 +81,67 @@ absl::StatusOr<NodeSchedule> BuildNodeSchedule(const Plan& plan, const ScheduleO
   NodeSchedule out;
   out.stages.resize(kMaxStages);
   const int32_t node = options.node;
-  // Pass 1: units per (stage, local GPU, peer, direction), and each GPU's largest step.
-  std::vector<std::map<int32_t, std::map<PairKey, std::vector<Unit>>>> pairs(kMaxStages);
+  // Pass 1, over the whole plan (every node must derive the same steps): the units of every
+  // pair of ranks between nodes, per stage, in plan order. Descriptors are kept for this node's.
+  using Pair = std::pair<int32_t, int32_t>;  // (sending rank, receiving rank)
+  std::vector<std::map<Pair, std::vector<Unit>>> units(kMaxStages);
   for (const Message& m : plan.messages) {
     const PlanGpu& from = plan.gpus[m.src_gpu];
     const PlanGpu& to = plan.gpus[m.dst_gpu];
-    if (from.node != node && to.node != node) continue;
-    if (from.node == to.node) continue;  // direct, pass 2
-    out.uses_network = true;
-    const bool send = from.node == node;
+    if (from.node == to.node) continue;  // direct, pass 3
+    const bool local = from.node == node || to.node == node;
+    out.uses_network |= local;
     Unit staged{&m, {}, false, 0};
-    std::vector<Unit> zero;
+    std::vector<Unit>& list = units[m.stage][{m.src_gpu, m.dst_gpu}];
+    const size_t first_zero = list.size();
     for (int64_t k = 0; k < m.num_descriptors; ++k) {
       const CopyDescriptor& d = plan.descriptor(m, k);
       if (IsZeroCopy(d, options.zero_copy_min_bytes)) {
-        zero.push_back(Unit{&m, {k}, true, d.WireBytes()});
+        list.push_back(Unit{&m, {k}, true, d.WireBytes()});
       } else {
-        staged.descriptors.push_back(k);
+        if (local) staged.descriptors.push_back(k);
         staged.bytes += d.WireBytes();
       }
     }
-    auto& list = pairs[m.stage][send ? from.gpu : to.gpu][PairKey{send ? m.dst_gpu : m.src_gpu, send}];
-    if (!staged.descriptors.empty()) list.push_back(std::move(staged));
-    for (Unit& u : zero) list.push_back(std::move(u));
+    if (staged.bytes > 0) list.insert(list.begin() + static_cast<std::ptrdiff_t>(first_zero), std::move(staged));
   }
-  // Consecutive units of a pair share a step up to step_bytes (at least the plan's largest
-  // message) and kMaxOpsPerStep operations: fewer, larger steps, each an NCCL group launch.
+  // Pass 2: steps. Pairs in rank order, each pair's units in order, every unit into the first
+  // step (not before its predecessor's) where neither end already carries step_bytes (at least
+  // the plan's largest message) or kMaxOpsPerStep operations; a unit alone may exceed it. So a
+  // GPU with many peers spreads them over steps, and one step's staging stays within step_bytes.
   int64_t step_target = std::max<int64_t>(1, options.step_bytes);
   for (const Message& m : plan.messages) step_target = std::max(step_target, m.bytes);
-  using Steps = std::vector<std::vector<Unit>>;
+  using Steps = std::vector<std::vector<Unit>>;  // by step index; empty where the pair is idle
   std::vector<std::map<int32_t, std::map<PairKey, Steps>>> grouped(kMaxStages);
   for (int stage = 0; stage < kMaxStages; ++stage) {
-    for (auto& [gpu, lists] : pairs[stage]) {
-      for (auto& [key, units] : lists) {
-        Steps& steps = grouped[stage][gpu][key];
-        int64_t bytes = step_target;
-        for (Unit& u : units) {
-          if (steps.empty() || bytes + u.bytes > step_target || steps.back().size() >= kMaxOpsPerStep) {
-            steps.emplace_back();
-            bytes = 0;
-          }
-          bytes += u.bytes;
-          steps.back().push_back(std::move(u));
+    std::map<int32_t, std::vector<std::pair<int64_t, size_t>>> load;  // rank -> per step (bytes, operations)
+    auto at = [&](int32_t rank, size_t k) -> std::pair<int64_t, size_t>& {
+      auto& v = load[rank];
+      if (v.size() <= k) v.resize(k + 1, {0, 0});
+      return v[k];
+    };
+    for (auto& [pair, list] : units[stage]) {
+      const auto [a, b] = pair;
+      const bool a_here = plan.gpus[a].node == node, b_here = plan.gpus[b].node == node;
+      size_t k = 0;
+      for (Unit& u : list) {
+        while (true) {
+          auto& la = at(a, k);
+          auto& lb = at(b, k);
+          const bool empty = la.first == 0 && lb.first == 0;
+          const bool fits = la.first + u.bytes <= step_target && lb.first + u.bytes <= step_target &&
+                            la.second < kMaxOpsPerStep && lb.second < kMaxOpsPerStep;
+          if (empty || fits) break;
+          ++k;
+        }
+        at(a, k).first += u.bytes, ++at(a, k).second;
+        at(b, k).first += u.bytes, ++at(b, k).second;
+        for (auto [here, gpu, key] : {std::tuple{a_here, plan.gpus[a].gpu, PairKey{b, true}},
+                                      std::tuple{b_here, plan.gpus[b].gpu, PairKey{a, false}}}) {
+          if (!here) continue;
+          Steps& steps = grouped[stage][gpu][key];
+          if (steps.size() <= k) steps.resize(k + 1);
+          steps[k].push_back(u);
         }
       }
     }
@@ -143,7 +187,7 @@ absl::StatusOr<NodeSchedule> BuildNodeSchedule(const Plan& plan, const ScheduleO
     if (!at.ok()) return at.status();
     staging[gpu] = *at;
   }
-  // Pass 2: addresses, items and operations.
+  // Pass 3: addresses, items and operations.
   std::map<int32_t, std::pair<BufferAddresses, BufferAddresses>> addresses;
   auto addresses_of = [&](int32_t gpu) -> absl::StatusOr<const std::pair<BufferAddresses, BufferAddresses>*> {
     auto it = addresses.find(gpu);

@@ -81,6 +81,19 @@ using StagingOn = std::function<absl::StatusOr<uint64_t>(int32_t gpu, int64_t by
 absl::StatusOr<NodeSchedule> BuildNodeSchedule(const Plan& plan, const ScheduleOptions& options,
                                                const AddressesOn& addresses_on, const StagingOn& staging_on);
 
+// What the cuda executor takes for a schedule's network part, from rates measured on hardware
+// (defaults: fitted on 2 x H200 to the 1 GB and 16 GB disaggregated refits, docs/BENCHMARKS.md).
+// Per stage and GPU: the wire time of its larger direction, a cost per NCCL operation, and the
+// pack of its first step and the unpack of its last (the steps between overlap); stages in turn,
+// the slowest GPU of each; plus a fixed cost per round. Copies inside the node are not counted.
+struct ExecutorModel {
+  double wire_gbps = 348.0;   // NCCL point-to-point between the two GPUs
+  double per_op_us = 6.3;     // each NCCL send or receive
+  double pack_gbps = 1400.0;  // pack and unpack kernels
+  double fixed_us = 300.0;    // per round
+};
+double PredictNetworkSeconds(const NodeSchedule& schedule, const ExecutorModel& model);
+
 // Whether `d` can travel zero-copy: one dtype, contiguous at both ends, at least `min_bytes`.
 bool IsZeroCopy(const CopyDescriptor& d, int64_t min_bytes);
 

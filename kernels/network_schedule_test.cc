@@ -176,3 +176,28 @@ TEST_CASE("contiguous same-dtype descriptors are zero-copy; strided or cast ones
 
 }  // namespace
 }  // namespace refit
+
+namespace refit {
+namespace {
+
+TEST_CASE("the executor model adds wire time, operations, the first pack and the last unpack") {
+  NodeSchedule s;
+  s.stages.resize(kMaxStages);
+  s.uses_network = true;
+  auto& steps = s.stages[0].steps[0];
+  steps.resize(2);
+  steps[0].ops = {NetworkOp{1, true, false, 1000, 0}, NetworkOp{1, true, true, 3000, 0}};  // staged, zero-copy
+  steps[1].ops = {NetworkOp{1, true, false, 2000, 0}, NetworkOp{1, false, false, 500, 0}};
+  ExecutorModel m{1.0, 2.0, 10.0, 5.0};  // 1 GB/s wire, 2 us per operation, 10 GB/s pack, 5 us fixed
+  // Wire: max(6000 sent, 500 received) bytes at 1 GB/s = 6 us; 4 operations = 8 us; first step's
+  // staged 1000 + last step's staged 2500 bytes at 10 GB/s = 0.35 us; fixed 5 us.
+  CHECK(PredictNetworkSeconds(s, m) == Approx((6.0 + 8.0 + 0.35 + 5.0) * 1e-6));
+  // A second stage on another GPU adds its own slowest GPU's time.
+  s.stages[1].steps[3].push_back(NetworkStep{{NetworkOp{0, false, true, 4000, 0}}, {}, {}});
+  CHECK(PredictNetworkSeconds(s, m) == Approx((6.0 + 8.0 + 0.35 + 5.0 + 4.0 + 2.0) * 1e-6));
+  s.uses_network = false;
+  CHECK(PredictNetworkSeconds(s, m) == 0.0);
+}
+
+}  // namespace
+}  // namespace refit

@@ -15,6 +15,7 @@
 #include "absl/strings/str_format.h"
 #include "client/cli_flags.h"
 #include "client/layout_generator.h"
+#include "kernels/network_schedule.h"
 #include "plan/planner.h"
 #include "plan/validate.h"
 #include "proto/layout_codec.h"
@@ -48,10 +49,16 @@ int main(int argc, char** argv) {
   bool routing = true;
   int64_t gpus_per_node = 8;
   double nic_gbps = 50, nvlink_gbps = 450;
+  bool executor = false;
+  int64_t staging_bytes = int64_t{2} << 30, max_message_bytes = int64_t{64} << 20;
   CliFlags flags("plan_benchmark", "[--case NAME] [--repeat N] [--configs DIR] [topology flags]");
   flags.Int("gpus-per-node", &gpus_per_node, "GPUs per node (one NVLink domain); 72 for GB200 NVL72");
   flags.Double("nic-gbps", &nic_gbps, "GB/s per NIC, one NIC per GPU (50 = 400 Gb/s)");
   flags.Double("nvlink-gbps", &nvlink_gbps, "NVLink GB/s per GPU, each way");
+  flags.Bool("executor", &executor, "also predict with the cuda executor's model (kernels/network_schedule.h), the "
+                                    "wire at --nic-gbps, its other rates as calibrated on 2 x H200");
+  flags.Int("staging-bytes", &staging_bytes, "--executor: refitd's --staging-bytes");
+  flags.Int("max-message-bytes", &max_message_bytes, "the planner's bound on one message");
   flags.String("case", &only, "run only this case (deepseek-v3, kimi-k2, qwen3-235b)");
   flags.Int("repeat", &repeat, "planning runs per case; the median is reported");
   flags.String("configs", &configs, "folder with the models' config.json files");
@@ -86,6 +93,7 @@ int main(int argc, char** argv) {
     const double validate_seconds = Now() - t1;
     PlanOptions options;  // by default 8 GPUs per node, NVLink 450 GB/s, one 400 Gb/s NIC per GPU
     options.routing = routing;
+    options.max_message_bytes = max_message_bytes;
     options.topology.gpus_per_node = per_node;
     options.topology.nics_per_node = per_node;
     options.topology.nic_gbps = nic_gbps;
@@ -110,11 +118,35 @@ int main(int argc, char** argv) {
         std::max(model_bytes / (fewest * nic_gbps * 1e9), model_bytes / (nvlink_gbps * 1e9));
     std::vector<double> seconds;
     PlanStats stats;
+    double executor_seconds = 0, executor_seconds_no_ops = 0;
     for (int64_t r = 0; r < repeat; ++r) {
       auto plan = MakePlan(*src, *dst, options);
       if (!plan.ok()) flags.Fail(std::string(plan.status().message()));
       seconds.push_back(plan->stats.planning_seconds);
       stats = plan->stats;
+      if (!executor || r + 1 < repeat) continue;
+      // Every node as refitd --backend cuda lays it out; the slowest node's network time.
+      std::set<int32_t> nodes;
+      for (const PlanGpu& g : plan->gpus) nodes.insert(g.node);
+      ExecutorModel model;
+      model.wire_gbps = nic_gbps;
+      for (int32_t node : nodes) {
+        ScheduleOptions o;
+        o.node = node;
+        o.staging_budget = staging_bytes;
+        o.step_bytes = staging_bytes / 2;
+        auto schedule = BuildNodeSchedule(
+            *plan, o,
+            [&](int32_t) -> absl::StatusOr<std::pair<BufferAddresses, BufferAddresses>> {
+              return std::make_pair(BufferAddresses(src->buffers.size(), 0), BufferAddresses(dst->buffers.size(), 0));
+            },
+            [](int32_t, int64_t) -> absl::StatusOr<uint64_t> { return 0; });
+        if (!schedule.ok()) flags.Fail(absl::StrCat(c.name, " node ", node, ": ", schedule.status().message()));
+        executor_seconds = std::max(executor_seconds, PredictNetworkSeconds(*schedule, model));
+        ExecutorModel free_ops = model;  // what the per-operation cost adds
+        free_ops.per_op_us = 0;
+        executor_seconds_no_ops = std::max(executor_seconds_no_ops, PredictNetworkSeconds(*schedule, free_ops));
+      }
     }
     std::sort(seconds.begin(), seconds.end());
     const double median = seconds[seconds.size() / 2];
@@ -126,14 +158,16 @@ int main(int argc, char** argv) {
         "\"generate_seconds\":%.3f,\"validate_seconds\":%.3f,\"planning_seconds_median\":%.3f,"
         "\"planning_seconds_min\":%.3f,\"planning_seconds_max\":%.3f,\"runs\":%lld,"
         "\"peak_rss_gib\":%.3f,\"routing\":%s,\"gpus_per_node\":%d,\"nic_gbps\":%.1f,\"nvlink_gbps\":%.1f,"
-        "\"model_bytes\":%.0f,\"broadcast_network_bytes\":%.0f,\"broadcast_seconds_bound\":%.4f}\n",
+        "\"model_bytes\":%.0f,\"broadcast_network_bytes\":%.0f,\"broadcast_seconds_bound\":%.4f,"
+        "\"executor_predicted_seconds\":%.4f,\"executor_seconds_without_operation_cost\":%.4f}\n",
         c.name.c_str(), c.trainer.World(), c.inference.World(), (long long)stats.tensors,
         (long long)stats.pieces, (long long)stats.transfers, (long long)stats.messages,
         (long long)stats.bytes_total, (long long)stats.bytes_network, (long long)stats.bytes_nvlink,
         (long long)stats.max_nic_bytes, stats.predicted_seconds, stats.lower_bound_seconds,
         stats.predicted_seconds / stats.lower_bound_seconds, t1 - t0, validate_seconds, median,
         seconds.front(), seconds.back(), (long long)repeat, PeakRssGiB(), routing ? "true" : "false", per_node,
-        nic_gbps, nvlink_gbps, model_bytes, broadcast_network_bytes, broadcast_seconds);
+        nic_gbps, nvlink_gbps, model_bytes, broadcast_network_bytes, broadcast_seconds, executor_seconds,
+        executor_seconds_no_ops);
     std::fflush(stdout);
   }
   return 0;

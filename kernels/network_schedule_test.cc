@@ -135,6 +135,22 @@ TEST_CASE("every node's schedule together lands every byte, at every depth, with
         INFO(checked.status().message());
         REQUIRE(checked.ok());
         for (const auto& n : c->nodes) zero_copied += n.bytes_zero_copy, staged += n.bytes_sent + n.bytes_received;
+        // No GPU carries more than a step's bytes in one step, however many peers it has (a unit
+        // larger than that travels alone).
+        int64_t target = std::max<int64_t>(1, step_bytes);
+        for (const Message& m : run.t.plan.messages) target = std::max(target, m.bytes);
+        for (const auto& n : c->nodes) {
+          for (const StageSchedule& st : n.stages) {
+            for (const auto& [gpu, steps] : st.steps) {
+              for (const NetworkStep& step : steps) {
+                int64_t sent = 0, received = 0;
+                for (const NetworkOp& op : step.ops) (op.send ? sent : received) += op.bytes;
+                INFO("GPU " << gpu << " step of " << step.ops.size() << " operations");
+                CHECK((step.ops.size() <= 1 || (sent <= target && received <= target)));
+              }
+            }
+          }
+        }
       }
     }
   }

@@ -6,6 +6,7 @@
 #include "client/cli_flags.h"
 #include "google/protobuf/struct.pb.h"
 #include "google/protobuf/util/json_util.h"
+#include "plan/plan.h"
 #include "proto/layout_codec.h"
 
 namespace refit {
@@ -14,7 +15,8 @@ DaemonConfig ParseDaemonFlags(int argc, char** argv) {
   DaemonConfig c;
   std::string config_file;
   int64_t node = c.node, max_message = c.max_message_bytes, missed = c.heartbeats_missed,
-          max_rpc = c.max_rpc_bytes, staging = c.staging_bytes, zero_copy = c.zero_copy_min_bytes;
+          max_rpc = c.max_rpc_bytes, staging = c.staging_bytes, zero_copy = c.zero_copy_min_bytes,
+          relay_depth = c.max_relay_depth;
   double prepare_s = absl::ToDoubleSeconds(c.prepare_timeout),
          transfer_s = absl::ToDoubleSeconds(c.transfer_timeout),
          commit_s = absl::ToDoubleSeconds(c.commit_timeout),
@@ -33,6 +35,7 @@ DaemonConfig ParseDaemonFlags(int argc, char** argv) {
   flags.Int("max-message-bytes", &max_message, "staging bound: one message's bytes, per connection");
   flags.Bool("routing", &c.routing, "coordinator: topology routing, network once per node then NVLink (--norouting: off)");
   flags.Int("staging-bytes", &staging, "cuda backend: staging memory per GPU per group (pipelined network steps)");
+  flags.Int("max-relay-depth", &relay_depth, "coordinator: longest chain of relays between destination nodes (0: none)");
   flags.Int("zero-copy-min-bytes", &zero_copy, "coordinator, cuda: smallest descriptor sent without staging (larger: fewer NCCL operations, more packing)");
   flags.Double("prepare-timeout", &prepare_s, "seconds for every worker to confirm PREPARE");
   flags.Double("transfer-timeout", &transfer_s, "seconds for a round's transfer");
@@ -81,6 +84,8 @@ DaemonConfig ParseDaemonFlags(int argc, char** argv) {
   c.staging_bytes = staging;
   if (zero_copy < 1) flags.Fail("--zero-copy-min-bytes must be positive");
   c.zero_copy_min_bytes = zero_copy;
+  if (relay_depth < 0 || relay_depth > kMaxStages - 2) flags.Fail(absl::StrCat("--max-relay-depth must be in [0, ", kMaxStages - 2, "]"));
+  c.max_relay_depth = static_cast<int32_t>(relay_depth);
   if (c.backend != "host" && c.backend != "cuda") flags.Fail("--backend must be host or cuda");
   for (absl::string_view part : absl::StrSplit(gpus, ',', absl::SkipEmpty())) {
     int32_t gpu = -1;

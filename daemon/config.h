@@ -23,6 +23,10 @@ struct DaemonConfig {
                                           // empty: any. A worker on another GPU is refused.
   int64_t max_message_bytes = 16 << 20;   // staging chunk per connection (--max-message-bytes)
   bool routing = true;                    // coordinator: topology routing in plans (--norouting: off)
+  // Coordinator: relays between destination nodes. Off by default: both data planes run a plan
+  // stage by stage, so a relay stage adds its whole time (predicted 1.4-2x slower at frontier
+  // scale, docs/BENCHMARKS.md) while saving no network bytes there.
+  int32_t max_relay_depth = 0;
   int64_t staging_bytes = int64_t{256} << 20;
   int64_t zero_copy_min_bytes = int64_t{1} << 20;  // coordinator, cuda (--zero-copy-min-bytes)  // cuda: staging per GPU per group (--staging-bytes)
   absl::Duration prepare_timeout = absl::Seconds(10);

@@ -554,6 +554,7 @@ PlanOptions OptionsFor(const v1::InstallPlanRequest& request) {
   PlanOptions options;
   options.max_message_bytes = request.max_message_bytes();
   options.routing = !request.no_routing();
+  options.max_relay_depth = request.max_relay_depth();
   int32_t gpus = 1;
   for (const v1::Layout* l : {&request.source(), &request.destination()}) {
     for (const v1::Worker& w : l->workers()) gpus = std::max(gpus, w.gpu() + 1);
@@ -900,6 +901,7 @@ absl::Status Daemon::EnsurePlan(const std::string& group) {
   *probe.mutable_destination() = g.dst;
   probe.set_max_message_bytes(config_.max_message_bytes);
   probe.set_no_routing(!config_.routing);
+  probe.set_max_relay_depth(config_.max_relay_depth);
   auto src = LayoutFromProto(g.src);
   auto dst = LayoutFromProto(g.dst);
   absl::Status s = src.ok() ? dst.status() : src.status();
@@ -1018,6 +1020,7 @@ absl::Status Daemon::RunRound(const std::string& group, int64_t round_id, int64_
     install.set_max_message_bytes(config_.max_message_bytes);
     install.set_step_bytes(config_.staging_bytes / 2);
     install.set_no_routing(!config_.routing);
+    install.set_max_relay_depth(config_.max_relay_depth);
     install.set_zero_copy_min_bytes(config_.zero_copy_min_bytes);
     for (const auto& [node, info] : nodes_) {
       if (!info.alive) continue;

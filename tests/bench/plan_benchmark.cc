@@ -59,6 +59,8 @@ int main(int argc, char** argv) {
                                     "wire at --nic-gbps, its other rates as calibrated on 2 x H200");
   flags.Int("staging-bytes", &staging_bytes, "--executor: refitd's --staging-bytes");
   flags.Int("max-message-bytes", &max_message_bytes, "the planner's bound on one message");
+  int64_t max_relay_depth = PlanOptions().max_relay_depth;
+  flags.Int("max-relay-depth", &max_relay_depth, "the planner's longest chain of relays between engine nodes (0: none)");
   flags.String("case", &only, "run only this case (deepseek-v3, kimi-k2, qwen3-235b)");
   flags.Int("repeat", &repeat, "planning runs per case; the median is reported");
   flags.String("configs", &configs, "folder with the models' config.json files");
@@ -94,6 +96,7 @@ int main(int argc, char** argv) {
     PlanOptions options;  // by default 8 GPUs per node, NVLink 450 GB/s, one 400 Gb/s NIC per GPU
     options.routing = routing;
     options.max_message_bytes = max_message_bytes;
+    options.max_relay_depth = static_cast<int32_t>(max_relay_depth);
     options.topology.gpus_per_node = per_node;
     options.topology.nics_per_node = per_node;
     options.topology.nic_gbps = nic_gbps;
@@ -159,14 +162,14 @@ int main(int argc, char** argv) {
         "\"planning_seconds_min\":%.3f,\"planning_seconds_max\":%.3f,\"runs\":%lld,"
         "\"peak_rss_gib\":%.3f,\"routing\":%s,\"gpus_per_node\":%d,\"nic_gbps\":%.1f,\"nvlink_gbps\":%.1f,"
         "\"model_bytes\":%.0f,\"broadcast_network_bytes\":%.0f,\"broadcast_seconds_bound\":%.4f,"
-        "\"executor_predicted_seconds\":%.4f,\"executor_seconds_without_operation_cost\":%.4f}\n",
+        "\"max_relay_depth\":%lld,\"executor_predicted_seconds\":%.4f,\"executor_seconds_without_operation_cost\":%.4f}\n",
         c.name.c_str(), c.trainer.World(), c.inference.World(), (long long)stats.tensors,
         (long long)stats.pieces, (long long)stats.transfers, (long long)stats.messages,
         (long long)stats.bytes_total, (long long)stats.bytes_network, (long long)stats.bytes_nvlink,
         (long long)stats.max_nic_bytes, stats.predicted_seconds, stats.lower_bound_seconds,
         stats.predicted_seconds / stats.lower_bound_seconds, t1 - t0, validate_seconds, median,
         seconds.front(), seconds.back(), (long long)repeat, PeakRssGiB(), routing ? "true" : "false", per_node,
-        nic_gbps, nvlink_gbps, model_bytes, broadcast_network_bytes, broadcast_seconds, executor_seconds,
+        nic_gbps, nvlink_gbps, model_bytes, broadcast_network_bytes, broadcast_seconds, (long long)max_relay_depth, executor_seconds,
         executor_seconds_no_ops);
     std::fflush(stdout);
   }

@@ -39,6 +39,7 @@ struct TransferJob {
   std::string nccl_id;     // cuda backend: the communicator's ncclUniqueId for this epoch
   int64_t step_bytes = 0;  // cuda backend: one network step's bytes, the same on every node
   int64_t zero_copy_min_bytes = 0;  // cuda backend: smallest zero-copy descriptor (0: default)
+  bool nccl_register = false;       // cuda backend: staging registered with NCCL, on every node alike
 };
 
 struct TransferStats {

@@ -36,6 +36,7 @@ DaemonConfig ParseDaemonFlags(int argc, char** argv) {
   flags.Bool("routing", &c.routing, "coordinator: topology routing, network once per node then NVLink (--norouting: off)");
   flags.Int("staging-bytes", &staging, "cuda backend: staging memory per GPU per group (pipelined network steps)");
   flags.Int("max-relay-depth", &relay_depth, "coordinator: longest chain of relays between destination nodes (0: none)");
+  flags.Bool("nccl-register", &c.nccl_register, "coordinator, cuda: staging allocated by NCCL and registered with the communicator (NCCL moves it buffer to buffer)");
   flags.Int("zero-copy-min-bytes", &zero_copy, "coordinator, cuda: smallest descriptor sent without staging (larger: fewer NCCL operations, more packing)");
   flags.Double("prepare-timeout", &prepare_s, "seconds for every worker to confirm PREPARE");
   flags.Double("transfer-timeout", &transfer_s, "seconds for a round's transfer");

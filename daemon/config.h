@@ -27,8 +27,10 @@ struct DaemonConfig {
   // stage by stage, so a relay stage adds its whole time (predicted 1.4-2x slower at frontier
   // scale, docs/BENCHMARKS.md) while saving no network bytes there.
   int32_t max_relay_depth = 0;
-  int64_t staging_bytes = int64_t{256} << 20;
-  int64_t zero_copy_min_bytes = int64_t{1} << 20;  // coordinator, cuda (--zero-copy-min-bytes)  // cuda: staging per GPU per group (--staging-bytes)
+  int64_t staging_bytes = int64_t{256} << 20;     // cuda: staging per GPU per group (--staging-bytes)
+  int64_t zero_copy_min_bytes = int64_t{1} << 20;  // coordinator, cuda (--zero-copy-min-bytes)
+  // Coordinator, cuda: staging registered with NCCL (--nccl-register), shipped with the plan.
+  bool nccl_register = false;
   absl::Duration prepare_timeout = absl::Seconds(10);
   absl::Duration transfer_timeout = absl::Seconds(60);
   absl::Duration commit_timeout = absl::Seconds(10);

@@ -36,14 +36,37 @@ struct CudaBackend::Communicator {
   std::string id;
   std::map<int32_t, ncclComm_t> by_gpu;  // local GPU -> its rank's communicator
   bool ready = false;
+  std::map<void*, std::pair<int32_t, void*>> registered;  // buffer -> (GPU, NCCL's handle)
   void Abort() {
     for (auto& [g, c] : by_gpu) {
       cudaSetDevice(g);
       ncclCommAbort(c);
     }
     by_gpu.clear();
+    registered.clear();  // released with the communicator
+  }
+  // Registers `buffer` (from ncclMemAlloc) with GPU `gpu`'s rank once; in progress until Wait.
+  absl::Status Register(int32_t gpu, void* buffer, size_t bytes) {
+    if (registered.contains(buffer)) return absl::OkStatus();
+    cudaSetDevice(gpu);
+    void* handle = nullptr;
+    const ncclResult_t r = ncclCommRegister(by_gpu.at(gpu), buffer, bytes, &handle);
+    if (r != ncclSuccess && r != ncclInProgress) {
+      return NcclError(r, absl::StrCat("ncclCommRegister of ", bytes, " bytes of staging on GPU ", gpu));
+    }
+    registered[buffer] = {gpu, handle};
+    return absl::OkStatus();
+  }
+  // Before the buffer is freed (its streams idle).
+  void Deregister(void* buffer) {
+    auto it = registered.find(buffer);
+    if (it == registered.end()) return;
+    cudaSetDevice(it->second.first);
+    ncclCommDeregister(by_gpu.at(it->second.first), it->second.second);
+    registered.erase(it);
   }
   ~Communicator() {
+    while (!registered.empty()) Deregister(registered.begin()->first);
     for (auto& [g, c] : by_gpu) {
       cudaSetDevice(g);
       ncclCommDestroy(c);
@@ -295,6 +318,8 @@ struct CudaBackend::Prepared {
   struct OnGpu {
     void* arrays = nullptr;   // every item of this GPU, one allocation
     void* staging = nullptr;
+    int64_t staging_bytes = 0;
+    bool nccl_memory = false;  // staging from ncclMemAlloc (registered with the communicator)
     std::vector<DeviceWork> direct;                 // per stage
     std::vector<std::vector<DeviceWork>> pack, unpack;  // per stage, per step
     std::vector<std::vector<cudaEvent_t>> packed, moved;  // per stage, per step
@@ -313,7 +338,8 @@ struct CudaBackend::Prepared {
         }
       }
       cudaFree(on.arrays);
-      cudaFree(on.staging);
+      if (on.nccl_memory) ncclMemFree(on.staging);
+      else cudaFree(on.staging);
     }
   }
 };
@@ -352,10 +378,20 @@ absl::StatusOr<CudaBackend::Prepared*> CudaBackend::PreparedFor(const TransferJo
         return out;
       },
       [&](int32_t gpu, int64_t bytes) -> absl::StatusOr<uint64_t> {
-        void*& staging = p->gpus[gpu].staging;
+        Prepared::OnGpu& on = p->gpus[gpu];
         CUDA_RETURN_IF_ERROR(cudaSetDevice(gpu), "cudaSetDevice");
-        CUDA_RETURN_IF_ERROR(cudaMalloc(&staging, bytes), absl::StrCat("staging of ", bytes, " bytes on GPU ", gpu));
-        return reinterpret_cast<uint64_t>(staging);
+        if (job.nccl_register) {
+          if (auto s = NcclError(ncclMemAlloc(&on.staging, static_cast<size_t>(bytes)),
+                                 absl::StrCat("ncclMemAlloc of ", bytes, " bytes of staging on GPU ", gpu));
+              !s.ok()) {
+            return s;
+          }
+          on.nccl_memory = true;
+        } else {
+          CUDA_RETURN_IF_ERROR(cudaMalloc(&on.staging, bytes), absl::StrCat("staging of ", bytes, " bytes on GPU ", gpu));
+        }
+        on.staging_bytes = bytes;
+        return reinterpret_cast<uint64_t>(on.staging);
       });
   if (!schedule.ok()) return schedule.status();
   p->schedule = *std::move(schedule);
@@ -420,10 +456,11 @@ absl::StatusOr<CudaBackend::Prepared*> CudaBackend::PreparedFor(const TransferJo
                     p->schedule.depth[gpu], " steps in flight)");
   }
   Logger("data")->info("group \"{}\" node {}: prepared; network {} bytes out, {} in ({} zero-copy) in {} operations; "
-                       "NVLink {} bytes; local {} bytes; staging {}",
+                       "NVLink {} bytes; local {} bytes; staging {}{}",
                        job.group, job.node, p->schedule.bytes_sent, p->schedule.bytes_received,
                        p->schedule.bytes_zero_copy, p->schedule.network_ops, p->schedule.bytes_peer,
-                       p->schedule.bytes_local, staging.empty() ? "none" : staging);
+                       p->schedule.bytes_local, staging.empty() ? "none" : staging,
+                       job.nccl_register && !staging.empty() ? " (registered with NCCL)" : "");
   std::lock_guard<std::mutex> lock(mu_);
   auto& slot = prepared_[job.group];
   slot = std::move(p);
@@ -440,6 +477,13 @@ void CudaBackend::DropPrepared(const std::string& group) {
     prepared_.erase(it);
   }
   for (auto& [gpu, on] : old->gpus) SyncStreams(gpu);
+  // NCCL must forget the staging before it is freed.
+  auto c = comms_.find(group);
+  if (c != comms_.end() && c->second != nullptr) {
+    for (auto& [gpu, on] : old->gpus) {
+      if (on.nccl_memory) c->second->Deregister(on.staging);
+    }
+  }
 }
 
 void CudaBackend::SyncStreams(int32_t gpu) {
@@ -485,6 +529,14 @@ absl::StatusOr<TransferStats> CudaBackend::Transfer(const TransferJob& job) {
     auto c = CommunicatorFor(job);
     if (!c.ok()) return c.status();
     comm = *c;
+    if (job.nccl_register) {
+      for (const auto& [gpu, on] : p.gpus) {
+        if (on.nccl_memory) {
+          if (auto s = comm->Register(gpu, on.staging, static_cast<size_t>(on.staging_bytes)); !s.ok()) return s;
+        }
+      }
+      if (auto s = comm->Wait([&] { return Interrupted(job); }, "registering staging with NCCL"); !s.ok()) return s;
+    }
   }
   const auto started = absl::Now();
   for (int stage = 0; stage < kMaxStages; ++stage) {

@@ -43,6 +43,7 @@ struct Daemon::InstalledPlan {
   std::string nccl_id;
   int64_t step_bytes = 0;
   int64_t zero_copy_min_bytes = 0;
+  bool nccl_register = false;
 };
 
 // The coordinator's view of a node.
@@ -594,6 +595,7 @@ absl::Status Daemon::InstallPlan(const v1::InstallPlanRequest& request) {
   installed->nccl_id = request.nccl_id();
   installed->step_bytes = request.step_bytes();
   installed->zero_copy_min_bytes = request.zero_copy_min_bytes();
+  installed->nccl_register = request.nccl_register();
   Logger("plan")->info("group \"{}\" epoch {}: installed a plan of {} messages, {} bytes",
                        request.group(), request.epoch(), installed->plan->stats.messages,
                        installed->plan->stats.bytes_total);
@@ -668,6 +670,7 @@ absl::Status Daemon::RunPhase(const v1::PhaseRequest& request, v1::PhaseResponse
       job.nccl_id = installed->nccl_id;
       job.step_bytes = installed->step_bytes;
       job.zero_copy_min_bytes = installed->zero_copy_min_bytes;
+      job.nccl_register = installed->nccl_register;
       std::vector<std::shared_ptr<LocalWorker>> hold;  // keeps mappings alive for the transfer
       // Each buffer of the plan on this node, found by name in its worker's registration (once
       // per worker, then by hash: linear over 100k buffers, not quadratic).
@@ -1022,6 +1025,7 @@ absl::Status Daemon::RunRound(const std::string& group, int64_t round_id, int64_
     install.set_no_routing(!config_.routing);
     install.set_max_relay_depth(config_.max_relay_depth);
     install.set_zero_copy_min_bytes(config_.zero_copy_min_bytes);
+    install.set_nccl_register(config_.nccl_register);
     for (const auto& [node, info] : nodes_) {
       if (!info.alive) continue;
       v1::NodeAddress* a = install.add_nodes();

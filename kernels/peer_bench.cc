@@ -1,8 +1,11 @@
 // The ceilings of a 2-GPU node, measured: copy-engine peer copy GPU0 -> GPU1, the copy kernel
 // reading GPU0's memory from GPU1 (what the cuda backend does inside a node), and a local
 // device-to-device copy; also both directions at once by copy engine, and NCCL send/recv
-// GPU0 -> GPU1 (one process, ncclCommInitAll: what NCCL itself reaches on this link). Medians of
-// --repeat runs after 3 warm-up runs; one JSON line.
+// GPU0 -> GPU1 (one process, ncclCommInitAll: what NCCL itself reaches on this link), the same
+// with both buffers registered (ncclMemAlloc + ncclCommRegister: NCCL moves user buffer to user
+// buffer, no copy through its FIFO), and NCCL's rate when --bytes is cut into operations of
+// 1 MiB .. --bytes in one group (what the executor issues: many operations per step). Medians
+// of --repeat runs after 3 warm-up runs; one JSON line.
 //   peer_bench [--bytes 1073741824] [--repeat 10]
 #include <algorithm>
 #include <cstdio>
@@ -58,6 +61,24 @@ void NcclCheck(ncclResult_t r) {
     std::fprintf(stderr, "peer_bench: NCCL: %s\n", ncclGetErrorString(r));
     std::exit(1);
   }
+}
+
+// GPU0 -> GPU1 by NCCL: `bytes` cut into operations of `op_bytes`, all in one group.
+std::vector<float> NcclSendRecv(int repeat, ncclComm_t comms[2], void* from, void* to, int64_t bytes, int64_t op_bytes,
+                                cudaStream_t s0, cudaStream_t s1) {
+  return WallTime(repeat, [&] {
+    NcclCheck(ncclGroupStart());
+    for (int64_t at = 0; at < bytes; at += op_bytes) {
+      const size_t n = static_cast<size_t>(std::min(op_bytes, bytes - at));
+      REFIT_CUDA_CHECK(cudaSetDevice(0));
+      NcclCheck(ncclSend(static_cast<char*>(from) + at, n, ncclUint8, 1, comms[0], s0));
+      REFIT_CUDA_CHECK(cudaSetDevice(1));
+      NcclCheck(ncclRecv(static_cast<char*>(to) + at, n, ncclUint8, 0, comms[1], s1));
+    }
+    NcclCheck(ncclGroupEnd());
+    REFIT_CUDA_CHECK(cudaStreamSynchronize(s0));
+    REFIT_CUDA_CHECK(cudaStreamSynchronize(s1));
+  });
 }
 
 }  // namespace
@@ -117,28 +138,49 @@ int main(int argc, char** argv) {
     REFIT_CUDA_CHECK(cudaStreamSynchronize(s));
     REFIT_CUDA_CHECK(cudaStreamSynchronize(s0));
   });
-  // NCCL send/recv GPU0 -> GPU1.
+  // NCCL send/recv GPU0 -> GPU1: one operation, then cut into smaller operations.
   ncclComm_t comms[2];
   const int devices[2] = {0, 1};
   NcclCheck(ncclCommInitAll(comms, 2, devices));
-  const auto nccl = WallTime(repeat, [&] {
-    NcclCheck(ncclGroupStart());
-    REFIT_CUDA_CHECK(cudaSetDevice(0));
-    NcclCheck(ncclSend(on0.get(), static_cast<size_t>(bytes), ncclUint8, 1, comms[0], s0));
-    REFIT_CUDA_CHECK(cudaSetDevice(1));
-    NcclCheck(ncclRecv(on1.get(), static_cast<size_t>(bytes), ncclUint8, 0, comms[1], s));
-    NcclCheck(ncclGroupEnd());
-    REFIT_CUDA_CHECK(cudaStreamSynchronize(s0));
-    REFIT_CUDA_CHECK(cudaStreamSynchronize(s));
-  });
+  const auto nccl = NcclSendRecv(repeat, comms, on0.get(), on1.get(), bytes, bytes, s0, s);
+  std::string by_op_size;
+  for (int64_t op = int64_t{1} << 20; op < bytes; op *= 4) {
+    const auto t = NcclSendRecv(std::max(3, repeat / 2), comms, on0.get(), on1.get(), bytes, op, s0, s);
+    by_op_size += (by_op_size.empty() ? "" : ",") + std::string("\"") + std::to_string(op) + "\":" +
+                  std::to_string(bytes / 1e9 / (Median(t) / 1e3));
+  }
+  // The same with both buffers allocated by NCCL and registered with the communicators.
+  void* reg0 = nullptr;
+  void* reg1 = nullptr;
+  void* handles[2] = {nullptr, nullptr};
+  REFIT_CUDA_CHECK(cudaSetDevice(0));
+  NcclCheck(ncclMemAlloc(&reg0, static_cast<size_t>(bytes)));
+  REFIT_CUDA_CHECK(cudaMemset(reg0, 1, bytes));
+  NcclCheck(ncclCommRegister(comms[0], reg0, static_cast<size_t>(bytes), &handles[0]));
+  REFIT_CUDA_CHECK(cudaSetDevice(1));
+  NcclCheck(ncclMemAlloc(&reg1, static_cast<size_t>(bytes)));
+  REFIT_CUDA_CHECK(cudaMemset(reg1, 0, bytes));  // poisoned: the check below must see every byte arrive
+  NcclCheck(ncclCommRegister(comms[1], reg1, static_cast<size_t>(bytes), &handles[1]));
+  const auto registered = NcclSendRecv(repeat, comms, reg0, reg1, bytes, bytes, s0, s);
+  const auto registered_64m = NcclSendRecv(repeat, comms, reg0, reg1, bytes, std::min<int64_t>(bytes, 64 << 20), s0, s);
+  // Registered buffers must arrive intact (a broken registration would not fail otherwise).
+  std::vector<unsigned char> check(static_cast<size_t>(bytes));
+  REFIT_CUDA_CHECK(cudaMemcpy(check.data(), reg1, bytes, cudaMemcpyDeviceToHost));
+  const bool registered_exact = std::all_of(check.begin(), check.end(), [](unsigned char c) { return c == 1; });
+  ncclCommDeregister(comms[0], handles[0]);
+  ncclCommDeregister(comms[1], handles[1]);
+  ncclMemFree(reg0);
+  ncclMemFree(reg1);
   for (ncclComm_t c : comms) ncclCommDestroy(c);
   const double gb = bytes / 1e9;
   std::printf("{\"bytes\":%lld,\"runs\":%d,\"peer_copy_engine_ms\":%.3f,\"peer_copy_engine_gbps\":%.1f,"
               "\"peer_kernel_ms\":%.3f,\"peer_kernel_gbps\":%.1f,\"kernel_vs_copy_engine\":%.3f,"
               "\"local_d2d_ms\":%.3f,\"local_d2d_gbps\":%.1f,\"bidirectional_copy_engine_gbps_each_way\":%.1f,"
-              "\"nccl_send_recv_ms\":%.3f,\"nccl_send_recv_gbps\":%.1f}\n",
+              "\"nccl_send_recv_ms\":%.3f,\"nccl_send_recv_gbps\":%.1f,\"nccl_gbps_by_op_bytes\":{%s},"
+              "\"nccl_registered_gbps\":%.1f,\"nccl_registered_64m_ops_gbps\":%.1f,\"nccl_registered_exact\":%s}\n",
               (long long)bytes, repeat, Median(peer), gb / (Median(peer) / 1e3), Median(kernel),
               gb / (Median(kernel) / 1e3), Median(peer) / Median(kernel), Median(local), gb / (Median(local) / 1e3),
-              gb / (Median(bidir) / 1e3), Median(nccl), gb / (Median(nccl) / 1e3));
-  return 0;
+              gb / (Median(bidir) / 1e3), Median(nccl), gb / (Median(nccl) / 1e3), by_op_size.c_str(),
+              gb / (Median(registered) / 1e3), gb / (Median(registered_64m) / 1e3), registered_exact ? "true" : "false");
+  return registered_exact ? 0 : 1;
 }

@@ -15,7 +15,12 @@ nvidia-smi topo -m >>"$out/machine.txt" 2>&1
 status=0
 ceiling() { .device/bin/peer_bench --repeat 10 >>"$out/ceilings.jsonl" 2>>"$out/ceilings.err" || status=1; }
 ceiling
-# CASES: "label MODE CONFIG SCALE LAYERS MSG STAGING [ROUTING [ZERO_COPY_MIN]]" per line (CASES env overrides the list).
+# NCCL's point-to-point by the copy engine instead of its kernels (SET=next: is it a ceiling of ours?)
+if [ "${SET:-two}" = next ]; then
+  NCCL_P2P_USE_CUDA_MEMCPY=1 .device/bin/peer_bench --repeat 10 >>"$out/ceilings-nccl-ce.jsonl" 2>>"$out/ceilings.err" || status=1
+fi
+# CASES: "label MODE CONFIG SCALE LAYERS MSG STAGING [ROUTING [ZERO_COPY_MIN [REGISTER [ENV,ENV]]]]" per line
+# (CASES env overrides the list; ENV: NCCL variables for the daemons, comma-separated).
 G=$((1 << 30)); M=$((1 << 20))
 default_cases="dis-8b disaggregated llama3-8b 1 0 $((64 * M)) $((2 * G))
 col-8b colocated llama3-8b 1 0 $((64 * M)) $((2 * G))
@@ -32,20 +37,26 @@ four_gpu_cases="rep4-routing replicas4 llama3-8b 4 0 $((64 * M)) $((256 * M)) 1
 rep4-norouting replicas4 llama3-8b 4 0 $((64 * M)) $((256 * M)) 0
 dis4-8b disaggregated4 llama3-8b 1 0 $((64 * M)) $((2 * G)) 1
 col4-8b colocated4 llama3-8b 1 0 $((64 * M)) $((2 * G)) 1"
-# Still to measure on 2 GPUs (SET=next): the many-small-tensor case after its fix, and the 16 GB
-# disaggregated refit with more packing and fewer NCCL operations (zero-copy from 16 MiB, or none).
-next_cases="dis-small8k disaggregated many-small-moe 2 0 $((64 * M)) $((2 * G)) 1
-dis-small32k disaggregated many-small-moe 1 0 $((64 * M)) $((2 * G)) 1
-dis-8b-zc16m disaggregated llama3-8b 1 0 $((64 * M)) $((2 * G)) 1 $((16 * M))
+# Session 9: where the 16 GB disaggregated refit loses to NCCL's ceiling: fewer operations
+# (zero-copy from 16 MiB, or none), staging registered with NCCL, NCCL by the copy engine.
+next_cases="dis-8b disaggregated llama3-8b 1 0 $((64 * M)) $((2 * G)) 1
 dis-8b-nozc disaggregated llama3-8b 1 0 $((64 * M)) $((2 * G)) 1 $((1 << 40))
-dis-8b-staging256m disaggregated llama3-8b 1 0 $((64 * M)) $((256 * M)) 1"
+dis-8b-reg disaggregated llama3-8b 1 0 $((64 * M)) $((2 * G)) 1 $M 1
+dis-8b-nozc-reg disaggregated llama3-8b 1 0 $((64 * M)) $((2 * G)) 1 $((1 << 40)) 1
+dis-small8k disaggregated many-small-moe 2 0 $((64 * M)) $((2 * G)) 1
+dis-8b-zc16m disaggregated llama3-8b 1 0 $((64 * M)) $((2 * G)) 1 $((16 * M))
+dis-8b-nozc-ce disaggregated llama3-8b 1 0 $((64 * M)) $((2 * G)) 1 $((1 << 40)) 0 NCCL_P2P_USE_CUDA_MEMCPY=1
+dis-small32k disaggregated many-small-moe 1 0 $((64 * M)) $((2 * G)) 1"
 [ "${SET:-two}" = four ] && default_cases=$four_gpu_cases
 [ "${SET:-two}" = next ] && default_cases=$next_cases
-while read -r label mode config scale layers msg staging routing zero_copy; do
+while read -r label mode config scale layers msg staging routing zero_copy register case_env; do
   [ -n "$label" ] || continue
+  # BUDGET_S: start no case after this many seconds (the device tool's call limit; what ran is kept).
+  if [ -n "${BUDGET_S:-}" ] && [ $SECONDS -gt "$BUDGET_S" ]; then echo "== $label: skipped (BUDGET_S)"; continue; fi
   echo "== $label"
   t0=$(date +%s)
-  RUN=/tmp/bench-$label ROUTING=${routing:-1} ZERO_COPY=${zero_copy:-$M} MODE=$mode CONFIG=tests/configs/$config.json SCALE=$scale LAYERS=$layers MSG=$msg STAGING=$staging \
+  env ${case_env//,/ } CASE_ENV=${case_env:-} REGISTER=${register:-0} \
+    RUN=/tmp/bench-$label ROUTING=${routing:-1} ZERO_COPY=${zero_copy:-$M} MODE=$mode CONFIG=tests/configs/$config.json SCALE=$scale LAYERS=$layers MSG=$msg STAGING=$staging \
     BIN=.device/bin bash tests/bench/gpu_refit.sh >"$out/$label.json" 2>"$out/$label.err" || status=1
   python3 -c 'import json,sys; d=json.load(open(sys.argv[1])); d["label"]=sys.argv[2]; print(json.dumps(d))' \
     "$out/$label.json" "$label" >>"$out/refit.jsonl" 2>/dev/null

@@ -322,7 +322,10 @@ struct CudaBackend::Prepared {
     bool nccl_memory = false;  // staging from ncclMemAlloc (registered with the communicator)
     std::vector<DeviceWork> direct;                 // per stage
     std::vector<std::vector<DeviceWork>> pack, unpack;  // per stage, per step
-    std::vector<std::vector<cudaEvent_t>> packed, moved;  // per stage, per step
+    // Per stage, per step, on the GPU's timeline (events with timing: the round's log says where
+    // the time went): pack done (compute), on the wire (comm), off the wire (comm), unpacked.
+    std::vector<std::vector<cudaEvent_t>> packed, wire_begin, moved, unpacked;
+    cudaEvent_t start = nullptr;  // the round's first work on this GPU
   };
   std::shared_ptr<const Plan> plan;
   BufferAddresses src, dst;
@@ -332,7 +335,8 @@ struct CudaBackend::Prepared {
   ~Prepared() {
     for (auto& [g, on] : gpus) {
       cudaSetDevice(g);
-      for (auto* list : {&on.packed, &on.moved}) {
+      if (on.start != nullptr) cudaEventDestroy(on.start);
+      for (auto* list : {&on.packed, &on.wire_begin, &on.moved, &on.unpacked}) {
         for (auto& events : *list) {
           for (cudaEvent_t e : events) cudaEventDestroy(e);
         }
@@ -408,17 +412,17 @@ absl::StatusOr<CudaBackend::Prepared*> CudaBackend::PreparedFor(const TransferJo
       Prepared::OnGpu& on = p->gpus[gpu];
       on.pack.resize(kMaxStages);
       on.unpack.resize(kMaxStages);
-      on.packed.resize(kMaxStages);
-      on.moved.resize(kMaxStages);
+      for (auto* list : {&on.packed, &on.wire_begin, &on.moved, &on.unpacked}) list->resize(kMaxStages);
+      if (on.start == nullptr) CUDA_RETURN_IF_ERROR(cudaEventCreate(&on.start), "cudaEventCreate");
       on.pack[stage].resize(steps.size());
       on.unpack[stage].resize(steps.size());
       CUDA_RETURN_IF_ERROR(cudaSetDevice(gpu), "cudaSetDevice");
       for (size_t k = 0; k < steps.size(); ++k) {
         works[gpu].push_back({&steps[k].pack, &on.pack[stage][k]});
         works[gpu].push_back({&steps[k].unpack, &on.unpack[stage][k]});
-        for (auto* events : {&on.packed[stage], &on.moved[stage]}) {
+        for (auto* events : {&on.packed[stage], &on.wire_begin[stage], &on.moved[stage], &on.unpacked[stage]}) {
           cudaEvent_t e;
-          CUDA_RETURN_IF_ERROR(cudaEventCreateWithFlags(&e, cudaEventDisableTiming), "cudaEventCreate");
+          CUDA_RETURN_IF_ERROR(cudaEventCreate(&e), "cudaEventCreate");
           events->push_back(e);
         }
       }
@@ -466,6 +470,57 @@ absl::StatusOr<CudaBackend::Prepared*> CudaBackend::PreparedFor(const TransferJo
   slot = std::move(p);
   return slot.get();
 }
+
+namespace {
+
+// Where a round's time went on each GPU that used the network, from the events of its steps
+// (read after the round, when all of them have completed): time on the wire and its rate, the
+// wire's idle time between steps (waiting for a pack, or for the host), the pipeline's fill and
+// drain. One info line per GPU, one debug line per step.
+void LogTimeline(const TransferJob& job, const CudaBackend::Prepared& p) {
+  for (const auto& [gpu, on] : p.gpus) {
+    if (on.start == nullptr) continue;
+    cudaSetDevice(gpu);
+    auto at = [&](cudaEvent_t e) {
+      float ms = 0;
+      return cudaEventElapsedTime(&ms, on.start, e) == cudaSuccess ? double{ms} : -1.0;
+    };
+    int steps = 0;
+    int64_t bytes = 0;
+    double wire = 0, idle = 0, first = -1, last = 0;
+    std::vector<double> rates;
+    for (int stage = 0; stage < kMaxStages; ++stage) {
+      auto it = p.schedule.stages[stage].steps.find(gpu);
+      if (it == p.schedule.stages[stage].steps.end()) continue;
+      for (size_t k = 0; k < it->second.size(); ++k) {
+        int64_t step_bytes = 0;
+        for (const NetworkOp& op : it->second[k].ops) step_bytes += op.bytes;
+        const double packed = at(on.packed[stage][k]), begin = at(on.wire_begin[stage][k]),
+                     end = at(on.moved[stage][k]), unpacked = at(on.unpacked[stage][k]);
+        if (begin < 0 || end < 0) return;  // an event never recorded: nothing to say
+        ++steps;
+        bytes += step_bytes;
+        wire += end - begin;
+        if (k > 0) idle += std::max(0.0, begin - at(on.moved[stage][k - 1]));
+        if (first < 0) first = begin;
+        last = std::max(last, unpacked);
+        if (end > begin) rates.push_back(step_bytes / 1e6 / (end - begin));
+        Logger("data")->debug("round {} GPU {} stage {} step {}: {} bytes in {} operations; packed at {:.3f} ms, on the "
+                              "wire {:.3f}-{:.3f} ms, unpacked at {:.3f} ms",
+                              job.round_id, gpu, stage, k, step_bytes, it->second[k].ops.size(), packed, begin, end, unpacked);
+      }
+    }
+    if (steps == 0) continue;
+    std::sort(rates.begin(), rates.end());
+    Logger("data")->info("group \"{}\" round {} GPU {} timeline: {} steps, {} bytes; on the wire {:.3f} ms ({:.1f} GB/s; "
+                         "steps {:.0f}-{:.0f} GB/s), wire idle between steps {:.3f} ms, first step on the wire at {:.3f} ms, "
+                         "last unpacked at {:.3f} ms",
+                         job.group, job.round_id, gpu, steps, bytes, wire, wire > 0 ? bytes / 1e6 / wire : 0.0,
+                         rates.empty() ? 0.0 : rates.front(), rates.empty() ? 0.0 : rates.back(), idle, first, last);
+  }
+}
+
+}  // namespace
 
 void CudaBackend::DropPrepared(const std::string& group) {
   std::unique_ptr<Prepared> old;
@@ -539,6 +594,11 @@ absl::StatusOr<TransferStats> CudaBackend::Transfer(const TransferJob& job) {
     }
   }
   const auto started = absl::Now();
+  for (const auto& [gpu, on] : p.gpus) {
+    if (on.start == nullptr) continue;
+    CUDA_RETURN_IF_ERROR(cudaSetDevice(gpu), "cudaSetDevice");
+    CUDA_RETURN_IF_ERROR(cudaEventRecord(on.start, static_cast<cudaStream_t>(streams_.at(gpu).compute)), "cudaEventRecord");
+  }
   for (int stage = 0; stage < kMaxStages; ++stage) {
     const StageSchedule& s = schedule.stages[stage];
     if (s.direct.empty() && s.steps.empty()) continue;
@@ -566,16 +626,21 @@ absl::StatusOr<TransferStats> CudaBackend::Transfer(const TransferJob& job) {
     // Step k: its sends wait for their pack; one NCCL group for every local GPU's operations;
     // the unpack of step k and the pack of step k + depth (into the slots step k freed) follow.
     for (int32_t k = 0; k < s.num_steps; ++k) {
-      if (auto st = NcclError(ncclGroupStart(), "ncclGroupStart"); !st.ok()) return st;
       for (const auto& [gpu, steps] : s.steps) {
         if (k >= static_cast<int32_t>(steps.size())) continue;
         const Prepared::OnGpu& on = p.gpus.at(gpu);
         auto comm_stream = static_cast<cudaStream_t>(streams_.at(gpu).comm);
-        const cudaError_t e = cudaSetDevice(gpu) == cudaSuccess ? cudaStreamWaitEvent(comm_stream, on.packed[stage][k], 0)
-                                                                 : cudaGetLastError();
-        if (e != cudaSuccess) {
+        CUDA_RETURN_IF_ERROR(cudaSetDevice(gpu), "cudaSetDevice");
+        CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(comm_stream, on.packed[stage][k], 0), "ordering a step's sends after its pack");
+        CUDA_RETURN_IF_ERROR(cudaEventRecord(on.wire_begin[stage][k], comm_stream), "cudaEventRecord");
+      }
+      if (auto st = NcclError(ncclGroupStart(), "ncclGroupStart"); !st.ok()) return st;
+      for (const auto& [gpu, steps] : s.steps) {
+        if (k >= static_cast<int32_t>(steps.size())) continue;
+        auto comm_stream = static_cast<cudaStream_t>(streams_.at(gpu).comm);
+        if (cudaSetDevice(gpu) != cudaSuccess) {
           ncclGroupEnd();
-          return CudaError(e, "ordering a step's sends after its pack");
+          return CudaError(cudaGetLastError(), "cudaSetDevice");
         }
         for (const NetworkOp& op : steps[k].ops) {
           auto* buffer = reinterpret_cast<void*>(op.buffer);
@@ -603,6 +668,7 @@ absl::StatusOr<TransferStats> CudaBackend::Transfer(const TransferJob& job) {
         CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(compute, on.moved[stage][k], 0), "cudaStreamWaitEvent");
         const auto& u = on.unpack[stage][k];
         CUDA_RETURN_IF_ERROR(LaunchCopyItems(u.items, u.units, u.n, u.total_units, compute), "unpack");
+        CUDA_RETURN_IF_ERROR(cudaEventRecord(on.unpacked[stage][k], compute), "cudaEventRecord");
         const int32_t next = k + std::max(1, schedule.depth.count(gpu) ? schedule.depth.at(gpu) : 1);
         if (next < static_cast<int32_t>(steps.size())) {
           const auto& w = on.pack[stage][next];
@@ -639,6 +705,7 @@ absl::StatusOr<TransferStats> CudaBackend::Transfer(const TransferJob& job) {
   stats.bytes_local = schedule.bytes_local;
   Logger("data")->info("group \"{}\" round {}: moved in {:.3f} ms", job.group, job.round_id,
                         absl::ToDoubleMilliseconds(absl::Now() - started));
+  LogTimeline(job, p);
   return stats;
 }
 

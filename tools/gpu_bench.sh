@@ -13,12 +13,11 @@ export LD_LIBRARY_PATH=$PWD/.device/lib:/usr/local/cuda/lib64 NCCL_NVLS_ENABLE=0
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader >"$out/machine.txt" 2>&1
 nvidia-smi topo -m >>"$out/machine.txt" 2>&1
 status=0
-ceiling() { .device/bin/peer_bench --repeat 10 >>"$out/ceilings.jsonl" 2>>"$out/ceilings.err" || status=1; }
+ceiling() {
+  .device/bin/peer_bench --repeat 10 >>"$out/ceilings.jsonl" 2>>"$out/ceilings.err" || status=1
+  .device/bin/nccl_pair_bench --repeat 10 >>"$out/ceilings-2proc.jsonl" 2>>"$out/ceilings.err" || status=1
+}
 ceiling
-# NCCL's point-to-point by the copy engine instead of its kernels (SET=next: is it a ceiling of ours?)
-if [ "${SET:-two}" = next ]; then
-  NCCL_P2P_USE_CUDA_MEMCPY=1 .device/bin/peer_bench --repeat 10 >>"$out/ceilings-nccl-ce.jsonl" 2>>"$out/ceilings.err" || status=1
-fi
 # CASES: "label MODE CONFIG SCALE LAYERS MSG STAGING [ROUTING [ZERO_COPY_MIN [REGISTER [ENV,ENV]]]]" per line
 # (CASES env overrides the list; ENV: NCCL variables for the daemons, comma-separated).
 G=$((1 << 30)); M=$((1 << 20))
@@ -38,14 +37,12 @@ rep4-norouting replicas4 llama3-8b 4 0 $((64 * M)) $((256 * M)) 0
 dis4-8b disaggregated4 llama3-8b 1 0 $((64 * M)) $((2 * G)) 1
 col4-8b colocated4 llama3-8b 1 0 $((64 * M)) $((2 * G)) 1"
 # Session 9: where the 16 GB disaggregated refit loses to NCCL's ceiling: fewer operations
-# (zero-copy from 16 MiB, or none), staging registered with NCCL, NCCL by the copy engine.
+# (zero-copy from 16 MiB, or none), with each round's timeline; the many-small-tensor case.
+# (Measured in session 9's first call, not repeated: staging registered with NCCL, REGISTER=1.)
 next_cases="dis-8b disaggregated llama3-8b 1 0 $((64 * M)) $((2 * G)) 1
 dis-8b-nozc disaggregated llama3-8b 1 0 $((64 * M)) $((2 * G)) 1 $((1 << 40))
-dis-8b-reg disaggregated llama3-8b 1 0 $((64 * M)) $((2 * G)) 1 $M 1
-dis-8b-nozc-reg disaggregated llama3-8b 1 0 $((64 * M)) $((2 * G)) 1 $((1 << 40)) 1
 dis-small8k disaggregated many-small-moe 2 0 $((64 * M)) $((2 * G)) 1
 dis-8b-zc16m disaggregated llama3-8b 1 0 $((64 * M)) $((2 * G)) 1 $((16 * M))
-dis-8b-nozc-ce disaggregated llama3-8b 1 0 $((64 * M)) $((2 * G)) 1 $((1 << 40)) 0 NCCL_P2P_USE_CUDA_MEMCPY=1
 dis-small32k disaggregated many-small-moe 1 0 $((64 * M)) $((2 * G)) 1"
 [ "${SET:-two}" = four ] && default_cases=$four_gpu_cases
 [ "${SET:-two}" = next ] && default_cases=$next_cases

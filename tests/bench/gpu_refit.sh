@@ -110,9 +110,10 @@ transfer = [float(s["transfer_seconds"]) for s in measured]
 moved = {}  # each daemon's own data-plane time of the measured rounds
 for log in sorted(glob.glob(os.path.join(run, "daemon*.log"))):
     moved[os.path.basename(log)[:-4]] = [float(m) for m in re.findall(r"moved in ([0-9.]+) ms", open(log).read())][-rounds:]
-prepared = []
+prepared, timeline = [], []
 for log in sorted(glob.glob(os.path.join(run, "daemon*.log"))):
     prepared += re.findall(r"prepared; (.*)", open(log).read())
+    timeline += re.findall(r"round (\d+ GPU \d+ timeline: .*)", open(log).read())
 status = json.load(open(os.path.join(run, "status.json")))
 group = [g for g in status.get("groups", []) if g.get("name") == "policy"][0]
 nbytes = int(measured[0]["bytes"])
@@ -126,5 +127,5 @@ print(json.dumps({
     "nccl_register": os.environ.get("REGISTER", "0") == "1", "env": os.environ.get("CASE_ENV", ""), "rounds": rounds, "warmup": warmup, "transfer_s": transfer, "median_transfer_s": med,
     "gbps": nbytes / med / 1e9, "round_s": [float(s["seconds"]) for s in measured],
     "data_plane_ms": moved, "median_data_plane_ms": {k: statistics.median(v) for k, v in moved.items() if v},
-    "prepared": prepared[:2]}))
+    "prepared": prepared[:2], "timeline": timeline[-2 * rounds:]}))
 PY

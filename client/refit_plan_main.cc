@@ -42,7 +42,7 @@ int main(int argc, char** argv) {
   bool verify = false, json = false, routing = true;
   int64_t max_message_bytes = int64_t{64} << 20, verify_max_bytes = int64_t{8} << 30, seed = 1;
   bool executor = false;
-  int64_t staging_bytes = int64_t{256} << 20, zero_copy_min_bytes = int64_t{1} << 20;
+  int64_t staging_bytes = int64_t{256} << 20, zero_copy_min_bytes = int64_t{16} << 20;
   CliFlags flags("refit-plan", "--src S.json --dst D.json [--topology T.json] [--verify] [--json]");
   flags.String("src", &src_path, "source (trainer) layout JSON");
   flags.String("dst", &dst_path, "destination (inference) layout JSON");

@@ -28,7 +28,9 @@ struct DaemonConfig {
   // scale, docs/BENCHMARKS.md) while saving no network bytes there.
   int32_t max_relay_depth = 0;
   int64_t staging_bytes = int64_t{256} << 20;     // cuda: staging per GPU per group (--staging-bytes)
-  int64_t zero_copy_min_bytes = int64_t{1} << 20;  // coordinator, cuda (--zero-copy-min-bytes)
+  // Coordinator, cuda (--zero-copy-min-bytes): NCCL moves 1-4 MiB operations at 80-200 GB/s against
+  // 355 GB/s from 64 MiB (2 x H200), so smaller descriptors are packed (docs/BENCHMARKS.md).
+  int64_t zero_copy_min_bytes = int64_t{16} << 20;
   // Coordinator, cuda: staging registered with NCCL (--nccl-register), shipped with the plan.
   bool nccl_register = false;
   absl::Duration prepare_timeout = absl::Seconds(10);

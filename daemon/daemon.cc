@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <fstream>
+#include <optional>
 #include <random>
 #include <set>
 
@@ -44,6 +45,14 @@ struct Daemon::InstalledPlan {
   int64_t step_bytes = 0;
   int64_t zero_copy_min_bytes = 0;
   bool nccl_register = false;
+  // The buffers of the last transfer, reused while the same local workers stay registered (a
+  // model of 100k tensors would otherwise cost tens of milliseconds of lookups every round).
+  // Guarded by mu_.
+  struct Resolved {
+    std::vector<std::weak_ptr<LocalWorker>> workers;
+    BufferMemory src, dst;
+  };
+  std::optional<Resolved> resolved;
 };
 
 // The coordinator's view of a node.
@@ -702,8 +711,30 @@ absl::Status Daemon::RunPhase(const v1::PhaseRequest& request, v1::PhaseResponse
       };
       {
         std::lock_guard<std::mutex> lock(mu_);
-        REFIT_RETURN_IF_ERROR(resolve(installed->src, job.src));
-        REFIT_RETURN_IF_ERROR(resolve(installed->dst, job.dst));
+        // This node's workers of both layouts, as registered now.
+        std::vector<std::shared_ptr<LocalWorker>> workers;
+        for (const Layout* l : {&installed->src, &installed->dst}) {
+          for (const Worker& w : l->workers) {
+            if (w.node != config_.node) continue;
+            workers.push_back(FindWorker(absl::StrCat(group, "/", w.name)));
+          }
+        }
+        const auto& cached = installed->resolved;
+        bool same = cached.has_value() && cached->workers.size() == workers.size();
+        for (size_t i = 0; same && i < workers.size(); ++i) {
+          same = workers[i] != nullptr && cached->workers[i].lock() == workers[i];
+        }
+        if (same) {
+          job.src = cached->src;
+          job.dst = cached->dst;
+          hold = std::move(workers);
+        } else {
+          REFIT_RETURN_IF_ERROR(resolve(installed->src, job.src));
+          REFIT_RETURN_IF_ERROR(resolve(installed->dst, job.dst));
+          InstalledPlan::Resolved fresh{{}, job.src, job.dst};
+          for (const auto& w : workers) fresh.workers.push_back(w);
+          installed->resolved = std::move(fresh);
+        }
       }
       auto stats = backend_->Transfer(job);
       if (!stats.ok()) return stats.status();

@@ -10,6 +10,7 @@ namespace {
 
 constexpr int64_t kSlotAlign = 256;
 constexpr size_t kMaxOpsPerStep = 256;  // NCCL bounds the operations of one group
+constexpr int64_t kMinSteps = 8;        // a stage with little to move still pipelines
 
 int64_t AlignUp(int64_t n) { return (n + kSlotAlign - 1) / kSlotAlign * kSlotAlign; }
 
@@ -109,11 +110,21 @@ absl::StatusOr<NodeSchedule> BuildNodeSchedule(const Plan& plan, const ScheduleO
   // step (not before its predecessor's) where neither end already carries step_bytes (at least
   // the plan's largest message) or kMaxOpsPerStep operations; a unit alone may exceed it. So a
   // GPU with many peers spreads them over steps, and one step's staging stays within step_bytes.
-  int64_t step_target = std::max<int64_t>(1, options.step_bytes);
-  for (const Message& m : plan.messages) step_target = std::max(step_target, m.bytes);
+  // A stage whose busiest rank moves less than kMinSteps steps' worth gets smaller steps, so that
+  // pack, wire and unpack still overlap (one step would run them one after the other).
+  int64_t largest_message = 1;
+  for (const Message& m : plan.messages) largest_message = std::max(largest_message, m.bytes);
   using Steps = std::vector<std::vector<Unit>>;  // by step index; empty where the pair is idle
   std::vector<std::map<int32_t, std::map<PairKey, Steps>>> grouped(kMaxStages);
   for (int stage = 0; stage < kMaxStages; ++stage) {
+    std::map<int32_t, int64_t> rank_bytes;  // sent + received by each rank in this stage
+    for (const auto& [pair, list] : units[stage]) {
+      for (const Unit& u : list) rank_bytes[pair.first] += u.bytes, rank_bytes[pair.second] += u.bytes;
+    }
+    int64_t busiest = 0;
+    for (const auto& [rank, bytes] : rank_bytes) busiest = std::max(busiest, bytes);
+    const int64_t step_target = std::max(
+        largest_message, std::min(std::max<int64_t>(1, options.step_bytes), (busiest + kMinSteps - 1) / kMinSteps));
     std::map<int32_t, std::vector<std::pair<int64_t, size_t>>> load;  // rank -> per step (bytes, operations)
     auto at = [&](int32_t rank, size_t k) -> std::pair<int64_t, size_t>& {
       auto& v = load[rank];

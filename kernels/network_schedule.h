@@ -62,9 +62,10 @@ struct ScheduleOptions {
   int32_t node = 0;
   int64_t staging_budget = int64_t{256} << 20;  // per GPU
   int32_t max_depth = 4;
-  // Smallest descriptor sent zero-copy: below it packing beats another NCCL operation. Every node
-  // must use the same value (it shapes the steps both ends of an operation derive).
-  int64_t zero_copy_min_bytes = int64_t{1} << 20;
+  // Smallest descriptor sent zero-copy: below it packing beats another NCCL operation (NCCL's
+  // rate falls steeply under 16 MiB per operation). Every node must use the same value (it shapes
+  // the steps both ends of an operation derive).
+  int64_t zero_copy_min_bytes = int64_t{16} << 20;
   // Bytes of one step between two GPUs (at least the plan's largest message): each step costs
   // an NCCL group launch, tens of microseconds. Every node must use the same value.
   int64_t step_bytes = 0;

@@ -53,7 +53,7 @@ while read -r label mode config scale layers msg staging routing zero_copy regis
   echo "== $label"
   t0=$(date +%s)
   env ${case_env//,/ } CASE_ENV=${case_env:-} REGISTER=${register:-0} \
-    RUN=/tmp/bench-$label ROUTING=${routing:-1} ZERO_COPY=${zero_copy:-$M} MODE=$mode CONFIG=tests/configs/$config.json SCALE=$scale LAYERS=$layers MSG=$msg STAGING=$staging \
+    RUN=/tmp/bench-$label ROUTING=${routing:-1} ZERO_COPY=${zero_copy:-$((16 * M))} MODE=$mode CONFIG=tests/configs/$config.json SCALE=$scale LAYERS=$layers MSG=$msg STAGING=$staging \
     BIN=.device/bin bash tests/bench/gpu_refit.sh >"$out/$label.json" 2>"$out/$label.err" || status=1
   python3 -c 'import json,sys; d=json.load(open(sys.argv[1])); d["label"]=sys.argv[2]; print(json.dumps(d))' \
     "$out/$label.json" "$label" >>"$out/refit.jsonl" 2>/dev/null

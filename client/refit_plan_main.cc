@@ -127,14 +127,19 @@ int main(int argc, char** argv) {
           [](int32_t, int64_t) -> absl::StatusOr<uint64_t> { return 0; });
       if (!schedule.ok()) flags.Fail(absl::StrCat("node ", node, ": ", schedule.status().message()));
       if (!schedule->uses_network) continue;
-      int64_t steps = 0, staging = 0;
-      for (const StageSchedule& st : schedule->stages) steps += st.num_steps;
+      int64_t steps = 0, staging = 0, items = 0;
+      for (const StageSchedule& st : schedule->stages) {
+        steps += st.num_steps;
+        for (const auto& [gpu, list] : st.steps) {
+          for (const NetworkStep& step : list) items += static_cast<int64_t>(step.pack.items.size() + step.unpack.items.size());
+        }
+      }
       for (const auto& [gpu, r] : schedule->region_bytes) staging = std::max(staging, schedule->StagingBytes(gpu));
       const double seconds = PredictNetworkSeconds(*schedule, ExecutorModel());
       slowest = std::max(slowest, seconds);
-      std::printf("executor node %d: %lld operations in %lld steps, out %s, in %s (%s zero-copy), staging %s per GPU, "
-                  "predicted %s\n",
-                  node, (long long)schedule->network_ops, (long long)steps, Bytes(schedule->bytes_sent).c_str(),
+      std::printf("executor node %d: %lld operations in %lld steps, %lld copy items, out %s, in %s (%s zero-copy), "
+                  "staging %s per GPU, predicted %s\n",
+                  node, (long long)schedule->network_ops, (long long)steps, (long long)items, Bytes(schedule->bytes_sent).c_str(),
                   Bytes(schedule->bytes_received).c_str(), Bytes(schedule->bytes_zero_copy).c_str(), Bytes(staging).c_str(),
                   Seconds(seconds).c_str());
     }

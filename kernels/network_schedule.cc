@@ -48,22 +48,21 @@ bool IsZeroCopy(const CopyDescriptor& d, int64_t min_bytes) {
 
 double PredictNetworkSeconds(const NodeSchedule& schedule, const ExecutorModel& model) {
   if (!schedule.uses_network) return 0;
-  auto staged = [](const NetworkStep& step) {
-    double bytes = 0;
-    for (const NetworkOp& op : step.ops) bytes += op.zero_copy ? 0 : static_cast<double>(op.bytes);
-    return bytes;
+  auto copy = [&](const CopyWork& w) {
+    return static_cast<double>(w.bytes) / (model.pack_gbps * 1e9) + static_cast<double>(w.items.size()) * model.per_item_ns * 1e-9;
   };
   double total = model.fixed_us * 1e-6;
   for (const StageSchedule& stage : schedule.stages) {
     double slowest = 0;
     for (const auto& [gpu, steps] : stage.steps) {
       if (steps.empty()) continue;
-      double sent = 0, received = 0, ops = 0;
+      double sent = 0, received = 0, ops = 0, pack = 0, unpack = 0;
       for (const NetworkStep& step : steps) {
         for (const NetworkOp& op : step.ops) (op.send ? sent : received) += static_cast<double>(op.bytes), ++ops;
+        pack += copy(step.pack), unpack += copy(step.unpack);
       }
-      const double seconds = std::max(sent, received) / (model.wire_gbps * 1e9) + ops * model.per_op_us * 1e-6 +
-                             (staged(steps.front()) + staged(steps.back())) / (model.pack_gbps * 1e9);
+      const double wire = std::max(sent, received) / (model.wire_gbps * 1e9) + ops * model.per_op_us * 1e-6;
+      const double seconds = std::max({wire, pack, unpack}) + copy(steps.front().pack) + copy(steps.back().unpack);
       slowest = std::max(slowest, seconds);
     }
     total += slowest;

@@ -201,21 +201,33 @@ TEST_CASE("contiguous same-dtype descriptors are zero-copy; strided or cast ones
 namespace refit {
 namespace {
 
-TEST_CASE("the executor model adds wire time, operations, the first pack and the last unpack") {
+TEST_CASE("the executor model: the slowest of wire, packs and unpacks, plus the pipeline's fill") {
   NodeSchedule s;
   s.stages.resize(kMaxStages);
   s.uses_network = true;
   auto& steps = s.stages[0].steps[0];
   steps.resize(2);
   steps[0].ops = {NetworkOp{1, true, false, 1000, 0}, NetworkOp{1, true, true, 3000, 0}};  // staged, zero-copy
+  steps[0].pack.bytes = 1000;
+  steps[0].pack.items.resize(1);
   steps[1].ops = {NetworkOp{1, true, false, 2000, 0}, NetworkOp{1, false, false, 500, 0}};
-  ExecutorModel m{1.0, 2.0, 10.0, 5.0};  // 1 GB/s wire, 2 us per operation, 10 GB/s pack, 5 us fixed
-  // Wire: max(6000 sent, 500 received) bytes at 1 GB/s = 6 us; 4 operations = 8 us; first step's
-  // staged 1000 + last step's staged 2500 bytes at 10 GB/s = 0.35 us; fixed 5 us.
-  CHECK(PredictNetworkSeconds(s, m) == Approx((6.0 + 8.0 + 0.35 + 5.0) * 1e-6));
+  steps[1].pack.bytes = 2000;
+  steps[1].pack.items.resize(1);
+  steps[1].unpack.bytes = 500;
+  steps[1].unpack.items.resize(1);
+  // 1 GB/s wire, 2 us per operation, 10 GB/s pack, 100 ns per item, 5 us fixed.
+  ExecutorModel m{1.0, 2.0, 10.0, 100.0, 5.0};
+  // Wire-bound: max(6000 sent, 500 received) bytes at 1 GB/s = 6 us + 4 operations = 14 us (packs
+  // 0.5 us, unpacks 0.15 us); the first pack (0.1 + 0.1 us) and the last unpack (0.05 + 0.1 us)
+  // are not overlapped; fixed 5 us.
+  CHECK(PredictNetworkSeconds(s, m) == Approx((14.0 + 0.2 + 0.15 + 5.0) * 1e-6));
+  // Pack-bound when each item costs 20 us: packs 0.3 + 40 us, then the same fill terms.
+  m.per_item_ns = 20000.0;
+  CHECK(PredictNetworkSeconds(s, m) == Approx((40.3 + 20.1 + 20.05 + 5.0) * 1e-6));
   // A second stage on another GPU adds its own slowest GPU's time.
+  m.per_item_ns = 100.0;
   s.stages[1].steps[3].push_back(NetworkStep{{NetworkOp{0, false, true, 4000, 0}}, {}, {}});
-  CHECK(PredictNetworkSeconds(s, m) == Approx((6.0 + 8.0 + 0.35 + 5.0 + 4.0 + 2.0) * 1e-6));
+  CHECK(PredictNetworkSeconds(s, m) == Approx((14.0 + 0.2 + 0.15 + 5.0 + 4.0 + 2.0) * 1e-6));
   s.uses_network = false;
   CHECK(PredictNetworkSeconds(s, m) == 0.0);
 }

@@ -36,14 +36,26 @@ absl::StatusOr<std::unique_ptr<WorkerClient>> WorkerClient::Connect(
     }
     for (auto& m : memory) *request.add_memory() = std::move(m);
   }
-  for (const Buffer& b : memory.empty() ? layout.buffers : std::vector<Buffer>{}) {
-    auto shm = SharedMemory::Create(UniqueShmName("buf"), static_cast<size_t>(b.NumBytes()));
+  if (memory.empty() && !layout.buffers.empty()) {
+    // Every buffer in one object, each at an offset aligned for any element type.
+    constexpr int64_t kAlign = 256;
+    std::vector<int64_t> offsets;
+    int64_t total = 0;
+    for (const Buffer& b : layout.buffers) {
+      offsets.push_back(total);
+      total += (b.NumBytes() + kAlign - 1) / kAlign * kAlign;
+    }
+    auto shm = SharedMemory::Create(UniqueShmName("buf"), static_cast<size_t>(std::max<int64_t>(total, 1)));
     if (!shm.ok()) return shm.status();
-    v1::SharedMemory* m = request.add_memory()->mutable_shm();
-    m->set_name(shm->name());
-    m->set_offset(0);
-    m->set_size(static_cast<int64_t>(shm->bytes().size()));
-    c->memory_.push_back(*std::move(shm));
+    c->arena_ = *std::move(shm);
+    for (size_t i = 0; i < layout.buffers.size(); ++i) {
+      v1::SharedMemory* m = request.add_memory()->mutable_shm();
+      m->set_name(c->arena_.name());
+      m->set_offset(offsets[i]);
+      m->set_size(static_cast<int64_t>(c->arena_.bytes().size()));
+      c->buffers_.push_back(c->arena_.bytes().subspan(static_cast<size_t>(offsets[i]),
+                                                      static_cast<size_t>(layout.buffers[i].NumBytes())));
+    }
   }
   grpc::ChannelArguments args;
   args.SetMaxSendMessageSize(1 << 30);
@@ -57,7 +69,7 @@ absl::StatusOr<std::unique_ptr<WorkerClient>> WorkerClient::Connect(
     if (!s.ok()) return s;
     c->worker_id_ = response.worker_id();
   }
-  for (SharedMemory& m : c->memory_) m.Unlink();  // the daemon holds its own mapping now
+  if (!c->buffers_.empty()) c->arena_.Unlink();  // the daemon holds its own mapping now
   c->session_ = c->stub_->Session(&c->session_context_);
   v1::WorkerMessage hello;
   hello.set_hello(c->worker_id_);

@@ -43,8 +43,9 @@ class WorkerClient {
       std::vector<v1::BufferMemory> memory = {});
   ~WorkerClient();  // ends the session; the daemon drops the worker
 
-  std::span<std::byte> buffer(size_t index) const { return memory_[index].bytes(); }
-  size_t num_buffers() const { return memory_.size(); }
+  // Empty when the worker passed its own memory handles.
+  std::span<std::byte> buffer(size_t index) const { return buffers_[index]; }
+  size_t num_buffers() const { return buffers_.size(); }
   const std::string& worker_id() const { return worker_id_; }
   // Inference: the last version received completely (0: none). Never a partial one.
   int64_t version() const { return version_; }
@@ -57,7 +58,10 @@ class WorkerClient {
 
   std::string worker_id_;
   v1::Role role_ = v1::ROLE_UNSPECIFIED;
-  std::vector<SharedMemory> memory_;
+  // The library's host memory: one shared-memory object for all of the worker's buffers (one
+  // mapping in the daemon, however many buffers: Linux caps a process at 65,530 mappings).
+  SharedMemory arena_;
+  std::vector<std::span<std::byte>> buffers_;
   WorkerCallbacks callbacks_;
   std::unique_ptr<v1::RefitWorker::Stub> stub_;
   grpc::ClientContext session_context_;

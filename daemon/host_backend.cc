@@ -24,14 +24,14 @@ static_assert(sizeof(FrameHeader) == 32);
 
 class ShmBuffer : public MappedBuffer {
  public:
-  ShmBuffer(SharedMemory shm, int64_t offset, int64_t bytes)
+  ShmBuffer(std::shared_ptr<SharedMemory> shm, int64_t offset, int64_t bytes)
       : shm_(std::move(shm)), offset_(offset), bytes_(bytes) {}
   std::span<std::byte> bytes() const override {
-    return shm_.bytes().subspan(static_cast<size_t>(offset_), static_cast<size_t>(bytes_));
+    return shm_->bytes().subspan(static_cast<size_t>(offset_), static_cast<size_t>(bytes_));
   }
 
  private:
-  SharedMemory shm_;
+  std::shared_ptr<SharedMemory> shm_;  // shared by every buffer of the object
   int64_t offset_, bytes_;
 };
 
@@ -171,9 +171,22 @@ absl::StatusOr<std::unique_ptr<MappedBuffer>> HostBackend::Map(const v1::BufferM
                                                    bytes, " bytes at offset ", shm.offset(),
                                                    " does not fit its ", shm.size(), " bytes"));
   }
-  auto opened = SharedMemory::Open(shm.name(), static_cast<size_t>(shm.size()));
-  if (!opened.ok()) return opened.status();
-  return std::unique_ptr<MappedBuffer>(new ShmBuffer(*std::move(opened), shm.offset(), bytes));
+  // One mapping per object, shared by its buffers while any of them is mapped.
+  std::lock_guard<std::mutex> lock(segments_mu_);
+  const std::pair<std::string, int64_t> key{shm.name(), shm.size()};
+  std::shared_ptr<SharedMemory> segment = segments_[key].lock();
+  if (segment == nullptr) {
+    auto opened = SharedMemory::Open(shm.name(), static_cast<size_t>(shm.size()));
+    if (!opened.ok()) return opened.status();
+    segment = std::make_shared<SharedMemory>(*std::move(opened));
+    segments_[key] = segment;
+    // Forget objects no buffer maps any more (their names may be reused); amortized over opens.
+    if (++opens_since_prune_ >= segments_.size()) {
+      opens_since_prune_ = 0;
+      for (auto it = segments_.begin(); it != segments_.end();) it = it->second.expired() ? segments_.erase(it) : std::next(it);
+    }
+  }
+  return std::unique_ptr<MappedBuffer>(new ShmBuffer(std::move(segment), shm.offset(), bytes));
 }
 
 absl::Status HostBackend::Send(Job& job, const Message& m, int64_t index,

@@ -4,10 +4,13 @@
 #pragma once
 
 #include <condition_variable>
+#include <map>
+#include <memory>
 #include <mutex>
 #include <thread>
 #include <vector>
 
+#include "client/shared_memory.h"
 #include "daemon/backend.h"
 #include "daemon/socket.h"
 
@@ -44,6 +47,10 @@ class HostBackend : public DataBackend {
   std::vector<Fd> connections_;         // accepted, one reader thread each
   std::vector<std::thread> readers_;
   absl::flat_hash_map<std::string, Fd> outgoing_;  // cached connections to peers, by address
+  // Shared-memory objects mapped once each, by (name, size), while any buffer maps them.
+  std::mutex segments_mu_;
+  std::map<std::pair<std::string, int64_t>, std::weak_ptr<SharedMemory>> segments_;
+  size_t opens_since_prune_ = 0;
   bool stopping_ = false;
 };
 

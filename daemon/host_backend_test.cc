@@ -1,9 +1,12 @@
 #include "daemon/host_backend.h"
 
 #include <catch2/catch.hpp>
+#include <algorithm>
+#include <cstring>
 #include <thread>
 
 #include "absl/strings/str_cat.h"
+#include "client/shared_memory.h"
 #include "plan/planner.h"
 #include "plan/test_layouts.h"
 #include "plan/validate.h"
@@ -159,6 +162,35 @@ TEST_CASE("Map refuses what is not shared memory, or does not fit") {
   CHECK(absl::IsNotFound((*a)->Map(missing, 8).status()));
   missing.mutable_shm()->set_offset(60);
   CHECK(absl::IsInvalidArgument((*a)->Map(missing, 8).status()));
+}
+
+TEST_CASE("buffers of one shared-memory object share one mapping, past Linux's 65,530 per process") {
+  auto a = HostBackend::Start("127.0.0.1:0");
+  REQUIRE(a.ok());
+  constexpr int kBuffers = 70000;  // a worker of a many-expert model: more than vm.max_map_count
+  constexpr int64_t kBytes = 64;
+  auto shm = SharedMemory::Create(UniqueShmName("maptest"), kBuffers * kBytes);
+  REQUIRE(shm.ok());
+  std::vector<std::unique_ptr<MappedBuffer>> mapped;
+  for (int b = 0; b < kBuffers; ++b) {
+    v1::BufferMemory m;
+    m.mutable_shm()->set_name(shm->name());
+    m.mutable_shm()->set_offset(b * kBytes);
+    m.mutable_shm()->set_size(kBuffers * kBytes);
+    auto one = (*a)->Map(m, kBytes);
+    INFO("buffer " << b << ": " << one.status().message());
+    REQUIRE(one.ok());
+    mapped.push_back(*std::move(one));
+  }
+  // Each buffer sees its own bytes of the worker's object, and only those.
+  for (int b = 0; b < kBuffers; ++b) std::memset(shm->bytes().data() + b * kBytes, b % 251, kBytes);
+  for (int b = 0; b < kBuffers; b += 997) {
+    const auto bytes = mapped[b]->bytes();
+    REQUIRE(bytes.size() == static_cast<size_t>(kBytes));
+    CHECK(std::all_of(bytes.begin(), bytes.end(), [&](std::byte x) { return static_cast<int>(x) == b % 251; }));
+  }
+  // All of them through one mapping.
+  CHECK(mapped[1]->bytes().data() == mapped[0]->bytes().data() + kBytes);
 }
 
 }  // namespace

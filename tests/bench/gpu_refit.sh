@@ -32,8 +32,10 @@ trap stop_all EXIT
 fail() { echo "FAIL: $*" >&2; tail -n 5 "$RUN"/daemon*.log >&2; exit 1; }
 gpus() { [ "$BACKEND" = cuda ] && echo "--gpus $1"; }
 L=("$BIN/refit-layout" --config "$CONFIG" --scale-down "$SCALE" --layers "$LAYERS")
+# Big layouts (100k tensors) keep a small machine busy for seconds: slower heartbeats, a longer
+# registration deadline.
 flags=(--backend "$BACKEND" --max-message-bytes "$MSG" --staging-bytes "$STAGING" --zero-copy-min-bytes "${ZERO_COPY:-16777216}" --prepare-timeout 300 --commit-timeout 300
-       --transfer-timeout 60)
+       --transfer-timeout 60 --heartbeat 0.5 --heartbeats-missed 10)
 [ "${REGISTER:-0}" -eq 1 ] && flags+=(--nccl-register)  # staging registered with NCCL
 # set_gpus FILE EXPR: each worker's GPU becomes EXPR of its generated index g (python).
 set_gpus() {
@@ -84,8 +86,8 @@ case "$MODE" in
   *) fail "MODE must be disaggregated, colocated, disaggregated4, colocated4 or replicas4" ;;
 esac
 keys=()
-while read -r name node; do start_worker "$name" "$node" policy trainer "$RUN/t.json" "$name" --same-data; keys+=("$name"); done < <(workers_of "$RUN/t.json")
-while read -r name node; do start_worker "$name" "$node" policy inference "$RUN/i.json" "$name" --same-data; keys+=("$name"); done < <(workers_of "$RUN/i.json")
+while read -r name node; do start_worker "$name" "$node" policy trainer "$RUN/t.json" "$name" --same-data --register-timeout 300; keys+=("$name"); done < <(workers_of "$RUN/t.json")
+while read -r name node; do start_worker "$name" "$node" policy inference "$RUN/i.json" "$name" --same-data --register-timeout 300; keys+=("$name"); done < <(workers_of "$RUN/i.json")
 for _ in $(seq 600); do
   [ "$(cat "$RUN"/*.report 2>/dev/null | grep -c "^registered")" -eq ${#keys[@]} ] && break
   sleep 0.2

@@ -43,6 +43,7 @@ int main(int argc, char** argv) {
   using namespace refit;
   std::string daemon, group = "policy", role_name, layout_path, worker_name;
   int64_t prepare_delay_ms = 0;
+  double register_timeout_s = 10;
   bool same_data = false;
   CliFlags flags("sim-worker", "--daemon ADDR --role trainer|inference --layout F --worker NAME");
   flags.String("daemon", &daemon, "the node's refitd: unix:/tmp/refitd-<node>.sock or host:port");
@@ -52,6 +53,7 @@ int main(int argc, char** argv) {
   flags.String("worker", &worker_name, "which worker of the layout this process is");
   flags.String("report", &report_path, "append one line per round event here");
   flags.Int("prepare-delay-ms", &prepare_delay_ms, "wait this long before confirming PREPARE (tests)");
+  flags.Double("register-timeout", &register_timeout_s, "seconds to wait for the daemon to accept the registration");
   flags.Bool("same-data", &same_data, "every round carries version 1's values (fill once, compare to a verified copy)");
   flags.Parse(argc, argv);
   if (daemon.empty() || layout_path.empty() || worker_name.empty()) {
@@ -164,7 +166,7 @@ int main(int argc, char** argv) {
   callbacks.on_abort = [&](int64_t round, const std::string& reason) {
     Report(absl::StrCat("abort round ", round, ": ", reason));
   };
-  auto connected = WorkerClient::Connect(daemon, group, role, mine, callbacks, absl::Seconds(10), exported);
+  auto connected = WorkerClient::Connect(daemon, group, role, mine, callbacks, absl::Seconds(register_timeout_s), exported);
   if (!connected.ok()) {
     std::fprintf(stderr, "sim-worker: %s\n", std::string(connected.status().message()).c_str());
     return 1;

@@ -55,7 +55,9 @@ echo "== layouts: $model, widths / $scale"
   --gpus-per-node 2 --first-node 2 -o "$RUN/inference.json"
 
 echo "== starting 4 daemons and 8 worker processes"
-for n in 0 1 2 3; do start_daemon "$n"; done
+# The stand-in workers check every byte at COMMIT (seconds on a small, busy machine; a real
+# engine resumes at once), so the phases get more than the default 10 s.
+for n in 0 1 2 3; do start_daemon "$n" --prepare-timeout 60 --commit-timeout 60; done
 keys=()
 while read -r name node; do start_worker "$name" "$node" policy trainer "$RUN/trainer.json" "$name"; keys+=("$name"); done < <(workers_of "$RUN/trainer.json")
 while read -r name node; do start_worker "$name" "$node" policy inference "$RUN/inference.json" "$name"; keys+=("$name"); done < <(workers_of "$RUN/inference.json")

@@ -138,11 +138,13 @@ int main(int argc, char** argv) {
     if (std::string(argv[i]) == "--bytes") bytes = std::atoll(argv[i + 1]);
     if (std::string(argv[i]) == "--repeat") repeat = std::max(1, std::atoi(argv[i + 1]));
   }
-  // Fork before any CUDA or NCCL call: the child is rank 1; rank 0 sends it the NCCL id.
+  // Fork before any CUDA or NCCL call: the child is rank 1; rank 0 sends it the NCCL id. Each
+  // process ends itself after 120 s: a rank whose peer died would otherwise wait in NCCL forever.
   int fds[2];
   if (pipe(fds) != 0) return 1;
   const pid_t child = fork();
   if (child < 0) return 1;
+  alarm(120);
   if (child == 0) {
     close(fds[1]);
     return refit::Run(1, fds[0], bytes, repeat);

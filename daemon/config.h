@@ -33,6 +33,8 @@ struct DaemonConfig {
   int64_t zero_copy_min_bytes = int64_t{16} << 20;
   // Coordinator, cuda: staging registered with NCCL (--nccl-register), shipped with the plan.
   bool nccl_register = false;
+  // cuda: NCCL's stream at the GPU's highest priority (--nccl-stream-priority); local to a daemon.
+  bool nccl_stream_priority = false;
   absl::Duration prepare_timeout = absl::Seconds(10);
   absl::Duration transfer_timeout = absl::Seconds(60);
   absl::Duration commit_timeout = absl::Seconds(10);

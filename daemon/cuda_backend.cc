@@ -224,7 +224,8 @@ class IpcBuffer : public MappedBuffer {
 
 }  // namespace
 
-absl::StatusOr<std::unique_ptr<CudaBackend>> CudaBackend::Start(const std::vector<int32_t>& gpus, int64_t staging_bytes) {
+absl::StatusOr<std::unique_ptr<CudaBackend>> CudaBackend::Start(const std::vector<int32_t>& gpus, int64_t staging_bytes,
+                                                               bool nccl_stream_priority) {
   int count = 0;
   CUDA_RETURN_IF_ERROR(cudaGetDeviceCount(&count), "no usable GPU for --backend=cuda");
   std::unique_ptr<CudaBackend> b(new CudaBackend());
@@ -237,9 +238,12 @@ absl::StatusOr<std::unique_ptr<CudaBackend>> CudaBackend::Start(const std::vecto
     if (g >= count) return absl::InvalidArgumentError(absl::StrCat("--gpus names GPU ", g, "; this node has ", count));
     CUDA_RETURN_IF_ERROR(cudaSetDevice(g), absl::StrCat("GPU ", g));
     GpuStreams& streams = b->streams_[g];
+    int least = 0, greatest = 0;
+    CUDA_RETURN_IF_ERROR(cudaDeviceGetStreamPriorityRange(&least, &greatest), "stream priorities");
     for (void** s : {&streams.compute, &streams.comm, &streams.direct}) {
       cudaStream_t created;
-      CUDA_RETURN_IF_ERROR(cudaStreamCreateWithFlags(&created, cudaStreamNonBlocking), "stream");
+      const int priority = nccl_stream_priority && s == &streams.comm ? greatest : least;
+      CUDA_RETURN_IF_ERROR(cudaStreamCreateWithPriority(&created, cudaStreamNonBlocking, priority), "stream");
       *s = created;
     }
     for (int32_t peer : b->gpus_) {

@@ -27,8 +27,11 @@ class CudaBackend : public DataBackend {
  public:
   // `gpus`: the local GPU indices this daemon serves (peer access is enabled among them).
   // `staging_bytes`: the most staging one group's rounds hold on each GPU.
+  // `nccl_stream_priority`: NCCL's stream gets the GPU's highest priority, so that its kernels'
+  // blocks are scheduled ahead of pending pack and unpack blocks (which slow NCCL by 17% while
+  // they run beside it, docs/BENCHMARKS.md). Not yet measured end to end.
   static absl::StatusOr<std::unique_ptr<CudaBackend>> Start(const std::vector<int32_t>& gpus,
-                                                          int64_t staging_bytes);
+                                                          int64_t staging_bytes, bool nccl_stream_priority = false);
   ~CudaBackend() override;
 
   std::string name() const override { return "cuda"; }

@@ -168,7 +168,7 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(const DaemonConfig& config
   SetLogLevel(config.log_level);
   std::unique_ptr<Daemon> d(new Daemon(config));
   if (config.backend == "cuda") {
-    auto backend = CudaBackend::Start(config.gpus, config.staging_bytes);
+    auto backend = CudaBackend::Start(config.gpus, config.staging_bytes, config.nccl_stream_priority);
     if (!backend.ok()) return backend.status();
     d->backend_ = *std::move(backend);
   } else {

@@ -2,7 +2,8 @@
 // (peer_bench's NCCL figure is one process driving both GPUs). The ceiling of the disaggregated
 // benchmark, and what changes it: operations of 64 MiB instead of one, buffers registered with
 // NCCL, and our copy kernel running on both GPUs at the same time (as pack and unpack do in the
-// pipelined executor: do they slow the wire?). Process 1 (the receiver) prints one JSON line of
+// pipelined executor: do they slow the wire? and if NCCL's stream has the GPU's highest
+// priority?). Process 1 (the receiver) prints one JSON line of
 // medians over --repeat runs after 3 warm-up runs; a received buffer is checked byte for byte.
 //   nccl_pair_bench [--bytes 1073741824] [--repeat 10]
 #include <sys/wait.h>
@@ -70,9 +71,12 @@ int Run(int rank, int fd, int64_t bytes, int repeat) {
   REFIT_CUDA_CHECK(cudaSetDevice(rank));
   ncclComm_t comm;
   Check(ncclCommInitRank(&comm, 2, id, rank), "ncclCommInitRank");
-  cudaStream_t s, side;
+  cudaStream_t s, side, urgent;
   REFIT_CUDA_CHECK(cudaStreamCreate(&s));
   REFIT_CUDA_CHECK(cudaStreamCreate(&side));
+  int least = 0, greatest = 0;
+  REFIT_CUDA_CHECK(cudaDeviceGetStreamPriorityRange(&least, &greatest));
+  REFIT_CUDA_CHECK(cudaStreamCreateWithPriority(&urgent, cudaStreamNonBlocking, greatest));
   DeviceBuffer plain(bytes);
   REFIT_CUDA_CHECK(cudaMemset(plain.get(), rank == 0 ? 7 : 0, bytes));
   auto* buffer = static_cast<char*>(plain.get());
@@ -105,6 +109,14 @@ int Run(int rank, int fd, int64_t bytes, int repeat) {
     sync();
     REFIT_CUDA_CHECK(cudaStreamSynchronize(side));
   });
+  // The same, NCCL on a stream of the GPU's highest priority (refitd --nccl-stream-priority): are
+  // its blocks then scheduled ahead of the copy kernel's?
+  const double with_copy_priority = Rate(repeat, bytes, [&] {
+    REFIT_CUDA_CHECK(LaunchCopyItems(static_cast<CopyItem*>(items.get()), static_cast<int64_t*>(units.get()), 1, it.Units(), side));
+    Move(rank, comm, buffer, bytes, bytes, urgent);
+    REFIT_CUDA_CHECK(cudaStreamSynchronize(urgent));
+    REFIT_CUDA_CHECK(cudaStreamSynchronize(side));
+  });
   // Registered: buffers from ncclMemAlloc, registered with the communicator on both sides.
   void* reg = nullptr;
   void* handle = nullptr;
@@ -122,8 +134,9 @@ int Run(int rank, int fd, int64_t bytes, int repeat) {
   ncclCommDestroy(comm);
   if (rank == 1) {
     std::printf("{\"bytes\":%lld,\"runs\":%d,\"processes\":2,\"nccl_gbps\":%.1f,\"nccl_64m_ops_gbps\":%.1f,"
-                "\"nccl_with_copy_kernel_gbps\":%.1f,\"nccl_registered_gbps\":%.1f,\"exact\":%s}\n",
-                (long long)bytes, repeat, one, ops64, with_copy, registered, exact ? "true" : "false");
+                "\"nccl_with_copy_kernel_gbps\":%.1f,\"nccl_with_copy_kernel_priority_gbps\":%.1f,"
+                "\"nccl_registered_gbps\":%.1f,\"exact\":%s}\n",
+                (long long)bytes, repeat, one, ops64, with_copy, with_copy_priority, registered, exact ? "true" : "false");
   }
   return exact ? 0 : 1;
 }

@@ -36,14 +36,16 @@ four_gpu_cases="rep4-routing replicas4 llama3-8b 4 0 $((64 * M)) $((256 * M)) 1
 rep4-norouting replicas4 llama3-8b 4 0 $((64 * M)) $((256 * M)) 0
 dis4-8b disaggregated4 llama3-8b 1 0 $((64 * M)) $((2 * G)) 1
 col4-8b colocated4 llama3-8b 1 0 $((64 * M)) $((2 * G)) 1"
-# Session 9: where the 16 GB disaggregated refit loses to NCCL's ceiling: fewer operations
-# (zero-copy from 16 MiB, or none), with each round's timeline; the many-small-tensor case.
-# (Measured in session 9's first call, not repeated: staging registered with NCCL, REGISTER=1.)
+# Still to measure (SET=next): NCCL's stream at the GPU's highest priority against the same run
+# without (the copy kernels slow NCCL by 17% beside it; the 99k-tensor case is bound by them), and
+# the smaller sizes with the 8-step minimum. (Session 9's cases: docs/BENCHMARKS.md.)
 next_cases="dis-8b disaggregated llama3-8b 1 0 $((64 * M)) $((2 * G)) 1
-dis-8b-nozc disaggregated llama3-8b 1 0 $((64 * M)) $((2 * G)) 1 $((1 << 40))
+dis-8b-prio disaggregated llama3-8b 1 0 $((64 * M)) $((2 * G)) 1 $((16 * M)) 0 PRIORITY=1
 dis-small8k disaggregated many-small-moe 2 0 $((64 * M)) $((2 * G)) 1
-dis-8b-zc16m disaggregated llama3-8b 1 0 $((64 * M)) $((2 * G)) 1 $((16 * M))
-dis-small32k disaggregated many-small-moe 1 0 $((64 * M)) $((2 * G)) 1"
+dis-small8k-prio disaggregated many-small-moe 2 0 $((64 * M)) $((2 * G)) 1 $((16 * M)) 0 PRIORITY=1
+dis-s12 disaggregated llama3-8b 12 0 $((64 * M)) $((2 * G)) 1
+dis-s8 disaggregated llama3-8b 8 0 $((64 * M)) $((2 * G)) 1
+dis-s2 disaggregated llama3-8b 2 0 $((64 * M)) $((2 * G)) 1"
 [ "${SET:-two}" = four ] && default_cases=$four_gpu_cases
 [ "${SET:-two}" = next ] && default_cases=$next_cases
 while read -r label mode config scale layers msg staging routing zero_copy register case_env; do

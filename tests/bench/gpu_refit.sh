@@ -37,6 +37,7 @@ L=("$BIN/refit-layout" --config "$CONFIG" --scale-down "$SCALE" --layers "$LAYER
 flags=(--backend "$BACKEND" --max-message-bytes "$MSG" --staging-bytes "$STAGING" --zero-copy-min-bytes "${ZERO_COPY:-16777216}" --prepare-timeout 300 --commit-timeout 300
        --transfer-timeout 60 --heartbeat 0.5 --heartbeats-missed 10)
 [ "${REGISTER:-0}" -eq 1 ] && flags+=(--nccl-register)  # staging registered with NCCL
+[ "${PRIORITY:-0}" -eq 1 ] && flags+=(--nccl-stream-priority)  # NCCL's stream ahead of pack/unpack
 # set_gpus FILE EXPR: each worker's GPU becomes EXPR of its generated index g (python).
 set_gpus() {
   python3 - "$1" "$2" <<'PY'
@@ -126,7 +127,7 @@ print(json.dumps({
     "plan_bytes_network": int(group["plan"]["bytes_network"]), "plan_bytes_nvlink": int(group["plan"]["bytes_nvlink"]),
     "messages": int(group["plan"]["messages"]), "max_message_bytes": int(msg), "staging_budget": int(staging),
     "routing": os.environ.get("ROUTING", "1") == "1", "zero_copy_min_bytes": int(os.environ.get("ZERO_COPY", "16777216")),
-    "nccl_register": os.environ.get("REGISTER", "0") == "1", "env": os.environ.get("CASE_ENV", ""), "rounds": rounds, "warmup": warmup, "transfer_s": transfer, "median_transfer_s": med,
+    "nccl_register": os.environ.get("REGISTER", "0") == "1", "nccl_stream_priority": os.environ.get("PRIORITY", "0") == "1", "env": os.environ.get("CASE_ENV", ""), "rounds": rounds, "warmup": warmup, "transfer_s": transfer, "median_transfer_s": med,
     "gbps": nbytes / med / 1e9, "round_s": [float(s["seconds"]) for s in measured],
     "data_plane_ms": moved, "median_data_plane_ms": {k: statistics.median(v) for k, v in moved.items() if v},
     "prepared": prepared[:2], "timeline": timeline[-2 * rounds:]}))

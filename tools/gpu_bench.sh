@@ -46,6 +46,10 @@ dis-small8k-prio disaggregated many-small-moe 2 0 $((64 * M)) $((2 * G)) 1 $((16
 dis-s12 disaggregated llama3-8b 12 0 $((64 * M)) $((2 * G)) 1
 dis-s8 disaggregated llama3-8b 8 0 $((64 * M)) $((2 * G)) 1
 dis-s2 disaggregated llama3-8b 2 0 $((64 * M)) $((2 * G)) 1"
+# The largest refit that fits 2 x H200 (SET=large, a call of its own): Qwen3-30B-A3B, 61 GB in bf16,
+# 18,867 tensors, TP=4 on GPU 0 -> TP=2 on GPU 1.
+large_cases="dis-30b disaggregated qwen3-30b-a3b 1 0 $((64 * M)) $((2 * G)) 1"
+[ "${SET:-two}" = large ] && default_cases=$large_cases
 [ "${SET:-two}" = four ] && default_cases=$four_gpu_cases
 [ "${SET:-two}" = next ] && default_cases=$next_cases
 while read -r label mode config scale layers msg staging routing zero_copy register case_env; do

@@ -116,7 +116,9 @@ for log in sorted(glob.glob(os.path.join(run, "daemon*.log"))):
 prepared, timeline = [], []
 for log in sorted(glob.glob(os.path.join(run, "daemon*.log"))):
     prepared += re.findall(r"prepared; (.*)", open(log).read())
-    timeline += re.findall(r"round (\d+ GPU \d+ timeline: .*)", open(log).read())
+    lines = re.findall(r"round (\d+ GPU \d+ timeline: .*)", open(log).read())
+    gpus_here = max(1, len({re.match(r"\d+ GPU (\d+)", l).group(1) for l in lines}))
+    timeline += lines[-rounds * gpus_here:]  # the measured rounds of every GPU of this daemon
 status = json.load(open(os.path.join(run, "status.json")))
 group = [g for g in status.get("groups", []) if g.get("name") == "policy"][0]
 nbytes = int(measured[0]["bytes"])
@@ -130,5 +132,5 @@ print(json.dumps({
     "nccl_register": os.environ.get("REGISTER", "0") == "1", "nccl_stream_priority": os.environ.get("PRIORITY", "0") == "1", "env": os.environ.get("CASE_ENV", ""), "rounds": rounds, "warmup": warmup, "transfer_s": transfer, "median_transfer_s": med,
     "gbps": nbytes / med / 1e9, "round_s": [float(s["seconds"]) for s in measured],
     "data_plane_ms": moved, "median_data_plane_ms": {k: statistics.median(v) for k, v in moved.items() if v},
-    "prepared": prepared[:2], "timeline": timeline[-2 * rounds:]}))
+    "prepared": prepared[:2], "timeline": timeline}))
 PY

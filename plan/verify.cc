@@ -1,8 +1,13 @@
 #include "plan/verify.h"
 
+#include <algorithm>
+#include <atomic>
 #include <chrono>
 #include <cstring>
 #include <memory>
+#include <thread>
+#include <type_traits>
+#include <vector>
 
 #include "absl/strings/escaping.h"
 #include "absl/strings/str_cat.h"
@@ -18,24 +23,52 @@ uint64_t SplitMix64(uint64_t x) {
   return x ^ (x >> 31);
 }
 
-// Calls fn(linear index in tensor, element offset in buffer) for every element of a piece.
+// The value of an element of a tensor both sides hold in the same dtype: `size` low bytes of a
+// hash, never all poison (a value must never look unwritten). Inline, so filling and checking
+// cost a few nanoseconds per element.
+inline uint64_t RawValue(uint64_t name_hash, int64_t linear, uint64_t seed, int size) {
+  const uint64_t mask = size >= 8 ? ~uint64_t{0} : (uint64_t{1} << (8 * size)) - 1;
+  const uint64_t value = SplitMix64(name_hash ^ SplitMix64(seed + static_cast<uint64_t>(linear))) & mask;
+  const uint64_t poison = 0xA5A5A5A5A5A5A5A5ull & mask;
+  return value == poison ? value ^ 1 : value;
+}
+
+// Calls fn(std::integral_constant<int, size>) so the per-element loops know the size at compile
+// time.
 template <typename Fn>
-void ForEachElement(const Layout& layout, const Piece& p, Fn&& fn) {
+void WithElementSize(int size, Fn&& fn) {
+  switch (size) {
+    case 1: return fn(std::integral_constant<int, 1>{});
+    case 2: return fn(std::integral_constant<int, 2>{});
+    case 4: return fn(std::integral_constant<int, 4>{});
+    default: return fn(std::integral_constant<int, 8>{});
+  }
+}
+
+// Calls fn(linear, offset, count, stride) for each run of a piece along its last dimension:
+// tensor elements linear .. linear + count - 1 live at buffer elements offset + k * stride.
+// Whole runs, not single elements, so the callers' inner loops stay tight.
+template <typename Fn>
+void ForEachRun(const Layout& layout, const Piece& p, Fn&& fn) {
   const Box& box = layout.tensor_box(p);
   if (box.IsEmpty()) return;
   const Buffer& buffer = layout.buffers[p.buffer];
   const PieceView view = *ViewOf(box, layout.buffer_box(p), buffer.shape);
-  const Dims& shape = layout.tensors[p.tensor].shape;
-  const Dims tensor_strides = RowMajorStrides(shape);
+  if (box.rank == 0) {
+    fn(int64_t{0}, view.offset, int64_t{1}, int64_t{1});
+    return;
+  }
+  const Dims tensor_strides = RowMajorStrides(layout.tensors[p.tensor].shape);
+  const int last = box.rank - 1;
   std::array<int64_t, kMaxRank> i{};
   while (true) {
-    int64_t linear = 0, offset = view.offset;
-    for (int d = 0; d < box.rank; ++d) {
+    int64_t linear = box.origin[last], offset = view.offset;
+    for (int d = 0; d < last; ++d) {
       linear += (box.origin[d] + i[d]) * tensor_strides[d];
       offset += i[d] * view.strides[d];
     }
-    fn(linear, offset);
-    int d = box.rank - 1;
+    fn(linear, offset, box.shape[last], view.strides[last]);
+    int d = last - 1;
     for (; d >= 0; --d) {
       if (++i[d] < box.shape[d]) break;
       i[d] = 0;
@@ -43,6 +76,74 @@ void ForEachElement(const Layout& layout, const Piece& p, Fn&& fn) {
     if (d < 0) return;
   }
 }
+
+// Runs fn(first, last, chunk) over contiguous ranges of `pieces` of about equal element counts,
+// one thread each; a small layout runs inline as one chunk. Filling and checking a 60 GB model
+// one element at a time on one core takes minutes.
+template <typename Fn>
+int ForEachChunkOfPieces(const Layout& layout, Fn&& fn) {
+  constexpr int64_t kElementsPerThread = int64_t{1} << 24;
+  const int64_t n = static_cast<int64_t>(layout.pieces.size());
+  std::vector<int64_t> before(n + 1, 0);  // elements of pieces [0, i)
+  for (int64_t i = 0; i < n; ++i) {
+    before[i + 1] = before[i] + layout.tensor_box(layout.pieces[i]).NumElements();
+  }
+  const int64_t cores = std::max(1u, std::thread::hardware_concurrency());
+  const int chunks = static_cast<int>(
+      std::clamp<int64_t>(before[n] / kElementsPerThread, 1, std::min<int64_t>(cores, 16)));
+  if (chunks == 1) {
+    fn(int64_t{0}, n, 0);
+    return 1;
+  }
+  std::vector<std::thread> threads;
+  int64_t first = 0;
+  for (int c = 0; c < chunks; ++c) {
+    const int64_t target = before[n] / chunks * (c + 1);
+    int64_t last = c + 1 == chunks
+                       ? n
+                       : std::lower_bound(before.begin() + first, before.end(), target) - before.begin();
+    last = std::min(std::max(last, first), n);
+    threads.emplace_back([&fn, first, last, c] { fn(first, last, c); });
+    first = last;
+  }
+  for (auto& t : threads) t.join();
+  return chunks;
+}
+
+// One bit per buffer element: which elements some piece covers. Atomic words, because two
+// threads' pieces may end inside the same word.
+class CoveredBits {
+ public:
+  explicit CoveredBits(int64_t elements)
+      : words_((elements + 63) / 64), bits_(new std::atomic<uint64_t>[words_]) {
+    for (int64_t w = 0; w < words_; ++w) bits_[w].store(0, std::memory_order_relaxed);
+  }
+  void Mark(int64_t offset, int64_t count, int64_t stride) {
+    if (stride != 1) {
+      for (int64_t k = 0; k < count; ++k) Set(offset + k * stride, 1);
+      return;
+    }
+    while (count > 0) {
+      const int64_t bit = offset % 64, n = std::min<int64_t>(count, 64 - bit);
+      Set(offset, n);
+      offset += n;
+      count -= n;
+    }
+  }
+  bool Covered(int64_t e) const {
+    return (bits_[e / 64].load(std::memory_order_relaxed) >> (e % 64)) & 1;
+  }
+  bool WordFull(int64_t w) const { return bits_[w].load(std::memory_order_relaxed) == ~uint64_t{0}; }
+
+ private:
+  // Sets n bits (n <= 64 - offset % 64) from bit `offset`.
+  void Set(int64_t offset, int64_t n) {
+    const uint64_t mask = (n == 64 ? ~uint64_t{0} : ((uint64_t{1} << n) - 1)) << (offset % 64);
+    bits_[offset / 64].fetch_or(mask, std::memory_order_relaxed);
+  }
+  int64_t words_;
+  std::unique_ptr<std::atomic<uint64_t>[]> bits_;
+};
 
 std::string Hex(const std::byte* p, int n) {
   return absl::BytesToHexString(absl::string_view(reinterpret_cast<const char*>(p), n));
@@ -81,30 +182,43 @@ FillSpec MakeFillSpec(const Layout& source, const Layout& destination, uint64_t 
 
 void ExpectedElement(uint64_t name_hash, int64_t linear, DType dtype, bool numeric, uint64_t seed,
                      std::byte* out) {
-  const uint64_t h = SplitMix64(name_hash ^ SplitMix64(seed + static_cast<uint64_t>(linear)));
   const int size = DTypeSize(dtype);
   if (numeric) {
+    const uint64_t h = SplitMix64(name_hash ^ SplitMix64(seed + static_cast<uint64_t>(linear)));
     const float v = static_cast<float>(static_cast<int>(h % 201) - 100);
     ConvertElements(reinterpret_cast<const std::byte*>(&v), DType::kF32, out, dtype, 1);
     return;
   }
-  std::memcpy(out, &h, size);
-  bool all_poison = true;
-  for (int b = 0; b < size; ++b) all_poison &= out[b] == kPoison;
-  if (all_poison) out[0] ^= std::byte{1};  // a value must never look unwritten
+  const uint64_t v = RawValue(name_hash, linear, seed, size);
+  std::memcpy(out, &v, size);  // little-endian: the low bytes
 }
 
 void FillSources(const Layout& source, const FillSpec& spec, const BufferMemory& memory) {
-  for (const Piece& p : source.pieces) {
-    const LogicalTensor& t = source.tensors[p.tensor];
-    const uint64_t name_hash = HashName(t.name);
-    const int size = DTypeSize(t.dtype);
-    std::byte* base = memory[p.buffer].data();
-    const bool numeric = spec.numeric[p.tensor];
-    ForEachElement(source, p, [&](int64_t linear, int64_t offset) {
-      ExpectedElement(name_hash, linear, t.dtype, numeric, spec.seed, base + offset * size);
-    });
-  }
+  ForEachChunkOfPieces(source, [&](int64_t first, int64_t last, int) {
+    for (int64_t i = first; i < last; ++i) {
+      const Piece& p = source.pieces[i];
+      const LogicalTensor& t = source.tensors[p.tensor];
+      const uint64_t name_hash = HashName(t.name);
+      const int size = DTypeSize(t.dtype);
+      std::byte* base = memory[p.buffer].data();
+      const bool numeric = spec.numeric[p.tensor];
+      ForEachRun(source, p, [&](int64_t linear, int64_t offset, int64_t count, int64_t stride) {
+        if (numeric) {
+          for (int64_t k = 0; k < count; ++k) {
+            ExpectedElement(name_hash, linear + k, t.dtype, true, spec.seed,
+                            base + (offset + k * stride) * size);
+          }
+          return;
+        }
+        WithElementSize(size, [&](auto kSize) {
+          for (int64_t k = 0; k < count; ++k) {
+            const uint64_t v = RawValue(name_hash, linear + k, spec.seed, kSize);
+            std::memcpy(base + (offset + k * stride) * kSize, &v, kSize);
+          }
+        });
+      });
+    }
+  });
 }
 
 void PoisonDestinations(const BufferMemory& memory) {
@@ -113,55 +227,85 @@ void PoisonDestinations(const BufferMemory& memory) {
 
 absl::StatusOr<CheckReport> CheckDestinations(const Layout& source, const Layout& destination,
                                               const FillSpec& spec, const BufferMemory& memory) {
-  CheckReport report;
-  std::vector<std::vector<bool>> covered(destination.buffers.size());
-  for (size_t b = 0; b < destination.buffers.size(); ++b) {
-    covered[b].assign(destination.buffers[b].shape.NumElements(), false);
-  }
-  int64_t wrong = 0;
-  std::string first_wrong;
-  for (const Piece& p : destination.pieces) {
-    const LogicalTensor& t = destination.tensors[p.tensor];
-    auto found = source.tensor_index.find(t.name);
-    if (found == source.tensor_index.end()) {
+  for (const LogicalTensor& t : destination.tensors) {
+    if (!source.tensor_index.contains(t.name)) {
       return absl::FailedPreconditionError(absl::StrCat(
           "tensor \"", t.name, "\" is not in the source layout (validate both layouts first)"));
     }
-    const int32_t src_tensor = found->second;
-    const bool numeric = spec.numeric[src_tensor];
-    const uint64_t name_hash = HashName(t.name);
-    const int size = DTypeSize(t.dtype);
-    const std::byte* base = memory[p.buffer].data();
-    std::byte expected[8];
-    ForEachElement(destination, p, [&](int64_t linear, int64_t offset) {
-      covered[p.buffer][offset] = true;
-      ++report.elements_checked;
-      if (numeric) {
-        // The value as the source holds it, then converted as the data plane converts it.
-        std::byte at_source[8];
-        const DType src_dtype = source.tensors[src_tensor].dtype;
-        ExpectedElement(name_hash, linear, src_dtype, true, spec.seed, at_source);
-        ConvertElements(at_source, src_dtype, expected, t.dtype, 1);
-      } else {
-        ExpectedElement(name_hash, linear, t.dtype, false, spec.seed, expected);
-      }
-      if (std::memcmp(expected, base + offset * size, size) != 0) {
-        if (wrong++ == 0) {
-          const Buffer& buffer = destination.buffers[p.buffer];
-          first_wrong = absl::StrCat(
-              "tensor \"", t.name, "\" element ", IndexOf(linear, t.shape), " in worker \"",
-              destination.workers[buffer.worker].name, "\" buffer \"", buffer.name,
-              "\" element ", offset, ": expected ", Hex(expected, size), ", found ",
-              Hex(base + offset * size, size));
-        }
-      }
-    });
   }
+  std::vector<CoveredBits> covered;
+  covered.reserve(destination.buffers.size());
+  for (const Buffer& b : destination.buffers) covered.emplace_back(b.shape.NumElements());
+  // Per chunk of pieces: elements checked, wrong ones, and the first wrong one in piece order.
+  struct Tally {
+    int64_t checked = 0, wrong = 0;
+    std::string first_wrong;
+  };
+  std::vector<Tally> tallies(16);
+  ForEachChunkOfPieces(destination, [&](int64_t first, int64_t last, int chunk) {
+    Tally& tally = tallies[chunk];
+    for (int64_t i = first; i < last; ++i) {
+      const Piece& p = destination.pieces[i];
+      const LogicalTensor& t = destination.tensors[p.tensor];
+      const int32_t src_tensor = source.tensor_index.at(t.name);
+      const bool numeric = spec.numeric[src_tensor];
+      const DType src_dtype = source.tensors[src_tensor].dtype;
+      const uint64_t name_hash = HashName(t.name);
+      const int size = DTypeSize(t.dtype);
+      const std::byte* base = memory[p.buffer].data();
+      ForEachRun(destination, p, [&](int64_t linear, int64_t offset, int64_t count, int64_t stride) {
+        covered[p.buffer].Mark(offset, count, stride);
+        tally.checked += count;
+        auto report_wrong = [&](int64_t k, const std::byte* expected, const std::byte* found) {
+          if (tally.wrong++ > 0) return;
+          const Buffer& buffer = destination.buffers[p.buffer];
+          tally.first_wrong = absl::StrCat(
+              "tensor \"", t.name, "\" element ", IndexOf(linear + k, t.shape), " in worker \"",
+              destination.workers[buffer.worker].name, "\" buffer \"", buffer.name, "\" element ",
+              offset + k * stride, ": expected ", Hex(expected, size), ", found ", Hex(found, size));
+        };
+        if (numeric) {
+          for (int64_t k = 0; k < count; ++k) {
+            // The value as the source holds it, then converted as the data plane converts it.
+            std::byte at_source[8], expected[8];
+            ExpectedElement(name_hash, linear + k, src_dtype, true, spec.seed, at_source);
+            ConvertElements(at_source, src_dtype, expected, t.dtype, 1);
+            const std::byte* found = base + (offset + k * stride) * size;
+            if (std::memcmp(expected, found, size) != 0) report_wrong(k, expected, found);
+          }
+          return;
+        }
+        WithElementSize(size, [&](auto kSize) {
+          for (int64_t k = 0; k < count; ++k) {
+            const uint64_t expected = RawValue(name_hash, linear + k, spec.seed, kSize);
+            const std::byte* at = base + (offset + k * stride) * kSize;
+            uint64_t found = 0;
+            std::memcpy(&found, at, kSize);
+            if (found != expected) report_wrong(k, reinterpret_cast<const std::byte*>(&expected), at);
+          }
+        });
+      });
+    }
+  });
+  CheckReport report;
+  int64_t wrong = 0;
+  std::string first_wrong;
+  for (const Tally& tally : tallies) {
+    report.elements_checked += tally.checked;
+    if (tally.wrong > 0 && wrong == 0) first_wrong = tally.first_wrong;
+    wrong += tally.wrong;
+  }
+  // Every element no piece covers must still be poison.
   for (size_t b = 0; b < destination.buffers.size(); ++b) {
     const Buffer& buffer = destination.buffers[b];
     const int size = DTypeSize(buffer.dtype);
-    for (int64_t e = 0; e < static_cast<int64_t>(covered[b].size()); ++e) {
-      if (covered[b][e]) continue;
+    const int64_t elements = buffer.shape.NumElements();
+    for (int64_t e = 0; e < elements; ++e) {
+      if (e % 64 == 0 && e + 64 <= elements && covered[b].WordFull(e / 64)) {
+        e += 63;
+        continue;
+      }
+      if (covered[b].Covered(e)) continue;
       for (int k = 0; k < size; ++k) {
         ++report.padding_bytes_checked;
         if (memory[b][e * size + k] != kPoison) {

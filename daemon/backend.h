@@ -40,7 +40,14 @@ struct TransferJob {
   int64_t step_bytes = 0;  // cuda backend: one network step's bytes, the same on every node
   int64_t zero_copy_min_bytes = 0;  // cuda backend: smallest zero-copy descriptor (0: default)
   bool nccl_register = false;       // cuda backend: staging registered with NCCL, on every node alike
+  absl::Time requested = absl::InfinitePast();  // when the phase request reached this node (logged:
+                                                // nodes that start apart make the round longer)
 };
+
+// Logs "moved in" and when this node began against when the request arrived, to the microsecond:
+// daemons of one host share the clock, so their logs show how far apart the nodes began (the
+// whole round waits on the latest) and how much of that was the node's own preparation.
+void LogMoved(const TransferJob& job, absl::Time started);
 
 struct TransferStats {
   int64_t bytes_sent = 0;

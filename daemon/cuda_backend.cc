@@ -707,8 +707,7 @@ absl::StatusOr<TransferStats> CudaBackend::Transfer(const TransferJob& job) {
   stats.bytes_sent = schedule.bytes_sent;
   stats.bytes_received = schedule.bytes_received + schedule.bytes_peer;
   stats.bytes_local = schedule.bytes_local;
-  Logger("data")->info("group \"{}\" round {}: moved in {:.3f} ms", job.group, job.round_id,
-                        absl::ToDoubleMilliseconds(absl::Now() - started));
+  LogMoved(job, started);
   LogTimeline(job, p);
   return stats;
 }

@@ -669,6 +669,7 @@ absl::Status Daemon::RunPhase(const v1::PhaseRequest& request, v1::PhaseResponse
     }
     case v1::PhaseRequest::TRANSFER: {
       TransferJob job;
+      job.requested = absl::Now();
       job.group = group;
       job.round_id = request.round_id();
       job.node = config_.node;

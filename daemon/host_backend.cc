@@ -233,6 +233,7 @@ absl::Status HostBackend::Send(Job& job, const Message& m, int64_t index,
 }
 
 absl::StatusOr<TransferStats> HostBackend::Transfer(const TransferJob& request) {
+  const absl::Time started = absl::Now();
   auto job = std::make_shared<Job>();
   job->job = request;
   const Plan& plan = *request.plan;
@@ -302,6 +303,7 @@ absl::StatusOr<TransferStats> HostBackend::Transfer(const TransferJob& request) 
     jobs_.erase(key);
   }
   if (!status.ok()) return status;
+  LogMoved(request, started);
   std::lock_guard<std::mutex> lock(job->mu);
   stats.bytes_received = job->bytes_received;
   return stats;

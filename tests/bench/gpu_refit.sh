@@ -113,6 +113,17 @@ transfer = [float(s["transfer_seconds"]) for s in measured]
 moved = {}  # each daemon's own data-plane time of the measured rounds
 for log in sorted(glob.glob(os.path.join(run, "daemon*.log"))):
     moved[os.path.basename(log)[:-4]] = [float(m) for m in re.findall(r"moved in ([0-9.]+) ms", open(log).read())][-rounds:]
+# When each daemon's data plane began (request arrival + its own preparation), per round: the
+# spread between daemons is time the whole round waits on the latest one.
+def clock(t):
+    h, m, sec = t.split(":")
+    return (int(h) * 60 + int(m)) * 60 + float(sec)
+began = {}
+for log in sorted(glob.glob(os.path.join(run, "daemon*.log"))):
+    found = re.findall(r"started ([0-9.]+) ms after the request arrived at ([0-9:.]+)", open(log).read())[-rounds:]
+    began[os.path.basename(log)[:-4]] = [clock(at) * 1e3 + float(after) for after, at in found]
+starts = [b for b in began.values() if len(b) == rounds]
+start_skew_ms = [max(s[i] for s in starts) - min(s[i] for s in starts) for i in range(rounds)] if len(starts) > 1 else []
 prepared, timeline = [], []
 for log in sorted(glob.glob(os.path.join(run, "daemon*.log"))):
     prepared += re.findall(r"prepared; (.*)", open(log).read())
@@ -132,5 +143,8 @@ print(json.dumps({
     "nccl_register": os.environ.get("REGISTER", "0") == "1", "nccl_stream_priority": os.environ.get("PRIORITY", "0") == "1", "env": os.environ.get("CASE_ENV", ""), "rounds": rounds, "warmup": warmup, "transfer_s": transfer, "median_transfer_s": med,
     "gbps": nbytes / med / 1e9, "round_s": [float(s["seconds"]) for s in measured],
     "data_plane_ms": moved, "median_data_plane_ms": {k: statistics.median(v) for k, v in moved.items() if v},
+    "start_skew_ms": start_skew_ms, "started_after_request_ms": {
+        k: [float(a) for a, _ in re.findall(r"started ([0-9.]+) ms after the request arrived at ([0-9:.]+)", open(os.path.join(run, k + ".log")).read())][-rounds:]
+        for k in began},
     "prepared": prepared[:2], "timeline": timeline}))
 PY

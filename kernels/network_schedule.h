@@ -83,18 +83,19 @@ absl::StatusOr<NodeSchedule> BuildNodeSchedule(const Plan& plan, const ScheduleO
                                                const AddressesOn& addresses_on, const StagingOn& staging_on);
 
 // What the cuda executor takes for a schedule's network part, from rates measured on hardware
-// (defaults: fitted on 2 x H200 to the 1 GB and 16 GB disaggregated refits, docs/BENCHMARKS.md).
+// (defaults fitted on 2 x H200, docs/BENCHMARKS.md "The executor model": the wire on the 61 GB
+// refit's timeline, the per-item cost on the 99k-tensor refit, the fixed cost on the 251 MB one).
 // Per stage and GPU, the slowest of its three pipelined streams: the wire (the larger direction,
 // plus a cost per NCCL operation), all its packs, all its unpacks (bytes at the kernels' rate plus
 // a cost per copy item: small pieces make the kernels the bottleneck); plus the pack of its first
 // step and the unpack of its last, which nothing overlaps. Stages in turn, the slowest GPU of
 // each; plus a fixed cost per round. Copies inside the node are not counted.
 struct ExecutorModel {
-  double wire_gbps = 348.0;   // NCCL point-to-point between the two GPUs
+  double wire_gbps = 356.0;   // NCCL point-to-point between the two GPUs, large steps
   double per_op_us = 6.3;     // each NCCL send or receive
   double pack_gbps = 1400.0;  // pack and unpack kernels, large pieces
-  double per_item_ns = 37.0;  // each copy item packed or unpacked (fitted: 99k tensors of 2-8 KB)
-  double fixed_us = 300.0;    // per round
+  double per_item_ns = 34.0;  // each copy item packed or unpacked (fitted: 99k tensors of 2-8 KB)
+  double fixed_us = 450.0;    // per round
 };
 double PredictNetworkSeconds(const NodeSchedule& schedule, const ExecutorModel& model);
 

@@ -983,6 +983,10 @@ absl::Status Daemon::CallPeer(int32_t node, const v1::PhaseRequest& request,
     }
     peer_calls_.emplace(node, &ctx);
   }
+  if (request.phase() == v1::PhaseRequest::TRANSFER) {  // to compare with the peer's arrival time
+    Logger("round")->info("group \"{}\" round {}: TRANSFER sent to node {} at {}", request.group(), request.round_id(),
+                          node, absl::FormatTime("%H:%M:%E6S", absl::Now(), absl::LocalTimeZone()));
+  }
   absl::Status s = FromGrpc(PeerStub(address)->RunPhase(&ctx, request, response));
   {
     std::lock_guard<std::mutex> lock(mu_);
@@ -1097,7 +1101,16 @@ absl::Status Daemon::RunRound(const std::string& group, int64_t round_id, int64_
     std::mutex m;
     absl::Status first;
     std::vector<std::thread> threads;
+    // Remote nodes first, this node last: the peers' requests are on their way before this
+    // node's own part starts (in a transfer, whoever starts first waits for the rest in NCCL).
+    std::vector<int32_t> order;
     for (int32_t n : targets) {
+      if (n != config_.node) order.push_back(n);
+    }
+    for (int32_t n : targets) {
+      if (n == config_.node) order.push_back(n);
+    }
+    for (int32_t n : order) {
       threads.emplace_back([&, n] {
         absl::Status s = call(n);
         if (s.ok()) return;

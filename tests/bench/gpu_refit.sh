@@ -123,6 +123,15 @@ for log in sorted(glob.glob(os.path.join(run, "daemon*.log"))):
     found = re.findall(r"started ([0-9.]+) ms after the request arrived at ([0-9:.]+)", open(log).read())[-rounds:]
     began[os.path.basename(log)[:-4]] = [clock(at) * 1e3 + float(after) for after, at in found]
 starts = [b for b in began.values() if len(b) == rounds]
+# The coordinator's TRANSFER call to each remote daemon, from sending to the daemon's arrival.
+request_ms = {}
+coordinator_log = open(os.path.join(run, "daemon0.log")).read() if os.path.exists(os.path.join(run, "daemon0.log")) else ""
+for log in sorted(glob.glob(os.path.join(run, "daemon*.log"))):
+    node = os.path.basename(log)[len("daemon"):-len(".log")]
+    sent = [clock(t) * 1e3 for t in re.findall(r"TRANSFER sent to node " + node + r" at ([0-9:.]+)", coordinator_log)][-rounds:]
+    arrived = [clock(t) * 1e3 for t in re.findall(r"request arrived at ([0-9:.]+)", open(log).read())][-rounds:]
+    if sent and len(sent) == len(arrived):
+        request_ms["daemon" + node] = [round(a - b, 3) for a, b in zip(arrived, sent)]
 start_skew_ms = [max(s[i] for s in starts) - min(s[i] for s in starts) for i in range(rounds)] if len(starts) > 1 else []
 prepared, timeline = [], []
 for log in sorted(glob.glob(os.path.join(run, "daemon*.log"))):
@@ -143,7 +152,7 @@ print(json.dumps({
     "nccl_register": os.environ.get("REGISTER", "0") == "1", "nccl_stream_priority": os.environ.get("PRIORITY", "0") == "1", "env": os.environ.get("CASE_ENV", ""), "rounds": rounds, "warmup": warmup, "transfer_s": transfer, "median_transfer_s": med,
     "gbps": nbytes / med / 1e9, "round_s": [float(s["seconds"]) for s in measured],
     "data_plane_ms": moved, "median_data_plane_ms": {k: statistics.median(v) for k, v in moved.items() if v},
-    "start_skew_ms": start_skew_ms, "started_after_request_ms": {
+    "start_skew_ms": start_skew_ms, "transfer_request_ms": request_ms, "started_after_request_ms": {
         k: [float(a) for a, _ in re.findall(r"started ([0-9.]+) ms after the request arrived at ([0-9:.]+)", open(os.path.join(run, k + ".log")).read())][-rounds:]
         for k in began},
     "prepared": prepared[:2], "timeline": timeline}))

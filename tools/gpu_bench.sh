@@ -29,16 +29,16 @@ dis-s8 disaggregated llama3-8b 8 0 $((64 * M)) $((2 * G))
 dis-s4 disaggregated llama3-8b 4 0 $((64 * M)) $((2 * G))
 dis-s2 disaggregated llama3-8b 2 0 $((64 * M)) $((2 * G))
 dis-l16 disaggregated llama3-8b 1 16 $((64 * M)) $((2 * G))
-dis-small8k disaggregated many-small-moe 2 0 $((64 * M)) $((2 * G))"
+dis-small8k disaggregated many-small-moe 2 0 $((64 * M)) $((2 * G))
+dis-30b disaggregated qwen3-30b-a3b 1 0 $((64 * M)) $((2 * G))"
 # Issue 6, on a 4-GPU machine (SET=four): routing on and off with the daemons' NCCL on sockets,
 # and the 2-GPU cases with 2 GPUs per daemon.
 four_gpu_cases="rep4-routing replicas4 llama3-8b 4 0 $((64 * M)) $((256 * M)) 1
 rep4-norouting replicas4 llama3-8b 4 0 $((64 * M)) $((256 * M)) 0
 dis4-8b disaggregated4 llama3-8b 1 0 $((64 * M)) $((2 * G)) 1
 col4-8b colocated4 llama3-8b 1 0 $((64 * M)) $((2 * G)) 1"
-# Still to measure (SET=next): NCCL's stream at the GPU's highest priority against the same run
-# without (the copy kernels slow NCCL by 17% beside it; the 99k-tensor case is bound by them), and
-# the smaller sizes with the 8-step minimum. (Session 9's cases: docs/BENCHMARKS.md.)
+# SET=next (measured in session 10): NCCL's stream at the GPU's highest priority against the same
+# run without, and the smaller sizes with the 8-step minimum.
 next_cases="dis-8b disaggregated llama3-8b 1 0 $((64 * M)) $((2 * G)) 1
 dis-8b-prio disaggregated llama3-8b 1 0 $((64 * M)) $((2 * G)) 1 $((16 * M)) 0 PRIORITY=1
 dis-small8k disaggregated many-small-moe 2 0 $((64 * M)) $((2 * G)) 1
@@ -46,8 +46,9 @@ dis-small8k-prio disaggregated many-small-moe 2 0 $((64 * M)) $((2 * G)) 1 $((16
 dis-s12 disaggregated llama3-8b 12 0 $((64 * M)) $((2 * G)) 1
 dis-s8 disaggregated llama3-8b 8 0 $((64 * M)) $((2 * G)) 1
 dis-s2 disaggregated llama3-8b 2 0 $((64 * M)) $((2 * G)) 1"
-# The largest refit that fits 2 x H200 (SET=large, a call of its own): Qwen3-30B-A3B, 61 GB in bf16,
-# 18,867 tensors, TP=4 on GPU 0 -> TP=2 on GPU 1.
+# The largest refit that fits 2 x H200 (SET=large; also the last default case): Qwen3-30B-A3B, 61 GB
+# in bf16, 18,867 tensors, TP=4 on GPU 0 -> TP=2 on GPU 1. Needs 64 GB per GPU and about 190 GB of
+# host memory (the stand-in workers keep host copies to check every byte); about 140 s.
 large_cases="dis-30b disaggregated qwen3-30b-a3b 1 0 $((64 * M)) $((2 * G)) 1"
 [ "${SET:-two}" = large ] && default_cases=$large_cases
 [ "${SET:-two}" = four ] && default_cases=$four_gpu_cases

@@ -5,7 +5,7 @@
   /usr/bin/python3 tools/plot_bench.py --scaling docs/img/h200x2-scaling-s10.png \
       --ceilings docs/runs/2026-11-30-s10/callA/ceilings.jsonl \
       --baselines docs/runs/2026-11-30-s10/callA/baselines.jsonl \
-      docs/runs/2026-11-30-s10/callA/refit.jsonl docs/runs/2026-11-30-s10/callB/refit.jsonl \
+      docs/runs/2026-11-30-s10/callD/refit.jsonl docs/runs/2026-11-30-s10/callA/refit.jsonl \
       docs/runs/2026-11-30-s9/call3/refit.jsonl
     (the default disaggregated cases of several calls, the first file's case of each size kept)
 """

@@ -81,7 +81,7 @@ void ForEachRun(const Layout& layout, const Piece& p, Fn&& fn) {
 // one thread each; a small layout runs inline as one chunk. Filling and checking a 60 GB model
 // one element at a time on one core takes minutes.
 template <typename Fn>
-int ForEachChunkOfPieces(const Layout& layout, Fn&& fn) {
+void ForEachChunkOfPieces(const Layout& layout, Fn&& fn) {
   constexpr int64_t kElementsPerThread = int64_t{1} << 24;
   const int64_t n = static_cast<int64_t>(layout.pieces.size());
   std::vector<int64_t> before(n + 1, 0);  // elements of pieces [0, i)
@@ -93,7 +93,7 @@ int ForEachChunkOfPieces(const Layout& layout, Fn&& fn) {
       std::clamp<int64_t>(before[n] / kElementsPerThread, 1, std::min<int64_t>(cores, 16)));
   if (chunks == 1) {
     fn(int64_t{0}, n, 0);
-    return 1;
+    return;
   }
   std::vector<std::thread> threads;
   int64_t first = 0;
@@ -107,7 +107,6 @@ int ForEachChunkOfPieces(const Layout& layout, Fn&& fn) {
     first = last;
   }
   for (auto& t : threads) t.join();
-  return chunks;
 }
 
 // One bit per buffer element: which elements some piece covers. Atomic words, because two
@@ -227,10 +226,14 @@ void PoisonDestinations(const BufferMemory& memory) {
 
 absl::StatusOr<CheckReport> CheckDestinations(const Layout& source, const Layout& destination,
                                               const FillSpec& spec, const BufferMemory& memory) {
-  for (const LogicalTensor& t : destination.tensors) {
-    if (!source.tensor_index.contains(t.name)) {
+  std::vector<bool> seen(destination.tensors.size(), false);
+  for (const Piece& p : destination.pieces) {  // before the threads start: they look tensors up
+    if (seen[p.tensor]) continue;
+    seen[p.tensor] = true;
+    const std::string& name = destination.tensors[p.tensor].name;
+    if (!source.tensor_index.contains(name)) {
       return absl::FailedPreconditionError(absl::StrCat(
-          "tensor \"", t.name, "\" is not in the source layout (validate both layouts first)"));
+          "tensor \"", name, "\" is not in the source layout (validate both layouts first)"));
     }
   }
   std::vector<CoveredBits> covered;

@@ -1,12 +1,14 @@
 // Pack/unpack kernel bandwidth on one GPU, against the copy engine in the same run.
-// A message of tensor-parallel column slices (strided runs) and one of whole rows (contiguous),
-// bf16 -> bf16 and bf16 -> fp32; medians of --repeat runs after warm-up; one JSON line per case.
+// A message of tensor-parallel column slices (strided runs), one of whole rows (contiguous),
+// bf16 -> bf16 and bf16 -> fp32, and one of 32,768 small tensors; medians of --repeat runs after
+// warm-up; one JSON line per case.
 //   copy_bench [--repeat 20]
 #include <algorithm>
 #include <cstdio>
 #include <cstring>
 #include <memory>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
@@ -39,15 +41,28 @@ float Median(std::vector<float> v) {
   return v[v.size() / 2];
 }
 
-void Case(const std::string& name, int split_dim, DType dst_dtype, int repeat, cudaStream_t stream) {
-  // 16 weights [4096, 4096] bf16 on one rank; the destination takes 1/8 of each (TP8): columns
-  // (4096 runs of 1 KiB per tensor) or rows (contiguous).
-  Layout src, dst;
+// 16 weights [4096, 4096] bf16 on one rank; the destination takes 1/8 of each (TP8): columns
+// (4096 runs of 1 KiB per tensor) or rows (contiguous).
+void TensorParallelLayouts(int split_dim, DType dst_dtype, Layout& src, Layout& dst) {
   for (int t = 0; t < 16; ++t) {
     const std::string tn = absl::StrCat("w", t);
     testing::AddSplitTensor(src, tn, Dims{4096, 4096}, DType::kBF16, 0, {0, 4096}, {{0, 0}}, "trainer");
     testing::AddSplitTensor(dst, tn, Dims{4096, 4096}, dst_dtype, split_dim, {0, 512}, {{1, 0}}, "engine");
   }
+}
+
+// 32,768 whole tensors of 2, 4 and 8 KiB, each in a buffer of its own: a fine-grained MoE's
+// expert biases and norms, where the cost per copy item, not per byte, decides.
+void ManySmallLayouts(Layout& src, Layout& dst) {
+  for (int t = 0; t < 32768; ++t) {
+    const std::string tn = absl::StrCat("e", t);
+    const int64_t n = int64_t{1024} << (t % 3);
+    testing::AddSplitTensor(src, tn, Dims{n}, DType::kBF16, 0, {0, n}, {{0, 0}}, "trainer");
+    testing::AddSplitTensor(dst, tn, Dims{n}, DType::kBF16, 0, {0, n}, {{1, 0}}, "engine");
+  }
+}
+
+void Case(const std::string& name, Layout src, Layout dst, int repeat, cudaStream_t stream) {
   ValidateLayout(src, "source").IgnoreError();
   ValidateLayout(dst, "destination").IgnoreError();
   PlanOptions options;
@@ -86,11 +101,11 @@ void Case(const std::string& name, int split_dim, DType dst_dtype, int repeat, c
     if (r >= 3) tp.push_back(p), tu.push_back(u), tc.push_back(c);  // 3 warm-up runs
   }
   const double gb = m.bytes / 1e9;
-  std::printf("{\"case\":\"%s\",\"message_bytes\":%lld,\"descriptors\":%lld,\"runs\":%d,"
+  std::printf("{\"case\":\"%s\",\"messages\":%zu,\"message_bytes\":%lld,\"descriptors\":%lld,\"runs\":%d,"
               "\"pack_ms\":%.4f,\"unpack_ms\":%.4f,\"memcpy_d2d_ms\":%.4f,"
               "\"pack_gbps\":%.1f,\"unpack_gbps\":%.1f,\"memcpy_d2d_gbps\":%.1f,"
               "\"pack_vs_memcpy\":%.3f,\"unpack_vs_memcpy\":%.3f}\n",
-              name.c_str(), (long long)m.bytes, (long long)m.num_descriptors, repeat, Median(tp), Median(tu),
+              name.c_str(), plan.messages.size(), (long long)m.bytes, (long long)m.num_descriptors, repeat, Median(tp), Median(tu),
               Median(tc), gb / (Median(tp) / 1e3), gb / (Median(tu) / 1e3), gb / (Median(tc) / 1e3),
               Median(tc) / Median(tp), Median(tc) / Median(tu));
   std::fflush(stdout);
@@ -111,8 +126,15 @@ int main(int argc, char** argv) {
   }
   cudaStream_t stream;
   REFIT_CUDA_CHECK(cudaStreamCreate(&stream));
-  Case("tp8_columns_bf16", 1, DType::kBF16, repeat, stream);
-  Case("tp8_rows_bf16", 0, DType::kBF16, repeat, stream);
-  Case("tp8_columns_bf16_to_fp32", 1, DType::kF32, repeat, stream);
+  for (auto [name, split_dim, dtype] : {std::tuple{"tp8_columns_bf16", 1, DType::kBF16},
+                                        std::tuple{"tp8_rows_bf16", 0, DType::kBF16},
+                                        std::tuple{"tp8_columns_bf16_to_fp32", 1, DType::kF32}}) {
+    Layout src, dst;
+    TensorParallelLayouts(split_dim, dtype, src, dst);
+    Case(name, std::move(src), std::move(dst), repeat, stream);
+  }
+  Layout src, dst;
+  ManySmallLayouts(src, dst);
+  Case("many_small_2k_to_8k", std::move(src), std::move(dst), repeat, stream);
   return 0;
 }

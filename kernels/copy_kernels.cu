@@ -2,6 +2,8 @@
 
 #include <cuda_fp16.h>
 
+#include <algorithm>
+
 #include "plan/dtype.h"
 
 namespace refit {
@@ -85,7 +87,20 @@ __device__ __forceinline__ void WarpCopyBytes(const unsigned char* s, unsigned c
   if ((misalign & 15) == 0 && (bytes & 15) == 0) {
     const uint4* s4 = reinterpret_cast<const uint4*>(s);
     uint4* d4 = reinterpret_cast<uint4*>(d);
-    for (int64_t i = lane; i < bytes / 16; i += 32) d4[i] = s4[i];
+    const int64_t n16 = bytes / 16;
+    // Four loads in flight per lane before the stores: a small run is over before one load
+    // returns otherwise.
+    for (int64_t i = lane; i < n16; i += 4 * 32) {
+      uint4 v[4];
+#pragma unroll
+      for (int k = 0; k < 4; ++k) {
+        if (i + k * 32 < n16) v[k] = s4[i + k * 32];
+      }
+#pragma unroll
+      for (int k = 0; k < 4; ++k) {
+        if (i + k * 32 < n16) d4[i + k * 32] = v[k];
+      }
+    }
   } else if ((misalign & 3) == 0 && (bytes & 3) == 0) {
     const uint32_t* s1 = reinterpret_cast<const uint32_t*>(s);
     uint32_t* d1 = reinterpret_cast<uint32_t*>(d);
@@ -95,40 +110,73 @@ __device__ __forceinline__ void WarpCopyBytes(const unsigned char* s, unsigned c
   }
 }
 
+// One work unit resolved: `n` elements from s (src dtype) to d (dst dtype).
+struct Unit {
+  uint64_t s = 0, d = 0;
+  int64_t n = 0;
+  uint32_t dtypes = 0;  // src dtype | dst dtype << 8
+};
+
+__device__ __forceinline__ Unit Resolve(const CopyItem* items, const int64_t* unit_begin, int n_items, int64_t u) {
+  int lo = 0, hi = n_items - 1;
+  while (lo < hi) {
+    const int mid = (lo + hi + 1) / 2;
+    if (unit_begin[mid] <= u) lo = mid; else hi = mid - 1;
+  }
+  const CopyItem& it = items[lo];
+  const int64_t local = u - unit_begin[lo];
+  const int64_t seg = local % it.segments;
+  int64_t run = local / it.segments;
+  const int64_t c = run % it.count[2];
+  run /= it.count[2];
+  const int64_t b = run % it.count[1];
+  const int64_t a = run / it.count[1];
+  const int64_t first = seg * it.segment;
+  const int ss = Size(it.src_dtype), ds = Size(it.dst_dtype);
+  Unit unit;
+  unit.n = min(it.segment, it.inner - first);
+  unit.s = it.src + (a * it.src_stride[0] + b * it.src_stride[1] + c * it.src_stride[2] + first) * ss;
+  unit.d = it.dst + (a * it.dst_stride[0] + b * it.dst_stride[1] + c * it.dst_stride[2] + first) * ds;
+  unit.dtypes = it.src_dtype | (static_cast<uint32_t>(it.dst_dtype) << 8);
+  return unit;
+}
+
+__device__ __forceinline__ void CopyUnit(const unsigned char* s, unsigned char* d, int64_t n, uint8_t sdt, uint8_t ddt,
+                                         int lane) {
+  const int ss = Size(sdt), ds = Size(ddt);
+  if (sdt == ddt) {
+    WarpCopyBytes(s, d, n * ss, lane);
+  } else if (((reinterpret_cast<uint64_t>(s) | reinterpret_cast<uint64_t>(d)) & 15) == 0 && n % 8 == 0) {
+    WarpConvertVector(s, d, n, sdt, ddt, ss, ds, lane);
+  } else {
+    for (int64_t i = lane; i < n; i += 32) {
+      StoreBits(FloatToBits(BitsToFloat(LoadBits(s + i * ss, ss), sdt), ddt), d + i * ds, ds);
+    }
+  }
+}
+
+// Each warp takes batches of `batch` consecutive units in turn. Its first `batch` lanes resolve
+// one unit each at once (the item search and loads overlap instead of running one after another
+// per unit), then the whole warp copies them one by one. Thousands of 2-8 KB items are bound by
+// that per-unit latency, not by bytes.
 __global__ void CopyItemsKernel(const CopyItem* items, const int64_t* unit_begin, int n_items,
-                                int64_t total_units) {
+                                int64_t total_units, int batch) {
   const int lane = threadIdx.x & 31;
   const int64_t warp = (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) >> 5;
   const int64_t warps = (static_cast<int64_t>(gridDim.x) * blockDim.x) >> 5;
-  for (int64_t u = warp; u < total_units; u += warps) {
-    int lo = 0, hi = n_items - 1;
-    while (lo < hi) {
-      const int mid = (lo + hi + 1) / 2;
-      if (unit_begin[mid] <= u) lo = mid; else hi = mid - 1;
-    }
-    const CopyItem& it = items[lo];
-    const int64_t local = u - unit_begin[lo];
-    const int64_t seg = local % it.segments;
-    int64_t run = local / it.segments;
-    const int64_t c = run % it.count[2];
-    run /= it.count[2];
-    const int64_t b = run % it.count[1];
-    const int64_t a = run / it.count[1];
-    const int64_t first = seg * it.segment;
-    const int64_t n = min(it.segment, it.inner - first);
-    const int ss = Size(it.src_dtype), ds = Size(it.dst_dtype);
-    const unsigned char* s = reinterpret_cast<const unsigned char*>(it.src) +
-        (a * it.src_stride[0] + b * it.src_stride[1] + c * it.src_stride[2] + first) * ss;
-    unsigned char* d = reinterpret_cast<unsigned char*>(it.dst) +
-        (a * it.dst_stride[0] + b * it.dst_stride[1] + c * it.dst_stride[2] + first) * ds;
-    if (it.src_dtype == it.dst_dtype) {
-      WarpCopyBytes(s, d, n * ss, lane);
-    } else if (((reinterpret_cast<uint64_t>(s) | reinterpret_cast<uint64_t>(d)) & 15) == 0 && n % 8 == 0) {
-      WarpConvertVector(s, d, n, it.src_dtype, it.dst_dtype, ss, ds, lane);
-    } else {
-      for (int64_t i = lane; i < n; i += 32) {
-        StoreBits(FloatToBits(BitsToFloat(LoadBits(s + i * ss, ss), it.src_dtype), it.dst_dtype), d + i * ds, ds);
-      }
+  const int64_t batches = (total_units + batch - 1) / batch;
+  for (int64_t bi = warp; bi < batches; bi += warps) {
+    const int64_t u0 = bi * batch;
+    const int count = static_cast<int>(min(static_cast<int64_t>(batch), total_units - u0));
+    Unit mine;
+    if (lane < count) mine = Resolve(items, unit_begin, n_items, u0 + lane);
+    for (int j = 0; j < count; ++j) {
+      const uint64_t s = __shfl_sync(0xFFFFFFFFu, static_cast<unsigned long long>(mine.s), j);
+      const uint64_t d = __shfl_sync(0xFFFFFFFFu, static_cast<unsigned long long>(mine.d), j);
+      const int64_t n = __shfl_sync(0xFFFFFFFFu, static_cast<long long>(mine.n), j);
+      const uint32_t dtypes = __shfl_sync(0xFFFFFFFFu, mine.dtypes, j);
+      CopyUnit(reinterpret_cast<const unsigned char*>(s), reinterpret_cast<unsigned char*>(d), n,
+               static_cast<uint8_t>(dtypes & 0xFF), static_cast<uint8_t>(dtypes >> 8), lane);
     }
   }
 }
@@ -139,9 +187,14 @@ cudaError_t LaunchCopyItems(const CopyItem* items, const int64_t* unit_begin, in
                             int64_t total_units, cudaStream_t stream) {
   if (n_items == 0 || total_units == 0) return cudaSuccess;
   constexpr int kThreads = 256;  // 8 warps
-  const int64_t wanted = (total_units + 7) / 8;
+  // Units per batch: 1 while there are fewer units than warps to fill the GPU (large runs keep
+  // every warp busy), up to 32 (a lane per unit) for tens of thousands of small ones.
+  constexpr int64_t kWarpsToFill = 8192;
+  const int batch = static_cast<int>(std::clamp<int64_t>(total_units / kWarpsToFill, 1, 32));
+  const int64_t batches = (total_units + batch - 1) / batch;
+  const int64_t wanted = (batches + 7) / 8;
   const int blocks = static_cast<int>(wanted < 4096 ? wanted : 4096);
-  CopyItemsKernel<<<blocks, kThreads, 0, stream>>>(items, unit_begin, n_items, total_units);
+  CopyItemsKernel<<<blocks, kThreads, 0, stream>>>(items, unit_begin, n_items, total_units, batch);
   return cudaGetLastError();
 }
 

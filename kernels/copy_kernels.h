@@ -1,7 +1,8 @@
 // CUDA kernels that execute copy items (copy_items.h): one launch per message packs all of its
 // descriptors into staging, or unpacks staging into all of its destinations, converting among
-// bf16, fp16 and fp32 on the way. Each warp takes work units (a run, or a segment of a long run)
-// in turn; same-dtype runs move in 16-byte loads and stores when both ends are aligned.
+// bf16, fp16 and fp32 on the way. Each warp takes batches of work units (a run, or a segment of a
+// long run) in turn, its lanes resolving a batch's units at once; same-dtype runs move in 16-byte
+// loads and stores when both ends are aligned.
 #pragma once
 
 #include <cuda_runtime.h>

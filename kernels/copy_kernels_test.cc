@@ -88,5 +88,81 @@ TEST_CASE("GPU pack and unpack match the CPU reference byte for byte") {
   cudaStreamDestroy(stream);
 }
 
+// The daemon launches one kernel per step with tens of thousands of small items; then each warp's
+// lanes resolve a batch of up to 32 units at once. The random plans above are too small for that,
+// so here every message of many plans is packed, then unpacked, in one launch each, one element
+// per unit: hundreds of thousands of units, the last batch partial.
+TEST_CASE("one launch of hundreds of thousands of units matches the CPU reference") {
+  if (GpuCount() == 0) {
+    WARN("no GPU here: skipped");
+    return;
+  }
+  cudaStream_t stream;
+  REFIT_CUDA_CHECK(cudaStreamCreate(&stream));
+  std::vector<std::unique_ptr<TestRun>> runs;
+  std::vector<std::unique_ptr<DeviceLayout>> dsrc, ddst;
+  CopyWork pack, unpack;
+  pack.unit_begin = {0};
+  unpack.unit_begin = {0};
+  struct Packed {
+    const TestRun* run;
+    const Message* m;
+    int64_t offset;  // in staging
+  };
+  std::vector<Packed> packed;
+  int64_t staging_bytes = 0;
+  for (uint64_t seed = 1; seed <= 60; ++seed) {
+    runs.push_back(std::make_unique<TestRun>(seed));
+    const TestRun& run = *runs.back();
+    for (const Message& m : run.t.plan.messages) {
+      packed.push_back({&run, &m, staging_bytes + static_cast<int64_t>(seed % 7)});  // odd alignments
+      staging_bytes += m.bytes + 16;
+    }
+  }
+  DeviceBuffer staging(static_cast<size_t>(staging_bytes));
+  for (size_t r = 0; r < runs.size(); ++r) {
+    dsrc.push_back(std::make_unique<DeviceLayout>(runs[r]->t.src));
+    ddst.push_back(std::make_unique<DeviceLayout>(runs[r]->t.dst));
+    dsrc.back()->Upload(runs[r]->src);
+    ddst.back()->Upload(runs[r]->got);
+  }
+  auto run_index = [&](const TestRun* run) {
+    for (size_t r = 0; r < runs.size(); ++r) {
+      if (runs[r].get() == run) return r;
+    }
+    return size_t{0};
+  };
+  for (const Packed& p : packed) {
+    const size_t r = run_index(p.run);
+    const uint64_t at = staging.address() + static_cast<uint64_t>(p.offset);
+    AppendWork(PackWork(p.run->t.plan, *p.m, dsrc[r]->addresses(), ddst[r]->addresses(), at, 2), pack);
+    AppendWork(UnpackWork(p.run->t.plan, *p.m, at, ddst[r]->addresses(), 2), unpack);
+  }
+  INFO(pack.unit_begin.back() << " units to pack, " << unpack.unit_begin.back() << " to unpack");
+  REQUIRE(pack.unit_begin.back() > 32 * 8192);  // batches of 32 units
+  REQUIRE(pack.unit_begin.back() % 32 != 0);    // and a partial last batch
+  Run(pack, stream);
+  // Every message's staging against the CPU's packing of it, all packed before anything is
+  // unpacked, on both sides (relays of later stages read destinations, still poison here).
+  std::vector<std::vector<std::byte>> wants(packed.size());
+  for (size_t i = 0; i < packed.size(); ++i) {
+    const Packed& p = packed[i];
+    PackMessage(p.run->t.plan, *p.m, p.run->src.memory, p.run->ref.memory, wants[i]);
+    std::vector<std::byte> got(wants[i].size());
+    REFIT_CUDA_CHECK(cudaMemcpy(got.data(), reinterpret_cast<void*>(staging.address() + p.offset), got.size(),
+                                cudaMemcpyDeviceToHost));
+    REQUIRE(got == wants[i]);
+  }
+  Run(unpack, stream);
+  for (size_t i = 0; i < packed.size(); ++i) {
+    UnpackMessage(packed[i].run->t.plan, *packed[i].m, wants[i], runs[run_index(packed[i].run)]->ref.memory);
+  }
+  for (size_t r = 0; r < runs.size(); ++r) {
+    ddst[r]->Download(runs[r]->got);
+    for (size_t b = 0; b < runs[r]->t.dst.buffers.size(); ++b) REQUIRE(runs[r]->ref.storage[b] == runs[r]->got.storage[b]);
+  }
+  cudaStreamDestroy(stream);
+}
+
 }  // namespace
 }  // namespace refit

@@ -87,20 +87,7 @@ __device__ __forceinline__ void WarpCopyBytes(const unsigned char* s, unsigned c
   if ((misalign & 15) == 0 && (bytes & 15) == 0) {
     const uint4* s4 = reinterpret_cast<const uint4*>(s);
     uint4* d4 = reinterpret_cast<uint4*>(d);
-    const int64_t n16 = bytes / 16;
-    // Four loads in flight per lane before the stores: a small run is over before one load
-    // returns otherwise.
-    for (int64_t i = lane; i < n16; i += 4 * 32) {
-      uint4 v[4];
-#pragma unroll
-      for (int k = 0; k < 4; ++k) {
-        if (i + k * 32 < n16) v[k] = s4[i + k * 32];
-      }
-#pragma unroll
-      for (int k = 0; k < 4; ++k) {
-        if (i + k * 32 < n16) d4[i + k * 32] = v[k];
-      }
-    }
+    for (int64_t i = lane; i < bytes / 16; i += 32) d4[i] = s4[i];
   } else if ((misalign & 3) == 0 && (bytes & 3) == 0) {
     const uint32_t* s1 = reinterpret_cast<const uint32_t*>(s);
     uint32_t* d1 = reinterpret_cast<uint32_t*>(d);

@@ -94,7 +94,7 @@ struct ExecutorModel {
   double wire_gbps = 356.0;   // NCCL point-to-point between the two GPUs, large steps
   double per_op_us = 6.3;     // each NCCL send or receive
   double pack_gbps = 1400.0;  // pack and unpack kernels, large pieces
-  double per_item_ns = 34.0;  // each copy item packed or unpacked (fitted: 99k tensors of 2-8 KB)
+  double per_item_ns = 9.0;   // each copy item packed or unpacked (fitted: 99k tensors of 2-8 KB)
   double fixed_us = 450.0;    // per round
 };
 double PredictNetworkSeconds(const NodeSchedule& schedule, const ExecutorModel& model);

@@ -143,9 +143,10 @@ __device__ __forceinline__ void CopyUnit(const unsigned char* s, unsigned char* 
 }
 
 // Each warp takes batches of `batch` consecutive units in turn. Its first `batch` lanes resolve
-// one unit each at once (the item search and loads overlap instead of running one after another
-// per unit), then the whole warp copies them one by one. Thousands of 2-8 KB items are bound by
-// that per-unit latency, not by bytes.
+// one unit each at once (the item searches and loads overlap instead of running one after another
+// per unit), then the whole warp copies them one by one. Tens of thousands of 2-8 KB units then
+// need fewer, shorter-lived blocks: beside NCCL's kernels, the 99k-tensor refit on 2 x H200 ran
+// 2.2x faster (docs/BENCHMARKS.md, session 10).
 __global__ void CopyItemsKernel(const CopyItem* items, const int64_t* unit_begin, int n_items,
                                 int64_t total_units, int batch) {
   const int lane = threadIdx.x & 31;

@@ -1,0 +1,159 @@
+"""Driving refit from an RL loop: refit a model group to a new version, watch rounds, read the
+cluster's state.
+
+    ctl = refit.Controller("127.0.0.1:7070")     # any daemon: others forward to the coordinator
+    stats = ctl.refit("policy", version=step, timeout=60)
+    print(stats.seconds, stats.bytes)
+
+Failures raise RefitError, which carries the gRPC code, the phase the round failed in and the
+culprit the daemons named (a worker, a node), as far as the reason says.
+"""
+import re
+
+import grpc
+from google.protobuf import json_format
+
+from refit._proto import refit_pb2, refit_pb2_grpc
+
+ROUND_STATES = {v: k for k, v in refit_pb2.RoundStats.State.items()}
+
+
+class RefitError(RuntimeError):
+    """A failed control call or round: `code` (grpc.StatusCode), `phase` ("PREPARE", "TRANSFER",
+    "COMMIT" or None), `culprit` (e.g. 'worker "policy/engine-1"', 'node 3', or None), `reason`."""
+
+    def __init__(self, code, reason, phase=None, culprit=None):
+        self.code, self.reason, self.phase, self.culprit = code, reason, phase, culprit
+        where = f" in {phase}" if phase else ""
+        who = f" (culprit: {culprit})" if culprit else ""
+        super().__init__(f"{code.name}{where}: {reason}{who}")
+
+
+_PHASES = ("PREPARE", "TRANSFER", "COMMIT")
+
+
+def parse_reason(reason):
+    """(phase, culprit) named in a round's reason, e.g. 'node 1: worker "policy/e0" did not
+    confirm PREPARE of group ...' -> ("PREPARE", 'worker "policy/e0"')."""
+    phase = None
+    for p in _PHASES:
+        if re.search(rf"\b{p}\b", reason):
+            phase = p
+            break
+    m = re.search(r'worker "([^"]+)"', reason)
+    if m:
+        return phase, f'worker "{m.group(1)}"'
+    m = re.search(r"\bnode (\d+)\b", reason)
+    return phase, (f"node {m.group(1)}" if m else None)
+
+
+class RoundResult:
+    """A round's statistics (refit.v1.RoundStats) with readable fields."""
+
+    def __init__(self, stats):
+        self.proto = stats
+        self.group, self.round_id, self.version = stats.group, stats.round_id, stats.version
+        self.state = ROUND_STATES.get(stats.state, str(stats.state))
+        self.reason = stats.reason
+        self.bytes, self.seconds = stats.bytes, stats.seconds
+        self.prepare_seconds = stats.prepare_seconds
+        self.transfer_seconds = stats.transfer_seconds
+        self.commit_seconds = stats.commit_seconds
+
+    @property
+    def committed(self):
+        return self.state == "COMMITTED"
+
+    def as_dict(self):
+        return json_format.MessageToDict(self.proto, preserving_proto_field_name=True)
+
+    def __repr__(self):
+        return (f"RoundResult(group={self.group!r}, round={self.round_id}, version={self.version}, "
+                f"{self.state}, {self.bytes} bytes in {self.seconds:.3f} s)")
+
+
+class Controller:
+    def __init__(self, address, timeout=10.0):
+        """`address`: any refitd's "host:port" (or "unix:PATH"); calls other than refit() end
+        within `timeout` seconds."""
+        self.address, self.timeout = address, timeout
+        self._channel = grpc.insecure_channel(address, options=[
+            ("grpc.max_receive_message_length", 256 << 20)])
+        self._stub = refit_pb2_grpc.RefitControlStub(self._channel)
+
+    def _call(self, method, request, timeout=None):
+        try:
+            return method(request, timeout=timeout or self.timeout)
+        except grpc.RpcError as e:
+            phase, culprit = parse_reason(e.details() or "")
+            raise RefitError(e.code(), e.details() or "", phase, culprit) from None
+
+    def refit(self, group, version, timeout=120.0):
+        """Runs one round of `group` to `version` and waits for its end. Returns a RoundResult
+        of a committed round; raises RefitError (phase, culprit) when it aborted or was refused."""
+        stats = self._call(self._stub.Refit, refit_pb2.RefitRequest(group=group, version=version), timeout)
+        return RoundResult(stats)
+
+    def start_refit(self, group, version):
+        """Starts a round and returns its id at once; watch() reports how it ends."""
+        return self._call(self._stub.StartRefit, refit_pb2.RefitRequest(group=group, version=version)).round_id
+
+    def watch(self, group="", timeout=None):
+        """Yields a RoundResult for every round event from now on (PREPARING, TRANSFERRING,
+        COMMITTED, ABORTED) of `group` (empty: all). Ends after `timeout` seconds if given."""
+        call = self._stub.WatchRounds(refit_pb2.WatchRoundsRequest(group=group), timeout=timeout)
+        try:
+            for stats in call:
+                yield RoundResult(stats)
+        except grpc.RpcError as e:
+            if e.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
+                return
+            raise RefitError(e.code(), e.details() or "") from None
+        finally:
+            call.cancel()
+
+    def status(self):
+        """The cluster: coordinator, nodes, groups (readiness, versions, plans), as a dict."""
+        r = self._call(self._stub.Status, refit_pb2.StatusRequest())
+        return json_format.MessageToDict(r, preserving_proto_field_name=True)
+
+    def group(self, name):
+        for g in self.status().get("groups", []):
+            if g.get("name") == name:
+                return g
+        return None
+
+    def workers(self, group=""):
+        r = self._call(self._stub.ListWorkers, refit_pb2.ListWorkersRequest(group=group))
+        return [json_format.MessageToDict(w, preserving_proto_field_name=True) for w in r.workers]
+
+    def plan(self, group):
+        r = self._call(self._stub.GetPlan, refit_pb2.GetPlanRequest(group=group))
+        return json_format.MessageToDict(r, preserving_proto_field_name=True)
+
+    def wait_ready(self, group, timeout=30.0):
+        """Blocks until `group` is ready to refit (both sides complete); returns its status."""
+        import time
+        deadline = time.monotonic() + timeout
+        last = None
+        while time.monotonic() < deadline:
+            try:
+                g = self.group(group)
+            except RefitError as e:
+                last = str(e)
+                g = None
+            if g and g.get("ready"):
+                return g
+            if g:
+                last = g.get("not_ready_reason", "not ready")
+            time.sleep(0.1)
+        raise TimeoutError(f"group {group!r} not ready after {timeout} s: {last}")
+
+    def close(self):
+        self._channel.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()

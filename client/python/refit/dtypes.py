@@ -1,0 +1,68 @@
+"""refit's dtype names (proto/layout.proto) and their PyTorch and NumPy counterparts."""
+
+ELEMENT_BYTES = {
+    "bf16": 2, "fp16": 2, "fp32": 4, "fp8_e4m3": 1, "fp8_e5m2": 1, "int8": 1, "int32": 4, "int64": 8,
+}
+
+# PyTorch's spellings (str(torch.bfloat16) == "torch.bfloat16"), as the daemon also accepts them.
+_TORCH_NAMES = {
+    "bfloat16": "bf16", "float16": "fp16", "half": "fp16", "float32": "fp32", "float": "fp32",
+    "float8_e4m3fn": "fp8_e4m3", "float8_e5m2": "fp8_e5m2", "int8": "int8", "int32": "int32",
+    "int64": "int64",
+}
+
+# NumPy has no bf16 or fp8: those travel as same-sized unsigned integers.
+_NUMPY_NAMES = {"float16": "fp16", "float32": "fp32", "int8": "int8", "int32": "int32", "int64": "int64"}
+_NUMPY_STORAGE = {"bf16": "uint16", "fp16": "float16", "fp32": "float32", "fp8_e4m3": "uint8",
+                  "fp8_e5m2": "uint8", "int8": "int8", "int32": "int32", "int64": "int64"}
+
+
+def canonical(name):
+    """A dtype name as refit spells it ("bf16"), from refit's, PyTorch's or NumPy's spelling."""
+    s = str(name)
+    if s.startswith("torch."):
+        s = s[len("torch."):]
+    if s in ELEMENT_BYTES:
+        return s
+    if s in _TORCH_NAMES:
+        return _TORCH_NAMES[s]
+    raise ValueError(f"dtype {name!r} is not one refit moves ({', '.join(ELEMENT_BYTES)})")
+
+
+def of_tensor(t):
+    """refit's dtype name of a torch tensor or numpy array."""
+    if is_torch(t):
+        return canonical(t.dtype)
+    name = str(t.dtype)
+    if name in _NUMPY_NAMES:
+        return _NUMPY_NAMES[name]
+    raise ValueError(f"numpy dtype {name} has no refit equivalent (bf16 arrays are uint16 views: "
+                     "say the dtype explicitly)")
+
+
+def torch_dtype(name):
+    import torch
+    n = canonical(name)
+    attr = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32", "fp8_e4m3": "float8_e4m3fn",
+            "fp8_e5m2": "float8_e5m2", "int8": "int8", "int32": "int32", "int64": "int64"}[n]
+    if not hasattr(torch, attr):
+        raise ValueError(f"this PyTorch ({torch.__version__}) has no {attr}")
+    return getattr(torch, attr)
+
+
+def numpy_storage(name):
+    """The numpy dtype that holds refit dtype `name` bit for bit."""
+    import numpy
+    return numpy.dtype(_NUMPY_STORAGE[canonical(name)])
+
+
+def is_torch(t):
+    return type(t).__module__.startswith("torch") and hasattr(t, "data_ptr")
+
+
+def have_torch():
+    try:
+        import torch  # noqa: F401
+        return True
+    except ImportError:
+        return False

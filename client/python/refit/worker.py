@@ -1,0 +1,459 @@
+"""A trainer or inference process, registered with its node's refitd with its live tensors.
+
+    worker = refit.Worker("unix:/tmp/refitd-0.sock", group="policy", role="inference",
+                          layout=my_layout, tensors=dict(model.named_parameters()),
+                          on_prepare=stop_generating, on_commit=resume)
+    ...
+    worker.version        # the last version received completely (0: none); never a partial one
+
+The daemon reads (trainer) or writes (inference) the tensors in place, between PREPARE and
+COMMIT/ABORT of each round:
+- PREPARE(version): a trainer's tensors must hold `version` and stay untouched until the round
+  ends; an inference worker stops reading them. Raising from on_prepare refuses the round: the
+  round aborts at once, with the exception's text as its reason.
+- COMMIT(version): the round succeeded; an engine post-processes (re-derives absorbed matrices,
+  flushes its prefix cache) and resumes. The daemon waits for on_commit to return.
+- ABORT(reason): the round failed; an inference worker's tensors hold no complete version.
+
+Callbacks run on the worker's session thread, in order. With blocking=True they run instead in
+the caller's thread, inside `serve()`, which a training loop calls between steps.
+
+The session is watched by gRPC keepalive: a daemon that dies or freezes is noticed within about
+two seconds; the round in flight counts as aborted, and the worker registers again, by itself,
+as soon as the daemon is back (on_disconnect / on_reconnect report both).
+"""
+import collections
+import logging
+import queue
+import threading
+import time
+
+import grpc
+
+from refit import dtypes, export, handles, layout_io
+from refit._proto import refit_pb2, refit_pb2_grpc
+
+log = logging.getLogger("refit.worker")
+
+ROLES = {"trainer": refit_pb2.TRAINER, "inference": refit_pb2.INFERENCE, "engine": refit_pb2.INFERENCE}
+
+KEEPALIVE = [
+    ("grpc.keepalive_time_ms", 1000),
+    ("grpc.keepalive_timeout_ms", 1000),
+    ("grpc.keepalive_permit_without_calls", 1),
+    ("grpc.http2.max_pings_without_data", 0),
+    ("grpc.max_send_message_length", 1 << 30),
+    ("grpc.max_receive_message_length", 1 << 30),
+    # Reconnect quickly once the daemon is back (gRPC's default backoff grows to minutes).
+    ("grpc.initial_reconnect_backoff_ms", 100),
+    ("grpc.min_reconnect_backoff_ms", 100),
+    ("grpc.max_reconnect_backoff_ms", 1000),
+]
+
+
+class RegistrationError(ValueError):
+    """The worker's tensors do not match its layout, or the daemon refused the registration."""
+
+
+class Round:
+    """What `serve()` returns: one round as this worker saw it."""
+
+    def __init__(self, round_id, version, committed, reason=""):
+        self.round_id, self.version, self.committed, self.reason = round_id, version, committed, reason
+
+    def __repr__(self):
+        state = "committed" if self.committed else f"aborted: {self.reason}"
+        return f"Round(id={self.round_id}, version={self.version}, {state})"
+
+
+def check_tensors(worker, specs, tensors):
+    """Every buffer of the worker's layout has its live tensor, alike in shape, dtype and
+    contiguity; all on one device. Returns [(buffer name, tensor)] in the layout's order."""
+    tensors = dict(tensors)
+    problems = []
+    pairs = []
+    for b in worker.buffers:
+        t = tensors.pop(b.name, None)
+        if t is None:
+            problems.append(f"buffer {b.name!r} of the layout has no tensor (pass tensors={{{b.name!r}: ...}})")
+            continue
+        if hasattr(t, "to_local") and hasattr(t, "placements"):  # a DTensor: its local shard is the buffer
+            t = t.to_local()
+        shape = tuple(int(s) for s in t.shape)
+        want = tuple(int(s) for s in b.shape)
+        try:
+            dt = dtypes.of_tensor(t)
+        except ValueError as e:
+            problems.append(f"parameter {b.name!r}: {e}")
+            continue
+        if shape != want:
+            problems.append(f"parameter {b.name!r} has shape {list(shape)}, but the layout's buffer has {list(want)}")
+        if dt != dtypes.canonical(b.dtype):
+            problems.append(f"parameter {b.name!r} is {dt}, but the layout's buffer is {dtypes.canonical(b.dtype)}")
+        if not export.is_contiguous(t):
+            problems.append(f"parameter {b.name!r} is not contiguous: a buffer is one row-major region "
+                            "(use .contiguous() once, at setup, and register that tensor)")
+        pairs.append((b.name, t))
+    if tensors:
+        extra = sorted(tensors)
+        problems.append(f"{len(extra)} tensor(s) have no buffer in worker {worker.name!r}'s layout: "
+                        f"{', '.join(repr(n) for n in extra[:5])}{'...' if len(extra) > 5 else ''}")
+    if problems:
+        raise RegistrationError(f"worker {worker.name!r}: " + "; ".join(problems[:8]) +
+                                (f" (and {len(problems) - 8} more)" if len(problems) > 8 else ""))
+    devices = {export.describe(t)[2] for _, t in pairs}
+    if len(devices) > 1:
+        raise RegistrationError(f"worker {worker.name!r}: its tensors are on {sorted(map(str, devices))}: "
+                                "one worker's tensors are all on one GPU, or all in host memory")
+    return pairs
+
+
+class Worker:
+    def __init__(self, daemon, group, role, layout, tensors, *, name=None, on_prepare=None,
+                 on_commit=None, on_abort=None, on_disconnect=None, on_reconnect=None,
+                 blocking=False, register_timeout=30.0, reconnect=True):
+        """Registers `tensors` (buffer name -> live tensor, e.g. dict(model.named_parameters()))
+        as worker `name` of `layout` (a dict, JSON or refit.v1.Layout; `name` may be omitted when
+        it holds one worker) in model group `group` with the daemon at `daemon`
+        ("unix:/tmp/refitd-0.sock"). `role`: "trainer" or "inference"."""
+        if role not in ROLES:
+            raise ValueError(f"role must be 'trainer' or 'inference', not {role!r}")
+        self.daemon, self.group, self.role = daemon, group, role
+        self._role = ROLES[role]
+        self._worker, self._specs = layout_io.one_worker(layout, name)
+        self.name = self._worker.name
+        self._pairs = check_tensors(self._worker, self._specs, tensors)
+        self._on_prepare, self._on_commit, self._on_abort = on_prepare, on_commit, on_abort
+        self._on_disconnect, self._on_reconnect = on_disconnect, on_reconnect
+        self._blocking = blocking
+        self._reconnect = reconnect
+        self._mu = threading.Condition()
+        self._version = 0          # guarded by _mu
+        self._connected = False
+        self._closed = False
+        self._in_round = None      # round id between PREPARE and its end
+        self._events = collections.deque()  # blocking mode: events for serve()
+        self._outgoing = None      # the live session's queue of WorkerMessages
+        self._call = None
+        self.worker_id = None
+        self.registrations = 0
+        self._channel = grpc.insecure_channel(daemon, options=KEEPALIVE)
+        self._stub = refit_pb2_grpc.RefitWorkerStub(self._channel)
+        self._register(timeout=register_timeout, wait_for_ready=True)
+        self._thread = threading.Thread(target=self._session_loop, name=f"refit-worker-{self.name}",
+                                        daemon=True)
+        self._thread.start()
+
+    # ------------------------------------------------------------------------------------------
+    # Public state.
+
+    @property
+    def version(self):
+        """Inference: the last version received completely (0: none, e.g. while a round writes
+        the tensors, or after an aborted one). Trainer: the last version a round committed."""
+        with self._mu:
+            return self._version
+
+    @property
+    def connected(self):
+        with self._mu:
+            return self._connected
+
+    def wait_version(self, version, timeout):
+        """Blocks until `version` is committed here; False on timeout."""
+        deadline = time.monotonic() + timeout
+        with self._mu:
+            while self._version < version:
+                left = deadline - time.monotonic()
+                if left <= 0 or self._closed:
+                    return False
+                self._mu.wait(left)
+            return True
+
+    def wait_connected(self, timeout):
+        deadline = time.monotonic() + timeout
+        with self._mu:
+            while not self._connected:
+                left = deadline - time.monotonic()
+                if left <= 0 or self._closed:
+                    return False
+                self._mu.wait(left)
+            return True
+
+    # ------------------------------------------------------------------------------------------
+    # Registration.
+
+    def _register(self, timeout, wait_for_ready):
+        exported = export.export_buffers(self._pairs)
+        try:
+            request = refit_pb2.RegisterWorkerRequest(group=self.group, role=self._role)
+            request.worker.CopyFrom(self._worker)
+            request.tensors.extend(self._specs)
+            request.memory.extend(exported.memory)
+            request.vmm_ranges.extend(exported.vmm_ranges)
+            request.gpu_uuid = exported.gpu_uuid
+            if exported.fds:
+                path = handles.handle_socket_path(self.daemon)
+                if path is None:
+                    raise RegistrationError(
+                        f"worker {self.name!r}: its memory is handed over as file descriptors, which "
+                        f"needs the daemon's unix socket, not {self.daemon!r}")
+                self._wait_for_socket(path, timeout if wait_for_ready else 0)
+                request.fd_token = handles.deliver(path, exported.fds, timeout=max(1.0, min(timeout, 10.0)))
+            try:
+                response = self._stub.Register(request, timeout=timeout, wait_for_ready=wait_for_ready)
+            except grpc.RpcError as e:
+                raise RegistrationError(f"worker {self.name!r}: the daemon at {self.daemon} refused the "
+                                        f"registration: {e.code().name}: {e.details()}") from e
+        finally:
+            exported.close()  # the daemon holds its own mappings now
+        with self._mu:
+            self.worker_id = response.worker_id
+            self.registrations += 1
+        log.info("registered %s with %s (%d buffers)", response.worker_id, self.daemon, len(self._pairs))
+
+    @staticmethod
+    def _wait_for_socket(path, timeout):
+        import os
+        deadline = time.monotonic() + timeout
+        while not os.path.exists(path) and time.monotonic() < deadline:
+            time.sleep(0.05)
+
+    # ------------------------------------------------------------------------------------------
+    # The session.
+
+    def _session_loop(self):
+        backoff = 0.1
+        while True:
+            with self._mu:
+                if self._closed:
+                    return
+            reason = self._run_session()
+            with self._mu:
+                if self._closed:
+                    return
+                self._connected = False
+                lost_round = self._in_round
+                self._in_round = None
+                if self.role == "inference":
+                    if lost_round is not None:
+                        self._version = 0  # the round never ended here: the tensors may be partial
+                if lost_round is not None and self._blocking:
+                    self._events.append(("LOST", lost_round, 0, reason))
+                self._mu.notify_all()
+            log.warning("worker %s lost its session with %s: %s", self.name, self.daemon, reason)
+            if lost_round is not None and not self._blocking and self._on_abort:
+                self._call_safely(self._on_abort, f"lost the daemon during round {lost_round}: {reason}")
+            if self._on_disconnect:
+                self._call_safely(self._on_disconnect, reason)
+            if not self._reconnect:
+                return
+            # Register again as soon as the daemon is back.
+            while True:
+                with self._mu:
+                    if self._closed:
+                        return
+                time.sleep(backoff)
+                try:
+                    self._register(timeout=2.0, wait_for_ready=False)
+                    backoff = 0.1
+                    break
+                except RegistrationError as e:
+                    cause = e.__cause__
+                    permanent = isinstance(cause, grpc.RpcError) and cause.code() in (
+                        grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.PERMISSION_DENIED)
+                    if permanent:
+                        log.error("worker %s cannot register again: %s", self.name, e)
+                        return
+                    backoff = min(1.0, backoff * 2)
+                except (handles.HandoverError, OSError) as e:
+                    log.debug("worker %s: daemon not back yet: %s", self.name, e)
+                    backoff = min(1.0, backoff * 2)
+            if self._on_reconnect:
+                self._call_safely(self._on_reconnect)
+
+    def _run_session(self):
+        outgoing = queue.Queue()
+        outgoing.put(refit_pb2.WorkerMessage(hello=self.worker_id))
+
+        def messages():
+            while True:
+                m = outgoing.get()
+                if m is None:
+                    return
+                yield m
+
+        call = self._stub.Session(messages())
+        with self._mu:
+            self._outgoing, self._call = outgoing, call
+            self._connected = True
+            self._mu.notify_all()
+        try:
+            for event in call:
+                self._on_event(event)
+            return "the daemon ended the session"
+        except grpc.RpcError as e:
+            return f"{e.code().name}: {e.details()}"
+        finally:
+            outgoing.put(None)
+            with self._mu:
+                self._outgoing = None
+
+    def _send(self, message):
+        with self._mu:
+            q = self._outgoing
+        if q is not None:
+            q.put(message)
+
+    def _on_event(self, e):
+        kinds = refit_pb2.RoundEvent
+        if e.kind == kinds.PREPARE:
+            with self._mu:
+                self._in_round = e.round_id
+                if self.role == "inference":
+                    self._version = 0  # the tensors are about to change
+                if self._blocking:
+                    self._events.append(("PREPARE", e.round_id, e.version, ""))
+                    self._mu.notify_all()
+                    return
+            self._prepare(e.round_id, e.version)
+        elif e.kind == kinds.COMMIT:
+            with self._mu:
+                if self._blocking:
+                    self._events.append(("COMMIT", e.round_id, e.version, ""))
+                    self._mu.notify_all()
+                    return
+            self._commit(e.round_id, e.version)
+        elif e.kind == kinds.ABORT:
+            with self._mu:
+                if self._blocking:
+                    # A PREPARE not yet served is dropped: serve() reports the abort alone.
+                    kept = [x for x in self._events if not (x[0] == "PREPARE" and x[1] == e.round_id)]
+                    self._events.clear()
+                    self._events.extend(kept)
+                    self._events.append(("ABORT", e.round_id, e.version, e.reason))
+                    self._mu.notify_all()
+                    return
+            self._abort(e.round_id, e.reason)
+
+    def _prepare(self, round_id, version):
+        try:
+            if self._on_prepare:
+                self._on_prepare(version)
+        except Exception as ex:  # the worker refuses the round; its reason reaches the operator
+            reason = f"{type(ex).__name__}: {ex}" if str(ex) else type(ex).__name__
+            log.warning("worker %s refuses round %d (version %d): %s", self.name, round_id, version, reason)
+            self._send(refit_pb2.WorkerMessage(refused=refit_pb2.Refusal(round_id=round_id, reason=reason)))
+            return False
+        self._send(refit_pb2.WorkerMessage(prepared=round_id))
+        return True
+
+    def _commit(self, round_id, version):
+        with self._mu:
+            self._version = version
+            self._in_round = None
+            self._mu.notify_all()
+        if self._on_commit:
+            self._call_safely(self._on_commit, version)
+        self._send(refit_pb2.WorkerMessage(resumed=round_id))
+
+    def _abort(self, round_id, reason):
+        with self._mu:
+            if self.role == "inference":
+                self._version = 0
+            self._in_round = None
+            self._mu.notify_all()
+        if self._on_abort:
+            self._call_safely(self._on_abort, reason)
+        self._send(refit_pb2.WorkerMessage(resumed=round_id))
+
+    def _call_safely(self, fn, *args):
+        try:
+            fn(*args)
+        except Exception:
+            log.exception("worker %s: callback %s raised", self.name, getattr(fn, "__name__", fn))
+
+    # ------------------------------------------------------------------------------------------
+    # The blocking form.
+
+    def serve(self, timeout=None):
+        """blocking=True: takes part in the next round, in the caller's thread. Waits up to
+        `timeout` seconds (None: forever, 0: only a round already pending) for a PREPARE; runs
+        on_prepare, then waits for the round's end (the daemon's phase deadlines bound it) and
+        runs on_commit or on_abort. Returns a Round, or None when no round came."""
+        if not self._blocking:
+            raise RuntimeError("serve() is for Worker(..., blocking=True); this worker runs its "
+                               "callbacks on its own thread")
+        deadline = None if timeout is None else time.monotonic() + timeout
+        event = self._next_event(deadline, lambda x: x[0] in ("PREPARE", "ABORT", "LOST"))
+        if event is None:
+            return None
+        kind, round_id, version, reason = event
+        if kind != "PREPARE":  # a round that ended before this worker served it
+            self._finish_abort(round_id, reason, kind == "ABORT")
+            return Round(round_id, version, False, reason)
+        if not self._prepare(round_id, version):
+            event = self._next_event(None, lambda x: x[1] == round_id and x[0] != "PREPARE")
+        else:
+            event = self._next_event(None, lambda x: x[1] == round_id and x[0] != "PREPARE")
+        kind, _, version2, reason = event
+        if kind == "COMMIT":
+            self._commit(round_id, version2)
+            return Round(round_id, version2, True)
+        self._finish_abort(round_id, reason, kind == "ABORT")
+        return Round(round_id, version, False, reason)
+
+    def _finish_abort(self, round_id, reason, acknowledge):
+        if acknowledge:
+            self._abort(round_id, reason)
+        else:  # the session was lost: nobody to acknowledge to
+            with self._mu:
+                if self.role == "inference":
+                    self._version = 0
+            if self._on_abort:
+                self._call_safely(self._on_abort, reason)
+
+    def _next_event(self, deadline, wanted):
+        with self._mu:
+            while True:
+                for i, x in enumerate(self._events):
+                    if wanted(x):
+                        del self._events[i]
+                        return x
+                    if x[0] == "LOST":  # the session ended: whatever round we wait for is over
+                        del self._events[i]
+                        return ("LOST", x[1], x[2], x[3])
+                if self._closed:
+                    return None
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    return None
+                self._mu.wait(left if left is not None else 1.0)
+
+    # ------------------------------------------------------------------------------------------
+    # Ending.
+
+    def close(self, unregister=True):
+        """Unregisters (the daemon forgets the worker) and ends the session."""
+        with self._mu:
+            if self._closed:
+                return
+            self._closed = True
+            call, worker_id = self._call, self.worker_id
+            self._mu.notify_all()
+        if unregister and worker_id:
+            try:
+                self._stub.Unregister(refit_pb2.UnregisterWorkerRequest(worker_id=worker_id), timeout=5)
+            except grpc.RpcError as e:
+                log.info("worker %s: unregister: %s", self.name, e.details())
+        self._send(None)
+        if call is not None:
+            call.cancel()
+        self._thread.join(timeout=5)
+        self._channel.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()

@@ -1,0 +1,179 @@
+"""Test harness: real refitd daemons on loopback (host backend), C++ sim-workers, the
+layout tools, found in Bazel's runfiles (or $REFIT_BIN_DIR, or bazel-bin for manual runs)."""
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+REPO = os.path.abspath(os.path.join(HERE, "..", "..", ".."))
+
+BINARIES = {
+    "refitd": "daemon/refitd",
+    "refit-layout": "client/refit-layout",
+    "refit-plan": "client/refit-plan",
+    "refitctl": "client/refitctl",
+    "sim-worker": "tests/workers/sim-worker",
+}
+
+
+def binary(name):
+    rel = BINARIES[name]
+    candidates = []
+    if os.environ.get("REFIT_BIN_DIR"):
+        candidates.append(os.path.join(os.environ["REFIT_BIN_DIR"], os.path.basename(rel)))
+    if os.environ.get("TEST_SRCDIR"):
+        candidates.append(os.path.join(os.environ["TEST_SRCDIR"], "refit", rel))
+    candidates.append(os.path.join(REPO, "bazel-bin", rel))
+    for c in candidates:
+        if os.path.exists(c):
+            return c
+    raise FileNotFoundError(f"{name} not found (tried {candidates}); bazel build //{os.path.dirname(rel)}:{os.path.basename(rel)}")
+
+
+def config_path(name):
+    for base in [os.path.join(os.environ.get("TEST_SRCDIR", ""), "refit"), REPO]:
+        p = os.path.join(base, "tests", "configs", name)
+        if os.path.exists(p):
+            return p
+    raise FileNotFoundError(name)
+
+
+def scratch():
+    base = os.environ.get("TEST_TMPDIR") or tempfile.gettempdir()
+    return tempfile.mkdtemp(prefix="refit-py-", dir=base)
+
+
+class Daemon:
+    def __init__(self, cluster, node, coordinator, extra):
+        self.cluster, self.node, self.coordinator_addr, self.extra = cluster, node, coordinator, extra
+        self.proc = None
+        self.address = None
+        self.listen = "127.0.0.1:0"
+        self.socket = os.path.join(cluster.dir, f"refitd-{node}.sock")
+        self.log = os.path.join(cluster.dir, f"daemon{node}.log")
+
+    def start(self, timeout=20):
+        addr_file = os.path.join(self.cluster.dir, f"daemon{self.node}.addr")
+        if os.path.exists(addr_file):
+            os.unlink(addr_file)
+        cmd = [binary("refitd"), "--node", str(self.node), "--listen", self.listen,
+               "--data-listen", "127.0.0.1:0", "--worker-socket", self.socket,
+               "--address-file", addr_file, "--heartbeat", "0.2", "--heartbeats-missed", "5",
+               *self.cluster.daemon_flags, *self.extra]
+        if self.coordinator_addr:
+            cmd += ["--coordinator", self.coordinator_addr]
+        self.proc = subprocess.Popen(cmd, stdout=open(self.log, "ab"), stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if os.path.exists(addr_file) and os.path.getsize(addr_file) > 0:
+                self.address = open(addr_file).read().split()[0]
+                # Restarts keep the same address, as a daemon restarted by systemd or Kubernetes does.
+                self.listen = self.address
+                return self
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"refitd {self.node} exited: {self.tail()}")
+            time.sleep(0.05)
+        raise RuntimeError(f"refitd {self.node} did not start: {self.tail()}")
+
+    @property
+    def worker_address(self):
+        return "unix:" + self.socket
+
+    def kill(self, sig=signal.SIGKILL):
+        if self.proc and self.proc.poll() is None:
+            self.proc.send_signal(sig)
+            if sig in (signal.SIGKILL, signal.SIGTERM):
+                self.proc.wait(timeout=10)
+
+    def stop(self):
+        if self.proc and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGCONT)
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+    def tail(self, n=20):
+        try:
+            return "".join(open(self.log, errors="replace").readlines()[-n:])
+        except OSError:
+            return ""
+
+
+class Cluster:
+    """`nodes` daemons on loopback; node 0 coordinates."""
+
+    def __init__(self, nodes=2, daemon_flags=()):
+        self.dir = scratch()
+        self.daemon_flags = list(daemon_flags)
+        self.daemons = []
+        self.procs = []
+        for n in range(nodes):
+            coord = self.daemons[0].address if n else None
+            self.daemons.append(Daemon(self, n, coord, []).start())
+
+    @property
+    def control(self):
+        return self.daemons[0].address
+
+    def spawn(self, args, name):
+        """Starts a helper process (a Python worker script, a sim-worker) logging to the cluster dir."""
+        log = open(os.path.join(self.dir, f"{name}.log"), "ab")
+        p = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, env=dict(os.environ))
+        p.log_path = log.name
+        self.procs.append(p)
+        return p
+
+    def write_json(self, name, obj):
+        path = os.path.join(self.dir, name)
+        with open(path, "w") as f:
+            json.dump(obj, f)
+        return path
+
+    def close(self):
+        for p in self.procs:
+            if p.poll() is None:
+                p.terminate()
+        for p in self.procs:
+            try:
+                p.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                p.kill()
+        for d in self.daemons:
+            d.stop()
+
+    def logs(self):
+        out = []
+        for d in self.daemons:
+            out.append(f"--- daemon {d.node}\n{d.tail(30)}")
+        for p in self.procs:
+            try:
+                out.append(f"--- {p.log_path}\n" + "".join(open(p.log_path, errors="replace").readlines()[-30:]))
+            except OSError:
+                pass
+        return "\n".join(out)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+def python():
+    return sys.executable
+
+
+def wait_for(predicate, timeout, what):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"timed out after {timeout} s waiting for {what}")

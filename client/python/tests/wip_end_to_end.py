@@ -1,0 +1,171 @@
+"""End to end on the host backend: real refitd daemons on loopback, Python trainer and engine
+processes holding their tensors in shared memory, every destination byte checked by the engine
+after every round; Python and C++ workers mixed; a refusal; a daemon restarted under live
+Python workers."""
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import unittest
+
+import harness
+
+sys.path.insert(0, os.path.dirname(harness.HERE))
+import refit  # noqa: E402
+
+WORKER = os.path.join(harness.HERE, "pattern_worker.py")
+PYTHONPATH = os.path.dirname(os.path.dirname(os.path.abspath(refit.__file__)))
+
+
+def layouts(cluster, tp_trainer=2, tp_engine=2):
+    """A small Qwen2.5 (its structure: GQA, biases, tied embeddings off; widths / 64, 2 layers):
+    a Megatron trainer on node 0, a vLLM engine on node 1."""
+    cfg = harness.config_path("qwen2.5-7b.json")
+    out = {}
+    for side, tp, node in [("trainer", tp_trainer, 0), ("inference", tp_engine, 1)]:
+        path = os.path.join(cluster.dir, f"{side}.json")
+        subprocess.run([harness.binary("refit-layout"), "--config", cfg, "--side", side, "--tp", str(tp),
+                        "--first-node", str(node), "--scale-down", "64", "--layers", "2", "-o", path],
+                       check=True)
+        out[side] = path
+    return out
+
+
+def names(path):
+    return [w["name"] for w in json.load(open(path))["workers"]]
+
+
+class Reports:
+    def __init__(self, cluster):
+        self.cluster = cluster
+
+    def path(self, key):
+        return os.path.join(self.cluster.dir, f"{key}.report")
+
+    def lines(self, key):
+        try:
+            return open(self.path(key)).read().splitlines()
+        except OSError:
+            return []
+
+    def wait(self, key, prefix, timeout=20):
+        harness.wait_for(lambda: any(l.startswith(prefix) for l in self.lines(key)), timeout,
+                         f"{key} to report {prefix!r}: {self.lines(key)[-3:]}\n{self.cluster.logs()}")
+
+
+def start_python(cluster, key, node, role, layout, worker, *extra):
+    env_args = [sys.executable, WORKER, "--daemon", cluster.daemons[node].worker_address, "--role", role,
+                "--layout", layout, "--worker", worker, "--report", os.path.join(cluster.dir, f"{key}.report"), *extra]
+    os.environ["PYTHONPATH"] = PYTHONPATH + os.pathsep + os.environ.get("PYTHONPATH", "")
+    return cluster.spawn(env_args, key)
+
+
+def start_sim(cluster, key, node, role, layout, worker):
+    return cluster.spawn([harness.binary("sim-worker"), "--daemon", cluster.daemons[node].worker_address,
+                          "--group", "policy", "--role", role, "--layout", layout, "--worker", worker,
+                          "--report", os.path.join(cluster.dir, f"{key}.report")], key)
+
+
+class EndToEnd(unittest.TestCase):
+    def setUp(self):
+        self.cluster = harness.Cluster(nodes=2)
+        self.reports = Reports(self.cluster)
+        self.files = layouts(self.cluster)
+        self.ctl = refit.Controller(self.cluster.control)
+
+    def tearDown(self):
+        self.ctl.close()
+        if self._outcome.errors and any(e for _, e in self._outcome.errors):
+            print(self.cluster.logs(), file=sys.stderr)
+        self.cluster.close()
+
+    def start_side(self, role, kind, node, **kw):
+        layout = self.files["trainer" if role == "trainer" else "inference"]
+        keys = []
+        for w in names(layout):
+            key = f"{role}-{w}"
+            if kind == "python":
+                start_python(self.cluster, key, node, role, layout, w, *kw.get("extra", []))
+            else:
+                start_sim(self.cluster, key, node, role, layout, w)
+            keys.append(key)
+        for key in keys:
+            self.reports.wait(key, "registered")
+        return keys
+
+    def refit_rounds(self, engines, versions):
+        self.ctl.wait_ready("policy", timeout=20)
+        for v in versions:
+            stats = self.ctl.refit("policy", v, timeout=60)
+            self.assertTrue(stats.committed, stats)
+            self.assertGreater(stats.bytes, 0)
+            for key in engines:
+                self.reports.wait(key, f"commit {v} ")
+                last = [l for l in self.reports.lines(key) if l.startswith(f"commit {v} ")][-1]
+                self.assertIn(" ok ", last, f"{key}: {last}")
+
+    def test_python_trainer_to_python_engine(self):
+        self.start_side("trainer", "python", 0)
+        engines = self.start_side("inference", "python", 1)
+        self.refit_rounds(engines, [1, 2, 3])
+        # Status and workers through the controller.
+        g = self.ctl.group("policy")
+        self.assertEqual(int(g["version"]), 3)
+        self.assertEqual(len(self.ctl.workers("policy")), 4)
+        self.assertGreater(int(self.ctl.plan("policy")["bytes_total"]), 0)
+
+    def test_blocking_workers_serve_rounds(self):
+        self.start_side("trainer", "python", 0, extra=["--blocking"])
+        engines = self.start_side("inference", "python", 1, extra=["--blocking", "--numpy"])
+        self.refit_rounds(engines, [4, 9])
+        for key in engines:
+            self.reports.wait(key, "served")
+
+    def test_python_trainer_to_cpp_engine(self):
+        self.start_side("trainer", "python", 0)
+        engines = self.start_side("inference", "cpp", 1)
+        self.refit_rounds(engines, [1, 2])
+
+    def test_cpp_trainer_to_python_engine(self):
+        self.start_side("trainer", "cpp", 0)
+        engines = self.start_side("inference", "python", 1, extra=["--numpy"])
+        self.refit_rounds(engines, [1, 2])
+
+    def test_refusal_aborts_at_once_with_its_reason(self):
+        self.start_side("trainer", "python", 0)
+        layout = self.files["inference"]
+        ws = names(layout)
+        start_python(self.cluster, "bad", 1, "inference", layout, ws[0], "--refuse", "kv cache still in use")
+        start_python(self.cluster, "good", 1, "inference", layout, ws[1])
+        self.reports.wait("bad", "registered")
+        self.reports.wait("good", "registered")
+        self.ctl.wait_ready("policy", timeout=20)
+        t = time.monotonic()
+        with self.assertRaises(refit.RefitError) as caught:
+            self.ctl.refit("policy", 1, timeout=30)
+        elapsed = time.monotonic() - t
+        self.assertLess(elapsed, 1.0, f"the refused round took {elapsed:.2f} s to abort")
+        e = caught.exception
+        self.assertIn("kv cache still in use", e.reason)
+        self.assertEqual(e.phase, "PREPARE")
+        self.assertIn(ws[0], e.culprit or "")
+        self.reports.wait("good", "abort")
+
+    def test_daemon_restarted_under_live_workers(self):
+        self.start_side("trainer", "python", 0)
+        engines = self.start_side("inference", "python", 1)
+        self.refit_rounds(engines, [1])
+        d = self.cluster.daemons[1]
+        d.kill(signal.SIGKILL)
+        for key in engines:
+            self.reports.wait(key, "disconnected", timeout=5)
+        d.start()
+        for key in engines:
+            self.reports.wait(key, "reconnected", timeout=10)
+        self.refit_rounds(engines, [2, 3])
+
+
+if __name__ == "__main__":
+    unittest.main()

@@ -13,7 +13,8 @@ import re
 import grpc
 from google.protobuf import json_format
 
-from refit._proto import refit_pb2, refit_pb2_grpc
+from refit import _rpc
+from refit._proto import refit_pb2
 
 ROUND_STATES = {v: k for k, v in refit_pb2.RoundStats.State.items()}
 
@@ -79,7 +80,7 @@ class Controller:
         self.address, self.timeout = address, timeout
         self._channel = grpc.insecure_channel(address, options=[
             ("grpc.max_receive_message_length", 256 << 20)])
-        self._stub = refit_pb2_grpc.RefitControlStub(self._channel)
+        self._stub = _rpc.Stub(self._channel, "RefitControl")
 
     def _call(self, method, request, timeout=None):
         try:

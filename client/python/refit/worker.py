@@ -31,7 +31,8 @@ import time
 import grpc
 
 from refit import dtypes, export, handles, layout_io
-from refit._proto import refit_pb2, refit_pb2_grpc
+from refit import _rpc
+from refit._proto import refit_pb2
 
 log = logging.getLogger("refit.worker")
 
@@ -138,7 +139,7 @@ class Worker:
         self.worker_id = None
         self.registrations = 0
         self._channel = grpc.insecure_channel(daemon, options=KEEPALIVE)
-        self._stub = refit_pb2_grpc.RefitWorkerStub(self._channel)
+        self._stub = _rpc.Stub(self._channel, "RefitWorker")
         self._register(timeout=register_timeout, wait_for_ready=True)
         self._thread = threading.Thread(target=self._session_loop, name=f"refit-worker-{self.name}",
                                         daemon=True)

@@ -9,6 +9,7 @@ packages=(
   libspdlog-dev libfmt-dev catch2 libabsl-dev
   clang libclang-rt-14-dev
   python3-numpy python3-matplotlib bc
+  python3-grpcio python3-protobuf python3-torch python3-pip python3-venv python3-setuptools python3-wheel
 )
 missing=()
 for p in "${packages[@]}"; do

@@ -202,44 +202,100 @@ absl::Status AddMegatronRank(Builder& b, const ModelConfig& m, const TrainerPara
   return absl::OkStatus();
 }
 
-absl::StatusOr<Layout> MakeFsdpLayout(const ModelConfig& m, const TrainerParallelism& p,
-                                      const PlacementOptions& where, DType dtype) {
-  Builder b(m, dtype);
-  const int64_t world = p.fsdp;
+// ---------------------------------------------------------------------------------------------
+// Trainer, FSDP1 and FSDP2 (see the header for the conventions and the sources they follow).
+
+// Workers of an FSDP (or HSDP) trainer, by rank = replica * shards + shard.
+std::vector<int32_t> FsdpWorkers(Builder& b, const TrainerParallelism& p, const PlacementOptions& where) {
   std::vector<int32_t> workers;
-  for (int64_t r = 0; r < world; ++r) {
+  for (int64_t r = 0; r < p.World(); ++r) {
     workers.push_back(b.Worker(absl::StrCat("fsdp-rank", r), static_cast<int32_t>(r), where));
   }
-  // Units: the embedding, each layer, the final norm and head (FSDP wraps each block).
+  return workers;
+}
+
+// FSDP1: one FlatParameter per wrapped unit. Alignment (use_orig_params=True only), from
+// torch/distributed/fsdp/_flat_param.py: FlatParamHandle.__init__ sets align_addresses =
+// use_orig_params and aligned_numel = _get_aligned_numel(unsharded_dtype=_fwd_bwd_param_dtype)
+// = 16 // element size; _init_flat_param_and_metadata then, before each parameter, inserts
+// aligned_numel - total % aligned_numel padding elements when that is strictly between 0 and
+// aligned_numel, and after the last one pads to a multiple of the world size the same way.
+// Sharding (_get_shard / _get_unpadded_shard): torch.chunk of the flat parameter into world
+// chunks, each rank's chunk right-padded to chunks[0].numel() = ceil(numel / world) (a rank past
+// the last chunk holds padding only).
+absl::StatusOr<Layout> MakeFsdp1Layout(const ModelConfig& m, const TrainerParallelism& p,
+                                       const PlacementOptions& where, DType dtype) {
+  Builder b(m, dtype);
+  const int64_t shards = p.fsdp;
+  const std::vector<int32_t> workers = FsdpWorkers(b, p, where);
+  const int64_t aligned =
+      p.fsdp_use_orig_params ? 16 / DTypeSize(p.fsdp_param_dtype.value_or(dtype)) : 0;
   const int64_t L = m.num_hidden_layers;
-  for (int64_t unit = -1; unit <= L; ++unit) {
-    std::vector<int32_t> members;
-    int64_t total = 0;
+  // Units in module order: the root (everything outside the decoder layers), then each layer.
+  for (int64_t unit = -1; unit < L; ++unit) {
+    std::vector<int32_t> params, module_buffers;
     for (size_t i = 0; i < b.defs().size(); ++i) {
-      const int64_t layer = std::min(b.defs()[i].layer, L);
-      if (layer == unit) {
-        members.push_back(static_cast<int32_t>(i));
-        total += b.defs()[i].shape.NumElements();
+      const TensorDef& def = b.defs()[i];
+      const bool in_unit = unit < 0 ? (def.layer < 0 || def.layer >= L) : def.layer == unit;
+      if (!in_unit) continue;
+      (def.buffer ? module_buffers : params).push_back(static_cast<int32_t>(i));
+    }
+    // Flat offsets of the parameters, and the flat parameter's numel.
+    std::vector<int64_t> offsets;
+    int64_t total = 0;
+    for (int32_t ti : params) {
+      if (aligned > 0) {
+        const int64_t pad = aligned - total % aligned;
+        if (pad > 0 && pad < aligned) total += pad;
+      }
+      offsets.push_back(total);
+      total += b.defs()[ti].shape.NumElements();
+    }
+    if (aligned > 0) {
+      const int64_t pad = shards - total % shards;
+      if (pad > 0 && pad < shards) total += pad;
+    }
+    const int64_t shard = (total + shards - 1) / shards;
+    const std::string name =
+        unit < 0 ? "flat_param" : absl::StrCat("flat_param.model.layers.", unit);
+    for (int64_t r = 0; r < p.World(); ++r) {
+      const int64_t s = r % shards;
+      const int32_t buf = b.Buffer(workers[r], name, Dims{shard});
+      const int64_t lo = s * shard, hi = (s + 1) * shard;
+      for (size_t k = 0; k < params.size(); ++k) {
+        const Dims& shape = b.defs()[params[k]].shape;
+        const int64_t start = offsets[k], n = shape.NumElements();
+        const int64_t a = std::max(lo, start), e = std::min(hi, start + n);
+        if (a >= e) continue;
+        for (const Box& box : FlatRangeToBoxes(shape, a - start, e - start)) {
+          b.PutFlat(params[k], box, buf, LinearIndex(box.origin_dims(), shape) + start - lo);
+        }
+      }
+      for (int32_t ti : module_buffers) {
+        b.Own(workers[r], b.defs()[ti].name, ti, Box::Whole(b.defs()[ti].shape));
       }
     }
-    if (members.empty()) continue;
-    const int64_t shard = RoundUp(total, world) / world;
-    const std::string name = unit < 0    ? "flat_param.embed"
-                             : unit == L ? "flat_param.head"
-                                         : absl::StrCat("flat_param.layers.", unit);
-    for (int64_t r = 0; r < world; ++r) {
-      const int32_t buf = b.Buffer(workers[r], name, Dims{shard});
-      const int64_t lo = r * shard, hi = (r + 1) * shard;
-      int64_t start = 0;
-      for (int32_t ti : members) {
-        const Dims& shape = b.defs()[ti].shape;
-        const int64_t n = shape.NumElements();
-        const int64_t a = std::max(lo, start), e = std::min(hi, start + n);
-        for (const Box& box : FlatRangeToBoxes(shape, a - start, std::max(a, e) - start)) {
-          b.PutFlat(ti, box, buf, LinearIndex(box.origin_dims(), shape) + start - lo);
-        }
-        start += n;
+  }
+  return b.Take();
+}
+
+// FSDP2: per parameter, torch.chunk on dim 0 (_chunk_with_empty); an empty chunk is no buffer.
+absl::StatusOr<Layout> MakeFsdp2Layout(const ModelConfig& m, const TrainerParallelism& p,
+                                       const PlacementOptions& where, DType dtype) {
+  Builder b(m, dtype);
+  const int64_t shards = p.fsdp2;
+  const std::vector<int32_t> workers = FsdpWorkers(b, p, where);
+  for (int64_t r = 0; r < p.World(); ++r) {
+    const int64_t s = r % shards;
+    for (size_t i = 0; i < b.defs().size(); ++i) {
+      const TensorDef& def = b.defs()[i];
+      if (def.buffer || def.shape.rank == 0) {
+        b.Own(workers[r], def.name, static_cast<int32_t>(i), Box::Whole(def.shape));
+        continue;
       }
+      const int64_t rows = def.shape[0], chunk = (rows + shards - 1) / shards;
+      const int64_t r0 = std::min(s * chunk, rows), r1 = std::min((s + 1) * chunk, rows);
+      b.Own(workers[r], def.name, static_cast<int32_t>(i), RowsOf(def.shape, r0, r1));  // none if empty
     }
   }
   return b.Take();
@@ -377,16 +433,100 @@ absl::Status CheckPositive(std::initializer_list<std::pair<const char*, int32_t>
   return absl::OkStatus();
 }
 
+// "<framework> needs tp (3) to divide num_attention_heads (32)" unless `value` % tp == 0.
+absl::Status CheckDivides(const char* framework, const char* what, int64_t tp, const char* field,
+                          int64_t value) {
+  if (value % tp == 0) return absl::OkStatus();
+  return absl::InvalidArgumentError(absl::StrCat(framework, " needs ", what, " (", tp,
+                                                 ") to divide ", field, " (", value, ")"));
+}
+
+bool AnyDenseLayer(const ModelConfig& m) {
+  for (int64_t l = 0; l < m.num_hidden_layers; ++l) {
+    if (!m.IsMoeLayer(l)) return true;
+  }
+  return false;
+}
+
+bool AnyMoeLayer(const ModelConfig& m) {
+  for (int64_t l = 0; l < m.num_hidden_layers; ++l) {
+    if (m.IsMoeLayer(l)) return true;
+  }
+  return false;
+}
+
+// The heads and widths a tensor-parallel group of `tp` splits, as both Megatron and vLLM need them
+// divisible. KV heads (standard attention only): Megatron splits query groups, so tp must divide
+// them; vLLM also replicates them, so either may divide the other. Experts' widths only when
+// `experts_split` (they are tensor-parallel).
+absl::Status CheckTensorParallel(const char* framework, const ModelConfig& m, int64_t tp,
+                                 bool experts_split, bool kv_replicable) {
+  if (auto s = CheckDivides(framework, "tp", tp, "num_attention_heads", m.num_attention_heads); !s.ok()) {
+    return s;
+  }
+  const int64_t kv = m.num_key_value_heads;
+  if (m.kv_lora_rank == 0 && kv % tp != 0) {
+    if (!kv_replicable) return CheckDivides(framework, "tp", tp, "num_key_value_heads", kv);
+    if (tp % kv != 0) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          framework, " needs tp (", tp, ") and num_key_value_heads (", kv,
+          ") to divide one another (kv heads are split, or replicated tp / kv_heads times)"));
+    }
+  }
+  if (AnyDenseLayer(m)) {
+    if (auto s = CheckDivides(framework, "tp", tp, "intermediate_size", m.intermediate_size); !s.ok()) {
+      return s;
+    }
+  }
+  if (!AnyMoeLayer(m)) return absl::OkStatus();
+  if (experts_split) {
+    if (auto s = CheckDivides(framework, "tp", tp, "moe_intermediate_size", m.moe_intermediate_size);
+        !s.ok()) {
+      return s;
+    }
+  }
+  if (m.n_shared_experts > 0) {
+    if (auto s = CheckDivides(framework, "tp", tp, "the shared experts' intermediate size",
+                              m.n_shared_experts * m.moe_intermediate_size);
+        !s.ok()) {
+      return s;
+    }
+  }
+  if (m.shared_expert_intermediate_size > 0) {
+    if (auto s = CheckDivides(framework, "tp", tp, "shared_expert_intermediate_size",
+                              m.shared_expert_intermediate_size);
+        !s.ok()) {
+      return s;
+    }
+  }
+  return absl::OkStatus();
+}
+
 }  // namespace
 
 absl::StatusOr<Layout> MakeTrainerLayout(const ModelConfig& m, const TrainerParallelism& p,
                                          const PlacementOptions& where, DType dtype) {
   if (auto s = CheckPositive({{"gpus per node", where.gpus_per_node}}); !s.ok()) return s;
-  if (p.fsdp > 0) {
+  if (p.fsdp > 0 && p.fsdp2 > 0) {
+    return absl::InvalidArgumentError("choose FSDP1 (fsdp) or FSDP2 (fsdp2), not both");
+  }
+  if (p.fsdp_use_orig_params && p.fsdp <= 0) {
+    return absl::InvalidArgumentError("use_orig_params is an FSDP1 setting: it needs fsdp > 0");
+  }
+  if (p.fsdp_param_dtype.has_value() && p.fsdp <= 0) {
+    return absl::InvalidArgumentError("the FSDP1 param dtype needs fsdp > 0");
+  }
+  if (p.fsdp > 0 || p.fsdp2 > 0) {
     if (p.tp != 1 || p.pp != 1 || p.ep != 1 || p.cp != 1) {
-      return absl::InvalidArgumentError("FSDP here shards everything over its ranks: tp, pp, ep and cp must be 1");
+      return absl::InvalidArgumentError(
+          "FSDP here shards everything over its ranks: tp, pp, ep and cp must be 1");
     }
-    return MakeFsdpLayout(m, p, where, dtype);
+    if (auto s = CheckPositive({{"dp (FSDP replicas)", p.dp}}); !s.ok()) return s;
+    return p.fsdp > 0 ? MakeFsdp1Layout(m, p, where, dtype) : MakeFsdp2Layout(m, p, where, dtype);
+  }
+  if (p.fsdp < 0 || p.fsdp2 < 0) {
+    return absl::InvalidArgumentError(absl::StrCat("fsdp (", p.fsdp, ") and fsdp2 (", p.fsdp2,
+                                                   ") must be >= 0"));
   }
   if (auto s = CheckPositive({{"tp", p.tp}, {"pp", p.pp}, {"ep", p.ep}, {"dp", p.dp}, {"cp", p.cp}});
       !s.ok()) {
@@ -403,6 +543,18 @@ absl::StatusOr<Layout> MakeTrainerLayout(const ModelConfig& m, const TrainerPara
   if (m.num_experts > 0 && p.ep > m.num_experts) {
     return absl::InvalidArgumentError(absl::StrCat("ep (", p.ep, ") exceeds the number of experts (",
                                                    m.num_experts, ")"));
+  }
+  // Megatron-LM: TransformerConfig needs num_attention_heads and num_query_groups divisible by
+  // the tensor-parallel size, the parallel linears divide their widths (ensure_divisibility),
+  // and MoELayer needs num_moe_experts divisible by the expert-parallel size.
+  if (auto s = CheckTensorParallel("Megatron", m, p.tp, /*experts_split=*/true, /*kv_replicable=*/false);
+      !s.ok()) {
+    return s;
+  }
+  if (AnyMoeLayer(m)) {
+    if (auto s = CheckDivides("Megatron", "ep", p.ep, "the number of experts", m.num_experts); !s.ok()) {
+      return s;
+    }
   }
   Builder b(m, dtype);
   for (int64_t stage = 0; stage < p.pp; ++stage) {
@@ -429,6 +581,21 @@ absl::StatusOr<Layout> MakeInferenceLayout(const ModelConfig& m, const Inference
   if (p.expert_parallel && m.num_experts > 0 && p.World() > m.num_experts) {
     return absl::InvalidArgumentError(absl::StrCat("expert parallelism over ", p.World(),
                                                    " ranks exceeds the number of experts (", m.num_experts, ")"));
+  }
+  // vLLM: ModelConfig.verify_with_parallel_config needs num_attention_heads divisible by tp;
+  // QKVParallelLinear divides the kv heads by tp or replicates them tp / kv times (divide() both
+  // ways); Merged/ColumnParallelLinear and RowParallelLinear divide their widths; FusedMoE
+  // divides moe_intermediate_size unless experts are expert-parallel; the MoE blocks (Qwen-MoE,
+  // DeepSeek) raise when tp exceeds the number of experts.
+  if (auto s = CheckTensorParallel("vLLM", m, p.tp, /*experts_split=*/!p.expert_parallel,
+                                   /*kv_replicable=*/true);
+      !s.ok()) {
+    return s;
+  }
+  if (AnyMoeLayer(m) && p.tp > m.num_experts) {
+    return absl::InvalidArgumentError(absl::StrCat("vLLM refuses tp (", p.tp,
+                                                   ") greater than the number of experts (",
+                                                   m.num_experts, ")"));
   }
   Builder b(m, dtype);
   for (int64_t d = 0; d < p.dp; ++d) {

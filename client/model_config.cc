@@ -2,6 +2,7 @@
 
 #include <algorithm>
 
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "google/protobuf/struct.pb.h"
 #include "google/protobuf/util/json_util.h"
@@ -63,6 +64,18 @@ absl::StatusOr<ModelConfig> ParseModelConfig(absl::string_view json) {
   }
   ModelConfig c;
   c.model_type = String(s, "model_type");
+  if (c.model_type.empty()) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "config.json: missing \"model_type\" (supported: ", kSupportedModelTypes, ")"));
+  }
+  if (!absl::StrContains(absl::StrCat(", ", kSupportedModelTypes, ","),
+                         absl::StrCat(", ", c.model_type, ","))) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "config.json: model_type \"", c.model_type,
+        "\" is not supported: its tensors are not modeled faithfully here (supported: ",
+        kSupportedModelTypes, ")"));
+  }
+  const bool qwen2_family = c.model_type == "qwen2" || c.model_type == "qwen2_moe";
   ASSIGN_INT(hidden_size, "hidden_size", true, 0);
   ASSIGN_INT(num_attention_heads, "num_attention_heads", true, 0);
   ASSIGN_INT(num_key_value_heads, "num_key_value_heads", false, c.num_attention_heads);
@@ -75,7 +88,19 @@ absl::StatusOr<ModelConfig> ParseModelConfig(absl::string_view json) {
   }
   ASSIGN_INT(head_dim, "head_dim", false, c.hidden_size / c.num_attention_heads);
   c.tie_word_embeddings = Bool(s, "tie_word_embeddings", false);
-  c.attention_bias = Bool(s, "attention_bias", c.model_type == "qwen2" || c.model_type == "qwen2_moe");
+  // Qwen2's q/k/v projections always have biases (bias=True in modeling_qwen2.py, whatever the
+  // config says) and its o_proj never has one. Elsewhere attention_bias also gives o_proj (and, for
+  // DeepSeek, q_a_proj and kv_a_proj_with_mqa) a bias, which the generators do not model.
+  if (qwen2_family) {
+    c.attention_bias = Bool(s, "qkv_bias", true);
+  } else if (Bool(s, "attention_bias", false)) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "config.json: \"attention_bias\": true is not supported for model_type \"", c.model_type,
+        "\" (its o_proj bias is not modeled)"));
+  }
+  if (Bool(s, "mlp_bias", false)) {
+    return absl::InvalidArgumentError("config.json: \"mlp_bias\": true is not supported (MLP biases are not modeled)");
+  }
   c.qk_norm = c.model_type == "qwen3" || c.model_type == "qwen3_moe";
   if (const std::string dtype = String(s, "torch_dtype"); !dtype.empty()) {
     auto d = ParseDType(dtype);
@@ -89,7 +114,31 @@ absl::StatusOr<ModelConfig> ParseModelConfig(absl::string_view json) {
   ASSIGN_INT(shared_expert_intermediate_size, "shared_expert_intermediate_size", false, 0);
   ASSIGN_INT(first_k_dense_replace, "first_k_dense_replace", false, 0);
   ASSIGN_INT(moe_layer_freq, "moe_layer_freq", false, 1);
+  if (c.DeepSeekStyle() && c.moe_layer_freq != 1) {
+    // transformers' DeepseekV3DecoderLayer ignores moe_layer_freq; vLLM's honors it.
+    return absl::InvalidArgumentError(absl::StrCat(
+        "config.json: \"moe_layer_freq\": ", c.moe_layer_freq,
+        " is not supported (transformers and vLLM disagree on which layers are MoE)"));
+  }
+  if (c.model_type == "qwen2_moe" || c.model_type == "qwen3_moe") {
+    ASSIGN_INT(decoder_sparse_step, "decoder_sparse_step", false, 1);
+    if (c.decoder_sparse_step == 0) {
+      return absl::InvalidArgumentError("config.json: \"decoder_sparse_step\" must be positive");
+    }
+    if (auto it = s.fields().find("mlp_only_layers");
+        it != s.fields().end() && it->second.kind_case() == Value::kListValue) {
+      for (const Value& v : it->second.list_value().values()) {
+        if (v.kind_case() != Value::kNumberValue || v.number_value() < 0 ||
+            v.number_value() != static_cast<double>(static_cast<int64_t>(v.number_value()))) {
+          return absl::InvalidArgumentError(
+              "config.json: \"mlp_only_layers\" must list non-negative integers");
+        }
+        c.mlp_only_layers.push_back(static_cast<int64_t>(v.number_value()));
+      }
+    }
+  }
   c.router_bias = String(s, "topk_method") == "noaux_tc";
+  c.router_bias_is_buffer = c.model_type == "deepseek_v3";
   ASSIGN_INT(q_lora_rank, "q_lora_rank", false, 0);
   ASSIGN_INT(kv_lora_rank, "kv_lora_rank", false, 0);
   ASSIGN_INT(qk_nope_head_dim, "qk_nope_head_dim", false, 0);
@@ -100,7 +149,8 @@ absl::StatusOr<ModelConfig> ParseModelConfig(absl::string_view json) {
     return absl::InvalidArgumentError(
         "config.json: a mixture-of-experts model needs \"moe_intermediate_size\"");
   }
-  const bool any_dense = c.num_experts == 0 || c.first_k_dense_replace > 0 || c.moe_layer_freq > 1;
+  bool any_dense = false;
+  for (int64_t l = 0; l < c.num_hidden_layers; ++l) any_dense |= !c.IsMoeLayer(l);
   if (any_dense && c.intermediate_size == 0) {
     return absl::InvalidArgumentError("config.json: missing \"intermediate_size\"");
   }

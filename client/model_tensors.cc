@@ -31,7 +31,7 @@ std::vector<TensorDef> ModelTensors(const ModelConfig& c) {
   add("model.embed_tokens.weight", Dims{c.vocab_size, H}, Role::kEmbedding, -1);
   for (int64_t l = 0; l < L; ++l) {
     const std::string p = absl::StrCat("model.layers.", l, ".");
-    add(p + "input_layernorm.weight", Dims{H}, Role::kReplicated, l);
+    // self_attn (modeling_llama.py, modeling_qwen2.py, modeling_qwen3.py, modeling_deepseek_v3.py).
     if (c.kv_lora_rank > 0) {
       const int64_t qk = c.qk_nope_head_dim + c.qk_rope_head_dim;
       const int64_t heads = c.num_attention_heads;
@@ -50,40 +50,53 @@ std::vector<TensorDef> ModelTensors(const ModelConfig& c) {
           c.qk_nope_head_dim + c.v_head_dim);
       add(p + "self_attn.o_proj.weight", Dims{H, heads * c.v_head_dim}, Role::kO, l, c.v_head_dim);
     } else {
-      const int64_t hd = c.head_dim;
-      add(p + "self_attn.q_proj.weight", Dims{c.num_attention_heads * hd, H}, Role::kQ, l, hd);
-      add(p + "self_attn.k_proj.weight", Dims{c.num_key_value_heads * hd, H}, Role::kK, l, hd);
-      add(p + "self_attn.v_proj.weight", Dims{c.num_key_value_heads * hd, H}, Role::kV, l, hd);
-      if (c.attention_bias) {
-        add(p + "self_attn.q_proj.bias", Dims{c.num_attention_heads * hd}, Role::kQ, l, hd);
-        add(p + "self_attn.k_proj.bias", Dims{c.num_key_value_heads * hd}, Role::kK, l, hd);
-        add(p + "self_attn.v_proj.bias", Dims{c.num_key_value_heads * hd}, Role::kV, l, hd);
-      }
-      if (c.qk_norm) {
+      const int64_t hd = c.head_dim, q = c.num_attention_heads * hd, kv = c.num_key_value_heads * hd;
+      // Each nn.Linear registers its weight, then its bias.
+      add(p + "self_attn.q_proj.weight", Dims{q, H}, Role::kQ, l, hd);
+      if (c.attention_bias) add(p + "self_attn.q_proj.bias", Dims{q}, Role::kQ, l, hd);
+      add(p + "self_attn.k_proj.weight", Dims{kv, H}, Role::kK, l, hd);
+      if (c.attention_bias) add(p + "self_attn.k_proj.bias", Dims{kv}, Role::kK, l, hd);
+      add(p + "self_attn.v_proj.weight", Dims{kv, H}, Role::kV, l, hd);
+      if (c.attention_bias) add(p + "self_attn.v_proj.bias", Dims{kv}, Role::kV, l, hd);
+      add(p + "self_attn.o_proj.weight", Dims{H, q}, Role::kO, l, hd);
+      if (c.qk_norm) {  // Qwen3 registers q_norm and k_norm after o_proj
         add(p + "self_attn.q_norm.weight", Dims{hd}, Role::kReplicated, l);
         add(p + "self_attn.k_norm.weight", Dims{hd}, Role::kReplicated, l);
       }
-      add(p + "self_attn.o_proj.weight", Dims{H, c.num_attention_heads * hd}, Role::kO, l, hd);
     }
-    add(p + "post_attention_layernorm.weight", Dims{H}, Role::kReplicated, l);
+    // mlp
     if (!c.IsMoeLayer(l)) {
       mlp(p + "mlp.", c.intermediate_size, l, -1, false);
-      continue;
+    } else {
+      auto router = [&] {
+        add(p + "mlp.gate.weight", Dims{c.num_experts, H}, Role::kReplicated, l);
+        if (c.router_bias) {
+          add(p + "mlp.gate.e_score_correction_bias", Dims{c.num_experts}, Role::kReplicated, l)
+              ->buffer = c.router_bias_is_buffer;
+        }
+      };
+      auto experts = [&] {
+        for (int64_t e = 0; e < c.num_experts; ++e) {
+          mlp(absl::StrCat(p, "mlp.experts.", e, "."), c.moe_intermediate_size, l, e, false);
+        }
+      };
+      if (c.DeepSeekStyle()) {  // DeepseekV3MoE: experts, gate, shared_experts
+        experts();
+        router();
+      } else {  // Qwen2MoeSparseMoeBlock / Qwen3MoeSparseMoeBlock: gate, experts, shared_expert
+        router();
+        experts();
+      }
+      if (c.n_shared_experts > 0) {
+        mlp(p + "mlp.shared_experts.", c.n_shared_experts * c.moe_intermediate_size, l, -1, true);
+      }
+      if (c.shared_expert_intermediate_size > 0) {
+        mlp(p + "mlp.shared_expert.", c.shared_expert_intermediate_size, l, -1, true);
+        add(p + "mlp.shared_expert_gate.weight", Dims{1, H}, Role::kReplicated, l);
+      }
     }
-    add(p + "mlp.gate.weight", Dims{c.num_experts, H}, Role::kReplicated, l);
-    if (c.router_bias) {
-      add(p + "mlp.gate.e_score_correction_bias", Dims{c.num_experts}, Role::kReplicated, l);
-    }
-    for (int64_t e = 0; e < c.num_experts; ++e) {
-      mlp(absl::StrCat(p, "mlp.experts.", e, "."), c.moe_intermediate_size, l, e, false);
-    }
-    if (c.n_shared_experts > 0) {
-      mlp(p + "mlp.shared_experts.", c.n_shared_experts * c.moe_intermediate_size, l, -1, true);
-    }
-    if (c.shared_expert_intermediate_size > 0) {
-      mlp(p + "mlp.shared_expert.", c.shared_expert_intermediate_size, l, -1, true);
-      add(p + "mlp.shared_expert_gate.weight", Dims{1, H}, Role::kReplicated, l);
-    }
+    add(p + "input_layernorm.weight", Dims{H}, Role::kReplicated, l);
+    add(p + "post_attention_layernorm.weight", Dims{H}, Role::kReplicated, l);
   }
   add("model.norm.weight", Dims{H}, Role::kReplicated, L);
   if (!c.tie_word_embeddings) add("lm_head.weight", Dims{c.vocab_size, H}, Role::kLmHead, L);

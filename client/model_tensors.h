@@ -1,5 +1,22 @@
 // The logical tensors of a model, by their Hugging Face names, with what each one is: the
 // generators decide from `role` how trainers and engines shard it.
+//
+// ModelTensors lists them in the order the Hugging Face module yields them from
+// named_parameters() (module registration order, transformers 4.x; tied weights once), with
+// module buffers that the checkpoint holds (DeepSeek-V3's e_score_correction_bias) at their
+// module's place: FSDP flattens a unit's parameters in exactly this order. Per decoder layer:
+//   self_attn: q_proj.weight, [q_proj.bias], k_proj.weight, [k_proj.bias], v_proj.weight,
+//              [v_proj.bias], o_proj.weight, [q_norm.weight, k_norm.weight (Qwen3)]
+//     or, latent (DeepSeek): q_a_proj, q_a_layernorm, q_b_proj (or q_proj), kv_a_proj_with_mqa,
+//              kv_a_layernorm, kv_b_proj, o_proj
+//   mlp (dense): gate_proj, up_proj, down_proj
+//     or (Qwen-MoE): gate, experts.0..E-1.{gate_proj, up_proj, down_proj},
+//              [shared_expert.{gate_proj, up_proj, down_proj}, shared_expert_gate]
+//     or (DeepSeek): experts.0..E-1.{...}, gate.weight, [gate.e_score_correction_bias],
+//              [shared_experts.{gate_proj, up_proj, down_proj}]
+//   input_layernorm.weight, post_attention_layernorm.weight
+// before the layers model.embed_tokens.weight; after them model.norm.weight, lm_head.weight
+// (omitted when tied to the embedding).
 #pragma once
 
 #include <string>
@@ -32,6 +49,7 @@ struct TensorDef {
   int64_t expert = -1;   // routed expert index, or -1
   bool shared = false;   // a shared expert's MLP (MoE layers), sharded like a dense MLP
   int64_t head_unit = 0; // rows (or columns) per head for head-split roles
+  bool buffer = false;   // a module buffer, not a parameter: FSDP leaves it whole on every rank
 };
 
 std::vector<TensorDef> ModelTensors(const ModelConfig& config);

@@ -3,6 +3,11 @@
 //
 //   refit-layout --config llama3-8b.json --side trainer --tp 4 --pp 2 --dp 2 -o trainer.json
 //   refit-layout --config llama3-8b.json --side inference --tp 2 --dp 2 --first-node 2 -o engine.json
+//   refit-layout --config llama3-8b.json --side trainer --fsdp2 8 [--dp 2] -o fsdp2.json
+//
+// A flag of the other side (--pp, --ep, --cp, --fsdp* for inference; --expert-parallel for a
+// trainer), a parallelism the framework refuses, or a model type not modeled faithfully: one line
+// naming it on stderr, exit code 2.
 #include <cstdio>
 #include <fstream>
 
@@ -11,22 +16,45 @@
 #include "client/layout_generator.h"
 #include "proto/layout_codec.h"
 
+namespace {
+
+// Whether argv names flag `name` (as --name, -name, --name=..., -name=...; CliFlags accepts all).
+bool Given(int argc, char** argv, const std::string& name) {
+  for (int i = 1; i < argc; ++i) {
+    std::string arg = argv[i];
+    if (arg.size() < 2 || arg[0] != '-') continue;
+    arg = arg.substr(arg[1] == '-' ? 2 : 1);
+    if (arg == name || arg.rfind(name + "=", 0) == 0) return true;
+  }
+  return false;
+}
+
+}  // namespace
+
 int main(int argc, char** argv) {
   using namespace refit;
-  std::string config_path, side, output, dtype_name;
-  int64_t tp = 1, pp = 1, ep = 1, dp = 1, cp = 1, fsdp = 0, gpus_per_node = 8, first_node = 0,
-          scale_down = 1, layers = 0;
-  bool expert_parallel = false;
+  std::string config_path, side, output, dtype_name, fsdp_param_dtype;
+  int64_t tp = 1, pp = 1, ep = 1, dp = 1, cp = 1, fsdp = 0, fsdp2 = 0, gpus_per_node = 8,
+          first_node = 0, scale_down = 1, layers = 0;
+  bool expert_parallel = false, use_orig_params = false;
   CliFlags flags("refit-layout", "--config CONFIG.json --side trainer|inference [parallelism] [-o OUT.json]");
   flags.String("config", &config_path, "the model's Hugging Face config.json");
-  flags.String("side", &side, "trainer (Megatron style) or inference (vLLM style)");
+  flags.String("side", &side, "trainer (Megatron or FSDP style) or inference (vLLM style)");
   flags.Int("tp", &tp, "tensor parallel size");
   flags.Int("pp", &pp, "pipeline parallel size (trainer)");
   flags.Int("ep", &ep, "expert parallel size (trainer; carved out of dp * cp)");
   flags.Bool("expert-parallel", &expert_parallel, "inference: experts split over all tp * dp ranks");
   flags.Int("dp", &dp, "data parallel size (replicas)");
   flags.Int("cp", &cp, "context parallel size (trainer; replicas of the weights)");
-  flags.Int("fsdp", &fsdp, "trainer: FSDP over this many ranks instead of Megatron parallelism");
+  flags.Int("fsdp", &fsdp, "trainer: FSDP1 (flat parameters, a unit per decoder layer) over this many ranks "
+                           "instead of Megatron parallelism; with --dp R, HSDP of R replicas");
+  flags.Int("fsdp2", &fsdp2, "trainer: FSDP2 (fully_shard, each parameter sharded on dim 0) over this many "
+                             "ranks; with --dp R, HSDP of R replicas");
+  flags.Bool("fsdp-use-orig-params", &use_orig_params,
+             "trainer, --fsdp: use_orig_params=True (each parameter aligned to 16 bytes in the flat parameter)");
+  flags.String("fsdp-param-dtype", &fsdp_param_dtype,
+               "trainer, --fsdp-use-orig-params: MixedPrecision param_dtype, which sets the alignment "
+               "(default: the weights' dtype)");
   flags.Int("gpus-per-node", &gpus_per_node, "GPUs per node: rank r sits on node first + r / G");
   flags.Int("first-node", &first_node, "index of this side's first node");
   flags.Int("scale-down", &scale_down, "divide every width by this factor (same structure, smaller)");
@@ -38,6 +66,42 @@ int main(int argc, char** argv) {
   if (config_path.empty()) flags.Fail("--config is required");
   if (side != "trainer" && side != "inference") flags.Fail("--side must be trainer or inference");
   if (scale_down < 1) flags.Fail("--scale-down must be >= 1");
+  // Each side takes only its framework's settings: refuse the other side's flags by name.
+  if (side == "inference") {
+    for (const char* name : {"pp", "ep", "cp"}) {
+      if (Given(argc, argv, name)) {
+        flags.Fail(absl::StrCat("--", name, " is a trainer flag: the inference side (vLLM) takes --tp, --dp "
+                                "and --expert-parallel (experts split over all tp * dp ranks)"));
+      }
+    }
+    for (const char* name : {"fsdp", "fsdp2", "fsdp-use-orig-params", "fsdp-param-dtype"}) {
+      if (Given(argc, argv, name)) {
+        flags.Fail(absl::StrCat("--", name, " is a trainer flag: the inference side (vLLM) takes --tp, --dp "
+                                "and --expert-parallel"));
+      }
+    }
+  } else {
+    if (Given(argc, argv, "expert-parallel")) {
+      flags.Fail("--expert-parallel is an inference flag: a Megatron trainer takes --ep N");
+    }
+    const bool fsdp_given = Given(argc, argv, "fsdp") || Given(argc, argv, "fsdp2");
+    if (fsdp_given) {
+      for (const char* name : {"tp", "pp", "ep", "cp"}) {
+        if (Given(argc, argv, name)) {
+          flags.Fail(absl::StrCat("--", name, " is a Megatron flag: an FSDP trainer shards everything over "
+                                  "its ranks (--fsdp or --fsdp2 N, --dp R for HSDP replicas)"));
+        }
+      }
+    }
+    if (!Given(argc, argv, "fsdp")) {
+      for (const char* name : {"fsdp-use-orig-params", "fsdp-param-dtype"}) {
+        if (Given(argc, argv, name)) flags.Fail(absl::StrCat("--", name, " is an FSDP1 flag: it needs --fsdp N"));
+      }
+    }
+    if (Given(argc, argv, "fsdp-param-dtype") && !use_orig_params) {
+      flags.Fail("--fsdp-param-dtype only sets the alignment of --fsdp-use-orig-params: give both");
+    }
+  }
   auto text = ReadFile(config_path);
   if (!text.ok()) flags.Fail(std::string(text.status().message()));
   auto parsed = ParseModelConfig(*text);
@@ -55,9 +119,18 @@ int main(int argc, char** argv) {
   if (side == "trainer") {
     TrainerParallelism p{static_cast<int32_t>(tp), static_cast<int32_t>(pp), static_cast<int32_t>(ep),
                          static_cast<int32_t>(dp), static_cast<int32_t>(cp), static_cast<int32_t>(fsdp)};
+    p.fsdp2 = static_cast<int32_t>(fsdp2);
+    p.fsdp_use_orig_params = use_orig_params;
+    if (!fsdp_param_dtype.empty()) {
+      auto d = ParseDType(fsdp_param_dtype);
+      if (!d.ok()) flags.Fail(absl::StrCat("--fsdp-param-dtype: ", d.status().message()));
+      p.fsdp_param_dtype = *d;
+    }
     layout = MakeTrainerLayout(model, p, where, dtype);
-    title = fsdp > 0 ? absl::StrCat("trainer FSDP", fsdp)
-                     : absl::StrCat("trainer TP", tp, " PP", pp, " EP", ep, " DP", dp, " CP", cp);
+    const std::string hsdp = dp > 1 ? absl::StrCat(" DP", dp) : "";
+    title = fsdp > 0    ? absl::StrCat("trainer FSDP", fsdp, hsdp, use_orig_params ? " use_orig_params" : "")
+            : fsdp2 > 0 ? absl::StrCat("trainer FSDP2-", fsdp2, hsdp)
+                        : absl::StrCat("trainer TP", tp, " PP", pp, " EP", ep, " DP", dp, " CP", cp);
   } else {
     InferenceParallelism p{static_cast<int32_t>(tp), static_cast<int32_t>(dp), expert_parallel};
     layout = MakeInferenceLayout(model, p, where, dtype);

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # refit-layout and refit-plan as a user runs them: real configs in, JSON summary out, bad input
-# gets one line and exit code 2.
+# (and, for refit-layout, a parallelism or model no framework runs) gets one line and exit code 2.
 set -uo pipefail
 layout=client/refit-layout
 plan=client/refit-plan
@@ -44,4 +44,33 @@ expect_2 "have no source" $plan --src "$tmp/partial.json" --dst "$tmp/dst.json"
 expect_2 "unknown flag" $plan --src "$tmp/src.json" --dst "$tmp/dst.json" --frobnicate
 expect_2 "required" $plan --src "$tmp/src.json"
 expect_2 "divide num_key_value_heads" $layout --config tests/configs/llama3-8b.json --side trainer --tp 16
+
+# refit-layout refuses what no framework runs, in one line, with exit code 2.
+llama=tests/configs/llama3-8b.json
+expect_2 "vLLM needs tp (3) to divide num_attention_heads (32)" $layout --config $llama --side inference --tp 3
+expect_2 "Megatron needs tp (3) to divide num_attention_heads (32)" $layout --config $llama --side trainer --tp 3
+expect_2 "vLLM needs tp (7) and num_key_value_heads (4) to divide one another" \
+  $layout --config tests/configs/qwen2.5-7b.json --side inference --tp 7
+expect_2 "vLLM needs tp (16) to divide moe_intermediate_size (24)" \
+  $layout --config tests/configs/qwen3-30b-a3b.json --scale-down 32 --side inference --tp 16
+expect_2 "\-\-pp is a trainer flag.*--expert-parallel" $layout --config $llama --side inference --tp 2 --pp 2
+expect_2 "\-\-ep is a trainer flag.*--expert-parallel" $layout --config $llama --side inference --ep=2
+expect_2 "\-\-cp is a trainer flag" $layout --config $llama --side inference --cp 2
+expect_2 "\-\-fsdp2 is a trainer flag" $layout --config $llama --side inference --fsdp2 4
+expect_2 "\-\-expert-parallel is an inference flag" $layout --config $llama --side trainer --expert-parallel
+expect_2 "\-\-tp is a Megatron flag" $layout --config $llama --side trainer --fsdp 4 --tp 2
+expect_2 "\-\-fsdp-use-orig-params is an FSDP1 flag" $layout --config $llama --side trainer --fsdp2 4 --fsdp-use-orig-params
+for type in gpt_oss gemma2 gemma3 made_up; do
+  sed "s/\"model_type\": \"llama\"/\"model_type\": \"$type\"/" $llama >"$tmp/$type.json"
+  expect_2 "model_type \"$type\" is not supported.*supported: llama, qwen2" \
+    $layout --config "$tmp/$type.json" --side trainer
+done
+
+# FSDP1 (use_orig_params), FSDP2 and HSDP trainers, planned and verified against vLLM engines.
+for trainer in "--fsdp 4 --fsdp-use-orig-params --fsdp-param-dtype bf16" "--fsdp2 6" "--fsdp2 3 --dp 2"; do
+  $layout --config tests/configs/qwen3-30b-a3b.json --scale-down 16 --layers 2 --side trainer $trainer \
+    -o "$tmp/fsdp.json" || fail "refit-layout $trainer"
+  out=$($plan --src "$tmp/fsdp.json" --dst "$tmp/dst.json" --verify --json) || fail "refit-plan $trainer: $out"
+  echo "$out" | grep -q '"verified":true' || fail "not verified ($trainer): $out"
+done
 echo "all refit-plan CLI checks passed"

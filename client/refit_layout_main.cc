@@ -84,8 +84,7 @@ int main(int argc, char** argv) {
     if (Given(argc, argv, "expert-parallel")) {
       flags.Fail("--expert-parallel is an inference flag: a Megatron trainer takes --ep N");
     }
-    const bool fsdp_given = Given(argc, argv, "fsdp") || Given(argc, argv, "fsdp2");
-    if (fsdp_given) {
+    if (fsdp != 0 || fsdp2 != 0) {
       for (const char* name : {"tp", "pp", "ep", "cp"}) {
         if (Given(argc, argv, name)) {
           flags.Fail(absl::StrCat("--", name, " is a Megatron flag: an FSDP trainer shards everything over "
@@ -93,7 +92,7 @@ int main(int argc, char** argv) {
         }
       }
     }
-    if (!Given(argc, argv, "fsdp")) {
+    if (fsdp <= 0) {
       for (const char* name : {"fsdp-use-orig-params", "fsdp-param-dtype"}) {
         if (Given(argc, argv, name)) flags.Fail(absl::StrCat("--", name, " is an FSDP1 flag: it needs --fsdp N"));
       }

@@ -451,6 +451,21 @@ TEST_CASE("FSDP2 shards every parameter on dim 0 as torch.chunk: uneven and empt
   }
 }
 
+TEST_CASE("FSDP2 ranks that hold nothing at all: still workers, validated and planned") {
+  // No tensor has more than 3 rows: over 8 ranks, ranks 3..7 hold no buffer.
+  const ModelConfig m = Parse(R"({"model_type": "llama", "hidden_size": 2, "num_attention_heads": 2,
+      "head_dim": 1, "num_key_value_heads": 1, "intermediate_size": 2, "num_hidden_layers": 1,
+      "vocab_size": 3})");
+  const Layout l = Trainer(m, Fsdp2(8));
+  REQUIRE(l.workers.size() == 8);
+  for (int r = 0; r < 8; ++r) {
+    CHECK(BufferNames(l, absl::StrCat("fsdp-rank", r)).empty() == (r >= 3));
+  }
+  CHECK(RowsPerRank(l, "model.embed_tokens.weight", 8) == std::vector<int64_t>{1, 1, 1, 0, 0, 0, 0, 0});
+  PlanAndVerify(l, m, {2, 1, false});
+  PlanAndVerify(l, m, {1, 4, false});
+}
+
 TEST_CASE("FSDP2 buffers are the parameters, by name, in named_parameters() order") {
   const ModelConfig m = Parse(kDeepSeek);
   const Layout l = Trainer(m, Fsdp2(2));

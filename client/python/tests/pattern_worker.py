@@ -32,6 +32,9 @@ def main():
     ap.add_argument("--refuse", default="", help="refuse every PREPARE with this reason")
     ap.add_argument("--blocking", action="store_true", help="serve rounds from the main thread")
     ap.add_argument("--numpy", action="store_true", help="numpy arrays even where torch exists")
+    ap.add_argument("--device", default="cpu", help="cpu (shared memory) or cuda (this process's cuda:0)")
+    ap.add_argument("--alloc", default="separate", choices=["separate", "interior"],
+                    help="cuda: one torch.empty per tensor, or every tensor a view inside one allocation")
     args = ap.parse_args()
     lock = threading.Lock()
 
@@ -41,20 +44,52 @@ def main():
 
     worker_proto, specs = layout_io.one_worker(args.layout, args.worker)
     total = sum(256 + 8 * max(1, int(__import__("math").prod(b.shape))) for b in worker_proto.buffers) + 4096
-    if args.numpy:
-        refit.shm.dtypes.have_torch = lambda: False
-    arena = refit.SharedArena(total)
-    tensors = {b.name: arena.empty(tuple(b.shape), b.dtype) for b in worker_proto.buffers}
+    mirror = None  # cuda: host copies for filling and checking
+    if args.device == "cuda":
+        import torch
+        from refit import dtypes
+        mirror = {b.name: torch.empty(tuple(b.shape), dtype=dtypes.torch_dtype(b.dtype)) for b in worker_proto.buffers}
+        if args.alloc == "interior":  # as a caching allocator hands out pieces of one segment
+            sizes = [(m.numel() * m.element_size() + 511) // 512 * 512 for m in mirror.values()]
+            blob = torch.empty(sum(sizes) + 512, dtype=torch.uint8, device="cuda")
+            tensors, at = {}, 512
+            for (name, m), size in zip(mirror.items(), sizes):
+                n = m.numel() * m.element_size()
+                tensors[name] = blob[at:at + n].view(m.dtype).view(m.shape)
+                at += size
+        else:
+            tensors = {name: torch.empty_like(m, device="cuda") for name, m in mirror.items()}
+    else:
+        if args.numpy:
+            refit.shm.dtypes.have_torch = lambda: False
+        arena = refit.SharedArena(total)
+        tensors = {b.name: arena.empty(tuple(b.shape), b.dtype) for b in worker_proto.buffers}
+
+    def to_device():
+        if mirror is not None:
+            for name, m in mirror.items():
+                tensors[name].copy_(m)
+            __import__("torch").cuda.synchronize()
+
+    def to_host():
+        if mirror is not None:
+            __import__("torch").cuda.synchronize()
+            for name, m in mirror.items():
+                m.copy_(tensors[name])
+
+    host = mirror if mirror is not None else tensors
     if args.role == "inference":
-        pattern.poison(tensors)
+        pattern.poison(host)
+        to_device()
 
     def on_prepare(version):
         if args.refuse:
             raise RuntimeError(args.refuse)
         if args.role == "trainer":
-            pattern.fill(worker_proto, specs, tensors, seed=version)
+            pattern.fill(worker_proto, specs, host, seed=version)
         else:
-            pattern.poison(tensors)
+            pattern.poison(host)
+        to_device()
         report(f"prepare {version}")
 
     def on_commit(version):
@@ -62,7 +97,8 @@ def main():
             report(f"commit {version}")
             return
         try:
-            n = pattern.check(worker_proto, specs, tensors, seed=version)
+            to_host()
+            n = pattern.check(worker_proto, specs, host, seed=version)
             report(f"commit {version} ok {n}")
         except AssertionError as e:
             report(f"commit {version} FAIL {e}")

@@ -99,7 +99,8 @@ absl::StatusOr<ModelConfig> ParseModelConfig(absl::string_view json) {
         "\" (its o_proj bias is not modeled)"));
   }
   if (Bool(s, "mlp_bias", false)) {
-    return absl::InvalidArgumentError("config.json: \"mlp_bias\": true is not supported (MLP biases are not modeled)");
+    return absl::InvalidArgumentError(
+        "config.json: \"mlp_bias\": true is not supported (MLP biases are not modeled)");
   }
   c.qk_norm = c.model_type == "qwen3" || c.model_type == "qwen3_moe";
   if (const std::string dtype = String(s, "torch_dtype"); !dtype.empty()) {

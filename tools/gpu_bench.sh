@@ -18,13 +18,14 @@ ceiling() {
   .device/bin/nccl_pair_bench --repeat 10 >>"$out/ceilings-2proc.jsonl" 2>>"$out/ceilings.err" || status=1
 }
 ceiling
+# (dis-s16 replaced dis-s12 once refit-layout refused Megatron TP4 on its intermediate size 1194.)
 # CASES: "label MODE CONFIG SCALE LAYERS MSG STAGING [ROUTING [ZERO_COPY_MIN [REGISTER [ENV,ENV]]]]" per line
 # (CASES env overrides the list; ENV: NCCL variables for the daemons, comma-separated).
 G=$((1 << 30)); M=$((1 << 20))
 default_cases="dis-8b disaggregated llama3-8b 1 0 $((64 * M)) $((2 * G))
 col-8b colocated llama3-8b 1 0 $((64 * M)) $((2 * G))
 dis-8b-staging256m disaggregated llama3-8b 1 0 $((64 * M)) $((256 * M))
-dis-s12 disaggregated llama3-8b 12 0 $((64 * M)) $((2 * G))
+dis-s16 disaggregated llama3-8b 16 0 $((64 * M)) $((2 * G))
 dis-s8 disaggregated llama3-8b 8 0 $((64 * M)) $((2 * G))
 dis-s4 disaggregated llama3-8b 4 0 $((64 * M)) $((2 * G))
 dis-s2 disaggregated llama3-8b 2 0 $((64 * M)) $((2 * G))
@@ -43,7 +44,7 @@ next_cases="dis-8b disaggregated llama3-8b 1 0 $((64 * M)) $((2 * G)) 1
 dis-8b-prio disaggregated llama3-8b 1 0 $((64 * M)) $((2 * G)) 1 $((16 * M)) 0 PRIORITY=1
 dis-small8k disaggregated many-small-moe 2 0 $((64 * M)) $((2 * G)) 1
 dis-small8k-prio disaggregated many-small-moe 2 0 $((64 * M)) $((2 * G)) 1 $((16 * M)) 0 PRIORITY=1
-dis-s12 disaggregated llama3-8b 12 0 $((64 * M)) $((2 * G)) 1
+dis-s16 disaggregated llama3-8b 16 0 $((64 * M)) $((2 * G)) 1
 dis-s8 disaggregated llama3-8b 8 0 $((64 * M)) $((2 * G)) 1
 dis-s2 disaggregated llama3-8b 2 0 $((64 * M)) $((2 * G)) 1"
 # The largest refit that fits 2 x H200 (SET=large; also the last default case): Qwen3-30B-A3B, 61 GB

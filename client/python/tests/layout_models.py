@@ -62,6 +62,11 @@ def _write(layout: dict, stem: str) -> str:
     return path
 
 
+def write_config(config: dict) -> str:
+    """A config.json in a temporary directory (removed at exit with the others)."""
+    return _write(config, "config")
+
+
 def plan_verify(src: dict, dst: dict) -> Tuple[int, str]:
     """Runs ``refit-plan --src --dst --verify``: (exit code, output)."""
     s, d = _write(src, "src"), _write(dst, "dst")
@@ -75,8 +80,9 @@ def plan_verify(src: dict, dst: dict) -> Tuple[int, str]:
 
 
 def refit_layout(model: str, *args: str) -> dict:
-    """refit-layout's JSON for tests/configs/<model>.json and the given flags."""
-    r = subprocess.run([tool("refit-layout"), "--config", config_path(model), *args],
+    """refit-layout's JSON for tests/configs/<model>.json (or a config.json path) and the flags."""
+    path = model if model.endswith(".json") else config_path(model)
+    r = subprocess.run([tool("refit-layout"), "--config", path, *args],
                        capture_output=True, text=True, timeout=120)
     if r.returncode != 0:
         raise RuntimeError(f"refit-layout {' '.join(args)} failed ({r.returncode}): {r.stderr}")
@@ -136,7 +142,11 @@ class Model:
 def load_model(name: str, scale_down: int = 1, layers: int = 0) -> Model:
     """tests/configs/<name>.json, widths divided by ``scale_down`` (at least 1 left), at most
     ``layers`` layers: refit-layout's --scale-down and --layers."""
-    c = json.loads(Path(config_path(name)).read_text())
+    return model_from_config(json.loads(Path(config_path(name)).read_text()), scale_down, layers)
+
+
+def model_from_config(c: dict, scale_down: int = 1, layers: int = 0) -> Model:
+    """A Model from a config.json dict (see load_model)."""
     mt = c.get("model_type", "")
     heads = int(c["num_attention_heads"])
     hidden = int(c["hidden_size"])

@@ -8,7 +8,9 @@ derived in Python and compared with refit-layout's JSON after normalising:
 * FSDP2 trainers (`--fsdp2`, once refit-layout has it): equal;
 * Megatron trainers: the same boxes per worker (Megatron fuses into other buffers), the
   vocabulary excepted (Megatron pads it to a multiple of 128 * tp before splitting, which DTensor's
-  Shard of the real vocabulary cannot express).
+  Shard of the real vocabulary cannot express);
+* seeded random dense and MoE configs (written to a temporary config.json) with random parallel
+  settings vLLM accepts: engines and FSDP2 trainers equal.
 
 Where refit-layout disagrees with the framework, the case lists the tensors it gets wrong in
 KNOWN (see the report in the docstring of each); the test then requires every difference to be
@@ -16,6 +18,7 @@ one of those, and passes silently once refit-layout is fixed. Each pair is also 
 Python trainer -> refit-layout engine and refit-layout trainer -> Python engine, verified.
 """
 
+import random
 import re
 import unittest
 
@@ -120,6 +123,55 @@ class EngineAgreementTest(unittest.TestCase):
                                       worker_name="trainer-rank{rank}")
                 ref_engine = lm.refit_layout(model, *engine_args(scale, layers, etp, edp, eep, 2))
                 rc, out = lm.plan_verify(mine, ref_engine)
+                self.assertEqual(rc, 0, out)
+
+
+class RandomConfigAgreementTest(unittest.TestCase):
+    """Seeded random dense and MoE configs and parallel settings vLLM accepts: the Python engine
+    and FSDP2 trainer equal refit-layout's, and the pair plans and verifies."""
+
+    def random_config(self, rng):
+        kv = rng.choice([1, 2, 4])
+        heads = kv * rng.choice([1, 2, 4])
+        c = {"model_type": rng.choice(["llama", "qwen2", "qwen3"]), "hidden_size": rng.choice([16, 24, 32]),
+             "num_attention_heads": heads, "num_key_value_heads": kv,
+             "head_dim": rng.choice([2, 4, 8]), "intermediate_size": 8 * rng.randint(1, 6),
+             "num_hidden_layers": rng.randint(1, 3), "vocab_size": rng.randint(30, 300),
+             "tie_word_embeddings": rng.random() < 0.3, "torch_dtype": "bfloat16"}
+        if rng.random() < 0.4:
+            c.update(model_type="qwen3_moe", num_experts=rng.randint(2, 12),
+                     moe_intermediate_size=4 * rng.randint(1, 4), decoder_sparse_step=rng.choice([1, 2]))
+        return c
+
+    def test_random(self):
+        rng = random.Random(7)
+        done = 0
+        while done < 30:
+            c = self.random_config(rng)
+            m = lm.model_from_config(c)
+            tp = rng.choice([t for t in (1, 2, 4, 8) if m.heads % t == 0 and (
+                m.kv_heads % t == 0 or t % m.kv_heads == 0) and m.inter % t == 0])
+            ep = m.experts > 0 and rng.random() < 0.5
+            dp = rng.choice([1, 2]) if (ep or not m.experts) else 1  # see MOE_DP_WITHOUT_EP
+            if m.experts and not ep and m.moe_inter % (tp * dp) or ep and tp * dp > m.experts:
+                continue
+            done += 1
+            label = f"{c} tp{tp} dp{dp} ep{ep}"
+            with self.subTest(label):
+                path = lm.write_config(c)
+                cfg = EngineConfig.from_hf_config(lm.hf_config(m), tp_size=tp, dp_size=dp,
+                                                  expert_parallel=ep)
+                engine = engine_layout(lambda d, t: lm.vllm_params(m, tp, t, dp, d, ep), cfg,
+                                       placement=RankPlacement(first_node=3))
+                ref = lm.refit_layout(path, *engine_args(1, 0, tp, dp, ep, first_node=3))
+                self.assertEqual(diff_layouts(engine, ref, names=("vllm", "refit-layout")), [], label)
+                shards = rng.randint(1, 5)
+                trainer = trainer_layout(lm.fsdp2_specs(m, shards), (1, shards))
+                if lm.refit_layout_has_flag("fsdp2"):
+                    ref = lm.refit_layout(path, "--side", "trainer", "--fsdp2", str(shards))
+                    self.assertEqual(diff_layouts(trainer, ref, names=("fsdp2", "refit-layout")), [],
+                                     label)
+                rc, out = lm.plan_verify(trainer, engine)
                 self.assertEqual(rc, 0, out)
 
 

@@ -356,7 +356,8 @@ def engine_worker(params: Any, config: EngineConfig, *, placement: RankPlacement
             continue
         if leaf not in _LEAVES:
             raise LayoutError(f"vLLM parameter {name!r}: leaf {leaf!r} is not a weight or bias "
-                              "(quantization scales and other state are not placed)")
+                              "(quantization scales and other state are not placed; leave it out "
+                              "with skip=)")
         parts = list(config.packed_modules.get(module, [module]))
         rules = [_rule(config, p, name) for p in parts]
         tp, t = config.tp_size, config.tp_rank

@@ -74,6 +74,49 @@ absl::StatusOr<SharedMemory> SharedMemory::Open(const std::string& name, size_t 
   return m;
 }
 
+absl::StatusOr<SharedMemory> SharedMemory::CreateAnonymous(const std::string& tag, size_t bytes) {
+  const int fd = memfd_create(absl::StrCat("refit-", tag).c_str(), MFD_CLOEXEC | MFD_ALLOW_SEALING);
+  if (fd < 0) return Errno(absl::StrCat("memfd_create(\"", tag, "\")"));
+  SharedMemory m;
+  m.name_ = absl::StrCat("memfd:refit-", tag);
+  m.fd_ = fd;  // owned from here on: every failure below closes it
+  const size_t size = bytes == 0 ? 1 : bytes;  // mmap refuses 0 bytes
+  if (ftruncate(fd, static_cast<off_t>(size)) != 0) return Errno(absl::StrCat("ftruncate(", m.name_, ", ", size, ")"));
+  if (fcntl(fd, F_ADD_SEALS, F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_SEAL) != 0) {
+    return Errno(absl::StrCat("sealing ", m.name_));
+  }
+  m.shrink_sealed_ = true;
+  void* data = mmap(nullptr, size, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+  if (data == MAP_FAILED) return Errno(absl::StrCat("mmap(", m.name_, ")"));
+  m.data_ = data;
+  m.size_ = size;
+  return m;
+}
+
+absl::StatusOr<SharedMemory> SharedMemory::MapDescriptor(int fd, const std::string& what) {
+  struct stat st;
+  if (fstat(fd, &st) != 0) return Errno(absl::StrCat("fstat(", what, ")"));
+  if (!S_ISREG(st.st_mode)) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        what, " is not a shared-memory object or memfd (a socket, pipe or device?)"));
+  }
+  if (st.st_size <= 0) return absl::InvalidArgumentError(absl::StrCat(what, " is empty"));
+  const int flags = fcntl(fd, F_GETFL);
+  if (flags < 0) return Errno(absl::StrCat("fcntl(", what, ")"));
+  if ((flags & O_ACCMODE) != O_RDWR) {
+    return absl::InvalidArgumentError(absl::StrCat(what, " is not open for reading and writing (O_RDWR)"));
+  }
+  void* data = mmap(nullptr, static_cast<size_t>(st.st_size), PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+  if (data == MAP_FAILED) return Errno(absl::StrCat("mmap(", what, ")"));
+  SharedMemory m;
+  m.name_ = what;
+  m.data_ = data;
+  m.size_ = static_cast<size_t>(st.st_size);
+  const int seals = fcntl(fd, F_GET_SEALS);  // EINVAL: a file that cannot be sealed (shm_open)
+  m.shrink_sealed_ = seals >= 0 && (seals & F_SEAL_SHRINK) != 0;
+  return m;
+}
+
 SharedMemory::SharedMemory(SharedMemory&& other) noexcept { *this = std::move(other); }
 
 SharedMemory& SharedMemory::operator=(SharedMemory&& other) noexcept {
@@ -83,9 +126,13 @@ SharedMemory& SharedMemory::operator=(SharedMemory&& other) noexcept {
     data_ = other.data_;
     size_ = other.size_;
     owner_ = other.owner_;
+    fd_ = other.fd_;
+    shrink_sealed_ = other.shrink_sealed_;
     other.data_ = nullptr;
     other.size_ = 0;
     other.owner_ = false;
+    other.fd_ = -1;
+    other.shrink_sealed_ = false;
   }
   return *this;
 }
@@ -95,9 +142,12 @@ SharedMemory::~SharedMemory() { Reset(); }
 void SharedMemory::Reset() {
   if (data_ != nullptr) munmap(data_, size_);
   if (owner_) shm_unlink(name_.c_str());
+  if (fd_ >= 0) close(fd_);
   data_ = nullptr;
   size_ = 0;
   owner_ = false;
+  fd_ = -1;
+  shrink_sealed_ = false;
 }
 
 void SharedMemory::Unlink() {

@@ -1,6 +1,8 @@
 // POSIX shared memory, owned: the host backend's way for a worker to expose its buffers to the
-// daemon without copying. The worker creates (and on destruction unlinks) the object; the daemon
-// opens and maps it by name.
+// daemon without copying. Either an anonymous object (memfd) whose descriptor the worker hands to
+// the daemon over its handle socket (daemon/README.md): no name any other process could open,
+// and the worker can hand it again to a restarted daemon; or a named object the worker creates
+// (and on destruction unlinks) and the daemon opens by name.
 #pragma once
 
 #include <cstddef>
@@ -17,6 +19,14 @@ class SharedMemory {
   static absl::StatusOr<SharedMemory> Create(const std::string& name, size_t bytes);
   // Maps an existing object; its size must be at least `bytes`.
   static absl::StatusOr<SharedMemory> Open(const std::string& name, size_t bytes);
+  // Creates an anonymous object (memfd, named `tag` in /proc) of `bytes` (zero-filled), sealed
+  // against shrinking and growing (so that a process mapping it can never fault past its end),
+  // and maps it. Its descriptor stays open: fd().
+  static absl::StatusOr<SharedMemory> CreateAnonymous(const std::string& tag, size_t bytes);
+  // Maps all of the object behind `fd` (a memfd or a POSIX shared-memory object, open for reading
+  // and writing), as large as fstat says it is now; the descriptor is not kept. `what` names it
+  // in errors.
+  static absl::StatusOr<SharedMemory> MapDescriptor(int fd, const std::string& what);
 
   SharedMemory() = default;
   SharedMemory(SharedMemory&& other) noexcept;
@@ -30,6 +40,11 @@ class SharedMemory {
   // worker unlinks it, so a killed worker leaves nothing behind in /dev/shm.
   void Unlink();
   const std::string& name() const { return name_; }
+  // CreateAnonymous: the object's descriptor, owned (closed on destruction); else -1.
+  int fd() const { return fd_; }
+  // The object cannot shrink (F_SEAL_SHRINK): a truncate by its creator cannot make this
+  // mapping's pages vanish (a process touching a vanished page dies of SIGBUS).
+  bool sealed_against_shrinking() const { return shrink_sealed_; }
 
  private:
   void Reset();
@@ -37,6 +52,8 @@ class SharedMemory {
   void* data_ = nullptr;
   size_t size_ = 0;
   bool owner_ = false;  // unlinks the name when destroyed
+  int fd_ = -1;
+  bool shrink_sealed_ = false;
 };
 
 // A name no other process uses: "/refit-<pid>-<random>-<counter>-<tag>" (pids are reused).

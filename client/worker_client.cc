@@ -1,25 +1,210 @@
 #include "client/worker_client.h"
 
+#include <sys/random.h>
+#include <sys/socket.h>
+#include <sys/un.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstring>
+
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "proto/layout_codec.h"
 
 namespace refit {
 namespace {
 
+// The handle socket's wire format (daemon/handle_inbox.h, daemon/README.md).
+constexpr char kMagic[4] = {'R', 'F', 'H', '1'};
+constexpr size_t kPacketBytes = 44;
+constexpr size_t kMaxFdsPerPacket = 250;
+
+// Keepalive on the session: a ping after a second without traffic, the daemon dead or frozen
+// when it does not answer within a second. The daemon accepts pings this often.
+constexpr int kKeepaliveTimeMs = 1000;
+constexpr int kKeepaliveTimeoutMs = 1000;
+
 absl::Status FromGrpc(const grpc::Status& s) {
   if (s.ok()) return absl::OkStatus();
   return absl::Status(static_cast<absl::StatusCode>(s.error_code()), s.error_message());
 }
 
+absl::Status Errno(const std::string& what) {
+  return absl::UnavailableError(absl::StrCat(what, ": ", std::strerror(errno)));
+}
+
+std::string RandomToken() {
+  unsigned char bytes[16];
+  size_t got = 0;
+  while (got < sizeof bytes) {
+    const ssize_t n = getrandom(bytes + got, sizeof bytes - got, 0);
+    if (n > 0) got += static_cast<size_t>(n);
+  }
+  static const char kHex[] = "0123456789abcdef";
+  std::string token;
+  for (unsigned char b : bytes) {
+    token.push_back(kHex[b >> 4]);
+    token.push_back(kHex[b & 15]);
+  }
+  return token;
+}
+
+void StoreLe32(uint32_t v, char* p) {
+  for (int i = 0; i < 4; ++i) p[i] = static_cast<char>((v >> (8 * i)) & 0xff);
+}
+
+uint32_t LoadLe32(const char* p) {
+  const auto* b = reinterpret_cast<const unsigned char*>(p);
+  return uint32_t{b[0]} | uint32_t{b[1]} << 8 | uint32_t{b[2]} << 16 | uint32_t{b[3]} << 24;
+}
+
+void SetTimeout(int fd, absl::Time deadline) {
+  const absl::Duration left = std::max(deadline - absl::Now(), absl::Milliseconds(1));
+  const timeval tv = absl::ToTimeval(left);
+  setsockopt(fd, SOL_SOCKET, SO_SNDTIMEO, &tv, sizeof tv);
+  setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof tv);
+}
+
+class OwnedFd {
+ public:
+  explicit OwnedFd(int fd) : fd_(fd) {}
+  OwnedFd(const OwnedFd&) = delete;
+  OwnedFd& operator=(const OwnedFd&) = delete;
+  ~OwnedFd() {
+    if (fd_ >= 0) close(fd_);
+  }
+  int get() const { return fd_; }
+
+ private:
+  int fd_;
+};
+
+// One attempt: the daemon's answer, or why there is none. `busy` when the daemon asked to retry.
+absl::StatusOr<std::string> DeliverOnce(const std::string& path, std::span<const int> fds,
+                                        absl::Time deadline, bool* busy) {
+  *busy = false;
+  sockaddr_un addr{};
+  addr.sun_family = AF_UNIX;
+  if (path.size() >= sizeof addr.sun_path) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("the handle socket path \"", path, "\" is too long"));
+  }
+  std::memcpy(addr.sun_path, path.data(), path.size());
+  OwnedFd s(socket(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0));
+  if (s.get() < 0) return Errno("socket(AF_UNIX, SOCK_SEQPACKET)");
+  while (connect(s.get(), reinterpret_cast<sockaddr*>(&addr), sizeof addr) != 0) {
+    // Not there yet (a daemon still starting), or its backlog is full: wait, like gRPC's
+    // wait_for_ready does for the registration.
+    if ((errno == ENOENT || errno == ECONNREFUSED || errno == EAGAIN || errno == EINTR) &&
+        absl::Now() < deadline) {
+      absl::SleepFor(absl::Milliseconds(50));
+      continue;
+    }
+    return absl::UnavailableError(
+        absl::StrCat("cannot reach the daemon's handle socket ", path, ": ", std::strerror(errno),
+                     " (is refitd running, and new enough to take file descriptors?)"));
+  }
+  SetTimeout(s.get(), deadline);
+  const std::string token = RandomToken();
+  size_t sent = 0;
+  do {
+    const size_t n = std::min(kMaxFdsPerPacket, fds.size() - sent);
+    char data[kPacketBytes];
+    std::memcpy(data, kMagic, 4);
+    std::memcpy(data + 4, token.data(), token.size());
+    StoreLe32(static_cast<uint32_t>(n), data + 36);
+    StoreLe32(sent + n == fds.size() ? 1 : 0, data + 40);
+    iovec iov{data, sizeof data};
+    msghdr msg{};
+    msg.msg_iov = &iov;
+    msg.msg_iovlen = 1;
+    alignas(cmsghdr) char control[CMSG_SPACE(sizeof(int) * kMaxFdsPerPacket)];
+    if (n > 0) {
+      msg.msg_control = control;
+      msg.msg_controllen = CMSG_SPACE(sizeof(int) * n);
+      cmsghdr* h = CMSG_FIRSTHDR(&msg);
+      h->cmsg_level = SOL_SOCKET;
+      h->cmsg_type = SCM_RIGHTS;
+      h->cmsg_len = CMSG_LEN(sizeof(int) * n);
+      std::memcpy(CMSG_DATA(h), fds.data() + sent, sizeof(int) * n);
+    }
+    if (sendmsg(s.get(), &msg, MSG_NOSIGNAL) != static_cast<ssize_t>(sizeof data)) {
+      if (errno == EPIPE || errno == ECONNRESET) break;  // the daemon refused: its answer says why
+      if (errno == EAGAIN || errno == EWOULDBLOCK) {
+        return absl::DeadlineExceededError(
+            absl::StrCat("handing descriptors to ", path, ": deadline exceeded"));
+      }
+      return Errno(absl::StrCat("handing descriptors to ", path));
+    }
+    sent += n;
+  } while (sent < fds.size());
+  char answer[2048];
+  ssize_t got = recv(s.get(), answer, sizeof answer, 0);
+  // A daemon that closed with packets of ours unread makes the first read fail; its answer is
+  // queued behind that error.
+  if (got < 0 && errno == ECONNRESET) got = recv(s.get(), answer, sizeof answer, 0);
+  if (got < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) {
+    return absl::DeadlineExceededError(
+        absl::StrCat("the daemon's handle socket ", path, " did not answer in time"));
+  }
+  if (got < 0) return Errno(absl::StrCat("the answer of the daemon's handle socket ", path));
+  if (got >= 8 && std::memcmp(answer, "OK\0\0", 4) == 0) {
+    const uint32_t count = LoadLe32(answer + 4);
+    if (count != fds.size()) {
+      return absl::DataLossError(
+          absl::StrCat("the daemon received ", count, " of ", fds.size(), " descriptors"));
+    }
+    return token;
+  }
+  if (got >= 8 && std::memcmp(answer, "ER\0\0", 4) == 0) {
+    const size_t length = std::min<size_t>(LoadLe32(answer + 4), static_cast<size_t>(got) - 8);
+    const std::string message(answer + 8, length);
+    *busy = absl::StartsWith(message, "busy");
+    return absl::FailedPreconditionError(
+        absl::StrCat("the daemon refused the descriptors: ", message));
+  }
+  return absl::UnavailableError(
+      absl::StrCat("the daemon's handle socket ", path,
+                   got == 0 ? " closed without answering" : " gave an answer not understood"));
+}
+
 }  // namespace
+
+std::string HandleSocketPath(const std::string& daemon) {
+  if (!absl::StartsWith(daemon, "unix:")) return "";
+  std::string path = daemon.substr(5);
+  if (absl::StartsWith(path, "//")) path = path.substr(2);  // unix:///abs/path
+  return path + ".handles";
+}
+
+absl::StatusOr<std::string> DeliverHandles(const std::string& path, std::span<const int> fds,
+                                           absl::Time deadline) {
+  while (true) {
+    bool busy = false;
+    auto token = DeliverOnce(path, fds, deadline, &busy);
+    if (token.ok() || !busy || absl::Now() >= deadline) return token;
+    absl::SleepFor(absl::Milliseconds(50));  // other workers are handing theirs over right now
+  }
+}
 
 absl::StatusOr<std::unique_ptr<WorkerClient>> WorkerClient::Connect(
     const std::string& daemon, const std::string& group, v1::Role role, const Layout& layout,
     WorkerCallbacks callbacks, absl::Duration timeout, std::vector<v1::BufferMemory> memory) {
+  ConnectOptions options;
+  options.timeout = timeout;
+  options.memory.memory = std::move(memory);
+  return Connect(daemon, group, role, layout, std::move(callbacks), std::move(options));
+}
+
+absl::StatusOr<std::unique_ptr<WorkerClient>> WorkerClient::Connect(
+    const std::string& daemon, const std::string& group, v1::Role role, const Layout& layout,
+    WorkerCallbacks callbacks, ConnectOptions options) {
   if (layout.workers.size() != 1) {
-    return absl::InvalidArgumentError(absl::StrCat("a worker's layout holds exactly one worker, not ",
-                                                   layout.workers.size()));
+    return absl::InvalidArgumentError(
+        absl::StrCat("a worker's layout holds exactly one worker, not ", layout.workers.size()));
   }
+  const absl::Time deadline = absl::Now() + options.timeout;
   std::unique_ptr<WorkerClient> c(new WorkerClient());
   c->role_ = role;
   c->callbacks_ = std::move(callbacks);
@@ -29,14 +214,19 @@ absl::StatusOr<std::unique_ptr<WorkerClient>> WorkerClient::Connect(
   request.set_role(role);
   *request.mutable_tensors() = proto.tensors();
   *request.mutable_worker() = proto.workers(0);
-  if (!memory.empty()) {
-    if (memory.size() != layout.buffers.size()) {
+  WorkerMemory& memory = options.memory;
+  std::vector<int> fds = memory.fds;
+  const std::string handles = HandleSocketPath(daemon);
+  if (!memory.memory.empty()) {
+    if (memory.memory.size() != layout.buffers.size()) {
       return absl::InvalidArgumentError(absl::StrCat(layout.buffers.size(), " buffers but ",
-                                                     memory.size(), " memory handles"));
+                                                     memory.memory.size(), " memory handles"));
     }
-    for (auto& m : memory) *request.add_memory() = std::move(m);
+    for (auto& m : memory.memory) *request.add_memory() = std::move(m);
+    for (auto& r : memory.vmm_ranges) *request.add_vmm_ranges() = std::move(r);
+    request.set_gpu_uuid(memory.gpu_uuid);
   }
-  if (memory.empty() && !layout.buffers.empty()) {
+  if (memory.memory.empty() && !layout.buffers.empty()) {
     // Every buffer in one object, each at an offset aligned for any element type.
     constexpr int64_t kAlign = 256;
     std::vector<int64_t> offsets;
@@ -45,37 +235,68 @@ absl::StatusOr<std::unique_ptr<WorkerClient>> WorkerClient::Connect(
       offsets.push_back(total);
       total += (b.NumBytes() + kAlign - 1) / kAlign * kAlign;
     }
-    auto shm = SharedMemory::Create(UniqueShmName("buf"), static_cast<size_t>(std::max<int64_t>(total, 1)));
+    const size_t bytes = static_cast<size_t>(std::max<int64_t>(total, 1));
+    const bool by_descriptor = !options.host_memory_by_name && !handles.empty();
+    auto shm = by_descriptor ? SharedMemory::CreateAnonymous(
+                                   absl::StrCat(getpid(), "-", layout.workers[0].name), bytes)
+                             : SharedMemory::Create(UniqueShmName("buf"), bytes);
     if (!shm.ok()) return shm.status();
     c->arena_ = *std::move(shm);
+    if (by_descriptor) fds.push_back(c->arena_.fd());
     for (size_t i = 0; i < layout.buffers.size(); ++i) {
       v1::SharedMemory* m = request.add_memory()->mutable_shm();
-      m->set_name(c->arena_.name());
+      if (by_descriptor) {
+        m->set_fd(static_cast<int32_t>(fds.size()));  // 1-based: the arena is the last descriptor
+      } else {
+        m->set_name(c->arena_.name());
+      }
       m->set_offset(offsets[i]);
       m->set_size(static_cast<int64_t>(c->arena_.bytes().size()));
-      c->buffers_.push_back(c->arena_.bytes().subspan(static_cast<size_t>(offsets[i]),
-                                                      static_cast<size_t>(layout.buffers[i].NumBytes())));
+      c->buffers_.push_back(c->arena_.bytes().subspan(
+          static_cast<size_t>(offsets[i]), static_cast<size_t>(layout.buffers[i].NumBytes())));
     }
+  }
+  if (!fds.empty()) {
+    if (handles.empty()) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("descriptors cannot travel to a daemon reached over TCP (", daemon,
+                       "): connect through its unix socket, \"unix:/tmp/refitd-<node>.sock\""));
+    }
+    auto token = DeliverHandles(handles, fds, deadline);
+    if (!token.ok()) return token.status();
+    request.set_fd_token(*token);
   }
   grpc::ChannelArguments args;
   args.SetMaxSendMessageSize(1 << 30);
-  c->stub_ = v1::RefitWorker::NewStub(grpc::CreateCustomChannel(daemon, grpc::InsecureChannelCredentials(), args));
+  args.SetInt(GRPC_ARG_KEEPALIVE_TIME_MS, kKeepaliveTimeMs);
+  args.SetInt(GRPC_ARG_KEEPALIVE_TIMEOUT_MS, kKeepaliveTimeoutMs);
+  args.SetInt(GRPC_ARG_KEEPALIVE_PERMIT_WITHOUT_CALLS, 1);
+  args.SetInt(GRPC_ARG_HTTP2_MAX_PINGS_WITHOUT_DATA, 0);  // keep pinging an idle session
+  // A daemon that is starting (or restarting) is reached within a fraction of a second, not
+  // after gRPC's default back-off of up to minutes.
+  args.SetInt(GRPC_ARG_INITIAL_RECONNECT_BACKOFF_MS, 100);
+  args.SetInt(GRPC_ARG_MIN_RECONNECT_BACKOFF_MS, 100);
+  args.SetInt(GRPC_ARG_MAX_RECONNECT_BACKOFF_MS, 1000);
+  c->stub_ = v1::RefitWorker::NewStub(
+      grpc::CreateCustomChannel(daemon, grpc::InsecureChannelCredentials(), args));
   {
     grpc::ClientContext ctx;
-    ctx.set_deadline(std::chrono::system_clock::now() + absl::ToChronoNanoseconds(timeout));
+    ctx.set_deadline(absl::ToChronoTime(std::max(deadline, absl::Now() + absl::Seconds(1))));
     ctx.set_wait_for_ready(true);  // the daemon may still be starting
     v1::RegisterWorkerResponse response;
     auto s = FromGrpc(c->stub_->Register(&ctx, request, &response));
     if (!s.ok()) return s;
     c->worker_id_ = response.worker_id();
   }
-  if (!c->buffers_.empty()) c->arena_.Unlink();  // the daemon holds its own mapping now
+  if (!c->buffers_.empty())
+    c->arena_.Unlink();  // the daemon holds its own mapping now (named objects)
   c->session_ = c->stub_->Session(&c->session_context_);
   v1::WorkerMessage hello;
   hello.set_hello(c->worker_id_);
   if (!c->session_->Write(hello)) {
     return absl::UnavailableError(absl::StrCat("the daemon at ", daemon, " closed the session"));
   }
+  c->connected_ = true;
   c->session_thread_ = std::thread([p = c.get()] { p->SessionLoop(); });
   return c;
 }
@@ -87,8 +308,14 @@ void WorkerClient::SessionLoop() {
     switch (e.kind()) {
       case v1::RoundEvent::PREPARE: {
         if (role_ == v1::INFERENCE) version_ = 0;  // the buffers are about to change
-        absl::Status s = callbacks_.on_prepare ? callbacks_.on_prepare(e.version()) : absl::OkStatus();
-        if (!s.ok()) continue;  // no confirmation: the round ends at its deadline, naming us
+        absl::Status s =
+            callbacks_.on_prepare ? callbacks_.on_prepare(e.version()) : absl::OkStatus();
+        if (!s.ok()) {  // the round cannot happen: say so, and the daemon aborts it at once
+          v1::Refusal* refused = reply.mutable_refused();
+          refused->set_round_id(e.round_id());
+          refused->set_reason(s.message().empty() ? s.ToString() : std::string(s.message()));
+          break;
+        }
         reply.set_prepared(e.round_id());
         break;
       }
@@ -106,6 +333,13 @@ void WorkerClient::SessionLoop() {
         continue;
     }
     if (!session_->Write(reply)) break;
+  }
+  connected_ = false;
+  const grpc::Status status = session_->Finish();
+  if (!closed_ && callbacks_.on_disconnected) {
+    callbacks_.on_disconnected(
+        status.ok() ? std::string("the daemon ended the session")
+                    : absl::StrCat("the session with the daemon ended: ", status.error_message()));
   }
 }
 

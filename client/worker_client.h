@@ -1,17 +1,24 @@
 // The worker library: a trainer or inference process registers its buffers and pieces with its
-// node's refitd, exposes their memory (POSIX shared memory on the host backend), and receives the
-// round events through callbacks. The daemon reads and writes the memory itself; the worker's
-// process copies nothing.
+// node's refitd, exposes their memory (host shared memory, CUDA IPC handles or CUDA VMM
+// allocations), and receives the round events through callbacks. The daemon reads and writes the
+// memory itself; the worker's process copies nothing.
+//
+// Memory that travels as file descriptors (the library's own host memory, a memfd; CUDA VMM
+// allocations) is handed to the daemon over its handle socket before registering
+// (daemon/README.md). The session is watched by gRPC keepalive: a daemon that dies or freezes is
+// noticed within about two seconds (connected() turns false, on_disconnected is called).
 #pragma once
+
+#include <grpcpp/grpcpp.h>
 
 #include <atomic>
 #include <functional>
 #include <memory>
+#include <mutex>
 #include <span>
 #include <string>
 #include <thread>
-
-#include <grpcpp/grpcpp.h>
+#include <vector>
 
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
@@ -23,20 +30,49 @@ namespace refit {
 
 struct WorkerCallbacks {
   // PREPARE(version). Trainer: make the weights version `version` and leave them untouched until
-  // the round ends. Inference: stop reading the weights. Return an error to refuse the round.
+  // the round ends. Inference: stop reading the weights. Return an error to refuse the round: the
+  // daemon aborts it at once, with the error's message as the reason.
   std::function<absl::Status(int64_t version)> on_prepare;
   // COMMIT(version): the round succeeded. Inference: the buffers hold `version`; resume.
   std::function<void(int64_t version)> on_commit;
   // ABORT: the round failed. Inference: the buffers hold no complete version.
   std::function<void(int64_t round_id, const std::string& reason)> on_abort;
+  // The session ended without Unregister: the daemon died, froze (no keepalive answer), or
+  // dropped the worker. The daemon no longer knows this worker.
+  std::function<void(const std::string& why)> on_disconnected;
+};
+
+// Memory a worker exported itself (e.g. ExportCudaBuffers in client/cuda_export.h).
+struct WorkerMemory {
+  std::vector<v1::BufferMemory> memory;  // one per buffer of the layout, in order
+  std::vector<v1::VmmRange> vmm_ranges;  // what memory's cuda_vmm entries index
+  // Handed over before registering, in this order (the indices the memory refers to). The
+  // caller's: they stay open (a restarted daemon needs them again).
+  std::vector<int> fds;
+  std::string
+      gpu_uuid;  // the worker's GPU ("GPU-..."); empty: the layout's gpu is the daemon's index
+};
+
+struct ConnectOptions {
+  absl::Duration timeout = absl::Seconds(10);  // for handing over descriptors and registering
+  WorkerMemory memory;  // empty `memory.memory`: the library allocates host shared memory
+  // The library's host memory goes to the daemon as a descriptor (a sealed memfd) over the handle
+  // socket; with this set, or when the daemon is reached over TCP (no descriptor can travel
+  // there), as a named object in /dev/shm instead.
+  bool host_memory_by_name = false;
 };
 
 class WorkerClient {
  public:
   // `layout` holds this worker only (its buffers and pieces) and the tensors they name.
   // `daemon` is "unix:/tmp/refitd-0.sock" or "host:port".
-  // `memory`: one exported handle per buffer (e.g. ExportCudaBuffer) for memory the worker
-  // allocated itself; empty: the library allocates host shared memory (buffer() gives it).
+  static absl::StatusOr<std::unique_ptr<WorkerClient>> Connect(const std::string& daemon,
+                                                               const std::string& group,
+                                                               v1::Role role, const Layout& layout,
+                                                               WorkerCallbacks callbacks,
+                                                               ConnectOptions options);
+  // `memory`: one exported handle per buffer for memory the worker allocated itself (no
+  // descriptors); empty: the library allocates host shared memory (buffer() gives it).
   static absl::StatusOr<std::unique_ptr<WorkerClient>> Connect(
       const std::string& daemon, const std::string& group, v1::Role role, const Layout& layout,
       WorkerCallbacks callbacks, absl::Duration timeout = absl::Seconds(10),
@@ -49,6 +85,8 @@ class WorkerClient {
   const std::string& worker_id() const { return worker_id_; }
   // Inference: the last version received completely (0: none). Never a partial one.
   int64_t version() const { return version_; }
+  // The session with the daemon is open: false once it ended (see on_disconnected).
+  bool connected() const { return connected_; }
   // Unregisters and ends the session.
   absl::Status Unregister();
 
@@ -69,6 +107,17 @@ class WorkerClient {
   std::thread session_thread_;
   std::atomic<int64_t> version_{0};
   std::atomic<bool> closed_{false};
+  std::atomic<bool> connected_{false};
 };
+
+// The handle socket of the daemon at `daemon` ("unix:/path" -> "/path.handles"); empty for a
+// TCP address.
+std::string HandleSocketPath(const std::string& daemon);
+
+// Hands `fds` (still the caller's) to the daemon's handle socket at `path` under a fresh random
+// token, waiting until `deadline` for a daemon that is still starting; returns the token to
+// register with (RegisterWorkerRequest.fd_token).
+absl::StatusOr<std::string> DeliverHandles(const std::string& path, std::span<const int> fds,
+                                           absl::Time deadline);
 
 }  // namespace refit

@@ -1,8 +1,27 @@
 #include "daemon/backend.h"
 
+#include "absl/strings/str_cat.h"
 #include "daemon/logging.h"
+#include "plan/status_macros.h"
 
 namespace refit {
+
+absl::StatusOr<std::vector<std::unique_ptr<MappedBuffer>>> DataBackend::MapBuffers(
+    const v1::RegisterWorkerRequest& request, std::span<const int64_t> buffer_bytes, std::span<const Fd> fds) {
+  std::vector<std::unique_ptr<MappedBuffer>> out;
+  for (int b = 0; b < request.memory_size(); ++b) {
+    const v1::BufferMemory& m = request.memory(b);
+    const std::string what = absl::StrCat("buffer \"", request.worker().buffers(b).name(), "\"");
+    if ((m.has_shm() && m.shm().fd() != 0) || m.has_cuda_vmm()) {
+      return absl::InvalidArgumentError(absl::StrCat(what, ": the ", name(),
+                                                     " backend cannot map memory handed over as descriptors"));
+    }
+    auto mapped = Map(m, buffer_bytes[b]);
+    if (!mapped.ok()) return Annotate(mapped.status(), what);
+    out.push_back(*std::move(mapped));
+  }
+  return out;
+}
 
 void LogMoved(const TransferJob& job, absl::Time started) {
   if (job.requested == absl::InfinitePast()) {  // not from a phase request (tests, tools)

@@ -7,10 +7,12 @@
 #include <memory>
 #include <span>
 #include <string>
+#include <vector>
 
 #include "absl/container/flat_hash_map.h"
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
+#include "daemon/socket.h"
 #include "plan/host_copy.h"
 #include "plan/plan.h"
 #include "proto/refit.pb.h"
@@ -64,6 +66,16 @@ class DataBackend {
   // Makes a worker's buffer of `bytes` reachable; errors say what is wrong with the handle.
   virtual absl::StatusOr<std::unique_ptr<MappedBuffer>> Map(const v1::BufferMemory& memory,
                                                             int64_t bytes) = 0;
+  // Makes every buffer of a registration reachable at once, one MappedBuffer per buffer in
+  // order: what several buffers share (a shared-memory object, a CUDA VMM range) is mapped once
+  // for all of them. `buffer_bytes`: per buffer, from the layout. `fds`: the descriptors handed
+  // over under the request's fd_token, in order (CheckMemoryRefs has checked every index).
+  // Errors name the buffer or range at fault. Default: Map() each buffer, and refuse memory
+  // handed over as descriptors.
+  virtual absl::StatusOr<std::vector<std::unique_ptr<MappedBuffer>>> MapBuffers(
+      const v1::RegisterWorkerRequest& request, std::span<const int64_t> buffer_bytes, std::span<const Fd> fds);
+  // This daemon's index of the GPU named `name`, a UUID or PCI bus id (daemon/gpu_ids.h).
+  virtual absl::StatusOr<int32_t> GpuIndex(const std::string& name) = 0;
   // Runs this node's messages, in stage order, until every message into this node has landed or
   // the deadline passes. Errors name the round, the stage and the peer at fault.
   virtual absl::StatusOr<TransferStats> Transfer(const TransferJob& job) = 0;

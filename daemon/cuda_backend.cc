@@ -5,11 +5,16 @@
 
 #include <cstring>
 #include <functional>
+#include <span>
 
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "daemon/cuda_driver.h"
 #include "daemon/logging.h"
+#include "daemon/memory_refs.h"
 #include "kernels/copy_kernels.h"
 #include "kernels/network_schedule.h"
+#include "plan/status_macros.h"
 
 namespace refit {
 namespace {
@@ -184,9 +189,18 @@ void CudaBackend::Forget(Allocation* a) {
   by_base_.erase(reinterpret_cast<uint64_t>(a->base));
 }
 
+void CudaBackend::ForgetVmm(uint64_t base) {
+  std::lock_guard<std::mutex> lock(mu_);
+  vmm_by_base_.erase(base);
+}
+
 absl::StatusOr<uint64_t> CudaBackend::AddressOn(int32_t gpu, uint64_t address) {
   if (address == 0) return address;
   std::lock_guard<std::mutex> lock(mu_);
+  if (auto v = vmm_by_base_.upper_bound(address); v != vmm_by_base_.begin()) {
+    --v;
+    if (address < v->first + v->second) return address;  // mapped at this address for every GPU
+  }
   auto it = by_base_.upper_bound(address);
   if (it == by_base_.begin()) return absl::InternalError("address outside every mapped allocation");
   --it;
@@ -224,6 +238,43 @@ class IpcBuffer : public MappedBuffer {
 
 }  // namespace
 
+// A worker's VMM range mapped into this process: its chunks imported from their descriptors and
+// mapped back to back in one reserved address range, readable and writable from every GPU this
+// daemon serves, so that one address is valid in every local GPU's kernels (unlike IPC imports,
+// which are opened again per GPU).
+struct CudaBackend::VmmMapping {
+  const CudaDriver* driver = nullptr;
+  CudaBackend* owner = nullptr;  // set once registered in vmm_by_base_
+  int32_t device = 0;
+  CUdeviceptr base = 0;
+  size_t reserved = 0;                            // bytes of address space reserved at base
+  std::vector<std::pair<size_t, size_t>> mapped;  // (offset, bytes) of each chunk mapped
+  ~VmmMapping() {
+    if (owner != nullptr) owner->ForgetVmm(base);  // no new kernel is given these addresses
+    cudaSetDevice(device);
+    // One unmap per map: cuMemUnmap takes whole mappings only.
+    for (auto [offset, bytes] : mapped) driver->MemUnmap(base + offset, bytes);
+    if (reserved > 0) driver->MemAddressFree(base, reserved);
+  }
+};
+
+namespace {
+
+class VmmBuffer : public MappedBuffer {
+ public:
+  VmmBuffer(std::shared_ptr<CudaBackend::VmmMapping> m, int64_t offset, int64_t bytes)
+      : m_(std::move(m)), offset_(offset), bytes_(bytes) {}
+  std::span<std::byte> bytes() const override {
+    return {reinterpret_cast<std::byte*>(m_->base) + offset_, static_cast<size_t>(bytes_)};
+  }
+
+ private:
+  std::shared_ptr<CudaBackend::VmmMapping> m_;  // shared by every buffer of the range
+  int64_t offset_, bytes_;
+};
+
+}  // namespace
+
 absl::StatusOr<std::unique_ptr<CudaBackend>> CudaBackend::Start(const std::vector<int32_t>& gpus, int64_t staging_bytes,
                                                                bool nccl_stream_priority) {
   int count = 0;
@@ -235,8 +286,16 @@ absl::StatusOr<std::unique_ptr<CudaBackend>> CudaBackend::Start(const std::vecto
     for (int i = 0; i < count; ++i) b->gpus_.push_back(i);
   }
   for (int32_t g : b->gpus_) {
-    if (g >= count) return absl::InvalidArgumentError(absl::StrCat("--gpus names GPU ", g, "; this node has ", count));
+    if (g < 0 || g >= count) return absl::InvalidArgumentError(absl::StrCat("--gpus names GPU ", g, "; this node has ", count));
     CUDA_RETURN_IF_ERROR(cudaSetDevice(g), absl::StrCat("GPU ", g));
+    // Its names, for workers that name their GPU (their CUDA index is not this daemon's).
+    cudaDeviceProp prop;
+    CUDA_RETURN_IF_ERROR(cudaGetDeviceProperties(&prop, g), absl::StrCat("the properties of GPU ", g));
+    char pci[64] = {};
+    CUDA_RETURN_IF_ERROR(cudaDeviceGetPCIBusId(pci, sizeof pci, g), absl::StrCat("the PCI bus id of GPU ", g));
+    b->names_.push_back({g, FormatGpuUuid(std::span<const unsigned char, 16>(
+                                reinterpret_cast<const unsigned char*>(prop.uuid.bytes), 16)),
+                         pci});
     GpuStreams& streams = b->streams_[g];
     int least = 0, greatest = 0;
     CUDA_RETURN_IF_ERROR(cudaDeviceGetStreamPriorityRange(&least, &greatest), "stream priorities");
@@ -256,8 +315,17 @@ absl::StatusOr<std::unique_ptr<CudaBackend>> CudaBackend::Start(const std::vecto
       cudaGetLastError();
     }
   }
+  std::vector<std::string> names;
+  for (const GpuName& n : b->names_) names.push_back(absl::StrCat(n.index, ": ", n.uuid, " (", n.pci_bus_id, ")"));
+  Logger("data")->info("cuda backend on GPUs {}", absl::StrJoin(names, ", "));
+  if (auto driver = CudaDriver::Get(); !driver.ok()) {
+    // IPC memory still works; VMM registrations will be refused with this reason.
+    Logger("data")->warn("CUDA VMM memory cannot be registered here: {}", std::string(driver.status().message()));
+  }
   return b;
 }
+
+absl::StatusOr<int32_t> CudaBackend::GpuIndex(const std::string& name) { return FindGpu(names_, name); }
 
 CudaBackend::~CudaBackend() {
   std::vector<std::string> groups;
@@ -283,8 +351,14 @@ absl::StatusOr<std::unique_ptr<MappedBuffer>> CudaBackend::Map(const v1::BufferM
     return absl::InvalidArgumentError(absl::StrCat("a CUDA IPC handle has ", sizeof(cudaIpcMemHandle_t),
                                                    " bytes, not ", ipc.handle().size()));
   }
-  if (std::find(gpus_.begin(), gpus_.end(), ipc.device()) == gpus_.end()) {
-    return absl::InvalidArgumentError(absl::StrCat("buffer on GPU ", ipc.device(), ", which this daemon does not serve"));
+  int32_t device = ipc.device();
+  if (!ipc.gpu_uuid().empty()) {
+    auto found = GpuIndex(ipc.gpu_uuid());
+    if (!found.ok()) return found.status();
+    device = *found;
+  }
+  if (std::find(gpus_.begin(), gpus_.end(), device) == gpus_.end()) {
+    return absl::InvalidArgumentError(absl::StrCat("buffer on GPU ", device, ", which this daemon does not serve"));
   }
   if (ipc.offset() < 0 || bytes < 0 || ipc.offset() > ipc.size() - bytes) {
     return absl::InvalidArgumentError(absl::StrCat("a buffer of ", bytes, " bytes at offset ", ipc.offset(),
@@ -294,10 +368,10 @@ absl::StatusOr<std::unique_ptr<MappedBuffer>> CudaBackend::Map(const v1::BufferM
   std::shared_ptr<Allocation> a = opened_[ipc.handle()].lock();
   if (a == nullptr) {  // each allocation opened once, however many buffers it holds
     a = std::make_shared<Allocation>();
-    a->device = ipc.device();
+    a->device = device;
     a->handle = ipc.handle();
     a->size = ipc.size();
-    CUDA_RETURN_IF_ERROR(cudaSetDevice(ipc.device()), "cudaSetDevice");
+    CUDA_RETURN_IF_ERROR(cudaSetDevice(device), "cudaSetDevice");
     cudaIpcMemHandle_t handle;
     std::memcpy(&handle, ipc.handle().data(), sizeof handle);
     CUDA_RETURN_IF_ERROR(cudaIpcOpenMemHandle(&a->base, handle, cudaIpcMemLazyEnablePeerAccess),
@@ -307,6 +381,130 @@ absl::StatusOr<std::unique_ptr<MappedBuffer>> CudaBackend::Map(const v1::BufferM
     by_base_[reinterpret_cast<uint64_t>(a->base)] = a.get();
   }
   return std::unique_ptr<MappedBuffer>(new IpcBuffer(a, ipc.offset(), bytes));
+}
+
+absl::StatusOr<std::shared_ptr<CudaBackend::VmmMapping>> CudaBackend::MapVmmRange(
+    const v1::RegisterWorkerRequest& request, int r, std::span<const Fd> fds) {
+  const v1::VmmRange& range = request.vmm_ranges(r);
+  const std::string what = absl::StrCat("VMM range ", r);
+  auto driver_or = CudaDriver::Get();
+  if (!driver_or.ok()) return Annotate(driver_or.status(), what);
+  const CudaDriver& driver = **driver_or;
+  int32_t device = request.worker().gpu();  // the worker's GPU (Register resolved its gpu_uuid)
+  if (!range.gpu_uuid().empty()) {
+    auto found = GpuIndex(range.gpu_uuid());
+    if (!found.ok()) return Annotate(found.status(), what);
+    device = *found;
+  }
+  if (std::find(gpus_.begin(), gpus_.end(), device) == gpus_.end()) {
+    return absl::InvalidArgumentError(absl::StrCat(what, " is on GPU ", device, ", which this daemon does not serve"));
+  }
+  // Driver calls act on the current context: make GPU `device`'s primary context current.
+  CUDA_RETURN_IF_ERROR(cudaSetDevice(device), absl::StrCat(what, ": cudaSetDevice(", device, ")"));
+  CUDA_RETURN_IF_ERROR(cudaFree(nullptr), absl::StrCat(what, ": the primary context of GPU ", device));
+
+  auto m = std::make_shared<VmmMapping>();
+  m->driver = &driver;
+  m->device = device;
+  // The imported handles, released on every way out (declared after `m`, so released before it
+  // unmaps): from cuMemMap on, the mappings hold the memory.
+  struct Handles {
+    const CudaDriver& driver;
+    std::vector<CUmemGenericAllocationHandle> h;
+    ~Handles() {
+      for (CUmemGenericAllocationHandle x : h) driver.MemRelease(x);
+    }
+  } handles{driver, {}};
+  size_t alignment = 1;
+  const int chunks = range.chunk_bytes_size();
+  auto chunk_name = [&](int c) { return absl::StrCat(what, " chunk ", c, " (descriptor ", range.first_fd() + c, ")"); };
+  for (int c = 0; c < chunks; ++c) {
+    const Fd& fd = fds[static_cast<size_t>(range.first_fd() + c)];
+    CUmemGenericAllocationHandle h = 0;
+    REFIT_RETURN_IF_ERROR(driver.Check(
+        driver.MemImportFromShareableHandle(&h, reinterpret_cast<void*>(static_cast<uintptr_t>(fd.get())),
+                                            CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR),
+        absl::StrCat(chunk_name(c), ": cuMemImportFromShareableHandle (is it a CUDA allocation exported with "
+                                    "cuMemExportToShareableHandle as a POSIX file descriptor, on this node?)"),
+        absl::StatusCode::kInvalidArgument));
+    handles.h.push_back(h);
+    CUmemAllocationProp prop{};
+    REFIT_RETURN_IF_ERROR(driver.Check(driver.MemGetAllocationPropertiesFromHandle(&prop, h),
+                                       absl::StrCat(chunk_name(c), ": cuMemGetAllocationPropertiesFromHandle")));
+    if (prop.location.type != CU_MEM_LOCATION_TYPE_DEVICE || prop.location.id != device) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          chunk_name(c), " lives ",
+          prop.location.type == CU_MEM_LOCATION_TYPE_DEVICE ? absl::StrCat("on GPU ", prop.location.id)
+                                                            : std::string("off the GPUs (host or another location)"),
+          ", not on GPU ", device, " (the range's gpu_uuid, else the worker's GPU)"));
+    }
+    size_t granularity = 0;
+    REFIT_RETURN_IF_ERROR(driver.Check(
+        driver.MemGetAllocationGranularity(&granularity, &prop, CU_MEM_ALLOC_GRANULARITY_MINIMUM),
+        absl::StrCat(chunk_name(c), ": cuMemGetAllocationGranularity")));
+    if (granularity == 0 || range.chunk_bytes(c) % static_cast<int64_t>(granularity) != 0) {
+      return absl::InvalidArgumentError(absl::StrCat(chunk_name(c), ": ", range.chunk_bytes(c),
+                                                     " bytes, not a multiple of the allocation granularity (",
+                                                     granularity, " bytes): not a whole allocation"));
+    }
+    alignment = std::max(alignment, granularity);
+  }
+  const size_t total = static_cast<size_t>(VmmRangeBytes(range));
+  REFIT_RETURN_IF_ERROR(driver.Check(driver.MemAddressReserve(&m->base, total, alignment, 0, 0),
+                                     absl::StrCat(what, ": cuMemAddressReserve of ", total, " bytes")));
+  m->reserved = total;
+  size_t offset = 0;
+  for (int c = 0; c < chunks; ++c) {
+    const size_t bytes = static_cast<size_t>(range.chunk_bytes(c));
+    REFIT_RETURN_IF_ERROR(driver.Check(driver.MemMap(m->base + offset, bytes, 0, handles.h[c], 0),
+                                       absl::StrCat(chunk_name(c), ": cuMemMap of ", bytes,
+                                                    " bytes (is the allocation that large?)")));
+    m->mapped.push_back({offset, bytes});
+    offset += bytes;
+  }
+  std::vector<CUmemAccessDesc> access;
+  for (int32_t g : gpus_) {
+    CUmemAccessDesc a{};
+    a.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
+    a.location.id = g;
+    a.flags = CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
+    access.push_back(a);
+  }
+  REFIT_RETURN_IF_ERROR(driver.Check(driver.MemSetAccess(m->base, total, access.data(), access.size()),
+                                     absl::StrCat(what, ": cuMemSetAccess (read and write for GPUs ",
+                                                  absl::StrJoin(gpus_, ", "), ")")));
+  std::lock_guard<std::mutex> lock(mu_);
+  vmm_by_base_[static_cast<uint64_t>(m->base)] = total;
+  m->owner = this;
+  return m;
+}
+
+absl::StatusOr<std::vector<std::unique_ptr<MappedBuffer>>> CudaBackend::MapBuffers(
+    const v1::RegisterWorkerRequest& request, std::span<const int64_t> buffer_bytes, std::span<const Fd> fds) {
+  std::vector<std::unique_ptr<MappedBuffer>> out;
+  std::vector<std::shared_ptr<VmmMapping>> ranges(static_cast<size_t>(request.vmm_ranges_size()));
+  for (int b = 0; b < request.memory_size(); ++b) {
+    const v1::BufferMemory& m = request.memory(b);
+    const std::string what = absl::StrCat("buffer \"", request.worker().buffers(b).name(), "\"");
+    if (m.has_cuda_vmm()) {
+      std::shared_ptr<VmmMapping>& range = ranges[static_cast<size_t>(m.cuda_vmm().range())];
+      if (range == nullptr) {  // each range mapped once, for all of its buffers
+        auto mapped = MapVmmRange(request, m.cuda_vmm().range(), fds);
+        if (!mapped.ok()) return Annotate(mapped.status(), what);
+        range = *std::move(mapped);
+      }
+      out.push_back(std::unique_ptr<MappedBuffer>(new VmmBuffer(range, m.cuda_vmm().offset(), buffer_bytes[b])));
+      continue;
+    }
+    if (m.has_shm()) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          what, ": host shared memory needs --backend host; this daemon runs --backend cuda (CUDA IPC or VMM)"));
+    }
+    auto mapped = Map(m, buffer_bytes[b]);
+    if (!mapped.ok()) return Annotate(mapped.status(), what);
+    out.push_back(*std::move(mapped));
+  }
+  return out;
 }
 
 // A group's plan as this node executes it, built once per plan and buffer addresses and reused

@@ -1,5 +1,7 @@
 // The cuda data plane: workers' buffers reached through CUDA IPC handles, each allocation opened
-// once per GPU that touches it and cached until its last buffer is released. Messages inside a
+// once per GPU that touches it and cached until its last buffer is released; or, for CUDA VMM
+// memory (cuMemCreate), through its physical allocations' file descriptors: each VMM range is
+// imported and mapped once, at one address valid on every GPU served. Messages inside a
 // node are copied straight from source to destination by the copy kernels on the receiving GPU,
 // reading the sender's memory over NVLink. Messages between nodes are packed on the sending GPU,
 // moved by NCCL send/recv on a communicator per group and membership (one rank per local GPU;
@@ -20,6 +22,7 @@
 
 #include "absl/time/time.h"
 #include "daemon/backend.h"
+#include "daemon/gpu_ids.h"
 
 namespace refit {
 
@@ -38,20 +41,33 @@ class CudaBackend : public DataBackend {
   std::string data_address() const override { return ""; }
   absl::StatusOr<std::unique_ptr<MappedBuffer>> Map(const v1::BufferMemory& memory,
                                                     int64_t bytes) override;
+  // CUDA IPC buffers through Map; CUDA VMM buffers (BufferMemory.cuda_vmm) through their range,
+  // each range imported from its descriptors and mapped once for all of its buffers.
+  absl::StatusOr<std::vector<std::unique_ptr<MappedBuffer>>> MapBuffers(
+      const v1::RegisterWorkerRequest& request, std::span<const int64_t> buffer_bytes,
+      std::span<const Fd> fds) override;
+  absl::StatusOr<int32_t> GpuIndex(const std::string& name) override;
   absl::StatusOr<TransferStats> Transfer(const TransferJob& job) override;
   void Cancel(const std::string& group, int64_t round_id, const std::string& reason) override;
   absl::StatusOr<std::string> NewCommunicatorId() override;
 
   struct Allocation;  // an opened IPC handle
+  struct VmmMapping;  // an imported and mapped VMM range
   struct Prepared;    // a group's schedule on this node, ready to run
 
  private:
   CudaBackend() = default;
-  // `address` (in its owner GPU's import) as GPU `gpu`'s kernels must use it.
+  // `address` (in its owner GPU's import) as GPU `gpu`'s kernels must use it. VMM memory is
+  // mapped for every GPU at one address: returned unchanged.
   absl::StatusOr<uint64_t> AddressOn(int32_t gpu, uint64_t address);
   void Forget(Allocation* a);
+  void ForgetVmm(uint64_t base);
+  absl::StatusOr<std::shared_ptr<VmmMapping>> MapVmmRange(const v1::RegisterWorkerRequest& request, int range,
+                                                          std::span<const Fd> fds);
   std::map<uint64_t, Allocation*> by_base_;  // owner-context base -> allocation
+  std::map<uint64_t, uint64_t> vmm_by_base_;  // VMM range base -> its bytes (guarded by mu_)
   std::vector<int32_t> gpus_;
+  std::vector<GpuName> names_;  // of gpus_, for GpuIndex
   std::mutex mu_;
   std::map<std::string, std::weak_ptr<Allocation>> opened_;  // by handle bytes
   std::set<std::pair<std::string, int64_t>> active_;  // rounds transferring now

@@ -1,5 +1,6 @@
 #include "daemon/daemon.h"
 
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -14,6 +15,7 @@
 #include "daemon/grpc_status.h"
 #include "daemon/host_backend.h"
 #include "daemon/logging.h"
+#include "daemon/memory_refs.h"
 #include "plan/planner.h"
 #include "plan/status_macros.h"
 #include "plan/validate.h"
@@ -33,6 +35,8 @@ struct Daemon::LocalWorker {
   std::condition_variable wake;  // its session writer: an event, or the worker is gone
   int64_t prepared_round = -1;
   int64_t resumed_round = -1;
+  int64_t refused_round = -1;  // the worker refused PREPARE of this round,
+  std::string refused_reason;  // in its own words
 };
 
 // A group's plan as this daemon executes it.
@@ -176,9 +180,22 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(const DaemonConfig& config
     if (!backend.ok()) return backend.status();
     d->backend_ = *std::move(backend);
   }
+  {
+    // Made before the gRPC server serves (a registration may name a token at once), by bind()
+    // under the same umask as gRPC's worker socket: both get the same permissions (re-checked
+    // once the worker socket exists).
+    HandleInboxOptions handles;
+    handles.path = config.worker_socket + ".handles";
+    auto inbox = HandleInbox::Start(handles);
+    if (!inbox.ok()) return Annotate(inbox.status(), "the handle socket");
+    d->handles_ = *std::move(inbox);
+  }
   if (auto s = d->Serve(); !s.ok()) return s;
-  Logger("rpc")->info("node {} serving on {} and unix:{}, data plane {} ({}), {}", config.node,
-                      d->address_, config.worker_socket, d->backend_->data_address(),
+  if (struct stat st; stat(config.worker_socket.c_str(), &st) == 0) {
+    chmod(d->handles_->path().c_str(), st.st_mode & 07777);
+  }
+  Logger("rpc")->info("node {} serving on {} and unix:{} (handles: {}), data plane {} ({}), {}", config.node,
+                      d->address_, config.worker_socket, d->handles_->path(), d->backend_->data_address(),
                       d->backend_->name(),
                       config.is_coordinator() ? "coordinator" : "coordinator at " + config.coordinator);
   {
@@ -228,6 +245,12 @@ absl::Status Daemon::Serve() {
   builder.AddListeningPort("unix:" + config_.worker_socket, grpc::InsecureServerCredentials());
   builder.SetMaxReceiveMessageSize(static_cast<int>(config_.max_rpc_bytes));
   builder.SetMaxSendMessageSize(static_cast<int>(config_.max_rpc_bytes));
+  // Workers ping their session every second to notice a dead or frozen daemon within about a
+  // second (WorkerClient, the Python worker). By default a server takes pings without data at
+  // most every 5 minutes and closes the connection after 2 more ("too_many_pings").
+  builder.AddChannelArgument(GRPC_ARG_HTTP2_MIN_RECV_PING_INTERVAL_WITHOUT_DATA_MS, 500);
+  builder.AddChannelArgument(GRPC_ARG_HTTP2_MAX_PING_STRIKES, 0);  // 0: no limit
+  builder.AddChannelArgument(GRPC_ARG_KEEPALIVE_PERMIT_WITHOUT_CALLS, 1);
   services_.push_back(std::make_unique<WorkerService>(this));
   services_.push_back(std::make_unique<ControlService>(this));
   services_.push_back(std::make_unique<PeerService>(this));
@@ -294,8 +317,29 @@ v1::RefitControl::Stub* Daemon::CoordinatorStub() {
 // ----------------------------------------------------------------------------------------------
 // Workers on this node.
 
-absl::Status Daemon::Register(const v1::RegisterWorkerRequest& request,
+absl::Status Daemon::Register(const v1::RegisterWorkerRequest& original,
                               v1::RegisterWorkerResponse* response) {
+  // The descriptors handed over under the token are claimed first, whatever happens next: they
+  // are closed when this returns (mapped memory stays mapped), so a registration that fails
+  // leaves nothing behind; the worker hands them over again under a new token.
+  HandleDelivery delivery;
+  if (!original.fd_token().empty()) {
+    const std::string& token = original.fd_token();
+    if (token.size() != kHandleTokenChars ||
+        !std::all_of(token.begin(), token.end(), [](char c) { return (c >= '0' && c <= '9') || (c >= 'a' && c <= 'f'); })) {
+      return absl::InvalidArgumentError(absl::StrCat("register: worker \"", original.worker().name(),
+                                                     "\": fd_token must be ", kHandleTokenChars, " lowercase hex digits"));
+    }
+    auto taken = handles_->Take(token);
+    if (!taken.ok()) {
+      return absl::Status(taken.status().code(), absl::StrCat("register: worker \"", original.worker().name(),
+                                                              "\": ", taken.status().message()));
+    }
+    delivery = *std::move(taken);
+  }
+  auto worker = std::make_shared<LocalWorker>();
+  worker->request = original;  // worker.node (and worker.gpu, from gpu_uuid) filled in below
+  const v1::RegisterWorkerRequest& request = worker->request;
   const v1::Worker& w = request.worker();
   if (request.group().empty()) return absl::InvalidArgumentError("register: \"group\" is empty");
   if (request.role() != v1::TRAINER && request.role() != v1::INFERENCE) {
@@ -308,6 +352,14 @@ absl::Status Daemon::Register(const v1::RegisterWorkerRequest& request,
     return absl::InvalidArgumentError(absl::StrCat("register: worker \"", w.name(), "\" has ",
                                                    w.buffers_size(), " buffers but ",
                                                    request.memory_size(), " memory handles"));
+  }
+  if (!request.gpu_uuid().empty()) {
+    // The worker's CUDA index is its own (CUDA_VISIBLE_DEVICES); the UUID is everyone's.
+    auto gpu = backend_->GpuIndex(request.gpu_uuid());
+    if (!gpu.ok()) {
+      return absl::InvalidArgumentError(absl::StrCat("register: worker \"", w.name(), "\": ", gpu.status().message()));
+    }
+    worker->request.mutable_worker()->set_gpu(*gpu);
   }
   if (!config_.gpus.empty() &&
       std::find(config_.gpus.begin(), config_.gpus.end(), w.gpu()) == config_.gpus.end()) {
@@ -326,21 +378,21 @@ absl::Status Daemon::Register(const v1::RegisterWorkerRequest& request,
   if (auto s = ValidateLayout(*layout, RoleName(request.role())); !s.ok()) {
     return absl::InvalidArgumentError(absl::StrCat("register: ", s.message()));
   }
-  auto worker = std::make_shared<LocalWorker>();
   worker->id = absl::StrCat(request.group(), "/", w.name());
-  worker->request = request;
   worker->request.mutable_worker()->set_node(config_.node);
-  for (int b = 0; b < w.buffers_size(); ++b) {
-    const int64_t bytes = layout->buffers[b].NumBytes();
-    auto mapped = backend_->Map(request.memory(b), bytes);
-    if (!mapped.ok()) {
-      return absl::Status(mapped.status().code(),
-                          absl::StrCat("register: worker \"", w.name(), "\" buffer \"",
-                                       w.buffers(b).name(), "\": ", mapped.status().message()));
-    }
-    worker->buffers.push_back(*std::move(mapped));
-    worker->buffer_index[w.buffers(b).name()] = b;
+  std::vector<int64_t> bytes;
+  bytes.reserve(layout->buffers.size());
+  for (const Buffer& b : layout->buffers) bytes.push_back(b.NumBytes());
+  if (auto s = CheckMemoryRefs(request, bytes, delivery.fds.size()); !s.ok()) {
+    return absl::InvalidArgumentError(absl::StrCat("register: worker \"", w.name(), "\": ", s.message()));
   }
+  auto mapped = backend_->MapBuffers(request, bytes, delivery.fds);
+  if (!mapped.ok()) {
+    return absl::Status(mapped.status().code(),
+                        absl::StrCat("register: worker \"", w.name(), "\": ", mapped.status().message()));
+  }
+  worker->buffers = *std::move(mapped);
+  for (int b = 0; b < w.buffers_size(); ++b) worker->buffer_index[w.buffers(b).name()] = b;
   {
     std::lock_guard<std::mutex> lock(mu_);
     if (workers_.contains(worker->id)) {
@@ -356,8 +408,12 @@ absl::Status Daemon::Register(const v1::RegisterWorkerRequest& request,
     return absl::UnavailableError(absl::StrCat("register: the coordinator did not take the worker: ",
                                                s.message()));
   }
-  Logger("worker")->info("registered {} ({}, {} buffers, {} pieces total in layout)", worker->id,
-                         RoleName(request.role()), w.buffers_size(), layout->pieces.size());
+  Logger("worker")->info("registered {} ({}, GPU {}, {} buffers, {} pieces total in layout{})", worker->id,
+                         RoleName(request.role()), w.gpu(), w.buffers_size(), layout->pieces.size(),
+                         original.fd_token().empty()
+                             ? std::string()
+                             : absl::StrCat("; ", delivery.fds.size(), " descriptors handed over by pid ", delivery.pid,
+                                            " uid ", delivery.uid));
   response->set_worker_id(worker->id);
   response->set_node(config_.node);
   response->set_version(0);
@@ -418,6 +474,11 @@ absl::Status Daemon::Session(grpc::ServerContext* context,
       std::lock_guard<std::mutex> lock(mu_);
       if (m.kind_case() == v1::WorkerMessage::kPrepared) w->prepared_round = m.prepared();
       if (m.kind_case() == v1::WorkerMessage::kResumed) w->resumed_round = m.resumed();
+      if (m.kind_case() == v1::WorkerMessage::kRefused) {
+        w->refused_round = m.refused().round_id();
+        w->refused_reason = m.refused().reason().substr(0, 4096);  // it reaches operators: bounded
+        Logger("worker")->warn("worker {} refused round {}: {}", w->id, w->refused_round, w->refused_reason);
+      }
       changed_.notify_all();
     }
     std::lock_guard<std::mutex> lock(mu_);
@@ -468,6 +529,8 @@ v1::SyncWorkersRequest Daemon::LocalSnapshot() {
     v1::RegisterWorkerRequest* r = sync.add_workers();
     *r = w->request;
     r->clear_memory();  // handles stay on this node
+    r->clear_vmm_ranges();
+    r->clear_fd_token();
   }
   return sync;
 }
@@ -480,7 +543,9 @@ absl::Status Daemon::SyncToCoordinator(const v1::RegisterWorkerRequest* added,
     auto& mine = nodes_[config_.node].workers;
     if (added != nullptr) {
       mine.push_back(*added);
-      mine.back().clear_memory();
+      mine.back().clear_memory();  // handles stay on this node
+      mine.back().clear_vmm_ranges();
+      mine.back().clear_fd_token();
       groups_[added->group()];
     }
     if (!removed.empty()) {
@@ -538,10 +603,20 @@ absl::Status Daemon::AwaitWorkers(const std::string& group, const std::vector<st
         return absl::AbortedError(absl::StrCat("worker \"", id, "\" on node ", config_.node,
                                                " left during ", phase));
       }
+      if (!resumed && w->refused_round == round_id) {  // the round cannot happen: end it now
+        return absl::AbortedError(absl::StrCat("worker \"", id, "\" on node ", config_.node, " refused ", phase,
+                                               " of round ", round_id, ": ", w->refused_reason));
+      }
       const int64_t seen = resumed ? w->resumed_round : w->prepared_round;
       if (seen != round_id) waiting.push_back(absl::StrCat("\"", id, "\""));
     }
     if (waiting.empty()) return absl::OkStatus();
+    if (!resumed) {
+      if (auto a = aborted_rounds_.find(group); a != aborted_rounds_.end() && a->second == round_id) {
+        return absl::AbortedError(absl::StrCat("node ", config_.node, ": round ", round_id, " of group \"", group,
+                                               "\" was aborted during ", phase));
+      }
+    }
     if (stopping_) return absl::UnavailableError("daemon shutting down");
     if (absl::Now() >= deadline) {
       return absl::DeadlineExceededError(absl::StrCat(
@@ -626,6 +701,8 @@ absl::Status Daemon::RunPhase(const v1::PhaseRequest& request, v1::PhaseResponse
     backend_->Cancel(group, request.round_id(), request.reason());
     std::lock_guard<std::mutex> lock(mu_);
     active_rounds_.erase(group);
+    aborted_rounds_[group] = request.round_id();
+    changed_.notify_all();  // a wait for this round's PREPARE ends now
     for (auto& [id, w] : workers_) {
       if (w->request.group() != group) continue;
       v1::RoundEvent e;
@@ -652,12 +729,18 @@ absl::Status Daemon::RunPhase(const v1::PhaseRequest& request, v1::PhaseResponse
     case v1::PhaseRequest::PREPARE: {
       {
         std::lock_guard<std::mutex> lock(mu_);
+        // What this node remembers of earlier rounds must not answer for this one: round ids
+        // start again at 1 when the coordinator restarts.
+        aborted_rounds_.erase(group);
         active_rounds_[group] = request.round_id();
         for (const std::string& id : ids) {
           auto w = FindWorker(id);
           if (w == nullptr) {
             return absl::AbortedError(absl::StrCat("worker \"", id, "\" is no longer on node ", config_.node));
           }
+          // Answers about an earlier round of the same id (before a coordinator restart) are stale.
+          w->prepared_round = -1;
+          w->refused_round = -1;
           v1::RoundEvent e;
           e.set_kind(v1::RoundEvent::PREPARE);
           e.set_round_id(request.round_id());
@@ -753,6 +836,7 @@ absl::Status Daemon::RunPhase(const v1::PhaseRequest& request, v1::PhaseResponse
             return absl::AbortedError(absl::StrCat("worker \"", id, "\" left node ", config_.node,
                                                    " before the commit"));
           }
+          w->resumed_round = -1;  // its answer to this COMMIT, not to an earlier round of the same id
           v1::RoundEvent e;
           e.set_kind(v1::RoundEvent::COMMIT);
           e.set_round_id(request.round_id());
@@ -1148,7 +1232,9 @@ absl::Status Daemon::RunRound(const std::string& group, int64_t round_id, int64_
       absl::Status s = CallPeer(n, r, &out, timeout);
       if (bytes) *bytes += out.bytes_received() + out.bytes_local();
       return s;
-    }, p == v1::PhaseRequest::TRANSFER);
+    // A failed PREPARE (a refusal, a worker gone) or TRANSFER aborts every node at once: nobody
+    // waits out the phase's deadline for a round that cannot commit.
+    }, p == v1::PhaseRequest::TRANSFER || p == v1::PhaseRequest::PREPARE);
   };
   absl::Time t = absl::Now();
   if (status.ok()) status = phase(v1::PhaseRequest::PREPARE, config_.prepare_timeout, nullptr);

@@ -23,6 +23,7 @@
 #include "absl/status/statusor.h"
 #include "daemon/backend.h"
 #include "daemon/config.h"
+#include "daemon/handle_inbox.h"
 #include "plan/layout.h"
 #include "plan/plan.h"
 #include "proto/refit.grpc.pb.h"
@@ -103,6 +104,9 @@ class Daemon {
   std::string address_;
   int64_t incarnation_ = 0;
   std::unique_ptr<DataBackend> backend_;
+  // `<worker socket>.handles`: descriptors that workers hand over before they register. Made
+  // before the gRPC server serves, never replaced.
+  std::unique_ptr<HandleInbox> handles_;
   std::vector<std::unique_ptr<grpc::Service>> services_;
   std::unique_ptr<grpc::Server> server_;
   std::thread heartbeat_, monitor_;
@@ -118,6 +122,9 @@ class Daemon {
   std::map<int32_t, std::string> dead_because_;
   std::map<std::string, std::shared_ptr<InstalledPlan>> installed_;
   std::map<std::string, int64_t> active_rounds_;  // group -> round running on this node
+  // group -> the latest round the coordinator aborted here: ends this node's wait for PREPARE of
+  // that round at once (another node failed it), and refuses its PREPARE if that arrives late.
+  std::map<std::string, int64_t> aborted_rounds_;
 
   // Coordinator state.
   std::map<int32_t, NodeInfo> nodes_;

@@ -1,7 +1,12 @@
 // One daemon in process, spoken to over gRPC as workers and operators do: bad input of every kind
 // gets the gRPC code a gRPC user expects and a message that names what is wrong, and the daemon
-// keeps serving. Then a real round between in-process workers, and a stale version.
+// keeps serving. Then a real round between in-process workers, and a stale version; memory
+// handed over as descriptors; a worker that refuses PREPARE.
 #include "daemon/daemon.h"
+
+#include <dirent.h>
+#include <sys/mman.h>
+#include <unistd.h>
 
 #include <catch2/catch.hpp>
 
@@ -219,6 +224,246 @@ TEST_CASE("an inference side that needs what no trainer holds is not ready, and 
   CHECK_FALSE(status.groups(0).ready());
   INFO(status.groups(0).not_ready_reason());
   CHECK(status.groups(0).not_ready_reason().find("8 of 32 elements") != std::string::npos);
+}
+
+int OpenFds() {
+  int n = 0;
+  DIR* d = opendir("/proc/self/fd");
+  while (dirent* e = readdir(d)) {
+    if (e->d_name[0] != '.') ++n;
+  }
+  closedir(d);
+  return n - 1;
+}
+
+int Memfd(size_t bytes) {
+  const int fd = memfd_create("refit-daemon-test", MFD_CLOEXEC);
+  REQUIRE(fd >= 0);
+  REQUIRE(ftruncate(fd, static_cast<off_t>(bytes)) == 0);
+  return fd;
+}
+
+TEST_CASE("registration with descriptors: each wrong reference is named; descriptors are claimed once and closed") {
+  Cluster c;
+  const std::string handles = HandleSocketPath(c.socket);
+  const int fd = Memfd(4096);
+  auto deliver = [&] {
+    const int fds[] = {fd};
+    auto token = DeliverHandles(handles, fds, absl::Now() + absl::Seconds(5));
+    INFO(token.status().message());
+    REQUIRE(token.ok());
+    return *token;
+  };
+  auto by_fd = [&](int32_t index, int64_t size) {
+    auto r = Request("t0", v1::TRAINER, 0, 8);
+    v1::SharedMemory* m = r.mutable_memory(0)->mutable_shm();
+    m->clear_name();
+    m->set_fd(index);
+    m->set_size(size);
+    return r;
+  };
+  {
+    grpc::ClientContext ctx;
+    v1::StatusResponse status;
+    REQUIRE(c.control->Status(&ctx, v1::StatusRequest(), &status).ok());  // connections made
+  }
+  SECTION("a token nothing was delivered under") {
+    auto r = by_fd(1, 4096);
+    r.set_fd_token(std::string(32, 'a'));
+    const grpc::Status s = Register(c, r);
+    CHECK(Says(s, grpc::StatusCode::NOT_FOUND, "no handles were delivered under token \"aaaa"));
+    CHECK(Says(s, grpc::StatusCode::NOT_FOUND, "(send them over " + handles + " first)"));
+  }
+  SECTION("a malformed token") {
+    auto r = by_fd(1, 4096);
+    r.set_fd_token("../../etc");
+    CHECK(Says(Register(c, r), grpc::StatusCode::INVALID_ARGUMENT, "fd_token must be 32 lowercase hex digits"));
+  }
+  SECTION("a descriptor index out of range; the delivery is gone with the failed registration") {
+    auto r = by_fd(2, 4096);
+    r.set_fd_token(deliver());
+    CHECK(Says(Register(c, r), grpc::StatusCode::INVALID_ARGUMENT,
+               "worker \"t0\": buffer \"w\": its shared memory is descriptor 2 (1-based), but only 1 were handed over"));
+    r.mutable_memory(0)->mutable_shm()->set_fd(1);
+    CHECK(Says(Register(c, r), grpc::StatusCode::NOT_FOUND, "no handles were delivered"));
+  }
+  SECTION("descriptors referenced without a token") {
+    CHECK(Says(Register(c, by_fd(1, 4096)), grpc::StatusCode::INVALID_ARGUMENT, "none were handed over (fd_token is empty)"));
+  }
+  SECTION("a size the object does not have") {
+    auto r = by_fd(1, 8192);
+    r.set_fd_token(deliver());
+    CHECK(Says(Register(c, r), grpc::StatusCode::INVALID_ARGUMENT,
+               "buffer \"w\": its shared memory claims 8192 bytes but descriptor 1 (its shared memory) has 4096"));
+  }
+  SECTION("a buffer larger than its object") {
+    const int small = Memfd(64);
+    const int fds[] = {small};
+    auto token = DeliverHandles(handles, fds, absl::Now() + absl::Seconds(5));
+    REQUIRE(token.ok());
+    auto r = by_fd(1, 64);
+    r.set_fd_token(*token);
+    CHECK(Says(Register(c, r), grpc::StatusCode::INVALID_ARGUMENT, "128 bytes at offset 0 do not fit descriptor 1"));
+    close(small);
+  }
+  SECTION("a GPU UUID on the host backend") {
+    auto r = Request("t0", v1::TRAINER, 0, 8);
+    r.set_gpu_uuid("GPU-1b2c3d4e-0000-1111-2222-333344445555");
+    CHECK(Says(Register(c, r), grpc::StatusCode::INVALID_ARGUMENT, "given but this daemon runs --backend host"));
+  }
+  SECTION("VMM memory on the host backend") {
+    auto r = Request("t0", v1::TRAINER, 0, 8);
+    r.mutable_memory(0)->mutable_cuda_vmm()->set_range(0);
+    v1::VmmRange* range = r.add_vmm_ranges();
+    range->add_chunk_bytes(4096);
+    r.set_fd_token(deliver());
+    CHECK(Says(Register(c, r), grpc::StatusCode::INVALID_ARGUMENT, "needs --backend cuda"));
+  }
+  SECTION("a good one: registered, and the daemon keeps no descriptor of its own") {
+    const int before = OpenFds();
+    auto r = by_fd(1, 4096);
+    r.set_fd_token(deliver());
+    REQUIRE(Register(c, r).ok());
+    CHECK(OpenFds() == before);  // its copy closed after mapping; the mapping keeps the memory
+  }
+  close(fd);
+}
+
+TEST_CASE("a worker that refuses PREPARE aborts the round at once, with its reason; the next round commits") {
+  Cluster c;
+  Layout trainer, engine;
+  AddSplitTensor(trainer, "w", Dims{8, 4}, DType::kF32, 0, {0, 8}, {{0, 0}}, "trainer");
+  AddSplitTensor(engine, "w", Dims{8, 4}, DType::kF32, 1, EvenSplit(4, 1), {{0, 1}}, "engine");
+  REQUIRE(ValidateLayout(trainer, "source").ok());
+  REQUIRE(ValidateLayout(engine, "destination").ok());
+  std::atomic<bool> refuse{true};
+  std::unique_ptr<WorkerClient> t;
+  WorkerCallbacks trainer_cb;
+  trainer_cb.on_prepare = [&](int64_t v) -> absl::Status {
+    if (refuse) return absl::FailedPreconditionError("NaN in the loss at step 41");
+    FillSpec spec{static_cast<uint64_t>(v), {false}};
+    BufferMemory m = {t->buffer(0)};
+    FillSources(trainer, spec, m);
+    return absl::OkStatus();
+  };
+  auto tc = WorkerClient::Connect(c.socket, "policy", v1::TRAINER, trainer, trainer_cb);
+  REQUIRE(tc.ok());
+  t = *std::move(tc);
+  std::atomic<int> aborts{0};
+  WorkerCallbacks engine_cb;
+  engine_cb.on_abort = [&](int64_t, const std::string&) { ++aborts; };
+  auto e = WorkerClient::Connect(c.socket, "policy", v1::INFERENCE, engine, engine_cb);
+  REQUIRE(e.ok());
+  CHECK(t->connected());
+
+  // Every round's stats, as an operator watching sees them.
+  grpc::ClientContext watch_ctx;
+  auto watch = c.control->WatchRounds(&watch_ctx, v1::WatchRoundsRequest());
+  absl::SleepFor(absl::Milliseconds(300));  // the watch is in place before the round starts
+  auto refit = [&](int64_t version) {
+    grpc::ClientContext ctx;
+    v1::RefitRequest r;
+    r.set_group("policy");
+    r.set_version(version);
+    v1::RoundStats out;
+    return c.control->Refit(&ctx, r, &out);
+  };
+  const absl::Time t0 = absl::Now();
+  const grpc::Status refused = refit(1);
+  const absl::Duration took = absl::Now() - t0;
+  CHECK(Says(refused, grpc::StatusCode::ABORTED,
+             "worker \"policy/trainer0\" on node 0 refused PREPARE of round 1: NaN in the loss at step 41"));
+  CHECK(took < absl::Seconds(1));
+  v1::RoundStats stats;
+  while (watch->Read(&stats) && stats.state() != v1::RoundStats::ABORTED) {
+  }
+  CHECK(stats.state() == v1::RoundStats::ABORTED);
+  CHECK(stats.round_id() == 1);
+  CHECK(stats.reason() == "worker \"policy/trainer0\" on node 0 refused PREPARE of round 1: NaN in the loss at step 41");
+  CHECK((*e)->version() == 0);
+  const absl::Time until = absl::Now() + absl::Seconds(2);
+  while (aborts == 0 && absl::Now() < until) absl::SleepFor(absl::Milliseconds(10));
+  CHECK(aborts == 1);  // the engine learned its buffers hold no new version
+
+  refuse = false;
+  REQUIRE(refit(2).ok());
+  CHECK((*e)->version() == 2);
+  BufferMemory m = {(*e)->buffer(0)};
+  auto checked = CheckDestinations(trainer, engine, FillSpec{2, {false}}, m);
+  INFO(checked.status().message());
+  CHECK(checked.ok());
+  watch_ctx.TryCancel();
+}
+
+TEST_CASE("host memory by name and by descriptor both carry a round") {
+  Cluster c;
+  Layout trainer, engine;
+  AddSplitTensor(trainer, "w", Dims{8, 4}, DType::kF32, 0, {0, 8}, {{0, 0}}, "trainer");
+  AddSplitTensor(engine, "w", Dims{8, 4}, DType::kF32, 1, EvenSplit(4, 1), {{0, 1}}, "engine");
+  REQUIRE(ValidateLayout(trainer, "source").ok());
+  REQUIRE(ValidateLayout(engine, "destination").ok());
+  std::unique_ptr<WorkerClient> t;
+  WorkerCallbacks trainer_cb;
+  trainer_cb.on_prepare = [&](int64_t v) {
+    BufferMemory m = {t->buffer(0)};
+    FillSources(trainer, FillSpec{static_cast<uint64_t>(v), {false}}, m);
+    return absl::OkStatus();
+  };
+  ConnectOptions by_name;
+  by_name.host_memory_by_name = true;
+  auto tc = WorkerClient::Connect(c.socket, "policy", v1::TRAINER, trainer, trainer_cb, by_name);
+  REQUIRE(tc.ok());
+  t = *std::move(tc);
+  auto e = WorkerClient::Connect(c.socket, "policy", v1::INFERENCE, engine, {}, ConnectOptions());
+  REQUIRE(e.ok());
+  grpc::ClientContext ctx;
+  v1::RefitRequest r;
+  r.set_group("policy");
+  r.set_version(1);
+  v1::RoundStats out;
+  REQUIRE(c.control->Refit(&ctx, r, &out).ok());
+  BufferMemory m = {(*e)->buffer(0)};
+  CHECK(CheckDestinations(trainer, engine, FillSpec{1, {false}}, m).ok());
+}
+
+TEST_CASE("a refusal on another node aborts the round at once, while a worker elsewhere still prepares") {
+  Cluster c;  // node 0, the coordinator
+  DaemonConfig n1;
+  n1.node = 1;
+  n1.coordinator = c.daemon->address();
+  n1.worker_socket = absl::StrCat("/tmp/refitd-test-", getpid(), "-1.sock");
+  n1.log_level = "warn";
+  n1.prepare_timeout = absl::Seconds(3);
+  auto node1 = Daemon::Start(n1);
+  INFO(node1.status().message());
+  REQUIRE(node1.ok());
+  Layout trainer, engine;
+  AddSplitTensor(trainer, "w", Dims{8, 4}, DType::kF32, 0, {0, 8}, {{0, 0}}, "trainer");
+  AddSplitTensor(engine, "w", Dims{8, 4}, DType::kF32, 1, EvenSplit(4, 1), {{1, 0}}, "engine");
+  REQUIRE(ValidateLayout(trainer, "source").ok());
+  REQUIRE(ValidateLayout(engine, "destination").ok());
+  WorkerCallbacks slow;
+  slow.on_prepare = [](int64_t) {
+    absl::SleepFor(absl::Milliseconds(2500));  // well past the refusal
+    return absl::OkStatus();
+  };
+  WorkerCallbacks refusing;
+  refusing.on_prepare = [](int64_t) { return absl::UnavailableError("the engine is sleeping (weights offloaded)"); };
+  auto t = WorkerClient::Connect(c.socket, "policy", v1::TRAINER, trainer, slow);
+  REQUIRE(t.ok());
+  auto e = WorkerClient::Connect("unix:" + n1.worker_socket, "policy", v1::INFERENCE, engine, refusing);
+  INFO(e.status().message());
+  REQUIRE(e.ok());
+  grpc::ClientContext ctx;
+  v1::RefitRequest r;
+  r.set_group("policy");
+  r.set_version(1);
+  v1::RoundStats out;
+  const absl::Time t0 = absl::Now();
+  const grpc::Status s = c.control->Refit(&ctx, r, &out);
+  CHECK(absl::Now() - t0 < absl::Seconds(1));
+  CHECK(Says(s, grpc::StatusCode::ABORTED,
+             "worker \"policy/engine0\" on node 1 refused PREPARE of round 1: the engine is sleeping"));
 }
 
 }  // namespace

@@ -1,11 +1,15 @@
 #include "daemon/host_backend.h"
 
+#include <sys/stat.h>
+
+#include <cerrno>
 #include <cstring>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "client/shared_memory.h"
 #include "daemon/logging.h"
+#include "plan/status_macros.h"
 
 namespace refit {
 namespace {
@@ -187,6 +191,76 @@ absl::StatusOr<std::unique_ptr<MappedBuffer>> HostBackend::Map(const v1::BufferM
     }
   }
   return std::unique_ptr<MappedBuffer>(new ShmBuffer(std::move(segment), shm.offset(), bytes));
+}
+
+absl::StatusOr<std::vector<std::unique_ptr<MappedBuffer>>> HostBackend::MapBuffers(
+    const v1::RegisterWorkerRequest& request, std::span<const int64_t> buffer_bytes, std::span<const Fd> fds) {
+  std::vector<std::unique_ptr<MappedBuffer>> out;
+  std::vector<std::shared_ptr<SharedMemory>> by_fd(fds.size());  // this registration's, by index
+  int unsealed = 0;
+  for (int b = 0; b < request.memory_size(); ++b) {
+    const v1::BufferMemory& m = request.memory(b);
+    const std::string what = absl::StrCat("buffer \"", request.worker().buffers(b).name(), "\"");
+    const int64_t bytes = buffer_bytes[b];
+    if (m.has_cuda_vmm() || m.has_cuda_ipc()) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          what, ": GPU memory (CUDA IPC or VMM) needs --backend cuda; this daemon runs --backend host"));
+    }
+    if (!m.has_shm() || m.shm().fd() == 0) {  // by name
+      auto mapped = Map(m, bytes);
+      if (!mapped.ok()) return Annotate(mapped.status(), what);
+      out.push_back(*std::move(mapped));
+      continue;
+    }
+    const v1::SharedMemory& shm = m.shm();
+    const size_t index = static_cast<size_t>(shm.fd() - 1);
+    const std::string object = absl::StrCat("descriptor ", shm.fd(), " (its shared memory)");
+    std::shared_ptr<SharedMemory>& segment = by_fd[index];
+    if (segment == nullptr) {
+      struct stat st;
+      if (fstat(fds[index].get(), &st) != 0) {
+        return absl::InternalError(absl::StrCat(what, ": fstat of ", object, ": ", std::strerror(errno)));
+      }
+      std::lock_guard<std::mutex> lock(segments_mu_);
+      std::weak_ptr<SharedMemory>& cached = fd_segments_[{st.st_dev, st.st_ino}];
+      segment = cached.lock();
+      if (segment == nullptr) {
+        auto mapped = SharedMemory::MapDescriptor(fds[index].get(), object);
+        if (!mapped.ok()) return Annotate(mapped.status(), what);
+        segment = std::make_shared<SharedMemory>(*std::move(mapped));
+        cached = segment;
+        if (!segment->sealed_against_shrinking()) ++unsealed;
+        if (++fd_maps_since_prune_ >= fd_segments_.size()) {
+          fd_maps_since_prune_ = 0;
+          std::erase_if(fd_segments_, [](const auto& e) { return e.second.expired(); });
+        }
+      }
+    }
+    // The object's size as the kernel has it now, not as the worker says: a claim that
+    // disagrees is a confused worker, refused before its buffers are used.
+    const int64_t size = static_cast<int64_t>(segment->bytes().size());
+    if (shm.size() != size) {
+      return absl::InvalidArgumentError(absl::StrCat(what, ": its shared memory claims ", shm.size(), " bytes but ",
+                                                     object, " has ", size));
+    }
+    if (shm.offset() < 0 || bytes < 0 || shm.offset() > size - bytes) {
+      return absl::InvalidArgumentError(absl::StrCat(what, ": ", bytes, " bytes at offset ", shm.offset(),
+                                                     " do not fit ", object, " of ", size, " bytes"));
+    }
+    out.push_back(std::unique_ptr<MappedBuffer>(new ShmBuffer(segment, shm.offset(), bytes)));
+  }
+  if (unsealed > 0) {
+    // Mapped within the object's size; but its owner could still truncate it later, and this
+    // daemon would die of SIGBUS touching the vanished pages. Sealed memfds cannot shrink.
+    Logger("worker")->warn("worker \"{}\": {} of its shared-memory objects are not sealed against shrinking "
+                           "(memfd with F_SEAL_SHRINK); a truncate would crash this daemon",
+                           request.worker().name(), unsealed);
+  }
+  return out;
+}
+
+absl::StatusOr<int32_t> HostBackend::GpuIndex(const std::string& name) {
+  return absl::InvalidArgumentError(absl::StrCat("gpu_uuid \"", name, "\" given but this daemon runs --backend host"));
 }
 
 absl::Status HostBackend::Send(Job& job, const Message& m, int64_t index,

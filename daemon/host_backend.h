@@ -3,6 +3,8 @@
 // connection), packed and unpacked with the CPU reference of plan/host_copy.h.
 #pragma once
 
+#include <sys/types.h>
+
 #include <condition_variable>
 #include <map>
 #include <memory>
@@ -26,6 +28,12 @@ class HostBackend : public DataBackend {
   std::string data_address() const override { return address_; }
   absl::StatusOr<std::unique_ptr<MappedBuffer>> Map(const v1::BufferMemory& memory,
                                                     int64_t bytes) override;
+  // Shared memory by name (Map) or by descriptor (SharedMemory.fd): a descriptor's object is
+  // mapped whole, as large as fstat says (never as the worker claims), once per object.
+  absl::StatusOr<std::vector<std::unique_ptr<MappedBuffer>>> MapBuffers(
+      const v1::RegisterWorkerRequest& request, std::span<const int64_t> buffer_bytes,
+      std::span<const Fd> fds) override;
+  absl::StatusOr<int32_t> GpuIndex(const std::string& name) override;
   absl::StatusOr<TransferStats> Transfer(const TransferJob& job) override;
   void Cancel(const std::string& group, int64_t round_id, const std::string& reason) override;
 
@@ -51,6 +59,10 @@ class HostBackend : public DataBackend {
   std::mutex segments_mu_;
   std::map<std::pair<std::string, int64_t>, std::weak_ptr<SharedMemory>> segments_;
   size_t opens_since_prune_ = 0;
+  // Objects handed over as descriptors, by (device, inode): one mapping per object, however
+  // many descriptors of it arrive. A live mapping pins its inode, so the key cannot be reused.
+  std::map<std::pair<dev_t, ino_t>, std::weak_ptr<SharedMemory>> fd_segments_;
+  size_t fd_maps_since_prune_ = 0;
   bool stopping_ = false;
 };
 

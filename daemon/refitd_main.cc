@@ -1,4 +1,7 @@
 // refitd: the per-node refit daemon. See daemon/daemon.h and docs/DEPLOYMENT.md.
+#include <sys/resource.h>
+
+#include <algorithm>
 #include <csignal>
 #include <cstdio>
 #include <thread>
@@ -16,6 +19,13 @@ int main(int argc, char** argv) {
   sigaddset(&signals, SIGTERM);
   pthread_sigmask(SIG_BLOCK, &signals, nullptr);
   std::signal(SIGPIPE, SIG_IGN);
+  // Workers hand memory over as file descriptors (up to 65,536 per delivery, daemon/README.md):
+  // the soft limit (often 1,024) would cut deliveries off long before the hard one.
+  if (rlimit nofile; getrlimit(RLIMIT_NOFILE, &nofile) == 0 && nofile.rlim_cur < nofile.rlim_max &&
+                     nofile.rlim_cur < (rlim_t{1} << 20)) {
+    nofile.rlim_cur = std::min<rlim_t>(nofile.rlim_max, rlim_t{1} << 20);  // the kernel's usual nr_open
+    setrlimit(RLIMIT_NOFILE, &nofile);
+  }
   auto daemon = refit::Daemon::Start(config);
   if (!daemon.ok()) {
     std::fprintf(stderr, "refitd: %s\n", std::string(daemon.status().message()).c_str());

@@ -8,9 +8,17 @@
 // trainer fills once; the inference side checks its first commit fully and every later one byte
 // for byte against that verified copy. Destinations are poisoned at every PREPARE either way.
 //
+// sim-worker-cuda holds its buffers on the GPU, in one cudaMalloc allocation (exported by CUDA
+// IPC), or with --vmm in CUDA VMM memory (cuMemCreate, shareable as POSIX file descriptors, in
+// chunks of --vmm-chunk-mb mapped back to back, as PyTorch's expandable segments do), exported as
+// file descriptors over the daemon's handle socket.
+//
+// SIM_WORKER_VMM=1 in the environment makes --vmm the default (sim-worker-cuda).
+//
 //   sim-worker --daemon unix:/tmp/refitd-2.sock --group policy --role inference
 //              --layout engine.json --worker vllm-dp0-tp1 --report /tmp/w.log
 #include <csignal>
+#include <cstdlib>
 #include <cstring>
 #include <cstdio>
 #include <fstream>
@@ -23,6 +31,7 @@
 #include "plan/verify.h"
 #include "proto/layout_codec.h"
 #ifdef REFIT_SIM_WORKER_CUDA
+#include <cuda.h>
 #include <cuda_runtime.h>
 
 #include "client/cuda_export.h"
@@ -45,6 +54,14 @@ int main(int argc, char** argv) {
   int64_t prepare_delay_ms = 0;
   double register_timeout_s = 10;
   bool same_data = false;
+#ifdef REFIT_SIM_WORKER_CUDA
+  // The environment sets the default, so that the GPU cluster scripts run on VMM memory as they
+  // are: SIM_WORKER_VMM=1 bash tests/gpu/colocated.sh.
+  bool vmm = std::getenv("SIM_WORKER_VMM") != nullptr && std::string(std::getenv("SIM_WORKER_VMM")) == "1";
+#else
+  bool vmm = false;
+#endif
+  int64_t vmm_chunk_mb = 20;
   CliFlags flags("sim-worker", "--daemon ADDR --role trainer|inference --layout F --worker NAME");
   flags.String("daemon", &daemon, "the node's refitd: unix:/tmp/refitd-<node>.sock or host:port");
   flags.String("group", &group, "model group");
@@ -55,6 +72,8 @@ int main(int argc, char** argv) {
   flags.Int("prepare-delay-ms", &prepare_delay_ms, "wait this long before confirming PREPARE (tests)");
   flags.Double("register-timeout", &register_timeout_s, "seconds to wait for the daemon to accept the registration");
   flags.Bool("same-data", &same_data, "every round carries version 1's values (fill once, compare to a verified copy)");
+  flags.Bool("vmm", &vmm, "sim-worker-cuda: buffers in CUDA VMM memory (cuMemCreate), handed over as file descriptors");
+  flags.Int("vmm-chunk-mb", &vmm_chunk_mb, "with --vmm: MiB per physical allocation (rounded up to the granularity)");
   flags.Parse(argc, argv);
   if (daemon.empty() || layout_path.empty() || worker_name.empty()) {
     flags.Fail("--daemon, --layout and --worker are required");
@@ -88,16 +107,55 @@ int main(int argc, char** argv) {
     total += (b.NumBytes() + 255) / 256 * 256;
   }
   char* device = nullptr;
-  if (cudaMalloc(&device, std::max<int64_t>(total, 256)) != cudaSuccess) flags.Fail("cudaMalloc failed");
+  total = std::max<int64_t>(total, 256);
+  if (!vmm) {
+    if (cudaMalloc(&device, total) != cudaSuccess) flags.Fail("cudaMalloc failed");
+  } else {
+    // Physical allocations of --vmm-chunk-mb, mapped back to back in one reserved range: what
+    // PyTorch's expandable segments do, shareable as POSIX file descriptors.
+    if (cudaFree(nullptr) != cudaSuccess) flags.Fail(absl::StrCat("no CUDA context on GPU ", gpu));
+    CUmemAllocationProp prop = {};
+    prop.type = CU_MEM_ALLOCATION_TYPE_PINNED;
+    prop.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
+    prop.location.id = gpu;
+    prop.requestedHandleTypes = CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR;
+    size_t granularity = 0;
+    if (cuMemGetAllocationGranularity(&granularity, &prop, CU_MEM_ALLOC_GRANULARITY_MINIMUM) != CUDA_SUCCESS) {
+      flags.Fail("cuMemGetAllocationGranularity failed");
+    }
+    const size_t chunk = (static_cast<size_t>(std::max<int64_t>(vmm_chunk_mb, 1)) * (1 << 20) + granularity - 1) /
+                         granularity * granularity;
+    const size_t chunks = (static_cast<size_t>(total) + chunk - 1) / chunk;
+    CUdeviceptr base = 0;
+    if (cuMemAddressReserve(&base, chunks * chunk, 0, 0, 0) != CUDA_SUCCESS) flags.Fail("cuMemAddressReserve failed");
+    for (size_t c = 0; c < chunks; ++c) {
+      CUmemGenericAllocationHandle h;
+      if (cuMemCreate(&h, chunk, &prop, 0) != CUDA_SUCCESS) flags.Fail("cuMemCreate failed");
+      if (cuMemMap(base + c * chunk, chunk, 0, h, 0) != CUDA_SUCCESS) flags.Fail("cuMemMap failed");
+      cuMemRelease(h);  // the mapping keeps it until the process exits
+    }
+    CUmemAccessDesc access = {};
+    access.location = prop.location;
+    access.flags = CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
+    if (cuMemSetAccess(base, chunks * chunk, &access, 1) != CUDA_SUCCESS) flags.Fail("cuMemSetAccess failed");
+    device = reinterpret_cast<char*>(base);
+    Report(absl::StrCat("vmm: ", chunks, " allocations of ", chunk, " bytes"));
+  }
   std::vector<std::vector<std::byte>> host(mine.buffers.size());
-  std::vector<v1::BufferMemory> exported;
+  std::vector<CudaBufferRef> refs;
   for (size_t b = 0; b < mine.buffers.size(); ++b) {
     host[b].resize(static_cast<size_t>(mine.buffers[b].NumBytes()));
     memory.emplace_back(host[b].data(), host[b].size());
-    auto e = ExportCudaBuffer(device + offsets[b], mine.buffers[b].NumBytes());
-    if (!e.ok()) flags.Fail(std::string(e.status().message()));
-    exported.push_back(*e);
+    refs.push_back({device + offsets[b], mine.buffers[b].NumBytes(), mine.buffers[b].name});
   }
+  auto exported_or = ExportCudaBuffers(refs);
+  if (!exported_or.ok()) flags.Fail(std::string(exported_or.status().message()));
+  CudaExport exported_cuda = *std::move(exported_or);  // owns the VMM descriptors (kept open)
+  ConnectOptions options;
+  options.memory.memory = exported_cuda.memory;
+  options.memory.vmm_ranges = exported_cuda.vmm_ranges;
+  options.memory.fds = exported_cuda.fds;
+  options.memory.gpu_uuid = exported_cuda.gpu_uuid;
   auto to_device = [&] {
     for (size_t b = 0; b < host.size(); ++b) cudaMemcpy(device + offsets[b], host[b].data(), host[b].size(), cudaMemcpyHostToDevice);
   };
@@ -105,11 +163,14 @@ int main(int argc, char** argv) {
     for (size_t b = 0; b < host.size(); ++b) cudaMemcpy(host[b].data(), device + offsets[b], host[b].size(), cudaMemcpyDeviceToHost);
   };
   auto poison = [&] {
-    cudaMemset(device, static_cast<int>(kPoison), std::max<int64_t>(total, 256));
+    cudaMemset(device, static_cast<int>(kPoison), total);
     cudaDeviceSynchronize();
   };
+  const bool own_memory = true;
 #else
-  std::vector<v1::BufferMemory> exported;  // the library allocates shared memory
+  if (vmm) flags.Fail("--vmm needs sim-worker-cuda");
+  ConnectOptions options;  // the library allocates shared memory
+  const bool own_memory = false;
   auto to_device = [] {};
   auto to_host = [] {};
   auto poison = [&] { PoisonDestinations(memory); };
@@ -166,13 +227,15 @@ int main(int argc, char** argv) {
   callbacks.on_abort = [&](int64_t round, const std::string& reason) {
     Report(absl::StrCat("abort round ", round, ": ", reason));
   };
-  auto connected = WorkerClient::Connect(daemon, group, role, mine, callbacks, absl::Seconds(register_timeout_s), exported);
+  options.timeout = absl::Seconds(register_timeout_s);
+  callbacks.on_disconnected = [&](const std::string& why) { Report(absl::StrCat("disconnected: ", why)); };
+  auto connected = WorkerClient::Connect(daemon, group, role, mine, callbacks, std::move(options));
   if (!connected.ok()) {
     std::fprintf(stderr, "sim-worker: %s\n", std::string(connected.status().message()).c_str());
     return 1;
   }
   client = *std::move(connected);
-  if (exported.empty()) {
+  if (!own_memory) {
     for (size_t b = 0; b < client->num_buffers(); ++b) memory.push_back(client->buffer(b));
   }
   if (role == v1::INFERENCE) {

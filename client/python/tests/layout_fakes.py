@@ -158,8 +158,9 @@ def tiny_model() -> "torch.nn.Module":
 
 
 def fsdp2_rank(rank: int, world: int, mesh_shape: Tuple[int, ...], init_file: str, queue: Any) -> None:
-    """Builds tiny_model on this rank, TP over the last mesh dim when the mesh is 2-D, FSDP2 over
-    the first, and reports (rank, trainer_worker's layout, problems, torch's disagreements)."""
+    """Builds tiny_model on this rank: FSDP2 on a 1-D mesh; on 2-D (dp, tp) TP then FSDP2 over dp;
+    on 3-D (rep, dp, tp) TP then HSDP over (rep, dp). Reports (rank, trainer_worker's layout,
+    problems, torch's disagreements)."""
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
@@ -168,19 +169,19 @@ def fsdp2_rank(rank: int, world: int, mesh_shape: Tuple[int, ...], init_file: st
     problems, torch_disagrees = [], []
     try:
         dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
-        names = ("dp", "tp")[:len(mesh_shape)]
+        names = {1: ("dp",), 2: ("dp", "tp"), 3: ("rep", "dp", "tp")}[len(mesh_shape)]
         mesh = init_device_mesh("cpu", mesh_shape, mesh_dim_names=names)
         torch.manual_seed(0)
         net = tiny_model()
         full = {n: p.detach().clone() for n, p in net.named_parameters()}
-        if len(mesh_shape) == 2:
+        if len(mesh_shape) >= 2:
             from torch.distributed.tensor.parallel import (ColwiseParallel, RowwiseParallel,
                                                            parallelize_module)
             for layer in net.layers:
                 parallelize_module(layer, mesh["tp"], {"q_proj": ColwiseParallel(),
                                                        "o_proj": RowwiseParallel()})
             parallelize_module(net, mesh["tp"], {"head": ColwiseParallel()})
-            dp_mesh = mesh["dp"]
+            dp_mesh = mesh["dp"] if len(mesh_shape) == 2 else mesh["rep", "dp"]
         else:
             dp_mesh = mesh
         for layer in net.layers:

@@ -14,9 +14,9 @@ import torch
 
 import layout_fakes as fakes
 import layout_models as lm
-from refit.layouts import (Box, LayoutError, Mesh, ParamSpec, Partial, RankPlacement, Replicate, Shard,
-                           StridedShard, coverage, diff_layouts, local_box, local_buffers, merge_layouts,
-                           trainer_layout, trainer_worker)
+from refit.layouts import (Box, LayoutError, Mesh, ParamSpec, Partial, RankPlacement, Replicate,
+                           Shard, StridedShard, diff_layouts, local_box, local_buffers,
+                           merge_layouts, trainer_layout, trainer_worker)
 
 
 def coords(mesh_shape):
@@ -322,11 +322,14 @@ class RealFSDP2Test(unittest.TestCase):
 
     def setUp(self):
         try:
-            from torch.distributed.device_mesh import init_device_mesh  # noqa: F401
-            from torch.distributed.fsdp import fully_shard  # noqa: F401
-            from torch.distributed.tensor import DTensor  # noqa: F401
+            import torch.distributed.device_mesh as device_mesh
+            import torch.distributed.fsdp as fsdp
+            import torch.distributed.tensor as dtensor
         except ImportError as e:
             self.skipTest(f"this torch has no DTensor / FSDP2 ({e})")
+        if not all(hasattr(m, a) for m, a in ((device_mesh, "init_device_mesh"),
+                                              (fsdp, "fully_shard"), (dtensor, "DTensor"))):
+            self.skipTest("this torch has no DTensor / FSDP2 (fully_shard)")
 
     def spawn(self, target, mesh_shape):
         import multiprocessing
@@ -367,6 +370,11 @@ class RealFSDP2Test(unittest.TestCase):
 
     def test_fsdp2(self):
         self.check(self.run_ranks((3,)))
+
+    def test_hsdp_with_tp(self):
+        layout = self.run_ranks((2, 2, 2))
+        self.assertEqual(len(layout["workers"]), 8)
+        self.check(layout)
 
     def test_fsdp2_with_tp(self):
         layout = self.run_ranks((3, 2))

@@ -7,7 +7,7 @@ import torch
 
 import layout_models as lm
 from refit.layouts import (EngineConfig, LayoutError, ParamSpec, RankPlacement, engine_layout,
-                           engine_worker, expert_ids, merge_layouts, normalize_layout, trainer_layout)
+                           engine_worker, expert_ids, normalize_layout, trainer_layout)
 
 
 def pieces(layout, buffer):
@@ -103,6 +103,10 @@ class EngineWorkerTest(unittest.TestCase):
         cfg.tie_word_embeddings = False
         layout = engine_worker({"model.embed_tokens.weight": embed, "lm_head.weight": embed}, cfg)
         self.assertEqual(list(shapes(layout)), ["model.embed_tokens.weight"])
+        # equal (shape, dtype) literals may be one constant object: not a tie
+        layout = engine_worker({"model.embed_tokens.weight": ((128, 16), "bf16"),
+                                "lm_head.weight": ((128, 16), "bf16")}, cfg)
+        self.assertEqual(sorted(shapes(layout)), ["lm_head.weight", "model.embed_tokens.weight"])
 
     def test_experts_tp_and_ep(self):
         def moe(e_local, inter_t):

@@ -18,7 +18,7 @@ the two spellings as equal).
 from __future__ import annotations
 
 import math
-from typing import Any, Dict, Iterable, List, NamedTuple, Optional, Sequence, Tuple
+from typing import Any, Dict, Iterable, List, NamedTuple, Sequence, Tuple
 
 
 class LayoutError(ValueError):

@@ -21,9 +21,10 @@ What a user must know
   stores: in the versions that reorder placements (``_explicit_order_placements``) and, in torch
   2.11, everywhere but uneven ``_StridedShard`` splits, where 2.11 follows its
   ``_StridedShard._split_tensor`` rule and FSDP2's ``to_local()`` does not (``head.weight``
-  [7, 12], TP 2 inside FSDP 3: FSDP2 puts row 6 on mesh coordinate (2, 1), torch 2.11 says (2, 0)). FSDP2 is the only producer of uneven
-  ``_StridedShard`` (2.11's ``distribute_tensor`` refuses them), so refit follows FSDP2's data;
-  ``trainer_worker`` checks every local shape against ``to_local()``.
+  [7, 12], TP 2 inside FSDP 3: FSDP2 puts row 6 on mesh coordinate (2, 1), torch 2.11 says
+  (2, 0)). FSDP2 is the only producer of uneven ``_StridedShard`` (2.11's ``distribute_tensor``
+  refuses them), so refit follows FSDP2's data; ``trainer_worker`` checks every local shape
+  against ``to_local()``.
 
   A placement whose shard is not one box (a ``_StridedShard`` whose ``split_factor`` is not the
   product above, e.g. one that no later ``Shard`` of its dim follows) is refused with an error
@@ -51,9 +52,10 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, Iterable, List, Mapping, NamedTuple, Optional, Sequence, Tuple, Union
+from typing import (Any, Callable, Dict, List, Mapping, NamedTuple, Optional, Sequence, Tuple,
+                    Union)
 
-from .core import Box, LayoutBuilder, LayoutError, RankPlacement, chunk, dtype_name, named_items
+from .core import Box, LayoutBuilder, LayoutError, RankPlacement, chunk, named_items
 
 __all__ = [
     "Shard", "StridedShard", "Replicate", "Partial", "Mesh", "ParamSpec", "normalize_placement",

@@ -52,9 +52,8 @@ Workers are named ``vllm-dp<d>-tp<t>`` at rank ``d * tp_size + t`` (``refit-layo
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass, field, replace
-from typing import Any, Callable, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple, Union
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
 from .core import Box, LayoutBuilder, LayoutError, RankPlacement, named_items
 
@@ -303,10 +302,11 @@ def _part_rows(parts: Sequence[str], rules: Sequence[str], rows: int, config: En
                               f"{list(parts)}")
         for i in unknown:
             out[i] = rest // len(unknown)
-    if sum(out) != rows:  # type: ignore[arg-type]
-        raise LayoutError(f"vLLM parameter {name!r}: parts {list(parts)} need {sum(out)} rows "  # type: ignore[arg-type]
-                          f"but the buffer has {rows}")
-    return out  # type: ignore[return-value]
+    total = sum(r or 0 for r in out)
+    if total != rows:
+        raise LayoutError(f"vLLM parameter {name!r}: parts {list(parts)} need {total} rows but "
+                          f"the buffer has {rows}")
+    return [int(r or 0) for r in out]
 
 
 def _rows_box(shape: Sequence[int], begin: int, rows: int, dim: int = 0) -> Box:
@@ -342,13 +342,15 @@ def engine_worker(params: Any, config: EngineConfig, *, placement: RankPlacement
         worker_name.format(dp=config.dp_rank, tp=config.tp_rank, rank=config.rank)
     b = LayoutBuilder(model)
     w = b.worker(wname, node, gpu)
-    embed = {id(obj) for n, obj in named if n.endswith("embed_tokens.weight")}
+    # Tied by identity only for tensors: equal (shape, dtype) tuples may be one constant object.
+    embed = {id(obj) for n, obj in named if n.endswith("embed_tokens.weight") and hasattr(obj, "shape")}
     for name, obj in named:
         if skip is not None and skip(name):
             continue
         module_path, _, leaf = name.rpartition(".")
         parent, _, module = module_path.rpartition(".")
-        if module == "lm_head" and (config.tie_word_embeddings or id(obj) in embed):
+        tied = config.tie_word_embeddings or (hasattr(obj, "shape") and id(obj) in embed)
+        if module == "lm_head" and tied:
             continue  # tied: the embedding's storage, no tensor of its own
         shape, dtype = _shape_dtype(name, obj)
         if module == "experts" and leaf in config.expert_modules:

@@ -40,6 +40,15 @@ def of_tensor(t):
                      "say the dtype explicitly)")
 
 
+def matches(t, name):
+    """Whether tensor or array `t` holds refit dtype `name` (NumPy arrays hold bf16 and fp8 as
+    same-sized unsigned integers, so those match by storage)."""
+    want = canonical(name)
+    if is_torch(t):
+        return canonical(t.dtype) == want
+    return str(t.dtype) == str(numpy_storage(want)) or _NUMPY_NAMES.get(str(t.dtype)) == want
+
+
 def torch_dtype(name):
     import torch
     n = canonical(name)

@@ -82,14 +82,13 @@ def check_tensors(worker, specs, tensors):
             t = t.to_local()
         shape = tuple(int(s) for s in t.shape)
         want = tuple(int(s) for s in b.shape)
-        try:
-            dt = dtypes.of_tensor(t)
-        except ValueError as e:
-            problems.append(f"parameter {b.name!r}: {e}")
-            continue
         if shape != want:
             problems.append(f"parameter {b.name!r} has shape {list(shape)}, but the layout's buffer has {list(want)}")
-        if dt != dtypes.canonical(b.dtype):
+        if not dtypes.matches(t, b.dtype):
+            try:
+                dt = dtypes.of_tensor(t)
+            except ValueError:
+                dt = str(t.dtype)
             problems.append(f"parameter {b.name!r} is {dt}, but the layout's buffer is {dtypes.canonical(b.dtype)}")
         if not export.is_contiguous(t):
             problems.append(f"parameter {b.name!r} is not contiguous: a buffer is one row-major region "

@@ -53,7 +53,8 @@ class Daemon:
         self.proc = None
         self.address = None
         self.listen = "127.0.0.1:0"
-        self.socket = os.path.join(cluster.dir, f"refitd-{node}.sock")
+        # Unix socket paths are short (108 bytes): under /tmp, not Bazel's deep test folder.
+        self.socket = os.path.join(cluster.socket_dir, f"refitd-{node}.sock")
         self.log = os.path.join(cluster.dir, f"daemon{node}.log")
 
     def start(self, timeout=20):
@@ -66,11 +67,13 @@ class Daemon:
                *self.cluster.daemon_flags, *self.extra]
         if self.coordinator_addr:
             cmd += ["--coordinator", self.coordinator_addr]
-        self.proc = subprocess.Popen(cmd, stdout=open(self.log, "ab"), stderr=subprocess.STDOUT)
+        with open(self.log, "ab") as log:
+            self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if os.path.exists(addr_file) and os.path.getsize(addr_file) > 0:
-                self.address = open(addr_file).read().split()[0]
+                with open(addr_file) as f:
+                    self.address = f.read().split()[0]
                 # Restarts keep the same address, as a daemon restarted by systemd or Kubernetes does.
                 self.listen = self.address
                 return self
@@ -101,7 +104,8 @@ class Daemon:
 
     def tail(self, n=20):
         try:
-            return "".join(open(self.log, errors="replace").readlines()[-n:])
+            with open(self.log, errors="replace") as f:
+                return "".join(f.readlines()[-n:])
         except OSError:
             return ""
 
@@ -111,6 +115,7 @@ class Cluster:
 
     def __init__(self, nodes=2, daemon_flags=()):
         self.dir = scratch()
+        self.socket_dir = tempfile.mkdtemp(prefix="refit-", dir="/tmp")
         self.daemon_flags = list(daemon_flags)
         self.daemons = []
         self.procs = []
@@ -124,9 +129,10 @@ class Cluster:
 
     def spawn(self, args, name):
         """Starts a helper process (a Python worker script, a sim-worker) logging to the cluster dir."""
-        log = open(os.path.join(self.dir, f"{name}.log"), "ab")
-        p = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, env=dict(os.environ))
-        p.log_path = log.name
+        path = os.path.join(self.dir, f"{name}.log")
+        with open(path, "ab") as log:
+            p = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, env=dict(os.environ))
+        p.log_path = path
         self.procs.append(p)
         return p
 
@@ -147,6 +153,8 @@ class Cluster:
                 p.kill()
         for d in self.daemons:
             d.stop()
+        import shutil
+        shutil.rmtree(self.socket_dir, ignore_errors=True)
 
     def logs(self):
         out = []
@@ -154,7 +162,8 @@ class Cluster:
             out.append(f"--- daemon {d.node}\n{d.tail(30)}")
         for p in self.procs:
             try:
-                out.append(f"--- {p.log_path}\n" + "".join(open(p.log_path, errors="replace").readlines()[-30:]))
+                with open(p.log_path, errors="replace") as f:
+                    out.append(f"--- {p.log_path}\n" + "".join(f.readlines()[-30:]))
             except OSError:
                 pass
         return "\n".join(out)

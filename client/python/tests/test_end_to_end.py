@@ -77,8 +77,6 @@ class EndToEnd(unittest.TestCase):
 
     def tearDown(self):
         self.ctl.close()
-        if self._outcome.errors and any(e for _, e in self._outcome.errors):
-            print(self.cluster.logs(), file=sys.stderr)
         self.cluster.close()
 
     def start_side(self, role, kind, node, **kw):

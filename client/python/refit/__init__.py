@@ -6,9 +6,21 @@
 
 docs/PYTHON.md is the guide.
 """
-from refit.controller import Controller, RefitError, RoundResult
-from refit.shm import SharedArena, share_module_
-from refit.worker import Round, RegistrationError, Worker
+# Lazy: `import refit.layouts` (pure Python) must work where gRPC or the generated protobuf
+# modules are absent, e.g. in a trainer that only writes its layout to a file.
+_EXPORTS = {
+    "Controller": "refit.controller", "RefitError": "refit.controller", "RoundResult": "refit.controller",
+    "SharedArena": "refit.shm", "share_module_": "refit.shm",
+    "Round": "refit.worker", "RegistrationError": "refit.worker", "Worker": "refit.worker",
+}
+
+
+def __getattr__(name):
+    if name in _EXPORTS:
+        import importlib
+        return getattr(importlib.import_module(_EXPORTS[name]), name)
+    raise AttributeError(f"module 'refit' has no attribute {name!r}")
+
 
 __all__ = ["Controller", "RefitError", "RoundResult", "SharedArena", "share_module_", "Round",
            "RegistrationError", "Worker"]

@@ -44,14 +44,23 @@ def deliver(path, fds, timeout=10.0):
                                 "running, and new enough to take file descriptors?)") from e
         fds = list(fds)
         batches = [fds[i:i + MAX_FDS_PER_PACKET] for i in range(0, len(fds), MAX_FDS_PER_PACKET)] or [[]]
-        for i, batch in enumerate(batches):
-            last = 1 if i == len(batches) - 1 else 0
-            header = MAGIC + token + struct.pack("<II", len(batch), last)
-            if batch:
-                socket.send_fds(sock, [header], batch)
-            else:
-                sock.send(header)
-        reply = sock.recv(4096)
+        try:
+            for i, batch in enumerate(batches):
+                last = 1 if i == len(batches) - 1 else 0
+                header = MAGIC + token + struct.pack("<II", len(batch), last)
+                if batch:
+                    socket.send_fds(sock, [header], batch)
+                else:
+                    sock.send(header)
+        except OSError as e:  # refused mid-delivery: its answer, if any, says why
+            try:
+                reply = sock.recv(4096)
+            except OSError:
+                reply = b""
+            if not reply:
+                raise HandoverError(f"the daemon closed its handle socket {path} during the delivery: {e}") from e
+        else:
+            reply = sock.recv(4096)
     except socket.timeout as e:
         raise HandoverError(f"the daemon's handle socket {path} did not answer within {timeout} s") from e
     finally:

@@ -19,7 +19,7 @@ logs=$out/python_cuda
 mkdir -p "$logs"
 export LD_LIBRARY_PATH=$PWD/.device/lib:/usr/local/cuda/lib64 NCCL_NVLS_ENABLE=0
 status=0
-step() {  # step NAME SECONDS COMMAND...: runs it, logs it, one summary line
+_step() {  # _step NAME SECONDS COMMAND...: runs it, logs it, one summary line
   local name=$1 secs=$2; shift 2
   local t0=$SECONDS
   timeout "$secs" "$@" >"$logs/$name.log" 2>&1
@@ -29,6 +29,11 @@ step() {  # step NAME SECONDS COMMAND...: runs it, logs it, one summary line
 }
 nvidia-smi -L >"$logs/machine.txt" 2>&1
 python3 -c 'import torch, grpc, google.protobuf as p; print(torch.__version__, grpc.__version__, p.__version__)' >>"$logs/machine.txt" 2>&1
+only=${ONLY:-}  # ONLY="python_cases pip_install": just those steps
+step() {
+  case " ${only:-$1} " in *" $1 "*) ;; *) return 0;; esac
+  _step "$@"
+}
 step stubs 60 python3 client/python/gen_stubs.py --proto-root . --out client/python/refit/_proto
 step import 60 env PYTHONPATH=client/python python3 -c 'import refit, refit._proto.refit_pb2, refit.worker; print("refit imports")'
 step cuda_vmm_test 120 .device/bin/cuda_vmm_test
@@ -38,7 +43,7 @@ step colocated_ipc 120 env BIN=.device/bin RUN=/tmp/refit-col-ipc SCALE=8 bash t
 cp /tmp/refit-col-ipc/daemon0.log "$logs/colocated_ipc_daemon0.log" 2>/dev/null
 step colocated_vmm 120 env BIN=.device/bin RUN=/tmp/refit-col-vmm SCALE=8 SIM_WORKER_VMM=1 bash tests/gpu/colocated.sh
 cp /tmp/refit-col-vmm/daemon0.log "$logs/colocated_vmm_daemon0.log" 2>/dev/null
-step pip_install 120 bash -c 'python3 -m venv --system-site-packages /tmp/refit-venv && /tmp/refit-venv/bin/pip install -q --no-index --no-build-isolation ./client/python && cd /tmp && /tmp/refit-venv/bin/python -c "import refit, refit.worker; print(refit.__file__)"'
+step pip_install 120 bash -c 'python3 -m pip install -q --no-deps --no-index --no-build-isolation --target /tmp/refit-pkg ./client/python && cd /tmp && PYTHONPATH=/tmp/refit-pkg python3 -c "import refit, refit.worker; print(refit.__file__)"'
 cp "$logs/python_cases.log" "$out/python_cases.jsonl" 2>/dev/null
 tar czf "$out/python_cuda.tgz" -C "$out" python_cuda && rm -rf "$logs"
 exit $status

@@ -70,6 +70,10 @@ def run_case(name, alloc_conf, alloc, gpus, out_dir):
                 p.log_path = log.name
                 cluster.procs.append(p)
                 procs.append((key, side, report))
+        def registered(report):
+            return os.path.exists(report) and any(l.startswith("registered") for l in open(report).read().splitlines())
+        for key, side, report in procs:  # every rank, not just a group that happens to be ready
+            harness.wait_for(lambda: registered(report), 60, f"{key} to register")
         ctl = refit.Controller(cluster.control)
         ctl.wait_ready(name, timeout=60)
         rounds = []

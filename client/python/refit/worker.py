@@ -376,11 +376,12 @@ class Worker:
     # ------------------------------------------------------------------------------------------
     # The blocking form.
 
-    def serve(self, timeout=None):
+    def serve(self, timeout=None, round_timeout=600.0):
         """blocking=True: takes part in the next round, in the caller's thread. Waits up to
         `timeout` seconds (None: forever, 0: only a round already pending) for a PREPARE; runs
-        on_prepare, then waits for the round's end (the daemon's phase deadlines bound it) and
-        runs on_commit or on_abort. Returns a Round, or None when no round came."""
+        on_prepare, then waits for the round's end (the daemons' phase deadlines bound it; this
+        worker gives up after `round_timeout` seconds all the same and counts the round as
+        aborted) and runs on_commit or on_abort. Returns a Round, or None when no round came."""
         if not self._blocking:
             raise RuntimeError("serve() is for Worker(..., blocking=True); this worker runs its "
                                "callbacks on its own thread")
@@ -392,10 +393,14 @@ class Worker:
         if kind != "PREPARE":  # a round that ended before this worker served it
             self._finish_abort(round_id, reason, kind == "ABORT")
             return Round(round_id, version, False, reason)
-        if not self._prepare(round_id, version):
-            event = self._next_event(None, lambda x: x[1] == round_id and x[0] != "PREPARE")
-        else:
-            event = self._next_event(None, lambda x: x[1] == round_id and x[0] != "PREPARE")
+        self._prepare(round_id, version)  # a refusal is answered by the round's ABORT
+        event = self._next_event(time.monotonic() + round_timeout,
+                                 lambda x: x[1] == round_id and x[0] != "PREPARE")
+        if event is None:
+            with self._mu:
+                closed = self._closed
+            event = ("LOST", round_id, version, "worker closed" if closed else
+                     f"no COMMIT or ABORT of round {round_id} within {round_timeout} s")
         kind, _, version2, reason = event
         if kind == "COMMIT":
             self._commit(round_id, version2)

@@ -683,9 +683,9 @@ void LogTimeline(const TransferJob& job, const CudaBackend::Prepared& p) {
   for (const auto& [gpu, on] : p.gpus) {
     if (on.start == nullptr) continue;
     cudaSetDevice(gpu);
-    auto at = [&](cudaEvent_t e) {
+    auto at = [&, start = on.start](cudaEvent_t e) {  // clang 14 cannot capture a structured binding
       float ms = 0;
-      return cudaEventElapsedTime(&ms, on.start, e) == cudaSuccess ? double{ms} : -1.0;
+      return cudaEventElapsedTime(&ms, start, e) == cudaSuccess ? double{ms} : -1.0;
     };
     int steps = 0;
     int64_t bytes = 0;

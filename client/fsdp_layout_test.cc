@@ -565,6 +565,13 @@ TEST_CASE("parallelisms that Megatron or vLLM refuse are refused, naming the set
        "vLLM needs tp (6) and num_key_value_heads (4) to divide one another", false, {}, {6, 1, false}},
       {"vLLM TP4 on moe_intermediate_size 6", odd, "vLLM needs tp (4) to divide moe_intermediate_size (6)",
        false, {}, {4, 1, false}},
+      // FusedMoE flattens tp over dp (FusedMoEParallelConfig.make): the experts' width over dp * tp.
+      {"vLLM TP2 DP2 on moe_intermediate_size 6", odd,
+       "vLLM needs dp * tp (4) to divide moe_intermediate_size (6)", false, {}, {2, 2, false}},
+      {"vLLM TP1 DP4 on moe_intermediate_size 6", odd,
+       "vLLM needs dp * tp (4) to divide moe_intermediate_size (6)", false, {}, {1, 4, false}},
+      {"vLLM TP4 DP4 on moe_intermediate_size 8", few,
+       "vLLM needs dp * tp (16) to divide moe_intermediate_size (8)", false, {}, {4, 4, false}},
       {"vLLM TP8 on intermediate_size 12", few, "vLLM needs tp (8) to divide intermediate_size (12)", false,
        {}, {8, 1, false}},
       {"vLLM TP8 on 4 experts", wide,
@@ -607,6 +614,15 @@ TEST_CASE("the divisible neighbours of those refusals are accepted") {
   CHECK(MakeInferenceLayout(odd, {2, 1, false}, {8, 0}, DType::kBF16).ok());
   CHECK(MakeInferenceLayout(odd, {4, 1, true}, {8, 0}, DType::kBF16).ok());  // EP: experts unsplit
   CHECK(MakeTrainerLayout(odd, Megatron(2, 2, 2), {8, 0}, DType::kBF16).ok());
+  // Experts over dp * tp: 6 rows over 2 * 3 ranks; with EP, 4 experts over 2 * 2 ranks, unsplit.
+  CHECK(MakeInferenceLayout(odd, {2, 3, false}, {8, 0}, DType::kBF16).ok());
+  CHECK(MakeInferenceLayout(odd, {2, 2, true}, {8, 0}, DType::kBF16).ok());
+  // Only the replica's tp counts against the number of experts: TP4 DP2 on 4 experts runs.
+  const ModelConfig few = Parse(R"({"model_type": "qwen3_moe", "hidden_size": 16,
+      "num_attention_heads": 8, "head_dim": 2, "num_key_value_heads": 8, "intermediate_size": 12,
+      "num_hidden_layers": 2, "vocab_size": 64, "num_experts": 4, "moe_intermediate_size": 8,
+      "mlp_only_layers": [0]})");
+  CHECK(MakeInferenceLayout(few, {4, 2, false}, {8, 0}, DType::kBF16).ok());
 }
 
 TEST_CASE("FSDP settings that make no sense are refused") {

@@ -30,12 +30,22 @@ Box RowsOf(const Dims& shape, int64_t begin, int64_t end, int dim = 0) {
   return b;
 }
 
-// Shared by both sides: the layout under construction, its tensors declared up front.
+// How a framework holds DeepSeek's gate.e_score_correction_bias (TensorDef::router_bias).
+enum class RouterBias {
+  kWeightsDType,  // like every other tensor (transformers 4.x, DeepSeek's remote code: FSDP)
+  kF32,           // fp32 whatever the weights' dtype (vLLM's DeepseekV2MoE, Megatron's TopKRouter)
+};
+
+// Shared by both sides: the layout under construction, its tensors declared up front, each in
+// the weights' dtype but the router bias, as `router_bias` says.
 class Builder {
  public:
-  Builder(const ModelConfig& model, DType dtype) : defs_(ModelTensors(model)), dtype_(dtype) {
+  Builder(const ModelConfig& model, DType dtype, RouterBias router_bias)
+      : defs_(ModelTensors(model)), dtype_(dtype) {
     for (size_t i = 0; i < defs_.size(); ++i) {
-      layout_.AddTensor(defs_[i].name, defs_[i].shape, dtype);
+      const DType t = defs_[i].router_bias && router_bias == RouterBias::kF32 ? DType::kF32 : dtype;
+      layout_.AddTensor(defs_[i].name, defs_[i].shape, t);
+      dtypes_.push_back(t);
       index_.emplace(defs_[i].name, static_cast<int32_t>(i));
     }
   }
@@ -47,8 +57,10 @@ class Builder {
     return layout_.AddWorker(name, where.first_node + rank / where.gpus_per_node,
                              rank % where.gpus_per_node);
   }
-  int32_t Buffer(int32_t worker, const std::string& name, Dims shape) {
-    return layout_.AddBuffer(worker, name, dtype_, shape);
+  // A buffer in the weights' dtype (every buffer holding more than one tensor is), or `dtype`.
+  int32_t Buffer(int32_t worker, const std::string& name, Dims shape,
+                 std::optional<DType> dtype = std::nullopt) {
+    return layout_.AddBuffer(worker, name, dtype.value_or(dtype_), shape);
   }
   // A piece whose buffer box is `buffer_origin` + the tensor box's shape (same rank), or, when
   // ranks differ, the tensor box's shape prefixed by 1s.
@@ -68,10 +80,10 @@ class Builder {
     layout_.AddPiece(tensor, tensor_box, buffer,
                      Box::FromDims(Dims{offset}, Dims{tensor_box.NumElements()}));
   }
-  // A buffer holding exactly one piece: tensor box == buffer.
+  // A buffer holding exactly one piece, in the tensor's dtype: tensor box == buffer.
   void Own(int32_t worker, const std::string& buffer_name, int32_t tensor, const Box& box) {
     if (box.IsEmpty()) return;
-    const int32_t b = Buffer(worker, buffer_name, box.shape_dims());
+    const int32_t b = Buffer(worker, buffer_name, box.shape_dims(), dtypes_[tensor]);
     Dims zeros;
     zeros.rank = box.rank;
     Put(tensor, box, b, zeros);
@@ -80,6 +92,7 @@ class Builder {
 
  private:
   std::vector<TensorDef> defs_;
+  std::vector<DType> dtypes_;  // per tensor, as declared
   DType dtype_;
   Layout layout_;
   absl::flat_hash_map<std::string, int32_t> index_;
@@ -225,7 +238,7 @@ std::vector<int32_t> FsdpWorkers(Builder& b, const TrainerParallelism& p, const 
 // the last chunk holds padding only).
 absl::StatusOr<Layout> MakeFsdp1Layout(const ModelConfig& m, const TrainerParallelism& p,
                                        const PlacementOptions& where, DType dtype) {
-  Builder b(m, dtype);
+  Builder b(m, dtype, RouterBias::kWeightsDType);  // see the header: transformers 4.x
   const int64_t shards = p.fsdp;
   const std::vector<int32_t> workers = FsdpWorkers(b, p, where);
   const int64_t aligned =
@@ -282,7 +295,7 @@ absl::StatusOr<Layout> MakeFsdp1Layout(const ModelConfig& m, const TrainerParall
 // FSDP2: per parameter, torch.chunk on dim 0 (_chunk_with_empty); an empty chunk is no buffer.
 absl::StatusOr<Layout> MakeFsdp2Layout(const ModelConfig& m, const TrainerParallelism& p,
                                        const PlacementOptions& where, DType dtype) {
-  Builder b(m, dtype);
+  Builder b(m, dtype, RouterBias::kWeightsDType);  // see the header: transformers 4.x
   const int64_t shards = p.fsdp2;
   const std::vector<int32_t> workers = FsdpWorkers(b, p, where);
   for (int64_t r = 0; r < p.World(); ++r) {
@@ -307,9 +320,16 @@ absl::StatusOr<Layout> MakeFsdp2Layout(const ModelConfig& m, const TrainerParall
 void AddVllmRank(Builder& b, const ModelConfig& m, const InferenceParallelism& p, int32_t worker,
                  int64_t t, int64_t d) {
   const int64_t tp = p.tp;
-  const int64_t ep_world = p.World(), ep_rank = d * tp + t;
-  auto [e0, e1] = p.expert_parallel ? Part(m.num_experts, ep_world, ep_rank)
+  // The routed experts (FusedMoEParallelConfig.make) flatten tp over dp: one group of dp * tp
+  // ranks, rank d * tp + t. With expert parallelism it splits the experts, each whole; without,
+  // every rank holds every expert, their intermediate rows split over the dp * tp ranks.
+  // Everything else (attention, dense and shared-expert MLPs, the vocabulary) is tensor-parallel
+  // within the replica, over tp; routers are replicated.
+  const int64_t flat = p.World(), flat_rank = d * tp + t;
+  auto [e0, e1] = p.expert_parallel ? Part(m.num_experts, flat, flat_rank)
                                     : std::pair<int64_t, int64_t>{0, m.num_experts};
+  const int64_t expert_split = p.expert_parallel ? 1 : flat;
+  const int64_t expert_part = p.expert_parallel ? 0 : flat_rank;
   // The stacked expert buffers of the layer being generated (experts come in order).
   int32_t last_w13 = -1, last_w2 = -1;
   for (const TensorDef& def : b.defs()) {
@@ -371,8 +391,7 @@ void AddVllmRank(Builder& b, const ModelConfig& m, const InferenceParallelism& p
         if (def.expert >= 0) {
           if (def.expert < e0 || def.expert >= e1) break;
           // Stacked: w13_weight [E_local, 2 * inter_t, hidden].
-          const int64_t split = p.expert_parallel ? 1 : tp, part = p.expert_parallel ? 0 : t;
-          auto [r0, r1] = Part(def.shape[0], split, part);
+          auto [r0, r1] = Part(def.shape[0], expert_split, expert_part);
           const std::string name = lp + "mlp.experts.w13_weight";
           int32_t buf;
           if (def.expert == e0) {
@@ -395,8 +414,7 @@ void AddVllmRank(Builder& b, const ModelConfig& m, const InferenceParallelism& p
       case Role::kDown: {
         if (def.expert >= 0) {
           if (def.expert < e0 || def.expert >= e1) break;
-          const int64_t split = p.expert_parallel ? 1 : tp, part = p.expert_parallel ? 0 : t;
-          auto [c0, c1] = Part(def.shape[1], split, part);
+          auto [c0, c1] = Part(def.shape[1], expert_split, expert_part);
           int32_t buf;
           if (def.expert == e0) {
             buf = b.Buffer(worker, lp + "mlp.experts.w2_weight", Dims{e1 - e0, def.shape[0], c1 - c0});
@@ -457,10 +475,12 @@ bool AnyMoeLayer(const ModelConfig& m) {
 
 // The heads and widths a tensor-parallel group of `tp` splits, as both Megatron and vLLM need them
 // divisible. KV heads (standard attention only): Megatron splits query groups, so tp must divide
-// them; vLLM also replicates them, so either may divide the other. Experts' widths only when
-// `experts_split` (they are tensor-parallel).
+// them; vLLM also replicates them, so either may divide the other. The routed experts' width over
+// `experts_tp` ranks, named `experts_tp_name` ("tp", or vLLM's flattened "dp * tp"); 0: the
+// experts are not tensor-parallel (expert parallelism holds them whole).
 absl::Status CheckTensorParallel(const char* framework, const ModelConfig& m, int64_t tp,
-                                 bool experts_split, bool kv_replicable) {
+                                 int64_t experts_tp, const char* experts_tp_name,
+                                 bool kv_replicable) {
   if (auto s = CheckDivides(framework, "tp", tp, "num_attention_heads", m.num_attention_heads); !s.ok()) {
     return s;
   }
@@ -479,8 +499,9 @@ absl::Status CheckTensorParallel(const char* framework, const ModelConfig& m, in
     }
   }
   if (!AnyMoeLayer(m)) return absl::OkStatus();
-  if (experts_split) {
-    if (auto s = CheckDivides(framework, "tp", tp, "moe_intermediate_size", m.moe_intermediate_size);
+  if (experts_tp > 0) {
+    if (auto s = CheckDivides(framework, experts_tp_name, experts_tp, "moe_intermediate_size",
+                              m.moe_intermediate_size);
         !s.ok()) {
       return s;
     }
@@ -547,7 +568,8 @@ absl::StatusOr<Layout> MakeTrainerLayout(const ModelConfig& m, const TrainerPara
   // Megatron-LM: TransformerConfig needs num_attention_heads and num_query_groups divisible by
   // the tensor-parallel size, the parallel linears divide their widths (ensure_divisibility),
   // and MoELayer needs num_moe_experts divisible by the expert-parallel size.
-  if (auto s = CheckTensorParallel("Megatron", m, p.tp, /*experts_split=*/true, /*kv_replicable=*/false);
+  if (auto s = CheckTensorParallel("Megatron", m, p.tp, /*experts_tp=*/p.tp, "tp",
+                                   /*kv_replicable=*/false);
       !s.ok()) {
     return s;
   }
@@ -556,7 +578,8 @@ absl::StatusOr<Layout> MakeTrainerLayout(const ModelConfig& m, const TrainerPara
       return s;
     }
   }
-  Builder b(m, dtype);
+  // Megatron's TopKRouter keeps its expert_bias an fp32 buffer (_maintain_float32_expert_bias).
+  Builder b(m, dtype, RouterBias::kF32);
   for (int64_t stage = 0; stage < p.pp; ++stage) {
     for (int64_t d = 0; d < p.dp; ++d) {
       for (int64_t c = 0; c < p.cp; ++c) {
@@ -584,10 +607,12 @@ absl::StatusOr<Layout> MakeInferenceLayout(const ModelConfig& m, const Inference
   }
   // vLLM: ModelConfig.verify_with_parallel_config needs num_attention_heads divisible by tp;
   // QKVParallelLinear divides the kv heads by tp or replicates them tp / kv times (divide() both
-  // ways); Merged/ColumnParallelLinear and RowParallelLinear divide their widths; FusedMoE
-  // divides moe_intermediate_size unless experts are expert-parallel; the MoE blocks (Qwen-MoE,
-  // DeepSeek) raise when tp exceeds the number of experts.
-  if (auto s = CheckTensorParallel("vLLM", m, p.tp, /*experts_split=*/!p.expert_parallel,
+  // ways); Merged/ColumnParallelLinear and RowParallelLinear divide their widths (tp within the
+  // replica: shared experts included); FusedMoE asserts moe_intermediate_size divisible by its
+  // flattened tp, dp * tp, unless experts are expert-parallel; the MoE blocks (Qwen-MoE,
+  // DeepSeek) raise when tp (the replica's) exceeds the number of experts.
+  const int64_t experts_tp = p.expert_parallel ? 0 : p.World();
+  if (auto s = CheckTensorParallel("vLLM", m, p.tp, experts_tp, p.dp > 1 ? "dp * tp" : "tp",
                                    /*kv_replicable=*/true);
       !s.ok()) {
     return s;
@@ -597,7 +622,8 @@ absl::StatusOr<Layout> MakeInferenceLayout(const ModelConfig& m, const Inference
                                                    ") greater than the number of experts (",
                                                    m.num_experts, ")"));
   }
-  Builder b(m, dtype);
+  // DeepseekV2MoE creates gate.e_score_correction_bias as an fp32 parameter.
+  Builder b(m, dtype, RouterBias::kF32);
   for (int64_t d = 0; d < p.dp; ++d) {
     for (int64_t t = 0; t < p.tp; ++t) {
       const int64_t rank = d * p.tp + t;

@@ -10,7 +10,9 @@
 //   linear_qkv ([q heads of group g; k_g; v_g] for each local group g); gate and up fused into
 //   linear_fc1; vocabulary padded to a multiple of 128 * tp; experts split over ep ranks carved
 //   out of dp * cp, and tensor-parallel inside (expert TP = TP); dp and cp ranks are replicas.
-//   Refused as Megatron refuses them: tp not dividing num_attention_heads, num_key_value_heads
+//   DeepSeek's gate.e_score_correction_bias (the router's expert_bias) is fp32 whatever the
+//   weights' dtype: TopKRouter registers it fp32 and keeps it so (_maintain_float32_expert_bias,
+//   megatron/core/transformer/moe/router.py). Refused as Megatron refuses them: tp not dividing num_attention_heads, num_key_value_heads
 //   (query groups), intermediate_size, moe_intermediate_size or the shared experts' size; ep not
 //   dividing the number of experts.
 // Trainer, FSDP1 (FullyShardedDataParallel with FlatParameters; --fsdp N), as verl and TRL
@@ -38,15 +40,29 @@
 //   stay whole on every rank, under their own names.
 // FSDP1 and FSDP2 with dp > 1: HSDP, dp replicas of an N-way shard, rank = replica * N + shard.
 //   Workers are "fsdp-rank<rank>" on node first_node + rank / gpus_per_node, GPU rank % G.
+//   Every tensor is in the weights' dtype, gate.e_score_correction_bias included: transformers 4.x
+//   registers DeepseekV3TopkRouter's buffer as torch.zeros(n) in the load dtype, and DeepSeek's
+//   remote modeling_deepseek.py (Kimi-K2) makes it an nn.Parameter, flattened with the others
+//   (FSDP1 flattens one dtype per unit). transformers 5 pins it fp32
+//   (_keep_in_fp32_modules_strict, PR #42580), like its fused MoE parameters not modeled here.
 // Inference (vLLM conventions):
-//   rank = d * tp + t; per rank a fused qkv_proj ([q_t; k_t; v_t], k/v heads replicated when
-//   tp > kv heads), gate_up_proj ([gate_t; up_t]), row-parallel o_proj and down_proj, vocabulary
-//   padded to a multiple of 64 and split evenly; experts stacked in w13_weight [E, 2 * inter_t,
-//   hidden] and w2_weight [E, hidden, inter_t], or with expert parallelism split over all tp * dp
-//   ranks unsharded; MLA's q_a and kv_a fused into fused_qkv_a_proj. Refused as vLLM refuses
-//   them: tp not dividing num_attention_heads, tp and num_key_value_heads not dividing one
-//   another, tp not dividing intermediate_size, moe_intermediate_size (without expert
-//   parallelism) or the shared experts' size, tp above the number of experts.
+//   rank = d * tp + t; each DP replica is tensor-parallel over its tp ranks: per rank a fused
+//   qkv_proj ([q_t; k_t; v_t], k/v heads replicated when tp > kv heads), gate_up_proj
+//   ([gate_t; up_t]; dense MLPs and shared experts alike), row-parallel o_proj and down_proj,
+//   vocabulary padded to a multiple of 64 and split evenly; routers (gate, shared_expert_gate)
+//   replicated; MLA's q_a and kv_a fused into fused_qkv_a_proj. The routed experts are stacked in
+//   w13_weight [E, 2 * inter_r, hidden] ([gate_r; up_r] per expert) and w2_weight [E, hidden,
+//   inter_r], split over the flattened group of all dp * tp ranks (rank r = d * tp + t), as
+//   FusedMoEParallelConfig.make (vllm/model_executor/layers/fused_moe/config.py) flattens tp
+//   across dp: without expert parallelism rank r holds rows [r * i, (r + 1) * i) of every expert,
+//   i = moe_intermediate_size / (dp * tp) (FusedMoE's weight loader narrows at tp_rank * shard
+//   with the flattened tp_rank); with it (--expert-parallel) the experts are split over the
+//   dp * tp ranks, each whole. DeepSeek's gate.e_score_correction_bias is fp32 whatever the
+//   weights' dtype (DeepseekV2MoE: nn.Parameter(torch.empty(n, dtype=torch.float32))). Refused as
+//   vLLM refuses them: tp not dividing num_attention_heads, tp and num_key_value_heads not
+//   dividing one another, tp not dividing intermediate_size or the shared experts' size, dp * tp
+//   not dividing moe_intermediate_size (without expert parallelism), tp above the number of
+//   experts.
 // Splits that do not divide evenly (vocabulary, layers over stages, experts over vLLM's expert
 // parallel ranks) are uneven, the first ranks taking the remainder.
 #pragma once

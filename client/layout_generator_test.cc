@@ -130,5 +130,191 @@ TEST_CASE("vLLM buffers look as vLLM stores them") {
   CHECK(embed_rows == (151936 / 16 + 63) / 64 * 64);  // padded to a multiple of 64
 }
 
+// The buffer `name` of worker `worker`, or nullptr.
+const Buffer* FindBuffer(const Layout& l, const std::string& worker, const std::string& name) {
+  for (const Buffer& b : l.buffers) {
+    if (b.name == name && l.workers[b.worker].name == worker) return &b;
+  }
+  return nullptr;
+}
+
+// The pieces of `tensor` in buffer `buffer` (an index into l.buffers).
+std::vector<const Piece*> PiecesOf(const Layout& l, int32_t buffer, const std::string& tensor) {
+  std::vector<const Piece*> out;
+  for (const Piece& p : l.pieces) {
+    if (p.buffer == buffer && l.tensors[p.tensor].name == tensor) out.push_back(&p);
+  }
+  return out;
+}
+
+int32_t BufferIndex(const Layout& l, const Buffer* b) { return static_cast<int32_t>(b - l.buffers.data()); }
+
+// One expected slice: rows [begin, begin + rows) of `tensor` (dim 0; dim 1 for down/o projections)
+// at row (or column) `at` of the buffer, behind `lead` leading dims (the stacked expert index).
+void CheckSlice(const Layout& l, const Buffer* b, const std::string& tensor, int dim, int64_t begin,
+                int64_t rows, Dims buffer_origin) {
+  INFO("buffer " << b->name << " of " << l.workers[b->worker].name << ", tensor " << tensor);
+  const auto pieces = PiecesOf(l, BufferIndex(l, b), tensor);
+  REQUIRE(pieces.size() == 1);
+  const Box& tb = l.tensor_box(*pieces[0]);
+  CHECK(tb.origin[dim] == begin);
+  CHECK(tb.shape[dim] == rows);
+  const Box& bb = l.buffer_box(*pieces[0]);
+  CHECK(bb.origin_dims() == buffer_origin);
+}
+
+// vLLM's FusedMoEParallelConfig.make flattens tp across dp: without expert parallelism the routed
+// experts' intermediate rows are split over all dp * tp ranks, rank d * tp + t; attention, dense
+// MLPs and shared experts stay tensor-parallel within each replica; routers are whole everywhere.
+TEST_CASE("vLLM without expert parallelism: routed experts over dp * tp ranks, the rest over tp") {
+  struct Case {
+    const char* name;
+    const char* config;
+    int64_t factor, layers;
+    int32_t tp, dp;
+    bool expert_parallel;
+    TrainerParallelism trainer;  // planned from this Megatron trainer and verified
+  };
+  const std::vector<Case> cases = {
+      {"Qwen3-30B-A3B TP2 DP2 (the report: dp1-tp0 holds gate rows [24, 36))", "qwen3-30b-a3b.json", 16,
+       1, 2, 2, false, {2, 1, 2, 2, 1, 0}},
+      {"Qwen3-30B-A3B TP1 DP4", "qwen3-30b-a3b.json", 16, 1, 1, 4, false, {2, 1, 2, 2, 1, 0}},
+      {"Qwen3-30B-A3B TP4 DP2", "qwen3-30b-a3b.json", 16, 2, 4, 2, false, {1, 1, 4, 4, 1, 0}},
+      {"Qwen3-30B-A3B TP2 DP1 (no flattening to do)", "qwen3-30b-a3b.json", 16, 1, 2, 1, false,
+       {2, 1, 1, 1, 1, 0}},
+      {"Qwen3-30B-A3B TP2 DP2 EP: experts whole, over 4 ranks", "qwen3-30b-a3b.json", 16, 1, 2, 2, true,
+       {2, 1, 2, 2, 1, 0}},
+      {"DeepSeek-V3 TP2 DP2: shared experts over tp, routed over dp * tp", "deepseek-v3.json", 64, 4, 2, 2,
+       false, {1, 2, 4, 4, 1, 0}},
+      {"DeepSeek-V3 TP4 DP2 EP", "deepseek-v3.json", 64, 4, 4, 2, true, {2, 1, 2, 2, 1, 0}},
+      {"Kimi-K2 TP2 DP4", "kimi-k2.json", 64, 2, 2, 4, false, {2, 1, 2, 2, 1, 0}},
+      {"Qwen3-235B-A22B TP2 DP2", "qwen3-235b-a22b.json", 32, 1, 2, 2, false, {2, 1, 1, 1, 1, 0}},
+  };
+  for (const Case& c : cases) {
+    SECTION(c.name) {
+      const ModelConfig m = Small(c.config, c.factor, c.layers);
+      const InferenceParallelism ip{c.tp, c.dp, c.expert_parallel};
+      auto l = MakeInferenceLayout(m, ip, {8, 0}, DType::kBF16);
+      INFO(l.status().message());
+      REQUIRE(l.ok());
+      REQUIRE(ValidateLayout(*l, "destination").ok());
+      const int64_t flat = int64_t{c.tp} * c.dp, E = m.num_experts, H = m.hidden_size;
+      const int64_t inter = m.moe_intermediate_size;
+      for (int64_t layer = 0; layer < m.num_hidden_layers; ++layer) {
+        if (!m.IsMoeLayer(layer)) continue;
+        const std::string lp = absl::StrCat("model.layers.", layer, ".mlp.");
+        for (int64_t d = 0; d < c.dp; ++d) {
+          for (int64_t t = 0; t < c.tp; ++t) {
+            const std::string w = absl::StrCat("vllm-dp", d, "-tp", t);
+            const int64_t r = d * c.tp + t;
+            // Routed experts: rows [r * i, (r + 1) * i) of every expert, or whole experts.
+            const int64_t i = c.expert_parallel ? inter : inter / flat;
+            const int64_t e0 = c.expert_parallel ? r * E / flat : 0;  // E divides evenly here
+            const int64_t e_local = c.expert_parallel ? E / flat : E;
+            const int64_t row0 = c.expert_parallel ? 0 : r * i;
+            const Buffer* w13 = FindBuffer(*l, w, lp + "experts.w13_weight");
+            const Buffer* w2 = FindBuffer(*l, w, lp + "experts.w2_weight");
+            REQUIRE(w13 != nullptr);
+            REQUIRE(w2 != nullptr);
+            CHECK(w13->shape == Dims{e_local, 2 * i, H});
+            CHECK(w2->shape == Dims{e_local, H, i});
+            for (int64_t e : {e0, e0 + e_local - 1}) {
+              const std::string ep = absl::StrCat(lp, "experts.", e, ".");
+              CheckSlice(*l, w13, ep + "gate_proj.weight", 0, row0, i, Dims{e - e0, 0, 0});
+              CheckSlice(*l, w13, ep + "up_proj.weight", 0, row0, i, Dims{e - e0, i, 0});
+              CheckSlice(*l, w2, ep + "down_proj.weight", 1, row0, i, Dims{e - e0, 0, 0});
+            }
+            // Shared experts: a regular MLP, TP within the replica.
+            const int64_t shared =
+                m.n_shared_experts * m.moe_intermediate_size + m.shared_expert_intermediate_size;
+            if (shared > 0) {
+              const std::string sp = lp + (m.n_shared_experts > 0 ? "shared_experts." : "shared_expert.");
+              const int64_t s = shared / c.tp;
+              const Buffer* gate_up = FindBuffer(*l, w, sp + "gate_up_proj.weight");
+              REQUIRE(gate_up != nullptr);
+              CHECK(gate_up->shape == Dims{2 * s, H});
+              CheckSlice(*l, gate_up, sp + "gate_proj.weight", 0, t * s, s, Dims{0, 0});
+              CheckSlice(*l, gate_up, sp + "up_proj.weight", 0, t * s, s, Dims{s, 0});
+              const Buffer* down = FindBuffer(*l, w, sp + "down_proj.weight");
+              REQUIRE(down != nullptr);
+              CHECK(down->shape == Dims{H, s});
+              CheckSlice(*l, down, sp + "down_proj.weight", 1, t * s, s, Dims{0, 0});
+            }
+            // The router: replicated.
+            const Buffer* gate = FindBuffer(*l, w, lp + "gate.weight");
+            REQUIRE(gate != nullptr);
+            CHECK(gate->shape == Dims{E, H});
+          }
+        }
+      }
+      // Attention stays TP within the replica: o_proj's columns over tp, the same in every replica.
+      const std::string o = "model.layers.0.self_attn.o_proj.weight";
+      for (int64_t d = 0; d < c.dp; ++d) {
+        const Buffer* b = FindBuffer(*l, absl::StrCat("vllm-dp", d, "-tp", c.tp - 1), o);
+        REQUIRE(b != nullptr);
+        CHECK(b->shape == FindBuffer(*l, absl::StrCat("vllm-dp0-tp", c.tp - 1), o)->shape);
+        CHECK(b->shape[1] * c.tp == l->tensors[l->tensor_index.at(o)].shape[1]);
+      }
+      PlanAndVerify(m, c.trainer, ip, 8, false);
+    }
+  }
+}
+
+// DeepSeek's gate.e_score_correction_bias: fp32 in vLLM (DeepseekV2MoE's nn.Parameter(torch.empty(
+// n, dtype=torch.float32))) and Megatron (TopKRouter's expert_bias), in the weights' dtype under
+// FSDP on transformers 4.x (buffer) or DeepSeek's remote code (parameter). Every other tensor in
+// the weights' dtype; the pair still plans, casting on the way.
+TEST_CASE("the router bias's dtype is the framework's") {
+  enum Side { kVllm, kMegatron, kFsdp1, kFsdp2 };
+  struct Case {
+    const char* name;
+    const char* config;
+    Side side;
+    DType weights, bias;
+  };
+  const std::vector<Case> cases = {
+      {"vLLM DeepSeek-V3 bf16", "deepseek-v3.json", kVllm, DType::kBF16, DType::kF32},
+      {"vLLM DeepSeek-V3 fp16", "deepseek-v3.json", kVllm, DType::kF16, DType::kF32},
+      {"vLLM DeepSeek-V3 fp32", "deepseek-v3.json", kVllm, DType::kF32, DType::kF32},
+      {"vLLM Kimi-K2 bf16", "kimi-k2.json", kVllm, DType::kBF16, DType::kF32},
+      {"Megatron DeepSeek-V3 bf16", "deepseek-v3.json", kMegatron, DType::kBF16, DType::kF32},
+      {"Megatron Kimi-K2 bf16", "kimi-k2.json", kMegatron, DType::kBF16, DType::kF32},
+      {"FSDP1 DeepSeek-V3 bf16 (transformers 4.x buffer)", "deepseek-v3.json", kFsdp1, DType::kBF16,
+       DType::kBF16},
+      {"FSDP1 Kimi-K2 bf16 (remote-code parameter, flattened)", "kimi-k2.json", kFsdp1, DType::kBF16,
+       DType::kBF16},
+      {"FSDP2 DeepSeek-V3 bf16", "deepseek-v3.json", kFsdp2, DType::kBF16, DType::kBF16},
+      {"FSDP2 Kimi-K2 fp32", "kimi-k2.json", kFsdp2, DType::kF32, DType::kF32},
+  };
+  for (const Case& c : cases) {
+    SECTION(c.name) {
+      const ModelConfig m = Small(c.config, 64, 4);
+      TrainerParallelism tp;
+      if (c.side == kMegatron) tp = {2, 1, 2, 2, 1, 0};
+      if (c.side == kFsdp1) tp.fsdp = 4;
+      if (c.side == kFsdp2) tp.fsdp2 = 4;
+      auto l = c.side == kVllm ? MakeInferenceLayout(m, {2, 2, false}, {8, 0}, c.weights)
+                               : MakeTrainerLayout(m, tp, {8, 0}, c.weights);
+      INFO(l.status().message());
+      REQUIRE(l.ok());
+      REQUIRE(ValidateLayout(*l, "layout").ok());
+      int biases = 0;
+      for (const LogicalTensor& t : l->tensors) {
+        const bool bias = t.name.find("e_score_correction_bias") != std::string::npos;
+        INFO(t.name);
+        CHECK(t.dtype == (bias ? c.bias : c.weights));
+        biases += bias;
+      }
+      CHECK(biases == m.num_hidden_layers - m.first_k_dense_replace);
+      for (const Piece& p : l->pieces) {  // a buffer's dtype is its tensors'
+        CHECK(l->buffers[p.buffer].dtype == l->tensors[p.tensor].dtype);
+      }
+      if (c.side != kVllm) {  // the pair plans and verifies, fp32 to fp32 or cast bf16 to fp32
+        PlanAndVerify(m, tp, {2, 2, false}, 8, false, c.weights);
+      }
+    }
+  }
+}
+
 }  // namespace
 }  // namespace refit

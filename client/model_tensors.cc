@@ -71,8 +71,10 @@ std::vector<TensorDef> ModelTensors(const ModelConfig& c) {
       auto router = [&] {
         add(p + "mlp.gate.weight", Dims{c.num_experts, H}, Role::kReplicated, l);
         if (c.router_bias) {
-          add(p + "mlp.gate.e_score_correction_bias", Dims{c.num_experts}, Role::kReplicated, l)
-              ->buffer = c.router_bias_is_buffer;
+          TensorDef* bias =
+              add(p + "mlp.gate.e_score_correction_bias", Dims{c.num_experts}, Role::kReplicated, l);
+          bias->buffer = c.router_bias_is_buffer;
+          bias->router_bias = true;
         }
       };
       auto experts = [&] {

@@ -53,6 +53,9 @@ expect_2 "vLLM needs tp (7) and num_key_value_heads (4) to divide one another" \
   $layout --config tests/configs/qwen2.5-7b.json --side inference --tp 7
 expect_2 "vLLM needs tp (16) to divide moe_intermediate_size (24)" \
   $layout --config tests/configs/qwen3-30b-a3b.json --scale-down 32 --side inference --tp 16
+# Without --expert-parallel vLLM splits the experts' width over all dp * tp ranks.
+expect_2 "vLLM needs dp \* tp (32) to divide moe_intermediate_size (48)" \
+  $layout --config tests/configs/qwen3-30b-a3b.json --scale-down 16 --side inference --tp 4 --dp 8
 expect_2 "\-\-pp is a trainer flag.*--expert-parallel" $layout --config $llama --side inference --tp 2 --pp 2
 expect_2 "\-\-ep is a trainer flag.*--expert-parallel" $layout --config $llama --side inference --ep=2
 expect_2 "\-\-cp is a trainer flag" $layout --config $llama --side inference --cp 2
@@ -72,5 +75,35 @@ for trainer in "--fsdp 4 --fsdp-use-orig-params --fsdp-param-dtype bf16" "--fsdp
     -o "$tmp/fsdp.json" || fail "refit-layout $trainer"
   out=$($plan --src "$tmp/fsdp.json" --dst "$tmp/dst.json" --verify --json) || fail "refit-plan $trainer: $out"
   echo "$out" | grep -q '"verified":true' || fail "not verified ($trainer): $out"
+done
+# DeepSeek-V3: vLLM TP2 DP2 without expert parallelism (experts' rows over the 4 ranks, shared
+# experts over each replica's 2) holds gate.e_score_correction_bias in fp32, as Megatron does; an
+# FSDP2 trainer (transformers 4.x) holds it in bf16. Both pairs plan and verify.
+ds=tests/configs/deepseek-v3.json
+$layout --config $ds --scale-down 64 --layers 4 --side inference --tp 2 --dp 2 --first-node 1 \
+  -o "$tmp/ds-i.json" || fail "refit-layout DeepSeek-V3 inference"
+$layout --config $ds --scale-down 64 --layers 4 --side trainer --tp 2 --ep 2 --dp 2 -o "$tmp/ds-m.json" ||
+  fail "refit-layout DeepSeek-V3 Megatron"
+$layout --config $ds --scale-down 64 --layers 4 --side trainer --fsdp2 4 -o "$tmp/ds-f.json" ||
+  fail "refit-layout DeepSeek-V3 FSDP2"
+python3 - "$tmp" <<'PY' || fail "DeepSeek-V3 layouts"
+import json, sys
+d = sys.argv[1]
+def load(n): return json.load(open(f"{d}/{n}.json"))
+bias = "model.layers.3.mlp.gate.e_score_correction_bias"
+for name, want in (("ds-i", "fp32"), ("ds-m", "fp32"), ("ds-f", "bf16")):
+    l = load(name)
+    got = {t["name"]: t["dtype"] for t in l["tensors"]}
+    assert got[bias] == want and got["model.layers.3.mlp.gate.weight"] == "bf16", (name, got[bias])
+w = {w["name"]: w for w in load("ds-i")["workers"]}["vllm-dp1-tp0"]
+b = {b["name"]: b for b in w["buffers"]}
+assert b[bias]["dtype"] == "fp32", b[bias]
+assert b["model.layers.3.mlp.experts.w13_weight"]["shape"] == [256, 2 * 32 // 4, 112], \
+    b["model.layers.3.mlp.experts.w13_weight"]["shape"]
+assert b["model.layers.3.mlp.shared_experts.gate_up_proj.weight"]["shape"] == [2 * 32 // 2, 112]
+PY
+for src in ds-m ds-f; do
+  out=$($plan --src "$tmp/$src.json" --dst "$tmp/ds-i.json" --verify --json) || fail "refit-plan $src: $out"
+  echo "$out" | grep -q '"verified":true' || fail "not verified ($src): $out"
 done
 echo "all refit-plan CLI checks passed"

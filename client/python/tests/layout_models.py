@@ -382,10 +382,13 @@ def megatron_specs(m: Model, tp: int = 1, dp: int = 1, pp: int = 1, ep: int = 1)
     """{Hugging Face name: ParamSpec} of a Megatron-style trainer told as DTensors: each stage's
     parameters on a (dp, tp) mesh of its ranks (rank = t + tp * (d + dp * stage)), Replicate over
     dp and the TP placement of ``tp_placement``; expert e on the (dp / ep, tp) mesh of the data
-    ranks d with d % ep == its expert rank."""
+    ranks d with d % ep == its expert rank. DeepSeek's router bias is fp32, as Megatron's
+    TopKRouter keeps its expert_bias."""
     from refit.layouts import Mesh, ParamSpec
     specs = {}
     for name, (shape, dtype) in hf_tensors(m).items():
+        if name.endswith("e_score_correction_bias"):
+            dtype = "fp32"
         layer = _layer_of(name, m)
         stage = 0 if layer < 0 else pp - 1 if layer >= m.layers else next(
             s for s in range(pp) if _part(m.layers, pp, s)[0] <= layer < _part(m.layers, pp, s)[1])

@@ -4,7 +4,10 @@ For each config (scaled down), the parameters a real framework would hold are wr
 (layout_models: vLLM's modules, DTensor descriptions of FSDP2 and Megatron-style TP), the layout is
 derived in Python and compared with refit-layout's JSON after normalising:
 
-* vLLM engines (TP 1/2/4/8/16, DP 2, expert parallel): equal, buffers and pieces included;
+* vLLM engines (TP 1/2/4/8/16, DP 2 with and without expert parallelism): equal, buffers, pieces
+  and dtypes included (the routed experts' rows split over all dp * tp ranks when expert
+  parallelism is off, as FusedMoEParallelConfig.make flattens tp across dp; DeepSeek's
+  gate.e_score_correction_bias in fp32);
 * FSDP2 trainers (`--fsdp2`, once refit-layout has it): equal;
 * Megatron trainers: the same boxes per worker (Megatron fuses into other buffers), the
   vocabulary excepted (Megatron pads it to a multiple of 128 * tp before splitting, which DTensor's
@@ -12,10 +15,9 @@ derived in Python and compared with refit-layout's JSON after normalising:
 * seeded random dense and MoE configs (written to a temporary config.json) with random parallel
   settings vLLM accepts: engines and FSDP2 trainers equal.
 
-Where refit-layout disagrees with the framework, the case lists the tensors it gets wrong in
-KNOWN (see the report in the docstring of each); the test then requires every difference to be
-one of those, and passes silently once refit-layout is fixed. Each pair is also planned across:
-Python trainer -> refit-layout engine and refit-layout trainer -> Python engine, verified.
+Every case requires exact equality: refit-layout has no known disagreement with these frameworks
+left. Pairs are also planned across: Python trainer -> refit-layout engine and refit-layout
+trainer -> Python engine, verified.
 """
 
 import random
@@ -26,37 +28,36 @@ import layout_models as lm
 from refit.layouts import (EngineConfig, RankPlacement, coverage, diff_layouts, engine_layout,
                            trainer_layout)
 
-# vLLM: FusedMoEParallelConfig.make flattens the experts' TP over DP when expert parallelism is
-# off (tp_size = dp * tp, tp_rank = dp_rank * tp + tp_rank); refit-layout splits experts over tp
-# only, so each of its dp replicas holds twice (dp times) the rows vLLM's ranks hold.
-MOE_DP_WITHOUT_EP = r"\.mlp\.experts\."
-# vLLM's DeepseekV2MoE creates gate.e_score_correction_bias as float32; refit-layout declares
-# every tensor in the weights' dtype.
-ROUTER_BIAS_FP32 = r"e_score_correction_bias"
-
 ENGINE_CASES = [
-    # model, scale-down, layers, tp, dp, expert parallel, known disagreements
-    ("llama3-8b", 64, 2, 1, 1, False, None),
-    ("llama3-8b", 64, 2, 2, 1, False, None),
-    ("llama3-8b", 64, 2, 4, 1, False, None),
-    ("llama3-8b", 64, 2, 2, 2, False, None),
-    ("llama3-8b", 64, 1, 16, 1, False, None),          # 8 kv heads, each on 2 ranks
-    ("qwen2.5-7b", 16, 2, 1, 1, False, None),          # q/k/v biases
-    ("qwen2.5-7b", 16, 2, 2, 1, False, None),
-    ("qwen2.5-7b", 16, 2, 4, 2, False, None),
-    ("qwen3-30b-a3b", 16, 2, 1, 1, False, None),
-    ("qwen3-30b-a3b", 16, 2, 2, 1, False, None),
-    ("qwen3-30b-a3b", 16, 2, 4, 1, False, None),
-    ("qwen3-30b-a3b", 16, 1, 8, 1, False, None),       # 4 kv heads, each on 2 ranks
-    ("qwen3-30b-a3b", 16, 2, 2, 1, True, None),
-    ("qwen3-30b-a3b", 16, 2, 2, 2, True, None),
-    ("qwen3-30b-a3b", 16, 2, 1, 2, False, MOE_DP_WITHOUT_EP),
-    ("qwen3-30b-a3b", 16, 2, 2, 2, False, MOE_DP_WITHOUT_EP),
-    ("qwen3-235b-a22b", 32, 1, 4, 1, True, None),
-    ("deepseek-v3", 64, 4, 2, 1, False, ROUTER_BIAS_FP32),
-    ("deepseek-v3", 64, 4, 2, 2, True, ROUTER_BIAS_FP32),
-    ("kimi-k2", 64, 2, 4, 1, True, ROUTER_BIAS_FP32),
-    ("many-small-moe", 1, 1, 2, 2, True, None),
+    # model, scale-down, layers, tp, dp, expert parallel
+    ("llama3-8b", 64, 2, 1, 1, False),
+    ("llama3-8b", 64, 2, 2, 1, False),
+    ("llama3-8b", 64, 2, 4, 1, False),
+    ("llama3-8b", 64, 2, 2, 2, False),
+    ("llama3-8b", 64, 1, 16, 1, False),          # 8 kv heads, each on 2 ranks
+    ("qwen2.5-7b", 16, 2, 1, 1, False),          # q/k/v biases
+    ("qwen2.5-7b", 16, 2, 2, 1, False),
+    ("qwen2.5-7b", 16, 2, 4, 2, False),
+    ("qwen3-30b-a3b", 16, 2, 1, 1, False),
+    ("qwen3-30b-a3b", 16, 2, 2, 1, False),
+    ("qwen3-30b-a3b", 16, 2, 4, 1, False),
+    ("qwen3-30b-a3b", 16, 1, 8, 1, False),       # 4 kv heads, each on 2 ranks
+    ("qwen3-30b-a3b", 16, 2, 2, 1, True),
+    ("qwen3-30b-a3b", 16, 2, 2, 2, True),
+    # Without expert parallelism, dp > 1: the experts' rows over all dp * tp ranks.
+    ("qwen3-30b-a3b", 16, 2, 1, 2, False),
+    ("qwen3-30b-a3b", 16, 2, 2, 2, False),
+    ("qwen3-30b-a3b", 16, 1, 2, 4, False),       # 48 rows of each expert over 8 ranks
+    ("qwen3-235b-a22b", 32, 1, 4, 1, True),
+    ("qwen3-235b-a22b", 32, 1, 2, 2, False),
+    # DeepSeek: fp32 router bias; shared experts TP within the replica, routed over dp * tp.
+    ("deepseek-v3", 64, 4, 2, 1, False),
+    ("deepseek-v3", 64, 4, 2, 2, False),
+    ("deepseek-v3", 64, 4, 2, 2, True),
+    ("kimi-k2", 64, 2, 4, 1, True),
+    ("kimi-k2", 64, 2, 2, 4, False),
+    ("many-small-moe", 1, 1, 2, 2, True),
+    ("many-small-moe", 1, 1, 2, 2, False),
 ]
 
 
@@ -66,18 +67,13 @@ def engine_args(scale, layers, tp, dp, ep, first_node=0):
         ["--expert-parallel"] if ep else [])
 
 
-def check_known(test, diffs, known, label):
-    """No differences, or (a known disagreement) only differences about tensors matching ``known``."""
-    if known is None:
-        test.assertEqual(diffs, [], label)
-        return
-    for d in diffs:
-        test.assertRegex(d, known, f"{label}: a difference beyond the known one")
+def by_name(items, name):
+    return {x["name"]: x for x in items}[name]
 
 
 class EngineAgreementTest(unittest.TestCase):
     def test_vllm_engines(self):
-        for model, scale, layers, tp, dp, ep, known in ENGINE_CASES:
+        for model, scale, layers, tp, dp, ep in ENGINE_CASES:
             label = f"{model} tp{tp} dp{dp}{' ep' if ep else ''}"
             with self.subTest(label):
                 m = lm.load_model(model, scale, layers)
@@ -85,29 +81,53 @@ class EngineAgreementTest(unittest.TestCase):
                                                   expert_parallel=ep)
                 mine = engine_layout(lambda d, t: lm.vllm_params(m, tp, t, dp, d, ep), cfg)
                 ref = lm.refit_layout(model, *engine_args(scale, layers, tp, dp, ep))
-                diffs = diff_layouts(mine, ref, limit=200, names=("vllm", "refit-layout"))
-                check_known(self, diffs, known, label)
+                self.assertEqual(diff_layouts(mine, ref, limit=200, names=("vllm", "refit-layout")),
+                                 [], label)
 
-    def test_known_disagreements_are_real(self):
-        # The MoE case above differs exactly in the experts' rows: vLLM's rank (d, t) holds rows
-        # [(d * tp + t) * i, +i) of each expert, i = moe_intermediate / (dp * tp).
+    def test_experts_flattened_over_dp_and_tp(self):
+        # Without expert parallelism vLLM's rank (d, t) holds rows [(d * tp + t) * i, +i) of each
+        # expert, i = moe_intermediate / (dp * tp); attention stays TP within the replica.
         m = lm.load_model("qwen3-30b-a3b", 16, 1)
-        cfg = EngineConfig.from_hf_config(lm.hf_config(m), tp_size=2, dp_size=2)
-        mine = engine_layout(lambda d, t: lm.vllm_params(m, 2, t, 2, d), cfg)
-        ref = lm.refit_layout("qwen3-30b-a3b", *engine_args(16, 1, 2, 2, False))
-        w = {x["name"]: x for x in mine["workers"]}["vllm-dp1-tp0"]
-        w13 = {b["name"]: b for b in w["buffers"]}["model.layers.0.mlp.experts.w13_weight"]
-        self.assertEqual(w13["shape"], [m.experts, 2 * m.moe_inter // 4, m.hidden])
-        w = {x["name"]: x for x in ref["workers"]}["vllm-dp1-tp0"]
-        w13 = {b["name"]: b for b in w["buffers"]}["model.layers.0.mlp.experts.w13_weight"]
-        self.assertIn(w13["shape"], ([m.experts, 2 * m.moe_inter // 2, m.hidden],
-                                     [m.experts, 2 * m.moe_inter // 4, m.hidden]))  # the latter: fixed
+        i = m.moe_inter // 4
+        for layout in (lm.refit_layout("qwen3-30b-a3b", *engine_args(16, 1, 2, 2, False)),
+                       engine_layout(lambda d, t: lm.vllm_params(m, 2, t, 2, d),
+                                     EngineConfig.from_hf_config(lm.hf_config(m), tp_size=2,
+                                                                 dp_size=2))):
+            for d in range(2):
+                for t in range(2):
+                    w = by_name(layout["workers"], f"vllm-dp{d}-tp{t}")
+                    w13 = by_name(w["buffers"], "model.layers.0.mlp.experts.w13_weight")
+                    self.assertEqual(w13["shape"], [m.experts, 2 * i, m.hidden])
+                    w2 = by_name(w["buffers"], "model.layers.0.mlp.experts.w2_weight")
+                    self.assertEqual(w2["shape"], [m.experts, m.hidden, i])
+                    gate = [p for p in w13["pieces"]
+                            if p["tensor"] == "model.layers.0.mlp.experts.0.gate_proj.weight"]
+                    self.assertEqual(len(gate), 1)
+                    self.assertEqual(gate[0]["tensorBox"]["origin"][0], (d * 2 + t) * i)
+                    self.assertEqual(gate[0]["tensorBox"]["shape"][0], i)
+                    qkv = by_name(w["buffers"], "model.layers.0.self_attn.qkv_proj.weight")
+                    self.assertEqual(qkv["shape"][0], (m.heads // 2 + 2 * max(1, m.kv_heads // 2))
+                                     * m.head_dim)
+
+    def test_router_bias_is_fp32(self):
+        # vLLM's DeepseekV2MoE: nn.Parameter(torch.empty(n_routed_experts, dtype=torch.float32)).
+        for model, layers in (("deepseek-v3", 4), ("kimi-k2", 2)):
+            with self.subTest(model):
+                ref = lm.refit_layout(model, *engine_args(64, layers, 2, 2, False))
+                name = f"model.layers.{layers - 1}.mlp.gate.e_score_correction_bias"
+                self.assertEqual(by_name(ref["tensors"], name)["dtype"], "fp32")
+                self.assertEqual(by_name(ref["tensors"], f"model.layers.{layers - 1}.mlp.gate.weight")
+                                 ["dtype"], "bf16")
+                for w in ref["workers"]:
+                    self.assertEqual(by_name(w["buffers"], name)["dtype"], "fp32")
 
     def test_plans_across(self):
         # Python engines fed by refit-layout's Megatron trainers, and the other way round.
         for model, scale, layers, ttp, tdp, tep, etp, edp, eep in [
                 ("llama3-8b", 64, 2, 2, 2, 1, 4, 1, False),
-                ("qwen3-30b-a3b", 16, 2, 2, 2, 2, 2, 2, True)]:
+                ("qwen3-30b-a3b", 16, 2, 2, 2, 2, 2, 2, True),
+                ("qwen3-30b-a3b", 16, 2, 2, 2, 2, 2, 2, False),
+                ("deepseek-v3", 64, 4, 2, 2, 2, 2, 2, False)]:
             with self.subTest(model=model):
                 m = lm.load_model(model, scale, layers)
                 cfg = EngineConfig.from_hf_config(lm.hf_config(m), tp_size=etp, dp_size=edp,
@@ -152,8 +172,11 @@ class RandomConfigAgreementTest(unittest.TestCase):
             tp = rng.choice([t for t in (1, 2, 4, 8) if m.heads % t == 0 and (
                 m.kv_heads % t == 0 or t % m.kv_heads == 0) and m.inter % t == 0])
             ep = m.experts > 0 and rng.random() < 0.5
-            dp = rng.choice([1, 2]) if (ep or not m.experts) else 1  # see MOE_DP_WITHOUT_EP
-            if m.experts and not ep and m.moe_inter % (tp * dp) or ep and tp * dp > m.experts:
+            dp = rng.choice([1, 2])
+            # vLLM refuses: dp * tp not dividing the experts' width (FusedMoE, no EP), more EP
+            # ranks than experts, tp above the experts (the Qwen-MoE block).
+            if m.experts and (not ep and m.moe_inter % (tp * dp) or ep and tp * dp > m.experts
+                              or tp > m.experts):
                 continue
             done += 1
             label = f"{c} tp{tp} dp{dp} ep{ep}"
@@ -183,6 +206,7 @@ class TrainerAgreementTest(unittest.TestCase):
         ("qwen2.5-7b", 16, 3, 2, 1, 2, 1),
         ("qwen3-30b-a3b", 16, 2, 2, 2, 1, 2),
         ("qwen3-30b-a3b", 16, 2, 1, 4, 1, 4),
+        ("deepseek-v3", 64, 4, 2, 2, 1, 2),
     ]
 
     def test_megatron_boxes(self):

@@ -1,0 +1,113 @@
+#include "daemon/coordinator_link.h"
+
+#include "absl/strings/str_cat.h"
+#include "daemon/logging.h"
+
+namespace refit {
+namespace {
+
+std::chrono::system_clock::time_point Deadline(absl::Duration d) {
+  return std::chrono::system_clock::now() + absl::ToChronoNanoseconds(d);
+}
+
+}  // namespace
+
+CoordinatorLink::CoordinatorLink(CoordinatorLinkOptions options) : options_(std::move(options)) {}
+
+CoordinatorLink::~CoordinatorLink() { Stop(); }
+
+v1::RefitPeer::Stub* CoordinatorLink::Peer() {
+  absl::MutexLock lock(&mu_);
+  if (!peer_) {
+    grpc::ChannelArguments args;
+    args.SetMaxReceiveMessageSize(static_cast<int>(options_.max_rpc_bytes));
+    args.SetMaxSendMessageSize(static_cast<int>(options_.max_rpc_bytes));
+    peer_ = v1::RefitPeer::NewStub(
+        grpc::CreateCustomChannel(options_.coordinator, grpc::InsecureChannelCredentials(), args));
+  }
+  return peer_.get();
+}
+
+v1::RefitControl::Stub* CoordinatorLink::Control() {
+  absl::MutexLock lock(&mu_);
+  if (!control_) {
+    control_ = v1::RefitControl::NewStub(grpc::CreateChannel(options_.coordinator, grpc::InsecureChannelCredentials()));
+  }
+  return control_.get();
+}
+
+absl::Status CoordinatorLink::Join(const std::string& control_address, const std::string& data_address) {
+  join_.set_node(options_.node);
+  join_.set_control_address(control_address);
+  join_.set_data_address(data_address);
+  join_.set_incarnation(options_.incarnation);
+  absl::Status joined = absl::UnavailableError("not tried");
+  const absl::Time until = absl::Now() + options_.peer_timeout * 4;
+  while (absl::Now() < until) {
+    grpc::ClientContext ctx;
+    ctx.set_deadline(Deadline(options_.peer_timeout));
+    v1::JoinResponse out;
+    joined = FromGrpc(Peer()->Join(&ctx, join_, &out));
+    if (joined.ok()) break;
+    absl::SleepFor(absl::Milliseconds(200));
+  }
+  if (!joined.ok()) {
+    return absl::UnavailableError(
+        absl::StrCat("cannot join the coordinator at ", options_.coordinator, ": ", joined.message()));
+  }
+  heartbeat_ = std::thread([this] { HeartbeatLoop(); });
+  return absl::OkStatus();
+}
+
+absl::Status CoordinatorLink::Sync() {
+  absl::MutexLock order(&sync_order_);
+  v1::SyncWorkersRequest sync;
+  sync.set_node(options_.node);
+  sync.set_incarnation(options_.incarnation);
+  for (v1::RegisterWorkerRequest& w : options_.snapshot()) *sync.add_workers() = std::move(w);
+  grpc::ClientContext ctx;
+  ctx.set_deadline(Deadline(options_.peer_timeout));
+  v1::SyncWorkersResponse out;
+  return FromGrpc(Peer()->SyncWorkers(&ctx, sync, &out));
+}
+
+void CoordinatorLink::HeartbeatLoop() {
+  while (true) {
+    {
+      absl::MutexLock lock(&mu_);
+      if (!stopping_) stop_.WaitWithTimeout(&mu_, options_.heartbeat);
+      if (stopping_) return;
+    }
+    grpc::ClientContext ctx;
+    ctx.set_deadline(Deadline(options_.peer_timeout));
+    v1::JoinResponse out;
+    const absl::Status s = FromGrpc(Peer()->Join(&ctx, join_, &out));
+    if (!s.ok()) {
+      Logger("rpc")->warn("heartbeat to the coordinator at {} failed: {}", options_.coordinator, std::string(s.message()));
+      continue;
+    }
+    if (out.resync()) Sync().IgnoreError();  // the coordinator restarted, or declared this node dead
+  }
+}
+
+void CoordinatorLink::Stop() {
+  {
+    absl::MutexLock lock(&mu_);
+    stopping_ = true;
+    stop_.SignalAll();
+  }
+  if (heartbeat_.joinable()) heartbeat_.join();
+}
+
+void CoordinatorLink::ForwardWatch(const v1::WatchRoundsRequest& request, const std::function<bool()>& cancelled,
+                                   const std::function<bool(const v1::RoundStats&)>& write) {
+  grpc::ClientContext ctx;
+  auto reader = Control()->WatchRounds(&ctx, request);
+  v1::RoundStats s;
+  while (!cancelled() && reader->Read(&s)) {
+    if (!write(s)) break;
+  }
+  ctx.TryCancel();
+}
+
+}  // namespace refit

@@ -1,0 +1,80 @@
+// A non-coordinator daemon's link to its coordinator: join (retried until the coordinator
+// answers), a heartbeat every `--heartbeat` (the whole worker list again when the coordinator
+// asks: it restarted, or declared this node dead), ordered worker syncs, and the forwarding of
+// operator calls.
+//
+// Locks: `mu_` guards the stop flag and the stubs. `sync_order_` guards no data: it orders
+// syncs, each a snapshot taken and sent under it, so that two registrations racing cannot let
+// an older snapshot (without the newer worker) reach the coordinator last. It is the one lock
+// held across an RPC (bounded by --peer-timeout); a sequence number in SyncWorkersRequest would
+// remove it.
+#pragma once
+
+#include <functional>
+#include <memory>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include <grpcpp/grpcpp.h>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/status/status.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/time/time.h"
+#include "daemon/grpc_status.h"
+#include "proto/refit.grpc.pb.h"
+
+namespace refit {
+
+struct CoordinatorLinkOptions {
+  std::string coordinator;  // its address
+  int32_t node = 0;
+  int64_t incarnation = 0;
+  absl::Duration heartbeat = absl::Milliseconds(500);
+  absl::Duration peer_timeout = absl::Seconds(5);
+  int64_t max_rpc_bytes = 256 << 20;
+  // This node's workers as the coordinator must know them.
+  std::function<std::vector<v1::RegisterWorkerRequest>()> snapshot;
+};
+
+class CoordinatorLink {
+ public:
+  explicit CoordinatorLink(CoordinatorLinkOptions options);
+  ~CoordinatorLink();  // Stop()
+
+  // Joins (retrying for 4 x --peer-timeout), then heartbeats until Stop().
+  absl::Status Join(const std::string& control_address, const std::string& data_address);
+  // Sends this node's whole worker list.
+  absl::Status Sync();
+  void Stop();
+
+  // Forwards a unary operator call to the coordinator within `timeout`.
+  template <typename Request, typename Response, typename Method>
+  absl::Status Forward(Method method, const Request& request, Response* response, absl::Duration timeout) {
+    grpc::ClientContext ctx;
+    ctx.set_deadline(std::chrono::system_clock::now() + absl::ToChronoNanoseconds(timeout));
+    return FromGrpc((Control()->*method)(&ctx, request, response));
+  }
+  // Relays the coordinator's WatchRounds stream until `write` fails or `cancelled()`.
+  void ForwardWatch(const v1::WatchRoundsRequest& request, const std::function<bool()>& cancelled,
+                    const std::function<bool(const v1::RoundStats&)>& write);
+
+ private:
+  void HeartbeatLoop();
+  v1::RefitPeer::Stub* Peer();
+  v1::RefitControl::Stub* Control();
+
+  const CoordinatorLinkOptions options_;
+  v1::JoinRequest join_;  // set by Join, before the heartbeat thread starts
+  std::thread heartbeat_;
+  absl::Mutex sync_order_;
+
+  absl::Mutex mu_;
+  absl::CondVar stop_;
+  bool stopping_ ABSL_GUARDED_BY(mu_) = false;
+  std::unique_ptr<v1::RefitPeer::Stub> peer_ ABSL_GUARDED_BY(mu_);
+  std::unique_ptr<v1::RefitControl::Stub> control_ ABSL_GUARDED_BY(mu_);
+};
+
+}  // namespace refit

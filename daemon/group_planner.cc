@@ -1,0 +1,105 @@
+#include "daemon/group_planner.h"
+
+#include "absl/strings/str_cat.h"
+#include "daemon/logging.h"
+#include "daemon/node_agent.h"
+#include "plan/planner.h"
+#include "plan/validate.h"
+#include "proto/layout_codec.h"
+
+namespace refit {
+
+GroupPlanner::GroupPlanner(GroupPlannerOptions options, const Membership* membership)
+    : options_(std::move(options)), membership_(membership) {}
+
+int64_t GroupPlanner::plannings() const {
+  absl::MutexLock lock(&mu_);
+  return plannings_;
+}
+
+std::shared_ptr<const GroupPlan> GroupPlanner::Get(const std::string& group) {
+  while (true) {
+    const GroupMembers members = membership_->Group(group);
+    {
+      absl::MutexLock lock(&mu_);
+      Entry& e = cache_[group];
+      if (e.latest != nullptr && e.latest->epoch == members.epoch) return e.latest;
+      if (e.planning_epoch == members.epoch) {
+        // Another caller plans this epoch: wait for it (bounded waits; a newer epoch may arrive).
+        planned_.WaitWithTimeout(&mu_, absl::Milliseconds(100));
+        continue;
+      }
+      e.planning_epoch = members.epoch;
+      ++plannings_;
+    }
+    std::shared_ptr<const GroupPlan> plan = Compute(group, members);
+    absl::MutexLock lock(&mu_);
+    Entry& e = cache_[group];
+    if (e.latest == nullptr || e.latest->epoch <= plan->epoch) e.latest = plan;
+    if (e.planning_epoch == plan->epoch) e.planning_epoch = -1;
+    planned_.SignalAll();
+    return plan;
+  }
+}
+
+std::shared_ptr<const GroupPlan> GroupPlanner::Compute(const std::string& group, const GroupMembers& members) const {
+  auto g = std::make_shared<GroupPlan>();
+  g->epoch = members.epoch;
+  g->nodes = members.nodes;
+  g->trainers = members.trainers;
+  g->inference = members.inference;
+  g->src.set_model(group + " trainers");
+  g->dst.set_model(group + " inference");
+  std::map<std::string, std::pair<v1::TensorSpec, std::string>> seen[2];  // name -> spec, worker
+  for (const auto& [node, w] : members.workers) {
+    const int side = w.role() == v1::TRAINER ? 0 : 1;
+    v1::Layout& l = side == 0 ? g->src : g->dst;
+    for (const v1::TensorSpec& t : w.tensors()) {
+      auto [it, added] = seen[side].emplace(t.name(), std::make_pair(t, w.worker().name()));
+      if (added) {
+        *l.add_tensors() = t;
+      } else if (it->second.first.SerializeAsString() != t.SerializeAsString()) {
+        g->status = absl::FailedPreconditionError(absl::StrCat(
+            "group \"", group, "\": workers \"", it->second.second, "\" and \"", w.worker().name(),
+            "\" disagree on tensor \"", t.name(), "\" (shape or dtype)"));
+        return g;
+      }
+    }
+    *l.add_workers() = w.worker();
+  }
+  if (g->src.workers_size() == 0 || g->dst.workers_size() == 0) {
+    g->status = absl::FailedPreconditionError(absl::StrCat(
+        "group \"", group, "\" is not ready: ", g->src.workers_size(), " trainers and ",
+        g->dst.workers_size(), " inference workers registered; both sides are needed"));
+    return g;
+  }
+  v1::InstallPlanRequest probe;
+  *probe.mutable_source() = g->src;
+  *probe.mutable_destination() = g->dst;
+  probe.set_max_message_bytes(options_.max_message_bytes);
+  probe.set_no_routing(!options_.routing);
+  probe.set_max_relay_depth(options_.max_relay_depth);
+  auto src = LayoutFromProto(g->src);
+  auto dst = LayoutFromProto(g->dst);
+  absl::Status s = src.ok() ? dst.status() : src.status();
+  if (s.ok()) s = ValidateLayout(*src, "source");
+  if (s.ok()) s = ValidateLayout(*dst, "destination");
+  if (s.ok()) {
+    auto plan = options_.make_plan ? options_.make_plan(*src, *dst, PlanOptionsFor(probe))
+                                   : MakePlan(*src, *dst, PlanOptionsFor(probe));
+    if (plan.ok()) {
+      Logger("plan")->info("group \"{}\" epoch {}: planned {} tensors, {} messages, {} bytes in {:.3f} s", group,
+                           g->epoch, plan->stats.tensors, plan->stats.messages, plan->stats.bytes_total,
+                           plan->stats.planning_seconds);
+      g->plan = std::make_shared<const refit::Plan>(*std::move(plan));
+    } else {
+      s = plan.status();
+    }
+  }
+  g->status = s.ok() ? s
+                     : absl::FailedPreconditionError(
+                           absl::StrCat("group \"", group, "\" is not ready: ", s.message()));
+  return g;
+}
+
+}  // namespace refit

@@ -1,0 +1,71 @@
+// Plans each model group once per membership epoch, outside any lock, and caches the result:
+// rounds, Status and GetPlan all read the cached plan of the current epoch. Two callers asking
+// for the same epoch at once share one planning; a caller's own locks are never held here (the
+// planner takes the membership's snapshot, then plans with no lock at all).
+//
+// Lock: `mu_` guards the cache and which epoch is being planned per group; it is released while
+// planning.
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <map>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
+#include "daemon/membership.h"
+#include "plan/layout.h"
+#include "plan/plan.h"
+#include "plan/planner.h"
+#include "proto/refit.pb.h"
+
+namespace refit {
+
+// A group's plan at one membership epoch, or why there is none.
+struct GroupPlan {
+  int64_t epoch = -1;
+  absl::Status status;                // FAILED_PRECONDITION with the reason when not ready
+  v1::Layout src, dst;                // what every daemon plans again (InstallPlan)
+  std::shared_ptr<const Plan> plan;   // set when status is OK
+  std::vector<int32_t> nodes;         // nodes with workers of the group
+  int trainers = 0, inference = 0;
+};
+
+struct GroupPlannerOptions {
+  int64_t max_message_bytes = 16 << 20;
+  bool routing = true;
+  int32_t max_relay_depth = 0;
+  // The planner (tests replace it).
+  std::function<absl::StatusOr<Plan>(const Layout& src, const Layout& dst, const PlanOptions& options)> make_plan;
+};
+
+class GroupPlanner {
+ public:
+  GroupPlanner(GroupPlannerOptions options, const Membership* membership);
+
+  // The plan of the group's current epoch (planned now if not yet). Never null.
+  std::shared_ptr<const GroupPlan> Get(const std::string& group);
+  // How many plannings ran (tests: one per epoch).
+  int64_t plannings() const;
+
+ private:
+  std::shared_ptr<const GroupPlan> Compute(const std::string& group, const GroupMembers& members) const;
+
+  const GroupPlannerOptions options_;
+  const Membership* const membership_;
+
+  mutable absl::Mutex mu_;
+  absl::CondVar planned_;  // a planning finished
+  struct Entry {
+    std::shared_ptr<const GroupPlan> latest;
+    int64_t planning_epoch = -1;  // being planned now, by some caller
+  };
+  std::map<std::string, Entry> cache_ ABSL_GUARDED_BY(mu_);
+  int64_t plannings_ ABSL_GUARDED_BY(mu_) = 0;
+};
+
+}  // namespace refit

@@ -1,0 +1,147 @@
+#include "daemon/grpc_peer_client.h"
+
+#include "absl/strings/str_cat.h"
+#include "daemon/grpc_status.h"
+#include "daemon/logging.h"
+#include "daemon/node_agent.h"
+
+namespace refit {
+
+struct GrpcPeerClient::Call {
+  int32_t node = 0;
+  grpc::ClientContext context;
+  v1::PhaseRequest phase;
+  std::shared_ptr<const v1::InstallPlanRequest> install;
+  v1::InstallPlanResponse install_out;
+};
+
+namespace {
+
+std::chrono::system_clock::time_point Deadline(absl::Duration d) {
+  return std::chrono::system_clock::now() + absl::ToChronoNanoseconds(d);
+}
+
+}  // namespace
+
+GrpcPeerClient::GrpcPeerClient(GrpcPeerClientOptions options)
+    : options_(std::move(options)), local_(options_.local_threads) {}
+
+GrpcPeerClient::~GrpcPeerClient() {
+  local_.Stop();
+  absl::MutexLock lock(&mu_);
+  for (auto& [node, call] : in_flight_) call->context.TryCancel();
+  // Cancelled calls finish promptly; every call has a deadline besides.
+  while (!in_flight_.empty()) idle_.WaitWithTimeout(&mu_, absl::Milliseconds(100));
+}
+
+v1::RefitPeer::Stub* GrpcPeerClient::Stub(const std::string& address) {
+  absl::MutexLock lock(&mu_);
+  auto& stub = stubs_[address];
+  if (!stub) {
+    grpc::ChannelArguments args;
+    args.SetMaxReceiveMessageSize(static_cast<int>(options_.max_rpc_bytes));
+    args.SetMaxSendMessageSize(static_cast<int>(options_.max_rpc_bytes));
+    stub = v1::RefitPeer::NewStub(grpc::CreateCustomChannel(address, grpc::InsecureChannelCredentials(), args));
+  }
+  return stub.get();
+}
+
+GrpcPeerClient::Call* GrpcPeerClient::Begin(int32_t node, absl::Duration deadline) {
+  auto* call = new Call;
+  call->node = node;
+  call->context.set_deadline(Deadline(deadline));
+  absl::MutexLock lock(&mu_);
+  in_flight_.emplace(node, call);
+  return call;
+}
+
+void GrpcPeerClient::End(Call* call) {
+  {
+    absl::MutexLock lock(&mu_);
+    for (auto [it, end] = in_flight_.equal_range(call->node); it != end; ++it) {
+      if (it->second == call) {
+        in_flight_.erase(it);
+        break;
+      }
+    }
+    if (in_flight_.empty()) idle_.SignalAll();
+  }
+  delete call;
+}
+
+void GrpcPeerClient::CancelNode(int32_t node) {
+  absl::MutexLock lock(&mu_);
+  for (auto [call, end] = in_flight_.equal_range(node); call != end; ++call) call->second->context.TryCancel();
+}
+
+void GrpcPeerClient::RunPhase(int32_t node, const v1::PhaseRequest& request, absl::Duration timeout,
+                              v1::PhaseResponse* response, Done done) {
+  if (node == options_.self) {
+    // ABORT returns at once (it cancels and queues events); it must not queue behind the phases
+    // it ends.
+    if (request.phase() == v1::PhaseRequest::ABORT) {
+      done(options_.local_phase(request, response));
+      return;
+    }
+    auto run = [this, request, response, done] { done(options_.local_phase(request, response)); };
+    if (!local_.Submit(run)) done(absl::UnavailableError("daemon shutting down"));
+    return;
+  }
+  auto address = options_.address(node);
+  if (!address.ok()) {
+    done(address.status());
+    return;
+  }
+  v1::RefitPeer::Stub* stub = Stub(*address);
+  Call* call = Begin(node, timeout + options_.peer_timeout);
+  call->phase = request;
+  if (request.phase() == v1::PhaseRequest::TRANSFER) {  // to compare with the peer's arrival time
+    Logger("round")->info("group \"{}\" round {}: TRANSFER sent to node {} at {}", request.group(), request.round_id(),
+                          node, absl::FormatTime("%H:%M:%E6S", absl::Now(), absl::LocalTimeZone()));
+  }
+  stub->async()->RunPhase(&call->context, &call->phase, response,
+                          [this, call, node, address = *address, done](grpc::Status status) {
+                            absl::Status s = FromGrpc(status);
+                            const v1::PhaseRequest::Phase phase = call->phase.phase();
+                            if (!s.ok()) {
+                              if (auto why = options_.death_reason(node); why.has_value()) {
+                                s = absl::UnavailableError(absl::StrCat("node ", node, " (", address, ") died during ",
+                                                                        PhaseName(phase), ": ", *why));
+                              } else if (std::string(s.message()).rfind(absl::StrCat("node ", node), 0) != 0) {
+                                // Say which node failed, unless its own message already does.
+                                s = absl::Status(s.code(), absl::StrCat("node ", node, " (", address, ") failed ",
+                                                                        PhaseName(phase), ": ", s.message()));
+                              }
+                            }
+                            done(s);
+                            End(call);  // after `done`: the destructor waits for it
+                          });
+}
+
+void GrpcPeerClient::InstallPlan(int32_t node, std::shared_ptr<const v1::InstallPlanRequest> request, Done done) {
+  if (node == options_.self) {
+    auto run = [this, request, done] { done(options_.local_install(*request)); };
+    if (!local_.Submit(run)) done(absl::UnavailableError("daemon shutting down"));
+    return;
+  }
+  auto address = options_.address(node);
+  if (!address.ok()) {
+    done(address.status());
+    return;
+  }
+  v1::RefitPeer::Stub* stub = Stub(*address);
+  Call* call = Begin(node, options_.peer_timeout * 4);
+  call->install = std::move(request);
+  stub->async()->InstallPlan(&call->context, call->install.get(), &call->install_out,
+                             [this, call, node, address = *address, done](grpc::Status status) {
+                               absl::Status s = FromGrpc(status);
+                               if (!s.ok()) {
+                                 s = absl::Status(s.code(), absl::StrCat("node ", node, " (", address,
+                                                                         ") could not install the plan: ", s.message()));
+                               }
+                               done(s);
+                               End(call);
+                             });
+}
+
+}  // namespace refit

@@ -1,0 +1,258 @@
+#include "daemon/node_agent.h"
+
+#include <algorithm>
+
+#include "absl/strings/str_cat.h"
+#include "daemon/logging.h"
+#include "plan/planner.h"
+#include "plan/status_macros.h"
+#include "plan/validate.h"
+#include "proto/layout_codec.h"
+
+namespace refit {
+
+struct NodeAgent::InstalledPlan {
+  int64_t epoch = -1;
+  Layout src, dst;
+  std::shared_ptr<const Plan> plan;
+  absl::flat_hash_map<int32_t, std::string> data_addresses;
+  std::string nccl_id;
+  int64_t step_bytes = 0;
+  int64_t zero_copy_min_bytes = 0;
+  bool nccl_register = false;
+};
+
+struct NodeAgent::Resolved {
+  std::weak_ptr<const InstalledPlan> plan;  // resolved for this installation
+  std::vector<std::weak_ptr<LocalWorker>> workers;
+  BufferMemory src, dst;
+};
+
+PlanOptions PlanOptionsFor(const v1::InstallPlanRequest& request) {
+  PlanOptions options;
+  options.max_message_bytes = request.max_message_bytes();
+  options.routing = !request.no_routing();
+  options.max_relay_depth = request.max_relay_depth();
+  int32_t gpus = 1;
+  for (const v1::Layout* l : {&request.source(), &request.destination()}) {
+    for (const v1::Worker& w : l->workers()) gpus = std::max(gpus, w.gpu() + 1);
+  }
+  options.topology.gpus_per_node = gpus;
+  options.topology.nics_per_node = gpus;
+  return options;
+}
+
+const char* PhaseName(v1::PhaseRequest::Phase p) {
+  switch (p) {
+    case v1::PhaseRequest::PREPARE: return "PREPARE";
+    case v1::PhaseRequest::TRANSFER: return "TRANSFER";
+    case v1::PhaseRequest::COMMIT: return "COMMIT";
+    case v1::PhaseRequest::ABORT: return "ABORT";
+    default: return "?";
+  }
+}
+
+NodeAgent::NodeAgent(int32_t node, WorkerRegistry* registry, DataBackend* backend)
+    : node_(node), registry_(registry), backend_(backend) {}
+
+absl::Status NodeAgent::InstallPlan(const v1::InstallPlanRequest& request, std::shared_ptr<const Plan> planned) {
+  auto installed = std::make_shared<InstalledPlan>();
+  installed->epoch = request.epoch();
+  auto src = LayoutFromProto(request.source());
+  auto dst = LayoutFromProto(request.destination());
+  if (!src.ok()) return src.status();
+  if (!dst.ok()) return dst.status();
+  installed->src = *std::move(src);
+  installed->dst = *std::move(dst);
+  if (planned == nullptr) {
+    REFIT_RETURN_IF_ERROR(ValidateLayout(installed->src, "source"));
+    REFIT_RETURN_IF_ERROR(ValidateLayout(installed->dst, "destination"));
+    auto plan = MakePlan(installed->src, installed->dst, PlanOptionsFor(request));
+    if (!plan.ok()) return plan.status();
+    planned = std::make_shared<const Plan>(*std::move(plan));
+  }
+  installed->plan = std::move(planned);
+  for (const v1::NodeAddress& n : request.nodes()) installed->data_addresses[n.node()] = n.data_address();
+  installed->nccl_id = request.nccl_id();
+  installed->step_bytes = request.step_bytes();
+  installed->zero_copy_min_bytes = request.zero_copy_min_bytes();
+  installed->nccl_register = request.nccl_register();
+  Logger("plan")->info("group \"{}\" epoch {}: installed a plan of {} messages, {} bytes",
+                       request.group(), request.epoch(), installed->plan->stats.messages,
+                       installed->plan->stats.bytes_total);
+  absl::MutexLock lock(&mu_);
+  installed_[request.group()] = std::move(installed);
+  return absl::OkStatus();
+}
+
+std::shared_ptr<std::atomic<int64_t>> NodeAgent::AbortedRound(const std::string& group) {
+  auto& a = aborted_rounds_[group];
+  if (a == nullptr) a = std::make_shared<std::atomic<int64_t>>(-1);
+  return a;
+}
+
+void NodeAgent::WorkerLost(const std::string& group, const std::string& id, const std::string& reason) {
+  int64_t round = -1;
+  {
+    absl::MutexLock lock(&mu_);
+    if (auto it = active_rounds_.find(group); it != active_rounds_.end()) round = it->second;
+  }
+  if (round >= 0) {
+    backend_->Cancel(group, round, absl::StrCat("worker \"", id, "\" on node ", node_, " left: ", reason));
+  }
+}
+
+absl::Status NodeAgent::RunPhase(const v1::PhaseRequest& request, v1::PhaseResponse* response) {
+  const std::string& group = request.group();
+  if (request.phase() == v1::PhaseRequest::ABORT) {
+    backend_->Cancel(group, request.round_id(), request.reason());
+    {
+      absl::MutexLock lock(&mu_);
+      active_rounds_.erase(group);
+      AbortedRound(group)->store(request.round_id());
+    }
+    registry_->Notify();  // a wait for this round's PREPARE ends now
+    v1::RoundEvent e;
+    e.set_kind(v1::RoundEvent::ABORT);
+    e.set_round_id(request.round_id());
+    e.set_version(request.version());
+    e.set_reason(request.reason());
+    registry_->SendToGroup(group, e);
+    return absl::OkStatus();
+  }
+  std::shared_ptr<const InstalledPlan> installed;
+  {
+    absl::MutexLock lock(&mu_);
+    auto it = installed_.find(group);
+    if (it != installed_.end()) installed = it->second;
+  }
+  if (installed == nullptr || installed->epoch != request.epoch()) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "node ", node_, " has no plan of group \"", group, "\" for membership epoch ", request.epoch()));
+  }
+  std::vector<std::string> ids;  // this node's workers in the plan
+  for (const Layout* l : {&installed->src, &installed->dst}) {
+    for (const Worker& w : l->workers) {
+      if (w.node == node_) ids.push_back(absl::StrCat(group, "/", w.name));
+    }
+  }
+  const absl::Duration timeout = absl::Milliseconds(request.timeout_ms());
+  v1::RoundEvent e;
+  e.set_round_id(request.round_id());
+  e.set_version(request.version());
+  switch (request.phase()) {
+    case v1::PhaseRequest::PREPARE: {
+      std::shared_ptr<std::atomic<int64_t>> aborted;
+      {
+        absl::MutexLock lock(&mu_);
+        // What this node remembers of earlier rounds must not answer for this one: round ids
+        // start again at 1 when the coordinator restarts.
+        aborted = AbortedRound(group);
+        aborted->store(-1);
+        active_rounds_[group] = request.round_id();
+      }
+      // Answers about an earlier round of the same id (before a coordinator restart) are stale.
+      e.set_kind(v1::RoundEvent::PREPARE);
+      REFIT_RETURN_IF_ERROR(registry_->Send(ids, e, /*reset_prepared=*/true, /*reset_resumed=*/false));
+      return registry_->AwaitWorkers(group, ids, request.round_id(), false, timeout, "PREPARE", aborted.get());
+    }
+    case v1::PhaseRequest::TRANSFER:
+      return Transfer(group, installed, request, response);
+    case v1::PhaseRequest::COMMIT: {
+      e.set_kind(v1::RoundEvent::COMMIT);
+      // Its answer to this COMMIT, not to an earlier round of the same id.
+      absl::Status s = registry_->Send(ids, e, /*reset_prepared=*/false, /*reset_resumed=*/true);
+      if (s.ok()) s = registry_->AwaitWorkers(group, ids, request.round_id(), true, timeout, "COMMIT", nullptr);
+      absl::MutexLock lock(&mu_);
+      active_rounds_.erase(group);
+      return s;
+    }
+    default:
+      return absl::InvalidArgumentError("RunPhase: unknown phase");
+  }
+}
+
+absl::Status NodeAgent::Transfer(const std::string& group, const std::shared_ptr<const InstalledPlan>& installed,
+                                 const v1::PhaseRequest& request, v1::PhaseResponse* response) {
+  const absl::Duration timeout = absl::Milliseconds(request.timeout_ms());
+  TransferJob job;
+  job.requested = absl::Now();
+  job.group = group;
+  job.round_id = request.round_id();
+  job.node = node_;
+  job.plan = installed->plan;
+  job.data_addresses = installed->data_addresses;
+  job.deadline = absl::Now() + timeout;
+  job.epoch = installed->epoch;
+  job.nccl_id = installed->nccl_id;
+  job.step_bytes = installed->step_bytes;
+  job.zero_copy_min_bytes = installed->zero_copy_min_bytes;
+  job.nccl_register = installed->nccl_register;
+  // This node's workers of both layouts, as registered now; held for the transfer (they keep
+  // the mappings alive).
+  std::vector<std::shared_ptr<LocalWorker>> workers;
+  for (const Layout* l : {&installed->src, &installed->dst}) {
+    for (const Worker& w : l->workers) {
+      if (w.node == node_) workers.push_back(registry_->Find(absl::StrCat(group, "/", w.name)));
+    }
+  }
+  std::shared_ptr<const Resolved> cached;
+  {
+    absl::MutexLock lock(&mu_);
+    if (auto it = resolved_.find(group); it != resolved_.end()) cached = it->second;
+  }
+  bool same = cached != nullptr && cached->plan.lock() == installed && cached->workers.size() == workers.size();
+  for (size_t i = 0; same && i < workers.size(); ++i) {
+    same = workers[i] != nullptr && cached->workers[i].lock() == workers[i];
+  }
+  if (same) {
+    job.src = cached->src;
+    job.dst = cached->dst;
+  } else {
+    // Each buffer of the plan on this node, found by name in its worker's registration (once
+    // per worker, then by hash: linear over 100k buffers, not quadratic).
+    std::vector<std::shared_ptr<LocalWorker>> hold;
+    auto resolve = [&](const Layout& l, BufferMemory& memory) -> absl::Status {
+      memory.assign(l.buffers.size(), {});
+      std::vector<LocalWorker*> by_worker(l.workers.size(), nullptr);
+      for (size_t b = 0; b < l.buffers.size(); ++b) {
+        const int32_t wi = l.buffers[b].worker;
+        const Worker& w = l.workers[wi];
+        if (w.node != node_) continue;
+        if (by_worker[wi] == nullptr) {
+          const std::string id = absl::StrCat(group, "/", w.name);
+          auto local = registry_->Find(id);
+          if (local == nullptr) return absl::AbortedError(absl::StrCat("worker \"", id, "\" left node ", node_));
+          by_worker[wi] = local.get();
+          hold.push_back(std::move(local));
+        }
+        const LocalWorker& local = *by_worker[wi];
+        auto k = local.buffer_index.find(l.buffers[b].name);
+        if (k == local.buffer_index.end()) {
+          return absl::FailedPreconditionError(
+              absl::StrCat("worker \"", local.id, "\" has no buffer \"", l.buffers[b].name, "\""));
+        }
+        memory[b] = local.buffers[k->second]->bytes();
+      }
+      return absl::OkStatus();
+    };
+    REFIT_RETURN_IF_ERROR(resolve(installed->src, job.src));
+    REFIT_RETURN_IF_ERROR(resolve(installed->dst, job.dst));
+    auto fresh = std::make_shared<Resolved>();
+    fresh->plan = installed;
+    for (const auto& w : workers) fresh->workers.push_back(w);
+    fresh->src = job.src;
+    fresh->dst = job.dst;
+    workers.insert(workers.end(), hold.begin(), hold.end());
+    absl::MutexLock lock(&mu_);
+    resolved_[group] = std::move(fresh);
+  }
+  auto stats = backend_->Transfer(job);
+  if (!stats.ok()) return stats.status();
+  response->set_bytes_sent(stats->bytes_sent);
+  response->set_bytes_received(stats->bytes_received);
+  response->set_bytes_local(stats->bytes_local);
+  return absl::OkStatus();
+}
+
+}  // namespace refit

@@ -1,0 +1,337 @@
+#include "daemon/round_driver.h"
+
+#include <atomic>
+#include <memory>
+#include <set>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "daemon/logging.h"
+#include "daemon/node_agent.h"
+
+namespace refit {
+
+// One call on each of several nodes at once, through the PeerClient. The first failure is kept
+// and handed to `on_failure` once (outside the lock: it may start more calls). Everything the
+// calls touch lives here, shared with their callbacks, so a wait that gives up leaves nothing
+// dangling.
+class RoundDriver::FanOut {
+ public:
+  using Call = std::function<void(int32_t node, v1::PhaseResponse* response, PeerClient::Done done)>;
+
+  // The calls of `nodes`, pending until Run starts them.
+  static std::shared_ptr<FanOut> Make(const std::vector<int32_t>& nodes,
+                                      std::function<void(const absl::Status&)> on_failure) {
+    auto fan = std::make_shared<FanOut>();
+    fan->on_failure_ = std::move(on_failure);
+    fan->nodes_ = nodes;
+    absl::MutexLock lock(&fan->mu_);
+    for (int32_t n : nodes) {
+      fan->pending_.insert(n);
+      fan->responses_[n];
+    }
+    return fan;
+  }
+  static std::shared_ptr<FanOut> Start(const std::vector<int32_t>& nodes, const Call& call,
+                                       std::function<void(const absl::Status&)> on_failure) {
+    auto fan = Make(nodes, std::move(on_failure));
+    Run(fan, call);
+    return fan;
+  }
+  static void Run(const std::shared_ptr<FanOut>& fan, const Call& call) {
+    for (int32_t n : fan->nodes_) {
+      call(n, &fan->responses_.at(n), [fan, n](absl::Status s) { fan->Done(n, std::move(s)); });
+    }
+  }
+
+  // The first failure, once every call ended; DEADLINE_EXCEEDED naming the nodes that did not
+  // answer within `timeout` (their calls have deadlines of their own: this one only bounds the
+  // wait).
+  absl::Status Wait(absl::Duration timeout, const std::string& what) {
+    const absl::Time deadline = absl::Now() + timeout;
+    absl::MutexLock lock(&mu_);
+    while (!pending_.empty() && absl::Now() < deadline) done_.WaitWithDeadline(&mu_, deadline);
+    if (pending_.empty()) return first_;
+    if (!first_.ok()) return first_;
+    return absl::DeadlineExceededError(absl::StrCat("node", pending_.size() > 1 ? "s " : " ",
+                                                    absl::StrJoin(pending_, ", "), " did not answer ", what,
+                                                    " within ", absl::FormatDuration(timeout)));
+  }
+
+  // Bytes that landed on the nodes (after a Wait that saw every call end).
+  int64_t BytesIn() {
+    absl::MutexLock lock(&mu_);
+    int64_t bytes = 0;
+    if (!pending_.empty()) return bytes;
+    for (const auto& [n, r] : responses_) bytes += r.bytes_received() + r.bytes_local();
+    return bytes;
+  }
+
+ private:
+  void Done(int32_t node, absl::Status s) {
+    bool report = false;
+    {
+      absl::MutexLock lock(&mu_);
+      pending_.erase(node);
+      if (!s.ok() && first_.ok()) {
+        first_ = s;
+        report = true;
+      }
+      done_.SignalAll();
+    }
+    if (report && on_failure_) on_failure_(s);
+  }
+
+  absl::Mutex mu_;
+  absl::CondVar done_;
+  std::set<int32_t> pending_ ABSL_GUARDED_BY(mu_);
+  absl::Status first_ ABSL_GUARDED_BY(mu_);
+  // One per node, made before any call starts and never rehashed (std::map): each call writes
+  // only its own.
+  std::map<int32_t, v1::PhaseResponse> responses_;
+  std::function<void(const absl::Status&)> on_failure_;
+  std::vector<int32_t> nodes_;
+};
+
+RoundDriver::RoundDriver(RoundDriverOptions options, const Membership* membership, GroupPlanner* planner,
+                         PeerClient* peers, RoundLog* log, const Clock* clock)
+    : options_(std::move(options)),
+      membership_(membership),
+      planner_(planner),
+      peers_(peers),
+      log_(log),
+      clock_(clock),
+      background_(options_.max_background_rounds) {}
+
+RoundDriver::~RoundDriver() { Stop(); }
+
+void RoundDriver::Stop() { background_.Stop(); }
+
+int64_t RoundDriver::CommittedVersion(const std::string& group) const {
+  absl::MutexLock lock(&mu_);
+  auto it = groups_.find(group);
+  return it == groups_.end() ? 0 : it->second.version;
+}
+
+std::vector<int32_t> RoundDriver::Order(const std::vector<int32_t>& nodes) const {
+  std::vector<int32_t> order;
+  for (int32_t n : nodes) {
+    if (n != options_.self) order.push_back(n);
+  }
+  for (int32_t n : nodes) {
+    if (n == options_.self) order.push_back(n);
+  }
+  return order;
+}
+
+absl::Status RoundDriver::CheckVersion(const std::string& group, int64_t version) const {
+  auto it = groups_.find(group);
+  if (it == groups_.end()) return absl::OkStatus();
+  if (it->second.busy) return absl::AbortedError(absl::StrCat("group \"", group, "\" is already running a round"));
+  if (version <= it->second.version) {
+    return absl::FailedPreconditionError(absl::StrCat("version ", version, " is not newer than group \"", group,
+                                                      "\"'s committed version ", it->second.version));
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<int64_t> RoundDriver::BeginRound(const v1::RefitRequest& request) {
+  const std::vector<std::string> known = membership_->GroupNames();
+  if (std::find(known.begin(), known.end(), request.group()) == known.end()) {
+    return absl::NotFoundError(absl::StrCat("no model group \"", request.group(), "\" (known: ",
+                                            known.empty() ? "none" : absl::StrJoin(known, ", "), ")"));
+  }
+  if (request.version() <= 0) return absl::InvalidArgumentError("version must be positive");
+  {
+    absl::MutexLock lock(&mu_);
+    if (auto s = CheckVersion(request.group(), request.version()); !s.ok()) return s;
+  }
+  // Planned (or read from the cache) with no lock held.
+  if (auto plan = planner_->Get(request.group()); !plan->status.ok()) return plan->status;
+  absl::MutexLock lock(&mu_);
+  if (auto s = CheckVersion(request.group(), request.version()); !s.ok()) return s;  // raced meanwhile
+  groups_[request.group()].busy = true;
+  return next_round_++;
+}
+
+absl::Status RoundDriver::FinishRound(const v1::RefitRequest& request, int64_t round_id, v1::RoundStats* stats) {
+  const absl::Status s = RunRound(request.group(), round_id, request.version(), stats);
+  absl::MutexLock lock(&mu_);
+  GroupRounds& g = groups_[request.group()];
+  g.busy = false;
+  if (s.ok()) g.version = request.version();
+  return s;
+}
+
+absl::Status RoundDriver::Refit(const v1::RefitRequest& request, v1::RoundStats* stats) {
+  auto round_id = BeginRound(request);
+  if (!round_id.ok()) return round_id.status();
+  return FinishRound(request, *round_id, stats);
+}
+
+absl::StatusOr<int64_t> RoundDriver::StartRefit(const v1::RefitRequest& request) {
+  auto round_id = BeginRound(request);
+  if (!round_id.ok()) return round_id.status();
+  const bool queued = background_.Submit([this, request, id = *round_id] {
+    v1::RoundStats stats;
+    FinishRound(request, id, &stats).IgnoreError();  // the outcome goes to WatchRounds
+  });
+  if (!queued) {
+    absl::MutexLock lock(&mu_);
+    groups_[request.group()].busy = false;
+    return absl::UnavailableError("the coordinator is shutting down");
+  }
+  return *round_id;
+}
+
+absl::Status RoundDriver::RunRound(const std::string& group, int64_t round_id, int64_t version,
+                                   v1::RoundStats* stats) {
+  const absl::Time start = clock_->Now();
+  stats->set_group(group);
+  stats->set_round_id(round_id);
+  stats->set_version(version);
+  stats->set_state(v1::RoundStats::PREPARING);
+  const std::shared_ptr<const GroupPlan> plan = planner_->Get(group);
+  if (!plan->status.ok()) return plan->status;
+  const int64_t epoch = plan->epoch;
+  const std::vector<int32_t> nodes = Order(plan->nodes);
+  auto install = std::make_shared<v1::InstallPlanRequest>();
+  install->set_group(group);
+  install->set_epoch(epoch);
+  *install->mutable_source() = plan->src;
+  *install->mutable_destination() = plan->dst;
+  install->set_max_message_bytes(options_.max_message_bytes);
+  install->set_step_bytes(options_.step_bytes);
+  install->set_no_routing(!options_.routing);
+  install->set_max_relay_depth(options_.max_relay_depth);
+  install->set_zero_copy_min_bytes(options_.zero_copy_min_bytes);
+  install->set_nccl_register(options_.nccl_register);
+  for (v1::NodeAddress& a : membership_->DataAddresses()) *install->add_nodes() = std::move(a);
+  std::vector<int32_t> to_install;
+  {
+    absl::MutexLock lock(&mu_);
+    GroupRounds& g = groups_[group];
+    for (int32_t n : nodes) {
+      if (g.installed_epoch[n] != epoch) to_install.push_back(n);
+    }
+  }
+  log_->Publish(*stats);
+  Logger("round")->info("group \"{}\" round {} -> version {} on nodes [{}]", group, round_id, version,
+                        absl::StrJoin(plan->nodes, ", "));
+
+  // The first failure is the round's reason; during PREPARE and TRANSFER it also aborts every
+  // node at once, so nobody waits out a deadline for a round that cannot commit. Shared with
+  // the calls' callbacks, which may outlive a wait that gave up.
+  struct Abort {
+    absl::Mutex mu;
+    std::shared_ptr<FanOut> calls ABSL_GUARDED_BY(mu);  // set once: the abort started
+  };
+  auto aborter = std::make_shared<Abort>();
+  PeerClient* peers = peers_;
+  const absl::Duration peer_timeout = options_.peer_timeout;
+  auto abort_all = [aborter, peers, nodes, group, round_id, version, epoch, peer_timeout](const std::string& reason) {
+    std::shared_ptr<FanOut> calls;
+    {
+      absl::MutexLock lock(&aborter->mu);
+      if (aborter->calls != nullptr) return;
+      calls = aborter->calls = FanOut::Make(nodes, nullptr);
+    }
+    v1::PhaseRequest abort;
+    abort.set_phase(v1::PhaseRequest::ABORT);
+    abort.set_group(group);
+    abort.set_round_id(round_id);
+    abort.set_version(version);
+    abort.set_epoch(epoch);
+    abort.set_reason(reason);
+    FanOut::Run(calls, [peers, abort, peer_timeout](int32_t n, v1::PhaseResponse* out, PeerClient::Done done) {
+      peers->RunPhase(n, abort, peer_timeout, out, std::move(done));
+    });
+  };
+
+  absl::Status status;
+  if (!to_install.empty()) {  // a new membership: a new communicator (cuda backend)
+    auto id = options_.new_communicator_id ? options_.new_communicator_id() : absl::StatusOr<std::string>("");
+    if (id.ok()) install->set_nccl_id(*id); else status = id.status();
+  }
+  if (status.ok()) {
+    auto calls = FanOut::Start(
+        to_install,
+        [peers, install](int32_t n, v1::PhaseResponse*, PeerClient::Done done) {
+          peers->InstallPlan(n, install, std::move(done));
+        },
+        nullptr);
+    status = calls->Wait(peer_timeout * 4 + absl::Seconds(1), "InstallPlan");
+  }
+  if (status.ok()) {
+    absl::MutexLock lock(&mu_);
+    for (int32_t n : to_install) groups_[group].installed_epoch[n] = epoch;
+  }
+  auto phase = [&](v1::PhaseRequest::Phase p, absl::Duration timeout, int64_t* bytes) {
+    v1::PhaseRequest r;
+    r.set_phase(p);
+    r.set_group(group);
+    r.set_round_id(round_id);
+    r.set_version(version);
+    r.set_epoch(epoch);
+    r.set_timeout_ms(absl::ToInt64Milliseconds(timeout));
+    const bool abort_on_failure = p == v1::PhaseRequest::TRANSFER || p == v1::PhaseRequest::PREPARE;
+    auto calls = FanOut::Start(
+        nodes,
+        [peers, r, timeout](int32_t n, v1::PhaseResponse* out, PeerClient::Done done) {
+          peers->RunPhase(n, r, timeout, out, std::move(done));
+        },
+        abort_on_failure ? std::function<void(const absl::Status&)>(
+                               [abort_all](const absl::Status& s) { abort_all(std::string(s.message())); })
+                         : nullptr);
+    // Each call has the phase's deadline plus the peer allowance; the wait adds a margin.
+    absl::Status s = calls->Wait(timeout + peer_timeout + absl::Seconds(1), PhaseName(p));
+    if (bytes != nullptr) *bytes = calls->BytesIn();
+    return s;
+  };
+  absl::Time t = clock_->Now();
+  if (status.ok()) status = phase(v1::PhaseRequest::PREPARE, options_.prepare_timeout, nullptr);
+  stats->set_prepare_seconds(absl::ToDoubleSeconds(clock_->Now() - t));
+  int64_t bytes = 0;
+  if (status.ok()) {
+    stats->set_state(v1::RoundStats::TRANSFERRING);
+    log_->Publish(*stats);
+    t = clock_->Now();
+    status = phase(v1::PhaseRequest::TRANSFER, options_.transfer_timeout, &bytes);
+    stats->set_transfer_seconds(absl::ToDoubleSeconds(clock_->Now() - t));
+  }
+  if (status.ok()) {
+    t = clock_->Now();
+    status = phase(v1::PhaseRequest::COMMIT, options_.commit_timeout, nullptr);
+    stats->set_commit_seconds(absl::ToDoubleSeconds(clock_->Now() - t));
+  }
+  stats->set_bytes(bytes);
+  stats->set_seconds(absl::ToDoubleSeconds(clock_->Now() - start));
+  if (status.ok()) {
+    stats->set_state(v1::RoundStats::COMMITTED);
+    Logger("round")->info("group \"{}\" round {}: version {} committed, {} bytes in {:.3f} s", group, round_id,
+                          version, stats->bytes(), stats->seconds());
+  } else {
+    abort_all(std::string(status.message()));
+    std::shared_ptr<FanOut> aborts;
+    {
+      absl::MutexLock lock(&aborter->mu);
+      aborts = aborter->calls;
+    }
+    // Every node has its ABORT (or gave up on it) before the round is reported over.
+    if (aborts != nullptr) aborts->Wait(peer_timeout * 2 + absl::Seconds(1), "ABORT").IgnoreError();
+    {
+      // The next round installs the plan again, with a fresh communicator: an aborted one is gone.
+      absl::MutexLock lock(&mu_);
+      groups_[group].installed_epoch.clear();
+    }
+    stats->set_state(v1::RoundStats::ABORTED);
+    stats->set_reason(std::string(status.message()));
+    Logger("round")->warn("group \"{}\" round {} aborted: {}", group, round_id, std::string(status.message()));
+  }
+  log_->Publish(*stats);
+  return status.ok() ? status
+                     : absl::AbortedError(
+                           absl::StrCat("round ", round_id, " of group \"", group, "\" aborted: ", status.message()));
+}
+
+}  // namespace refit

@@ -1,0 +1,95 @@
+// The coordinator's rounds: begin (checks, the group reserved, a round id), install the plan
+// where the membership changed, PREPARE, TRANSFER, COMMIT on every node of the group, or ABORT
+// on all of them at the first failure, whose message (naming the culprit) becomes the round's
+// reason; then finish (the committed version, WatchRounds told). Nodes are reached only through
+// a PeerClient; calls go out asynchronously, so a phase costs no thread per node, and rounds
+// started by StartRefit run on one bounded executor (no thread per round), joined at Stop().
+//
+// Lock: `mu_` guards the per-group round state (busy, committed version, installed epochs) and
+// the next round id. It is never held across a call into the planner, the membership, the peer
+// client or the round log.
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <map>
+#include <string>
+#include <vector>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/time/time.h"
+#include "daemon/clock.h"
+#include "daemon/executor.h"
+#include "daemon/group_planner.h"
+#include "daemon/membership.h"
+#include "daemon/peer_client.h"
+#include "daemon/round_log.h"
+#include "proto/refit.pb.h"
+
+namespace refit {
+
+struct RoundDriverOptions {
+  int32_t self = 0;  // the coordinator's node: its own part runs last, after the peers' started
+  absl::Duration prepare_timeout = absl::Seconds(10);
+  absl::Duration transfer_timeout = absl::Seconds(60);
+  absl::Duration commit_timeout = absl::Seconds(10);
+  absl::Duration peer_timeout = absl::Seconds(5);
+  // Shipped with every plan (InstallPlanRequest).
+  int64_t max_message_bytes = 16 << 20;
+  int64_t step_bytes = int64_t{128} << 20;
+  bool routing = true;
+  int32_t max_relay_depth = 0;
+  int64_t zero_copy_min_bytes = 0;
+  bool nccl_register = false;
+  int max_background_rounds = 16;  // StartRefit rounds running at once; more wait their turn
+  // A fresh communicator id per installation (the backend's; empty: none needed).
+  std::function<absl::StatusOr<std::string>()> new_communicator_id;
+};
+
+class RoundDriver {
+ public:
+  RoundDriver(RoundDriverOptions options, const Membership* membership, GroupPlanner* planner, PeerClient* peers,
+              RoundLog* log, const Clock* clock);
+  ~RoundDriver();  // Stop()
+
+  // Runs a round to its end.
+  absl::Status Refit(const v1::RefitRequest& request, v1::RoundStats* stats);
+  // Checks the request (a stale version is refused now), then runs the round in the background;
+  // its outcome goes to the round log.
+  absl::StatusOr<int64_t> StartRefit(const v1::RefitRequest& request);
+  int64_t CommittedVersion(const std::string& group) const;
+  // Waits for the background rounds (they end by their deadlines); StartRefit refuses afterwards.
+  void Stop();
+
+ private:
+  struct GroupRounds {
+    int64_t version = 0;  // last committed
+    bool busy = false;
+    std::map<int32_t, int64_t> installed_epoch;  // per node
+  };
+  class FanOut;
+
+  absl::StatusOr<int64_t> BeginRound(const v1::RefitRequest& request);
+  absl::Status FinishRound(const v1::RefitRequest& request, int64_t round_id, v1::RoundStats* stats);
+  absl::Status RunRound(const std::string& group, int64_t round_id, int64_t version, v1::RoundStats* stats);
+  absl::Status CheckVersion(const std::string& group, int64_t version) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Remote nodes first, this node last: the peers' requests are on their way before this node's
+  // own part starts (in a transfer, whoever starts first waits for the rest).
+  std::vector<int32_t> Order(const std::vector<int32_t>& nodes) const;
+
+  const RoundDriverOptions options_;
+  const Membership* const membership_;
+  GroupPlanner* const planner_;
+  PeerClient* const peers_;
+  RoundLog* const log_;
+  const Clock* const clock_;
+  Executor background_;
+
+  mutable absl::Mutex mu_;
+  std::map<std::string, GroupRounds> groups_ ABSL_GUARDED_BY(mu_);
+  int64_t next_round_ ABSL_GUARDED_BY(mu_) = 1;
+};
+
+}  // namespace refit

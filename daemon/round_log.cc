@@ -1,0 +1,51 @@
+#include "daemon/round_log.h"
+
+#include <algorithm>
+#include <vector>
+
+namespace refit {
+
+void RoundLog::Publish(const v1::RoundStats& stats) {
+  absl::MutexLock lock(&mu_);
+  log_.push_back(stats);
+  while (log_.size() > 1024) {
+    log_.pop_front();
+    ++start_;
+  }
+  changed_.SignalAll();
+}
+
+void RoundLog::Stop() {
+  absl::MutexLock lock(&mu_);
+  stopping_ = true;
+  changed_.SignalAll();
+}
+
+void RoundLog::Watch(const std::string& group, const std::function<bool()>& cancelled,
+                     const std::function<bool(const v1::RoundStats&)>& write) {
+  int64_t next;
+  {
+    absl::MutexLock lock(&mu_);
+    next = start_ + static_cast<int64_t>(log_.size());
+  }
+  while (true) {
+    std::vector<v1::RoundStats> batch;
+    {
+      absl::MutexLock lock(&mu_);
+      if (!stopping_ && start_ + static_cast<int64_t>(log_.size()) <= next) {
+        changed_.WaitWithTimeout(&mu_, absl::Milliseconds(200));
+      }
+      if (stopping_ || cancelled()) return;
+      next = std::max(next, start_);
+      for (; next < start_ + static_cast<int64_t>(log_.size()); ++next) {
+        const v1::RoundStats& s = log_[next - start_];
+        if (group.empty() || group == s.group()) batch.push_back(s);
+      }
+    }
+    for (const auto& s : batch) {
+      if (!write(s)) return;
+    }
+  }
+}
+
+}  // namespace refit

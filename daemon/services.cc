@@ -1,0 +1,167 @@
+#include "daemon/services.h"
+
+#include "absl/strings/str_cat.h"
+#include "daemon/coordinator_link.h"
+#include "daemon/grpc_status.h"
+#include "daemon/group_planner.h"
+#include "daemon/membership.h"
+#include "daemon/node_agent.h"
+#include "daemon/round_driver.h"
+#include "daemon/round_log.h"
+#include "daemon/worker_registry.h"
+#include "daemon/worker_session.h"
+#include "plan/status_macros.h"
+#include "proto/layout_codec.h"
+
+namespace refit {
+namespace {
+
+class WorkerService : public v1::RefitWorker::Service {
+ public:
+  explicit WorkerService(const ServiceParts* p) : p_(p) {}
+  grpc::Status Register(grpc::ServerContext*, const v1::RegisterWorkerRequest* r,
+                        v1::RegisterWorkerResponse* out) override {
+    return ToGrpc(p_->register_worker(*r, out));
+  }
+  grpc::Status Session(grpc::ServerContext* c,
+                       grpc::ServerReaderWriter<v1::RoundEvent, v1::WorkerMessage>* s) override {
+    return ToGrpc(RunWorkerSession(*p_->registry, c, s, p_->drop_worker));
+  }
+  grpc::Status Unregister(grpc::ServerContext*, const v1::UnregisterWorkerRequest* r,
+                          v1::UnregisterWorkerResponse*) override {
+    if (p_->registry->Find(r->worker_id()) == nullptr) {
+      return ToGrpc(absl::NotFoundError(
+          absl::StrCat("no worker \"", r->worker_id(), "\" on node ", p_->config->node)));
+    }
+    p_->drop_worker(r->worker_id(), "unregistered");
+    return grpc::Status::OK;
+  }
+
+ private:
+  const ServiceParts* const p_;
+};
+
+class ControlService : public v1::RefitControl::Service {
+ public:
+  explicit ControlService(const ServiceParts* p) : p_(p) {}
+
+  grpc::Status Refit(grpc::ServerContext*, const v1::RefitRequest* r, v1::RoundStats* out) override {
+    if (p_->link != nullptr) {
+      const DaemonConfig& c = *p_->config;
+      const absl::Duration round_timeout =
+          c.prepare_timeout + c.transfer_timeout + c.commit_timeout + c.peer_timeout * 6;
+      return ToGrpc(p_->link->Forward(&v1::RefitControl::Stub::Refit, *r, out, round_timeout));
+    }
+    return ToGrpc(p_->driver->Refit(*r, out));
+  }
+  grpc::Status StartRefit(grpc::ServerContext*, const v1::RefitRequest* r, v1::StartRefitResponse* out) override {
+    if (p_->link != nullptr) {
+      return ToGrpc(p_->link->Forward(&v1::RefitControl::Stub::StartRefit, *r, out, p_->config->peer_timeout));
+    }
+    auto id = p_->driver->StartRefit(*r);
+    if (!id.ok()) return ToGrpc(id.status());
+    out->set_round_id(*id);
+    return grpc::Status::OK;
+  }
+  grpc::Status WatchRounds(grpc::ServerContext* c, const v1::WatchRoundsRequest* r,
+                           grpc::ServerWriter<v1::RoundStats>* w) override {
+    auto cancelled = [c] { return c->IsCancelled(); };
+    auto write = [w](const v1::RoundStats& s) { return w->Write(s); };
+    if (p_->link != nullptr) {
+      p_->link->ForwardWatch(*r, cancelled, write);
+    } else {
+      p_->log->Watch(r->group(), cancelled, write);
+    }
+    return grpc::Status::OK;
+  }
+  grpc::Status Status(grpc::ServerContext*, const v1::StatusRequest* r, v1::StatusResponse* out) override {
+    if (p_->link != nullptr) {
+      return ToGrpc(p_->link->Forward(&v1::RefitControl::Stub::Status, *r, out, p_->config->peer_timeout));
+    }
+    out->set_coordinator(p_->address);
+    p_->membership->NodeStatuses(out);
+    for (const std::string& name : p_->membership->GroupNames()) {
+      // Cached per membership epoch; planned outside any lock when the membership changed.
+      const std::shared_ptr<const GroupPlan> plan = p_->planner->Get(name);
+      v1::GroupStatus* g = out->add_groups();
+      g->set_name(name);
+      g->set_ready(plan->status.ok());
+      if (!plan->status.ok()) g->set_not_ready_reason(std::string(plan->status.message()));
+      g->set_trainers(plan->trainers);
+      g->set_inference_workers(plan->inference);
+      g->set_version(p_->driver->CommittedVersion(name));
+      if (plan->status.ok()) *g->mutable_plan() = SummaryToProto(plan->plan->stats, false);
+      g->set_planned_at_membership(plan->epoch);
+    }
+    return grpc::Status::OK;
+  }
+  grpc::Status ListWorkers(grpc::ServerContext*, const v1::ListWorkersRequest* r,
+                           v1::ListWorkersResponse* out) override {
+    if (p_->link != nullptr) {
+      return ToGrpc(p_->link->Forward(&v1::RefitControl::Stub::ListWorkers, *r, out, p_->config->peer_timeout));
+    }
+    p_->membership->ListWorkers(*r, out);
+    return grpc::Status::OK;
+  }
+  grpc::Status GetPlan(grpc::ServerContext*, const v1::GetPlanRequest* r, v1::PlanSummary* out) override {
+    if (p_->link != nullptr) {
+      return ToGrpc(p_->link->Forward(&v1::RefitControl::Stub::GetPlan, *r, out, p_->config->peer_timeout));
+    }
+    const std::vector<std::string> known = p_->membership->GroupNames();
+    if (std::find(known.begin(), known.end(), r->group()) == known.end()) {
+      return ToGrpc(absl::NotFoundError(absl::StrCat("no model group \"", r->group(), "\"")));
+    }
+    const std::shared_ptr<const GroupPlan> plan = p_->planner->Get(r->group());
+    if (!plan->status.ok()) return ToGrpc(plan->status);
+    *out = SummaryToProto(plan->plan->stats, false);
+    return grpc::Status::OK;
+  }
+
+ private:
+  const ServiceParts* const p_;
+};
+
+class PeerService : public v1::RefitPeer::Service {
+ public:
+  explicit PeerService(const ServiceParts* p) : p_(p) {}
+  grpc::Status Join(grpc::ServerContext*, const v1::JoinRequest* r, v1::JoinResponse* out) override {
+    const DaemonConfig& c = *p_->config;
+    if (p_->membership == nullptr) {
+      return ToGrpc(absl::FailedPreconditionError(
+          absl::StrCat("node ", c.node, " is not the coordinator; it is ", c.coordinator)));
+    }
+    if (r->node() == c.node) {
+      return ToGrpc(absl::AlreadyExistsError(absl::StrCat("node ", r->node(), " is the coordinator's own index")));
+    }
+    if (p_->membership->Join(*r)) out->set_resync(true);
+    return grpc::Status::OK;
+  }
+  grpc::Status SyncWorkers(grpc::ServerContext*, const v1::SyncWorkersRequest* r, v1::SyncWorkersResponse*) override {
+    if (p_->membership == nullptr) return ToGrpc(absl::FailedPreconditionError("not the coordinator"));
+    p_->membership->ApplySync(*r);
+    return grpc::Status::OK;
+  }
+  grpc::Status InstallPlan(grpc::ServerContext*, const v1::InstallPlanRequest* r, v1::InstallPlanResponse*) override {
+    return ToGrpc(p_->agent->InstallPlan(*r));
+  }
+  grpc::Status RunPhase(grpc::ServerContext*, const v1::PhaseRequest* r, v1::PhaseResponse* out) override {
+    return ToGrpc(p_->agent->RunPhase(*r, out));
+  }
+
+ private:
+  const ServiceParts* const p_;
+};
+
+}  // namespace
+
+std::unique_ptr<grpc::Service> MakeWorkerService(const ServiceParts* parts) {
+  return std::make_unique<WorkerService>(parts);
+}
+std::unique_ptr<grpc::Service> MakeControlService(const ServiceParts* parts) {
+  return std::make_unique<ControlService>(parts);
+}
+std::unique_ptr<grpc::Service> MakePeerService(const ServiceParts* parts) {
+  return std::make_unique<PeerService>(parts);
+}
+
+}  // namespace refit

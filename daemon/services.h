@@ -1,0 +1,46 @@
+// refitd's gRPC services, thin: each method checks where it runs (coordinator or not), calls
+// the component that does the work, and converts the status once (daemon/grpc_status.h).
+#pragma once
+
+#include <functional>
+#include <memory>
+#include <string>
+
+#include <grpcpp/grpcpp.h>
+
+#include "daemon/config.h"
+#include "proto/refit.grpc.pb.h"
+
+namespace refit {
+
+class CoordinatorLink;
+class GroupPlanner;
+class Membership;
+class NodeAgent;
+class RoundDriver;
+class RoundLog;
+class WorkerRegistry;
+
+// What the services reach; null where this daemon has none (the coordinator has no link, the
+// others no membership, planner, driver or log).
+struct ServiceParts {
+  const DaemonConfig* config = nullptr;
+  std::string address;  // this daemon's control address, once serving
+  WorkerRegistry* registry = nullptr;
+  NodeAgent* agent = nullptr;
+  CoordinatorLink* link = nullptr;
+  Membership* membership = nullptr;
+  GroupPlanner* planner = nullptr;
+  RoundDriver* driver = nullptr;
+  RoundLog* log = nullptr;
+  // Registration and departure, wired by the Daemon: they also tell the coordinator and end a
+  // transfer the worker was part of.
+  std::function<absl::Status(const v1::RegisterWorkerRequest&, v1::RegisterWorkerResponse*)> register_worker;
+  std::function<void(const std::string& id, const std::string& reason)> drop_worker;
+};
+
+std::unique_ptr<grpc::Service> MakeWorkerService(const ServiceParts* parts);
+std::unique_ptr<grpc::Service> MakeControlService(const ServiceParts* parts);
+std::unique_ptr<grpc::Service> MakePeerService(const ServiceParts* parts);
+
+}  // namespace refit

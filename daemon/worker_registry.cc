@@ -1,0 +1,294 @@
+#include "daemon/worker_registry.h"
+
+#include <algorithm>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "daemon/logging.h"
+#include "daemon/memory_refs.h"
+#include "plan/validate.h"
+#include "proto/layout_codec.h"
+
+namespace refit {
+namespace {
+
+std::string RoleName(v1::Role r) { return r == v1::TRAINER ? "trainer" : r == v1::INFERENCE ? "inference" : "?"; }
+
+}  // namespace
+
+WorkerRegistry::WorkerRegistry(int32_t node, std::vector<int32_t> gpus, DataBackend* backend,
+                               HandleInbox* handles)
+    : node_(node), gpus_(std::move(gpus)), backend_(backend), handles_(handles) {}
+
+absl::StatusOr<Registration> WorkerRegistry::Register(const v1::RegisterWorkerRequest& original) {
+  // The descriptors handed over under the token are claimed first, whatever happens next: they
+  // are closed when this returns (mapped memory stays mapped), so a registration that fails
+  // leaves nothing behind; the worker hands them over again under a new token.
+  HandleDelivery delivery;
+  if (!original.fd_token().empty()) {
+    const std::string& token = original.fd_token();
+    if (token.size() != kHandleTokenChars ||
+        !std::all_of(token.begin(), token.end(), [](char c) { return (c >= '0' && c <= '9') || (c >= 'a' && c <= 'f'); })) {
+      return absl::InvalidArgumentError(absl::StrCat("register: worker \"", original.worker().name(),
+                                                     "\": fd_token must be ", kHandleTokenChars, " lowercase hex digits"));
+    }
+    auto taken = handles_->Take(token);
+    if (!taken.ok()) {
+      return absl::Status(taken.status().code(), absl::StrCat("register: worker \"", original.worker().name(),
+                                                              "\": ", taken.status().message()));
+    }
+    delivery = *std::move(taken);
+  }
+  auto worker = std::make_shared<LocalWorker>();
+  worker->request = original;  // worker.node (and worker.gpu, from gpu_uuid) filled in below
+  const v1::RegisterWorkerRequest& request = worker->request;
+  const v1::Worker& w = request.worker();
+  if (request.group().empty()) return absl::InvalidArgumentError("register: \"group\" is empty");
+  if (request.role() != v1::TRAINER && request.role() != v1::INFERENCE) {
+    return absl::InvalidArgumentError("register: role must be TRAINER or INFERENCE");
+  }
+  if (w.name().empty() || w.name().find('/') != std::string::npos) {
+    return absl::InvalidArgumentError("register: the worker needs a name without '/'");
+  }
+  if (request.memory_size() != w.buffers_size()) {
+    return absl::InvalidArgumentError(absl::StrCat("register: worker \"", w.name(), "\" has ",
+                                                   w.buffers_size(), " buffers but ",
+                                                   request.memory_size(), " memory handles"));
+  }
+  if (!request.gpu_uuid().empty()) {
+    // The worker's CUDA index is its own (CUDA_VISIBLE_DEVICES); the UUID is everyone's.
+    auto gpu = backend_->GpuIndex(request.gpu_uuid());
+    if (!gpu.ok()) {
+      return absl::InvalidArgumentError(absl::StrCat("register: worker \"", w.name(), "\": ", gpu.status().message()));
+    }
+    worker->request.mutable_worker()->set_gpu(*gpu);
+  }
+  if (!gpus_.empty() && std::find(gpus_.begin(), gpus_.end(), w.gpu()) == gpus_.end()) {
+    return absl::InvalidArgumentError(absl::StrCat("register: worker \"", w.name(), "\" is on GPU ",
+                                                   w.gpu(), ", which node ", node_,
+                                                   "'s daemon does not serve (--gpus ",
+                                                   absl::StrJoin(gpus_, ","), ")"));
+  }
+  // The worker's own part of the layout must be well formed before it joins a group.
+  v1::Layout mine;
+  *mine.mutable_tensors() = request.tensors();
+  *mine.add_workers() = w;
+  mine.mutable_workers(0)->set_node(node_);
+  auto layout = LayoutFromProto(mine);
+  if (!layout.ok()) return absl::InvalidArgumentError(absl::StrCat("register: ", layout.status().message()));
+  if (auto s = ValidateLayout(*layout, RoleName(request.role())); !s.ok()) {
+    return absl::InvalidArgumentError(absl::StrCat("register: ", s.message()));
+  }
+  worker->id = absl::StrCat(request.group(), "/", w.name());
+  worker->request.mutable_worker()->set_node(node_);
+  std::vector<int64_t> bytes;
+  bytes.reserve(layout->buffers.size());
+  for (const Buffer& b : layout->buffers) bytes.push_back(b.NumBytes());
+  if (auto s = CheckMemoryRefs(request, bytes, delivery.fds.size()); !s.ok()) {
+    return absl::InvalidArgumentError(absl::StrCat("register: worker \"", w.name(), "\": ", s.message()));
+  }
+  auto mapped = backend_->MapBuffers(request, bytes, delivery.fds);
+  if (!mapped.ok()) {
+    return absl::Status(mapped.status().code(),
+                        absl::StrCat("register: worker \"", w.name(), "\": ", mapped.status().message()));
+  }
+  worker->buffers = *std::move(mapped);
+  for (int b = 0; b < w.buffers_size(); ++b) worker->buffer_index[w.buffers(b).name()] = b;
+  {
+    absl::MutexLock lock(&mu_);
+    if (workers_.contains(worker->id)) {
+      return absl::AlreadyExistsError(absl::StrCat("worker \"", worker->id,
+                                                   "\" is already registered on node ", node_,
+                                                   "; unregister it first"));
+    }
+    workers_[worker->id] = worker;
+  }
+  Registration out;
+  out.worker = std::move(worker);
+  out.pieces = layout->pieces.size();
+  out.descriptors = delivery.fds.size();
+  out.pid = delivery.pid;
+  out.uid = delivery.uid;
+  return out;
+}
+
+std::shared_ptr<LocalWorker> WorkerRegistry::Find(const std::string& id) const {
+  absl::MutexLock lock(&mu_);
+  auto it = workers_.find(id);
+  return it == workers_.end() ? nullptr : it->second;
+}
+
+std::shared_ptr<LocalWorker> WorkerRegistry::Drop(const std::string& id) {
+  std::shared_ptr<LocalWorker> w;
+  {
+    absl::MutexLock lock(&mu_);
+    auto it = workers_.find(id);
+    if (it == workers_.end()) return nullptr;
+    w = std::move(it->second);
+    workers_.erase(it);
+  }
+  {
+    absl::MutexLock lock(&w->mu);
+    w->gone = true;
+    w->wake.SignalAll();
+  }
+  Changed();
+  return w;
+}
+
+std::vector<v1::RegisterWorkerRequest> WorkerRegistry::Snapshot() const {
+  std::vector<v1::RegisterWorkerRequest> out;
+  absl::MutexLock lock(&mu_);
+  out.reserve(workers_.size());
+  for (const auto& [id, w] : workers_) {
+    v1::RegisterWorkerRequest& r = out.emplace_back(w->request);
+    r.clear_memory();  // handles stay on this node
+    r.clear_vmm_ranges();
+    r.clear_fd_token();
+  }
+  return out;
+}
+
+absl::StatusOr<std::shared_ptr<LocalWorker>> WorkerRegistry::Attach(const std::string& id) {
+  std::shared_ptr<LocalWorker> w = Find(id);
+  if (w == nullptr) return absl::NotFoundError(absl::StrCat("no worker \"", id, "\" on node ", node_));
+  absl::MutexLock lock(&w->mu);
+  if (w->has_session) return absl::AlreadyExistsError(absl::StrCat("worker \"", w->id, "\" already has a session"));
+  w->has_session = true;
+  return w;
+}
+
+std::optional<v1::RoundEvent> WorkerRegistry::NextEvent(LocalWorker& w, absl::Duration timeout,
+                                                        const std::atomic<bool>* ended) {
+  absl::MutexLock lock(&w.mu);
+  // Its own condition variable: a thousand sessions must not all wake for every event.
+  if (w.outbox.empty() && !w.gone && !stopping() && !ended->load()) w.wake.WaitWithTimeout(&w.mu, timeout);
+  if (w.outbox.empty() || w.gone || stopping()) return std::nullopt;
+  v1::RoundEvent event = std::move(w.outbox.front());
+  w.outbox.pop_front();
+  return event;
+}
+
+void WorkerRegistry::Record(LocalWorker& w, const v1::WorkerMessage& m) {
+  {
+    absl::MutexLock lock(&w.mu);
+    if (m.kind_case() == v1::WorkerMessage::kPrepared) w.prepared_round = m.prepared();
+    if (m.kind_case() == v1::WorkerMessage::kResumed) w.resumed_round = m.resumed();
+    if (m.kind_case() == v1::WorkerMessage::kRefused) {
+      w.refused_round = m.refused().round_id();
+      w.refused_reason = m.refused().reason().substr(0, 4096);  // it reaches operators: bounded
+      Logger("worker")->warn("worker {} refused round {}: {}", w.id, w.refused_round, w.refused_reason);
+    }
+  }
+  Changed();
+}
+
+bool WorkerRegistry::Gone(LocalWorker& w) {
+  absl::MutexLock lock(&w.mu);
+  return w.gone;
+}
+
+void WorkerRegistry::WakeSession(LocalWorker& w) {
+  absl::MutexLock lock(&w.mu);
+  w.wake.SignalAll();
+}
+
+absl::Status WorkerRegistry::Send(const std::vector<std::string>& ids, const v1::RoundEvent& event,
+                                  bool reset_prepared, bool reset_resumed) {
+  for (const std::string& id : ids) {
+    std::shared_ptr<LocalWorker> w = Find(id);
+    if (w == nullptr) {
+      return absl::AbortedError(event.kind() == v1::RoundEvent::COMMIT
+                                    ? absl::StrCat("worker \"", id, "\" left node ", node_, " before the commit")
+                                    : absl::StrCat("worker \"", id, "\" is no longer on node ", node_));
+    }
+    absl::MutexLock lock(&w->mu);
+    if (reset_prepared) {
+      w->prepared_round = -1;
+      w->refused_round = -1;
+    }
+    if (reset_resumed) w->resumed_round = -1;
+    w->outbox.push_back(event);
+    w->wake.SignalAll();
+  }
+  return absl::OkStatus();
+}
+
+void WorkerRegistry::SendToGroup(const std::string& group, const v1::RoundEvent& event) {
+  std::vector<std::shared_ptr<LocalWorker>> members;
+  {
+    absl::MutexLock lock(&mu_);
+    for (const auto& [id, w] : workers_) {
+      if (w->group() == group) members.push_back(w);
+    }
+  }
+  for (const auto& w : members) {
+    absl::MutexLock lock(&w->mu);
+    w->outbox.push_back(event);
+    w->wake.SignalAll();
+  }
+}
+
+absl::Status WorkerRegistry::AwaitWorkers(const std::string& group, const std::vector<std::string>& ids,
+                                          int64_t round_id, bool resumed, absl::Duration timeout,
+                                          const char* phase, const std::atomic<int64_t>* aborted) {
+  const absl::Time deadline = absl::Now() + timeout;
+  while (true) {
+    int64_t seen_changes;
+    {
+      absl::MutexLock lock(&mu_);
+      seen_changes = changes_;
+    }
+    std::vector<std::string> waiting;
+    for (const std::string& id : ids) {
+      std::shared_ptr<LocalWorker> w = Find(id);
+      if (w == nullptr) {
+        return absl::AbortedError(absl::StrCat("worker \"", id, "\" on node ", node_, " left during ", phase));
+      }
+      absl::MutexLock lock(&w->mu);
+      if (!resumed && w->refused_round == round_id) {  // the round cannot happen: end it now
+        return absl::AbortedError(absl::StrCat("worker \"", id, "\" on node ", node_, " refused ", phase,
+                                               " of round ", round_id, ": ", w->refused_reason));
+      }
+      const int64_t seen = resumed ? w->resumed_round : w->prepared_round;
+      if (seen != round_id) waiting.push_back(absl::StrCat("\"", id, "\""));
+    }
+    if (waiting.empty()) return absl::OkStatus();
+    if (aborted != nullptr && aborted->load() == round_id) {
+      return absl::AbortedError(absl::StrCat("node ", node_, ": round ", round_id, " of group \"", group,
+                                             "\" was aborted during ", phase));
+    }
+    if (stopping()) return absl::UnavailableError("daemon shutting down");
+    if (absl::Now() >= deadline) {
+      return absl::DeadlineExceededError(absl::StrCat(
+          "node ", node_, ": worker", waiting.size() > 1 ? "s " : " ", absl::StrJoin(waiting, ", "),
+          " did not confirm ", phase, " of group \"", group, "\" within ", absl::FormatDuration(timeout)));
+    }
+    absl::MutexLock lock(&mu_);
+    if (changes_ == seen_changes) changed_.WaitWithTimeout(&mu_, absl::Milliseconds(50));
+  }
+}
+
+void WorkerRegistry::Changed() {
+  absl::MutexLock lock(&mu_);
+  ++changes_;
+  changed_.SignalAll();
+}
+
+void WorkerRegistry::Notify() { Changed(); }
+
+void WorkerRegistry::Stop() {
+  stopping_ = true;
+  std::vector<std::shared_ptr<LocalWorker>> all;
+  {
+    absl::MutexLock lock(&mu_);
+    for (const auto& [id, w] : workers_) all.push_back(w);
+  }
+  for (const auto& w : all) {
+    absl::MutexLock lock(&w->mu);
+    w->wake.SignalAll();
+  }
+  Changed();
+}
+
+}  // namespace refit

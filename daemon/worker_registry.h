@@ -1,0 +1,116 @@
+// The workers registered on this node: a registration validated and its memory mapped, looked
+// up by id, dropped when it unregisters or its session ends. It owns each worker's mappings,
+// its session outbox and what the worker answered (prepared, resumed, refused), and waits for
+// those answers with a deadline (AwaitWorkers).
+//
+// Locks: `mu_` guards the id -> worker map; each LocalWorker's `mu` guards that worker's session
+// state. Never both at once: the map lock is released before a worker's is taken.
+#pragma once
+
+#include <atomic>
+#include <cstdint>
+#include <deque>
+#include <map>
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/container/flat_hash_map.h"
+#include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/time/time.h"
+#include "daemon/backend.h"
+#include "daemon/handle_inbox.h"
+#include "proto/refit.pb.h"
+
+namespace refit {
+
+// A worker registered on this node. What it registered (request, buffers) never changes; its
+// session state is guarded by `mu`.
+struct LocalWorker {
+  std::string id;                     // "<group>/<name>"
+  v1::RegisterWorkerRequest request;  // worker.node (and worker.gpu, from gpu_uuid) filled in
+  std::vector<std::unique_ptr<MappedBuffer>> buffers;
+  absl::flat_hash_map<std::string, int> buffer_index;  // by name: a trainer may hold 100k buffers
+
+  const std::string& group() const { return request.group(); }
+
+  absl::Mutex mu;
+  absl::CondVar wake;  // its session writer: an event, or the worker is gone
+  bool has_session ABSL_GUARDED_BY(mu) = false;
+  bool gone ABSL_GUARDED_BY(mu) = false;  // unregistered or its session ended: never used again
+  std::deque<v1::RoundEvent> outbox ABSL_GUARDED_BY(mu);
+  int64_t prepared_round ABSL_GUARDED_BY(mu) = -1;
+  int64_t resumed_round ABSL_GUARDED_BY(mu) = -1;
+  int64_t refused_round ABSL_GUARDED_BY(mu) = -1;  // the worker refused PREPARE of this round,
+  std::string refused_reason ABSL_GUARDED_BY(mu);  // in its own words
+};
+
+struct Registration {
+  std::shared_ptr<LocalWorker> worker;
+  size_t pieces = 0;       // in its layout
+  size_t descriptors = 0;  // handed over under its token
+  pid_t pid = 0;           // of the connection that handed them over
+  uid_t uid = 0;
+};
+
+class WorkerRegistry {
+ public:
+  // `backend` maps memory; `handles` holds descriptors handed over before registration; `gpus`:
+  // the GPUs this daemon serves (empty: any). All outlive the registry.
+  WorkerRegistry(int32_t node, std::vector<int32_t> gpus, DataBackend* backend, HandleInbox* handles);
+
+  // Validates a registration, claims its descriptors, maps its memory and adds the worker
+  // (ALREADY_EXISTS for a name registered on this node).
+  absl::StatusOr<Registration> Register(const v1::RegisterWorkerRequest& request);
+  std::shared_ptr<LocalWorker> Find(const std::string& id) const;
+  // Removes a worker and wakes its session; returns it (nullptr: there was none).
+  std::shared_ptr<LocalWorker> Drop(const std::string& id);
+  // What this node tells the coordinator: every worker, memory handles stripped.
+  std::vector<v1::RegisterWorkerRequest> Snapshot() const;
+
+  // Sessions. Attach marks the worker's one session (NOT_FOUND, ALREADY_EXISTS).
+  absl::StatusOr<std::shared_ptr<LocalWorker>> Attach(const std::string& id);
+  // The next event for the session, waiting at most `timeout` (or until `*ended`, set before a
+  // WakeSession); nullopt when none came.
+  std::optional<v1::RoundEvent> NextEvent(LocalWorker& w, absl::Duration timeout, const std::atomic<bool>* ended);
+  void Record(LocalWorker& w, const v1::WorkerMessage& message);
+  bool Gone(LocalWorker& w);
+  void WakeSession(LocalWorker& w);  // its session writer re-checks why it should end
+
+  // Round events. Queues `event` for each of `ids` (ABORTED naming the first that is not here;
+  // those before it got theirs). `reset_prepared` / `reset_resumed` forget answers to an earlier
+  // round of the same id first.
+  absl::Status Send(const std::vector<std::string>& ids, const v1::RoundEvent& event, bool reset_prepared,
+                    bool reset_resumed);
+  // Queues `event` for every worker of `group`.
+  void SendToGroup(const std::string& group, const v1::RoundEvent& event);
+  // Until each of `ids` answered `round_id` (resumed: COMMIT, else PREPARE), or one left or
+  // refused, or `*aborted` (may be null) equals round_id, or the deadline. Errors name the workers.
+  absl::Status AwaitWorkers(const std::string& group, const std::vector<std::string>& ids, int64_t round_id,
+                            bool resumed, absl::Duration timeout, const char* phase,
+                            const std::atomic<int64_t>* aborted);
+  // Something an AwaitWorkers may be waiting for changed elsewhere (an abort).
+  void Notify();
+  // Ends every session and wait.
+  void Stop();
+  bool stopping() const { return stopping_.load(); }
+
+ private:
+  void Changed();
+
+  const int32_t node_;
+  const std::vector<int32_t> gpus_;
+  DataBackend* const backend_;
+  HandleInbox* const handles_;
+  std::atomic<bool> stopping_{false};
+
+  mutable absl::Mutex mu_;
+  absl::CondVar changed_;  // an answer, a worker gone, an abort, stopping
+  std::map<std::string, std::shared_ptr<LocalWorker>> workers_ ABSL_GUARDED_BY(mu_);
+  int64_t changes_ ABSL_GUARDED_BY(mu_) = 0;
+};
+
+}  // namespace refit

@@ -1,0 +1,108 @@
+// GroupPlanner: one planning per membership epoch, cached and shared by concurrent callers, the
+// not-ready reasons, and planning with no lock held (the membership keeps answering meanwhile).
+#include "daemon/group_planner.h"
+
+#include <atomic>
+#include <thread>
+
+#include <catch2/catch.hpp>
+
+#include "daemon/test_registrations.h"
+#include "plan/planner.h"
+
+namespace refit {
+namespace {
+using testing::JoinOf;
+using testing::Registration;
+using testing::SyncOf;
+
+TEST_CASE("group planner: one plan per epoch, cached; a new membership plans again") {
+  FakeClock clock;
+  Membership m(0, absl::Milliseconds(500), 4, &clock);
+  m.SetSelf("a", "b", 1);
+  GroupPlanner planner(GroupPlannerOptions{}, &m);
+  m.AddLocal(Registration("t0", v1::TRAINER, 0, 8, 0));
+
+  auto first = planner.Get("policy");
+  CHECK(first->status.code() == absl::StatusCode::kFailedPrecondition);
+  CHECK(std::string(first->status.message()).find("is not ready: 1 trainers and 0 inference workers") !=
+        std::string::npos);
+  CHECK(planner.Get("policy") == first);
+  CHECK(planner.plannings() == 1);
+
+  m.AddLocal(Registration("i0", v1::INFERENCE, 0, 4, 0));
+  m.AddLocal(Registration("i1", v1::INFERENCE, 4, 8, 0));
+  auto ready = planner.Get("policy");
+  REQUIRE(ready->status.ok());
+  CHECK(ready->plan != nullptr);
+  CHECK(ready->inference == 2);
+  CHECK(ready->epoch == m.Group("policy").epoch);
+  const int64_t after = planner.plannings();
+  for (int i = 0; i < 10; ++i) CHECK(planner.Get("policy") == ready);
+  CHECK(planner.plannings() == after);
+
+  // A heartbeat changes nothing; a node joining with workers of the group does.
+  m.Join(JoinOf(1, 5));
+  CHECK(planner.Get("policy") == ready);
+  m.ApplySync(SyncOf(1, 5, {Registration("i2", v1::INFERENCE, 0, 8, 1)}));
+  auto replanned = planner.Get("policy");
+  CHECK(replanned != ready);
+  CHECK(replanned->nodes == std::vector<int32_t>{0, 1});
+  CHECK(planner.plannings() == after + 1);
+}
+
+TEST_CASE("group planner: workers that disagree on a tensor are named") {
+  FakeClock clock;
+  Membership m(0, absl::Milliseconds(500), 4, &clock);
+  m.SetSelf("a", "b", 1);
+  GroupPlanner planner(GroupPlannerOptions{}, &m);
+  m.AddLocal(Registration("t0", v1::TRAINER, 0, 8, 0));
+  v1::RegisterWorkerRequest odd = Registration("t1", v1::TRAINER, 0, 8, 0);
+  odd.mutable_tensors(0)->set_dtype("bf16");
+  m.AddLocal(odd);
+  m.AddLocal(Registration("i0", v1::INFERENCE, 0, 8, 0));
+  auto plan = planner.Get("policy");
+  CHECK(std::string(plan->status.message()).find("workers \"t0\" and \"t1\" disagree on tensor \"w\"") !=
+        std::string::npos);
+}
+
+TEST_CASE("group planner: plans outside any lock; concurrent callers of one epoch share one planning") {
+  FakeClock clock;
+  Membership m(0, absl::Milliseconds(500), 4, &clock);
+  m.SetSelf("a", "b", 1);
+  std::atomic<bool> entered{false}, release{false};
+  std::atomic<int> calls{0};
+  GroupPlannerOptions options;
+  options.make_plan = [&](const Layout& src, const Layout& dst, const PlanOptions& o) {
+    ++calls;
+    entered = true;
+    while (!release) std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    return MakePlan(src, dst, o);
+  };
+  GroupPlanner planner(options, &m);
+  m.AddLocal(Registration("t0", v1::TRAINER, 0, 8, 0));
+  m.AddLocal(Registration("i0", v1::INFERENCE, 0, 8, 0));
+  m.AddLocal(Registration("t0", v1::TRAINER, 0, 8, 0, "other"));  // another group: not ready
+
+  std::shared_ptr<const GroupPlan> a, b;
+  std::thread first([&] { a = planner.Get("policy"); });
+  while (!entered) std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  std::thread second([&] { b = planner.Get("policy"); });
+  // While "policy" plans: the membership takes heartbeats and syncs, and another group's plan
+  // (not ready, so no planner call) is answered at once.
+  CHECK(m.Join(JoinOf(3, 9)));
+  CHECK_FALSE(m.Join(JoinOf(3, 9)));
+  CHECK_FALSE(planner.Get("other")->status.ok());
+  std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  CHECK(calls == 1);
+  release = true;
+  first.join();
+  second.join();
+  REQUIRE(a != nullptr);
+  CHECK(a == b);
+  CHECK(a->status.ok());
+  CHECK(calls == 1);
+}
+
+}  // namespace
+}  // namespace refit

@@ -1,0 +1,215 @@
+// RoundDriver against a fake PeerClient and clock: the plan installed once per membership, the
+// phases in order on every node (peers before the coordinator's own node), the first failure
+// aborting every node with the culprit's message as the reason, versions, and no thread left
+// behind by 1,000 StartRefit rounds.
+#include "daemon/round_driver.h"
+
+#include <dirent.h>
+
+#include <set>
+#include <thread>
+
+#include <catch2/catch.hpp>
+
+#include "absl/strings/str_cat.h"
+#include "daemon/test_registrations.h"
+
+namespace refit {
+namespace {
+using testing::JoinOf;
+using testing::Registration;
+using testing::SyncOf;
+
+// Answers every call at once, on the caller's thread (the hardest case for re-entrancy: a
+// failure's ABORT fan-out starts from inside a callback).
+class FakePeers : public PeerClient {
+ public:
+  struct Call {
+    int32_t node;
+    std::string what;  // INSTALL or the phase
+    std::string reason;
+  };
+
+  void RunPhase(int32_t node, const v1::PhaseRequest& request, absl::Duration, v1::PhaseResponse* response,
+                Done done) override {
+    const std::string what = request.phase() == v1::PhaseRequest::PREPARE    ? "PREPARE"
+                             : request.phase() == v1::PhaseRequest::TRANSFER ? "TRANSFER"
+                             : request.phase() == v1::PhaseRequest::COMMIT   ? "COMMIT"
+                                                                             : "ABORT";
+    absl::Status s;
+    {
+      absl::MutexLock lock(&mu_);
+      calls_.push_back({node, what, request.reason()});
+      if (node == fail_node_ && what == fail_phase_) {
+        s = absl::UnavailableError(absl::StrCat("node ", node, " (10.0.0.", node, ":7070) failed ", what, ": boom"));
+      }
+    }
+    if (what == "TRANSFER") response->set_bytes_received(100);
+    done(s);
+  }
+  void InstallPlan(int32_t node, std::shared_ptr<const v1::InstallPlanRequest>, Done done) override {
+    {
+      absl::MutexLock lock(&mu_);
+      calls_.push_back({node, "INSTALL", ""});
+    }
+    done(absl::OkStatus());
+  }
+  void FailAt(int32_t node, const std::string& phase) {
+    absl::MutexLock lock(&mu_);
+    fail_node_ = node;
+    fail_phase_ = phase;
+  }
+  std::vector<Call> Take() {
+    absl::MutexLock lock(&mu_);
+    return std::exchange(calls_, {});
+  }
+
+ private:
+  absl::Mutex mu_;
+  std::vector<Call> calls_ ABSL_GUARDED_BY(mu_);
+  int32_t fail_node_ ABSL_GUARDED_BY(mu_) = -1;
+  std::string fail_phase_ ABSL_GUARDED_BY(mu_);
+};
+
+std::vector<std::string> Seq(const std::vector<FakePeers::Call>& calls) {
+  std::vector<std::string> out;
+  for (const auto& c : calls) out.push_back(absl::StrCat(c.what, "@", c.node));
+  return out;
+}
+
+int Threads() {
+  int n = 0;
+  DIR* d = opendir("/proc/self/task");
+  while (dirent* e = readdir(d)) n += e->d_name[0] != '.';
+  closedir(d);
+  return n;
+}
+
+// A coordinator (node 0, a trainer) and node 1 (an inference worker).
+struct Fixture {
+  FakeClock clock;
+  Membership membership{0, absl::Milliseconds(500), 4, &clock};
+  GroupPlanner planner{GroupPlannerOptions{}, &membership};
+  RoundLog log;
+  FakePeers peers;
+  std::unique_ptr<RoundDriver> driver;
+
+  Fixture() {
+    membership.SetSelf("10.0.0.0:7070", "10.0.0.0:7071", 1);
+    membership.AddLocal(Registration("t0", v1::TRAINER, 0, 8, 0));
+    membership.Join(JoinOf(1, 7));
+    membership.ApplySync(SyncOf(1, 7, {Registration("i0", v1::INFERENCE, 0, 8, 1)}));
+    RoundDriverOptions options;
+    options.self = 0;
+    options.peer_timeout = absl::Seconds(1);
+    options.max_background_rounds = 2;
+    driver = std::make_unique<RoundDriver>(options, &membership, &planner, &peers, &log, &clock);
+  }
+  absl::Status Refit(int64_t version, v1::RoundStats* stats = nullptr) {
+    v1::RefitRequest r;
+    r.set_group("policy");
+    r.set_version(version);
+    v1::RoundStats ignored;
+    return driver->Refit(r, stats != nullptr ? stats : &ignored);
+  }
+};
+
+TEST_CASE("round driver: install once per membership, then PREPARE, TRANSFER, COMMIT in order") {
+  Fixture f;
+  v1::RoundStats stats;
+  REQUIRE(f.Refit(1, &stats).ok());
+  CHECK(Seq(f.peers.Take()) == std::vector<std::string>{"INSTALL@1", "INSTALL@0", "PREPARE@1", "PREPARE@0",
+                                                         "TRANSFER@1", "TRANSFER@0", "COMMIT@1", "COMMIT@0"});
+  CHECK(stats.state() == v1::RoundStats::COMMITTED);
+  CHECK(stats.bytes() == 200);
+  CHECK(f.driver->CommittedVersion("policy") == 1);
+  // Same membership: no install.
+  REQUIRE(f.Refit(2).ok());
+  CHECK(Seq(f.peers.Take()) == std::vector<std::string>{"PREPARE@1", "PREPARE@0", "TRANSFER@1", "TRANSFER@0",
+                                                         "COMMIT@1", "COMMIT@0"});
+  // Stale, repeated and non-positive versions; an unknown group.
+  CHECK(f.Refit(2).code() == absl::StatusCode::kFailedPrecondition);
+  CHECK(f.Refit(0).code() == absl::StatusCode::kInvalidArgument);
+  v1::RefitRequest unknown;
+  unknown.set_group("nope");
+  unknown.set_version(3);
+  v1::RoundStats ignored;
+  CHECK(f.driver->Refit(unknown, &ignored).code() == absl::StatusCode::kNotFound);
+  CHECK(f.peers.Take().empty());
+}
+
+TEST_CASE("round driver: the first failure aborts every node, the culprit's message is the reason") {
+  Fixture f;
+  const std::string culprit = "node 1 (10.0.0.1:7070) failed TRANSFER: boom";
+  SECTION("in TRANSFER") {
+    f.peers.FailAt(1, "TRANSFER");
+    v1::RoundStats stats;
+    const absl::Status s = f.Refit(1, &stats);
+    CHECK(s.code() == absl::StatusCode::kAborted);
+    CHECK(std::string(s.message()) == "round 1 of group \"policy\" aborted: " + culprit);
+    CHECK(stats.state() == v1::RoundStats::ABORTED);
+    CHECK(stats.reason() == culprit);
+    const auto calls = f.peers.Take();
+    std::set<int32_t> aborted;
+    for (const auto& c : calls) {
+      CHECK(c.what != "COMMIT");
+      if (c.what == "ABORT") {
+        CHECK(c.reason == culprit);
+        aborted.insert(c.node);
+      }
+    }
+    CHECK(aborted == std::set<int32_t>{0, 1});
+    CHECK(f.driver->CommittedVersion("policy") == 0);
+    // The next round installs again (an aborted communicator is gone) and commits.
+    f.peers.FailAt(-1, "");
+    REQUIRE(f.Refit(1).ok());
+    CHECK(Seq(f.peers.Take()).front() == "INSTALL@1");
+  }
+  SECTION("in PREPARE, on the coordinator's own node") {
+    f.peers.FailAt(0, "PREPARE");
+    const absl::Status s = f.Refit(1);
+    CHECK(std::string(s.message()).find("node 0 (10.0.0.0:7070) failed PREPARE: boom") != std::string::npos);
+    const auto calls = f.peers.Take();
+    int aborts = 0;
+    for (const auto& c : calls) {
+      CHECK(c.what != "TRANSFER");
+      aborts += c.what == "ABORT";
+    }
+    CHECK(aborts == 2);  // once per node, however many failures
+  }
+  SECTION("in COMMIT: every node still gets ABORT") {
+    f.peers.FailAt(1, "COMMIT");
+    CHECK(f.Refit(1).code() == absl::StatusCode::kAborted);
+    const auto seq = Seq(f.peers.Take());
+    CHECK(std::count(seq.begin(), seq.end(), "ABORT@0") == 1);
+    CHECK(std::count(seq.begin(), seq.end(), "ABORT@1") == 1);
+  }
+}
+
+TEST_CASE("round driver: 1,000 StartRefit rounds leave no thread behind") {
+  Fixture f;
+  v1::RefitRequest r;
+  r.set_group("policy");
+  r.set_version(1);
+  REQUIRE(f.driver->StartRefit(r).ok());
+  while (f.driver->CommittedVersion("policy") < 1) std::this_thread::sleep_for(std::chrono::microseconds(100));
+  const int threads = Threads();
+  for (int64_t v = 2; v <= 1000; ++v) {
+    r.set_version(v);
+    absl::StatusOr<int64_t> id;
+    // One round per group at a time: a start while the previous one finishes is ABORTED.
+    while (!(id = f.driver->StartRefit(r)).ok()) {
+      REQUIRE(id.status().code() == absl::StatusCode::kAborted);
+      std::this_thread::sleep_for(std::chrono::microseconds(50));
+    }
+    CHECK(*id == v);
+  }
+  while (f.driver->CommittedVersion("policy") < 1000) std::this_thread::sleep_for(std::chrono::microseconds(100));
+  CHECK(Threads() <= threads + 1);  // the executor may have started its second thread
+  f.driver->Stop();
+  CHECK(Threads() < threads);
+  f.peers.Take();
+}
+
+}  // namespace
+}  // namespace refit

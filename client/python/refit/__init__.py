@@ -11,7 +11,8 @@ docs/PYTHON.md is the guide.
 _EXPORTS = {
     "Controller": "refit.controller", "RefitError": "refit.controller", "RoundResult": "refit.controller",
     "SharedArena": "refit.shm", "share_module_": "refit.shm",
-    "Round": "refit.worker", "RegistrationError": "refit.worker", "Worker": "refit.worker",
+    "Round": "refit.worker", "Worker": "refit.worker",
+    "RegistrationError": "refit.errors", "ExportError": "refit.errors", "HandoverError": "refit.errors",
 }
 
 
@@ -22,5 +23,4 @@ def __getattr__(name):
     raise AttributeError(f"module 'refit' has no attribute {name!r}")
 
 
-__all__ = ["Controller", "RefitError", "RoundResult", "SharedArena", "share_module_", "Round",
-           "RegistrationError", "Worker"]
+__all__ = sorted(_EXPORTS)

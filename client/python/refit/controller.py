@@ -89,15 +89,22 @@ class Controller:
             phase, culprit = parse_reason(e.details() or "")
             raise RefitError(e.code(), e.details() or "", phase, culprit) from None
 
+    @staticmethod
+    def _request(group, version):
+        if not isinstance(version, int) or not 0 < version < (1 << 63):
+            raise RefitError(grpc.StatusCode.INVALID_ARGUMENT,
+                             f"version must be an integer in [1, 2^63), not {version!r}")
+        return refit_pb2.RefitRequest(group=group, version=version)
+
     def refit(self, group, version, timeout=120.0):
         """Runs one round of `group` to `version` and waits for its end. Returns a RoundResult
         of a committed round; raises RefitError (phase, culprit) when it aborted or was refused."""
-        stats = self._call(self._stub.Refit, refit_pb2.RefitRequest(group=group, version=version), timeout)
+        stats = self._call(self._stub.Refit, self._request(group, version), timeout)
         return RoundResult(stats)
 
     def start_refit(self, group, version):
         """Starts a round and returns its id at once; watch() reports how it ends."""
-        return self._call(self._stub.StartRefit, refit_pb2.RefitRequest(group=group, version=version)).round_id
+        return self._call(self._stub.StartRefit, self._request(group, version)).round_id
 
     def watch(self, group="", timeout=None):
         """Yields a RoundResult for every round event from now on (PREPARING, TRANSFERRING,
@@ -113,13 +120,13 @@ class Controller:
         finally:
             call.cancel()
 
-    def status(self):
+    def status(self, timeout=None):
         """The cluster: coordinator, nodes, groups (readiness, versions, plans), as a dict."""
-        r = self._call(self._stub.Status, refit_pb2.StatusRequest())
+        r = self._call(self._stub.Status, refit_pb2.StatusRequest(), timeout)
         return json_format.MessageToDict(r, preserving_proto_field_name=True)
 
-    def group(self, name):
-        for g in self.status().get("groups", []):
+    def group(self, name, timeout=None):
+        for g in self.status(timeout).get("groups", []):
             if g.get("name") == name:
                 return g
         return None
@@ -138,8 +145,8 @@ class Controller:
         deadline = time.monotonic() + timeout
         last = None
         while time.monotonic() < deadline:
-            try:
-                g = self.group(group)
+            try:  # each poll within what is left of `timeout`
+                g = self.group(group, timeout=max(0.05, min(self.timeout, deadline - time.monotonic())))
             except RefitError as e:
                 last = str(e)
                 g = None

@@ -13,8 +13,7 @@ from refit import dtypes, shm
 from refit._proto import refit_pb2
 
 
-class ExportError(ValueError):
-    pass
+from refit.errors import ExportError  # noqa: E402  (re-exported)
 
 
 def describe(t):
@@ -26,7 +25,7 @@ def describe(t):
     import numpy
     if isinstance(t, numpy.ndarray):
         return t.__array_interface__["data"][0], t.nbytes, ("cpu", None)
-    raise ExportError(f"{type(t).__name__} is not a torch tensor or numpy array")
+    raise ExportError(f"a {type(t).__name__} is not a tensor: pass torch tensors or numpy arrays")
 
 
 def is_contiguous(t):
@@ -92,14 +91,17 @@ def export_buffers(buffers):
 
 
 def _export_host(out, buffers):
+    outside = [name for name, t in buffers
+               if shm.find_arena(describe(t)[0], max(describe(t)[1], 1))[0] is None]
+    if outside:
+        raise ExportError(
+            f"{len(outside)} CPU tensor(s) outside refit's shared memory, which the daemon cannot "
+            f"reach: {', '.join(repr(n) for n in outside[:5])}{'...' if len(outside) > 5 else ''}. "
+            "Allocate them with refit.SharedArena(...).empty(shape, dtype), or move the module's "
+            "parameters there once with refit.share_module_(module)")
     for name, t in buffers:
         address, nbytes, _ = describe(t)
         arena, offset = shm.find_arena(address, max(nbytes, 1))
-        if arena is None:
-            raise ExportError(
-                f"buffer {name!r} is a CPU tensor outside refit's shared memory, so the daemon "
-                "cannot reach it: allocate it with refit.SharedArena(...).empty(shape, dtype), or "
-                "move the module's parameters there once with refit.share_module_(module)")
         if arena.fd < 0:
             raise ExportError(f"buffer {name!r} lives in a SharedArena that was closed")
         key = id(arena)

@@ -16,8 +16,7 @@ MAGIC = b"RFH1"
 MAX_FDS_PER_PACKET = 250
 
 
-class HandoverError(RuntimeError):
-    pass
+from refit.errors import HandoverError  # noqa: E402  (re-exported)
 
 
 def handle_socket_path(daemon_address):
@@ -41,7 +40,7 @@ def deliver(path, fds, timeout=10.0):
             sock.connect(path)
         except OSError as e:
             raise HandoverError(f"cannot reach the daemon's handle socket {path}: {e} (is refitd "
-                                "running, and new enough to take file descriptors?)") from e
+                                "running, and new enough to take file descriptors?)", transient=True) from e
         fds = list(fds)
         batches = [fds[i:i + MAX_FDS_PER_PACKET] for i in range(0, len(fds), MAX_FDS_PER_PACKET)] or [[]]
         try:
@@ -58,11 +57,13 @@ def deliver(path, fds, timeout=10.0):
             except OSError:
                 reply = b""
             if not reply:
-                raise HandoverError(f"the daemon closed its handle socket {path} during the delivery: {e}") from e
+                raise HandoverError(f"the daemon closed its handle socket {path} during the delivery: {e}",
+                                    transient=True) from e
         else:
             reply = sock.recv(4096)
     except socket.timeout as e:
-        raise HandoverError(f"the daemon's handle socket {path} did not answer within {timeout} s") from e
+        raise HandoverError(f"the daemon's handle socket {path} did not answer within {timeout} s",
+                            transient=True) from e
     finally:
         sock.close()
     if reply[:4] == b"OK\0\0" and len(reply) >= 8:
@@ -72,7 +73,10 @@ def deliver(path, fds, timeout=10.0):
         return token.decode()
     if reply[:4] == b"ER\0\0" and len(reply) >= 8:
         (n,) = struct.unpack("<I", reply[4:8])
-        raise HandoverError(f"the daemon refused the handles: {reply[8:8 + n].decode(errors='replace')}")
+        message = reply[8:8 + n].decode(errors="replace")
+        # A daemon with too many deliveries in flight or waiting says so; those clear by themselves.
+        transient = message.startswith("busy") or "already waiting" in message
+        raise HandoverError(f"the daemon refused the handles: {message}", transient=transient)
     raise HandoverError(f"unexpected answer from the daemon's handle socket {path}: {reply[:16]!r}")
 
 

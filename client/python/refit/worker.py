@@ -15,8 +15,10 @@ COMMIT/ABORT of each round:
   flushes its prefix cache) and resumes. The daemon waits for on_commit to return.
 - ABORT(reason): the round failed; an inference worker's tensors hold no complete version.
 
-Callbacks run on the worker's session thread, in order. With blocking=True they run instead in
-the caller's thread, inside `serve()`, which a training loop calls between steps.
+Callbacks run on the worker's own dispatch thread, one round at a time; a PREPARE whose round
+has already ended (aborted while an earlier callback ran) is skipped. With blocking=True they run
+instead in the caller's thread, inside `serve()`, which a training loop calls between steps and
+at least once within the daemon's --prepare-timeout of a refit request.
 
 The session is watched by gRPC keepalive: a daemon that dies or freezes is noticed within about
 two seconds; the round in flight counts as aborted, and the worker registers again, by itself,
@@ -24,15 +26,16 @@ as soon as the daemon is back (on_disconnect / on_reconnect report both).
 """
 import collections
 import logging
+import os
 import queue
 import threading
 import time
 
 import grpc
 
-from refit import dtypes, export, handles, layout_io
-from refit import _rpc
+from refit import _rpc, dtypes, export, handles, layout_io
 from refit._proto import refit_pb2
+from refit.errors import HandoverError, RegistrationError
 
 log = logging.getLogger("refit.worker")
 
@@ -51,9 +54,10 @@ KEEPALIVE = [
     ("grpc.max_reconnect_backoff_ms", 1000),
 ]
 
-
-class RegistrationError(ValueError):
-    """The worker's tensors do not match its layout, or the daemon refused the registration."""
+# Registration failures that clear by themselves: the daemon starting, restarting or busy, or
+# (while re-registering) still holding this worker's previous session.
+_TRANSIENT = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED,
+              grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.NOT_FOUND}
 
 
 class Round:
@@ -80,6 +84,9 @@ def check_tensors(worker, specs, tensors):
             continue
         if hasattr(t, "to_local") and hasattr(t, "placements"):  # a DTensor: its local shard is the buffer
             t = t.to_local()
+        if not hasattr(t, "shape") or not hasattr(t, "dtype"):
+            problems.append(f"parameter {b.name!r} is a {type(t).__name__}, not a tensor")
+            continue
         shape = tuple(int(s) for s in t.shape)
         want = tuple(int(s) for s in b.shape)
         if shape != want:
@@ -96,7 +103,7 @@ def check_tensors(worker, specs, tensors):
         pairs.append((b.name, t))
     if tensors:
         extra = sorted(tensors)
-        problems.append(f"{len(extra)} tensor(s) have no buffer in worker {worker.name!r}'s layout: "
+        problems.append(f"{len(extra)} tensor(s) have no buffer in the layout of worker {worker.name!r}: "
                         f"{', '.join(repr(n) for n in extra[:5])}{'...' if len(extra) > 5 else ''}")
     if problems:
         raise RegistrationError(f"worker {worker.name!r}: " + "; ".join(problems[:8]) +
@@ -105,7 +112,18 @@ def check_tensors(worker, specs, tensors):
     if len(devices) > 1:
         raise RegistrationError(f"worker {worker.name!r}: its tensors are on {sorted(map(str, devices))}: "
                                 "one worker's tensors are all on one GPU, or all in host memory")
+    _check_no_overlap(worker.name, pairs)
     return pairs
+
+
+def _check_no_overlap(worker_name, pairs):
+    """Two buffers over the same bytes would have the daemon write one through the other."""
+    spans = sorted((export.describe(t)[0], export.describe(t)[0] + export.describe(t)[1], name)
+                   for name, t in pairs if export.describe(t)[1] > 0)
+    for (a0, a1, an), (b0, b1, bn) in zip(spans, spans[1:]):
+        if b0 < a1:
+            raise RegistrationError(f"worker {worker_name!r}: buffers {an!r} and {bn!r} overlap in memory "
+                                    "(register each byte once)")
 
 
 class Worker:
@@ -115,7 +133,9 @@ class Worker:
         """Registers `tensors` (buffer name -> live tensor, e.g. dict(model.named_parameters()))
         as worker `name` of `layout` (a dict, JSON or refit.v1.Layout; `name` may be omitted when
         it holds one worker) in model group `group` with the daemon at `daemon`
-        ("unix:/tmp/refitd-0.sock"). `role`: "trainer" or "inference"."""
+        ("unix:/tmp/refitd-0.sock"). `role`: "trainer" or "inference". Waits up to
+        `register_timeout` seconds for a daemon that is starting or busy; raises
+        RegistrationError (naming every mismatched parameter) otherwise."""
         if role not in ROLES:
             raise ValueError(f"role must be 'trainer' or 'inference', not {role!r}")
         self.daemon, self.group, self.role = daemon, group, role
@@ -132,17 +152,26 @@ class Worker:
         self._connected = False
         self._closed = False
         self._in_round = None      # round id between PREPARE and its end
-        self._events = collections.deque()  # blocking mode: events for serve()
+        self._events = collections.deque()  # (kind, round id, version, reason) for the dispatcher / serve()
         self._outgoing = None      # the live session's queue of WorkerMessages
         self._call = None
         self.worker_id = None
         self.registrations = 0
         self._channel = grpc.insecure_channel(daemon, options=KEEPALIVE)
         self._stub = _rpc.Stub(self._channel, "RefitWorker")
-        self._register(timeout=register_timeout, wait_for_ready=True)
-        self._thread = threading.Thread(target=self._session_loop, name=f"refit-worker-{self.name}",
+        try:
+            self._register_until(time.monotonic() + register_timeout, first=True)
+        except BaseException:
+            self._channel.close()
+            raise
+        self._thread = threading.Thread(target=self._session_loop, name=f"refit-session-{self.name}",
                                         daemon=True)
         self._thread.start()
+        self._dispatcher = None
+        if not blocking:
+            self._dispatcher = threading.Thread(target=self._dispatch_loop, name=f"refit-worker-{self.name}",
+                                                daemon=True)
+            self._dispatcher.start()
 
     # ------------------------------------------------------------------------------------------
     # Public state.
@@ -161,19 +190,15 @@ class Worker:
 
     def wait_version(self, version, timeout):
         """Blocks until `version` is committed here; False on timeout."""
-        deadline = time.monotonic() + timeout
-        with self._mu:
-            while self._version < version:
-                left = deadline - time.monotonic()
-                if left <= 0 or self._closed:
-                    return False
-                self._mu.wait(left)
-            return True
+        return self._wait(lambda: self._version >= version, timeout)
 
     def wait_connected(self, timeout):
+        return self._wait(lambda: self._connected, timeout)
+
+    def _wait(self, predicate, timeout):
         deadline = time.monotonic() + timeout
         with self._mu:
-            while not self._connected:
+            while not predicate():
                 left = deadline - time.monotonic()
                 if left <= 0 or self._closed:
                     return False
@@ -183,7 +208,25 @@ class Worker:
     # ------------------------------------------------------------------------------------------
     # Registration.
 
-    def _register(self, timeout, wait_for_ready):
+    def _register_until(self, deadline, first):
+        backoff = 0.05
+        while True:
+            try:
+                return self._register(timeout=max(0.5, min(10.0, deadline - time.monotonic())))
+            except RegistrationError as e:
+                cause = e.__cause__
+                transient = getattr(e, "transient", False) or (
+                    isinstance(cause, grpc.RpcError) and (cause.code() in _TRANSIENT or (
+                        not first and cause.code() == grpc.StatusCode.ALREADY_EXISTS)))
+                with self._mu:
+                    closed = self._closed
+                if not transient or closed or time.monotonic() + backoff >= deadline:
+                    raise
+                log.debug("worker %s: registration not taken yet (%s); retrying", self.name, e)
+                time.sleep(backoff)
+                backoff = min(1.0, backoff * 2)
+
+    def _register(self, timeout):
         exported = export.export_buffers(self._pairs)
         try:
             request = refit_pb2.RegisterWorkerRequest(group=self.group, role=self._role)
@@ -198,10 +241,11 @@ class Worker:
                     raise RegistrationError(
                         f"worker {self.name!r}: its memory is handed over as file descriptors, which "
                         f"needs the daemon's unix socket, not {self.daemon!r}")
-                self._wait_for_socket(path, timeout if wait_for_ready else 0)
-                request.fd_token = handles.deliver(path, exported.fds, timeout=max(1.0, min(timeout, 10.0)))
+                if not os.path.exists(path):
+                    raise HandoverError(f"no handle socket at {path} (is refitd running there?)", transient=True)
+                request.fd_token = handles.deliver(path, exported.fds, timeout=timeout)
             try:
-                response = self._stub.Register(request, timeout=timeout, wait_for_ready=wait_for_ready)
+                response = self._stub.Register(request, timeout=timeout)
             except grpc.RpcError as e:
                 raise RegistrationError(f"worker {self.name!r}: the daemon at {self.daemon} refused the "
                                         f"registration: {e.code().name}: {e.details()}") from e
@@ -212,18 +256,10 @@ class Worker:
             self.registrations += 1
         log.info("registered %s with %s (%d buffers)", response.worker_id, self.daemon, len(self._pairs))
 
-    @staticmethod
-    def _wait_for_socket(path, timeout):
-        import os
-        deadline = time.monotonic() + timeout
-        while not os.path.exists(path) and time.monotonic() < deadline:
-            time.sleep(0.05)
-
     # ------------------------------------------------------------------------------------------
-    # The session.
+    # The session: reads the daemon's events and queues them; registers again after a loss.
 
     def _session_loop(self):
-        backoff = 0.1
         while True:
             with self._mu:
                 if self._closed:
@@ -235,40 +271,25 @@ class Worker:
                 self._connected = False
                 lost_round = self._in_round
                 self._in_round = None
-                if self.role == "inference":
-                    if lost_round is not None:
-                        self._version = 0  # the round never ended here: the tensors may be partial
-                if lost_round is not None and self._blocking:
-                    self._events.append(("LOST", lost_round, 0, reason))
+                if self.role == "inference" and lost_round is not None:
+                    self._version = 0  # the round never ended here: the tensors may be partial
+                if lost_round is not None:
+                    self._drop_pending_prepare(lost_round)
+                    self._events.append(("LOST", lost_round, 0, f"lost the daemon: {reason}"))
                 self._mu.notify_all()
             log.warning("worker %s lost its session with %s: %s", self.name, self.daemon, reason)
-            if lost_round is not None and not self._blocking and self._on_abort:
-                self._call_safely(self._on_abort, f"lost the daemon during round {lost_round}: {reason}")
             if self._on_disconnect:
                 self._call_safely(self._on_disconnect, reason)
             if not self._reconnect:
                 return
-            # Register again as soon as the daemon is back.
-            while True:
+            try:  # as soon as the daemon is back
+                self._register_until(float("inf"), first=False)
+            except RegistrationError as e:
                 with self._mu:
                     if self._closed:
                         return
-                time.sleep(backoff)
-                try:
-                    self._register(timeout=2.0, wait_for_ready=False)
-                    backoff = 0.1
-                    break
-                except RegistrationError as e:
-                    cause = e.__cause__
-                    permanent = isinstance(cause, grpc.RpcError) and cause.code() in (
-                        grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.PERMISSION_DENIED)
-                    if permanent:
-                        log.error("worker %s cannot register again: %s", self.name, e)
-                        return
-                    backoff = min(1.0, backoff * 2)
-                except (handles.HandoverError, OSError) as e:
-                    log.debug("worker %s: daemon not back yet: %s", self.name, e)
-                    backoff = min(1.0, backoff * 2)
+                log.error("worker %s cannot register again: %s", self.name, e)
+                return
             if self._on_reconnect:
                 self._call_safely(self._on_reconnect)
 
@@ -290,7 +311,7 @@ class Worker:
             self._mu.notify_all()
         try:
             for event in call:
-                self._on_event(event)
+                self._enqueue(event)
             return "the daemon ended the session"
         except grpc.RpcError as e:
             return f"{e.code().name}: {e.details()}"
@@ -299,92 +320,64 @@ class Worker:
             with self._mu:
                 self._outgoing = None
 
+    def _enqueue(self, e):
+        kinds = refit_pb2.RoundEvent
+        with self._mu:
+            if e.kind == kinds.PREPARE:
+                self._in_round = e.round_id
+                if self.role == "inference":
+                    self._version = 0  # the tensors are about to change
+                self._events.append(("PREPARE", e.round_id, e.version, ""))
+            elif e.kind == kinds.COMMIT:
+                self._events.append(("COMMIT", e.round_id, e.version, ""))
+            elif e.kind == kinds.ABORT:
+                if self._in_round == e.round_id:
+                    self._in_round = None
+                if self.role == "inference":
+                    self._version = 0
+                # A PREPARE not served yet is dropped: the round is over; the abort alone is reported.
+                self._drop_pending_prepare(e.round_id)
+                self._events.append(("ABORT", e.round_id, e.version, e.reason))
+            self._mu.notify_all()
+
+    def _drop_pending_prepare(self, round_id):  # _mu held
+        kept = [x for x in self._events if not (x[0] == "PREPARE" and x[1] == round_id)]
+        self._events.clear()
+        self._events.extend(kept)
+
     def _send(self, message):
         with self._mu:
             q = self._outgoing
         if q is not None:
             q.put(message)
 
-    def _on_event(self, e):
-        kinds = refit_pb2.RoundEvent
-        if e.kind == kinds.PREPARE:
-            with self._mu:
-                self._in_round = e.round_id
-                if self.role == "inference":
-                    self._version = 0  # the tensors are about to change
-                if self._blocking:
-                    self._events.append(("PREPARE", e.round_id, e.version, ""))
-                    self._mu.notify_all()
-                    return
-            self._prepare(e.round_id, e.version)
-        elif e.kind == kinds.COMMIT:
-            with self._mu:
-                if self._blocking:
-                    self._events.append(("COMMIT", e.round_id, e.version, ""))
-                    self._mu.notify_all()
-                    return
-            self._commit(e.round_id, e.version)
-        elif e.kind == kinds.ABORT:
-            with self._mu:
-                if self._blocking:
-                    # A PREPARE not yet served is dropped: serve() reports the abort alone.
-                    kept = [x for x in self._events if not (x[0] == "PREPARE" and x[1] == e.round_id)]
-                    self._events.clear()
-                    self._events.extend(kept)
-                    self._events.append(("ABORT", e.round_id, e.version, e.reason))
-                    self._mu.notify_all()
-                    return
-            self._abort(e.round_id, e.reason)
-
-    def _prepare(self, round_id, version):
-        try:
-            if self._on_prepare:
-                self._on_prepare(version)
-        except Exception as ex:  # the worker refuses the round; its reason reaches the operator
-            reason = f"{type(ex).__name__}: {ex}" if str(ex) else type(ex).__name__
-            log.warning("worker %s refuses round %d (version %d): %s", self.name, round_id, version, reason)
-            self._send(refit_pb2.WorkerMessage(refused=refit_pb2.Refusal(round_id=round_id, reason=reason)))
-            return False
-        self._send(refit_pb2.WorkerMessage(prepared=round_id))
-        return True
-
-    def _commit(self, round_id, version):
-        with self._mu:
-            self._version = version
-            self._in_round = None
-            self._mu.notify_all()
-        if self._on_commit:
-            self._call_safely(self._on_commit, version)
-        self._send(refit_pb2.WorkerMessage(resumed=round_id))
-
-    def _abort(self, round_id, reason):
-        with self._mu:
-            if self.role == "inference":
-                self._version = 0
-            self._in_round = None
-            self._mu.notify_all()
-        if self._on_abort:
-            self._call_safely(self._on_abort, reason)
-        self._send(refit_pb2.WorkerMessage(resumed=round_id))
-
-    def _call_safely(self, fn, *args):
-        try:
-            fn(*args)
-        except Exception:
-            log.exception("worker %s: callback %s raised", self.name, getattr(fn, "__name__", fn))
-
     # ------------------------------------------------------------------------------------------
-    # The blocking form.
+    # Rounds, one at a time: on the dispatch thread, or in serve() (blocking=True).
+
+    def _dispatch_loop(self):
+        while True:
+            with self._mu:
+                if self._closed:
+                    return
+            try:
+                self._serve_one(None, 600.0)
+            except BaseException:  # never lose the dispatcher: the next round must still be served
+                log.exception("worker %s: a round's callbacks failed", self.name)
 
     def serve(self, timeout=None, round_timeout=600.0):
         """blocking=True: takes part in the next round, in the caller's thread. Waits up to
         `timeout` seconds (None: forever, 0: only a round already pending) for a PREPARE; runs
         on_prepare, then waits for the round's end (the daemons' phase deadlines bound it; this
         worker gives up after `round_timeout` seconds all the same and counts the round as
-        aborted) and runs on_commit or on_abort. Returns a Round, or None when no round came."""
+        aborted) and runs on_commit or on_abort. Returns a Round, or None when no round came.
+        Call it within the daemon's --prepare-timeout of every refit request, or the round
+        aborts naming this worker."""
         if not self._blocking:
             raise RuntimeError("serve() is for Worker(..., blocking=True); this worker runs its "
                                "callbacks on its own thread")
+        return self._serve_one(timeout, round_timeout)
+
+    def _serve_one(self, timeout, round_timeout):
         deadline = None if timeout is None else time.monotonic() + timeout
         event = self._next_event(deadline, lambda x: x[0] in ("PREPARE", "ABORT", "LOST"))
         if event is None:
@@ -408,38 +401,64 @@ class Worker:
         self._finish_abort(round_id, reason, kind == "ABORT")
         return Round(round_id, version, False, reason)
 
-    def _finish_abort(self, round_id, reason, acknowledge):
-        if acknowledge:
-            self._abort(round_id, reason)
-        else:  # the session was lost: nobody to acknowledge to
-            with self._mu:
-                if self.role == "inference":
-                    self._version = 0
-            if self._on_abort:
-                self._call_safely(self._on_abort, reason)
-
     def _next_event(self, deadline, wanted):
         with self._mu:
             while True:
                 for i, x in enumerate(self._events):
-                    if wanted(x):
+                    if wanted(x) or x[0] == "LOST":  # a lost session ends whatever round we wait for
                         del self._events[i]
                         return x
-                    if x[0] == "LOST":  # the session ended: whatever round we wait for is over
-                        del self._events[i]
-                        return ("LOST", x[1], x[2], x[3])
                 if self._closed:
                     return None
                 left = None if deadline is None else deadline - time.monotonic()
                 if left is not None and left <= 0:
                     return None
-                self._mu.wait(left if left is not None else 1.0)
+                self._mu.wait(min(left, 1.0) if left is not None else 1.0)
+
+    def _prepare(self, round_id, version):
+        try:
+            if self._on_prepare:
+                self._on_prepare(version)
+        except BaseException as ex:  # the worker refuses the round; its reason reaches the operator
+            reason = f"{type(ex).__name__}: {ex}" if str(ex) else type(ex).__name__
+            log.warning("worker %s refuses round %d (version %d): %s", self.name, round_id, version, reason)
+            self._send(refit_pb2.WorkerMessage(refused=refit_pb2.Refusal(round_id=round_id, reason=reason)))
+            return False
+        self._send(refit_pb2.WorkerMessage(prepared=round_id))
+        return True
+
+    def _commit(self, round_id, version):
+        with self._mu:
+            self._version = version
+            self._in_round = None
+            self._mu.notify_all()
+        if self._on_commit:
+            self._call_safely(self._on_commit, version)
+        self._send(refit_pb2.WorkerMessage(resumed=round_id))
+
+    def _finish_abort(self, round_id, reason, acknowledge):
+        with self._mu:
+            if self.role == "inference":
+                self._version = 0
+            if self._in_round == round_id:
+                self._in_round = None
+            self._mu.notify_all()
+        if self._on_abort:
+            self._call_safely(self._on_abort, reason)
+        if acknowledge:  # a lost session has nobody to acknowledge to
+            self._send(refit_pb2.WorkerMessage(resumed=round_id))
+
+    def _call_safely(self, fn, *args):
+        try:
+            fn(*args)
+        except BaseException:
+            log.exception("worker %s: callback %s raised", self.name, getattr(fn, "__name__", fn))
 
     # ------------------------------------------------------------------------------------------
     # Ending.
 
     def close(self, unregister=True):
-        """Unregisters (the daemon forgets the worker) and ends the session."""
+        """Unregisters (the daemon forgets the worker) and ends the session. Safe from a callback."""
         with self._mu:
             if self._closed:
                 return
@@ -454,7 +473,10 @@ class Worker:
         self._send(None)
         if call is not None:
             call.cancel()
-        self._thread.join(timeout=5)
+        me = threading.current_thread()
+        for t in (self._thread, self._dispatcher):
+            if t is not None and t is not me:
+                t.join(timeout=5)
         self._channel.close()
 
     def __enter__(self):

@@ -133,6 +133,7 @@ class LayoutBuilder:
         self.model = model
         self._tensors: Dict[str, Dict[str, Any]] = {}
         self._workers: Dict[str, Dict[str, Any]] = {}
+        self._buffer_names: Dict[str, set] = {}
 
     def tensor(self, name: str, shape: Sequence[int], dtype: Any, *, what: str = "") -> None:
         shape = [int(s) for s in shape]
@@ -155,11 +156,14 @@ class LayoutBuilder:
         self._workers[name] = w
         return w
 
-    @staticmethod
-    def buffer(worker: Dict[str, Any], name: str, dtype: Any, shape: Sequence[int]) -> Dict[str, Any]:
-        for b in worker["buffers"]:
-            if b["name"] == name:
-                raise LayoutError(f"worker {worker['name']!r} declares buffer {name!r} twice")
+    def buffer(self, worker: Dict[str, Any], name: str, dtype: Any, shape: Sequence[int]) -> Dict[str, Any]:
+        # Names per worker in a set: a trainer holds 10^4-10^5 buffers, so no scan per buffer.
+        names = self._buffer_names.get(worker["name"])
+        if names is None:
+            names = self._buffer_names[worker["name"]] = {b["name"] for b in worker["buffers"]}
+        if name in names:
+            raise LayoutError(f"worker {worker['name']!r} declares buffer {name!r} twice")
+        names.add(name)
         b = {"name": name, "dtype": dtype_name(dtype), "shape": [int(s) for s in shape], "pieces": []}
         worker["buffers"].append(b)
         return b

@@ -64,6 +64,8 @@ def deliver(path, fds, timeout=10.0):
     except socket.timeout as e:
         raise HandoverError(f"the daemon's handle socket {path} did not answer within {timeout} s",
                             transient=True) from e
+    except OSError as e:  # reset or closed by a daemon that is stopping or restarting
+        raise HandoverError(f"the daemon's handle socket {path} failed: {e}", transient=True) from e
     finally:
         sock.close()
     if reply[:4] == b"OK\0\0" and len(reply) >= 8:

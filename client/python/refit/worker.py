@@ -282,14 +282,21 @@ class Worker:
                 self._call_safely(self._on_disconnect, reason)
             if not self._reconnect:
                 return
-            try:  # as soon as the daemon is back
-                self._register_until(float("inf"), first=False)
-            except RegistrationError as e:
-                with self._mu:
-                    if self._closed:
-                        return
-                log.error("worker %s cannot register again: %s", self.name, e)
-                return
+            while True:  # as soon as the daemon is back
+                try:
+                    self._register_until(float("inf"), first=False)
+                    break
+                except RegistrationError as e:
+                    with self._mu:
+                        if self._closed:
+                            return
+                    log.error("worker %s cannot register again: %s", self.name, e)
+                    if self._on_disconnect:
+                        self._call_safely(self._on_disconnect, f"cannot register again: {e}")
+                    return
+                except Exception:  # whatever else went wrong, this thread must go on trying
+                    log.exception("worker %s: registering again failed; retrying", self.name)
+                    time.sleep(1.0)
             if self._on_reconnect:
                 self._call_safely(self._on_reconnect)
 

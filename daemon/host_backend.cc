@@ -1,9 +1,20 @@
 #include "daemon/host_backend.h"
 
+#include <arpa/inet.h>
+#include <fcntl.h>
+#include <netinet/in.h>
+#include <netinet/tcp.h>
+#include <poll.h>
+#include <pthread.h>
+#include <sys/eventfd.h>
+#include <sys/socket.h>
 #include <sys/stat.h>
+#include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <cstring>
+#include <functional>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
@@ -15,6 +26,12 @@ namespace refit {
 namespace {
 
 constexpr uint32_t kMagic = 0x31544652;  // "RFT1"
+constexpr uint32_t kMaxGroupBytes = 4096;
+// A reader thread needs little stack (no recursion, no large locals): 512 KiB instead of the
+// default 8 MiB keeps max_incoming readers within a small share of a limited address space.
+constexpr size_t kReaderStackBytes = 512 << 10;
+constexpr size_t kDrainChunkBytes = 1 << 20;
+constexpr absl::Duration kLogInterval = absl::Seconds(10);  // LogLimiter's
 
 // Sent before each message's payload, then the group name.
 struct FrameHeader {
@@ -39,127 +56,417 @@ class ShmBuffer : public MappedBuffer {
   int64_t offset_, bytes_;
 };
 
+void* RunThread(void* arg) {
+  std::unique_ptr<std::function<void()>> body(static_cast<std::function<void()>*>(arg));
+  (*body)();
+  return nullptr;
+}
+
+// Starts `body` on a thread of kReaderStackBytes of stack; false if none could be made.
+bool StartSmallThread(std::function<void()> body, pthread_t* thread) {
+  pthread_attr_t attr;
+  if (pthread_attr_init(&attr) != 0) return false;
+  pthread_attr_setstacksize(&attr, kReaderStackBytes);
+  auto* arg = new std::function<void()>(std::move(body));
+  const int r = pthread_create(thread, &attr, RunThread, arg);
+  pthread_attr_destroy(&attr);
+  if (r != 0) {
+    delete arg;
+    errno = r;
+    return false;
+  }
+  return true;
+}
+
+// Reads and discards `bytes` of a frame's payload, so that the connection stays in step.
+absl::Status Drain(const Fd& fd, int64_t bytes, std::vector<std::byte>& scratch, absl::Time deadline,
+                   const std::string& peer) {
+  scratch.resize(static_cast<size_t>(std::min<int64_t>(bytes, kDrainChunkBytes)));
+  while (bytes > 0) {
+    const size_t n = static_cast<size_t>(std::min<int64_t>(bytes, kDrainChunkBytes));
+    REFIT_RETURN_IF_ERROR(RecvAll(fd, {scratch.data(), n}, deadline, peer));
+    bytes -= static_cast<int64_t>(n);
+  }
+  return absl::OkStatus();
+}
+
 }  // namespace
 
+// One accepted connection, read by its own thread.
+struct HostBackend::Connection {
+  int64_t id = 0;
+  Fd fd;  // closed by its reader when it ends (under mu_, so Shutdown never meets a reused fd)
+  std::string peer;
+  pthread_t thread{};
+};
+
 struct HostBackend::Job {
-  TransferJob job;
-  std::mutex mu;
-  std::condition_variable changed;
-  std::vector<char> arrived;               // per message: landed here
-  std::vector<int64_t> missing_per_stage;  // incoming messages not yet landed, per stage
-  absl::Status error;                      // first failure (or a Cancel)
-  int64_t bytes_received = 0;
+  TransferJob job;  // immutable while the job lives
+  absl::Mutex mu;
+  absl::CondVar changed;
+  std::vector<char> arrived ABSL_GUARDED_BY(mu);               // per message: landed here
+  std::vector<int64_t> missing_per_stage ABSL_GUARDED_BY(mu);  // incoming not yet landed, per stage
+  absl::Status error ABSL_GUARDED_BY(mu);                      // first failure (or a Cancel)
+  int64_t bytes_received ABSL_GUARDED_BY(mu) = 0;
+  bool closed ABSL_GUARDED_BY(mu) = false;  // Transfer is returning: nothing lands any more
+  int unpacking ABSL_GUARDED_BY(mu) = 0;    // readers writing into the round's memory now
+  // Sockets in the middle of one of this round's frames (sending or receiving): shut down when
+  // the round fails, so that neither side waits on it and neither reuses it.
+  std::vector<int> busy ABSL_GUARDED_BY(mu);
 
   bool IsIncoming(const Message& m) const {
     return job.plan->gpus[m.dst_gpu].node == job.node && job.plan->gpus[m.src_gpu].node != job.node;
   }
-  void Fail(absl::Status status) {
-    std::lock_guard<std::mutex> lock(mu);
+  void Fail(absl::Status status) ABSL_LOCKS_EXCLUDED(mu) {
+    absl::MutexLock lock(&mu);
     if (error.ok()) error = std::move(status);
-    changed.notify_all();
+    for (int fd : busy) shutdown(fd, SHUT_RDWR);
+    changed.SignalAll();
+  }
+  absl::Status status() ABSL_LOCKS_EXCLUDED(mu) {
+    absl::MutexLock lock(&mu);
+    return error.ok() && closed ? absl::CancelledError("the round ended") : error;
+  }
+  // Marks `fd` as carrying one of this round's frames; false (nothing marked) when the round has
+  // failed or ended.
+  bool BeginFrame(int fd) ABSL_LOCKS_EXCLUDED(mu) {
+    absl::MutexLock lock(&mu);
+    if (!error.ok() || closed) return false;
+    busy.push_back(fd);
+    return true;
+  }
+  // Unmarks it. False when the round failed meanwhile: the socket may have been shut down in the
+  // middle of the frame, and must be dropped.
+  bool EndFrame(int fd) ABSL_LOCKS_EXCLUDED(mu) {
+    absl::MutexLock lock(&mu);
+    busy.erase(std::find(busy.begin(), busy.end(), fd));
+    return error.ok();
+  }
+  // Unpacks message `index` (received whole into `staging`) unless the round is over.
+  void Land(int64_t index, std::span<const std::byte> staging) ABSL_LOCKS_EXCLUDED(mu) {
+    const Plan& plan = *job.plan;
+    const Message& m = plan.messages[index];
+    {
+      absl::MutexLock lock(&mu);
+      if (closed || !error.ok()) return;
+      ++unpacking;
+    }
+    UnpackMessage(plan, m, staging, job.dst);
+    absl::MutexLock lock(&mu);
+    --unpacking;
+    if (!arrived[index]) {
+      arrived[index] = 1;
+      --missing_per_stage[m.stage];
+      bytes_received += m.bytes;
+    }
+    changed.SignalAll();
+  }
+  // Nothing lands after this returns.
+  void Close() ABSL_LOCKS_EXCLUDED(mu) {
+    absl::MutexLock lock(&mu);
+    closed = true;
+    while (unpacking > 0) changed.Wait(&mu);
   }
 };
 
+HostBackend::HostBackend(const HostBackendOptions& options) : options_(options) {}
+
+bool HostBackend::LogLimiter::Allow(std::string* suffix) {
+  absl::MutexLock lock(&mu_);
+  const absl::Time now = absl::Now();
+  if (now - last_ < kLogInterval) {
+    ++unlogged_;
+    return false;
+  }
+  last_ = now;
+  *suffix = unlogged_ > 0 ? absl::StrCat(" (and ", unlogged_, " more like it since the last such line)") : "";
+  unlogged_ = 0;
+  return true;
+}
+
 absl::StatusOr<std::unique_ptr<HostBackend>> HostBackend::Start(const std::string& listen_address) {
+  return Start(listen_address, HostBackendOptions());
+}
+
+absl::StatusOr<std::unique_ptr<HostBackend>> HostBackend::Start(const std::string& listen_address,
+                                                                const HostBackendOptions& options) {
   auto listening = TcpListen(listen_address);
   if (!listening.ok()) return listening.status();
-  std::unique_ptr<HostBackend> b(new HostBackend());
+  std::unique_ptr<HostBackend> b(new HostBackend(options));
   b->listener_ = std::move(listening->first);
   b->address_ = listening->second;
+  // Non-blocking: the acceptor polls it beside its wake-up descriptor, and an accept after a
+  // poll must never block (the connection may be gone by then).
+  const int flags = fcntl(b->listener_.get(), F_GETFL);
+  if (flags < 0 || fcntl(b->listener_.get(), F_SETFL, flags | O_NONBLOCK) != 0) {
+    return absl::InternalError(absl::StrCat("data plane listener: fcntl: ", std::strerror(errno)));
+  }
+  b->wake_ = Fd(eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK));
+  if (!b->wake_.valid()) {
+    return absl::InternalError(absl::StrCat("data plane: eventfd: ", std::strerror(errno)));
+  }
   b->acceptor_ = std::thread([p = b.get()] { p->AcceptLoop(); });
   return b;
 }
 
 HostBackend::~HostBackend() {
+  std::vector<std::shared_ptr<Job>> jobs;
   {
-    std::lock_guard<std::mutex> lock(mu_);
+    absl::MutexLock lock(&mu_);
     stopping_ = true;
-    for (auto& [key, job] : jobs_) job->Fail(absl::CancelledError("data plane shutting down"));
-    for (Fd& c : connections_) c.Shutdown();
+    for (auto& [key, job] : jobs_) jobs.push_back(job);
+    for (auto& [id, c] : connections_) c->fd.Shutdown();
+    jobs_changed_.SignalAll();
   }
-  jobs_changed_.notify_all();
-  listener_.Shutdown();
+  for (auto& job : jobs) job->Fail(absl::CancelledError("data plane shutting down"));
+  Wake();
   if (acceptor_.joinable()) acceptor_.join();
-  for (std::thread& t : readers_) t.join();
+  // No reader begins any more; every one still running wakes (its socket is shut down, or
+  // stopping_ ends its wait for a round) and ends.
+  std::vector<std::unique_ptr<Connection>> all;
+  {
+    absl::MutexLock lock(&mu_);
+    for (auto& [id, c] : connections_) all.push_back(std::move(c));
+    connections_.clear();
+    finished_.clear();
+  }
+  for (auto& c : all) pthread_join(c->thread, nullptr);
+}
+
+void HostBackend::Wake() {
+  const uint64_t one = 1;
+  if (write(wake_.get(), &one, sizeof one) < 0) {
+    // EAGAIN: the counter is full, the acceptor is awake anyway.
+  }
+}
+
+HostConnectionStats HostBackend::connection_stats() const {
+  absl::MutexLock lock(&mu_);
+  HostConnectionStats s = counters_;
+  s.reader_threads = static_cast<int64_t>(connections_.size());
+  s.cached_outgoing = static_cast<int64_t>(outgoing_.size());
+  return s;
+}
+
+// Joins the readers that ended.
+void HostBackend::Reap() {
+  std::vector<std::unique_ptr<Connection>> done;
+  {
+    absl::MutexLock lock(&mu_);
+    for (int64_t id : finished_) {
+      auto it = connections_.find(id);
+      if (it == connections_.end()) continue;
+      done.push_back(std::move(it->second));
+      connections_.erase(it);
+    }
+    finished_.clear();
+  }
+  for (auto& c : done) pthread_join(c->thread, nullptr);  // each has returned or is returning
 }
 
 void HostBackend::AcceptLoop() {
+  auto log = Logger("xfer");
+  std::string more;
   while (true) {
-    auto c = TcpAccept(listener_);
-    std::lock_guard<std::mutex> lock(mu_);
-    if (stopping_ || !c.ok()) return;
-    const int fd = c->get();
-    connections_.push_back(*std::move(c));
-    readers_.emplace_back([this, fd] { ReadLoop(fd); });
+    pollfd p[2] = {{listener_.get(), POLLIN, 0}, {wake_.get(), POLLIN, 0}};
+    if (poll(p, 2, -1) < 0 && errno != EINTR) {
+      // Cannot happen with two valid descriptors; never spin on it.
+      absl::SleepFor(options_.accept_backoff);
+    }
+    if (p[1].revents != 0) {
+      uint64_t n;
+      if (read(wake_.get(), &n, sizeof n) < 0) {
+        // EAGAIN: woken by someone else already.
+      }
+    }
+    // Accept what is waiting (a bounded batch, then poll again), reaping ended readers first so
+    // that a closed connection's thread is joined before a new one counts against the bound.
+    for (int batch = 0; batch < 64; ++batch) {
+      Reap();
+      {
+        absl::MutexLock lock(&mu_);
+        if (stopping_) return;
+      }
+      if ((p[0].revents & (POLLIN | POLLERR | POLLHUP)) == 0) break;
+      const int accepted = accept4(listener_.get(), nullptr, nullptr, SOCK_CLOEXEC);
+      if (accepted < 0) {
+        if (errno == EAGAIN || errno == EWOULDBLOCK) break;
+        if (errno == EINTR || errno == ECONNABORTED) continue;
+        // EMFILE, ENFILE, ENOBUFS, ENOMEM, ...: the connection stays in the backlog; try again
+        // shortly. Never give up: a node that stops accepting cannot take part in any round.
+        const int err = errno;
+        if (accept_errors_log_.Allow(&more)) {
+          log->error("data plane {}: accept failed: {}; retrying every {} ms{}", address_, std::strerror(err),
+                     absl::ToInt64Milliseconds(options_.accept_backoff), more);
+        }
+        absl::MutexLock lock(&mu_);
+        ++counters_.accept_errors;
+        mu_.AwaitWithTimeout(absl::Condition(&stopping_), options_.accept_backoff);
+        break;
+      }
+      Fd fd(accepted);
+      const int one = 1;
+      setsockopt(fd.get(), IPPROTO_TCP, TCP_NODELAY, &one, sizeof one);
+      // A peer host that vanishes without a FIN is found within about two minutes.
+      const int idle = 60, interval = 10, count = 6;
+      setsockopt(fd.get(), SOL_SOCKET, SO_KEEPALIVE, &one, sizeof one);
+      setsockopt(fd.get(), IPPROTO_TCP, TCP_KEEPIDLE, &idle, sizeof idle);
+      setsockopt(fd.get(), IPPROTO_TCP, TCP_KEEPINTVL, &interval, sizeof interval);
+      setsockopt(fd.get(), IPPROTO_TCP, TCP_KEEPCNT, &count, sizeof count);
+      std::string peer = "a peer";
+      sockaddr_in sa{};
+      socklen_t len = sizeof sa;
+      if (getpeername(fd.get(), reinterpret_cast<sockaddr*>(&sa), &len) == 0) {
+        char host[INET_ADDRSTRLEN] = "?";
+        inet_ntop(AF_INET, &sa.sin_addr, host, sizeof host);
+        peer = absl::StrCat(host, ":", ntohs(sa.sin_port));
+      }
+      absl::MutexLock lock(&mu_);
+      if (stopping_) return;
+      if (static_cast<int64_t>(connections_.size()) >= options_.max_incoming) {
+        ++counters_.refused;
+        if (refusals_log_.Allow(&more)) {
+          log->warn("data plane {}: refusing a data connection from {}: {} are open, the most this node "
+                    "serves at once{}", address_, peer, connections_.size(), more);
+        }
+        continue;  // fd closes
+      }
+      auto c = std::make_unique<Connection>();
+      c->id = next_connection_++;
+      c->fd = std::move(fd);
+      c->peer = absl::StrCat("the data connection from ", peer);
+      Connection* raw = c.get();
+      if (!StartSmallThread([this, raw] { ReadLoop(raw); }, &c->thread)) {
+        log->error("data plane {}: no thread to read a data connection from {}: {}", address_, peer,
+                   std::strerror(errno));
+        continue;  // c (and its fd) go
+      }
+      ++counters_.accepted;
+      ++counters_.open_incoming;
+      connections_[raw->id] = std::move(c);
+    }
   }
 }
 
-std::shared_ptr<HostBackend::Job> HostBackend::WaitForJob(const std::string& group,
-                                                          int64_t round_id, absl::Time deadline) {
-  std::unique_lock<std::mutex> lock(mu_);
-  while (!stopping_) {
-    auto it = jobs_.find(std::make_pair(group, round_id));
-    if (it != jobs_.end()) return it->second;
-    const absl::Duration left = deadline - absl::Now();
-    if (left <= absl::ZeroDuration()) return nullptr;
-    jobs_changed_.wait_for(lock, absl::ToChronoNanoseconds(left));
+void HostBackend::EndReader(Connection* c) {
+  {
+    absl::MutexLock lock(&mu_);
+    c->fd.Close();
+    --counters_.open_incoming;
+    finished_.push_back(c->id);
   }
-  return nullptr;
+  Wake();  // the acceptor joins this thread
 }
 
-// One thread per accepted connection: read a frame, land it in this node's buffers.
-void HostBackend::ReadLoop(int connection) {
-  const Fd fd(dup(connection));  // our own descriptor: connections_ may move while we read
-  const std::string peer = "a peer's data connection";
+HostBackend::FrameFate HostBackend::FindJob(const RoundKey& key, absl::Time deadline,
+                                            std::shared_ptr<Job>* job) {
+  absl::MutexLock lock(&mu_);
+  while (true) {
+    if (stopping_) return FrameFate::kGiveUp;
+    if (auto it = jobs_.find(key); it != jobs_.end()) {
+      *job = it->second;
+      return FrameFate::kDeliver;
+    }
+    if (ended_.contains(key)) return FrameFate::kDrop;
+    // One round per group at a time: a later round of the group running here means this one is
+    // over everywhere.
+    for (const auto& [k, j] : jobs_) {
+      if (k.first == key.first && k.second > key.second) return FrameFate::kDrop;
+    }
+    if (absl::Now() >= deadline) return FrameFate::kGiveUp;
+    jobs_changed_.WaitWithDeadline(&mu_, deadline);
+  }
+}
+
+// One thread per accepted connection: read a frame, land it in this node's buffers, or drop it
+// whole if its round is over here.
+void HostBackend::ReadLoop(Connection* c) {
+  const Fd& fd = c->fd;  // only EndReader closes it
+  const std::string& peer = c->peer;
+  auto log = Logger("xfer");
+  std::string more;
   std::vector<std::byte> staging;
   std::string group;
   while (true) {
     FrameHeader h;
-    // Between rounds a connection idles: wait for the next frame without a deadline, until the
-    // peer closes it or this backend stops (shutdown wakes the read).
-    if (!RecvAll(fd, {reinterpret_cast<std::byte*>(&h), sizeof h}, absl::InfiniteFuture(), peer).ok()) {
-      return;
+    auto* header = reinterpret_cast<std::byte*>(&h);
+    // Between rounds a connection idles: wait for a frame's first byte without a deadline, until
+    // the peer closes it or this backend stops (shutdown wakes the read). The rest of the frame
+    // comes by a deadline.
+    if (!RecvAll(fd, {header, 1}, absl::InfiniteFuture(), peer).ok()) break;
+    const absl::Time deadline = absl::Now() + options_.frame_wait;
+    if (auto s = RecvAll(fd, {header + 1, sizeof h - 1}, deadline, peer); !s.ok()) {
+      if (drops_log_.Allow(&more)) {
+        log->warn("dropping {}: a frame header broke off: {}{}", peer, std::string(s.message()), more);
+      }
+      break;
     }
-    const absl::Time deadline = absl::Now() + absl::Seconds(30);
-    if (h.magic != kMagic || h.group_bytes > 4096 || h.bytes < 0) {
-      Logger("xfer")->error("dropping a data connection: malformed frame header");
-      return;
+    if (h.magic != kMagic || h.group_bytes > kMaxGroupBytes || h.bytes < 0 || h.message < 0) {
+      if (drops_log_.Allow(&more)) log->error("dropping {}: malformed frame header{}", peer, more);
+      break;
     }
     group.resize(h.group_bytes);
-    if (!RecvAll(fd, {reinterpret_cast<std::byte*>(group.data()), group.size()}, deadline, peer).ok()) {
-      return;
+    if (auto s = RecvAll(fd, {reinterpret_cast<std::byte*>(group.data()), group.size()}, deadline, peer); !s.ok()) {
+      if (drops_log_.Allow(&more)) {
+        log->warn("dropping {}: a frame header broke off: {}{}", peer, std::string(s.message()), more);
+      }
+      break;
     }
-    std::shared_ptr<Job> job = WaitForJob(group, h.round_id, deadline);
-    if (job == nullptr) {
-      Logger("xfer")->warn("dropping a data connection: no round {} of group \"{}\" here", h.round_id,
-                           group);
-      return;
+    std::shared_ptr<Job> job;
+    const FrameFate fate = FindJob({group, h.round_id}, deadline, &job);
+    if (fate == FrameFate::kGiveUp) {
+      if (absl::Now() >= deadline && drops_log_.Allow(&more)) {
+        log->warn("dropping {}: round {} of group \"{}\" did not begin here within {}{}", peer, h.round_id,
+                  group, absl::FormatDuration(options_.frame_wait), more);
+      }
+      break;
     }
-    const Plan& plan = *job->job.plan;
-    if (h.message < 0 || h.message >= static_cast<int64_t>(plan.messages.size()) ||
-        !job->IsIncoming(plan.messages[h.message]) || plan.messages[h.message].bytes != h.bytes) {
-      job->Fail(absl::DataLossError(absl::StrCat("round ", h.round_id, ": a peer sent message ",
-                                                 h.message, " of ", h.bytes,
-                                                 " bytes, which this node does not expect")));
-      return;
+    if (fate == FrameFate::kDeliver) {
+      const Plan& plan = *job->job.plan;
+      if (h.message >= static_cast<int64_t>(plan.messages.size()) || !job->IsIncoming(plan.messages[h.message]) ||
+          plan.messages[h.message].bytes != h.bytes) {
+        job->Fail(absl::DataLossError(absl::StrCat("round ", h.round_id, ": a peer sent message ", h.message,
+                                                   " of ", h.bytes, " bytes, which this node does not expect")));
+        break;
+      }
+      if (job->BeginFrame(fd.get())) {
+        staging.resize(static_cast<size_t>(h.bytes));
+        const absl::Status s = RecvAll(fd, staging, job->job.deadline, peer);
+        if (!job->EndFrame(fd.get())) break;  // the round failed meanwhile; the socket is shut down
+        if (!s.ok()) {
+          // Not this round's failure: the sender sends the message again on a fresh connection
+          // if it can; if it cannot, it reports why (its worker died, it was cancelled) or its
+          // daemon is found gone, and that, not this symptom, is the round's reason. Failing
+          // here would race that report and blame the wrong node.
+          if (drops_log_.Allow(&more)) {
+            log->warn("dropping {}: message {} of round {} of group \"{}\" from node {} broke off: {}{}", peer,
+                      h.message, h.round_id, group, plan.gpus[plan.messages[h.message].src_gpu].node,
+                      std::string(s.message()), more);
+          }
+          break;
+        }
+        job->Land(h.message, staging);
+        continue;
+      }
+      // The round failed or ended here before this frame: drop it like any late one.
     }
-    staging.resize(static_cast<size_t>(h.bytes));
-    if (auto s = RecvAll(fd, staging, job->job.deadline, peer); !s.ok()) {
-      job->Fail(absl::UnavailableError(absl::StrCat("round ", h.round_id, ": message ", h.message,
-                                                    " from node ", plan.gpus[plan.messages[h.message].src_gpu].node,
-                                                    " broke off: ", s.message())));
-      return;
+    if (auto s = Drain(fd, h.bytes, staging, absl::Now() + options_.frame_wait, peer); !s.ok()) {
+      if (drops_log_.Allow(&more)) {
+        log->warn("dropping {}: a late frame of round {} of group \"{}\" broke off: {}{}", peer, h.round_id,
+                  group, std::string(s.message()), more);
+      }
+      break;
     }
-    const Message& m = plan.messages[h.message];
-    UnpackMessage(plan, m, staging, job->job.dst);
-    std::lock_guard<std::mutex> lock(job->mu);
-    if (!job->arrived[h.message]) {
-      job->arrived[h.message] = 1;
-      --job->missing_per_stage[m.stage];
-      job->bytes_received += m.bytes;
+    {
+      absl::MutexLock lock(&mu_);
+      ++counters_.stale_frames;
     }
-    job->changed.notify_all();
+    if (stale_log_.Allow(&more)) {
+      log->info("dropped a late frame ({} bytes) of round {} of group \"{}\" from {}: that round is over here{}",
+                h.bytes, h.round_id, group, peer, more);
+    }
   }
+  EndReader(c);
 }
 
 absl::StatusOr<std::unique_ptr<MappedBuffer>> HostBackend::Map(const v1::BufferMemory& memory,
@@ -176,7 +483,7 @@ absl::StatusOr<std::unique_ptr<MappedBuffer>> HostBackend::Map(const v1::BufferM
                                                    " does not fit its ", shm.size(), " bytes"));
   }
   // One mapping per object, shared by its buffers while any of them is mapped.
-  std::lock_guard<std::mutex> lock(segments_mu_);
+  absl::MutexLock lock(&segments_mu_);
   const std::pair<std::string, int64_t> key{shm.name(), shm.size()};
   std::shared_ptr<SharedMemory> segment = segments_[key].lock();
   if (segment == nullptr) {
@@ -221,7 +528,7 @@ absl::StatusOr<std::vector<std::unique_ptr<MappedBuffer>>> HostBackend::MapBuffe
       if (fstat(fds[index].get(), &st) != 0) {
         return absl::InternalError(absl::StrCat(what, ": fstat of ", object, ": ", std::strerror(errno)));
       }
-      std::lock_guard<std::mutex> lock(segments_mu_);
+      absl::MutexLock lock(&segments_mu_);
       std::weak_ptr<SharedMemory>& cached = fd_segments_[{st.st_dev, st.st_ino}];
       segment = cached.lock();
       if (segment == nullptr) {
@@ -263,6 +570,38 @@ absl::StatusOr<int32_t> HostBackend::GpuIndex(const std::string& name) {
   return absl::InvalidArgumentError(absl::StrCat("gpu_uuid \"", name, "\" given but this daemon runs --backend host"));
 }
 
+Fd HostBackend::TakeCached(const std::string& address) {
+  Fd fd;
+  {
+    absl::MutexLock lock(&mu_);
+    auto it = outgoing_.find(address);
+    if (it == outgoing_.end()) return fd;
+    fd = std::move(it->second);
+    outgoing_.erase(it);
+  }
+  // The peer never writes on a data connection: anything to read is its close or an error (it
+  // restarted, or dropped the connection). Such a connection could swallow a frame without an
+  // error here, so it is never reused.
+  pollfd p{fd.get(), POLLIN | POLLRDHUP, 0};
+  if (poll(&p, 1, 0) != 0) fd.Close();
+  return fd;
+}
+
+void HostBackend::DropOutgoing(const std::vector<std::string>& peers) {
+  for (const std::string& address : peers) outgoing_.erase(address);
+}
+
+void HostBackend::RememberEnded(const RoundKey& key) {
+  Ended& e = ended_[key];
+  e.seq = ++ended_seq_;
+  ended_order_.emplace_back(key, e.seq);
+  while (ended_order_.size() > static_cast<size_t>(std::max(options_.ended_rounds, 1))) {
+    const auto& [oldest, seq] = ended_order_.front();
+    if (auto it = ended_.find(oldest); it != ended_.end() && it->second.seq == seq) ended_.erase(it);
+    ended_order_.pop_front();
+  }
+}
+
 absl::Status HostBackend::Send(Job& job, const Message& m, int64_t index,
                                std::vector<std::byte>& staging) {
   const Plan& plan = *job.job.plan;
@@ -276,72 +615,84 @@ absl::Status HostBackend::Send(Job& job, const Message& m, int64_t index,
   FrameHeader h{kMagic, static_cast<uint32_t>(job.job.group.size()), job.job.round_id, index, m.bytes};
   // A cached connection may have died since the last round: one fresh try.
   for (int attempt = 0; attempt < 2; ++attempt) {
-    Fd fd;
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-      auto it = outgoing_.find(addr->second);
-      if (it != outgoing_.end()) {
-        fd = std::move(it->second);
-        outgoing_.erase(it);
-      }
-    }
+    Fd fd = attempt == 0 ? TakeCached(addr->second) : Fd();
     if (!fd.valid()) {
       auto c = TcpConnect(addr->second, job.job.deadline);
       if (!c.ok()) return absl::UnavailableError(absl::StrCat("cannot reach ", peer, ": ", c.status().message()));
       fd = *std::move(c);
     }
+    if (!job.BeginFrame(fd.get())) return job.status();  // the round failed: fd goes unused
     absl::Status s = SendAll(fd, {reinterpret_cast<const std::byte*>(&h), sizeof h}, job.job.deadline, peer);
     if (s.ok()) {
       s = SendAll(fd, {reinterpret_cast<const std::byte*>(job.job.group.data()), job.job.group.size()},
                   job.job.deadline, peer);
     }
     if (s.ok()) s = SendAll(fd, staging, job.job.deadline, peer);
+    // Failed meanwhile (a Cancel): the frame may be cut off, and fd goes with it.
+    if (!job.EndFrame(fd.get())) return job.status();
     if (s.ok()) {
-      std::lock_guard<std::mutex> lock(mu_);
-      outgoing_[addr->second] = std::move(fd);
+      absl::MutexLock lock(&mu_);
+      if (!stopping_) outgoing_[addr->second] = std::move(fd);
       return absl::OkStatus();
     }
-    if (attempt == 1 || absl::IsDeadlineExceeded(s)) return s;
+    if (attempt == 1 || absl::IsDeadlineExceeded(s)) return s;  // fd goes: it may hold half a frame
   }
   return absl::InternalError("unreachable");
 }
 
 absl::StatusOr<TransferStats> HostBackend::Transfer(const TransferJob& request) {
   const absl::Time started = absl::Now();
-  auto job = std::make_shared<Job>();
-  job->job = request;
+  auto shared = std::make_shared<Job>();
+  Job& job = *shared;
+  job.job = request;
   const Plan& plan = *request.plan;
-  job->arrived.assign(plan.messages.size(), 0);
-  job->missing_per_stage.assign(kMaxStages, 0);
-  for (const Message& m : plan.messages) {
-    if (job->IsIncoming(m)) ++job->missing_per_stage[m.stage];
-  }
-  const auto key = std::make_pair(request.group, request.round_id);
   {
-    std::lock_guard<std::mutex> lock(mu_);
+    absl::MutexLock lock(&job.mu);
+    job.arrived.assign(plan.messages.size(), 0);
+    job.missing_per_stage.assign(kMaxStages, 0);
+    for (const Message& m : plan.messages) {
+      if (job.IsIncoming(m)) ++job.missing_per_stage[m.stage];
+    }
+  }
+  std::vector<std::string> peers;  // the other nodes' data addresses
+  for (const auto& [node, address] : request.data_addresses) {
+    if (node != request.node) peers.push_back(address);
+  }
+  const RoundKey key(request.group, request.round_id);
+  {
+    absl::MutexLock lock(&mu_);
     if (jobs_.contains(key)) {
       return absl::AlreadyExistsError(absl::StrCat("round ", request.round_id, " is already running"));
     }
-    jobs_[key] = job;
+    if (auto e = ended_.find(key); e != ended_.end()) {
+      // Over here already: cancelled before it began (the cancel is honoured once), or an
+      // earlier round of the same id (round ids start again when the coordinator restarts).
+      if (!e->second.cancelled.ok()) {
+        absl::Status cancelled = std::move(e->second.cancelled);
+        e->second.cancelled = absl::OkStatus();
+        return cancelled;
+      }
+      ended_.erase(e);
+    }
+    jobs_[key] = shared;
+    jobs_changed_.SignalAll();
   }
-  jobs_changed_.notify_all();
 
   TransferStats stats;
   std::vector<std::byte> staging;
   // Waits until every incoming message of the stages before `stage` has landed.
   auto wait_for_stages_before = [&](int stage) -> absl::Status {
-    std::unique_lock<std::mutex> lock(job->mu);
+    absl::MutexLock lock(&job.mu);
     while (true) {
-      if (!job->error.ok()) return job->error;
+      if (!job.error.ok()) return job.error;
       bool done = true;
-      for (int s = 0; s < stage; ++s) done &= job->missing_per_stage[s] == 0;
+      for (int s = 0; s < stage; ++s) done &= job.missing_per_stage[s] == 0;
       if (done) return absl::OkStatus();
-      const absl::Duration left = request.deadline - absl::Now();
-      if (left <= absl::ZeroDuration()) {
+      if (absl::Now() >= request.deadline) {
         std::vector<std::string> owing;
         for (size_t i = 0; i < plan.messages.size(); ++i) {
           const Message& m = plan.messages[i];
-          if (job->IsIncoming(m) && m.stage < stage && !job->arrived[i]) {
+          if (job.IsIncoming(m) && m.stage < stage && !job.arrived[i]) {
             const std::string who = absl::StrCat("node ", plan.gpus[m.src_gpu].node);
             if (std::find(owing.begin(), owing.end(), who) == owing.end()) owing.push_back(who);
           }
@@ -350,7 +701,7 @@ absl::StatusOr<TransferStats> HostBackend::Transfer(const TransferJob& request) 
             "round ", request.round_id, ": node ", request.node, " still waits for messages from ",
             absl::StrJoin(owing, ", ")));
       }
-      job->changed.wait_for(lock, absl::ToChronoNanoseconds(left));
+      job.changed.WaitWithDeadline(&job.mu, request.deadline);
     }
   };
   absl::Status status;
@@ -364,34 +715,52 @@ absl::StatusOr<TransferStats> HostBackend::Transfer(const TransferJob& request) 
         UnpackMessage(plan, m, staging, request.dst);
         stats.bytes_local += m.bytes;
       } else {
-        status = Send(*job, m, static_cast<int64_t>(i), staging);
+        status = Send(job, m, static_cast<int64_t>(i), staging);
         if (status.ok()) stats.bytes_sent += m.bytes;
       }
-      std::lock_guard<std::mutex> lock(job->mu);
-      if (!job->error.ok()) status = job->error;
+      absl::MutexLock lock(&job.mu);
+      if (!job.error.ok()) status = job.error;
     }
   }
   if (status.ok()) status = wait_for_stages_before(kMaxStages);
+  // A failure resets every connection in the middle of one of this round's frames (shut down:
+  // both ends drop it); then nothing lands in the round's memory any more.
+  if (!status.ok()) job.Fail(status);
+  job.Close();
   {
-    std::lock_guard<std::mutex> lock(mu_);
+    absl::MutexLock lock(&mu_);
     jobs_.erase(key);
+    // Its late frames are dropped from now on; after a failure nothing of it may precede the next
+    // round on a cached connection.
+    if (!status.ok()) DropOutgoing(peers);
+    RememberEnded(key);
+    jobs_changed_.SignalAll();
   }
   if (!status.ok()) return status;
   LogMoved(request, started);
-  std::lock_guard<std::mutex> lock(job->mu);
-  stats.bytes_received = job->bytes_received;
+  absl::MutexLock lock(&job.mu);
+  stats.bytes_received = job.bytes_received;
   return stats;
 }
 
 void HostBackend::Cancel(const std::string& group, int64_t round_id, const std::string& reason) {
   std::shared_ptr<Job> job;
   {
-    std::lock_guard<std::mutex> lock(mu_);
-    auto it = jobs_.find(std::make_pair(group, round_id));
-    if (it == jobs_.end()) return;
-    job = it->second;
+    absl::MutexLock lock(&mu_);
+    const RoundKey key(group, round_id);
+    if (auto it = jobs_.find(key); it != jobs_.end()) {
+      job = it->second;
+    } else if (ended_.contains(key)) {
+      // Ended here, aborted elsewhere (rare): no connection it used is reused.
+      outgoing_.clear();
+    } else {
+      // Not begun here: its frames are late ones, and a Transfer of it ends at once.
+      RememberEnded(key);
+      ended_[key].cancelled = absl::AbortedError(reason);
+      jobs_changed_.SignalAll();
+    }
   }
-  job->Fail(absl::AbortedError(reason));
+  if (job != nullptr) job->Fail(absl::AbortedError(reason));
 }
 
 }  // namespace refit

@@ -1,27 +1,73 @@
 // The host data plane: buffers in POSIX shared memory; messages between daemons over TCP, one
 // message at a time per connection (staging bounded by the plan's max_message_bytes per
 // connection), packed and unpacked with the CPU reference of plan/host_copy.h.
+//
+// Connections, and what bounds them:
+// - Incoming: one reader thread per accepted connection (a small stack), at most
+//   `max_incoming` at once; more are accepted and closed at once, with a (rate-limited) log line.
+//   A connection that closes or fails releases its descriptor and its thread (joined by the
+//   acceptor as soon as it ends). An accept error (EMFILE, ENFILE, ENOBUFS...) is logged
+//   (rate-limited) and retried after `accept_backoff`: the node keeps accepting.
+// - Outgoing: one cached connection per peer address, reused from round to round; dropped when a
+//   send on it fails, when it is found closed by the peer before reuse, and after any round that
+//   did not succeed here (so that nothing of an aborted round is ever followed by a new round on
+//   the same connection).
+// - Frames carry (group, round id, message, bytes). A frame of a round that is over here
+//   (finished, aborted, cancelled before it ran) or older than the group's round running here
+//   is read to its end and dropped: its connection stays in step and nothing of it reaches
+//   memory. A frame of a round not yet running here waits for it (`frame_wait`). Anything that
+//   breaks a frame off (a peer gone mid-frame, a malformed header, a deadline, a Cancel while the
+//   frame is arriving) closes the connection: a half-received frame never desynchronises it. A
+//   message broken off is not by itself a failure of the receiver's round: its sender sends it
+//   again on a fresh connection, or reports its own failure (the round's true reason).
+// - When Transfer returns, nothing writes into the round's memory any more.
 #pragma once
 
 #include <sys/types.h>
 
-#include <condition_variable>
+#include <deque>
 #include <map>
 #include <memory>
-#include <mutex>
 #include <thread>
 #include <vector>
 
+#include "absl/base/thread_annotations.h"
+#include "absl/synchronization/mutex.h"
 #include "client/shared_memory.h"
 #include "daemon/backend.h"
 #include "daemon/socket.h"
 
 namespace refit {
 
+struct HostBackendOptions {
+  // Incoming data connections served at once (one reader thread each); more are refused.
+  int max_incoming = 512;
+  // How long a frame of a round that has not started here waits for it before its connection
+  // is dropped (peers begin a round at slightly different times).
+  absl::Duration frame_wait = absl::Seconds(30);
+  // After an accept error, the acceptor waits this long before it accepts again.
+  absl::Duration accept_backoff = absl::Milliseconds(100);
+  // Rounds remembered as over (their late frames are dropped), the oldest forgotten first.
+  int ended_rounds = 1024;
+};
+
+// Counters of the data connections, for tests and logs.
+struct HostConnectionStats {
+  int64_t open_incoming = 0;   // accepted and being read now (one thread each)
+  int64_t reader_threads = 0;  // reader threads not yet joined (open_incoming + ending ones)
+  int64_t accepted = 0;        // since start
+  int64_t refused = 0;         // over max_incoming
+  int64_t accept_errors = 0;
+  int64_t stale_frames = 0;    // frames of rounds over here, read and dropped
+  int64_t cached_outgoing = 0;
+};
+
 class HostBackend : public DataBackend {
  public:
   // Listens for peers on `listen_address` ("host:0" picks a port).
   static absl::StatusOr<std::unique_ptr<HostBackend>> Start(const std::string& listen_address);
+  static absl::StatusOr<std::unique_ptr<HostBackend>> Start(const std::string& listen_address,
+                                                            const HostBackendOptions& options);
   ~HostBackend() override;
 
   std::string name() const override { return "host"; }
@@ -35,35 +81,81 @@ class HostBackend : public DataBackend {
       std::span<const Fd> fds) override;
   absl::StatusOr<int32_t> GpuIndex(const std::string& name) override;
   absl::StatusOr<TransferStats> Transfer(const TransferJob& job) override;
+  // Ends a running Transfer of that round with ABORTED(reason); a round not running here is
+  // remembered as over, so that its late frames are dropped.
   void Cancel(const std::string& group, int64_t round_id, const std::string& reason) override;
+
+  HostConnectionStats connection_stats() const;
 
  private:
   struct Job;
-  HostBackend() = default;
+  struct Connection;
+  // At most one line per interval for each kind of repeated complaint, so that a fault that
+  // repeats (a flood of bad connections, descriptors running out) cannot flood the log.
+  class LogLimiter {
+   public:
+    // Whether a line may be logged now; if so, `*suffix` counts the ones that were not since.
+    bool Allow(std::string* suffix) ABSL_LOCKS_EXCLUDED(mu_);
+
+   private:
+    absl::Mutex mu_;
+    absl::Time last_ ABSL_GUARDED_BY(mu_) = absl::InfinitePast();
+    int64_t unlogged_ ABSL_GUARDED_BY(mu_) = 0;
+  };
+  using RoundKey = std::pair<std::string, int64_t>;
+  // What the reader of a frame of `key` does with it.
+  enum class FrameFate { kDeliver, kDrop, kGiveUp };
+  struct Ended {
+    uint64_t seq = 0;        // its place in ended_order_
+    absl::Status cancelled;  // cancelled before it began here: a Transfer of it ends so
+  };
+
+  explicit HostBackend(const HostBackendOptions& options);
   void AcceptLoop();
-  void ReadLoop(int connection);
-  std::shared_ptr<Job> WaitForJob(const std::string& group, int64_t round_id, absl::Time deadline);
+  void AcceptOne();
+  void Reap() ABSL_LOCKS_EXCLUDED(mu_);
+  void ReadLoop(Connection* c);
+  void EndReader(Connection* c) ABSL_LOCKS_EXCLUDED(mu_);
+  FrameFate FindJob(const RoundKey& key, absl::Time deadline, std::shared_ptr<Job>* job)
+      ABSL_LOCKS_EXCLUDED(mu_);
   absl::Status Send(Job& job, const Message& m, int64_t index, std::vector<std::byte>& staging);
+  Fd TakeCached(const std::string& address) ABSL_LOCKS_EXCLUDED(mu_);
+  void RememberEnded(const RoundKey& key) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void DropOutgoing(const std::vector<std::string>& peers) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void Wake();
 
+  const HostBackendOptions options_;
   std::string address_;
-  Fd listener_;
+  Fd listener_;  // non-blocking
+  Fd wake_;      // eventfd: a reader ended, or the backend stops
   std::thread acceptor_;
+  LogLimiter accept_errors_log_, refusals_log_, drops_log_, stale_log_;
 
-  std::mutex mu_;
-  std::condition_variable jobs_changed_;
-  absl::flat_hash_map<std::pair<std::string, int64_t>, std::shared_ptr<Job>> jobs_;
-  std::vector<Fd> connections_;         // accepted, one reader thread each
-  std::vector<std::thread> readers_;
-  absl::flat_hash_map<std::string, Fd> outgoing_;  // cached connections to peers, by address
+  mutable absl::Mutex mu_;
+  absl::CondVar jobs_changed_;  // a job began or ended, a round was cancelled, stopping
+  bool stopping_ ABSL_GUARDED_BY(mu_) = false;
+  absl::flat_hash_map<RoundKey, std::shared_ptr<Job>> jobs_ ABSL_GUARDED_BY(mu_);
+  absl::flat_hash_map<RoundKey, Ended> ended_ ABSL_GUARDED_BY(mu_);
+  std::deque<std::pair<RoundKey, uint64_t>> ended_order_ ABSL_GUARDED_BY(mu_);
+  uint64_t ended_seq_ ABSL_GUARDED_BY(mu_) = 0;
+  // Accepted connections by id, each with its reader thread; ended ones wait in finished_ for
+  // the acceptor to join them.
+  absl::flat_hash_map<int64_t, std::unique_ptr<Connection>> connections_ ABSL_GUARDED_BY(mu_);
+  std::vector<int64_t> finished_ ABSL_GUARDED_BY(mu_);
+  int64_t next_connection_ ABSL_GUARDED_BY(mu_) = 0;
+  HostConnectionStats counters_ ABSL_GUARDED_BY(mu_);
+  absl::flat_hash_map<std::string, Fd> outgoing_ ABSL_GUARDED_BY(mu_);  // cached, by address
+
   // Shared-memory objects mapped once each, by (name, size), while any buffer maps them.
-  std::mutex segments_mu_;
-  std::map<std::pair<std::string, int64_t>, std::weak_ptr<SharedMemory>> segments_;
-  size_t opens_since_prune_ = 0;
+  absl::Mutex segments_mu_;
+  std::map<std::pair<std::string, int64_t>, std::weak_ptr<SharedMemory>> segments_
+      ABSL_GUARDED_BY(segments_mu_);
+  size_t opens_since_prune_ ABSL_GUARDED_BY(segments_mu_) = 0;
   // Objects handed over as descriptors, by (device, inode): one mapping per object, however
   // many descriptors of it arrive. A live mapping pins its inode, so the key cannot be reused.
-  std::map<std::pair<dev_t, ino_t>, std::weak_ptr<SharedMemory>> fd_segments_;
-  size_t fd_maps_since_prune_ = 0;
-  bool stopping_ = false;
+  std::map<std::pair<dev_t, ino_t>, std::weak_ptr<SharedMemory>> fd_segments_
+      ABSL_GUARDED_BY(segments_mu_);
+  size_t fd_maps_since_prune_ ABSL_GUARDED_BY(segments_mu_) = 0;
 };
 
 }  // namespace refit

@@ -1,8 +1,18 @@
 #include "daemon/host_backend.h"
 
+#include <dirent.h>
+#include <fcntl.h>
+#include <poll.h>
+#include <sys/resource.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
 #include <catch2/catch.hpp>
 #include <algorithm>
+#include <atomic>
 #include <cstring>
+#include <functional>
+#include <map>
 #include <thread>
 
 #include "absl/strings/str_cat.h"
@@ -35,17 +45,19 @@ struct Memory {
 };
 
 // Trainer TP2 on node 0; engines on nodes 1 and 2, two replicas each on 2 GPUs: needs network
-// messages, NVLink fan-out and relays (stages > 0) between three daemons.
+// messages, NVLink fan-out and relays (stages > 0) between three daemons. Larger tensors make a
+// transfer last long enough to be cut off midway; `engine_nodes` 1 keeps the engines on node 1.
 struct Fixture {
   Layout src, dst;
   std::shared_ptr<Plan> plan;
-  Fixture() {
-    for (int t = 0; t < 6; ++t) {
+  explicit Fixture(int tensors = 6, int64_t rows = 64, int64_t cols = 48, int64_t max_message_bytes = 4096,
+                   int engine_nodes = 2) {
+    for (int t = 0; t < tensors; ++t) {
       const std::string name = absl::StrCat("w", t);
-      AddSplitTensor(src, name, Dims{64, 48}, DType::kBF16, 0, EvenSplit(64, 2), {{0, 0}, {0, 1}}, "trainer");
-      for (int n = 1; n <= 2; ++n) {
-        for (int r = 0; r < 2; ++r) {
-          AddSplitTensor(dst, name, Dims{64, 48}, DType::kBF16, 1, EvenSplit(48, 2),
+      AddSplitTensor(src, name, Dims{rows, cols}, DType::kBF16, 0, EvenSplit(rows, 2), {{0, 0}, {0, 1}}, "trainer");
+      for (int n = 1; n <= engine_nodes; ++n) {
+        for (int r = 0; r < (engine_nodes == 1 ? 1 : 2); ++r) {
+          AddSplitTensor(dst, name, Dims{rows, cols}, DType::kBF16, 1, EvenSplit(cols, 2),
                          {{n, 2 * r}, {n, 2 * r + 1}}, absl::StrCat("engine", n, r, "_"));
         }
       }
@@ -53,11 +65,16 @@ struct Fixture {
     REQUIRE(ValidateLayout(src, "source").ok());
     REQUIRE(ValidateLayout(dst, "destination").ok());
     PlanOptions options;
-    options.max_message_bytes = 4096;  // many messages per connection
+    options.max_message_bytes = max_message_bytes;  // many messages per connection
     options.max_relay_depth = 2;
     auto p = MakePlan(src, dst, options);
     REQUIRE(p.ok());
     plan = std::make_shared<Plan>(*std::move(p));
+  }
+  int nodes() const {
+    int n = 0;
+    for (const Worker& w : dst.workers) n = std::max(n, w.node + 1);
+    return n;
   }
 };
 
@@ -191,6 +208,424 @@ TEST_CASE("buffers of one shared-memory object share one mapping, past Linux's 6
   }
   // All of them through one mapping.
   CHECK(mapped[1]->bytes().data() == mapped[0]->bytes().data() + kBytes);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Connections: what they hold, how they end, the bound; rounds after an abort.
+
+int64_t CountEntries(const char* dir) {
+  int64_t n = 0;
+  DIR* d = opendir(dir);
+  if (d == nullptr) return -1;
+  while (dirent* e = readdir(d)) n += e->d_name[0] != '.';
+  closedir(d);
+  return n - (std::string(dir) == "/proc/self/fd");  // opendir's own descriptor
+}
+int64_t Threads() { return CountEntries("/proc/self/task"); }
+int64_t Fds() { return CountEntries("/proc/self/fd"); }
+
+bool Eventually(const std::function<bool()>& done, absl::Duration timeout = absl::Seconds(10)) {
+  const absl::Time until = absl::Now() + timeout;
+  while (!done()) {
+    if (absl::Now() > until) return false;
+    absl::SleepFor(absl::Milliseconds(2));
+  }
+  return true;
+}
+
+// A peer as the wire sees it.
+Fd Dial(const std::string& address) {
+  auto c = TcpConnect(address, absl::Now() + absl::Seconds(5));
+  INFO(c.status().message());
+  REQUIRE(c.ok());
+  return *std::move(c);
+}
+
+// Whether the other end closed `fd` (end of stream or reset) within `timeout`.
+bool ClosedWithin(const Fd& fd, absl::Duration timeout) {
+  pollfd p{fd.get(), POLLIN | POLLRDHUP, 0};
+  if (poll(&p, 1, static_cast<int>(absl::ToInt64Milliseconds(timeout))) <= 0) return false;
+  char b;
+  const ssize_t n = recv(fd.get(), &b, 1, MSG_DONTWAIT | MSG_PEEK);
+  return n == 0 || (n < 0 && errno != EAGAIN && errno != EWOULDBLOCK);
+}
+
+void SendBytes(const Fd& fd, const void* data, size_t n) {
+  REQUIRE(SendAll(fd, {static_cast<const std::byte*>(data), n}, absl::Now() + absl::Seconds(5), "backend").ok());
+}
+
+// The data plane's frame header, as a peer sends it (host_backend.cc).
+struct WireHeader {
+  uint32_t magic = 0x31544652;
+  uint32_t group_bytes = 0;
+  int64_t round_id = 0;
+  int64_t message = 0;
+  int64_t bytes = 0;
+};
+static_assert(sizeof(WireHeader) == 32);
+
+void SendFrameHeader(const Fd& fd, const std::string& group, int64_t round, int64_t message, int64_t bytes) {
+  WireHeader h;
+  h.group_bytes = static_cast<uint32_t>(group.size());
+  h.round_id = round;
+  h.message = message;
+  h.bytes = bytes;
+  SendBytes(fd, &h, sizeof h);
+  SendBytes(fd, group.data(), group.size());
+}
+
+struct Cluster {
+  std::vector<std::unique_ptr<HostBackend>> nodes;
+  explicit Cluster(int n, const HostBackendOptions& options = {}) {
+    for (int i = 0; i < n; ++i) {
+      auto b = HostBackend::Start("127.0.0.1:0", options);
+      REQUIRE(b.ok());
+      nodes.push_back(*std::move(b));
+    }
+  }
+};
+
+// One round on some nodes of a cluster, each node's Transfer on its own thread.
+class Round {
+ public:
+  Round(Cluster& c, const Fixture& f, const Memory& src, const Memory& dst, int64_t id, absl::Duration timeout,
+        std::vector<int> which = {})
+      : results_(c.nodes.size(), absl::UnknownError("not run")), ended_(c.nodes.size()) {
+    if (which.empty()) {
+      for (size_t n = 0; n < c.nodes.size(); ++n) which.push_back(static_cast<int>(n));
+    }
+    start_ = absl::Now();
+    for (int n : which) {
+      TransferJob job;
+      job.group = "policy";
+      job.round_id = id;
+      job.node = n;
+      job.plan = f.plan;
+      job.src = src.OnNode(f.src, n);
+      job.dst = dst.OnNode(f.dst, n);
+      for (size_t k = 0; k < c.nodes.size(); ++k) job.data_addresses[static_cast<int32_t>(k)] = c.nodes[k]->data_address();
+      job.deadline = absl::Now() + timeout;
+      threads_[n] = std::thread([this, &c, n, job] {
+        results_[n] = c.nodes[n]->Transfer(job);
+        ended_[n] = absl::Now();
+        done_[n] = true;
+      });
+    }
+  }
+  ~Round() { Join(); }
+  void Join(int n) {
+    if (threads_[n].joinable()) threads_[n].join();
+  }
+  void Join() {
+    for (auto& [n, t] : threads_) Join(n);
+  }
+  bool done(int n) const { return done_[n]; }
+  const absl::StatusOr<TransferStats>& result(int n) const { return results_[n]; }
+  absl::Duration took(int n) const { return ended_[n] - start_; }
+
+ private:
+  absl::Time start_;
+  std::vector<absl::StatusOr<TransferStats>> results_;
+  std::vector<absl::Time> ended_;
+  std::atomic<bool> done_[8] = {};
+  std::map<int, std::thread> threads_;
+};
+
+// A complete round on every node: each succeeds, the destinations hold round `id`'s bytes, and
+// it takes far less than its deadline. Returns its time.
+absl::Duration FullRound(Cluster& c, const Fixture& f, Memory& src, Memory& dst, int64_t id) {
+  const FillSpec spec = MakeFillSpec(f.src, f.dst, static_cast<uint64_t>(id));
+  FillSources(f.src, spec, src.all);
+  PoisonDestinations(dst.all);
+  Round r(c, f, src, dst, id, absl::Seconds(30));
+  r.Join();
+  absl::Duration slowest;
+  for (size_t n = 0; n < c.nodes.size(); ++n) {
+    INFO("round " << id << ", node " << n << ": " << r.result(n).status().message());
+    REQUIRE(r.result(n).ok());
+    slowest = std::max(slowest, r.took(n));
+  }
+  auto checked = CheckDestinations(f.src, f.dst, spec, dst.all);
+  INFO(checked.status().message());
+  REQUIRE(checked.ok());
+  // A round that waits on something left over from an aborted one takes its deadline (30 s);
+  // this one moves a few MB on loopback.
+  CHECK(slowest < absl::Seconds(3));
+  return slowest;
+}
+
+std::vector<std::byte> Snapshot(const BufferMemory& m) {
+  std::vector<std::byte> out;
+  for (const auto& span : m) out.insert(out.end(), span.begin(), span.end());
+  return out;
+}
+
+TEST_CASE("a receiver cancelled midway: nothing lands after its Transfer returns, and the next round runs at full speed") {
+  Fixture f(12, 512, 1024, 256 << 10);  // 12 MiB to each engine node, in 256 KiB messages
+  Cluster c(3);
+  Memory src(f.src), dst(f.dst);
+  int64_t round = 0;
+  int aborted = 0;
+  for (int delay_ms : {0, 1, 3, 6, 10, 20, 40}) {
+    ++round;
+    FillSources(f.src, MakeFillSpec(f.src, f.dst, static_cast<uint64_t>(round)), src.all);
+    PoisonDestinations(dst.all);
+    {
+      Round r(c, f, src, dst, round, absl::Seconds(30));
+      absl::SleepFor(absl::Milliseconds(delay_ms));
+      c.nodes[1]->Cancel("policy", round, "worker \"engine1\" died");
+      r.Join(1);
+      const std::vector<std::byte> landed = Snapshot(dst.OnNode(f.dst, 1));
+      absl::SleepFor(absl::Milliseconds(20));  // then the coordinator aborts the others
+      c.nodes[0]->Cancel("policy", round, "node 1 failed");
+      c.nodes[2]->Cancel("policy", round, "node 1 failed");
+      r.Join();
+      for (int n = 0; n < 3; ++n) {
+        INFO("delay " << delay_ms << " ms, node " << n << ": " << r.result(n).status().message());
+        CHECK((r.result(n).ok() || absl::IsAborted(r.result(n).status()) || absl::IsUnavailable(r.result(n).status())));
+        CHECK(r.took(n) < absl::Seconds(5));
+      }
+      aborted += absl::IsAborted(r.result(1).status());
+      absl::SleepFor(absl::Milliseconds(30));
+      CHECK(Snapshot(dst.OnNode(f.dst, 1)) == landed);  // the other nodes' late frames were dropped
+    }
+    ++round;
+    FullRound(c, f, src, dst, round);
+  }
+  CHECK(aborted >= 3);
+}
+
+TEST_CASE("a sender cancelled in the middle of a frame: the next round runs at full speed") {
+  Fixture f(32, 1024, 512, 1 << 20, 1);  // 32 MiB from node 0 to node 1: more than sockets buffer
+  Cluster c(2);
+  Memory src(f.src), dst(f.dst);
+  FullRound(c, f, src, dst, 1);  // a cached connection from node 0 to node 1
+  const bool receiver_told = GENERATE(true, false);
+  INFO((receiver_told ? "node 1 learns of the abort" : "node 1 never hears of the abort"));
+  // Node 1 has not begun round 2 (its TRANSFER request is late): node 0 fills the socket and
+  // blocks in the middle of a frame.
+  {
+    Round r(c, f, src, dst, 2, absl::Seconds(30), {0});
+    absl::SleepFor(absl::Milliseconds(300));
+    REQUIRE_FALSE(r.done(0));
+    c.nodes[0]->Cancel("policy", 2, "worker \"trainer0\" died");
+    r.Join();
+    INFO(r.result(0).status().message());
+    CHECK(absl::IsAborted(r.result(0).status()));
+    CHECK(r.took(0) < absl::Milliseconds(300) + absl::Seconds(2));  // not at its deadline
+  }
+  if (receiver_told) c.nodes[1]->Cancel("policy", 2, "worker \"trainer0\" died");
+  for (int64_t round = 3; round <= 5; ++round) FullRound(c, f, src, dst, round);
+}
+
+TEST_CASE("a round aborted after its sender finished: its frames on the cached connection do not hold up the next") {
+  Fixture f(6, 64, 48, 4096, 1);  // small: all of a round fits in the socket's buffers
+  Cluster c(2);
+  Memory src(f.src), dst(f.dst);
+  FullRound(c, f, src, dst, 1);
+  const bool receiver_told = GENERATE(true, false);
+  INFO((receiver_told ? "node 1 learns of the abort" : "node 1 never hears of the abort"));
+  // Node 0 sends all of round 2 and is done; node 1 never begins it (its worker died first), and
+  // the round is aborted: node 1's reader finds round 2's frames on the connection.
+  {
+    Round r(c, f, src, dst, 2, absl::Seconds(30), {0});
+    r.Join();
+    INFO(r.result(0).status().message());
+    REQUIRE(r.result(0).ok());
+  }
+  c.nodes[0]->Cancel("policy", 2, "node 1 failed");
+  if (receiver_told) c.nodes[1]->Cancel("policy", 2, "worker \"engine1\" died");
+  // Node 0 restarts at once: without the frames of round 2 dropped, node 1 would wait for
+  // round 3's messages behind them.
+  for (int64_t round = 3; round <= 5; ++round) FullRound(c, f, src, dst, round);
+}
+
+TEST_CASE("a late frame is read to its end and dropped; a broken one closes its connection") {
+  Fixture f;
+  Cluster c(3);
+  Memory src(f.src), dst(f.dst);
+  FullRound(c, f, src, dst, 1);
+  const Plan& plan = *f.plan;
+  int64_t into_1 = -1;  // a message of node 0 to node 1
+  for (size_t i = 0; i < plan.messages.size() && into_1 < 0; ++i) {
+    const Message& m = plan.messages[i];
+    if (plan.gpus[m.src_gpu].node == 0 && plan.gpus[m.dst_gpu].node == 1) into_1 = static_cast<int64_t>(i);
+  }
+  REQUIRE(into_1 >= 0);
+  const int64_t bytes = plan.messages[into_1].bytes;
+  const std::vector<std::byte> before = Snapshot(dst.all);
+  const int64_t readers = c.nodes[1]->connection_stats().reader_threads;  // node 0's connection
+  Fd peer = Dial(c.nodes[1]->data_address());
+  const std::vector<std::byte> garbage(static_cast<size_t>(bytes), std::byte{0x5a});
+  SendFrameHeader(peer, "policy", 1, into_1, bytes);  // round 1 is over on node 1
+  SendBytes(peer, garbage.data(), garbage.size());
+  REQUIRE(Eventually([&] { return c.nodes[1]->connection_stats().stale_frames == 1; }));
+  CHECK_FALSE(ClosedWithin(peer, absl::Milliseconds(50)));  // still in step: it may carry more
+  CHECK(Snapshot(dst.all) == before);
+  SendFrameHeader(peer, "policy", 1, into_1, bytes);
+  SendBytes(peer, garbage.data(), garbage.size() / 2);  // half a late frame, then a stall: held
+  CHECK_FALSE(ClosedWithin(peer, absl::Milliseconds(50)));
+  peer.Close();  // ... then gone mid-frame
+  REQUIRE(Eventually([&] { return c.nodes[1]->connection_stats().reader_threads == readers; }));
+
+  Fd bad = Dial(c.nodes[1]->data_address());
+  const char junk[32] = "not a frame header";
+  SendBytes(bad, junk, sizeof junk);
+  CHECK(ClosedWithin(bad, absl::Seconds(5)));
+
+  // Half of a frame of a running round, then the connection gone: the connection is dropped,
+  // not the round (its sender sends the message again, or reports why it cannot: the round's
+  // true reason, which this symptom must not race).
+  const TransferJob lonely = LonelyJob(f, dst, *c.nodes[1], 1, 2, absl::Seconds(30));
+  absl::StatusOr<TransferStats> r = absl::UnknownError("not run");
+  std::atomic<bool> ended = false;
+  std::thread t([&] {
+    r = c.nodes[1]->Transfer(lonely);
+    ended = true;
+  });
+  Fd half = Dial(c.nodes[1]->data_address());
+  SendFrameHeader(half, "policy", 2, into_1, bytes);
+  SendBytes(half, garbage.data(), garbage.size() / 2);
+  half.Close();
+  REQUIRE(Eventually([&] { return c.nodes[1]->connection_stats().reader_threads == readers; }));
+  absl::SleepFor(absl::Milliseconds(50));
+  CHECK_FALSE(ended);
+  c.nodes[1]->Cancel("policy", 2, "worker \"trainer0\" on node 0 left");
+  t.join();
+  INFO(r.status().message());
+  CHECK(absl::IsAborted(r.status()));
+  CHECK(std::string(r.status().message()) == "worker \"trainer0\" on node 0 left");
+  FullRound(c, f, src, dst, 3);
+}
+
+TEST_CASE("a restarted peer: the cached connection to it is not reused") {
+  Fixture f(6, 64, 48, 4096, 1);
+  Cluster c(2);
+  Memory src(f.src), dst(f.dst);
+  FullRound(c, f, src, dst, 1);
+  REQUIRE(c.nodes[0]->connection_stats().cached_outgoing == 1);
+  const std::string address = c.nodes[1]->data_address();
+  c.nodes[1].reset();  // closes its end of the cached connection
+  auto again = HostBackend::Start(address);
+  INFO(again.status().message());
+  REQUIRE(again.ok());
+  c.nodes[1] = *std::move(again);
+  // A frame written into the dead connection would vanish without an error, and the round would
+  // wait for it until its deadline.
+  FullRound(c, f, src, dst, 2);
+}
+
+TEST_CASE("1,000 data connections opened and closed: every descriptor and thread is released") {
+  HostBackendOptions options;
+  options.frame_wait = absl::Milliseconds(100);
+  auto a = HostBackend::Start("127.0.0.1:0", options);
+  REQUIRE(a.ok());
+  HostBackend& b = **a;
+  const int64_t threads = Threads(), fds = Fds();
+  int64_t peak_threads = 0;
+  constexpr int kBatch = 50;
+  for (int batch = 0; batch < 1000 / kBatch; ++batch) {
+    std::vector<Fd> peers;
+    for (int i = 0; i < kBatch; ++i) {
+      peers.push_back(Dial(b.data_address()));
+      switch (i % 4) {
+        case 0: break;  // says nothing
+        case 1: SendBytes(peers.back(), "garbage, not a frame header....", 32); break;
+        case 2: SendBytes(peers.back(), "half", 4); break;  // half of a header
+        case 3: SendFrameHeader(peers.back(), "policy", 99, 0, 8); break;  // a round that never begins
+      }
+    }
+    REQUIRE(Eventually([&] { return b.connection_stats().accepted == (batch + 1) * kBatch; }));
+    peak_threads = std::max(peak_threads, Threads());
+    peers.clear();
+    // Each batch's threads end (a frame of a round that never begins waits frame_wait).
+    REQUIRE(Eventually([&] { return b.connection_stats().reader_threads == 0; }));
+  }
+  REQUIRE(Eventually([&] { return b.connection_stats().reader_threads == 0; }));
+  const HostConnectionStats s = b.connection_stats();
+  CHECK(s.accepted == 1000);
+  CHECK(s.open_incoming == 0);
+  CHECK(s.refused == 0);
+  REQUIRE(Eventually([&] { return Threads() == threads; }));
+  CHECK(Fds() == fds);
+  CHECK(peak_threads <= threads + kBatch);
+  WARN("1,000 connections: threads " << threads << " before, at most " << peak_threads << " during, " << Threads()
+       << " after; fds " << fds << " before, " << Fds() << " after");
+}
+
+TEST_CASE("beyond max_incoming, data connections are refused at once; closing frees their places") {
+  HostBackendOptions options;
+  options.max_incoming = 8;
+  auto a = HostBackend::Start("127.0.0.1:0", options);
+  REQUIRE(a.ok());
+  HostBackend& b = **a;
+  std::vector<Fd> held;
+  for (int i = 0; i < 8; ++i) held.push_back(Dial(b.data_address()));
+  REQUIRE(Eventually([&] { return b.connection_stats().open_incoming == 8; }));
+  std::vector<Fd> extra;
+  for (int i = 0; i < 4; ++i) extra.push_back(Dial(b.data_address()));
+  for (const Fd& e : extra) CHECK(ClosedWithin(e, absl::Seconds(5)));
+  for (const Fd& h : held) CHECK_FALSE(ClosedWithin(h, absl::Milliseconds(1)));
+  HostConnectionStats s = b.connection_stats();
+  CHECK(s.refused == 4);
+  CHECK(s.open_incoming == 8);
+  CHECK(s.reader_threads == 8);
+  held.clear();
+  REQUIRE(Eventually([&] { return b.connection_stats().reader_threads == 0; }));
+  for (int i = 0; i < 8; ++i) held.push_back(Dial(b.data_address()));
+  REQUIRE(Eventually([&] { return b.connection_stats().open_incoming == 8; }));
+  CHECK(b.connection_stats().refused == 4);
+}
+
+TEST_CASE("the acceptor survives EMFILE: it logs, backs off and accepts again") {
+  HostBackendOptions options;
+  options.accept_backoff = absl::Milliseconds(50);
+  auto a = HostBackend::Start("127.0.0.1:0", options);
+  REQUIRE(a.ok());
+  HostBackend& b = **a;
+  rlimit saved;
+  REQUIRE(getrlimit(RLIMIT_NOFILE, &saved) == 0);
+  std::vector<int> fillers;
+  struct Restore {
+    rlimit limit;
+    std::vector<int>& fillers;
+    ~Restore() {
+      for (int f : fillers) close(f);
+      fillers.clear();
+      setrlimit(RLIMIT_NOFILE, &limit);
+    }
+  } restore{saved, fillers};
+  // This process (the backend's too) runs out of descriptors: all but one taken, and that one
+  // becomes a peer's socket, which the kernel connects (the listener's backlog) but the backend
+  // cannot accept.
+  rlimit low = saved;
+  low.rlim_cur = static_cast<rlim_t>(Fds() + 32);
+  REQUIRE(setrlimit(RLIMIT_NOFILE, &low) == 0);
+  while (true) {
+    const int fd = open("/dev/null", O_RDONLY | O_CLOEXEC);
+    if (fd < 0) break;
+    fillers.push_back(fd);
+  }
+  REQUIRE(errno == EMFILE);
+  close(fillers.back());
+  fillers.pop_back();
+  auto peer = TcpConnect(b.data_address(), absl::Now() + absl::Seconds(5));
+  REQUIRE(peer.ok());
+  CHECK(Eventually([&] { return b.connection_stats().accept_errors >= 3; }));  // retried, backing off
+  CHECK(b.connection_stats().accepted == 0);
+  for (int f : fillers) close(f);
+  fillers.clear();
+  REQUIRE(setrlimit(RLIMIT_NOFILE, &saved) == 0);
+  REQUIRE(Eventually([&] { return b.connection_stats().accepted == 1; }, absl::Seconds(5)));
+  const int64_t errors = b.connection_stats().accept_errors;
+  CHECK(errors < 200);  // backed off: 50 ms apart, not a busy loop
+  // It serves the connection it could not accept, and new ones.
+  const char junk[32] = "not a frame header";
+  SendBytes(*peer, junk, sizeof junk);
+  CHECK(ClosedWithin(*peer, absl::Seconds(5)));
+  Fd next = Dial(b.data_address());
+  CHECK(Eventually([&] { return b.connection_stats().accepted == 2; }));
+  CHECK(b.connection_stats().accept_errors == errors);
 }
 
 }  // namespace

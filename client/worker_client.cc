@@ -208,6 +208,9 @@ absl::StatusOr<std::unique_ptr<WorkerClient>> WorkerClient::Connect(
   std::unique_ptr<WorkerClient> c(new WorkerClient());
   c->role_ = role;
   c->callbacks_ = std::move(callbacks);
+  c->daemon_ = daemon;
+  c->timeout_ = options.timeout;
+  c->reconnect_ = options.reconnect;
   const v1::Layout proto = LayoutToProto(layout);
   v1::RegisterWorkerRequest request;
   request.set_group(group);
@@ -256,16 +259,15 @@ absl::StatusOr<std::unique_ptr<WorkerClient>> WorkerClient::Connect(
           static_cast<size_t>(offsets[i]), static_cast<size_t>(layout.buffers[i].NumBytes())));
     }
   }
-  if (!fds.empty()) {
-    if (handles.empty()) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("descriptors cannot travel to a daemon reached over TCP (", daemon,
-                       "): connect through its unix socket, \"unix:/tmp/refitd-<node>.sock\""));
-    }
-    auto token = DeliverHandles(handles, fds, deadline);
-    if (!token.ok()) return token.status();
-    request.set_fd_token(*token);
+  if (!fds.empty() && handles.empty()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("descriptors cannot travel to a daemon reached over TCP (", daemon,
+                     "): connect through its unix socket, \"unix:/tmp/refitd-<node>.sock\""));
   }
+  // A named object is unlinked once registered: it cannot be registered again.
+  if (!c->buffers_.empty() && c->arena_.fd() < 0) c->reconnect_ = false;
+  c->request_ = std::move(request);
+  c->fds_ = std::move(fds);
   grpc::ChannelArguments args;
   args.SetMaxSendMessageSize(1 << 30);
   args.SetInt(GRPC_ARG_KEEPALIVE_TIME_MS, kKeepaliveTimeMs);
@@ -279,34 +281,88 @@ absl::StatusOr<std::unique_ptr<WorkerClient>> WorkerClient::Connect(
   args.SetInt(GRPC_ARG_MAX_RECONNECT_BACKOFF_MS, 1000);
   c->stub_ = v1::RefitWorker::NewStub(
       grpc::CreateCustomChannel(daemon, grpc::InsecureChannelCredentials(), args));
-  {
-    grpc::ClientContext ctx;
-    ctx.set_deadline(absl::ToChronoTime(std::max(deadline, absl::Now() + absl::Seconds(1))));
-    ctx.set_wait_for_ready(true);  // the daemon may still be starting
-    v1::RegisterWorkerResponse response;
-    auto s = FromGrpc(c->stub_->Register(&ctx, request, &response));
-    if (!s.ok()) return s;
-    c->worker_id_ = response.worker_id();
-  }
+  if (auto s = c->Register(deadline); !s.ok()) return s;
   if (!c->buffers_.empty())
     c->arena_.Unlink();  // the daemon holds its own mapping now (named objects)
-  c->session_ = c->stub_->Session(&c->session_context_);
-  v1::WorkerMessage hello;
-  hello.set_hello(c->worker_id_);
-  if (!c->session_->Write(hello)) {
+  if (!c->OpenSession()) {
     return absl::UnavailableError(absl::StrCat("the daemon at ", daemon, " closed the session"));
   }
-  c->connected_ = true;
   c->session_thread_ = std::thread([p = c.get()] { p->SessionLoop(); });
   return c;
 }
 
+absl::Status WorkerClient::Register(absl::Time deadline) {
+  v1::RegisterWorkerRequest request = request_;
+  if (!fds_.empty()) {  // a fresh token each time: a delivery is claimed once
+    auto token = DeliverHandles(HandleSocketPath(daemon_), fds_, deadline);
+    if (!token.ok()) return token.status();
+    request.set_fd_token(*token);
+  }
+  grpc::ClientContext ctx;
+  ctx.set_deadline(absl::ToChronoTime(std::max(deadline, absl::Now() + absl::Seconds(1))));
+  ctx.set_wait_for_ready(true);  // the daemon may still be starting
+  v1::RegisterWorkerResponse response;
+  auto s = FromGrpc(stub_->Register(&ctx, request, &response));
+  if (!s.ok()) return s;
+  if (worker_id_.empty()) worker_id_ = response.worker_id();  // the same name every time
+  return absl::OkStatus();
+}
+
+bool WorkerClient::OpenSession() {
+  std::unique_lock<std::mutex> lock(mu_);
+  if (closed_) return false;
+  session_context_ = std::make_unique<grpc::ClientContext>();
+  session_ = stub_->Session(session_context_.get());
+  v1::WorkerMessage hello;
+  hello.set_hello(worker_id_);
+  if (!session_->Write(hello)) {
+    session_context_->TryCancel();
+    session_->Finish();
+    return false;
+  }
+  connected_ = true;
+  return true;
+}
+
+bool WorkerClient::SleepUnlessClosed(absl::Duration d) {
+  std::unique_lock<std::mutex> lock(mu_);
+  closing_.wait_for(lock, absl::ToChronoNanoseconds(d), [this] { return closed_.load(); });
+  return !closed_;
+}
+
 void WorkerClient::SessionLoop() {
+  while (true) {
+    const std::string why = RunSession();
+    if (closed_) return;
+    if (open_round_ >= 0) {  // the round never ended here: an engine's buffers may be partial
+      const int64_t round = std::exchange(open_round_, -1);
+      if (role_ == v1::INFERENCE) version_ = 0;
+      if (callbacks_.on_abort) callbacks_.on_abort(round, absl::StrCat("lost the daemon: ", why));
+    }
+    if (callbacks_.on_disconnected) callbacks_.on_disconnected(why);
+    if (!reconnect_) return;
+    // As soon as the daemon is back (a restarted one, or a frozen one that dropped us on waking:
+    // ALREADY_EXISTS until it did), with back-off from 100 ms to 1 s.
+    absl::Duration backoff = absl::Milliseconds(100);
+    while (true) {
+      if (!SleepUnlessClosed(backoff)) return;
+      // Bounded, so that closing the client never waits long for an attempt.
+      const absl::Status s = Register(absl::Now() + std::min(timeout_, absl::Seconds(3)));
+      if (s.ok() && OpenSession()) break;
+      if (closed_) return;
+      backoff = std::min(backoff * 2, absl::Seconds(1));
+    }
+    if (callbacks_.on_reconnected) callbacks_.on_reconnected(worker_id_);
+  }
+}
+
+std::string WorkerClient::RunSession() {
   v1::RoundEvent e;
   while (session_->Read(&e)) {
     v1::WorkerMessage reply;
     switch (e.kind()) {
       case v1::RoundEvent::PREPARE: {
+        open_round_ = e.round_id();
         if (role_ == v1::INFERENCE) version_ = 0;  // the buffers are about to change
         absl::Status s =
             callbacks_.on_prepare ? callbacks_.on_prepare(e.version()) : absl::OkStatus();
@@ -320,11 +376,13 @@ void WorkerClient::SessionLoop() {
         break;
       }
       case v1::RoundEvent::COMMIT:
+        open_round_ = -1;
         if (role_ == v1::INFERENCE) version_ = e.version();
         if (callbacks_.on_commit) callbacks_.on_commit(e.version());
         reply.set_resumed(e.round_id());
         break;
       case v1::RoundEvent::ABORT:
+        if (e.round_id() == open_round_) open_round_ = -1;
         if (role_ == v1::INFERENCE) version_ = 0;
         if (callbacks_.on_abort) callbacks_.on_abort(e.round_id(), e.reason());
         reply.set_resumed(e.round_id());
@@ -336,11 +394,8 @@ void WorkerClient::SessionLoop() {
   }
   connected_ = false;
   const grpc::Status status = session_->Finish();
-  if (!closed_ && callbacks_.on_disconnected) {
-    callbacks_.on_disconnected(
-        status.ok() ? std::string("the daemon ended the session")
-                    : absl::StrCat("the session with the daemon ended: ", status.error_message()));
-  }
+  return status.ok() ? std::string("the daemon ended the session")
+                     : absl::StrCat("the session with the daemon ended: ", status.error_message());
 }
 
 absl::Status WorkerClient::Unregister() {
@@ -351,13 +406,22 @@ absl::Status WorkerClient::Unregister() {
   request.set_worker_id(worker_id_);
   v1::UnregisterWorkerResponse response;
   const absl::Status s = FromGrpc(stub_->Unregister(&ctx, request, &response));
-  session_context_.TryCancel();
+  {
+    std::unique_lock<std::mutex> lock(mu_);
+    if (session_context_) session_context_->TryCancel();
+    closing_.notify_all();
+  }
   if (session_thread_.joinable()) session_thread_.join();
   return s;
 }
 
 WorkerClient::~WorkerClient() {
-  if (!closed_.exchange(true)) session_context_.TryCancel();
+  {
+    std::unique_lock<std::mutex> lock(mu_);
+    closed_ = true;
+    if (session_context_) session_context_->TryCancel();
+    closing_.notify_all();
+  }
   if (session_thread_.joinable()) session_thread_.join();
 }
 

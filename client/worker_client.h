@@ -12,6 +12,7 @@
 #include <grpcpp/grpcpp.h>
 
 #include <atomic>
+#include <condition_variable>
 #include <functional>
 #include <memory>
 #include <mutex>
@@ -38,8 +39,12 @@ struct WorkerCallbacks {
   // ABORT: the round failed. Inference: the buffers hold no complete version.
   std::function<void(int64_t round_id, const std::string& reason)> on_abort;
   // The session ended without Unregister: the daemon died, froze (no keepalive answer), or
-  // dropped the worker. The daemon no longer knows this worker.
+  // dropped the worker. The daemon no longer knows this worker. A round the worker was in
+  // counts as aborted (on_abort first; an engine's version() is 0). Unless
+  // ConnectOptions::reconnect is off, the library then registers again by itself, as soon as
+  // the daemon is back, and calls on_reconnected.
   std::function<void(const std::string& why)> on_disconnected;
+  std::function<void(const std::string& worker_id)> on_reconnected;
 };
 
 // Memory a worker exported itself (e.g. ExportCudaBuffers in client/cuda_export.h).
@@ -60,6 +65,10 @@ struct ConnectOptions {
   // socket; with this set, or when the daemon is reached over TCP (no descriptor can travel
   // there), as a named object in /dev/shm instead.
   bool host_memory_by_name = false;
+  // Register again after the session is lost (a daemon restarted, or frozen and woken), with the
+  // same memory: its descriptors stay open for that (the library's own and the caller's). Not
+  // possible for host memory by name (the object is unlinked once registered): off then.
+  bool reconnect = true;
 };
 
 class WorkerClient {
@@ -93,6 +102,15 @@ class WorkerClient {
  private:
   WorkerClient() = default;
   void SessionLoop();
+  // One session until it ends; returns why it ended.
+  std::string RunSession();
+  // Opens a session for the registered worker (false: closed meanwhile, or the daemon did not
+  // take it).
+  bool OpenSession();
+  // Hands the descriptors over again and registers, within `deadline`.
+  absl::Status Register(absl::Time deadline);
+  // Waits `d` unless the client is closed meanwhile; false when it was.
+  bool SleepUnlessClosed(absl::Duration d);
 
   std::string worker_id_;
   v1::Role role_ = v1::ROLE_UNSPECIFIED;
@@ -101,13 +119,21 @@ class WorkerClient {
   SharedMemory arena_;
   std::vector<std::span<std::byte>> buffers_;
   WorkerCallbacks callbacks_;
+  std::string daemon_;
+  v1::RegisterWorkerRequest request_;  // as registered, without its descriptors' token
+  std::vector<int> fds_;               // handed over at every registration (kept open)
+  absl::Duration timeout_;
+  bool reconnect_ = true;
   std::unique_ptr<v1::RefitWorker::Stub> stub_;
-  grpc::ClientContext session_context_;
+  std::mutex mu_;  // the session's context and stream, replaced at each registration; closed_ changes
+  std::condition_variable closing_;
+  std::unique_ptr<grpc::ClientContext> session_context_;
   std::unique_ptr<grpc::ClientReaderWriter<v1::WorkerMessage, v1::RoundEvent>> session_;
   std::thread session_thread_;
   std::atomic<int64_t> version_{0};
   std::atomic<bool> closed_{false};
   std::atomic<bool> connected_{false};
+  int64_t open_round_ = -1;  // PREPARE seen, no COMMIT or ABORT yet (the session thread's)
 };
 
 // The handle socket of the daemon at `daemon` ("unix:/path" -> "/path.handles"); empty for a

@@ -48,6 +48,10 @@ DaemonConfig ParseDaemonFlags(int argc, char** argv) {
   flags.Int("max-rpc-bytes", &max_rpc, "largest gRPC message accepted (layouts of big models are large)");
   flags.String("log-level", &c.log_level, "trace, debug, info, warn, error, off");
   flags.String("address-file", &c.address_file, "write \"<listen address> <worker socket>\" here once serving");
+  const std::string unset = "<worker socket>.state";
+  std::string state_file = unset;
+  flags.String("state-file", &state_file,
+               "coordinator: the file where round ids and committed versions survive a restart (empty: in memory only)");
   // Config file first, then the command line over it.
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
@@ -108,6 +112,7 @@ DaemonConfig ParseDaemonFlags(int argc, char** argv) {
   c.peer_timeout = absl::Seconds(peer_s);
   c.heartbeat = absl::Seconds(heartbeat_s);
   if (c.worker_socket.empty()) c.worker_socket = absl::StrCat("/tmp/refitd-", c.node, ".sock");
+  c.state_file = state_file == unset ? c.worker_socket + ".state" : state_file;
   return c;
 }
 

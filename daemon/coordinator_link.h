@@ -1,7 +1,9 @@
 // A non-coordinator daemon's link to its coordinator: join (retried until the coordinator
 // answers), a heartbeat every `--heartbeat` (the whole worker list again when the coordinator
 // asks: it restarted, or declared this node dead), ordered worker syncs, and the forwarding of
-// operator calls.
+// operator calls. Its channels reconnect within a second (back-off 100 ms to 1 s), and a
+// heartbeat waits for the connection (within --peer-timeout), so a restarted coordinator is
+// joined again at its next heartbeat.
 //
 // Locks: `mu_` guards the stop flag and the stubs. `sync_order_` guards no data: it orders
 // syncs, each a snapshot taken and sent under it, so that two registrations racing cannot let
@@ -36,6 +38,10 @@ struct CoordinatorLinkOptions {
   int64_t max_rpc_bytes = 256 << 20;
   // This node's workers as the coordinator must know them.
   std::function<std::vector<v1::RegisterWorkerRequest>()> snapshot;
+  // A heartbeat was answered (called with no lock held, before a resync's SyncWorkers).
+  // `resync`: the coordinator does not know this node's incarnation (it restarted, or declared
+  // this node dead), so no round of its is open here any more; else it renews their leases.
+  std::function<void(bool resync)> on_answer;
 };
 
 class CoordinatorLink {

@@ -17,8 +17,10 @@
 #include "daemon/logging.h"
 #include "daemon/membership.h"
 #include "daemon/node_agent.h"
+#include "daemon/pause_detector.h"
 #include "daemon/round_driver.h"
 #include "daemon/round_log.h"
+#include "daemon/state_store.h"
 #include "daemon/worker_registry.h"
 #include "plan/status_macros.h"
 
@@ -58,9 +60,27 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(const DaemonConfig& config
     d->handles_ = *std::move(inbox);
   }
   d->registry_ = std::make_unique<WorkerRegistry>(config.node, config.gpus, d->backend_.get(), d->handles_.get());
-  d->agent_ = std::make_unique<NodeAgent>(config.node, d->registry_.get(), d->backend_.get());
+  // Ticked every 100 ms by MonitorLoop: a gap of half a second is a pause of this process.
+  d->pause_ = std::make_unique<PauseDetector>(Clock::Real(), absl::Milliseconds(500));
+  NodeAgentLease lease;
+  if (!config.is_coordinator()) {
+    lease.lease = config.heartbeat * config.heartbeats_missed;  // the verdict the coordinator applies to nodes
+    lease.coordinator = config.coordinator;
+  }
+  d->agent_ = std::make_unique<NodeAgent>(config.node, d->registry_.get(), d->backend_.get(), lease);
   Daemon* self = d.get();
   if (config.is_coordinator()) {
+    if (config.state_file.empty()) {
+      Logger("rpc")->warn("no --state-file: round ids and committed versions are kept in memory only; a restarted "
+                          "coordinator would accept versions already committed");
+    }
+    auto state = StateStore::Open(config.state_file);
+    if (!state.ok()) return state.status();
+    d->state_ = *std::move(state);
+    if (!config.state_file.empty()) {
+      Logger("rpc")->info("state file {}: next round id {}, {} groups' committed versions", config.state_file,
+                          d->state_->NextRoundId(), d->state_->Versions().size());
+    }
     d->membership_ = std::make_unique<Membership>(config.node, config.heartbeat, config.heartbeats_missed, Clock::Real());
     GroupPlannerOptions planning;
     planning.max_message_bytes = config.max_message_bytes;
@@ -97,6 +117,9 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(const DaemonConfig& config
     rounds.zero_copy_min_bytes = config.zero_copy_min_bytes;
     rounds.nccl_register = config.nccl_register;
     rounds.new_communicator_id = [self] { return self->backend_->NewCommunicatorId(); };
+    rounds.state = d->state_.get();
+    rounds.pause = d->pause_.get();
+    rounds.blame_pause = config.heartbeat * config.heartbeats_missed;
     d->driver_ = std::make_unique<RoundDriver>(rounds, d->membership_.get(), d->planner_.get(), d->peers_.get(),
                                                d->round_log_.get(), Clock::Real());
   } else {
@@ -108,6 +131,14 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(const DaemonConfig& config
     link.peer_timeout = config.peer_timeout;
     link.max_rpc_bytes = config.max_rpc_bytes;
     link.snapshot = [self] { return self->registry_->Snapshot(); };
+    link.on_answer = [self](bool resync) {
+      if (!resync) {
+        self->agent_->RenewLeases();
+        return;
+      }
+      self->agent_->AbortOpenRounds(absl::StrCat("the coordinator (", self->config_.coordinator,
+                                                 ") no longer knows this node: it restarted, or declared it dead"));
+    };
     d->link_ = std::make_unique<CoordinatorLink>(std::move(link));
   }
   if (auto s = d->Serve(); !s.ok()) return s;
@@ -118,9 +149,9 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(const DaemonConfig& config
                       d->address_, config.worker_socket, d->handles_->path(), d->backend_->data_address(),
                       d->backend_->name(),
                       config.is_coordinator() ? "coordinator" : "coordinator at " + config.coordinator);
+  d->monitor_ = std::thread([self] { self->MonitorLoop(); });
   if (config.is_coordinator()) {
     d->membership_->SetSelf(d->address_, d->backend_->data_address(), d->incarnation_);
-    d->monitor_ = std::thread([self] { self->MonitorLoop(); });
   } else {
     // Join before serving workers: a registration must reach the coordinator.
     REFIT_RETURN_IF_ERROR(d->link_->Join(d->address_, d->backend_->data_address()));
@@ -203,14 +234,30 @@ void Daemon::Wait() {
 }
 
 void Daemon::MonitorLoop() {
+  const absl::Duration silence = config_.heartbeat * config_.heartbeats_missed;
   while (true) {
     {
       absl::MutexLock lock(&mu_);
-      if (!stopping_) stopped_.WaitWithTimeout(&mu_, config_.heartbeat);
+      if (!stopping_) stopped_.WaitWithTimeout(&mu_, absl::Milliseconds(100));
       if (stopping_) return;
     }
-    // A node declared dead has its phase calls in flight cancelled at once.
-    for (const DeadNode& dead : membership_->CheckLiveness()) peers_->CancelNode(dead.node);
+    const std::optional<PauseDetector::Pause> paused = pause_->Tick();
+    if (paused.has_value()) {
+      Logger("rpc")->warn("this daemon did not run for {} (stopped or starved)", absl::FormatDuration(paused->length()));
+    }
+    if (membership_ != nullptr) {
+      // Heartbeats that arrived while this daemon was stopped were not received: peers are
+      // judged again only after a whole verdict's time since it runs again.
+      if (pause_->PausedWithin(silence)) continue;
+      // A node declared dead has its phase calls in flight cancelled at once.
+      for (const DeadNode& dead : membership_->CheckLiveness()) peers_->CancelNode(dead.node);
+    } else if (paused.has_value()) {
+      // Leases ran out while this node was stopped, not the coordinator: the next heartbeat's
+      // answer says whether its rounds go on (or resync: they ended).
+      agent_->RenewLeases();
+    } else {
+      agent_->ExpireLeases();
+    }
   }
 }
 

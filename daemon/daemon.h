@@ -42,8 +42,10 @@ class GrpcPeerClient;
 class HandleInbox;
 class Membership;
 class NodeAgent;
+class PauseDetector;
 class RoundDriver;
 class RoundLog;
+class StateStore;
 class WorkerRegistry;
 
 class Daemon {
@@ -65,7 +67,9 @@ class Daemon {
   // worker at a time; elsewhere the whole list).
   absl::Status SyncAdded(const v1::RegisterWorkerRequest& added);
   void SyncRemoved(const std::string& id);
-  void MonitorLoop();  // coordinator: the failure detector's clock
+  // Every 100 ms: this daemon's own pauses; on the coordinator the failure detector (not while
+  // it was itself paused), elsewhere the coordinator's leases on this node's rounds.
+  void MonitorLoop();
 
   const DaemonConfig config_;
   std::string address_;
@@ -76,9 +80,11 @@ class Daemon {
   // before the gRPC server serves, never replaced.
   std::unique_ptr<HandleInbox> handles_;
   std::unique_ptr<WorkerRegistry> registry_;
+  std::unique_ptr<PauseDetector> pause_;
   std::unique_ptr<NodeAgent> agent_;
   std::unique_ptr<CoordinatorLink> link_;  // not on the coordinator
   // The coordinator's.
+  std::unique_ptr<StateStore> state_;
   std::unique_ptr<Membership> membership_;
   std::unique_ptr<GroupPlanner> planner_;
   std::unique_ptr<RoundLog> round_log_;

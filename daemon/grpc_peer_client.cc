@@ -41,15 +41,21 @@ v1::RefitPeer::Stub* GrpcPeerClient::Stub(const std::string& address) {
     grpc::ChannelArguments args;
     args.SetMaxReceiveMessageSize(static_cast<int>(options_.max_rpc_bytes));
     args.SetMaxSendMessageSize(static_cast<int>(options_.max_rpc_bytes));
+    // A node restarted on its address is reached again within a second: with gRPC's default
+    // back-off (up to 120 s) rounds failed for seconds with "failed to connect to all addresses".
+    args.SetInt(GRPC_ARG_INITIAL_RECONNECT_BACKOFF_MS, 100);
+    args.SetInt(GRPC_ARG_MIN_RECONNECT_BACKOFF_MS, 100);
+    args.SetInt(GRPC_ARG_MAX_RECONNECT_BACKOFF_MS, 1000);
     stub = v1::RefitPeer::NewStub(grpc::CreateCustomChannel(address, grpc::InsecureChannelCredentials(), args));
   }
   return stub.get();
 }
 
-GrpcPeerClient::Call* GrpcPeerClient::Begin(int32_t node, absl::Duration deadline) {
+GrpcPeerClient::Call* GrpcPeerClient::Begin(int32_t node, absl::Duration deadline, bool wait_for_ready) {
   auto* call = new Call;
   call->node = node;
   call->context.set_deadline(Deadline(deadline));
+  call->context.set_wait_for_ready(wait_for_ready);
   absl::MutexLock lock(&mu_);
   in_flight_.emplace(node, call);
   return call;
@@ -93,7 +99,7 @@ void GrpcPeerClient::RunPhase(int32_t node, const v1::PhaseRequest& request, abs
     return;
   }
   v1::RefitPeer::Stub* stub = Stub(*address);
-  Call* call = Begin(node, timeout + options_.peer_timeout);
+  Call* call = Begin(node, timeout + options_.peer_timeout, /*wait_for_ready=*/false);
   call->phase = request;
   if (request.phase() == v1::PhaseRequest::TRANSFER) {  // to compare with the peer's arrival time
     Logger("round")->info("group \"{}\" round {}: TRANSFER sent to node {} at {}", request.group(), request.round_id(),
@@ -130,7 +136,11 @@ void GrpcPeerClient::InstallPlan(int32_t node, std::shared_ptr<const v1::Install
     return;
   }
   v1::RefitPeer::Stub* stub = Stub(*address);
-  Call* call = Begin(node, options_.peer_timeout * 4);
+  // A round's first call to a node: one that just (re)joined may have its channel between
+  // connection attempts; the call waits for the connection within its deadline instead of
+  // failing at once. A node that is gone is declared dead by its heartbeats, which cancels the
+  // call (CancelNode). Phases fail fast: an ABORT must not wait for a dead node.
+  Call* call = Begin(node, options_.peer_timeout * 4, /*wait_for_ready=*/true);
   call->install = std::move(request);
   stub->async()->InstallPlan(&call->context, call->install.get(), &call->install_out,
                              [this, call, node, address = *address, done](grpc::Status status) {

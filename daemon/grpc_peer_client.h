@@ -49,7 +49,7 @@ class GrpcPeerClient : public PeerClient {
  private:
   struct Call;
   v1::RefitPeer::Stub* Stub(const std::string& address);
-  Call* Begin(int32_t node, absl::Duration deadline);
+  Call* Begin(int32_t node, absl::Duration deadline, bool wait_for_ready);
   void End(Call* call);
 
   const GrpcPeerClientOptions options_;

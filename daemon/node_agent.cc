@@ -52,8 +52,76 @@ const char* PhaseName(v1::PhaseRequest::Phase p) {
   }
 }
 
-NodeAgent::NodeAgent(int32_t node, WorkerRegistry* registry, DataBackend* backend)
-    : node_(node), registry_(registry), backend_(backend) {}
+NodeAgent::NodeAgent(int32_t node, WorkerRegistry* registry, DataBackend* backend, NodeAgentLease lease)
+    : node_(node), registry_(registry), backend_(backend), lease_(std::move(lease)) {}
+
+absl::Time NodeAgent::LeaseFromNow() const {
+  if (lease_.lease == absl::InfiniteDuration()) return absl::InfiniteFuture();
+  return lease_.clock->Now() + lease_.lease;
+}
+
+void NodeAgent::RenewLeases() {
+  const absl::Time until = LeaseFromNow();
+  absl::MutexLock lock(&mu_);
+  for (auto& [group, active] : active_rounds_) active.lease_until = std::max(active.lease_until, until);
+}
+
+int NodeAgent::ExpireLeases() {
+  if (lease_.lease == absl::InfiniteDuration()) return 0;
+  const absl::Time now = lease_.clock->Now();
+  std::vector<std::pair<std::string, ActiveRound>> ended;
+  {
+    absl::MutexLock lock(&mu_);
+    for (const auto& [group, active] : active_rounds_) {
+      if (!active.committing && now > active.lease_until) ended.emplace_back(group, active);
+    }
+  }
+  for (const auto& [group, active] : ended) {
+    const std::string reason = absl::StrCat(
+        "the coordinator (", lease_.coordinator, ") was lost: its lease on round ", active.round, " of group \"",
+        group, "\" ended (no phase call or heartbeat answer for ", absl::FormatDuration(lease_.lease), ")");
+    Logger("round")->warn("{}; aborting it here", reason);
+    Abort(group, active.round, active.version, reason, /*only_if_open=*/true);
+  }
+  return static_cast<int>(ended.size());
+}
+
+int NodeAgent::AbortOpenRounds(const std::string& why) {
+  std::vector<std::pair<std::string, ActiveRound>> open;
+  {
+    absl::MutexLock lock(&mu_);
+    for (const auto& [group, active] : active_rounds_) {
+      if (!active.committing) open.emplace_back(group, active);
+    }
+  }
+  for (const auto& [group, active] : open) {
+    const std::string reason = absl::StrCat("round ", active.round, " of group \"", group, "\" ended: ", why);
+    Logger("round")->warn("{}", reason);
+    Abort(group, active.round, active.version, reason, /*only_if_open=*/true);
+  }
+  return static_cast<int>(open.size());
+}
+
+void NodeAgent::Abort(const std::string& group, int64_t round, int64_t version, const std::string& reason,
+                      bool only_if_open) {
+  {
+    absl::MutexLock lock(&mu_);
+    auto it = active_rounds_.find(group);
+    const bool open = it != active_rounds_.end() && it->second.round == round;
+    if (only_if_open && (!open || it->second.committing)) return;
+    if (open) active_rounds_.erase(it);
+    AbortedRound(group)->store(round);
+    abort_reasons_[group] = {round, reason};
+  }
+  backend_->Cancel(group, round, reason);
+  registry_->Notify();  // a wait for this round's PREPARE ends now
+  v1::RoundEvent e;
+  e.set_kind(v1::RoundEvent::ABORT);
+  e.set_round_id(round);
+  e.set_version(version);
+  e.set_reason(reason);
+  registry_->SendToGroup(group, e);
+}
 
 absl::Status NodeAgent::InstallPlan(const v1::InstallPlanRequest& request, std::shared_ptr<const Plan> planned) {
   auto installed = std::make_shared<InstalledPlan>();
@@ -95,7 +163,7 @@ void NodeAgent::WorkerLost(const std::string& group, const std::string& id, cons
   int64_t round = -1;
   {
     absl::MutexLock lock(&mu_);
-    if (auto it = active_rounds_.find(group); it != active_rounds_.end()) round = it->second;
+    if (auto it = active_rounds_.find(group); it != active_rounds_.end()) round = it->second.round;
   }
   if (round >= 0) {
     backend_->Cancel(group, round, absl::StrCat("worker \"", id, "\" on node ", node_, " left: ", reason));
@@ -105,20 +173,23 @@ void NodeAgent::WorkerLost(const std::string& group, const std::string& id, cons
 absl::Status NodeAgent::RunPhase(const v1::PhaseRequest& request, v1::PhaseResponse* response) {
   const std::string& group = request.group();
   if (request.phase() == v1::PhaseRequest::ABORT) {
-    backend_->Cancel(group, request.round_id(), request.reason());
-    {
-      absl::MutexLock lock(&mu_);
-      active_rounds_.erase(group);
-      AbortedRound(group)->store(request.round_id());
-    }
-    registry_->Notify();  // a wait for this round's PREPARE ends now
-    v1::RoundEvent e;
-    e.set_kind(v1::RoundEvent::ABORT);
-    e.set_round_id(request.round_id());
-    e.set_version(request.version());
-    e.set_reason(request.reason());
-    registry_->SendToGroup(group, e);
+    Abort(group, request.round_id(), request.version(), request.reason(), /*only_if_open=*/false);
     return absl::OkStatus();
+  }
+  if (request.phase() == v1::PhaseRequest::TRANSFER || request.phase() == v1::PhaseRequest::COMMIT) {
+    // The round must still be open here: a coordinator that was stopped past its lease may send
+    // the next phase of a round this node aborted meanwhile (its workers were told ABORT).
+    absl::MutexLock lock(&mu_);
+    auto it = active_rounds_.find(group);
+    if (it == active_rounds_.end() || it->second.round != request.round_id()) {
+      auto why = abort_reasons_.find(group);
+      return absl::AbortedError(absl::StrCat(
+          "round ", request.round_id(), " of group \"", group, "\" is not open here",
+          why != abort_reasons_.end() && why->second.first == request.round_id() ? ": " + why->second.second
+                                                                                  : std::string()));
+    }
+    it->second.lease_until = std::max(it->second.lease_until, LeaseFromNow());
+    if (request.phase() == v1::PhaseRequest::COMMIT) it->second.committing = true;
   }
   std::shared_ptr<const InstalledPlan> installed;
   {
@@ -149,7 +220,8 @@ absl::Status NodeAgent::RunPhase(const v1::PhaseRequest& request, v1::PhaseRespo
         // start again at 1 when the coordinator restarts.
         aborted = AbortedRound(group);
         aborted->store(-1);
-        active_rounds_[group] = request.round_id();
+        ActiveRound& active = active_rounds_[group];
+        active = ActiveRound{request.round_id(), request.version(), LeaseFromNow(), false};
       }
       // Answers about an earlier round of the same id (before a coordinator restart) are stale.
       e.set_kind(v1::RoundEvent::PREPARE);
@@ -164,7 +236,9 @@ absl::Status NodeAgent::RunPhase(const v1::PhaseRequest& request, v1::PhaseRespo
       absl::Status s = registry_->Send(ids, e, /*reset_prepared=*/false, /*reset_resumed=*/true);
       if (s.ok()) s = registry_->AwaitWorkers(group, ids, request.round_id(), true, timeout, "COMMIT", nullptr);
       absl::MutexLock lock(&mu_);
-      active_rounds_.erase(group);
+      if (auto it = active_rounds_.find(group); it != active_rounds_.end() && it->second.round == request.round_id()) {
+        active_rounds_.erase(it);
+      }
       return s;
     }
     default:

@@ -4,6 +4,15 @@
 //
 // Lock: `mu_` guards the installed plans, the resolved buffers and which round runs per group.
 // It is never held across a call into the registry or the backend.
+//
+// The coordinator's lease. A round open here (from its PREPARE until its COMMIT is delivered or
+// it aborts) lives only while the coordinator shows it is there: every phase call of the round
+// and every answered heartbeat (RenewLeases) extend it by `lease` (--heartbeat x
+// --heartbeats-missed, the verdict the coordinator applies to nodes). When it ends
+// (ExpireLeases, called by the daemon every 100 ms on the injected clock) the node does what an
+// ABORT from the coordinator does: the backend's transfer cancelled, ABORT to the group's
+// workers, a wait for PREPARE ended. A round whose COMMIT is being delivered here is the
+// coordinator's decision already taken: it is never aborted.
 #pragma once
 
 #include <atomic>
@@ -16,7 +25,9 @@
 #include "absl/base/thread_annotations.h"
 #include "absl/status/status.h"
 #include "absl/synchronization/mutex.h"
+#include "absl/time/time.h"
 #include "daemon/backend.h"
+#include "daemon/clock.h"
 #include "daemon/worker_registry.h"
 #include "plan/layout.h"
 #include "plan/plan.h"
@@ -30,9 +41,23 @@ namespace refit {
 PlanOptions PlanOptionsFor(const v1::InstallPlanRequest& request);
 const char* PhaseName(v1::PhaseRequest::Phase p);
 
+struct NodeAgentLease {
+  const Clock* clock = Clock::Real();
+  absl::Duration lease = absl::InfiniteDuration();  // infinite: none (the coordinator's own node)
+  std::string coordinator;                          // its address, for the reasons
+};
+
 class NodeAgent {
  public:
-  NodeAgent(int32_t node, WorkerRegistry* registry, DataBackend* backend);
+  NodeAgent(int32_t node, WorkerRegistry* registry, DataBackend* backend, NodeAgentLease lease = {});
+
+  // The coordinator answered a heartbeat: every open round's lease runs on from now.
+  void RenewLeases();
+  // Aborts every open round whose lease ended; returns how many.
+  int ExpireLeases();
+  // Aborts every open round (not one whose COMMIT is being delivered) because `why`: the
+  // coordinator restarted or declared this node dead, so no round of its is going on here.
+  int AbortOpenRounds(const std::string& why);
 
   // Plans the request's layouts (or takes `planned`, the coordinator's own plan of the same
   // request) and installs it for the group, replacing the previous one.
@@ -44,6 +69,16 @@ class NodeAgent {
  private:
   struct InstalledPlan;
   struct Resolved;
+  struct ActiveRound {
+    int64_t round = -1, version = 0;
+    absl::Time lease_until = absl::InfiniteFuture();
+    bool committing = false;  // its COMMIT is being delivered: never aborted here
+  };
+
+  // What the coordinator's ABORT does: the transfer cancelled, the PREPARE wait ended, ABORT to
+  // the group's workers. `only_if_open`: unless the round is no longer open here (raced).
+  void Abort(const std::string& group, int64_t round, int64_t version, const std::string& reason, bool only_if_open);
+  absl::Time LeaseFromNow() const;
 
   absl::Status Transfer(const std::string& group, const std::shared_ptr<const InstalledPlan>& installed,
                         const v1::PhaseRequest& request, v1::PhaseResponse* response);
@@ -53,13 +88,17 @@ class NodeAgent {
   const int32_t node_;
   WorkerRegistry* const registry_;
   DataBackend* const backend_;
+  const NodeAgentLease lease_;
 
   absl::Mutex mu_;
   std::map<std::string, std::shared_ptr<const InstalledPlan>> installed_ ABSL_GUARDED_BY(mu_);
   // The buffers of a group's last transfer, reused while the same local workers stay registered
   // (a model of 100k tensors would otherwise cost tens of milliseconds of lookups every round).
   std::map<std::string, std::shared_ptr<const Resolved>> resolved_ ABSL_GUARDED_BY(mu_);
-  std::map<std::string, int64_t> active_rounds_ ABSL_GUARDED_BY(mu_);  // group -> round running here
+  std::map<std::string, ActiveRound> active_rounds_ ABSL_GUARDED_BY(mu_);  // group -> round open here
+  // group -> (round, why) of the latest round aborted here: its TRANSFER or COMMIT arriving late
+  // (from a coordinator that was stopped) is refused, never delivered.
+  std::map<std::string, std::pair<int64_t, std::string>> abort_reasons_ ABSL_GUARDED_BY(mu_);
   // group -> the latest round the coordinator aborted here: ends this node's wait for PREPARE of
   // that round at once (another node failed it).
   std::map<std::string, std::shared_ptr<std::atomic<int64_t>>> aborted_rounds_ ABSL_GUARDED_BY(mu_);

@@ -101,7 +101,12 @@ RoundDriver::RoundDriver(RoundDriverOptions options, const Membership* membershi
       peers_(peers),
       log_(log),
       clock_(clock),
-      background_(options_.max_background_rounds) {}
+      background_(options_.max_background_rounds),
+      own_state_(options_.state == nullptr ? *StateStore::Open("") : nullptr),
+      state_(options_.state != nullptr ? options_.state : own_state_.get()) {
+  absl::MutexLock lock(&mu_);
+  for (const auto& [group, version] : state_->Versions()) groups_[group].version = version;
+}
 
 RoundDriver::~RoundDriver() { Stop(); }
 
@@ -142,16 +147,30 @@ absl::StatusOr<int64_t> RoundDriver::BeginRound(const v1::RefitRequest& request)
                                             known.empty() ? "none" : absl::StrJoin(known, ", "), ")"));
   }
   if (request.version() <= 0) return absl::InvalidArgumentError("version must be positive");
+  if (request.version() > kMaxVersion) {
+    return absl::InvalidArgumentError(absl::StrCat("version ", request.version(), " is above the largest version, ",
+                                                   kMaxVersion, " (INT64_MAX - 1): a group there could never refit "
+                                                   "again"));
+  }
   {
     absl::MutexLock lock(&mu_);
     if (auto s = CheckVersion(request.group(), request.version()); !s.ok()) return s;
   }
   // Planned (or read from the cache) with no lock held.
   if (auto plan = planner_->Get(request.group()); !plan->status.ok()) return plan->status;
-  absl::MutexLock lock(&mu_);
-  if (auto s = CheckVersion(request.group(), request.version()); !s.ok()) return s;  // raced meanwhile
-  groups_[request.group()].busy = true;
-  return next_round_++;
+  {
+    absl::MutexLock lock(&mu_);
+    if (auto s = CheckVersion(request.group(), request.version()); !s.ok()) return s;  // raced meanwhile
+    groups_[request.group()].busy = true;
+  }
+  // Persisted before it is used (outside the lock: the store writes a file).
+  auto id = state_->ReserveRoundId();
+  if (!id.ok()) {
+    absl::MutexLock lock(&mu_);
+    groups_[request.group()].busy = false;
+    return absl::UnavailableError(absl::StrCat("the coordinator cannot start a round: ", id.status().message()));
+  }
+  return *id;
 }
 
 absl::Status RoundDriver::FinishRound(const v1::RefitRequest& request, int64_t round_id, v1::RoundStats* stats) {
@@ -182,6 +201,20 @@ absl::StatusOr<int64_t> RoundDriver::StartRefit(const v1::RefitRequest& request)
     return absl::UnavailableError("the coordinator is shutting down");
   }
   return *round_id;
+}
+
+absl::Status RoundDriver::BlamePause(const std::string& group, int64_t round_id, absl::Time start,
+                                     const absl::Status& failure) const {
+  if (options_.pause == nullptr) return failure;
+  options_.pause->Tick();  // this thread may be the first to run since the pause
+  const std::optional<PauseDetector::Pause> pause = options_.pause->LastPause();
+  if (!pause.has_value() || pause->ended < start || pause->length() < options_.blame_pause) return failure;
+  Logger("round")->warn("group \"{}\" round {} failed after the coordinator itself did not run for {}: {}", group,
+                        round_id, absl::FormatDuration(pause->length()), std::string(failure.message()));
+  return absl::AbortedError(absl::StrCat(
+      "node ", options_.self, " (the coordinator) did not run for ",
+      absl::FormatDuration(absl::Trunc(pause->length(), absl::Milliseconds(1))), " during round ", round_id,
+      " (stopped or starved: its clock jumped); what failed meanwhile is its own fault"));
 }
 
 absl::Status RoundDriver::RunRound(const std::string& group, int64_t round_id, int64_t version,
@@ -307,10 +340,17 @@ absl::Status RoundDriver::RunRound(const std::string& group, int64_t round_id, i
   stats->set_bytes(bytes);
   stats->set_seconds(absl::ToDoubleSeconds(clock_->Now() - start));
   if (status.ok()) {
+    // Recorded before the round is reported committed: a restarted coordinator never accepts
+    // this version (or one below it) again.
+    if (auto s = state_->RecordCommitted(group, version); !s.ok()) {
+      Logger("round")->error("group \"{}\" round {}: version {} committed but not recorded: {}", group, round_id,
+                             version, std::string(s.message()));
+    }
     stats->set_state(v1::RoundStats::COMMITTED);
     Logger("round")->info("group \"{}\" round {}: version {} committed, {} bytes in {:.3f} s", group, round_id,
                           version, stats->bytes(), stats->seconds());
   } else {
+    status = BlamePause(group, round_id, start, status);
     abort_all(std::string(status.message()));
     std::shared_ptr<FanOut> aborts;
     {

@@ -5,14 +5,21 @@
 // a PeerClient; calls go out asynchronously, so a phase costs no thread per node, and rounds
 // started by StartRefit run on one bounded executor (no thread per round), joined at Stop().
 //
-// Lock: `mu_` guards the per-group round state (busy, committed version, installed epochs) and
-// the next round id. It is never held across a call into the planner, the membership, the peer
-// client or the round log.
+// Round ids and committed versions come from a StateStore (persisted with --state-file): an id
+// is reserved before it is used, a version recorded before its round is reported committed, so
+// neither goes back when the coordinator restarts. Versions are bounded: above kMaxVersion is
+// INVALID_ARGUMENT.
+//
+// Lock: `mu_` guards the per-group round state (busy, committed version, installed epochs). It
+// is never held across a call into the planner, the membership, the peer client, the state store
+// or the round log.
 #pragma once
 
 #include <cstdint>
 #include <functional>
+#include <limits>
 #include <map>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -24,8 +31,10 @@
 #include "daemon/executor.h"
 #include "daemon/group_planner.h"
 #include "daemon/membership.h"
+#include "daemon/pause_detector.h"
 #include "daemon/peer_client.h"
 #include "daemon/round_log.h"
+#include "daemon/state_store.h"
 #include "proto/refit.pb.h"
 
 namespace refit {
@@ -46,7 +55,17 @@ struct RoundDriverOptions {
   int max_background_rounds = 16;  // StartRefit rounds running at once; more wait their turn
   // A fresh communicator id per installation (the backend's; empty: none needed).
   std::function<absl::StatusOr<std::string>()> new_communicator_id;
+  // Round ids and committed versions that survive a restart (--state-file); null: in memory.
+  StateStore* state = nullptr;
+  // The coordinator's own pauses (SIGSTOP, starvation; null: not watched). A round that fails
+  // after the coordinator did not run for `blame_pause` or more names the coordinator: what its
+  // peers and workers did meanwhile (leases ended, sessions lost) was its own doing.
+  PauseDetector* pause = nullptr;
+  absl::Duration blame_pause = absl::Seconds(1);
 };
+
+// The largest version a refit may ask for: INT64_MAX would leave a group no next version.
+inline constexpr int64_t kMaxVersion = std::numeric_limits<int64_t>::max() - 1;
 
 class RoundDriver {
  public:
@@ -75,6 +94,9 @@ class RoundDriver {
   absl::Status FinishRound(const v1::RefitRequest& request, int64_t round_id, v1::RoundStats* stats);
   absl::Status RunRound(const std::string& group, int64_t round_id, int64_t version, v1::RoundStats* stats);
   absl::Status CheckVersion(const std::string& group, int64_t version) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // `failure`, or the coordinator named as its culprit when it did not run meanwhile.
+  absl::Status BlamePause(const std::string& group, int64_t round_id, absl::Time start,
+                          const absl::Status& failure) const;
   // Remote nodes first, this node last: the peers' requests are on their way before this node's
   // own part starts (in a transfer, whoever starts first waits for the rest).
   std::vector<int32_t> Order(const std::vector<int32_t>& nodes) const;
@@ -87,9 +109,11 @@ class RoundDriver {
   const Clock* const clock_;
   Executor background_;
 
+  std::unique_ptr<StateStore> own_state_;  // when options_.state is null
+  StateStore* const state_;                // round ids and versions (its own lock)
+
   mutable absl::Mutex mu_;
   std::map<std::string, GroupRounds> groups_ ABSL_GUARDED_BY(mu_);
-  int64_t next_round_ ABSL_GUARDED_BY(mu_) = 1;
 };
 
 }  // namespace refit

@@ -24,18 +24,20 @@ namespace {
 struct Refitd {
   pid_t pid = -1;
   std::string socket;
-  explicit Refitd(int n) {
-    socket = absl::StrCat("/tmp/refitd-keepalive-", getpid(), "-", n, ".sock");
+  std::string address;
+  explicit Refitd(int n) : Refitd(absl::StrCat("/tmp/refitd-keepalive-", getpid(), "-", n, ".sock")) {}
+  explicit Refitd(const std::string& path) {
+    socket = path;
     const std::string addr_file = socket + ".addr";
     unlink(addr_file.c_str());
     std::vector<std::string> args = {"daemon/refitd",   "--node",      "0",
                                      "--worker-socket", socket,        "--address-file",
-                                     addr_file,         "--log-level", "warn"};
+                                     addr_file,         "--log-level", "warn",
+                                     "--state-file="};
     std::vector<char*> argv;
     for (auto& a : args) argv.push_back(a.data());
     argv.push_back(nullptr);
     REQUIRE(posix_spawn(&pid, argv[0], nullptr, nullptr, argv.data(), environ) == 0);
-    std::string address;
     for (int i = 0; i < 100 && address.empty(); ++i) {
       std::ifstream(addr_file) >> address;
       if (address.empty()) usleep(100000);
@@ -100,6 +102,57 @@ TEST_CASE("a frozen daemon is noticed within about two seconds; an idle healthy 
   const absl::Duration took = TimeToNotice(SIGSTOP, 0);
   INFO(absl::FormatDuration(took));
   CHECK(took < absl::Milliseconds(3500));
+}
+
+TEST_CASE("a worker registers again by itself when its daemon restarts, with the same memory") {
+  const std::string socket = absl::StrCat("/tmp/refitd-keepalive-", getpid(), "-restart.sock");
+  auto daemon = std::make_unique<Refitd>(socket);
+  const Layout layout = Trainer();
+  std::mutex mu;
+  std::vector<std::string> seen;
+  WorkerCallbacks callbacks;
+  callbacks.on_disconnected = [&](const std::string& w) {
+    std::lock_guard<std::mutex> lock(mu);
+    seen.push_back("disconnected");
+  };
+  callbacks.on_reconnected = [&](const std::string& id) {
+    std::lock_guard<std::mutex> lock(mu);
+    seen.push_back("reconnected " + id);
+  };
+  auto client = WorkerClient::Connect("unix:" + socket, "policy", v1::TRAINER, layout, callbacks);
+  INFO(client.status().message());
+  REQUIRE(client.ok());
+  (*client)->buffer(0)[0] = std::byte{42};
+  for (int restart = 0; restart < 2; ++restart) {
+    daemon.reset();  // kill -9
+    daemon = std::make_unique<Refitd>(socket);
+    const absl::Time t0 = absl::Now();
+    while (absl::Now() - t0 < absl::Seconds(10)) {
+      {
+        std::lock_guard<std::mutex> lock(mu);
+        if (seen.size() == static_cast<size_t>(2 * (restart + 1))) break;
+      }
+      absl::SleepFor(absl::Milliseconds(10));
+    }
+    INFO("restart " << restart << " after " << absl::FormatDuration(absl::Now() - t0));
+    {
+      std::lock_guard<std::mutex> lock(mu);
+      REQUIRE(seen.size() == static_cast<size_t>(2 * (restart + 1)));
+      CHECK(seen.back() == "reconnected " + (*client)->worker_id());
+    }
+    CHECK(absl::Now() - t0 < absl::Seconds(3));
+    CHECK((*client)->connected());
+    // The new daemon knows the worker, with its memory (handed over again as its descriptor).
+    auto stub = v1::RefitControl::NewStub(grpc::CreateChannel(daemon->address, grpc::InsecureChannelCredentials()));
+    grpc::ClientContext ctx;
+    ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(5));
+    v1::ListWorkersResponse workers;
+    REQUIRE(stub->ListWorkers(&ctx, v1::ListWorkersRequest(), &workers).ok());
+    REQUIRE(workers.workers_size() == 1);
+    CHECK(workers.workers(0).worker_id() == (*client)->worker_id());
+    CHECK(workers.workers(0).bytes() == 8 * 4 * 4);
+  }
+  CHECK((*client)->buffer(0)[0] == std::byte{42});  // the same memory all along
 }
 
 TEST_CASE("a killed daemon is noticed at once") {

@@ -229,6 +229,8 @@ int main(int argc, char** argv) {
   };
   options.timeout = absl::Seconds(register_timeout_s);
   callbacks.on_disconnected = [&](const std::string& why) { Report(absl::StrCat("disconnected: ", why)); };
+  // The library registers again by itself once the daemon is back.
+  callbacks.on_reconnected = [&](const std::string& id) { Report(absl::StrCat("registered ", id)); };
   auto connected = WorkerClient::Connect(daemon, group, role, mine, callbacks, std::move(options));
   if (!connected.ok()) {
     std::fprintf(stderr, "sim-worker: %s\n", std::string(connected.status().message()).c_str());

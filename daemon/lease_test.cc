@@ -1,0 +1,268 @@
+// The coordinator's lease on a node's rounds, on the injected clock: phase calls and heartbeat
+// answers renew it; when it ends the node aborts its round as the coordinator's ABORT would (the
+// transfer cancelled, ABORT to every worker of the group); a round whose COMMIT is being
+// delivered is never aborted; a late phase of an aborted round is refused. And the pause
+// detector: a failure detector that was itself stopped does not declare its peers dead.
+#include <thread>
+
+#include <catch2/catch.hpp>
+
+#include "absl/strings/str_cat.h"
+#include "daemon/membership.h"
+#include "daemon/node_agent.h"
+#include "daemon/pause_detector.h"
+#include "daemon/test_registrations.h"
+
+namespace refit {
+namespace {
+using testing::JoinOf;
+using testing::Registration;
+using testing::SyncOf;
+
+class FakeBuffer : public MappedBuffer {
+ public:
+  explicit FakeBuffer(int64_t bytes) : data_(static_cast<size_t>(bytes)) {}
+  std::span<std::byte> bytes() const override { return {const_cast<std::byte*>(data_.data()), data_.size()}; }
+
+ private:
+  std::vector<std::byte> data_;
+};
+
+class FakeBackend : public DataBackend {
+ public:
+  std::string name() const override { return "fake"; }
+  std::string data_address() const override { return "fake:0"; }
+  absl::StatusOr<std::unique_ptr<MappedBuffer>> Map(const v1::BufferMemory&, int64_t bytes) override {
+    return std::unique_ptr<MappedBuffer>(new FakeBuffer(bytes));
+  }
+  absl::StatusOr<int32_t> GpuIndex(const std::string&) override { return 0; }
+  absl::StatusOr<TransferStats> Transfer(const TransferJob&) override { return TransferStats{}; }
+  void Cancel(const std::string& group, int64_t round_id, const std::string& reason) override {
+    absl::MutexLock lock(&mu_);
+    cancels.push_back(absl::StrCat(group, "/", round_id, ": ", reason));
+  }
+  std::vector<std::string> Cancels() {
+    absl::MutexLock lock(&mu_);
+    return cancels;
+  }
+
+ private:
+  absl::Mutex mu_;
+  std::vector<std::string> cancels ABSL_GUARDED_BY(mu_);
+};
+
+v1::RegisterWorkerRequest WithMemory(v1::RegisterWorkerRequest r) {
+  r.add_memory()->mutable_shm()->set_name("unused");
+  return r;
+}
+
+struct Node {
+  FakeClock clock;
+  FakeBackend backend;
+  WorkerRegistry registry{1, {}, &backend, nullptr};
+  std::unique_ptr<NodeAgent> agent;
+  std::shared_ptr<LocalWorker> trainer, engine;
+
+  Node() {
+    NodeAgentLease lease;
+    lease.clock = &clock;
+    lease.lease = absl::Seconds(2);
+    lease.coordinator = "10.0.0.0:7070";
+    agent = std::make_unique<NodeAgent>(1, &registry, &backend, lease);
+    auto t = registry.Register(WithMemory(Registration("t0", v1::TRAINER, 0, 8, 1)));
+    auto e = registry.Register(WithMemory(Registration("i0", v1::INFERENCE, 0, 8, 1)));
+    REQUIRE(t.ok());
+    REQUIRE(e.ok());
+    trainer = t->worker;
+    engine = e->worker;
+    // The plan: this node holds both sides.
+    v1::InstallPlanRequest install;
+    install.set_group("policy");
+    install.set_epoch(1);
+    Layout src, dst;
+    testing::AddSplitTensor(src, "w", Dims{8, 4}, DType::kF32, 0, {0, 8}, {{0, 0}}, "t0");
+    testing::AddSplitTensor(dst, "w", Dims{8, 4}, DType::kF32, 0, {0, 8}, {{0, 0}}, "i0");
+    src.workers[0].name = "t0";
+    dst.workers[0].name = "i0";
+    src.workers[0].node = 1;
+    dst.workers[0].node = 1;
+    *install.mutable_source() = LayoutToProto(src);
+    *install.mutable_destination() = LayoutToProto(dst);
+    install.set_max_message_bytes(1 << 20);
+    REQUIRE(agent->InstallPlan(install).ok());
+  }
+
+  // PREPARE of `round`, both workers confirming at once (as their sessions would).
+  absl::Status Prepare(int64_t round) {
+    std::thread confirm([&] {
+      const absl::Time until = absl::Now() + absl::Seconds(5);
+      for (auto* w : {trainer.get(), engine.get()}) {
+        while (absl::Now() < until) {
+          {
+            absl::MutexLock lock(&w->mu);
+            if (!w->outbox.empty() && w->outbox.back().kind() == v1::RoundEvent::PREPARE) break;
+          }
+          absl::SleepFor(absl::Milliseconds(1));
+        }
+        v1::WorkerMessage m;
+        m.set_prepared(round);
+        registry.Record(*w, m);
+      }
+    });
+    v1::PhaseResponse out;
+    const absl::Status s = agent->RunPhase(Phase(v1::PhaseRequest::PREPARE, round), &out);
+    confirm.join();
+    return s;
+  }
+  static v1::PhaseRequest Phase(v1::PhaseRequest::Phase p, int64_t round) {
+    v1::PhaseRequest r;
+    r.set_phase(p);
+    r.set_group("policy");
+    r.set_round_id(round);
+    r.set_version(round * 10);
+    r.set_epoch(1);
+    r.set_timeout_ms(5000);
+    return r;
+  }
+  // The kinds of events queued for a worker, oldest first.
+  static std::vector<std::string> Events(LocalWorker& w) {
+    absl::MutexLock lock(&w.mu);
+    std::vector<std::string> out;
+    for (const auto& e : w.outbox) {
+      out.push_back(absl::StrCat(v1::RoundEvent::Kind_Name(e.kind()), " ", e.round_id()));
+    }
+    return out;
+  }
+  static std::string LastReason(LocalWorker& w) {
+    absl::MutexLock lock(&w.mu);
+    return w.outbox.empty() ? "" : w.outbox.back().reason();
+  }
+};
+
+TEST_CASE("lease: ends the node's round when the coordinator falls silent, and tells every worker") {
+  Node n;
+  REQUIRE(n.Prepare(7).ok());
+  CHECK(n.agent->ExpireLeases() == 0);
+  n.clock.Advance(absl::Seconds(2));
+  CHECK(n.agent->ExpireLeases() == 0);  // exactly the lease: still held
+  n.clock.Advance(absl::Milliseconds(1));
+  CHECK(n.agent->ExpireLeases() == 1);
+  CHECK(Node::Events(*n.trainer) == std::vector<std::string>{"PREPARE 7", "ABORT 7"});
+  CHECK(Node::Events(*n.engine) == std::vector<std::string>{"PREPARE 7", "ABORT 7"});
+  const std::string why = Node::LastReason(*n.engine);
+  INFO(why);
+  CHECK(why.find("the coordinator (10.0.0.0:7070) was lost: its lease on round 7") != std::string::npos);
+  CHECK(why.find("node 1") == std::string::npos);  // never names this innocent node
+  REQUIRE(n.backend.Cancels().size() == 1);
+  CHECK(n.backend.Cancels()[0].rfind("policy/7: the coordinator", 0) == 0);
+  CHECK(n.agent->ExpireLeases() == 0);  // once
+
+  // The coordinator, woken, sends the next phase of the round: refused, never delivered.
+  v1::PhaseResponse out;
+  for (auto p : {v1::PhaseRequest::TRANSFER, v1::PhaseRequest::COMMIT}) {
+    const absl::Status s = n.agent->RunPhase(Node::Phase(p, 7), &out);
+    CHECK(s.code() == absl::StatusCode::kAborted);
+    CHECK(s.message().find("lease on round 7") != std::string::npos);
+  }
+  CHECK(Node::Events(*n.engine).back() == "ABORT 7");
+}
+
+TEST_CASE("lease: heartbeat answers and phase calls renew it") {
+  Node n;
+  REQUIRE(n.Prepare(3).ok());
+  for (int i = 0; i < 10; ++i) {  // 15 s of heartbeat answers every 1.5 s
+    n.clock.Advance(absl::Milliseconds(1500));
+    n.agent->RenewLeases();
+    CHECK(n.agent->ExpireLeases() == 0);
+  }
+  n.clock.Advance(absl::Milliseconds(1500));
+  v1::PhaseResponse out;
+  CHECK(n.agent->RunPhase(Node::Phase(v1::PhaseRequest::TRANSFER, 3), &out).ok());  // renews it
+  n.clock.Advance(absl::Milliseconds(1500));
+  CHECK(n.agent->ExpireLeases() == 0);
+  CHECK(Node::Events(*n.engine) == std::vector<std::string>{"PREPARE 3"});
+  n.clock.Advance(absl::Milliseconds(600));
+  CHECK(n.agent->ExpireLeases() == 1);
+}
+
+TEST_CASE("lease: a round whose COMMIT is being delivered is never aborted; a resync ends open rounds") {
+  Node n;
+  REQUIRE(n.Prepare(4).ok());
+  v1::PhaseResponse out;
+  REQUIRE(n.agent->RunPhase(Node::Phase(v1::PhaseRequest::TRANSFER, 4), &out).ok());
+  // COMMIT delivered, the engine slow to confirm; the coordinator goes silent meanwhile.
+  std::thread commit([&] {
+    v1::PhaseRequest c = Node::Phase(v1::PhaseRequest::COMMIT, 4);
+    c.set_timeout_ms(300);
+    n.agent->RunPhase(c, &out).IgnoreError();
+  });
+  while (Node::Events(*n.engine).back() != "COMMIT 4") absl::SleepFor(absl::Milliseconds(1));
+  n.clock.Advance(absl::Seconds(10));
+  CHECK(n.agent->ExpireLeases() == 0);
+  CHECK(n.agent->AbortOpenRounds("the coordinator restarted") == 0);
+  commit.join();
+  CHECK(Node::Events(*n.engine).back() == "COMMIT 4");
+
+  // The coordinator restarted (or declared this node dead) while round 5 was open here.
+  REQUIRE(n.Prepare(5).ok());
+  CHECK(n.agent->AbortOpenRounds("the coordinator no longer knows this node") == 1);
+  CHECK(Node::Events(*n.trainer).back() == "ABORT 5");
+  CHECK(Node::Events(*n.engine).back() == "ABORT 5");
+  CHECK(Node::LastReason(*n.engine).find("no longer knows this node") != std::string::npos);
+}
+
+TEST_CASE("lease: none on the coordinator's own node") {
+  FakeClock clock;
+  FakeBackend backend;
+  WorkerRegistry registry{0, {}, &backend, nullptr};
+  NodeAgentLease lease;
+  lease.clock = &clock;
+  NodeAgent agent(0, &registry, &backend, lease);
+  clock.Advance(absl::Hours(1));
+  CHECK(agent.ExpireLeases() == 0);
+}
+
+TEST_CASE("pause detector: a gap between ticks is a pause; the frozen failure detector judges nobody") {
+  FakeClock clock;
+  PauseDetector pause(&clock, absl::Milliseconds(500));
+  for (int i = 0; i < 10; ++i) {
+    clock.Advance(absl::Milliseconds(100));
+    CHECK_FALSE(pause.Tick().has_value());
+  }
+  CHECK_FALSE(pause.LastPause().has_value());
+
+  // The coordinator's failure detector as Daemon::MonitorLoop runs it: peers judged only when
+  // the detector has run for a whole verdict since its last pause.
+  Membership m(0, absl::Milliseconds(500), 4, &clock);  // dead after 2 s of silence
+  m.SetSelf("10.0.0.0:7070", "10.0.0.0:7071", 1);
+  for (int32_t node : {1, 2}) {
+    m.Join(JoinOf(node, 10 + node));
+    m.ApplySync(SyncOf(node, 10 + node, {Registration(absl::StrCat("i", node), v1::INFERENCE, 0, 8, node)}));
+  }
+  auto monitor = [&] {
+    pause.Tick();
+    if (pause.PausedWithin(absl::Seconds(2))) return std::vector<DeadNode>{};
+    return m.CheckLiveness();
+  };
+  // SIGSTOP for 12 s: no heartbeat received meanwhile (both peers went on sending them).
+  clock.Advance(absl::Seconds(12));
+  CHECK(monitor().empty());
+  const auto p = pause.LastPause();
+  REQUIRE(p.has_value());
+  CHECK(p->length() == absl::Seconds(12));
+  // Awake: node 1's queued heartbeats arrive; node 2 really died during the freeze.
+  for (int i = 0; i < 19; ++i) {
+    clock.Advance(absl::Milliseconds(100));
+    m.Join(JoinOf(1, 11));
+    CHECK(monitor().empty());
+  }
+  clock.Advance(absl::Milliseconds(200));
+  m.Join(JoinOf(1, 11));
+  const std::vector<DeadNode> dead = monitor();
+  REQUIRE(dead.size() == 1);
+  CHECK(dead[0].node == 2);  // the one that failed, a whole verdict after the detector woke
+  CHECK(m.ControlAddress(1).ok());
+}
+
+}  // namespace
+}  // namespace refit

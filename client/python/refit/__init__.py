@@ -16,10 +16,16 @@ _EXPORTS = {
 }
 
 
+_SUBMODULES = {"controller", "cuda", "dtypes", "errors", "export", "handles", "layout_io", "layouts",
+               "pattern", "shm", "worker"}
+
+
 def __getattr__(name):
+    import importlib
     if name in _EXPORTS:
-        import importlib
         return getattr(importlib.import_module(_EXPORTS[name]), name)
+    if name in _SUBMODULES:  # `refit.shm` without importing it first, as with eager imports
+        return importlib.import_module(f"refit.{name}")
     raise AttributeError(f"module 'refit' has no attribute {name!r}")
 
 

@@ -89,6 +89,7 @@ class Builder {
     Put(tensor, box, b, zeros);
   }
   Layout Take() { return std::move(layout_); }
+  Layout& layout() { return layout_; }
 
  private:
   std::vector<TensorDef> defs_;
@@ -628,6 +629,14 @@ absl::StatusOr<Layout> MakeInferenceLayout(const ModelConfig& m, const Inference
     for (int64_t t = 0; t < p.tp; ++t) {
       const int64_t rank = d * p.tp + t;
       const int32_t w = b.Worker(absl::StrCat("vllm-dp", d, "-tp", t), static_cast<int32_t>(rank), where);
+      // The engine replica this rank belongs to (docs/LAYOUTS.md): a dense model's DP replicas are
+      // engines of their own ("dp<d>", its tp ranks); a MoE model's experts are split over all
+      // dp * tp ranks, so that whole world is one replica ("engine").
+      Worker& rw = b.layout().workers[w];
+      const bool moe = m.num_experts > 0;
+      rw.replica = moe ? "engine" : absl::StrCat("dp", d);
+      rw.replica_rank = static_cast<int32_t>(moe ? rank : t);
+      rw.replica_size = moe ? p.World() : p.tp;
       AddVllmRank(b, m, p, w, t, d);
     }
   }

@@ -46,7 +46,9 @@
 //   (FSDP1 flattens one dtype per unit). transformers 5 pins it fp32
 //   (_keep_in_fp32_modules_strict, PR #42580), like its fused MoE parameters not modeled here.
 // Inference (vLLM conventions):
-//   rank = d * tp + t; each DP replica is tensor-parallel over its tp ranks: per rank a fused
+//   rank = d * tp + t; each worker declares its engine replica (Worker.replica, replica_rank,
+//   replica_size): a dense model's DP replica d is "dp<d>", ranks t of tp; a MoE model's experts
+//   are split over all dp * tp ranks, so the whole world is one replica "engine", ranks d * tp + t; each DP replica is tensor-parallel over its tp ranks: per rank a fused
 //   qkv_proj ([q_t; k_t; v_t], k/v heads replicated when tp > kv heads), gate_up_proj
 //   ([gate_t; up_t]; dense MLPs and shared experts alike), row-parallel o_proj and down_proj,
 //   vocabulary padded to a multiple of 64 and split evenly; routers (gate, shared_expert_gate)

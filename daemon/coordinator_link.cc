@@ -69,7 +69,7 @@ absl::Status CoordinatorLink::Join(const std::string& control_address, const std
   return absl::OkStatus();
 }
 
-absl::Status CoordinatorLink::Sync() {
+absl::Status CoordinatorLink::Sync(std::vector<v1::WorkerRefusal>* refused) {
   absl::MutexLock order(&sync_order_);
   v1::SyncWorkersRequest sync;
   sync.set_node(options_.node);
@@ -78,7 +78,12 @@ absl::Status CoordinatorLink::Sync() {
   grpc::ClientContext ctx;
   ctx.set_deadline(Deadline(options_.peer_timeout));
   v1::SyncWorkersResponse out;
-  return FromGrpc(Peer()->SyncWorkers(&ctx, sync, &out));
+  const absl::Status s = FromGrpc(Peer()->SyncWorkers(&ctx, sync, &out));
+  for (const v1::WorkerRefusal& r : out.refused()) {
+    Logger("rpc")->warn("the coordinator did not admit {}: {}", r.worker_id(), r.reason());
+    if (refused != nullptr) refused->push_back(r);
+  }
+  return s;
 }
 
 void CoordinatorLink::HeartbeatLoop() {

@@ -52,7 +52,9 @@ class CoordinatorLink {
   // Joins (retrying for 4 x --peer-timeout), then heartbeats until Stop().
   absl::Status Join(const std::string& control_address, const std::string& data_address);
   // Sends this node's whole worker list.
-  absl::Status Sync();
+  // Sends this node's whole worker list; `refused` (may be null) gets the workers the coordinator
+  // did not admit (their name is held on another node).
+  absl::Status Sync(std::vector<v1::WorkerRefusal>* refused = nullptr);
   void Stop();
 
   // Forwards a unary operator call to the coordinator within `timeout`.

@@ -87,6 +87,12 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(const DaemonConfig& config
     planning.routing = config.routing;
     planning.max_relay_depth = config.max_relay_depth;
     d->planner_ = std::make_unique<GroupPlanner>(planning, d->membership_.get());
+    // A group whose last worker left is forgotten by every component that kept something of it
+    // (the round log keeps its history). The planner and driver outlive the membership's callers.
+    d->membership_->OnGroupForgotten([self](const std::string& group) {
+      self->planner_->Forget(group);
+      if (self->driver_ != nullptr) self->driver_->ForgetGroup(group);
+    });
     d->round_log_ = std::make_unique<RoundLog>();
     GrpcPeerClientOptions peers;
     peers.self = config.node;
@@ -262,11 +268,14 @@ void Daemon::MonitorLoop() {
 }
 
 absl::Status Daemon::SyncAdded(const v1::RegisterWorkerRequest& added) {
-  if (membership_ != nullptr) {
-    membership_->AddLocal(added);
-    return absl::OkStatus();
+  if (membership_ != nullptr) return membership_->AddLocal(added);  // ALREADY_EXISTS: held elsewhere
+  std::vector<v1::WorkerRefusal> refused;
+  REFIT_RETURN_IF_ERROR(link_->Sync(&refused));
+  const std::string id = absl::StrCat(added.group(), "/", added.worker().name());
+  for (const v1::WorkerRefusal& r : refused) {
+    if (r.worker_id() == id) return absl::AlreadyExistsError(r.reason());  // its name is held on another node
   }
-  return link_->Sync();
+  return absl::OkStatus();
 }
 
 void Daemon::SyncRemoved(const std::string& id) {
@@ -283,6 +292,7 @@ absl::Status Daemon::Register(const v1::RegisterWorkerRequest& request, v1::Regi
   const std::shared_ptr<LocalWorker>& worker = registered->worker;
   if (auto s = SyncAdded(worker->request); !s.ok()) {
     registry_->Drop(worker->id);
+    if (s.code() == absl::StatusCode::kAlreadyExists) return absl::AlreadyExistsError(absl::StrCat("register: ", s.message()));
     return absl::UnavailableError(absl::StrCat("register: the coordinator did not take the worker: ", s.message()));
   }
   const v1::Worker& w = worker->request.worker();

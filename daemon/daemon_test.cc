@@ -8,6 +8,9 @@
 #include <sys/mman.h>
 #include <unistd.h>
 
+#include <atomic>
+#include <thread>
+
 #include <catch2/catch.hpp>
 
 #include "absl/strings/str_cat.h"
@@ -464,6 +467,206 @@ TEST_CASE("a refusal on another node aborts the round at once, while a worker el
   CHECK(absl::Now() - t0 < absl::Seconds(1));
   CHECK(Says(s, grpc::StatusCode::ABORTED,
              "worker \"policy/engine0\" on node 1 refused PREPARE of round 1: the engine is sleeping"));
+}
+
+// One engine rank: rows [r0, r1) of "w", rank `rank` of replica `replica` of `size` ranks.
+Layout EngineRank(const std::string& name, const std::string& replica, int32_t rank, int32_t size, int64_t r0,
+                  int64_t r1) {
+  Layout l;
+  AddSplitTensor(l, "w", Dims{8, 4}, DType::kF32, 0, {r0, r1}, {{0, 0}}, name);
+  l.workers[0].name = name;
+  l.workers[0].replica = replica;
+  l.workers[0].replica_rank = rank;
+  l.workers[0].replica_size = size;
+  return l;
+}
+
+v1::StatusResponse StatusOf(Cluster& c) {
+  grpc::ClientContext ctx;
+  v1::StatusResponse out;
+  REQUIRE(c.control->Status(&ctx, v1::StatusRequest(), &out).ok());
+  return out;
+}
+
+const v1::ReplicaStatus* ReplicaIn(const v1::StatusResponse& s, const std::string& group, const std::string& name) {
+  for (const auto& g : s.groups()) {
+    if (g.name() != group) continue;
+    for (const auto& r : g.replicas()) {
+      if (r.name() == name) return &r;
+    }
+  }
+  return nullptr;
+}
+
+// docs/ROUNDS.md, "Replicas and commit".
+TEST_CASE("an engine lost during COMMIT: the round is committed, nobody is sent ABORT, its replica no longer counts") {
+  Cluster c;
+  Layout trainer;
+  AddSplitTensor(trainer, "w", Dims{8, 4}, DType::kF32, 0, {0, 8}, {{0, 0}}, "trainer");
+  struct Engine {
+    std::unique_ptr<WorkerClient> client;
+    std::atomic<int> commits{0}, aborts{0};
+  };
+  Engine a, b, cc, d;  // replica dp0: a, b; replica dp1: cc, d
+  std::atomic<bool> d_in_commit{false}, d_gone{false};
+  auto callbacks = [](Engine& e) {
+    WorkerCallbacks cb;
+    cb.on_commit = [&e](int64_t) { ++e.commits; };
+    cb.on_abort = [&e](int64_t, const std::string&) { ++e.aborts; };
+    return cb;
+  };
+  std::atomic<int> trainer_aborts{0};
+  WorkerCallbacks tcb;
+  tcb.on_abort = [&](int64_t, const std::string&) { ++trainer_aborts; };
+  auto t = WorkerClient::Connect(c.socket, "policy", v1::TRAINER, trainer, tcb);
+  REQUIRE(t.ok());
+  auto connect = [&](Engine& e, const Layout& l, WorkerCallbacks cb) {
+    ConnectOptions o;
+    o.reconnect = false;  // a worker lost stays lost
+    auto client = WorkerClient::Connect(c.socket, "policy", v1::INFERENCE, l, std::move(cb), o);
+    INFO(client.status().message());
+    REQUIRE(client.ok());
+    e.client = *std::move(client);
+  };
+  connect(a, EngineRank("a", "dp0", 0, 2, 0, 4), callbacks(a));
+  connect(b, EngineRank("b", "dp0", 1, 2, 4, 8), callbacks(b));
+  connect(cc, EngineRank("c", "dp1", 0, 2, 0, 4), callbacks(cc));
+  WorkerCallbacks dcb = callbacks(d);
+  dcb.on_commit = [&](int64_t) {
+    ++d.commits;
+    d_in_commit = true;
+    const absl::Time until = absl::Now() + absl::Seconds(2);
+    while (!d_gone && absl::Now() < until) absl::SleepFor(absl::Milliseconds(5));  // lost before it confirms
+  };
+  connect(d, EngineRank("d", "dp1", 1, 2, 4, 8), dcb);
+
+  auto refit = [&](int64_t version, v1::RoundStats* out) {
+    grpc::ClientContext ctx;
+    v1::RefitRequest r;
+    r.set_group("policy");
+    r.set_version(version);
+    return c.control->Refit(&ctx, r, out);
+  };
+  v1::RoundStats stats;
+  grpc::Status round;
+  std::thread driver([&] { round = refit(1, &stats); });
+  const absl::Time until = absl::Now() + absl::Seconds(10);
+  while (!d_in_commit && absl::Now() < until) absl::SleepFor(absl::Milliseconds(2));
+  REQUIRE(d_in_commit);
+  {
+    grpc::ClientContext ctx;
+    v1::UnregisterWorkerRequest r;
+    r.set_worker_id("policy/d");
+    v1::UnregisterWorkerResponse out;
+    REQUIRE(c.workers->Unregister(&ctx, r, &out).ok());  // d is gone, inside its COMMIT
+  }
+  d_gone = true;
+  driver.join();
+  INFO(round.error_message());
+  REQUIRE(round.ok());
+  CHECK(stats.state() == v1::RoundStats::COMMITTED);
+  CHECK(stats.commit_note().find("\"policy/d\"") != std::string::npos);
+  CHECK(std::vector<std::string>(stats.replicas().begin(), stats.replicas().end()) ==
+        std::vector<std::string>{"dp0", "dp1"});
+  // Every live worker learnt version 1; none was told ABORT.
+  absl::SleepFor(absl::Milliseconds(200));
+  for (Engine* e : {&a, &b, &cc}) {
+    CHECK(e->commits == 1);
+    CHECK(e->aborts == 0);
+    CHECK(e->client->version() == 1);
+  }
+  CHECK(trainer_aborts == 0);
+
+  // dp1 lost its rank 1: Status names it; dp0 holds version 1.
+  v1::StatusResponse s = StatusOf(c);
+  REQUIRE(ReplicaIn(s, "policy", "dp1") != nullptr);
+  CHECK_FALSE(ReplicaIn(s, "policy", "dp1")->complete());
+  CHECK(std::vector<int32_t>(ReplicaIn(s, "policy", "dp1")->missing_ranks().begin(),
+                             ReplicaIn(s, "policy", "dp1")->missing_ranks().end()) == std::vector<int32_t>{1});
+  CHECK(ReplicaIn(s, "policy", "dp1")->problem().find("missing rank 1") != std::string::npos);
+  CHECK(ReplicaIn(s, "policy", "dp0")->version() == 1);
+  CHECK(s.groups(0).ready());
+  CHECK(s.groups(0).complete_replicas() == 1);
+
+  // The next round refits dp0 only: c, half of dp1, is never told COMMIT.
+  v1::RoundStats second;
+  REQUIRE(refit(2, &second).ok());
+  CHECK(std::vector<std::string>(second.replicas().begin(), second.replicas().end()) ==
+        std::vector<std::string>{"dp0"});
+  CHECK(std::vector<std::string>(second.incomplete_replicas().begin(), second.incomplete_replicas().end()) ==
+        std::vector<std::string>{"dp1"});
+  absl::SleepFor(absl::Milliseconds(200));
+  CHECK(a.client->version() == 2);
+  CHECK(cc.commits == 1);
+  CHECK(cc.client->version() == 1);
+
+  // d comes back: dp1 is complete again, but says it missed versions until a round refits it.
+  Engine d2;
+  connect(d2, EngineRank("d", "dp1", 1, 2, 4, 8), callbacks(d2));
+  s = StatusOf(c);
+  REQUIRE(ReplicaIn(s, "policy", "dp1") != nullptr);
+  CHECK(ReplicaIn(s, "policy", "dp1")->complete());
+  CHECK(ReplicaIn(s, "policy", "dp1")->version() == 0);
+  CHECK(ReplicaIn(s, "policy", "dp1")->problem().find("missed versions") != std::string::npos);
+  REQUIRE(refit(3, &second).ok());
+  s = StatusOf(c);
+  CHECK(ReplicaIn(s, "policy", "dp1")->version() == 3);
+  CHECK(ReplicaIn(s, "policy", "dp1")->problem().empty());
+  absl::SleepFor(absl::Milliseconds(200));
+  CHECK(cc.client->version() == 3);
+  CHECK(d2.client->version() == 3);
+}
+
+TEST_CASE("a worker name held on another node is refused at registration; a group without workers is forgotten") {
+  Cluster c;  // node 0, the coordinator
+  DaemonConfig n1;
+  n1.node = 1;
+  n1.coordinator = c.daemon->address();
+  n1.worker_socket = absl::StrCat("/tmp/refitd-test-", getpid(), "-1.sock");
+  n1.log_level = "warn";
+  auto node1 = Daemon::Start(n1);
+  INFO(node1.status().message());
+  REQUIRE(node1.ok());
+  Layout one;
+  AddSplitTensor(one, "w", Dims{8, 4}, DType::kF32, 0, {0, 8}, {{0, 0}}, "x");
+  one.workers[0].name = "x";
+  ConnectOptions o;
+  o.reconnect = false;
+  auto held = WorkerClient::Connect("unix:" + n1.worker_socket, "policy", v1::TRAINER, one, {}, o);
+  REQUIRE(held.ok());
+  // On the coordinator's node: refused, naming node 1.
+  auto dup = WorkerClient::Connect(c.socket, "policy", v1::TRAINER, one, {}, o);
+  REQUIRE_FALSE(dup.ok());
+  CHECK(absl::IsAlreadyExists(dup.status()));
+  CHECK(std::string(dup.status().message()).find("worker \"policy/x\" is already registered on node 1") !=
+        std::string::npos);
+  // And the other way: held on the coordinator's node, refused on node 1 (learnt from SyncWorkers).
+  one.workers[0].name = "y";
+  auto y = WorkerClient::Connect(c.socket, "policy", v1::INFERENCE, one, {}, o);
+  REQUIRE(y.ok());
+  auto dup_y = WorkerClient::Connect("unix:" + n1.worker_socket, "policy", v1::INFERENCE, one, {}, o);
+  REQUIRE_FALSE(dup_y.ok());
+  CHECK(absl::IsAlreadyExists(dup_y.status()));
+  CHECK(std::string(dup_y.status().message()).find("worker \"policy/y\" is already registered on node 0") !=
+        std::string::npos);
+  // The group works with the holders: one of each, ready.
+  v1::StatusResponse s = StatusOf(c);
+  REQUIRE(s.groups_size() == 1);
+  CHECK(s.groups(0).ready());
+  CHECK(s.groups(0).trainers() == 1);
+  CHECK(s.groups(0).inference_workers() == 1);
+  // Every worker leaves: the group is forgotten (Status neither lists nor plans it).
+  REQUIRE((*held)->Unregister().ok());
+  REQUIRE((*y)->Unregister().ok());
+  const absl::Time until = absl::Now() + absl::Seconds(5);
+  while (StatusOf(c).groups_size() != 0 && absl::Now() < until) absl::SleepFor(absl::Milliseconds(20));
+  CHECK(StatusOf(c).groups_size() == 0);
+  grpc::ClientContext ctx;
+  v1::RefitRequest r;
+  r.set_group("policy");
+  r.set_version(1);
+  v1::RoundStats out;
+  CHECK(Says(c.control->Refit(&ctx, r, &out), grpc::StatusCode::NOT_FOUND, "no model group \"policy\""));
 }
 
 }  // namespace

@@ -1,6 +1,9 @@
 #include "daemon/group_planner.h"
 
+#include <set>
+
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
 #include "daemon/logging.h"
 #include "daemon/node_agent.h"
 #include "plan/planner.h"
@@ -15,6 +18,17 @@ GroupPlanner::GroupPlanner(GroupPlannerOptions options, const Membership* member
 int64_t GroupPlanner::plannings() const {
   absl::MutexLock lock(&mu_);
   return plannings_;
+}
+
+void GroupPlanner::Forget(const std::string& group) {
+  absl::MutexLock lock(&mu_);
+  auto it = cache_.find(group);
+  if (it == cache_.end()) return;
+  if (it->second.planning_epoch == -1) {
+    cache_.erase(it);
+  } else {
+    it->second.latest = nullptr;  // a planning in flight puts its result back; a later Forget drops it
+  }
 }
 
 std::shared_ptr<const GroupPlan> GroupPlanner::Get(const std::string& group) {
@@ -45,13 +59,26 @@ std::shared_ptr<const GroupPlan> GroupPlanner::Get(const std::string& group) {
 std::shared_ptr<const GroupPlan> GroupPlanner::Compute(const std::string& group, const GroupMembers& members) const {
   auto g = std::make_shared<GroupPlan>();
   g->epoch = members.epoch;
-  g->nodes = members.nodes;
   g->trainers = members.trainers;
   g->inference = members.inference;
+  g->replicas = members.replicas;
+  std::vector<std::string> problems;
+  for (const ReplicaView& r : members.replicas) {
+    (r.complete ? g->planned : g->incomplete).push_back(r.name);
+    if (!r.complete && problems.size() < 8) problems.push_back(r.problem);
+  }
+  if (g->incomplete.size() > problems.size()) {
+    problems.push_back(absl::StrCat("and ", g->incomplete.size() - problems.size(), " more incomplete replicas"));
+  }
   g->src.set_model(group + " trainers");
   g->dst.set_model(group + " inference");
   std::map<std::string, std::pair<v1::TensorSpec, std::string>> seen[2];  // name -> spec, worker
-  for (const auto& [node, w] : members.workers) {
+  std::set<int32_t> nodes;
+  for (size_t i = 0; i < members.workers.size(); ++i) {
+    // Inference workers of incomplete replicas are left out: a round refits replicas whole.
+    if (i < members.counts.size() && !members.counts[i]) continue;
+    const auto& [node, w] = members.workers[i];
+    nodes.insert(node);
     const int side = w.role() == v1::TRAINER ? 0 : 1;
     v1::Layout& l = side == 0 ? g->src : g->dst;
     for (const v1::TensorSpec& t : w.tensors()) {
@@ -66,6 +93,13 @@ std::shared_ptr<const GroupPlan> GroupPlanner::Compute(const std::string& group,
       }
     }
     *l.add_workers() = w.worker();
+  }
+  g->nodes.assign(nodes.begin(), nodes.end());
+  if (g->src.workers_size() > 0 && g->dst.workers_size() == 0 && members.inference > 0) {
+    g->status = absl::FailedPreconditionError(absl::StrCat(
+        "group \"", group, "\" is not ready: no complete inference replica (a replica counts only with every rank "
+        "registered): ", absl::StrJoin(problems, "; ")));
+    return g;
   }
   if (g->src.workers_size() == 0 || g->dst.workers_size() == 0) {
     g->status = absl::FailedPreconditionError(absl::StrCat(

@@ -31,8 +31,12 @@ struct GroupPlan {
   absl::Status status;                // FAILED_PRECONDITION with the reason when not ready
   v1::Layout src, dst;                // what every daemon plans again (InstallPlan)
   std::shared_ptr<const Plan> plan;   // set when status is OK
-  std::vector<int32_t> nodes;         // nodes with workers of the group
-  int trainers = 0, inference = 0;
+  std::vector<int32_t> nodes;         // nodes with workers in the plan
+  int trainers = 0, inference = 0;    // registered
+  // The inference side by replica (versions as of the epoch; Membership has the live ones). Only
+  // complete replicas are planned: `planned` names them, `incomplete` the rest.
+  std::vector<ReplicaView> replicas;
+  std::vector<std::string> planned, incomplete;
 };
 
 struct GroupPlannerOptions {
@@ -51,6 +55,8 @@ class GroupPlanner {
   std::shared_ptr<const GroupPlan> Get(const std::string& group);
   // How many plannings ran (tests: one per epoch).
   int64_t plannings() const;
+  // The group was forgotten (Membership::OnGroupForgotten): its cached plan goes.
+  void Forget(const std::string& group);
 
  private:
   std::shared_ptr<const GroupPlan> Compute(const std::string& group, const GroupMembers& members) const;

@@ -104,5 +104,91 @@ TEST_CASE("group planner: plans outside any lock; concurrent callers of one epoc
   CHECK(calls == 1);
 }
 
+v1::RegisterWorkerRequest Rank(const std::string& name, const std::string& replica, int32_t rank, int32_t size,
+                               int64_t r0, int64_t r1, int32_t node) {
+  v1::RegisterWorkerRequest r = Registration(name, v1::INFERENCE, r0, r1, node);
+  r.mutable_worker()->set_replica(replica);
+  r.mutable_worker()->set_replica_rank(rank);
+  r.mutable_worker()->set_replica_size(size);
+  return r;
+}
+
+std::vector<std::string> Workers(const v1::Layout& l) {
+  std::vector<std::string> out;
+  for (const auto& w : l.workers()) out.push_back(w.name());
+  return out;
+}
+
+TEST_CASE("group planner: only complete replicas are planned, never part of one") {
+  FakeClock clock;
+  Membership m(0, absl::Milliseconds(500), 4, &clock);
+  m.SetSelf("a", "b", 1);
+  GroupPlanner planner(GroupPlannerOptions{}, &m);
+  m.AddLocal(Registration("t0", v1::TRAINER, 0, 8, 0));
+  CHECK(m.Join(JoinOf(1, 5)));
+  CHECK(m.Join(JoinOf(2, 6)));
+  // TP2 x DP2: dp0 on node 1, dp1 on node 2 without its rank 0 (killed, say).
+  m.ApplySync(SyncOf(1, 5, {Rank("vllm-dp0-tp0", "dp0", 0, 2, 0, 4, 1), Rank("vllm-dp0-tp1", "dp0", 1, 2, 4, 8, 1)}));
+  m.ApplySync(SyncOf(2, 6, {Rank("vllm-dp1-tp1", "dp1", 1, 2, 4, 8, 2)}));
+  auto plan = planner.Get("policy");
+  REQUIRE(plan->status.ok());
+  CHECK(Workers(plan->dst) == std::vector<std::string>{"vllm-dp0-tp0", "vllm-dp0-tp1"});
+  CHECK(plan->planned == std::vector<std::string>{"dp0"});
+  CHECK(plan->incomplete == std::vector<std::string>{"dp1"});
+  CHECK(plan->nodes == std::vector<int32_t>{0, 1});  // node 2 takes no part in a round
+  CHECK(plan->inference == 3);                        // registered
+  // The replica's rank comes back: both planned.
+  m.ApplySync(SyncOf(2, 6, {Rank("vllm-dp1-tp1", "dp1", 1, 2, 4, 8, 2), Rank("vllm-dp1-tp0", "dp1", 0, 2, 0, 4, 2)}));
+  plan = planner.Get("policy");
+  REQUIRE(plan->status.ok());
+  CHECK(plan->planned == std::vector<std::string>{"dp0", "dp1"});
+  CHECK(plan->nodes == std::vector<int32_t>{0, 1, 2});
+  CHECK(Workers(plan->dst).size() == 4);
+
+  // No replica complete: not ready, naming the missing ranks.
+  m.ApplySync(SyncOf(1, 5, {Rank("vllm-dp0-tp1", "dp0", 1, 2, 4, 8, 1)}));
+  m.ApplySync(SyncOf(2, 6, {}));
+  plan = planner.Get("policy");
+  CHECK(plan->status.code() == absl::StatusCode::kFailedPrecondition);
+  CHECK(std::string(plan->status.message()) ==
+        "group \"policy\" is not ready: no complete inference replica (a replica counts only with every rank "
+        "registered): replica \"dp0\": 1 of 2 ranks registered; missing rank 0 (present: 1 \"vllm-dp0-tp1\")");
+}
+
+TEST_CASE("group planner: a complete replica must still be covered by the trainers") {
+  FakeClock clock;
+  Membership m(0, absl::Milliseconds(500), 4, &clock);
+  m.SetSelf("a", "b", 1);
+  GroupPlanner planner(GroupPlannerOptions{}, &m);
+  m.AddLocal(Registration("t0", v1::TRAINER, 0, 4, 0));  // rows [4, 8) held by nobody
+  m.AddLocal(Rank("e0", "dp0", 0, 2, 0, 4, 0));
+  m.AddLocal(Rank("e1", "dp0", 1, 2, 4, 8, 0));
+  auto plan = planner.Get("policy");
+  CHECK(plan->status.code() == absl::StatusCode::kFailedPrecondition);
+  CHECK(std::string(plan->status.message()).find("is not ready") != std::string::npos);
+}
+
+TEST_CASE("group planner: a forgotten group's plan is dropped") {
+  FakeClock clock;
+  Membership m(0, absl::Milliseconds(500), 4, &clock);
+  m.SetSelf("a", "b", 1);
+  GroupPlanner planner(GroupPlannerOptions{}, &m);
+  m.OnGroupForgotten([&](const std::string& g) { planner.Forget(g); });
+  m.AddLocal(Registration("t0", v1::TRAINER, 0, 8, 0));
+  m.AddLocal(Registration("i0", v1::INFERENCE, 0, 8, 0));
+  auto ready = planner.Get("policy");
+  REQUIRE(ready->status.ok());
+  m.RemoveLocal("policy/t0");
+  m.RemoveLocal("policy/i0");
+  CHECK(m.GroupNames().empty());
+  // Registered again, at a new epoch: planned anew (the old plan is gone, not reused).
+  m.AddLocal(Registration("t0", v1::TRAINER, 0, 8, 0));
+  m.AddLocal(Registration("i0", v1::INFERENCE, 0, 8, 0));
+  auto again = planner.Get("policy");
+  REQUIRE(again->status.ok());
+  CHECK(again != ready);
+  CHECK(again->epoch > ready->epoch);
+}
+
 }  // namespace
 }  // namespace refit

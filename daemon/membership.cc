@@ -9,6 +9,82 @@
 
 namespace refit {
 
+std::vector<ReplicaView> ReplicasOf(const std::vector<std::pair<int32_t, v1::RegisterWorkerRequest>>& workers,
+                                    std::vector<bool>* counts) {
+  counts->assign(workers.size(), true);
+  struct Rank {
+    size_t worker;  // index into `workers`
+    int32_t rank, size;
+  };
+  std::map<std::string, std::vector<Rank>> by_replica;
+  for (size_t i = 0; i < workers.size(); ++i) {
+    const v1::RegisterWorkerRequest& r = workers[i].second;
+    if (r.role() != v1::INFERENCE) continue;
+    const v1::Worker& w = r.worker();
+    if (w.replica_size() > 0) {
+      by_replica[w.replica()].push_back({i, w.replica_rank(), w.replica_size()});
+    } else {
+      by_replica[w.name()].push_back({i, 0, 1});  // a replica of its own
+    }
+  }
+  std::vector<ReplicaView> out;
+  for (const auto& [name, ranks] : by_replica) {
+    ReplicaView v;
+    v.name = name;
+    v.size = ranks.front().size;
+    const auto worker_name = [&](const Rank& k) { return workers[k.worker].second.worker().name(); };
+    std::vector<std::string> conflicts;
+    for (const Rank& k : ranks) {
+      if (k.size != v.size) {
+        conflicts.push_back(absl::StrCat("workers \"", worker_name(ranks.front()), "\" and \"", worker_name(k),
+                                         "\" disagree on its size (", v.size, " and ", k.size, ")"));
+      }
+    }
+    if (v.size < 1 || v.size > (1 << 16)) {  // refused at registration (kMaxReplicaSize)
+      v.problem = absl::StrCat("replica \"", name, "\": size ", v.size, " is not a replica's size");
+      v.size = 0;
+      for (const Rank& k : ranks) (*counts)[k.worker] = false;
+      out.push_back(std::move(v));
+      continue;
+    }
+    // Workers by rank.
+    v.workers.assign(v.size, "");
+    for (const Rank& k : ranks) {
+      if (k.rank < 0 || k.rank >= v.size) continue;  // its size disagrees: named above
+      std::string& at = v.workers[k.rank];
+      if (!at.empty()) {
+        conflicts.push_back(absl::StrCat("workers \"", at, "\" and \"", worker_name(k), "\" both claim rank ", k.rank));
+      } else {
+        at = worker_name(k);
+      }
+    }
+    std::vector<std::string> present;
+    for (int32_t rank = 0; rank < v.size; ++rank) {
+      if (v.workers[rank].empty()) {
+        if (v.missing.size() < static_cast<size_t>(kMaxListedRanks)) v.missing.push_back(rank);
+      } else if (present.size() < 8) {
+        present.push_back(absl::StrCat(rank, " \"", v.workers[rank], "\""));
+      }
+    }
+    const int32_t held = v.size - static_cast<int32_t>(std::count(v.workers.begin(), v.workers.end(), ""));
+    if (!v.missing.empty()) {
+      std::vector<int32_t> listed(v.missing.begin(), v.missing.begin() + std::min<size_t>(v.missing.size(), 16));
+      conflicts.insert(conflicts.begin(),
+                       absl::StrCat(held, " of ", v.size, " ranks registered; missing rank",
+                                    v.missing.size() > 1 ? "s " : " ", absl::StrJoin(listed, ", "),
+                                    v.missing.size() > listed.size() ? ", ..." : "",
+                                    present.empty() ? "" : absl::StrCat(" (present: ", absl::StrJoin(present, ", "), ")")));
+    }
+    v.complete = conflicts.empty();
+    if (!v.complete) {
+      v.problem = absl::StrCat("replica \"", name, "\": ", absl::StrJoin(conflicts, "; "));
+      for (const Rank& k : ranks) (*counts)[k.worker] = false;
+    }
+    out.push_back(std::move(v));
+  }
+  return out;
+}
+
 Membership::Membership(int32_t self, absl::Duration heartbeat, int heartbeats_missed, const Clock* clock)
     : self_(self), silence_(heartbeat * heartbeats_missed), clock_(clock) {}
 
@@ -23,7 +99,16 @@ void Membership::SetSelf(const std::string& control_address, const std::string& 
 }
 
 bool Membership::Join(const v1::JoinRequest& request) {
-  absl::MutexLock lock(&mu_);
+  bool resync = false;
+  {
+    absl::MutexLock lock(&mu_);
+    resync = JoinLocked(request);
+  }
+  TellForgotten();
+  return resync;
+}
+
+bool Membership::JoinLocked(const v1::JoinRequest& request) {
   const absl::Time now = clock_->Now();
   // The common case, a heartbeat from a known, live daemon.
   if (auto it = beats_.find(request.node()); it != beats_.end() && it->second.first == request.incarnation()) {
@@ -48,19 +133,34 @@ bool Membership::Join(const v1::JoinRequest& request) {
   return resync;
 }
 
-void Membership::ApplySync(const v1::SyncWorkersRequest& request) {
-  absl::MutexLock lock(&mu_);
-  NodeInfo& n = nodes_[request.node()];
-  n.incarnation = request.incarnation();
-  n.workers.assign(request.workers().begin(), request.workers().end());
-  n.alive = true;
-  if (request.node() != self_) beats_[request.node()] = {request.incarnation(), clock_->Now()};
-  for (const auto& w : n.workers) groups_[w.group()];
-  RecomputeEpochs();
+void Membership::ApplySync(const v1::SyncWorkersRequest& request, v1::SyncWorkersResponse* response) {
+  {
+    absl::MutexLock lock(&mu_);
+    NodeInfo& n = nodes_[request.node()];
+    n.incarnation = request.incarnation();
+    n.workers.clear();
+    for (const v1::RegisterWorkerRequest& w : request.workers()) {
+      // A name another live node holds stays with it: this one is refused, never admitted.
+      if (auto refused = Refusal(absl::StrCat(w.group(), "/", w.worker().name()), request.node())) {
+        Logger("rpc")->warn("node {}: {}", request.node(), refused->reason());
+        if (response != nullptr) *response->add_refused() = *std::move(refused);
+        continue;
+      }
+      n.workers.push_back(w);
+    }
+    n.alive = true;
+    if (request.node() != self_) beats_[request.node()] = {request.incarnation(), clock_->Now()};
+    for (const auto& w : n.workers) groups_[w.group()];
+    RecomputeEpochs();
+  }
+  TellForgotten();
 }
 
-void Membership::AddLocal(const v1::RegisterWorkerRequest& worker) {
+absl::Status Membership::AddLocal(const v1::RegisterWorkerRequest& worker) {
   absl::MutexLock lock(&mu_);
+  if (auto refused = Refusal(absl::StrCat(worker.group(), "/", worker.worker().name()), self_)) {
+    return absl::AlreadyExistsError(refused->reason());
+  }
   auto& mine = nodes_[self_].workers;
   mine.push_back(worker);
   mine.back().clear_memory();  // handles stay on this node
@@ -68,32 +168,124 @@ void Membership::AddLocal(const v1::RegisterWorkerRequest& worker) {
   mine.back().clear_fd_token();
   groups_[worker.group()];
   RecomputeEpochs();
+  return absl::OkStatus();  // adding forgets no group
 }
 
 void Membership::RemoveLocal(const std::string& id) {
+  {
+    absl::MutexLock lock(&mu_);
+    std::erase_if(nodes_[self_].workers, [&](const v1::RegisterWorkerRequest& r) {
+      return absl::StrCat(r.group(), "/", r.worker().name()) == id;
+    });
+    RecomputeEpochs();
+  }
+  TellForgotten();
+}
+
+std::optional<v1::WorkerRefusal> Membership::Refusal(const std::string& id, int32_t node) const {
+  auto held = holders_.find(id);
+  if (held == holders_.end() || held->second == node) return std::nullopt;
+  auto holder = nodes_.find(held->second);
+  v1::WorkerRefusal r;
+  r.set_worker_id(id);
+  r.set_holder_node(held->second);
+  r.set_reason(absl::StrCat("worker \"", id, "\" is already registered on node ", held->second,
+                            holder != nodes_.end() && !holder->second.control_address.empty()
+                                ? absl::StrCat(" (", holder->second.control_address, ")")
+                                : std::string(),
+                            "; unregister it there first, or choose another name"));
+  return r;
+}
+
+void Membership::OnGroupForgotten(std::function<void(const std::string& group)> hook) {
   absl::MutexLock lock(&mu_);
-  std::erase_if(nodes_[self_].workers, [&](const v1::RegisterWorkerRequest& r) {
-    return absl::StrCat(r.group(), "/", r.worker().name()) == id;
-  });
-  RecomputeEpochs();
+  forgotten_hooks_.push_back(std::move(hook));
+}
+
+void Membership::TellForgotten() {
+  std::vector<std::string> gone;
+  std::vector<std::function<void(const std::string&)>> hooks;
+  {
+    absl::MutexLock lock(&mu_);
+    if (forgotten_.empty()) return;
+    gone = std::exchange(forgotten_, {});
+    hooks = forgotten_hooks_;
+  }
+  for (const std::string& group : gone) {
+    Logger("rpc")->info("group \"{}\" has no workers left: forgotten", group);
+    for (const auto& hook : hooks) hook(group);
+  }
+}
+
+void Membership::RecordCommit(const std::string& group, int64_t epoch, const std::vector<std::string>& replicas,
+                              int64_t version) {
+  absl::MutexLock lock(&mu_);
+  auto g = groups_.find(group);
+  if (g == groups_.end()) return;
+  for (const std::string& name : replicas) {
+    auto r = g->second.replicas.find(name);
+    // A replica that changed since the round was planned (a rank left, or came back) is a
+    // different one: it did not receive this version whole.
+    if (r != g->second.replicas.end() && r->second.since_epoch <= epoch) r->second.version = version;
+  }
+}
+
+std::map<std::string, int64_t> Membership::ReplicaVersions(const std::string& group) const {
+  absl::MutexLock lock(&mu_);
+  std::map<std::string, int64_t> out;
+  auto g = groups_.find(group);
+  if (g == groups_.end()) return out;
+  for (const auto& [name, r] : g->second.replicas) out[name] = r.version;
+  return out;
 }
 
 void Membership::RecomputeEpochs() {
   std::map<std::string, std::vector<std::string>> members;
+  // group -> replica -> its workers' fingerprints
+  std::map<std::string, std::map<std::string, std::vector<std::string>>> replicas;
+  holders_.clear();
   for (const auto& [node, info] : nodes_) {
     if (!info.alive) continue;
     for (const auto& w : info.workers) {
-      members[w.group()].push_back(absl::StrCat(node, ":", info.incarnation, ":", w.worker().name(), ":", w.role()));
+      const v1::Worker& k = w.worker();
+      std::string f = absl::StrCat(node, ":", info.incarnation, ":", k.name(), ":", w.role(), ":", k.replica(), ":",
+                                   k.replica_rank(), ":", k.replica_size());
+      if (w.role() == v1::INFERENCE) {
+        replicas[w.group()][k.replica_size() > 0 ? k.replica() : k.name()].push_back(f);
+      }
+      members[w.group()].push_back(std::move(f));
+      holders_.emplace(absl::StrCat(w.group(), "/", k.name()), node);
     }
   }
-  for (auto& [name, g] : groups_) {
-    auto& m = members[name];
-    std::sort(m.begin(), m.end());
-    std::string fingerprint = absl::StrJoin(m, ",");
+  for (auto it = groups_.begin(); it != groups_.end();) {
+    auto& [name, g] = *it;
+    auto m = members.find(name);
+    if (m == members.end()) {
+      // Its last worker left: forgotten (Status no longer lists or plans it; the hooks drop the
+      // rest). Its epochs are never reused: they come from one counter.
+      forgotten_.push_back(name);
+      it = groups_.erase(it);
+      continue;
+    }
+    std::sort(m->second.begin(), m->second.end());
+    std::string fingerprint = absl::StrJoin(m->second, ",");
     if (fingerprint != g.fingerprint) {
       g.fingerprint = std::move(fingerprint);
-      ++g.epoch;
+      g.epoch = ++last_epoch_;
     }
+    std::map<std::string, ReplicaRecord> now;
+    for (auto& [replica, fs] : replicas[name]) {
+      std::sort(fs.begin(), fs.end());
+      ReplicaRecord r;
+      r.fingerprint = absl::StrJoin(fs, ",");
+      r.since_epoch = g.epoch;
+      if (auto old = g.replicas.find(replica); old != g.replicas.end() && old->second.fingerprint == r.fingerprint) {
+        r = old->second;  // unchanged: it keeps what it was committed
+      }
+      now.emplace(replica, std::move(r));
+    }
+    g.replicas = std::move(now);
+    ++it;
   }
 }
 
@@ -110,22 +302,30 @@ bool Membership::MarkDeadLocked(int32_t node, const std::string& why) {
 }
 
 bool Membership::MarkDead(int32_t node, const std::string& why) {
-  absl::MutexLock lock(&mu_);
-  return MarkDeadLocked(node, why);
+  bool marked = false;
+  {
+    absl::MutexLock lock(&mu_);
+    marked = MarkDeadLocked(node, why);
+  }
+  TellForgotten();
+  return marked;
 }
 
 std::vector<DeadNode> Membership::CheckLiveness() {
-  absl::MutexLock lock(&mu_);
-  const absl::Time now = clock_->Now();
-  std::vector<int32_t> silent;
-  for (const auto& [node, seen] : beats_) {
-    if (now - seen.second > silence_) silent.push_back(node);
-  }
   std::vector<DeadNode> dead;
-  const std::string why = absl::StrCat("no heartbeat for ", absl::FormatDuration(silence_));
-  for (int32_t node : silent) {
-    if (MarkDeadLocked(node, why)) dead.push_back({node, why});
+  {
+    absl::MutexLock lock(&mu_);
+    const absl::Time now = clock_->Now();
+    std::vector<int32_t> silent;
+    for (const auto& [node, seen] : beats_) {
+      if (now - seen.second > silence_) silent.push_back(node);
+    }
+    const std::string why = absl::StrCat("no heartbeat for ", absl::FormatDuration(silence_));
+    for (int32_t node : silent) {
+      if (MarkDeadLocked(node, why)) dead.push_back({node, why});
+    }
   }
+  TellForgotten();
   return dead;
 }
 
@@ -176,6 +376,11 @@ GroupMembers Membership::Group(const std::string& group) const {
       here = true;
     }
     if (here) out.nodes.push_back(node);
+  }
+  out.replicas = ReplicasOf(out.workers, &out.counts);
+  for (ReplicaView& r : out.replicas) {
+    auto record = g->second.replicas.find(r.name);
+    if (record != g->second.replicas.end()) r.version = record->second.version;
   }
   return out;
 }

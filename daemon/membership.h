@@ -3,10 +3,19 @@
 // changes). Liveness comes from heartbeats, judged on an injected clock: a node silent for
 // `heartbeat * heartbeats_missed` is dead (CheckLiveness).
 //
-// Lock: `mu_` guards everything here; nothing is called out of it while it is held.
+// Also, per group, its inference replicas (Worker.replica: docs/ROUNDS.md, "Replicas and
+// commit"): complete or not, the missing ranks, and the last version committed to each whole.
+// A worker name is held by one node at a time: a sync or local registration naming a worker that
+// another live node holds is refused (ALREADY_EXISTS naming the holder). A group is forgotten
+// when its last worker leaves (the OnGroupForgotten hooks are told). Epochs are one counter for
+// every group, so a group forgotten and registered again never reuses an epoch.
+//
+// Lock: `mu_` guards everything here; nothing is called out of it while it is held (the hooks
+// run after it is released).
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <map>
 #include <optional>
 #include <set>
@@ -23,6 +32,19 @@
 
 namespace refit {
 
+// One inference replica of a group: ranks by the workers' declarations (a worker without one is a
+// replica of its own, of size 1, named after it).
+struct ReplicaView {
+  std::string name;
+  int32_t size = 1;
+  std::vector<std::string> workers;  // by rank; "" where no worker holds it
+  std::vector<int32_t> missing;      // ranks no worker holds (at most kMaxListedRanks listed)
+  bool complete = false;
+  std::string problem;               // why it does not count; empty when complete
+  int64_t version = 0;               // last committed to it whole (0: none since it changed)
+};
+inline constexpr int kMaxListedRanks = 1024;
+
 // One group's members at one epoch, as the planner needs them.
 struct GroupMembers {
   bool exists = false;
@@ -31,7 +53,15 @@ struct GroupMembers {
   std::vector<std::pair<int32_t, v1::RegisterWorkerRequest>> workers;
   std::vector<int32_t> nodes;  // nodes with workers of the group, ascending
   int trainers = 0, inference = 0;
+  // Per entry of `workers`: a trainer, or an inference worker of a complete replica (planned).
+  std::vector<bool> counts;
+  std::vector<ReplicaView> replicas;  // by name
 };
+
+// The replicas of a group's inference workers (pure; Group() fills GroupMembers with it).
+// `counts[i]` says whether workers[i] is planned.
+std::vector<ReplicaView> ReplicasOf(const std::vector<std::pair<int32_t, v1::RegisterWorkerRequest>>& workers,
+                                    std::vector<bool>* counts);
 
 struct DeadNode {
   int32_t node;
@@ -47,12 +77,24 @@ class Membership {
   // A join or heartbeat; true when the node must send its whole worker list (new, restarted, or
   // declared dead since).
   bool Join(const v1::JoinRequest& request);
-  // A node's whole worker list.
-  void ApplySync(const v1::SyncWorkersRequest& request);
+  // A node's whole worker list. A worker whose name another live node holds is not admitted:
+  // it is listed in `response->refused` (may be null), naming the holder.
+  void ApplySync(const v1::SyncWorkersRequest& request, v1::SyncWorkersResponse* response = nullptr);
   // The coordinator's own workers, one at a time (a snapshot per registration would make
-  // registering n workers O(n^2)).
-  void AddLocal(const v1::RegisterWorkerRequest& worker);
+  // registering n workers O(n^2)). ALREADY_EXISTS, naming the holder, when another live node
+  // holds the name.
+  absl::Status AddLocal(const v1::RegisterWorkerRequest& worker);
   void RemoveLocal(const std::string& id);
+
+  // Told the name of each group whose last worker left, with no lock of the membership held
+  // (a hook may call into it). Set up before the membership changes.
+  void OnGroupForgotten(std::function<void(const std::string& group)> hook);
+  // A round planned at `epoch` committed `version` to these replicas of `group`: each that has
+  // not changed since that epoch now holds it.
+  void RecordCommit(const std::string& group, int64_t epoch, const std::vector<std::string>& replicas,
+                    int64_t version);
+  // Replica -> the last version committed to it whole, of the group's current replicas.
+  std::map<std::string, int64_t> ReplicaVersions(const std::string& group) const;
 
   // The failure detector: declares dead every node silent too long, and returns them.
   std::vector<DeadNode> CheckLiveness();
@@ -75,12 +117,25 @@ class Membership {
     bool alive = false;
     std::vector<v1::RegisterWorkerRequest> workers;
   };
+  struct ReplicaRecord {
+    std::string fingerprint;  // its workers; a change resets the version
+    int64_t since_epoch = 0;  // the group epoch at which it last changed
+    int64_t version = 0;
+  };
   struct GroupInfo {
     int64_t epoch = 0;
     std::string fingerprint;  // membership; a change bumps epoch
+    std::map<std::string, ReplicaRecord> replicas;
   };
 
+  bool JoinLocked(const v1::JoinRequest& request) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // After every change: epochs, replicas, name holders; groups left without workers forgotten.
   void RecomputeEpochs() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // The hooks, told of the groups RecomputeEpochs forgot. Called without `mu_`.
+  void TellForgotten() ABSL_LOCKS_EXCLUDED(mu_);
+  // Why `id` may not join from `node`: another live node holds it (nullopt: it may).
+  std::optional<v1::WorkerRefusal> Refusal(const std::string& id, int32_t node) const
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   bool MarkDeadLocked(int32_t node, const std::string& why) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   const int32_t self_;
@@ -94,6 +149,10 @@ class Membership {
   // heartbeat takes the slow path and resyncs.
   std::map<int32_t, std::pair<int64_t, absl::Time>> beats_ ABSL_GUARDED_BY(mu_);
   std::map<int32_t, std::string> dead_because_ ABSL_GUARDED_BY(mu_);
+  int64_t last_epoch_ ABSL_GUARDED_BY(mu_) = 0;                  // every group's epochs
+  std::map<std::string, int32_t> holders_ ABSL_GUARDED_BY(mu_);  // worker id -> its live node
+  std::vector<std::string> forgotten_ ABSL_GUARDED_BY(mu_);      // not yet told to the hooks
+  std::vector<std::function<void(const std::string&)>> forgotten_hooks_ ABSL_GUARDED_BY(mu_);
 };
 
 }  // namespace refit

@@ -82,12 +82,12 @@ TEST_CASE("membership: a new incarnation is a restarted node; its old workers ar
   const GroupMembers restarted = m.Group("policy");
   CHECK(restarted.trainers == 0);
   CHECK(restarted.inference == 0);
-  CHECK(restarted.epoch == before.epoch + 1);
+  CHECK_FALSE(restarted.exists);  // its last workers are gone: the group is forgotten
   CHECK_FALSE(m.Join(JoinOf(2, 200)));  // its heartbeats from now on
   m.ApplySync(SyncOf(2, 200, {Registration("t0", v1::TRAINER, 0, 8, 2)}));
   CHECK(m.Group("policy").trainers == 1);
-  // The same workers under a new incarnation are a new membership.
-  CHECK(m.Group("policy").epoch == before.epoch + 2);
+  // The same workers under a new incarnation are a new membership, at an epoch never used.
+  CHECK(m.Group("policy").epoch > before.epoch);
 
   // A heartbeat of the old incarnation (a late packet) does not count as the new one's.
   clock.Advance(absl::Seconds(3));
@@ -112,6 +112,161 @@ TEST_CASE("membership: the coordinator's own workers come and go one at a time")
   m.ListWorkers(v1::ListWorkersRequest(), &listed);
   REQUIRE(listed.workers_size() == 1);
   CHECK(listed.workers(0).worker_id() == "policy/t0");
+}
+
+// An engine rank: rows [r0, r1) of "w", rank `rank` of replica `replica` of `size` ranks.
+v1::RegisterWorkerRequest Rank(const std::string& name, const std::string& replica, int32_t rank, int32_t size,
+                               int64_t r0, int64_t r1, int32_t node) {
+  v1::RegisterWorkerRequest r = Registration(name, v1::INFERENCE, r0, r1, node);
+  r.mutable_worker()->set_replica(replica);
+  r.mutable_worker()->set_replica_rank(rank);
+  r.mutable_worker()->set_replica_size(size);
+  return r;
+}
+
+const ReplicaView* Find(const GroupMembers& g, const std::string& name) {
+  for (const ReplicaView& r : g.replicas) {
+    if (r.name == name) return &r;
+  }
+  return nullptr;
+}
+
+TEST_CASE("membership: replicas count only when complete; the missing ranks are named") {
+  FakeClock clock;
+  Membership m(0, absl::Milliseconds(500), 4, &clock);
+  m.SetSelf("a", "b", 1);
+  m.AddLocal(Registration("t0", v1::TRAINER, 0, 8, 0));
+  m.AddLocal(Rank("vllm-dp0-tp0", "dp0", 0, 2, 0, 4, 0));
+  m.AddLocal(Rank("vllm-dp0-tp1", "dp0", 1, 2, 4, 8, 0));
+  m.AddLocal(Rank("vllm-dp1-tp1", "dp1", 1, 2, 4, 8, 0));
+  m.AddLocal(Registration("solo", v1::INFERENCE, 0, 8, 0));  // no declaration: a replica of its own
+  GroupMembers g = m.Group("policy");
+  REQUIRE(g.replicas.size() == 3);
+  REQUIRE(Find(g, "dp0") != nullptr);
+  CHECK(Find(g, "dp0")->complete);
+  CHECK(Find(g, "dp0")->workers == std::vector<std::string>{"vllm-dp0-tp0", "vllm-dp0-tp1"});
+  REQUIRE(Find(g, "solo") != nullptr);
+  CHECK(Find(g, "solo")->complete);
+  CHECK(Find(g, "solo")->size == 1);
+  const ReplicaView* dp1 = Find(g, "dp1");
+  REQUIRE(dp1 != nullptr);
+  CHECK_FALSE(dp1->complete);
+  CHECK(dp1->missing == std::vector<int32_t>{0});
+  CHECK(dp1->problem == "replica \"dp1\": 1 of 2 ranks registered; missing rank 0 (present: 1 \"vllm-dp1-tp1\")");
+  // The trainer, dp0's ranks and solo count; dp1's rank does not.
+  CHECK(g.counts == std::vector<bool>{true, true, true, false, true});
+
+  // Its missing rank comes: complete.
+  m.AddLocal(Rank("vllm-dp1-tp0", "dp1", 0, 2, 0, 4, 0));
+  CHECK(Find(m.Group("policy"), "dp1")->complete);
+
+  // Ranks that disagree: two claims of one rank, or another size.
+  m.AddLocal(Rank("x0", "dp2", 0, 2, 0, 4, 0));
+  m.AddLocal(Rank("x1", "dp2", 0, 2, 4, 8, 0));
+  m.AddLocal(Rank("y0", "dp3", 0, 2, 0, 4, 0));
+  m.AddLocal(Rank("y1", "dp3", 1, 4, 4, 8, 0));
+  g = m.Group("policy");
+  CHECK(Find(g, "dp2")->problem ==
+        "replica \"dp2\": 1 of 2 ranks registered; missing rank 1 (present: 0 \"x0\"); workers \"x0\" and \"x1\" both "
+        "claim rank 0");
+  CHECK(Find(g, "dp3")->problem == "replica \"dp3\": workers \"y0\" and \"y1\" disagree on its size (2 and 4)");
+  CHECK_FALSE(Find(g, "dp3")->complete);
+}
+
+TEST_CASE("membership: a replica's version: recorded when committed whole, reset when it changes") {
+  FakeClock clock;
+  Membership m(0, absl::Milliseconds(500), 4, &clock);
+  m.SetSelf("a", "b", 1);
+  m.AddLocal(Registration("t0", v1::TRAINER, 0, 8, 0));
+  CHECK(m.Join(JoinOf(1, 7)));
+  m.ApplySync(SyncOf(1, 7, {Rank("vllm-dp0-tp0", "dp0", 0, 2, 0, 4, 1), Rank("vllm-dp0-tp1", "dp0", 1, 2, 4, 8, 1),
+                            Rank("vllm-dp1-tp0", "dp1", 0, 2, 0, 4, 1), Rank("vllm-dp1-tp1", "dp1", 1, 2, 4, 8, 1)}));
+  const int64_t epoch = m.Group("policy").epoch;
+  m.RecordCommit("policy", epoch, {"dp0", "dp1"}, 5);
+  CHECK(m.ReplicaVersions("policy") == std::map<std::string, int64_t>{{"dp0", 5}, {"dp1", 5}});
+  // dp1 loses a rank (its node syncs without it): it no longer holds a version it can vouch for,
+  // and a round planned before the change does not give it one.
+  m.ApplySync(SyncOf(1, 7, {Rank("vllm-dp0-tp0", "dp0", 0, 2, 0, 4, 1), Rank("vllm-dp0-tp1", "dp0", 1, 2, 4, 8, 1),
+                            Rank("vllm-dp1-tp1", "dp1", 1, 2, 4, 8, 1)}));
+  CHECK(m.ReplicaVersions("policy") == std::map<std::string, int64_t>{{"dp0", 5}, {"dp1", 0}});
+  m.RecordCommit("policy", epoch, {"dp0", "dp1"}, 6);
+  CHECK(m.ReplicaVersions("policy") == std::map<std::string, int64_t>{{"dp0", 6}, {"dp1", 0}});
+  // It comes back whole: still 0 (it missed versions) until a round refits it.
+  m.ApplySync(SyncOf(1, 7, {Rank("vllm-dp0-tp0", "dp0", 0, 2, 0, 4, 1), Rank("vllm-dp0-tp1", "dp0", 1, 2, 4, 8, 1),
+                            Rank("vllm-dp1-tp0", "dp1", 0, 2, 0, 4, 1), Rank("vllm-dp1-tp1", "dp1", 1, 2, 4, 8, 1)}));
+  const GroupMembers back = m.Group("policy");
+  CHECK(Find(back, "dp1")->complete);
+  CHECK(Find(back, "dp1")->version == 0);
+  CHECK(Find(back, "dp0")->version == 6);
+  m.RecordCommit("policy", back.epoch, {"dp0", "dp1"}, 7);
+  CHECK(m.ReplicaVersions("policy") == std::map<std::string, int64_t>{{"dp0", 7}, {"dp1", 7}});
+}
+
+TEST_CASE("membership: a worker name is held by one node; another node's registration of it is refused") {
+  FakeClock clock;
+  Membership m(0, absl::Milliseconds(500), 4, &clock);
+  m.SetSelf("10.0.0.0:7070", "b", 1);
+  CHECK(m.Join(JoinOf(1, 11)));
+  CHECK(m.Join(JoinOf(2, 22)));
+  m.ApplySync(SyncOf(1, 11, {Registration("i0", v1::INFERENCE, 0, 8, 1)}));
+  // Node 2 syncs a worker of the same name (and one of its own): i0 is refused, naming node 1.
+  v1::SyncWorkersResponse answer;
+  m.ApplySync(SyncOf(2, 22, {Registration("i0", v1::INFERENCE, 0, 8, 2), Registration("i1", v1::INFERENCE, 0, 8, 2)}),
+              &answer);
+  REQUIRE(answer.refused_size() == 1);
+  CHECK(answer.refused(0).worker_id() == "policy/i0");
+  CHECK(answer.refused(0).holder_node() == 1);
+  CHECK(answer.refused(0).reason() ==
+        "worker \"policy/i0\" is already registered on node 1 (10.0.0.1:7070); unregister it there first, or "
+        "choose another name");
+  v1::ListWorkersResponse listed;
+  m.ListWorkers(v1::ListWorkersRequest(), &listed);
+  std::map<std::string, int32_t> where;
+  for (const auto& w : listed.workers()) where[w.worker_id()] = w.node();
+  CHECK(where == std::map<std::string, int32_t>{{"policy/i0", 1}, {"policy/i1", 2}});
+  // The coordinator's own registration of the name: ALREADY_EXISTS naming the holder.
+  const absl::Status mine = m.AddLocal(Registration("i0", v1::INFERENCE, 0, 8, 0));
+  CHECK(mine.code() == absl::StatusCode::kAlreadyExists);
+  CHECK(std::string(mine.message()).find("node 1 (10.0.0.1:7070)") != std::string::npos);
+  // A node re-syncing its own workers is not refused by itself.
+  v1::SyncWorkersResponse again;
+  m.ApplySync(SyncOf(1, 11, {Registration("i0", v1::INFERENCE, 0, 8, 1)}), &again);
+  CHECK(again.refused_size() == 0);
+  // The holder's node dies: the name is free.
+  clock.Advance(absl::Seconds(3));
+  CHECK_FALSE(m.Join(JoinOf(2, 22)));
+  REQUIRE(m.CheckLiveness().size() == 1);  // node 1
+  CHECK(m.AddLocal(Registration("i0", v1::INFERENCE, 0, 8, 0)).ok());
+}
+
+TEST_CASE("membership: a group is forgotten when its last worker leaves; its epochs are never reused") {
+  FakeClock clock;
+  Membership m(0, absl::Milliseconds(500), 4, &clock);
+  m.SetSelf("a", "b", 1);
+  std::vector<std::string> told;
+  m.OnGroupForgotten([&](const std::string& g) {
+    told.push_back(g);
+    CHECK_FALSE(m.Group(g).exists);  // called with no lock held: it may call back in
+  });
+  m.AddLocal(Registration("t0", v1::TRAINER, 0, 8, 0));
+  m.AddLocal(Registration("t0", v1::TRAINER, 0, 8, 0, "other"));
+  CHECK(m.Join(JoinOf(1, 5)));
+  m.ApplySync(SyncOf(1, 5, {Registration("i0", v1::INFERENCE, 0, 8, 1)}));
+  const int64_t epoch = m.Group("policy").epoch;
+  m.RemoveLocal("policy/t0");
+  CHECK(told.empty());  // i0 remains
+  m.ApplySync(SyncOf(1, 5, {}));
+  CHECK(told == std::vector<std::string>{"policy"});
+  CHECK(m.GroupNames() == std::vector<std::string>{"other"});
+  CHECK_FALSE(m.Group("policy").exists);
+  // Registered again: a new group, at an epoch above every one it had.
+  m.AddLocal(Registration("t0", v1::TRAINER, 0, 8, 0));
+  CHECK(m.Group("policy").epoch > epoch);
+  // A node declared dead takes its groups with it when it held their last workers.
+  m.ApplySync(SyncOf(1, 5, {Registration("i9", v1::INFERENCE, 0, 8, 1, "remote")}));
+  clock.Advance(absl::Seconds(3));
+  REQUIRE(m.CheckLiveness().size() == 1);
+  CHECK(told == std::vector<std::string>{"policy", "remote"});
 }
 
 }  // namespace

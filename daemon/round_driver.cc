@@ -93,7 +93,7 @@ class RoundDriver::FanOut {
   std::vector<int32_t> nodes_;
 };
 
-RoundDriver::RoundDriver(RoundDriverOptions options, const Membership* membership, GroupPlanner* planner,
+RoundDriver::RoundDriver(RoundDriverOptions options, Membership* membership, GroupPlanner* planner,
                          PeerClient* peers, RoundLog* log, const Clock* clock)
     : options_(std::move(options)),
       membership_(membership),
@@ -333,9 +333,28 @@ absl::Status RoundDriver::RunRound(const std::string& group, int64_t round_id, i
     stats->set_transfer_seconds(absl::ToDoubleSeconds(clock_->Now() - t));
   }
   if (status.ok()) {
+    // The commit point: every node finished its TRANSFER, so every destination buffer of the plan
+    // holds `version`. The round is committed from here on: COMMIT goes to every node, which
+    // delivers it to every worker of the plan still there, and no ABORT of this round follows
+    // (docs/ROUNDS.md, "Replicas and commit"). A worker or node that is gone or does not confirm
+    // in time is noted, not a reason to abort: what it was sent stands, and a worker that left
+    // makes its replica incomplete (it no longer counts, and holds no version until refit whole).
+    for (const std::string& r : plan->planned) stats->add_replicas(r);
+    for (const std::string& r : plan->incomplete) stats->add_incomplete_replicas(r);
     t = clock_->Now();
-    status = phase(v1::PhaseRequest::COMMIT, options_.commit_timeout, nullptr);
+    const absl::Status confirmed = phase(v1::PhaseRequest::COMMIT, options_.commit_timeout, nullptr);
     stats->set_commit_seconds(absl::ToDoubleSeconds(clock_->Now() - t));
+    if (!confirmed.ok()) {
+      stats->set_commit_note(std::string(confirmed.message()));
+      Logger("round")->warn("group \"{}\" round {}: committed, but not every worker confirmed: {}", group, round_id,
+                            std::string(confirmed.message()));
+    }
+    membership_->RecordCommit(group, epoch, plan->planned, version);
+    Logger("round")->info("group \"{}\" round {}: version {} to replicas [{}]{}", group, round_id, version,
+                          absl::StrJoin(plan->planned, ", "),
+                          plan->incomplete.empty()
+                              ? std::string()
+                              : absl::StrCat("; not to the incomplete [", absl::StrJoin(plan->incomplete, ", "), "]"));
   }
   stats->set_bytes(bytes);
   stats->set_seconds(absl::ToDoubleSeconds(clock_->Now() - start));
@@ -372,6 +391,14 @@ absl::Status RoundDriver::RunRound(const std::string& group, int64_t round_id, i
   return status.ok() ? status
                      : absl::AbortedError(
                            absl::StrCat("round ", round_id, " of group \"", group, "\" aborted: ", status.message()));
+}
+
+void RoundDriver::ForgetGroup(const std::string& group) {
+  absl::MutexLock lock(&mu_);
+  auto it = groups_.find(group);
+  if (it == groups_.end() || it->second.busy) return;  // a round running ends by itself
+  // Its committed version stays (a few bytes): versions of a group name never go back.
+  it->second.installed_epoch.clear();
 }
 
 }  // namespace refit

@@ -69,7 +69,7 @@ inline constexpr int64_t kMaxVersion = std::numeric_limits<int64_t>::max() - 1;
 
 class RoundDriver {
  public:
-  RoundDriver(RoundDriverOptions options, const Membership* membership, GroupPlanner* planner, PeerClient* peers,
+  RoundDriver(RoundDriverOptions options, Membership* membership, GroupPlanner* planner, PeerClient* peers,
               RoundLog* log, const Clock* clock);
   ~RoundDriver();  // Stop()
 
@@ -79,6 +79,9 @@ class RoundDriver {
   // its outcome goes to the round log.
   absl::StatusOr<int64_t> StartRefit(const v1::RefitRequest& request);
   int64_t CommittedVersion(const std::string& group) const;
+  // The group was forgotten (Membership::OnGroupForgotten): what the driver kept for it goes, but
+  // its committed version (versions never go back).
+  void ForgetGroup(const std::string& group);
   // Waits for the background rounds (they end by their deadlines); StartRefit refuses afterwards.
   void Stop();
 
@@ -102,7 +105,7 @@ class RoundDriver {
   std::vector<int32_t> Order(const std::vector<int32_t>& nodes) const;
 
   const RoundDriverOptions options_;
-  const Membership* const membership_;
+  Membership* const membership_;  // read, and told what each round committed (RecordCommit)
   GroupPlanner* const planner_;
   PeerClient* const peers_;
   RoundLog* const log_;

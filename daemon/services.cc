@@ -92,6 +92,29 @@ class ControlService : public v1::RefitControl::Service {
       g->set_version(p_->driver->CommittedVersion(name));
       if (plan->status.ok()) *g->mutable_plan() = SummaryToProto(plan->plan->stats, false);
       g->set_planned_at_membership(plan->epoch);
+      // The replicas of the plan's epoch, with the versions committed to them since.
+      const std::map<std::string, int64_t> versions = p_->membership->ReplicaVersions(name);
+      int32_t complete = 0;
+      for (const ReplicaView& r : plan->replicas) {
+        v1::ReplicaStatus* out = g->add_replicas();
+        out->set_name(r.name);
+        out->set_size(r.size);
+        for (const std::string& w : r.workers) out->add_workers(w);
+        for (int32_t m : r.missing) out->add_missing_ranks(m);
+        out->set_complete(r.complete);
+        out->set_problem(r.problem);
+        auto v = versions.find(r.name);
+        out->set_version(v != versions.end() ? v->second : r.version);
+        if (r.complete && out->version() < g->version()) {
+          out->set_problem(absl::StrCat("replica \"", r.name, "\" holds ",
+                                        out->version() == 0 ? std::string("no version")
+                                                            : absl::StrCat("version ", out->version()),
+                                        ", the group is at ", g->version(),
+                                        ": it missed versions; the next round refits it"));
+        }
+        complete += r.complete;
+      }
+      g->set_complete_replicas(complete);
     }
     return grpc::Status::OK;
   }
@@ -136,9 +159,10 @@ class PeerService : public v1::RefitPeer::Service {
     if (p_->membership->Join(*r)) out->set_resync(true);
     return grpc::Status::OK;
   }
-  grpc::Status SyncWorkers(grpc::ServerContext*, const v1::SyncWorkersRequest* r, v1::SyncWorkersResponse*) override {
+  grpc::Status SyncWorkers(grpc::ServerContext*, const v1::SyncWorkersRequest* r,
+                           v1::SyncWorkersResponse* out) override {
     if (p_->membership == nullptr) return ToGrpc(absl::FailedPreconditionError("not the coordinator"));
-    p_->membership->ApplySync(*r);
+    p_->membership->ApplySync(*r, out);  // names another node holds are refused, listed in `out`
     return grpc::Status::OK;
   }
   grpc::Status InstallPlan(grpc::ServerContext*, const v1::InstallPlanRequest* r, v1::InstallPlanResponse*) override {

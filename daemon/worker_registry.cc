@@ -195,12 +195,18 @@ void WorkerRegistry::WakeSession(LocalWorker& w) {
 
 absl::Status WorkerRegistry::Send(const std::vector<std::string>& ids, const v1::RoundEvent& event,
                                   bool reset_prepared, bool reset_resumed) {
+  absl::Status missing;
   for (const std::string& id : ids) {
     std::shared_ptr<LocalWorker> w = Find(id);
     if (w == nullptr) {
-      return absl::AbortedError(event.kind() == v1::RoundEvent::COMMIT
-                                    ? absl::StrCat("worker \"", id, "\" left node ", node_, " before the commit")
-                                    : absl::StrCat("worker \"", id, "\" is no longer on node ", node_));
+      // The others get theirs all the same: a COMMIT reaches every worker still here (a replica's
+      // ranks on this node learn the version together), whoever left.
+      if (missing.ok()) {
+        missing = absl::AbortedError(event.kind() == v1::RoundEvent::COMMIT
+                                         ? absl::StrCat("worker \"", id, "\" left node ", node_, " before the commit")
+                                         : absl::StrCat("worker \"", id, "\" is no longer on node ", node_));
+      }
+      continue;
     }
     absl::MutexLock lock(&w->mu);
     if (reset_prepared) {
@@ -211,7 +217,7 @@ absl::Status WorkerRegistry::Send(const std::vector<std::string>& ids, const v1:
     w->outbox.push_back(event);
     w->wake.SignalAll();
   }
-  return absl::OkStatus();
+  return missing;
 }
 
 void WorkerRegistry::SendToGroup(const std::string& group, const v1::RoundEvent& event) {

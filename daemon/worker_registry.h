@@ -80,8 +80,8 @@ class WorkerRegistry {
   bool Gone(LocalWorker& w);
   void WakeSession(LocalWorker& w);  // its session writer re-checks why it should end
 
-  // Round events. Queues `event` for each of `ids` (ABORTED naming the first that is not here;
-  // those before it got theirs). `reset_prepared` / `reset_resumed` forget answers to an earlier
+  // Round events. Queues `event` for each of `ids` that is here (ABORTED naming the first that is
+  // not; every other one got its event). `reset_prepared` / `reset_resumed` forget answers to an earlier
   // round of the same id first.
   absl::Status Send(const std::vector<std::string>& ids, const v1::RoundEvent& event, bool reset_prepared,
                     bool reset_resumed);

@@ -28,6 +28,12 @@ struct Worker {
   std::string name;
   int32_t node = 0;  // index of the node in the cluster; both sides share one numbering
   int32_t gpu = 0;   // index of the GPU within its node
+  // Inference: the engine replica this worker is rank `replica_rank` of, out of `replica_size`
+  // (proto/layout.proto; docs/ROUNDS.md, "Replicas and commit"). replica_size 0: a replica of
+  // its own, of size 1. The planner ignores them; the coordinator plans complete replicas only.
+  std::string replica;
+  int32_t replica_rank = 0;
+  int32_t replica_size = 0;
 };
 
 // One contiguous, row-major region of a worker's memory.

@@ -103,7 +103,18 @@ absl::StatusOr<Layout> LayoutFromProto(const v1::Layout& proto) {
     }
   }
   for (const v1::Worker& w : proto.workers()) {
+    if (w.replica_size() < 0 || w.replica_size() > kMaxReplicaSize ||
+        (w.replica_size() == 0 ? !w.replica().empty() || w.replica_rank() != 0
+                               : w.replica().empty() || w.replica_rank() < 0 || w.replica_rank() >= w.replica_size())) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "worker \"", w.name(), "\": replica \"", w.replica(), "\" rank ", w.replica_rank(), " of size ",
+          w.replica_size(), " is not a rank of a replica (a name, 0 <= rank < size <= ", kMaxReplicaSize,
+          "; or none of the three)"));
+    }
     const int32_t worker = layout.AddWorker(w.name(), w.node(), w.gpu());
+    layout.workers[worker].replica = w.replica();
+    layout.workers[worker].replica_rank = w.replica_rank();
+    layout.workers[worker].replica_size = w.replica_size();
     for (const v1::Buffer& b : w.buffers()) {
       const std::string where = absl::StrCat("worker \"", w.name(), "\" buffer \"", b.name(), "\"");
       REFIT_ASSIGN_OR_RETURN(Dims shape, DimsFrom(b.shape(), absl::StrCat(where, " shape")));
@@ -146,6 +157,9 @@ v1::Layout LayoutToProto(const Layout& layout, absl::string_view model) {
     out->set_name(w.name);
     out->set_node(w.node);
     out->set_gpu(w.gpu);
+    out->set_replica(w.replica);
+    out->set_replica_rank(w.replica_rank);
+    out->set_replica_size(w.replica_size);
     workers.push_back(out);
   }
   for (size_t i = 0; i < layout.buffers.size(); ++i) {
@@ -199,7 +213,12 @@ std::string LayoutToJson(const Layout& layout, absl::string_view model) {
   for (size_t w = 0; w < layout.workers.size(); ++w) {
     const Worker& worker = layout.workers[w];
     absl::StrAppend(&out, w ? ",\n" : "\n", "{\"name\":", JsonString(worker.name),
-                    ",\"node\":", worker.node, ",\"gpu\":", worker.gpu, ",\"buffers\":[");
+                    ",\"node\":", worker.node, ",\"gpu\":", worker.gpu);
+    if (!worker.replica.empty() || worker.replica_size != 0) {
+      absl::StrAppend(&out, ",\"replica\":", JsonString(worker.replica), ",\"replicaRank\":",
+                      worker.replica_rank, ",\"replicaSize\":", worker.replica_size);
+    }
+    out += ",\"buffers\":[";
     for (size_t i = 0; i < buffers_of[w].size(); ++i) {
       const int32_t b = buffers_of[w][i];
       const Buffer& buffer = layout.buffers[b];

@@ -12,6 +12,9 @@
 
 namespace refit {
 
+// The largest Worker.replica_size accepted (an engine of 65,536 ranks).
+inline constexpr int32_t kMaxReplicaSize = 1 << 16;
+
 // Decodes a layout. Checks what the proto cannot express (ranks, negative extents, dtype names,
 // tensor names a piece refers to); ValidateLayout checks the rest.
 absl::StatusOr<Layout> LayoutFromProto(const v1::Layout& proto);

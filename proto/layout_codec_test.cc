@@ -1,5 +1,7 @@
 #include "proto/layout_codec.h"
 
+#include <tuple>
+
 #include <catch2/catch.hpp>
 
 #include "plan/validate.h"
@@ -69,6 +71,39 @@ TEST_CASE("bad files get one clear error") {
             .find("rank") != std::string::npos);
   CHECK(error(R"({"tensors":[{"name":"w","shape":[2],"dtype":"bf16"},
       {"name":"w","shape":[2],"dtype":"bf16"}]})").find("declared twice") != std::string::npos);
+}
+
+TEST_CASE("a worker's engine replica: kept through JSON and proto, absent when undeclared, checked") {
+  Layout a = Sample();
+  a.workers[0].replica = "dp1";
+  a.workers[0].replica_rank = 1;
+  a.workers[0].replica_size = 2;
+  const std::string json = LayoutToJson(a, "test");
+  CHECK(json.find("\"replica\":\"dp1\",\"replicaRank\":1,\"replicaSize\":2") != std::string::npos);
+  auto back = ParseLayoutJson(json);
+  REQUIRE(back.ok());
+  CHECK(back->workers[0].replica == "dp1");
+  CHECK(back->workers[0].replica_rank == 1);
+  CHECK(back->workers[0].replica_size == 2);
+  const v1::Layout proto = LayoutToProto(*back);
+  CHECK(proto.workers(0).replica() == "dp1");
+  CHECK(proto.workers(0).replica_size() == 2);
+  // Layouts without the fields (every one written before them) read as before.
+  CHECK(LayoutToJson(Sample(), "test").find("replica") == std::string::npos);
+  auto old = ParseLayoutJson(LayoutToJson(Sample(), "test"));
+  REQUIRE(old.ok());
+  CHECK(old->workers[0].replica_size == 0);
+  // A rank outside its replica, a size without a name, a name without a size: refused by name.
+  for (auto [replica, rank, size] : {std::tuple<const char*, int, int>{"dp1", 2, 2}, {"", 0, 2}, {"dp1", 0, 0},
+                                     {"dp1", -1, 2}, {"dp1", 0, -2}}) {
+    Layout bad = Sample();
+    bad.workers[0].replica = replica;
+    bad.workers[0].replica_rank = rank;
+    bad.workers[0].replica_size = size;
+    auto parsed = LayoutFromProto(LayoutToProto(bad));
+    REQUIRE_FALSE(parsed.ok());
+    CHECK(std::string(parsed.status().message()).find("worker \"vllm-tp0\": replica") == 0);
+  }
 }
 
 TEST_CASE("topology defaults and overrides") {

@@ -71,6 +71,13 @@ def by_name(items, name):
     return {x["name"]: x for x in items}[name]
 
 
+def replicas(layout):
+    """{worker: (replica, rank, size)}: the engine replica each worker declares (proto3 JSON omits
+    zeros)."""
+    return {w["name"]: (w.get("replica", ""), int(w.get("replicaRank", 0)), int(w.get("replicaSize", 0)))
+            for w in layout["workers"]}
+
+
 class EngineAgreementTest(unittest.TestCase):
     def test_vllm_engines(self):
         for model, scale, layers, tp, dp, ep in ENGINE_CASES:
@@ -83,6 +90,13 @@ class EngineAgreementTest(unittest.TestCase):
                 ref = lm.refit_layout(model, *engine_args(scale, layers, tp, dp, ep))
                 self.assertEqual(diff_layouts(mine, ref, limit=200, names=("vllm", "refit-layout")),
                                  [], label)
+                self.assertEqual(replicas(mine), replicas(ref), label)
+                # Dense: one replica per DP rank, of tp ranks; MoE: the whole dp * tp world.
+                moe = cfg.num_experts > 0
+                for d in range(dp):
+                    for t in range(tp):
+                        want = ("engine", d * tp + t, dp * tp) if moe else (f"dp{d}", t, tp)
+                        self.assertEqual(replicas(ref)[f"vllm-dp{d}-tp{t}"], want, label)
 
     def test_experts_flattened_over_dp_and_tp(self):
         # Without expert parallelism vLLM's rank (d, t) holds rows [(d * tp + t) * i, +i) of each
@@ -188,6 +202,7 @@ class RandomConfigAgreementTest(unittest.TestCase):
                                        placement=RankPlacement(first_node=3))
                 ref = lm.refit_layout(path, *engine_args(1, 0, tp, dp, ep, first_node=3))
                 self.assertEqual(diff_layouts(engine, ref, names=("vllm", "refit-layout")), [], label)
+                self.assertEqual(replicas(engine), replicas(ref), label)
                 shards = rng.randint(1, 5)
                 trainer = trainer_layout(lm.fsdp2_specs(m, shards), (1, shards))
                 if lm.refit_layout_has_flag("fsdp2"):

@@ -193,6 +193,9 @@ class LayoutBuilder:
             self._workers[w["name"]] = {
                 "name": w["name"], "node": int(w.get("node", 0)), "gpu": int(w.get("gpu", 0)),
                 "buffers": list(w.get("buffers", []))}
+            for key in ("replica", "replicaRank", "replicaSize"):  # the engine replica, if declared
+                if key in w:
+                    self._workers[w["name"]][key] = w[key]
 
     def build(self) -> Dict[str, Any]:
         out: Dict[str, Any] = {}

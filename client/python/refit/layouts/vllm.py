@@ -47,7 +47,9 @@ Hugging Face checkpoint has no such tensor. vLLM requires even splits: a TP that
 head count, a kv-head count, an intermediate size or the padded vocabulary is refused by name.
 
 Workers are named ``vllm-dp<d>-tp<t>`` at rank ``d * tp_size + t`` (``refit-layout``'s names);
-``RankPlacement`` puts that rank on a node and GPU.
+``RankPlacement`` puts that rank on a node and GPU. Each declares its engine replica
+(``replica``, ``replicaRank``, ``replicaSize``; ``EngineConfig.replica``): the daemons refit a
+replica only when all its ranks are registered, and whole (docs/ROUNDS.md).
 """
 
 from __future__ import annotations
@@ -142,6 +144,14 @@ class EngineConfig:
     def ep(self) -> Tuple[int, int]:
         """(size, rank) of expert parallelism."""
         return (self.world, self.rank) if self.expert_parallel else (1, 0)
+
+    def replica(self) -> Tuple[str, int, int]:
+        """(name, rank, size) of the engine replica this rank belongs to (Worker.replica): a dense
+        model's DP replica ``d`` is ``"dp<d>"`` of ``tp_size`` ranks; a MoE model's experts are
+        split over all ``dp_size * tp_size`` ranks, so that world is one replica ``"engine"``."""
+        if self.num_experts > 0:
+            return "engine", self.rank, self.world
+        return f"dp{self.dp_rank}", self.tp_rank, self.tp_size
 
     def for_rank(self, dp_rank: int, tp_rank: int) -> "EngineConfig":
         return replace(self, dp_rank=dp_rank, tp_rank=tp_rank)
@@ -342,6 +352,7 @@ def engine_worker(params: Any, config: EngineConfig, *, placement: RankPlacement
         worker_name.format(dp=config.dp_rank, tp=config.tp_rank, rank=config.rank)
     b = LayoutBuilder(model)
     w = b.worker(wname, node, gpu)
+    w["replica"], w["replicaRank"], w["replicaSize"] = config.replica()
     # Tied by identity only for tensors: equal (shape, dtype) tuples may be one constant object.
     embed = {id(obj) for n, obj in named if n.endswith("embed_tokens.weight") and hasattr(obj, "shape")}
     for name, obj in named:

@@ -6,9 +6,16 @@ Engine: poisons its tensors at PREPARE; on COMMIT(v) checks every byte. One line
 to --report ("registered", "prepare V", "commit V ok N", "commit V FAIL ...", "abort ...",
 "disconnected ...", "reconnected").
 
+Delays, for tests that must catch a round in PREPARE or COMMIT: --prepare-delay / --commit-delay
+(seconds slept inside on_prepare / on_commit), or --delay-file, a JSON object read at every event
+({"prepare": 2.0, "commit": 0}; missing or unreadable: the flags' values), so that a long-lived
+worker can be made slow for one round. A delayed callback reports "begin-prepare V" /
+"begin-commit V" when it starts.
+
     pattern_worker.py --daemon unix:/tmp/refitd-1.sock --role inference --layout e.json --worker W
 """
 import argparse
+import json
 import os
 import signal
 import sys
@@ -35,12 +42,28 @@ def main():
     ap.add_argument("--device", default="cpu", help="cpu (shared memory) or cuda (this process's cuda:0)")
     ap.add_argument("--alloc", default="separate", choices=["separate", "interior"],
                     help="cuda: one torch.empty per tensor, or every tensor a view inside one allocation")
+    ap.add_argument("--prepare-delay", type=float, default=0.0, help="seconds to sleep in on_prepare")
+    ap.add_argument("--commit-delay", type=float, default=0.0, help="seconds to sleep in on_commit")
+    ap.add_argument("--delay-file", default="",
+                    help='JSON {"prepare": S, "commit": S} read at every event; overrides the delay flags')
     args = ap.parse_args()
     lock = threading.Lock()
 
     def report(line):
         with lock, open(args.report, "a") as f:
             f.write(line + "\n")
+
+    def delay(kind, version):
+        seconds = args.prepare_delay if kind == "prepare" else args.commit_delay
+        if args.delay_file:
+            try:
+                with open(args.delay_file) as f:
+                    seconds = float(json.load(f).get(kind, seconds) or 0)
+            except (OSError, ValueError, AttributeError):
+                pass
+        if seconds > 0:
+            report(f"begin-{kind} {version}")
+            time.sleep(seconds)
 
     worker_proto, specs = layout_io.one_worker(args.layout, args.worker)
     total = sum(256 + 8 * max(1, int(__import__("math").prod(b.shape))) for b in worker_proto.buffers) + 4096
@@ -83,6 +106,7 @@ def main():
         to_device()
 
     def on_prepare(version):
+        delay("prepare", version)
         if args.refuse:
             raise RuntimeError(args.refuse)
         if args.role == "trainer":
@@ -93,6 +117,7 @@ def main():
         report(f"prepare {version}")
 
     def on_commit(version):
+        delay("commit", version)
         if args.role == "trainer":
             report(f"commit {version}")
             return

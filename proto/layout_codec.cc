@@ -1,9 +1,14 @@
 #include "proto/layout_codec.h"
 
+#include <algorithm>
+#include <array>
 #include <fstream>
+#include <tuple>
 #include <sstream>
 
 #include "absl/container/flat_hash_map.h"
+#include "absl/hash/hash.h"
+#include "absl/types/span.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
@@ -102,6 +107,20 @@ absl::StatusOr<Layout> LayoutFromProto(const v1::Layout& proto) {
       return absl::InvalidArgumentError(absl::StrCat(what, " is declared twice"));
     }
   }
+  const int64_t num_tensors = static_cast<int64_t>(layout.tensors.size());
+  // Each worker's buffers and pieces are contiguous ranges (appended in order): buffers_like
+  // copies an earlier worker's ranges.
+  struct Ranges {
+    int32_t buffer_begin, buffer_end;
+    size_t piece_begin, piece_end;
+  };
+  std::vector<Ranges> ranges;
+  absl::flat_hash_map<std::string, int32_t> worker_of;  // the first worker of each name
+  auto too_many = [&](absl::string_view where, int64_t more) -> absl::Status {
+    if (static_cast<int64_t>(layout.pieces.size()) + more <= kMaxLayoutPieces) return absl::OkStatus();
+    return absl::InvalidArgumentError(absl::StrCat(where, ": the layout expands to more than ", kMaxLayoutPieces,
+                                                   " pieces"));
+  };
   for (const v1::Worker& w : proto.workers()) {
     if (w.replica_size() < 0 || w.replica_size() > kMaxReplicaSize ||
         (w.replica_size() == 0 ? !w.replica().empty() || w.replica_rank() != 0
@@ -115,28 +134,118 @@ absl::StatusOr<Layout> LayoutFromProto(const v1::Layout& proto) {
     layout.workers[worker].replica = w.replica();
     layout.workers[worker].replica_rank = w.replica_rank();
     layout.workers[worker].replica_size = w.replica_size();
+    Ranges r{static_cast<int32_t>(layout.buffers.size()), 0, layout.pieces.size(), 0};
+    if (!w.buffers_like().empty()) {
+      const std::string where = absl::StrCat("worker \"", w.name(), "\"");
+      if (w.buffers_size() > 0) {
+        return absl::InvalidArgumentError(absl::StrCat(where, " has both buffers_like (\"", w.buffers_like(),
+                                                       "\") and buffers of its own"));
+      }
+      auto it = worker_of.find(w.buffers_like());
+      if (it == worker_of.end()) {
+        return absl::InvalidArgumentError(absl::StrCat(where, ": buffers_like names \"", w.buffers_like(),
+                                                       "\", which is not an earlier worker of this layout"));
+      }
+      const Ranges& like = ranges[it->second];
+      REFIT_RETURN_IF_ERROR(too_many(where, static_cast<int64_t>(like.piece_end - like.piece_begin)));
+      for (int32_t b = like.buffer_begin; b < like.buffer_end; ++b) {
+        const Buffer copy = layout.buffers[b];
+        layout.AddBuffer(worker, copy.name, copy.dtype, copy.shape);
+      }
+      for (size_t p = like.piece_begin; p < like.piece_end; ++p) {
+        Piece piece = layout.pieces[p];  // boxes are already interned: indices are shared
+        piece.buffer += r.buffer_begin - like.buffer_begin;
+        layout.pieces.push_back(piece);
+      }
+    }
     for (const v1::Buffer& b : w.buffers()) {
       const std::string where = absl::StrCat("worker \"", w.name(), "\" buffer \"", b.name(), "\"");
       REFIT_ASSIGN_OR_RETURN(Dims shape, DimsFrom(b.shape(), absl::StrCat(where, " shape")));
       auto dtype = ParseDType(b.dtype());
       if (!dtype.ok()) return Annotate(dtype.status(), where);
       const int32_t buffer = layout.AddBuffer(worker, b.name(), *dtype, shape);
-      for (const v1::Piece& p : b.pieces()) {
-        auto it = tensor_of.find(p.tensor());
-        if (it == tensor_of.end()) {
-          return absl::InvalidArgumentError(absl::StrCat(
-              where, ": a piece names tensor \"", p.tensor(),
-              "\", which the layout does not declare in \"tensors\""));
+      for (int k = 0; k < b.pieces_size(); ++k) {
+        const v1::Piece& p = b.pieces(k);
+        int32_t tensor = 0;
+        if (p.tensor_index() != 0) {
+          if (p.tensor_index() < 1 || p.tensor_index() > num_tensors) {
+            return absl::InvalidArgumentError(absl::StrCat(
+                where, " piece ", k, ": tensor_index ", p.tensor_index(), " is out of range (1-based; the layout "
+                "declares ", num_tensors, " tensors)"));
+          }
+          tensor = p.tensor_index() - 1;
+          if (!p.tensor().empty() && p.tensor() != layout.tensors[tensor].name) {
+            return absl::InvalidArgumentError(absl::StrCat(
+                where, " piece ", k, ": tensor \"", p.tensor(), "\" and tensor_index ", p.tensor_index(), " (\"",
+                layout.tensors[tensor].name, "\") disagree"));
+          }
+        } else {
+          auto it = tensor_of.find(p.tensor());
+          if (it == tensor_of.end()) {
+            return absl::InvalidArgumentError(absl::StrCat(
+                where, ": a piece names tensor \"", p.tensor(),
+                "\", which the layout does not declare in \"tensors\""));
+          }
+          tensor = it->second;
         }
-        const std::string what = absl::StrCat(where, " piece of tensor \"", p.tensor(), "\"");
-        REFIT_ASSIGN_OR_RETURN(
-            Box tensor_box,
-            BoxFrom(p, true, layout.tensors[it->second].shape, absl::StrCat(what, " tensor_box")));
-        REFIT_ASSIGN_OR_RETURN(Box buffer_box,
-                               BoxFrom(p, false, shape, absl::StrCat(what, " buffer_box")));
-        layout.AddPiece(it->second, tensor_box, buffer, buffer_box);
+        const std::string& name = layout.tensors[tensor].name;
+        auto what = [&] { return absl::StrCat(where, " piece ", k, " (tensor \"", name, "\")"); };
+        REFIT_ASSIGN_OR_RETURN(Box tensor_box,
+                               BoxFrom(p, true, layout.tensors[tensor].shape, absl::StrCat(what(), " tensor_box")));
+        REFIT_ASSIGN_OR_RETURN(Box buffer_box, BoxFrom(p, false, shape, absl::StrCat(what(), " buffer_box")));
+        if (p.repeat() == 0) {
+          if (p.tensor_index_step() != 0 || p.tensor_box_step_size() != 0 || p.buffer_box_step_size() != 0) {
+            return absl::InvalidArgumentError(absl::StrCat(what(), ": steps without a repeat"));
+          }
+          REFIT_RETURN_IF_ERROR(too_many(where, 1));
+          layout.AddPiece(tensor, tensor_box, buffer, buffer_box);
+          continue;
+        }
+        // A run (Piece.repeat): checked whole before any of it is added.
+        if (p.repeat() < 0) return absl::InvalidArgumentError(absl::StrCat(what(), ": repeat ", p.repeat(), " < 0"));
+        REFIT_RETURN_IF_ERROR(too_many(where, int64_t{p.repeat()} + 1));
+        if (p.tensor_index_step() != 0 && p.tensor_index() == 0) {
+          return absl::InvalidArgumentError(
+              absl::StrCat(what(), ": tensor_index_step needs tensor_index (a run names tensors by index)"));
+        }
+        const int64_t last_tensor = int64_t{tensor} + int64_t{p.repeat()} * p.tensor_index_step();
+        if (last_tensor < 0 || last_tensor >= num_tensors) {
+          return absl::InvalidArgumentError(absl::StrCat(
+              what(), ": a run of ", p.repeat() + 1, " pieces with tensor_index_step ", p.tensor_index_step(),
+              " reaches tensor_index ", last_tensor + 1, ", out of range (the layout declares ", num_tensors,
+              " tensors)"));
+        }
+        for (const auto& [step, box, has, side] :
+             {std::make_tuple(&p.tensor_box_step(), &tensor_box, p.has_tensor_box(), "tensor_box"),
+              std::make_tuple(&p.buffer_box_step(), &buffer_box, p.has_buffer_box(), "buffer_box")}) {
+          if (step->empty()) continue;
+          if (!has || step->size() != box->rank) {
+            return absl::InvalidArgumentError(absl::StrCat(
+                what(), ": ", side, "_step has ", step->size(), " dimensions; it needs an explicit ", side, " of as many (",
+                has ? box->rank : 0, ")"));
+          }
+          for (int d = 0; d < box->rank; ++d) {
+            int64_t moved = 0, end = 0;
+            if (__builtin_mul_overflow((*step)[d], int64_t{p.repeat()}, &moved) ||
+                __builtin_add_overflow(box->origin[d], moved, &moved) ||
+                __builtin_add_overflow(moved, box->shape[d], &end)) {
+              return absl::InvalidArgumentError(
+                  absl::StrCat(what(), ": ", side, "_step overflows int64 over ", p.repeat(), " repeats"));
+            }
+          }
+        }
+        for (int64_t i = 0; i <= p.repeat(); ++i) {
+          Box t = tensor_box, u = buffer_box;
+          for (int d = 0; d < p.tensor_box_step_size(); ++d) t.origin[d] += i * p.tensor_box_step(d);
+          for (int d = 0; d < p.buffer_box_step_size(); ++d) u.origin[d] += i * p.buffer_box_step(d);
+          layout.AddPiece(static_cast<int32_t>(tensor + i * p.tensor_index_step()), t, buffer, u);
+        }
       }
     }
+    r.buffer_end = static_cast<int32_t>(layout.buffers.size());
+    r.piece_end = layout.pieces.size();
+    ranges.push_back(r);
+    worker_of.emplace(w.name(), worker);
   }
   return layout;
 }
@@ -175,6 +284,144 @@ v1::Layout LayoutToProto(const Layout& layout, absl::string_view model) {
     out->set_tensor(layout.tensors[p.tensor].name);
     BoxTo(layout.tensor_box(p), out->mutable_tensor_box());
     BoxTo(layout.buffer_box(p), out->mutable_buffer_box());
+  }
+  return proto;
+}
+
+v1::Layout CompactLayoutToProto(const Layout& layout, absl::string_view model, const CompactOptions& options) {
+  v1::Layout proto;
+  proto.set_model(std::string(model));
+  for (const LogicalTensor& t : layout.tensors) {
+    v1::TensorSpec* spec = proto.add_tensors();
+    spec->set_name(t.name);
+    DimsTo(t.shape, spec->mutable_shape());
+    spec->set_dtype(std::string(DTypeName(t.dtype)));
+  }
+  std::vector<std::vector<int32_t>> buffers_of(layout.workers.size());
+  for (size_t b = 0; b < layout.buffers.size(); ++b) {
+    buffers_of[layout.buffers[b].worker].push_back(static_cast<int32_t>(b));
+  }
+  std::vector<std::vector<int32_t>> pieces_of(layout.buffers.size());
+  for (size_t p = 0; p < layout.pieces.size(); ++p) {
+    pieces_of[layout.pieces[p].buffer].push_back(static_cast<int32_t>(p));
+  }
+  // Two workers have the same buffers when names, dtypes, shapes and pieces (tensor and interned
+  // boxes) agree, in order. Candidates by hash, confirmed by comparison.
+  auto same_buffers = [&](int32_t a, int32_t b) {
+    if (buffers_of[a].size() != buffers_of[b].size()) return false;
+    for (size_t i = 0; i < buffers_of[a].size(); ++i) {
+      const int32_t x = buffers_of[a][i], y = buffers_of[b][i];
+      const Buffer &bx = layout.buffers[x], &by = layout.buffers[y];
+      if (bx.name != by.name || bx.dtype != by.dtype || !(bx.shape == by.shape)) return false;
+      if (pieces_of[x].size() != pieces_of[y].size()) return false;
+      for (size_t k = 0; k < pieces_of[x].size(); ++k) {
+        const Piece &px = layout.pieces[pieces_of[x][k]], &py = layout.pieces[pieces_of[y][k]];
+        if (px.tensor != py.tensor || px.tensor_box != py.tensor_box || px.buffer_box != py.buffer_box) return false;
+      }
+    }
+    return true;
+  };
+  auto hash_buffers = [&](int32_t w) {
+    size_t h = absl::HashOf(buffers_of[w].size());
+    for (int32_t b : buffers_of[w]) {
+      const Buffer& buffer = layout.buffers[b];
+      h = absl::HashOf(h, buffer.name, static_cast<int>(buffer.dtype), absl::Span<const int64_t>(buffer.shape.v.data(), buffer.shape.rank),
+                     pieces_of[b].size());
+      for (int32_t p : pieces_of[b]) {
+        const Piece& piece = layout.pieces[p];
+        h = absl::HashOf(h, piece.tensor, piece.tensor_box, piece.buffer_box);
+      }
+    }
+    return h;
+  };
+  absl::flat_hash_map<size_t, std::vector<int32_t>> first_of;  // hash -> workers written in full
+  for (size_t wi = 0; wi < layout.workers.size(); ++wi) {
+    const int32_t w = static_cast<int32_t>(wi);
+    const Worker& worker = layout.workers[w];
+    v1::Worker* out = proto.add_workers();
+    out->set_name(worker.name);
+    out->set_node(worker.node);
+    out->set_gpu(worker.gpu);
+    out->set_replica(worker.replica);
+    out->set_replica_rank(worker.replica_rank);
+    out->set_replica_size(worker.replica_size);
+    if (options.buffers_like && !buffers_of[w].empty()) {
+      std::vector<int32_t>& candidates = first_of[hash_buffers(w)];
+      bool like = false;
+      for (int32_t c : candidates) {
+        if (same_buffers(c, w)) {
+          out->set_buffers_like(layout.workers[c].name);
+          like = true;
+          break;
+        }
+      }
+      if (like) continue;
+      candidates.push_back(w);
+    }
+    for (int32_t b : buffers_of[w]) {
+      const Buffer& buffer = layout.buffers[b];
+      v1::Buffer* ob = out->add_buffers();
+      ob->set_name(buffer.name);
+      ob->set_dtype(std::string(DTypeName(buffer.dtype)));
+      DimsTo(buffer.shape, ob->mutable_shape());
+      const std::vector<int32_t>& pieces = pieces_of[b];
+      const Box whole_buffer = Box::Whole(buffer.shape);
+      for (size_t k = 0; k < pieces.size();) {
+        const Piece& first = layout.pieces[pieces[k]];
+        const Box& tbox = layout.tensor_box(first);
+        const Box& bbox = layout.buffer_box(first);
+        // The longest run from here: each next piece moves tensor and box origins by the same
+        // steps as the one before, shapes unchanged.
+        size_t n = 1;
+        int64_t tensor_step = 0;
+        std::array<int64_t, kMaxRank> tstep{}, bstep{};
+        if (options.runs && k + 1 < pieces.size()) {
+          auto steps = [&](const Piece& a, const Piece& b, int64_t* ts, std::array<int64_t, kMaxRank>* t,
+                           std::array<int64_t, kMaxRank>* u) {
+            const Box &ta = layout.tensor_box(a), &tb = layout.tensor_box(b);
+            const Box &ua = layout.buffer_box(a), &ub = layout.buffer_box(b);
+            if (ta.rank != tb.rank || ua.rank != ub.rank || ta.shape != tb.shape || ua.shape != ub.shape) return false;
+            if (!options.tensor_index && a.tensor != b.tensor) return false;
+            *ts = int64_t{b.tensor} - a.tensor;
+            for (int d = 0; d < ta.rank; ++d) (*t)[d] = tb.origin[d] - ta.origin[d];
+            for (int d = 0; d < ua.rank; ++d) (*u)[d] = ub.origin[d] - ua.origin[d];
+            return true;
+          };
+          if (steps(first, layout.pieces[pieces[k + 1]], &tensor_step, &tstep, &bstep)) {
+            n = 2;
+            while (k + n < pieces.size() && n <= kMaxPieceRepeat) {
+              int64_t ts = 0;
+              std::array<int64_t, kMaxRank> t{}, u{};
+              if (!steps(layout.pieces[pieces[k + n - 1]], layout.pieces[pieces[k + n]], &ts, &t, &u) ||
+                  ts != tensor_step || t != tstep || u != bstep) {
+                break;
+              }
+              ++n;
+            }
+          }
+        }
+        const bool tmoves = std::any_of(tstep.begin(), tstep.end(), [](int64_t v) { return v != 0; });
+        const bool bmoves = std::any_of(bstep.begin(), bstep.end(), [](int64_t v) { return v != 0; });
+        v1::Piece* op = ob->add_pieces();
+        if (options.tensor_index) {
+          op->set_tensor_index(first.tensor + 1);
+        } else {
+          op->set_tensor(layout.tensors[first.tensor].name);
+        }
+        // An omitted box is the whole: left out unless the run moves it.
+        if (!options.omit_whole_boxes || tmoves || !(tbox == Box::Whole(layout.tensors[first.tensor].shape))) {
+          BoxTo(tbox, op->mutable_tensor_box());
+        }
+        if (!options.omit_whole_boxes || bmoves || !(bbox == whole_buffer)) BoxTo(bbox, op->mutable_buffer_box());
+        if (n > 1) {
+          op->set_repeat(static_cast<int32_t>(n - 1));
+          op->set_tensor_index_step(static_cast<int32_t>(tensor_step));
+          if (tmoves) for (int d = 0; d < tbox.rank; ++d) op->add_tensor_box_step(tstep[d]);
+          if (bmoves) for (int d = 0; d < bbox.rank; ++d) op->add_buffer_box_step(bstep[d]);
+        }
+        k += n;
+      }
+    }
   }
   return proto;
 }

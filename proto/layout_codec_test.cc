@@ -4,6 +4,9 @@
 
 #include <catch2/catch.hpp>
 
+#include "client/layout_generator.h"
+#include "client/model_config.h"
+#include "google/protobuf/util/json_util.h"
 #include "plan/validate.h"
 
 namespace refit {
@@ -104,6 +107,186 @@ TEST_CASE("a worker's engine replica: kept through JSON and proto, absent when u
     REQUIRE_FALSE(parsed.ok());
     CHECK(std::string(parsed.status().message()).find("worker \"vllm-tp0\": replica") == 0);
   }
+}
+
+// Equal as the planner sees them: every vector in order, boxes by interned index.
+void RequireSameLayout(const Layout& a, const Layout& b) {
+  REQUIRE(a.tensors.size() == b.tensors.size());
+  for (size_t i = 0; i < a.tensors.size(); ++i) {
+    REQUIRE(a.tensors[i].name == b.tensors[i].name);
+    REQUIRE(a.tensors[i].shape == b.tensors[i].shape);
+    REQUIRE(a.tensors[i].dtype == b.tensors[i].dtype);
+  }
+  REQUIRE(a.workers.size() == b.workers.size());
+  for (size_t i = 0; i < a.workers.size(); ++i) {
+    const Worker &x = a.workers[i], &y = b.workers[i];
+    REQUIRE(std::tie(x.name, x.node, x.gpu, x.replica, x.replica_rank, x.replica_size) ==
+            std::tie(y.name, y.node, y.gpu, y.replica, y.replica_rank, y.replica_size));
+  }
+  REQUIRE(a.buffers.size() == b.buffers.size());
+  for (size_t i = 0; i < a.buffers.size(); ++i) {
+    const Buffer &x = a.buffers[i], &y = b.buffers[i];
+    REQUIRE(std::tie(x.name, x.worker, x.dtype) == std::tie(y.name, y.worker, y.dtype));
+    REQUIRE(x.shape == y.shape);
+  }
+  REQUIRE(a.pieces.size() == b.pieces.size());
+  for (size_t i = 0; i < a.pieces.size(); ++i) {
+    const Piece &x = a.pieces[i], &y = b.pieces[i];
+    INFO("piece " << i);
+    REQUIRE(std::tie(x.tensor, x.buffer, x.tensor_box, x.buffer_box) ==
+            std::tie(y.tensor, y.buffer, y.tensor_box, y.buffer_box));
+  }
+  REQUIRE(a.boxes.size() == b.boxes.size());
+  for (size_t i = 0; i < a.boxes.size(); ++i) REQUIRE(a.boxes[i] == b.boxes[i]);
+}
+
+ModelConfig Model(const std::string& file, int64_t scale, int64_t layers) {
+  auto text = ReadFile("tests/configs/" + file);
+  REQUIRE(text.ok());
+  auto m = ParseModelConfig(*text);
+  REQUIRE(m.ok());
+  return ScaleDown(*m, scale, layers);
+}
+
+// Compacts `layout` every way and checks it expands to what the full form decodes to.
+void CheckCompactRoundTrip(const Layout& layout) {
+  auto full = LayoutFromProto(LayoutToProto(layout, "m"));
+  REQUIRE(full.ok());
+  const size_t full_bytes = LayoutToProto(layout, "m").ByteSizeLong();
+  for (int mask = 0; mask < 16; ++mask) {
+    CompactOptions o;
+    o.buffers_like = mask & 1;
+    o.tensor_index = mask & 2;
+    o.omit_whole_boxes = mask & 4;
+    o.runs = mask & 8;
+    INFO("compact options mask " << mask);
+    const v1::Layout compact = CompactLayoutToProto(layout, "m", o);
+    CHECK(compact.ByteSizeLong() <= full_bytes);
+    auto back = LayoutFromProto(compact);
+    REQUIRE(back.ok());
+    RequireSameLayout(*full, *back);
+  }
+  // The proto3 JSON of the compact form reads back alike (hand-written files may use the fields).
+  std::string json;
+  REQUIRE(google::protobuf::util::MessageToJsonString(CompactLayoutToProto(layout, "m"), &json).ok());
+  auto parsed = ParseLayoutJson(json);
+  REQUIRE(parsed.ok());
+  RequireSameLayout(*full, *parsed);
+}
+
+TEST_CASE("compact layouts expand to the full layout: generated MoE trainer and engine") {
+  const ModelConfig m = Model("deepseek-v3.json", 16, 5);
+  auto src = MakeTrainerLayout(m, {1, 2, 4, 4, 1, 0}, {8, 0}, DType::kBF16);
+  REQUIRE(src.ok());
+  auto dst = MakeInferenceLayout(m, {4, 2, false}, {8, 1}, DType::kBF16);
+  REQUIRE(dst.ok());
+  REQUIRE(ValidateLayout(*src, "source").ok());
+  REQUIRE(ValidateLayout(*dst, "destination").ok());
+  CheckCompactRoundTrip(*src);
+  CheckCompactRoundTrip(*dst);
+  // Expert-stacked buffers: runs, and far fewer bytes.
+  const v1::Layout compact = CompactLayoutToProto(*dst, "m");
+  int runs = 0;
+  for (const v1::Worker& w : compact.workers()) {
+    for (const v1::Buffer& b : w.buffers()) {
+      for (const v1::Piece& p : b.pieces()) runs += p.repeat() > 0;
+    }
+  }
+  CHECK(runs > 0);
+  CHECK(compact.ByteSizeLong() * 3 < LayoutToProto(*dst, "m").ByteSizeLong());
+}
+
+TEST_CASE("compact layouts expand to the full layout: a dense engine's replicas are described once") {
+  const ModelConfig m = Model("llama3-8b.json", 8, 3);
+  auto src = MakeTrainerLayout(m, {2, 1, 1, 2, 1, 0}, {8, 0}, DType::kBF16);
+  REQUIRE(src.ok());
+  auto dst = MakeInferenceLayout(m, {2, 4, false}, {8, 1}, DType::kBF16);
+  REQUIRE(dst.ok());
+  CheckCompactRoundTrip(*src);
+  CheckCompactRoundTrip(*dst);
+  const v1::Layout compact = CompactLayoutToProto(*dst, "m");
+  int like = 0;
+  for (const v1::Worker& w : compact.workers()) {
+    if (w.buffers_like().empty()) continue;
+    ++like;
+    CHECK(w.buffers_size() == 0);
+    // Rank t of replica d > 0 is described by rank t of replica 0.
+    CHECK(w.buffers_like() == "vllm-dp0-tp" + w.name().substr(w.name().size() - 1));
+  }
+  CHECK(like == 6);  // 3 of 4 replicas, 2 ranks each
+  CheckCompactRoundTrip(Sample());
+}
+
+TEST_CASE("compact references that do not resolve are INVALID_ARGUMENT naming worker, buffer and piece") {
+  auto error = [](const std::string& workers) {
+    const std::string json = R"({"tensors":[{"name":"w","shape":[8,2],"dtype":"bf16"},)"
+                             R"({"name":"v","shape":[8,2],"dtype":"bf16"}],"workers":[)" +
+                             workers + "]}";
+    auto l = ParseLayoutJson(json);
+    INFO(json);
+    REQUIRE_FALSE(l.ok());
+    CHECK(l.status().code() == absl::StatusCode::kInvalidArgument);
+    return std::string(l.status().message());
+  };
+  const std::string a = R"({"name":"a","node":0,"gpu":0,"buffers":[{"name":"b","dtype":"bf16","shape":[8,2],)"
+                        R"("pieces":[{"tensor":"w"}]}]})";
+  auto with_piece = [&](const std::string& piece) {
+    return error(R"({"name":"a","node":0,"gpu":0,"buffers":[{"name":"b","dtype":"bf16","shape":[8,2],"pieces":[)" +
+                 piece + "]}]}");
+  };
+  using Catch::Matchers::Contains;
+  // buffers_like: unknown, later, itself, or with buffers of its own.
+  CHECK_THAT(error(a + R"(,{"name":"x","buffersLike":"nobody"})"),
+             Contains("worker \"x\": buffers_like names \"nobody\", which is not an earlier worker"));
+  CHECK_THAT(error(R"({"name":"x","buffersLike":"a"},)" + a),
+             Contains("worker \"x\": buffers_like names \"a\", which is not an earlier worker"));
+  CHECK_THAT(error(a + R"(,{"name":"x","buffersLike":"x"})"),
+             Contains("worker \"x\": buffers_like names \"x\", which is not an earlier worker"));
+  CHECK_THAT(error(a + R"(,{"name":"x","buffersLike":"a","buffers":[{"name":"c","dtype":"bf16","shape":[1]}]})"),
+             Contains("worker \"x\" has both buffers_like (\"a\") and buffers of its own"));
+  // tensor_index: out of range either way; disagreeing with the name.
+  CHECK_THAT(with_piece(R"({"tensorIndex":3})"),
+             Contains("worker \"a\" buffer \"b\" piece 0: tensor_index 3 is out of range (1-based; the layout "
+                      "declares 2 tensors)"));
+  CHECK_THAT(with_piece(R"({"tensor":"w"},{"tensorIndex":-1})"),
+             Contains("worker \"a\" buffer \"b\" piece 1: tensor_index -1 is out of range"));
+  CHECK_THAT(with_piece(R"({"tensor":"w","tensorIndex":2})"),
+             Contains("worker \"a\" buffer \"b\" piece 0: tensor \"w\" and tensor_index 2 (\"v\") disagree"));
+  // Runs: steps need a repeat, an index and explicit boxes of their rank; the run stays in range.
+  CHECK_THAT(with_piece(R"({"tensorIndex":1,"tensorIndexStep":1})"),
+             Contains("worker \"a\" buffer \"b\" piece 0 (tensor \"w\"): steps without a repeat"));
+  CHECK_THAT(with_piece(R"({"tensorIndex":1,"repeat":-2})"), Contains("piece 0 (tensor \"w\"): repeat -2 < 0"));
+  CHECK_THAT(with_piece(R"({"tensor":"w","repeat":1,"tensorIndexStep":1})"),
+             Contains("piece 0 (tensor \"w\"): tensor_index_step needs tensor_index"));
+  CHECK_THAT(with_piece(R"({"tensorIndex":1,"repeat":2,"tensorIndexStep":1})"),
+             Contains("piece 0 (tensor \"w\"): a run of 3 pieces with tensor_index_step 1 reaches tensor_index 3, "
+                      "out of range"));
+  CHECK_THAT(with_piece(R"({"tensorIndex":1,"repeat":1,"bufferBoxStep":[4,0]})"),
+             Contains("piece 0 (tensor \"w\"): buffer_box_step has 2 dimensions; it needs an explicit buffer_box"));
+  CHECK_THAT(with_piece(R"({"tensorIndex":1,"repeat":1,"tensorBox":{"origin":[0,0],"shape":[4,2]},)"
+                        R"("tensorBoxStep":[4]})"),
+             Contains("tensor_box_step has 1 dimensions; it needs an explicit tensor_box of as many (2)"));
+  CHECK_THAT(with_piece(R"({"tensorIndex":1,"repeat":4,"tensorBox":{"origin":[0,0],"shape":[4,2]},)"
+                        R"("tensorBoxStep":[4611686018427387904,0]})"),
+             Contains("piece 0 (tensor \"w\"): tensor_box_step overflows int64 over 4 repeats"));
+  // Every size is bounded: a run may not expand past kMaxLayoutPieces (checked before any of it).
+  CHECK_THAT(with_piece(R"({"tensorIndex":1,"repeat":2000000000})"),
+             Contains("worker \"a\" buffer \"b\": the layout expands to more than 67108864 pieces"));
+  // A well-formed run and a like-worker read as the pieces spelled out.
+  auto run = ParseLayoutJson(
+      R"({"tensors":[{"name":"w","shape":[8,2],"dtype":"bf16"},{"name":"v","shape":[8,2],"dtype":"bf16"}],)"
+      R"("workers":[{"name":"a","node":0,"gpu":0,"buffers":[{"name":"b","dtype":"bf16","shape":[2,4,2],)"
+      R"("pieces":[{"tensorIndex":1,"repeat":1,"tensorIndexStep":1,"tensorBox":{"origin":[4,0],"shape":[4,2]},)"
+      R"("bufferBox":{"origin":[0,0,0],"shape":[1,4,2]},"bufferBoxStep":[1,0,0]}]}]},)"
+      R"({"name":"x","node":1,"gpu":0,"buffersLike":"a"}]})");
+  REQUIRE(run.ok());
+  REQUIRE(run->pieces.size() == 4);
+  CHECK(run->pieces[1].tensor == 1);
+  CHECK(run->tensor_box(run->pieces[1]) == Box::FromDims(Dims{4, 0}, Dims{4, 2}));
+  CHECK(run->buffer_box(run->pieces[1]) == Box::FromDims(Dims{1, 0, 0}, Dims{1, 4, 2}));
+  CHECK(run->buffers.size() == 2);
+  CHECK(run->buffers[1].worker == 1);
+  CHECK(run->pieces[3].buffer == 1);
 }
 
 TEST_CASE("topology defaults and overrides") {

@@ -188,6 +188,29 @@ absl::StatusOr<std::string> DeliverHandles(const std::string& path, std::span<co
   }
 }
 
+// One session's stream. The reader (the session thread) and the writer (the callback thread)
+// share it; `write_mu` keeps Finish() from racing a write, and no write follows Finish().
+struct WorkerClient::Session {
+  std::unique_ptr<grpc::ClientContext> context;
+  std::unique_ptr<grpc::ClientReaderWriter<v1::WorkerMessage, v1::RoundEvent>> stream;
+  std::mutex write_mu;
+  bool ended = false;  // guarded by write_mu
+
+  bool Write(const v1::WorkerMessage& m) {
+    std::lock_guard<std::mutex> lock(write_mu);
+    return !ended && stream->Write(m);
+  }
+  bool Ended() {
+    std::lock_guard<std::mutex> lock(write_mu);
+    return ended;
+  }
+  grpc::Status Finish() {
+    std::lock_guard<std::mutex> lock(write_mu);
+    ended = true;
+    return stream->Finish();
+  }
+};
+
 absl::StatusOr<std::unique_ptr<WorkerClient>> WorkerClient::Connect(
     const std::string& daemon, const std::string& group, v1::Role role, const Layout& layout,
     WorkerCallbacks callbacks, absl::Duration timeout, std::vector<v1::BufferMemory> memory) {
@@ -311,15 +334,17 @@ absl::Status WorkerClient::Register(absl::Time deadline) {
 bool WorkerClient::OpenSession() {
   std::unique_lock<std::mutex> lock(mu_);
   if (closed_) return false;
-  session_context_ = std::make_unique<grpc::ClientContext>();
-  session_ = stub_->Session(session_context_.get());
+  auto session = std::make_shared<Session>();
+  session->context = std::make_unique<grpc::ClientContext>();
+  session->stream = stub_->Session(session->context.get());
   v1::WorkerMessage hello;
   hello.set_hello(worker_id_);
-  if (!session_->Write(hello)) {
-    session_context_->TryCancel();
-    session_->Finish();
+  if (!session->Write(hello)) {
+    session->context->TryCancel();
+    session->Finish();
     return false;
   }
+  session_ = std::move(session);
   connected_ = true;
   return true;
 }
@@ -334,12 +359,14 @@ void WorkerClient::SessionLoop() {
   while (true) {
     const std::string why = RunSession();
     if (closed_) return;
-    if (open_round_ >= 0) {  // the round never ended here: an engine's buffers may be partial
-      const int64_t round = std::exchange(open_round_, -1);
-      if (role_ == v1::INFERENCE) version_ = 0;
-      if (callbacks_.on_abort) callbacks_.on_abort(round, absl::StrCat("lost the daemon: ", why));
-    }
-    if (callbacks_.on_disconnected) callbacks_.on_disconnected(why);
+    callbacks_thread_.Post([this, why] {  // after the lost session's events
+      if (open_round_ >= 0) {  // the round never ended here: an engine's buffers may be partial
+        const int64_t round = std::exchange(open_round_, -1);
+        if (role_ == v1::INFERENCE) version_ = 0;
+        if (callbacks_.on_abort) callbacks_.on_abort(round, absl::StrCat("lost the daemon: ", why));
+      }
+      if (callbacks_.on_disconnected) callbacks_.on_disconnected(why);
+    });
     if (!reconnect_) return;
     // As soon as the daemon is back (a restarted one, or a frozen one that dropped us on waking:
     // ALREADY_EXISTS until it did), with back-off from 100 ms to 1 s.
@@ -352,50 +379,63 @@ void WorkerClient::SessionLoop() {
       if (closed_) return;
       backoff = std::min(backoff * 2, absl::Seconds(1));
     }
-    if (callbacks_.on_reconnected) callbacks_.on_reconnected(worker_id_);
+    if (callbacks_.on_reconnected) {
+      callbacks_thread_.Post([this, id = worker_id_] { callbacks_.on_reconnected(id); });
+    }
   }
 }
 
 std::string WorkerClient::RunSession() {
+  std::shared_ptr<Session> session;
+  {
+    std::unique_lock<std::mutex> lock(mu_);
+    session = session_;
+  }
   v1::RoundEvent e;
-  while (session_->Read(&e)) {
-    v1::WorkerMessage reply;
-    switch (e.kind()) {
-      case v1::RoundEvent::PREPARE: {
-        open_round_ = e.round_id();
-        if (role_ == v1::INFERENCE) version_ = 0;  // the buffers are about to change
-        absl::Status s =
-            callbacks_.on_prepare ? callbacks_.on_prepare(e.version()) : absl::OkStatus();
-        if (!s.ok()) {  // the round cannot happen: say so, and the daemon aborts it at once
-          v1::Refusal* refused = reply.mutable_refused();
-          refused->set_round_id(e.round_id());
-          refused->set_reason(s.message().empty() ? s.ToString() : std::string(s.message()));
-          break;
-        }
-        reply.set_prepared(e.round_id());
-        break;
-      }
-      case v1::RoundEvent::COMMIT:
-        open_round_ = -1;
-        if (role_ == v1::INFERENCE) version_ = e.version();
-        if (callbacks_.on_commit) callbacks_.on_commit(e.version());
-        reply.set_resumed(e.round_id());
-        break;
-      case v1::RoundEvent::ABORT:
-        if (e.round_id() == open_round_) open_round_ = -1;
-        if (role_ == v1::INFERENCE) version_ = 0;
-        if (callbacks_.on_abort) callbacks_.on_abort(e.round_id(), e.reason());
-        reply.set_resumed(e.round_id());
-        break;
-      default:
-        continue;
-    }
-    if (!session_->Write(reply)) break;
+  while (session->stream->Read(&e)) {
+    callbacks_thread_.Post([this, session, e] { HandleEvent(*session, e); });
   }
   connected_ = false;
-  const grpc::Status status = session_->Finish();
+  const grpc::Status status = session->Finish();
   return status.ok() ? std::string("the daemon ended the session")
                      : absl::StrCat("the session with the daemon ended: ", status.error_message());
+}
+
+void WorkerClient::HandleEvent(Session& session, const v1::RoundEvent& e) {
+  v1::WorkerMessage reply;
+  switch (e.kind()) {
+    case v1::RoundEvent::PREPARE: {
+      // The session ended before its turn came: that daemon forgot the round (nobody waits for
+      // the answer); a daemon still running it tells a new session nothing of it.
+      if (session.Ended()) return;
+      open_round_ = e.round_id();
+      if (role_ == v1::INFERENCE) version_ = 0;  // the buffers are about to change
+      absl::Status s = callbacks_.on_prepare ? callbacks_.on_prepare(e.version()) : absl::OkStatus();
+      if (!s.ok()) {  // the round cannot happen: say so, and the daemon aborts it at once
+        v1::Refusal* refused = reply.mutable_refused();
+        refused->set_round_id(e.round_id());
+        refused->set_reason(s.message().empty() ? s.ToString() : std::string(s.message()));
+        break;
+      }
+      reply.set_prepared(e.round_id());
+      break;
+    }
+    case v1::RoundEvent::COMMIT:
+      open_round_ = -1;
+      if (role_ == v1::INFERENCE) version_ = e.version();
+      if (callbacks_.on_commit) callbacks_.on_commit(e.version());
+      reply.set_resumed(e.round_id());
+      break;
+    case v1::RoundEvent::ABORT:
+      if (e.round_id() == open_round_) open_round_ = -1;
+      if (role_ == v1::INFERENCE) version_ = 0;
+      if (callbacks_.on_abort) callbacks_.on_abort(e.round_id(), e.reason());
+      reply.set_resumed(e.round_id());
+      break;
+    default:
+      return;
+  }
+  session.Write(reply);  // false: the session ended meanwhile; its reader saw that too
 }
 
 absl::Status WorkerClient::Unregister() {
@@ -408,10 +448,12 @@ absl::Status WorkerClient::Unregister() {
   const absl::Status s = FromGrpc(stub_->Unregister(&ctx, request, &response));
   {
     std::unique_lock<std::mutex> lock(mu_);
-    if (session_context_) session_context_->TryCancel();
+    if (session_) session_->context->TryCancel();
     closing_.notify_all();
   }
   if (session_thread_.joinable()) session_thread_.join();
+  // No callback runs once Unregister returned (from a callback: once that callback returns).
+  callbacks_thread_.Stop();
   return s;
 }
 
@@ -419,7 +461,7 @@ WorkerClient::~WorkerClient() {
   {
     std::unique_lock<std::mutex> lock(mu_);
     closed_ = true;
-    if (session_context_) session_context_->TryCancel();
+    if (session_) session_->context->TryCancel();
     closing_.notify_all();
   }
   if (session_thread_.joinable()) session_thread_.join();

@@ -23,12 +23,17 @@
 
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
+#include "client/callback_thread.h"
 #include "client/shared_memory.h"
 #include "plan/layout.h"
 #include "proto/refit.grpc.pb.h"
 
 namespace refit {
 
+// The callbacks run one at a time, in the order of the events, on a thread of the library's own
+// (never the caller's, never the session's reader: a callback may take as long as the phase's
+// deadline allows without the session being taken for lost). A callback may call Unregister();
+// it must not destroy the client.
 struct WorkerCallbacks {
   // PREPARE(version). Trainer: make the weights version `version` and leave them untouched until
   // the round ends. Inference: stop reading the weights. Return an error to refuse the round: the
@@ -101,9 +106,13 @@ class WorkerClient {
 
  private:
   WorkerClient() = default;
+  struct Session;
   void SessionLoop();
-  // One session until it ends; returns why it ended.
+  // One session until it ends; returns why it ended. Reads only: each event is handled on
+  // `callbacks_thread_`, which also writes the replies.
   std::string RunSession();
+  // On `callbacks_thread_`: runs the event's callback and answers on `session`.
+  void HandleEvent(Session& session, const v1::RoundEvent& e);
   // Opens a session for the registered worker (false: closed meanwhile, or the daemon did not
   // take it).
   bool OpenSession();
@@ -125,15 +134,16 @@ class WorkerClient {
   absl::Duration timeout_;
   bool reconnect_ = true;
   std::unique_ptr<v1::RefitWorker::Stub> stub_;
-  std::mutex mu_;  // the session's context and stream, replaced at each registration; closed_ changes
+  std::mutex mu_;  // session_, replaced at each registration; closed_ changes
   std::condition_variable closing_;
-  std::unique_ptr<grpc::ClientContext> session_context_;
-  std::unique_ptr<grpc::ClientReaderWriter<v1::WorkerMessage, v1::RoundEvent>> session_;
+  std::shared_ptr<Session> session_;
   std::thread session_thread_;
   std::atomic<int64_t> version_{0};
   std::atomic<bool> closed_{false};
   std::atomic<bool> connected_{false};
-  int64_t open_round_ = -1;  // PREPARE seen, no COMMIT or ABORT yet (the session thread's)
+  int64_t open_round_ = -1;  // PREPARE seen, no COMMIT or ABORT yet (callbacks_thread_'s)
+  // Last: destroyed (joined) first, while everything its tasks touch still exists.
+  CallbackThread callbacks_thread_;
 };
 
 // The handle socket of the daemon at `daemon` ("unix:/path" -> "/path.handles"); empty for a

@@ -44,7 +44,7 @@ TEST_CASE("group planner: one plan per epoch, cached; a new membership plans aga
   // A heartbeat changes nothing; a node joining with workers of the group does.
   m.Join(JoinOf(1, 5));
   CHECK(planner.Get("policy") == ready);
-  m.ApplySync(SyncOf(1, 5, {Registration("i2", v1::INFERENCE, 0, 8, 1)}));
+  REQUIRE(m.ApplySync(SyncOf(1, 5, {Registration("i2", v1::INFERENCE, 0, 8, 1)})).ok());
   auto replanned = planner.Get("policy");
   CHECK(replanned != ready);
   CHECK(replanned->nodes == std::vector<int32_t>{0, 1});
@@ -128,8 +128,8 @@ TEST_CASE("group planner: only complete replicas are planned, never part of one"
   CHECK(m.Join(JoinOf(1, 5)));
   CHECK(m.Join(JoinOf(2, 6)));
   // TP2 x DP2: dp0 on node 1, dp1 on node 2 without its rank 0 (killed, say).
-  m.ApplySync(SyncOf(1, 5, {Rank("vllm-dp0-tp0", "dp0", 0, 2, 0, 4, 1), Rank("vllm-dp0-tp1", "dp0", 1, 2, 4, 8, 1)}));
-  m.ApplySync(SyncOf(2, 6, {Rank("vllm-dp1-tp1", "dp1", 1, 2, 4, 8, 2)}));
+  REQUIRE(m.ApplySync(SyncOf(1, 5, {Rank("vllm-dp0-tp0", "dp0", 0, 2, 0, 4, 1), Rank("vllm-dp0-tp1", "dp0", 1, 2, 4, 8, 1)})).ok());
+  REQUIRE(m.ApplySync(SyncOf(2, 6, {Rank("vllm-dp1-tp1", "dp1", 1, 2, 4, 8, 2)})).ok());
   auto plan = planner.Get("policy");
   REQUIRE(plan->status.ok());
   CHECK(Workers(plan->dst) == std::vector<std::string>{"vllm-dp0-tp0", "vllm-dp0-tp1"});
@@ -138,7 +138,7 @@ TEST_CASE("group planner: only complete replicas are planned, never part of one"
   CHECK(plan->nodes == std::vector<int32_t>{0, 1});  // node 2 takes no part in a round
   CHECK(plan->inference == 3);                        // registered
   // The replica's rank comes back: both planned.
-  m.ApplySync(SyncOf(2, 6, {Rank("vllm-dp1-tp1", "dp1", 1, 2, 4, 8, 2), Rank("vllm-dp1-tp0", "dp1", 0, 2, 0, 4, 2)}));
+  REQUIRE(m.ApplySync(SyncOf(2, 6, {Rank("vllm-dp1-tp1", "dp1", 1, 2, 4, 8, 2), Rank("vllm-dp1-tp0", "dp1", 0, 2, 0, 4, 2)})).ok());
   plan = planner.Get("policy");
   REQUIRE(plan->status.ok());
   CHECK(plan->planned == std::vector<std::string>{"dp0", "dp1"});
@@ -146,8 +146,8 @@ TEST_CASE("group planner: only complete replicas are planned, never part of one"
   CHECK(Workers(plan->dst).size() == 4);
 
   // No replica complete: not ready, naming the missing ranks.
-  m.ApplySync(SyncOf(1, 5, {Rank("vllm-dp0-tp1", "dp0", 1, 2, 4, 8, 1)}));
-  m.ApplySync(SyncOf(2, 6, {}));
+  REQUIRE(m.ApplySync(SyncOf(1, 5, {Rank("vllm-dp0-tp1", "dp0", 1, 2, 4, 8, 1)})).ok());
+  REQUIRE(m.ApplySync(SyncOf(2, 6, {})).ok());
   plan = planner.Get("policy");
   CHECK(plan->status.code() == absl::StatusCode::kFailedPrecondition);
   CHECK(std::string(plan->status.message()) ==

@@ -1,6 +1,8 @@
 #include "daemon/grpc_peer_client.h"
 
 #include "absl/strings/str_cat.h"
+#include "absl/strings/match.h"
+#include "daemon/culprit.h"
 #include "daemon/grpc_status.h"
 #include "daemon/logging.h"
 #include "daemon/node_agent.h"
@@ -89,13 +91,17 @@ void GrpcPeerClient::RunPhase(int32_t node, const v1::PhaseRequest& request, abs
       done(options_.local_phase(request, response));
       return;
     }
-    auto run = [this, request, response, done] { done(options_.local_phase(request, response)); };
+    auto run = [this, request, response, done] {
+      // This node's own failure: blamed on it unless it names a culprit (a worker of its).
+      done(WithCulpritIfNone(options_.local_phase(request, response),
+                             NodeCulprit(options_.self, "", PhaseName(request.phase()))));
+    };
     if (!local_.Submit(run)) done(absl::UnavailableError("daemon shutting down"));
     return;
   }
   auto address = options_.address(node);
   if (!address.ok()) {
-    done(address.status());
+    done(WithCulprit(address.status(), NodeCulprit(node, "", PhaseName(request.phase()))));
     return;
   }
   v1::RefitPeer::Stub* stub = Stub(*address);
@@ -110,13 +116,20 @@ void GrpcPeerClient::RunPhase(int32_t node, const v1::PhaseRequest& request, abs
                             absl::Status s = FromGrpc(status);
                             const v1::PhaseRequest::Phase phase = call->phase.phase();
                             if (!s.ok()) {
+                              const v1::Culprit blamed = NodeCulprit(node, address, PhaseName(phase));
                               if (auto why = options_.death_reason(node); why.has_value()) {
-                                s = absl::UnavailableError(absl::StrCat("node ", node, " (", address, ") died during ",
-                                                                        PhaseName(phase), ": ", *why));
-                              } else if (std::string(s.message()).rfind(absl::StrCat("node ", node), 0) != 0) {
-                                // Say which node failed, unless its own message already does.
-                                s = absl::Status(s.code(), absl::StrCat("node ", node, " (", address, ") failed ",
-                                                                        PhaseName(phase), ": ", s.message()));
+                                // Died: the node is the culprit, whatever its call said.
+                                s = WithCulprit(absl::UnavailableError(absl::StrCat("node ", node, " (", address,
+                                                                                    ") died during ", PhaseName(phase),
+                                                                                    ": ", *why)),
+                                                blamed);
+                              } else {
+                                // The node's own failure may name a culprit of its (a worker): kept.
+                                if (!absl::StartsWith(s.message(), absl::StrCat("node ", node))) {  // wording only
+                                  s = Rewrap(s, s.code(), absl::StrCat("node ", node, " (", address, ") failed ",
+                                                                       PhaseName(phase), ": ", s.message()));
+                                }
+                                s = WithCulpritIfNone(std::move(s), blamed);
                               }
                             }
                             done(s);
@@ -146,8 +159,10 @@ void GrpcPeerClient::InstallPlan(int32_t node, std::shared_ptr<const v1::Install
                              [this, call, node, address = *address, done](grpc::Status status) {
                                absl::Status s = FromGrpc(status);
                                if (!s.ok()) {
-                                 s = absl::Status(s.code(), absl::StrCat("node ", node, " (", address,
-                                                                         ") could not install the plan: ", s.message()));
+                                 s = WithCulpritIfNone(
+                                     Rewrap(s, s.code(), absl::StrCat("node ", node, " (", address,
+                                                                      ") could not install the plan: ", s.message())),
+                                     NodeCulprit(node, address, "INSTALL"));
                                }
                                done(s);
                                End(call);

@@ -1,4 +1,6 @@
 // The one pair of conversions between absl::Status and grpc::Status (their codes coincide).
+// Payloads (a Culprit: daemon/culprit.h) travel as the details of a google.rpc.Status-compatible
+// RpcStatus in gRPC's error details (the grpc-status-details-bin trailer).
 #pragma once
 
 #include <grpcpp/grpcpp.h>
@@ -7,14 +9,7 @@
 
 namespace refit {
 
-inline grpc::Status ToGrpc(const absl::Status& s) {
-  if (s.ok()) return grpc::Status::OK;
-  return grpc::Status(static_cast<grpc::StatusCode>(s.code()), std::string(s.message()));
-}
-
-inline absl::Status FromGrpc(const grpc::Status& s) {
-  if (s.ok()) return absl::OkStatus();
-  return absl::Status(static_cast<absl::StatusCode>(s.error_code()), s.error_message());
-}
+grpc::Status ToGrpc(const absl::Status& s);
+absl::Status FromGrpc(const grpc::Status& s);
 
 }  // namespace refit

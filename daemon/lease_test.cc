@@ -237,7 +237,7 @@ TEST_CASE("pause detector: a gap between ticks is a pause; the frozen failure de
   m.SetSelf("10.0.0.0:7070", "10.0.0.0:7071", 1);
   for (int32_t node : {1, 2}) {
     m.Join(JoinOf(node, 10 + node));
-    m.ApplySync(SyncOf(node, 10 + node, {Registration(absl::StrCat("i", node), v1::INFERENCE, 0, 8, node)}));
+    REQUIRE(m.ApplySync(SyncOf(node, 10 + node, {Registration(absl::StrCat("i", node), v1::INFERENCE, 0, 8, node)})).ok());
   }
   auto monitor = [&] {
     pause.Tick();

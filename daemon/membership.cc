@@ -133,9 +133,23 @@ bool Membership::JoinLocked(const v1::JoinRequest& request) {
   return resync;
 }
 
-void Membership::ApplySync(const v1::SyncWorkersRequest& request, v1::SyncWorkersResponse* response) {
+absl::Status Membership::ApplySync(const v1::SyncWorkersRequest& request, v1::SyncWorkersResponse* response) {
   {
     absl::MutexLock lock(&mu_);
+    // Only a node joined at this incarnation syncs. A node declared dead (it was frozen, or cut
+    // off) must learn so from its next heartbeat's answer (resync), which makes it abort the
+    // rounds it still has open; a sync that revived it first would hide that for good.
+    if (request.node() != self_) {
+      auto beat = beats_.find(request.node());
+      if (beat == beats_.end() || beat->second.first != request.incarnation()) {
+        auto dead = dead_because_.find(request.node());
+        return absl::FailedPreconditionError(absl::StrCat(
+            "SyncWorkers from node ", request.node(), " (incarnation ", request.incarnation(),
+            "): the node has not joined this coordinator",
+            dead != dead_because_.end() ? absl::StrCat(" since it was declared dead (", dead->second, ")") : "",
+            "; it joins again with its next heartbeat"));
+      }
+    }
     NodeInfo& n = nodes_[request.node()];
     n.incarnation = request.incarnation();
     n.workers.clear();
@@ -154,6 +168,7 @@ void Membership::ApplySync(const v1::SyncWorkersRequest& request, v1::SyncWorker
     RecomputeEpochs();
   }
   TellForgotten();
+  return absl::OkStatus();
 }
 
 absl::Status Membership::AddLocal(const v1::RegisterWorkerRequest& worker) {

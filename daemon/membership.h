@@ -78,8 +78,9 @@ class Membership {
   // declared dead since).
   bool Join(const v1::JoinRequest& request);
   // A node's whole worker list. A worker whose name another live node holds is not admitted:
-  // it is listed in `response->refused` (may be null), naming the holder.
-  void ApplySync(const v1::SyncWorkersRequest& request, v1::SyncWorkersResponse* response = nullptr);
+  // it is listed in `response->refused` (may be null), naming the holder. FAILED_PRECONDITION
+  // from a node not joined at this incarnation (unknown, restarted, or declared dead since).
+  absl::Status ApplySync(const v1::SyncWorkersRequest& request, v1::SyncWorkersResponse* response = nullptr);
   // The coordinator's own workers, one at a time (a snapshot per registration would make
   // registering n workers O(n^2)). ALREADY_EXISTS, naming the holder, when another live node
   // holds the name.

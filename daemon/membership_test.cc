@@ -19,7 +19,7 @@ TEST_CASE("membership: failure detection on the injected clock") {
   m.SetSelf("10.0.0.0:7070", "10.0.0.0:7071", 1);
   m.AddLocal(Registration("t0", v1::TRAINER, 0, 8, 0));
   CHECK(m.Join(JoinOf(1, 11)));  // new: send the workers
-  m.ApplySync(SyncOf(1, 11, {Registration("i0", v1::INFERENCE, 0, 8, 1)}));
+  REQUIRE(m.ApplySync(SyncOf(1, 11, {Registration("i0", v1::INFERENCE, 0, 8, 1)})).ok());
   const int64_t epoch = m.Group("policy").epoch;
   CHECK(m.Group("policy").nodes == std::vector<int32_t>{0, 1});
 
@@ -53,9 +53,36 @@ TEST_CASE("membership: failure detection on the injected clock") {
   CHECK(m.Join(JoinOf(1, 11)));
   CHECK(m.ControlAddress(1).ok());
   CHECK(m.DeathReason(1) == std::nullopt);
-  m.ApplySync(SyncOf(1, 11, {Registration("i0", v1::INFERENCE, 0, 8, 1)}));
+  REQUIRE(m.ApplySync(SyncOf(1, 11, {Registration("i0", v1::INFERENCE, 0, 8, 1)})).ok());
   CHECK(m.Group("policy").inference == 1);
   CHECK(m.Group("policy").epoch == epoch + 2);
+}
+
+// Issue 13.2: a node frozen past the verdict whose workers re-register (a SyncWorkers) before its
+// next heartbeat was revived by the sync; its heartbeat then took the fast path and the node
+// never learned it had been declared dead, so it never aborted its open round.
+TEST_CASE("membership: a node declared dead is not revived by a sync; its heartbeat says resync") {
+  FakeClock clock;
+  Membership m(0, absl::Milliseconds(500), 4, &clock);
+  m.SetSelf("10.0.0.0:7070", "10.0.0.0:7071", 1);
+  CHECK(m.Join(JoinOf(1, 11)));
+  REQUIRE(m.ApplySync(SyncOf(1, 11, {Registration("i0", v1::INFERENCE, 0, 8, 1)})).ok());
+  clock.Advance(absl::Seconds(3));
+  REQUIRE(m.CheckLiveness().size() == 1);
+
+  const absl::Status revived = m.ApplySync(SyncOf(1, 11, {Registration("i0", v1::INFERENCE, 0, 8, 1)}));
+  CHECK(revived.code() == absl::StatusCode::kFailedPrecondition);
+  CHECK_THAT(std::string(revived.message()), Catch::Contains("declared dead (no heartbeat for 2s)"));
+  CHECK(m.Group("policy").inference == 0);  // nothing of the refused sync was taken
+  CHECK(m.DeathReason(1).has_value());
+  CHECK(m.Join(JoinOf(1, 11)));  // the heartbeat's answer: resync (the node aborts its rounds)
+  REQUIRE(m.ApplySync(SyncOf(1, 11, {Registration("i0", v1::INFERENCE, 0, 8, 1)})).ok());
+  CHECK(m.Group("policy").inference == 1);
+
+  // Never joined, or joined at another incarnation: refused likewise.
+  CHECK(m.ApplySync(SyncOf(2, 5, {})).code() == absl::StatusCode::kFailedPrecondition);
+  CHECK(m.ApplySync(SyncOf(1, 12, {})).code() == absl::StatusCode::kFailedPrecondition);
+  CHECK(m.Group("policy").inference == 1);
 }
 
 TEST_CASE("membership: the coordinator itself is never judged by heartbeats") {
@@ -73,7 +100,7 @@ TEST_CASE("membership: a new incarnation is a restarted node; its old workers ar
   Membership m(0, absl::Milliseconds(500), 4, &clock);
   m.SetSelf("a", "b", 1);
   CHECK(m.Join(JoinOf(2, 100)));
-  m.ApplySync(SyncOf(2, 100, {Registration("t0", v1::TRAINER, 0, 8, 2), Registration("i0", v1::INFERENCE, 0, 8, 2)}));
+  REQUIRE(m.ApplySync(SyncOf(2, 100, {Registration("t0", v1::TRAINER, 0, 8, 2), Registration("i0", v1::INFERENCE, 0, 8, 2)})).ok());
   const GroupMembers before = m.Group("policy");
   CHECK(before.trainers == 1);
   CHECK(before.inference == 1);
@@ -84,7 +111,7 @@ TEST_CASE("membership: a new incarnation is a restarted node; its old workers ar
   CHECK(restarted.inference == 0);
   CHECK_FALSE(restarted.exists);  // its last workers are gone: the group is forgotten
   CHECK_FALSE(m.Join(JoinOf(2, 200)));  // its heartbeats from now on
-  m.ApplySync(SyncOf(2, 200, {Registration("t0", v1::TRAINER, 0, 8, 2)}));
+  REQUIRE(m.ApplySync(SyncOf(2, 200, {Registration("t0", v1::TRAINER, 0, 8, 2)})).ok());
   CHECK(m.Group("policy").trainers == 1);
   // The same workers under a new incarnation are a new membership, at an epoch never used.
   CHECK(m.Group("policy").epoch > before.epoch);
@@ -179,21 +206,21 @@ TEST_CASE("membership: a replica's version: recorded when committed whole, reset
   m.SetSelf("a", "b", 1);
   m.AddLocal(Registration("t0", v1::TRAINER, 0, 8, 0));
   CHECK(m.Join(JoinOf(1, 7)));
-  m.ApplySync(SyncOf(1, 7, {Rank("vllm-dp0-tp0", "dp0", 0, 2, 0, 4, 1), Rank("vllm-dp0-tp1", "dp0", 1, 2, 4, 8, 1),
-                            Rank("vllm-dp1-tp0", "dp1", 0, 2, 0, 4, 1), Rank("vllm-dp1-tp1", "dp1", 1, 2, 4, 8, 1)}));
+  REQUIRE(m.ApplySync(SyncOf(1, 7, {Rank("vllm-dp0-tp0", "dp0", 0, 2, 0, 4, 1), Rank("vllm-dp0-tp1", "dp0", 1, 2, 4, 8, 1),
+                            Rank("vllm-dp1-tp0", "dp1", 0, 2, 0, 4, 1), Rank("vllm-dp1-tp1", "dp1", 1, 2, 4, 8, 1)})).ok());
   const int64_t epoch = m.Group("policy").epoch;
   m.RecordCommit("policy", epoch, {"dp0", "dp1"}, 5);
   CHECK(m.ReplicaVersions("policy") == std::map<std::string, int64_t>{{"dp0", 5}, {"dp1", 5}});
   // dp1 loses a rank (its node syncs without it): it no longer holds a version it can vouch for,
   // and a round planned before the change does not give it one.
-  m.ApplySync(SyncOf(1, 7, {Rank("vllm-dp0-tp0", "dp0", 0, 2, 0, 4, 1), Rank("vllm-dp0-tp1", "dp0", 1, 2, 4, 8, 1),
-                            Rank("vllm-dp1-tp1", "dp1", 1, 2, 4, 8, 1)}));
+  REQUIRE(m.ApplySync(SyncOf(1, 7, {Rank("vllm-dp0-tp0", "dp0", 0, 2, 0, 4, 1), Rank("vllm-dp0-tp1", "dp0", 1, 2, 4, 8, 1),
+                            Rank("vllm-dp1-tp1", "dp1", 1, 2, 4, 8, 1)})).ok());
   CHECK(m.ReplicaVersions("policy") == std::map<std::string, int64_t>{{"dp0", 5}, {"dp1", 0}});
   m.RecordCommit("policy", epoch, {"dp0", "dp1"}, 6);
   CHECK(m.ReplicaVersions("policy") == std::map<std::string, int64_t>{{"dp0", 6}, {"dp1", 0}});
   // It comes back whole: still 0 (it missed versions) until a round refits it.
-  m.ApplySync(SyncOf(1, 7, {Rank("vllm-dp0-tp0", "dp0", 0, 2, 0, 4, 1), Rank("vllm-dp0-tp1", "dp0", 1, 2, 4, 8, 1),
-                            Rank("vllm-dp1-tp0", "dp1", 0, 2, 0, 4, 1), Rank("vllm-dp1-tp1", "dp1", 1, 2, 4, 8, 1)}));
+  REQUIRE(m.ApplySync(SyncOf(1, 7, {Rank("vllm-dp0-tp0", "dp0", 0, 2, 0, 4, 1), Rank("vllm-dp0-tp1", "dp0", 1, 2, 4, 8, 1),
+                            Rank("vllm-dp1-tp0", "dp1", 0, 2, 0, 4, 1), Rank("vllm-dp1-tp1", "dp1", 1, 2, 4, 8, 1)})).ok());
   const GroupMembers back = m.Group("policy");
   CHECK(Find(back, "dp1")->complete);
   CHECK(Find(back, "dp1")->version == 0);
@@ -208,11 +235,11 @@ TEST_CASE("membership: a worker name is held by one node; another node's registr
   m.SetSelf("10.0.0.0:7070", "b", 1);
   CHECK(m.Join(JoinOf(1, 11)));
   CHECK(m.Join(JoinOf(2, 22)));
-  m.ApplySync(SyncOf(1, 11, {Registration("i0", v1::INFERENCE, 0, 8, 1)}));
+  REQUIRE(m.ApplySync(SyncOf(1, 11, {Registration("i0", v1::INFERENCE, 0, 8, 1)})).ok());
   // Node 2 syncs a worker of the same name (and one of its own): i0 is refused, naming node 1.
   v1::SyncWorkersResponse answer;
-  m.ApplySync(SyncOf(2, 22, {Registration("i0", v1::INFERENCE, 0, 8, 2), Registration("i1", v1::INFERENCE, 0, 8, 2)}),
-              &answer);
+  REQUIRE(m.ApplySync(SyncOf(2, 22, {Registration("i0", v1::INFERENCE, 0, 8, 2), Registration("i1", v1::INFERENCE, 0, 8, 2)}),
+              &answer).ok());
   REQUIRE(answer.refused_size() == 1);
   CHECK(answer.refused(0).worker_id() == "policy/i0");
   CHECK(answer.refused(0).holder_node() == 1);
@@ -230,7 +257,7 @@ TEST_CASE("membership: a worker name is held by one node; another node's registr
   CHECK(std::string(mine.message()).find("node 1 (10.0.0.1:7070)") != std::string::npos);
   // A node re-syncing its own workers is not refused by itself.
   v1::SyncWorkersResponse again;
-  m.ApplySync(SyncOf(1, 11, {Registration("i0", v1::INFERENCE, 0, 8, 1)}), &again);
+  REQUIRE(m.ApplySync(SyncOf(1, 11, {Registration("i0", v1::INFERENCE, 0, 8, 1)}), &again).ok());
   CHECK(again.refused_size() == 0);
   // The holder's node dies: the name is free.
   clock.Advance(absl::Seconds(3));
@@ -251,11 +278,11 @@ TEST_CASE("membership: a group is forgotten when its last worker leaves; its epo
   m.AddLocal(Registration("t0", v1::TRAINER, 0, 8, 0));
   m.AddLocal(Registration("t0", v1::TRAINER, 0, 8, 0, "other"));
   CHECK(m.Join(JoinOf(1, 5)));
-  m.ApplySync(SyncOf(1, 5, {Registration("i0", v1::INFERENCE, 0, 8, 1)}));
+  REQUIRE(m.ApplySync(SyncOf(1, 5, {Registration("i0", v1::INFERENCE, 0, 8, 1)})).ok());
   const int64_t epoch = m.Group("policy").epoch;
   m.RemoveLocal("policy/t0");
   CHECK(told.empty());  // i0 remains
-  m.ApplySync(SyncOf(1, 5, {}));
+  REQUIRE(m.ApplySync(SyncOf(1, 5, {})).ok());
   CHECK(told == std::vector<std::string>{"policy"});
   CHECK(m.GroupNames() == std::vector<std::string>{"other"});
   CHECK_FALSE(m.Group("policy").exists);
@@ -263,7 +290,7 @@ TEST_CASE("membership: a group is forgotten when its last worker leaves; its epo
   m.AddLocal(Registration("t0", v1::TRAINER, 0, 8, 0));
   CHECK(m.Group("policy").epoch > epoch);
   // A node declared dead takes its groups with it when it held their last workers.
-  m.ApplySync(SyncOf(1, 5, {Registration("i9", v1::INFERENCE, 0, 8, 1, "remote")}));
+  REQUIRE(m.ApplySync(SyncOf(1, 5, {Registration("i9", v1::INFERENCE, 0, 8, 1, "remote")})).ok());
   clock.Advance(absl::Seconds(3));
   REQUIRE(m.CheckLiveness().size() == 1);
   CHECK(told == std::vector<std::string>{"policy", "remote"});

@@ -6,6 +6,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "daemon/culprit.h"
 #include "daemon/logging.h"
 #include "daemon/node_agent.h"
 
@@ -53,9 +54,10 @@ class RoundDriver::FanOut {
     while (!pending_.empty() && absl::Now() < deadline) done_.WaitWithDeadline(&mu_, deadline);
     if (pending_.empty()) return first_;
     if (!first_.ok()) return first_;
-    return absl::DeadlineExceededError(absl::StrCat("node", pending_.size() > 1 ? "s " : " ",
-                                                    absl::StrJoin(pending_, ", "), " did not answer ", what,
-                                                    " within ", absl::FormatDuration(timeout)));
+    return WithCulprit(absl::DeadlineExceededError(absl::StrCat("node", pending_.size() > 1 ? "s " : " ",
+                                                                absl::StrJoin(pending_, ", "), " did not answer ",
+                                                                what, " within ", absl::FormatDuration(timeout))),
+                       NodeCulprit(*pending_.begin(), "", what));
   }
 
   // Bytes that landed on the nodes (after a Wait that saw every call end).
@@ -211,10 +213,13 @@ absl::Status RoundDriver::BlamePause(const std::string& group, int64_t round_id,
   if (!pause.has_value() || pause->ended < start || pause->length() < options_.blame_pause) return failure;
   Logger("round")->warn("group \"{}\" round {} failed after the coordinator itself did not run for {}: {}", group,
                         round_id, absl::FormatDuration(pause->length()), std::string(failure.message()));
-  return absl::AbortedError(absl::StrCat(
-      "node ", options_.self, " (the coordinator) did not run for ",
-      absl::FormatDuration(absl::Trunc(pause->length(), absl::Milliseconds(1))), " during round ", round_id,
-      " (stopped or starved: its clock jumped); what failed meanwhile is its own fault"));
+  const std::optional<v1::Culprit> named = CulpritOf(failure);
+  return WithCulprit(
+      absl::AbortedError(absl::StrCat(
+          "node ", options_.self, " (the coordinator) did not run for ",
+          absl::FormatDuration(absl::Trunc(pause->length(), absl::Milliseconds(1))), " during round ", round_id,
+          " (stopped or starved: its clock jumped); what failed meanwhile is its own fault")),
+      CoordinatorCulprit(options_.self, named.has_value() ? named->phase() : ""));
 }
 
 absl::Status RoundDriver::RunRound(const std::string& group, int64_t round_id, int64_t version,
@@ -385,12 +390,13 @@ absl::Status RoundDriver::RunRound(const std::string& group, int64_t round_id, i
     }
     stats->set_state(v1::RoundStats::ABORTED);
     stats->set_reason(std::string(status.message()));
+    if (auto culprit = CulpritOf(status)) *stats->mutable_culprit() = *std::move(culprit);
     Logger("round")->warn("group \"{}\" round {} aborted: {}", group, round_id, std::string(status.message()));
   }
   log_->Publish(*stats);
   return status.ok() ? status
-                     : absl::AbortedError(
-                           absl::StrCat("round ", round_id, " of group \"", group, "\" aborted: ", status.message()));
+                     : Rewrap(status, absl::StatusCode::kAborted,
+                              absl::StrCat("round ", round_id, " of group \"", group, "\" aborted: ", status.message()));
 }
 
 void RoundDriver::ForgetGroup(const std::string& group) {

@@ -51,7 +51,7 @@ struct Coordinator {
     membership.SetSelf("10.0.0.0:7070", "10.0.0.0:7071", 1);
     membership.AddLocal(Registration("t0", v1::TRAINER, 0, 8, 0));
     membership.Join(JoinOf(1, 7));
-    membership.ApplySync(SyncOf(1, 7, {Registration("i0", v1::INFERENCE, 0, 8, 1)}));
+    REQUIRE(membership.ApplySync(SyncOf(1, 7, {Registration("i0", v1::INFERENCE, 0, 8, 1)})).ok());
     RoundDriverOptions options;
     options.self = 0;
     options.peer_timeout = absl::Seconds(1);

@@ -12,6 +12,7 @@
 #include <catch2/catch.hpp>
 
 #include "absl/strings/str_cat.h"
+#include "daemon/culprit.h"
 #include "daemon/test_registrations.h"
 
 namespace refit {
@@ -41,7 +42,9 @@ class FakePeers : public PeerClient {
       absl::MutexLock lock(&mu_);
       calls_.push_back({node, what, request.reason()});
       if (node == fail_node_ && what == fail_phase_) {
-        s = absl::UnavailableError(absl::StrCat("node ", node, " (10.0.0.", node, ":7070) failed ", what, ": boom"));
+        s = WithCulprit(
+            absl::UnavailableError(absl::StrCat("node ", node, " (10.0.0.", node, ":7070) failed ", what, ": boom")),
+            WorkerCulprit(node, "policy/i0", what));  // as a node's registry names a worker
       }
     }
     if (what == "TRANSFER") response->set_bytes_received(100);
@@ -98,7 +101,7 @@ struct Fixture {
     membership.SetSelf("10.0.0.0:7070", "10.0.0.0:7071", 1);
     membership.AddLocal(Registration("t0", v1::TRAINER, 0, 8, 0));
     membership.Join(JoinOf(1, 7));
-    membership.ApplySync(SyncOf(1, 7, {Registration("i0", v1::INFERENCE, 0, 8, 1)}));
+    REQUIRE(membership.ApplySync(SyncOf(1, 7, {Registration("i0", v1::INFERENCE, 0, 8, 1)})).ok());
     RoundDriverOptions options;
     options.self = 0;
     options.peer_timeout = absl::Seconds(1);
@@ -149,6 +152,13 @@ TEST_CASE("round driver: the first failure aborts every node, the culprit's mess
     CHECK(std::string(s.message()) == "round 1 of group \"policy\" aborted: " + culprit);
     CHECK(stats.state() == v1::RoundStats::ABORTED);
     CHECK(stats.reason() == culprit);
+    // The culprit travels structured, in the returned status and in the round's statistics.
+    REQUIRE(CulpritOf(s).has_value());
+    CHECK(CulpritOf(s)->kind() == v1::Culprit::WORKER);
+    CHECK(CulpritOf(s)->worker_id() == "policy/i0");
+    CHECK(CulpritOf(s)->phase() == "TRANSFER");
+    CHECK(stats.culprit().kind() == v1::Culprit::WORKER);
+    CHECK(stats.culprit().node() == 1);
     const auto calls = f.peers.Take();
     std::set<int32_t> aborted;
     for (const auto& c : calls) {

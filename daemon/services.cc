@@ -162,8 +162,8 @@ class PeerService : public v1::RefitPeer::Service {
   grpc::Status SyncWorkers(grpc::ServerContext*, const v1::SyncWorkersRequest* r,
                            v1::SyncWorkersResponse* out) override {
     if (p_->membership == nullptr) return ToGrpc(absl::FailedPreconditionError("not the coordinator"));
-    p_->membership->ApplySync(*r, out);  // names another node holds are refused, listed in `out`
-    return grpc::Status::OK;
+    // Names another node holds are refused, listed in `out`; a node not joined is refused whole.
+    return ToGrpc(p_->membership->ApplySync(*r, out));
   }
   grpc::Status InstallPlan(grpc::ServerContext*, const v1::InstallPlanRequest* r, v1::InstallPlanResponse*) override {
     return ToGrpc(p_->agent->InstallPlan(*r));

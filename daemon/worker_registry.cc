@@ -4,6 +4,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "daemon/culprit.h"
 #include "daemon/logging.h"
 #include "daemon/memory_refs.h"
 #include "plan/validate.h"
@@ -249,15 +250,17 @@ absl::Status WorkerRegistry::AwaitWorkers(const std::string& group, const std::v
     for (const std::string& id : ids) {
       std::shared_ptr<LocalWorker> w = Find(id);
       if (w == nullptr) {
-        return absl::AbortedError(absl::StrCat("worker \"", id, "\" on node ", node_, " left during ", phase));
+        return WithCulprit(absl::AbortedError(absl::StrCat("worker \"", id, "\" on node ", node_, " left during ", phase)),
+                           WorkerCulprit(node_, id, phase));
       }
       absl::MutexLock lock(&w->mu);
       if (!resumed && w->refused_round == round_id) {  // the round cannot happen: end it now
-        return absl::AbortedError(absl::StrCat("worker \"", id, "\" on node ", node_, " refused ", phase,
-                                               " of round ", round_id, ": ", w->refused_reason));
+        return WithCulprit(absl::AbortedError(absl::StrCat("worker \"", id, "\" on node ", node_, " refused ", phase,
+                                                           " of round ", round_id, ": ", w->refused_reason)),
+                           WorkerCulprit(node_, id, phase));
       }
       const int64_t seen = resumed ? w->resumed_round : w->prepared_round;
-      if (seen != round_id) waiting.push_back(absl::StrCat("\"", id, "\""));
+      if (seen != round_id) waiting.push_back(id);
     }
     if (waiting.empty()) return absl::OkStatus();
     if (aborted != nullptr && aborted->load() == round_id) {
@@ -266,9 +269,13 @@ absl::Status WorkerRegistry::AwaitWorkers(const std::string& group, const std::v
     }
     if (stopping()) return absl::UnavailableError("daemon shutting down");
     if (absl::Now() >= deadline) {
-      return absl::DeadlineExceededError(absl::StrCat(
-          "node ", node_, ": worker", waiting.size() > 1 ? "s " : " ", absl::StrJoin(waiting, ", "),
-          " did not confirm ", phase, " of group \"", group, "\" within ", absl::FormatDuration(timeout)));
+      // The first of them is named the culprit (all are listed).
+      return WithCulprit(
+          absl::DeadlineExceededError(absl::StrCat(
+              "node ", node_, ": worker", waiting.size() > 1 ? "s " : " ",
+              absl::StrJoin(waiting, ", ", [](std::string* out, const std::string& id) { absl::StrAppend(out, "\"", id, "\""); }),
+              " did not confirm ", phase, " of group \"", group, "\" within ", absl::FormatDuration(timeout))),
+          WorkerCulprit(node_, waiting.front(), phase));
     }
     absl::MutexLock lock(&mu_);
     if (changes_ == seen_changes) changed_.WaitWithTimeout(&mu_, absl::Milliseconds(50));

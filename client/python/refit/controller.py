@@ -6,7 +6,9 @@ cluster's state.
     print(stats.seconds, stats.bytes)
 
 Failures raise RefitError, which carries the gRPC code, the phase the round failed in and the
-culprit the daemons named (a worker, a node), as far as the reason says.
+culprit the daemons named (a worker, a node, the coordinator): refitd sends it structured, as a
+refit.v1.Culprit in the status details (grpc-status-details-bin, a google.rpc.Status); from a
+daemon that sends none, it is read from the reason.
 """
 import re
 
@@ -21,10 +23,13 @@ ROUND_STATES = {v: k for k, v in refit_pb2.RoundStats.State.items()}
 
 class RefitError(RuntimeError):
     """A failed control call or round: `code` (grpc.StatusCode), `phase` ("PREPARE", "TRANSFER",
-    "COMMIT" or None), `culprit` (e.g. 'worker "policy/engine-1"', 'node 3', or None), `reason`."""
+    "COMMIT", "INSTALL" or None), `culprit` (e.g. 'worker "policy/engine-1"', 'node 3', or None),
+    `reason`; `blamed`: the daemons' refit.v1.Culprit (kind, node, worker_id, address, phase) when
+    they sent one, else None."""
 
-    def __init__(self, code, reason, phase=None, culprit=None):
+    def __init__(self, code, reason, phase=None, culprit=None, blamed=None):
         self.code, self.reason, self.phase, self.culprit = code, reason, phase, culprit
+        self.blamed = blamed
         where = f" in {phase}" if phase else ""
         who = f" (culprit: {culprit})" if culprit else ""
         super().__init__(f"{code.name}{where}: {reason}{who}")
@@ -48,6 +53,51 @@ def parse_reason(reason):
     return phase, (f"node {m.group(1)}" if m else None)
 
 
+_CULPRIT_URL = "type.googleapis.com/refit.v1.Culprit"
+
+
+def culprit_text(c):
+    """'worker "group/name"' or 'node N' for a refit.v1.Culprit (None when it names nobody)."""
+    if c is None or c.kind == refit_pb2.Culprit.KIND_UNSPECIFIED:
+        return None
+    if c.kind == refit_pb2.Culprit.WORKER:
+        return f'worker "{c.worker_id}"'
+    return f"node {c.node}"
+
+
+def culprit_of(error):
+    """The refit.v1.Culprit in a grpc.RpcError's status details, or None."""
+    try:
+        trailers = error.trailing_metadata() or ()
+    except Exception:  # noqa: BLE001 (not every RpcError is a call)
+        return None
+    for key, value in trailers:
+        if key != "grpc-status-details-bin":
+            continue
+        status = refit_pb2.RpcStatus()
+        try:
+            status.ParseFromString(value)
+        except Exception:  # noqa: BLE001 (details not ours: ignored)
+            return None
+        for detail in status.details:
+            if detail.type_url == _CULPRIT_URL:
+                c = refit_pb2.Culprit()
+                c.ParseFromString(detail.value)
+                return c
+    return None
+
+
+def error_from(e):
+    """A RefitError for a grpc.RpcError: the structured culprit if sent, else the reason's."""
+    reason = e.details() or ""
+    phase, culprit = parse_reason(reason)
+    blamed = culprit_of(e)
+    if blamed is not None and blamed.kind != refit_pb2.Culprit.KIND_UNSPECIFIED:
+        culprit = culprit_text(blamed)
+        phase = blamed.phase or phase
+    return RefitError(e.code(), reason, phase, culprit, blamed)
+
+
 class RoundResult:
     """A round's statistics (refit.v1.RoundStats) with readable fields."""
 
@@ -56,6 +106,7 @@ class RoundResult:
         self.group, self.round_id, self.version = stats.group, stats.round_id, stats.version
         self.state = ROUND_STATES.get(stats.state, str(stats.state))
         self.reason = stats.reason
+        self.culprit = culprit_text(stats.culprit) if stats.HasField("culprit") else None
         self.bytes, self.seconds = stats.bytes, stats.seconds
         self.prepare_seconds = stats.prepare_seconds
         self.transfer_seconds = stats.transfer_seconds
@@ -86,8 +137,7 @@ class Controller:
         try:
             return method(request, timeout=timeout or self.timeout)
         except grpc.RpcError as e:
-            phase, culprit = parse_reason(e.details() or "")
-            raise RefitError(e.code(), e.details() or "", phase, culprit) from None
+            raise error_from(e) from None
 
     @staticmethod
     def _request(group, version):

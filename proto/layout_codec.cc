@@ -164,20 +164,25 @@ absl::StatusOr<Layout> LayoutFromProto(const v1::Layout& proto) {
       auto dtype = ParseDType(b.dtype());
       if (!dtype.ok()) return Annotate(dtype.status(), where);
       const int32_t buffer = layout.AddBuffer(worker, b.name(), *dtype, shape);
-      for (int k = 0; k < b.pieces_size(); ++k) {
-        const v1::Piece& p = b.pieces(k);
+      // One entry of the buffer's pieces as written: a run's steps not applied yet.
+      struct Entry {
         int32_t tensor = 0;
+        Box tensor_box, buffer_box;
+      };
+      auto decode = [&](int k) -> absl::StatusOr<Entry> {
+        const v1::Piece& p = b.pieces(k);
+        Entry e;
         if (p.tensor_index() != 0) {
           if (p.tensor_index() < 1 || p.tensor_index() > num_tensors) {
             return absl::InvalidArgumentError(absl::StrCat(
                 where, " piece ", k, ": tensor_index ", p.tensor_index(), " is out of range (1-based; the layout "
                 "declares ", num_tensors, " tensors)"));
           }
-          tensor = p.tensor_index() - 1;
-          if (!p.tensor().empty() && p.tensor() != layout.tensors[tensor].name) {
+          e.tensor = p.tensor_index() - 1;
+          if (!p.tensor().empty() && p.tensor() != layout.tensors[e.tensor].name) {
             return absl::InvalidArgumentError(absl::StrCat(
                 where, " piece ", k, ": tensor \"", p.tensor(), "\" and tensor_index ", p.tensor_index(), " (\"",
-                layout.tensors[tensor].name, "\") disagree"));
+                layout.tensors[e.tensor].name, "\") disagree"));
           }
         } else {
           auto it = tensor_of.find(p.tensor());
@@ -186,60 +191,92 @@ absl::StatusOr<Layout> LayoutFromProto(const v1::Layout& proto) {
                 where, ": a piece names tensor \"", p.tensor(),
                 "\", which the layout does not declare in \"tensors\""));
           }
-          tensor = it->second;
+          e.tensor = it->second;
         }
-        const std::string& name = layout.tensors[tensor].name;
-        auto what = [&] { return absl::StrCat(where, " piece ", k, " (tensor \"", name, "\")"); };
-        REFIT_ASSIGN_OR_RETURN(Box tensor_box,
-                               BoxFrom(p, true, layout.tensors[tensor].shape, absl::StrCat(what(), " tensor_box")));
-        REFIT_ASSIGN_OR_RETURN(Box buffer_box, BoxFrom(p, false, shape, absl::StrCat(what(), " buffer_box")));
+        const std::string what =
+            absl::StrCat(where, " piece ", k, " (tensor \"", layout.tensors[e.tensor].name, "\")");
+        REFIT_ASSIGN_OR_RETURN(e.tensor_box,
+                               BoxFrom(p, true, layout.tensors[e.tensor].shape, absl::StrCat(what, " tensor_box")));
+        REFIT_ASSIGN_OR_RETURN(e.buffer_box, BoxFrom(p, false, shape, absl::StrCat(what, " buffer_box")));
+        return e;
+      };
+      auto has_run_fields = [](const v1::Piece& p) {
+        return p.repeat() != 0 || p.run_pieces() != 0 || p.tensor_index_step() != 0 || p.tensor_box_step_size() != 0 ||
+               p.buffer_box_step_size() != 0;
+      };
+      for (int k = 0; k < b.pieces_size();) {
+        const v1::Piece& p = b.pieces(k);
+        REFIT_ASSIGN_OR_RETURN(Entry first, decode(k));
+        auto what = [&](int j) {
+          return absl::StrCat(where, " piece ", j, " (tensor \"", layout.tensors[first.tensor].name, "\")");
+        };
         if (p.repeat() == 0) {
-          if (p.tensor_index_step() != 0 || p.tensor_box_step_size() != 0 || p.buffer_box_step_size() != 0) {
-            return absl::InvalidArgumentError(absl::StrCat(what(), ": steps without a repeat"));
-          }
+          if (has_run_fields(p)) return absl::InvalidArgumentError(absl::StrCat(what(k), ": run fields without a repeat"));
           REFIT_RETURN_IF_ERROR(too_many(where, 1));
-          layout.AddPiece(tensor, tensor_box, buffer, buffer_box);
+          layout.AddPiece(first.tensor, first.tensor_box, buffer, first.buffer_box);
+          ++k;
           continue;
         }
         // A run (Piece.repeat): checked whole before any of it is added.
-        if (p.repeat() < 0) return absl::InvalidArgumentError(absl::StrCat(what(), ": repeat ", p.repeat(), " < 0"));
-        REFIT_RETURN_IF_ERROR(too_many(where, int64_t{p.repeat()} + 1));
-        if (p.tensor_index_step() != 0 && p.tensor_index() == 0) {
-          return absl::InvalidArgumentError(
-              absl::StrCat(what(), ": tensor_index_step needs tensor_index (a run names tensors by index)"));
+        if (p.repeat() < 0) return absl::InvalidArgumentError(absl::StrCat(what(k), ": repeat ", p.repeat(), " < 0"));
+        const int group = p.run_pieces() == 0 ? 1 : p.run_pieces();
+        if (group < 1 || group > b.pieces_size() - k) {
+          return absl::InvalidArgumentError(absl::StrCat(what(k), ": run_pieces ", p.run_pieces(), ", but the buffer has ",
+                                                         b.pieces_size() - k, " pieces from here"));
         }
-        const int64_t last_tensor = int64_t{tensor} + int64_t{p.repeat()} * p.tensor_index_step();
-        if (last_tensor < 0 || last_tensor >= num_tensors) {
-          return absl::InvalidArgumentError(absl::StrCat(
-              what(), ": a run of ", p.repeat() + 1, " pieces with tensor_index_step ", p.tensor_index_step(),
-              " reaches tensor_index ", last_tensor + 1, ", out of range (the layout declares ", num_tensors,
-              " tensors)"));
-        }
-        for (const auto& [step, box, has, side] :
-             {std::make_tuple(&p.tensor_box_step(), &tensor_box, p.has_tensor_box(), "tensor_box"),
-              std::make_tuple(&p.buffer_box_step(), &buffer_box, p.has_buffer_box(), "buffer_box")}) {
-          if (step->empty()) continue;
-          if (!has || step->size() != box->rank) {
-            return absl::InvalidArgumentError(absl::StrCat(
-                what(), ": ", side, "_step has ", step->size(), " dimensions; it needs an explicit ", side, " of as many (",
-                has ? box->rank : 0, ")"));
+        REFIT_RETURN_IF_ERROR(too_many(where, (int64_t{p.repeat()} + 1) * group));
+        std::vector<Entry> members = {first};
+        for (int j = 1; j < group; ++j) {
+          if (has_run_fields(b.pieces(k + j))) {
+            return absl::InvalidArgumentError(absl::StrCat(where, " piece ", k + j, ": one of the run of piece ", k,
+                                                           " (run_pieces ", group, "), it may carry no run fields"));
           }
-          for (int d = 0; d < box->rank; ++d) {
-            int64_t moved = 0, end = 0;
-            if (__builtin_mul_overflow((*step)[d], int64_t{p.repeat()}, &moved) ||
-                __builtin_add_overflow(box->origin[d], moved, &moved) ||
-                __builtin_add_overflow(moved, box->shape[d], &end)) {
-              return absl::InvalidArgumentError(
-                  absl::StrCat(what(), ": ", side, "_step overflows int64 over ", p.repeat(), " repeats"));
+          REFIT_ASSIGN_OR_RETURN(Entry m, decode(k + j));
+          members.push_back(m);
+        }
+        for (int j = 0; j < group; ++j) {
+          const v1::Piece& q = b.pieces(k + j);
+          const Entry& m = members[j];
+          if (p.tensor_index_step() != 0 && q.tensor_index() == 0) {
+            return absl::InvalidArgumentError(
+                absl::StrCat(what(k + j), ": tensor_index_step needs tensor_index (a run names tensors by index)"));
+          }
+          const int64_t last_tensor = int64_t{m.tensor} + int64_t{p.repeat()} * p.tensor_index_step();
+          if (last_tensor < 0 || last_tensor >= num_tensors) {
+            return absl::InvalidArgumentError(absl::StrCat(
+                what(k + j), ": a run of ", p.repeat() + 1, " with tensor_index_step ", p.tensor_index_step(),
+                " reaches tensor_index ", last_tensor + 1, ", out of range (the layout declares ", num_tensors,
+                " tensors)"));
+          }
+          for (const auto& [step, box, has, side] :
+               {std::make_tuple(&p.tensor_box_step(), &m.tensor_box, q.has_tensor_box(), "tensor_box"),
+                std::make_tuple(&p.buffer_box_step(), &m.buffer_box, q.has_buffer_box(), "buffer_box")}) {
+            if (step->empty()) continue;
+            if (!has || step->size() != box->rank) {
+              return absl::InvalidArgumentError(absl::StrCat(what(k + j), ": ", side, "_step has ", step->size(),
+                                                             " dimensions; it needs an explicit ", side,
+                                                             " of as many (", has ? box->rank : 0, ")"));
+            }
+            for (int d = 0; d < box->rank; ++d) {
+              int64_t moved = 0, end = 0;
+              if (__builtin_mul_overflow((*step)[d], int64_t{p.repeat()}, &moved) ||
+                  __builtin_add_overflow(box->origin[d], moved, &moved) ||
+                  __builtin_add_overflow(moved, box->shape[d], &end)) {
+                return absl::InvalidArgumentError(
+                    absl::StrCat(what(k + j), ": ", side, "_step overflows int64 over ", p.repeat(), " repeats"));
+              }
             }
           }
         }
         for (int64_t i = 0; i <= p.repeat(); ++i) {
-          Box t = tensor_box, u = buffer_box;
-          for (int d = 0; d < p.tensor_box_step_size(); ++d) t.origin[d] += i * p.tensor_box_step(d);
-          for (int d = 0; d < p.buffer_box_step_size(); ++d) u.origin[d] += i * p.buffer_box_step(d);
-          layout.AddPiece(static_cast<int32_t>(tensor + i * p.tensor_index_step()), t, buffer, u);
+          for (const Entry& m : members) {
+            Box t = m.tensor_box, u = m.buffer_box;
+            for (int d = 0; d < p.tensor_box_step_size(); ++d) t.origin[d] += i * p.tensor_box_step(d);
+            for (int d = 0; d < p.buffer_box_step_size(); ++d) u.origin[d] += i * p.buffer_box_step(d);
+            layout.AddPiece(static_cast<int32_t>(m.tensor + i * p.tensor_index_step()), t, buffer, u);
+          }
         }
+        k += group;
       }
     }
     r.buffer_end = static_cast<int32_t>(layout.buffers.size());
@@ -366,60 +403,76 @@ v1::Layout CompactLayoutToProto(const Layout& layout, absl::string_view model, c
       DimsTo(buffer.shape, ob->mutable_shape());
       const std::vector<int32_t>& pieces = pieces_of[b];
       const Box whole_buffer = Box::Whole(buffer.shape);
-      for (size_t k = 0; k < pieces.size();) {
-        const Piece& first = layout.pieces[pieces[k]];
-        const Box& tbox = layout.tensor_box(first);
-        const Box& bbox = layout.buffer_box(first);
-        // The longest run from here: each next piece moves tensor and box origins by the same
-        // steps as the one before, shapes unchanged.
-        size_t n = 1;
-        int64_t tensor_step = 0;
-        std::array<int64_t, kMaxRank> tstep{}, bstep{};
-        if (options.runs && k + 1 < pieces.size()) {
-          auto steps = [&](const Piece& a, const Piece& b, int64_t* ts, std::array<int64_t, kMaxRank>* t,
-                           std::array<int64_t, kMaxRank>* u) {
-            const Box &ta = layout.tensor_box(a), &tb = layout.tensor_box(b);
-            const Box &ua = layout.buffer_box(a), &ub = layout.buffer_box(b);
-            if (ta.rank != tb.rank || ua.rank != ub.rank || ta.shape != tb.shape || ua.shape != ub.shape) return false;
-            if (!options.tensor_index && a.tensor != b.tensor) return false;
-            *ts = int64_t{b.tensor} - a.tensor;
-            for (int d = 0; d < ta.rank; ++d) (*t)[d] = tb.origin[d] - ta.origin[d];
-            for (int d = 0; d < ua.rank; ++d) (*u)[d] = ub.origin[d] - ua.origin[d];
-            return true;
-          };
-          if (steps(first, layout.pieces[pieces[k + 1]], &tensor_step, &tstep, &bstep)) {
-            n = 2;
-            while (k + n < pieces.size() && n <= kMaxPieceRepeat) {
-              int64_t ts = 0;
-              std::array<int64_t, kMaxRank> t{}, u{};
-              if (!steps(layout.pieces[pieces[k + n - 1]], layout.pieces[pieces[k + n]], &ts, &t, &u) ||
-                  ts != tensor_step || t != tstep || u != bstep) {
-                break;
-              }
-              ++n;
+      // What takes piece a to piece b: tensor index and box origins move, shapes stay.
+      struct Steps {
+        int64_t tensor = 0;
+        std::array<int64_t, kMaxRank> t{}, u{};
+        bool operator==(const Steps& o) const { return tensor == o.tensor && t == o.t && u == o.u; }
+      };
+      auto steps = [&](int32_t pa, int32_t pb, Steps* out) {
+        const Piece &a = layout.pieces[pa], &b = layout.pieces[pb];
+        const Box &ta = layout.tensor_box(a), &tb = layout.tensor_box(b);
+        const Box &ua = layout.buffer_box(a), &ub = layout.buffer_box(b);
+        if (ta.rank != tb.rank || ua.rank != ub.rank || ta.shape != tb.shape || ua.shape != ub.shape) return false;
+        if (!options.tensor_index && a.tensor != b.tensor) return false;
+        *out = Steps{};
+        out->tensor = int64_t{b.tensor} - a.tensor;
+        for (int d = 0; d < ta.rank; ++d) out->t[d] = tb.origin[d] - ta.origin[d];
+        for (int d = 0; d < ua.rank; ++d) out->u[d] = ub.origin[d] - ua.origin[d];
+        return true;
+      };
+      const size_t n = pieces.size();
+      for (size_t k = 0; k < n;) {
+        // The run from here covering the most pieces: a group of `period` pieces repeated, each
+        // repetition moved by the same steps (an expert-stacked buffer: (gate, up) of expert e
+        // at [e, ...], then e + 1).
+        size_t best_period = 1, best_repeat = 0;
+        Steps best;
+        for (size_t period = 1; options.runs && period <= kMaxRunPieces && k + 2 * period <= n; ++period) {
+          Steps first;
+          if (!steps(pieces[k], pieces[k + period], &first)) continue;
+          size_t repeat = 0;
+          while (k + (repeat + 2) * period <= n && repeat + 1 <= static_cast<size_t>(kMaxPieceRepeat)) {
+            bool same = true;
+            for (size_t j = 0; j < period && same; ++j) {
+              Steps s;
+              same = steps(pieces[k + repeat * period + j], pieces[k + (repeat + 1) * period + j], &s) && s == first;
             }
+            if (!same) break;
+            ++repeat;
+          }
+          if (repeat > 0 && (repeat + 1) * period > (best_repeat + 1) * best_period) {
+            best_period = period;
+            best_repeat = repeat;
+            best = first;
           }
         }
-        const bool tmoves = std::any_of(tstep.begin(), tstep.end(), [](int64_t v) { return v != 0; });
-        const bool bmoves = std::any_of(bstep.begin(), bstep.end(), [](int64_t v) { return v != 0; });
-        v1::Piece* op = ob->add_pieces();
-        if (options.tensor_index) {
-          op->set_tensor_index(first.tensor + 1);
-        } else {
-          op->set_tensor(layout.tensors[first.tensor].name);
+        const bool tmoves = std::any_of(best.t.begin(), best.t.end(), [](int64_t v) { return v != 0; });
+        const bool bmoves = std::any_of(best.u.begin(), best.u.end(), [](int64_t v) { return v != 0; });
+        const size_t group = best_repeat > 0 ? best_period : 1;
+        for (size_t j = 0; j < group; ++j) {
+          const Piece& piece = layout.pieces[pieces[k + j]];
+          const Box& tbox = layout.tensor_box(piece);
+          const Box& bbox = layout.buffer_box(piece);
+          v1::Piece* op = ob->add_pieces();
+          if (options.tensor_index) {
+            op->set_tensor_index(piece.tensor + 1);
+          } else {
+            op->set_tensor(layout.tensors[piece.tensor].name);
+          }
+          // An omitted box is the whole: left out unless the run moves it.
+          if (!options.omit_whole_boxes || tmoves || !(tbox == Box::Whole(layout.tensors[piece.tensor].shape))) {
+            BoxTo(tbox, op->mutable_tensor_box());
+          }
+          if (!options.omit_whole_boxes || bmoves || !(bbox == whole_buffer)) BoxTo(bbox, op->mutable_buffer_box());
+          if (j > 0 || best_repeat == 0) continue;
+          op->set_repeat(static_cast<int32_t>(best_repeat));
+          if (group > 1) op->set_run_pieces(static_cast<int32_t>(group));
+          op->set_tensor_index_step(static_cast<int32_t>(best.tensor));
+          if (tmoves) for (int d = 0; d < tbox.rank; ++d) op->add_tensor_box_step(best.t[d]);
+          if (bmoves) for (int d = 0; d < bbox.rank; ++d) op->add_buffer_box_step(best.u[d]);
         }
-        // An omitted box is the whole: left out unless the run moves it.
-        if (!options.omit_whole_boxes || tmoves || !(tbox == Box::Whole(layout.tensors[first.tensor].shape))) {
-          BoxTo(tbox, op->mutable_tensor_box());
-        }
-        if (!options.omit_whole_boxes || bmoves || !(bbox == whole_buffer)) BoxTo(bbox, op->mutable_buffer_box());
-        if (n > 1) {
-          op->set_repeat(static_cast<int32_t>(n - 1));
-          op->set_tensor_index_step(static_cast<int32_t>(tensor_step));
-          if (tmoves) for (int d = 0; d < tbox.rank; ++d) op->add_tensor_box_step(tstep[d]);
-          if (bmoves) for (int d = 0; d < bbox.rank; ++d) op->add_buffer_box_step(bstep[d]);
-        }
-        k += n;
+        k += (best_repeat + 1) * group;
       }
     }
   }

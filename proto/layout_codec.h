@@ -19,6 +19,9 @@ inline constexpr int32_t kMaxReplicaSize = 1 << 16;
 // DeepSeek-V3 on 128 engine GPUs has 5.7 M) and the longest run one Piece may stand for.
 inline constexpr int64_t kMaxLayoutPieces = int64_t{1} << 26;
 inline constexpr int64_t kMaxPieceRepeat = int64_t{1} << 20;
+// The largest group of pieces one run repeats (Piece.run_pieces) that CompactLayoutToProto looks
+// for: a fused buffer's few tensors per expert.
+inline constexpr size_t kMaxRunPieces = 8;
 
 // Decodes a layout, expanding the compact form (Worker.buffers_like, Piece.tensor_index and runs:
 // proto/layout.proto), so that every consumer sees the whole Layout. Checks what the proto cannot

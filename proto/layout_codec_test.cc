@@ -193,6 +193,18 @@ TEST_CASE("compact layouts expand to the full layout: generated MoE trainer and 
     }
   }
   CHECK(runs > 0);
+  // vLLM's w13_weight: (gate, up) of every expert, one run of a group of two.
+  int w13 = 0;
+  for (const v1::Worker& w : compact.workers()) {
+    for (const v1::Buffer& b : w.buffers()) {
+      if (b.name().find("w13_weight") == std::string::npos) continue;
+      ++w13;
+      REQUIRE(b.pieces_size() == 2);
+      CHECK(b.pieces(0).run_pieces() == 2);
+      CHECK(b.pieces(0).repeat() + 1 == b.shape(0));
+    }
+  }
+  CHECK(w13 > 0);
   CHECK(compact.ByteSizeLong() * 3 < LayoutToProto(*dst, "m").ByteSizeLong());
 }
 
@@ -254,12 +266,12 @@ TEST_CASE("compact references that do not resolve are INVALID_ARGUMENT naming wo
              Contains("worker \"a\" buffer \"b\" piece 0: tensor \"w\" and tensor_index 2 (\"v\") disagree"));
   // Runs: steps need a repeat, an index and explicit boxes of their rank; the run stays in range.
   CHECK_THAT(with_piece(R"({"tensorIndex":1,"tensorIndexStep":1})"),
-             Contains("worker \"a\" buffer \"b\" piece 0 (tensor \"w\"): steps without a repeat"));
+             Contains("worker \"a\" buffer \"b\" piece 0 (tensor \"w\"): run fields without a repeat"));
   CHECK_THAT(with_piece(R"({"tensorIndex":1,"repeat":-2})"), Contains("piece 0 (tensor \"w\"): repeat -2 < 0"));
   CHECK_THAT(with_piece(R"({"tensor":"w","repeat":1,"tensorIndexStep":1})"),
              Contains("piece 0 (tensor \"w\"): tensor_index_step needs tensor_index"));
   CHECK_THAT(with_piece(R"({"tensorIndex":1,"repeat":2,"tensorIndexStep":1})"),
-             Contains("piece 0 (tensor \"w\"): a run of 3 pieces with tensor_index_step 1 reaches tensor_index 3, "
+             Contains("piece 0 (tensor \"w\"): a run of 3 with tensor_index_step 1 reaches tensor_index 3, "
                       "out of range"));
   CHECK_THAT(with_piece(R"({"tensorIndex":1,"repeat":1,"bufferBoxStep":[4,0]})"),
              Contains("piece 0 (tensor \"w\"): buffer_box_step has 2 dimensions; it needs an explicit buffer_box"));
@@ -269,9 +281,28 @@ TEST_CASE("compact references that do not resolve are INVALID_ARGUMENT naming wo
   CHECK_THAT(with_piece(R"({"tensorIndex":1,"repeat":4,"tensorBox":{"origin":[0,0],"shape":[4,2]},)"
                         R"("tensorBoxStep":[4611686018427387904,0]})"),
              Contains("piece 0 (tensor \"w\"): tensor_box_step overflows int64 over 4 repeats"));
+  CHECK_THAT(with_piece(R"({"tensorIndex":1,"runPieces":2})"), Contains("piece 0 (tensor \"w\"): run fields without a repeat"));
+  CHECK_THAT(with_piece(R"({"tensorIndex":1,"repeat":1,"runPieces":2})"),
+             Contains("piece 0 (tensor \"w\"): run_pieces 2, but the buffer has 1 pieces from here"));
+  CHECK_THAT(with_piece(R"({"tensorIndex":1,"repeat":1,"runPieces":2},{"tensorIndex":2,"repeat":1})"),
+             Contains("worker \"a\" buffer \"b\" piece 1: one of the run of piece 0 (run_pieces 2), it may carry no "
+                      "run fields"));
+  CHECK_THAT(with_piece(R"({"tensorIndex":1,"repeat":1,"runPieces":2,"tensorIndexStep":1},{"tensor":"v"})"),
+             Contains("piece 1 (tensor \"w\"): tensor_index_step needs tensor_index"));
   // Every size is bounded: a run may not expand past kMaxLayoutPieces (checked before any of it).
   CHECK_THAT(with_piece(R"({"tensorIndex":1,"repeat":2000000000})"),
              Contains("worker \"a\" buffer \"b\": the layout expands to more than 67108864 pieces"));
+  // A group run: (w, v) at rows [0:8] and [8:16] of slab 0, then the same at slab 1.
+  auto group = ParseLayoutJson(
+      R"({"tensors":[{"name":"w","shape":[8,2],"dtype":"bf16"},{"name":"v","shape":[8,2],"dtype":"bf16"}],)"
+      R"("workers":[{"name":"a","node":0,"gpu":0,"buffers":[{"name":"b","dtype":"bf16","shape":[2,16,2],)"
+      R"("pieces":[{"tensorIndex":1,"repeat":1,"runPieces":2,"bufferBox":{"origin":[0,0,0],"shape":[1,8,2]},)"
+      R"("bufferBoxStep":[1,0,0]},{"tensorIndex":2,"bufferBox":{"origin":[0,8,0],"shape":[1,8,2]}}]}]}]})");
+  REQUIRE(group.ok());
+  REQUIRE(group->pieces.size() == 4);
+  CHECK(group->pieces[2].tensor == 0);
+  CHECK(group->pieces[3].tensor == 1);
+  CHECK(group->buffer_box(group->pieces[3]) == Box::FromDims(Dims{1, 8, 0}, Dims{1, 8, 2}));
   // A well-formed run and a like-worker read as the pieces spelled out.
   auto run = ParseLayoutJson(
       R"({"tensors":[{"name":"w","shape":[8,2],"dtype":"bf16"},{"name":"v","shape":[8,2],"dtype":"bf16"}],)"

@@ -107,18 +107,25 @@ std::shared_ptr<const GroupPlan> GroupPlanner::Compute(const std::string& group,
         g->dst.workers_size(), " inference workers registered; both sides are needed"));
     return g;
   }
-  v1::InstallPlanRequest probe;
-  *probe.mutable_source() = g->src;
-  *probe.mutable_destination() = g->dst;
-  probe.set_max_message_bytes(options_.max_message_bytes);
-  probe.set_no_routing(!options_.routing);
-  probe.set_max_relay_depth(options_.max_relay_depth);
+  const absl::Time started = absl::Now();
   auto src = LayoutFromProto(g->src);
   auto dst = LayoutFromProto(g->dst);
   absl::Status s = src.ok() ? dst.status() : src.status();
+  if (s.ok()) {
+    // The full forms go: the compact ones are what every node is sent (a frontier engine's full
+    // layout is hundreds of MiB; compact, a few).
+    g->src = CompactLayoutToProto(*src, g->src.model());
+    g->dst = CompactLayoutToProto(*dst, g->dst.model());
+  }
   if (s.ok()) s = ValidateLayout(*src, "source");
   if (s.ok()) s = ValidateLayout(*dst, "destination");
   if (s.ok()) {
+    v1::InstallPlanRequest probe;  // the options every node derives from the request
+    *probe.mutable_source() = g->src;
+    *probe.mutable_destination() = g->dst;
+    probe.set_max_message_bytes(options_.max_message_bytes);
+    probe.set_no_routing(!options_.routing);
+    probe.set_max_relay_depth(options_.max_relay_depth);
     auto plan = options_.make_plan ? options_.make_plan(*src, *dst, PlanOptionsFor(probe))
                                    : MakePlan(*src, *dst, PlanOptionsFor(probe));
     if (plan.ok()) {
@@ -130,6 +137,7 @@ std::shared_ptr<const GroupPlan> GroupPlanner::Compute(const std::string& group,
       s = plan.status();
     }
   }
+  g->planning_time = absl::Now() - started;
   g->status = s.ok() ? s
                      : absl::FailedPreconditionError(
                            absl::StrCat("group \"", group, "\" is not ready: ", s.message()));

@@ -17,6 +17,8 @@
 #include "absl/base/thread_annotations.h"
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
+#include "absl/time/clock.h"
+#include "absl/time/time.h"
 #include "daemon/membership.h"
 #include "plan/layout.h"
 #include "plan/plan.h"
@@ -29,8 +31,14 @@ namespace refit {
 struct GroupPlan {
   int64_t epoch = -1;
   absl::Status status;                // FAILED_PRECONDITION with the reason when not ready
-  v1::Layout src, dst;                // what every daemon plans again (InstallPlan)
+  // What RoundDriver sends and every daemon plans again (InstallPlan): once decoded, in compact
+  // form (CompactLayoutToProto: replicas described once, runs of pieces), which LayoutFromProto
+  // expands to the very layouts planned here. Compacted once per epoch, with the plan.
+  v1::Layout src, dst;
   std::shared_ptr<const Plan> plan;   // set when status is OK
+  // Decoding, validating and planning here (wall time): a daemon installing the plan does the
+  // same work, so RoundDriver's install deadline grows with it.
+  absl::Duration planning_time = absl::ZeroDuration();
   std::vector<int32_t> nodes;         // nodes with workers in the plan
   int trainers = 0, inference = 0;    // registered
   // The inference side by replica (versions as of the epoch; Membership has the live ones). Only

@@ -1,5 +1,7 @@
 #include "daemon/round_driver.h"
 
+#include "daemon/culprit.h"
+
 #include <atomic>
 #include <memory>
 #include <set>
@@ -222,6 +224,29 @@ absl::Status RoundDriver::BlamePause(const std::string& group, int64_t round_id,
       CoordinatorCulprit(options_.self, named.has_value() ? named->phase() : ""));
 }
 
+namespace {
+
+// A daemon other than the coordinator decodes, expands, validates and plans for itself: the work
+// the coordinator measured planning this epoch (GroupPlan::planning_time), several seconds for a
+// frontier model. The wait grows with it, with room for a slower or busier node, so that a
+// deadline meant for a control RPC cannot cut a frontier install short.
+constexpr int kInstallSlack = 4;
+
+absl::Duration InstallTimeout(const std::string& group, absl::Duration peer_timeout, const GroupPlan& plan) {
+  const absl::Duration rpc = peer_timeout * 4;  // GrpcPeerClient's own deadline on the call
+  const absl::Duration work = plan.planning_time * kInstallSlack;
+  if (work > rpc) {
+    Logger("round")->warn(
+        "group \"{}\": planning took {} here; a node planning for itself is given {} ({} times), more than "
+        "InstallPlan's RPC deadline of 4 x --peer-timeout ({}): raise --peer-timeout",
+        group, absl::FormatDuration(plan.planning_time), absl::FormatDuration(work), kInstallSlack,
+        absl::FormatDuration(rpc));
+  }
+  return rpc + absl::Seconds(1) + work;
+}
+
+}  // namespace
+
 absl::Status RoundDriver::RunRound(const std::string& group, int64_t round_id, int64_t version,
                                    v1::RoundStats* stats) {
   const absl::Time start = clock_->Now();
@@ -298,7 +323,7 @@ absl::Status RoundDriver::RunRound(const std::string& group, int64_t round_id, i
           peers->InstallPlan(n, install, std::move(done));
         },
         nullptr);
-    status = calls->Wait(peer_timeout * 4 + absl::Seconds(1), "InstallPlan");
+    status = calls->Wait(InstallTimeout(group, peer_timeout, *plan), "InstallPlan");
   }
   if (status.ok()) {
     absl::MutexLock lock(&mu_);

@@ -3,12 +3,22 @@
 #include <cuda_runtime.h>
 #include <nccl.h>
 
+#include <algorithm>
 #include <cstring>
-#include <functional>
 #include <span>
 
+#include "absl/cleanup/cleanup.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "daemon/cuda/cuda_status.h"
+#include "daemon/cuda/device_guard.h"
+#include "daemon/cuda/device_memory.h"
+#include "daemon/cuda/event.h"
+#include "daemon/cuda/ipc_import.h"
+#include "daemon/cuda/node_communicator.h"
+#include "daemon/cuda/staging.h"
+#include "daemon/cuda/stream.h"
+#include "daemon/cuda/vmm.h"
 #include "daemon/cuda_driver.h"
 #include "daemon/logging.h"
 #include "daemon/memory_refs.h"
@@ -17,95 +27,113 @@
 #include "plan/status_macros.h"
 
 namespace refit {
-namespace {
 
-absl::Status CudaError(cudaError_t e, const std::string& what) {
-  if (e == cudaSuccess) return absl::OkStatus();
-  cudaGetLastError();
-  return absl::InternalError(absl::StrCat(what, ": ", cudaGetErrorString(e)));
-}
-
-#define CUDA_RETURN_IF_ERROR(call, what)                            \
-  do {                                                              \
-    if (auto s_ = CudaError((call), (what)); !s_.ok()) return s_;   \
-  } while (0)
-
-absl::Status NcclError(ncclResult_t r, const std::string& what) {
-  if (r == ncclSuccess || r == ncclInProgress) return absl::OkStatus();
-  return absl::UnavailableError(absl::StrCat(what, ": ", ncclGetErrorString(r)));
-}
-
-}  // namespace
-
-struct CudaBackend::Communicator {
-  std::string id;
-  std::map<int32_t, ncclComm_t> by_gpu;  // local GPU -> its rank's communicator
-  bool ready = false;
-  std::map<void*, std::pair<int32_t, void*>> registered;  // buffer -> (GPU, NCCL's handle)
-  void Abort() {
-    for (auto& [g, c] : by_gpu) {
-      cudaSetDevice(g);
-      ncclCommAbort(c);
-    }
-    by_gpu.clear();
-    registered.clear();  // released with the communicator
-  }
-  // Registers `buffer` (from ncclMemAlloc) with GPU `gpu`'s rank once; in progress until Wait.
-  absl::Status Register(int32_t gpu, void* buffer, size_t bytes) {
-    if (registered.contains(buffer)) return absl::OkStatus();
-    cudaSetDevice(gpu);
-    void* handle = nullptr;
-    const ncclResult_t r = ncclCommRegister(by_gpu.at(gpu), buffer, bytes, &handle);
-    if (r != ncclSuccess && r != ncclInProgress) {
-      return NcclError(r, absl::StrCat("ncclCommRegister of ", bytes, " bytes of staging on GPU ", gpu));
-    }
-    registered[buffer] = {gpu, handle};
-    return absl::OkStatus();
-  }
-  // Before the buffer is freed (its streams idle).
-  void Deregister(void* buffer) {
-    auto it = registered.find(buffer);
-    if (it == registered.end()) return;
-    cudaSetDevice(it->second.first);
-    ncclCommDeregister(by_gpu.at(it->second.first), it->second.second);
-    registered.erase(it);
-  }
-  ~Communicator() {
-    while (!registered.empty()) Deregister(registered.begin()->first);
-    for (auto& [g, c] : by_gpu) {
-      cudaSetDevice(g);
-      ncclCommDestroy(c);
-    }
-  }
-  // An asynchronous error of any rank (a dead peer on the socket transport), or OK.
-  absl::Status Errors(const std::string& what) {
-    for (auto& [g, c] : by_gpu) {
-      ncclResult_t state = ncclSuccess;
-      ncclCommGetAsyncError(c, &state);
-      if (state != ncclSuccess && state != ncclInProgress) return NcclError(state, what);
-    }
-    return absl::OkStatus();
-  }
-  // Polls every rank until none is in progress; errors (a dead peer), `interrupted` (a cancel,
-  // the deadline) fail.
-  absl::Status Wait(const std::function<absl::Status()>& interrupted, const std::string& what) {
-    const absl::Time spin_until = absl::Now() + absl::Milliseconds(2);
-    while (true) {
-      bool pending = false;
-      for (auto& [g, c] : by_gpu) {
-        ncclResult_t state = ncclSuccess;
-        ncclCommGetAsyncError(c, &state);
-        if (state == ncclInProgress) pending = true;
-        else if (state != ncclSuccess) return NcclError(state, what);
-      }
-      if (!pending) return absl::OkStatus();
-      if (auto s = interrupted(); !s.ok()) return absl::Status(s.code(), absl::StrCat(what, ": ", s.message()));
-      // Spin at first: between the steps of a round the host must stay ahead of the GPU, and a
-      // sleep costs tens of microseconds; an init that takes long is polled gently.
-      if (absl::Now() > spin_until) absl::SleepFor(absl::Microseconds(50));
-    }
-  }
+// An IPC allocation, opened in the context of its own GPU and, when another GPU's kernels read or
+// write it, in that GPU's context too (with lazy peer access): a pointer from one device's import
+// is not valid in another device's kernels. Shared by its buffers; the last one's going removes
+// it from the backend's tables (the shared_ptr's deleter, CudaBackend::Map), then closes it.
+struct CudaBackend::Allocation {
+  std::string handle;
+  int64_t size = 0;
+  int32_t device = 0;
+  IpcImport home;  // in the context of `device`
+  void* base() const { return home.get(); }
+  absl::Mutex mu;
+  std::map<int32_t, IpcImport> on_device ABSL_GUARDED_BY(mu);  // other GPUs' imports
 };
+
+// A worker's VMM range mapped into this process: its chunks imported from their descriptors and
+// mapped back to back in one reserved address range, readable and writable from every GPU this
+// daemon serves, so that one address is valid in every local GPU's kernels (unlike IPC imports,
+// which are opened again per GPU). Its deleter (MapVmmRange) removes it from vmm_by_base_ before
+// the maps go (no new kernel is given these addresses), then the reservation.
+struct CudaBackend::VmmMapping {
+  VmmReservation reserved;
+  std::vector<VmmMap> mapped;  // after `reserved`: unmapped before the range is freed
+  CUdeviceptr base() const { return reserved.base(); }
+};
+
+// A group's plan as this node executes it, built once per plan and buffer addresses and reused
+// round after round: the schedule, its copy items uploaded to each GPU, the staging and the
+// events that chain the pipeline.
+struct CudaBackend::Prepared {
+  struct DeviceWork {
+    const CopyItem* items = nullptr;
+    const int64_t* units = nullptr;
+    int n = 0;
+    int64_t total_units = 0;
+  };
+  struct OnGpu {
+    DeviceMemory arrays;   // every item of this GPU, one allocation
+    StagingBuffer staging;  // registered with NCCL by the group's communicator where asked
+    std::vector<DeviceWork> direct;                     // per stage
+    std::vector<std::vector<DeviceWork>> pack, unpack;  // per stage, per step
+    // Per stage, per step, on the GPU's timeline (events with timing: the round's log says where
+    // the time went): pack done (compute), on the wire (comm), off the wire (comm), unpacked.
+    std::vector<std::vector<Event>> packed, wire_begin, moved, unpacked;
+    Event start;  // the round's first work on this GPU
+  };
+  std::shared_ptr<const Plan> plan;
+  BufferAddresses src, dst;
+  NodeSchedule schedule;
+  std::map<int32_t, OnGpu> gpus;
+  // Last: waits for the group's streams before any memory or event above is released.
+  StreamFence idle;
+};
+
+// One group's resources on this node, leased to one Transfer at a time. Members go in reverse:
+// the communicator first (deregistering staging, then its ranks), then the prepared schedule
+// (its fence waits for the streams, then staging and items are freed), the streams last.
+struct CudaBackend::Group {
+  struct Streams {
+    Stream compute, comm, direct;
+  };
+  std::map<int32_t, Streams> streams;  // by GPU
+  std::unique_ptr<Prepared> prepared;
+  std::unique_ptr<NodeCommunicator> comm;
+};
+
+// A group's state, held by one Transfer: taken out of groups_ under mu_ (refused while another
+// Transfer of the group holds it), given back, and the round forgotten, when the lease ends.
+class CudaBackend::GroupLease {
+ public:
+  static absl::StatusOr<GroupLease> Take(CudaBackend* b, const TransferJob& job) ABSL_LOCKS_EXCLUDED(b->mu_) {
+    absl::MutexLock lock(&b->mu_);
+    if (b->leased_.contains(job.group)) {
+      return absl::FailedPreconditionError(absl::StrCat("round ", job.round_id, ": a transfer of group \"", job.group,
+                                                        "\" is still running on this node"));
+    }
+    std::unique_ptr<Group>& slot = b->groups_[job.group];
+    std::unique_ptr<Group> g = slot != nullptr ? std::move(slot) : std::make_unique<Group>();
+    b->leased_.insert(job.group);
+    b->active_.insert({job.group, job.round_id});
+    return GroupLease(b, job, std::move(g));
+  }
+  GroupLease(GroupLease&& other) noexcept
+      : b_(std::exchange(other.b_, nullptr)), group_(std::move(other.group_)), round_(other.round_), g_(std::move(other.g_)) {}
+  GroupLease(const GroupLease&) = delete;
+  GroupLease& operator=(const GroupLease&) = delete;
+  GroupLease& operator=(GroupLease&&) = delete;
+  ~GroupLease() {
+    if (b_ == nullptr) return;
+    absl::MutexLock lock(&b_->mu_);
+    b_->groups_[group_] = std::move(g_);
+    b_->leased_.erase(group_);
+    b_->cancelled_.erase({group_, round_});
+    b_->active_.erase({group_, round_});
+  }
+  Group& group() const { return *g_; }
+
+ private:
+  GroupLease(CudaBackend* b, const TransferJob& job, std::unique_ptr<Group> g)
+      : b_(b), group_(job.group), round_(job.round_id), g_(std::move(g)) {}
+  CudaBackend* b_;
+  std::string group_;
+  int64_t round_;
+  std::unique_ptr<Group> g_;
+};
+
+CudaBackend::~CudaBackend() = default;
 
 absl::StatusOr<std::string> CudaBackend::NewCommunicatorId() {
   ncclUniqueId id;
@@ -113,111 +141,91 @@ absl::StatusOr<std::string> CudaBackend::NewCommunicatorId() {
   return std::string(reinterpret_cast<const char*>(&id), sizeof id);
 }
 
-void CudaBackend::DropCommunicator(const std::string& group) {
-  auto it = comms_.find(group);
-  if (it == comms_.end()) return;
+void CudaBackend::DropCommunicator(const std::string& group, Group& g) {
+  if (g.comm == nullptr) return;
   const absl::Time t0 = absl::Now();
-  it->second->Abort();
+  g.comm->Abort();
   Logger("data")->warn("group \"{}\": NCCL communicator aborted in {:.0f} ms; the next round builds a new one", group,
                        absl::ToDoubleMilliseconds(absl::Now() - t0));
-  comms_.erase(it);
+  g.comm.reset();
 }
 
-absl::StatusOr<CudaBackend::Communicator*> CudaBackend::CommunicatorFor(const TransferJob& job) {
-  auto& slot = comms_[job.group];
-  if (slot != nullptr && slot->id == job.nccl_id && slot->ready) return slot.get();
-  if (slot != nullptr) slot->Abort();
-  if (job.nccl_id.size() != sizeof(ncclUniqueId)) {
-    return absl::FailedPreconditionError("the plan crosses nodes but came without an NCCL id");
-  }
-  slot = std::make_unique<Communicator>();
-  slot->id = job.nccl_id;
-  ncclUniqueId id;
-  std::memcpy(&id, job.nccl_id.data(), sizeof id);
-  const int nranks = static_cast<int>(job.plan->gpus.size());
-  if (auto s = NcclError(ncclGroupStart(), "ncclGroupStart"); !s.ok()) return s;
+absl::Status CudaBackend::CommunicatorFor(Group& g, const TransferJob& job) {
+  if (g.comm != nullptr && g.comm->id() == job.nccl_id && g.comm->ready()) return absl::OkStatus();
+  if (g.comm != nullptr) g.comm->Abort();
+  g.comm.reset();
+  std::vector<std::pair<int32_t, int>> local;
   for (size_t r = 0; r < job.plan->gpus.size(); ++r) {
-    const PlanGpu& g = job.plan->gpus[r];
-    if (g.node != job.node) continue;
-    cudaSetDevice(g.gpu);
-    ncclConfig_t config = NCCL_CONFIG_INITIALIZER;
-    config.blocking = 0;  // init and abort must not hang on a dead peer
-    ncclComm_t comm;
-    const ncclResult_t res = ncclCommInitRankConfig(&comm, nranks, id, static_cast<int>(r), &config);
-    if (res != ncclSuccess && res != ncclInProgress) {
-      ncclGroupEnd();
-      return NcclError(res, "ncclCommInitRankConfig");
-    }
-    slot->by_gpu[g.gpu] = comm;
+    const PlanGpu& p = job.plan->gpus[r];
+    if (p.node == job.node) local.push_back({p.gpu, static_cast<int>(r)});
   }
-  if (auto s = NcclError(ncclGroupEnd(), "ncclGroupEnd"); !s.ok()) return s;
-  if (auto s = slot->Wait([&] { return Interrupted(job); }, absl::StrCat("round ", job.round_id, ": NCCL communicator of ", nranks, " ranks"));
+  const int nranks = static_cast<int>(job.plan->gpus.size());
+  auto c = NodeCommunicator::Start(job.nccl_id, nranks, local);
+  if (!c.ok()) return c.status();  // the ranks begun are aborted with it
+  g.comm = *std::move(c);
+  if (auto s = g.comm->WaitReady([&] { return Interrupted(job); },
+                                 absl::StrCat("round ", job.round_id, ": NCCL communicator of ", nranks, " ranks"));
       !s.ok()) {
-    DropCommunicator(job.group);
+    DropCommunicator(job.group, g);
     return s;
   }
-  slot->ready = true;
-  return slot.get();
+  return absl::OkStatus();
 }
 
-
-// An IPC allocation, opened in the context of its own GPU and, when another GPU's kernels read or
-// write it, in that GPU's context too (with lazy peer access): a pointer from one device's import
-// is not valid in another device's kernels.
-struct CudaBackend::Allocation {
-  std::string handle;
-  int64_t size = 0;
-  void* base = nullptr;  // in the context of `device`
-  int32_t device = 0;
-  std::map<int32_t, void*> on_device;  // other GPUs' imports
-  CudaBackend* owner = nullptr;
-  ~Allocation() {
-    for (auto& [g, p] : on_device) {
-      cudaSetDevice(g);
-      cudaIpcCloseMemHandle(p);
-    }
-    if (base != nullptr) {
-      cudaSetDevice(device);
-      cudaIpcCloseMemHandle(base);
-    }
-    if (owner != nullptr) owner->Forget(this);
-  }
-};
-
-void CudaBackend::Forget(Allocation* a) {
-  std::lock_guard<std::mutex> lock(mu_);
-  by_base_.erase(reinterpret_cast<uint64_t>(a->base));
+void CudaBackend::Forget(const std::string& handle, uint64_t base) {
+  absl::MutexLock lock(&mu_);
+  // Only entries that died: the same handle may have been opened again meanwhile (the driver
+  // counts opens in one context, so a new import of it has the same base).
+  if (auto it = opened_.find(handle); it != opened_.end() && it->second.expired()) opened_.erase(it);
+  if (auto it = by_base_.find(base); it != by_base_.end() && it->second.expired()) by_base_.erase(it);
 }
 
 void CudaBackend::ForgetVmm(uint64_t base) {
-  std::lock_guard<std::mutex> lock(mu_);
+  absl::MutexLock lock(&mu_);
   vmm_by_base_.erase(base);
 }
 
 absl::StatusOr<uint64_t> CudaBackend::AddressOn(int32_t gpu, uint64_t address) {
   if (address == 0) return address;
-  std::lock_guard<std::mutex> lock(mu_);
-  if (auto v = vmm_by_base_.upper_bound(address); v != vmm_by_base_.begin()) {
-    --v;
-    if (address < v->first + v->second) return address;  // mapped at this address for every GPU
+  std::shared_ptr<Allocation> a;  // outlives the lock: its deleter takes mu_
+  uint64_t base = 0;
+  {
+    absl::MutexLock lock(&mu_);
+    if (auto v = vmm_by_base_.upper_bound(address); v != vmm_by_base_.begin()) {
+      --v;
+      if (address < v->first + v->second) return address;  // mapped at this address for every GPU
+    }
+    auto it = by_base_.upper_bound(address);
+    if (it != by_base_.begin()) {
+      --it;
+      base = it->first;
+      a = it->second.lock();
+    }
   }
-  auto it = by_base_.upper_bound(address);
-  if (it == by_base_.begin()) return absl::InternalError("address outside every mapped allocation");
-  --it;
-  Allocation* a = it->second;
-  if (address >= it->first + static_cast<uint64_t>(a->size)) {
+  if (a == nullptr || address >= base + static_cast<uint64_t>(a->size)) {
     return absl::InternalError("address outside every mapped allocation");
   }
   if (a->device == gpu) return address;
-  void*& p = a->on_device[gpu];
-  if (p == nullptr) {
-    CUDA_RETURN_IF_ERROR(cudaSetDevice(gpu), "cudaSetDevice");
-    cudaIpcMemHandle_t handle;
-    std::memcpy(&handle, a->handle.data(), sizeof handle);
-    CUDA_RETURN_IF_ERROR(cudaIpcOpenMemHandle(&p, handle, cudaIpcMemLazyEnablePeerAccess),
-                         absl::StrCat("opening GPU ", a->device, "'s buffer on GPU ", gpu));
+  {
+    absl::MutexLock lock(&a->mu);
+    if (auto it = a->on_device.find(gpu); it != a->on_device.end()) {
+      return reinterpret_cast<uint64_t>(it->second.get()) + (address - base);
+    }
   }
-  return reinterpret_cast<uint64_t>(p) + (address - it->first);
+  // Opened outside the lock; should another thread have opened it meanwhile, its import is kept
+  // and this one closed (outside the lock too).
+  auto opened = IpcImport::Open(gpu, a->handle, absl::StrCat("opening GPU ", a->device, "'s buffer on GPU ", gpu));
+  if (!opened.ok()) return opened.status();
+  IpcImport spare;
+  uint64_t at = 0;
+  {
+    absl::MutexLock lock(&a->mu);
+    auto [it, inserted] = a->on_device.try_emplace(gpu);
+    if (inserted) it->second = *std::move(opened);
+    else spare = *std::move(opened);
+    at = reinterpret_cast<uint64_t>(it->second.get());
+  }
+  return at + (address - base);
 }
 
 namespace {
@@ -228,7 +236,7 @@ class IpcBuffer : public MappedBuffer {
       : a_(std::move(a)), offset_(offset), bytes_(bytes) {}
   // Device memory: the span carries the address and size; it is never dereferenced on the host.
   std::span<std::byte> bytes() const override {
-    return {static_cast<std::byte*>(a_->base) + offset_, static_cast<size_t>(bytes_)};
+    return {static_cast<std::byte*>(a_->base()) + offset_, static_cast<size_t>(bytes_)};
   }
 
  private:
@@ -236,36 +244,12 @@ class IpcBuffer : public MappedBuffer {
   int64_t offset_, bytes_;
 };
 
-}  // namespace
-
-// A worker's VMM range mapped into this process: its chunks imported from their descriptors and
-// mapped back to back in one reserved address range, readable and writable from every GPU this
-// daemon serves, so that one address is valid in every local GPU's kernels (unlike IPC imports,
-// which are opened again per GPU).
-struct CudaBackend::VmmMapping {
-  const CudaDriver* driver = nullptr;
-  CudaBackend* owner = nullptr;  // set once registered in vmm_by_base_
-  int32_t device = 0;
-  CUdeviceptr base = 0;
-  size_t reserved = 0;                            // bytes of address space reserved at base
-  std::vector<std::pair<size_t, size_t>> mapped;  // (offset, bytes) of each chunk mapped
-  ~VmmMapping() {
-    if (owner != nullptr) owner->ForgetVmm(base);  // no new kernel is given these addresses
-    cudaSetDevice(device);
-    // One unmap per map: cuMemUnmap takes whole mappings only.
-    for (auto [offset, bytes] : mapped) driver->MemUnmap(base + offset, bytes);
-    if (reserved > 0) driver->MemAddressFree(base, reserved);
-  }
-};
-
-namespace {
-
 class VmmBuffer : public MappedBuffer {
  public:
   VmmBuffer(std::shared_ptr<CudaBackend::VmmMapping> m, int64_t offset, int64_t bytes)
       : m_(std::move(m)), offset_(offset), bytes_(bytes) {}
   std::span<std::byte> bytes() const override {
-    return {reinterpret_cast<std::byte*>(m_->base) + offset_, static_cast<size_t>(bytes_)};
+    return {reinterpret_cast<std::byte*>(m_->base()) + offset_, static_cast<size_t>(bytes_)};
   }
 
  private:
@@ -278,33 +262,29 @@ class VmmBuffer : public MappedBuffer {
 absl::StatusOr<std::unique_ptr<CudaBackend>> CudaBackend::Start(const std::vector<int32_t>& gpus, int64_t staging_bytes,
                                                                bool nccl_stream_priority) {
   int count = 0;
-  CUDA_RETURN_IF_ERROR(cudaGetDeviceCount(&count), "no usable GPU for --backend=cuda");
+  REFIT_CUDA_RETURN_IF_ERROR(cudaGetDeviceCount(&count), "no usable GPU for --backend=cuda");
   std::unique_ptr<CudaBackend> b(new CudaBackend());
   b->gpus_ = gpus;
   b->staging_bytes_ = staging_bytes;
+  b->nccl_stream_priority_ = nccl_stream_priority;
   if (b->gpus_.empty()) {
     for (int i = 0; i < count; ++i) b->gpus_.push_back(i);
   }
+  DeviceGuard guard;
   for (int32_t g : b->gpus_) {
     if (g < 0 || g >= count) return absl::InvalidArgumentError(absl::StrCat("--gpus names GPU ", g, "; this node has ", count));
-    CUDA_RETURN_IF_ERROR(cudaSetDevice(g), absl::StrCat("GPU ", g));
+    REFIT_RETURN_IF_ERROR(Annotate(guard.Set(g), absl::StrCat("GPU ", g)));
     // Its names, for workers that name their GPU (their CUDA index is not this daemon's).
     cudaDeviceProp prop;
-    CUDA_RETURN_IF_ERROR(cudaGetDeviceProperties(&prop, g), absl::StrCat("the properties of GPU ", g));
+    REFIT_CUDA_RETURN_IF_ERROR(cudaGetDeviceProperties(&prop, g), absl::StrCat("the properties of GPU ", g));
     char pci[64] = {};
-    CUDA_RETURN_IF_ERROR(cudaDeviceGetPCIBusId(pci, sizeof pci, g), absl::StrCat("the PCI bus id of GPU ", g));
+    REFIT_CUDA_RETURN_IF_ERROR(cudaDeviceGetPCIBusId(pci, sizeof pci, g), absl::StrCat("the PCI bus id of GPU ", g));
     b->names_.push_back({g, FormatGpuUuid(std::span<const unsigned char, 16>(
                                 reinterpret_cast<const unsigned char*>(prop.uuid.bytes), 16)),
                          pci});
-    GpuStreams& streams = b->streams_[g];
     int least = 0, greatest = 0;
-    CUDA_RETURN_IF_ERROR(cudaDeviceGetStreamPriorityRange(&least, &greatest), "stream priorities");
-    for (void** s : {&streams.compute, &streams.comm, &streams.direct}) {
-      cudaStream_t created;
-      const int priority = nccl_stream_priority && s == &streams.comm ? greatest : least;
-      CUDA_RETURN_IF_ERROR(cudaStreamCreateWithPriority(&created, cudaStreamNonBlocking, priority), "stream");
-      *s = created;
-    }
+    REFIT_CUDA_RETURN_IF_ERROR(cudaDeviceGetStreamPriorityRange(&least, &greatest), "stream priorities");
+    b->priorities_[g] = {least, greatest};
     for (int32_t peer : b->gpus_) {
       if (peer == g) continue;
       int can = 0;
@@ -327,18 +307,7 @@ absl::StatusOr<std::unique_ptr<CudaBackend>> CudaBackend::Start(const std::vecto
 
 absl::StatusOr<int32_t> CudaBackend::GpuIndex(const std::string& name) { return FindGpu(names_, name); }
 
-CudaBackend::~CudaBackend() {
-  std::vector<std::string> groups;
-  for (const auto& [group, p] : prepared_) groups.push_back(group);
-  for (const auto& group : groups) DropPrepared(group);
-  comms_.clear();
-  for (auto& [g, streams] : streams_) {
-    cudaSetDevice(g);
-    for (void* s : {streams.compute, streams.comm, streams.direct}) {
-      if (s != nullptr) cudaStreamDestroy(static_cast<cudaStream_t>(s));
-    }
-  }
-}
+bool CudaBackend::Serves(int32_t gpu) const { return std::find(gpus_.begin(), gpus_.end(), gpu) != gpus_.end(); }
 
 absl::StatusOr<std::unique_ptr<MappedBuffer>> CudaBackend::Map(const v1::BufferMemory& memory, int64_t bytes) {
   if (!memory.has_cuda_ipc()) {
@@ -357,28 +326,41 @@ absl::StatusOr<std::unique_ptr<MappedBuffer>> CudaBackend::Map(const v1::BufferM
     if (!found.ok()) return found.status();
     device = *found;
   }
-  if (std::find(gpus_.begin(), gpus_.end(), device) == gpus_.end()) {
+  if (!Serves(device)) {
     return absl::InvalidArgumentError(absl::StrCat("buffer on GPU ", device, ", which this daemon does not serve"));
   }
   if (ipc.offset() < 0 || bytes < 0 || ipc.offset() > ipc.size() - bytes) {
     return absl::InvalidArgumentError(absl::StrCat("a buffer of ", bytes, " bytes at offset ", ipc.offset(),
                                                    " does not fit its allocation of ", ipc.size(), " bytes"));
   }
-  std::lock_guard<std::mutex> lock(mu_);
-  std::shared_ptr<Allocation> a = opened_[ipc.handle()].lock();
-  if (a == nullptr) {  // each allocation opened once, however many buffers it holds
-    a = std::make_shared<Allocation>();
-    a->device = device;
-    a->handle = ipc.handle();
-    a->size = ipc.size();
-    CUDA_RETURN_IF_ERROR(cudaSetDevice(device), "cudaSetDevice");
-    cudaIpcMemHandle_t handle;
-    std::memcpy(&handle, ipc.handle().data(), sizeof handle);
-    CUDA_RETURN_IF_ERROR(cudaIpcOpenMemHandle(&a->base, handle, cudaIpcMemLazyEnablePeerAccess),
-                         "cudaIpcOpenMemHandle (is the worker alive, and on this node?)");
-    opened_[ipc.handle()] = a;
-    a->owner = this;
-    by_base_[reinterpret_cast<uint64_t>(a->base)] = a.get();
+  // Each allocation opened once, however many buffers it holds. Opened outside the lock: should
+  // another registration of the same handle win the race, its import is used and this one closed.
+  std::shared_ptr<Allocation> a;  // outlives the lock: its deleter takes mu_
+  {
+    absl::MutexLock lock(&mu_);
+    if (auto it = opened_.find(ipc.handle()); it != opened_.end()) a = it->second.lock();
+  }
+  if (a != nullptr) return std::unique_ptr<MappedBuffer>(new IpcBuffer(a, ipc.offset(), bytes));
+  auto home = IpcImport::Open(device, ipc.handle(), "cudaIpcOpenMemHandle (is the worker alive, and on this node?)");
+  if (!home.ok()) return home.status();
+  const uint64_t base = reinterpret_cast<uint64_t>(home->get());
+  std::shared_ptr<Allocation> fresh(new Allocation(), [this, handle = ipc.handle(), base](Allocation* dead) {
+    Forget(handle, base);  // no new transfer finds it, then its imports close
+    delete dead;
+  });
+  fresh->handle = ipc.handle();
+  fresh->size = ipc.size();
+  fresh->device = device;
+  fresh->home = *std::move(home);
+  {
+    absl::MutexLock lock(&mu_);
+    std::weak_ptr<Allocation>& slot = opened_[ipc.handle()];
+    a = slot.lock();
+    if (a == nullptr) {
+      slot = fresh;
+      by_base_[base] = fresh;
+      a = fresh;
+    }
   }
   return std::unique_ptr<MappedBuffer>(new IpcBuffer(a, ipc.offset(), bytes));
 }
@@ -396,40 +378,29 @@ absl::StatusOr<std::shared_ptr<CudaBackend::VmmMapping>> CudaBackend::MapVmmRang
     if (!found.ok()) return Annotate(found.status(), what);
     device = *found;
   }
-  if (std::find(gpus_.begin(), gpus_.end(), device) == gpus_.end()) {
+  if (!Serves(device)) {
     return absl::InvalidArgumentError(absl::StrCat(what, " is on GPU ", device, ", which this daemon does not serve"));
   }
   // Driver calls act on the current context: make GPU `device`'s primary context current.
-  CUDA_RETURN_IF_ERROR(cudaSetDevice(device), absl::StrCat(what, ": cudaSetDevice(", device, ")"));
-  CUDA_RETURN_IF_ERROR(cudaFree(nullptr), absl::StrCat(what, ": the primary context of GPU ", device));
+  DeviceGuard guard(device);
+  REFIT_RETURN_IF_ERROR(Annotate(guard.status(), what));
+  REFIT_CUDA_RETURN_IF_ERROR(cudaFree(nullptr), absl::StrCat(what, ": the primary context of GPU ", device));
 
-  auto m = std::make_shared<VmmMapping>();
-  m->driver = &driver;
-  m->device = device;
-  // The imported handles, released on every way out (declared after `m`, so released before it
-  // unmaps): from cuMemMap on, the mappings hold the memory.
-  struct Handles {
-    const CudaDriver& driver;
-    std::vector<CUmemGenericAllocationHandle> h;
-    ~Handles() {
-      for (CUmemGenericAllocationHandle x : h) driver.MemRelease(x);
-    }
-  } handles{driver, {}};
+  // The imported handles, released on every way out (declared before the mapping, so released
+  // after it is made or abandoned): from cuMemMap on, the mappings hold the memory.
+  std::vector<VmmHandle> handles;
   size_t alignment = 1;
   const int chunks = range.chunk_bytes_size();
   auto chunk_name = [&](int c) { return absl::StrCat(what, " chunk ", c, " (descriptor ", range.first_fd() + c, ")"); };
   for (int c = 0; c < chunks; ++c) {
     const Fd& fd = fds[static_cast<size_t>(range.first_fd() + c)];
-    CUmemGenericAllocationHandle h = 0;
-    REFIT_RETURN_IF_ERROR(driver.Check(
-        driver.MemImportFromShareableHandle(&h, reinterpret_cast<void*>(static_cast<uintptr_t>(fd.get())),
-                                            CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR),
-        absl::StrCat(chunk_name(c), ": cuMemImportFromShareableHandle (is it a CUDA allocation exported with "
-                                    "cuMemExportToShareableHandle as a POSIX file descriptor, on this node?)"),
-        absl::StatusCode::kInvalidArgument));
-    handles.h.push_back(h);
+    auto h = VmmHandle::Import(driver, device, fd.get(),
+                               absl::StrCat(chunk_name(c), ": cuMemImportFromShareableHandle (is it a CUDA allocation exported with "
+                                                           "cuMemExportToShareableHandle as a POSIX file descriptor, on this node?)"));
+    if (!h.ok()) return h.status();
+    handles.push_back(*std::move(h));
     CUmemAllocationProp prop{};
-    REFIT_RETURN_IF_ERROR(driver.Check(driver.MemGetAllocationPropertiesFromHandle(&prop, h),
+    REFIT_RETURN_IF_ERROR(driver.Check(driver.MemGetAllocationPropertiesFromHandle(&prop, handles.back().get()),
                                        absl::StrCat(chunk_name(c), ": cuMemGetAllocationPropertiesFromHandle")));
     if (prop.location.type != CU_MEM_LOCATION_TYPE_DEVICE || prop.location.id != device) {
       return absl::InvalidArgumentError(absl::StrCat(
@@ -450,16 +421,18 @@ absl::StatusOr<std::shared_ptr<CudaBackend::VmmMapping>> CudaBackend::MapVmmRang
     alignment = std::max(alignment, granularity);
   }
   const size_t total = static_cast<size_t>(VmmRangeBytes(range));
-  REFIT_RETURN_IF_ERROR(driver.Check(driver.MemAddressReserve(&m->base, total, alignment, 0, 0),
-                                     absl::StrCat(what, ": cuMemAddressReserve of ", total, " bytes")));
-  m->reserved = total;
+  auto mapping = std::make_unique<VmmMapping>();
+  auto reserved = VmmReservation::Reserve(driver, device, total, alignment,
+                                          absl::StrCat(what, ": cuMemAddressReserve of ", total, " bytes"));
+  if (!reserved.ok()) return reserved.status();
+  mapping->reserved = *std::move(reserved);
   size_t offset = 0;
   for (int c = 0; c < chunks; ++c) {
     const size_t bytes = static_cast<size_t>(range.chunk_bytes(c));
-    REFIT_RETURN_IF_ERROR(driver.Check(driver.MemMap(m->base + offset, bytes, 0, handles.h[c], 0),
-                                       absl::StrCat(chunk_name(c), ": cuMemMap of ", bytes,
-                                                    " bytes (is the allocation that large?)")));
-    m->mapped.push_back({offset, bytes});
+    auto mapped = VmmMap::Map(driver, device, mapping->base() + offset, bytes, handles[c],
+                              absl::StrCat(chunk_name(c), ": cuMemMap of ", bytes, " bytes (is the allocation that large?)"));
+    if (!mapped.ok()) return mapped.status();
+    mapping->mapped.push_back(*std::move(mapped));
     offset += bytes;
   }
   std::vector<CUmemAccessDesc> access;
@@ -470,12 +443,16 @@ absl::StatusOr<std::shared_ptr<CudaBackend::VmmMapping>> CudaBackend::MapVmmRang
     a.flags = CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
     access.push_back(a);
   }
-  REFIT_RETURN_IF_ERROR(driver.Check(driver.MemSetAccess(m->base, total, access.data(), access.size()),
+  REFIT_RETURN_IF_ERROR(driver.Check(driver.MemSetAccess(mapping->base(), total, access.data(), access.size()),
                                      absl::StrCat(what, ": cuMemSetAccess (read and write for GPUs ",
                                                   absl::StrJoin(gpus_, ", "), ")")));
-  std::lock_guard<std::mutex> lock(mu_);
-  vmm_by_base_[static_cast<uint64_t>(m->base)] = total;
-  m->owner = this;
+  const uint64_t base = static_cast<uint64_t>(mapping->base());
+  std::shared_ptr<VmmMapping> m(mapping.release(), [this, base](VmmMapping* dead) {
+    ForgetVmm(base);  // no new kernel is given these addresses, then unmapped and freed
+    delete dead;
+  });
+  absl::MutexLock lock(&mu_);
+  vmm_by_base_[base] = total;
   return m;
 }
 
@@ -507,63 +484,35 @@ absl::StatusOr<std::vector<std::unique_ptr<MappedBuffer>>> CudaBackend::MapBuffe
   return out;
 }
 
-// A group's plan as this node executes it, built once per plan and buffer addresses and reused
-// round after round: the schedule, its copy items uploaded to each GPU, the staging and the
-// events that chain the pipeline.
-struct CudaBackend::Prepared {
-  struct DeviceWork {
-    const CopyItem* items = nullptr;
-    const int64_t* units = nullptr;
-    int n = 0;
-    int64_t total_units = 0;
-  };
-  struct OnGpu {
-    void* arrays = nullptr;   // every item of this GPU, one allocation
-    void* staging = nullptr;
-    int64_t staging_bytes = 0;
-    bool nccl_memory = false;  // staging from ncclMemAlloc (registered with the communicator)
-    std::vector<DeviceWork> direct;                 // per stage
-    std::vector<std::vector<DeviceWork>> pack, unpack;  // per stage, per step
-    // Per stage, per step, on the GPU's timeline (events with timing: the round's log says where
-    // the time went): pack done (compute), on the wire (comm), off the wire (comm), unpacked.
-    std::vector<std::vector<cudaEvent_t>> packed, wire_begin, moved, unpacked;
-    cudaEvent_t start = nullptr;  // the round's first work on this GPU
-  };
-  std::shared_ptr<const Plan> plan;
-  BufferAddresses src, dst;
-  NodeSchedule schedule;
-  std::map<int32_t, OnGpu> gpus;
-
-  ~Prepared() {
-    for (auto& [g, on] : gpus) {
-      cudaSetDevice(g);
-      if (on.start != nullptr) cudaEventDestroy(on.start);
-      for (auto* list : {&on.packed, &on.wire_begin, &on.moved, &on.unpacked}) {
-        for (auto& events : *list) {
-          for (cudaEvent_t e : events) cudaEventDestroy(e);
-        }
-      }
-      cudaFree(on.arrays);
-      if (on.nccl_memory) ncclMemFree(on.staging);
-      else cudaFree(on.staging);
+absl::Status CudaBackend::EnsureStreams(Group& g) {
+  for (int32_t gpu : gpus_) {
+    if (g.streams.contains(gpu)) continue;
+    const auto [least, greatest] = priorities_.at(gpu);
+    Group::Streams s;
+    for (auto [stream, priority] : {std::pair{&s.compute, least}, std::pair{&s.comm, nccl_stream_priority_ ? greatest : least},
+                                    std::pair{&s.direct, least}}) {
+      auto made = Stream::Create(gpu, priority);
+      if (!made.ok()) return made.status();
+      *stream = *std::move(made);
     }
+    g.streams.emplace(gpu, std::move(s));
   }
-};
+  return absl::OkStatus();
+}
 
-absl::StatusOr<CudaBackend::Prepared*> CudaBackend::PreparedFor(const TransferJob& job, const BufferAddresses& src,
+absl::StatusOr<CudaBackend::Prepared*> CudaBackend::PreparedFor(Group& g, const TransferJob& job, const BufferAddresses& src,
                                                                 const BufferAddresses& dst) {
-  {
-    std::lock_guard<std::mutex> lock(mu_);
-    auto it = prepared_.find(job.group);
-    if (it != prepared_.end() && it->second->plan == job.plan && it->second->src == src && it->second->dst == dst) {
-      return it->second.get();
-    }
+  if (g.prepared != nullptr && g.prepared->plan == job.plan && g.prepared->src == src && g.prepared->dst == dst) {
+    return g.prepared.get();
   }
-  DropPrepared(job.group);
+  DropPrepared(g);
   auto p = std::make_unique<Prepared>();
   p->plan = job.plan;
   p->src = src;
   p->dst = dst;
+  for (const auto& [gpu, streams] : g.streams) {
+    for (const Stream* s : {&streams.compute, &streams.comm, &streams.direct}) p->idle.Add(*s);
+  }
   ScheduleOptions options;
   options.node = job.node;
   options.staging_budget = staging_bytes_;
@@ -572,7 +521,7 @@ absl::StatusOr<CudaBackend::Prepared*> CudaBackend::PreparedFor(const TransferJo
   auto schedule = BuildNodeSchedule(
       *job.plan, options,
       [&](int32_t gpu) -> absl::StatusOr<std::pair<BufferAddresses, BufferAddresses>> {
-        if (!streams_.contains(gpu)) return absl::FailedPreconditionError(absl::StrCat("GPU ", gpu, " is not served here"));
+        if (!Serves(gpu)) return absl::FailedPreconditionError(absl::StrCat("GPU ", gpu, " is not served here"));
         std::pair<BufferAddresses, BufferAddresses> out;
         for (auto [from, to] : {std::pair{&src, &out.first}, std::pair{&dst, &out.second}}) {
           for (uint64_t a : *from) {
@@ -585,19 +534,10 @@ absl::StatusOr<CudaBackend::Prepared*> CudaBackend::PreparedFor(const TransferJo
       },
       [&](int32_t gpu, int64_t bytes) -> absl::StatusOr<uint64_t> {
         Prepared::OnGpu& on = p->gpus[gpu];
-        CUDA_RETURN_IF_ERROR(cudaSetDevice(gpu), "cudaSetDevice");
-        if (job.nccl_register) {
-          if (auto s = NcclError(ncclMemAlloc(&on.staging, static_cast<size_t>(bytes)),
-                                 absl::StrCat("ncclMemAlloc of ", bytes, " bytes of staging on GPU ", gpu));
-              !s.ok()) {
-            return s;
-          }
-          on.nccl_memory = true;
-        } else {
-          CUDA_RETURN_IF_ERROR(cudaMalloc(&on.staging, bytes), absl::StrCat("staging of ", bytes, " bytes on GPU ", gpu));
-        }
-        on.staging_bytes = bytes;
-        return reinterpret_cast<uint64_t>(on.staging);
+        auto staging = StagingBuffer::Allocate(gpu, static_cast<size_t>(bytes), job.nccl_register);
+        if (!staging.ok()) return staging.status();
+        on.staging = *std::move(staging);
+        return reinterpret_cast<uint64_t>(on.staging.get());
       });
   if (!schedule.ok()) return schedule.status();
   p->schedule = *std::move(schedule);
@@ -615,21 +555,25 @@ absl::StatusOr<CudaBackend::Prepared*> CudaBackend::PreparedFor(const TransferJo
       on.pack.resize(kMaxStages);
       on.unpack.resize(kMaxStages);
       for (auto* list : {&on.packed, &on.wire_begin, &on.moved, &on.unpacked}) list->resize(kMaxStages);
-      if (on.start == nullptr) CUDA_RETURN_IF_ERROR(cudaEventCreate(&on.start), "cudaEventCreate");
+      if (!on.start) {
+        auto e = Event::Create(gpu);
+        if (!e.ok()) return e.status();
+        on.start = *std::move(e);
+      }
       on.pack[stage].resize(steps.size());
       on.unpack[stage].resize(steps.size());
-      CUDA_RETURN_IF_ERROR(cudaSetDevice(gpu), "cudaSetDevice");
       for (size_t k = 0; k < steps.size(); ++k) {
         works[gpu].push_back({&steps[k].pack, &on.pack[stage][k]});
         works[gpu].push_back({&steps[k].unpack, &on.unpack[stage][k]});
         for (auto* events : {&on.packed[stage], &on.wire_begin[stage], &on.moved[stage], &on.unpacked[stage]}) {
-          cudaEvent_t e;
-          CUDA_RETURN_IF_ERROR(cudaEventCreate(&e), "cudaEventCreate");
-          events->push_back(e);
+          auto e = Event::Create(gpu);
+          if (!e.ok()) return e.status();
+          events->push_back(*std::move(e));
         }
       }
     }
   }
+  DeviceGuard guard;
   for (auto& [gpu, list] : works) {
     std::vector<std::byte> host;
     std::vector<std::pair<size_t, size_t>> at;  // (items, units) offsets
@@ -644,10 +588,12 @@ absl::StatusOr<CudaBackend::Prepared*> CudaBackend::PreparedFor(const TransferJo
       at.push_back({items, units});
     }
     Prepared::OnGpu& on = p->gpus[gpu];
-    CUDA_RETURN_IF_ERROR(cudaSetDevice(gpu), "cudaSetDevice");
-    CUDA_RETURN_IF_ERROR(cudaMalloc(&on.arrays, std::max<size_t>(host.size(), 16)), "copy items");
-    CUDA_RETURN_IF_ERROR(cudaMemcpy(on.arrays, host.data(), host.size(), cudaMemcpyHostToDevice), "copy items");
-    auto* base = static_cast<std::byte*>(on.arrays);
+    auto arrays = DeviceMemory::Allocate(gpu, std::max<size_t>(host.size(), 16));
+    if (!arrays.ok()) return Annotate(arrays.status(), "copy items");
+    on.arrays = *std::move(arrays);
+    REFIT_RETURN_IF_ERROR(guard.Set(gpu));
+    REFIT_CUDA_RETURN_IF_ERROR(cudaMemcpy(on.arrays.get(), host.data(), host.size(), cudaMemcpyHostToDevice), "copy items");
+    auto* base = static_cast<std::byte*>(on.arrays.get());
     for (size_t i = 0; i < list.size(); ++i) {
       auto& [w, d] = list[i];
       d->items = reinterpret_cast<const CopyItem*>(base + at[i].first);
@@ -667,10 +613,8 @@ absl::StatusOr<CudaBackend::Prepared*> CudaBackend::PreparedFor(const TransferJo
                        p->schedule.bytes_zero_copy, p->schedule.network_ops, p->schedule.bytes_peer,
                        p->schedule.bytes_local, staging.empty() ? "none" : staging,
                        job.nccl_register && !staging.empty() ? " (registered with NCCL)" : "");
-  std::lock_guard<std::mutex> lock(mu_);
-  auto& slot = prepared_[job.group];
-  slot = std::move(p);
-  return slot.get();
+  g.prepared = std::move(p);
+  return g.prepared.get();
 }
 
 namespace {
@@ -680,12 +624,13 @@ namespace {
 // wire's idle time between steps (waiting for a pack, or for the host), the pipeline's fill and
 // drain. One info line per GPU, one debug line per step.
 void LogTimeline(const TransferJob& job, const CudaBackend::Prepared& p) {
+  DeviceGuard guard;
   for (const auto& [gpu, on] : p.gpus) {
-    if (on.start == nullptr) continue;
-    cudaSetDevice(gpu);
-    auto at = [&, start = on.start](cudaEvent_t e) {  // clang 14 cannot capture a structured binding
+    if (!on.start) continue;
+    if (!guard.Set(gpu).ok()) continue;
+    auto at = [&, start = on.start.get()](const Event& e) {  // clang 14 cannot capture a structured binding
       float ms = 0;
-      return cudaEventElapsedTime(&ms, start, e) == cudaSuccess ? double{ms} : -1.0;
+      return cudaEventElapsedTime(&ms, start, e.get()) == cudaSuccess ? double{ms} : -1.0;
     };
     int steps = 0;
     int64_t bytes = 0;
@@ -724,82 +669,59 @@ void LogTimeline(const TransferJob& job, const CudaBackend::Prepared& p) {
 
 }  // namespace
 
-void CudaBackend::DropPrepared(const std::string& group) {
-  std::unique_ptr<Prepared> old;
-  {
-    std::lock_guard<std::mutex> lock(mu_);
-    auto it = prepared_.find(group);
-    if (it == prepared_.end()) return;
-    old = std::move(it->second);
-    prepared_.erase(it);
-  }
-  for (auto& [gpu, on] : old->gpus) SyncStreams(gpu);
+void CudaBackend::DropPrepared(Group& g) {
+  if (g.prepared == nullptr) return;
+  std::unique_ptr<Prepared> old = std::move(g.prepared);
+  old->idle.Wait();
   // NCCL must forget the staging before it is freed.
-  auto c = comms_.find(group);
-  if (c != comms_.end() && c->second != nullptr) {
+  if (g.comm != nullptr) {
     for (auto& [gpu, on] : old->gpus) {
-      if (on.nccl_memory) c->second->Deregister(on.staging);
+      if (on.staging.nccl_memory()) g.comm->Deregister(on.staging.get());
     }
   }
-}
-
-void CudaBackend::SyncStreams(int32_t gpu) {
-  auto it = streams_.find(gpu);
-  if (it == streams_.end()) return;
-  cudaSetDevice(gpu);
-  for (void* s : {it->second.compute, it->second.comm, it->second.direct}) cudaStreamSynchronize(static_cast<cudaStream_t>(s));
 }
 
 absl::StatusOr<TransferStats> CudaBackend::Transfer(const TransferJob& job) {
   BufferAddresses src, dst;
   for (const auto& s : job.src) src.push_back(reinterpret_cast<uint64_t>(s.data()));
   for (const auto& s : job.dst) dst.push_back(reinterpret_cast<uint64_t>(s.data()));
-  {
-    std::lock_guard<std::mutex> lock(mu_);
-    active_.insert({job.group, job.round_id});
-  }
-  Communicator* comm = nullptr;
+  auto lease = GroupLease::Take(this, job);
+  if (!lease.ok()) return lease.status();
+  Group& g = lease->group();
+  DeviceGuard guard;  // the caller's device again when done; declared after the lease: restored first
   // Whichever way the transfer fails: abort NCCL (its kernels may wait on a dead peer), let the
-  // streams drain, and rebuild everything for the next round.
+  // streams drain, and rebuild everything for the next round. Runs before the lease gives the
+  // group back.
   bool ok = false;
-  struct Cleanup {
-    CudaBackend* b;
-    const TransferJob& job;
-    Communicator*& comm;
-    bool& ok;
-    ~Cleanup() {
-      if (!ok) {
-        if (comm != nullptr) b->DropCommunicator(job.group);
-        b->DropPrepared(job.group);
-      }
-      std::lock_guard<std::mutex> lock(b->mu_);
-      b->cancelled_.erase({job.group, job.round_id});
-      b->active_.erase({job.group, job.round_id});
-    }
-  } cleanup{this, job, comm, ok};
+  bool used_comm = false;
+  absl::Cleanup on_failure = [&] {
+    if (ok) return;
+    if (used_comm) DropCommunicator(job.group, g);
+    DropPrepared(g);
+  };
 
-  auto prepared = PreparedFor(job, src, dst);
+  REFIT_RETURN_IF_ERROR(EnsureStreams(g));
+  auto prepared = PreparedFor(g, job, src, dst);
   if (!prepared.ok()) return prepared.status();
   const Prepared& p = **prepared;
   const NodeSchedule& schedule = p.schedule;
+  NodeCommunicator* comm = nullptr;
   if (schedule.uses_network) {
-    auto c = CommunicatorFor(job);
-    if (!c.ok()) return c.status();
-    comm = *c;
+    REFIT_RETURN_IF_ERROR(CommunicatorFor(g, job));
+    comm = g.comm.get();
+    used_comm = true;
     if (job.nccl_register) {
       for (const auto& [gpu, on] : p.gpus) {
-        if (on.nccl_memory) {
-          if (auto s = comm->Register(gpu, on.staging, static_cast<size_t>(on.staging_bytes)); !s.ok()) return s;
-        }
+        if (on.staging.nccl_memory()) REFIT_RETURN_IF_ERROR(comm->Register(gpu, on.staging.get(), on.staging.size()));
       }
-      if (auto s = comm->Wait([&] { return Interrupted(job); }, "registering staging with NCCL"); !s.ok()) return s;
+      REFIT_RETURN_IF_ERROR(comm->Wait([&] { return Interrupted(job); }, "registering staging with NCCL"));
     }
   }
   const auto started = absl::Now();
   for (const auto& [gpu, on] : p.gpus) {
-    if (on.start == nullptr) continue;
-    CUDA_RETURN_IF_ERROR(cudaSetDevice(gpu), "cudaSetDevice");
-    CUDA_RETURN_IF_ERROR(cudaEventRecord(on.start, static_cast<cudaStream_t>(streams_.at(gpu).compute)), "cudaEventRecord");
+    if (!on.start) continue;
+    REFIT_RETURN_IF_ERROR(guard.Set(gpu));
+    REFIT_CUDA_RETURN_IF_ERROR(cudaEventRecord(on.start.get(), g.streams.at(gpu).compute.get()), "cudaEventRecord");
   }
   for (int stage = 0; stage < kMaxStages; ++stage) {
     const StageSchedule& s = schedule.stages[stage];
@@ -808,21 +730,20 @@ absl::StatusOr<TransferStats> CudaBackend::Transfer(const TransferJob& job) {
     // Pack the first steps ahead, then copy inside the node on a stream of its own.
     for (const auto& [gpu, steps] : s.steps) {
       const Prepared::OnGpu& on = p.gpus.at(gpu);
-      const GpuStreams& st = streams_.at(gpu);
+      const cudaStream_t compute = g.streams.at(gpu).compute.get();
       const int32_t depth = std::max(1, schedule.depth.count(gpu) ? schedule.depth.at(gpu) : 1);
       for (int32_t k = 0; k < depth && k < static_cast<int32_t>(steps.size()); ++k) {
         const auto& w = on.pack[stage][k];
-        CUDA_RETURN_IF_ERROR(cudaSetDevice(gpu), "cudaSetDevice");
-        CUDA_RETURN_IF_ERROR(LaunchCopyItems(w.items, w.units, w.n, w.total_units, static_cast<cudaStream_t>(st.compute)), "pack");
-        CUDA_RETURN_IF_ERROR(cudaEventRecord(on.packed[stage][k], static_cast<cudaStream_t>(st.compute)), "cudaEventRecord");
+        REFIT_RETURN_IF_ERROR(guard.Set(gpu));
+        REFIT_CUDA_RETURN_IF_ERROR(LaunchCopyItems(w.items, w.units, w.n, w.total_units, compute), "pack");
+        REFIT_CUDA_RETURN_IF_ERROR(cudaEventRecord(on.packed[stage][k].get(), compute), "cudaEventRecord");
       }
       busy.insert(gpu);
     }
     for (const auto& [gpu, w] : s.direct) {
       const auto& d = p.gpus.at(gpu).direct[stage];
-      CUDA_RETURN_IF_ERROR(cudaSetDevice(gpu), "cudaSetDevice");
-      CUDA_RETURN_IF_ERROR(LaunchCopyItems(d.items, d.units, d.n, d.total_units, static_cast<cudaStream_t>(streams_.at(gpu).direct)),
-                           "copy");
+      REFIT_RETURN_IF_ERROR(guard.Set(gpu));
+      REFIT_CUDA_RETURN_IF_ERROR(LaunchCopyItems(d.items, d.units, d.n, d.total_units, g.streams.at(gpu).direct.get()), "copy");
       busy.insert(gpu);
     }
     // Step k: its sends wait for their pack; one NCCL group for every local GPU's operations;
@@ -831,66 +752,62 @@ absl::StatusOr<TransferStats> CudaBackend::Transfer(const TransferJob& job) {
       for (const auto& [gpu, steps] : s.steps) {
         if (k >= static_cast<int32_t>(steps.size())) continue;
         const Prepared::OnGpu& on = p.gpus.at(gpu);
-        auto comm_stream = static_cast<cudaStream_t>(streams_.at(gpu).comm);
-        CUDA_RETURN_IF_ERROR(cudaSetDevice(gpu), "cudaSetDevice");
-        CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(comm_stream, on.packed[stage][k], 0), "ordering a step's sends after its pack");
-        CUDA_RETURN_IF_ERROR(cudaEventRecord(on.wire_begin[stage][k], comm_stream), "cudaEventRecord");
+        const cudaStream_t comm_stream = g.streams.at(gpu).comm.get();
+        REFIT_RETURN_IF_ERROR(guard.Set(gpu));
+        REFIT_CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(comm_stream, on.packed[stage][k].get(), 0),
+                                   "ordering a step's sends after its pack");
+        REFIT_CUDA_RETURN_IF_ERROR(cudaEventRecord(on.wire_begin[stage][k].get(), comm_stream), "cudaEventRecord");
       }
-      if (auto st = NcclError(ncclGroupStart(), "ncclGroupStart"); !st.ok()) return st;
+      REFIT_RETURN_IF_ERROR(NcclError(ncclGroupStart(), "ncclGroupStart"));
       for (const auto& [gpu, steps] : s.steps) {
         if (k >= static_cast<int32_t>(steps.size())) continue;
-        auto comm_stream = static_cast<cudaStream_t>(streams_.at(gpu).comm);
-        if (cudaSetDevice(gpu) != cudaSuccess) {
+        const cudaStream_t comm_stream = g.streams.at(gpu).comm.get();
+        if (auto st = guard.Set(gpu); !st.ok()) {
           ncclGroupEnd();
-          return CudaError(cudaGetLastError(), "cudaSetDevice");
+          return st;
         }
         for (const NetworkOp& op : steps[k].ops) {
           auto* buffer = reinterpret_cast<void*>(op.buffer);
           const ncclResult_t r =
-              op.send ? ncclSend(buffer, static_cast<size_t>(op.bytes), ncclUint8, op.peer, comm->by_gpu.at(gpu), comm_stream)
-                      : ncclRecv(buffer, static_cast<size_t>(op.bytes), ncclUint8, op.peer, comm->by_gpu.at(gpu), comm_stream);
+              op.send ? ncclSend(buffer, static_cast<size_t>(op.bytes), ncclUint8, op.peer, comm->on(gpu), comm_stream)
+                      : ncclRecv(buffer, static_cast<size_t>(op.bytes), ncclUint8, op.peer, comm->on(gpu), comm_stream);
           if (r != ncclSuccess && r != ncclInProgress) {
             ncclGroupEnd();
             return NcclError(r, op.send ? "ncclSend" : "ncclRecv");
           }
         }
       }
-      const ncclResult_t end = ncclGroupEnd();
-      if (end != ncclSuccess && end != ncclInProgress) return NcclError(end, "ncclGroupEnd");
-      if (auto st = comm->Wait([&] { return Interrupted(job); }, absl::StrCat("round ", job.round_id, " stage ", stage, " step ", k)); !st.ok()) {
-        return st;
-      }
+      REFIT_RETURN_IF_ERROR(NcclError(ncclGroupEnd(), "ncclGroupEnd"));
+      REFIT_RETURN_IF_ERROR(comm->Wait([&] { return Interrupted(job); }, absl::StrCat("round ", job.round_id, " stage ", stage, " step ", k)));
       for (const auto& [gpu, steps] : s.steps) {
         if (k >= static_cast<int32_t>(steps.size())) continue;
         const Prepared::OnGpu& on = p.gpus.at(gpu);
-        const GpuStreams& st = streams_.at(gpu);
-        auto compute = static_cast<cudaStream_t>(st.compute);
-        CUDA_RETURN_IF_ERROR(cudaSetDevice(gpu), "cudaSetDevice");
-        CUDA_RETURN_IF_ERROR(cudaEventRecord(on.moved[stage][k], static_cast<cudaStream_t>(st.comm)), "cudaEventRecord");
-        CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(compute, on.moved[stage][k], 0), "cudaStreamWaitEvent");
+        const Group::Streams& st = g.streams.at(gpu);
+        const cudaStream_t compute = st.compute.get();
+        REFIT_RETURN_IF_ERROR(guard.Set(gpu));
+        REFIT_CUDA_RETURN_IF_ERROR(cudaEventRecord(on.moved[stage][k].get(), st.comm.get()), "cudaEventRecord");
+        REFIT_CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(compute, on.moved[stage][k].get(), 0), "cudaStreamWaitEvent");
         const auto& u = on.unpack[stage][k];
-        CUDA_RETURN_IF_ERROR(LaunchCopyItems(u.items, u.units, u.n, u.total_units, compute), "unpack");
-        CUDA_RETURN_IF_ERROR(cudaEventRecord(on.unpacked[stage][k], compute), "cudaEventRecord");
+        REFIT_CUDA_RETURN_IF_ERROR(LaunchCopyItems(u.items, u.units, u.n, u.total_units, compute), "unpack");
+        REFIT_CUDA_RETURN_IF_ERROR(cudaEventRecord(on.unpacked[stage][k].get(), compute), "cudaEventRecord");
         const int32_t next = k + std::max(1, schedule.depth.count(gpu) ? schedule.depth.at(gpu) : 1);
         if (next < static_cast<int32_t>(steps.size())) {
           const auto& w = on.pack[stage][next];
-          CUDA_RETURN_IF_ERROR(LaunchCopyItems(w.items, w.units, w.n, w.total_units, compute), "pack");
-          CUDA_RETURN_IF_ERROR(cudaEventRecord(on.packed[stage][next], compute), "cudaEventRecord");
+          REFIT_CUDA_RETURN_IF_ERROR(LaunchCopyItems(w.items, w.units, w.n, w.total_units, compute), "pack");
+          REFIT_CUDA_RETURN_IF_ERROR(cudaEventRecord(on.packed[stage][next].get(), compute), "cudaEventRecord");
         }
       }
     }
     // Wait for every stream of the stage, polling: a deadline, a Cancel and an NCCL error (a
     // dead peer on the socket transport) must be able to end it.
     for (int32_t gpu : busy) {
-      const GpuStreams& st = streams_.at(gpu);
-      for (void* stream : {st.direct, st.comm, st.compute}) {
+      const Group::Streams& st = g.streams.at(gpu);
+      for (const Stream* stream : {&st.direct, &st.comm, &st.compute}) {
         while (true) {
-          const cudaError_t q = cudaStreamQuery(static_cast<cudaStream_t>(stream));
+          const cudaError_t q = cudaStreamQuery(stream->get());
           if (q == cudaSuccess) break;
           if (q != cudaErrorNotReady) return CudaError(q, absl::StrCat("round ", job.round_id, " on GPU ", gpu));
-          if (comm != nullptr) {
-            if (auto e = comm->Errors(absl::StrCat("round ", job.round_id, " stage ", stage)); !e.ok()) return e;
-          }
+          if (comm != nullptr) REFIT_RETURN_IF_ERROR(comm->Errors(absl::StrCat("round ", job.round_id, " stage ", stage)));
           if (auto s = Interrupted(job); !s.ok()) {
             return absl::Status(s.code(), absl::StrCat("round ", job.round_id, ": GPU ", gpu, " did not finish stage ", stage,
                                                        comm != nullptr ? " (NCCL aborted)" : "", ": ", s.message()));
@@ -912,7 +829,7 @@ absl::StatusOr<TransferStats> CudaBackend::Transfer(const TransferJob& job) {
 
 absl::Status CudaBackend::Interrupted(const TransferJob& job) {
   {
-    std::lock_guard<std::mutex> lock(mu_);
+    absl::MutexLock lock(&mu_);
     auto c = cancelled_.find({job.group, job.round_id});
     if (c != cancelled_.end()) return absl::AbortedError(c->second);
   }
@@ -921,7 +838,7 @@ absl::Status CudaBackend::Interrupted(const TransferJob& job) {
 }
 
 void CudaBackend::Cancel(const std::string& group, int64_t round_id, const std::string& reason) {
-  std::lock_guard<std::mutex> lock(mu_);
+  absl::MutexLock lock(&mu_);
   if (active_.contains({group, round_id})) cancelled_[{group, round_id}] = reason;
 }
 

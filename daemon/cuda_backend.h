@@ -8,18 +8,33 @@
 // nonblocking init; aborted on failure, deadline or cancel, then rebuilt), and unpacked, pipelined
 // in steps (kernels/network_schedule.h): pack step k+1 while step k is on the wire and step k-1
 // is unpacked, in staging bounded per GPU; descriptors contiguous at both ends go zero-copy.
-// Three streams per GPU: compute (pack, unpack), comm (NCCL), direct (copies inside the node).
-// A group's schedule, items, staging and events are built once per plan and buffer addresses,
-// and dropped after any failure.
+// Three streams per group and GPU: compute (pack, unpack), comm (NCCL), direct (copies inside
+// the node). A group's schedule, items, staging and events are built once per plan and buffer
+// addresses, and dropped after any failure.
+//
+// Ownership: every CUDA and NCCL handle has one RAII owner in daemon/cuda/ (streams, events,
+// device memory, staging, IPC imports, VMM handles/reservations/maps, NCCL ranks and
+// registrations, a device guard); this class only composes them, and its destructor is the
+// members' own, in declaration order.
+//
+// Threads and locks: one mutex, mu_, guards the tables shared between threads (the imports by
+// handle and address, the groups' states, the rounds transferring and cancelled). It is held
+// only to look up and update those tables, never across a CUDA or NCCL call that can block.
+// Concurrent groups are kept apart by leasing: a Transfer takes its group's state (its streams,
+// communicator, prepared schedule and staging) out of groups_ under mu_ and works on it alone,
+// without the lock; it gives it back when it ends. A second Transfer of the same group while one
+// runs is refused. Two groups never share a stream, so one group's NCCL kernels never queue
+// behind another group's (which could deadlock across nodes that queued them in other orders).
 #pragma once
 
-#include <atomic>
 #include <map>
 #include <memory>
-#include <mutex>
 #include <set>
+#include <string>
 #include <vector>
 
+#include "absl/base/thread_annotations.h"
+#include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
 #include "daemon/backend.h"
 #include "daemon/gpu_ids.h"
@@ -35,6 +50,7 @@ class CudaBackend : public DataBackend {
   // they run beside it, docs/BENCHMARKS.md). Not yet measured end to end.
   static absl::StatusOr<std::unique_ptr<CudaBackend>> Start(const std::vector<int32_t>& gpus,
                                                           int64_t staging_bytes, bool nccl_stream_priority = false);
+  // Every MappedBuffer it returned must be gone first, and no Transfer running.
   ~CudaBackend() override;
 
   std::string name() const override { return "cuda"; }
@@ -51,49 +67,53 @@ class CudaBackend : public DataBackend {
   void Cancel(const std::string& group, int64_t round_id, const std::string& reason) override;
   absl::StatusOr<std::string> NewCommunicatorId() override;
 
-  struct Allocation;  // an opened IPC handle
+  struct Allocation;  // an opened IPC handle, with its imports on other GPUs
   struct VmmMapping;  // an imported and mapped VMM range
   struct Prepared;    // a group's schedule on this node, ready to run
 
  private:
+  struct Group;  // a group's streams, communicator and prepared schedule
+  class GroupLease;
   CudaBackend() = default;
   // `address` (in its owner GPU's import) as GPU `gpu`'s kernels must use it. VMM memory is
   // mapped for every GPU at one address: returned unchanged.
-  absl::StatusOr<uint64_t> AddressOn(int32_t gpu, uint64_t address);
-  void Forget(Allocation* a);
-  void ForgetVmm(uint64_t base);
+  absl::StatusOr<uint64_t> AddressOn(int32_t gpu, uint64_t address) ABSL_LOCKS_EXCLUDED(mu_);
+  // Removes a released import from the tables (the deleters of Allocation and VmmMapping).
+  void Forget(const std::string& handle, uint64_t base) ABSL_LOCKS_EXCLUDED(mu_);
+  void ForgetVmm(uint64_t base) ABSL_LOCKS_EXCLUDED(mu_);
   absl::StatusOr<std::shared_ptr<VmmMapping>> MapVmmRange(const v1::RegisterWorkerRequest& request, int range,
-                                                          std::span<const Fd> fds);
-  std::map<uint64_t, Allocation*> by_base_;  // owner-context base -> allocation
-  std::map<uint64_t, uint64_t> vmm_by_base_;  // VMM range base -> its bytes (guarded by mu_)
-  std::vector<int32_t> gpus_;
-  std::vector<GpuName> names_;  // of gpus_, for GpuIndex
-  std::mutex mu_;
-  std::map<std::string, std::weak_ptr<Allocation>> opened_;  // by handle bytes
-  std::set<std::pair<std::string, int64_t>> active_;  // rounds transferring now
-  std::map<std::pair<std::string, int64_t>, std::string> cancelled_;
-  struct GpuStreams {
-    void* compute = nullptr;  // cudaStream_t
-    void* comm = nullptr;
-    void* direct = nullptr;
-  };
-  std::map<int32_t, GpuStreams> streams_;
-  int64_t staging_bytes_ = 0;
-  std::map<std::string, std::unique_ptr<Prepared>> prepared_;  // by group
-  absl::StatusOr<Prepared*> PreparedFor(const TransferJob& job, const std::vector<uint64_t>& src,
+                                                          std::span<const Fd> fds) ABSL_LOCKS_EXCLUDED(mu_);
+  bool Serves(int32_t gpu) const;
+  // The group's streams on every GPU served, made at its first transfer.
+  absl::Status EnsureStreams(Group& g);
+  absl::StatusOr<Prepared*> PreparedFor(Group& g, const TransferJob& job, const std::vector<uint64_t>& src,
                                         const std::vector<uint64_t>& dst);
-  void DropPrepared(const std::string& group);
-  void SyncStreams(int32_t gpu);
-  // ABORTED once the round is cancelled, DEADLINE_EXCEEDED past its deadline, else OK.
-  absl::Status Interrupted(const TransferJob& job);
-
+  // Waits for the group's streams, deregisters its staging from NCCL, frees its schedule.
+  static void DropPrepared(Group& g);
   // One NCCL communicator per (group, id) over every GPU of the plan (rank = the plan's GPU
   // index), one rank per local GPU in this process. Built at the first transfer that needs it
   // (all daemons do so in the same round), aborted on any failure and rebuilt with a new id.
-  struct Communicator;
-  absl::StatusOr<Communicator*> CommunicatorFor(const TransferJob& job);
-  void DropCommunicator(const std::string& group);
-  std::map<std::string, std::unique_ptr<Communicator>> comms_;  // by group
+  absl::Status CommunicatorFor(Group& g, const TransferJob& job);
+  static void DropCommunicator(const std::string& group, Group& g);
+  // ABORTED once the round is cancelled, DEADLINE_EXCEEDED past its deadline, else OK.
+  absl::Status Interrupted(const TransferJob& job) ABSL_LOCKS_EXCLUDED(mu_);
+
+  // Set by Start, read-only afterwards (no lock).
+  std::vector<int32_t> gpus_;
+  std::vector<GpuName> names_;  // of gpus_, for GpuIndex
+  std::map<int32_t, std::pair<int, int>> priorities_;  // GPU -> (least, greatest) stream priority
+  bool nccl_stream_priority_ = false;
+  int64_t staging_bytes_ = 0;
+
+  absl::Mutex mu_;
+  std::map<std::string, std::weak_ptr<Allocation>> opened_ ABSL_GUARDED_BY(mu_);  // by handle bytes
+  std::map<uint64_t, std::weak_ptr<Allocation>> by_base_ ABSL_GUARDED_BY(mu_);    // owner-context base
+  std::map<uint64_t, uint64_t> vmm_by_base_ ABSL_GUARDED_BY(mu_);  // VMM range base -> its bytes
+  std::set<std::pair<std::string, int64_t>> active_ ABSL_GUARDED_BY(mu_);  // rounds transferring now
+  std::map<std::pair<std::string, int64_t>, std::string> cancelled_ ABSL_GUARDED_BY(mu_);
+  std::set<std::string> leased_ ABSL_GUARDED_BY(mu_);  // groups whose state a Transfer holds
+  // By group (absent or null while leased: GroupLease).
+  std::map<std::string, std::unique_ptr<Group>> groups_ ABSL_GUARDED_BY(mu_);
 };
 
 }  // namespace refit

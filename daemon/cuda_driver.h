@@ -27,6 +27,7 @@ struct CudaDriver {
   PFN_cuMemUnmap_v10020 MemUnmap = nullptr;
   PFN_cuMemSetAccess_v10020 MemSetAccess = nullptr;
   PFN_cuMemRelease_v10020 MemRelease = nullptr;
+  PFN_cuCtxGetCurrent_v4000 CtxGetCurrent = nullptr;  // DeviceGuard: is any context current?
 
   // The driver's functions, found and cuInit'ed once per process; the error (kept) says why
   // not, e.g. no driver or one too old for the runtime.

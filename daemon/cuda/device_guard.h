@@ -1,0 +1,34 @@
+// The current GPU for a scope. CUDA's current device is per thread and every runtime call acts
+// on it, so code that switches GPUs (the backend serves several) must not leave a caller's thread
+// on another one: the guard remembers the device current when it was made and makes it current
+// again when it goes. A thread that had no CUDA context yet is left on the last GPU set rather
+// than "restored" to device 0, which would create a context (and spend GPU memory) on a GPU this
+// daemon may not serve. Cheap: one driver query when made, one cudaSetDevice when gone;
+// the hot path makes one guard per call and switches with Set().
+#pragma once
+
+#include <cstdint>
+
+#include "absl/status/status.h"
+
+namespace refit {
+
+class DeviceGuard {
+ public:
+  DeviceGuard();                      // remembers the current device, switches nothing
+  explicit DeviceGuard(int32_t gpu);  // remembers, then Set(gpu): see status()
+  ~DeviceGuard();
+  DeviceGuard(const DeviceGuard&) = delete;
+  DeviceGuard& operator=(const DeviceGuard&) = delete;
+
+  // Makes GPU `gpu` current until the next Set or the guard's end.
+  absl::Status Set(int32_t gpu);
+  // The constructor's Set, when given a GPU.
+  const absl::Status& status() const { return status_; }
+
+ private:
+  int previous_ = -1;  // -1: nothing to restore
+  absl::Status status_;
+};
+
+}  // namespace refit

@@ -1,0 +1,61 @@
+#!/usr/bin/env bash
+# One GPU, one refitd --backend cuda: the colocated refit (trainer FSDP=2 -> inference TP=2,
+# every rank on GPU 0, like verl's hybrid engine on one device) of a full Llama-3-8B (16.06 GB
+# at SCALE=1), timed through the real path like tests/bench/gpu_refit.sh (which needs 2 GPUs):
+# sim-worker-cuda processes holding the weights in GPU memory (--same-data: the first round
+# checked element by element, every later one byte for byte against it), refitctl starting
+# rounds. Prints one JSON line: the transfer phase of each measured round (after WARMUP), its
+# median, and the daemon's own data-plane time ("moved in"). BIN: the programs (refitd among
+# them), so that two builds of refitd can be compared in one run.
+#   BIN=.device/bin SCALE=1 bash tests/gpu/colocated_bench.sh
+set -uo pipefail
+BIN=${BIN:-.device/bin}
+WORKER_BIN=${WORKER_BIN:-$BIN/sim-worker-cuda}
+CONFIG=${CONFIG:-tests/configs/llama3-8b.json}
+SCALE=${SCALE:-1}
+ROUNDS=${ROUNDS:-6}
+WARMUP=${WARMUP:-2}
+RUN=${RUN:-$(mktemp -d)}
+mkdir -p "$RUN"
+rm -f "$RUN"/*.report "$RUN"/*.log "$RUN"/*.addr "$RUN"/*.json
+source tools/cluster_lib.sh
+trap stop_all EXIT
+fail() { echo "FAIL: $*" >&2; tail -n 5 "$RUN"/daemon*.log >&2; exit 1; }
+L=("$BIN/refit-layout" --config "$CONFIG" --scale-down "$SCALE")
+"${L[@]}" --side trainer --fsdp 2 --gpus-per-node 2 -o "$RUN/t.json" || fail layout
+"${L[@]}" --side inference --tp 2 --gpus-per-node 2 -o "$RUN/i.json" || fail layout
+for f in "$RUN/t.json" "$RUN/i.json"; do
+  python3 -c 'import json,sys; l=json.load(open(sys.argv[1])); [w.update(node=0, gpu=0) for w in l["workers"]]; json.dump(l, open(sys.argv[1], "w"))' "$f"
+done
+start_daemon 0 --backend cuda --gpus 0 --max-message-bytes $((64 << 20)) --staging-bytes $((2 << 30)) \
+  --prepare-timeout 300 --commit-timeout 300 --transfer-timeout 60 --heartbeat 0.5 --heartbeats-missed 10 || fail daemon
+keys=()
+while read -r name node; do start_worker "$name" "$node" policy trainer "$RUN/t.json" "$name" --same-data --register-timeout 300; keys+=("$name"); done < <(workers_of "$RUN/t.json")
+while read -r name node; do start_worker "$name" "$node" policy inference "$RUN/i.json" "$name" --same-data --register-timeout 300; keys+=("$name"); done < <(workers_of "$RUN/i.json")
+for _ in $(seq 600); do
+  [ "$(cat "$RUN"/*.report 2>/dev/null | grep -c "^registered")" -eq ${#keys[@]} ] && break
+  sleep 0.2
+done
+wait_registered "${keys[@]}" || fail registration
+for _ in $(seq 100); do ctl status | grep -q "^policy .*yes" && break; sleep 0.2; done
+for v in $(seq 1 $((WARMUP + ROUNDS))); do
+  ctl -o json refit policy "$v" >"$RUN/round$v.json" || fail "round $v: $(cat "$RUN/round$v.json")"
+  for r in "$RUN"/vllm-*.report; do
+    grep -q "^commit $v ok" "$r" || fail "$(basename "$r") round $v: $(tail -n 1 "$r")"
+  done
+done
+python3 - "$RUN" "$SCALE" "$WARMUP" "$ROUNDS" "$BIN" <<'PY'
+import json, os, re, statistics, sys
+run, scale, warmup, rounds, bin_dir = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), sys.argv[5]
+stats = [json.loads(open(os.path.join(run, f"round{v}.json")).read().strip().splitlines()[-1]) for v in range(1, warmup + rounds + 1)]
+measured = stats[warmup:]
+transfer = [float(s["transfer_seconds"]) for s in measured]
+moved = [float(m) for m in re.findall(r"moved in ([0-9.]+) ms", open(os.path.join(run, "daemon0.log")).read())][-rounds:]
+nbytes = int(measured[0]["bytes"])
+print(json.dumps({"mode": "colocated-1gpu", "refitd": os.path.realpath(os.path.join(bin_dir, "refitd")), "scale_down": scale,
+                  "bytes": nbytes, "rounds": rounds, "warmup": warmup, "transfer_s": transfer,
+                  "median_transfer_s": statistics.median(transfer), "data_plane_ms": moved,
+                  "median_data_plane_ms": statistics.median(moved) if moved else None,
+                  "data_plane_gbps": nbytes / statistics.median(moved) / 1e6 if moved else None,
+                  "round_s": [float(s["seconds"]) for s in measured]}))
+PY

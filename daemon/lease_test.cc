@@ -8,6 +8,7 @@
 #include <catch2/catch.hpp>
 
 #include "absl/strings/str_cat.h"
+#include "daemon/culprit.h"
 #include "daemon/membership.h"
 #include "daemon/node_agent.h"
 #include "daemon/pause_detector.h"
@@ -209,6 +210,34 @@ TEST_CASE("lease: a round whose COMMIT is being delivered is never aborted; a re
   CHECK(Node::Events(*n.trainer).back() == "ABORT 5");
   CHECK(Node::Events(*n.engine).back() == "ABORT 5");
   CHECK(Node::LastReason(*n.engine).find("no longer knows this node") != std::string::npos);
+}
+
+// Not the lease, but the same node: a worker lost mid-round is named the culprit of the node's
+// TRANSFER failure (structured, not only in words), and the node forgets a group none of whose
+// workers is left once no round of it is open.
+TEST_CASE("node agent: a lost worker is the culprit of its round; a group without workers is forgotten") {
+  Node n;
+  REQUIRE(n.Prepare(1).ok());
+  REQUIRE(n.registry.Drop("policy/i0") != nullptr);
+  n.agent->WorkerLost("policy", "policy/i0", "its session ended");
+  v1::PhaseResponse out;
+  const absl::Status transfer = n.agent->RunPhase(Node::Phase(v1::PhaseRequest::TRANSFER, 1), &out);
+  CHECK(transfer.code() == absl::StatusCode::kAborted);
+  const std::optional<v1::Culprit> culprit = CulpritOf(transfer);
+  REQUIRE(culprit.has_value());
+  CHECK(culprit->kind() == v1::Culprit::WORKER);
+  CHECK(culprit->worker_id() == "policy/i0");
+  CHECK(culprit->node() == 1);
+  CHECK(culprit->phase() == "TRANSFER");
+  CHECK(n.agent->GroupsKept() == 1);
+  REQUIRE(n.agent->RunPhase(Node::Phase(v1::PhaseRequest::ABORT, 1), &out).ok());
+  CHECK(n.agent->GroupsKept() == 1);  // its trainer is still here
+  REQUIRE(n.registry.Drop("policy/t0") != nullptr);
+  n.agent->WorkerLost("policy", "policy/t0", "unregistered");
+  CHECK(n.agent->GroupsKept() == 0);
+  // A PREPARE for the forgotten group is refused: no plan of it here any more.
+  CHECK(n.agent->RunPhase(Node::Phase(v1::PhaseRequest::PREPARE, 2), &out).code() ==
+        absl::StatusCode::kFailedPrecondition);
 }
 
 TEST_CASE("lease: none on the coordinator's own node") {

@@ -1,8 +1,10 @@
 #include "daemon/node_agent.h"
 
 #include <algorithm>
+#include <set>
 
 #include "absl/strings/str_cat.h"
+#include "daemon/culprit.h"
 #include "daemon/logging.h"
 #include "plan/planner.h"
 #include "plan/status_macros.h"
@@ -121,6 +123,7 @@ void NodeAgent::Abort(const std::string& group, int64_t round, int64_t version, 
   e.set_version(version);
   e.set_reason(reason);
   registry_->SendToGroup(group, e);
+  ForgetIfGone(group);  // the round that held the group here is over
 }
 
 absl::Status NodeAgent::InstallPlan(const v1::InstallPlanRequest& request, std::shared_ptr<const Plan> planned) {
@@ -163,11 +166,52 @@ void NodeAgent::WorkerLost(const std::string& group, const std::string& id, cons
   int64_t round = -1;
   {
     absl::MutexLock lock(&mu_);
-    if (auto it = active_rounds_.find(group); it != active_rounds_.end()) round = it->second.round;
+    if (auto it = active_rounds_.find(group); it != active_rounds_.end()) {
+      round = it->second.round;
+      lost_workers_[group] = {round, id};
+    }
   }
   if (round >= 0) {
     backend_->Cancel(group, round, absl::StrCat("worker \"", id, "\" on node ", node_, " left: ", reason));
+  } else {
+    ForgetIfGone(group);
   }
+}
+
+void NodeAgent::ForgetIfGone(const std::string& group) {
+  std::shared_ptr<const InstalledPlan> installed;
+  {
+    absl::MutexLock lock(&mu_);
+    if (active_rounds_.contains(group)) return;
+    if (auto it = installed_.find(group); it != installed_.end()) installed = it->second;
+  }
+  if (installed != nullptr) {
+    for (const Layout* l : {&installed->src, &installed->dst}) {
+      for (const Worker& w : l->workers) {
+        if (w.node == node_ && registry_->Find(absl::StrCat(group, "/", w.name)) != nullptr) return;
+      }
+    }
+  }
+  absl::MutexLock lock(&mu_);
+  if (active_rounds_.contains(group)) return;  // a round began meanwhile
+  if (auto it = installed_.find(group); it != installed_.end() && it->second != installed) return;  // reinstalled
+  installed_.erase(group);
+  resolved_.erase(group);
+  abort_reasons_.erase(group);
+  aborted_rounds_.erase(group);
+  lost_workers_.erase(group);
+  Logger("plan")->info("group \"{}\": no worker of it left on node {}; its plan is dropped here", group, node_);
+}
+
+size_t NodeAgent::GroupsKept() const {
+  absl::MutexLock lock(&mu_);
+  std::set<std::string> groups;
+  for (const auto& [g, _] : installed_) groups.insert(g);
+  for (const auto& [g, _] : resolved_) groups.insert(g);
+  for (const auto& [g, _] : abort_reasons_) groups.insert(g);
+  for (const auto& [g, _] : aborted_rounds_) groups.insert(g);
+  for (const auto& [g, _] : lost_workers_) groups.insert(g);
+  return groups.size();
 }
 
 absl::Status NodeAgent::RunPhase(const v1::PhaseRequest& request, v1::PhaseResponse* response) {
@@ -235,10 +279,13 @@ absl::Status NodeAgent::RunPhase(const v1::PhaseRequest& request, v1::PhaseRespo
       // Its answer to this COMMIT, not to an earlier round of the same id.
       absl::Status s = registry_->Send(ids, e, /*reset_prepared=*/false, /*reset_resumed=*/true);
       if (s.ok()) s = registry_->AwaitWorkers(group, ids, request.round_id(), true, timeout, "COMMIT", nullptr);
-      absl::MutexLock lock(&mu_);
-      if (auto it = active_rounds_.find(group); it != active_rounds_.end() && it->second.round == request.round_id()) {
-        active_rounds_.erase(it);
+      {
+        absl::MutexLock lock(&mu_);
+        if (auto it = active_rounds_.find(group); it != active_rounds_.end() && it->second.round == request.round_id()) {
+          active_rounds_.erase(it);
+        }
       }
+      ForgetIfGone(group);  // workers that left during the round
       return s;
     }
     default:
@@ -296,7 +343,10 @@ absl::Status NodeAgent::Transfer(const std::string& group, const std::shared_ptr
         if (by_worker[wi] == nullptr) {
           const std::string id = absl::StrCat(group, "/", w.name);
           auto local = registry_->Find(id);
-          if (local == nullptr) return absl::AbortedError(absl::StrCat("worker \"", id, "\" left node ", node_));
+          if (local == nullptr) {
+            return WithCulprit(absl::AbortedError(absl::StrCat("worker \"", id, "\" left node ", node_)),
+                               WorkerCulprit(node_, id, "TRANSFER"));
+          }
           by_worker[wi] = local.get();
           hold.push_back(std::move(local));
         }
@@ -322,7 +372,14 @@ absl::Status NodeAgent::Transfer(const std::string& group, const std::shared_ptr
     resolved_[group] = std::move(fresh);
   }
   auto stats = backend_->Transfer(job);
-  if (!stats.ok()) return stats.status();
+  if (!stats.ok()) {
+    absl::MutexLock lock(&mu_);
+    auto lost = lost_workers_.find(group);
+    if (lost != lost_workers_.end() && lost->second.first == request.round_id()) {
+      return WithCulpritIfNone(stats.status(), WorkerCulprit(node_, lost->second.second, "TRANSFER"));
+    }
+    return stats.status();
+  }
   response->set_bytes_sent(stats->bytes_sent);
   response->set_bytes_received(stats->bytes_received);
   response->set_bytes_local(stats->bytes_local);

@@ -63,8 +63,12 @@ class NodeAgent {
   // request) and installs it for the group, replacing the previous one.
   absl::Status InstallPlan(const v1::InstallPlanRequest& request, std::shared_ptr<const Plan> planned = nullptr);
   absl::Status RunPhase(const v1::PhaseRequest& request, v1::PhaseResponse* response);
-  // A worker of `group` left: a transfer of its group running here cannot complete any more.
+  // A worker of `group` left: a transfer of its group running here cannot complete any more
+  // (it fails naming that worker as its culprit). The last of the group's workers here gone,
+  // with no round open, the node forgets the group (its plan, buffers, abort records).
   void WorkerLost(const std::string& group, const std::string& id, const std::string& reason);
+  // Groups this node keeps anything of (plans, resolved buffers, abort records): for tests.
+  size_t GroupsKept() const;
 
  private:
   struct InstalledPlan;
@@ -82,6 +86,9 @@ class NodeAgent {
 
   absl::Status Transfer(const std::string& group, const std::shared_ptr<const InstalledPlan>& installed,
                         const v1::PhaseRequest& request, v1::PhaseResponse* response);
+  // Drops what is kept of `group` when none of the workers its plan places here is registered
+  // and no round of it is open here.
+  void ForgetIfGone(const std::string& group);
   // The group's latest aborted round id, read without a lock by a wait for PREPARE.
   std::shared_ptr<std::atomic<int64_t>> AbortedRound(const std::string& group) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
@@ -90,8 +97,10 @@ class NodeAgent {
   DataBackend* const backend_;
   const NodeAgentLease lease_;
 
-  absl::Mutex mu_;
+  mutable absl::Mutex mu_;
   std::map<std::string, std::shared_ptr<const InstalledPlan>> installed_ ABSL_GUARDED_BY(mu_);
+  // group -> (round, worker): the worker whose loss cancelled that round's transfer here.
+  std::map<std::string, std::pair<int64_t, std::string>> lost_workers_ ABSL_GUARDED_BY(mu_);
   // The buffers of a group's last transfer, reused while the same local workers stay registered
   // (a model of 100k tensors would otherwise cost tens of milliseconds of lookups every round).
   std::map<std::string, std::shared_ptr<const Resolved>> resolved_ ABSL_GUARDED_BY(mu_);

@@ -55,7 +55,7 @@ import harness
 sys.path.insert(0, os.path.dirname(harness.HERE))
 import refit  # noqa: E402
 from refit import _rpc  # noqa: E402
-from refit.controller import RoundResult, parse_reason  # noqa: E402
+from refit.controller import RoundResult  # noqa: E402
 from refit._proto import refit_pb2  # noqa: E402
 
 WORKER = os.path.join(harness.HERE, "pattern_worker.py")
@@ -592,7 +592,11 @@ class FaultMatrixBase(unittest.TestCase):
             else:
                 self.check(outcome in ("ABORTED", "COMMITTED"), f"the round ended as {rnd.describe()}")
             if rnd.error is not None:
-                _, culprit = parse_reason(reason)
+                # The daemons name the culprit structured (refit.v1.Culprit), not only in words.
+                culprit = getattr(rnd.error, "culprit", None)
+                if getattr(rnd.error, "code", None) == grpc.StatusCode.ABORTED:
+                    self.check(getattr(rnd.error, "blamed", None) is not None,
+                               f"the aborted round's error carries no structured culprit: {reason}")
                 if coordinator:
                     self.check(culprit in (None, f"node {COORDINATOR}"),
                                f"the reason blames {culprit}, innocent of the coordinator's {fault}: {reason}")
@@ -744,7 +748,7 @@ class FaultMatrix(FaultMatrixBase):
             self.check(rnd.state == "ABORTED" and ended is not None and ended <= bound("TRANSFER"),
                        f"attempt {attempt}: the round ended {ended} s after the kill: {rnd.describe()}")
             if rnd.error is not None:
-                _, culprit = parse_reason(rnd.error.reason)
+                culprit = rnd.error.culprit
                 self.check(culprit == f'worker "{w.id}"',
                            f"attempt {attempt}: culprit {culprit}: {rnd.error.reason}")
             f.wait_line(w, lambda l: l.startswith("registered"), 20, mark, "registration")
@@ -799,9 +803,9 @@ class FaultMatrix(FaultMatrixBase):
         self.recovery_round("bulk", "after the daemon's restart, the next round")
         self.finish()
 
-    # Found here, beyond issue 13's list: the C++ WorkerClient's keepalive ends the session of a
-    # worker whose callback runs 2 s or more, and the daemon reports it as "left during PREPARE".
-    @unittest.expectedFailure
+    # Found here, beyond issue 13's list: the C++ WorkerClient's keepalive ended the session of a
+    # worker whose callback ran 2 s or more (the callback blocked the only thread polling the
+    # channel); callbacks now run on a thread of their own (client/callback_thread.h).
     def test_cpp_worker_slow_to_confirm_within_the_deadline(self):
         """A C++ worker that takes 2 s (under the 3 s deadline) to confirm PREPARE is waited for:
         the round commits; it is not taken for gone."""
@@ -885,14 +889,7 @@ class FaultMatrix(FaultMatrixBase):
 # Cases whose only failure today is intermittent: reported as skipped (with what was seen) when all
 # their problems match; failures of any other kind fail them. Name -> (pattern, what fails). Remove
 # an entry once its race is fixed.
-_REVIVED = (r"\(node 3\) got no ABORT or COMMIT|node 3: workers? .* did not confirm PREPARE",
-            "issue 13.2, intermittent today: node 3, declared dead while frozen, is sometimes revived by "
-            "its workers' re-registration (SyncWorkers) before its next heartbeat, so it never learns it "
-            "was declared dead and never aborts its open round: its workers wait in it")
-INTERMITTENT = {
-    "test_stop_daemon_in_prepare": _REVIVED,
-    "test_stop_daemon_in_transfer": _REVIVED,
-}
+INTERMITTENT = {}  # none today (a node revived by a sync before its heartbeat: fixed, issue 13.2)
 
 # The order cases run in: those that restart the coordinator last (each is followed by a new
 # cluster), the rest sharing one.

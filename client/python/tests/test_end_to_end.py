@@ -14,6 +14,7 @@ import harness
 
 sys.path.insert(0, os.path.dirname(harness.HERE))
 import refit  # noqa: E402
+from refit._proto import refit_pb2  # noqa: E402
 
 WORKER = os.path.join(harness.HERE, "pattern_worker.py")
 PYTHONPATH = os.path.dirname(os.path.dirname(os.path.abspath(refit.__file__)))
@@ -149,6 +150,12 @@ class EndToEnd(unittest.TestCase):
         self.assertIn("kv cache still in use", e.reason)
         self.assertEqual(e.phase, "PREPARE")
         self.assertIn(ws[0], e.culprit or "")
+        # Structured, from the daemons (refit.v1.Culprit in the status details).
+        self.assertIsNotNone(e.blamed, e)
+        self.assertEqual(e.blamed.kind, refit_pb2.Culprit.WORKER)
+        self.assertEqual(e.blamed.worker_id, f"policy/{ws[0]}")
+        self.assertEqual(e.blamed.node, 1)
+        self.assertEqual(e.blamed.phase, "PREPARE")
         self.reports.wait("good", "abort")
 
     def test_daemon_restarted_under_live_workers(self):

@@ -7,8 +7,10 @@
 
 #include <catch2/catch.hpp>
 
+#include "daemon/node_agent.h"
 #include "daemon/test_registrations.h"
 #include "plan/planner.h"
+#include "plan/validate.h"
 
 namespace refit {
 namespace {
@@ -188,6 +190,46 @@ TEST_CASE("group planner: a forgotten group's plan is dropped") {
   REQUIRE(again->status.ok());
   CHECK(again != ready);
   CHECK(again->epoch > ready->epoch);
+}
+
+TEST_CASE("group planner: the layouts sent are compact and expand to the layouts planned") {
+  FakeClock clock;
+  Membership m(0, absl::Milliseconds(500), 4, &clock);
+  m.SetSelf("a", "b", 1);
+  GroupPlanner planner(GroupPlannerOptions{}, &m);
+  m.AddLocal(Registration("t0", v1::TRAINER, 0, 8, 0));
+  // Two engine replicas of one rank each, with the same buffers (only name and GPU differ).
+  v1::RegisterWorkerRequest i0 = Registration("i0", v1::INFERENCE, 0, 8, 0);
+  v1::RegisterWorkerRequest i1 = i0;
+  i1.mutable_worker()->set_name("i1");
+  i1.mutable_worker()->set_gpu(1);
+  m.AddLocal(i0);
+  m.AddLocal(i1);
+  auto g = planner.Get("policy");
+  REQUIRE(g->status.ok());
+  REQUIRE(g->dst.workers_size() == 2);
+  CHECK(g->dst.workers(0).buffers_size() == 1);
+  CHECK(g->dst.workers(1).buffers_like() == "i0");  // described once
+  CHECK(g->dst.workers(1).buffers_size() == 0);
+  CHECK(g->planning_time > absl::ZeroDuration());
+  // What a node decodes from it is what was planned here: it plans the same plan.
+  auto src = LayoutFromProto(g->src);
+  auto dst = LayoutFromProto(g->dst);
+  REQUIRE(src.ok());
+  REQUIRE(dst.ok());
+  REQUIRE(dst->pieces.size() == 2);
+  CHECK(dst->workers[1].gpu == 1);
+  REQUIRE(ValidateLayout(*src, "source").ok());
+  REQUIRE(ValidateLayout(*dst, "destination").ok());
+  v1::InstallPlanRequest request;
+  *request.mutable_source() = g->src;
+  *request.mutable_destination() = g->dst;
+  request.set_max_message_bytes(GroupPlannerOptions{}.max_message_bytes);
+  auto again = MakePlan(*src, *dst, PlanOptionsFor(request));
+  REQUIRE(again.ok());
+  CHECK(again->stats.transfers == g->plan->stats.transfers);
+  CHECK(again->stats.messages == g->plan->stats.messages);
+  CHECK(again->stats.bytes_total == g->plan->stats.bytes_total);
 }
 
 }  // namespace

@@ -10,7 +10,9 @@
 #   BIN=.device/bin SCALE=1 bash tests/gpu/colocated_bench.sh
 set -uo pipefail
 BIN=${BIN:-.device/bin}
+BACKEND=${BACKEND:-cuda}  # host: a dry run of this script on a CPU machine
 WORKER_BIN=${WORKER_BIN:-$BIN/sim-worker-cuda}
+[ "$BACKEND" = cuda ] || WORKER_BIN=$BIN/sim-worker
 CONFIG=${CONFIG:-tests/configs/llama3-8b.json}
 SCALE=${SCALE:-1}
 ROUNDS=${ROUNDS:-6}
@@ -27,7 +29,8 @@ L=("$BIN/refit-layout" --config "$CONFIG" --scale-down "$SCALE")
 for f in "$RUN/t.json" "$RUN/i.json"; do
   python3 -c 'import json,sys; l=json.load(open(sys.argv[1])); [w.update(node=0, gpu=0) for w in l["workers"]]; json.dump(l, open(sys.argv[1], "w"))' "$f"
 done
-start_daemon 0 --backend cuda --gpus 0 --max-message-bytes $((64 << 20)) --staging-bytes $((2 << 30)) \
+gpus_flag=(--gpus 0); [ "$BACKEND" = cuda ] || gpus_flag=()
+start_daemon 0 --backend "$BACKEND" "${gpus_flag[@]}" --max-message-bytes $((64 << 20)) --staging-bytes $((2 << 30)) \
   --prepare-timeout 300 --commit-timeout 300 --transfer-timeout 60 --heartbeat 0.5 --heartbeats-missed 10 || fail daemon
 keys=()
 while read -r name node; do start_worker "$name" "$node" policy trainer "$RUN/t.json" "$name" --same-data --register-timeout 300; keys+=("$name"); done < <(workers_of "$RUN/t.json")

@@ -27,7 +27,7 @@ DaemonConfig ParseDaemonFlags(int argc, char** argv) {
   flags.Int("node", &node, "this node's index in the cluster");
   flags.String("listen", &c.listen, "gRPC address for peers and operators (host:port; port 0 picks one)");
   flags.String("worker-socket", &c.worker_socket, "Unix socket for local workers (default /tmp/refitd-<node>.sock)");
-  flags.String("coordinator", &c.coordinator, "the coordinator's --listen address; empty: this daemon coordinates");
+  flags.String("coordinator", &c.coordinator, "the coordinator's --listen address (a gRPC target, e.g. dns:///name:port), or file:PATH naming it (read again when it stops answering); empty: this daemon coordinates");
   flags.String("data-listen", &c.data_listen, "host data plane address peers send messages to");
   flags.String("backend", &c.backend, "data plane: host (shared memory + TCP) or cuda");
   std::string gpus;

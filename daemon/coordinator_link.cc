@@ -1,6 +1,11 @@
 #include "daemon/coordinator_link.h"
 
+#include <fstream>
+#include <sstream>
+
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/strip.h"
 #include "daemon/logging.h"
 
 namespace refit {
@@ -22,28 +27,67 @@ grpc::ChannelArguments ChannelArgs(int64_t max_rpc_bytes) {
   return args;
 }
 
+constexpr absl::string_view kFilePrefix = "file:";
+
+// The target named in `path` (first line, trimmed); empty when it cannot be read or is empty.
+std::string ReadTarget(const std::string& path) {
+  std::ifstream in(path);
+  std::string line;
+  if (!in || !std::getline(in, line)) return "";
+  return std::string(absl::StripAsciiWhitespace(line));
+}
+
 }  // namespace
 
-CoordinatorLink::CoordinatorLink(CoordinatorLinkOptions options) : options_(std::move(options)) {}
+CoordinatorLink::CoordinatorLink(CoordinatorLinkOptions options) : options_(std::move(options)) {
+  absl::string_view path = options_.coordinator;
+  if (absl::ConsumePrefix(&path, kFilePrefix)) {
+    target_ = ReadTarget(std::string(path));
+    if (target_.empty()) {
+      Logger("rpc")->warn("{} names no coordinator yet; joining waits for it", std::string(path));
+    }
+  } else {
+    target_ = options_.coordinator;
+  }
+}
+
+std::string CoordinatorLink::Target() {
+  absl::MutexLock lock(&mu_);
+  return target_;
+}
+
+void CoordinatorLink::Refresh() {
+  absl::string_view path = options_.coordinator;
+  if (!absl::ConsumePrefix(&path, kFilePrefix)) return;
+  const std::string now = ReadTarget(std::string(path));
+  if (now.empty()) return;  // a file being rewritten, or removed: keep the last target
+  absl::MutexLock lock(&mu_);
+  if (now == target_) return;
+  Logger("rpc")->info("{} now names the coordinator at {} (was {})", std::string(path), now,
+                      target_.empty() ? "none" : target_);
+  target_ = now;
+  peer_.reset();  // calls in flight keep their stubs (shared)
+  control_.reset();
+}
 
 CoordinatorLink::~CoordinatorLink() { Stop(); }
 
-v1::RefitPeer::Stub* CoordinatorLink::Peer() {
+std::shared_ptr<v1::RefitPeer::Stub> CoordinatorLink::Peer() {
   absl::MutexLock lock(&mu_);
   if (!peer_) {
-    peer_ = v1::RefitPeer::NewStub(grpc::CreateCustomChannel(options_.coordinator, grpc::InsecureChannelCredentials(),
-                                                             ChannelArgs(options_.max_rpc_bytes)));
+    peer_ = v1::RefitPeer::NewStub(
+        grpc::CreateCustomChannel(target_, grpc::InsecureChannelCredentials(), ChannelArgs(options_.max_rpc_bytes)));
   }
-  return peer_.get();
+  return peer_;
 }
 
-v1::RefitControl::Stub* CoordinatorLink::Control() {
+std::shared_ptr<v1::RefitControl::Stub> CoordinatorLink::Control() {
   absl::MutexLock lock(&mu_);
   if (!control_) {
-    control_ = v1::RefitControl::NewStub(grpc::CreateCustomChannel(
-        options_.coordinator, grpc::InsecureChannelCredentials(), ChannelArgs(options_.max_rpc_bytes)));
+    control_ = v1::RefitControl::NewStub(
+        grpc::CreateCustomChannel(target_, grpc::InsecureChannelCredentials(), ChannelArgs(options_.max_rpc_bytes)));
   }
-  return control_.get();
+  return control_;
 }
 
 absl::Status CoordinatorLink::Join(const std::string& control_address, const std::string& data_address) {
@@ -57,13 +101,16 @@ absl::Status CoordinatorLink::Join(const std::string& control_address, const std
     grpc::ClientContext ctx;
     ctx.set_deadline(Deadline(options_.peer_timeout));
     v1::JoinResponse out;
-    joined = FromGrpc(Peer()->Join(&ctx, join_, &out));
+    joined = Target().empty() ? absl::UnavailableError(absl::StrCat(options_.coordinator, " names no coordinator"))
+                              : FromGrpc(Peer()->Join(&ctx, join_, &out));
     if (joined.ok()) break;
     absl::SleepFor(absl::Milliseconds(200));
+    Refresh();
   }
   if (!joined.ok()) {
-    return absl::UnavailableError(
-        absl::StrCat("cannot join the coordinator at ", options_.coordinator, ": ", joined.message()));
+    return absl::UnavailableError(absl::StrCat("cannot join the coordinator at ", options_.coordinator,
+                                               Target() != options_.coordinator ? " (" + Target() + ")" : "", ": ",
+                                               joined.message()));
   }
   heartbeat_ = std::thread([this] { HeartbeatLoop(); });
   return absl::OkStatus();
@@ -78,7 +125,7 @@ absl::Status CoordinatorLink::Sync(std::vector<v1::WorkerRefusal>* refused) {
   grpc::ClientContext ctx;
   ctx.set_deadline(Deadline(options_.peer_timeout));
   v1::SyncWorkersResponse out;
-  const absl::Status s = FromGrpc(Peer()->SyncWorkers(&ctx, sync, &out));
+  const absl::Status s = FromGrpc(Peer()->SyncWorkers(&ctx, sync, &out));  // stub kept for the call
   for (const v1::WorkerRefusal& r : out.refused()) {
     Logger("rpc")->warn("the coordinator did not admit {}: {}", r.worker_id(), r.reason());
     if (refused != nullptr) refused->push_back(r);
@@ -95,16 +142,22 @@ void CoordinatorLink::HeartbeatLoop() {
       if (stopping_) return;
     }
     grpc::ClientContext ctx;
-    ctx.set_deadline(Deadline(options_.peer_timeout));
+    // A moved coordinator is found within a heartbeat of its file naming it (one small read per
+    // heartbeat), and a heartbeat waits for a connection a second at most, not --peer-timeout:
+    // one to a coordinator that vanished would otherwise hold up the next look at the file.
+    Refresh();
+    ctx.set_deadline(Deadline(std::min(options_.peer_timeout, std::max(options_.heartbeat * 2, absl::Seconds(1)))));
     ctx.set_wait_for_ready(true);  // a coordinator coming back is joined as soon as it listens
     v1::JoinResponse out;
     const absl::Status s = FromGrpc(Peer()->Join(&ctx, join_, &out));
     if (!s.ok()) {
-      Logger("rpc")->warn("heartbeat to the coordinator at {} failed: {}", options_.coordinator, std::string(s.message()));
+      if (!lost) {
+        Logger("rpc")->warn("heartbeat to the coordinator at {} failed: {}", Target(), std::string(s.message()));
+      }
       lost = true;
       continue;
     }
-    if (lost) Logger("rpc")->info("the coordinator at {} answers again", options_.coordinator);
+    if (lost) Logger("rpc")->info("the coordinator at {} answers again", Target());
     lost = false;
     if (options_.on_answer) options_.on_answer(out.resync());
     if (out.resync()) Sync().IgnoreError();  // the coordinator restarted, or declared this node dead
@@ -123,7 +176,8 @@ void CoordinatorLink::Stop() {
 void CoordinatorLink::ForwardWatch(const v1::WatchRoundsRequest& request, const std::function<bool()>& cancelled,
                                    const std::function<bool(const v1::RoundStats&)>& write) {
   grpc::ClientContext ctx;
-  auto reader = Control()->WatchRounds(&ctx, request);
+  std::shared_ptr<v1::RefitControl::Stub> stub = Control();  // outlives the stream
+  auto reader = stub->WatchRounds(&ctx, request);
   v1::RoundStats s;
   while (!cancelled() && reader->Read(&s)) {
     if (!write(s)) break;

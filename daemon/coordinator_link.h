@@ -5,6 +5,12 @@
 // heartbeat waits for the connection (within --peer-timeout), so a restarted coordinator is
 // joined again at its next heartbeat.
 //
+// Where the coordinator is: a gRPC target ("10.0.0.1:7070", or "dns:///refit-coordinator:7070",
+// which gRPC resolves again when the connection fails: a restarted pod behind a Kubernetes
+// Service), or "file:PATH": the target written in PATH, read again whenever a heartbeat fails,
+// so that a coordinator restarted at a new address is joined once the file names it (within a
+// heartbeat or two of the rewrite).
+//
 // Locks: `mu_` guards the stop flag and the stubs. `sync_order_` guards no data: it orders
 // syncs, each a snapshot taken and sent under it, so that two registrations racing cannot let
 // an older snapshot (without the newer worker) reach the coordinator last. It is the one lock
@@ -30,7 +36,7 @@
 namespace refit {
 
 struct CoordinatorLinkOptions {
-  std::string coordinator;  // its address
+  std::string coordinator;  // its target, or "file:PATH" (above)
   int32_t node = 0;
   int64_t incarnation = 0;
   absl::Duration heartbeat = absl::Milliseconds(500);
@@ -62,7 +68,8 @@ class CoordinatorLink {
   absl::Status Forward(Method method, const Request& request, Response* response, absl::Duration timeout) {
     grpc::ClientContext ctx;
     ctx.set_deadline(std::chrono::system_clock::now() + absl::ToChronoNanoseconds(timeout));
-    return FromGrpc((Control()->*method)(&ctx, request, response));
+    std::shared_ptr<v1::RefitControl::Stub> stub = Control();
+    return FromGrpc((stub.get()->*method)(&ctx, request, response));
   }
   // Relays the coordinator's WatchRounds stream until `write` fails or `cancelled()`.
   void ForwardWatch(const v1::WatchRoundsRequest& request, const std::function<bool()>& cancelled,
@@ -70,8 +77,12 @@ class CoordinatorLink {
 
  private:
   void HeartbeatLoop();
-  v1::RefitPeer::Stub* Peer();
-  v1::RefitControl::Stub* Control();
+  // The stubs of the current target; shared: a refresh may replace them while a call uses them.
+  std::shared_ptr<v1::RefitPeer::Stub> Peer();
+  std::shared_ptr<v1::RefitControl::Stub> Control();
+  // "file:PATH": reads PATH again; a new target replaces the channels. No-op otherwise.
+  void Refresh();
+  std::string Target();
 
   const CoordinatorLinkOptions options_;
   v1::JoinRequest join_;  // set by Join, before the heartbeat thread starts
@@ -81,8 +92,9 @@ class CoordinatorLink {
   absl::Mutex mu_;
   absl::CondVar stop_;
   bool stopping_ ABSL_GUARDED_BY(mu_) = false;
-  std::unique_ptr<v1::RefitPeer::Stub> peer_ ABSL_GUARDED_BY(mu_);
-  std::unique_ptr<v1::RefitControl::Stub> control_ ABSL_GUARDED_BY(mu_);
+  std::string target_ ABSL_GUARDED_BY(mu_);  // the coordinator's gRPC target now
+  std::shared_ptr<v1::RefitPeer::Stub> peer_ ABSL_GUARDED_BY(mu_);
+  std::shared_ptr<v1::RefitControl::Stub> control_ ABSL_GUARDED_BY(mu_);
 };
 
 }  // namespace refit

@@ -111,17 +111,29 @@ class Daemon:
 
 
 class Cluster:
-    """`nodes` daemons on loopback; node 0 coordinates."""
+    """`nodes` daemons on loopback; node 0 coordinates. With `coordinator_file`, the others find
+    it through a file (--coordinator file:PATH, `self.coordinator_file`), as when it may move."""
 
-    def __init__(self, nodes=2, daemon_flags=()):
+    def __init__(self, nodes=2, daemon_flags=(), coordinator_file=False):
         self.dir = scratch()
         self.socket_dir = tempfile.mkdtemp(prefix="refit-", dir="/tmp")
         self.daemon_flags = list(daemon_flags)
         self.daemons = []
         self.procs = []
+        self.coordinator_file = os.path.join(self.dir, "coordinator.addr") if coordinator_file else None
         for n in range(nodes):
             coord = self.daemons[0].address if n else None
+            if n and self.coordinator_file:
+                self.name_coordinator(coord)
+                coord = "file:" + self.coordinator_file
             self.daemons.append(Daemon(self, n, coord, []).start())
+
+    def name_coordinator(self, address):
+        """Rewrites the coordinator file atomically (as a Kubernetes ConfigMap update does)."""
+        tmp = self.coordinator_file + ".tmp"
+        with open(tmp, "w") as f:
+            f.write(address + "\n")
+        os.replace(tmp, self.coordinator_file)
 
     @property
     def control(self):

@@ -1,0 +1,65 @@
+"""Helpers of the end-to-end tests: small real-model layouts from refit-layout, worker processes
+(pattern_worker.py, sim-worker) started against a harness.Cluster, and their report files."""
+import json
+import os
+import subprocess
+import sys
+
+import harness
+
+sys.path.insert(0, os.path.dirname(harness.HERE))
+import refit  # noqa: E402
+
+WORKER = os.path.join(harness.HERE, "pattern_worker.py")
+PYTHONPATH = os.path.dirname(os.path.dirname(os.path.abspath(refit.__file__)))
+
+
+def layouts(cluster, tp_trainer=2, tp_engine=2):
+    """A small Qwen2.5 (its structure: GQA, biases, tied embeddings off; widths / 64, 2 layers):
+    a Megatron trainer on node 0, a vLLM engine on node 1."""
+    cfg = harness.config_path("qwen2.5-7b.json")
+    out = {}
+    for side, tp, node in [("trainer", tp_trainer, 0), ("inference", tp_engine, 1)]:
+        path = os.path.join(cluster.dir, f"{side}.json")
+        subprocess.run([harness.binary("refit-layout"), "--config", cfg, "--side", side, "--tp", str(tp),
+                        "--first-node", str(node), "--scale-down", "64", "--layers", "2", "-o", path],
+                       check=True)
+        out[side] = path
+    return out
+
+
+def names(path):
+    with open(path) as f:
+        return [w["name"] for w in json.load(f)["workers"]]
+
+
+class Reports:
+    def __init__(self, cluster):
+        self.cluster = cluster
+
+    def path(self, key):
+        return os.path.join(self.cluster.dir, f"{key}.report")
+
+    def lines(self, key):
+        try:
+            with open(self.path(key)) as f:
+                return f.read().splitlines()
+        except OSError:
+            return []
+
+    def wait(self, key, prefix, timeout=20):
+        harness.wait_for(lambda: any(l.startswith(prefix) for l in self.lines(key)), timeout,
+                         f"{key} to report {prefix!r}: {self.lines(key)[-3:]}\n{self.cluster.logs()}")
+
+
+def start_python(cluster, key, node, role, layout, worker, *extra):
+    env_args = [sys.executable, WORKER, "--daemon", cluster.daemons[node].worker_address, "--role", role,
+                "--layout", layout, "--worker", worker, "--report", os.path.join(cluster.dir, f"{key}.report"), *extra]
+    os.environ["PYTHONPATH"] = PYTHONPATH + os.pathsep + os.environ.get("PYTHONPATH", "")
+    return cluster.spawn(env_args, key)
+
+
+def start_sim(cluster, key, node, role, layout, worker):
+    return cluster.spawn([harness.binary("sim-worker"), "--daemon", cluster.daemons[node].worker_address,
+                          "--group", "policy", "--role", role, "--layout", layout, "--worker", worker,
+                          "--report", os.path.join(cluster.dir, f"{key}.report")], key)

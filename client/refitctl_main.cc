@@ -9,6 +9,7 @@
 //
 // Exit codes: 0 success; 1 the cluster said no (the gRPC code and message are printed);
 // 2 bad usage.
+#include <algorithm>
 #include <cstdio>
 #include <cstdlib>
 
@@ -117,6 +118,23 @@ int main(int argc, char** argv) {
       std::printf("%-10s %-6s %-8lld %-9d %-10d %-10s %-10lld %s\n", g.name().c_str(), g.ready() ? "yes" : "no",
                   (long long)g.version(), g.trainers(), g.inference_workers(), Human(g.plan().bytes_total()).c_str(),
                   (long long)g.plan().messages(), g.not_ready_reason().c_str());
+    }
+    // The inference side by replica: which count (complete), which version each holds, and why
+    // the others do not count (missing ranks).
+    bool any_replicas = false;
+    for (const auto& g : r.groups()) any_replicas |= g.replicas_size() > 0;
+    if (any_replicas) {
+      std::printf("\n%-10s %-16s %-6s %-9s %-8s %s\n", "GROUP", "REPLICA", "RANKS", "COMPLETE", "VERSION", "PROBLEM");
+      for (const auto& g : r.groups()) {
+        for (const auto& rep : g.replicas()) {
+          const int held = static_cast<int>(std::count_if(rep.workers().begin(), rep.workers().end(),
+                                                          [](const std::string& w) { return !w.empty(); }));
+          const std::string ranks = std::to_string(held) + "/" + std::to_string(rep.size());
+          const std::string behind = rep.complete() && rep.version() < g.version() ? " (missed versions)" : "";
+          std::printf("%-10s %-16s %-6s %-9s %-8lld %s%s\n", g.name().c_str(), rep.name().c_str(), ranks.c_str(),
+                      rep.complete() ? "yes" : "no", (long long)rep.version(), rep.problem().c_str(), behind.c_str());
+        }
+      }
     }
     return 0;
   }

@@ -427,8 +427,12 @@ void WorkerClient::HandleEvent(Session& session, const v1::RoundEvent& e) {
       reply.set_resumed(e.round_id());
       break;
     case v1::RoundEvent::ABORT:
-      if (e.round_id() == open_round_) open_round_ = -1;
-      if (role_ == v1::INFERENCE) version_ = 0;
+      // A round this worker was prepared for: its buffers may be partial. Another (it never
+      // got, or skipped, that PREPARE): nothing of it was written.
+      if (e.round_id() == open_round_) {
+        open_round_ = -1;
+        if (role_ == v1::INFERENCE) version_ = 0;
+      }
       if (callbacks_.on_abort) callbacks_.on_abort(e.round_id(), e.reason());
       reply.set_resumed(e.round_id());
       break;

@@ -230,7 +230,14 @@ TEST_CASE("node agent: a lost worker is the culprit of its round; a group withou
   CHECK(culprit->node() == 1);
   CHECK(culprit->phase() == "TRANSFER");
   CHECK(n.agent->GroupsKept() == 1);
+  // A worker of the group outside the plan (registered since: its replica incomplete) was in no
+  // round: the ABORT goes to the round's workers only.
+  auto outsider = n.registry.Register(WithMemory(Registration("i9", v1::INFERENCE, 0, 8, 1)));
+  REQUIRE(outsider.ok());
   REQUIRE(n.agent->RunPhase(Node::Phase(v1::PhaseRequest::ABORT, 1), &out).ok());
+  CHECK(Node::Events(*n.trainer).back() == "ABORT 1");
+  CHECK(Node::Events(*outsider->worker).empty());
+  REQUIRE(n.registry.Drop("policy/i9") != nullptr);
   CHECK(n.agent->GroupsKept() == 1);  // its trainer is still here
   REQUIRE(n.registry.Drop("policy/t0") != nullptr);
   n.agent->WorkerLost("policy", "policy/t0", "unregistered");

@@ -122,8 +122,30 @@ void NodeAgent::Abort(const std::string& group, int64_t round, int64_t version, 
   e.set_round_id(round);
   e.set_version(version);
   e.set_reason(reason);
-  registry_->SendToGroup(group, e);
+  // To the workers of the round: the plan's, which were sent its PREPARE. A worker of the group
+  // outside the plan (its replica incomplete, or registered since) was in no round: an ABORT
+  // would make it drop a version it still holds whole.
+  std::shared_ptr<const InstalledPlan> installed;
+  {
+    absl::MutexLock lock(&mu_);
+    if (auto it = installed_.find(group); it != installed_.end()) installed = it->second;
+  }
+  if (installed != nullptr) {
+    registry_->Send(LocalIds(group, *installed), e, /*reset_prepared=*/false, /*reset_resumed=*/false).IgnoreError();
+  } else {
+    registry_->SendToGroup(group, e);  // no plan here: every worker of the group may be in it
+  }
   ForgetIfGone(group);  // the round that held the group here is over
+}
+
+std::vector<std::string> NodeAgent::LocalIds(const std::string& group, const InstalledPlan& installed) const {
+  std::vector<std::string> ids;
+  for (const Layout* l : {&installed.src, &installed.dst}) {
+    for (const Worker& w : l->workers) {
+      if (w.node == node_) ids.push_back(absl::StrCat(group, "/", w.name));
+    }
+  }
+  return ids;
 }
 
 absl::Status NodeAgent::InstallPlan(const v1::InstallPlanRequest& request, std::shared_ptr<const Plan> planned) {
@@ -245,12 +267,7 @@ absl::Status NodeAgent::RunPhase(const v1::PhaseRequest& request, v1::PhaseRespo
     return absl::FailedPreconditionError(absl::StrCat(
         "node ", node_, " has no plan of group \"", group, "\" for membership epoch ", request.epoch()));
   }
-  std::vector<std::string> ids;  // this node's workers in the plan
-  for (const Layout* l : {&installed->src, &installed->dst}) {
-    for (const Worker& w : l->workers) {
-      if (w.node == node_) ids.push_back(absl::StrCat(group, "/", w.name));
-    }
-  }
+  const std::vector<std::string> ids = LocalIds(group, *installed);  // this node's workers in the plan
   const absl::Duration timeout = absl::Milliseconds(request.timeout_ms());
   v1::RoundEvent e;
   e.set_round_id(request.round_id());

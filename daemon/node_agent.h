@@ -86,6 +86,8 @@ class NodeAgent {
 
   absl::Status Transfer(const std::string& group, const std::shared_ptr<const InstalledPlan>& installed,
                         const v1::PhaseRequest& request, v1::PhaseResponse* response);
+  // "group/name" of each worker the plan places on this node.
+  std::vector<std::string> LocalIds(const std::string& group, const InstalledPlan& installed) const;
   // Drops what is kept of `group` when none of the workers its plan places here is registered
   // and no round of it is open here.
   void ForgetIfGone(const std::string& group);

@@ -43,6 +43,10 @@ Layout WorkerLayout(const Layout& layout, int32_t worker) {
   out.tensors = layout.tensors;
   const Worker& w = layout.workers[worker];
   out.AddWorker(w.name, w.node, w.gpu);
+  // Its replica too: a worker registering from this layout declares the engine it is a rank of.
+  out.workers.back().replica = w.replica;
+  out.workers.back().replica_rank = w.replica_rank;
+  out.workers.back().replica_size = w.replica_size;
   std::vector<int32_t> buffer_map(layout.buffers.size(), -1);
   for (size_t b = 0; b < layout.buffers.size(); ++b) {
     const Buffer& buffer = layout.buffers[b];

@@ -8,6 +8,30 @@ namespace refit {
 namespace {
 using testing::B;
 
+TEST_CASE("one worker's layout keeps its buffers, pieces and replica") {
+  Layout l;
+  l.tensors.push_back({"w", Dims{4, 2}, DType::kBF16});  // name, shape, dtype
+  for (int rank = 0; rank < 2; ++rank) {
+    const int32_t w = l.AddWorker(rank == 0 ? "e0" : "e1", 3, rank);
+    l.workers[w].replica = "dp1";
+    l.workers[w].replica_rank = rank;
+    l.workers[w].replica_size = 2;
+    const int32_t b = l.AddBuffer(w, "buf", DType::kBF16, Dims{2, 2});
+    l.AddPiece(0, Box::FromDims(Dims{rank * 2, 0}, Dims{2, 2}), b, Box::Whole(Dims{2, 2}));
+  }
+  const Layout mine = WorkerLayout(l, 1);
+  REQUIRE(mine.workers.size() == 1);
+  CHECK(mine.workers[0].name == "e1");
+  CHECK(mine.workers[0].node == 3);
+  CHECK(mine.workers[0].gpu == 1);
+  CHECK(mine.workers[0].replica == "dp1");
+  CHECK(mine.workers[0].replica_rank == 1);
+  CHECK(mine.workers[0].replica_size == 2);
+  REQUIRE(mine.buffers.size() == 1);
+  REQUIRE(mine.pieces.size() == 1);
+  CHECK(mine.tensor_box(mine.pieces[0]).origin[0] == 2);
+}
+
 TEST_CASE("a tensor-parallel shard is its buffer's whole box: row-major strides") {
   auto v = ViewOf(B({0, 128}, {64, 128}), B({0, 0}, {64, 128}), Dims{64, 128});
   REQUIRE(v.ok());

@@ -37,7 +37,14 @@ start_side policy inference "$RUN/policy-i.json"
 start_side reward trainer "$RUN/reward-t.json"
 start_side reward inference "$RUN/reward-i.json"
 wait_registered "${STARTED[@]}" || fail "registration"
-ctl status || fail status
+ctl status >"$RUN/status.out" || fail status
+cat "$RUN/status.out"
+# The replicas table: policy (dense, TP2 x DP2) has two engines of 2 ranks; reward (MoE, experts
+# split over DP x TP without EP) is one engine of 4.
+for want in "policy dp0 2/2" "policy dp1 2/2" "reward engine 4/4"; do
+  read -r g r n <<<"$want"
+  grep -Eq "^$g +$r +$n +yes " "$RUN/status.out" || fail "status does not list replica $r of $g ($n) complete"
+done
 ctl workers >/dev/null || fail workers
 
 # every_inference_ok GROUP VERSION: each inference worker of GROUP checked version VERSION.

@@ -338,10 +338,11 @@ class Worker:
             elif e.kind == kinds.COMMIT:
                 self._events.append(("COMMIT", e.round_id, e.version, ""))
             elif e.kind == kinds.ABORT:
+                # Only a round it was prepared for can have left its tensors partial.
                 if self._in_round == e.round_id:
                     self._in_round = None
-                if self.role == "inference":
-                    self._version = 0
+                    if self.role == "inference":
+                        self._version = 0
                 # A PREPARE not served yet is dropped: the round is over; the abort alone is reported.
                 self._drop_pending_prepare(e.round_id)
                 self._events.append(("ABORT", e.round_id, e.version, e.reason))
@@ -445,8 +446,8 @@ class Worker:
 
     def _finish_abort(self, round_id, reason, acknowledge):
         with self._mu:
-            if self.role == "inference":
-                self._version = 0
+            # The version was dropped at the round's PREPARE (or at the session's loss); a round
+            # this worker was never prepared for wrote nothing of it.
             if self._in_round == round_id:
                 self._in_round = None
             self._mu.notify_all()

@@ -1,6 +1,7 @@
 // CUDA runtime and NCCL results as absl::Status, one place for both: every owner in daemon/cuda/
 // and the backend report errors the same way ("<what>: <the library's message>"). A failed CUDA
-// call's sticky-free error is cleared (cudaGetLastError) so that the next call does not report it.
+// call's error, unless sticky, is cleared (cudaGetLastError) so that the next call does not
+// report it again.
 #pragma once
 
 #include <cuda_runtime.h>

@@ -229,6 +229,9 @@ void Daemon::Shutdown() {
     stopping_ = true;
     stopped_.SignalAll();
   }
+  // Every attached worker session finishes now (the registry notifies it); the server's deadline
+  // cancels whatever is still open (a session before its hello, WatchRounds), so Shutdown ends.
+  // The worker service (services_) outlives server_ and waits for sessions still in OnDone.
   if (registry_) registry_->Stop();
   if (round_log_) round_log_->Stop();
   if (server_) server_->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(2));

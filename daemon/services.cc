@@ -16,29 +16,38 @@
 namespace refit {
 namespace {
 
-class WorkerService : public v1::RefitWorker::Service {
+// On the callback API (the Session reactor needs it, and one service is either sync or
+// callback): the unary methods finish inline on gRPC's callback thread, doing what they did on
+// the sync API. Register and Unregister may wait on the coordinator (a sync RPC bounded by
+// peer_timeout, on nodes that are not the coordinator) as before.
+class WorkerService : public v1::RefitWorker::CallbackService {
  public:
-  explicit WorkerService(const ServiceParts* p) : p_(p) {}
-  grpc::Status Register(grpc::ServerContext*, const v1::RegisterWorkerRequest* r,
-                        v1::RegisterWorkerResponse* out) override {
-    return ToGrpc(p_->register_worker(*r, out));
+  explicit WorkerService(const ServiceParts* p) : p_(p), sessions_(p->registry, p->drop_worker) {}
+  grpc::ServerUnaryReactor* Register(grpc::CallbackServerContext* c, const v1::RegisterWorkerRequest* r,
+                                     v1::RegisterWorkerResponse* out) override {
+    grpc::ServerUnaryReactor* reactor = c->DefaultReactor();
+    reactor->Finish(ToGrpc(p_->register_worker(*r, out)));
+    return reactor;
   }
-  grpc::Status Session(grpc::ServerContext* c,
-                       grpc::ServerReaderWriter<v1::RoundEvent, v1::WorkerMessage>* s) override {
-    return ToGrpc(RunWorkerSession(*p_->registry, c, s, p_->drop_worker));
+  grpc::ServerBidiReactor<v1::WorkerMessage, v1::RoundEvent>* Session(grpc::CallbackServerContext* c) override {
+    return sessions_.Start(c);
   }
-  grpc::Status Unregister(grpc::ServerContext*, const v1::UnregisterWorkerRequest* r,
-                          v1::UnregisterWorkerResponse*) override {
+  grpc::ServerUnaryReactor* Unregister(grpc::CallbackServerContext* c, const v1::UnregisterWorkerRequest* r,
+                                       v1::UnregisterWorkerResponse*) override {
+    grpc::ServerUnaryReactor* reactor = c->DefaultReactor();
     if (p_->registry->Find(r->worker_id()) == nullptr) {
-      return ToGrpc(absl::NotFoundError(
-          absl::StrCat("no worker \"", r->worker_id(), "\" on node ", p_->config->node)));
+      reactor->Finish(ToGrpc(absl::NotFoundError(
+          absl::StrCat("no worker \"", r->worker_id(), "\" on node ", p_->config->node))));
+      return reactor;
     }
     p_->drop_worker(r->worker_id(), "unregistered");
-    return grpc::Status::OK;
+    reactor->Finish(grpc::Status::OK);
+    return reactor;
   }
 
  private:
   const ServiceParts* const p_;
+  WorkerSessions sessions_;  // destroyed after the server: waits for sessions still in OnDone
 };
 
 class ControlService : public v1::RefitControl::Service {

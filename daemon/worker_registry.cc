@@ -131,8 +131,8 @@ std::shared_ptr<LocalWorker> WorkerRegistry::Drop(const std::string& id) {
   {
     absl::MutexLock lock(&w->mu);
     w->gone = true;
-    w->wake.SignalAll();
   }
+  NotifySession(*w);
   Changed();
   return w;
 }
@@ -150,24 +150,46 @@ std::vector<v1::RegisterWorkerRequest> WorkerRegistry::Snapshot() const {
   return out;
 }
 
-absl::StatusOr<std::shared_ptr<LocalWorker>> WorkerRegistry::Attach(const std::string& id) {
+absl::StatusOr<std::shared_ptr<LocalWorker>> WorkerRegistry::Attach(const std::string& id,
+                                                                    std::function<void()> notify) {
   std::shared_ptr<LocalWorker> w = Find(id);
   if (w == nullptr) return absl::NotFoundError(absl::StrCat("no worker \"", id, "\" on node ", node_));
   absl::MutexLock lock(&w->mu);
   if (w->has_session) return absl::AlreadyExistsError(absl::StrCat("worker \"", w->id, "\" already has a session"));
   w->has_session = true;
+  w->notify = std::move(notify);
   return w;
 }
 
-std::optional<v1::RoundEvent> WorkerRegistry::NextEvent(LocalWorker& w, absl::Duration timeout,
-                                                        const std::atomic<bool>* ended) {
+void WorkerRegistry::Detach(LocalWorker& w) {
+  std::function<void()> old;  // destroyed outside the lock: it may hold the session's last reference
   absl::MutexLock lock(&w.mu);
-  // Its own condition variable: a thousand sessions must not all wake for every event.
-  if (w.outbox.empty() && !w.gone && !stopping() && !ended->load()) w.wake.WaitWithTimeout(&w.mu, timeout);
-  if (w.outbox.empty() || w.gone || stopping()) return std::nullopt;
-  v1::RoundEvent event = std::move(w.outbox.front());
-  w.outbox.pop_front();
-  return event;
+  old = std::move(w.notify);
+  w.notify = nullptr;
+}
+
+WorkerRegistry::SessionNext WorkerRegistry::NextForSession(LocalWorker& w) {
+  SessionNext next;
+  absl::MutexLock lock(&w.mu);
+  // Events still queued for a worker that is gone are dropped, as is everything once stopping.
+  if (w.gone || stopping()) {
+    next.end = true;
+    return next;
+  }
+  if (!w.outbox.empty()) {
+    next.event = std::move(w.outbox.front());
+    w.outbox.pop_front();
+  }
+  return next;
+}
+
+void WorkerRegistry::NotifySession(LocalWorker& w) {
+  std::function<void()> notify;
+  {
+    absl::MutexLock lock(&w.mu);
+    notify = w.notify;
+  }
+  if (notify) notify();
 }
 
 void WorkerRegistry::Record(LocalWorker& w, const v1::WorkerMessage& m) {
@@ -189,11 +211,6 @@ bool WorkerRegistry::Gone(LocalWorker& w) {
   return w.gone;
 }
 
-void WorkerRegistry::WakeSession(LocalWorker& w) {
-  absl::MutexLock lock(&w.mu);
-  w.wake.SignalAll();
-}
-
 absl::Status WorkerRegistry::Send(const std::vector<std::string>& ids, const v1::RoundEvent& event,
                                   bool reset_prepared, bool reset_resumed) {
   absl::Status missing;
@@ -209,14 +226,16 @@ absl::Status WorkerRegistry::Send(const std::vector<std::string>& ids, const v1:
       }
       continue;
     }
-    absl::MutexLock lock(&w->mu);
-    if (reset_prepared) {
-      w->prepared_round = -1;
-      w->refused_round = -1;
+    {
+      absl::MutexLock lock(&w->mu);
+      if (reset_prepared) {
+        w->prepared_round = -1;
+        w->refused_round = -1;
+      }
+      if (reset_resumed) w->resumed_round = -1;
+      w->outbox.push_back(event);
     }
-    if (reset_resumed) w->resumed_round = -1;
-    w->outbox.push_back(event);
-    w->wake.SignalAll();
+    NotifySession(*w);
   }
   return missing;
 }
@@ -230,9 +249,11 @@ void WorkerRegistry::SendToGroup(const std::string& group, const v1::RoundEvent&
     }
   }
   for (const auto& w : members) {
-    absl::MutexLock lock(&w->mu);
-    w->outbox.push_back(event);
-    w->wake.SignalAll();
+    {
+      absl::MutexLock lock(&w->mu);
+      w->outbox.push_back(event);
+    }
+    NotifySession(*w);
   }
 }
 
@@ -297,10 +318,7 @@ void WorkerRegistry::Stop() {
     absl::MutexLock lock(&mu_);
     for (const auto& [id, w] : workers_) all.push_back(w);
   }
-  for (const auto& w : all) {
-    absl::MutexLock lock(&w->mu);
-    w->wake.SignalAll();
-  }
+  for (const auto& w : all) NotifySession(*w);
   Changed();
 }
 

@@ -4,12 +4,15 @@
 // those answers with a deadline (AwaitWorkers).
 //
 // Locks: `mu_` guards the id -> worker map; each LocalWorker's `mu` guards that worker's session
-// state. Never both at once: the map lock is released before a worker's is taken.
+// state. Never both at once: the map lock is released before a worker's is taken. A session's
+// `notify` is called with neither held, so the session may take its own lock and then call back
+// into the registry (NextForSession) without a cycle.
 #pragma once
 
 #include <atomic>
 #include <cstdint>
 #include <deque>
+#include <functional>
 #include <map>
 #include <memory>
 #include <optional>
@@ -38,8 +41,9 @@ struct LocalWorker {
   const std::string& group() const { return request.group(); }
 
   absl::Mutex mu;
-  absl::CondVar wake;  // its session writer: an event, or the worker is gone
   bool has_session ABSL_GUARDED_BY(mu) = false;
+  // Set by its session at Attach: "look again" (an event queued, the worker gone, stopping).
+  std::function<void()> notify ABSL_GUARDED_BY(mu);
   bool gone ABSL_GUARDED_BY(mu) = false;  // unregistered or its session ended: never used again
   std::deque<v1::RoundEvent> outbox ABSL_GUARDED_BY(mu);
   int64_t prepared_round ABSL_GUARDED_BY(mu) = -1;
@@ -71,14 +75,20 @@ class WorkerRegistry {
   // What this node tells the coordinator: every worker, memory handles stripped.
   std::vector<v1::RegisterWorkerRequest> Snapshot() const;
 
-  // Sessions. Attach marks the worker's one session (NOT_FOUND, ALREADY_EXISTS).
-  absl::StatusOr<std::shared_ptr<LocalWorker>> Attach(const std::string& id);
-  // The next event for the session, waiting at most `timeout` (or until `*ended`, set before a
-  // WakeSession); nullopt when none came.
-  std::optional<v1::RoundEvent> NextEvent(LocalWorker& w, absl::Duration timeout, const std::atomic<bool>* ended);
+  // Sessions. Attach marks the worker's one session (NOT_FOUND, ALREADY_EXISTS) and keeps
+  // `notify`, called (no registry lock held, on the caller's thread, possibly concurrently) when
+  // an event is queued for it, it is dropped, or the registry stops; the session then asks
+  // NextForSession. Detach forgets `notify` (a call already started may still be running).
+  absl::StatusOr<std::shared_ptr<LocalWorker>> Attach(const std::string& id, std::function<void()> notify);
+  void Detach(LocalWorker& w);
+  struct SessionNext {
+    std::optional<v1::RoundEvent> event;  // the oldest queued, taken off the outbox
+    bool end = false;                      // the worker is gone or the registry stopping
+  };
+  // Never blocks; takes only the worker's lock.
+  SessionNext NextForSession(LocalWorker& w);
   void Record(LocalWorker& w, const v1::WorkerMessage& message);
   bool Gone(LocalWorker& w);
-  void WakeSession(LocalWorker& w);  // its session writer re-checks why it should end
 
   // Round events. Queues `event` for each of `ids` that is here (ABORTED naming the first that is
   // not; every other one got its event). `reset_prepared` / `reset_resumed` forget answers to an earlier
@@ -94,12 +104,14 @@ class WorkerRegistry {
                             const std::atomic<int64_t>* aborted);
   // Something an AwaitWorkers may be waiting for changed elsewhere (an abort).
   void Notify();
-  // Ends every session and wait.
+  // Tells every session to end (they end asynchronously; the gRPC server's shutdown waits).
   void Stop();
   bool stopping() const { return stopping_.load(); }
 
  private:
   void Changed();
+  // Calls `w`'s session notify, if any, outside every lock.
+  static void NotifySession(LocalWorker& w);
 
   const int32_t node_;
   const std::vector<int32_t> gpus_;

@@ -25,6 +25,8 @@ class CliFlags {
   std::vector<std::string> Parse(int argc, char** argv);
 
   [[noreturn]] void Fail(const std::string& message) const;
+  // Whether `name` (without "--") is one of the flags.
+  bool Has(const std::string& name) const { return Find(name) != nullptr; }
 
  private:
   struct Flag {

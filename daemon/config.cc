@@ -1,5 +1,7 @@
 #include "daemon/config.h"
 
+#include <set>
+
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
@@ -46,7 +48,8 @@ DaemonConfig ParseDaemonFlags(int argc, char** argv) {
   flags.Double("heartbeat", &heartbeat_s, "seconds between a daemon's heartbeats to the coordinator");
   flags.Int("heartbeats-missed", &missed, "a daemon silent for this many heartbeats is declared dead");
   flags.Int("max-rpc-bytes", &max_rpc, "largest gRPC message accepted (layouts of big models are large)");
-  flags.String("log-level", &c.log_level, "trace, debug, info, warn, error, off");
+  flags.String("log-level", &c.log_level, "trace, debug, info, warn, error, critical, off");
+  flags.String("log-format", &c.log_format, "text (dated lines) or json (one object a line: time, level, logger, node, group, round, message)");
   flags.String("address-file", &c.address_file, "write \"<listen address> <worker socket>\" here once serving");
   const std::string unset = "<worker socket>.state";
   std::string state_file = unset;
@@ -67,6 +70,9 @@ DaemonConfig ParseDaemonFlags(int argc, char** argv) {
     }
     std::vector<std::string> args = {"refitd"};
     for (const auto& [key, value] : s.fields()) {
+      if (key == "config" || !flags.Has(key)) {
+        flags.Fail(absl::StrCat(config_file, ": unknown key \"", key, "\" (keys are refitd's flags without \"--\": refitd --help)"));
+      }
       std::string v;
       switch (value.kind_case()) {
         case google::protobuf::Value::kStringValue: v = value.string_value(); break;
@@ -93,6 +99,13 @@ DaemonConfig ParseDaemonFlags(int argc, char** argv) {
   if (relay_depth < 0 || relay_depth > kMaxStages - 2) flags.Fail(absl::StrCat("--max-relay-depth must be in [0, ", kMaxStages - 2, "]"));
   c.max_relay_depth = static_cast<int32_t>(relay_depth);
   if (c.backend != "host" && c.backend != "cuda") flags.Fail("--backend must be host or cuda");
+  static const std::set<std::string> kLevels = {"trace", "debug", "info", "warn", "error", "critical", "off"};
+  if (!kLevels.contains(c.log_level)) {
+    flags.Fail(absl::StrCat("--log-level \"", c.log_level, "\" is not one of trace, debug, info, warn, error, critical, off"));
+  }
+  if (c.log_format != "text" && c.log_format != "json") {
+    flags.Fail(absl::StrCat("--log-format \"", c.log_format, "\" is not text or json"));
+  }
   for (absl::string_view part : absl::StrSplit(gpus, ',', absl::SkipEmpty())) {
     int32_t gpu = -1;
     if (!absl::SimpleAtoi(part, &gpu) || gpu < 0) flags.Fail(absl::StrCat("--gpus: \"", part, "\" is not a GPU index"));

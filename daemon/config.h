@@ -43,6 +43,7 @@ struct DaemonConfig {
   int heartbeats_missed = 4;              // a peer silent this many heartbeats is dead
   int64_t max_rpc_bytes = 256 << 20;     // largest gRPC message accepted (--max-rpc-bytes)
   std::string log_level = "info";
+  std::string log_format = "text";        // or "json"
   std::string address_file;               // write "<listen> <worker socket>" here once serving
   // Coordinator: round ids and committed versions kept across restarts (--state-file); the flag's
   // default is "<worker socket>.state"; empty: in memory only (a restart forgets them).

@@ -39,6 +39,7 @@ Daemon::Daemon(const DaemonConfig& config) : config_(config) {
 
 absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(const DaemonConfig& config) {
   SetLogLevel(config.log_level);
+  SetLogFormat(config.log_format, config.node);
   std::unique_ptr<Daemon> d(new Daemon(config));
   if (config.backend == "cuda") {
     auto backend = CudaBackend::Start(config.gpus, config.staging_bytes, config.nccl_stream_priority);

@@ -2,12 +2,26 @@
 
 #include <mutex>
 
+#include "daemon/json_log_formatter.h"
 #include "spdlog/sinks/stdout_color_sinks.h"
 
 namespace refit {
 namespace {
 std::mutex mu;
 spdlog::level::level_enum level = spdlog::level::info;
+bool json = false;
+int32_t json_node = 0;
+thread_local LogContext context;
+
+constexpr char kPattern[] = "[%Y-%m-%dT%H:%M:%S.%eZ] [%n] [%l] %v";
+
+void Format(spdlog::logger& l) {
+  if (json) {
+    l.set_formatter(std::make_unique<JsonLogFormatter>(json_node));
+  } else {
+    l.set_pattern(kPattern, spdlog::pattern_time_type::utc);
+  }
+}
 }  // namespace
 
 std::shared_ptr<spdlog::logger> Logger(const std::string& name) {
@@ -15,7 +29,7 @@ std::shared_ptr<spdlog::logger> Logger(const std::string& name) {
   if (auto l = spdlog::get(name)) return l;
   auto l = spdlog::stderr_color_mt(name);
   l->set_level(level);
-  l->set_pattern("[%H:%M:%S.%e] [%n] [%l] %v");
+  Format(*l);
   return l;
 }
 
@@ -27,5 +41,22 @@ bool SetLogLevel(const std::string& name) {
   spdlog::set_level(parsed);
   return true;
 }
+
+bool SetLogFormat(const std::string& format, int32_t node) {
+  if (format != "text" && format != "json") return false;
+  std::lock_guard<std::mutex> lock(mu);
+  json = format == "json";
+  json_node = node;
+  spdlog::apply_all([](const std::shared_ptr<spdlog::logger>& l) { Format(*l); });
+  return true;
+}
+
+const LogContext& CurrentLogContext() { return context; }
+
+ScopedLogContext::ScopedLogContext(std::string group, int64_t round) : saved_(context) {
+  context = LogContext{std::move(group), round};
+}
+
+ScopedLogContext::~ScopedLogContext() { context = std::move(saved_); }
 
 }  // namespace refit

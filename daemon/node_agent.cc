@@ -238,6 +238,7 @@ size_t NodeAgent::GroupsKept() const {
 
 absl::Status NodeAgent::RunPhase(const v1::PhaseRequest& request, v1::PhaseResponse* response) {
   const std::string& group = request.group();
+  ScopedLogContext log_context(group, request.round_id());
   if (request.phase() == v1::PhaseRequest::ABORT) {
     Abort(group, request.round_id(), request.version(), request.reason(), /*only_if_open=*/false);
     return absl::OkStatus();

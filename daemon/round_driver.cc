@@ -249,6 +249,7 @@ absl::Duration InstallTimeout(const std::string& group, absl::Duration peer_time
 
 absl::Status RoundDriver::RunRound(const std::string& group, int64_t round_id, int64_t version,
                                    v1::RoundStats* stats) {
+  ScopedLogContext log_context(group, round_id);
   const absl::Time start = clock_->Now();
   stats->set_group(group);
   stats->set_round_id(round_id);

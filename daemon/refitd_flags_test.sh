@@ -1,0 +1,46 @@
+#!/usr/bin/env bash
+# refitd's command line and config file as an operator meets them: a bad --log-level or
+# --log-format, an unknown key in the --config file (named with the file) get one line and exit
+# code 2; --log-format json writes one JSON object a line; text lines carry the date.
+set -uo pipefail
+refitd=daemon/refitd
+tmp=$(mktemp -d /tmp/refitd-flags.XXXXXX)
+trap 'kill $pid 2>/dev/null; rm -rf "$tmp"' EXIT
+pid=
+fail() { echo "FAIL: $*"; exit 1; }
+
+expect_refusal() {  # WHAT PATTERN ARGS...
+  local what=$1 pattern=$2; shift 2
+  out=$("$refitd" "$@" 2>&1); rc=$?
+  [ "$rc" -eq 2 ] || fail "$what: exit $rc, not 2: $out"
+  echo "$out" | grep -q -- "$pattern" || fail "$what: $out"
+  [ "$(echo "$out" | wc -l)" -eq 1 ] || fail "$what: not one line: $out"
+}
+expect_refusal "log level" '--log-level "verbose" is not one of' --log-level verbose
+expect_refusal "log format" '--log-format "yaml" is not text or json' --log-format yaml
+echo '{"node": 1, "heartbeet": 0.5}' >"$tmp/bad.json"
+expect_refusal "config key" "$tmp/bad.json: unknown key \"heartbeet\"" --config "$tmp/bad.json"
+echo '{"node": 0, "log-format": "json"}' >"$tmp/good.json"
+
+# A coordinator that serves, then stops: its log lines.
+run() {  # LOG ARGS...
+  local log=$1; shift
+  "$refitd" --listen 127.0.0.1:0 --data-listen 127.0.0.1:0 --worker-socket "$tmp/s.sock" --state-file "" \
+    --address-file "$tmp/addr" "$@" >"$log" 2>&1 &
+  pid=$!
+  for _ in $(seq 100); do [ -s "$tmp/addr" ] && break; sleep 0.1; done
+  [ -s "$tmp/addr" ] || fail "refitd did not start: $(cat "$log")"
+  kill $pid; wait $pid 2>/dev/null; pid=; rm -f "$tmp/addr"
+}
+run "$tmp/json.log" --config "$tmp/good.json"
+n=0
+while read -r line; do
+  /usr/bin/python3 -c 'import json,sys; o=json.loads(sys.argv[1]); assert {"time","level","logger","node","message"} <= o.keys(), o; assert o["node"] == 0' "$line" \
+    || fail "not a JSON log object: $line"
+  n=$((n + 1))
+done <"$tmp/json.log"
+[ "$n" -ge 2 ] || fail "only $n JSON lines: $(cat "$tmp/json.log")"
+run "$tmp/text.log"
+grep -Eq '^\[20[0-9]{2}-[01][0-9]-[0-3][0-9]T[0-9:.]+Z\] \[rpc\] \[info\] node 0 serving' "$tmp/text.log" \
+  || fail "text lines carry no date: $(head -3 "$tmp/text.log")"
+echo PASS

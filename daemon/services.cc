@@ -2,6 +2,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "daemon/coordinator_link.h"
+#include "daemon/executor.h"
 #include "daemon/grpc_status.h"
 #include "daemon/group_planner.h"
 #include "daemon/membership.h"
@@ -17,16 +18,24 @@ namespace refit {
 namespace {
 
 // On the callback API (the Session reactor needs it, and one service is either sync or
-// callback): the unary methods finish inline on gRPC's callback thread, doing what they did on
-// the sync API. Register and Unregister may wait on the coordinator (a sync RPC bounded by
-// peer_timeout, on nodes that are not the coordinator) as before.
+// callback), doing what it did on the sync API. What may block (registering and dropping a
+// worker wait on the coordinator, a sync RPC bounded by peer_timeout, on nodes that are not the
+// coordinator) runs on a small executor of its own, never on gRPC's callback threads, which
+// every session's reads and writes need: a coordinator that is gone must not stall the ABORTs.
 class WorkerService : public v1::RefitWorker::CallbackService {
  public:
-  explicit WorkerService(const ServiceParts* p) : p_(p), sessions_(p->registry, p->drop_worker) {}
+  explicit WorkerService(const ServiceParts* p)
+      : p_(p), sessions_(p->registry, [this](const std::string& id, const std::string& reason) {
+          // Dropped inline only once the service is going (the executor stopped).
+          if (!blocking_.Submit([this, id, reason] { p_->drop_worker(id, reason); })) p_->drop_worker(id, reason);
+        }) {}
   grpc::ServerUnaryReactor* Register(grpc::CallbackServerContext* c, const v1::RegisterWorkerRequest* r,
                                      v1::RegisterWorkerResponse* out) override {
     grpc::ServerUnaryReactor* reactor = c->DefaultReactor();
-    reactor->Finish(ToGrpc(p_->register_worker(*r, out)));
+    // `r` and `out` live until Finish.
+    if (!blocking_.Submit([this, reactor, r, out] { reactor->Finish(ToGrpc(p_->register_worker(*r, out))); })) {
+      reactor->Finish(ToGrpc(absl::UnavailableError("the daemon is shutting down")));
+    }
     return reactor;
   }
   grpc::ServerBidiReactor<v1::WorkerMessage, v1::RoundEvent>* Session(grpc::CallbackServerContext* c) override {
@@ -40,14 +49,21 @@ class WorkerService : public v1::RefitWorker::CallbackService {
           absl::StrCat("no worker \"", r->worker_id(), "\" on node ", p_->config->node))));
       return reactor;
     }
-    p_->drop_worker(r->worker_id(), "unregistered");
-    reactor->Finish(grpc::Status::OK);
+    if (!blocking_.Submit([this, reactor, id = r->worker_id()] {
+          p_->drop_worker(id, "unregistered");
+          reactor->Finish(grpc::Status::OK);
+        })) {
+      reactor->Finish(ToGrpc(absl::UnavailableError("the daemon is shutting down")));
+    }
     return reactor;
   }
 
  private:
   const ServiceParts* const p_;
-  WorkerSessions sessions_;  // destroyed after the server: waits for sessions still in OnDone
+  // Declared before sessions_: stopped (running what is queued: drops of lost workers) after the
+  // sessions are all done. Both go after the server, before the registry.
+  Executor blocking_{4};
+  WorkerSessions sessions_;
 };
 
 class ControlService : public v1::RefitControl::Service {

@@ -103,7 +103,7 @@ int main(int argc, char** argv) {
   using namespace refit;
   std::string only, configs = "tests/configs", show_buffer;
   int64_t repeat = 3, gpus_per_node = 8, max_message_bytes = 16 << 20, max_relay_depth = 0;
-  bool install_full = true, plan_generated = false;
+  bool install = true, install_full = true, plan_generated = false;
   CliFlags flags("install_benchmark", "[--case NAME] [--repeat N] [--configs DIR]");
   flags.String("case", &only, "run only this case (deepseek-v3, kimi-k2)");
   flags.Int("repeat", &repeat, "timed runs of each measurement after one warm-up; the median is reported");
@@ -115,6 +115,7 @@ int main(int argc, char** argv) {
                                                 "(pieces in the generator's order, not grouped by buffer)");
   flags.String("show-buffer", &show_buffer, "print (stderr) the compact JSON of the first engine buffer whose name "
                                            "contains this");
+  flags.Bool("install", &install, "time a node's install (--noinstall: sizes and encoding only)");
   flags.Bool("install-full", &install_full, "also time a node's install from the full form (--noinstall-full: not)");
   flags.Parse(argc, argv);
   if (repeat < 1) flags.Fail("--repeat must be >= 1");
@@ -184,6 +185,13 @@ int main(int argc, char** argv) {
       }
     }
     const size_t full_src_bytes = full_src.ByteSizeLong(), full_dst_bytes = full_dst.ByteSizeLong();
+    // What is left once compact: the tensor tables (every name, shape, dtype; one per side).
+    size_t tensor_table_bytes = 0;
+    for (const v1::Layout* l : {&compact_src, &compact_dst}) {
+      v1::Layout tensors_only;
+      *tensors_only.mutable_tensors() = l->tensors();
+      tensor_table_bytes += tensors_only.ByteSizeLong();
+    }
     const v1::InstallPlanRequest full = Request(std::move(full_src), std::move(full_dst), nodes, max_message_bytes,
                                                        static_cast<int32_t>(max_relay_depth));
     const v1::InstallPlanRequest compact = Request(std::move(compact_src), std::move(compact_dst), nodes, max_message_bytes,
@@ -231,8 +239,9 @@ int main(int argc, char** argv) {
       generated = absl::StrCat(",\"plan_generated_s\":", Seconds(Now() - t0));
     }
     Install compact_install, full_install;
-    const std::string compact_runs = time_install(compact_wire, &compact_install);
-    std::string full_runs;
+    std::string compact_runs, full_runs;
+    if (!install) install_full = false;
+    if (install) compact_runs = time_install(compact_wire, &compact_install);
     if (install_full) full_runs = time_install(full_wire, &full_install);
     auto install_json = [](const Install& i, const std::string& runs) {
       return absl::StrCat("{\"decode_s\":", Seconds(i.decode), ",\"expand_s\":", Seconds(i.expand),
@@ -245,16 +254,17 @@ int main(int argc, char** argv) {
         "\"request_bytes_full\":%.0f,\"request_bytes_compact\":%.0f,\"ratio\":%.1f,"
         "\"full_of_grpc_cap\":%.3f,\"compact_of_grpc_cap\":%.5f,\"full_of_max_rpc_bytes\":%.3f,"
         "\"compact_of_max_rpc_bytes\":%.4f,\"layout_bytes_full\":{\"source\":%zu,\"destination\":%zu},"
-        "\"layout_bytes_by_step\":{%s},\"coordinator_decode_s\":%s,\"compact_s\":%s,\"encode_full_s\":%s,"
-        "\"encode_compact_s\":%s,\"install_compact\":%s%s%s%s,\"max_message_bytes\":%lld,\"max_relay_depth\":%lld,"
+        "\"layout_bytes_by_step\":{%s},\"compact_tensor_tables_bytes\":%zu,\"coordinator_decode_s\":%s,\"compact_s\":%s,\"encode_full_s\":%s,"
+        "\"encode_compact_s\":%s%s%s%s%s%s,\"max_message_bytes\":%lld,\"max_relay_depth\":%lld,"
         "\"repeat\":%lld}\n",
         c.name.c_str(), c.trainer.World(), c.inference.World(), nodes, src->pieces.size(), dst->pieces.size(),
         src->workers.size(), dst->workers.size(), full_bytes, compact_bytes, full_bytes / compact_bytes,
         full_bytes / kGrpcCap, compact_bytes / kGrpcCap, full_bytes / kDaemonCap, compact_bytes / kDaemonCap,
-        full_src_bytes, full_dst_bytes, absl::StrJoin(steps, ",").c_str(),
+        full_src_bytes, full_dst_bytes, absl::StrJoin(steps, ",").c_str(), tensor_table_bytes,
         Seconds(Median(coordinator_decode)).c_str(), Seconds(Median(compact_seconds)).c_str(),
         Seconds(Median(encode_full)).c_str(), Seconds(Median(encode_compact)).c_str(),
-        install_json(compact_install, compact_runs).c_str(), install_full ? ",\"install_full\":" : "",
+        install ? ",\"install_compact\":" : "", install ? install_json(compact_install, compact_runs).c_str() : "",
+        install_full ? ",\"install_full\":" : "",
         install_full ? install_json(full_install, full_runs).c_str() : "", generated.c_str(),
         static_cast<long long>(max_message_bytes), static_cast<long long>(max_relay_depth), static_cast<long long>(repeat));
     std::fflush(stdout);

@@ -23,4 +23,27 @@ if [ ${#missing[@]} -gt 0 ]; then
   $SUDO apt-get install -y -q "${missing[@]}" >/dev/null
 fi
 [ -x /usr/local/cuda/bin/nvcc ] || echo "setup: note: /usr/local/cuda not found; GPU targets will not build" >&2
+
+# deploy/k8s/manifests_test.sh (the Kubernetes manifests, validated offline): kubectl renders
+# them (Debian's kubernetes-client, only where no kubectl is on PATH: it would replace another
+# one), PyYAML reads them, npm's kubernetes-models (pinned) checks them against Kubernetes'
+# schemas. Best effort: what is missing, the test reports as SKIPPED.
+k8s_missing=()
+command -v kubectl >/dev/null || k8s_missing+=(kubernetes-client)
+/usr/bin/python3 -c "import yaml" 2>/dev/null || k8s_missing+=(python3-yaml)
+if [ ${#k8s_missing[@]} -gt 0 ]; then
+  echo "setup: installing ${k8s_missing[*]}" >&2
+  SUDO=""; [ "$(id -u)" -eq 0 ] || SUDO="sudo"
+  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -q "${k8s_missing[@]}" >/dev/null ||
+    echo "setup: note: could not install ${k8s_missing[*]}; deploy/k8s validation will skip parts" >&2
+fi
+k8s_models=/opt/refit/npm
+if [ ! -f "$k8s_models/node_modules/kubernetes-models/package.json" ] && command -v npm >/dev/null; then
+  echo "setup: installing kubernetes-models@5.1.0 (npm) under $k8s_models" >&2
+  SUDO=""; [ "$(id -u)" -eq 0 ] || SUDO="sudo"
+  $SUDO mkdir -p "$k8s_models" &&
+    $SUDO npm install --prefix "$k8s_models" --no-save --no-audit --no-fund --loglevel=error \
+      kubernetes-models@5.1.0 >/dev/null 2>&1 ||
+    echo "setup: note: npm could not install kubernetes-models; deploy/k8s schema validation will be skipped" >&2
+fi
 exit 0

@@ -1,0 +1,186 @@
+#!/usr/bin/python3
+"""Checks the refitd containers of rendered Kubernetes manifests against refitd itself.
+
+Usage: check_refitd.py REFITD RENDERED.json  (a JSON array of objects: `kubectl kustomize`'s output)
+
+For every container whose image names refitd:
+- refitd parses its arguments and its --config file (the ConfigMap mounted at that path, written
+  to a temporary file) with `--help` last: refitd's parser reads the config file first, then the
+  arguments in order, so an unknown flag or key, or a value of the wrong type, exits 2 naming it
+  before --help is reached and exits 0. `$(VAR)` references are replaced by a sample value first
+  (Kubernetes expands them from the container's env), and `--node=0` stands for the entrypoint's.
+- the readiness and liveness probes ask the port refitd listens on (--listen);
+- the worker socket lies on a mounted volume, and in a pod with other containers they mount it;
+- a --coordinator dns:/// target names a headless Service of the rendered objects, in its
+  namespace, with that port;
+- a coordinator's --state-file lies on a persistent volume (a StatefulSet's volumeClaimTemplate).
+Prints one line per finding; exits 1 if any check failed.
+"""
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+
+SAMPLE = {"status.hostIP": "10.0.0.2", "status.podIP": "10.1.0.2"}
+failures = []
+
+
+def fail(where, message):
+    failures.append(f"{where}: {message}")
+    print(f"FAIL {where}: {message}")
+
+
+def flag_values(argv):
+    """--name=value and --name value pairs, as refitd's parser reads them (booleans aside)."""
+    out = {}
+    i = 0
+    while i < len(argv):
+        a = argv[i]
+        if a.startswith("--") and "=" in a:
+            k, v = a[2:].split("=", 1)
+            out[k] = v
+        elif a.startswith("--") and i + 1 < len(argv) and not argv[i + 1].startswith("--"):
+            out[a[2:]] = argv[i + 1]
+            i += 1
+        i += 1
+    return out
+
+
+def pod_templates(objects):
+    for o in objects:
+        kind = o.get("kind")
+        if kind in ("DaemonSet", "StatefulSet", "Deployment", "Job", "ReplicaSet"):
+            yield o, o["spec"]["template"]["spec"]
+        elif kind == "Pod":
+            yield o, o["spec"]
+
+
+def mount_for(container, path):
+    """The volumeMount whose mountPath holds `path` (the deepest)."""
+    best = None
+    for m in container.get("volumeMounts", []):
+        mp = m["mountPath"].rstrip("/")
+        if path == mp or path.startswith(mp + "/"):
+            if best is None or len(mp) > len(best["mountPath"].rstrip("/")):
+                best = m
+    return best
+
+
+def main():
+    refitd, rendered = sys.argv[1], sys.argv[2]
+    objects = json.load(open(rendered))
+    configmaps = {(o["metadata"].get("namespace"), o["metadata"]["name"]): o.get("data", {})
+                  for o in objects if o.get("kind") == "ConfigMap"}
+    services = [o for o in objects if o.get("kind") == "Service"]
+    checked = 0
+    for owner, spec in pod_templates(objects):
+        ns = owner["metadata"].get("namespace")
+        where0 = f"{owner['kind']}/{owner['metadata']['name']}"
+        volumes = {v["name"]: v for v in spec.get("volumes", [])}
+        claims = {c["metadata"]["name"] for c in owner.get("spec", {}).get("volumeClaimTemplates", [])}
+        for c in spec.get("containers", []):
+            if "refitd" not in c.get("image", ""):
+                continue
+            where = f"{where0} container {c['name']}"
+            checked += 1
+            env = {}
+            for e in c.get("env", []):
+                if "value" in e:
+                    env[e["name"]] = e["value"]
+                elif "fieldRef" in e.get("valueFrom", {}):
+                    env[e["name"]] = SAMPLE.get(e["valueFrom"]["fieldRef"]["fieldPath"], "sample")
+            args = [re.sub(r"\$\((\w+)\)", lambda m: env.get(m.group(1), m.group(0)), a)
+                    for a in c.get("command", [])[1:] + c.get("args", [])]
+            for a in args:
+                if "$(" in a:
+                    fail(where, f"{a}: refers to a variable the container does not define")
+            flags = flag_values(args)
+            config = {}
+            with tempfile.TemporaryDirectory() as tmp:
+                argv = [a for a in args if not a.startswith("--config")]
+                if "config" in flags:
+                    m = mount_for(c, flags["config"])
+                    vol = volumes.get(m["name"]) if m else None
+                    if vol is None or "configMap" not in vol:
+                        fail(where, f"--config {flags['config']} is on no ConfigMap volume")
+                        continue
+                    key = os.path.relpath(flags["config"], m["mountPath"])
+                    data = configmaps.get((ns, vol["configMap"]["name"]))
+                    if data is None or key not in data:
+                        fail(where, f"--config {flags['config']}: ConfigMap {vol['configMap']['name']} has no key {key}")
+                        continue
+                    try:
+                        config = json.loads(data[key])
+                    except ValueError as e:
+                        fail(where, f"ConfigMap {vol['configMap']['name']} {key}: not JSON ({e})")
+                        continue
+                    path = os.path.join(tmp, "refitd.json")
+                    with open(path, "w") as f:
+                        f.write(data[key])
+                    argv = [f"--config={path}"] + argv
+                run = subprocess.run([refitd] + argv + ["--node=0", "--help"],
+                                     capture_output=True, text=True, timeout=30)
+                if run.returncode != 0:
+                    fail(where, f"refitd refuses its flags (exit {run.returncode}): {run.stderr.strip()}")
+                else:
+                    print(f"ok   {where}: refitd accepts {' '.join(argv)} "
+                          f"(config keys: {', '.join(sorted(config)) or 'none'})")
+            settings = {**{k: str(v) for k, v in config.items()}, **flags}
+            # Probes on the port refitd listens on.
+            port = settings.get("listen", "127.0.0.1:0").rsplit(":", 1)[-1]
+            for probe in ("startupProbe", "livenessProbe", "readinessProbe"):
+                p = c.get(probe)
+                if p is None:
+                    if probe != "startupProbe":
+                        fail(where, f"no {probe}")
+                    continue
+                handler = p.get("grpc") or p.get("tcpSocket") or {}
+                if str(handler.get("port")) != port:
+                    fail(where, f"{probe} asks port {handler.get('port')}, refitd listens on {port}")
+            # The worker socket on a volume the pod's other containers share.
+            sock = settings.get("worker-socket", f"/tmp/refitd-{settings.get('node', 0)}.sock")
+            m = mount_for(c, os.path.dirname(sock))
+            if m is None:
+                fail(where, f"worker socket {sock} is on no volume (workers could not reach it)")
+            else:
+                for other in spec["containers"]:
+                    if other is c:
+                        continue
+                    om = [x for x in other.get("volumeMounts", []) if x["name"] == m["name"]]
+                    if not om:
+                        fail(where, f"container {other['name']} does not mount the socket volume {m['name']}")
+            # The coordinator's name: a headless Service of these objects.
+            coord = settings.get("coordinator", "")
+            if coord.startswith("dns:///"):
+                mm = re.fullmatch(r"dns:///([a-z0-9-]+)\.([a-z0-9-]+)\.svc\.cluster\.local:(\d+)", coord)
+                if not mm:
+                    fail(where, f"--coordinator {coord}: not <service>.<namespace>.svc.cluster.local:<port>")
+                else:
+                    name, sns, sport = mm.groups()
+                    svc = [s for s in services if s["metadata"]["name"] == name
+                           and s["metadata"].get("namespace") == sns]
+                    if not svc:
+                        fail(where, f"--coordinator {coord}: no Service {name} in namespace {sns} here")
+                    elif svc[0]["spec"].get("clusterIP") != "None":
+                        fail(where, f"Service {name} is not headless (clusterIP: None)")
+                    elif int(sport) not in [p["port"] for p in svc[0]["spec"].get("ports", [])]:
+                        fail(where, f"Service {name} has no port {sport}")
+                    else:
+                        print(f"ok   {where}: --coordinator names the headless Service {sns}/{name}:{sport}")
+            elif not coord:
+                # The coordinator: its state on a persistent volume.
+                state = settings.get("state-file", sock + ".state")
+                m = mount_for(c, os.path.dirname(state))
+                if state == "" or m is None or m["name"] not in claims:
+                    fail(where, f"coordinator's --state-file {state!r} is not on a persistent volume claim")
+                else:
+                    print(f"ok   {where}: coordinator state {state} on claim {m['name']}")
+    if checked == 0:
+        fail(rendered, "no refitd container found")
+    sys.exit(1 if failures else 0)
+
+
+if __name__ == "__main__":
+    main()

@@ -41,7 +41,8 @@ using WorkerLostFn = std::function<void(const std::string& id, const std::string
 class WorkerSessions {
  public:
   // `registry` outlives every session; `lost` runs when a session ended without the worker
-  // having been dropped (on a gRPC thread; it may block).
+  // having been dropped, from OnDone on a gRPC callback thread: what blocks belongs elsewhere
+  // (the RefitWorker service hands the drop to its executor).
   WorkerSessions(WorkerRegistry* registry, WorkerLostFn lost);
   ~WorkerSessions();  // waits (bounded) for sessions still finishing
   WorkerSessions(const WorkerSessions&) = delete;

@@ -1,13 +1,60 @@
 #include "daemon/grpc_status.h"
 
+#include <map>
+#include <memory>
 #include <string>
+#include <vector>
 
+#include "absl/synchronization/mutex.h"
 #include "proto/refit.pb.h"
 
 namespace refit {
+namespace {
+
+// Observers are added and removed rarely (a daemon's start and end) and called on failures only,
+// outside the lock: one removed may still be running a call that began before (daemon/metrics.cc's
+// observer keeps what it counts into alive itself).
+using Observer = std::function<void(absl::StatusCode)>;
+struct Observers {
+  absl::Mutex mu;
+  int next ABSL_GUARDED_BY(mu) = 0;
+  std::map<int, std::shared_ptr<const Observer>> by_id ABSL_GUARDED_BY(mu);
+};
+
+Observers& TheObservers() {
+  static Observers* o = new Observers();
+  return *o;
+}
+
+void TellObservers(absl::StatusCode code) {
+  Observers& o = TheObservers();
+  std::vector<std::shared_ptr<const Observer>> observers;
+  {
+    absl::MutexLock lock(&o.mu);
+    if (o.by_id.empty()) return;
+    for (const auto& [id, observe] : o.by_id) observers.push_back(observe);
+  }
+  for (const auto& observe : observers) (*observe)(code);
+}
+
+}  // namespace
+
+int AddRpcErrorObserver(std::function<void(absl::StatusCode)> observer) {
+  Observers& o = TheObservers();
+  absl::MutexLock lock(&o.mu);
+  o.by_id[o.next] = std::make_shared<const Observer>(std::move(observer));
+  return o.next++;
+}
+
+void RemoveRpcErrorObserver(int id) {
+  Observers& o = TheObservers();
+  absl::MutexLock lock(&o.mu);
+  o.by_id.erase(id);
+}
 
 grpc::Status ToGrpc(const absl::Status& s) {
   if (s.ok()) return grpc::Status::OK;
+  TellObservers(s.code());
   const auto code = static_cast<grpc::StatusCode>(s.code());
   std::string message(s.message());
   v1::RpcStatus details;

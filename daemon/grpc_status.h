@@ -3,6 +3,8 @@
 // RpcStatus in gRPC's error details (the grpc-status-details-bin trailer).
 #pragma once
 
+#include <functional>
+
 #include <grpcpp/grpcpp.h>
 
 #include "absl/status/status.h"
@@ -11,5 +13,11 @@ namespace refit {
 
 grpc::Status ToGrpc(const absl::Status& s);
 absl::Status FromGrpc(const grpc::Status& s);
+
+// Told the code of every failure ToGrpc converts, on the converting thread (process-wide: every
+// service's status passes here; daemon/metrics.h counts them), with no lock held. Returns an id
+// for Remove; a call that began before Remove may still be running after it.
+int AddRpcErrorObserver(std::function<void(absl::StatusCode)> observer);
+void RemoveRpcErrorObserver(int id);
 
 }  // namespace refit

@@ -1,18 +1,29 @@
 #include "daemon/round_log.h"
 
 #include <algorithm>
+#include <utility>
 #include <vector>
 
 namespace refit {
 
 void RoundLog::Publish(const v1::RoundStats& stats) {
-  absl::MutexLock lock(&mu_);
-  log_.push_back(stats);
-  while (log_.size() > 1024) {
-    log_.pop_front();
-    ++start_;
+  std::vector<std::function<void(const v1::RoundStats&)>> listeners;
+  {
+    absl::MutexLock lock(&mu_);
+    log_.push_back(stats);
+    while (log_.size() > 1024) {
+      log_.pop_front();
+      ++start_;
+    }
+    changed_.SignalAll();
+    listeners = listeners_;
   }
-  changed_.SignalAll();
+  for (const auto& listen : listeners) listen(stats);
+}
+
+void RoundLog::AddListener(std::function<void(const v1::RoundStats&)> listener) {
+  absl::MutexLock lock(&mu_);
+  listeners_.push_back(std::move(listener));
 }
 
 void RoundLog::Stop() {

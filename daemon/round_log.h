@@ -8,6 +8,7 @@
 #include <deque>
 #include <functional>
 #include <string>
+#include <vector>
 
 #include "absl/base/thread_annotations.h"
 #include "absl/synchronization/mutex.h"
@@ -17,7 +18,10 @@ namespace refit {
 
 class RoundLog {
  public:
+  // Also tells every listener (after the log's lock is released, on the publishing thread).
   void Publish(const v1::RoundStats& stats);
+  // Called with every change published from now on (daemon/metrics.h counts rounds so).
+  void AddListener(std::function<void(const v1::RoundStats&)> listener);
   // Sends every change from now on (of `group`, or all when empty) to `write` until it returns
   // false, `cancelled()` is true or the log stops. Checks `cancelled` at least every 200 ms.
   void Watch(const std::string& group, const std::function<bool()>& cancelled,
@@ -30,6 +34,7 @@ class RoundLog {
   std::deque<v1::RoundStats> log_ ABSL_GUARDED_BY(mu_);
   int64_t start_ ABSL_GUARDED_BY(mu_) = 0;  // sequence number of log_.front()
   bool stopping_ ABSL_GUARDED_BY(mu_) = false;
+  std::vector<std::function<void(const v1::RoundStats&)>> listeners_ ABSL_GUARDED_BY(mu_);
 };
 
 }  // namespace refit

@@ -46,4 +46,16 @@ if [ ! -f "$k8s_models/node_modules/kubernetes-models/package.json" ] && command
       kubernetes-models@5.1.0 >/dev/null 2>&1 ||
     echo "setup: note: npm could not install kubernetes-models; deploy/k8s schema validation will be skipped" >&2
 fi
+
+# daemon/metrics.h (--metrics-listen) links prometheus-cpp; tests/integration/metrics_test.py
+# scrapes a live cluster with Prometheus' own server (Debian's prometheus).
+metrics_missing=()
+for p in prometheus-cpp-dev prometheus; do
+  dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || metrics_missing+=("$p")
+done
+if [ ${#metrics_missing[@]} -gt 0 ]; then
+  echo "setup: installing ${metrics_missing[*]}" >&2
+  SUDO=""; [ "$(id -u)" -eq 0 ] || SUDO="sudo"
+  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -q "${metrics_missing[@]}" >/dev/null
+fi
 exit 0

@@ -1,0 +1,54 @@
+#include "daemon/metered_backend.h"
+
+#include <utility>
+
+namespace refit {
+namespace {
+
+class MeteredBackend : public DataBackend {
+ public:
+  MeteredBackend(std::unique_ptr<DataBackend> inner, Metrics* metrics) : inner_(std::move(inner)), metrics_(metrics) {}
+
+  std::string name() const override { return inner_->name(); }
+  std::string data_address() const override { return inner_->data_address(); }
+  absl::StatusOr<std::unique_ptr<MappedBuffer>> Map(const v1::BufferMemory& memory, int64_t bytes) override {
+    return inner_->Map(memory, bytes);
+  }
+  absl::StatusOr<std::vector<std::unique_ptr<MappedBuffer>>> MapBuffers(const v1::RegisterWorkerRequest& request,
+                                                                        std::span<const int64_t> buffer_bytes,
+                                                                        std::span<const Fd> fds) override {
+    return inner_->MapBuffers(request, buffer_bytes, fds);
+  }
+  absl::StatusOr<int32_t> GpuIndex(const std::string& name) override { return inner_->GpuIndex(name); }
+  absl::StatusOr<TransferStats> Transfer(const TransferJob& job) override {
+    const absl::Time started = absl::Now();
+    absl::StatusOr<TransferStats> stats = inner_->Transfer(job);
+    Metrics::Transfer t;
+    t.group = job.group;
+    t.ok = stats.ok();
+    t.elapsed = absl::Now() - started;
+    if (stats.ok()) {
+      t.bytes_sent = stats->bytes_sent;
+      t.bytes_received = stats->bytes_received;
+      t.bytes_local = stats->bytes_local;
+    }
+    metrics_->TransferEnded(t);
+    return stats;
+  }
+  void Cancel(const std::string& group, int64_t round_id, const std::string& reason) override {
+    inner_->Cancel(group, round_id, reason);
+  }
+  absl::StatusOr<std::string> NewCommunicatorId() override { return inner_->NewCommunicatorId(); }
+
+ private:
+  const std::unique_ptr<DataBackend> inner_;
+  Metrics* const metrics_;
+};
+
+}  // namespace
+
+std::unique_ptr<DataBackend> MeterBackend(std::unique_ptr<DataBackend> backend, Metrics* metrics) {
+  return std::make_unique<MeteredBackend>(std::move(backend), metrics);
+}
+
+}  // namespace refit

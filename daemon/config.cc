@@ -46,6 +46,8 @@ DaemonConfig ParseDaemonFlags(int argc, char** argv) {
   flags.Double("commit-timeout", &commit_s, "seconds for every worker to confirm COMMIT");
   flags.Double("peer-timeout", &peer_s, "seconds for one control call between daemons");
   flags.Double("heartbeat", &heartbeat_s, "seconds between a daemon's heartbeats to the coordinator");
+  double drain_s = absl::ToDoubleSeconds(c.drain_timeout);
+  flags.Double("drain-timeout", &drain_s, "seconds SIGTERM waits for running rounds before aborting them (then exit 0)");
   flags.Int("heartbeats-missed", &missed, "a daemon silent for this many heartbeats is declared dead");
   flags.Int("max-rpc-bytes", &max_rpc, "largest gRPC message accepted (layouts of big models are large)");
   flags.String("log-level", &c.log_level, "trace, debug, info, warn, error, critical, off");
@@ -124,6 +126,8 @@ DaemonConfig ParseDaemonFlags(int argc, char** argv) {
   c.commit_timeout = absl::Seconds(commit_s);
   c.peer_timeout = absl::Seconds(peer_s);
   c.heartbeat = absl::Seconds(heartbeat_s);
+  if (drain_s < 0) flags.Fail("--drain-timeout must be >= 0");
+  c.drain_timeout = absl::Seconds(drain_s);
   if (c.worker_socket.empty()) c.worker_socket = absl::StrCat("/tmp/refitd-", c.node, ".sock");
   c.state_file = state_file == unset ? c.worker_socket + ".state" : state_file;
   return c;

@@ -44,6 +44,7 @@ struct DaemonConfig {
   int64_t max_rpc_bytes = 256 << 20;     // largest gRPC message accepted (--max-rpc-bytes)
   std::string log_level = "info";
   std::string log_format = "text";        // or "json"
+  absl::Duration drain_timeout = absl::Seconds(20);  // SIGTERM: how long running rounds may finish
   std::string address_file;               // write "<listen> <worker socket>" here once serving
   // Coordinator: round ids and committed versions kept across restarts (--state-file); the flag's
   // default is "<worker socket>.state"; empty: in memory only (a restart forgets them).

@@ -163,13 +163,26 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(const DaemonConfig& config
     // Join before serving workers: a registration must reach the coordinator.
     REFIT_RETURN_IF_ERROR(d->link_->Join(d->address_, d->backend_->data_address()));
   }
+  d->SetServing(true);
   if (!config.address_file.empty()) {
     std::ofstream(config.address_file) << d->address_ << " " << config.worker_socket << "\n";
   }
   return d;
 }
 
+// gRPC's standard health service (grpc.health.v1), per service and "" for the whole server:
+// SERVING once the backend is up and the node has joined its coordinator, NOT_SERVING while it
+// drains. Kubernetes' grpc liveness and readiness probes ask it (docs/KUBERNETES.md).
+constexpr const char* kHealthServices[] = {"", "refit.v1.RefitControl", "refit.v1.RefitPeer", "refit.v1.RefitWorker"};
+
+void Daemon::SetServing(bool serving) {
+  grpc::HealthCheckServiceInterface* health = server_ ? server_->GetHealthCheckService() : nullptr;
+  if (health == nullptr) return;
+  for (const char* service : kHealthServices) health->SetServingStatus(service, serving);
+}
+
 absl::Status Daemon::Serve() {
+  grpc::EnableDefaultHealthCheckService(true);  // process-wide; before the server is built
   grpc::ServerBuilder builder;
   int port = 0;
   builder.AddListeningPort(config_.listen, grpc::InsecureServerCredentials(), &port);
@@ -204,6 +217,7 @@ absl::Status Daemon::Serve() {
     return absl::UnavailableError(absl::StrCat("cannot listen on ", config_.listen, " and unix:",
                                                config_.worker_socket));
   }
+  SetServing(false);  // until joined
   const std::string host = config_.listen.substr(0, config_.listen.rfind(':'));
   address_ = absl::StrCat(host, ":", port);
   // Read by Status only (set before any call can reach it in practice: the coordinator's own
@@ -226,8 +240,29 @@ Daemon::~Daemon() {
 void Daemon::Shutdown() {
   {
     absl::MutexLock lock(&mu_);
-    if (stopping_) return;
-    stopping_ = true;
+    if (shutdown_started_) {  // a second caller (the destructor) waits for the first to finish
+      mu_.Await(absl::Condition(&shutdown_done_));
+      return;
+    }
+    shutdown_started_ = true;
+  }
+  // Draining: probes see NOT_SERVING; no round begins; the running ones may finish within
+  // --drain-timeout, then what is left here is aborted, its workers told.
+  SetServing(false);
+  if (driver_) {
+    if (!driver_->Drain(config_.drain_timeout)) {
+      Logger("round")->warn("draining: rounds still running after {}; they end by their deadlines",
+                            absl::FormatDuration(config_.drain_timeout));
+    }
+  }
+  if (agent_) {
+    const int aborted = agent_->Drain(config_.drain_timeout,
+                                      absl::StrCat("node ", config_.node, " is shutting down (drained)"));
+    if (aborted > 0) Logger("round")->warn("draining: aborted {} round(s) open on this node", aborted);
+  }
+  {
+    absl::MutexLock lock(&mu_);
+    stopping_ = true;  // Wait() returns, the monitor ends: after the drain, which needs them
     stopped_.SignalAll();
   }
   // Every attached worker session finishes now (the registry notifies it); the server's deadline
@@ -236,6 +271,8 @@ void Daemon::Shutdown() {
   if (registry_) registry_->Stop();
   if (round_log_) round_log_->Stop();
   if (server_) server_->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(2));
+  absl::MutexLock lock(&mu_);
+  shutdown_done_ = true;
 }
 
 void Daemon::Wait() {

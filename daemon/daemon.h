@@ -54,13 +54,17 @@ class Daemon {
   ~Daemon();
 
   void Wait();      // until Shutdown()
-  void Shutdown();  // idempotent; safe from a signal-handling thread
+  // Drains, then stops: NOT_SERVING to health checks, no new round, running ones given
+  // --drain-timeout, what is left aborted (workers told). Safe from a signal-handling thread; a
+  // second call waits for the first to finish.
+  void Shutdown();
   const std::string& address() const { return address_; }
   const DaemonConfig& config() const { return config_; }
 
  private:
   explicit Daemon(const DaemonConfig& config);
   absl::Status Serve();
+  void SetServing(bool serving);  // the health service's status of every service
   absl::Status Register(const v1::RegisterWorkerRequest& request, v1::RegisterWorkerResponse* response);
   void DropWorker(const std::string& id, const std::string& reason);
   // Tells the coordinator this node's workers changed (on the coordinator: its membership, one
@@ -98,7 +102,9 @@ class Daemon {
 
   absl::Mutex mu_;
   absl::CondVar stopped_;
-  bool stopping_ ABSL_GUARDED_BY(mu_) = false;
+  bool stopping_ ABSL_GUARDED_BY(mu_) = false;        // drained: Wait() returns, the monitor ends
+  bool shutdown_started_ ABSL_GUARDED_BY(mu_) = false;
+  bool shutdown_done_ ABSL_GUARDED_BY(mu_) = false;
 };
 
 }  // namespace refit

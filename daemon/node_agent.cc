@@ -88,6 +88,16 @@ int NodeAgent::ExpireLeases() {
   return static_cast<int>(ended.size());
 }
 
+int NodeAgent::Drain(absl::Duration deadline, const std::string& why) {
+  {
+    absl::MutexLock lock(&mu_);
+    draining_ = true;
+    auto idle = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return active_rounds_.empty(); };
+    mu_.AwaitWithDeadline(absl::Condition(&idle), absl::Now() + deadline);
+  }
+  return AbortOpenRounds(why);
+}
+
 int NodeAgent::AbortOpenRounds(const std::string& why) {
   std::vector<std::pair<std::string, ActiveRound>> open;
   {
@@ -278,6 +288,9 @@ absl::Status NodeAgent::RunPhase(const v1::PhaseRequest& request, v1::PhaseRespo
       std::shared_ptr<std::atomic<int64_t>> aborted;
       {
         absl::MutexLock lock(&mu_);
+        if (draining_) {
+          return absl::UnavailableError(absl::StrCat("node ", node_, " is draining (shutting down): no new rounds"));
+        }
         // What this node remembers of earlier rounds must not answer for this one: round ids
         // start again at 1 when the coordinator restarts.
         aborted = AbortedRound(group);

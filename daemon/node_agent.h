@@ -63,6 +63,10 @@ class NodeAgent {
   // request) and installs it for the group, replacing the previous one.
   absl::Status InstallPlan(const v1::InstallPlanRequest& request, std::shared_ptr<const Plan> planned = nullptr);
   absl::Status RunPhase(const v1::PhaseRequest& request, v1::PhaseResponse* response);
+  // Draining (SIGTERM): PREPARE of a new round is refused from now on (UNAVAILABLE); waits up to
+  // `deadline` for the rounds open here to end, then aborts those left (their workers told).
+  // Returns how many it aborted.
+  int Drain(absl::Duration deadline, const std::string& why);
   // A worker of `group` left: a transfer of its group running here cannot complete any more
   // (it fails naming that worker as its culprit). The last of the group's workers here gone,
   // with no round open, the node forgets the group (its plan, buffers, abort records).
@@ -107,6 +111,7 @@ class NodeAgent {
   // (a model of 100k tensors would otherwise cost tens of milliseconds of lookups every round).
   std::map<std::string, std::shared_ptr<const Resolved>> resolved_ ABSL_GUARDED_BY(mu_);
   std::map<std::string, ActiveRound> active_rounds_ ABSL_GUARDED_BY(mu_);  // group -> round open here
+  bool draining_ ABSL_GUARDED_BY(mu_) = false;
   // group -> (round, why) of the latest round aborted here: its TRANSFER or COMMIT arriving late
   // (from a coordinator that was stopped) is refused, never delivered.
   std::map<std::string, std::pair<int64_t, std::string>> abort_reasons_ ABSL_GUARDED_BY(mu_);

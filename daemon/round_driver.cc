@@ -116,6 +116,20 @@ RoundDriver::~RoundDriver() { Stop(); }
 
 void RoundDriver::Stop() { background_.Stop(); }
 
+bool RoundDriver::Drain(absl::Duration deadline) {
+  const absl::Time until = absl::Now() + deadline;
+  absl::MutexLock lock(&mu_);
+  draining_ = true;
+  auto idle = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    for (const auto& [group, g] : groups_) {
+      if (g.busy) return false;
+    }
+    return true;
+  };
+  mu_.AwaitWithDeadline(absl::Condition(&idle), until);
+  return idle();
+}
+
 int64_t RoundDriver::CommittedVersion(const std::string& group) const {
   absl::MutexLock lock(&mu_);
   auto it = groups_.find(group);
@@ -164,6 +178,7 @@ absl::StatusOr<int64_t> RoundDriver::BeginRound(const v1::RefitRequest& request)
   if (auto plan = planner_->Get(request.group()); !plan->status.ok()) return plan->status;
   {
     absl::MutexLock lock(&mu_);
+    if (draining_) return absl::UnavailableError("the coordinator is draining (shutting down): no new rounds");
     if (auto s = CheckVersion(request.group(), request.version()); !s.ok()) return s;  // raced meanwhile
     groups_[request.group()].busy = true;
   }

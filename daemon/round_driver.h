@@ -84,6 +84,10 @@ class RoundDriver {
   void ForgetGroup(const std::string& group);
   // Waits for the background rounds (they end by their deadlines); StartRefit refuses afterwards.
   void Stop();
+  // Draining (SIGTERM): no round begins from now on (UNAVAILABLE, "draining"); waits up to
+  // `deadline` for the rounds running to end (each ends by its phase deadlines anyway). True
+  // when none is left running.
+  bool Drain(absl::Duration deadline);
 
  private:
   struct GroupRounds {
@@ -117,6 +121,7 @@ class RoundDriver {
 
   mutable absl::Mutex mu_;
   std::map<std::string, GroupRounds> groups_ ABSL_GUARDED_BY(mu_);
+  bool draining_ ABSL_GUARDED_BY(mu_) = false;
 };
 
 }  // namespace refit

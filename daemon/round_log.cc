@@ -1,6 +1,7 @@
 #include "daemon/round_log.h"
 
 #include <algorithm>
+#include <map>
 #include <utility>
 #include <vector>
 
@@ -57,6 +58,23 @@ void RoundLog::Watch(const std::string& group, const std::function<bool()>& canc
       if (!write(s)) return;
     }
   }
+}
+
+std::vector<v1::RoundStats> RoundLog::Recent(const std::string& group, size_t limit) const {
+  std::vector<v1::RoundStats> rounds;  // each round's latest state, in the order rounds began
+  std::map<std::pair<std::string, int64_t>, size_t> at;
+  absl::MutexLock lock(&mu_);
+  for (const v1::RoundStats& s : log_) {
+    if (!group.empty() && s.group() != group) continue;
+    auto [it, fresh] = at.try_emplace({s.group(), s.round_id()}, rounds.size());
+    if (fresh) {
+      rounds.push_back(s);
+    } else {
+      rounds[it->second] = s;
+    }
+  }
+  if (rounds.size() > limit) rounds.erase(rounds.begin(), rounds.end() - static_cast<std::ptrdiff_t>(limit));
+  return rounds;
 }
 
 }  // namespace refit

@@ -27,9 +27,12 @@ class RoundLog {
   void Watch(const std::string& group, const std::function<bool()>& cancelled,
              const std::function<bool(const v1::RoundStats&)>& write);
   void Stop();
+  // The last `limit` rounds (of `group`, or all when empty), each in its latest state, oldest
+  // first: what is still in the log (its last 1,024 state changes).
+  std::vector<v1::RoundStats> Recent(const std::string& group, size_t limit) const;
 
  private:
-  absl::Mutex mu_;
+  mutable absl::Mutex mu_;
   absl::CondVar changed_;
   std::deque<v1::RoundStats> log_ ABSL_GUARDED_BY(mu_);
   int64_t start_ ABSL_GUARDED_BY(mu_) = 0;  // sequence number of log_.front()

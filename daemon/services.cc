@@ -4,6 +4,7 @@
 #include "daemon/coordinator_link.h"
 #include "daemon/executor.h"
 #include "daemon/grpc_status.h"
+#include "daemon/version.h"
 #include "daemon/group_planner.h"
 #include "daemon/membership.h"
 #include "daemon/node_agent.h"
@@ -104,6 +105,7 @@ class ControlService : public v1::RefitControl::Service {
       return ToGrpc(p_->link->Forward(&v1::RefitControl::Stub::Status, *r, out, p_->config->peer_timeout));
     }
     out->set_coordinator(p_->address);
+    out->set_version(kRefitVersion);
     p_->membership->NodeStatuses(out);
     for (const std::string& name : p_->membership->GroupNames()) {
       // Cached per membership epoch; planned outside any lock when the membership changed.
@@ -149,6 +151,17 @@ class ControlService : public v1::RefitControl::Service {
       return ToGrpc(p_->link->Forward(&v1::RefitControl::Stub::ListWorkers, *r, out, p_->config->peer_timeout));
     }
     p_->membership->ListWorkers(*r, out);
+    return grpc::Status::OK;
+  }
+  grpc::Status ListRounds(grpc::ServerContext*, const v1::ListRoundsRequest* r,
+                          v1::ListRoundsResponse* out) override {
+    if (p_->link != nullptr) {
+      return ToGrpc(p_->link->Forward(&v1::RefitControl::Stub::ListRounds, *r, out, p_->config->peer_timeout));
+    }
+    if (r->limit() < 0) return ToGrpc(absl::InvalidArgumentError("ListRounds: limit must be >= 0"));
+    for (v1::RoundStats& s : p_->log->Recent(r->group(), r->limit() == 0 ? 100 : static_cast<size_t>(r->limit()))) {
+      *out->add_rounds() = std::move(s);
+    }
     return grpc::Status::OK;
   }
   grpc::Status GetPlan(grpc::ServerContext*, const v1::GetPlanRequest* r, v1::PlanSummary* out) override {

@@ -183,4 +183,49 @@ echo "aborted after ${dt}s: $(cat "$RUN/abort-9.out")"
 grep -q "node 3" "$RUN/abort-9.out" || fail "the reason does not name node 3"
 [ "$(echo "$dt < 4" | bc)" -eq 1 ] || fail "abort took ${dt}s: a frozen node must not cost the phase deadline"
 restart_node3 10
+
+echo "== operating: health, version, round history, failover between daemons"
+out=$(ctl health) || fail "health of node 0: $out"
+echo "$out"
+[ "$(echo "$out" | grep -c ' SERVING$')" -eq 4 ] || fail "not every service SERVING: $out"
+"$BIN/refitctl" --daemon "unix:$RUN/refitd-2.sock" health >/dev/null || fail "health of node 2"
+ctl version | grep -q "^refitctl [0-9]" || fail "version: $(ctl version 2>&1)"
+ctl version | grep -q "^cluster (coordinator .*) [0-9]" || fail "version of the cluster: $(ctl version 2>&1)"
+out=$(ctl rounds policy --limit 3) || fail "rounds: $out"
+echo "$out"
+[ "$(echo "$out" | grep -c '^policy ')" -eq 3 ] || fail "rounds --limit 3 listed: $out"
+echo "$out" | tail -n 1 | grep -Eq '^policy +[0-9]+ +10 +committed' || fail "the last policy round is not version 10: $out"
+ctl -o wide rounds reward --limit 1 | grep -q "REPLICAS" || fail "-o wide has no REPLICAS column"
+out=$("$BIN/refitctl" --daemon "127.0.0.1:1,unix:$RUN/refitd-2.sock" status 2>&1) || fail "failover to node 2: $out"
+out=$("$BIN/refitctl" --daemon 127.0.0.1:1 --timeout 2 status 2>&1); rc=$?
+[ "$rc" -eq 3 ] || fail "an unreachable daemon: exit $rc, not 3: $out"
+out=$(ctl refit policy 3 2>&1); rc=$?
+[ "$rc" -eq 1 ] || fail "a refused refit: exit $rc, not 1: $out"
+
+echo "== SIGTERM drains a node: its running round finishes, health says NOT_SERVING meanwhile, exit 0"
+restart_node3 0 --prepare-delay-ms 2000
+ctl refit policy 11 >"$RUN/drain-11.out" 2>&1 &
+p=$!
+sleep 0.5
+kill -TERM "${DAEMON_PID[3]}"
+sleep 0.3
+out=$("$BIN/refitctl" --daemon "unix:$RUN/refitd-3.sock" health 2>&1); rc=$?
+echo "$out"
+[ "$rc" -eq 1 ] && echo "$out" | grep -q "NOT_SERVING" || fail "node 3 draining: health exit $rc: $out"
+wait $p || fail "the round running while node 3 drained did not commit: $(cat "$RUN/drain-11.out")"
+grep committed "$RUN/drain-11.out"
+every_inference_ok policy 11
+t0=$(date +%s.%N)
+wait "${DAEMON_PID[3]}"; rc=$?
+[ "$rc" -eq 0 ] || fail "node 3 exited $rc after SIGTERM, not 0"
+grep -q "signal 15" "$RUN/daemon3.log" || fail "node 3 did not log the signal"
+
+echo "== refitctl watch ends non-zero when its daemon dies (no abort)"
+"$BIN/refitctl" --daemon "unix:$RUN/refitd-2.sock" watch >"$RUN/watch2.out" 2>&1 &
+w=$!
+sleep 0.5
+kill -9 "${DAEMON_PID[2]}"; wait "${DAEMON_PID[2]}" 2>/dev/null
+wait $w; rc=$?
+[ "$rc" -eq 3 ] || fail "watch exited $rc when its daemon died, not 3: $(cat "$RUN/watch2.out")"
+grep -q "the watch stream ended" "$RUN/watch2.out" || fail "watch said nothing: $(cat "$RUN/watch2.out")"
 echo "cluster test passed"

@@ -235,5 +235,59 @@ TEST_CASE("round driver: 1,000 StartRefit rounds leave no thread behind") {
   f.peers.Take();
 }
 
+// A node plans for itself when it installs: the wait for InstallPlan grows with the epoch's
+// planning time, so a plan that takes long to install is not cut short by 4 x peer_timeout.
+class SlowInstallPeers : public FakePeers {
+ public:
+  explicit SlowInstallPeers(absl::Duration delay) : delay_(delay) {}
+  ~SlowInstallPeers() override {
+    for (std::thread& t : threads_) t.join();
+  }
+  void InstallPlan(int32_t node, std::shared_ptr<const v1::InstallPlanRequest> request, Done done) override {
+    if (node == 0) return FakePeers::InstallPlan(node, std::move(request), std::move(done));  // has the plan
+    absl::MutexLock lock(&mu_);
+    threads_.emplace_back([this, node, request, done = std::move(done)] {
+      absl::SleepFor(delay_);
+      FakePeers::InstallPlan(node, request, done);
+    });
+  }
+
+ private:
+  const absl::Duration delay_;
+  absl::Mutex mu_;
+  std::vector<std::thread> threads_ ABSL_GUARDED_BY(mu_);
+};
+
+TEST_CASE("round driver: the install's wait grows with the epoch's planning time") {
+  FakeClock clock;
+  Membership membership{0, absl::Milliseconds(500), 4, &clock};
+  GroupPlannerOptions planning;
+  planning.make_plan = [](const Layout& src, const Layout& dst, const PlanOptions& options) {
+    absl::SleepFor(absl::Milliseconds(400));  // a frontier plan, scaled down
+    return MakePlan(src, dst, options);
+  };
+  GroupPlanner planner{planning, &membership};
+  RoundLog log;
+  // 4 x 100 ms + 1 s = 1.4 s would end the wait; the node answers after 2 s, within
+  // 1.4 s + 4 x the planning time (>= 0.4 s).
+  SlowInstallPeers peers(absl::Seconds(2));
+  membership.SetSelf("10.0.0.0:7070", "10.0.0.0:7071", 1);
+  membership.AddLocal(Registration("t0", v1::TRAINER, 0, 8, 0));
+  membership.Join(JoinOf(1, 7));
+  REQUIRE(membership.ApplySync(SyncOf(1, 7, {Registration("i0", v1::INFERENCE, 0, 8, 1)})).ok());
+  RoundDriverOptions options;
+  options.self = 0;
+  options.peer_timeout = absl::Milliseconds(100);
+  RoundDriver driver(options, &membership, &planner, &peers, &log, &clock);
+  v1::RefitRequest r;
+  r.set_group("policy");
+  r.set_version(1);
+  v1::RoundStats stats;
+  const absl::Status s = driver.Refit(r, &stats);
+  INFO(s.message());
+  CHECK(s.ok());
+  CHECK(planner.Get("policy")->planning_time >= absl::Milliseconds(400));
+}
+
 }  // namespace
 }  // namespace refit

@@ -103,7 +103,9 @@ else
   if ! "$py" -c "import yaml" 2>/dev/null; then
     skip "every overlay: $py has no yaml module (Debian's python3-yaml; tools/setup.sh installs it)"
   else
-    for overlay in "$k8s"/overlays/*/; do
+    # A copy with the links resolved: Bazel's runfiles are links, which kustomize does not read.
+    cp -rL "$k8s" "$tmp/k8s-tree"
+    for overlay in "$tmp/k8s-tree"/overlays/*/; do
       name=$(basename "$overlay")
       if ! "$kubectl" kustomize "$overlay" >"$tmp/$name.yaml" 2>"$tmp/$name.err"; then
         fail "$name: kubectl kustomize: $(grep -v '^# Warning' "$tmp/$name.err")"

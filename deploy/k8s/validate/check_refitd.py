@@ -9,7 +9,7 @@ For every container whose image names refitd:
   arguments in order, so an unknown flag or key, or a value of the wrong type, exits 2 naming it
   before --help is reached and exits 0. `$(VAR)` references are replaced by a sample value first
   (Kubernetes expands them from the container's env), and `--node=0` stands for the entrypoint's.
-- the readiness and liveness probes ask the port refitd listens on (--listen);
+- the probes have one handler each and ask the port refitd listens on (--listen);
 - the worker socket lies on a mounted volume, and in a pod with other containers they mount it;
 - a --coordinator dns:/// target names a headless Service of the rendered objects, in its
   namespace, with that port;
@@ -136,6 +136,9 @@ def main():
                     if probe != "startupProbe":
                         fail(where, f"no {probe}")
                     continue
+                handlers = [h for h in ("exec", "httpGet", "tcpSocket", "grpc") if p.get(h) is not None]
+                if len(handlers) != 1:
+                    fail(where, f"{probe} has {len(handlers)} handlers ({', '.join(handlers)}): the API server wants one")
                 handler = p.get("grpc") or p.get("tcpSocket") or {}
                 if str(handler.get("port")) != port:
                     fail(where, f"{probe} asks port {handler.get('port')}, refitd listens on {port}")

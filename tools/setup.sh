@@ -34,6 +34,7 @@ command -v kubectl >/dev/null || k8s_missing+=(kubernetes-client)
 if [ ${#k8s_missing[@]} -gt 0 ]; then
   echo "setup: installing ${k8s_missing[*]}" >&2
   SUDO=""; [ "$(id -u)" -eq 0 ] || SUDO="sudo"
+  $SUDO apt-get update -q >/dev/null || true
   DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -q "${k8s_missing[@]}" >/dev/null ||
     echo "setup: note: could not install ${k8s_missing[*]}; deploy/k8s validation will skip parts" >&2
 fi

@@ -46,6 +46,8 @@ DaemonConfig ParseDaemonFlags(int argc, char** argv) {
   flags.Double("commit-timeout", &commit_s, "seconds for every worker to confirm COMMIT");
   flags.Double("peer-timeout", &peer_s, "seconds for one control call between daemons");
   flags.Double("heartbeat", &heartbeat_s, "seconds between a daemon's heartbeats to the coordinator");
+  double join_s = absl::ToDoubleSeconds(c.join_timeout);
+  flags.Double("join-timeout", &join_s, "seconds to wait for the coordinator at start (0: until it answers)");
   double drain_s = absl::ToDoubleSeconds(c.drain_timeout);
   flags.Double("drain-timeout", &drain_s, "seconds SIGTERM waits for running rounds before aborting them (then exit 0)");
   flags.Int("heartbeats-missed", &missed, "a daemon silent for this many heartbeats is declared dead");
@@ -127,6 +129,8 @@ DaemonConfig ParseDaemonFlags(int argc, char** argv) {
   c.peer_timeout = absl::Seconds(peer_s);
   c.heartbeat = absl::Seconds(heartbeat_s);
   if (drain_s < 0) flags.Fail("--drain-timeout must be >= 0");
+  if (join_s < 0) flags.Fail("--join-timeout must be >= 0");
+  c.join_timeout = absl::Seconds(join_s);
   c.drain_timeout = absl::Seconds(drain_s);
   if (c.worker_socket.empty()) c.worker_socket = absl::StrCat("/tmp/refitd-", c.node, ".sock");
   c.state_file = state_file == unset ? c.worker_socket + ".state" : state_file;

@@ -45,7 +45,9 @@ struct DaemonConfig {
   std::string log_level = "info";
   std::string log_format = "text";        // or "json"
   absl::Duration drain_timeout = absl::Seconds(20);  // SIGTERM: how long running rounds may finish
+  absl::Duration join_timeout = absl::ZeroDuration();  // waiting for the coordinator at start; 0: forever
   std::string address_file;               // write "<listen> <worker socket>" here once serving
+  std::string metrics_listen;             // host:port serving Prometheus' /metrics; empty: none
   // Coordinator: round ids and committed versions kept across restarts (--state-file); the flag's
   // default is "<worker socket>.state"; empty: in memory only (a restart forgets them).
   std::string state_file;

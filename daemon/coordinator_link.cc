@@ -95,16 +95,37 @@ absl::Status CoordinatorLink::Join(const std::string& control_address, const std
   join_.set_control_address(control_address);
   join_.set_data_address(data_address);
   join_.set_incarnation(options_.incarnation);
+  // A coordinator not up yet (started after this daemon, restarting, its DNS name not yet
+  // resolvable) is waited for, with a back-off of 200 ms doubling to 5 s, logged every 10 s:
+  // exiting would put a Kubernetes pod into CrashLoopBackOff. Bounded by options_.join_timeout
+  // when set; Stop() ends the wait.
   absl::Status joined = absl::UnavailableError("not tried");
-  const absl::Time until = absl::Now() + options_.peer_timeout * 4;
-  while (absl::Now() < until) {
+  const absl::Time start = absl::Now();
+  absl::Time logged = absl::InfinitePast();
+  absl::Duration backoff = absl::Milliseconds(200);
+  for (int attempt = 1;; ++attempt) {
     grpc::ClientContext ctx;
     ctx.set_deadline(Deadline(options_.peer_timeout));
     v1::JoinResponse out;
     joined = Target().empty() ? absl::UnavailableError(absl::StrCat(options_.coordinator, " names no coordinator"))
                               : FromGrpc(Peer()->Join(&ctx, join_, &out));
-    if (joined.ok()) break;
-    absl::SleepFor(absl::Milliseconds(200));
+    if (joined.ok()) {
+      if (attempt > 1) Logger("rpc")->info("joined the coordinator at {} after {} attempts", Target(), attempt);
+      break;
+    }
+    if (options_.join_timeout > absl::ZeroDuration() && absl::Now() - start >= options_.join_timeout) break;
+    if (absl::Now() - logged >= absl::Seconds(10)) {
+      Logger("rpc")->warn("waiting for the coordinator at {} (attempt {}, next in {}): {}",
+                          Target().empty() ? options_.coordinator : Target(), attempt, absl::FormatDuration(backoff),
+                          std::string(joined.message()));
+      logged = absl::Now();
+    }
+    {
+      absl::MutexLock lock(&mu_);
+      if (!stopping_) stop_.WaitWithTimeout(&mu_, backoff);
+      if (stopping_) return absl::CancelledError("stopped while waiting for the coordinator");
+    }
+    backoff = std::min(backoff * 2, absl::Seconds(5));
     Refresh();
   }
   if (!joined.ok()) {

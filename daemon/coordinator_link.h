@@ -42,6 +42,8 @@ struct CoordinatorLinkOptions {
   absl::Duration heartbeat = absl::Milliseconds(500);
   absl::Duration peer_timeout = absl::Seconds(5);
   int64_t max_rpc_bytes = 256 << 20;
+  // Join waits this long for the coordinator at most; zero: until it answers, or Stop().
+  absl::Duration join_timeout = absl::ZeroDuration();
   // This node's workers as the coordinator must know them.
   std::function<std::vector<v1::RegisterWorkerRequest>()> snapshot;
   // A heartbeat was answered (called with no lock held, before a resync's SyncWorkers).
@@ -55,7 +57,7 @@ class CoordinatorLink {
   explicit CoordinatorLink(CoordinatorLinkOptions options);
   ~CoordinatorLink();  // Stop()
 
-  // Joins (retrying for 4 x --peer-timeout), then heartbeats until Stop().
+  // Joins (waiting for the coordinator: join_timeout), then heartbeats until Stop().
   absl::Status Join(const std::string& control_address, const std::string& data_address);
   // Sends this node's whole worker list.
   // Sends this node's whole worker list; `refused` (may be null) gets the workers the coordinator

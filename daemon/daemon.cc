@@ -137,6 +137,7 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(const DaemonConfig& config
     link.heartbeat = config.heartbeat;
     link.peer_timeout = config.peer_timeout;
     link.max_rpc_bytes = config.max_rpc_bytes;
+    link.join_timeout = config.join_timeout;
     link.snapshot = [self] { return self->registry_->Snapshot(); };
     link.on_answer = [self](bool resync) {
       if (!resync) {
@@ -170,15 +171,23 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(const DaemonConfig& config
   return d;
 }
 
-// gRPC's standard health service (grpc.health.v1), per service and "" for the whole server:
-// SERVING once the backend is up and the node has joined its coordinator, NOT_SERVING while it
-// drains. Kubernetes' grpc liveness and readiness probes ask it (docs/KUBERNETES.md).
+// gRPC's standard health service (grpc.health.v1): each refit service SERVING once the backend
+// is up and the node has joined its coordinator (readiness), "" once the server runs (liveness);
+// all NOT_SERVING while it drains. Kubernetes' grpc probes ask it (docs/KUBERNETES.md).
 constexpr const char* kHealthServices[] = {"", "refit.v1.RefitControl", "refit.v1.RefitPeer", "refit.v1.RefitWorker"};
 
 void Daemon::SetServing(bool serving) {
   grpc::HealthCheckServiceInterface* health = server_ ? server_->GetHealthCheckService() : nullptr;
   if (health == nullptr) return;
   for (const char* service : kHealthServices) health->SetServingStatus(service, serving);
+}
+
+void Daemon::SetAlive() {
+  // "" answers for the process (a liveness probe): SERVING while it runs, even while it waits
+  // for its coordinator; the refit services (readiness) only once joined.
+  if (grpc::HealthCheckServiceInterface* health = server_ ? server_->GetHealthCheckService() : nullptr) {
+    health->SetServingStatus("", true);
+  }
 }
 
 absl::Status Daemon::Serve() {
@@ -218,6 +227,7 @@ absl::Status Daemon::Serve() {
                                                config_.worker_socket));
   }
   SetServing(false);  // until joined
+  SetAlive();
   const std::string host = config_.listen.substr(0, config_.listen.rfind(':'));
   address_ = absl::StrCat(host, ":", port);
   // Read by Status only (set before any call can reach it in practice: the coordinator's own

@@ -65,6 +65,7 @@ class Daemon {
   explicit Daemon(const DaemonConfig& config);
   absl::Status Serve();
   void SetServing(bool serving);  // the health service's status of every service
+  void SetAlive();                // "" SERVING: the process runs
   absl::Status Register(const v1::RegisterWorkerRequest& request, v1::RegisterWorkerResponse* response);
   void DropWorker(const std::string& id, const std::string& reason);
   // Tells the coordinator this node's workers changed (on the coordinator: its membership, one

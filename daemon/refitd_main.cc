@@ -2,6 +2,7 @@
 #include <sys/resource.h>
 
 #include <algorithm>
+#include <atomic>
 #include <csignal>
 #include <cstdio>
 #include <thread>
@@ -26,18 +27,30 @@ int main(int argc, char** argv) {
     nofile.rlim_cur = std::min<rlim_t>(nofile.rlim_max, rlim_t{1} << 20);  // the kernel's usual nr_open
     setrlimit(RLIMIT_NOFILE, &nofile);
   }
+  // The waiter starts before the daemon: Start may wait long for the coordinator, and a signal
+  // meanwhile (nothing to drain yet: no worker registers before the join) ends the process.
+  std::atomic<refit::Daemon*> running{nullptr};
+  std::atomic<bool> signalled{false};
+  std::thread waiter([&] {
+    int sig = 0;
+    sigwait(&signals, &sig);
+    signalled = true;
+    refit::Daemon* d = running.load();
+    if (d == nullptr) {
+      refit::Logger("rpc")->info("signal {} before the daemon was up: exiting", sig);
+      std::_Exit(0);
+    }
+    refit::Logger("rpc")->info("signal {}: draining, then shutting down", sig);
+    d->Shutdown();
+  });
+  waiter.detach();
   auto daemon = refit::Daemon::Start(config);
   if (!daemon.ok()) {
     std::fprintf(stderr, "refitd: %s\n", std::string(daemon.status().message()).c_str());
     return 1;
   }
-  std::thread waiter([&] {
-    int sig = 0;
-    sigwait(&signals, &sig);
-    refit::Logger("rpc")->info("signal {}: shutting down", sig);
-    (*daemon)->Shutdown();
-  });
-  waiter.detach();
+  running = daemon->get();
+  if (signalled) (*daemon)->Shutdown();  // raced the signal: it saw no daemon, or this one did
   (*daemon)->Wait();
   daemon->reset();
   return 0;

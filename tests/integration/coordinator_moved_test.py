@@ -9,7 +9,9 @@ PYTHONPATH=client/python/tests:client/python python3 tests/integration/coordinat
 """
 import os
 import signal
+import subprocess
 import sys
+import tempfile
 import time
 import unittest
 
@@ -101,6 +103,59 @@ class CoordinatorMoved(unittest.TestCase):
         self.assertTrue(via.refit("policy", 3, timeout=60).committed)
         via.close()
         ctl.close()
+
+
+class StartedBeforeItsCoordinator(unittest.TestCase):
+    """Issue 16.4: a daemon whose coordinator is not up yet waits for it (bounded back-off,
+    logged) instead of exiting, and joins once it is; SIGTERM while it waits ends it at once."""
+
+    def test_waits_then_joins(self):
+        d = harness.scratch()
+        socket_dir = tempfile.mkdtemp(prefix="refit-", dir="/tmp")
+        named = os.path.join(d, "coordinator.addr")  # names nobody yet
+        addr = os.path.join(d, "node1.addr")
+        log = open(os.path.join(d, "node1.log"), "wb")
+        cmd = [harness.binary("refitd"), "--node", "1", "--listen", "127.0.0.1:0", "--data-listen", "127.0.0.1:0",
+               "--worker-socket", os.path.join(socket_dir, "refitd-1.sock"), "--address-file", addr,
+               "--heartbeat", "0.2", "--coordinator", "file:" + named]
+        node1 = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
+        coordinator = None
+        try:
+            time.sleep(3.0)
+            self.assertIsNone(node1.poll(), "refitd exited while its coordinator was not up")
+            text = open(log.name, errors="replace").read()
+            self.assertIn("waiting for the coordinator", text)
+            cluster = harness.Cluster(nodes=1)
+            coordinator = cluster
+            with open(named + ".tmp", "w") as f:
+                f.write(cluster.daemons[0].address + "\n")
+            os.replace(named + ".tmp", named)
+            harness.wait_for(lambda: os.path.exists(addr) and os.path.getsize(addr) > 0, 15,
+                             "node 1 to join the coordinator once the file named it")
+            ctl = refit.Controller(cluster.control)
+            harness.wait_for(lambda: any(int(n.get("node", 0)) == 1 and n.get("alive")
+                                         for n in ctl.status().get("nodes", [])), 10, "node 1 alive")
+            ctl.close()
+        finally:
+            node1.terminate()
+            self.assertEqual(node1.wait(timeout=30), 0)
+            log.close()
+            if coordinator is not None:
+                coordinator.close()
+
+    def test_sigterm_while_waiting_ends_it(self):
+        d = harness.scratch()
+        socket_dir = tempfile.mkdtemp(prefix="refit-", dir="/tmp")
+        cmd = [harness.binary("refitd"), "--node", "1", "--listen", "127.0.0.1:0", "--data-listen", "127.0.0.1:0",
+               "--worker-socket", os.path.join(socket_dir, "refitd-1.sock"), "--coordinator", "127.0.0.1:1"]
+        with open(os.path.join(d, "node1.log"), "wb") as log:
+            p = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
+            time.sleep(1.0)
+            self.assertIsNone(p.poll())
+            t = time.monotonic()
+            p.terminate()
+            self.assertEqual(p.wait(timeout=10), 0)
+            self.assertLess(time.monotonic() - t, 2.0)
 
 
 if __name__ == "__main__":

@@ -137,7 +137,8 @@ void GrpcPeerClient::RunPhase(int32_t node, const v1::PhaseRequest& request, abs
                           });
 }
 
-void GrpcPeerClient::InstallPlan(int32_t node, std::shared_ptr<const v1::InstallPlanRequest> request, Done done) {
+void GrpcPeerClient::InstallPlan(int32_t node, std::shared_ptr<const v1::InstallPlanRequest> request,
+                                 absl::Duration timeout, Done done) {
   if (node == options_.self) {
     auto run = [this, request, done] { done(options_.local_install(*request)); };
     if (!local_.Submit(run)) done(absl::UnavailableError("daemon shutting down"));
@@ -153,7 +154,7 @@ void GrpcPeerClient::InstallPlan(int32_t node, std::shared_ptr<const v1::Install
   // connection attempts; the call waits for the connection within its deadline instead of
   // failing at once. A node that is gone is declared dead by its heartbeats, which cancels the
   // call (CancelNode). Phases fail fast: an ABORT must not wait for a dead node.
-  Call* call = Begin(node, options_.peer_timeout * 4, /*wait_for_ready=*/true);
+  Call* call = Begin(node, timeout, /*wait_for_ready=*/true);
   call->install = std::move(request);
   stub->async()->InstallPlan(&call->context, call->install.get(), &call->install_out,
                              [this, call, node, address = *address, done](grpc::Status status) {

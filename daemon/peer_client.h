@@ -24,8 +24,10 @@ class PeerClient {
   // message names the node (and, for a node declared dead meanwhile, why).
   virtual void RunPhase(int32_t node, const v1::PhaseRequest& request, absl::Duration timeout,
                         v1::PhaseResponse* response, Done done) = 0;
-  // `request` is shared by every node's call (a plan's layouts can be large).
-  virtual void InstallPlan(int32_t node, std::shared_ptr<const v1::InstallPlanRequest> request, Done done) = 0;
+  // `request` is shared by every node's call (a plan's layouts can be large). `timeout`: the
+  // call's deadline (the node plans for itself: it grows with the plan).
+  virtual void InstallPlan(int32_t node, std::shared_ptr<const v1::InstallPlanRequest> request,
+                           absl::Duration timeout, Done done) = 0;
 };
 
 }  // namespace refit

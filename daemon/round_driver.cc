@@ -242,22 +242,13 @@ absl::Status RoundDriver::BlamePause(const std::string& group, int64_t round_id,
 namespace {
 
 // A daemon other than the coordinator decodes, expands, validates and plans for itself: the work
-// the coordinator measured planning this epoch (GroupPlan::planning_time), several seconds for a
-// frontier model. The wait grows with it, with room for a slower or busier node, so that a
-// deadline meant for a control RPC cannot cut a frontier install short.
+// the coordinator measured planning this epoch (GroupPlan::planning_time), tens of seconds for a
+// frontier model on a small machine. The install call's deadline grows with it, with room for a
+// slower or busier node, so that a deadline meant for a control RPC cannot cut it short.
 constexpr int kInstallSlack = 4;
 
-absl::Duration InstallTimeout(const std::string& group, absl::Duration peer_timeout, const GroupPlan& plan) {
-  const absl::Duration rpc = peer_timeout * 4;  // GrpcPeerClient's own deadline on the call
-  const absl::Duration work = plan.planning_time * kInstallSlack;
-  if (work > rpc) {
-    Logger("round")->warn(
-        "group \"{}\": planning took {} here; a node planning for itself is given {} ({} times), more than "
-        "InstallPlan's RPC deadline of 4 x --peer-timeout ({}): raise --peer-timeout",
-        group, absl::FormatDuration(plan.planning_time), absl::FormatDuration(work), kInstallSlack,
-        absl::FormatDuration(rpc));
-  }
-  return rpc + absl::Seconds(1) + work;
+absl::Duration InstallTimeout(absl::Duration peer_timeout, const GroupPlan& plan) {
+  return peer_timeout * 4 + plan.planning_time * kInstallSlack;
 }
 
 }  // namespace
@@ -335,11 +326,12 @@ absl::Status RoundDriver::RunRound(const std::string& group, int64_t round_id, i
   if (status.ok()) {
     auto calls = FanOut::Start(
         to_install,
-        [peers, install](int32_t n, v1::PhaseResponse*, PeerClient::Done done) {
-          peers->InstallPlan(n, install, std::move(done));
+        [peers, install, timeout = InstallTimeout(peer_timeout, *plan)](int32_t n, v1::PhaseResponse*,
+                                                                         PeerClient::Done done) {
+          peers->InstallPlan(n, install, timeout, std::move(done));
         },
         nullptr);
-    status = calls->Wait(InstallTimeout(group, peer_timeout, *plan), "InstallPlan");
+    status = calls->Wait(InstallTimeout(peer_timeout, *plan) + absl::Seconds(1), "InstallPlan");
   }
   if (status.ok()) {
     absl::MutexLock lock(&mu_);

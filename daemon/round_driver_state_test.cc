@@ -29,7 +29,7 @@ class Peers : public PeerClient {
     }
     done(absl::OkStatus());
   }
-  void InstallPlan(int32_t, std::shared_ptr<const v1::InstallPlanRequest>, Done done) override {
+  void InstallPlan(int32_t, std::shared_ptr<const v1::InstallPlanRequest>, absl::Duration, Done done) override {
     done(absl::OkStatus());
   }
 };

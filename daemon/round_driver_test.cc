@@ -50,7 +50,7 @@ class FakePeers : public PeerClient {
     if (what == "TRANSFER") response->set_bytes_received(100);
     done(s);
   }
-  void InstallPlan(int32_t node, std::shared_ptr<const v1::InstallPlanRequest>, Done done) override {
+  void InstallPlan(int32_t node, std::shared_ptr<const v1::InstallPlanRequest>, absl::Duration, Done done) override {
     {
       absl::MutexLock lock(&mu_);
       calls_.push_back({node, "INSTALL", ""});
@@ -243,12 +243,14 @@ class SlowInstallPeers : public FakePeers {
   ~SlowInstallPeers() override {
     for (std::thread& t : threads_) t.join();
   }
-  void InstallPlan(int32_t node, std::shared_ptr<const v1::InstallPlanRequest> request, Done done) override {
-    if (node == 0) return FakePeers::InstallPlan(node, std::move(request), std::move(done));  // has the plan
+  void InstallPlan(int32_t node, std::shared_ptr<const v1::InstallPlanRequest> request, absl::Duration timeout,
+                   Done done) override {
+    if (node == 0) return FakePeers::InstallPlan(node, std::move(request), timeout, std::move(done));  // has the plan
     absl::MutexLock lock(&mu_);
-    threads_.emplace_back([this, node, request, done = std::move(done)] {
+    timeouts_.push_back(timeout);
+    threads_.emplace_back([this, node, request, timeout, done = std::move(done)] {
       absl::SleepFor(delay_);
-      FakePeers::InstallPlan(node, request, done);
+      FakePeers::InstallPlan(node, request, timeout, done);
     });
   }
 
@@ -256,6 +258,13 @@ class SlowInstallPeers : public FakePeers {
   const absl::Duration delay_;
   absl::Mutex mu_;
   std::vector<std::thread> threads_ ABSL_GUARDED_BY(mu_);
+
+ public:
+  std::vector<absl::Duration> timeouts_ ABSL_GUARDED_BY(mu_);  // the remote installs' call deadlines
+  std::vector<absl::Duration> Timeouts() {
+    absl::MutexLock lock(&mu_);
+    return timeouts_;
+  }
 };
 
 TEST_CASE("round driver: the install's wait grows with the epoch's planning time") {
@@ -287,6 +296,10 @@ TEST_CASE("round driver: the install's wait grows with the epoch's planning time
   INFO(s.message());
   CHECK(s.ok());
   CHECK(planner.Get("policy")->planning_time >= absl::Milliseconds(400));
+  // The call's own deadline grows too (the RPC, not only the wait): 4 x 100 ms + 4 x >= 0.4 s.
+  const std::vector<absl::Duration> timeouts = peers.Timeouts();
+  REQUIRE(timeouts.size() == 1);
+  CHECK(timeouts[0] >= absl::Seconds(2));
 }
 
 }  // namespace

@@ -55,6 +55,7 @@ DaemonConfig ParseDaemonFlags(int argc, char** argv) {
   flags.String("log-level", &c.log_level, "trace, debug, info, warn, error, critical, off");
   flags.String("log-format", &c.log_format, "text (dated lines) or json (one object a line: time, level, logger, node, group, round, message)");
   flags.String("address-file", &c.address_file, "write \"<listen address> <worker socket>\" here once serving");
+  flags.String("metrics-listen", &c.metrics_listen, "host:port serving Prometheus metrics at /metrics (empty: none)");
   const std::string unset = "<worker socket>.state";
   std::string state_file = unset;
   flags.String("state-file", &state_file,

@@ -16,6 +16,8 @@
 #include "daemon/host_backend.h"
 #include "daemon/logging.h"
 #include "daemon/membership.h"
+#include "daemon/metered_backend.h"
+#include "daemon/metrics.h"
 #include "daemon/node_agent.h"
 #include "daemon/pause_detector.h"
 #include "daemon/round_driver.h"
@@ -28,6 +30,26 @@ namespace refit {
 namespace {
 
 std::string RoleName(v1::Role r) { return r == v1::TRAINER ? "trainer" : r == v1::INFERENCE ? "inference" : "?"; }
+
+// What /metrics reads of the coordinator's groups at scrape time: the same calls Status makes
+// (the planner's cached plan of the current epoch, planned now if the membership changed).
+ClusterView ViewForMetrics(const Membership& membership, GroupPlanner& planner) {
+  ClusterView view;
+  for (const std::string& name : membership.GroupNames()) {
+    const GroupMembers members = membership.Group(name);
+    const std::shared_ptr<const GroupPlan> plan = planner.Get(name);
+    GroupView& g = view.groups.emplace_back();
+    g.name = name;
+    g.trainers = members.trainers;
+    g.inference = members.inference;
+    g.membership_epoch = members.epoch;
+    g.ready = plan->status.ok();
+    g.plan_epoch = plan->epoch;
+    g.planning_time = plan->planning_time;
+  }
+  view.plannings = planner.plannings();
+  return view;
+}
 
 }  // namespace
 
@@ -49,6 +71,14 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(const DaemonConfig& config
     auto backend = HostBackend::Start(config.data_listen);
     if (!backend.ok()) return backend.status();
     d->backend_ = *std::move(backend);
+  }
+  if (!config.metrics_listen.empty()) {
+    auto metrics = Metrics::Start(config.metrics_listen);
+    if (!metrics.ok()) return metrics.status();
+    d->metrics_ = *std::move(metrics);
+    // Every transfer through the backend is reported: the agent and the backends know nothing of it.
+    d->backend_ = MeterBackend(std::move(d->backend_), d->metrics_.get());
+    Logger("rpc")->info("metrics at http://{}/metrics", d->metrics_->address());
   }
   {
     // Made before the gRPC server serves (a registration may name a token at once), by bind()
@@ -95,6 +125,11 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(const DaemonConfig& config
       if (self->driver_ != nullptr) self->driver_->ForgetGroup(group);
     });
     d->round_log_ = std::make_unique<RoundLog>();
+    if (d->metrics_ != nullptr) {
+      Metrics* metrics = d->metrics_.get();
+      d->round_log_->AddListener([metrics](const v1::RoundStats& s) { metrics->RoundEnded(s); });
+      metrics->SetClusterView([self] { return ViewForMetrics(*self->membership_, *self->planner_); });
+    }
     GrpcPeerClientOptions peers;
     peers.self = config.node;
     peers.peer_timeout = config.peer_timeout;
@@ -237,6 +272,7 @@ absl::Status Daemon::Serve() {
 }
 
 Daemon::~Daemon() {
+  if (metrics_) metrics_->Stop();  // no scrape reads the components being torn down
   Shutdown();
   if (monitor_.joinable()) monitor_.join();
   if (link_) link_->Stop();
@@ -307,7 +343,9 @@ void Daemon::MonitorLoop() {
       // judged again only after a whole verdict's time since it runs again.
       if (pause_->PausedWithin(silence)) continue;
       // A node declared dead has its phase calls in flight cancelled at once.
-      for (const DeadNode& dead : membership_->CheckLiveness()) peers_->CancelNode(dead.node);
+      const std::vector<DeadNode> declared = membership_->CheckLiveness();
+      if (metrics_ != nullptr) metrics_->NodesDeclaredDead(static_cast<int>(declared.size()));
+      for (const DeadNode& dead : declared) peers_->CancelNode(dead.node);
     } else if (paused.has_value()) {
       // Leases ran out while this node was stopped, not the coordinator: the next heartbeat's
       // answer says whether its rounds go on (or resync: they ended).

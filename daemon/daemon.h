@@ -41,6 +41,7 @@ class GroupPlanner;
 class GrpcPeerClient;
 class HandleInbox;
 class Membership;
+class Metrics;
 class NodeAgent;
 class PauseDetector;
 class RoundDriver;
@@ -80,6 +81,8 @@ class Daemon {
   std::string address_;
   int64_t incarnation_ = 0;
 
+  // --metrics-listen: outlives every component that reports to it (declared first).
+  std::unique_ptr<Metrics> metrics_;
   std::unique_ptr<DataBackend> backend_;
   // `<worker socket>.handles`: descriptors that workers hand over before they register. Made
   // before the gRPC server serves, never replaced.

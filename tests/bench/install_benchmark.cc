@@ -18,6 +18,7 @@
 #include "absl/strings/str_join.h"
 #include "client/cli_flags.h"
 #include "client/layout_generator.h"
+#include "tests/bench/frontier_cases.h"
 #include "daemon/node_agent.h"
 #include "google/protobuf/util/json_util.h"
 #include "plan/planner.h"
@@ -28,15 +29,9 @@
 namespace refit {
 namespace {
 
-struct Case {
-  std::string name, config;
-  TrainerParallelism trainer;
-  InferenceParallelism inference;
-};
+using Case = FrontierCase;
 
-double Now() {
-  return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
-}
+double Now() { return SteadySeconds(); }
 
 double Median(std::vector<double> v) {
   std::sort(v.begin(), v.end());
@@ -121,10 +116,10 @@ int main(int argc, char** argv) {
   if (repeat < 1) flags.Fail("--repeat must be >= 1");
 
   // The shapes of docs/BENCHMARKS.md, "Planning at frontier scale".
-  const std::vector<Case> cases = {
-      {"deepseek-v3", "deepseek-v3.json", {1, 8, 16, 16, 1, 0}, {16, 8, false}},
-      {"kimi-k2", "kimi-k2.json", {2, 8, 16, 16, 1, 0}, {16, 8, false}},
-  };
+  std::vector<Case> cases;
+  for (Case& c : FrontierCases()) {
+    if (c.name == "deepseek-v3" || c.name == "kimi-k2") cases.push_back(std::move(c));  // issue 13.8's two
+  }
   constexpr double kGrpcCap = 2147483647.0;              // gRPC's largest message (INT32_MAX)
   constexpr double kDaemonCap = 256.0 * 1024 * 1024;     // refitd's --max-rpc-bytes default
   for (const Case& c : cases) {

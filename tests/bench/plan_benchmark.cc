@@ -15,6 +15,7 @@
 #include "absl/strings/str_format.h"
 #include "client/cli_flags.h"
 #include "client/layout_generator.h"
+#include "tests/bench/frontier_cases.h"
 #include "kernels/network_schedule.h"
 #include "plan/planner.h"
 #include "plan/validate.h"
@@ -23,15 +24,9 @@
 namespace refit {
 namespace {
 
-struct Case {
-  std::string name, config;
-  TrainerParallelism trainer;
-  InferenceParallelism inference;
-};
+using Case = FrontierCase;
 
-double Now() {
-  return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
-}
+double Now() { return SteadySeconds(); }
 
 double PeakRssGiB() {
   rusage u;
@@ -70,11 +65,7 @@ int main(int argc, char** argv) {
 
   // The anchors' configurations (ANCHORS.md): NCCL M2N's NeMo-RL DeepSeek-V3 run, Perplexity's
   // Kimi-K2 256 -> 128 GPUs, and Qwen3-235B as issue 5 names it.
-  const std::vector<Case> cases = {
-      {"deepseek-v3", "deepseek-v3.json", {1, 8, 16, 16, 1, 0}, {16, 8, false}},
-      {"kimi-k2", "kimi-k2.json", {2, 8, 16, 16, 1, 0}, {16, 8, false}},
-      {"qwen3-235b", "qwen3-235b-a22b.json", {2, 4, 16, 8, 2, 0}, {8, 8, false}},
-  };
+  const std::vector<Case> cases = FrontierCases();
   for (const Case& c : cases) {
     if (!only.empty() && c.name != only) continue;
     auto text = ReadFile(absl::StrCat(configs, "/", c.config));

@@ -7,19 +7,23 @@ namespace {
 
 class MeteredBackend : public DataBackend {
  public:
-  MeteredBackend(std::unique_ptr<DataBackend> inner, Metrics* metrics) : inner_(std::move(inner)), metrics_(metrics) {}
+  MeteredBackend(std::unique_ptr<DataBackend> inner, Metrics* metrics)
+      : inner_(std::move(inner)), metrics_(metrics) {}
 
   std::string name() const override { return inner_->name(); }
   std::string data_address() const override { return inner_->data_address(); }
-  absl::StatusOr<std::unique_ptr<MappedBuffer>> Map(const v1::BufferMemory& memory, int64_t bytes) override {
+  absl::StatusOr<std::unique_ptr<MappedBuffer>> Map(const v1::BufferMemory& memory,
+                                                    int64_t bytes) override {
     return inner_->Map(memory, bytes);
   }
-  absl::StatusOr<std::vector<std::unique_ptr<MappedBuffer>>> MapBuffers(const v1::RegisterWorkerRequest& request,
-                                                                        std::span<const int64_t> buffer_bytes,
-                                                                        std::span<const Fd> fds) override {
+  absl::StatusOr<std::vector<std::unique_ptr<MappedBuffer>>> MapBuffers(
+      const v1::RegisterWorkerRequest& request, std::span<const int64_t> buffer_bytes,
+      std::span<const Fd> fds) override {
     return inner_->MapBuffers(request, buffer_bytes, fds);
   }
-  absl::StatusOr<int32_t> GpuIndex(const std::string& name) override { return inner_->GpuIndex(name); }
+  absl::StatusOr<int32_t> GpuIndex(const std::string& name) override {
+    return inner_->GpuIndex(name);
+  }
   absl::StatusOr<TransferStats> Transfer(const TransferJob& job) override {
     const absl::Time started = absl::Now();
     absl::StatusOr<TransferStats> stats = inner_->Transfer(job);

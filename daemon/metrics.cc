@@ -1,10 +1,5 @@
 #include "daemon/metrics.h"
 
-#include <algorithm>
-#include <exception>
-#include <sstream>
-#include <utility>
-
 #include <prometheus/collectable.h>
 #include <prometheus/counter.h>
 #include <prometheus/exposer.h>
@@ -15,13 +10,20 @@
 #include <prometheus/registry.h>
 #include <prometheus/text_serializer.h>
 
+#include <algorithm>
+#include <exception>
+#include <sstream>
+#include <utility>
+
 #include "absl/strings/str_cat.h"
 #include "daemon/grpc_status.h"
 
 namespace refit {
 namespace {
 
-std::string Outcome(v1::RoundStats::State s) { return s == v1::RoundStats::COMMITTED ? "committed" : "aborted"; }
+std::string Outcome(v1::RoundStats::State s) {
+  return s == v1::RoundStats::COMMITTED ? "committed" : "aborted";
+}
 
 std::string CodeName(absl::StatusCode code) {
   std::string name = absl::StatusCodeToString(code);  // "UNAVAILABLE", ... ("" when unknown)
@@ -83,16 +85,17 @@ class Metrics::ClusterCollector : public prometheus::Collectable {
       absl::MutexLock lock(&mu_);
       --reading_;
     }
-    prometheus::MetricFamily workers =
-        GaugeFamily("refit_workers", "Live workers by model group and role (the coordinator's membership).");
-    prometheus::MetricFamily ready =
-        GaugeFamily("refit_group_ready", "1 when the group's current membership epoch has a plan, else 0.");
+    prometheus::MetricFamily workers = GaugeFamily(
+        "refit_workers", "Live workers by model group and role (the coordinator's membership).");
+    prometheus::MetricFamily ready = GaugeFamily(
+        "refit_group_ready", "1 when the group's current membership epoch has a plan, else 0.");
     prometheus::MetricFamily membership_epoch =
-        GaugeFamily("refit_group_membership_epoch", "The group's membership epoch (bumped when its workers change).");
-    prometheus::MetricFamily plan_epoch =
-        GaugeFamily("refit_group_plan_epoch", "The membership epoch the group's current plan was made for.");
-    prometheus::MetricFamily planning =
-        GaugeFamily("refit_group_planning_seconds", "How long planning the group's current plan took.");
+        GaugeFamily("refit_group_membership_epoch",
+                    "The group's membership epoch (bumped when its workers change).");
+    prometheus::MetricFamily plan_epoch = GaugeFamily(
+        "refit_group_plan_epoch", "The membership epoch the group's current plan was made for.");
+    prometheus::MetricFamily planning = GaugeFamily(
+        "refit_group_planning_seconds", "How long planning the group's current plan took.");
     prometheus::MetricFamily plannings;
     plannings.name = "refit_plannings_total";
     plannings.help = "Plannings run by the coordinator (one per group and membership epoch).";
@@ -101,13 +104,15 @@ class Metrics::ClusterCollector : public prometheus::Collectable {
       workers.metric.push_back(Sample(g.trainers, {{"group", g.name}, {"role", "trainer"}}));
       workers.metric.push_back(Sample(g.inference, {{"group", g.name}, {"role", "inference"}}));
       ready.metric.push_back(Sample(g.ready ? 1 : 0, {{"group", g.name}}));
-      membership_epoch.metric.push_back(Sample(static_cast<double>(g.membership_epoch), {{"group", g.name}}));
+      membership_epoch.metric.push_back(
+          Sample(static_cast<double>(g.membership_epoch), {{"group", g.name}}));
       plan_epoch.metric.push_back(Sample(static_cast<double>(g.plan_epoch), {{"group", g.name}}));
-      planning.metric.push_back(Sample(absl::ToDoubleSeconds(g.planning_time), {{"group", g.name}}));
+      planning.metric.push_back(
+          Sample(absl::ToDoubleSeconds(g.planning_time), {{"group", g.name}}));
     }
     plannings.metric.push_back(Sample(static_cast<double>(v.plannings), {}, /*counter=*/true));
-    return {std::move(workers), std::move(ready), std::move(membership_epoch), std::move(plan_epoch),
-            std::move(planning), std::move(plannings)};
+    return {std::move(workers),    std::move(ready),    std::move(membership_epoch),
+            std::move(plan_epoch), std::move(planning), std::move(plannings)};
   }
 
  private:
@@ -117,46 +122,62 @@ class Metrics::ClusterCollector : public prometheus::Collectable {
 };
 
 Metrics::Metrics()
-    : registry_(std::make_shared<prometheus::Registry>()), cluster_(std::make_shared<ClusterCollector>()) {
+    : registry_(std::make_shared<prometheus::Registry>()),
+      cluster_(std::make_shared<ClusterCollector>()) {
   using prometheus::BuildCounter;
   using prometheus::BuildGauge;
   using prometheus::BuildHistogram;
-  rounds_ = &BuildCounter().Name("refit_rounds_total").Help("Rounds ended, by model group and outcome (committed, aborted).").Register(*registry_);
-  round_seconds_ = &BuildHistogram()
-                        .Name("refit_round_duration_seconds")
-                        .Help("Duration of ended rounds, from PREPARE to the outcome, by group and outcome.")
-                        .Register(*registry_);
+  rounds_ = &BuildCounter()
+                 .Name("refit_rounds_total")
+                 .Help("Rounds ended, by model group and outcome (committed, aborted).")
+                 .Register(*registry_);
+  round_seconds_ =
+      &BuildHistogram()
+           .Name("refit_round_duration_seconds")
+           .Help("Duration of ended rounds, from PREPARE to the outcome, by group and outcome.")
+           .Register(*registry_);
   phase_seconds_ = &BuildHistogram()
                         .Name("refit_round_phase_duration_seconds")
-                        .Help("Duration of each phase (prepare, transfer, commit) an ended round reached, by group.")
+                        .Help(
+                            "Duration of each phase (prepare, transfer, commit) an ended round "
+                            "reached, by group.")
                         .Register(*registry_);
-  round_bytes_ = &BuildCounter()
-                      .Name("refit_round_bytes_total")
-                      .Help("Bytes the ended rounds moved (RoundStats.bytes), by group and outcome.")
-                      .Register(*registry_);
-  transfers_ = &BuildCounter()
-                    .Name("refit_transfers_total")
-                    .Help("This node's transfers through its backend, by group and outcome (ok, failed).")
-                    .Register(*registry_);
+  round_bytes_ =
+      &BuildCounter()
+           .Name("refit_round_bytes_total")
+           .Help("Bytes the ended rounds moved (RoundStats.bytes), by group and outcome.")
+           .Register(*registry_);
+  transfers_ =
+      &BuildCounter()
+           .Name("refit_transfers_total")
+           .Help("This node's transfers through its backend, by group and outcome (ok, failed).")
+           .Register(*registry_);
   transfer_seconds_ = &BuildHistogram()
                            .Name("refit_transfer_duration_seconds")
-                           .Help("This node's data-plane time per successful transfer (the backend's Transfer), by group.")
+                           .Help(
+                               "This node's data-plane time per successful transfer (the backend's "
+                               "Transfer), by group.")
                            .Register(*registry_);
   wire_rate_ = &BuildGauge()
                     .Name("refit_transfer_wire_bytes_per_second")
-                    .Help("This node's network bytes (sent + received) over its data-plane time, of the group's last "
-                          "successful transfer that used the network.")
+                    .Help(
+                        "This node's network bytes (sent + received) over its data-plane time, of "
+                        "the group's last "
+                        "successful transfer that used the network.")
                     .Register(*registry_);
-  transfer_bytes_ = &BuildCounter()
-                         .Name("refit_transfer_bytes_total")
-                         .Help("Bytes this node's successful transfers moved, by group, link (network, local) and "
-                               "direction (sent, received; local: copied).")
-                         .Register(*registry_);
-  nodes_dead_ = &BuildCounter()
-                     .Name("refit_nodes_declared_dead_total")
-                     .Help("Nodes the coordinator's failure detector declared dead (heartbeats missed).")
-                     .Register(*registry_)
-                     .Add({});
+  transfer_bytes_ =
+      &BuildCounter()
+           .Name("refit_transfer_bytes_total")
+           .Help(
+               "Bytes this node's successful transfers moved, by group, link (network, local) and "
+               "direction (sent, received; local: copied).")
+           .Register(*registry_);
+  nodes_dead_ =
+      &BuildCounter()
+           .Name("refit_nodes_declared_dead_total")
+           .Help("Nodes the coordinator's failure detector declared dead (heartbeats missed).")
+           .Register(*registry_)
+           .Add({});
   rpc_errors_ = &BuildCounter()
                      .Name("refit_rpc_errors_total")
                      .Help("Failures this daemon's services answered, by gRPC status code.")
@@ -168,13 +189,16 @@ absl::StatusOr<std::unique_ptr<Metrics>> Metrics::Start(const std::string& liste
   if (!listen.empty()) {
     const size_t colon = listen.rfind(':');
     if (colon == std::string::npos || colon + 1 == listen.size()) {
-      return absl::InvalidArgumentError(absl::StrCat("--metrics-listen \"", listen, "\" is not host:port"));
+      return absl::InvalidArgumentError(
+          absl::StrCat("--metrics-listen \"", listen, "\" is not host:port"));
     }
     try {
       // civetweb binds host:port; its own default of "0.0.0.0:port" is what an empty host means.
-      m->exposer_ = std::make_unique<prometheus::Exposer>(colon == 0 ? listen.substr(1) : listen, 1);
+      m->exposer_ =
+          std::make_unique<prometheus::Exposer>(colon == 0 ? listen.substr(1) : listen, 1);
     } catch (const std::exception& e) {
-      return absl::UnavailableError(absl::StrCat("--metrics-listen ", listen, ": cannot serve /metrics: ", e.what()));
+      return absl::UnavailableError(
+          absl::StrCat("--metrics-listen ", listen, ": cannot serve /metrics: ", e.what()));
     }
     m->exposer_->RegisterCollectable(m->registry_);
     m->exposer_->RegisterCollectable(m->cluster_);
@@ -182,9 +206,10 @@ absl::StatusOr<std::unique_ptr<Metrics>> Metrics::Start(const std::string& liste
     m->address_ = absl::StrCat(listen.substr(0, colon), ":", ports.empty() ? 0 : ports.front());
   }
   // Keeps the registry (which owns the family) alive for a call still running after Stop().
-  m->observer_ = AddRpcErrorObserver([registry = m->registry_, family = m->rpc_errors_](absl::StatusCode code) {
-    if (code != absl::StatusCode::kOk) family->Add({{"code", CodeName(code)}}).Increment();
-  });
+  m->observer_ = AddRpcErrorObserver(
+      [registry = m->registry_, family = m->rpc_errors_](absl::StatusCode code) {
+        if (code != absl::StatusCode::kOk) family->Add({{"code", CodeName(code)}}).Increment();
+      });
   return m;
 }
 
@@ -208,16 +233,19 @@ std::string Metrics::Scrape() const {
 }
 
 void Metrics::RoundEnded(const v1::RoundStats& stats) {
-  if (stats.state() != v1::RoundStats::COMMITTED && stats.state() != v1::RoundStats::ABORTED) return;
+  if (stats.state() != v1::RoundStats::COMMITTED && stats.state() != v1::RoundStats::ABORTED)
+    return;
   const prometheus::Labels labels = {{"group", stats.group()}, {"outcome", Outcome(stats.state())}};
   rounds_->Add(labels).Increment();
   round_seconds_->Add(labels, DurationBuckets()).Observe(stats.seconds());
   round_bytes_->Add(labels).Increment(static_cast<double>(std::max<int64_t>(stats.bytes(), 0)));
-  const std::pair<const char*, double> phases[] = {
-      {"prepare", stats.prepare_seconds()}, {"transfer", stats.transfer_seconds()}, {"commit", stats.commit_seconds()}};
+  const std::pair<const char*, double> phases[] = {{"prepare", stats.prepare_seconds()},
+                                                   {"transfer", stats.transfer_seconds()},
+                                                   {"commit", stats.commit_seconds()}};
   for (const auto& [phase, seconds] : phases) {
     if (seconds <= 0) continue;  // not reached
-    phase_seconds_->Add({{"group", stats.group()}, {"phase", phase}}, DurationBuckets()).Observe(seconds);
+    phase_seconds_->Add({{"group", stats.group()}, {"phase", phase}}, DurationBuckets())
+        .Observe(seconds);
   }
 }
 
@@ -226,12 +254,15 @@ void Metrics::TransferEnded(const Transfer& t) {
   if (!t.ok) return;
   const double seconds = absl::ToDoubleSeconds(t.elapsed);
   transfer_seconds_->Add({{"group", t.group}}, DurationBuckets()).Observe(seconds);
-  transfer_bytes_->Add({{"group", t.group}, {"link", "network"}, {"direction", "sent"}}).Increment(static_cast<double>(t.bytes_sent));
+  transfer_bytes_->Add({{"group", t.group}, {"link", "network"}, {"direction", "sent"}})
+      .Increment(static_cast<double>(t.bytes_sent));
   transfer_bytes_->Add({{"group", t.group}, {"link", "network"}, {"direction", "received"}})
       .Increment(static_cast<double>(t.bytes_received));
-  transfer_bytes_->Add({{"group", t.group}, {"link", "local"}, {"direction", "copied"}}).Increment(static_cast<double>(t.bytes_local));
+  transfer_bytes_->Add({{"group", t.group}, {"link", "local"}, {"direction", "copied"}})
+      .Increment(static_cast<double>(t.bytes_local));
   const int64_t wire = t.bytes_sent + t.bytes_received;
-  if (wire > 0 && seconds > 0) wire_rate_->Add({{"group", t.group}}).Set(static_cast<double>(wire) / seconds);
+  if (wire > 0 && seconds > 0)
+    wire_rate_->Add({{"group", t.group}}).Set(static_cast<double>(wire) / seconds);
 }
 
 void Metrics::NodesDeclaredDead(int n) {

@@ -47,7 +47,7 @@ struct GroupView {
   int trainers = 0, inference = 0;  // live workers by role
   bool ready = false;               // its current epoch has a plan
   int64_t membership_epoch = 0;
-  int64_t plan_epoch = -1;          // the epoch its current plan was made for
+  int64_t plan_epoch = -1;                              // the epoch its current plan was made for
   absl::Duration planning_time = absl::ZeroDuration();  // of that plan
 };
 

@@ -28,7 +28,8 @@ double Value(const std::string& text, const std::string& series) {
   return -1;
 }
 
-v1::RoundStats Round(const std::string& group, v1::RoundStats::State state, int64_t bytes, double seconds) {
+v1::RoundStats Round(const std::string& group, v1::RoundStats::State state, int64_t bytes,
+                     double seconds) {
   v1::RoundStats s;
   s.set_group(group);
   s.set_state(state);
@@ -68,7 +69,8 @@ std::string HttpGet(int port, const std::string& path) {
   REQUIRE(write(fd, request.data(), request.size()) == static_cast<ssize_t>(request.size()));
   std::string response;
   char buf[4096];
-  for (ssize_t n; (n = read(fd, buf, sizeof(buf))) > 0;) response.append(buf, static_cast<size_t>(n));
+  for (ssize_t n; (n = read(fd, buf, sizeof(buf))) > 0;)
+    response.append(buf, static_cast<size_t>(n));
   close(fd);
   return response;
 }
@@ -92,17 +94,38 @@ TEST_CASE("metrics: rounds from the RoundLog, by group and outcome, with histogr
   CHECK(Value(text, R"(refit_rounds_total{group="policy",outcome="aborted"})") == 1);
   CHECK(Value(text, R"(refit_rounds_total{group="other",outcome="committed"})") == 1);
   CHECK(Value(text, R"(refit_round_bytes_total{group="policy",outcome="committed"})") == 5120);
-  CHECK(Value(text, R"(refit_round_duration_seconds_count{group="policy",outcome="committed"})") == 2);
-  CHECK(Value(text, R"(refit_round_duration_seconds_sum{group="policy",outcome="committed"})") == Approx(3.2));
-  CHECK(Value(text, R"(refit_round_duration_seconds_bucket{group="policy",outcome="committed",le="0.25"})") == 1);
-  CHECK(Value(text, R"(refit_round_duration_seconds_bucket{group="policy",outcome="committed",le="5"})") == 2);
-  CHECK(Value(text, R"(refit_round_duration_seconds_bucket{group="policy",outcome="committed",le="+Inf"})") == 2);
-  CHECK(Value(text, R"(refit_round_duration_seconds_bucket{group="policy",outcome="aborted",le="0.005"})") == 1);
+  CHECK(Value(text, R"(refit_round_duration_seconds_count{group="policy",outcome="committed"})") ==
+        2);
+  CHECK(Value(text, R"(refit_round_duration_seconds_sum{group="policy",outcome="committed"})") ==
+        Approx(3.2));
+  CHECK(
+      Value(
+          text,
+          R"(refit_round_duration_seconds_bucket{group="policy",outcome="committed",le="0.25"})") ==
+      1);
+  CHECK(
+      Value(text,
+            R"(refit_round_duration_seconds_bucket{group="policy",outcome="committed",le="5"})") ==
+      2);
+  CHECK(
+      Value(
+          text,
+          R"(refit_round_duration_seconds_bucket{group="policy",outcome="committed",le="+Inf"})") ==
+      2);
+  CHECK(
+      Value(
+          text,
+          R"(refit_round_duration_seconds_bucket{group="policy",outcome="aborted",le="0.005"})") ==
+      1);
   // Phases a round reached: the aborted round only its prepare.
-  CHECK(Value(text, R"(refit_round_phase_duration_seconds_count{group="policy",phase="prepare"})") == 3);
-  CHECK(Value(text, R"(refit_round_phase_duration_seconds_count{group="policy",phase="transfer"})") == 2);
-  CHECK(Value(text, R"(refit_round_phase_duration_seconds_count{group="policy",phase="commit"})") == 2);
-  CHECK(Value(text, R"(refit_round_phase_duration_seconds_sum{group="policy",phase="transfer"})") == Approx(1.6));
+  CHECK(Value(text,
+              R"(refit_round_phase_duration_seconds_count{group="policy",phase="prepare"})") == 3);
+  CHECK(Value(text,
+              R"(refit_round_phase_duration_seconds_count{group="policy",phase="transfer"})") == 2);
+  CHECK(Value(text, R"(refit_round_phase_duration_seconds_count{group="policy",phase="commit"})") ==
+        2);
+  CHECK(Value(text, R"(refit_round_phase_duration_seconds_sum{group="policy",phase="transfer"})") ==
+        Approx(1.6));
 }
 
 TEST_CASE("metrics: buckets span 1 ms to 120 s") {
@@ -115,7 +138,8 @@ TEST_CASE("metrics: buckets span 1 ms to 120 s") {
 TEST_CASE("metrics: the metered backend reports each transfer, bytes by link class") {
   auto metrics = Metrics::Start("");
   REQUIRE(metrics.ok());
-  std::unique_ptr<DataBackend> backend = MeterBackend(std::make_unique<FakeBackend>(), metrics->get());
+  std::unique_ptr<DataBackend> backend =
+      MeterBackend(std::make_unique<FakeBackend>(), metrics->get());
   CHECK(backend->name() == "fake");
   TransferJob job;
   job.group = "policy";
@@ -128,9 +152,16 @@ TEST_CASE("metrics: the metered backend reports each transfer, bytes by link cla
   CHECK(Value(text, R"(refit_transfers_total{group="policy",outcome="ok"})") == 2);
   CHECK(Value(text, R"(refit_transfers_total{group="policy",outcome="failed"})") == 1);
   CHECK(Value(text, R"(refit_transfer_duration_seconds_count{group="policy"})") == 2);
-  CHECK(Value(text, R"(refit_transfer_bytes_total{direction="sent",group="policy",link="network"})") == 2000);
-  CHECK(Value(text, R"(refit_transfer_bytes_total{direction="received",group="policy",link="network"})") == 6000);
-  CHECK(Value(text, R"(refit_transfer_bytes_total{direction="copied",group="policy",link="local"})") == 1000);
+  CHECK(Value(text,
+              R"(refit_transfer_bytes_total{direction="sent",group="policy",link="network"})") ==
+        2000);
+  CHECK(
+      Value(text,
+            R"(refit_transfer_bytes_total{direction="received",group="policy",link="network"})") ==
+      6000);
+  CHECK(Value(text,
+              R"(refit_transfer_bytes_total{direction="copied",group="policy",link="local"})") ==
+        1000);
   CHECK(Value(text, R"(refit_transfer_wire_bytes_per_second{group="policy"})") > 0);
 }
 

@@ -11,7 +11,7 @@
 #      container's arguments and its ConfigMap --config file, so a flag or key refitd does not
 #      accept fails here; probes, socket volume, coordinator Service and state volume agree.
 # Also: the check is shown to catch an unknown flag and an unknown config key; the image's
-# entrypoint; the Containerfile's runtime packages against `ldd refitd`.
+# entrypoint; the Containerfile's runtime packages against `ldd refitd`, its package names.
 # A part whose tool is missing is reported as SKIPPED, loudly, with how to install it; kubectl
 # missing skips the rendering parts only. Ends with "N passed, N failed, N skipped" for its checks.
 set -uo pipefail
@@ -93,6 +93,22 @@ if command -v ldd >/dev/null && command -v dpkg >/dev/null; then
   if [ -z "$missing" ]; then pass "Containerfile runtime stage has every library refitd links"; else fail "Containerfile runtime stage lacks:$missing"; fi
 else
   skip "Containerfile libraries (no ldd or dpkg)"
+fi
+
+# Every package the Containerfile installs exists in the archive this machine's apt reads
+# (Debian 12, as the image's base): apt-cache show, offline, from the package lists.
+if command -v apt-cache >/dev/null && apt-cache show bash >/dev/null 2>&1; then
+  pkgs=$(sed -n '/apt-get install/,/rm -rf/p' "$root/deploy/Containerfile" | sed 's/[\\&]//g' | tr -s ' ' '\n' |
+    grep -E '^[a-z0-9][a-z0-9.+-]+$' | grep -vxE 'apt-get|install|rm|update|y|q|no-install-recommends' | sort -u)
+  unknown=""
+  for p in $pkgs; do apt-cache show "$p" >/dev/null 2>&1 || unknown+=" $p"; done
+  if [ -z "$unknown" ]; then
+    pass "Containerfile's $(wc -w <<<"$pkgs") packages all in this machine's Debian archive"
+  else
+    fail "Containerfile names packages apt does not know:$unknown"
+  fi
+else
+  skip "Containerfile package names: apt has no package lists here (apt-get update)"
 fi
 
 kubectl=$(command -v kubectl || true)

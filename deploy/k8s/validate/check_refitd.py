@@ -10,6 +10,7 @@ For every container whose image names refitd:
   before --help is reached and exits 0. `$(VAR)` references are replaced by a sample value first
   (Kubernetes expands them from the container's env), and `--node=0` stands for the entrypoint's.
 - the probes have one handler each and ask the port refitd listens on (--listen);
+- a prometheus.io/port annotation names --metrics-listen's port;
 - the worker socket lies on a mounted volume, and in a pod with other containers they mount it;
 - a --coordinator dns:/// target names a headless Service of the rendered objects, in its
   namespace, with that port;
@@ -142,6 +143,18 @@ def main():
                 handler = p.get("grpc") or p.get("tcpSocket") or {}
                 if str(handler.get("port")) != port:
                     fail(where, f"{probe} asks port {handler.get('port')}, refitd listens on {port}")
+            # Prometheus' annotations name the port refitd serves metrics on.
+            annotations = (owner.get("spec", {}).get("template", {}).get("metadata", {})
+                           .get("annotations", {})) if owner["kind"] != "Pod" else owner["metadata"].get("annotations", {})
+            scrape_port = annotations.get("prometheus.io/port")
+            metrics = settings.get("metrics-listen", "")
+            if scrape_port is not None:
+                if not metrics:
+                    fail(where, f"prometheus.io/port {scrape_port} but no --metrics-listen")
+                elif metrics.rsplit(":", 1)[-1] != scrape_port:
+                    fail(where, f"prometheus.io/port {scrape_port}, --metrics-listen {metrics}")
+                else:
+                    print(f"ok   {where}: Prometheus scrapes --metrics-listen's port {scrape_port}")
             # The worker socket on a volume the pod's other containers share.
             sock = settings.get("worker-socket", f"/tmp/refitd-{settings.get('node', 0)}.sock")
             m = mount_for(c, os.path.dirname(sock))

@@ -23,15 +23,15 @@ absl::StatusOr<std::vector<std::unique_ptr<MappedBuffer>>> DataBackend::MapBuffe
   return out;
 }
 
-void LogMoved(const TransferJob& job, absl::Time started) {
+void LogMoved(const TransferJob& job, absl::Time started, TransferStats* stats) {
+  stats->data_plane_ms = absl::ToDoubleMilliseconds(absl::Now() - started);
   if (job.requested == absl::InfinitePast()) {  // not from a phase request (tests, tools)
-    Logger("data")->info("group \"{}\" round {}: moved in {:.3f} ms", job.group, job.round_id,
-                         absl::ToDoubleMilliseconds(absl::Now() - started));
+    Logger("data")->info("group \"{}\" round {}: moved in {:.3f} ms", job.group, job.round_id, stats->data_plane_ms);
     return;
   }
+  stats->started_after_request_ms = absl::ToDoubleMilliseconds(started - job.requested);
   Logger("data")->info("group \"{}\" round {}: moved in {:.3f} ms; started {:.3f} ms after the request arrived at {}",
-                       job.group, job.round_id, absl::ToDoubleMilliseconds(absl::Now() - started),
-                       absl::ToDoubleMilliseconds(started - job.requested),
+                       job.group, job.round_id, stats->data_plane_ms, stats->started_after_request_ms,
                        absl::FormatTime("%H:%M:%E6S", job.requested, absl::LocalTimeZone()));
 }
 

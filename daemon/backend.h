@@ -46,16 +46,21 @@ struct TransferJob {
                                                 // nodes that start apart make the round longer)
 };
 
+struct TransferStats {
+  int64_t bytes_sent = 0;
+  int64_t bytes_received = 0;  // over the network or NVLink
+  int64_t bytes_local = 0;
+  int64_t bytes_nvlink = 0;    // of bytes_received: from another GPU of this node
+  // Set by LogMoved: the data plane's own time, and when it began after the request arrived.
+  double data_plane_ms = 0;
+  double started_after_request_ms = -1;  // -1: not from a phase request
+};
+
 // Logs "moved in" and when this node began against when the request arrived, to the microsecond:
 // daemons of one host share the clock, so their logs show how far apart the nodes began (the
 // whole round waits on the latest) and how much of that was the node's own preparation.
-void LogMoved(const TransferJob& job, absl::Time started);
-
-struct TransferStats {
-  int64_t bytes_sent = 0;
-  int64_t bytes_received = 0;
-  int64_t bytes_local = 0;
-};
+// Also records both times in `stats` (PhaseResponse carries them to the coordinator).
+void LogMoved(const TransferJob& job, absl::Time started, TransferStats* stats);
 
 class DataBackend {
  public:
@@ -83,6 +88,11 @@ class DataBackend {
   virtual void Cancel(const std::string& group, int64_t round_id, const std::string& reason) = 0;
   // A fresh communicator id for the coordinator to hand out (empty: this backend needs none).
   virtual absl::StatusOr<std::string> NewCommunicatorId() { return std::string(); }
+  // cuda backend: NCCL communicators brought up and aborted since start (metrics).
+  struct CommunicatorCounts {
+    int64_t built = 0, aborted = 0;
+  };
+  virtual CommunicatorCounts Communicators() const { return {}; }
 };
 
 }  // namespace refit

@@ -145,6 +145,7 @@ void CudaBackend::DropCommunicator(const std::string& group, Group& g) {
   if (g.comm == nullptr) return;
   const absl::Time t0 = absl::Now();
   g.comm->Abort();
+  ++comms_aborted_;
   Logger("data")->warn("group \"{}\": NCCL communicator aborted in {:.0f} ms; the next round builds a new one", group,
                        absl::ToDoubleMilliseconds(absl::Now() - t0));
   g.comm.reset();
@@ -152,7 +153,10 @@ void CudaBackend::DropCommunicator(const std::string& group, Group& g) {
 
 absl::Status CudaBackend::CommunicatorFor(Group& g, const TransferJob& job) {
   if (g.comm != nullptr && g.comm->id() == job.nccl_id && g.comm->ready()) return absl::OkStatus();
-  if (g.comm != nullptr) g.comm->Abort();
+  if (g.comm != nullptr) {  // of an earlier membership
+    g.comm->Abort();
+    ++comms_aborted_;
+  }
   g.comm.reset();
   std::vector<std::pair<int32_t, int>> local;
   for (size_t r = 0; r < job.plan->gpus.size(); ++r) {
@@ -169,6 +173,7 @@ absl::Status CudaBackend::CommunicatorFor(Group& g, const TransferJob& job) {
     DropCommunicator(job.group, g);
     return s;
   }
+  ++comms_built_;
   return absl::OkStatus();
 }
 
@@ -822,7 +827,8 @@ absl::StatusOr<TransferStats> CudaBackend::Transfer(const TransferJob& job) {
   stats.bytes_sent = schedule.bytes_sent;
   stats.bytes_received = schedule.bytes_received + schedule.bytes_peer;
   stats.bytes_local = schedule.bytes_local;
-  LogMoved(job, started);
+  stats.bytes_nvlink = schedule.bytes_peer;
+  LogMoved(job, started, &stats);
   LogTimeline(job, p);
   return stats;
 }

@@ -27,6 +27,7 @@
 // behind another group's (which could deadlock across nodes that queued them in other orders).
 #pragma once
 
+#include <atomic>
 #include <map>
 #include <memory>
 #include <set>
@@ -66,6 +67,7 @@ class CudaBackend : public DataBackend {
   absl::StatusOr<TransferStats> Transfer(const TransferJob& job) override;
   void Cancel(const std::string& group, int64_t round_id, const std::string& reason) override;
   absl::StatusOr<std::string> NewCommunicatorId() override;
+  CommunicatorCounts Communicators() const override { return {comms_built_.load(), comms_aborted_.load()}; }
 
   struct Allocation;  // an opened IPC handle, with its imports on other GPUs
   struct VmmMapping;  // an imported and mapped VMM range
@@ -94,7 +96,7 @@ class CudaBackend : public DataBackend {
   // index), one rank per local GPU in this process. Built at the first transfer that needs it
   // (all daemons do so in the same round), aborted on any failure and rebuilt with a new id.
   absl::Status CommunicatorFor(Group& g, const TransferJob& job);
-  static void DropCommunicator(const std::string& group, Group& g);
+  void DropCommunicator(const std::string& group, Group& g);
   // ABORTED once the round is cancelled, DEADLINE_EXCEEDED past its deadline, else OK.
   absl::Status Interrupted(const TransferJob& job) ABSL_LOCKS_EXCLUDED(mu_);
 
@@ -105,6 +107,7 @@ class CudaBackend : public DataBackend {
   bool nccl_stream_priority_ = false;
   int64_t staging_bytes_ = 0;
 
+  std::atomic<int64_t> comms_built_{0}, comms_aborted_{0};  // for Communicators()
   absl::Mutex mu_;
   std::map<std::string, std::weak_ptr<Allocation>> opened_ ABSL_GUARDED_BY(mu_);  // by handle bytes
   std::map<uint64_t, std::weak_ptr<Allocation>> by_base_ ABSL_GUARDED_BY(mu_);    // owner-context base

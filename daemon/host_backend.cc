@@ -737,7 +737,7 @@ absl::StatusOr<TransferStats> HostBackend::Transfer(const TransferJob& request) 
     jobs_changed_.SignalAll();
   }
   if (!status.ok()) return status;
-  LogMoved(request, started);
+  LogMoved(request, started, &stats);
   absl::MutexLock lock(&job.mu);
   stats.bytes_received = job.bytes_received;
   return stats;

@@ -35,13 +35,17 @@ class MeteredBackend : public DataBackend {
       t.bytes_sent = stats->bytes_sent;
       t.bytes_received = stats->bytes_received;
       t.bytes_local = stats->bytes_local;
+      t.bytes_nvlink = stats->bytes_nvlink;
     }
     metrics_->TransferEnded(t);
+    metrics_->Communicators(inner_->Communicators());
     return stats;
   }
   void Cancel(const std::string& group, int64_t round_id, const std::string& reason) override {
     inner_->Cancel(group, round_id, reason);
+    metrics_->Communicators(inner_->Communicators());  // a cancel may abort one
   }
+  CommunicatorCounts Communicators() const override { return inner_->Communicators(); }
   absl::StatusOr<std::string> NewCommunicatorId() override { return inner_->NewCommunicatorId(); }
 
  private:

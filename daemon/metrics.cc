@@ -169,8 +169,9 @@ Metrics::Metrics()
       &BuildCounter()
            .Name("refit_transfer_bytes_total")
            .Help(
-               "Bytes this node's successful transfers moved, by group, link (network, local) and "
-               "direction (sent, received; local: copied).")
+               "Bytes this node's successful transfers moved, by group, link (network, nvlink, local) "
+               "and direction (sent, received; nvlink: received from another GPU of this node; local: "
+               "copied).")
            .Register(*registry_);
   nodes_dead_ =
       &BuildCounter()
@@ -182,6 +183,25 @@ Metrics::Metrics()
                      .Name("refit_rpc_errors_total")
                      .Help("Failures this daemon's services answered, by gRPC status code.")
                      .Register(*registry_);
+  communicators_ = &BuildCounter()
+                        .Name("refit_nccl_communicators_total")
+                        .Help("NCCL communicators this node brought up (event=built) and aborted (event=aborted); "
+                              "cuda backend.")
+                        .Register(*registry_);
+  communicators_->Add({{"event", "built"}});
+  communicators_->Add({{"event", "aborted"}});
+}
+
+void Metrics::Communicators(const DataBackend::CommunicatorCounts& counts) {
+  absl::MutexLock lock(&counts_mu_);
+  if (counts.built > counted_.built) {
+    communicators_->Add({{"event", "built"}}).Increment(static_cast<double>(counts.built - counted_.built));
+  }
+  if (counts.aborted > counted_.aborted) {
+    communicators_->Add({{"event", "aborted"}}).Increment(static_cast<double>(counts.aborted - counted_.aborted));
+  }
+  counted_.built = std::max(counted_.built, counts.built);
+  counted_.aborted = std::max(counted_.aborted, counts.aborted);
 }
 
 absl::StatusOr<std::unique_ptr<Metrics>> Metrics::Start(const std::string& listen) {
@@ -257,10 +277,12 @@ void Metrics::TransferEnded(const Transfer& t) {
   transfer_bytes_->Add({{"group", t.group}, {"link", "network"}, {"direction", "sent"}})
       .Increment(static_cast<double>(t.bytes_sent));
   transfer_bytes_->Add({{"group", t.group}, {"link", "network"}, {"direction", "received"}})
-      .Increment(static_cast<double>(t.bytes_received));
+      .Increment(static_cast<double>(t.bytes_received - t.bytes_nvlink));
+  transfer_bytes_->Add({{"group", t.group}, {"link", "nvlink"}, {"direction", "received"}})
+      .Increment(static_cast<double>(t.bytes_nvlink));
   transfer_bytes_->Add({{"group", t.group}, {"link", "local"}, {"direction", "copied"}})
       .Increment(static_cast<double>(t.bytes_local));
-  const int64_t wire = t.bytes_sent + t.bytes_received;
+  const int64_t wire = t.bytes_sent + t.bytes_received - t.bytes_nvlink;  // the network's
   if (wire > 0 && seconds > 0)
     wire_rate_->Add({{"group", t.group}}).Set(static_cast<double>(wire) / seconds);
 }

@@ -27,6 +27,7 @@
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
+#include "daemon/backend.h"
 #include "proto/refit.pb.h"
 
 namespace prometheus {
@@ -81,8 +82,11 @@ class Metrics {
     bool ok = false;
     absl::Duration elapsed;
     int64_t bytes_sent = 0, bytes_received = 0, bytes_local = 0;
+    int64_t bytes_nvlink = 0;  // of bytes_received: from another GPU of this node
   };
   void TransferEnded(const Transfer& transfer);
+  // The backend's NCCL communicator counts since start: counted by what grew since the last call.
+  void Communicators(const DataBackend::CommunicatorCounts& counts);
   // The failure detector declared `n` nodes dead (no heartbeat within the verdict).
   void NodesDeclaredDead(int n);
   // A failure converted to a gRPC status (OK is not counted).
@@ -110,6 +114,9 @@ class Metrics {
   prometheus::Family<prometheus::Counter>* transfer_bytes_;
   prometheus::Counter* nodes_dead_;
   prometheus::Family<prometheus::Counter>* rpc_errors_;
+  prometheus::Family<prometheus::Counter>* communicators_;
+  absl::Mutex counts_mu_;
+  DataBackend::CommunicatorCounts counted_ ABSL_GUARDED_BY(counts_mu_);  // already in communicators_
 };
 
 // Histogram buckets for durations from 1 ms to 120 s (seconds).

@@ -52,10 +52,18 @@ class FakeBackend : public DataBackend {
   }
   absl::StatusOr<int32_t> GpuIndex(const std::string&) override { return 0; }
   absl::StatusOr<TransferStats> Transfer(const TransferJob& job) override {
-    if (job.round_id < 0) return absl::AbortedError("cancelled");
-    return TransferStats{.bytes_sent = 1000, .bytes_received = 3000, .bytes_local = 500};
+    if (job.round_id < 0) {
+      ++counts_.aborted;  // as the cuda backend drops its communicator after a failure
+      return absl::AbortedError("cancelled");
+    }
+    ++counts_.built;
+    return TransferStats{.bytes_sent = 1000, .bytes_received = 3000, .bytes_local = 500, .bytes_nvlink = 1000};
   }
   void Cancel(const std::string&, int64_t, const std::string&) override {}
+  CommunicatorCounts Communicators() const override { return counts_; }
+
+ private:
+  CommunicatorCounts counts_;
 };
 
 std::string HttpGet(int port, const std::string& path) {
@@ -155,10 +163,15 @@ TEST_CASE("metrics: the metered backend reports each transfer, bytes by link cla
   CHECK(Value(text,
               R"(refit_transfer_bytes_total{direction="sent",group="policy",link="network"})") ==
         2000);
+  // Of the 3000 bytes received each time, 1000 came over NVLink (another GPU of the node).
   CHECK(
       Value(text,
             R"(refit_transfer_bytes_total{direction="received",group="policy",link="network"})") ==
-      6000);
+      4000);
+  CHECK(Value(text, R"(refit_transfer_bytes_total{direction="received",group="policy",link="nvlink"})") == 2000);
+  // NCCL communicators, as the backend counts them (by what grew since the last transfer).
+  CHECK(Value(text, R"(refit_nccl_communicators_total{event="built"})") == 2);
+  CHECK(Value(text, R"(refit_nccl_communicators_total{event="aborted"})") == 1);
   CHECK(Value(text,
               R"(refit_transfer_bytes_total{direction="copied",group="policy",link="local"})") ==
         1000);

@@ -414,6 +414,10 @@ absl::Status NodeAgent::Transfer(const std::string& group, const std::shared_ptr
   response->set_bytes_sent(stats->bytes_sent);
   response->set_bytes_received(stats->bytes_received);
   response->set_bytes_local(stats->bytes_local);
+  response->set_bytes_nvlink(stats->bytes_nvlink);
+  response->set_data_plane_ms(stats->data_plane_ms);
+  response->set_started_after_request_ms(stats->started_after_request_ms);
+  response->set_request_arrived_unix_us(absl::ToUnixMicros(job.requested));
   return absl::OkStatus();
 }
 

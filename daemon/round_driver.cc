@@ -1,8 +1,7 @@
 #include "daemon/round_driver.h"
 
-#include "daemon/culprit.h"
-
 #include <atomic>
+#include <map>
 #include <memory>
 #include <set>
 
@@ -69,6 +68,12 @@ class RoundDriver::FanOut {
     if (!pending_.empty()) return bytes;
     for (const auto& [n, r] : responses_) bytes += r.bytes_received() + r.bytes_local();
     return bytes;
+  }
+  // Every node's answer (after a Wait that saw every call end; empty otherwise).
+  std::map<int32_t, v1::PhaseResponse> Responses() {
+    absl::MutexLock lock(&mu_);
+    if (!pending_.empty()) return {};
+    return responses_;
   }
 
  private:
@@ -337,7 +342,13 @@ absl::Status RoundDriver::RunRound(const std::string& group, int64_t round_id, i
     absl::MutexLock lock(&mu_);
     for (int32_t n : to_install) groups_[group].installed_epoch[n] = epoch;
   }
+  // When each node was called (the TRANSFER's NodeTransfer.request_sent_unix_us).
+  struct SentTimes {
+    absl::Mutex mu;
+    std::map<int32_t, absl::Time> at ABSL_GUARDED_BY(mu);
+  };
   auto phase = [&](v1::PhaseRequest::Phase p, absl::Duration timeout, int64_t* bytes) {
+    auto sent = std::make_shared<SentTimes>();
     v1::PhaseRequest r;
     r.set_phase(p);
     r.set_group(group);
@@ -348,7 +359,11 @@ absl::Status RoundDriver::RunRound(const std::string& group, int64_t round_id, i
     const bool abort_on_failure = p == v1::PhaseRequest::TRANSFER || p == v1::PhaseRequest::PREPARE;
     auto calls = FanOut::Start(
         nodes,
-        [peers, r, timeout](int32_t n, v1::PhaseResponse* out, PeerClient::Done done) {
+        [peers, r, timeout, sent](int32_t n, v1::PhaseResponse* out, PeerClient::Done done) {
+          {
+            absl::MutexLock lock(&sent->mu);
+            sent->at[n] = absl::Now();
+          }
           peers->RunPhase(n, r, timeout, out, std::move(done));
         },
         abort_on_failure ? std::function<void(const absl::Status&)>(
@@ -357,6 +372,21 @@ absl::Status RoundDriver::RunRound(const std::string& group, int64_t round_id, i
     // Each call has the phase's deadline plus the peer allowance; the wait adds a margin.
     absl::Status s = calls->Wait(timeout + peer_timeout + absl::Seconds(1), PhaseName(p));
     if (bytes != nullptr) *bytes = calls->BytesIn();
+    if (p == v1::PhaseRequest::TRANSFER && s.ok()) {
+      absl::MutexLock lock(&sent->mu);
+      for (const auto& [n, response] : calls->Responses()) {
+        v1::NodeTransfer* node = stats->add_nodes();
+        node->set_node(n);
+        node->set_bytes_sent(response.bytes_sent());
+        node->set_bytes_received(response.bytes_received());
+        node->set_bytes_local(response.bytes_local());
+        node->set_bytes_nvlink(response.bytes_nvlink());
+        node->set_data_plane_ms(response.data_plane_ms());
+        node->set_started_after_request_ms(response.started_after_request_ms());
+        node->set_request_arrived_unix_us(response.request_arrived_unix_us());
+        if (auto at = sent->at.find(n); at != sent->at.end()) node->set_request_sent_unix_us(absl::ToUnixMicros(at->second));
+      }
+    }
     return s;
   };
   absl::Time t = clock_->Now();

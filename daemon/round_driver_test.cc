@@ -47,7 +47,13 @@ class FakePeers : public PeerClient {
             WorkerCulprit(node, "policy/i0", what));  // as a node's registry names a worker
       }
     }
-    if (what == "TRANSFER") response->set_bytes_received(100);
+    if (what == "TRANSFER") {
+      response->set_bytes_received(100);
+      response->set_bytes_nvlink(40);
+      response->set_data_plane_ms(2.5 + node);
+      response->set_started_after_request_ms(0.25);
+      response->set_request_arrived_unix_us(absl::ToUnixMicros(absl::Now()));
+    }
     done(s);
   }
   void InstallPlan(int32_t node, std::shared_ptr<const v1::InstallPlanRequest>, absl::Duration, Done done) override {
@@ -125,6 +131,18 @@ TEST_CASE("round driver: install once per membership, then PREPARE, TRANSFER, CO
                                                          "TRANSFER@1", "TRANSFER@0", "COMMIT@1", "COMMIT@0"});
   CHECK(stats.state() == v1::RoundStats::COMMITTED);
   CHECK(stats.bytes() == 200);
+  // Each node's TRANSFER as it reported it, with when the coordinator called it.
+  REQUIRE(stats.nodes_size() == 2);
+  for (const v1::NodeTransfer& n : stats.nodes()) {
+    CHECK(n.bytes_received() == 100);
+    CHECK(n.bytes_nvlink() == 40);
+    CHECK(n.data_plane_ms() == 2.5 + n.node());
+    CHECK(n.started_after_request_ms() == 0.25);
+    CHECK(n.request_sent_unix_us() > 0);
+    CHECK(n.request_arrived_unix_us() >= n.request_sent_unix_us());
+  }
+  CHECK(stats.nodes(0).node() == 0);
+  CHECK(stats.nodes(1).node() == 1);
   CHECK(f.driver->CommittedVersion("policy") == 1);
   // Same membership: no install.
   REQUIRE(f.Refit(2).ok());

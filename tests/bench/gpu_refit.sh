@@ -110,28 +110,22 @@ stats = [json.loads(open(os.path.join(run, f"round{v}.json")).read().strip().spl
          for v in range(1, warmup + rounds + 1)]
 measured = stats[warmup:]
 transfer = [float(s["transfer_seconds"]) for s in measured]
-moved = {}  # each daemon's own data-plane time of the measured rounds
-for log in sorted(glob.glob(os.path.join(run, "daemon*.log"))):
-    moved[os.path.basename(log)[:-4]] = [float(m) for m in re.findall(r"moved in ([0-9.]+) ms", open(log).read())][-rounds:]
+# Each daemon's part of every measured round, from the round's statistics (RoundStats.nodes:
+# what each node's data plane reported in its PhaseResponse), not from the daemons' logs.
+per_node = {}  # "daemon<N>" -> that node's NodeTransfer of each measured round
+for s in measured:
+    for n in s.get("nodes", []):
+        per_node.setdefault(f"daemon{int(n.get('node', 0))}", []).append(n)
+moved = {k: [float(n["data_plane_ms"]) for n in v] for k, v in sorted(per_node.items())}
 # When each daemon's data plane began (request arrival + its own preparation), per round: the
-# spread between daemons is time the whole round waits on the latest one.
-def clock(t):
-    h, m, sec = t.split(":")
-    return (int(h) * 60 + int(m)) * 60 + float(sec)
-began = {}
-for log in sorted(glob.glob(os.path.join(run, "daemon*.log"))):
-    found = re.findall(r"started ([0-9.]+) ms after the request arrived at ([0-9:.]+)", open(log).read())[-rounds:]
-    began[os.path.basename(log)[:-4]] = [clock(at) * 1e3 + float(after) for after, at in found]
+# spread between daemons is time the whole round waits on the latest one. Each node's clock:
+# comparable between daemons of one host.
+began = {k: [int(n["request_arrived_unix_us"]) / 1e3 + float(n["started_after_request_ms"]) for n in v]
+         for k, v in per_node.items()}
 starts = [b for b in began.values() if len(b) == rounds]
 # The coordinator's TRANSFER call to each remote daemon, from sending to the daemon's arrival.
-request_ms = {}
-coordinator_log = open(os.path.join(run, "daemon0.log")).read() if os.path.exists(os.path.join(run, "daemon0.log")) else ""
-for log in sorted(glob.glob(os.path.join(run, "daemon*.log"))):
-    node = os.path.basename(log)[len("daemon"):-len(".log")]
-    sent = [clock(t) * 1e3 for t in re.findall(r"TRANSFER sent to node " + node + r" at ([0-9:.]+)", coordinator_log)][-rounds:]
-    arrived = [clock(t) * 1e3 for t in re.findall(r"request arrived at ([0-9:.]+)", open(log).read())][-rounds:]
-    if sent and len(sent) == len(arrived):
-        request_ms["daemon" + node] = [round(a - b, 3) for a, b in zip(arrived, sent)]
+request_ms = {k: [round((int(n["request_arrived_unix_us"]) - int(n["request_sent_unix_us"])) / 1e3, 3) for n in v]
+              for k, v in per_node.items() if k != "daemon0"}
 start_skew_ms = [max(s[i] for s in starts) - min(s[i] for s in starts) for i in range(rounds)] if len(starts) > 1 else []
 prepared, timeline = [], []
 for log in sorted(glob.glob(os.path.join(run, "daemon*.log"))):
@@ -153,7 +147,6 @@ print(json.dumps({
     "gbps": nbytes / med / 1e9, "round_s": [float(s["seconds"]) for s in measured],
     "data_plane_ms": moved, "median_data_plane_ms": {k: statistics.median(v) for k, v in moved.items() if v},
     "start_skew_ms": start_skew_ms, "transfer_request_ms": request_ms, "started_after_request_ms": {
-        k: [float(a) for a, _ in re.findall(r"started ([0-9.]+) ms after the request arrived at ([0-9:.]+)", open(os.path.join(run, k + ".log")).read())][-rounds:]
-        for k in began},
+        k: [float(n["started_after_request_ms"]) for n in v] for k, v in per_node.items()},
     "prepared": prepared[:2], "timeline": timeline}))
 PY

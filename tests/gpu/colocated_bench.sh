@@ -5,7 +5,7 @@
 # sim-worker-cuda processes holding the weights in GPU memory (--same-data: the first round
 # checked element by element, every later one byte for byte against it), refitctl starting
 # rounds. Prints one JSON line: the transfer phase of each measured round (after WARMUP), its
-# median, and the daemon's own data-plane time ("moved in"). BIN: the programs (refitd among
+# median, and the daemon's own data-plane time (RoundStats.nodes[].data_plane_ms). BIN: the programs (refitd among
 # them), so that two builds of refitd can be compared in one run.
 #   BIN=.device/bin SCALE=1 bash tests/gpu/colocated_bench.sh
 set -uo pipefail
@@ -53,7 +53,8 @@ run, scale, warmup, rounds, bin_dir = sys.argv[1], int(sys.argv[2]), int(sys.arg
 stats = [json.loads(open(os.path.join(run, f"round{v}.json")).read().strip().splitlines()[-1]) for v in range(1, warmup + rounds + 1)]
 measured = stats[warmup:]
 transfer = [float(s["transfer_seconds"]) for s in measured]
-moved = [float(m) for m in re.findall(r"moved in ([0-9.]+) ms", open(os.path.join(run, "daemon0.log")).read())][-rounds:]
+# The daemon's own data-plane time, from the round's statistics (RoundStats.nodes), not its log.
+moved = [float(n["data_plane_ms"]) for s in measured for n in s.get("nodes", []) if int(n.get("node", 0)) == 0]
 nbytes = int(measured[0]["bytes"])
 print(json.dumps({"mode": "colocated-1gpu", "refitd": os.path.realpath(os.path.join(bin_dir, "refitd")), "scale_down": scale,
                   "bytes": nbytes, "rounds": rounds, "warmup": warmup, "transfer_s": transfer,

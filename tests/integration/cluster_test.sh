@@ -201,10 +201,22 @@ out=$("$BIN/refitctl" --daemon 127.0.0.1:1 --timeout 2 status 2>&1); rc=$?
 [ "$rc" -eq 3 ] || fail "an unreachable daemon: exit $rc, not 3: $out"
 out=$(ctl refit policy 3 2>&1); rc=$?
 [ "$rc" -eq 1 ] || fail "a refused refit: exit $rc, not 1: $out"
+# Each node's part of the round, structured (RoundStats.nodes: what the benchmarks read).
+ctl -o json refit policy 11 >"$RUN/nodes.json" || fail "round 11: $(cat "$RUN/nodes.json")"
+python3 - "$RUN/nodes.json" <<'PY' || fail "RoundStats.nodes: $(cat "$RUN/nodes.json")"
+import json, sys
+s = json.load(open(sys.argv[1]))
+nodes = {int(n.get("node", 0)): n for n in s["nodes"]}
+assert sorted(nodes) == [0, 1, 2, 3], nodes
+assert sum(int(n.get("bytes_received", 0)) + int(n.get("bytes_local", 0)) for n in nodes.values()) == int(s["bytes"]), s
+assert all(float(n["data_plane_ms"]) > 0 and float(n["started_after_request_ms"]) >= 0 for n in nodes.values()), nodes
+assert all(int(n["request_arrived_unix_us"]) >= int(n["request_sent_unix_us"]) > 0 for n in nodes.values()), nodes
+PY
+every_inference_ok policy 11
 
 echo "== SIGTERM drains a node: its running round finishes, health says NOT_SERVING meanwhile, exit 0"
 restart_node3 0 --prepare-delay-ms 2000
-ctl refit policy 11 >"$RUN/drain-11.out" 2>&1 &
+ctl refit policy 12 >"$RUN/drain-12.out" 2>&1 &
 p=$!
 sleep 0.5
 kill -TERM "${DAEMON_PID[3]}"
@@ -212,9 +224,9 @@ sleep 0.3
 out=$("$BIN/refitctl" --daemon "unix:$RUN/refitd-3.sock" health 2>&1); rc=$?
 echo "$out"
 [ "$rc" -eq 1 ] && echo "$out" | grep -q "NOT_SERVING" || fail "node 3 draining: health exit $rc: $out"
-wait $p || fail "the round running while node 3 drained did not commit: $(cat "$RUN/drain-11.out")"
-grep committed "$RUN/drain-11.out"
-every_inference_ok policy 11
+wait $p || fail "the round running while node 3 drained did not commit: $(cat "$RUN/drain-12.out")"
+grep committed "$RUN/drain-12.out"
+every_inference_ok policy 12
 t0=$(date +%s.%N)
 wait "${DAEMON_PID[3]}"; rc=$?
 [ "$rc" -eq 0 ] || fail "node 3 exited $rc after SIGTERM, not 0"

@@ -47,7 +47,7 @@ const CliFlags::Flag* CliFlags::Find(const std::string& name) const {
 }
 
 void CliFlags::Fail(const std::string& message) const {
-  std::string line = message;
+  std::string line = context_.empty() ? message : context_ + ": " + message;
   std::replace(line.begin(), line.end(), '\n', ' ');
   std::fprintf(stderr, "%s: %s\n", program_.c_str(), line.c_str());
   std::exit(2);

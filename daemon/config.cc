@@ -89,7 +89,9 @@ DaemonConfig ParseDaemonFlags(int argc, char** argv) {
     }
     std::vector<char*> ptrs;
     for (auto& a : args) ptrs.push_back(a.data());
+    flags.SetErrorContext(config_file);  // a bad value names the file it came from
     flags.Parse(static_cast<int>(ptrs.size()), ptrs.data());
+    flags.SetErrorContext("");
   }
   const auto positional = flags.Parse(argc, argv);
   if (!positional.empty()) flags.Fail(absl::StrCat("unexpected argument \"", positional[0], "\""));

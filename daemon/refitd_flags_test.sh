@@ -20,6 +20,10 @@ expect_refusal "log level" '--log-level "verbose" is not one of' --log-level ver
 expect_refusal "log format" '--log-format "yaml" is not text or json' --log-format yaml
 echo '{"node": 1, "heartbeet": 0.5}' >"$tmp/bad.json"
 expect_refusal "config key" "$tmp/bad.json: unknown key \"heartbeet\"" --config "$tmp/bad.json"
+echo '{"node": "abc"}' >"$tmp/badvalue.json"
+expect_refusal "config value" "$tmp/badvalue.json: flag --node: cannot use \"abc\"" --config "$tmp/badvalue.json"
+echo '[1, 2]' >"$tmp/array.json"
+expect_refusal "config not an object" "$tmp/array.json: not a JSON object" --config "$tmp/array.json"
 echo '{"node": 0, "log-format": "json"}' >"$tmp/good.json"
 
 # A coordinator that serves, then stops: its log lines.

@@ -247,6 +247,27 @@ TEST_CASE("node agent: a lost worker is the culprit of its round; a group withou
         absl::StatusCode::kFailedPrecondition);
 }
 
+// The coordinator's ABORT (another node failed first) can reach a node before the same round's
+// PREPARE: the PREPARE must not reopen the round (it used to, and waited for its workers).
+TEST_CASE("node agent: a PREPARE that arrives after its round's ABORT is refused at once") {
+  Node n;
+  v1::PhaseResponse out;
+  v1::PhaseRequest abort = Node::Phase(v1::PhaseRequest::ABORT, 5);
+  abort.set_reason("node 2 (10.0.0.2:7070) failed PREPARE: refused");
+  REQUIRE(n.agent->RunPhase(abort, &out).ok());
+  const absl::Time t0 = absl::Now();
+  const absl::Status late = n.agent->RunPhase(Node::Phase(v1::PhaseRequest::PREPARE, 5), &out);
+  CHECK(absl::Now() - t0 < absl::Milliseconds(500));
+  CHECK(late.code() == absl::StatusCode::kAborted);
+  CHECK_THAT(std::string(late.message()), Catch::Contains("was aborted before its PREPARE reached node 1"));
+  CHECK_THAT(std::string(late.message()), Catch::Contains("failed PREPARE: refused"));
+  for (auto* w : {n.trainer.get(), n.engine.get()}) {
+    for (const std::string& e : Node::Events(*w)) CHECK(e.rfind("PREPARE", 0) != 0);  // never asked to prepare
+  }
+  // The next round is not affected.
+  CHECK(n.Prepare(6).ok());
+}
+
 TEST_CASE("lease: none on the coordinator's own node") {
   FakeClock clock;
   FakeBackend backend;

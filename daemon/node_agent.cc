@@ -122,6 +122,9 @@ void NodeAgent::Abort(const std::string& group, int64_t round, int64_t version, 
     const bool open = it != active_rounds_.end() && it->second.round == round;
     if (only_if_open && (!open || it->second.committing)) return;
     if (open) active_rounds_.erase(it);
+    // The coordinator's ABORT can overtake the round's PREPARE to this node (another node
+    // failed first): remembered, so that the PREPARE arriving next does not reopen the round.
+    if (!open) early_aborts_[group] = {round, absl::Now(), reason};
     AbortedRound(group)->store(round);
     abort_reasons_[group] = {round, reason};
   }
@@ -232,6 +235,7 @@ void NodeAgent::ForgetIfGone(const std::string& group) {
   abort_reasons_.erase(group);
   aborted_rounds_.erase(group);
   lost_workers_.erase(group);
+  early_aborts_.erase(group);
   Logger("plan")->info("group \"{}\": no worker of it left on node {}; its plan is dropped here", group, node_);
 }
 
@@ -243,6 +247,7 @@ size_t NodeAgent::GroupsKept() const {
   for (const auto& [g, _] : abort_reasons_) groups.insert(g);
   for (const auto& [g, _] : aborted_rounds_) groups.insert(g);
   for (const auto& [g, _] : lost_workers_) groups.insert(g);
+  for (const auto& [g, _] : early_aborts_) groups.insert(g);
   return groups.size();
 }
 
@@ -290,6 +295,15 @@ absl::Status NodeAgent::RunPhase(const v1::PhaseRequest& request, v1::PhaseRespo
         absl::MutexLock lock(&mu_);
         if (draining_) {
           return absl::UnavailableError(absl::StrCat("node ", node_, " is draining (shutting down): no new rounds"));
+        }
+        // Aborted before its PREPARE got here, by this coordinator in this round's lifetime (an
+        // older record of the same id, from before a coordinator restart, is long past it).
+        if (auto early = early_aborts_.find(group); early != early_aborts_.end() &&
+                                                     early->second.round == request.round_id() &&
+                                                     absl::Now() - early->second.at < timeout) {
+          return absl::AbortedError(absl::StrCat("round ", request.round_id(), " of group \"", group,
+                                                 "\" was aborted before its PREPARE reached node ", node_, ": ",
+                                                 early->second.reason));
         }
         // What this node remembers of earlier rounds must not answer for this one: round ids
         // start again at 1 when the coordinator restarts.

@@ -112,6 +112,13 @@ class NodeAgent {
   std::map<std::string, std::shared_ptr<const Resolved>> resolved_ ABSL_GUARDED_BY(mu_);
   std::map<std::string, ActiveRound> active_rounds_ ABSL_GUARDED_BY(mu_);  // group -> round open here
   bool draining_ ABSL_GUARDED_BY(mu_) = false;
+  struct EarlyAbort {
+    int64_t round = -1;
+    absl::Time at;
+    std::string reason;
+  };
+  // group -> an ABORT that came before its round's PREPARE (refused when it arrives).
+  std::map<std::string, EarlyAbort> early_aborts_ ABSL_GUARDED_BY(mu_);
   // group -> (round, why) of the latest round aborted here: its TRANSFER or COMMIT arriving late
   // (from a coordinator that was stopped) is refused, never delivered.
   std::map<std::string, std::pair<int64_t, std::string>> abort_reasons_ ABSL_GUARDED_BY(mu_);

@@ -52,6 +52,9 @@ DaemonConfig ParseDaemonFlags(int argc, char** argv) {
   flags.Double("drain-timeout", &drain_s, "seconds SIGTERM waits for running rounds before aborting them (then exit 0)");
   flags.Int("heartbeats-missed", &missed, "a daemon silent for this many heartbeats is declared dead");
   flags.Int("max-rpc-bytes", &max_rpc, "largest gRPC message accepted (layouts of big models are large)");
+  flags.Int("max-registration-pieces", &c.limits.max_pieces, "most pieces one worker's registration may hold");
+  flags.Int("max-registration-buffers", &c.limits.max_buffers, "most buffers one worker's registration may hold");
+  flags.Int("max-registration-tensors", &c.limits.max_tensors, "most tensors one worker's registration may name");
   flags.String("log-level", &c.log_level, "trace, debug, info, warn, error, critical, off");
   flags.String("log-format", &c.log_format, "text (dated lines) or json (one object a line: time, level, logger, node, group, round, message)");
   flags.String("address-file", &c.address_file, "write \"<listen address> <worker socket>\" here once serving");
@@ -132,6 +135,9 @@ DaemonConfig ParseDaemonFlags(int argc, char** argv) {
   c.peer_timeout = absl::Seconds(peer_s);
   c.heartbeat = absl::Seconds(heartbeat_s);
   if (drain_s < 0) flags.Fail("--drain-timeout must be >= 0");
+  for (int64_t limit : {c.limits.max_pieces, c.limits.max_buffers, c.limits.max_tensors}) {
+    if (limit < 1) flags.Fail("--max-registration-pieces, -buffers and -tensors must be positive");
+  }
   if (join_s < 0) flags.Fail("--join-timeout must be >= 0");
   c.join_timeout = absl::Seconds(join_s);
   c.drain_timeout = absl::Seconds(drain_s);

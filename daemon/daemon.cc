@@ -91,6 +91,7 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(const DaemonConfig& config
     d->handles_ = *std::move(inbox);
   }
   d->registry_ = std::make_unique<WorkerRegistry>(config.node, config.gpus, d->backend_.get(), d->handles_.get());
+  d->registry_->SetLimits(config.limits);
   // Ticked every 100 ms by MonitorLoop: a gap of half a second is a pause of this process.
   d->pause_ = std::make_unique<PauseDetector>(Clock::Real(), absl::Milliseconds(500));
   NodeAgentLease lease;

@@ -40,6 +40,8 @@ absl::StatusOr<Registration> WorkerRegistry::Register(const v1::RegisterWorkerRe
     }
     delivery = *std::move(taken);
   }
+  // Its size and names, before anything of it is copied, decoded or mapped.
+  if (auto s = CheckRegistration(original, limits_); !s.ok()) return s;
   auto worker = std::make_shared<LocalWorker>();
   worker->request = original;  // worker.node (and worker.gpu, from gpu_uuid) filled in below
   const v1::RegisterWorkerRequest& request = worker->request;

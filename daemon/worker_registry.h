@@ -25,6 +25,7 @@
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
 #include "daemon/backend.h"
+#include "daemon/registration_limits.h"
 #include "daemon/handle_inbox.h"
 #include "proto/refit.pb.h"
 
@@ -65,6 +66,8 @@ class WorkerRegistry {
   // `backend` maps memory; `handles` holds descriptors handed over before registration; `gpus`:
   // the GPUs this daemon serves (empty: any). All outlive the registry.
   WorkerRegistry(int32_t node, std::vector<int32_t> gpus, DataBackend* backend, HandleInbox* handles);
+  // What one registration may hold (daemon/registration_limits.h); set before serving.
+  void SetLimits(const RegistrationLimits& limits) { limits_ = limits; }
 
   // Validates a registration, claims its descriptors, maps its memory and adds the worker
   // (ALREADY_EXISTS for a name registered on this node).
@@ -114,6 +117,7 @@ class WorkerRegistry {
   static void NotifySession(LocalWorker& w);
 
   const int32_t node_;
+  RegistrationLimits limits_;  // set before any registration, read only after
   const std::vector<int32_t> gpus_;
   DataBackend* const backend_;
   HandleInbox* const handles_;

@@ -1,0 +1,105 @@
+#include "daemon/registration_limits.h"
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+
+namespace refit {
+namespace {
+
+// Length of the valid UTF-8 sequence at s[i] (no overlong forms, no surrogates), or 0.
+size_t Utf8Length(absl::string_view s, size_t i) {
+  const auto b = [&](size_t k) { return static_cast<unsigned char>(s[i + k]); };
+  const unsigned char c = b(0);
+  size_t n = c < 0x80 ? 1 : c >= 0xc2 && c <= 0xdf ? 2 : c >= 0xe0 && c <= 0xef ? 3 : c >= 0xf0 && c <= 0xf4 ? 4 : 0;
+  if (n == 0 || i + n > s.size()) return 0;
+  for (size_t k = 1; k < n; ++k) {
+    if ((b(k) & 0xc0) != 0x80) return 0;
+  }
+  if (n == 3 && ((c == 0xe0 && b(1) < 0xa0) || (c == 0xed && b(1) >= 0xa0))) return 0;
+  if (n == 4 && ((c == 0xf0 && b(1) < 0x90) || (c == 0xf4 && b(1) >= 0x90))) return 0;
+  return n;
+}
+
+// A name quoted for an error message: printable as is, else escaped, and cut short.
+std::string Shown(absl::string_view name) {
+  std::string out;
+  for (size_t i = 0; i < name.size() && out.size() < 64; ++i) {
+    const auto c = static_cast<unsigned char>(name[i]);
+    if (c >= 0x20 && c < 0x7f && c != '"' && c != '\\') {
+      out.push_back(static_cast<char>(c));
+    } else {
+      out += absl::StrFormat("\\x%02x", c);
+    }
+  }
+  if (out.size() >= 64) out += "...";
+  return out;
+}
+
+absl::Status Exhausted(absl::string_view what, int64_t n, int64_t limit, absl::string_view flag) {
+  return absl::ResourceExhaustedError(absl::StrCat("register: ", n, " ", what, " in one registration, more than ",
+                                                   limit, " (--", flag, ")"));
+}
+
+}  // namespace
+
+absl::Status CheckName(absl::string_view what, absl::string_view name) {
+  if (name.empty()) return absl::InvalidArgumentError(absl::StrCat("register: \"", what, "\" is empty"));
+  if (name.size() > kMaxNameBytes) {
+    return absl::InvalidArgumentError(absl::StrCat("register: ", what, " name \"", Shown(name), "\" is ", name.size(),
+                                                   " bytes, more than ", kMaxNameBytes));
+  }
+  for (size_t i = 0; i < name.size();) {
+    const auto c = static_cast<unsigned char>(name[i]);
+    const size_t n = Utf8Length(name, i);
+    if (n == 0 || c < 0x20 || c == 0x7f) {
+      return absl::InvalidArgumentError(absl::StrCat("register: ", what, " name \"", Shown(name), "\" holds byte ",
+                                                     absl::StrFormat("0x%02x", c), " at ", i,
+                                                     " (names are printable UTF-8, no control characters)"));
+    }
+    i += n;
+  }
+  return absl::OkStatus();
+}
+
+absl::Status CheckRegistration(const v1::RegisterWorkerRequest& request, const RegistrationLimits& limits) {
+  const v1::Worker& w = request.worker();
+  if (request.tensors_size() > limits.max_tensors) {
+    return Exhausted("tensors", request.tensors_size(), limits.max_tensors, "max-registration-tensors");
+  }
+  if (w.buffers_size() > limits.max_buffers) {
+    return Exhausted("buffers", w.buffers_size(), limits.max_buffers, "max-registration-buffers");
+  }
+  int64_t pieces = 0;
+  for (const v1::Buffer& b : w.buffers()) pieces += b.pieces_size();
+  if (pieces > limits.max_pieces) return Exhausted("pieces", pieces, limits.max_pieces, "max-registration-pieces");
+  // Names, now that their number is bounded.
+  if (auto s = CheckName("group", request.group()); !s.ok()) return s;
+  if (auto s = CheckName("worker", w.name()); !s.ok()) return s;
+  if (!w.replica().empty()) {
+    if (auto s = CheckName("replica", w.replica()); !s.ok()) return s;
+  }
+  if (!w.buffers_like().empty()) {
+    return absl::InvalidArgumentError(absl::StrCat("register: worker \"", Shown(w.name()),
+                                                   "\": buffers_like is the compact form of plans between daemons; "
+                                                   "a registration lists its buffers"));
+  }
+  for (const v1::TensorSpec& t : request.tensors()) {
+    if (auto s = CheckName("tensor", t.name()); !s.ok()) return s;
+  }
+  for (const v1::Buffer& b : w.buffers()) {
+    if (auto s = CheckName("buffer", b.name()); !s.ok()) return s;
+    for (const v1::Piece& p : b.pieces()) {
+      if (p.repeat() != 0 || p.run_pieces() > 1) {
+        return absl::InvalidArgumentError(absl::StrCat("register: buffer \"", Shown(b.name()),
+                                                       "\": runs of pieces (repeat, run_pieces) are the compact form "
+                                                       "of plans between daemons; a registration lists its pieces"));
+      }
+      if (!p.tensor().empty()) {
+        if (auto s = CheckName("piece's tensor", p.tensor()); !s.ok()) return s;
+      }
+    }
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace refit

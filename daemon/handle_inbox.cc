@@ -239,6 +239,10 @@ void HandleInbox::Loop() {
     std::erase_if(connections_,
                   [](const std::unique_ptr<Connection>& c) { return !c->fd.valid(); });
     if (listening && polled[1].revents != 0) AcceptSome(after);
+    // counts() sees the connections as they are now, not as of the loop's top: a count read
+    // between an accept and the next pass would miss the connection just accepted.
+    std::lock_guard<std::mutex> lock(mu_);
+    connections_open_ = static_cast<int>(connections_.size());
   }
   // Shutting down: whatever is still arriving or unclaimed is closed.
   connections_.clear();

@@ -4,22 +4,9 @@
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
 #include "daemon/logging.h"
+#include "daemon/utf8.h"
 
 namespace refit {
-namespace {
-
-// Length of the valid UTF-8 sequence at s[i], or 0.
-size_t Utf8Length(std::string_view s, size_t i) {
-  const auto c = static_cast<unsigned char>(s[i]);
-  size_t n = c < 0x80 ? 1 : (c >> 5) == 0x6 ? 2 : (c >> 4) == 0xe ? 3 : (c >> 3) == 0x1e ? 4 : 0;
-  if (n == 0 || i + n > s.size()) return 0;
-  for (size_t k = 1; k < n; ++k) {
-    if ((static_cast<unsigned char>(s[i + k]) >> 6) != 0x2) return 0;
-  }
-  return n;
-}
-
-}  // namespace
 
 std::string JsonEscape(std::string_view text) {
   std::string out;
@@ -42,7 +29,7 @@ std::string JsonEscape(std::string_view text) {
       ++i;
       continue;
     }
-    const size_t n = Utf8Length(text, i);
+    const size_t n = Utf8SequenceLength(absl::string_view(text.data(), text.size()), i);
     if (n == 0) {
       out += "\xef\xbf\xbd";  // U+FFFD
       ++i;

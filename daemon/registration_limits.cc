@@ -2,23 +2,10 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "daemon/utf8.h"
 
 namespace refit {
 namespace {
-
-// Length of the valid UTF-8 sequence at s[i] (no overlong forms, no surrogates), or 0.
-size_t Utf8Length(absl::string_view s, size_t i) {
-  const auto b = [&](size_t k) { return static_cast<unsigned char>(s[i + k]); };
-  const unsigned char c = b(0);
-  size_t n = c < 0x80 ? 1 : c >= 0xc2 && c <= 0xdf ? 2 : c >= 0xe0 && c <= 0xef ? 3 : c >= 0xf0 && c <= 0xf4 ? 4 : 0;
-  if (n == 0 || i + n > s.size()) return 0;
-  for (size_t k = 1; k < n; ++k) {
-    if ((b(k) & 0xc0) != 0x80) return 0;
-  }
-  if (n == 3 && ((c == 0xe0 && b(1) < 0xa0) || (c == 0xed && b(1) >= 0xa0))) return 0;
-  if (n == 4 && ((c == 0xf0 && b(1) < 0x90) || (c == 0xf4 && b(1) >= 0x90))) return 0;
-  return n;
-}
 
 // A name quoted for an error message: printable as is, else escaped, and cut short.
 std::string Shown(absl::string_view name) {
@@ -50,7 +37,7 @@ absl::Status CheckName(absl::string_view what, absl::string_view name) {
   }
   for (size_t i = 0; i < name.size();) {
     const auto c = static_cast<unsigned char>(name[i]);
-    const size_t n = Utf8Length(name, i);
+    const size_t n = Utf8SequenceLength(name, i);
     if (n == 0 || c < 0x20 || c == 0x7f) {
       return absl::InvalidArgumentError(absl::StrCat("register: ", what, " name \"", Shown(name), "\" holds byte ",
                                                      absl::StrFormat("0x%02x", c), " at ", i,

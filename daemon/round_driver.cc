@@ -329,14 +329,14 @@ absl::Status RoundDriver::RunRound(const std::string& group, int64_t round_id, i
     if (id.ok()) install->set_nccl_id(*id); else status = id.status();
   }
   if (status.ok()) {
+    const absl::Duration install_timeout = InstallTimeout(peer_timeout, *plan);
     auto calls = FanOut::Start(
         to_install,
-        [peers, install, timeout = InstallTimeout(peer_timeout, *plan)](int32_t n, v1::PhaseResponse*,
-                                                                         PeerClient::Done done) {
+        [peers, install, timeout = install_timeout](int32_t n, v1::PhaseResponse*, PeerClient::Done done) {
           peers->InstallPlan(n, install, timeout, std::move(done));
         },
         nullptr);
-    status = calls->Wait(InstallTimeout(peer_timeout, *plan) + absl::Seconds(1), "InstallPlan");
+    status = calls->Wait(install_timeout + absl::Seconds(1), "InstallPlan");
   }
   if (status.ok()) {
     absl::MutexLock lock(&mu_);

@@ -4,6 +4,7 @@
 
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
 #include "client/cli_flags.h"
 #include "google/protobuf/struct.pb.h"
@@ -12,6 +13,17 @@
 #include "proto/layout_codec.h"
 
 namespace refit {
+
+bool IsLoopbackAddress(const std::string& address) {
+  // host:port, [v6]:port, or a gRPC URI such as ipv4:127.0.0.1:7070.
+  std::string host = address;
+  for (const char* scheme : {"ipv4:", "ipv6:", "dns:///"}) {
+    if (host.rfind(scheme, 0) == 0) host = host.substr(std::string(scheme).size());
+  }
+  if (const size_t colon = host.rfind(':'); colon != std::string::npos) host = host.substr(0, colon);
+  if (host.size() >= 2 && host.front() == '[' && host.back() == ']') host = host.substr(1, host.size() - 2);
+  return host == "localhost" || host == "::1" || host.rfind("127.", 0) == 0;
+}
 
 DaemonConfig ParseDaemonFlags(int argc, char** argv) {
   DaemonConfig c;
@@ -63,6 +75,18 @@ DaemonConfig ParseDaemonFlags(int argc, char** argv) {
   std::string state_file = unset;
   flags.String("state-file", &state_file,
                "coordinator: the file where round ids and committed versions survive a restart (empty: in memory only)");
+  flags.String("tls-cert", &c.tls.cert, "PEM certificate chain of this daemon (CN or DNS SAN refit-node-<node>, DNS SAN refitd); with --tls-key and --tls-ca: mutual TLS (docs/SECURITY.md)");
+  flags.String("tls-key", &c.tls.key, "PEM private key of --tls-cert");
+  flags.String("tls-ca", &c.tls.ca, "PEM CA bundle that signs every certificate of the cluster");
+  double reload_s = absl::ToDoubleSeconds(c.tls.reload);
+  flags.Double("tls-reload-interval", &reload_s, "seconds between checks of the TLS files for a rotated certificate");
+  std::string operators = absl::StrJoin(c.tls.operators, ","), viewers = absl::StrJoin(c.tls.viewers, ",");
+  flags.String("tls-operators", &operators, "comma-separated certificate names (CN or DNS SAN) allowed to start refits");
+  flags.String("tls-viewers", &viewers, "comma-separated certificate names allowed to read status, plans, workers and rounds");
+  flags.Bool("insecure-listen", &c.insecure_listen, "without TLS, listen on a non-loopback address all the same (anyone who reaches it can steer and read the weights)");
+  std::string worker_uids;
+  flags.String("worker-uids", &worker_uids, "comma-separated uids whose processes may register workers (empty: this daemon's uid and root)");
+  flags.String("worker-listen", &c.worker_listen, "also serve workers over TCP here (host:port; empty: the unix socket only)");
   // Config file first, then the command line over it.
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
@@ -141,6 +165,31 @@ DaemonConfig ParseDaemonFlags(int argc, char** argv) {
   if (join_s < 0) flags.Fail("--join-timeout must be >= 0");
   c.join_timeout = absl::Seconds(join_s);
   c.drain_timeout = absl::Seconds(drain_s);
+  if (c.tls.cert.empty() != c.tls.key.empty() || c.tls.cert.empty() != c.tls.ca.empty()) {
+    flags.Fail("--tls-cert, --tls-key and --tls-ca go together: give all three, or none");
+  }
+  for (const std::string* file : {&c.tls.cert, &c.tls.key, &c.tls.ca}) {
+    if (!file->empty() && !ReadFile(*file).ok()) flags.Fail(absl::StrCat("cannot read TLS file ", *file));
+  }
+  if (reload_s <= 0) flags.Fail("--tls-reload-interval must be positive");
+  c.tls.reload = absl::Seconds(reload_s);
+  c.tls.operators = absl::StrSplit(operators, ',', absl::SkipEmpty());
+  c.tls.viewers = absl::StrSplit(viewers, ',', absl::SkipEmpty());
+  for (absl::string_view part : absl::StrSplit(worker_uids, ',', absl::SkipEmpty())) {
+    uint32_t uid = 0;
+    if (!absl::SimpleAtoi(part, &uid)) flags.Fail(absl::StrCat("--worker-uids: \"", part, "\" is not a uid"));
+    c.worker_uids.push_back(uid);
+  }
+  if (!c.tls.enabled() && !c.insecure_listen) {
+    for (const auto& [flag, address] : {std::pair<std::string, std::string>{"--listen", c.listen},
+                                        {"--data-listen", c.data_listen},
+                                        {"--worker-listen", c.worker_listen}}) {
+      // (--metrics-listen is exempt: metrics say nothing of the weights and steer nothing.)
+      if (!address.empty() && !IsLoopbackAddress(address)) {
+        flags.Fail(absl::StrCat(flag, " ", address, " is not a loopback address and no TLS is configured: give --tls-cert, --tls-key and --tls-ca (docs/SECURITY.md), or --insecure-listen to accept that anyone who reaches it can steer and read the weights"));
+      }
+    }
+  }
   if (c.worker_socket.empty()) c.worker_socket = absl::StrCat("/tmp/refitd-", c.node, ".sock");
   c.state_file = state_file == unset ? c.worker_socket + ".state" : state_file;
   return c;

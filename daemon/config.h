@@ -9,6 +9,7 @@
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
 #include "daemon/registration_limits.h"
+#include "daemon/tls_config.h"
 
 namespace refit {
 
@@ -54,8 +55,22 @@ struct DaemonConfig {
   // default is "<worker socket>.state"; empty: in memory only (a restart forgets them).
   std::string state_file;
 
+  // Transport security (docs/SECURITY.md). Without it every listener must be loopback, unless
+  // --insecure-listen says otherwise (logged as a warning at start).
+  TlsConfig tls;
+  bool insecure_listen = false;
+  // Workers: the uids whose processes may register (--worker-uids; empty: this daemon's own uid
+  // and root), read from the registering process' handle-socket credentials (SO_PEERCRED).
+  std::vector<uint32_t> worker_uids;
+  // The worker service over TCP as well as the unix socket (--worker-listen; empty: unix only).
+  // Only for workers in another network namespace; they are then identified by token alone.
+  std::string worker_listen;
+
   bool is_coordinator() const { return coordinator.empty(); }
 };
+
+// "127.0.0.1:7070", "[::1]:0", "localhost:1": reachable from this host only.
+bool IsLoopbackAddress(const std::string& address);
 
 // Parses argv (and --config FILE). Exits 2 with one line on bad input; 0 on --help.
 DaemonConfig ParseDaemonFlags(int argc, char** argv);

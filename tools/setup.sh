@@ -6,7 +6,7 @@ packages=(
   bazel-bootstrap bazel-platforms
   g++ pkg-config
   libgrpc++-dev protobuf-compiler-grpc libprotobuf-dev protobuf-compiler
-  libspdlog-dev libfmt-dev catch2 libabsl-dev
+  libspdlog-dev libfmt-dev catch2 libabsl-dev libssl-dev openssl
   clang libclang-rt-14-dev
   python3-numpy python3-matplotlib bc
   python3-grpcio python3-protobuf python3-torch python3-pip python3-venv python3-setuptools python3-wheel

@@ -18,6 +18,7 @@
 #include <algorithm>
 #include <cstdio>
 #include <cstdlib>
+#include <fstream>
 #include <functional>
 #include <memory>
 #include <string>
@@ -25,6 +26,7 @@
 
 #include <grpcpp/grpcpp.h>
 
+#include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_split.h"
 #include "absl/strings/str_cat.h"
@@ -32,6 +34,7 @@
 #include "absl/strings/str_join.h"
 #include "client/cli_flags.h"
 #include "google/protobuf/util/json_util.h"
+#include "daemon/grpc_tls.h"
 #include "daemon/version.h"
 #include "proto/health.grpc.pb.h"
 #include "proto/refit.grpc.pb.h"
@@ -74,7 +77,8 @@ int Fail(const grpc::Status& s) {
 // goes to the next; any other answer, success or refusal, is the answer.
 class Endpoints {
  public:
-  Endpoints(std::vector<std::string> addresses, double timeout_s) : addresses_(std::move(addresses)), timeout_s_(timeout_s) {}
+  Endpoints(std::vector<std::string> addresses, double timeout_s, const TlsConfig& tls)
+      : addresses_(std::move(addresses)), timeout_s_(timeout_s), tls_(tls) {}
 
   template <typename Request, typename Response, typename Method>
   grpc::Status Call(Method method, const Request& request, Response* response, bool deadline = true) {
@@ -90,8 +94,10 @@ class Endpoints {
     return last;
   }
   const std::vector<std::string>& addresses() const { return addresses_; }
+  // TLS to TCP addresses when configured; the unix socket is local (its file mode guards it).
   std::shared_ptr<grpc::Channel> Channel(const std::string& a) const {
-    return grpc::CreateChannel(a, grpc::InsecureChannelCredentials());
+    if (absl::StartsWith(a, "unix:")) return grpc::CreateChannel(a, grpc::InsecureChannelCredentials());
+    return tls_.Channel(a, grpc::ChannelArguments());
   }
   std::chrono::system_clock::time_point Deadline() const {
     return std::chrono::system_clock::now() + std::chrono::milliseconds(static_cast<int64_t>(timeout_s_ * 1000));
@@ -100,6 +106,7 @@ class Endpoints {
  private:
   const std::vector<std::string> addresses_;
   const double timeout_s_;
+  const GrpcTls tls_;
 };
 
 std::string Human(int64_t b) {
@@ -177,7 +184,22 @@ int main(int argc, char** argv) {
   flags.Bool("no-wait", &no_wait, "refit: start the round and return its id");
   flags.Double("timeout", &timeout_s, "seconds to wait for an answer");
   flags.Int("limit", &limit, "rounds: how many of the most recent");
+  // TLS (docs/SECURITY.md): an operator's or viewer's certificate, signed by the cluster's CA.
+  auto env = [](const char* name) { return std::string(std::getenv(name) ? std::getenv(name) : ""); };
+  TlsConfig tls;
+  tls.cert = env("REFIT_TLS_CERT");
+  tls.key = env("REFIT_TLS_KEY");
+  tls.ca = env("REFIT_TLS_CA");
+  flags.String("tls-cert", &tls.cert, "PEM client certificate (an operator's or viewer's) for TCP addresses (env REFIT_TLS_CERT)");
+  flags.String("tls-key", &tls.key, "PEM private key of --tls-cert (env REFIT_TLS_KEY)");
+  flags.String("tls-ca", &tls.ca, "PEM CA bundle of the cluster (env REFIT_TLS_CA)");
   const auto args = flags.Parse(argc, argv);
+  if (tls.cert.empty() != tls.key.empty() || tls.cert.empty() != tls.ca.empty()) {
+    flags.Fail("--tls-cert, --tls-key and --tls-ca go together: give all three, or none");
+  }
+  for (const std::string* file : {&tls.cert, &tls.key, &tls.ca}) {
+    if (!file->empty() && !std::ifstream(*file).good()) flags.Fail(absl::StrCat("cannot read TLS file ", *file));
+  }
   if (args.empty()) flags.Fail("a command is needed: status, workers, plan, refit, watch, rounds, health, version (see --help)");
   Output out = Output::kTable;
   if (output == "wide") {
@@ -191,7 +213,7 @@ int main(int argc, char** argv) {
   std::vector<std::string> addresses = absl::StrSplit(daemon, ',', absl::SkipWhitespace());
   if (addresses.empty()) flags.Fail("--daemon names no address");
   if (limit < 1 || limit > 1024) flags.Fail("--limit must be in [1, 1024]");
-  Endpoints daemons(addresses, timeout_s);
+  Endpoints daemons(addresses, timeout_s, tls);
   const std::string& cmd = args[0];
   if (cmd == "version") {
     v1::StatusResponse r;

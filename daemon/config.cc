@@ -86,6 +86,7 @@ DaemonConfig ParseDaemonFlags(int argc, char** argv) {
   flags.Bool("insecure-listen", &c.insecure_listen, "without TLS, listen on a non-loopback address all the same (anyone who reaches it can steer and read the weights)");
   std::string worker_uids;
   flags.String("worker-uids", &worker_uids, "comma-separated uids whose processes may register workers (empty: this daemon's uid and root)");
+  flags.String("health-listen", &c.health_listen, "plaintext gRPC health service only, for probes without a certificate (host:port; empty: none)");
   flags.String("worker-listen", &c.worker_listen, "also serve workers over TCP here (host:port; empty: the unix socket only)");
   // Config file first, then the command line over it.
   for (int i = 1; i < argc; ++i) {

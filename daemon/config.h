@@ -65,6 +65,9 @@ struct DaemonConfig {
   // The worker service over TCP as well as the unix socket (--worker-listen; empty: unix only).
   // Only for workers in another network namespace; they are then identified by token alone.
   std::string worker_listen;
+  // Plaintext gRPC health only (--health-listen; empty: none): for probes that present no
+  // certificate (Kubernetes' grpc probes). The health service also answers on --listen.
+  std::string health_listen;
 
   bool is_coordinator() const { return coordinator.empty(); }
 };

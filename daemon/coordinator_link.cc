@@ -72,11 +72,46 @@ void CoordinatorLink::Refresh() {
 
 CoordinatorLink::~CoordinatorLink() { Stop(); }
 
+std::shared_ptr<grpc::Channel> CoordinatorLink::NewChannel() {
+  if (options_.tls != nullptr) return options_.tls->Channel(target_, ChannelArgs(options_.max_rpc_bytes));
+  return grpc::CreateCustomChannel(target_, grpc::InsecureChannelCredentials(), ChannelArgs(options_.max_rpc_bytes));
+}
+
+KnownCoordinator CoordinatorLink::Coordinator() {
+  absl::MutexLock lock(&mu_);
+  return coordinator_;
+}
+
+absl::Status CoordinatorLink::Answered(const grpc::ClientContext& ctx, const v1::JoinResponse& out) {
+  if (options_.tls != nullptr && options_.tls->enabled()) {
+    Caller server;
+    server.authenticated = true;
+    if (const std::shared_ptr<const grpc::AuthContext> auth = ctx.auth_context(); auth != nullptr) {
+      for (const char* property : {GRPC_X509_CN_PROPERTY_NAME, GRPC_X509_SAN_PROPERTY_NAME}) {
+        for (const grpc::string_ref& v : auth->FindPropertyValues(property)) server.names.emplace_back(v.data(), v.size());
+      }
+    }
+    if (NodeOf(server) != out.coordinator_node()) {
+      return absl::PermissionDeniedError(absl::StrCat("the coordinator at ", Target(), " answers as node ",
+                                                      out.coordinator_node(), " but its certificate is not ",
+                                                      kNodeIdentityPrefix, out.coordinator_node()));
+    }
+  }
+  absl::MutexLock lock(&mu_);
+  if (coordinator_.incarnation != out.coordinator_incarnation() && coordinator_.node >= 0) {
+    Logger("rpc")->info("the coordinator is node {} incarnation {} now (was node {} incarnation {})",
+                        out.coordinator_node(), out.coordinator_incarnation(), coordinator_.node,
+                        coordinator_.incarnation);
+  }
+  coordinator_ = KnownCoordinator{out.coordinator_node(), out.coordinator_incarnation()};
+  return absl::OkStatus();
+}
+
 std::shared_ptr<v1::RefitPeer::Stub> CoordinatorLink::Peer() {
   absl::MutexLock lock(&mu_);
   if (!peer_) {
     peer_ = v1::RefitPeer::NewStub(
-        grpc::CreateCustomChannel(target_, grpc::InsecureChannelCredentials(), ChannelArgs(options_.max_rpc_bytes)));
+        NewChannel());
   }
   return peer_;
 }
@@ -85,7 +120,7 @@ std::shared_ptr<v1::RefitControl::Stub> CoordinatorLink::Control() {
   absl::MutexLock lock(&mu_);
   if (!control_) {
     control_ = v1::RefitControl::NewStub(
-        grpc::CreateCustomChannel(target_, grpc::InsecureChannelCredentials(), ChannelArgs(options_.max_rpc_bytes)));
+        NewChannel());
   }
   return control_;
 }
@@ -109,6 +144,7 @@ absl::Status CoordinatorLink::Join(const std::string& control_address, const std
     v1::JoinResponse out;
     joined = Target().empty() ? absl::UnavailableError(absl::StrCat(options_.coordinator, " names no coordinator"))
                               : FromGrpc(Peer()->Join(&ctx, join_, &out));
+    if (joined.ok()) joined = Answered(ctx, out);
     if (joined.ok()) {
       if (attempt > 1) Logger("rpc")->info("joined the coordinator at {} after {} attempts", Target(), attempt);
       break;
@@ -170,7 +206,8 @@ void CoordinatorLink::HeartbeatLoop() {
     ctx.set_deadline(Deadline(std::min(options_.peer_timeout, std::max(options_.heartbeat * 2, absl::Seconds(1)))));
     ctx.set_wait_for_ready(true);  // a coordinator coming back is joined as soon as it listens
     v1::JoinResponse out;
-    const absl::Status s = FromGrpc(Peer()->Join(&ctx, join_, &out));
+    absl::Status s = FromGrpc(Peer()->Join(&ctx, join_, &out));
+    if (s.ok()) s = Answered(ctx, out);
     if (!s.ok()) {
       if (!lost) {
         Logger("rpc")->warn("heartbeat to the coordinator at {} failed: {}", Target(), std::string(s.message()));

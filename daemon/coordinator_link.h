@@ -30,7 +30,9 @@
 #include "absl/status/status.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
+#include "daemon/authority.h"
 #include "daemon/grpc_status.h"
+#include "daemon/grpc_tls.h"
 #include "proto/refit.grpc.pb.h"
 
 namespace refit {
@@ -50,6 +52,8 @@ struct CoordinatorLinkOptions {
   // `resync`: the coordinator does not know this node's incarnation (it restarted, or declared
   // this node dead), so no round of its is open here any more; else it renews their leases.
   std::function<void(bool resync)> on_answer;
+  // Channel credentials (TLS or not); null: insecure. Outlives the link.
+  const GrpcTls* tls = nullptr;
 };
 
 class CoordinatorLink {
@@ -64,6 +68,9 @@ class CoordinatorLink {
   // did not admit (their name is held on another node).
   absl::Status Sync(std::vector<v1::WorkerRefusal>* refused = nullptr);
   void Stop();
+  // The coordinator as its last answer to Join named it (node -1 before the first). With TLS an
+  // answer counts only from a certificate of the node it names.
+  KnownCoordinator Coordinator();
 
   // Forwards a unary operator call to the coordinator within `timeout`.
   template <typename Request, typename Response, typename Method>
@@ -79,7 +86,10 @@ class CoordinatorLink {
 
  private:
   void HeartbeatLoop();
+  // Records who answered a Join; an answer whose certificate is not the node it names is refused.
+  absl::Status Answered(const grpc::ClientContext& ctx, const v1::JoinResponse& out);
   // The stubs of the current target; shared: a refresh may replace them while a call uses them.
+  std::shared_ptr<grpc::Channel> NewChannel() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   std::shared_ptr<v1::RefitPeer::Stub> Peer();
   std::shared_ptr<v1::RefitControl::Stub> Control();
   // "file:PATH": reads PATH again; a new target replaces the channels. No-op otherwise.
@@ -97,6 +107,7 @@ class CoordinatorLink {
   std::string target_ ABSL_GUARDED_BY(mu_);  // the coordinator's gRPC target now
   std::shared_ptr<v1::RefitPeer::Stub> peer_ ABSL_GUARDED_BY(mu_);
   std::shared_ptr<v1::RefitControl::Stub> control_ ABSL_GUARDED_BY(mu_);
+  KnownCoordinator coordinator_ ABSL_GUARDED_BY(mu_);
 };
 
 }  // namespace refit

@@ -48,7 +48,9 @@ v1::RefitPeer::Stub* GrpcPeerClient::Stub(const std::string& address) {
     args.SetInt(GRPC_ARG_INITIAL_RECONNECT_BACKOFF_MS, 100);
     args.SetInt(GRPC_ARG_MIN_RECONNECT_BACKOFF_MS, 100);
     args.SetInt(GRPC_ARG_MAX_RECONNECT_BACKOFF_MS, 1000);
-    stub = v1::RefitPeer::NewStub(grpc::CreateCustomChannel(address, grpc::InsecureChannelCredentials(), args));
+    stub = v1::RefitPeer::NewStub(options_.tls != nullptr
+                                      ? options_.tls->Channel(address, args)
+                                      : grpc::CreateCustomChannel(address, grpc::InsecureChannelCredentials(), args));
   }
   return stub.get();
 }
@@ -58,6 +60,7 @@ GrpcPeerClient::Call* GrpcPeerClient::Begin(int32_t node, absl::Duration deadlin
   call->node = node;
   call->context.set_deadline(Deadline(deadline));
   call->context.set_wait_for_ready(wait_for_ready);
+  call->context.AddMetadata(kCoordinatorIncarnationKey, absl::StrCat(options_.incarnation));
   absl::MutexLock lock(&mu_);
   in_flight_.emplace(node, call);
   return call;

@@ -16,6 +16,7 @@
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
 #include "daemon/executor.h"
+#include "daemon/grpc_tls.h"
 #include "daemon/peer_client.h"
 #include "proto/refit.grpc.pb.h"
 
@@ -23,6 +24,10 @@ namespace refit {
 
 struct GrpcPeerClientOptions {
   int32_t self = 0;
+  // This coordinator's incarnation, stamped on every call (nodes obey only the incarnation they
+  // joined), and its channels' credentials (null: insecure; outlives the client).
+  int64_t incarnation = 0;
+  const GrpcTls* tls = nullptr;
   absl::Duration peer_timeout = absl::Seconds(5);
   int64_t max_rpc_bytes = 256 << 20;
   int local_threads = 16;  // this node's own phases running at once (one per concurrent round)

@@ -68,7 +68,7 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(const DaemonConfig& config
     if (!backend.ok()) return backend.status();
     d->backend_ = *std::move(backend);
   } else {
-    auto backend = HostBackend::Start(config.data_listen);
+    auto backend = HostBackend::Start(config.data_listen, HostBackendOptions{.tls = config.tls});
     if (!backend.ok()) return backend.status();
     d->backend_ = *std::move(backend);
   }

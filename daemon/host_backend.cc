@@ -19,29 +19,18 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "client/shared_memory.h"
+#include "daemon/data_frame.h"
 #include "daemon/logging.h"
 #include "plan/status_macros.h"
 
 namespace refit {
 namespace {
 
-constexpr uint32_t kMagic = 0x31544652;  // "RFT1"
-constexpr uint32_t kMaxGroupBytes = 4096;
 // A reader thread needs little stack (no recursion, no large locals): 512 KiB instead of the
 // default 8 MiB keeps max_incoming readers within a small share of a limited address space.
 constexpr size_t kReaderStackBytes = 512 << 10;
 constexpr size_t kDrainChunkBytes = 1 << 20;
 constexpr absl::Duration kLogInterval = absl::Seconds(10);  // LogLimiter's
-
-// Sent before each message's payload, then the group name.
-struct FrameHeader {
-  uint32_t magic;
-  uint32_t group_bytes;
-  int64_t round_id;
-  int64_t message;
-  int64_t bytes;
-};
-static_assert(sizeof(FrameHeader) == 32);
 
 class ShmBuffer : public MappedBuffer {
  public:
@@ -79,12 +68,11 @@ bool StartSmallThread(std::function<void()> body, pthread_t* thread) {
 }
 
 // Reads and discards `bytes` of a frame's payload, so that the connection stays in step.
-absl::Status Drain(const Fd& fd, int64_t bytes, std::vector<std::byte>& scratch, absl::Time deadline,
-                   const std::string& peer) {
+absl::Status Drain(DataStream& stream, int64_t bytes, std::vector<std::byte>& scratch, absl::Time deadline) {
   scratch.resize(static_cast<size_t>(std::min<int64_t>(bytes, kDrainChunkBytes)));
   while (bytes > 0) {
     const size_t n = static_cast<size_t>(std::min<int64_t>(bytes, kDrainChunkBytes));
-    REFIT_RETURN_IF_ERROR(RecvAll(fd, {scratch.data(), n}, deadline, peer));
+    REFIT_RETURN_IF_ERROR(stream.RecvAll({scratch.data(), n}, deadline));
     bytes -= static_cast<int64_t>(n);
   }
   return absl::OkStatus();
@@ -95,8 +83,9 @@ absl::Status Drain(const Fd& fd, int64_t bytes, std::vector<std::byte>& scratch,
 // One accepted connection, read by its own thread.
 struct HostBackend::Connection {
   int64_t id = 0;
-  Fd fd;  // closed by its reader when it ends (under mu_, so Shutdown never meets a reused fd)
-  std::string peer;
+  // Closed by its reader when it ends (under mu_, so Shutdown never meets a reused fd); made TLS
+  // by its reader, which keeps the descriptor (so Shutdown from another thread stays valid).
+  DataStream stream;
   pthread_t thread{};
 };
 
@@ -190,9 +179,16 @@ absl::StatusOr<std::unique_ptr<HostBackend>> HostBackend::Start(const std::strin
 
 absl::StatusOr<std::unique_ptr<HostBackend>> HostBackend::Start(const std::string& listen_address,
                                                                 const HostBackendOptions& options) {
+  std::unique_ptr<TlsContext> tls;
+  if (options.tls.enabled()) {
+    auto loaded = TlsContext::Load(options.tls);
+    if (!loaded.ok()) return Annotate(loaded.status(), "data plane TLS");
+    tls = *std::move(loaded);
+  }
   auto listening = TcpListen(listen_address);
   if (!listening.ok()) return listening.status();
   std::unique_ptr<HostBackend> b(new HostBackend(options));
+  b->tls_ = std::move(tls);
   b->listener_ = std::move(listening->first);
   b->address_ = listening->second;
   // Non-blocking: the acceptor polls it beside its wake-up descriptor, and an accept after a
@@ -215,7 +211,7 @@ HostBackend::~HostBackend() {
     absl::MutexLock lock(&mu_);
     stopping_ = true;
     for (auto& [key, job] : jobs_) jobs.push_back(job);
-    for (auto& [id, c] : connections_) c->fd.Shutdown();
+    for (auto& [id, c] : connections_) c->stream.Shutdown();
     jobs_changed_.SignalAll();
   }
   for (auto& job : jobs) job->Fail(absl::CancelledError("data plane shutting down"));
@@ -241,10 +237,14 @@ void HostBackend::Wake() {
 }
 
 HostConnectionStats HostBackend::connection_stats() const {
-  absl::MutexLock lock(&mu_);
-  HostConnectionStats s = counters_;
-  s.reader_threads = static_cast<int64_t>(connections_.size());
-  s.cached_outgoing = static_cast<int64_t>(outgoing_.size());
+  HostConnectionStats s;
+  {
+    absl::MutexLock lock(&mu_);
+    s = counters_;
+    s.reader_threads = static_cast<int64_t>(connections_.size());
+    s.cached_outgoing = static_cast<int64_t>(outgoing_.size());
+  }
+  if (tls_ != nullptr) s.tls_reloads = tls_->reloads();  // its own lock, never held with mu_
   return s;
 }
 
@@ -333,8 +333,7 @@ void HostBackend::AcceptLoop() {
       }
       auto c = std::make_unique<Connection>();
       c->id = next_connection_++;
-      c->fd = std::move(fd);
-      c->peer = absl::StrCat("the data connection from ", peer);
+      c->stream = DataStream(std::move(fd), absl::StrCat("the data connection from ", peer));
       Connection* raw = c.get();
       if (!StartSmallThread([this, raw] { ReadLoop(raw); }, &c->thread)) {
         log->error("data plane {}: no thread to read a data connection from {}: {}", address_, peer,
@@ -351,7 +350,7 @@ void HostBackend::AcceptLoop() {
 void HostBackend::EndReader(Connection* c) {
   {
     absl::MutexLock lock(&mu_);
-    c->fd.Close();
+    c->stream.Close();
     --counters_.open_incoming;
     finished_.push_back(c->id);
   }
@@ -381,32 +380,49 @@ HostBackend::FrameFate HostBackend::FindJob(const RoundKey& key, absl::Time dead
 // One thread per accepted connection: read a frame, land it in this node's buffers, or drop it
 // whole if its round is over here.
 void HostBackend::ReadLoop(Connection* c) {
-  const Fd& fd = c->fd;  // only EndReader closes it
-  const std::string& peer = c->peer;
+  DataStream& stream = c->stream;  // only EndReader closes it
+  const Fd& fd = stream.fd();
+  const std::string& peer = stream.peer();
   auto log = Logger("xfer");
   std::string more;
   std::vector<std::byte> staging;
   std::string group;
+  if (tls_ != nullptr) {
+    // Here, not in the acceptor: a peer that stalls its handshake holds only this thread, and
+    // only for frame_wait.
+    if (auto s = stream.AcceptTls(*tls_, absl::Now() + options_.frame_wait); !s.ok()) {
+      {
+        absl::MutexLock lock(&mu_);
+        ++counters_.tls_refused;
+      }
+      if (drops_log_.Allow(&more)) log->warn("data plane {}: refused a data connection: {}{}", address_, std::string(s.message()), more);
+      EndReader(c);
+      return;
+    }
+  }
   while (true) {
-    FrameHeader h;
-    auto* header = reinterpret_cast<std::byte*>(&h);
+    std::array<std::byte, kFrameHeaderBytes> wire;
     // Between rounds a connection idles: wait for a frame's first byte without a deadline, until
     // the peer closes it or this backend stops (shutdown wakes the read). The rest of the frame
     // comes by a deadline.
-    if (!RecvAll(fd, {header, 1}, absl::InfiniteFuture(), peer).ok()) break;
+    if (!stream.RecvAll({wire.data(), 1}, absl::InfiniteFuture()).ok()) break;
     const absl::Time deadline = absl::Now() + options_.frame_wait;
-    if (auto s = RecvAll(fd, {header + 1, sizeof h - 1}, deadline, peer); !s.ok()) {
+    if (auto s = stream.RecvAll(std::span(wire).subspan(1), deadline); !s.ok()) {
       if (drops_log_.Allow(&more)) {
         log->warn("dropping {}: a frame header broke off: {}{}", peer, std::string(s.message()), more);
       }
       break;
     }
-    if (h.magic != kMagic || h.group_bytes > kMaxGroupBytes || h.bytes < 0 || h.message < 0) {
-      if (drops_log_.Allow(&more)) log->error("dropping {}: malformed frame header{}", peer, more);
+    const absl::StatusOr<FrameHeader> parsed = ParseFrameHeader(wire);
+    if (!parsed.ok()) {
+      if (drops_log_.Allow(&more)) {
+        log->error("dropping {}: malformed frame header: {}{}", peer, std::string(parsed.status().message()), more);
+      }
       break;
     }
+    const FrameHeader& h = *parsed;
     group.resize(h.group_bytes);
-    if (auto s = RecvAll(fd, {reinterpret_cast<std::byte*>(group.data()), group.size()}, deadline, peer); !s.ok()) {
+    if (auto s = stream.RecvAll({reinterpret_cast<std::byte*>(group.data()), group.size()}, deadline); !s.ok()) {
       if (drops_log_.Allow(&more)) {
         log->warn("dropping {}: a frame header broke off: {}{}", peer, std::string(s.message()), more);
       }
@@ -423,15 +439,13 @@ void HostBackend::ReadLoop(Connection* c) {
     }
     if (fate == FrameFate::kDeliver) {
       const Plan& plan = *job->job.plan;
-      if (h.message >= static_cast<int64_t>(plan.messages.size()) || !job->IsIncoming(plan.messages[h.message]) ||
-          plan.messages[h.message].bytes != h.bytes) {
-        job->Fail(absl::DataLossError(absl::StrCat("round ", h.round_id, ": a peer sent message ", h.message,
-                                                   " of ", h.bytes, " bytes, which this node does not expect")));
+      if (absl::Status s = CheckFrameForPlan(h, plan, job->job.node); !s.ok()) {
+        job->Fail(std::move(s));
         break;
       }
       if (job->BeginFrame(fd.get())) {
         staging.resize(static_cast<size_t>(h.bytes));
-        const absl::Status s = RecvAll(fd, staging, job->job.deadline, peer);
+        const absl::Status s = stream.RecvAll(staging, job->job.deadline);
         if (!job->EndFrame(fd.get())) break;  // the round failed meanwhile; the socket is shut down
         if (!s.ok()) {
           // Not this round's failure: the sender sends the message again on a fresh connection
@@ -450,7 +464,7 @@ void HostBackend::ReadLoop(Connection* c) {
       }
       // The round failed or ended here before this frame: drop it like any late one.
     }
-    if (auto s = Drain(fd, h.bytes, staging, absl::Now() + options_.frame_wait, peer); !s.ok()) {
+    if (auto s = Drain(stream, h.bytes, staging, absl::Now() + options_.frame_wait); !s.ok()) {
       if (drops_log_.Allow(&more)) {
         log->warn("dropping {}: a late frame of round {} of group \"{}\" broke off: {}{}", peer, h.round_id,
                   group, std::string(s.message()), more);
@@ -570,21 +584,22 @@ absl::StatusOr<int32_t> HostBackend::GpuIndex(const std::string& name) {
   return absl::InvalidArgumentError(absl::StrCat("gpu_uuid \"", name, "\" given but this daemon runs --backend host"));
 }
 
-Fd HostBackend::TakeCached(const std::string& address) {
-  Fd fd;
+DataStream HostBackend::TakeCached(const std::string& address) {
+  DataStream stream;
   {
     absl::MutexLock lock(&mu_);
     auto it = outgoing_.find(address);
-    if (it == outgoing_.end()) return fd;
-    fd = std::move(it->second);
+    if (it == outgoing_.end()) return stream;
+    stream = std::move(it->second);
     outgoing_.erase(it);
   }
-  // The peer never writes on a data connection: anything to read is its close or an error (it
-  // restarted, or dropped the connection). Such a connection could swallow a frame without an
-  // error here, so it is never reused.
-  pollfd p{fd.get(), POLLIN | POLLRDHUP, 0};
-  if (poll(&p, 1, 0) != 0) fd.Close();
-  return fd;
+  // The peer never writes on a data connection (after TLS's handshake and its one byte, which
+  // ConnectTls consumed): anything to read is its close or an error (it restarted, or dropped
+  // the connection). Such a connection could swallow a frame without an error here, so it is
+  // never reused.
+  pollfd p{stream.fd().get(), POLLIN | POLLRDHUP, 0};
+  if (poll(&p, 1, 0) != 0) stream.Close();
+  return stream;
 }
 
 void HostBackend::DropOutgoing(const std::vector<std::string>& peers) {
@@ -612,30 +627,47 @@ absl::Status HostBackend::Send(Job& job, const Message& m, int64_t index,
   }
   const std::string peer = absl::StrCat("node ", node, " (", addr->second, ")");
   PackMessage(plan, m, job.job.src, job.job.dst, staging);
-  FrameHeader h{kMagic, static_cast<uint32_t>(job.job.group.size()), job.job.round_id, index, m.bytes};
+  FrameHeader h;
+  h.group_bytes = static_cast<uint32_t>(job.job.group.size());
+  h.round_id = job.job.round_id;
+  h.message = index;
+  h.bytes = m.bytes;
+  // Header and group name in one write (one TLS record).
+  std::vector<std::byte> prefix(kFrameHeaderBytes + job.job.group.size());
+  const auto wire = EncodeFrameHeader(h);
+  std::copy(wire.begin(), wire.end(), prefix.begin());
+  std::memcpy(prefix.data() + kFrameHeaderBytes, job.job.group.data(), job.job.group.size());
   // A cached connection may have died since the last round: one fresh try.
   for (int attempt = 0; attempt < 2; ++attempt) {
-    Fd fd = attempt == 0 ? TakeCached(addr->second) : Fd();
-    if (!fd.valid()) {
+    DataStream stream = attempt == 0 ? TakeCached(addr->second) : DataStream();
+    const bool fresh = !stream.valid();
+    if (fresh) {
       auto c = TcpConnect(addr->second, job.job.deadline);
       if (!c.ok()) return absl::UnavailableError(absl::StrCat("cannot reach ", peer, ": ", c.status().message()));
-      fd = *std::move(c);
+      stream = DataStream(*std::move(c), peer);
     }
-    if (!job.BeginFrame(fd.get())) return job.status();  // the round failed: fd goes unused
-    absl::Status s = SendAll(fd, {reinterpret_cast<const std::byte*>(&h), sizeof h}, job.job.deadline, peer);
-    if (s.ok()) {
-      s = SendAll(fd, {reinterpret_cast<const std::byte*>(job.job.group.data()), job.job.group.size()},
-                  job.job.deadline, peer);
+    const int fd = stream.fd().get();
+    // Marked before the handshake too, so that a Cancel ends a handshake that stalls.
+    if (!job.BeginFrame(fd)) return job.status();  // the round failed: the stream goes unused
+    absl::Status s;
+    if (fresh && tls_ != nullptr) {
+      // The destination must prove it is that node (another node's certificate will not do).
+      s = stream.ConnectTls(*tls_, node, job.job.deadline);
+      if (!s.ok()) {
+        if (!job.EndFrame(fd)) return job.status();
+        return absl::Status(s.code(), absl::StrCat("cannot reach ", peer, ": ", s.message()));
+      }
     }
-    if (s.ok()) s = SendAll(fd, staging, job.job.deadline, peer);
-    // Failed meanwhile (a Cancel): the frame may be cut off, and fd goes with it.
-    if (!job.EndFrame(fd.get())) return job.status();
+    s = stream.SendAll(prefix, job.job.deadline);
+    if (s.ok()) s = stream.SendAll(staging, job.job.deadline);
+    // Failed meanwhile (a Cancel): the frame may be cut off, and the stream goes with it.
+    if (!job.EndFrame(fd)) return job.status();
     if (s.ok()) {
       absl::MutexLock lock(&mu_);
-      if (!stopping_) outgoing_[addr->second] = std::move(fd);
+      if (!stopping_) outgoing_[addr->second] = std::move(stream);
       return absl::OkStatus();
     }
-    if (attempt == 1 || absl::IsDeadlineExceeded(s)) return s;  // fd goes: it may hold half a frame
+    if (attempt == 1 || absl::IsDeadlineExceeded(s)) return s;  // it goes: it may hold half a frame
   }
   return absl::InternalError("unreachable");
 }

@@ -21,6 +21,10 @@
 //   message broken off is not by itself a failure of the receiver's round: its sender sends it
 //   again on a fresh connection, or reports its own failure (the round's true reason).
 // - When Transfer returns, nothing writes into the round's memory any more.
+// - With `tls` configured, every data connection is mutual TLS (data_stream.h): a sender accepts
+//   only the certificate of the node it dials, a receiver only nodes' certificates. The receiver's
+//   handshake runs on the connection's reader thread, by `frame_wait`, so a peer that stalls or
+//   fails it holds nothing but its own thread. Without it, plain TCP.
 #pragma once
 
 #include <sys/types.h>
@@ -35,7 +39,9 @@
 #include "absl/synchronization/mutex.h"
 #include "client/shared_memory.h"
 #include "daemon/backend.h"
+#include "daemon/data_stream.h"
 #include "daemon/socket.h"
+#include "daemon/tls_config.h"
 
 namespace refit {
 
@@ -49,6 +55,8 @@ struct HostBackendOptions {
   absl::Duration accept_backoff = absl::Milliseconds(100);
   // Rounds remembered as over (their late frames are dropped), the oldest forgotten first.
   int ended_rounds = 1024;
+  // Mutual TLS on every data connection when enabled() (DaemonConfig::tls); else plain TCP.
+  TlsConfig tls;
 };
 
 // Counters of the data connections, for tests and logs.
@@ -59,6 +67,8 @@ struct HostConnectionStats {
   int64_t refused = 0;         // over max_incoming
   int64_t accept_errors = 0;
   int64_t stale_frames = 0;    // frames of rounds over here, read and dropped
+  int64_t tls_refused = 0;     // incoming connections whose TLS handshake or peer failed
+  int64_t tls_reloads = 0;     // TLS contexts replaced since start (rotated files)
   int64_t cached_outgoing = 0;
 };
 
@@ -119,7 +129,7 @@ class HostBackend : public DataBackend {
   FrameFate FindJob(const RoundKey& key, absl::Time deadline, std::shared_ptr<Job>* job)
       ABSL_LOCKS_EXCLUDED(mu_);
   absl::Status Send(Job& job, const Message& m, int64_t index, std::vector<std::byte>& staging);
-  Fd TakeCached(const std::string& address) ABSL_LOCKS_EXCLUDED(mu_);
+  DataStream TakeCached(const std::string& address) ABSL_LOCKS_EXCLUDED(mu_);
   void RememberEnded(const RoundKey& key) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void DropOutgoing(const std::vector<std::string>& peers) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void Wake();
@@ -128,6 +138,7 @@ class HostBackend : public DataBackend {
   std::string address_;
   Fd listener_;  // non-blocking
   Fd wake_;      // eventfd: a reader ended, or the backend stops
+  std::unique_ptr<TlsContext> tls_;  // null: plain TCP
   std::thread acceptor_;
   LogLimiter accept_errors_log_, refusals_log_, drops_log_, stale_log_;
 
@@ -144,7 +155,7 @@ class HostBackend : public DataBackend {
   std::vector<int64_t> finished_ ABSL_GUARDED_BY(mu_);
   int64_t next_connection_ ABSL_GUARDED_BY(mu_) = 0;
   HostConnectionStats counters_ ABSL_GUARDED_BY(mu_);
-  absl::flat_hash_map<std::string, Fd> outgoing_ ABSL_GUARDED_BY(mu_);  // cached, by address
+  absl::flat_hash_map<std::string, DataStream> outgoing_ ABSL_GUARDED_BY(mu_);  // cached, by address
 
   // Shared-memory objects mapped once each, by (name, size), while any buffer maps them.
   absl::Mutex segments_mu_;

@@ -9,6 +9,8 @@
 
 #include <catch2/catch.hpp>
 #include <algorithm>
+#include <cstdio>
+#include <cstdlib>
 #include <atomic>
 #include <cstring>
 #include <functional>
@@ -628,5 +630,259 @@ TEST_CASE("the acceptor survives EMFILE: it logs, backs off and accepts again") 
   CHECK(b.connection_stats().accept_errors == errors);
 }
 
+
+// ---------------------------------------------------------------------------------------------
+// Mutual TLS on the data connections (certificates made by tools/gen_certs.sh at test time).
+
+std::string Sh(const std::string& arg) { return absl::StrCat("'", arg, "'"); }
+
+// tools/gen_certs.sh from Bazel's runfiles (or the repository root, run by hand).
+std::string GenCertsScript() {
+  const char* srcdir = std::getenv("TEST_SRCDIR");
+  const char* workspace = std::getenv("TEST_WORKSPACE");
+  if (srcdir != nullptr) {
+    return absl::StrCat(srcdir, "/", workspace != nullptr ? workspace : "refit", "/tools/gen_certs.sh");
+  }
+  return "tools/gen_certs.sh";
+}
+
+std::string TempDir(const std::string& name) {
+  const char* tmp = std::getenv("TEST_TMPDIR");
+  std::string pattern = absl::StrCat(tmp != nullptr ? tmp : "/tmp", "/", name, "-XXXXXX");
+  REQUIRE(mkdtemp(pattern.data()) != nullptr);
+  return pattern;
+}
+
+// A cluster CA's material in a fresh directory: node-0..2, refit-operator, rogue/.
+std::string MakeCerts(const std::string& name) {
+  const std::string dir = TempDir(name);
+  const std::string command = absl::StrCat("bash ", Sh(GenCertsScript()), " ", Sh(dir), " 3 >/dev/null 2>&1");
+  INFO(command);
+  REQUIRE(std::system(command.c_str()) == 0);
+  return dir;
+}
+
+// The cluster's certificates, made once for the test binary.
+const std::string& Certs() {
+  static const std::string dir = MakeCerts("certs");
+  return dir;
+}
+
+TlsConfig Tls(const std::string& dir, const std::string& who, const std::string& ca_dir = "") {
+  TlsConfig t;
+  t.cert = absl::StrCat(dir, "/", who, ".pem");
+  t.key = absl::StrCat(dir, "/", who, ".key");
+  t.ca = absl::StrCat(ca_dir.empty() ? dir : ca_dir, "/ca.pem");
+  return t;
+}
+
+HostBackendOptions TlsOptions(const TlsConfig& tls) {
+  HostBackendOptions o;
+  o.tls = tls;
+  return o;
+}
+
+std::unique_ptr<HostBackend> StartTls(const TlsConfig& tls, const std::string& address = "127.0.0.1:0") {
+  auto b = HostBackend::Start(address, TlsOptions(tls));
+  INFO(b.status().message());
+  REQUIRE(b.ok());
+  return *std::move(b);
+}
+
+// Each node with its own certificate of `dir`.
+Cluster TlsCluster(int n, const std::string& dir = Certs()) {
+  Cluster c(0);
+  for (int i = 0; i < n; ++i) c.nodes.push_back(StartTls(Tls(dir, absl::StrCat("node-", i))));
+  return c;
+}
+
+// A TLS client as a peer would be, to `address`, which must be node `server_node`.
+absl::Status TlsDial(const std::string& address, const TlsConfig& tls, int32_t server_node) {
+  auto context = TlsContext::Load(tls);
+  INFO(context.status().message());
+  REQUIRE(context.ok());
+  DataStream stream(Dial(address), "the backend");
+  return stream.ConnectTls(**context, server_node, absl::Now() + absl::Seconds(5));
+}
+
+int64_t MessageInto(const Plan& plan, int32_t from, int32_t to) {
+  for (size_t i = 0; i < plan.messages.size(); ++i) {
+    const Message& m = plan.messages[i];
+    if (plan.gpus[m.src_gpu].node == from && plan.gpus[m.dst_gpu].node == to) return static_cast<int64_t>(i);
+  }
+  FAIL("no message from node " << from << " to node " << to);
+  return -1;
+}
+
+TEST_CASE("three host backends with mutual TLS execute one plan byte for byte, round after round") {
+  Fixture f;
+  Cluster c = TlsCluster(3);
+  Memory src(f.src), dst(f.dst);
+  for (int64_t round = 1; round <= 3; ++round) FullRound(c, f, src, dst, round);
+  for (auto& n : c.nodes) CHECK(n->connection_stats().tls_refused == 0);
+  CHECK(c.nodes[0]->connection_stats().cached_outgoing == 2);  // reused from round to round
+}
+
+TEST_CASE("TLS: a sender whose certificate another CA signed is refused, and nothing of it lands") {
+  Fixture f(6, 64, 48, 4096, 1);
+  Cluster c = TlsCluster(2);
+  // Its own certificate from the rogue CA (refit-node-0 all the same); it trusts the real CA, so
+  // the refusal is the receiver's.
+  c.nodes[0] = StartTls(Tls(Certs() + "/rogue", "node-0", Certs()));
+  Memory src(f.src), dst(f.dst);
+  FillSources(f.src, MakeFillSpec(f.src, f.dst, 1), src.all);
+  PoisonDestinations(dst.all);
+  const std::vector<std::byte> before = Snapshot(dst.all);
+  {
+    Round r(c, f, src, dst, 1, absl::Seconds(2));
+    r.Join();
+    INFO(r.result(0).status().message());
+    REQUIRE_FALSE(r.result(0).ok());  // the sender learns it at once, not at the deadline
+    CHECK(r.took(0) < absl::Seconds(1));
+    CHECK(std::string(r.result(0).status().message()).find("did not accept this node's certificate") !=
+          std::string::npos);
+    INFO(r.result(1).status().message());
+    CHECK(absl::IsDeadlineExceeded(r.result(1).status()));  // the receiver never took its bytes
+    CHECK(std::string(r.result(1).status().message()).find("node 0") != std::string::npos);
+  }
+  CHECK(Snapshot(dst.all) == before);
+  CHECK(c.nodes[1]->connection_stats().tls_refused >= 1);
+  c.nodes[0] = StartTls(Tls(Certs(), "node-0"));
+  FullRound(c, f, src, dst, 2);
+}
+
+TEST_CASE("TLS: a plaintext peer is dropped without harm; the next round runs") {
+  Fixture f(6, 64, 48, 4096, 1);
+  HostBackendOptions options = TlsOptions(Tls(Certs(), "node-1"));
+  options.frame_wait = absl::Milliseconds(500);
+  Cluster c = TlsCluster(1);
+  auto receiver = HostBackend::Start("127.0.0.1:0", options);
+  REQUIRE(receiver.ok());
+  c.nodes.push_back(*std::move(receiver));
+  Memory src(f.src), dst(f.dst);
+  FullRound(c, f, src, dst, 1);
+  const int64_t into_1 = MessageInto(*f.plan, 0, 1);
+  const int64_t bytes = f.plan->messages[into_1].bytes;
+  // A frame of round 2 in the clear while round 2 runs on node 1: refused before a byte of it is read.
+  const TransferJob lonely = LonelyJob(f, dst, *c.nodes[1], 1, 2, absl::Seconds(1));
+  const std::vector<std::byte> before = Snapshot(dst.all);
+  absl::StatusOr<TransferStats> r = absl::UnknownError("not run");
+  std::thread t([&] { r = c.nodes[1]->Transfer(lonely); });
+  Fd plain = Dial(c.nodes[1]->data_address());
+  SendFrameHeader(plain, "policy", 2, into_1, bytes);
+  const std::vector<std::byte> garbage(static_cast<size_t>(bytes), std::byte{0x5a});
+  SendBytes(plain, garbage.data(), garbage.size());
+  CHECK(ClosedWithin(plain, absl::Seconds(5)));
+  Fd silent = Dial(c.nodes[1]->data_address());  // says nothing: dropped at frame_wait
+  CHECK(ClosedWithin(silent, absl::Seconds(5)));
+  t.join();
+  CHECK(absl::IsDeadlineExceeded(r.status()));
+  CHECK(Snapshot(dst.all) == before);
+  CHECK(c.nodes[1]->connection_stats().tls_refused == 2);
+  REQUIRE(Eventually([&] { return c.nodes[1]->connection_stats().open_incoming == 1; }));  // node 0's
+  FullRound(c, f, src, dst, 3);
+}
+
+TEST_CASE("TLS: a client certificate that is not a node's is refused (refit-operator)") {
+  auto b = StartTls(Tls(Certs(), "node-1"));
+  const absl::Status s = TlsDial(b->data_address(), Tls(Certs(), "refit-operator"), 1);
+  INFO(s.message());
+  CHECK_FALSE(s.ok());
+  REQUIRE(Eventually([&] { return b->connection_stats().tls_refused == 1; }));
+  // A node's is accepted; and a rogue CA's node certificate is not.
+  CHECK(TlsDial(b->data_address(), Tls(Certs(), "node-0"), 1).ok());
+  CHECK_FALSE(TlsDial(b->data_address(), Tls(Certs() + "/rogue", "node-0", Certs()), 1).ok());
+  REQUIRE(Eventually([&] { return b->connection_stats().tls_refused == 2; }));
+}
+
+TEST_CASE("TLS: the sender refuses a destination whose certificate is another node's") {
+  Fixture f(6, 64, 48, 4096, 1);
+  Cluster c = TlsCluster(2);
+  c.nodes[1] = StartTls(Tls(Certs(), "node-2"));  // listening where node 1 should be
+  Memory src(f.src), dst(f.dst);
+  PoisonDestinations(dst.all);
+  const std::vector<std::byte> before = Snapshot(dst.all);
+  Round r(c, f, src, dst, 1, absl::Seconds(2));
+  r.Join();
+  INFO(r.result(0).status().message());
+  CHECK(absl::IsPermissionDenied(r.result(0).status()));
+  CHECK(std::string(r.result(0).status().message()).find("not refit-node-1") != std::string::npos);
+  CHECK(r.took(0) < absl::Seconds(1));
+  CHECK(Snapshot(dst.all) == before);
+  // Directly too: node 1's own certificate is wanted.
+  CHECK(absl::IsPermissionDenied(TlsDial(c.nodes[1]->data_address(), Tls(Certs(), "node-0"), 1)));
+  CHECK(TlsDial(c.nodes[1]->data_address(), Tls(Certs(), "node-0"), 2).ok());
+}
+
+void CopyFile(const std::string& from, const std::string& to) {
+  const std::string command = absl::StrCat("cp ", Sh(from), " ", Sh(to));
+  REQUIRE(std::system(command.c_str()) == 0);
+}
+
+// Node n's files in a directory of their own, as a mounted Secret would be.
+TlsConfig InstallNode(const std::string& certs, int n, const std::string& into) {
+  const TlsConfig t = Tls(into, "node");
+  CopyFile(absl::StrCat(certs, "/node-", n, ".pem"), t.cert);
+  CopyFile(absl::StrCat(certs, "/node-", n, ".key"), t.key);
+  CopyFile(absl::StrCat(certs, "/ca.pem"), t.ca);
+  return t;
+}
+
+TEST_CASE("TLS: rotated certificate files are picked up by new connections; a bad file keeps the old ones") {
+  Fixture f(6, 64, 48, 4096, 1);
+  const std::string next = MakeCerts("rotated");  // another CA: old and new cannot talk
+  std::vector<std::string> dirs = {TempDir("node0"), TempDir("node1")};
+  std::vector<TlsConfig> tls;
+  for (int n = 0; n < 2; ++n) {
+    tls.push_back(InstallNode(Certs(), n, dirs[n]));
+    tls.back().reload = absl::Milliseconds(20);
+  }
+  Cluster c(0);
+  for (int n = 0; n < 2; ++n) c.nodes.push_back(StartTls(tls[n]));
+  Memory src(f.src), dst(f.dst);
+  FullRound(c, f, src, dst, 1);
+
+  for (int n = 0; n < 2; ++n) InstallNode(next, n, dirs[n]);
+  absl::SleepFor(absl::Milliseconds(50));
+  // Node 1 now answers with the new certificate and trusts only the new CA.
+  CHECK_FALSE(TlsDial(c.nodes[1]->data_address(), Tls(Certs(), "node-0"), 1).ok());
+  CHECK(TlsDial(c.nodes[1]->data_address(), Tls(next, "node-0"), 1).ok());
+  CHECK(c.nodes[1]->connection_stats().tls_reloads == 1);
+  // Node 1 restarted with the new files: node 0's cached connection is gone, its new one must
+  // present node 0's new certificate.
+  const std::string address = c.nodes[1]->data_address();
+  c.nodes[1].reset();
+  c.nodes[1] = StartTls(tls[1], address);
+  FullRound(c, f, src, dst, 2);
+  CHECK(c.nodes[0]->connection_stats().tls_reloads == 1);
+
+  // A broken certificate file: logged, and the context that works stays.
+  {
+    std::FILE* out = std::fopen(tls[0].cert.c_str(), "w");
+    REQUIRE(out != nullptr);
+    std::fputs("-----BEGIN CERTIFICATE-----\nnot one\n-----END CERTIFICATE-----\n", out);
+    std::fclose(out);
+  }
+  absl::SleepFor(absl::Milliseconds(50));
+  c.nodes[1].reset();
+  c.nodes[1] = StartTls(tls[1], address);
+  FullRound(c, f, src, dst, 3);
+  CHECK(c.nodes[0]->connection_stats().tls_reloads == 1);
+  // Mended: loaded again.
+  CopyFile(absl::StrCat(next, "/node-0.pem"), tls[0].cert);
+  absl::SleepFor(absl::Milliseconds(50));
+  c.nodes[1].reset();
+  c.nodes[1] = StartTls(tls[1], address);
+  FullRound(c, f, src, dst, 4);
+  CHECK(c.nodes[0]->connection_stats().tls_reloads == 2);
+}
+
+TEST_CASE("TLS: a backend whose certificate files do not load does not start") {
+  TlsConfig t = Tls(Certs(), "node-0");
+  t.key = Certs() + "/node-1.key";  // not the certificate's key
+  auto b = HostBackend::Start("127.0.0.1:0", TlsOptions(t));
+  REQUIRE_FALSE(b.ok());
+  CHECK(std::string(b.status().message()).find("node-1.key") != std::string::npos);
+}
 }  // namespace
 }  // namespace refit

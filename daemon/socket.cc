@@ -52,8 +52,9 @@ int MillisUntil(absl::Time deadline) {
   return ms <= 0 ? 0 : static_cast<int>(std::min<int64_t>(ms, 1 << 30));
 }
 
-// Waits until fd is ready for `events`; DEADLINE_EXCEEDED past the deadline.
-absl::Status WaitFor(int fd, short events, absl::Time deadline, const std::string& what) {
+}  // namespace
+
+absl::Status WaitReady(int fd, short events, absl::Time deadline, const std::string& what) {
   while (true) {
     pollfd p{fd, events, 0};
     const int ms = MillisUntil(deadline);
@@ -63,8 +64,6 @@ absl::Status WaitFor(int fd, short events, absl::Time deadline, const std::strin
     if (errno != EINTR) return Errno(what);
   }
 }
-
-}  // namespace
 
 Fd& Fd::operator=(Fd&& o) noexcept {
   if (this != &o) {
@@ -128,7 +127,7 @@ absl::StatusOr<Fd> TcpConnect(const std::string& address, absl::Time deadline) {
   if (!fd.valid()) return Errno("socket");
   if (connect(fd.get(), reinterpret_cast<sockaddr*>(&*sa), sizeof *sa) != 0) {
     if (errno != EINPROGRESS) return Errno(absl::StrCat("connect to ", address));
-    if (auto s = WaitFor(fd.get(), POLLOUT, deadline, absl::StrCat("connect to ", address)); !s.ok()) {
+    if (auto s = WaitReady(fd.get(), POLLOUT, deadline, absl::StrCat("connect to ", address)); !s.ok()) {
       return s;
     }
     int err = 0;
@@ -155,7 +154,7 @@ absl::Status SendAll(const Fd& fd, std::span<const std::byte> data, absl::Time d
       continue;
     }
     if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR)) {
-      if (auto s = WaitFor(fd.get(), POLLOUT, deadline, absl::StrCat("sending to ", peer)); !s.ok()) {
+      if (auto s = WaitReady(fd.get(), POLLOUT, deadline, absl::StrCat("sending to ", peer)); !s.ok()) {
         return s;
       }
       continue;
@@ -178,7 +177,7 @@ absl::Status RecvAll(const Fd& fd, std::span<std::byte> data, absl::Time deadlin
       return absl::UnavailableError(absl::StrCat(peer, " closed the connection"));
     }
     if (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR) {
-      if (auto s = WaitFor(fd.get(), POLLIN, deadline, absl::StrCat("receiving from ", peer)); !s.ok()) {
+      if (auto s = WaitReady(fd.get(), POLLIN, deadline, absl::StrCat("receiving from ", peer)); !s.ok()) {
         return s;
       }
       continue;

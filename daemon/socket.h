@@ -35,6 +35,10 @@ class Fd {
 absl::StatusOr<std::pair<Fd, std::string>> TcpListen(const std::string& address);
 // Accepts one connection; UNAVAILABLE when the listener was shut down.
 absl::StatusOr<Fd> TcpAccept(const Fd& listener);
+// Waits until `fd` is ready for poll(2) `events`; DEADLINE_EXCEEDED past the deadline (the message
+// begins with `what`).
+absl::Status WaitReady(int fd, short events, absl::Time deadline, const std::string& what);
+
 absl::StatusOr<Fd> TcpConnect(const std::string& address, absl::Time deadline);
 
 // Write or read exactly the span, or fail: DEADLINE_EXCEEDED, or UNAVAILABLE when the peer

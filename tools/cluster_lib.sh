@@ -4,6 +4,19 @@
 
 declare -A DAEMON_PID WORKER_PID
 CTL_ADDR=""
+CLUSTER_LIB_DIR=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
+
+# REFIT_TEST_TLS=1: mutual TLS between the daemons and for refitctl (as refit-operator), with
+# certificates made for this run (tools/gen_certs.sh: $RUN/certs).
+tls_flags() {
+  [ "${REFIT_TEST_TLS:-}" = 1 ] || return 0
+  local node=$1 certs="$RUN/certs"
+  if [ ! -s "$certs/ca.pem" ]; then
+    bash "$CLUSTER_LIB_DIR/gen_certs.sh" "$certs" 8 intruder >/dev/null 2>&1 || { echo "gen_certs.sh failed" >&2; return 1; }
+  fi
+  export REFIT_TLS_CERT="$certs/refit-operator.pem" REFIT_TLS_KEY="$certs/refit-operator.key" REFIT_TLS_CA="$certs/ca.pem"
+  echo "--tls-cert $certs/node-$node.pem --tls-key $certs/node-$node.key --tls-ca $certs/ca.pem"
+}
 
 # start_daemon NODE [extra flags]: starts refitd for NODE; node 0 coordinates.
 start_daemon() {
@@ -11,9 +24,13 @@ start_daemon() {
   local coord=()
   [ "$node" -ne 0 ] && coord=(--coordinator "$CTL_ADDR")
   rm -f "$RUN/daemon$node.addr"
+  local tls
+  tls=$(tls_flags "$node") || return 1
+  tls_flags "$node" >/dev/null  # exports REFIT_TLS_* here (the line above ran in a subshell)
+  # shellcheck disable=SC2086 # tls: paths without spaces, split on purpose
   "$BIN/refitd" --node "$node" --listen 127.0.0.1:0 --data-listen 127.0.0.1:0 \
     --worker-socket "$RUN/refitd-$node.sock" --address-file "$RUN/daemon$node.addr" \
-    --heartbeat 0.2 --heartbeats-missed 5 "${coord[@]}" "$@" >>"$RUN/daemon$node.log" 2>&1 &
+    --heartbeat 0.2 --heartbeats-missed 5 $tls "${coord[@]}" "$@" >>"$RUN/daemon$node.log" 2>&1 &
   DAEMON_PID[$node]=$!
   for _ in $(seq 100); do
     [ -s "$RUN/daemon$node.addr" ] && break
@@ -21,6 +38,9 @@ start_daemon() {
     sleep 0.1
   done
   [ -s "$RUN/daemon$node.addr" ] || { echo "refitd $node did not start"; return 1; }
+  if [ -n "$tls" ] && ! grep -q "TLS: certificate" "$RUN/daemon$node.log"; then
+    echo "refitd $node was given TLS flags but does not say it uses TLS"; return 1
+  fi
   [ "$node" -eq 0 ] && CTL_ADDR=$(cut -d' ' -f1 "$RUN/daemon0.addr")
   return 0
 }

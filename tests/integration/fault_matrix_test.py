@@ -267,7 +267,7 @@ class Watch:
     def __init__(self, address, group):
         self.events = []
         self._cv = threading.Condition()
-        self._channel = grpc.insecure_channel(address)
+        self._channel = refit.tls.channel(address)  # TLS when the cluster runs it ($REFIT_TLS_*)
         stub = _rpc.Stub(self._channel, "RefitControl")
         self._call = stub.WatchRounds(refit_pb2.WatchRoundsRequest(group=group))
         self._thread = threading.Thread(target=self._run, daemon=True)

@@ -12,12 +12,13 @@ _EXPORTS = {
     "Controller": "refit.controller", "RefitError": "refit.controller", "RoundResult": "refit.controller",
     "SharedArena": "refit.shm", "share_module_": "refit.shm",
     "Round": "refit.worker", "Worker": "refit.worker",
+    "TlsFiles": "refit.tls",
     "RegistrationError": "refit.errors", "ExportError": "refit.errors", "HandoverError": "refit.errors",
 }
 
 
 _SUBMODULES = {"controller", "cuda", "dtypes", "errors", "export", "handles", "layout_io", "layouts",
-               "pattern", "shm", "worker"}
+               "pattern", "shm", "tls", "worker"}
 
 
 def __getattr__(name):

@@ -16,6 +16,7 @@ import grpc
 from google.protobuf import json_format
 
 from refit import _rpc
+from refit.tls import channel as tls_channel
 from refit._proto import refit_pb2
 
 ROUND_STATES = {v: k for k, v in refit_pb2.RoundStats.State.items()}
@@ -125,12 +126,12 @@ class RoundResult:
 
 
 class Controller:
-    def __init__(self, address, timeout=10.0):
+    def __init__(self, address, timeout=10.0, tls=None):
         """`address`: any refitd's "host:port" (or "unix:PATH"); calls other than refit() end
-        within `timeout` seconds."""
+        within `timeout` seconds. `tls`: refit.TlsFiles of an operator's or viewer's certificate
+        (default: $REFIT_TLS_CERT/KEY/CA when set; refit.tls)."""
         self.address, self.timeout = address, timeout
-        self._channel = grpc.insecure_channel(address, options=[
-            ("grpc.max_receive_message_length", 256 << 20)])
+        self._channel = tls_channel(address, tls, options=[("grpc.max_receive_message_length", 256 << 20)])
         self._stub = _rpc.Stub(self._channel, "RefitControl")
 
     def _call(self, method, request, timeout=None):

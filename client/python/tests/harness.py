@@ -42,6 +42,33 @@ def config_path(name):
     raise FileNotFoundError(name)
 
 
+def repo_file(rel):
+    """A file of the repository, from Bazel's runfiles or the source tree."""
+    for base in [os.path.join(os.environ.get("TEST_SRCDIR", ""), "refit"), REPO]:
+        p = os.path.join(base, rel)
+        if os.path.exists(p):
+            return p
+    raise FileNotFoundError(rel)
+
+
+def tls_wanted():
+    """$REFIT_TEST_TLS=1: every harness cluster runs with mutual TLS (the tests' `_tls` variants)."""
+    return os.environ.get("REFIT_TEST_TLS", "") == "1"
+
+
+def make_certs(directory, nodes=8):
+    """The cluster's TLS material (tools/gen_certs.sh): node-N, refit-operator, refit-viewer,
+    intruder (CA-signed, no role), and rogue/ (another CA's)."""
+    subprocess.run(["bash", repo_file("tools/gen_certs.sh"), directory, str(nodes), "intruder"], check=True,
+                   stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    return directory
+
+
+def tls_flags(certs, node):
+    return ["--tls-cert", os.path.join(certs, f"node-{node}.pem"), "--tls-key", os.path.join(certs, f"node-{node}.key"),
+            "--tls-ca", os.path.join(certs, "ca.pem")]
+
+
 def scratch():
     base = os.environ.get("TEST_TMPDIR") or tempfile.gettempdir()
     return tempfile.mkdtemp(prefix="refit-py-", dir=base)
@@ -65,6 +92,8 @@ class Daemon:
                "--data-listen", "127.0.0.1:0", "--worker-socket", self.socket,
                "--address-file", addr_file, "--heartbeat", "0.2", "--heartbeats-missed", "5",
                *self.cluster.daemon_flags, *self.extra]
+        if self.cluster.certs:
+            cmd += tls_flags(self.cluster.certs, self.node)
         if self.coordinator_addr:
             cmd += ["--coordinator", self.coordinator_addr]
         with open(self.log, "ab") as log:
@@ -76,6 +105,8 @@ class Daemon:
                     self.address = f.read().split()[0]
                 # Restarts keep the same address, as a daemon restarted by systemd or Kubernetes does.
                 self.listen = self.address
+                if self.cluster.certs and "TLS: certificate" not in self.tail(200):
+                    raise RuntimeError(f"refitd {self.node} was given TLS flags but does not say it uses TLS")
                 return self
             if self.proc.poll() is not None:
                 raise RuntimeError(f"refitd {self.node} exited: {self.tail()}")
@@ -114,8 +145,14 @@ class Cluster:
     """`nodes` daemons on loopback; node 0 coordinates. With `coordinator_file`, the others find
     it through a file (--coordinator file:PATH, `self.coordinator_file`), as when it may move."""
 
-    def __init__(self, nodes=2, daemon_flags=(), coordinator_file=False):
+    def __init__(self, nodes=2, daemon_flags=(), coordinator_file=False, tls=None):
+        """`tls`: mutual TLS between daemons and for control calls (default: $REFIT_TEST_TLS=1);
+        this process (and what it starts) then calls as refit-operator ($REFIT_TLS_*)."""
         self.dir = scratch()
+        self.certs = None
+        if tls if tls is not None else tls_wanted():
+            self.certs = make_certs(os.path.join(self.dir, "certs"))
+            self.use_identity("refit-operator")
         self.socket_dir = tempfile.mkdtemp(prefix="refit-", dir="/tmp")
         self.daemon_flags = list(daemon_flags)
         self.daemons = []
@@ -127,6 +164,12 @@ class Cluster:
                 self.name_coordinator(coord)
                 coord = "file:" + self.coordinator_file
             self.daemons.append(Daemon(self, n, coord, []).start())
+
+    def use_identity(self, name):
+        """Control calls from this process (refit.Controller, refitctl) as certificate `name`."""
+        os.environ["REFIT_TLS_CERT"] = os.path.join(self.certs, f"{name}.pem")
+        os.environ["REFIT_TLS_KEY"] = os.path.join(self.certs, f"{name}.key")
+        os.environ["REFIT_TLS_CA"] = os.path.join(self.certs, "ca.pem")
 
     def name_coordinator(self, address):
         """Rewrites the coordinator file atomically (as a Kubernetes ConfigMap update does)."""
@@ -155,6 +198,9 @@ class Cluster:
         return path
 
     def close(self):
+        if self.certs:
+            for name in ("REFIT_TLS_CERT", "REFIT_TLS_KEY", "REFIT_TLS_CA"):
+                os.environ.pop(name, None)
         for p in self.procs:
             if p.poll() is None:
                 p.terminate()

@@ -1,0 +1,425 @@
+"""Issue 15's attack suite: every attack the issue reported, performed against a TLS-configured
+cluster on loopback (three daemons, host backend, certificates made at test time with openssl by
+tools/gen_certs.sh), each asserted to fail with the right error, while the legitimate trainer and
+engine (Python pattern workers that check every destination byte at every commit) keep refitting.
+
+The attacker holds what a hostile process on the node or the network could get: a plaintext
+channel, a certificate of another CA, a certificate of the cluster's CA without a role (intruder),
+a viewer's, an operator's, another daemon's, even the coordinator's own (a stolen key without the
+incarnation), the worker socket, the data plane's port, /dev/shm and its own memfds."""
+import fcntl
+import os
+import re
+import socket
+import subprocess
+import sys
+import unittest
+from math import prod
+
+import grpc
+
+import harness
+
+sys.path.insert(0, os.path.dirname(harness.HERE))
+import refit  # noqa: E402
+from refit import _rpc, handles, layout_io  # noqa: E402
+from refit.dtypes import ELEMENT_BYTES  # noqa: E402
+from refit._proto import layout_pb2, refit_pb2  # noqa: E402
+from refit.tls import TlsFiles  # noqa: E402
+
+from e2e_lib import Reports, layouts, names, start_python  # noqa: E402
+
+F_GET_SEALS = 1034
+F_SEAL_SHRINK = 0x0002
+
+# One fp32 [8, 4] tensor, one buffer: what a hand-made registration declares.
+SMALL = {
+    "tensors": [{"name": "w", "shape": [8, 4], "dtype": "fp32"}],
+    "workers": [{"name": "rank0", "node": 0, "gpu": 0, "buffers": [
+        {"name": "w", "dtype": "fp32", "shape": [8, 4],
+         "pieces": [{"tensor": "w", "tensorBox": {"origin": [0, 0], "shape": [8, 4]}}]}]}],
+}
+SMALL_BYTES = 8 * 4 * 4
+
+
+def code_of(fn):
+    """The gRPC code `fn` fails with (OK if it does not fail)."""
+    try:
+        fn()
+    except grpc.RpcError as e:
+        return e.code()
+    return grpc.StatusCode.OK
+
+
+class AttackSuite(unittest.TestCase):
+    @classmethod
+    def setUpClass(cls):
+        cls.cluster = harness.Cluster(nodes=3, tls=True)
+        cls.certs = cls.cluster.certs
+        cls.reports = Reports(cls.cluster)
+        cls.files = layouts(cls.cluster)
+        cls.engines = []
+        for role, node in [("trainer", 0), ("inference", 1)]:
+            for w in names(cls.files[role]):
+                key = f"{role}-{w}"
+                start_python(cls.cluster, key, node, role, cls.files[role], w)
+                cls.reports.wait(key, "registered")
+                if role == "inference":
+                    cls.engines.append(key)
+        cls.trainer_ids = [f"policy/{w}" for w in names(cls.files["trainer"])]
+        cls.ctl = refit.Controller(cls.cluster.control, tls=cls.tls("refit-operator"))
+        cls.ctl.wait_ready("policy", timeout=30)
+        cls.version = 0
+        cls.channels = []
+
+    @classmethod
+    def tearDownClass(cls):
+        cls.ctl.close()
+        for c in cls.channels:
+            c.close()
+        cls.cluster.close()
+
+    # ---------------------------------------------------------------------------------------
+    @classmethod
+    def tls(cls, name, rogue=False):
+        d = os.path.join(cls.certs, "rogue") if rogue else cls.certs
+        base = name if not name.startswith("refit-node-") else f"node-{name[len('refit-node-'):]}"
+        return TlsFiles(os.path.join(d, f"{base}.pem"), os.path.join(d, f"{base}.key"),
+                        os.path.join(cls.certs, "ca.pem"))
+
+    def stub(self, address, service, identity=None, rogue=False, plaintext=False):
+        if plaintext or address.startswith("unix:"):
+            channel = grpc.insecure_channel(address)
+        else:
+            channel = refit.tls.channel(address, self.tls(identity, rogue))
+        self.channels.append(channel)
+        return _rpc.Stub(channel, service)
+
+    def refit_still_works(self):
+        """A legitimate round commits and every engine checked every byte of it."""
+        type(self).version += 1
+        v = self.version
+        stats = self.ctl.refit("policy", v, timeout=60)
+        self.assertTrue(stats.committed, stats)
+        for key in self.engines:
+            self.reports.wait(key, f"commit {v} ")
+            last = [l for l in self.reports.lines(key) if l.startswith(f"commit {v} ")][-1]
+            self.assertIn(" ok ", last, f"{key}: {last}")
+
+    def daemon(self, node):
+        return self.cluster.daemons[node]
+
+    def worker_socket(self, node):
+        return self.daemon(node).worker_address
+
+    def data_address(self, node):
+        text = open(self.daemon(node).log, errors="replace").read()
+        found = re.findall(r"data plane (\S+) \(host\)", text)
+        self.assertTrue(found, "the daemon logs its data plane address")
+        return found[-1]
+
+    def register_by_hand(self, node, group, name, role=refit_pb2.TRAINER, fds=None, shm=None, worker=None,
+                         tensors=None):
+        """A registration made byte by byte, as a hostile local process would (not the library)."""
+        layout = layout_pb2.Layout()
+        from google.protobuf import json_format
+        json_format.ParseDict(SMALL, layout)
+        request = refit_pb2.RegisterWorkerRequest(group=group, role=role)
+        request.worker.CopyFrom(worker if worker is not None else layout.workers[0])
+        request.worker.name = name
+        request.tensors.extend(tensors if tensors is not None else layout.tensors)
+        request.memory.append(refit_pb2.BufferMemory(shm=shm))
+        path = handles.handle_socket_path(self.worker_socket(node))
+        request.fd_token = handles.deliver(path, fds or [])
+        stub = self.stub(self.worker_socket(node), "RefitWorker")
+        return stub.Register(request, timeout=10)
+
+    # ---------------------------------------------------------------------------------------
+    # Control: who may steer and look.
+
+    def test_control_needs_a_certificate_of_the_cluster(self):
+        control = self.cluster.control
+        status = refit_pb2.StatusRequest()
+        refit_request = refit_pb2.RefitRequest(group="policy", version=1 << 40)
+        plain = self.stub(control, "RefitControl", plaintext=True)
+        self.assertEqual(code_of(lambda: plain.Status(status, timeout=5)), grpc.StatusCode.UNAVAILABLE)
+        # A server-authenticated channel without a client certificate: the handshake fails.
+        with open(os.path.join(self.certs, "ca.pem"), "rb") as f:
+            anonymous = grpc.secure_channel(control, grpc.ssl_channel_credentials(f.read()),
+                                            options=[("grpc.ssl_target_name_override", "refitd")])
+        self.channels.append(anonymous)
+        self.assertEqual(code_of(lambda: _rpc.Stub(anonymous, "RefitControl").Status(status, timeout=5)),
+                         grpc.StatusCode.UNAVAILABLE)
+        rogue = self.stub(control, "RefitControl", "refit-operator", rogue=True)
+        self.assertEqual(code_of(lambda: rogue.Refit(refit_request, timeout=5)), grpc.StatusCode.UNAVAILABLE)
+        intruder = self.stub(control, "RefitControl", "intruder")
+        self.assertEqual(code_of(lambda: intruder.Status(status, timeout=5)), grpc.StatusCode.PERMISSION_DENIED)
+        self.assertEqual(code_of(lambda: intruder.Refit(refit_request, timeout=5)), grpc.StatusCode.PERMISSION_DENIED)
+        self.refit_still_works()
+
+    def test_viewers_look_but_do_not_steer(self):
+        for node in (0, 1):  # the coordinator, and a node that would forward to it
+            viewer = self.stub(self.daemon(node).address, "RefitControl", "refit-viewer")
+            self.assertEqual(code_of(lambda: viewer.Status(refit_pb2.StatusRequest(), timeout=5)), grpc.StatusCode.OK)
+            try:
+                viewer.Refit(refit_pb2.RefitRequest(group="policy", version=1 << 40), timeout=5)
+                self.fail("a viewer started a refit")
+            except grpc.RpcError as e:
+                self.assertEqual(e.code(), grpc.StatusCode.PERMISSION_DENIED)
+                self.assertIn("refit-viewer", e.details())
+            self.assertEqual(code_of(lambda: viewer.StartRefit(refit_pb2.RefitRequest(group="policy", version=1 << 40),
+                                                               timeout=5)), grpc.StatusCode.PERMISSION_DENIED)
+        self.refit_still_works()
+
+    def test_worker_socket_serves_no_peer_calls_and_no_steering(self):
+        local_peer = self.stub(self.worker_socket(1), "RefitPeer")
+        commit = refit_pb2.PhaseRequest(phase=refit_pb2.PhaseRequest.COMMIT, group="policy", round_id=1, version=1000)
+        self.assertEqual(code_of(lambda: local_peer.RunPhase(commit, timeout=5)), grpc.StatusCode.UNIMPLEMENTED)
+        local_control = self.stub(self.worker_socket(1), "RefitControl")
+        self.assertEqual(code_of(lambda: local_control.Refit(refit_pb2.RefitRequest(group="policy", version=1 << 40),
+                                                             timeout=5)), grpc.StatusCode.PERMISSION_DENIED)
+        self.assertEqual(code_of(lambda: local_control.Status(refit_pb2.StatusRequest(), timeout=5)),
+                         grpc.StatusCode.OK)
+        # And the TCP port serves no workers: an operator's certificate cannot register one there.
+        remote_worker = self.stub(self.daemon(1).address, "RefitWorker", "refit-operator")
+        self.assertEqual(code_of(lambda: remote_worker.Register(refit_pb2.RegisterWorkerRequest(group="policy"),
+                                                                timeout=5)), grpc.StatusCode.UNIMPLEMENTED)
+        self.refit_still_works()
+
+    # ---------------------------------------------------------------------------------------
+    # Peers: only the coordinator steers a node, only a node speaks for itself.
+
+    def test_phases_straight_to_a_node_are_refused(self):
+        target = self.daemon(1).address
+        commit = refit_pb2.PhaseRequest(phase=refit_pb2.PhaseRequest.COMMIT, group="policy", round_id=1 << 40,
+                                        version=1000)
+        for identity in ("refit-operator", "refit-node-1", "refit-node-2"):
+            peer = self.stub(target, "RefitPeer", identity)
+            self.assertEqual(code_of(lambda: peer.RunPhase(commit, timeout=5)), grpc.StatusCode.PERMISSION_DENIED,
+                             identity)
+        # The coordinator's own certificate, stolen, without its incarnation.
+        stolen = self.stub(target, "RefitPeer", "refit-node-0")
+        self.assertEqual(code_of(lambda: stolen.RunPhase(commit, timeout=5)), grpc.StatusCode.FAILED_PRECONDITION)
+        # The coordinator takes no phases over the network at all.
+        at_coordinator = self.stub(self.cluster.control, "RefitPeer", "refit-node-1")
+        self.assertEqual(code_of(lambda: at_coordinator.RunPhase(commit, timeout=5)),
+                         grpc.StatusCode.PERMISSION_DENIED)
+        self.refit_still_works()
+        for key in self.engines:
+            self.assertFalse([l for l in self.reports.lines(key) if l.startswith("commit 1000 ")],
+                             f"{key} was told it holds version 1000")
+        self.assertEqual(int(self.ctl.group("policy")["version"]), self.version)
+
+    def test_a_plan_to_the_attackers_listener_is_refused(self):
+        listener = socket.socket()
+        listener.bind(("127.0.0.1", 0))
+        listener.listen(4)
+        listener.settimeout(0.1)
+        try:
+            status = self.ctl.status()
+            plan = refit_pb2.InstallPlanRequest(group="policy", epoch=1 << 40)
+            plan.nodes.add(node=1, data_address="127.0.0.1:%d" % listener.getsockname()[1])
+            for identity in ("refit-operator", "refit-node-2"):
+                peer = self.stub(self.daemon(1).address, "RefitPeer", identity)
+                self.assertEqual(code_of(lambda: peer.InstallPlan(plan, timeout=5)),
+                                 grpc.StatusCode.PERMISSION_DENIED, identity)
+                transfer = refit_pb2.PhaseRequest(phase=refit_pb2.PhaseRequest.TRANSFER, group="policy",
+                                                  round_id=1 << 40, epoch=1 << 40, timeout_ms=2000)
+                self.assertEqual(code_of(lambda: peer.RunPhase(transfer, timeout=5)),
+                                 grpc.StatusCode.PERMISSION_DENIED, identity)
+            with self.assertRaises(socket.timeout):
+                listener.accept()  # nobody sent the attacker anything
+            self.assertTrue(status["nodes"])
+        finally:
+            listener.close()
+        self.refit_still_works()
+
+    def test_forged_joins_do_not_drop_a_nodes_workers(self):
+        join = refit_pb2.JoinRequest(node=1, control_address="127.0.0.1:9", data_address="127.0.0.1:9",
+                                     incarnation=12345)
+        for identity in ("refit-node-2", "refit-operator", "intruder"):
+            peer = self.stub(self.cluster.control, "RefitPeer", identity)
+            for _ in range(5):
+                self.assertEqual(code_of(lambda: peer.Join(join, timeout=5)), grpc.StatusCode.PERMISSION_DENIED,
+                                 identity)
+            sync = refit_pb2.SyncWorkersRequest(node=1, incarnation=12345)
+            self.assertEqual(code_of(lambda: peer.SyncWorkers(sync, timeout=5)), grpc.StatusCode.PERMISSION_DENIED)
+        workers = {w["worker_id"] for w in self.ctl.workers("policy")}
+        for key in self.engines:
+            self.assertIn("policy/" + key[len("inference-"):], workers)
+        self.refit_still_works()
+
+    # ---------------------------------------------------------------------------------------
+    # Workers: names belong to their sessions, memory goes by sealed descriptor.
+
+    def test_an_impostor_cannot_take_a_trainers_name(self):
+        local = self.stub(self.worker_socket(0), "RefitWorker")
+        victim = self.trainer_ids[0]
+        for key in ("", "0" * 32):
+            try:
+                local.Unregister(refit_pb2.UnregisterWorkerRequest(worker_id=victim, session_key=key), timeout=5)
+                self.fail("a worker was unregistered without its session's key")
+            except grpc.RpcError as e:
+                self.assertEqual(e.code(), grpc.StatusCode.PERMISSION_DENIED, e.details())
+        # The impostor declares exactly the victim's part of the layout, with memory of its own.
+        worker, specs = layout_io.one_worker(self.files["trainer"], victim.split("/", 1)[1])
+        sizes = [ELEMENT_BYTES[b.dtype] * prod(b.shape) for b in worker.buffers]
+        fd = os.memfd_create("impostor", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+        try:
+            os.ftruncate(fd, sum(sizes))
+            request = refit_pb2.RegisterWorkerRequest(group="policy", role=refit_pb2.TRAINER)
+            request.worker.CopyFrom(worker)
+            request.tensors.extend(specs)
+            offset = 0
+            for size in sizes:
+                request.memory.append(refit_pb2.BufferMemory(shm=refit_pb2.SharedMemory(fd=1, offset=offset,
+                                                                                        size=sum(sizes))))
+                offset += size
+            request.fd_token = handles.deliver(handles.handle_socket_path(self.worker_socket(0)), [fd])
+            try:
+                local.Register(request, timeout=10)
+                self.fail("an impostor registered under a live trainer's name")
+            except grpc.RpcError as e:
+                self.assertEqual(e.code(), grpc.StatusCode.ALREADY_EXISTS, e.details())
+        finally:
+            os.close(fd)
+        self.assertIn(victim, {w["worker_id"] for w in self.ctl.workers("policy")})
+        self.refit_still_works()
+
+    def test_memory_by_name_is_never_opened(self):
+        name = f"/refit-victim-{os.getpid()}"
+        path = "/dev/shm" + name
+        secret = bytes(range(256)) * (SMALL_BYTES // 256 + 1)
+        with open(path, "wb") as f:
+            f.write(secret[:SMALL_BYTES])
+        try:
+            shm = refit_pb2.SharedMemory(name=name, offset=0, size=SMALL_BYTES)
+            try:
+                self.register_by_hand(1, "scratch", "reader", role=refit_pb2.INFERENCE, shm=shm)
+                self.fail("a registration naming someone else's shared memory was accepted")
+            except grpc.RpcError as e:
+                self.assertEqual(e.code(), grpc.StatusCode.INVALID_ARGUMENT, e.details())
+            with open(path, "rb") as f:
+                self.assertEqual(f.read(), secret[:SMALL_BYTES])
+        finally:
+            os.unlink(path)
+        self.refit_still_works()
+
+    def test_a_registered_memfd_cannot_be_truncated_under_the_daemon(self):
+        fd = os.memfd_create("shrinker", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)  # not sealed by us
+        try:
+            os.ftruncate(fd, SMALL_BYTES)
+            shm = refit_pb2.SharedMemory(fd=1, offset=0, size=SMALL_BYTES)
+            response = self.register_by_hand(1, "scratch", "shrinker", role=refit_pb2.INFERENCE, fds=[fd], shm=shm)
+            self.assertTrue(fcntl.fcntl(fd, F_GET_SEALS) & F_SEAL_SHRINK, "the daemon sealed it against shrinking")
+            with self.assertRaises(PermissionError):
+                os.ftruncate(fd, 0)
+            local = self.stub(self.worker_socket(1), "RefitWorker")
+            local.Unregister(refit_pb2.UnregisterWorkerRequest(worker_id=response.worker_id,
+                                                               session_key=response.session_key), timeout=5)
+        finally:
+            os.close(fd)
+        # A descriptor that cannot be sealed (no MFD_ALLOW_SEALING) is refused outright.
+        fd = os.memfd_create("unsealable", os.MFD_CLOEXEC)
+        try:
+            os.ftruncate(fd, SMALL_BYTES)
+            shm = refit_pb2.SharedMemory(fd=1, offset=0, size=SMALL_BYTES)
+            try:
+                self.register_by_hand(1, "scratch", "unsealable", role=refit_pb2.INFERENCE, fds=[fd], shm=shm)
+                self.fail("an unsealable descriptor was accepted")
+            except grpc.RpcError as e:
+                self.assertEqual(e.code(), grpc.StatusCode.INVALID_ARGUMENT, e.details())
+        finally:
+            os.close(fd)
+        self.assertIsNone(self.daemon(1).proc.poll(), "the daemon is alive")
+        self.refit_still_works()
+
+    def test_hostile_names_and_sizes(self):
+        fd = os.memfd_create("hostile", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+        try:
+            os.ftruncate(fd, SMALL_BYTES)
+            for name in ("a\0b", "x" * 257, "bad\nname", ""):
+                shm = refit_pb2.SharedMemory(fd=1, offset=0, size=SMALL_BYTES)
+                try:
+                    self.register_by_hand(1, "scratch", name, role=refit_pb2.INFERENCE, fds=[fd], shm=shm)
+                    self.fail(f"name {name!r} was accepted")
+                except grpc.RpcError as e:
+                    self.assertEqual(e.code(), grpc.StatusCode.INVALID_ARGUMENT, (name, e.details()))
+            for size in (-(1 << 63), (1 << 63) - 1):
+                shm = refit_pb2.SharedMemory(fd=1, offset=0, size=size)
+                try:
+                    self.register_by_hand(1, "scratch", "sizes", role=refit_pb2.INFERENCE, fds=[fd], shm=shm)
+                    self.fail(f"size {size} was accepted")
+                except grpc.RpcError as e:
+                    self.assertEqual(e.code(), grpc.StatusCode.INVALID_ARGUMENT, (size, e.details()))
+        finally:
+            os.close(fd)
+        self.assertIsNone(self.daemon(1).proc.poll(), "the daemon is alive")
+        self.refit_still_works()
+
+    def test_another_uid_cannot_register(self):
+        if os.getuid() == 0:
+            # A process of another user (nobody) on the node: the socket's mode or --worker-uids stops it.
+            script = (
+                "import os, sys, grpc\n"
+                "sys.path[:0] = %r\n"
+                "from refit import handles, _rpc\n"
+                "from refit._proto import refit_pb2\n"
+                "os.setgid(65534); os.setuid(65534)\n"
+                "try:\n"
+                "    token = handles.deliver(%r, [])\n"
+                "except Exception as e:\n"
+                "    print('HANDLES', type(e).__name__, e); sys.exit(0)\n"
+                "stub = _rpc.Stub(grpc.insecure_channel(%r), 'RefitWorker')\n"
+                "try:\n"
+                "    stub.Register(refit_pb2.RegisterWorkerRequest(group='policy', fd_token=token), timeout=5)\n"
+                "    print('REGISTERED')\n"
+                "except grpc.RpcError as e:\n"
+                "    print('REFUSED', e.code().name, e.details())\n"
+            ) % (sys.path, handles.handle_socket_path(self.worker_socket(1)), self.worker_socket(1))
+            out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=30)
+            self.assertNotIn("REGISTERED", out.stdout, out.stdout + out.stderr)
+            self.assertTrue(out.stdout.startswith("HANDLES") or "PERMISSION_DENIED" in out.stdout,
+                            out.stdout + out.stderr)
+        else:
+            # Not root: a daemon that admits only another uid refuses this one.
+            strict = harness.Daemon(self.cluster, 2, self.cluster.control, ["--worker-uids", "65534"])
+            self.daemon(2).stop()
+            strict.start()
+            self.cluster.daemons[2] = strict
+            fd = os.memfd_create("w", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+            try:
+                os.ftruncate(fd, SMALL_BYTES)
+                shm = refit_pb2.SharedMemory(fd=1, offset=0, size=SMALL_BYTES)
+                try:
+                    self.register_by_hand(2, "scratch", "other", role=refit_pb2.INFERENCE, fds=[fd], shm=shm)
+                    self.fail("a uid not in --worker-uids registered")
+                except grpc.RpcError as e:
+                    self.assertEqual(e.code(), grpc.StatusCode.PERMISSION_DENIED, e.details())
+            finally:
+                os.close(fd)
+        self.refit_still_works()
+
+    # ---------------------------------------------------------------------------------------
+    # The data plane: nothing lands from a connection that is not a daemon's.
+
+    def test_forged_data_connections_land_nothing(self):
+        host, port = self.data_address(1).rsplit(":", 1)
+        frame = b"RFD1" + bytes(28) + b"policy" + b"\xff" * 4096  # a header, a group, garbage
+        for _ in range(3):
+            s = socket.create_connection((host, int(port)), timeout=5)
+            try:
+                s.sendall(frame)
+                s.settimeout(5)
+                try:
+                    rest = s.recv(1)  # the daemon drops it: EOF, or a TLS alert
+                except (ConnectionResetError, socket.timeout):
+                    rest = b""
+                self.assertNotEqual(rest, b"\x01")  # never the TLS server's "accepted" byte
+            finally:
+                s.close()
+        self.refit_still_works()
+
+
+if __name__ == "__main__":
+    unittest.main()

@@ -54,7 +54,8 @@ def code_of(fn):
 class AttackSuite(unittest.TestCase):
     @classmethod
     def setUpClass(cls):
-        cls.cluster = harness.Cluster(nodes=3, tls=True)
+        # Certificates are read again every second (--tls-reload-interval): the rotation case.
+        cls.cluster = harness.Cluster(nodes=3, tls=True, daemon_flags=["--tls-reload-interval", "1"])
         cls.certs = cls.cluster.certs
         cls.reports = Reports(cls.cluster)
         cls.files = layouts(cls.cluster)
@@ -184,6 +185,36 @@ class AttackSuite(unittest.TestCase):
         remote_worker = self.stub(self.daemon(1).address, "RefitWorker", "refit-operator")
         self.assertEqual(code_of(lambda: remote_worker.Register(refit_pb2.RegisterWorkerRequest(group="policy"),
                                                                 timeout=5)), grpc.StatusCode.UNIMPLEMENTED)
+        self.refit_still_works()
+
+    def test_rotated_ca_files_take_effect_without_a_restart(self):
+        """The CA bundle is replaced (a Kubernetes Secret updated): a certificate of the added CA
+        is accepted within seconds, and refused again once that CA is taken out."""
+        ca = os.path.join(self.certs, "ca.pem")
+        with open(ca, "rb") as f:
+            original = f.read()
+        with open(os.path.join(self.certs, "rogue", "ca.pem"), "rb") as f:
+            added = f.read()
+        status = refit_pb2.StatusRequest()
+
+        def rogue_status():
+            return code_of(lambda: self.stub(self.cluster.control, "RefitControl", "refit-operator",
+                                             rogue=True).Status(status, timeout=3))
+
+        def replace(content):  # atomically, as the kubelet swaps a Secret's files
+            with open(ca + ".tmp", "wb") as f:
+                f.write(content)
+            os.replace(ca + ".tmp", ca)
+
+        self.assertEqual(rogue_status(), grpc.StatusCode.UNAVAILABLE)
+        try:
+            replace(original + added)
+            harness.wait_for(lambda: rogue_status() == grpc.StatusCode.OK, 15,
+                             "the added CA to be trusted without a restart")
+        finally:
+            replace(original)
+        harness.wait_for(lambda: rogue_status() == grpc.StatusCode.UNAVAILABLE, 15,
+                         "the removed CA to be distrusted again")
         self.refit_still_works()
 
     # ---------------------------------------------------------------------------------------

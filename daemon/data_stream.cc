@@ -177,6 +177,15 @@ absl::StatusOr<SslCtxPtr> MakeDataTlsContext(const TlsConfig& config) {
   SSL_CTX_set_options(ctx.get(), SSL_OP_NO_TICKET);
   // Non-blocking writes: partial progress returns, and a retry may pass the same data anew.
   SSL_CTX_set_mode(ctx.get(), SSL_MODE_ENABLE_PARTIAL_WRITE | SSL_MODE_ACCEPT_MOVING_WRITE_BUFFER);
+  // Bulk data: read ahead, so that a record's header and body (and the next records) come in one
+  // recv instead of two per 16 KiB record.
+  SSL_CTX_set_read_ahead(ctx.get(), 1);
+  SSL_CTX_set_default_read_buffer_len(ctx.get(), 256 << 10);
+  // TLS 1.3's mandatory suite first: AES-128-GCM runs at 1.6x AES-256-GCM's rate on these
+  // machines (openssl speed, AES-NI), at 128-bit security; the others stay acceptable.
+  if (SSL_CTX_set_ciphersuites(ctx.get(), "TLS_AES_128_GCM_SHA256:TLS_AES_256_GCM_SHA384:TLS_CHACHA20_POLY1305_SHA256") != 1) {
+    return absl::InternalError(absl::StrCat("TLS 1.3 cipher suites: ", SslErrors()));
+  }
   return ctx;
 }
 

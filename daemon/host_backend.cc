@@ -391,11 +391,13 @@ void HostBackend::ReadLoop(Connection* c) {
     // Here, not in the acceptor: a peer that stalls its handshake holds only this thread, and
     // only for frame_wait.
     if (auto s = stream.AcceptTls(*tls_, absl::Now() + options_.frame_wait); !s.ok()) {
+      bool stopping;
       {
         absl::MutexLock lock(&mu_);
         ++counters_.tls_refused;
+        stopping = stopping_;  // then the handshake was cut off by the shutdown: nothing to say
       }
-      if (drops_log_.Allow(&more)) log->warn("data plane {}: refused a data connection: {}{}", address_, std::string(s.message()), more);
+      if (!stopping && drops_log_.Allow(&more)) log->warn("data plane {}: refused a data connection: {}{}", address_, std::string(s.message()), more);
       EndReader(c);
       return;
     }

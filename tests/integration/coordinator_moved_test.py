@@ -118,6 +118,9 @@ class StartedBeforeItsCoordinator(unittest.TestCase):
         cmd = [harness.binary("refitd"), "--node", "1", "--listen", "127.0.0.1:0", "--data-listen", "127.0.0.1:0",
                "--worker-socket", os.path.join(socket_dir, "refitd-1.sock"), "--address-file", addr,
                "--heartbeat", "0.2", "--coordinator", "file:" + named]
+        certs = harness.make_certs(os.path.join(d, "certs")) if harness.tls_wanted() else None
+        if certs:
+            cmd += harness.tls_flags(certs, 1)
         node1 = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
         coordinator = None
         try:
@@ -125,7 +128,7 @@ class StartedBeforeItsCoordinator(unittest.TestCase):
             self.assertIsNone(node1.poll(), "refitd exited while its coordinator was not up")
             text = open(log.name, errors="replace").read()
             self.assertIn("waiting for the coordinator", text)
-            cluster = harness.Cluster(nodes=1)
+            cluster = harness.Cluster(nodes=1, certs=certs)
             coordinator = cluster
             with open(named + ".tmp", "w") as f:
                 f.write(cluster.daemons[0].address + "\n")

@@ -145,13 +145,15 @@ class Cluster:
     """`nodes` daemons on loopback; node 0 coordinates. With `coordinator_file`, the others find
     it through a file (--coordinator file:PATH, `self.coordinator_file`), as when it may move."""
 
-    def __init__(self, nodes=2, daemon_flags=(), coordinator_file=False, tls=None):
-        """`tls`: mutual TLS between daemons and for control calls (default: $REFIT_TEST_TLS=1);
-        this process (and what it starts) then calls as refit-operator ($REFIT_TLS_*)."""
+    def __init__(self, nodes=2, daemon_flags=(), coordinator_file=False, tls=None, certs=None):
+        """`tls`: mutual TLS between daemons and for control calls (default: $REFIT_TEST_TLS=1),
+        with certificates made here or `certs` (make_certs' folder, shared with daemons started
+        by hand); this process (and what it starts) then calls as refit-operator ($REFIT_TLS_*)."""
         self.dir = scratch()
-        self.certs = None
-        if tls if tls is not None else tls_wanted():
+        self.certs = certs
+        if certs is None and (tls if tls is not None else tls_wanted()):
             self.certs = make_certs(os.path.join(self.dir, "certs"))
+        if self.certs:
             self.use_identity("refit-operator")
         self.socket_dir = tempfile.mkdtemp(prefix="refit-", dir="/tmp")
         self.daemon_flags = list(daemon_flags)

@@ -107,6 +107,7 @@ struct PeerRule {
   bool accepting = false;  // any node (the client of a data connection)
   int32_t node = -1;       // connecting: exactly this node
   std::string identity;    // the name that satisfied the rule
+  std::vector<int32_t> nodes;  // accepting: every node the certificate names
   std::string refused;     // why the certificate's names did not
 };
 
@@ -123,10 +124,11 @@ int VerifyPeer(int preverify_ok, X509_STORE_CTX* store) {
   for (const std::string& name : names) {
     int32_t node = 0;
     if (rule->accepting ? ParseNodeIdentity(name, &node) : name == wanted) {
-      rule->identity = name;
-      return 1;
+      if (rule->identity.empty()) rule->identity = name;
+      if (rule->accepting) rule->nodes.push_back(node);
     }
   }
+  if (!rule->identity.empty()) return 1;
   std::vector<std::string> shown;
   for (const std::string& name : names) shown.push_back(absl::CHexEscape(name));
   rule->refused = absl::StrCat("its certificate names ", shown.empty() ? "nobody" : absl::StrJoin(shown, ", "),
@@ -338,6 +340,7 @@ absl::Status DataStream::Handshake(TlsContext& tls, bool accepting, int32_t node
   }
   ssl_ = std::move(ssl);
   identity_ = rule.identity;
+  peer_nodes_ = std::move(rule.nodes);
   if (accepting) {
     const std::byte accepted = kTlsAccepted;
     return SendAll({&accepted, 1}, deadline);

@@ -18,6 +18,7 @@
 #include <span>
 #include <string>
 #include <sys/types.h>
+#include <vector>
 
 #include <array>
 
@@ -104,6 +105,9 @@ class DataStream {
   bool tls() const { return ssl_ != nullptr; }
   const std::string& peer() const { return peer_; }
   const std::string& identity() const { return identity_; }
+  // Accepting side, after AcceptTls: every node the client's certificate names (usually one). A
+  // receiver takes from this connection only messages sent by one of them.
+  const std::vector<int32_t>& peer_nodes() const { return peer_nodes_; }
   // Wakes a thread blocked on this stream; the descriptor stays owned.
   void Shutdown() { fd_.Shutdown(); }
   void Close() {
@@ -118,6 +122,7 @@ class DataStream {
   SslPtr ssl_;
   std::string peer_;
   std::string identity_;
+  std::vector<int32_t> peer_nodes_;
 };
 
 }  // namespace refit

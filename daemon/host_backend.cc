@@ -445,6 +445,20 @@ void HostBackend::ReadLoop(Connection* c) {
         job->Fail(std::move(s));
         break;
       }
+      const int32_t sender = plan.gpus[plan.messages[h.message].src_gpu].node;
+      if (stream.tls() && std::find(stream.peer_nodes().begin(), stream.peer_nodes().end(), sender) ==
+                              stream.peer_nodes().end()) {
+        // Not the round's failure: the true sender's frame still comes on its own connection.
+        {
+          absl::MutexLock lock(&mu_);
+          ++counters_.forged_frames;
+        }
+        if (drops_log_.Allow(&more)) {
+          log->error("dropping {}: its certificate is {}'s, but it sent message {} of round {} of group \"{}\", "
+                     "which node {} sends{}", peer, stream.identity(), h.message, h.round_id, group, sender, more);
+        }
+        break;
+      }
       if (job->BeginFrame(fd.get())) {
         staging.resize(static_cast<size_t>(h.bytes));
         const absl::Status s = stream.RecvAll(staging, job->job.deadline);

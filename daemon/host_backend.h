@@ -24,7 +24,9 @@
 // - With `tls` configured, every data connection is mutual TLS (data_stream.h): a sender accepts
 //   only the certificate of the node it dials, a receiver only nodes' certificates. The receiver's
 //   handshake runs on the connection's reader thread, by `frame_wait`, so a peer that stalls or
-//   fails it holds nothing but its own thread. Without it, plain TCP.
+//   fails it holds nothing but its own thread. A frame whose message the plan has another node
+//   send than the one the client's certificate names closes the connection before any of it
+//   lands (a node cannot write another's weights). Without `tls`, plain TCP.
 #pragma once
 
 #include <sys/types.h>
@@ -69,6 +71,7 @@ struct HostConnectionStats {
   int64_t stale_frames = 0;    // frames of rounds over here, read and dropped
   int64_t tls_refused = 0;     // incoming connections whose TLS handshake or peer failed
   int64_t tls_reloads = 0;     // TLS contexts replaced since start (rotated files)
+  int64_t forged_frames = 0;   // TLS: a message of another node than the certificate's (dropped)
   int64_t cached_outgoing = 0;
 };
 

@@ -19,6 +19,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "client/shared_memory.h"
+#include "daemon/data_frame.h"
 #include "plan/planner.h"
 #include "plan/test_layouts.h"
 #include "plan/validate.h"
@@ -812,6 +813,44 @@ TEST_CASE("TLS: the sender refuses a destination whose certificate is another no
   // Directly too: node 1's own certificate is wanted.
   CHECK(absl::IsPermissionDenied(TlsDial(c.nodes[1]->data_address(), Tls(Certs(), "node-0"), 1)));
   CHECK(TlsDial(c.nodes[1]->data_address(), Tls(Certs(), "node-0"), 2).ok());
+}
+
+TEST_CASE("TLS: a node cannot send another node's messages") {
+  Fixture f(6, 64, 48, 4096, 1);
+  Cluster c = TlsCluster(2);
+  Memory src(f.src), dst(f.dst);
+  FullRound(c, f, src, dst, 1);
+  const int64_t into_1 = MessageInto(*f.plan, 0, 1);
+  PoisonDestinations(dst.all);
+  const std::vector<std::byte> before = Snapshot(dst.all);
+  const TransferJob lonely = LonelyJob(f, dst, *c.nodes[1], 1, 2, absl::Seconds(30));
+  absl::StatusOr<TransferStats> r = absl::UnknownError("not run");
+  std::thread t([&] { r = c.nodes[1]->Transfer(lonely); });
+  // Node 2, a member of the cluster with a valid certificate, writes node 0's message of round 2.
+  auto context = TlsContext::Load(Tls(Certs(), "node-2"));
+  REQUIRE(context.ok());
+  DataStream forger(Dial(c.nodes[1]->data_address()), "node 1");
+  REQUIRE(forger.ConnectTls(**context, 1, absl::Now() + absl::Seconds(5)).ok());
+  FrameHeader h;
+  h.group_bytes = 6;
+  h.round_id = 2;
+  h.message = into_1;
+  h.bytes = f.plan->messages[into_1].bytes;
+  const auto wire = EncodeFrameHeader(h);
+  const std::vector<std::byte> garbage(static_cast<size_t>(h.bytes), std::byte{0x5a});
+  const absl::Time deadline = absl::Now() + absl::Seconds(5);
+  REQUIRE(forger.SendAll(wire, deadline).ok());
+  REQUIRE(forger.SendAll({reinterpret_cast<const std::byte*>("policy"), 6}, deadline).ok());
+  (void)forger.SendAll(garbage, deadline);  // may fail: the receiver closes the connection at the header
+  REQUIRE(Eventually([&] { return c.nodes[1]->connection_stats().forged_frames == 1; }));
+  CHECK(ClosedWithin(forger.fd(), absl::Seconds(5)));
+  absl::SleepFor(absl::Milliseconds(50));
+  CHECK(Snapshot(dst.all) == before);
+  c.nodes[1]->Cancel("policy", 2, "the test is over");
+  t.join();
+  CHECK(absl::IsAborted(r.status()));  // the forgery itself fails no round
+  FullRound(c, f, src, dst, 3);
+  CHECK(c.nodes[1]->connection_stats().forged_frames == 1);
 }
 
 void CopyFile(const std::string& from, const std::string& to) {

@@ -8,6 +8,9 @@
 #                    (a StatefulSet: engine-3 with REFIT_NODE_BASE=8 is node 11).
 # None set: refitd gets no --node (its --config file or its default decides). A set one that does
 # not give a number is an error (exit 2, as refitd's own flag errors).
+# REFIT_TLS_DIR (the sidecar, whose index is known only here): this node's certificate is
+# $REFIT_TLS_DIR/node-<N>.crt with its key node-<N>.key, passed as --tls-cert and --tls-key
+# (give --tls-ca yourself); it needs a node index, and both files must be readable (exit 2).
 set -eu
 node=""
 if [ -n "${REFIT_NODE:-}" ]; then
@@ -31,9 +34,23 @@ elif [ -n "${REFIT_NODE_BASE:-}" ]; then
 fi
 refitd=${REFITD:-/usr/local/bin/refitd}
 if [ -z "$node" ]; then
+  if [ -n "${REFIT_TLS_DIR:-}" ]; then
+    echo "refitd-entrypoint: REFIT_TLS_DIR needs this node's index (REFIT_NODE, REFIT_NODE_FILE or REFIT_NODE_BASE)" >&2
+    exit 2
+  fi
   exec "$refitd" "$@"
 fi
 case "$node" in
   *[!0-9]*) echo "refitd-entrypoint: node index \"$node\" is not a number" >&2; exit 2 ;;
 esac
+if [ -n "${REFIT_TLS_DIR:-}" ]; then
+  cert="$REFIT_TLS_DIR/node-$node.crt" key="$REFIT_TLS_DIR/node-$node.key"
+  for f in "$cert" "$key"; do
+    if [ ! -r "$f" ]; then
+      echo "refitd-entrypoint: REFIT_TLS_DIR: $f cannot be read (node $node's certificate and key: docs/KUBERNETES.md, \"TLS\")" >&2
+      exit 2
+    fi
+  done
+  exec "$refitd" --node "$node" --tls-cert "$cert" --tls-key "$key" "$@"
+fi
 exec "$refitd" --node "$node" "$@"

@@ -9,9 +9,13 @@
 #      check types, required fields and enums; they do not reject unknown fields.
 #   3. checked against refitd itself (validate/check_refitd.py): refitd parses every refitd
 #      container's arguments and its ConfigMap --config file, so a flag or key refitd does not
-#      accept fails here; probes, socket volume, coordinator Service and state volume agree.
-# Also: the check is shown to catch an unknown flag and an unknown config key; the image's
-# entrypoint; the Containerfile's runtime packages against `ldd refitd`, its package names.
+#      accept fails here; then runs its start-up checks with the pod's TLS files replaced by
+#      certificates tools/gen_certs.sh makes here, so a refitd on a routable address without
+#      TLS fails (as refitd refuses it); probes (on --health-listen), socket volume, TLS volumes,
+#      coordinator Service and state volume agree.
+# Also: the check is shown to catch an unknown flag, an unknown config key and a plaintext
+# routable refitd; the image's entrypoint (--node, REFIT_TLS_DIR); the Containerfile's runtime
+# packages against `ldd refitd`, its package names.
 # A part whose tool is missing is reported as SKIPPED, loudly, with how to install it; kubectl
 # missing skips the rendering parts only. Ends with "N passed, N failed, N skipped" for its checks.
 set -uo pipefail
@@ -54,6 +58,19 @@ else
   fail "refitd accepted an unknown --config key (exit $rc: $out)"
 fi
 
+# Placeholder TLS files for refitd's start-up check (it must read them): the test CA and node 0's.
+certs=""
+if command -v openssl >/dev/null; then
+  if out=$(bash "$root/tools/gen_certs.sh" "$tmp/certs" 1 2>&1); then
+    certs="$tmp/certs"
+    pass "tools/gen_certs.sh made a test CA and node 0's certificate"
+  else
+    fail "tools/gen_certs.sh: $out"
+  fi
+else
+  skip "refitd's start-up check of the TLS flags: openssl not found (Debian's openssl)"
+fi
+
 # The entrypoint's --node.
 fake="$tmp/fake-refitd"
 printf '#!/bin/sh\necho "$@"\n' >"$fake"; chmod +x "$fake"
@@ -71,6 +88,18 @@ if env -i PATH=/usr/bin:/bin REFITD="$fake" REFIT_NODE=abc sh "$entry" >/dev/nul
   fail "entrypoint accepted REFIT_NODE=abc"
 else
   pass "entrypoint refuses REFIT_NODE=abc"
+fi
+mkdir -p "$tmp/tls" && : >"$tmp/tls/node-3.crt" && : >"$tmp/tls/node-3.key"
+check_entry "--node 3 --tls-cert $tmp/tls/node-3.crt --tls-key $tmp/tls/node-3.key --listen=x:1" REFIT_NODE=3 REFIT_TLS_DIR="$tmp/tls"
+if env -i PATH=/usr/bin:/bin REFITD="$fake" REFIT_NODE=4 REFIT_TLS_DIR="$tmp/tls" sh "$entry" >/dev/null 2>&1; then
+  fail "entrypoint accepted REFIT_TLS_DIR without node-4.crt"
+else
+  pass "entrypoint refuses REFIT_TLS_DIR without this node's certificate"
+fi
+if env -i PATH=/usr/bin:/bin REFITD="$fake" REFIT_TLS_DIR="$tmp/tls" sh "$entry" >/dev/null 2>&1; then
+  fail "entrypoint accepted REFIT_TLS_DIR without a node index"
+else
+  pass "entrypoint refuses REFIT_TLS_DIR without a node index"
 fi
 if REFIT_NODE=3 REFITD="$refitd" sh "$entry" --help >/dev/null 2>&1; then
   pass "entrypoint runs the real refitd with --node (refitd --node 3 --help)"
@@ -146,13 +175,32 @@ json.dump([d for d in yaml.safe_load_all(open(sys.argv[1])) if d], open(sys.argv
       else
         fail "$name: schema: $(grep -v '^valid' <<<"$out")"
       fi
-      if out=$("$py" "$k8s/validate/check_refitd.py" "$refitd" "$tmp/$name.json" 2>&1); then
-        pass "$name: refitd accepts every flag and config key; probes, socket, coordinator agree"
+      if out=$("$py" "$k8s/validate/check_refitd.py" "$refitd" "$tmp/$name.json" "$certs" 2>&1); then
+        pass "$name: refitd accepts every flag and config key, starts with TLS; probes, socket, TLS volumes, coordinator agree"
         echo "${out//$'\n'/$'\n'    }" | sed '1s/^/    /'
       else
         fail "$name: refitd check: $(grep -v '^ok' <<<"$out")"
       fi
     done
+    # The TLS check must be able to fail: the daemonset overlay with every TLS flag taken out
+    # (as the manifests were before issue 15) starts refitd on a routable address in plaintext.
+    if [ -f "$tmp/daemonset.json" ]; then
+      "$py" -c 'import json, sys
+objs = json.load(open(sys.argv[1]))
+for o in objs:
+    spec = o.get("spec", {}).get("template", {}).get("spec", {})
+    for c in spec.get("containers", []):
+        c["args"] = [a for a in c.get("args", []) if not a.startswith(("--tls-", "--health-listen"))]
+        c["env"] = [e for e in c.get("env", []) if e["name"] != "REFIT_TLS_DIR"]
+json.dump(objs, open(sys.argv[2], "w"))' "$tmp/daemonset.json" "$tmp/plaintext.json"
+      out=$("$py" "$k8s/validate/check_refitd.py" "$refitd" "$tmp/plaintext.json" "$certs" 2>&1); rc=$?
+      if [ $rc -ne 0 ] && grep -q "routable address without TLS" <<<"$out" &&
+         { [ -z "$certs" ] || grep -q "refitd refuses to start" <<<"$out"; }; then
+        pass "a plaintext refitd on a routable address fails the check (and refitd refuses it)"
+      else
+        fail "the daemonset overlay without TLS passed the check (exit $rc): $out"
+      fi
+    fi
   fi
 fi
 

@@ -1,5 +1,7 @@
 #include "daemon/config.h"
 
+#include <cstdio>
+#include <cstdlib>
 #include <set>
 
 #include "absl/strings/numbers.h"
@@ -86,6 +88,8 @@ DaemonConfig ParseDaemonFlags(int argc, char** argv) {
   flags.Bool("insecure-listen", &c.insecure_listen, "without TLS, listen on a non-loopback address all the same (anyone who reaches it can steer and read the weights)");
   std::string worker_uids;
   flags.String("worker-uids", &worker_uids, "comma-separated uids whose processes may register workers (empty: this daemon's uid and root)");
+  bool check_config = false;
+  flags.Bool("check-config", &check_config, "check the flags and the config file (TLS files readable, listeners allowed), print what would run, exit 0; exit 2 naming what is wrong");
   flags.String("health-listen", &c.health_listen, "plaintext gRPC health service only, for probes without a certificate (host:port; empty: none)");
   flags.String("worker-listen", &c.worker_listen, "also serve workers over TCP here (host:port; empty: the unix socket only)");
   // Config file first, then the command line over it.
@@ -193,6 +197,14 @@ DaemonConfig ParseDaemonFlags(int argc, char** argv) {
   }
   if (c.worker_socket.empty()) c.worker_socket = absl::StrCat("/tmp/refitd-", c.node, ".sock");
   c.state_file = state_file == unset ? c.worker_socket + ".state" : state_file;
+  if (check_config) {
+    std::printf("refitd: the configuration is valid: node %d, %s, listen %s, data %s, %s\n", c.node,
+                c.is_coordinator() ? "coordinator" : ("coordinator at " + c.coordinator).c_str(), c.listen.c_str(),
+                c.data_listen.c_str(),
+                c.tls.enabled() ? ("TLS: certificate " + c.tls.cert + ", CA " + c.tls.ca).c_str()
+                                : "no TLS (loopback only)");
+    std::exit(0);
+  }
   return c;
 }
 

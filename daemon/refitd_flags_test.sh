@@ -26,6 +26,22 @@ echo '[1, 2]' >"$tmp/array.json"
 expect_refusal "config not an object" "$tmp/array.json: not a JSON object" --config "$tmp/array.json"
 echo '{"node": 0, "log-format": "json"}' >"$tmp/good.json"
 
+# Transport security: without TLS only loopback listeners (issue 15); TLS files all or none.
+expect_refusal "routable without TLS" "--listen 10.1.2.3:7070 is not a loopback address and no TLS is configured" \
+  --listen 10.1.2.3:7070
+expect_refusal "routable data plane without TLS" "--data-listen 0.0.0.0:7071 is not a loopback address" \
+  --data-listen 0.0.0.0:7071
+expect_refusal "TLS files partly" "--tls-cert, --tls-key and --tls-ca go together" --tls-cert "$tmp/none.pem"
+expect_refusal "TLS file unreadable" "cannot read TLS file $tmp/none.pem" \
+  --tls-cert "$tmp/none.pem" --tls-key "$tmp/none.key" --tls-ca "$tmp/none.ca"
+expect_refusal "worker uid" '--worker-uids: "root" is not a uid' --worker-uids root
+out=$("$refitd" --check-config --listen 10.1.2.3:7070 --insecure-listen 2>&1) || fail "--insecure-listen: $out"
+echo "$out" | grep -q "no TLS (loopback only)" || fail "--check-config: $out"
+touch "$tmp/c.pem" "$tmp/k.pem" "$tmp/a.pem"
+out=$("$refitd" --check-config --listen 10.1.2.3:7070 --tls-cert "$tmp/c.pem" --tls-key "$tmp/k.pem" --tls-ca "$tmp/a.pem" 2>&1) ||
+  fail "--check-config with TLS: $out"
+echo "$out" | grep -q "TLS: certificate $tmp/c.pem" || fail "--check-config with TLS: $out"
+
 # A coordinator that serves, then stops: its log lines.
 run() {  # LOG ARGS...
   local log=$1; shift

@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # Makes a cluster's TLS material with openssl (tests, and a first deployment: docs/SECURITY.md).
 #   bash tools/gen_certs.sh DIR [NODES] [EXTRA_NAME...]
-# DIR/ca.pem, ca.key: the cluster CA. For each node N in 0..NODES-1 (default 4):
+# NODES: a count (nodes 0..NODES-1; default 4) or a comma-separated list of node indices
+# ("0,1,1000"; one index alone as "1000,").
+# DIR/ca.pem, ca.key: the cluster CA. For each node N:
 # DIR/node-N.pem, node-N.key (CN refit-node-N, DNS SANs refit-node-N and refitd: every daemon
 # answers to the server name clients check). DIR/refit-operator.pem|.key, DIR/refit-viewer.pem|.key:
 # client certificates. Each EXTRA_NAME gets DIR/EXTRA_NAME.pem|.key signed by the same CA.
@@ -33,7 +35,16 @@ make_cert() {  # CADIR OUTBASE CN [SAN...]
 }
 
 make_ca "$dir" refit-test-ca
-for ((n = 0; n < nodes; n++)); do make_cert "$dir" "$dir/node-$n" "refit-node-$n" refitd; done
+if [[ $nodes == *,* ]]; then
+  IFS=, read -r -a indices <<<"$nodes"
+else
+  indices=()
+  for ((n = 0; n < nodes; n++)); do indices+=("$n"); done
+fi
+for n in "${indices[@]}"; do
+  [[ $n =~ ^[0-9]+$ ]] || { echo "gen_certs.sh: \"$n\" is not a node index" >&2; exit 2; }
+  make_cert "$dir" "$dir/node-$n" "refit-node-$n" refitd
+done
 make_cert "$dir" "$dir/refit-operator" refit-operator
 make_cert "$dir" "$dir/refit-viewer" refit-viewer
 for name in "$@"; do make_cert "$dir" "$dir/$name" "$name"; done

@@ -55,7 +55,9 @@ class AttackSuite(unittest.TestCase):
     @classmethod
     def setUpClass(cls):
         # Certificates are read again every second (--tls-reload-interval): the rotation case.
-        cls.cluster = harness.Cluster(nodes=3, tls=True, daemon_flags=["--tls-reload-interval", "1"])
+        # --health-listen: the plaintext health port probes use.
+        cls.cluster = harness.Cluster(nodes=3, tls=True, daemon_flags=["--tls-reload-interval", "1",
+                                                                       "--health-listen", "127.0.0.1:0"])
         cls.certs = cls.cluster.certs
         cls.reports = Reports(cls.cluster)
         cls.files = layouts(cls.cluster)
@@ -171,6 +173,26 @@ class AttackSuite(unittest.TestCase):
             self.assertEqual(code_of(lambda: viewer.StartRefit(refit_pb2.RefitRequest(group="policy", version=1 << 40),
                                                                timeout=5)), grpc.StatusCode.PERMISSION_DENIED)
         self.refit_still_works()
+
+    def test_the_plaintext_health_port_answers_health_only(self):
+        text = open(self.daemon(1).log, errors="replace").read()
+        found = re.findall(r"health \(plaintext, grpc.health.v1 only\) at (\S+)", text)
+        self.assertTrue(found, "the daemon logs its health address")
+        channel = grpc.insecure_channel(found[-1])
+        self.channels.append(channel)
+        check = channel.unary_unary("/grpc.health.v1.Health/Check", request_serializer=lambda b: b,
+                                    response_deserializer=lambda b: b)
+        self.assertEqual(check(b"", timeout=5), b"\x08\x01")  # status: SERVING
+        service = b"refit.v1.RefitPeer"
+        self.assertEqual(check(b"\x0a" + bytes([len(service)]) + service, timeout=5), b"\x08\x01")
+        control = _rpc.Stub(channel, "RefitControl")
+        self.assertEqual(code_of(lambda: control.Status(refit_pb2.StatusRequest(), timeout=5)),
+                         grpc.StatusCode.UNIMPLEMENTED)
+        self.assertEqual(code_of(lambda: control.Refit(refit_pb2.RefitRequest(group="policy", version=1 << 40),
+                                                       timeout=5)), grpc.StatusCode.UNIMPLEMENTED)
+        peer = _rpc.Stub(channel, "RefitPeer")
+        self.assertEqual(code_of(lambda: peer.Join(refit_pb2.JoinRequest(node=1), timeout=5)),
+                         grpc.StatusCode.UNIMPLEMENTED)
 
     def test_worker_socket_serves_no_peer_calls_and_no_steering(self):
         local_peer = self.stub(self.worker_socket(1), "RefitPeer")

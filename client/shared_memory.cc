@@ -11,6 +11,7 @@
 #include <random>
 
 #include "absl/strings/str_cat.h"
+#include "absl/strings/string_view.h"
 
 namespace refit {
 namespace {
@@ -115,6 +116,37 @@ absl::StatusOr<SharedMemory> SharedMemory::MapDescriptor(int fd, const std::stri
   const int seals = fcntl(fd, F_GET_SEALS);  // EINVAL: a file that cannot be sealed (shm_open)
   m.shrink_sealed_ = seals >= 0 && (seals & F_SEAL_SHRINK) != 0;
   return m;
+}
+
+absl::Status SharedMemory::SealAgainstShrinking(int fd, const std::string& what) {
+  constexpr absl::string_view kWhy = ": a truncate by its owner would crash the daemon (SIGBUS); hand over a memfd "
+                                     "made with MFD_ALLOW_SEALING (or sealed with F_SEAL_SHRINK)";
+  struct stat st;
+  if (fstat(fd, &st) != 0) return Errno(absl::StrCat("fstat(", what, ")"));
+  if (!S_ISREG(st.st_mode)) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        what, " is not a shared-memory object or memfd (a socket, pipe or device?)"));
+  }
+  const int seals = fcntl(fd, F_GET_SEALS);
+  if (seals < 0) {
+    // EINVAL: the file system has no seals (ordinary files).
+    return absl::InvalidArgumentError(absl::StrCat(what, " cannot be sealed against shrinking (its file system "
+                                                   "has no seals: not a memfd)", kWhy));
+  }
+  if (seals & F_SEAL_SHRINK) return absl::OkStatus();
+  if (seals & F_SEAL_SEAL) {
+    // Linux gives shm_open's /dev/shm objects F_SEAL_SEAL from the start, as it does memfds made
+    // without MFD_ALLOW_SEALING: the two cannot be told apart, and neither can be sealed.
+    return absl::InvalidArgumentError(absl::StrCat(what, " cannot be sealed against shrinking (F_SEAL_SEAL without "
+                                                   "F_SEAL_SHRINK: a shm_open object, or a memfd made without "
+                                                   "MFD_ALLOW_SEALING)", kWhy));
+  }
+  if (fcntl(fd, F_ADD_SEALS, F_SEAL_SHRINK) != 0) {
+    const int e = errno;  // EPERM: not open for writing
+    return absl::InvalidArgumentError(absl::StrCat(what, ": sealing it against shrinking failed (",
+                                                   std::strerror(e), ")", kWhy));
+  }
+  return absl::OkStatus();
 }
 
 SharedMemory::SharedMemory(SharedMemory&& other) noexcept { *this = std::move(other); }

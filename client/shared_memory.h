@@ -1,8 +1,8 @@
 // POSIX shared memory, owned: the host backend's way for a worker to expose its buffers to the
-// daemon without copying. Either an anonymous object (memfd) whose descriptor the worker hands to
-// the daemon over its handle socket (daemon/README.md): no name any other process could open,
-// and the worker can hand it again to a restarted daemon; or a named object the worker creates
-// (and on destruction unlinks) and the daemon opens by name.
+// daemon without copying: an anonymous object (memfd) whose descriptor the worker hands to the
+// daemon over its handle socket (daemon/README.md): no name any other process could open, and the
+// worker can hand it again to a restarted daemon. The daemon never opens an object by name
+// (Create/Open remain for tools and tests that need a named object, e.g. to show it refused).
 #pragma once
 
 #include <cstddef>
@@ -27,6 +27,12 @@ class SharedMemory {
   // and writing), as large as fstat says it is now; the descriptor is not kept. `what` names it
   // in errors.
   static absl::StatusOr<SharedMemory> MapDescriptor(int fd, const std::string& what);
+  // Makes sure the object behind `fd` can never shrink: a process mapping it would die of SIGBUS
+  // touching pages a truncate took away. Adds F_SEAL_SHRINK to a memfd that allows sealing;
+  // INVALID_ARGUMENT, saying why, for one that cannot be sealed (a shm_open object or other file;
+  // a memfd sealed with F_SEAL_SEAL but not F_SEAL_SHRINK; one not open for writing) or is not a
+  // regular file at all. `what` names it in errors. Call it before mapping.
+  static absl::Status SealAgainstShrinking(int fd, const std::string& what);
 
   SharedMemory() = default;
   SharedMemory(SharedMemory&& other) noexcept;

@@ -242,7 +242,13 @@ absl::StatusOr<std::unique_ptr<WorkerClient>> WorkerClient::Connect(
   *request.mutable_worker() = proto.workers(0);
   WorkerMemory& memory = options.memory;
   std::vector<int> fds = memory.fds;
-  const std::string handles = HandleSocketPath(daemon);
+  const std::string handles = options.handle_socket.empty() ? HandleSocketPath(daemon) : options.handle_socket;
+  if (handles.empty()) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "a worker registers through the daemon's handle socket, which a TCP address (", daemon,
+        ") does not name: connect through its unix socket, \"unix:/tmp/refitd-<node>.sock\", or give "
+        "ConnectOptions::handle_socket"));
+  }
   if (!memory.memory.empty()) {
     if (memory.memory.size() != layout.buffers.size()) {
       return absl::InvalidArgumentError(absl::StrCat(layout.buffers.size(), " buffers but ",
@@ -262,35 +268,23 @@ absl::StatusOr<std::unique_ptr<WorkerClient>> WorkerClient::Connect(
       total += (b.NumBytes() + kAlign - 1) / kAlign * kAlign;
     }
     const size_t bytes = static_cast<size_t>(std::max<int64_t>(total, 1));
-    const bool by_descriptor = !options.host_memory_by_name && !handles.empty();
-    auto shm = by_descriptor ? SharedMemory::CreateAnonymous(
-                                   absl::StrCat(getpid(), "-", layout.workers[0].name), bytes)
-                             : SharedMemory::Create(UniqueShmName("buf"), bytes);
+    // Sealed against shrinking and growing: the daemon maps it, and a shrinking object would kill it.
+    auto shm = SharedMemory::CreateAnonymous(absl::StrCat(getpid(), "-", layout.workers[0].name), bytes);
     if (!shm.ok()) return shm.status();
     c->arena_ = *std::move(shm);
-    if (by_descriptor) fds.push_back(c->arena_.fd());
+    fds.push_back(c->arena_.fd());
     for (size_t i = 0; i < layout.buffers.size(); ++i) {
       v1::SharedMemory* m = request.add_memory()->mutable_shm();
-      if (by_descriptor) {
-        m->set_fd(static_cast<int32_t>(fds.size()));  // 1-based: the arena is the last descriptor
-      } else {
-        m->set_name(c->arena_.name());
-      }
+      m->set_fd(static_cast<int32_t>(fds.size()));  // 1-based: the arena is the last descriptor
       m->set_offset(offsets[i]);
       m->set_size(static_cast<int64_t>(c->arena_.bytes().size()));
       c->buffers_.push_back(c->arena_.bytes().subspan(
           static_cast<size_t>(offsets[i]), static_cast<size_t>(layout.buffers[i].NumBytes())));
     }
   }
-  if (!fds.empty() && handles.empty()) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("descriptors cannot travel to a daemon reached over TCP (", daemon,
-                     "): connect through its unix socket, \"unix:/tmp/refitd-<node>.sock\""));
-  }
-  // A named object is unlinked once registered: it cannot be registered again.
-  if (!c->buffers_.empty() && c->arena_.fd() < 0) c->reconnect_ = false;
   c->request_ = std::move(request);
   c->fds_ = std::move(fds);
+  c->handle_socket_ = handles;
   grpc::ChannelArguments args;
   args.SetMaxSendMessageSize(1 << 30);
   args.SetInt(GRPC_ARG_KEEPALIVE_TIME_MS, kKeepaliveTimeMs);
@@ -305,8 +299,6 @@ absl::StatusOr<std::unique_ptr<WorkerClient>> WorkerClient::Connect(
   c->stub_ = v1::RefitWorker::NewStub(
       grpc::CreateCustomChannel(daemon, grpc::InsecureChannelCredentials(), args));
   if (auto s = c->Register(deadline); !s.ok()) return s;
-  if (!c->buffers_.empty())
-    c->arena_.Unlink();  // the daemon holds its own mapping now (named objects)
   if (!c->OpenSession()) {
     return absl::UnavailableError(absl::StrCat("the daemon at ", daemon, " closed the session"));
   }
@@ -316,11 +308,11 @@ absl::StatusOr<std::unique_ptr<WorkerClient>> WorkerClient::Connect(
 
 absl::Status WorkerClient::Register(absl::Time deadline) {
   v1::RegisterWorkerRequest request = request_;
-  if (!fds_.empty()) {  // a fresh token each time: a delivery is claimed once
-    auto token = DeliverHandles(HandleSocketPath(daemon_), fds_, deadline);
-    if (!token.ok()) return token.status();
-    request.set_fd_token(*token);
-  }
+  // Always, even with no descriptor: the delivery is what identifies this process (its uid) to
+  // the daemon. A fresh token each time: a delivery is claimed once.
+  auto token = DeliverHandles(handle_socket_, fds_, deadline);
+  if (!token.ok()) return token.status();
+  request.set_fd_token(*token);
   grpc::ClientContext ctx;
   ctx.set_deadline(absl::ToChronoTime(std::max(deadline, absl::Now() + absl::Seconds(1))));
   ctx.set_wait_for_ready(true);  // the daemon may still be starting
@@ -328,6 +320,8 @@ absl::Status WorkerClient::Register(absl::Time deadline) {
   auto s = FromGrpc(stub_->Register(&ctx, request, &response));
   if (!s.ok()) return s;
   if (worker_id_.empty()) worker_id_ = response.worker_id();  // the same name every time
+  std::unique_lock<std::mutex> lock(mu_);
+  session_key_ = response.session_key();
   return absl::OkStatus();
 }
 
@@ -339,6 +333,7 @@ bool WorkerClient::OpenSession() {
   session->stream = stub_->Session(session->context.get());
   v1::WorkerMessage hello;
   hello.set_hello(worker_id_);
+  hello.set_session_key(session_key_);  // mu_ held
   if (!session->Write(hello)) {
     session->context->TryCancel();
     session->Finish();
@@ -442,12 +437,21 @@ void WorkerClient::HandleEvent(Session& session, const v1::RoundEvent& e) {
   session.Write(reply);  // false: the session ended meanwhile; its reader saw that too
 }
 
+std::string WorkerClient::session_key() {
+  std::unique_lock<std::mutex> lock(mu_);
+  return session_key_;
+}
+
 absl::Status WorkerClient::Unregister() {
   if (closed_.exchange(true)) return absl::OkStatus();
   grpc::ClientContext ctx;
   ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(5));
   v1::UnregisterWorkerRequest request;
   request.set_worker_id(worker_id_);
+  {
+    std::unique_lock<std::mutex> lock(mu_);
+    request.set_session_key(session_key_);
+  }
   v1::UnregisterWorkerResponse response;
   const absl::Status s = FromGrpc(stub_->Unregister(&ctx, request, &response));
   {

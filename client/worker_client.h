@@ -3,9 +3,12 @@
 // allocations), and receives the round events through callbacks. The daemon reads and writes the
 // memory itself; the worker's process copies nothing.
 //
-// Memory that travels as file descriptors (the library's own host memory, a memfd; CUDA VMM
-// allocations) is handed to the daemon over its handle socket before registering
-// (daemon/README.md). The session is watched by gRPC keepalive: a daemon that dies or freezes is
+// Memory travels as file descriptors (the library's own host memory, a sealed memfd; CUDA VMM
+// allocations), handed to the daemon over its handle socket before registering
+// (daemon/README.md); every registration makes such a delivery, even of no descriptor (CUDA IPC
+// memory), because it is how the daemon learns which process (uid) registers. Register answers a
+// session key, which the session's hello and Unregister present: nobody else can end or take
+// over this worker's registration. The session is watched by gRPC keepalive: a daemon that dies or freezes is
 // noticed within about two seconds (connected() turns false, on_disconnected is called).
 #pragma once
 
@@ -65,14 +68,12 @@ struct WorkerMemory {
 
 struct ConnectOptions {
   absl::Duration timeout = absl::Seconds(10);  // for handing over descriptors and registering
-  WorkerMemory memory;  // empty `memory.memory`: the library allocates host shared memory
-  // The library's host memory goes to the daemon as a descriptor (a sealed memfd) over the handle
-  // socket; with this set, or when the daemon is reached over TCP (no descriptor can travel
-  // there), as a named object in /dev/shm instead.
-  bool host_memory_by_name = false;
+  WorkerMemory memory;  // empty `memory.memory`: the library allocates host shared memory (a memfd)
+  // The daemon's handle socket; empty: "<socket>.handles" of a "unix:<socket>" daemon. A daemon
+  // reached over TCP (--worker-listen) needs it given: descriptors never travel over TCP.
+  std::string handle_socket;
   // Register again after the session is lost (a daemon restarted, or frozen and woken), with the
-  // same memory: its descriptors stay open for that (the library's own and the caller's). Not
-  // possible for host memory by name (the object is unlinked once registered): off then.
+  // same memory: its descriptors stay open for that (the library's own and the caller's).
   bool reconnect = true;
 };
 
@@ -101,6 +102,9 @@ class WorkerClient {
   int64_t version() const { return version_; }
   // The session with the daemon is open: false once it ended (see on_disconnected).
   bool connected() const { return connected_; }
+  // The current registration's secret (RegisterWorkerResponse.session_key): what the session's
+  // hello and Unregister present. This process' own; it must not leave it.
+  std::string session_key();
   // Unregisters and ends the session.
   absl::Status Unregister();
 
@@ -131,10 +135,12 @@ class WorkerClient {
   std::string daemon_;
   v1::RegisterWorkerRequest request_;  // as registered, without its descriptors' token
   std::vector<int> fds_;               // handed over at every registration (kept open)
+  std::string handle_socket_;          // where they are handed over
+  std::string session_key_;            // the last registration's (mu_); a new one each time
   absl::Duration timeout_;
   bool reconnect_ = true;
   std::unique_ptr<v1::RefitWorker::Stub> stub_;
-  std::mutex mu_;  // session_, replaced at each registration; closed_ changes
+  std::mutex mu_;  // session_ and session_key_, replaced at each registration; closed_ changes
   std::condition_variable closing_;
   std::shared_ptr<Session> session_;
   std::thread session_thread_;

@@ -92,6 +92,7 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(const DaemonConfig& config
   }
   d->registry_ = std::make_unique<WorkerRegistry>(config.node, config.gpus, d->backend_.get(), d->handles_.get());
   d->registry_->SetLimits(config.limits);
+  d->registry_->SetAdmission(WorkerAdmission(config.worker_uids, geteuid()));
   // Ticked every 100 ms by MonitorLoop: a gap of half a second is a pause of this process.
   d->pause_ = std::make_unique<PauseDetector>(Clock::Real(), absl::Milliseconds(500));
   NodeAgentLease lease;
@@ -249,9 +250,8 @@ absl::Status Daemon::Serve() {
   parts_.planner = planner_.get();
   parts_.driver = driver_.get();
   parts_.log = round_log_.get();
-  parts_.register_worker = [this](const v1::RegisterWorkerRequest& r, v1::RegisterWorkerResponse* out) {
-    return Register(r, out);
-  };
+  parts_.register_worker = [this](const v1::RegisterWorkerRequest& r, WorkerTransport transport,
+                                  v1::RegisterWorkerResponse* out) { return Register(r, transport, out); };
   parts_.drop_worker = [this](const std::string& id, const std::string& reason) { DropWorker(id, reason); };
   services_.push_back(MakeWorkerService(&parts_));
   services_.push_back(MakeControlService(&parts_));
@@ -376,8 +376,9 @@ void Daemon::SyncRemoved(const std::string& id) {
   }
 }
 
-absl::Status Daemon::Register(const v1::RegisterWorkerRequest& request, v1::RegisterWorkerResponse* response) {
-  auto registered = registry_->Register(request);
+absl::Status Daemon::Register(const v1::RegisterWorkerRequest& request, WorkerTransport transport,
+                              v1::RegisterWorkerResponse* response) {
+  auto registered = registry_->Register(request, transport);
   if (!registered.ok()) return registered.status();
   const std::shared_ptr<LocalWorker>& worker = registered->worker;
   if (auto s = SyncAdded(worker->request); !s.ok()) {
@@ -395,6 +396,7 @@ absl::Status Daemon::Register(const v1::RegisterWorkerRequest& request, v1::Regi
   response->set_worker_id(worker->id);
   response->set_node(config_.node);
   response->set_version(0);
+  response->set_session_key(worker->session_key);
   return absl::OkStatus();
 }
 

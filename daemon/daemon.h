@@ -67,7 +67,8 @@ class Daemon {
   absl::Status Serve();
   void SetServing(bool serving);  // the health service's status of every service
   void SetAlive();                // "" SERVING: the process runs
-  absl::Status Register(const v1::RegisterWorkerRequest& request, v1::RegisterWorkerResponse* response);
+  absl::Status Register(const v1::RegisterWorkerRequest& request, WorkerTransport transport,
+                        v1::RegisterWorkerResponse* response);
   void DropWorker(const std::string& id, const std::string& reason);
   // Tells the coordinator this node's workers changed (on the coordinator: its membership, one
   // worker at a time; elsewhere the whole list).

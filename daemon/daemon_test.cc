@@ -45,7 +45,8 @@ struct Cluster {
     daemon = *std::move(d);
     socket = "unix:" + c.worker_socket;
     auto channel = grpc::CreateChannel(daemon->address(), grpc::InsecureChannelCredentials());
-    workers = v1::RefitWorker::NewStub(channel);
+    // Workers on the unix socket, where they belong (and are uid-checked).
+    workers = v1::RefitWorker::NewStub(grpc::CreateChannel(socket, grpc::InsecureChannelCredentials()));
     control = v1::RefitControl::NewStub(channel);
   }
 };
@@ -65,7 +66,14 @@ v1::RegisterWorkerRequest Request(const std::string& name, v1::Role role, int64_
   return r;
 }
 
-grpc::Status Register(Cluster& c, const v1::RegisterWorkerRequest& r) {
+// As a worker registers: with a handle delivery (of no descriptor, unless `r` names one already),
+// which identifies its process.
+grpc::Status Register(Cluster& c, v1::RegisterWorkerRequest r) {
+  if (r.fd_token().empty()) {
+    auto token = DeliverHandles(HandleSocketPath(c.socket), {}, absl::Now() + absl::Seconds(5));
+    REQUIRE(token.ok());
+    r.set_fd_token(*token);
+  }
   grpc::ClientContext ctx;
   v1::RegisterWorkerResponse out;
   return c.workers->Register(&ctx, r, &out);
@@ -98,10 +106,11 @@ TEST_CASE("bad registrations get clear errors and the daemon keeps serving") {
     r.clear_memory();
     CHECK(Says(Register(c, r), grpc::StatusCode::INVALID_ARGUMENT, "1 buffers but 0 memory handles"));
   }
-  SECTION("memory that does not exist") {
+  SECTION("memory by name") {
     auto r = Request("t0", v1::TRAINER, 0, 8);
     r.mutable_memory(0)->mutable_shm()->set_size(1 << 20);
-    CHECK(Says(Register(c, r), grpc::StatusCode::NOT_FOUND, "/refit-test-none"));
+    CHECK(Says(Register(c, r), grpc::StatusCode::INVALID_ARGUMENT,
+               "shared memory by name (\"/refit-test-none\") is refused"));
   }
   SECTION("an oversized message") {
     auto r = Request("t0", v1::TRAINER, 0, 8);
@@ -240,7 +249,7 @@ int OpenFds() {
 }
 
 int Memfd(size_t bytes) {
-  const int fd = memfd_create("refit-daemon-test", MFD_CLOEXEC);
+  const int fd = memfd_create("refit-daemon-test", MFD_CLOEXEC | MFD_ALLOW_SEALING);  // the daemon seals it
   REQUIRE(fd >= 0);
   REQUIRE(ftruncate(fd, static_cast<off_t>(bytes)) == 0);
   return fd;
@@ -269,6 +278,11 @@ TEST_CASE("registration with descriptors: each wrong reference is named; descrip
     grpc::ClientContext ctx;
     v1::StatusResponse status;
     REQUIRE(c.control->Status(&ctx, v1::StatusRequest(), &status).ok());  // connections made
+    grpc::ClientContext wctx;
+    v1::UnregisterWorkerRequest nobody;
+    nobody.set_worker_id("policy/nobody");
+    v1::UnregisterWorkerResponse out;
+    REQUIRE(c.workers->Unregister(&wctx, nobody, &out).error_code() == grpc::StatusCode::NOT_FOUND);
   }
   SECTION("a token nothing was delivered under") {
     auto r = by_fd(1, 4096);
@@ -290,8 +304,11 @@ TEST_CASE("registration with descriptors: each wrong reference is named; descrip
     r.mutable_memory(0)->mutable_shm()->set_fd(1);
     CHECK(Says(Register(c, r), grpc::StatusCode::NOT_FOUND, "no handles were delivered"));
   }
-  SECTION("descriptors referenced without a token") {
-    CHECK(Says(Register(c, by_fd(1, 4096)), grpc::StatusCode::INVALID_ARGUMENT, "none were handed over (fd_token is empty)"));
+  SECTION("descriptors referenced without a token: no delivery, no registration on the unix socket") {
+    grpc::ClientContext ctx;
+    v1::RegisterWorkerResponse out;
+    CHECK(Says(c.workers->Register(&ctx, by_fd(1, 4096), &out), grpc::StatusCode::INVALID_ARGUMENT,
+               "named no handle delivery (fd_token)"));
   }
   SECTION("a size the object does not have") {
     auto r = by_fd(1, 8192);
@@ -398,7 +415,7 @@ TEST_CASE("a worker that refuses PREPARE aborts the round at once, with its reas
   watch_ctx.TryCancel();
 }
 
-TEST_CASE("host memory by name and by descriptor both carry a round") {
+TEST_CASE("host memory by descriptor carries a round; by name it is refused") {
   Cluster c;
   Layout trainer, engine;
   AddSplitTensor(trainer, "w", Dims{8, 4}, DType::kF32, 0, {0, 8}, {{0, 0}}, "trainer");
@@ -412,9 +429,7 @@ TEST_CASE("host memory by name and by descriptor both carry a round") {
     FillSources(trainer, FillSpec{static_cast<uint64_t>(v), {false}}, m);
     return absl::OkStatus();
   };
-  ConnectOptions by_name;
-  by_name.host_memory_by_name = true;
-  auto tc = WorkerClient::Connect(c.socket, "policy", v1::TRAINER, trainer, trainer_cb, by_name);
+  auto tc = WorkerClient::Connect(c.socket, "policy", v1::TRAINER, trainer, trainer_cb, ConnectOptions());
   REQUIRE(tc.ok());
   t = *std::move(tc);
   auto e = WorkerClient::Connect(c.socket, "policy", v1::INFERENCE, engine, {}, ConnectOptions());
@@ -557,6 +572,7 @@ TEST_CASE("an engine lost during COMMIT: the round is committed, nobody is sent 
     grpc::ClientContext ctx;
     v1::UnregisterWorkerRequest r;
     r.set_worker_id("policy/d");
+    r.set_session_key(d.client->session_key());  // as d's own process would
     v1::UnregisterWorkerResponse out;
     REQUIRE(c.workers->Unregister(&ctx, r, &out).ok());  // d is gone, inside its COMMIT
   }

@@ -506,35 +506,20 @@ absl::StatusOr<std::unique_ptr<MappedBuffer>> HostBackend::Map(const v1::BufferM
         "the host backend reaches buffers through POSIX shared memory (BufferMemory.shm); this "
         "buffer has no shared-memory handle");
   }
-  const v1::SharedMemory& shm = memory.shm();
-  if (shm.offset() < 0 || bytes < 0 || shm.offset() > shm.size() - bytes) {
-    return absl::InvalidArgumentError(absl::StrCat("shared memory \"", shm.name(), "\": a buffer of ",
-                                                   bytes, " bytes at offset ", shm.offset(),
-                                                   " does not fit its ", shm.size(), " bytes"));
-  }
-  // One mapping per object, shared by its buffers while any of them is mapped.
-  absl::MutexLock lock(&segments_mu_);
-  const std::pair<std::string, int64_t> key{shm.name(), shm.size()};
-  std::shared_ptr<SharedMemory> segment = segments_[key].lock();
-  if (segment == nullptr) {
-    auto opened = SharedMemory::Open(shm.name(), static_cast<size_t>(shm.size()));
-    if (!opened.ok()) return opened.status();
-    segment = std::make_shared<SharedMemory>(*std::move(opened));
-    segments_[key] = segment;
-    // Forget objects no buffer maps any more (their names may be reused); amortized over opens.
-    if (++opens_since_prune_ >= segments_.size()) {
-      opens_since_prune_ = 0;
-      for (auto it = segments_.begin(); it != segments_.end();) it = it->second.expired() ? segments_.erase(it) : std::next(it);
-    }
-  }
-  return std::unique_ptr<MappedBuffer>(new ShmBuffer(std::move(segment), shm.offset(), bytes));
+  // Never by name: this daemon (often root) opening a path a worker names would read and write
+  // any object the worker can name, another program's included. Memory comes as a descriptor,
+  // which only its owner can hand over (MapBuffers); Map has none to offer.
+  (void)bytes;
+  return absl::InvalidArgumentError(absl::StrCat(
+      "shared memory by name (\"", memory.shm().name(),
+      "\") is refused: the daemon opens no path a worker names; hand the object (a sealed memfd) over "
+      "the handle socket and give its index (SharedMemory.fd, RegisterWorkerRequest.fd_token)"));
 }
 
 absl::StatusOr<std::vector<std::unique_ptr<MappedBuffer>>> HostBackend::MapBuffers(
     const v1::RegisterWorkerRequest& request, std::span<const int64_t> buffer_bytes, std::span<const Fd> fds) {
   std::vector<std::unique_ptr<MappedBuffer>> out;
   std::vector<std::shared_ptr<SharedMemory>> by_fd(fds.size());  // this registration's, by index
-  int unsealed = 0;
   for (int b = 0; b < request.memory_size(); ++b) {
     const v1::BufferMemory& m = request.memory(b);
     const std::string what = absl::StrCat("buffer \"", request.worker().buffers(b).name(), "\"");
@@ -543,17 +528,19 @@ absl::StatusOr<std::vector<std::unique_ptr<MappedBuffer>>> HostBackend::MapBuffe
       return absl::InvalidArgumentError(absl::StrCat(
           what, ": GPU memory (CUDA IPC or VMM) needs --backend cuda; this daemon runs --backend host"));
     }
-    if (!m.has_shm() || m.shm().fd() == 0) {  // by name
-      auto mapped = Map(m, bytes);
-      if (!mapped.ok()) return Annotate(mapped.status(), what);
-      out.push_back(*std::move(mapped));
-      continue;
+    if (!m.has_shm() || m.shm().fd() == 0) {  // by name, or nothing: refused
+      return Annotate(Map(m, bytes).status(), what);
     }
     const v1::SharedMemory& shm = m.shm();
     const size_t index = static_cast<size_t>(shm.fd() - 1);
     const std::string object = absl::StrCat("descriptor ", shm.fd(), " (its shared memory)");
     std::shared_ptr<SharedMemory>& segment = by_fd[index];
     if (segment == nullptr) {
+      // Sealed before it is measured and mapped, so that it cannot shrink from under the mapping
+      // (SIGBUS in this daemon); an object that cannot be sealed is refused.
+      if (auto s = SharedMemory::SealAgainstShrinking(fds[index].get(), object); !s.ok()) {
+        return Annotate(s, what);
+      }
       struct stat st;
       if (fstat(fds[index].get(), &st) != 0) {
         return absl::InternalError(absl::StrCat(what, ": fstat of ", object, ": ", std::strerror(errno)));
@@ -566,7 +553,6 @@ absl::StatusOr<std::vector<std::unique_ptr<MappedBuffer>>> HostBackend::MapBuffe
         if (!mapped.ok()) return Annotate(mapped.status(), what);
         segment = std::make_shared<SharedMemory>(*std::move(mapped));
         cached = segment;
-        if (!segment->sealed_against_shrinking()) ++unsealed;
         if (++fd_maps_since_prune_ >= fd_segments_.size()) {
           fd_maps_since_prune_ = 0;
           std::erase_if(fd_segments_, [](const auto& e) { return e.second.expired(); });
@@ -585,13 +571,6 @@ absl::StatusOr<std::vector<std::unique_ptr<MappedBuffer>>> HostBackend::MapBuffe
                                                      " do not fit ", object, " of ", size, " bytes"));
     }
     out.push_back(std::unique_ptr<MappedBuffer>(new ShmBuffer(segment, shm.offset(), bytes)));
-  }
-  if (unsealed > 0) {
-    // Mapped within the object's size; but its owner could still truncate it later, and this
-    // daemon would die of SIGBUS touching the vanished pages. Sealed memfds cannot shrink.
-    Logger("worker")->warn("worker \"{}\": {} of its shared-memory objects are not sealed against shrinking "
-                           "(memfd with F_SEAL_SHRINK); a truncate would crash this daemon",
-                           request.worker().name(), unsealed);
   }
   return out;
 }

@@ -3,6 +3,7 @@
 #include <dirent.h>
 #include <fcntl.h>
 #include <poll.h>
+#include <sys/mman.h>
 #include <sys/resource.h>
 #include <sys/socket.h>
 #include <unistd.h>
@@ -171,17 +172,125 @@ TEST_CASE("Cancel ends a waiting transfer with the reason") {
   CHECK(std::string(r.status().message()) == "worker \"engine\" died");
 }
 
-TEST_CASE("Map refuses what is not shared memory, or does not fit") {
+// One registration of `n` buffers of `bytes` each, back to back in the object handed over first.
+v1::RegisterWorkerRequest ShmRequest(int n, int64_t bytes, int64_t object_bytes) {
+  v1::RegisterWorkerRequest r;
+  r.mutable_worker()->set_name("w0");
+  for (int b = 0; b < n; ++b) {
+    r.mutable_worker()->add_buffers()->set_name(absl::StrCat("b", b));
+    v1::SharedMemory* m = r.add_memory()->mutable_shm();
+    m->set_fd(1);
+    m->set_offset(b * bytes);
+    m->set_size(object_bytes);
+  }
+  return r;
+}
+
+std::vector<Fd> Dup(int fd) {
+  std::vector<Fd> fds;
+  fds.emplace_back(dup(fd));
+  REQUIRE(fds.back().valid());
+  return fds;
+}
+
+bool Has(const absl::Status& s, const std::string& part) {
+  INFO(s.ToString());
+  return std::string(s.message()).find(part) != std::string::npos;
+}
+
+TEST_CASE("shared memory by name is refused, and the named object is never opened") {
   auto a = HostBackend::Start("127.0.0.1:0");
   REQUIRE(a.ok());
   v1::BufferMemory none;
-  CHECK(std::string((*a)->Map(none, 8).status().message()).find("shared memory") != std::string::npos);
-  v1::BufferMemory missing;
-  missing.mutable_shm()->set_name("/refit-test-does-not-exist");
-  missing.mutable_shm()->set_size(64);
-  CHECK(absl::IsNotFound((*a)->Map(missing, 8).status()));
-  missing.mutable_shm()->set_offset(60);
-  CHECK(absl::IsInvalidArgument((*a)->Map(missing, 8).status()));
+  CHECK(Has((*a)->Map(none, 8).status(), "shared memory"));
+  // Another program's object, which a worker names: the daemon must neither read nor write it.
+  auto victim = SharedMemory::Create(UniqueShmName("victim"), 64);
+  REQUIRE(victim.ok());
+  std::memset(victim->bytes().data(), 0x5a, 64);
+  v1::BufferMemory named;
+  named.mutable_shm()->set_name(victim->name());
+  named.mutable_shm()->set_size(64);
+  const absl::Status by_map = (*a)->Map(named, 8).status();
+  CHECK(absl::IsInvalidArgument(by_map));
+  CHECK(Has(by_map, "is refused: the daemon opens no path a worker names"));
+  v1::RegisterWorkerRequest r;
+  r.mutable_worker()->set_name("w0");
+  r.mutable_worker()->add_buffers()->set_name("stolen");
+  *r.add_memory() = named;
+  const int64_t bytes[] = {64};
+  const absl::Status by_register = (*a)->MapBuffers(r, bytes, {}).status();
+  CHECK(absl::IsInvalidArgument(by_register));
+  CHECK(Has(by_register, "buffer \"stolen\""));
+  CHECK(Has(by_register, "hand the object (a sealed memfd) over the handle socket"));
+  CHECK(std::all_of(victim->bytes().begin(), victim->bytes().end(), [](std::byte b) { return b == std::byte{0x5a}; }));
+}
+
+TEST_CASE("a descriptor that can be sealed is sealed by the daemon; one that cannot is refused") {
+  auto a = HostBackend::Start("127.0.0.1:0");
+  REQUIRE(a.ok());
+  const int64_t bytes[] = {4096};
+  SECTION("an unsealed memfd: sealed against shrinking, so the worker's truncate fails") {
+    const int fd = memfd_create("refit-seal-test", MFD_CLOEXEC | MFD_ALLOW_SEALING);
+    REQUIRE(fd >= 0);
+    REQUIRE(ftruncate(fd, 4096) == 0);
+    REQUIRE((fcntl(fd, F_GET_SEALS) & F_SEAL_SHRINK) == 0);
+    auto mapped = (*a)->MapBuffers(ShmRequest(1, 4096, 4096), bytes, Dup(fd));
+    INFO(mapped.status().message());
+    REQUIRE(mapped.ok());
+    CHECK((fcntl(fd, F_GET_SEALS) & F_SEAL_SHRINK) != 0);
+    errno = 0;
+    CHECK(ftruncate(fd, 0) != 0);
+    CHECK(errno == EPERM);
+    // The mapping is whole: touching its last page does not fault.
+    std::span<std::byte> b = (*mapped)[0]->bytes();
+    b[4095] = std::byte{7};
+    CHECK(b[4095] == std::byte{7});
+    close(fd);
+  }
+  SECTION("a memfd sealed (F_SEAL_SEAL) without F_SEAL_SHRINK") {
+    const int fd = memfd_create("refit-seal-test", MFD_CLOEXEC);  // no MFD_ALLOW_SEALING: F_SEAL_SEAL
+    REQUIRE(fd >= 0);
+    REQUIRE(ftruncate(fd, 4096) == 0);
+    const absl::Status s = (*a)->MapBuffers(ShmRequest(1, 4096, 4096), bytes, Dup(fd)).status();
+    CHECK(absl::IsInvalidArgument(s));
+    CHECK(Has(s, "buffer \"b0\""));
+    CHECK(Has(s, "cannot be sealed against shrinking (F_SEAL_SEAL without F_SEAL_SHRINK"));
+    CHECK(Has(s, "a truncate by its owner would crash the daemon"));
+    close(fd);
+  }
+  SECTION("a shm_open object cannot be sealed") {
+    const std::string name = UniqueShmName("unsealable");
+    const int fd = shm_open(name.c_str(), O_RDWR | O_CREAT | O_EXCL, 0600);
+    REQUIRE(fd >= 0);
+    shm_unlink(name.c_str());
+    REQUIRE(ftruncate(fd, 4096) == 0);
+    const absl::Status s = (*a)->MapBuffers(ShmRequest(1, 4096, 4096), bytes, Dup(fd)).status();
+    CHECK(absl::IsInvalidArgument(s));
+    CHECK(Has(s, "buffer \"b0\""));
+    CHECK(Has(s, "cannot be sealed against shrinking"));
+    CHECK(Has(s, "a truncate by its owner would crash the daemon"));
+    close(fd);
+  }
+  SECTION("an ordinary file has no seals") {
+    char path[] = "/tmp/refit-seal-test-XXXXXX";
+    const int fd = mkstemp(path);
+    REQUIRE(fd >= 0);
+    unlink(path);
+    REQUIRE(ftruncate(fd, 4096) == 0);
+    const absl::Status s = (*a)->MapBuffers(ShmRequest(1, 4096, 4096), bytes, Dup(fd)).status();
+    CHECK(absl::IsInvalidArgument(s));
+    CHECK(Has(s, "cannot be sealed against shrinking"));
+    close(fd);
+  }
+  SECTION("a pipe is no shared memory") {
+    int p[2];
+    REQUIRE(pipe(p) == 0);
+    const absl::Status s = (*a)->MapBuffers(ShmRequest(1, 4096, 4096), bytes, Dup(p[0])).status();
+    CHECK(absl::IsInvalidArgument(s));
+    CHECK(Has(s, "is not a shared-memory object or memfd"));
+    close(p[0]);
+    close(p[1]);
+  }
 }
 
 TEST_CASE("buffers of one shared-memory object share one mapping, past Linux's 65,530 per process") {
@@ -189,19 +298,14 @@ TEST_CASE("buffers of one shared-memory object share one mapping, past Linux's 6
   REQUIRE(a.ok());
   constexpr int kBuffers = 70000;  // a worker of a many-expert model: more than vm.max_map_count
   constexpr int64_t kBytes = 64;
-  auto shm = SharedMemory::Create(UniqueShmName("maptest"), kBuffers * kBytes);
+  auto shm = SharedMemory::CreateAnonymous("maptest", kBuffers * kBytes);
   REQUIRE(shm.ok());
-  std::vector<std::unique_ptr<MappedBuffer>> mapped;
-  for (int b = 0; b < kBuffers; ++b) {
-    v1::BufferMemory m;
-    m.mutable_shm()->set_name(shm->name());
-    m.mutable_shm()->set_offset(b * kBytes);
-    m.mutable_shm()->set_size(kBuffers * kBytes);
-    auto one = (*a)->Map(m, kBytes);
-    INFO("buffer " << b << ": " << one.status().message());
-    REQUIRE(one.ok());
-    mapped.push_back(*std::move(one));
-  }
+  const std::vector<int64_t> sizes(kBuffers, kBytes);
+  auto many = (*a)->MapBuffers(ShmRequest(kBuffers, kBytes, kBuffers * kBytes), sizes, Dup(shm->fd()));
+  INFO(many.status().message());
+  REQUIRE(many.ok());
+  std::vector<std::unique_ptr<MappedBuffer>>& mapped = *many;
+  REQUIRE(mapped.size() == static_cast<size_t>(kBuffers));
   // Each buffer sees its own bytes of the worker's object, and only those.
   for (int b = 0; b < kBuffers; ++b) std::memset(shm->bytes().data() + b * kBytes, b % 251, kBytes);
   for (int b = 0; b < kBuffers; b += 997) {

@@ -70,8 +70,8 @@ struct Node {
     lease.lease = absl::Seconds(2);
     lease.coordinator = "10.0.0.0:7070";
     agent = std::make_unique<NodeAgent>(1, &registry, &backend, lease);
-    auto t = registry.Register(WithMemory(Registration("t0", v1::TRAINER, 0, 8, 1)));
-    auto e = registry.Register(WithMemory(Registration("i0", v1::INFERENCE, 0, 8, 1)));
+    auto t = registry.Register(WithMemory(Registration("t0", v1::TRAINER, 0, 8, 1)), WorkerTransport::kInProcess);
+    auto e = registry.Register(WithMemory(Registration("i0", v1::INFERENCE, 0, 8, 1)), WorkerTransport::kInProcess);
     REQUIRE(t.ok());
     REQUIRE(e.ok());
     trainer = t->worker;
@@ -232,7 +232,7 @@ TEST_CASE("node agent: a lost worker is the culprit of its round; a group withou
   CHECK(n.agent->GroupsKept() == 1);
   // A worker of the group outside the plan (registered since: its replica incomplete) was in no
   // round: the ABORT goes to the round's workers only.
-  auto outsider = n.registry.Register(WithMemory(Registration("i9", v1::INFERENCE, 0, 8, 1)));
+  auto outsider = n.registry.Register(WithMemory(Registration("i9", v1::INFERENCE, 0, 8, 1)), WorkerTransport::kInProcess);
   REQUIRE(outsider.ok());
   REQUIRE(n.agent->RunPhase(Node::Phase(v1::PhaseRequest::ABORT, 1), &out).ok());
   CHECK(Node::Events(*n.trainer).back() == "ABORT 1");

@@ -33,8 +33,13 @@ class WorkerService : public v1::RefitWorker::CallbackService {
   grpc::ServerUnaryReactor* Register(grpc::CallbackServerContext* c, const v1::RegisterWorkerRequest* r,
                                      v1::RegisterWorkerResponse* out) override {
     grpc::ServerUnaryReactor* reactor = c->DefaultReactor();
+    // "unix:..." or, with --worker-listen, "ipv4:..."/"ipv6:...": only the unix socket's
+    // registrations are uid-checked (worker_admission.h).
+    const WorkerTransport transport = TransportOfPeer(c->peer());
     // `r` and `out` live until Finish.
-    if (!blocking_.Submit([this, reactor, r, out] { reactor->Finish(ToGrpc(p_->register_worker(*r, out))); })) {
+    if (!blocking_.Submit([this, reactor, r, out, transport] {
+          reactor->Finish(ToGrpc(p_->register_worker(*r, transport, out)));
+        })) {
       reactor->Finish(ToGrpc(absl::UnavailableError("the daemon is shutting down")));
     }
     return reactor;
@@ -45,9 +50,9 @@ class WorkerService : public v1::RefitWorker::CallbackService {
   grpc::ServerUnaryReactor* Unregister(grpc::CallbackServerContext* c, const v1::UnregisterWorkerRequest* r,
                                        v1::UnregisterWorkerResponse*) override {
     grpc::ServerUnaryReactor* reactor = c->DefaultReactor();
-    if (p_->registry->Find(r->worker_id()) == nullptr) {
-      reactor->Finish(ToGrpc(absl::NotFoundError(
-          absl::StrCat("no worker \"", r->worker_id(), "\" on node ", p_->config->node))));
+    // Only its registration may unregister a worker (NOT_FOUND, PERMISSION_DENIED: it stays).
+    if (auto s = p_->registry->CheckKey(r->worker_id(), r->session_key()); !s.ok()) {
+      reactor->Finish(ToGrpc(s));
       return reactor;
     }
     if (!blocking_.Submit([this, reactor, id = r->worker_id()] {

@@ -9,6 +9,7 @@
 #include <grpcpp/grpcpp.h>
 
 #include "daemon/config.h"
+#include "daemon/worker_admission.h"
 #include "proto/refit.grpc.pb.h"
 
 namespace refit {
@@ -35,7 +36,10 @@ struct ServiceParts {
   RoundLog* log = nullptr;
   // Registration and departure, wired by the Daemon: they also tell the coordinator and end a
   // transfer the worker was part of.
-  std::function<absl::Status(const v1::RegisterWorkerRequest&, v1::RegisterWorkerResponse*)> register_worker;
+  // `transport`: how the registration arrived (worker_admission.h: the unix socket is uid-checked).
+  std::function<absl::Status(const v1::RegisterWorkerRequest&, WorkerTransport transport,
+                             v1::RegisterWorkerResponse*)>
+      register_worker;
   std::function<void(const std::string& id, const std::string& reason)> drop_worker;
 };
 

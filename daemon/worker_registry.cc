@@ -21,7 +21,8 @@ WorkerRegistry::WorkerRegistry(int32_t node, std::vector<int32_t> gpus, DataBack
                                HandleInbox* handles)
     : node_(node), gpus_(std::move(gpus)), backend_(backend), handles_(handles) {}
 
-absl::StatusOr<Registration> WorkerRegistry::Register(const v1::RegisterWorkerRequest& original) {
+absl::StatusOr<Registration> WorkerRegistry::Register(const v1::RegisterWorkerRequest& original,
+                                                      WorkerTransport transport) {
   // The descriptors handed over under the token are claimed first, whatever happens next: they
   // are closed when this returns (mapped memory stays mapped), so a registration that fails
   // leaves nothing behind; the worker hands them over again under a new token.
@@ -39,6 +40,12 @@ absl::StatusOr<Registration> WorkerRegistry::Register(const v1::RegisterWorkerRe
                                                               "\": ", taken.status().message()));
     }
     delivery = *std::move(taken);
+  }
+  // Who registers, before anything of the request is looked at further.
+  if (auto s = admission_.Admit(original, transport, !original.fd_token().empty(), delivery.uid); !s.ok()) {
+    Logger("worker")->warn("refused a registration of \"{}/{}\": {}", original.group(), original.worker().name(),
+                           std::string(s.message()));
+    return s;
   }
   // Its size and names, before anything of it is copied, decoded or mapped.
   if (auto s = CheckRegistration(original, limits_); !s.ok()) return s;
@@ -96,6 +103,7 @@ absl::StatusOr<Registration> WorkerRegistry::Register(const v1::RegisterWorkerRe
                         absl::StrCat("register: worker \"", w.name(), "\": ", mapped.status().message()));
   }
   worker->buffers = *std::move(mapped);
+  worker->session_key = NewSessionKey();
   for (int b = 0; b < w.buffers_size(); ++b) worker->buffer_index[w.buffers(b).name()] = b;
   {
     absl::MutexLock lock(&mu_);
@@ -152,10 +160,28 @@ std::vector<v1::RegisterWorkerRequest> WorkerRegistry::Snapshot() const {
   return out;
 }
 
-absl::StatusOr<std::shared_ptr<LocalWorker>> WorkerRegistry::Attach(const std::string& id,
+namespace {
+
+absl::Status KeyStatus(const LocalWorker& w, absl::string_view key) {
+  if (SessionKeyMatches(w.session_key, key)) return absl::OkStatus();
+  return absl::PermissionDeniedError(absl::StrCat(
+      "worker \"", w.id, "\": ", key.empty() ? "no session key given" : "wrong session key",
+      " (the session_key its Register answered: a worker's name belongs to its registration)"));
+}
+
+}  // namespace
+
+absl::Status WorkerRegistry::CheckKey(const std::string& id, absl::string_view key) const {
+  std::shared_ptr<LocalWorker> w = Find(id);
+  if (w == nullptr) return absl::NotFoundError(absl::StrCat("no worker \"", id, "\" on node ", node_));
+  return KeyStatus(*w, key);
+}
+
+absl::StatusOr<std::shared_ptr<LocalWorker>> WorkerRegistry::Attach(const std::string& id, absl::string_view key,
                                                                     std::function<void()> notify) {
   std::shared_ptr<LocalWorker> w = Find(id);
   if (w == nullptr) return absl::NotFoundError(absl::StrCat("no worker \"", id, "\" on node ", node_));
+  if (auto s = KeyStatus(*w, key); !s.ok()) return s;  // this registration's key, not a later one's
   absl::MutexLock lock(&w->mu);
   if (w->has_session) return absl::AlreadyExistsError(absl::StrCat("worker \"", w->id, "\" already has a session"));
   w->has_session = true;

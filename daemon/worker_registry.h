@@ -27,6 +27,7 @@
 #include "daemon/backend.h"
 #include "daemon/registration_limits.h"
 #include "daemon/handle_inbox.h"
+#include "daemon/worker_admission.h"
 #include "proto/refit.pb.h"
 
 namespace refit {
@@ -38,6 +39,9 @@ struct LocalWorker {
   v1::RegisterWorkerRequest request;  // worker.node (and worker.gpu, from gpu_uuid) filled in
   std::vector<std::unique_ptr<MappedBuffer>> buffers;
   absl::flat_hash_map<std::string, int> buffer_index;  // by name: a trainer may hold 100k buffers
+  // This registration's secret (worker_admission.h): its session's hello and its Unregister
+  // present it. Set before the worker is added, never changed; never logged or synced.
+  std::string session_key;
 
   const std::string& group() const { return request.group(); }
 
@@ -68,21 +72,30 @@ class WorkerRegistry {
   WorkerRegistry(int32_t node, std::vector<int32_t> gpus, DataBackend* backend, HandleInbox* handles);
   // What one registration may hold (daemon/registration_limits.h); set before serving.
   void SetLimits(const RegistrationLimits& limits) { limits_ = limits; }
+  // Who may register (daemon/worker_admission.h); set before serving. Default: this process'
+  // own uid and root.
+  void SetAdmission(WorkerAdmission admission) { admission_ = std::move(admission); }
 
-  // Validates a registration, claims its descriptors, maps its memory and adds the worker
-  // (ALREADY_EXISTS for a name registered on this node).
-  absl::StatusOr<Registration> Register(const v1::RegisterWorkerRequest& request);
+  // Claims its descriptors, admits (worker_admission.h: by `transport` and the delivery's uid),
+  // validates a registration, maps its memory and adds the worker with a fresh session key
+  // (ALREADY_EXISTS for a name registered on this node: it belongs to its registration until
+  // that is dropped).
+  absl::StatusOr<Registration> Register(const v1::RegisterWorkerRequest& request, WorkerTransport transport);
   std::shared_ptr<LocalWorker> Find(const std::string& id) const;
   // Removes a worker and wakes its session; returns it (nullptr: there was none).
   std::shared_ptr<LocalWorker> Drop(const std::string& id);
   // What this node tells the coordinator: every worker, memory handles stripped.
   std::vector<v1::RegisterWorkerRequest> Snapshot() const;
 
-  // Sessions. Attach marks the worker's one session (NOT_FOUND, ALREADY_EXISTS) and keeps
+  // OK when `key` is worker `id`'s session key (NOT_FOUND, PERMISSION_DENIED).
+  absl::Status CheckKey(const std::string& id, absl::string_view key) const;
+
+  // Sessions. Attach checks `key` (CheckKey), marks the worker's one session (ALREADY_EXISTS) and keeps
   // `notify`, called (no registry lock held, on the caller's thread, possibly concurrently) when
   // an event is queued for it, it is dropped, or the registry stops; the session then asks
   // NextForSession. Detach forgets `notify` (a call already started may still be running).
-  absl::StatusOr<std::shared_ptr<LocalWorker>> Attach(const std::string& id, std::function<void()> notify);
+  absl::StatusOr<std::shared_ptr<LocalWorker>> Attach(const std::string& id, absl::string_view key,
+                                                      std::function<void()> notify);
   void Detach(LocalWorker& w);
   struct SessionNext {
     std::optional<v1::RoundEvent> event;  // the oldest queued, taken off the outbox
@@ -118,6 +131,7 @@ class WorkerRegistry {
 
   const int32_t node_;
   RegistrationLimits limits_;  // set before any registration, read only after
+  WorkerAdmission admission_;  // likewise
   const std::vector<int32_t> gpus_;
   DataBackend* const backend_;
   HandleInbox* const handles_;

@@ -42,7 +42,8 @@ class SessionReactor final : public grpc::ServerBidiReactor<v1::WorkerMessage, v
         return;
       }
       std::weak_ptr<SessionReactor> weak = self_;
-      auto attached = shared_->registry->Attach(in_.hello(), [weak] {
+      // The hello presents the registration's session key: a name belongs to whoever registered it.
+      auto attached = shared_->registry->Attach(in_.hello(), in_.session_key(), [weak] {
         if (std::shared_ptr<SessionReactor> r = weak.lock()) r->Step();
       });
       if (!attached.ok()) {

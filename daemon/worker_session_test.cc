@@ -11,6 +11,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
 #include "client/shared_memory.h"
+#include "client/worker_client.h"
 #include "daemon/daemon.h"
 #include "daemon/host_backend.h"
 #include "daemon/test_registrations.h"
@@ -31,12 +32,18 @@ int Threads() {
   return n;
 }
 
-// A trainer holding all of "w" [8, 4] f32, its buffer in the named object `shm`.
-v1::RegisterWorkerRequest Trainer(const std::string& name, const SharedMemory& shm, const std::string& shm_name) {
+// A trainer holding all of "w" [8, 4] f32, its buffer in the memfd `shm`, handed over to the
+// handle socket at `handles` under a fresh token.
+v1::RegisterWorkerRequest Trainer(const std::string& name, const SharedMemory& shm, const std::string& handles) {
   v1::RegisterWorkerRequest r = testing::Registration(name, v1::TRAINER, 0, 8, 0);
   v1::SharedMemory* m = r.add_memory()->mutable_shm();
-  m->set_name(shm_name);
+  m->set_fd(1);
   m->set_size(static_cast<int64_t>(shm.bytes().size()));
+  const int fds[] = {shm.fd()};
+  auto token = DeliverHandles(handles, fds, absl::Now() + absl::Seconds(10));
+  INFO(token.status().message());
+  REQUIRE(token.ok());
+  r.set_fd_token(*token);
   return r;
 }
 
@@ -45,23 +52,25 @@ struct Session {
   std::unique_ptr<Stream> stream;
 };
 
-std::unique_ptr<Session> Open(v1::RefitWorker::Stub& stub, const std::string& id) {
+std::unique_ptr<Session> Open(v1::RefitWorker::Stub& stub, const std::string& id, const std::string& key) {
   auto s = std::make_unique<Session>();
   s->stream = stub.Session(&s->ctx);
   v1::WorkerMessage hello;
   hello.set_hello(id);
+  hello.set_session_key(key);
   REQUIRE(s->stream->Write(hello));
   return s;
 }
 
 // A second session for `id` is refused while the first is attached (bounded: were the second
 // attached instead, it would wait for events).
-grpc::Status Duplicate(v1::RefitWorker::Stub& stub, const std::string& id) {
+grpc::Status Duplicate(v1::RefitWorker::Stub& stub, const std::string& id, const std::string& key) {
   auto s = std::make_unique<Session>();
   s->ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(5));
   s->stream = stub.Session(&s->ctx);
   v1::WorkerMessage hello;
   hello.set_hello(id);
+  hello.set_session_key(key);
   s->stream->Write(hello);
   v1::RoundEvent e;
   while (s->stream->Read(&e)) {
@@ -89,9 +98,9 @@ TEST_CASE("200 live sessions on an in-process daemon add no threads; they end wh
   auto started = Daemon::Start(c);
   REQUIRE(started.ok());
   std::unique_ptr<Daemon> daemon = *std::move(started);
-  const std::string shm_name = UniqueShmName("session-test");
-  auto shm = SharedMemory::Create(shm_name, 8 * 4 * 4);
+  auto shm = SharedMemory::CreateAnonymous("session-test", 8 * 4 * 4);
   REQUIRE(shm.ok());
+  const std::string handles = HandleSocketPath("unix:" + c.worker_socket);
   auto channel = grpc::CreateChannel("unix:" + c.worker_socket, grpc::InsecureChannelCredentials());
   auto workers = v1::RefitWorker::NewStub(channel);
   auto control = v1::RefitControl::NewStub(
@@ -103,28 +112,30 @@ TEST_CASE("200 live sessions on an in-process daemon add no threads; they end wh
     return out.workers_size();
   };
   std::vector<std::string> ids;
+  std::map<std::string, std::string> keys;
   for (int i = 0; i <= kSessions; ++i) {
     grpc::ClientContext ctx;
     v1::RegisterWorkerResponse out;
-    const grpc::Status s = workers->Register(&ctx, Trainer(absl::StrCat("t", i), *shm, shm_name), &out);
+    const grpc::Status s = workers->Register(&ctx, Trainer(absl::StrCat("t", i), *shm, handles), &out);
     INFO(s.error_message());
     REQUIRE(s.ok());
     ids.push_back(out.worker_id());
+    keys[out.worker_id()] = out.session_key();
   }
   // One session first: gRPC starts its own threads on first use, whatever the API.
   std::vector<std::unique_ptr<Session>> sessions;
   // (Nothing tells a client that its hello was taken: the checks for a second session wait a
   // little, or the second could be taken first.)
-  sessions.push_back(Open(*workers, ids[0]));
+  sessions.push_back(Open(*workers, ids[0], keys[ids[0]]));
   absl::SleepFor(absl::Milliseconds(500));
-  CHECK(Duplicate(*workers, ids[0]).error_code() == grpc::StatusCode::ALREADY_EXISTS);
+  CHECK(Duplicate(*workers, ids[0], keys[ids[0]]).error_code() == grpc::StatusCode::ALREADY_EXISTS);
   const int before = Threads();
-  for (int i = 1; i <= kSessions; ++i) sessions.push_back(Open(*workers, ids[i]));
+  for (int i = 1; i <= kSessions; ++i) sessions.push_back(Open(*workers, ids[i], keys[ids[i]]));
   absl::SleepFor(absl::Milliseconds(1000));
   const int after = Threads();
   // Every one attached: a second session for it is refused.
   for (int i : {1, kSessions / 2, kSessions}) {
-    CHECK(Duplicate(*workers, ids[i]).error_code() == grpc::StatusCode::ALREADY_EXISTS);
+    CHECK(Duplicate(*workers, ids[i], keys[ids[i]]).error_code() == grpc::StatusCode::ALREADY_EXISTS);
   }
   WARN("threads with 1 session: " << before << ", with " << kSessions + 1 << ": " << after);
   CHECK(after <= before + 2);  // the sync API took two per session: +400
@@ -155,7 +166,11 @@ class SessionOnly : public v1::RefitWorker::CallbackService {
 TEST_CASE("sessions end cleanly: lost once per vanished worker, never for one that unregistered") {
   auto backend = HostBackend::Start("127.0.0.1:0");
   REQUIRE(backend.ok());
-  WorkerRegistry registry(0, {}, backend->get(), nullptr);
+  HandleInboxOptions inbox_options;
+  inbox_options.path = absl::StrCat("/tmp/refit-session-test-", getpid(), ".handles");
+  auto inbox = HandleInbox::Start(inbox_options);
+  REQUIRE(inbox.ok());
+  WorkerRegistry registry(0, {}, backend->get(), inbox->get());
   absl::Mutex mu;
   std::map<std::string, int> lost;
   auto sessions = std::make_unique<WorkerSessions>(&registry, [&](const std::string& id, const std::string&) {
@@ -175,15 +190,16 @@ TEST_CASE("sessions end cleanly: lost once per vanished worker, never for one th
   auto stub = v1::RefitWorker::NewStub(
       grpc::CreateChannel(absl::StrCat("127.0.0.1:", port), grpc::InsecureChannelCredentials()));
 
-  const std::string shm_name = UniqueShmName("session-test");
-  auto shm = SharedMemory::Create(shm_name, 8 * 4 * 4);
+  auto shm = SharedMemory::CreateAnonymous("session-test", 8 * 4 * 4);
   REQUIRE(shm.ok());
   std::vector<std::string> ids;
+  std::map<std::string, std::string> keys;
   for (const char* name : {"cancelled", "half_closed", "unregistered", "kept", "broken"}) {
-    auto r = registry.Register(Trainer(name, *shm, shm_name));
+    auto r = registry.Register(Trainer(name, *shm, inbox_options.path), WorkerTransport::kInProcess);
     INFO(r.status().message());
     REQUIRE(r.ok());
     ids.push_back(r->worker->id);
+    keys[r->worker->id] = r->worker->session_key;
   }
   const std::string &cancelled = ids[0], &half_closed = ids[1], &unregistered = ids[2], &kept = ids[3];
 
@@ -196,18 +212,25 @@ TEST_CASE("sessions end cleanly: lost once per vanished worker, never for one th
     v1::RoundEvent e;
     CHECK_FALSE(bad.stream->Read(&e));
     CHECK(bad.stream->Finish().error_code() == grpc::StatusCode::INVALID_ARGUMENT);
-    CHECK(Duplicate(*stub, "policy/nobody").error_code() == grpc::StatusCode::NOT_FOUND);
+    CHECK(Duplicate(*stub, "policy/nobody", keys[ids[0]]).error_code() == grpc::StatusCode::NOT_FOUND);
+    // A hello without its registration's key, or with another's, is refused; the worker is not
+    // taken (its own session attaches below).
+    CHECK(Duplicate(*stub, ids[0], "").error_code() == grpc::StatusCode::PERMISSION_DENIED);
+    CHECK(Duplicate(*stub, ids[0], keys[ids[1]]).error_code() == grpc::StatusCode::PERMISSION_DENIED);
   }
 
   std::map<std::string, std::unique_ptr<Session>> open;
-  for (const std::string& id : ids) open[id] = Open(*stub, id);
+  for (const std::string& id : ids) open[id] = Open(*stub, id, keys[id]);
   auto attached = [&](const std::string& id) {
     std::shared_ptr<LocalWorker> w = registry.Find(id);
     absl::MutexLock lock(&w->mu);
     return w->has_session;
   };
   for (const std::string& id : ids) REQUIRE(Eventually([&] { return attached(id); }));
-  for (const std::string& id : ids) CHECK(Duplicate(*stub, id).error_code() == grpc::StatusCode::ALREADY_EXISTS);
+  for (const std::string& id : ids) {
+    CHECK(Duplicate(*stub, id, keys[id]).error_code() == grpc::StatusCode::ALREADY_EXISTS);
+    CHECK(Duplicate(*stub, id, "0123456789abcdef0123456789abcdef").error_code() == grpc::StatusCode::PERMISSION_DENIED);
+  }
   // The refused second sessions are done soon after their client heard so.
   CHECK(Eventually([&] { return sessions->live() == static_cast<int>(ids.size()); }));
 

@@ -156,6 +156,7 @@ class Worker:
         self._outgoing = None      # the live session's queue of WorkerMessages
         self._call = None
         self.worker_id = None
+        self._session_key = ""     # the last registration's (RegisterWorkerResponse.session_key)
         self.registrations = 0
         self._channel = grpc.insecure_channel(daemon, options=KEEPALIVE)
         self._stub = _rpc.Stub(self._channel, "RefitWorker")
@@ -235,15 +236,16 @@ class Worker:
             request.memory.extend(exported.memory)
             request.vmm_ranges.extend(exported.vmm_ranges)
             request.gpu_uuid = exported.gpu_uuid
-            if exported.fds:
-                path = handles.handle_socket_path(self.daemon)
-                if path is None:
-                    raise RegistrationError(
-                        f"worker {self.name!r}: its memory is handed over as file descriptors, which "
-                        f"needs the daemon's unix socket, not {self.daemon!r}")
-                if not os.path.exists(path):
-                    raise HandoverError(f"no handle socket at {path} (is refitd running there?)", transient=True)
-                request.fd_token = handles.deliver(path, exported.fds, timeout=timeout)
+            # Always, even with no descriptor (CUDA IPC memory): the delivery is how the daemon
+            # learns which process (uid) registers; it refuses registrations without one.
+            path = handles.handle_socket_path(self.daemon)
+            if path is None:
+                raise RegistrationError(
+                    f"worker {self.name!r}: a worker registers through the daemon's handle socket, "
+                    f"which needs the daemon's unix socket, not {self.daemon!r}")
+            if not os.path.exists(path):
+                raise HandoverError(f"no handle socket at {path} (is refitd running there?)", transient=True)
+            request.fd_token = handles.deliver(path, exported.fds, timeout=timeout)
             try:
                 response = self._stub.Register(request, timeout=timeout)
             except grpc.RpcError as e:
@@ -253,6 +255,8 @@ class Worker:
             exported.close()  # the daemon holds its own mappings now
         with self._mu:
             self.worker_id = response.worker_id
+            # This registration's secret: the session's hello and Unregister present it.
+            self._session_key = response.session_key
             self.registrations += 1
         log.info("registered %s with %s (%d buffers)", response.worker_id, self.daemon, len(self._pairs))
 
@@ -302,7 +306,9 @@ class Worker:
 
     def _run_session(self):
         outgoing = queue.Queue()
-        outgoing.put(refit_pb2.WorkerMessage(hello=self.worker_id))
+        with self._mu:
+            key = self._session_key
+        outgoing.put(refit_pb2.WorkerMessage(hello=self.worker_id, session_key=key))
 
         def messages():
             while True:
@@ -471,11 +477,12 @@ class Worker:
             if self._closed:
                 return
             self._closed = True
-            call, worker_id = self._call, self.worker_id
+            call, worker_id, key = self._call, self.worker_id, self._session_key
             self._mu.notify_all()
         if unregister and worker_id:
             try:
-                self._stub.Unregister(refit_pb2.UnregisterWorkerRequest(worker_id=worker_id), timeout=5)
+                self._stub.Unregister(refit_pb2.UnregisterWorkerRequest(worker_id=worker_id, session_key=key),
+                                      timeout=5)
             except grpc.RpcError as e:
                 log.info("worker %s: unregister: %s", self.name, e.details())
         self._send(None)

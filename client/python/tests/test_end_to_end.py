@@ -17,6 +17,14 @@ from refit._proto import refit_pb2  # noqa: E402
 from e2e_lib import Reports, layouts, names, start_python, start_sim  # noqa: E402
 
 
+LAYOUT_ONE = {
+    "tensors": [{"name": "w", "shape": [8, 4], "dtype": "fp32"}],
+    "workers": [{"name": "rank0", "node": 0, "gpu": 0, "buffers": [
+        {"name": "w", "dtype": "fp32", "shape": [8, 4],
+         "pieces": [{"tensor": "w", "tensorBox": {"origin": [0, 0], "shape": [8, 4]}}]}]}],
+}
+
+
 class EndToEnd(unittest.TestCase):
     def setUp(self):
         self.cluster = harness.Cluster(nodes=2)
@@ -105,6 +113,40 @@ class EndToEnd(unittest.TestCase):
         self.assertEqual(e.blamed.node, 1)
         self.assertEqual(e.blamed.phase, "PREPARE")
         self.reports.wait("good", "abort")
+
+    def test_a_worker_name_belongs_to_its_registration(self):
+        """The Python worker keeps its session key: nobody else unregisters it or registers its
+        name; its own close() unregisters it."""
+        import grpc
+        from refit import _rpc, layout_io
+        layout = LAYOUT_ONE
+        worker_proto, _ = layout_io.one_worker(layout, None)
+        arena = refit.SharedArena(1 << 16)
+        tensors = {b.name: arena.empty(tuple(b.shape), "fp32") for b in worker_proto.buffers}
+        address = self.cluster.daemons[0].worker_address
+        w = refit.Worker(address, "policy", "trainer", layout, tensors)
+        channel = grpc.insecure_channel(address)
+        try:
+            self.assertTrue(w.wait_connected(10))
+            stub = _rpc.Stub(channel, "RefitWorker")
+            for key in ["", "0" * 32]:
+                with self.assertRaises(grpc.RpcError) as e:
+                    stub.Unregister(refit_pb2.UnregisterWorkerRequest(worker_id=w.worker_id, session_key=key),
+                                    timeout=5)
+                self.assertEqual(e.exception.code(), grpc.StatusCode.PERMISSION_DENIED, e.exception.details())
+            # A second registration of its name: refused while it is registered.
+            with self.assertRaises(refit.RegistrationError) as e:
+                refit.Worker(address, "policy", "trainer", layout, tensors, register_timeout=2)
+            self.assertIn("ALREADY_EXISTS", str(e.exception))
+            time.sleep(0.3)
+            self.assertTrue(w.connected)
+            self.assertEqual([x["worker_id"] for x in self.ctl.workers()], [w.worker_id])
+            w.close()  # unregisters with its key
+            harness.wait_for(lambda: not self.ctl.workers(), 10, "the worker unregistered")
+        finally:
+            w.close()
+            channel.close()
+            arena.close()
 
     def test_daemon_restarted_under_live_workers(self):
         self.start_side("trainer", "python", 0)

@@ -7,6 +7,7 @@
 #include <random>
 
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
 #include "daemon/clock.h"
 #include "daemon/coordinator_link.h"
 #include "daemon/cuda_backend.h"
@@ -63,6 +64,23 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(const DaemonConfig& config
   SetLogLevel(config.log_level);
   SetLogFormat(config.log_format, config.node);
   std::unique_ptr<Daemon> d(new Daemon(config));
+  d->tls_ = std::make_unique<GrpcTls>(config.tls);
+  d->authority_ = std::make_unique<Authority>(config.tls);
+  if (config.tls.enabled()) {
+    Logger("rpc")->info("TLS: certificate {}, CA {} (read again every {}); operators {}, viewers {}", config.tls.cert,
+                        config.tls.ca, absl::FormatDuration(config.tls.reload), absl::StrJoin(config.tls.operators, ","),
+                        absl::StrJoin(config.tls.viewers, ","));
+  } else if (config.insecure_listen) {
+    Logger("rpc")->warn("no TLS and --insecure-listen: anyone who reaches {} can start refits and read every "
+                        "daemon's state; its peers' phases are obeyed unauthenticated (docs/SECURITY.md)",
+                        config.listen);
+  } else {
+    Logger("rpc")->info("no TLS: listening on loopback only (docs/SECURITY.md)");
+  }
+  if (!config.worker_listen.empty()) {
+    Logger("rpc")->warn("workers are also served over TCP at {}: those registrations are not identified by uid",
+                        config.worker_listen);
+  }
   if (config.backend == "cuda") {
     auto backend = CudaBackend::Start(config.gpus, config.staging_bytes, config.nccl_stream_priority);
     if (!backend.ok()) return backend.status();
@@ -134,6 +152,8 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(const DaemonConfig& config
     }
     GrpcPeerClientOptions peers;
     peers.self = config.node;
+    peers.incarnation = d->incarnation_;
+    peers.tls = d->tls_.get();
     peers.peer_timeout = config.peer_timeout;
     peers.max_rpc_bytes = config.max_rpc_bytes;
     peers.address = [self](int32_t node) { return self->membership_->ControlAddress(node); };
@@ -171,6 +191,7 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(const DaemonConfig& config
     link.coordinator = config.coordinator;
     link.node = config.node;
     link.incarnation = d->incarnation_;
+    link.tls = d->tls_.get();
     link.heartbeat = config.heartbeat;
     link.peer_timeout = config.peer_timeout;
     link.max_rpc_bytes = config.max_rpc_bytes;
@@ -187,6 +208,11 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(const DaemonConfig& config
     d->link_ = std::make_unique<CoordinatorLink>(std::move(link));
   }
   if (auto s = d->Serve(); !s.ok()) return s;
+  if (!config.worker_uids.empty()) {
+    // Other uids are named: they must be able to connect (a unix socket needs write permission),
+    // and are then admitted or refused by the handle socket's credentials, not the file mode.
+    chmod(config.worker_socket.c_str(), 0666);
+  }
   if (struct stat st; stat(config.worker_socket.c_str(), &st) == 0) {
     chmod(d->handles_->path().c_str(), st.st_mode & 07777);
   }
@@ -213,36 +239,52 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(const DaemonConfig& config
 // all NOT_SERVING while it drains. Kubernetes' grpc probes ask it (docs/KUBERNETES.md).
 constexpr const char* kHealthServices[] = {"", "refit.v1.RefitControl", "refit.v1.RefitPeer", "refit.v1.RefitWorker"};
 
+std::vector<grpc::Server*> Daemon::Servers() const {
+  std::vector<grpc::Server*> out;
+  for (const auto* s : {&server_, &worker_server_, &health_server_}) {
+    if (*s != nullptr) out.push_back(s->get());
+  }
+  return out;
+}
+
 void Daemon::SetServing(bool serving) {
-  grpc::HealthCheckServiceInterface* health = server_ ? server_->GetHealthCheckService() : nullptr;
-  if (health == nullptr) return;
-  for (const char* service : kHealthServices) health->SetServingStatus(service, serving);
+  for (grpc::Server* server : Servers()) {
+    grpc::HealthCheckServiceInterface* health = server->GetHealthCheckService();
+    if (health == nullptr) continue;
+    for (const char* service : kHealthServices) health->SetServingStatus(service, serving);
+  }
 }
 
 void Daemon::SetAlive() {
   // "" answers for the process (a liveness probe): SERVING while it runs, even while it waits
   // for its coordinator; the refit services (readiness) only once joined.
-  if (grpc::HealthCheckServiceInterface* health = server_ ? server_->GetHealthCheckService() : nullptr) {
-    health->SetServingStatus("", true);
+  for (grpc::Server* server : Servers()) {
+    if (grpc::HealthCheckServiceInterface* health = server->GetHealthCheckService()) {
+      health->SetServingStatus("", true);
+    }
   }
 }
 
-absl::Status Daemon::Serve() {
-  grpc::EnableDefaultHealthCheckService(true);  // process-wide; before the server is built
-  grpc::ServerBuilder builder;
-  int port = 0;
-  builder.AddListeningPort(config_.listen, grpc::InsecureServerCredentials(), &port);
-  unlink(config_.worker_socket.c_str());  // a stale socket from a dead daemon
-  builder.AddListeningPort("unix:" + config_.worker_socket, grpc::InsecureServerCredentials());
-  builder.SetMaxReceiveMessageSize(static_cast<int>(config_.max_rpc_bytes));
-  builder.SetMaxSendMessageSize(static_cast<int>(config_.max_rpc_bytes));
+namespace {
+
+void ConfigureServer(const DaemonConfig& config, grpc::ServerBuilder& builder) {
+  builder.SetMaxReceiveMessageSize(static_cast<int>(config.max_rpc_bytes));
+  builder.SetMaxSendMessageSize(static_cast<int>(config.max_rpc_bytes));
   // Workers ping their session every second to notice a dead or frozen daemon within about a
   // second (WorkerClient, the Python worker). By default a server takes pings without data at
   // most every 5 minutes and closes the connection after 2 more ("too_many_pings").
   builder.AddChannelArgument(GRPC_ARG_HTTP2_MIN_RECV_PING_INTERVAL_WITHOUT_DATA_MS, 500);
   builder.AddChannelArgument(GRPC_ARG_HTTP2_MAX_PING_STRIKES, 0);  // 0: no limit
   builder.AddChannelArgument(GRPC_ARG_KEEPALIVE_PERMIT_WITHOUT_CALLS, 1);
+}
+
+}  // namespace
+
+absl::Status Daemon::Serve() {
+  grpc::EnableDefaultHealthCheckService(true);  // process-wide; before the servers are built
   parts_.config = &config_;
+  parts_.authority = authority_.get();
+  parts_.incarnation = incarnation_;
   parts_.registry = registry_.get();
   parts_.agent = agent_.get();
   parts_.link = link_.get();
@@ -253,14 +295,53 @@ absl::Status Daemon::Serve() {
   parts_.register_worker = [this](const v1::RegisterWorkerRequest& r, WorkerTransport transport,
                                   v1::RegisterWorkerResponse* out) { return Register(r, transport, out); };
   parts_.drop_worker = [this](const std::string& id, const std::string& reason) { DropWorker(id, reason); };
-  services_.push_back(MakeWorkerService(&parts_));
+  // Peers and operators: TLS when configured (every caller then presents a certificate).
+  grpc::ServerBuilder builder;
+  ConfigureServer(config_, builder);
+  int port = 0;
+  builder.AddListeningPort(config_.listen, tls_->ServerCredentials(), &port);
   services_.push_back(MakeControlService(&parts_));
   services_.push_back(MakePeerService(&parts_));
-  for (auto& s : services_) builder.RegisterService(s.get());
+  builder.RegisterService(services_[services_.size() - 2].get());
+  builder.RegisterService(services_.back().get());
   server_ = builder.BuildAndStart();
-  if (server_ == nullptr || port == 0) {
-    return absl::UnavailableError(absl::StrCat("cannot listen on ", config_.listen, " and unix:",
-                                               config_.worker_socket));
+  if (server_ == nullptr || port == 0) return absl::UnavailableError(absl::StrCat("cannot listen on ", config_.listen));
+  // Workers: the unix socket (its file mode says who may connect; the handle socket's
+  // credentials say who registers), and TCP only when asked. RefitControl is here too, for local
+  // tools (under TLS, read-only: steering needs an operator certificate). Never RefitPeer.
+  grpc::ServerBuilder workers;
+  ConfigureServer(config_, workers);
+  unlink(config_.worker_socket.c_str());  // a stale socket from a dead daemon
+  workers.AddListeningPort("unix:" + config_.worker_socket, grpc::InsecureServerCredentials());
+  int worker_port = 0;
+  if (!config_.worker_listen.empty()) {
+    workers.AddListeningPort(config_.worker_listen, tls_->ServerCredentials(), &worker_port);
+  }
+  services_.push_back(MakeWorkerService(&parts_));
+  services_.push_back(MakeControlService(&parts_));
+  workers.RegisterService(services_[services_.size() - 2].get());
+  workers.RegisterService(services_.back().get());
+  worker_server_ = workers.BuildAndStart();
+  if (worker_server_ == nullptr || (!config_.worker_listen.empty() && worker_port == 0)) {
+    return absl::UnavailableError(absl::StrCat("cannot listen on unix:", config_.worker_socket,
+                                               config_.worker_listen.empty() ? "" : " and " + config_.worker_listen));
+  }
+  if (!config_.health_listen.empty()) {
+    // Plaintext and health only: Kubernetes' grpc probes present no certificate. It tells
+    // whether the daemon runs and has joined, nothing else.
+    grpc::ServerBuilder health;
+    int health_port = 0;
+    health.AddListeningPort(config_.health_listen, grpc::InsecureServerCredentials(), &health_port);
+    // gRPC's default health service is a sync service, served only by a server that has one of
+    // its own; this one answers every RefitControl call UNIMPLEMENTED.
+    services_.push_back(std::make_unique<v1::RefitControl::Service>());
+    health.RegisterService(services_.back().get());
+    health_server_ = health.BuildAndStart();
+    if (health_server_ == nullptr || health_port == 0) {
+      return absl::UnavailableError(absl::StrCat("cannot listen on --health-listen ", config_.health_listen));
+    }
+    const std::string health_host = config_.health_listen.substr(0, config_.health_listen.rfind(':'));
+    Logger("rpc")->info("health (plaintext, grpc.health.v1 only) at {}:{}", health_host, health_port);
   }
   SetServing(false);  // until joined
   SetAlive();
@@ -278,7 +359,7 @@ Daemon::~Daemon() {
   if (monitor_.joinable()) monitor_.join();
   if (link_) link_->Stop();
   if (driver_) driver_->Stop();  // rounds started by StartRefit end by their deadlines
-  if (server_) server_->Wait();
+  for (grpc::Server* server : Servers()) server->Wait();
   driver_.reset();
   peers_.reset();  // waits for calls in flight
   unlink(config_.worker_socket.c_str());
@@ -317,7 +398,8 @@ void Daemon::Shutdown() {
   // The worker service (services_) outlives server_ and waits for sessions still in OnDone.
   if (registry_) registry_->Stop();
   if (round_log_) round_log_->Stop();
-  if (server_) server_->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(2));
+  const auto deadline = std::chrono::system_clock::now() + std::chrono::seconds(2);
+  for (grpc::Server* server : Servers()) server->Shutdown(deadline);
   absl::MutexLock lock(&mu_);
   shutdown_done_ = true;
 }
@@ -381,7 +463,8 @@ absl::Status Daemon::Register(const v1::RegisterWorkerRequest& request, WorkerTr
   auto registered = registry_->Register(request, transport);
   if (!registered.ok()) return registered.status();
   const std::shared_ptr<LocalWorker>& worker = registered->worker;
-  if (auto s = SyncAdded(worker->request); !s.ok()) {
+  // The coordinator's own membership keeps the pieces; a node's sync sends its snapshot (issue 15.5).
+  if (auto s = SyncAdded(membership_ != nullptr ? worker->Full() : worker->request); !s.ok()) {
     registry_->Drop(worker->id);
     if (s.code() == absl::StatusCode::kAlreadyExists) return absl::AlreadyExistsError(absl::StrCat("register: ", s.message()));
     return absl::UnavailableError(absl::StrCat("register: the coordinator did not take the worker: ", s.message()));

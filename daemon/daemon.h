@@ -31,7 +31,9 @@
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
 #include "daemon/backend.h"
+#include "daemon/authority.h"
 #include "daemon/config.h"
+#include "daemon/grpc_tls.h"
 #include "daemon/services.h"
 
 namespace refit {
@@ -67,6 +69,7 @@ class Daemon {
   absl::Status Serve();
   void SetServing(bool serving);  // the health service's status of every service
   void SetAlive();                // "" SERVING: the process runs
+  std::vector<grpc::Server*> Servers() const;
   absl::Status Register(const v1::RegisterWorkerRequest& request, WorkerTransport transport,
                         v1::RegisterWorkerResponse* response);
   void DropWorker(const std::string& id, const std::string& reason);
@@ -102,7 +105,16 @@ class Daemon {
 
   ServiceParts parts_;
   std::vector<std::unique_ptr<grpc::Service>> services_;
+  // TLS credentials and who may call what; before the servers and every client that uses them.
+  std::unique_ptr<GrpcTls> tls_;
+  std::unique_ptr<Authority> authority_;
+  // Three listeners, so that each service is reachable only where it belongs: server_ (--listen:
+  // RefitControl, RefitPeer), worker_server_ (the unix socket, and --worker-listen if given:
+  // RefitWorker, RefitControl), health_server_ (--health-listen, plaintext: gRPC health only,
+  // for probes that cannot present a certificate). Each has gRPC's health service.
   std::unique_ptr<grpc::Server> server_;
+  std::unique_ptr<grpc::Server> worker_server_;
+  std::unique_ptr<grpc::Server> health_server_;
   std::thread monitor_;
 
   absl::Mutex mu_;

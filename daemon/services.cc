@@ -4,6 +4,7 @@
 #include "daemon/coordinator_link.h"
 #include "daemon/executor.h"
 #include "daemon/grpc_status.h"
+#include "daemon/grpc_tls.h"
 #include "daemon/version.h"
 #include "daemon/group_planner.h"
 #include "daemon/membership.h"
@@ -76,7 +77,8 @@ class ControlService : public v1::RefitControl::Service {
  public:
   explicit ControlService(const ServiceParts* p) : p_(p) {}
 
-  grpc::Status Refit(grpc::ServerContext*, const v1::RefitRequest* r, v1::RoundStats* out) override {
+  grpc::Status Refit(grpc::ServerContext* context, const v1::RefitRequest* r, v1::RoundStats* out) override {
+    if (auto s = Check(context, Access::kOperate, "Refit"); !s.ok()) return s;
     if (p_->link != nullptr) {
       const DaemonConfig& c = *p_->config;
       const absl::Duration round_timeout =
@@ -85,7 +87,8 @@ class ControlService : public v1::RefitControl::Service {
     }
     return ToGrpc(p_->driver->Refit(*r, out));
   }
-  grpc::Status StartRefit(grpc::ServerContext*, const v1::RefitRequest* r, v1::StartRefitResponse* out) override {
+  grpc::Status StartRefit(grpc::ServerContext* c, const v1::RefitRequest* r, v1::StartRefitResponse* out) override {
+    if (auto s = Check(c, Access::kOperate, "StartRefit"); !s.ok()) return s;
     if (p_->link != nullptr) {
       return ToGrpc(p_->link->Forward(&v1::RefitControl::Stub::StartRefit, *r, out, p_->config->peer_timeout));
     }
@@ -96,6 +99,7 @@ class ControlService : public v1::RefitControl::Service {
   }
   grpc::Status WatchRounds(grpc::ServerContext* c, const v1::WatchRoundsRequest* r,
                            grpc::ServerWriter<v1::RoundStats>* w) override {
+    if (auto s = Check(c, Access::kView, "WatchRounds"); !s.ok()) return s;
     auto cancelled = [c] { return c->IsCancelled(); };
     auto write = [w](const v1::RoundStats& s) { return w->Write(s); };
     if (p_->link != nullptr) {
@@ -105,7 +109,8 @@ class ControlService : public v1::RefitControl::Service {
     }
     return grpc::Status::OK;
   }
-  grpc::Status Status(grpc::ServerContext*, const v1::StatusRequest* r, v1::StatusResponse* out) override {
+  grpc::Status Status(grpc::ServerContext* c, const v1::StatusRequest* r, v1::StatusResponse* out) override {
+    if (auto s = Check(c, Access::kView, "Status"); !s.ok()) return s;
     if (p_->link != nullptr) {
       return ToGrpc(p_->link->Forward(&v1::RefitControl::Stub::Status, *r, out, p_->config->peer_timeout));
     }
@@ -150,16 +155,18 @@ class ControlService : public v1::RefitControl::Service {
     }
     return grpc::Status::OK;
   }
-  grpc::Status ListWorkers(grpc::ServerContext*, const v1::ListWorkersRequest* r,
+  grpc::Status ListWorkers(grpc::ServerContext* c, const v1::ListWorkersRequest* r,
                            v1::ListWorkersResponse* out) override {
+    if (auto s = Check(c, Access::kView, "ListWorkers"); !s.ok()) return s;
     if (p_->link != nullptr) {
       return ToGrpc(p_->link->Forward(&v1::RefitControl::Stub::ListWorkers, *r, out, p_->config->peer_timeout));
     }
     p_->membership->ListWorkers(*r, out);
     return grpc::Status::OK;
   }
-  grpc::Status ListRounds(grpc::ServerContext*, const v1::ListRoundsRequest* r,
+  grpc::Status ListRounds(grpc::ServerContext* c, const v1::ListRoundsRequest* r,
                           v1::ListRoundsResponse* out) override {
+    if (auto s = Check(c, Access::kView, "ListRounds"); !s.ok()) return s;
     if (p_->link != nullptr) {
       return ToGrpc(p_->link->Forward(&v1::RefitControl::Stub::ListRounds, *r, out, p_->config->peer_timeout));
     }
@@ -169,7 +176,8 @@ class ControlService : public v1::RefitControl::Service {
     }
     return grpc::Status::OK;
   }
-  grpc::Status GetPlan(grpc::ServerContext*, const v1::GetPlanRequest* r, v1::PlanSummary* out) override {
+  grpc::Status GetPlan(grpc::ServerContext* c, const v1::GetPlanRequest* r, v1::PlanSummary* out) override {
+    if (auto s = Check(c, Access::kView, "GetPlan"); !s.ok()) return s;
     if (p_->link != nullptr) {
       return ToGrpc(p_->link->Forward(&v1::RefitControl::Stub::GetPlan, *r, out, p_->config->peer_timeout));
     }
@@ -184,14 +192,18 @@ class ControlService : public v1::RefitControl::Service {
   }
 
  private:
+  grpc::Status Check(grpc::ServerContext* c, Access access, absl::string_view method) const {
+    return ToGrpc(p_->authority->CheckControl(CallerOf(*c), access, method));
+  }
   const ServiceParts* const p_;
 };
 
 class PeerService : public v1::RefitPeer::Service {
  public:
   explicit PeerService(const ServiceParts* p) : p_(p) {}
-  grpc::Status Join(grpc::ServerContext*, const v1::JoinRequest* r, v1::JoinResponse* out) override {
+  grpc::Status Join(grpc::ServerContext* context, const v1::JoinRequest* r, v1::JoinResponse* out) override {
     const DaemonConfig& c = *p_->config;
+    if (auto s = p_->authority->CheckNode(CallerOf(*context), r->node(), "Join"); !s.ok()) return ToGrpc(s);
     if (p_->membership == nullptr) {
       return ToGrpc(absl::FailedPreconditionError(
           absl::StrCat("node ", c.node, " is not the coordinator; it is ", c.coordinator)));
@@ -200,22 +212,33 @@ class PeerService : public v1::RefitPeer::Service {
       return ToGrpc(absl::AlreadyExistsError(absl::StrCat("node ", r->node(), " is the coordinator's own index")));
     }
     if (p_->membership->Join(*r)) out->set_resync(true);
+    out->set_coordinator_node(c.node);
+    out->set_coordinator_incarnation(p_->incarnation);
     return grpc::Status::OK;
   }
-  grpc::Status SyncWorkers(grpc::ServerContext*, const v1::SyncWorkersRequest* r,
+  grpc::Status SyncWorkers(grpc::ServerContext* context, const v1::SyncWorkersRequest* r,
                            v1::SyncWorkersResponse* out) override {
+    if (auto s = p_->authority->CheckNode(CallerOf(*context), r->node(), "SyncWorkers"); !s.ok()) return ToGrpc(s);
     if (p_->membership == nullptr) return ToGrpc(absl::FailedPreconditionError("not the coordinator"));
     // Names another node holds are refused, listed in `out`; a node not joined is refused whole.
     return ToGrpc(p_->membership->ApplySync(*r, out));
   }
-  grpc::Status InstallPlan(grpc::ServerContext*, const v1::InstallPlanRequest* r, v1::InstallPlanResponse*) override {
+  grpc::Status InstallPlan(grpc::ServerContext* c, const v1::InstallPlanRequest* r, v1::InstallPlanResponse*) override {
+    if (auto s = FromCoordinator(c, "InstallPlan"); !s.ok()) return s;
     return ToGrpc(p_->agent->InstallPlan(*r));
   }
-  grpc::Status RunPhase(grpc::ServerContext*, const v1::PhaseRequest* r, v1::PhaseResponse* out) override {
+  grpc::Status RunPhase(grpc::ServerContext* c, const v1::PhaseRequest* r, v1::PhaseResponse* out) override {
+    if (auto s = FromCoordinator(c, "RunPhase"); !s.ok()) return s;
     return ToGrpc(p_->agent->RunPhase(*r, out));
   }
 
  private:
+  // Phases and plans only from the coordinator this node joined (the coordinator runs its own
+  // node's part in process, so over gRPC it takes none).
+  grpc::Status FromCoordinator(grpc::ServerContext* c, absl::string_view method) const {
+    const KnownCoordinator coordinator = p_->link != nullptr ? p_->link->Coordinator() : KnownCoordinator{};
+    return ToGrpc(p_->authority->CheckCoordinator(CallerOf(*c), coordinator, CoordinatorIncarnationOf(*c), method));
+  }
   const ServiceParts* const p_;
 };
 

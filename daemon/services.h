@@ -8,6 +8,7 @@
 
 #include <grpcpp/grpcpp.h>
 
+#include "daemon/authority.h"
 #include "daemon/config.h"
 #include "daemon/worker_admission.h"
 #include "proto/refit.grpc.pb.h"
@@ -26,6 +27,8 @@ class WorkerRegistry;
 // others no membership, planner, driver or log).
 struct ServiceParts {
   const DaemonConfig* config = nullptr;
+  const Authority* authority = nullptr;  // who may call what (docs/SECURITY.md)
+  int64_t incarnation = 0;               // this daemon's (the coordinator's answers to Join name it)
   std::string address;  // this daemon's control address, once serving
   WorkerRegistry* registry = nullptr;
   NodeAgent* agent = nullptr;

@@ -33,7 +33,9 @@ void GroupPlanner::Forget(const std::string& group) {
 
 std::shared_ptr<const GroupPlan> GroupPlanner::Get(const std::string& group) {
   while (true) {
-    const GroupMembers members = membership_->Group(group);
+    // Without pieces first: a cached plan of this epoch is the common case, and decoding every
+    // worker's pieces costs what they do (millions, for a frontier model).
+    GroupMembers members = membership_->Group(group, /*with_pieces=*/false);
     {
       absl::MutexLock lock(&mu_);
       Entry& e = cache_[group];
@@ -43,6 +45,13 @@ std::shared_ptr<const GroupPlan> GroupPlanner::Get(const std::string& group) {
         planned_.WaitWithTimeout(&mu_, absl::Milliseconds(100));
         continue;
       }
+    }
+    members = membership_->Group(group, /*with_pieces=*/true);
+    {
+      absl::MutexLock lock(&mu_);
+      Entry& e = cache_[group];
+      if (e.latest != nullptr && e.latest->epoch == members.epoch) return e.latest;
+      if (e.planning_epoch == members.epoch) continue;  // another caller got there first
       e.planning_epoch = members.epoch;
       ++plannings_;
     }
@@ -95,17 +104,22 @@ std::shared_ptr<const GroupPlan> GroupPlanner::Compute(const std::string& group,
     *l.add_workers() = w.worker();
   }
   g->nodes.assign(nodes.begin(), nodes.end());
-  if (g->src.workers_size() > 0 && g->dst.workers_size() == 0 && members.inference > 0) {
-    g->status = absl::FailedPreconditionError(absl::StrCat(
-        "group \"", group, "\" is not ready: no complete inference replica (a replica counts only with every rank "
-        "registered): ", absl::StrJoin(problems, "; ")));
+  // A plan that is not ready keeps no layouts: the full forms would stay cached with it.
+  auto not_ready = [&](absl::Status s) {
+    g->src.Clear();
+    g->dst.Clear();
+    g->status = std::move(s);
     return g;
+  };
+  if (g->src.workers_size() > 0 && g->dst.workers_size() == 0 && members.inference > 0) {
+    return not_ready(absl::FailedPreconditionError(absl::StrCat(
+        "group \"", group, "\" is not ready: no complete inference replica (a replica counts only with every rank "
+        "registered): ", absl::StrJoin(problems, "; "))));
   }
   if (g->src.workers_size() == 0 || g->dst.workers_size() == 0) {
-    g->status = absl::FailedPreconditionError(absl::StrCat(
+    return not_ready(absl::FailedPreconditionError(absl::StrCat(
         "group \"", group, "\" is not ready: ", g->src.workers_size(), " trainers and ",
-        g->dst.workers_size(), " inference workers registered; both sides are needed"));
-    return g;
+        g->dst.workers_size(), " inference workers registered; both sides are needed")));
   }
   const absl::Time started = absl::Now();
   auto src = LayoutFromProto(g->src);

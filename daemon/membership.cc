@@ -1,5 +1,7 @@
 #include "daemon/membership.h"
 
+#include "daemon/memory_trim.h"
+
 #include <algorithm>
 
 #include "absl/strings/str_cat.h"
@@ -134,6 +136,7 @@ bool Membership::JoinLocked(const v1::JoinRequest& request) {
 }
 
 absl::Status Membership::ApplySync(const v1::SyncWorkersRequest& request, v1::SyncWorkersResponse* response) {
+  bool large = false;
   {
     absl::MutexLock lock(&mu_);
     // Only a node joined at this incarnation syncs. A node declared dead (it was frozen, or cut
@@ -152,7 +155,11 @@ absl::Status Membership::ApplySync(const v1::SyncWorkersRequest& request, v1::Sy
     }
     NodeInfo& n = nodes_[request.node()];
     n.incarnation = request.incarnation();
+    // The old list and the request itself (freed by gRPC after this returns) may be large.
+    for (const StoredWorker& w : n.workers) large |= static_cast<int64_t>(w.wire.size()) >= kTrimAfterBytes;
+    large |= static_cast<int64_t>(request.ByteSizeLong()) >= kTrimAfterBytes;
     n.workers.clear();
+    n.workers.reserve(static_cast<size_t>(request.workers_size()));
     for (const v1::RegisterWorkerRequest& w : request.workers()) {
       // A name another live node holds stays with it: this one is refused, never admitted.
       if (auto refused = Refusal(absl::StrCat(w.group(), "/", w.worker().name()), request.node())) {
@@ -160,13 +167,14 @@ absl::Status Membership::ApplySync(const v1::SyncWorkersRequest& request, v1::Sy
         if (response != nullptr) *response->add_refused() = *std::move(refused);
         continue;
       }
-      n.workers.push_back(w);
+      n.workers.push_back(Store(w));
     }
     n.alive = true;
     if (request.node() != self_) beats_[request.node()] = {request.incarnation(), clock_->Now()};
     for (const auto& w : n.workers) groups_[w.group()];
     RecomputeEpochs();
   }
+  if (large) RequestTrim();
   TellForgotten();
   return absl::OkStatus();
 }
@@ -176,21 +184,20 @@ absl::Status Membership::AddLocal(const v1::RegisterWorkerRequest& worker) {
   if (auto refused = Refusal(absl::StrCat(worker.group(), "/", worker.worker().name()), self_)) {
     return absl::AlreadyExistsError(refused->reason());
   }
-  auto& mine = nodes_[self_].workers;
-  mine.push_back(worker);
-  mine.back().clear_memory();  // handles stay on this node
-  mine.back().clear_vmm_ranges();
-  mine.back().clear_fd_token();
+  nodes_[self_].workers.push_back(Store(worker));  // handles stay on this node
   groups_[worker.group()];
   RecomputeEpochs();
+  if (static_cast<int64_t>(nodes_[self_].workers.back().wire.size()) >= kTrimAfterBytes) RequestTrim();
   return absl::OkStatus();  // adding forgets no group
 }
 
 void Membership::RemoveLocal(const std::string& id) {
   {
     absl::MutexLock lock(&mu_);
-    std::erase_if(nodes_[self_].workers, [&](const v1::RegisterWorkerRequest& r) {
-      return absl::StrCat(r.group(), "/", r.worker().name()) == id;
+    std::erase_if(nodes_[self_].workers, [&](const StoredWorker& r) {
+      const bool gone = absl::StrCat(r.group(), "/", r.worker().name()) == id;
+      if (gone && static_cast<int64_t>(r.wire.size()) >= kTrimAfterBytes) RequestTrim();
+      return gone;
     });
     RecomputeEpochs();
   }
@@ -309,6 +316,7 @@ bool Membership::MarkDeadLocked(int32_t node, const std::string& why) {
   if (it == nodes_.end() || !it->second.alive) return false;
   it->second.alive = false;
   it->second.workers.clear();
+  RequestTrim();  // rare, and its workers may have been large
   beats_.erase(node);  // its next heartbeat takes the slow path and resyncs
   Logger("rpc")->warn("node {} ({}) is dead: {}", node, it->second.control_address, why);
   dead_because_[node] = why;
@@ -374,7 +382,52 @@ std::vector<v1::NodeAddress> Membership::DataAddresses() const {
   return out;
 }
 
-GroupMembers Membership::Group(const std::string& group) const {
+Membership::StoredWorker Membership::Store(const v1::RegisterWorkerRequest& request) {
+  StoredWorker out;
+  // The header: all but the pieces and the memory handles, built field by field (a copy of the
+  // whole request first would cost what is being saved).
+  v1::RegisterWorkerRequest& h = out.header;
+  h.set_group(request.group());
+  h.set_role(request.role());
+  *h.mutable_tensors() = request.tensors();
+  h.set_gpu_uuid(request.gpu_uuid());
+  const v1::Worker& w = request.worker();
+  v1::Worker* hw = h.mutable_worker();
+  hw->set_name(w.name());
+  hw->set_node(w.node());
+  hw->set_gpu(w.gpu());
+  hw->set_replica(w.replica());
+  hw->set_replica_rank(w.replica_rank());
+  hw->set_replica_size(w.replica_size());
+  hw->set_buffers_like(w.buffers_like());
+  for (const v1::Buffer& b : w.buffers()) {
+    v1::Buffer* hb = hw->add_buffers();
+    hb->set_name(b.name());
+    hb->set_dtype(b.dtype());
+    *hb->mutable_shape() = b.shape();
+    out.pieces += b.pieces_size();
+  }
+  // The whole: the header's top-level fields, then each tensor (field 4) and the worker with its
+  // pieces (field 3) appended as the wire format's length-delimited fields.
+  v1::RegisterWorkerRequest top;
+  top.set_group(request.group());
+  top.set_role(request.role());
+  top.set_gpu_uuid(request.gpu_uuid());
+  out.wire = top.SerializeAsString();
+  auto append = [&](uint32_t field, const google::protobuf::MessageLite& m) {
+    const std::string bytes = m.SerializeAsString();
+    for (uint64_t v : {uint64_t{field << 3 | 2}, uint64_t{bytes.size()}}) {
+      for (; v >= 0x80; v >>= 7) out.wire.push_back(static_cast<char>(v | 0x80));
+      out.wire.push_back(static_cast<char>(v));
+    }
+    out.wire += bytes;
+  };
+  for (const v1::TensorSpec& t : request.tensors()) append(4, t);
+  append(3, w);
+  return out;
+}
+
+GroupMembers Membership::Group(const std::string& group, bool with_pieces) const {
   absl::MutexLock lock(&mu_);
   GroupMembers out;
   auto g = groups_.find(group);
@@ -386,7 +439,12 @@ GroupMembers Membership::Group(const std::string& group) const {
     bool here = false;
     for (const auto& w : info.workers) {
       if (w.group() != group) continue;
-      out.workers.emplace_back(node, w);
+      if (with_pieces) {
+        v1::RegisterWorkerRequest& full = out.workers.emplace_back(node, v1::RegisterWorkerRequest()).second;
+        if (!full.ParseFromString(w.wire)) full = w.header;  // cannot happen: Store wrote it
+      } else {
+        out.workers.emplace_back(node, w.header);
+      }
       (w.role() == v1::TRAINER ? out.trainers : out.inference)++;
       here = true;
     }
@@ -433,8 +491,8 @@ void Membership::ListWorkers(const v1::ListWorkersRequest& request, v1::ListWork
       out->set_buffers(w.worker().buffers_size());
       int32_t pieces = 0;
       int64_t bytes = 0;
+      pieces = w.pieces;
       for (const auto& b : w.worker().buffers()) {
-        pieces += b.pieces_size();
         int64_t n = 1;
         for (int64_t d : b.shape()) n *= d;
         auto dtype = ParseDType(b.dtype());

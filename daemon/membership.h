@@ -49,7 +49,8 @@ inline constexpr int kMaxListedRanks = 1024;
 struct GroupMembers {
   bool exists = false;
   int64_t epoch = 0;
-  // Alive nodes' workers of the group, by node then in registration order.
+  // Alive nodes' workers of the group, by node then in registration order (without their pieces
+  // unless Group() was asked for them).
   std::vector<std::pair<int32_t, v1::RegisterWorkerRequest>> workers;
   std::vector<int32_t> nodes;  // nodes with workers of the group, ascending
   int trainers = 0, inference = 0;
@@ -106,17 +107,33 @@ class Membership {
   // Why a node is dead (or unknown), if it was declared dead; nullopt while it lives.
   std::optional<std::string> DeathReason(int32_t node) const;
   std::vector<v1::NodeAddress> DataAddresses() const;  // of live nodes
-  GroupMembers Group(const std::string& group) const;
+  // `with_pieces`: each worker's buffers with their pieces, decoded for the caller (the planner);
+  // without, the rest of each registration only (cheap: what replicas, counts and epochs need).
+  GroupMembers Group(const std::string& group, bool with_pieces = true) const;
   std::vector<std::string> GroupNames() const;
   void NodeStatuses(v1::StatusResponse* response) const;
   void ListWorkers(const v1::ListWorkersRequest& request, v1::ListWorkersResponse* response) const;
 
  private:
+  // A worker as the coordinator keeps it (issue 15.5): the registration without its pieces as a
+  // message, for everything but planning, and the whole of it (memory handles left out) as the
+  // bytes it travels in, which the planner decodes when it plans. A piece costs about 500 bytes
+  // as a message and 40 on the wire: a registration of 10^6 pieces held as a message cost the
+  // coordinator 12x its size for as long as the worker lived.
+  struct StoredWorker {
+    v1::RegisterWorkerRequest header;  // buffers without pieces, no memory handles
+    std::string wire;                  // the whole registration, serialized, no memory handles
+    int32_t pieces = 0;
+    const std::string& group() const { return header.group(); }
+    v1::Role role() const { return header.role(); }
+    const v1::Worker& worker() const { return header.worker(); }
+  };
+  static StoredWorker Store(const v1::RegisterWorkerRequest& request);
   struct NodeInfo {
     std::string control_address, data_address;
     int64_t incarnation = 0;
     bool alive = false;
-    std::vector<v1::RegisterWorkerRequest> workers;
+    std::vector<StoredWorker> workers;
   };
   struct ReplicaRecord {
     std::string fingerprint;  // its workers; a change resets the version

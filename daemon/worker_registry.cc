@@ -6,17 +6,10 @@
 #include "absl/strings/str_join.h"
 #include "daemon/culprit.h"
 #include "daemon/logging.h"
-#include "daemon/memory_refs.h"
-#include "plan/validate.h"
-#include "proto/layout_codec.h"
+#include "daemon/memory_trim.h"
+#include "daemon/registration_check.h"
 
 namespace refit {
-namespace {
-
-std::string RoleName(v1::Role r) { return r == v1::TRAINER ? "trainer" : r == v1::INFERENCE ? "inference" : "?"; }
-
-}  // namespace
-
 WorkerRegistry::WorkerRegistry(int32_t node, std::vector<int32_t> gpus, DataBackend* backend,
                                HandleInbox* handles)
     : node_(node), gpus_(std::move(gpus)), backend_(backend), handles_(handles) {}
@@ -53,18 +46,7 @@ absl::StatusOr<Registration> WorkerRegistry::Register(const v1::RegisterWorkerRe
   worker->request = original;  // worker.node (and worker.gpu, from gpu_uuid) filled in below
   const v1::RegisterWorkerRequest& request = worker->request;
   const v1::Worker& w = request.worker();
-  if (request.group().empty()) return absl::InvalidArgumentError("register: \"group\" is empty");
-  if (request.role() != v1::TRAINER && request.role() != v1::INFERENCE) {
-    return absl::InvalidArgumentError("register: role must be TRAINER or INFERENCE");
-  }
-  if (w.name().empty() || w.name().find('/') != std::string::npos) {
-    return absl::InvalidArgumentError("register: the worker needs a name without '/'");
-  }
-  if (request.memory_size() != w.buffers_size()) {
-    return absl::InvalidArgumentError(absl::StrCat("register: worker \"", w.name(), "\" has ",
-                                                   w.buffers_size(), " buffers but ",
-                                                   request.memory_size(), " memory handles"));
-  }
+  if (auto s = CheckRegistrationFields(request); !s.ok()) return s;
   if (!request.gpu_uuid().empty()) {
     // The worker's CUDA index is its own (CUDA_VISIBLE_DEVICES); the UUID is everyone's.
     auto gpu = backend_->GpuIndex(request.gpu_uuid());
@@ -79,30 +61,19 @@ absl::StatusOr<Registration> WorkerRegistry::Register(const v1::RegisterWorkerRe
                                                    "'s daemon does not serve (--gpus ",
                                                    absl::StrJoin(gpus_, ","), ")"));
   }
-  // The worker's own part of the layout must be well formed before it joins a group.
-  v1::Layout mine;
-  *mine.mutable_tensors() = request.tensors();
-  *mine.add_workers() = w;
-  mine.mutable_workers(0)->set_node(node_);
-  auto layout = LayoutFromProto(mine);
-  if (!layout.ok()) return absl::InvalidArgumentError(absl::StrCat("register: ", layout.status().message()));
-  if (auto s = ValidateLayout(*layout, RoleName(request.role())); !s.ok()) {
-    return absl::InvalidArgumentError(absl::StrCat("register: ", s.message()));
-  }
+  auto checked = CheckRegistrationLayout(request, node_, delivery.fds.size());  // registration_check.h
+  if (!checked.ok()) return checked.status();
+  auto layout = &checked->layout;
+  const std::vector<int64_t>& bytes = checked->buffer_bytes;
   worker->id = absl::StrCat(request.group(), "/", w.name());
   worker->request.mutable_worker()->set_node(node_);
-  std::vector<int64_t> bytes;
-  bytes.reserve(layout->buffers.size());
-  for (const Buffer& b : layout->buffers) bytes.push_back(b.NumBytes());
-  if (auto s = CheckMemoryRefs(request, bytes, delivery.fds.size()); !s.ok()) {
-    return absl::InvalidArgumentError(absl::StrCat("register: worker \"", w.name(), "\": ", s.message()));
-  }
   auto mapped = backend_->MapBuffers(request, bytes, delivery.fds);
   if (!mapped.ok()) {
     return absl::Status(mapped.status().code(),
                         absl::StrCat("register: worker \"", w.name(), "\": ", mapped.status().message()));
   }
   worker->buffers = *std::move(mapped);
+  worker->wire = TakePieces(&worker->request);  // issue 15.5: the pieces only as bytes
   worker->session_key = NewSessionKey();
   for (int b = 0; b < w.buffers_size(); ++b) worker->buffer_index[w.buffers(b).name()] = b;
   {
@@ -144,6 +115,7 @@ std::shared_ptr<LocalWorker> WorkerRegistry::Drop(const std::string& id) {
   }
   NotifySession(*w);
   Changed();
+  if (static_cast<int64_t>(w->wire.size()) >= kTrimAfterBytes) RequestTrim();  // once the caller let it go
   return w;
 }
 
@@ -152,12 +124,15 @@ std::vector<v1::RegisterWorkerRequest> WorkerRegistry::Snapshot() const {
   absl::MutexLock lock(&mu_);
   out.reserve(workers_.size());
   for (const auto& [id, w] : workers_) {
-    v1::RegisterWorkerRequest& r = out.emplace_back(w->request);
-    r.clear_memory();  // handles stay on this node
-    r.clear_vmm_ranges();
-    r.clear_fd_token();
+    out.push_back(w->Full());  // handles stay on this node: `wire` has none
   }
   return out;
+}
+
+v1::RegisterWorkerRequest LocalWorker::Full() const {
+  v1::RegisterWorkerRequest r;
+  if (!r.ParseFromString(wire)) r = request;  // cannot happen: TakePieces wrote it
+  return r;
 }
 
 namespace {
@@ -186,6 +161,8 @@ absl::StatusOr<std::shared_ptr<LocalWorker>> WorkerRegistry::Attach(const std::s
   if (w->has_session) return absl::AlreadyExistsError(absl::StrCat("worker \"", w->id, "\" already has a session"));
   w->has_session = true;
   w->notify = std::move(notify);
+  // Registering is over, its sync too: what they decoded and copied is freed (memory_trim.h).
+  if (static_cast<int64_t>(w->wire.size()) >= kTrimAfterBytes) RequestTrim();
   return w;
 }
 

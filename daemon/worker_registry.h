@@ -36,7 +36,10 @@ namespace refit {
 // session state is guarded by `mu`.
 struct LocalWorker {
   std::string id;                     // "<group>/<name>"
-  v1::RegisterWorkerRequest request;  // worker.node (and worker.gpu, from gpu_uuid) filled in
+  v1::RegisterWorkerRequest request;  // worker.node (and worker.gpu, from gpu_uuid) filled in;
+                                      // its buffers without their pieces, which are in `wire`
+  std::string wire;  // the whole registration, serialized, no memory handles (TakePieces)
+  v1::RegisterWorkerRequest Full() const;  // decodes `wire`: what the coordinator is sent
   std::vector<std::unique_ptr<MappedBuffer>> buffers;
   absl::flat_hash_map<std::string, int> buffer_index;  // by name: a trainer may hold 100k buffers
   // This registration's secret (worker_admission.h): its session's hello and its Unregister

@@ -94,7 +94,7 @@ std::string OneLine(absl::string_view message) {
 
 }  // namespace
 
-absl::StatusOr<Layout> LayoutFromProto(const v1::Layout& proto) {
+absl::StatusOr<Layout> LayoutFromProto(const v1::Layout& proto, int64_t max_pieces) {
   Layout layout;
   absl::flat_hash_map<std::string, int32_t> tensor_of;
   for (const v1::TensorSpec& t : proto.tensors()) {
@@ -117,8 +117,8 @@ absl::StatusOr<Layout> LayoutFromProto(const v1::Layout& proto) {
   std::vector<Ranges> ranges;
   absl::flat_hash_map<std::string, int32_t> worker_of;  // the first worker of each name
   auto too_many = [&](absl::string_view where, int64_t more) -> absl::Status {
-    if (static_cast<int64_t>(layout.pieces.size()) + more <= kMaxLayoutPieces) return absl::OkStatus();
-    return absl::InvalidArgumentError(absl::StrCat(where, ": the layout expands to more than ", kMaxLayoutPieces,
+    if (static_cast<int64_t>(layout.pieces.size()) + more <= max_pieces) return absl::OkStatus();
+    return absl::InvalidArgumentError(absl::StrCat(where, ": the layout expands to more than ", max_pieces,
                                                    " pieces"));
   };
   for (const v1::Worker& w : proto.workers()) {
@@ -479,7 +479,7 @@ v1::Layout CompactLayoutToProto(const Layout& layout, absl::string_view model, c
   return proto;
 }
 
-absl::StatusOr<Layout> ParseLayoutJson(absl::string_view json) {
+absl::StatusOr<Layout> ParseLayoutJson(absl::string_view json, int64_t max_pieces) {
   v1::Layout proto;
   google::protobuf::util::JsonParseOptions options;
   options.ignore_unknown_fields = false;
@@ -489,7 +489,7 @@ absl::StatusOr<Layout> ParseLayoutJson(absl::string_view json) {
     return absl::InvalidArgumentError(
         absl::StrCat("not a layout in proto3 JSON: ", OneLine(status.message().as_string())));
   }
-  return LayoutFromProto(proto);
+  return LayoutFromProto(proto, max_pieces);
 }
 
 std::string LayoutToJson(const Layout& layout, absl::string_view model) {

@@ -1,19 +1,37 @@
 #!/usr/bin/env bash
-# Builds the layout fuzzer with clang's libFuzzer, AddressSanitizer and UBSan, and runs it.
-#   bash tools/fuzz.sh [SECONDS]   (default 120); findings land in out/fuzz/
-set -euo pipefail
+# Builds the fuzz targets (tests/fuzz/BUILD: clang's libFuzzer, AddressSanitizer, UBSan) and runs
+# each for SECONDS, one after another, seeded from tests/fuzz/corpus/<target>/ (and the corpus
+# grown by earlier runs, out/fuzz/<target>/corpus). Findings land in out/fuzz/<target>/crashes;
+# exits non-zero on any. docs/FUZZING.md.
+#   bash tools/fuzz.sh [TARGET|all] [SECONDS]     (default: all, 120 s each)
+set -uo pipefail
 cd "$(dirname "$0")/.."
-bash tools/setup.sh
-seconds=${1:-120}
-out=out/fuzz
-mkdir -p "$out/gen/proto" "$out/corpus" "$out/crashes"
-protoc --proto_path=. --cpp_out="$out/gen" proto/layout.proto
-srcs=(tests/fuzz/layout_fuzzer.cc "$out/gen/proto/layout.pb.cc" proto/layout_codec.cc
-      plan/box.cc plan/dtype.cc plan/layout.cc plan/validate.cc plan/lower.cc plan/region_set.cc
-      plan/planner.cc plan/convert.cc plan/host_copy.cc plan/verify.cc)
-libs=$(pkg-config --libs protobuf absl_status absl_statusor absl_strings absl_str_format absl_hash absl_raw_hash_set)
-clang++ -std=c++20 -O1 -g -fsanitize=fuzzer,address,undefined -fno-sanitize-recover=undefined \
-  -I. -I"$out/gen" "${srcs[@]}" $libs -o "$out/layout_fuzzer"
-cp -n tests/fuzz/corpus/*.json "$out/corpus/" 2>/dev/null || true
-"$out/layout_fuzzer" -max_total_time="$seconds" -timeout=10 -rss_limit_mb=2048 -max_len=4096 \
-  -artifact_prefix="$out/crashes/" "$out/corpus" 2>&1 | tail -n 25
+bash tools/setup.sh || exit 1
+which=${1:-all}
+seconds=${2:-120}
+all=(layout registration frame)
+if [ "$which" = all ]; then targets=("${all[@]}"); else targets=("$which"); fi
+
+for t in "${targets[@]}"; do
+  bazel build "//tests/fuzz:${t}_fuzzer" >/dev/null 2>&1 || { echo "fuzz: cannot build ${t}_fuzzer" >&2; exit 1; }
+done
+failed=0
+for t in "${targets[@]}"; do
+  out=out/fuzz/$t
+  mkdir -p "$out/corpus" "$out/crashes"
+  bash tests/fuzz/seeds.sh "tests/fuzz/corpus/$t" "$out/corpus" || exit 1
+  cp -f "bazel-bin/tests/fuzz/${t}_fuzzer" "$out/"
+  args=(-max_total_time="$seconds" -timeout=10 -rss_limit_mb=2048 -max_len=4096 -print_final_stats=1
+        -artifact_prefix="$out/crashes/")
+  [ -f "tests/fuzz/$t.dict" ] && args+=(-dict="tests/fuzz/$t.dict")
+  echo "fuzz: $t for ${seconds} s (log: $out/fuzz.log)"
+  nice -n 19 "$out/${t}_fuzzer" "${args[@]}" "$out/corpus" >"$out/fuzz.log" 2>&1
+  status=$?
+  grep -E '^#[0-9]+ +DONE|^stat::number_of_executed_units|^stat::peak_rss_mb' "$out/fuzz.log"
+  if [ "$status" -ne 0 ] || [ -n "$(ls -A "$out/crashes")" ]; then
+    echo "fuzz: $t FOUND something (exit $status): $out/crashes/" >&2
+    tail -n 40 "$out/fuzz.log" >&2
+    failed=1
+  fi
+done
+exit "$failed"

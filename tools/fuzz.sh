@@ -27,7 +27,7 @@ for t in "${targets[@]}"; do
   echo "fuzz: $t for ${seconds} s (log: $out/fuzz.log)"
   nice -n 19 "$out/${t}_fuzzer" "${args[@]}" "$out/corpus" >"$out/fuzz.log" 2>&1
   status=$?
-  grep -E '^#[0-9]+ +DONE|^stat::number_of_executed_units|^stat::peak_rss_mb' "$out/fuzz.log"
+  grep -E '^#[0-9]+[[:space:]]+DONE|^stat::number_of_executed_units|^stat::peak_rss_mb' "$out/fuzz.log"
   if [ "$status" -ne 0 ] || [ -n "$(ls -A "$out/crashes")" ]; then
     echo "fuzz: $t FOUND something (exit $status): $out/crashes/" >&2
     tail -n 40 "$out/fuzz.log" >&2

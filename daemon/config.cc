@@ -69,6 +69,10 @@ DaemonConfig ParseDaemonFlags(int argc, char** argv) {
   flags.Int("max-registration-pieces", &c.limits.max_pieces, "most pieces one worker's registration may hold");
   flags.Int("max-registration-buffers", &c.limits.max_buffers, "most buffers one worker's registration may hold");
   flags.Int("max-registration-tensors", &c.limits.max_tensors, "most tensors one worker's registration may name");
+  flags.Int("max-registration-bytes", &c.limits.max_bytes, "largest registration, as encoded");
+  flags.Int("max-group-workers", &c.group_limits.max_workers, "coordinator: most workers one model group may hold");
+  flags.Int("max-group-pieces", &c.group_limits.max_pieces, "coordinator: most pieces one model group's workers may hold in all");
+  flags.Int("max-group-bytes", &c.group_limits.max_bytes, "coordinator: most bytes of registrations (as encoded) one model group may hold in all");
   flags.String("log-level", &c.log_level, "trace, debug, info, warn, error, critical, off");
   flags.String("log-format", &c.log_format, "text (dated lines) or json (one object a line: time, level, logger, node, group, round, message)");
   flags.String("address-file", &c.address_file, "write \"<listen address> <worker socket>\" here once serving");
@@ -164,8 +168,11 @@ DaemonConfig ParseDaemonFlags(int argc, char** argv) {
   c.peer_timeout = absl::Seconds(peer_s);
   c.heartbeat = absl::Seconds(heartbeat_s);
   if (drain_s < 0) flags.Fail("--drain-timeout must be >= 0");
-  for (int64_t limit : {c.limits.max_pieces, c.limits.max_buffers, c.limits.max_tensors}) {
-    if (limit < 1) flags.Fail("--max-registration-pieces, -buffers and -tensors must be positive");
+  for (int64_t limit : {c.limits.max_pieces, c.limits.max_buffers, c.limits.max_tensors, c.limits.max_bytes}) {
+    if (limit < 1) flags.Fail("--max-registration-pieces, -buffers, -tensors and -bytes must be positive");
+  }
+  for (int64_t limit : {c.group_limits.max_workers, c.group_limits.max_pieces, c.group_limits.max_bytes}) {
+    if (limit < 1) flags.Fail("--max-group-workers, -pieces and -bytes must be positive");
   }
   if (join_s < 0) flags.Fail("--join-timeout must be >= 0");
   c.join_timeout = absl::Seconds(join_s);

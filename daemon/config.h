@@ -48,7 +48,8 @@ struct DaemonConfig {
   std::string log_format = "text";        // or "json"
   absl::Duration drain_timeout = absl::Seconds(20);  // SIGTERM: how long running rounds may finish
   absl::Duration join_timeout = absl::ZeroDuration();  // waiting for the coordinator at start; 0: forever
-  RegistrationLimits limits;  // --max-registration-pieces, -buffers, -tensors
+  RegistrationLimits limits;  // --max-registration-pieces, -buffers, -tensors, -bytes
+  GroupLimits group_limits;   // coordinator: --max-group-workers, -pieces, -bytes
   std::string address_file;               // write "<listen> <worker socket>" here once serving
   std::string metrics_listen;             // host:port serving Prometheus' /metrics; empty: none
   // Coordinator: round ids and committed versions kept across restarts (--state-file); the flag's

@@ -133,6 +133,7 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(const DaemonConfig& config
                           d->state_->NextRoundId(), d->state_->Versions().size());
     }
     d->membership_ = std::make_unique<Membership>(config.node, config.heartbeat, config.heartbeats_missed, Clock::Real());
+    d->membership_->SetLimits(config.group_limits);
     GroupPlannerOptions planning;
     planning.max_message_bytes = config.max_message_bytes;
     planning.routing = config.routing;
@@ -445,7 +446,12 @@ absl::Status Daemon::SyncAdded(const v1::RegisterWorkerRequest& added) {
   REFIT_RETURN_IF_ERROR(link_->Sync(&refused));
   const std::string id = absl::StrCat(added.group(), "/", added.worker().name());
   for (const v1::WorkerRefusal& r : refused) {
-    if (r.worker_id() == id) return absl::AlreadyExistsError(r.reason());  // its name is held on another node
+    if (r.worker_id() != id) continue;
+    // Over a group limit, or its name held on another node.
+    if (r.code() == static_cast<int32_t>(absl::StatusCode::kResourceExhausted)) {
+      return absl::ResourceExhaustedError(r.reason());
+    }
+    return absl::AlreadyExistsError(r.reason());
   }
   return absl::OkStatus();
 }
@@ -466,7 +472,9 @@ absl::Status Daemon::Register(const v1::RegisterWorkerRequest& request, WorkerTr
   // The coordinator's own membership keeps the pieces; a node's sync sends its snapshot (issue 15.5).
   if (auto s = SyncAdded(membership_ != nullptr ? worker->Full() : worker->request); !s.ok()) {
     registry_->Drop(worker->id);
-    if (s.code() == absl::StatusCode::kAlreadyExists) return absl::AlreadyExistsError(absl::StrCat("register: ", s.message()));
+    if (s.code() == absl::StatusCode::kAlreadyExists || s.code() == absl::StatusCode::kResourceExhausted) {
+      return absl::Status(s.code(), absl::StrCat("register: ", s.message()));
+    }
     return absl::UnavailableError(absl::StrCat("register: the coordinator did not take the worker: ", s.message()));
   }
   const v1::Worker& w = worker->request.worker();

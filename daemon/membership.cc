@@ -160,14 +160,25 @@ absl::Status Membership::ApplySync(const v1::SyncWorkersRequest& request, v1::Sy
     large |= static_cast<int64_t>(request.ByteSizeLong()) >= kTrimAfterBytes;
     n.workers.clear();
     n.workers.reserve(static_cast<size_t>(request.workers_size()));
+    std::map<std::string, GroupLoad> load = LoadExcept(request.node());
     for (const v1::RegisterWorkerRequest& w : request.workers()) {
       // A name another live node holds stays with it: this one is refused, never admitted.
-      if (auto refused = Refusal(absl::StrCat(w.group(), "/", w.worker().name()), request.node())) {
+      std::optional<v1::WorkerRefusal> refused = Refusal(absl::StrCat(w.group(), "/", w.worker().name()), request.node());
+      StoredWorker stored;
+      if (!refused) {
+        stored = Store(w);
+        refused = OverLimit(stored, load[w.group()]);
+      }
+      if (refused) {
         Logger("rpc")->warn("node {}: {}", request.node(), refused->reason());
         if (response != nullptr) *response->add_refused() = *std::move(refused);
         continue;
       }
-      n.workers.push_back(Store(w));
+      GroupLoad& g = load[w.group()];
+      ++g.workers;
+      g.pieces += stored.pieces;
+      g.bytes += static_cast<int64_t>(stored.wire.size());
+      n.workers.push_back(std::move(stored));
     }
     n.alive = true;
     if (request.node() != self_) beats_[request.node()] = {request.incarnation(), clock_->Now()};
@@ -184,7 +195,9 @@ absl::Status Membership::AddLocal(const v1::RegisterWorkerRequest& worker) {
   if (auto refused = Refusal(absl::StrCat(worker.group(), "/", worker.worker().name()), self_)) {
     return absl::AlreadyExistsError(refused->reason());
   }
-  nodes_[self_].workers.push_back(Store(worker));  // handles stay on this node
+  StoredWorker stored = Store(worker);  // handles stay on this node
+  if (auto over = OverLimit(stored, LoadExcept(-1)[worker.group()])) return absl::ResourceExhaustedError(over->reason());
+  nodes_[self_].workers.push_back(std::move(stored));
   groups_[worker.group()];
   RecomputeEpochs();
   if (static_cast<int64_t>(nodes_[self_].workers.back().wire.size()) >= kTrimAfterBytes) RequestTrim();
@@ -202,6 +215,41 @@ void Membership::RemoveLocal(const std::string& id) {
     RecomputeEpochs();
   }
   TellForgotten();
+}
+
+std::map<std::string, Membership::GroupLoad> Membership::LoadExcept(int32_t except) const {
+  std::map<std::string, GroupLoad> out;
+  for (const auto& [node, info] : nodes_) {
+    if (node == except) continue;
+    for (const StoredWorker& w : info.workers) {
+      GroupLoad& g = out[w.group()];
+      ++g.workers;
+      g.pieces += w.pieces;
+      g.bytes += static_cast<int64_t>(w.wire.size());
+    }
+  }
+  return out;
+}
+
+std::optional<v1::WorkerRefusal> Membership::OverLimit(const StoredWorker& w, const GroupLoad& load) const {
+  auto over = [&](absl::string_view what, int64_t now, int64_t limit, absl::string_view flag) {
+    v1::WorkerRefusal r;
+    r.set_worker_id(absl::StrCat(w.group(), "/", w.worker().name()));
+    r.set_holder_node(-1);
+    r.set_code(static_cast<int32_t>(absl::StatusCode::kResourceExhausted));
+    r.set_reason(absl::StrCat("group \"", w.group(), "\" would hold ", now, " ", what, " with worker \"",
+                              w.worker().name(), "\", more than ", limit, " (--", flag, ")"));
+    return r;
+  };
+  if (load.workers + 1 > limits_.max_workers) {
+    return over("workers", load.workers + 1, limits_.max_workers, "max-group-workers");
+  }
+  if (load.pieces + w.pieces > limits_.max_pieces) {
+    return over("pieces", load.pieces + w.pieces, limits_.max_pieces, "max-group-pieces");
+  }
+  const int64_t bytes = load.bytes + static_cast<int64_t>(w.wire.size());
+  if (bytes > limits_.max_bytes) return over("registration bytes", bytes, limits_.max_bytes, "max-group-bytes");
+  return std::nullopt;
 }
 
 std::optional<v1::WorkerRefusal> Membership::Refusal(const std::string& id, int32_t node) const {

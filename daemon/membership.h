@@ -28,6 +28,7 @@
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
 #include "daemon/clock.h"
+#include "daemon/registration_limits.h"
 #include "proto/refit.pb.h"
 
 namespace refit {
@@ -72,6 +73,11 @@ struct DeadNode {
 class Membership {
  public:
   Membership(int32_t self, absl::Duration heartbeat, int heartbeats_missed, const Clock* clock);
+  // What a group may hold (--max-group-*); before the first worker arrives.
+  void SetLimits(const GroupLimits& limits) {
+    absl::MutexLock lock(&mu_);
+    limits_ = limits;
+  }
 
   // This node (the coordinator): alive from the start, never judged by heartbeats.
   void SetSelf(const std::string& control_address, const std::string& data_address, int64_t incarnation);
@@ -162,7 +168,16 @@ class Membership {
 
   mutable absl::Mutex mu_;
   std::map<int32_t, NodeInfo> nodes_ ABSL_GUARDED_BY(mu_);
-  std::map<std::string, GroupInfo> groups_ ABSL_GUARDED_BY(mu_);  // a group exists once a worker names it
+  std::map<std::string, GroupInfo> groups_ ABSL_GUARDED_BY(mu_);
+  GroupLimits limits_ ABSL_GUARDED_BY(mu_);
+  struct GroupLoad {
+    int64_t workers = 0, pieces = 0, bytes = 0;
+  };
+  // Each group's workers, pieces and encoded bytes on every node but `except` (-1: none).
+  std::map<std::string, GroupLoad> LoadExcept(int32_t except) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // A refusal when adding `w` to `load` would pass a limit (the caller adds it otherwise).
+  std::optional<v1::WorkerRefusal> OverLimit(const StoredWorker& w, const GroupLoad& load) const
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);  // a group exists once a worker names it
   // Remote nodes: (incarnation, last heartbeat). A node declared dead leaves it: its next
   // heartbeat takes the slow path and resyncs.
   std::map<int32_t, std::pair<int64_t, absl::Time>> beats_ ABSL_GUARDED_BY(mu_);

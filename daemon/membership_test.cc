@@ -298,3 +298,62 @@ TEST_CASE("membership: a group is forgotten when its last worker leaves; its epo
 
 }  // namespace
 }  // namespace refit
+
+namespace refit {
+namespace {
+
+TEST_CASE("membership: a group's limits (--max-group-*) refuse the worker that would pass them") {
+  FakeClock clock;
+  Membership m(0, absl::Milliseconds(500), 4, &clock);
+  m.SetSelf("10.0.0.0:7070", "b", 1);
+  GroupLimits limits;
+  limits.max_workers = 3;
+  m.SetLimits(limits);
+  CHECK(m.Join(JoinOf(1, 11)));
+  CHECK(m.Join(JoinOf(2, 22)));
+  REQUIRE(m.AddLocal(Registration("t0", v1::TRAINER, 0, 8, 0)).ok());
+  REQUIRE(m.ApplySync(SyncOf(1, 11, {Registration("i0", v1::INFERENCE, 0, 4, 1)})).ok());
+  // Node 2 brings two more: the third worker of the group fits, the fourth is refused.
+  v1::SyncWorkersResponse answer;
+  REQUIRE(m.ApplySync(SyncOf(2, 22, {Registration("i1", v1::INFERENCE, 4, 8, 2), Registration("i2", v1::INFERENCE, 4, 8, 2)}),
+                      &answer).ok());
+  REQUIRE(answer.refused_size() == 1);
+  CHECK(answer.refused(0).worker_id() == "policy/i2");
+  CHECK(answer.refused(0).code() == static_cast<int32_t>(absl::StatusCode::kResourceExhausted));
+  CHECK(answer.refused(0).reason() ==
+        "group \"policy\" would hold 4 workers with worker \"i2\", more than 3 (--max-group-workers)");
+  CHECK(m.Group("policy").inference == 2);
+  // A node re-syncing the same list is not counted twice against itself.
+  v1::SyncWorkersResponse again;
+  REQUIRE(m.ApplySync(SyncOf(2, 22, {Registration("i1", v1::INFERENCE, 4, 8, 2)}), &again).ok());
+  CHECK(again.refused_size() == 0);
+  // The coordinator's own: RESOURCE_EXHAUSTED, naming the flag; another group is not affected.
+  const absl::Status mine = m.AddLocal(Registration("t1", v1::TRAINER, 0, 8, 0));
+  CHECK(mine.code() == absl::StatusCode::kResourceExhausted);
+  CHECK(std::string(mine.message()).find("--max-group-workers") != std::string::npos);
+  v1::RegisterWorkerRequest other = Registration("t1", v1::TRAINER, 0, 8, 0);
+  other.set_group("critic");
+  CHECK(m.AddLocal(other).ok());
+
+  // Pieces and encoded bytes, summed over the group's workers on every node.
+  Membership p(0, absl::Milliseconds(500), 4, &clock);
+  p.SetSelf("10.0.0.0:7070", "b", 1);
+  GroupLimits pieces;
+  pieces.max_pieces = 1;
+  p.SetLimits(pieces);
+  REQUIRE(p.AddLocal(Registration("t0", v1::TRAINER, 0, 8, 0)).ok());
+  const absl::Status more = p.AddLocal(Registration("t1", v1::TRAINER, 0, 8, 0));
+  CHECK(more.code() == absl::StatusCode::kResourceExhausted);
+  CHECK(std::string(more.message()).find("--max-group-pieces") != std::string::npos);
+  Membership b(0, absl::Milliseconds(500), 4, &clock);
+  b.SetSelf("10.0.0.0:7070", "b", 1);
+  GroupLimits bytes;
+  bytes.max_bytes = 10;
+  b.SetLimits(bytes);
+  const absl::Status big = b.AddLocal(Registration("t0", v1::TRAINER, 0, 8, 0));
+  CHECK(big.code() == absl::StatusCode::kResourceExhausted);
+  CHECK(std::string(big.message()).find("--max-group-bytes") != std::string::npos);
+}
+
+}  // namespace
+}  // namespace refit

@@ -50,6 +50,9 @@ absl::Status CheckName(absl::string_view what, absl::string_view name) {
 
 absl::Status CheckRegistration(const v1::RegisterWorkerRequest& request, const RegistrationLimits& limits) {
   const v1::Worker& w = request.worker();
+  if (const auto bytes = static_cast<int64_t>(request.ByteSizeLong()); bytes > limits.max_bytes) {
+    return Exhausted("bytes", bytes, limits.max_bytes, "max-registration-bytes");
+  }
   if (request.tensors_size() > limits.max_tensors) {
     return Exhausted("tensors", request.tensors_size(), limits.max_tensors, "max-registration-tensors");
   }

@@ -22,6 +22,16 @@ struct RegistrationLimits {
   int64_t max_pieces = int64_t{1} << 20;   // --max-registration-pieces
   int64_t max_buffers = int64_t{1} << 18;  // --max-registration-buffers
   int64_t max_tensors = int64_t{1} << 20;  // --max-registration-tensors
+  int64_t max_bytes = int64_t{64} << 20;   // --max-registration-bytes: the request as encoded
+};
+
+// What one model group may hold at the coordinator, over all its workers on every node
+// (Membership): a node that registers more has the worker refused, RESOURCE_EXHAUSTED naming the
+// flag. Defaults: well above a 256-engine-rank Kimi-K2 (its ranks hold under 100k pieces each).
+struct GroupLimits {
+  int64_t max_workers = int64_t{1} << 16;  // --max-group-workers
+  int64_t max_pieces = int64_t{1} << 27;   // --max-group-pieces
+  int64_t max_bytes = int64_t{8} << 30;    // --max-group-bytes: their registrations as encoded
 };
 inline constexpr size_t kMaxNameBytes = 256;
 

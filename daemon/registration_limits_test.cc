@@ -45,6 +45,17 @@ TEST_CASE("registration limits: counts over a limit are RESOURCE_EXHAUSTED namin
   CHECK(CheckRegistration(Request(64, 1000), RegistrationLimits{}).ok());
 }
 
+TEST_CASE("registration limits: the encoded size is bounded too (--max-registration-bytes)") {
+  RegistrationLimits limits;
+  const v1::RegisterWorkerRequest r = Request(10, 10);
+  limits.max_bytes = static_cast<int64_t>(r.ByteSizeLong());
+  CHECK(CheckRegistration(r, limits).ok());
+  limits.max_bytes -= 1;
+  const absl::Status s = CheckRegistration(r, limits);
+  CHECK(s.code() == absl::StatusCode::kResourceExhausted);
+  CHECK_THAT(std::string(s.message()), Catch::Contains("--max-registration-bytes"));
+}
+
 TEST_CASE("registration limits: names are 1..256 bytes of printable UTF-8") {
   CHECK(CheckName("buffer", "model.layers.0.mlp.experts.w13_weight").ok());
   CHECK(CheckName("worker", "caf\xc3\xa9-\xe2\x82\xac-\xf0\x9f\x98\x80").ok());  // UTF-8 kept

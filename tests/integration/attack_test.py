@@ -56,8 +56,10 @@ class AttackSuite(unittest.TestCase):
     def setUpClass(cls):
         # Certificates are read again every second (--tls-reload-interval): the rotation case.
         # --health-listen: the plaintext health port probes use.
+        # --max-group-workers 8: the group-limit case (the policy group holds 4).
         cls.cluster = harness.Cluster(nodes=3, tls=True, daemon_flags=["--tls-reload-interval", "1",
-                                                                       "--health-listen", "127.0.0.1:0"])
+                                                                       "--health-listen", "127.0.0.1:0",
+                                                                       "--max-group-workers", "8"])
         cls.certs = cls.cluster.certs
         cls.reports = Reports(cls.cluster)
         cls.files = layouts(cls.cluster)
@@ -408,6 +410,35 @@ class AttackSuite(unittest.TestCase):
         finally:
             os.close(fd)
         self.assertIsNone(self.daemon(1).proc.poll(), "the daemon is alive")
+        self.refit_still_works()
+
+    def test_a_group_cannot_grow_past_its_limits(self):
+        """Registrations on a node that is not the coordinator, past the coordinator's
+        --max-group-workers: RESOURCE_EXHAUSTED naming the flag; the others keep working."""
+        fds, registered = [], []
+        try:
+            for i in range(9):
+                fd = os.memfd_create(f"crowd{i}", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+                fds.append(fd)
+                os.ftruncate(fd, SMALL_BYTES)
+                shm = refit_pb2.SharedMemory(fd=1, offset=0, size=SMALL_BYTES)
+                try:
+                    registered.append(self.register_by_hand(1, "crowd", f"w{i}", role=refit_pb2.INFERENCE, fds=[fd],
+                                                            shm=shm))
+                except grpc.RpcError as e:
+                    self.assertEqual(i, 8, f"refused early: {e.details()}")
+                    self.assertEqual(e.code(), grpc.StatusCode.RESOURCE_EXHAUSTED, e.details())
+                    self.assertIn("--max-group-workers", e.details())
+                    break
+            else:
+                self.fail("a ninth worker joined a group limited to 8")
+        finally:
+            local = self.stub(self.worker_socket(1), "RefitWorker")
+            for r in registered:
+                local.Unregister(refit_pb2.UnregisterWorkerRequest(worker_id=r.worker_id, session_key=r.session_key),
+                                 timeout=5)
+            for fd in fds:
+                os.close(fd)
         self.refit_still_works()
 
     def test_another_uid_cannot_register(self):

@@ -71,6 +71,8 @@ DaemonConfig ParseDaemonFlags(int argc, char** argv) {
   flags.Int("max-registration-tensors", &c.limits.max_tensors, "most tensors one worker's registration may name");
   flags.Int("max-registration-bytes", &c.limits.max_bytes, "largest registration, as encoded");
   flags.Int("max-group-workers", &c.group_limits.max_workers, "coordinator: most workers one model group may hold");
+  flags.Int("max-group-buffers", &c.group_limits.max_buffers, "coordinator: most buffers one model group's workers may hold in all");
+  flags.Int("max-group-tensors", &c.group_limits.max_tensors, "coordinator: most tensor specs one model group's workers may declare in all");
   flags.Int("max-group-pieces", &c.group_limits.max_pieces, "coordinator: most pieces one model group's workers may hold in all");
   flags.Int("max-group-bytes", &c.group_limits.max_bytes, "coordinator: most bytes of registrations (as encoded) one model group may hold in all");
   flags.String("log-level", &c.log_level, "trace, debug, info, warn, error, critical, off");
@@ -171,8 +173,9 @@ DaemonConfig ParseDaemonFlags(int argc, char** argv) {
   for (int64_t limit : {c.limits.max_pieces, c.limits.max_buffers, c.limits.max_tensors, c.limits.max_bytes}) {
     if (limit < 1) flags.Fail("--max-registration-pieces, -buffers, -tensors and -bytes must be positive");
   }
-  for (int64_t limit : {c.group_limits.max_workers, c.group_limits.max_pieces, c.group_limits.max_bytes}) {
-    if (limit < 1) flags.Fail("--max-group-workers, -pieces and -bytes must be positive");
+  for (int64_t limit : {c.group_limits.max_workers, c.group_limits.max_buffers, c.group_limits.max_tensors,
+                        c.group_limits.max_pieces, c.group_limits.max_bytes}) {
+    if (limit < 1) flags.Fail("--max-group-workers, -buffers, -tensors, -pieces and -bytes must be positive");
   }
   if (join_s < 0) flags.Fail("--join-timeout must be >= 0");
   c.join_timeout = absl::Seconds(join_s);

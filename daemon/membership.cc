@@ -174,10 +174,7 @@ absl::Status Membership::ApplySync(const v1::SyncWorkersRequest& request, v1::Sy
         if (response != nullptr) *response->add_refused() = *std::move(refused);
         continue;
       }
-      GroupLoad& g = load[w.group()];
-      ++g.workers;
-      g.pieces += stored.pieces;
-      g.bytes += static_cast<int64_t>(stored.wire.size());
+      load[w.group()].Add(stored);
       n.workers.push_back(std::move(stored));
     }
     n.alive = true;
@@ -221,12 +218,7 @@ std::map<std::string, Membership::GroupLoad> Membership::LoadExcept(int32_t exce
   std::map<std::string, GroupLoad> out;
   for (const auto& [node, info] : nodes_) {
     if (node == except) continue;
-    for (const StoredWorker& w : info.workers) {
-      GroupLoad& g = out[w.group()];
-      ++g.workers;
-      g.pieces += w.pieces;
-      g.bytes += static_cast<int64_t>(w.wire.size());
-    }
+    for (const StoredWorker& w : info.workers) out[w.group()].Add(w);
   }
   return out;
 }
@@ -243,6 +235,13 @@ std::optional<v1::WorkerRefusal> Membership::OverLimit(const StoredWorker& w, co
   };
   if (load.workers + 1 > limits_.max_workers) {
     return over("workers", load.workers + 1, limits_.max_workers, "max-group-workers");
+  }
+  if (const int64_t n = load.buffers + w.worker().buffers_size(); n > limits_.max_buffers) {
+    return over("buffers", n, limits_.max_buffers, "max-group-buffers");
+  }
+  // Tensor specs as the workers declare them (each its own part's), summed: what is stored.
+  if (const int64_t n = load.tensors + w.header.tensors_size(); n > limits_.max_tensors) {
+    return over("tensor specs", n, limits_.max_tensors, "max-group-tensors");
   }
   if (load.pieces + w.pieces > limits_.max_pieces) {
     return over("pieces", load.pieces + w.pieces, limits_.max_pieces, "max-group-pieces");

@@ -171,7 +171,14 @@ class Membership {
   std::map<std::string, GroupInfo> groups_ ABSL_GUARDED_BY(mu_);
   GroupLimits limits_ ABSL_GUARDED_BY(mu_);
   struct GroupLoad {
-    int64_t workers = 0, pieces = 0, bytes = 0;
+    int64_t workers = 0, buffers = 0, tensors = 0, pieces = 0, bytes = 0;
+    void Add(const StoredWorker& w) {
+      ++workers;
+      buffers += w.worker().buffers_size();
+      tensors += w.header.tensors_size();
+      pieces += w.pieces;
+      bytes += static_cast<int64_t>(w.wire.size());
+    }
   };
   // Each group's workers, pieces and encoded bytes on every node but `except` (-1: none).
   std::map<std::string, GroupLoad> LoadExcept(int32_t except) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);

@@ -345,6 +345,18 @@ TEST_CASE("membership: a group's limits (--max-group-*) refuse the worker that w
   const absl::Status more = p.AddLocal(Registration("t1", v1::TRAINER, 0, 8, 0));
   CHECK(more.code() == absl::StatusCode::kResourceExhausted);
   CHECK(std::string(more.message()).find("--max-group-pieces") != std::string::npos);
+  for (auto [field, flag] : {std::pair<int64_t GroupLimits::*, const char*>{&GroupLimits::max_buffers, "--max-group-buffers"},
+                              {&GroupLimits::max_tensors, "--max-group-tensors"}}) {
+    Membership g(0, absl::Milliseconds(500), 4, &clock);
+    g.SetSelf("10.0.0.0:7070", "b", 1);
+    GroupLimits one;
+    one.*field = 1;  // each registration holds one buffer and one tensor
+    g.SetLimits(one);
+    REQUIRE(g.AddLocal(Registration("t0", v1::TRAINER, 0, 8, 0)).ok());
+    const absl::Status second = g.AddLocal(Registration("t1", v1::TRAINER, 0, 8, 0));
+    CHECK(second.code() == absl::StatusCode::kResourceExhausted);
+    CHECK(std::string(second.message()).find(flag) != std::string::npos);
+  }
   Membership b(0, absl::Milliseconds(500), 4, &clock);
   b.SetSelf("10.0.0.0:7070", "b", 1);
   GroupLimits bytes;

@@ -30,6 +30,8 @@ struct RegistrationLimits {
 // flag. Defaults: well above a 256-engine-rank Kimi-K2 (its ranks hold under 100k pieces each).
 struct GroupLimits {
   int64_t max_workers = int64_t{1} << 16;  // --max-group-workers
+  int64_t max_buffers = int64_t{1} << 24;  // --max-group-buffers
+  int64_t max_tensors = int64_t{1} << 26;  // --max-group-tensors (as the workers declare them, summed)
   int64_t max_pieces = int64_t{1} << 27;   // --max-group-pieces
   int64_t max_bytes = int64_t{8} << 30;    // --max-group-bytes: their registrations as encoded
 };

@@ -20,16 +20,9 @@ std::string Describe(const Caller& caller) {
 
 std::optional<int32_t> NodeOf(const Caller& caller) {
   if (!caller.authenticated) return std::nullopt;
-  for (absl::string_view name : caller.names) {
-    int32_t node = -1;
-    // Digits only: "refit-node-+1" or "refit-node- 1" would parse with SimpleAtoi.
-    if (absl::ConsumePrefix(&name, kNodeIdentityPrefix) && !name.empty() &&
-        std::all_of(name.begin(), name.end(), [](char c) { return c >= '0' && c <= '9'; }) &&
-        absl::SimpleAtoi(name, &node) && node >= 0) {
-      return node;
-    }
-  }
-  return std::nullopt;
+  const int32_t node = NodeOfNames(caller.names);
+  if (node < 0) return std::nullopt;
+  return node;
 }
 
 bool Authority::Named(const Caller& caller, const std::vector<std::string>& names) const {

@@ -29,6 +29,13 @@ TEST_CASE("NodeOf reads refit-node-<digits> only, from verified certificates") {
   CHECK_FALSE(NodeOf(Cert({"refit-node- 1"})).has_value());
   CHECK_FALSE(NodeOf(Cert({"refit-node-1x"})).has_value());
   CHECK_FALSE(NodeOf(Cert({"xrefit-node-1"})).has_value());
+  CHECK_FALSE(NodeOf(Cert({"refit-node-1234567890"})).has_value());  // past an int32's digits
+  // A certificate naming two nodes is no node's (which would it speak for?); the same node
+  // twice (CN and SAN) is that node.
+  CHECK_FALSE(NodeOf(Cert({"refit-node-1", "refit-node-0", "refitd"})).has_value());
+  CHECK(NodeOf(Cert({"refit-node-1", "refit-node-1", "refitd"})) == 1);
+  CHECK(NodeOfNames({"refit-operator", "refit-node-7"}) == 7);
+  CHECK(NodeOfNames({"refit-operator"}) == -1);
   Caller unverified = Cert({"refit-node-1"});
   unverified.authenticated = false;
   CHECK_FALSE(NodeOf(unverified).has_value());

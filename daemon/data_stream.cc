@@ -121,18 +121,17 @@ int VerifyPeer(int preverify_ok, X509_STORE_CTX* store) {
   if (rule == nullptr || cert == nullptr) return 0;
   const std::vector<std::string> names = Identities(cert);
   const std::string wanted = absl::StrCat(kNodeIdentityPrefix, rule->node);
-  for (const std::string& name : names) {
-    int32_t node = 0;
-    if (rule->accepting ? ParseNodeIdentity(name, &node) : name == wanted) {
-      if (rule->identity.empty()) rule->identity = name;
-      if (rule->accepting) rule->nodes.push_back(node);
-    }
+  // One node per certificate (NodeOfNames, as the gRPC side decides): one naming two is no node's.
+  const int32_t named = NodeOfNames(names);
+  if (named >= 0 && (rule->accepting || named == rule->node)) {
+    rule->identity = absl::StrCat(kNodeIdentityPrefix, named);
+    if (rule->accepting) rule->nodes.push_back(named);
+    return 1;
   }
-  if (!rule->identity.empty()) return 1;
   std::vector<std::string> shown;
   for (const std::string& name : names) shown.push_back(absl::CHexEscape(name));
   rule->refused = absl::StrCat("its certificate names ", shown.empty() ? "nobody" : absl::StrJoin(shown, ", "),
-                               rule->accepting ? absl::StrCat(", not a node (", kNodeIdentityPrefix, "<N>)")
+                               rule->accepting ? absl::StrCat(", not one node (", kNodeIdentityPrefix, "<N>)")
                                                : absl::StrCat(", not ", wanted));
   X509_STORE_CTX_set_error(store, X509_V_ERR_APPLICATION_VERIFICATION);
   return 0;
@@ -140,14 +139,6 @@ int VerifyPeer(int preverify_ok, X509_STORE_CTX* store) {
 
 }  // namespace
 
-bool ParseNodeIdentity(absl::string_view identity, int32_t* node) {
-  if (!absl::ConsumePrefix(&identity, kNodeIdentityPrefix)) return false;
-  if (identity.empty() || identity.size() > 9) return false;  // fits an int32
-  for (char c : identity) {
-    if (!absl::ascii_isdigit(static_cast<unsigned char>(c))) return false;
-  }
-  return absl::SimpleAtoi(identity, node);
-}
 
 absl::StatusOr<SslCtxPtr> MakeDataTlsContext(const TlsConfig& config) {
   ERR_clear_error();

@@ -45,9 +45,6 @@ using SslPtr = std::unique_ptr<SSL, SslDeleter>;
 // Builds the data plane's context from the three files; an error names the file at fault.
 absl::StatusOr<SslCtxPtr> MakeDataTlsContext(const TlsConfig& config);
 
-// Whether `identity` is a node's (refit-node-<digits>); its node number if so.
-bool ParseNodeIdentity(absl::string_view identity, int32_t* node);
-
 // The data plane's TLS context, rebuilt when any of its files changes (mtime, size or inode),
 // checked at most every `config.reload`. New connections use the newest context that loaded; a
 // bad new file keeps the old one (logged once per change).

@@ -12,15 +12,43 @@
 // a restart.
 #pragma once
 
+#include <cstdint>
 #include <string>
 #include <vector>
 
+#include "absl/strings/ascii.h"
+#include "absl/strings/numbers.h"
+#include "absl/strings/string_view.h"
 #include "absl/time/time.h"
 
 namespace refit {
 
 inline constexpr char kTlsServerName[] = "refitd";
 inline constexpr char kNodeIdentityPrefix[] = "refit-node-";
+
+// "refit-node-<N>": the node N (digits only, at most 9 of them); false for any other name.
+inline bool ParseNodeIdentity(absl::string_view identity, int32_t* node) {
+  if (identity.substr(0, sizeof(kNodeIdentityPrefix) - 1) != kNodeIdentityPrefix) return false;
+  identity.remove_prefix(sizeof(kNodeIdentityPrefix) - 1);
+  if (identity.empty() || identity.size() > 9) return false;  // fits an int32
+  for (char c : identity) {
+    if (!absl::ascii_isdigit(static_cast<unsigned char>(c))) return false;
+  }
+  return absl::SimpleAtoi(identity, node);
+}
+
+// The one node a certificate's names (CN, DNS SANs) name; -1 when they name none, or more than
+// one (such a certificate is no node's: which would it speak for?).
+inline int32_t NodeOfNames(const std::vector<std::string>& names) {
+  int32_t found = -1;
+  for (const std::string& name : names) {
+    int32_t node = -1;
+    if (!ParseNodeIdentity(name, &node)) continue;
+    if (found >= 0 && node != found) return -1;
+    found = node;
+  }
+  return found;
+}
 
 struct TlsConfig {
   std::string cert;  // PEM certificate chain (--tls-cert)

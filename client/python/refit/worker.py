@@ -58,6 +58,9 @@ KEEPALIVE = [
 # (while re-registering) still holding this worker's previous session.
 _TRANSIENT = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED,
               grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.NOT_FOUND}
+# A name still held when a worker first registers may be its own predecessor's, killed a moment
+# ago: the daemon frees it once it sees that session end (keepalive: about 2 s). Retried this long.
+_PREDECESSOR_GRACE_S = 5.0
 
 
 class Round:
@@ -211,6 +214,7 @@ class Worker:
 
     def _register_until(self, deadline, first):
         backoff = 0.05
+        grace = time.monotonic() + _PREDECESSOR_GRACE_S
         while True:
             try:
                 return self._register(timeout=max(0.5, min(10.0, deadline - time.monotonic())))
@@ -218,7 +222,7 @@ class Worker:
                 cause = e.__cause__
                 transient = getattr(e, "transient", False) or (
                     isinstance(cause, grpc.RpcError) and (cause.code() in _TRANSIENT or (
-                        not first and cause.code() == grpc.StatusCode.ALREADY_EXISTS)))
+                        (not first or time.monotonic() < grace) and cause.code() == grpc.StatusCode.ALREADY_EXISTS)))
                 with self._mu:
                     closed = self._closed
                 if not transient or closed or time.monotonic() + backoff >= deadline:

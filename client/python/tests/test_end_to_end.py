@@ -148,6 +148,28 @@ class EndToEnd(unittest.TestCase):
             channel.close()
             arena.close()
 
+    def test_a_worker_killed_and_restarted_at_once_registers_again(self):
+        """An engine process frozen, its replacement started, then the frozen one killed (as a
+        supervisor replaces a hung process): the name is still held by the old session at the
+        replacement's first tries; it registers all the same once the old session ends (the
+        client retries ALREADY_EXISTS a few seconds), and rounds go on."""
+        self.start_side("trainer", "python", 0)
+        engines = self.start_side("inference", "python", 1)
+        self.refit_rounds(engines, [1])
+        victim = engines[0]
+        proc = next(p for p in self.cluster.procs if p.log_path.endswith(f"{victim}.log"))
+        # Frozen first, so that its session (and name) outlive the replacement's first try;
+        # then killed, which ends the session.
+        proc.send_signal(signal.SIGSTOP)
+        os.unlink(self.reports.path(victim))
+        layout = self.files["inference"]
+        start_python(self.cluster, victim, 1, "inference", layout, victim[len("inference-"):])
+        time.sleep(2.0)
+        proc.kill()
+        proc.wait()
+        self.reports.wait(victim, "registered", timeout=30)
+        self.refit_rounds(engines, [2])
+
     def test_daemon_restarted_under_live_workers(self):
         self.start_side("trainer", "python", 0)
         engines = self.start_side("inference", "python", 1)

@@ -7,6 +7,7 @@
 
 #include <atomic>
 #include <cerrno>
+#include <cstdint>
 #include <cstring>
 #include <random>
 
@@ -95,6 +96,10 @@ absl::StatusOr<SharedMemory> SharedMemory::CreateAnonymous(const std::string& ta
 }
 
 absl::StatusOr<SharedMemory> SharedMemory::MapDescriptor(int fd, const std::string& what) {
+  return MapDescriptor(fd, what, SIZE_MAX);
+}
+
+absl::StatusOr<SharedMemory> SharedMemory::MapDescriptor(int fd, const std::string& what, size_t max_bytes) {
   struct stat st;
   if (fstat(fd, &st) != 0) return Errno(absl::StrCat("fstat(", what, ")"));
   if (!S_ISREG(st.st_mode)) {
@@ -102,6 +107,10 @@ absl::StatusOr<SharedMemory> SharedMemory::MapDescriptor(int fd, const std::stri
         what, " is not a shared-memory object or memfd (a socket, pipe or device?)"));
   }
   if (st.st_size <= 0) return absl::InvalidArgumentError(absl::StrCat(what, " is empty"));
+  if (static_cast<uint64_t>(st.st_size) > max_bytes) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(what, " has ", st.st_size, " bytes, more than the ", max_bytes, " it may have here"));
+  }
   const int flags = fcntl(fd, F_GETFL);
   if (flags < 0) return Errno(absl::StrCat("fcntl(", what, ")"));
   if ((flags & O_ACCMODE) != O_RDWR) {

@@ -87,6 +87,8 @@ struct HostBackend::Connection {
   // by its reader, which keeps the descriptor (so Shutdown from another thread stays valid).
   DataStream stream;
   pthread_t thread{};
+  // TLS: in its handshake (under mu_); the acceptor clears it when it cuts the handshake off.
+  bool handshaking = false;
 };
 
 struct HostBackend::Job {
@@ -158,7 +160,15 @@ struct HostBackend::Job {
   }
 };
 
-HostBackend::HostBackend(const HostBackendOptions& options) : options_(options) {}
+HostBackend::HostBackend(const HostBackendOptions& options) : options_(options) {
+  int64_t physical = options.physical_memory_bytes;
+  if (physical <= 0) {
+    const long pages = sysconf(_SC_PHYS_PAGES), page = sysconf(_SC_PAGESIZE);
+    physical = pages > 0 && page > 0 ? static_cast<int64_t>(pages) * page : int64_t{1} << 40;
+  }
+  max_object_bytes_ = physical;
+  max_mapped_bytes_ = options.max_mapped_bytes > 0 ? options.max_mapped_bytes : 2 * physical;
+}
 
 bool HostBackend::LogLimiter::Allow(std::string* suffix) {
   absl::MutexLock lock(&mu_);
@@ -342,6 +352,26 @@ void HostBackend::AcceptLoop() {
       }
       ++counters_.accepted;
       ++counters_.open_incoming;
+      if (tls_ != nullptr) {
+        // Anyone can open connections that never handshake: at most max_handshaking of them at
+        // once, the oldest cut off for the newest (a node's handshake takes milliseconds).
+        const int64_t most = options_.max_handshaking > 0 ? options_.max_handshaking
+                                                           : std::max(1, options_.max_incoming / 2);
+        if (counters_.handshaking >= most) {
+          Connection* oldest = nullptr;
+          for (auto& [id, other] : connections_) {
+            if (other->handshaking && (oldest == nullptr || id < oldest->id)) oldest = other.get();
+          }
+          if (oldest != nullptr) {
+            oldest->handshaking = false;
+            --counters_.handshaking;
+            ++counters_.handshakes_cut;
+            oldest->stream.Shutdown();  // its reader ends (it closes the descriptor, under mu_)
+          }
+        }
+        raw->handshaking = true;
+        ++counters_.handshaking;
+      }
       connections_[raw->id] = std::move(c);
     }
   }
@@ -389,14 +419,27 @@ void HostBackend::ReadLoop(Connection* c) {
   std::string group;
   if (tls_ != nullptr) {
     // Here, not in the acceptor: a peer that stalls its handshake holds only this thread, and
-    // only for frame_wait.
-    if (auto s = stream.AcceptTls(*tls_, absl::Now() + options_.frame_wait); !s.ok()) {
-      bool stopping;
-      {
-        absl::MutexLock lock(&mu_);
-        ++counters_.tls_refused;
-        stopping = stopping_;  // then the handshake was cut off by the shutdown: nothing to say
+    // only for handshake_timeout (or until newer handshakes cut it off).
+    absl::Status s =
+        stream.AcceptTls(*tls_, absl::Now() + std::min(options_.frame_wait, options_.handshake_timeout));
+    bool stopping, cut;
+    {
+      absl::MutexLock lock(&mu_);
+      cut = !c->handshaking;
+      if (c->handshaking) {
+        c->handshaking = false;
+        --counters_.handshaking;
       }
+      if (!s.ok() || cut) ++counters_.tls_refused;
+      stopping = stopping_;  // then the handshake was cut off by the shutdown: nothing to say
+    }
+    if (cut) {
+      s = absl::UnavailableError(absl::StrCat(
+          "the TLS handshake of ", peer, " was cut off: it was the oldest of more than ",
+          options_.max_handshaking > 0 ? options_.max_handshaking : std::max(1, options_.max_incoming / 2),
+          " connections in their handshake at once"));
+    }
+    if (!s.ok()) {
       if (!stopping && drops_log_.Allow(&more)) log->warn("data plane {}: refused a data connection: {}{}", address_, std::string(s.message()), more);
       EndReader(c);
       return;
@@ -441,22 +484,36 @@ void HostBackend::ReadLoop(Connection* c) {
     }
     if (fate == FrameFate::kDeliver) {
       const Plan& plan = *job->job.plan;
-      if (absl::Status s = CheckFrameForPlan(h, plan, job->job.node); !s.ok()) {
-        job->Fail(std::move(s));
-        break;
-      }
-      const int32_t sender = plan.gpus[plan.messages[h.message].src_gpu].node;
-      if (stream.tls() && std::find(stream.peer_nodes().begin(), stream.peer_nodes().end(), sender) ==
-                              stream.peer_nodes().end()) {
+      const bool in_range = h.message >= 0 && h.message < static_cast<int64_t>(plan.messages.size()) &&
+                            plan.messages[h.message].src_gpu >= 0 &&
+                            plan.messages[h.message].src_gpu < static_cast<int32_t>(plan.gpus.size());
+      // With TLS the sender is known (its certificate's node): only the node the plan has send the
+      // message may fail the round with a bad frame of it. Anyone else's frame (another node's
+      // message, one that does not exist, for a round it has not begun yet) is dropped with its
+      // connection, so that no certificate holder can abort rounds it takes no part in.
+      const int32_t sender = in_range ? plan.gpus[plan.messages[h.message].src_gpu].node : -1;
+      if (stream.tls() && (sender < 0 || std::find(stream.peer_nodes().begin(), stream.peer_nodes().end(),
+                                                   sender) == stream.peer_nodes().end())) {
         // Not the round's failure: the true sender's frame still comes on its own connection.
         {
           absl::MutexLock lock(&mu_);
           ++counters_.forged_frames;
         }
         if (drops_log_.Allow(&more)) {
-          log->error("dropping {}: its certificate is {}'s, but it sent message {} of round {} of group \"{}\", "
-                     "which node {} sends{}", peer, stream.identity(), h.message, h.round_id, group, sender, more);
+          if (sender < 0) {
+            log->error("dropping {}: its certificate is {}'s, and it sent message {} of round {} of group \"{}\", "
+                       "which that round does not have{}", peer, stream.identity(), h.message, h.round_id, group,
+                       more);
+          } else {
+            log->error("dropping {}: its certificate is {}'s, but it sent message {} of round {} of group \"{}\", "
+                       "which node {} sends{}", peer, stream.identity(), h.message, h.round_id, group, sender, more);
+          }
         }
+        break;
+      }
+      if (absl::Status s = CheckFrameForPlan(h, plan, job->job.node); !s.ok()) {
+        // Plain TCP (no identities), or the message's own sender: a broken peer, the round's failure.
+        job->Fail(std::move(s));
         break;
       }
       if (job->BeginFrame(fd.get())) {
@@ -549,9 +606,35 @@ absl::StatusOr<std::vector<std::unique_ptr<MappedBuffer>>> HostBackend::MapBuffe
       std::weak_ptr<SharedMemory>& cached = fd_segments_[{st.st_dev, st.st_ino}];
       segment = cached.lock();
       if (segment == nullptr) {
-        auto mapped = SharedMemory::MapDescriptor(fds[index].get(), object);
-        if (!mapped.ok()) return Annotate(mapped.status(), what);
-        segment = std::make_shared<SharedMemory>(*std::move(mapped));
+        // Mapped whole, so bounded before it is mapped: a sparse object costs no memory but
+        // as much address space as it claims (terabytes would leave no room for threads).
+        const int64_t size = static_cast<int64_t>(st.st_size);
+        if (size > max_object_bytes_) {
+          return absl::InvalidArgumentError(absl::StrCat(
+              what, ": ", object, " has ", size, " bytes, more than this machine's physical memory (",
+              max_object_bytes_, " bytes): refused (the buffer needs ", bytes, ")"));
+        }
+        int64_t now = mapped_bytes_->load();
+        do {
+          if (size > 0 && now > max_mapped_bytes_ - size) {
+            return absl::ResourceExhaustedError(absl::StrCat(
+                what, ": ", object, " has ", size, " bytes, and this daemon maps ", now,
+                " bytes of shared memory already: more than max_mapped_bytes (", max_mapped_bytes_,
+                " bytes) would be mapped at once"));
+          }
+        } while (!mapped_bytes_->compare_exchange_weak(now, now + std::max<int64_t>(size, 0)));
+        const int64_t reserved = std::max<int64_t>(size, 0);
+        // At most the size measured (and reserved): an object grown since is refused.
+        auto mapped = SharedMemory::MapDescriptor(fds[index].get(), object, static_cast<size_t>(reserved));
+        if (!mapped.ok()) {
+          mapped_bytes_->fetch_sub(reserved);
+          return Annotate(mapped.status(), what);
+        }
+        segment = std::shared_ptr<SharedMemory>(
+            new SharedMemory(*std::move(mapped)), [counter = mapped_bytes_, reserved](SharedMemory* m) {
+              delete m;  // unmapped: its bytes no longer count
+              counter->fetch_sub(reserved);
+            });
         cached = segment;
         if (++fd_maps_since_prune_ >= fd_segments_.size()) {
           fd_maps_since_prune_ = 0;

@@ -23,14 +23,19 @@
 // - When Transfer returns, nothing writes into the round's memory any more.
 // - With `tls` configured, every data connection is mutual TLS (data_stream.h): a sender accepts
 //   only the certificate of the node it dials, a receiver only nodes' certificates. The receiver's
-//   handshake runs on the connection's reader thread, by `frame_wait`, so a peer that stalls or
-//   fails it holds nothing but its own thread. A frame whose message the plan has another node
-//   send than the one the client's certificate names closes the connection before any of it
-//   lands (a node cannot write another's weights). Without `tls`, plain TCP.
+//   handshake runs on the connection's reader thread, by `handshake_timeout`, so a peer that stalls or
+//   fails it holds nothing but its own thread; at most `max_handshaking` connections are in their
+//   handshake at once, a newer one cutting the oldest off (idle connections cannot fill the slots). A frame whose message the plan has another node
+//   send than the one the client's certificate names, or that the round does not have, closes
+//   the connection before any of it lands and fails no round (a node can neither write another's
+//   weights nor abort rounds with frames it does not send); only the message's own sender fails
+//   the round with a bad frame of it (the wrong size, not for this node). Without `tls`, plain
+//   TCP, and any bad frame of a running round fails it.
 #pragma once
 
 #include <sys/types.h>
 
+#include <atomic>
 #include <deque>
 #include <map>
 #include <memory>
@@ -59,6 +64,19 @@ struct HostBackendOptions {
   int ended_rounds = 1024;
   // Mutual TLS on every data connection when enabled() (DaemonConfig::tls); else plain TCP.
   TlsConfig tls;
+  // TLS: a new connection's handshake must be done within this (or frame_wait, if shorter), and
+  // at most `max_handshaking` connections are in their handshake at once (0: half of
+  // max_incoming): one more cuts off the oldest of them, so that connections that never
+  // handshake (anyone can open them) can neither hold the slots for long nor crowd out a node's.
+  absl::Duration handshake_timeout = absl::Seconds(5);
+  int max_handshaking = 0;
+  // A shared-memory object handed over (MapBuffers) larger than this is refused: no worker has
+  // more memory to share, and a sparse one (a memfd truncated to terabytes) would take that much
+  // of the daemon's address space. 0: the machine's physical memory (sysconf); tests set less.
+  int64_t physical_memory_bytes = 0;
+  // Bytes of shared memory mapped at once, all workers' objects together; more is refused
+  // (RESOURCE_EXHAUSTED) until some are unmapped. 0: twice physical_memory_bytes.
+  int64_t max_mapped_bytes = 0;
 };
 
 // Counters of the data connections, for tests and logs.
@@ -70,8 +88,12 @@ struct HostConnectionStats {
   int64_t accept_errors = 0;
   int64_t stale_frames = 0;    // frames of rounds over here, read and dropped
   int64_t tls_refused = 0;     // incoming connections whose TLS handshake or peer failed
+  int64_t handshaking = 0;     // TLS: accepted, handshake not done yet
+  int64_t handshakes_cut = 0;  // TLS: cut off in their handshake for a newer one (max_handshaking)
   int64_t tls_reloads = 0;     // TLS contexts replaced since start (rotated files)
-  int64_t forged_frames = 0;   // TLS: a message of another node than the certificate's (dropped)
+  // TLS: a frame of a message that the certificate's node does not send in the plan (another
+  // node's, or one the round does not have): dropped with its connection, failing no round.
+  int64_t forged_frames = 0;
   int64_t cached_outgoing = 0;
 };
 
@@ -99,6 +121,8 @@ class HostBackend : public DataBackend {
   void Cancel(const std::string& group, int64_t round_id, const std::string& reason) override;
 
   HostConnectionStats connection_stats() const;
+  // Bytes of shared memory mapped now (each object once, while any buffer maps it).
+  int64_t mapped_bytes() const { return mapped_bytes_->load(); }
 
  private:
   struct Job;
@@ -159,6 +183,12 @@ class HostBackend : public DataBackend {
   int64_t next_connection_ ABSL_GUARDED_BY(mu_) = 0;
   HostConnectionStats counters_ ABSL_GUARDED_BY(mu_);
   absl::flat_hash_map<std::string, DataStream> outgoing_ ABSL_GUARDED_BY(mu_);  // cached, by address
+
+  // The bounds of MapBuffers (options_'s, resolved), and the bytes mapped now: shared with each
+  // mapping's deleter, which may run after this backend is gone.
+  int64_t max_object_bytes_ = 0;
+  int64_t max_mapped_bytes_ = 0;
+  std::shared_ptr<std::atomic<int64_t>> mapped_bytes_ = std::make_shared<std::atomic<int64_t>>(0);
 
   // Shared-memory objects mapped once each, by (name, size), while any buffer maps them.
   absl::Mutex segments_mu_;

@@ -317,6 +317,71 @@ TEST_CASE("buffers of one shared-memory object share one mapping, past Linux's 6
   CHECK(mapped[1]->bytes().data() == mapped[0]->bytes().data() + kBytes);
 }
 
+// A sealable memfd of `bytes` (sparse: nothing of it is allocated).
+int SparseMemfd(off_t bytes) {
+  const int fd = memfd_create("refit-sparse-test", MFD_CLOEXEC | MFD_ALLOW_SEALING);
+  REQUIRE(fd >= 0);
+  REQUIRE(ftruncate(fd, bytes) == 0);
+  return fd;
+}
+
+TEST_CASE("a sparse memfd larger than physical memory is refused unmapped; mapped bytes are bounded") {
+  const int64_t bytes[] = {128};
+  SECTION("40 TiB behind a 128-byte buffer, against this machine's memory") {
+    auto a = HostBackend::Start("127.0.0.1:0");
+    REQUIRE(a.ok());
+    const off_t huge = off_t{40} << 40;
+    const int fd = SparseMemfd(huge);
+    const absl::Status s = (*a)->MapBuffers(ShmRequest(1, 128, huge), bytes, Dup(fd)).status();
+    CHECK(absl::IsInvalidArgument(s));
+    CHECK(Has(s, "buffer \"b0\""));
+    CHECK(Has(s, absl::StrCat(huge, " bytes, more than this machine's physical memory (")));
+    CHECK((*a)->mapped_bytes() == 0);
+    close(fd);
+  }
+  SECTION("configured limits: an object over physical_memory_bytes; mapped bytes over max_mapped_bytes") {
+    HostBackendOptions options;
+    options.physical_memory_bytes = 1 << 20;
+    options.max_mapped_bytes = 2 << 20;
+    auto a = HostBackend::Start("127.0.0.1:0", options);
+    REQUIRE(a.ok());
+    const int big = SparseMemfd((1 << 20) + 4096);
+    const absl::Status over = (*a)->MapBuffers(ShmRequest(1, 128, (1 << 20) + 4096), bytes, Dup(big)).status();
+    CHECK(absl::IsInvalidArgument(over));
+    CHECK(Has(over, "buffer \"b0\""));
+    CHECK(Has(over, "has 1052672 bytes, more than this machine's physical memory (1048576 bytes)"));
+    close(big);
+    std::vector<int> objects;
+    for (int i = 0; i < 3; ++i) objects.push_back(SparseMemfd(1 << 20));
+    auto first = (*a)->MapBuffers(ShmRequest(1, 128, 1 << 20), bytes, Dup(objects[0]));
+    REQUIRE(first.ok());
+    // The same object again is the same mapping: it counts once.
+    auto again = (*a)->MapBuffers(ShmRequest(1, 128, 1 << 20), bytes, Dup(objects[0]));
+    REQUIRE(again.ok());
+    auto second = (*a)->MapBuffers(ShmRequest(1, 128, 1 << 20), bytes, Dup(objects[1]));
+    REQUIRE(second.ok());
+    CHECK((*a)->mapped_bytes() == 2 << 20);
+    const absl::Status full = (*a)->MapBuffers(ShmRequest(1, 128, 1 << 20), bytes, Dup(objects[2])).status();
+    CHECK(absl::IsResourceExhausted(full));
+    CHECK(Has(full, "buffer \"b0\""));
+    CHECK(Has(full, "max_mapped_bytes (2097152 bytes)"));
+    CHECK((*a)->mapped_bytes() == 2 << 20);
+    // Unmapped when its last buffer goes: then there is room.
+    first->clear();
+    CHECK((*a)->mapped_bytes() == 2 << 20);  // `again` still maps it
+    again->clear();
+    CHECK((*a)->mapped_bytes() == 1 << 20);
+    auto third = (*a)->MapBuffers(ShmRequest(1, 128, 1 << 20), bytes, Dup(objects[2]));
+    INFO(third.status().message());
+    REQUIRE(third.ok());
+    CHECK((*a)->mapped_bytes() == 2 << 20);
+    second->clear();
+    third->clear();
+    CHECK((*a)->mapped_bytes() == 0);
+    for (int fd : objects) close(fd);
+  }
+}
+
 // ---------------------------------------------------------------------------------------------
 // Connections: what they hold, how they end, the bound; rounds after an abort.
 
@@ -962,6 +1027,112 @@ TEST_CASE("TLS: a node cannot send another node's messages") {
   CHECK(absl::IsAborted(r.status()));  // the forgery itself fails no round
   FullRound(c, f, src, dst, 3);
   CHECK(c.nodes[1]->connection_stats().forged_frames == 1);
+}
+
+// A node's TLS data connection to `address` (node `server_node`), as `who` (a certificate of Certs()).
+struct TlsPeer {
+  std::unique_ptr<TlsContext> context;
+  DataStream stream;
+  TlsPeer(const std::string& address, const std::string& who, int32_t server_node) {
+    auto loaded = TlsContext::Load(Tls(Certs(), who));
+    REQUIRE(loaded.ok());
+    context = *std::move(loaded);
+    stream = DataStream(Dial(address), "the backend");
+    REQUIRE(stream.ConnectTls(*context, server_node, absl::Now() + absl::Seconds(5)).ok());
+  }
+  // A frame header and `bytes` of payload (the receiver may close the connection before it is all written).
+  void SendFrame(int64_t round, int64_t message, int64_t bytes) {
+    FrameHeader h;
+    h.group_bytes = 6;
+    h.round_id = round;
+    h.message = message;
+    h.bytes = bytes;
+    const auto wire = EncodeFrameHeader(h);
+    const absl::Time deadline = absl::Now() + absl::Seconds(5);
+    REQUIRE(stream.SendAll(wire, deadline).ok());
+    REQUIRE(stream.SendAll({reinterpret_cast<const std::byte*>("policy"), 6}, deadline).ok());
+    const std::vector<std::byte> payload(static_cast<size_t>(bytes), std::byte{0x5a});
+    (void)stream.SendAll(payload, deadline);
+  }
+};
+
+TEST_CASE("TLS: bad frames from a node that does not send them fail no round, running or next") {
+  Fixture f(6, 64, 48, 4096, 1);
+  Cluster c = TlsCluster(2);
+  Memory src(f.src), dst(f.dst);
+  FullRound(c, f, src, dst, 1);
+  const int64_t into_1 = MessageInto(*f.plan, 0, 1);
+  const int64_t messages = static_cast<int64_t>(f.plan->messages.size());
+  // Round 2 runs on node 1 (node 0 has not begun it). Node 2, in no plan but with a node's
+  // certificate, sends frames of round 2 that a check of the plan refuses: message 0 of 1 byte,
+  // one past the last message, a real message of the wrong size; and message 0 of round 3,
+  // which waits for round 3 to begin.
+  const FillSpec spec = MakeFillSpec(f.src, f.dst, 2);
+  FillSources(f.src, spec, src.all);
+  PoisonDestinations(dst.all);
+  Round receiving(c, f, src, dst, 2, absl::Seconds(30), {1});
+  absl::SleepFor(absl::Milliseconds(100));
+  std::vector<std::unique_ptr<TlsPeer>> forgers;
+  for (const auto& [message, bytes] : std::vector<std::pair<int64_t, int64_t>>{
+           {0, 1}, {messages, 1}, {into_1, f.plan->messages[into_1].bytes + 1}}) {
+    forgers.push_back(std::make_unique<TlsPeer>(c.nodes[1]->data_address(), "node-2", 1));
+    forgers.back()->SendFrame(2, message, bytes);
+  }
+  REQUIRE(Eventually([&] { return c.nodes[1]->connection_stats().forged_frames == 3; }));
+  for (const auto& p : forgers) CHECK(ClosedWithin(p->stream.fd(), absl::Seconds(5)));
+  TlsPeer next(c.nodes[1]->data_address(), "node-2", 1);
+  next.SendFrame(3, 0, 1);
+  absl::SleepFor(absl::Milliseconds(50));
+  CHECK_FALSE(receiving.done(1));  // still running: nothing failed it
+  {
+    Round sending(c, f, src, dst, 2, absl::Seconds(30), {0});
+    sending.Join();
+    INFO(sending.result(0).status().message());
+    REQUIRE(sending.result(0).ok());
+  }
+  receiving.Join();
+  INFO(receiving.result(1).status().message());
+  REQUIRE(receiving.result(1).ok());
+  auto checked = CheckDestinations(f.src, f.dst, spec, dst.all);
+  INFO(checked.status().message());
+  REQUIRE(checked.ok());
+  // Round 3 begins: the frame that waited for it is dropped (as forged, with its connection; or,
+  // if round 3 was over before its reader looked, as a late one), and the round commits.
+  const int64_t stale = c.nodes[1]->connection_stats().stale_frames;
+  FullRound(c, f, src, dst, 3);
+  REQUIRE(Eventually([&] {
+    const HostConnectionStats s = c.nodes[1]->connection_stats();
+    return s.forged_frames + s.stale_frames == 4 + stale;
+  }));
+  FullRound(c, f, src, dst, 4);
+}
+
+TEST_CASE("TLS: connections that never handshake hold no slot for long and cannot crowd out a node's") {
+  Fixture f(6, 64, 48, 4096, 1);
+  Cluster c = TlsCluster(1);
+  HostBackendOptions options = TlsOptions(Tls(Certs(), "node-1"));
+  options.max_incoming = 16;  // half of them for handshakes
+  options.handshake_timeout = absl::Seconds(1);
+  auto receiver = HostBackend::Start("127.0.0.1:0", options);
+  REQUIRE(receiver.ok());
+  c.nodes.push_back(*std::move(receiver));
+  HostBackend& b = *c.nodes[1];
+  // Plain TCP connections that say nothing, more than the slots: then node 0's first connection.
+  std::vector<Fd> idle;
+  for (int i = 0; i < 40; ++i) idle.push_back(Dial(b.data_address()));
+  REQUIRE(Eventually([&] {
+    const HostConnectionStats s = b.connection_stats();
+    return s.accepted + s.refused == 40;
+  }));
+  CHECK(b.connection_stats().handshaking <= 8);
+  CHECK(b.connection_stats().handshakes_cut + b.connection_stats().refused >= 32);
+  Memory src(f.src), dst(f.dst);
+  FullRound(c, f, src, dst, 1);  // within 3 s, on a fresh connection
+  // Those left are closed at handshake_timeout; node 0's connection stays.
+  for (const Fd& fd : idle) CHECK(ClosedWithin(fd, absl::Seconds(5)));
+  REQUIRE(Eventually([&] { return b.connection_stats().open_incoming == 1; }));
+  CHECK(b.connection_stats().handshaking == 0);
+  FullRound(c, f, src, dst, 2);
 }
 
 void CopyFile(const std::string& from, const std::string& to) {

@@ -94,6 +94,8 @@ DaemonConfig ParseDaemonFlags(int argc, char** argv) {
   flags.Bool("insecure-listen", &c.insecure_listen, "without TLS, listen on a non-loopback address all the same (anyone who reaches it can steer and read the weights)");
   std::string worker_uids;
   flags.String("worker-uids", &worker_uids, "comma-separated uids whose processes may register workers (empty: this daemon's uid and root)");
+  double attach_s = absl::ToDoubleSeconds(c.worker_attach_timeout);
+  flags.Double("worker-attach-timeout", &attach_s, "seconds a registered worker has to open its session before it is dropped");
   bool check_config = false;
   flags.Bool("check-config", &check_config, "check the flags and the config file (TLS files readable, listeners allowed), print what would run, exit 0; exit 2 naming what is wrong");
   flags.String("health-listen", &c.health_listen, "plaintext gRPC health service only, for probes without a certificate (host:port; empty: none)");
@@ -190,6 +192,8 @@ DaemonConfig ParseDaemonFlags(int argc, char** argv) {
   c.tls.reload = absl::Seconds(reload_s);
   c.tls.operators = absl::StrSplit(operators, ',', absl::SkipEmpty());
   c.tls.viewers = absl::StrSplit(viewers, ',', absl::SkipEmpty());
+  if (!(attach_s > 0)) flags.Fail("--worker-attach-timeout must be positive");
+  c.worker_attach_timeout = absl::Seconds(attach_s);
   for (absl::string_view part : absl::StrSplit(worker_uids, ',', absl::SkipEmpty())) {
     uint32_t uid = 0;
     if (!absl::SimpleAtoi(part, &uid)) flags.Fail(absl::StrCat("--worker-uids: \"", part, "\" is not a uid"));

@@ -63,6 +63,9 @@ struct DaemonConfig {
   // Workers: the uids whose processes may register (--worker-uids; empty: this daemon's own uid
   // and root), read from the registering process' handle-socket credentials (SO_PEERCRED).
   std::vector<uint32_t> worker_uids;
+  // A registration whose session has not attached this long after Register is dropped as a
+  // worker that left (--worker-attach-timeout): its name, mappings and place in the group are freed.
+  absl::Duration worker_attach_timeout = absl::Seconds(10);
   // The worker service over TCP as well as the unix socket (--worker-listen; empty: unix only).
   // Only for workers in another network namespace; they are then identified by token alone.
   std::string worker_listen;

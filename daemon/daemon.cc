@@ -104,6 +104,11 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(const DaemonConfig& config
     // once the worker socket exists).
     HandleInboxOptions handles;
     handles.path = config.worker_socket + ".handles";
+    // Only the uids that may register (--worker-uids, else this daemon's and root) may hand over
+    // descriptors: anyone else is refused before anything is kept (it cannot fill the inbox).
+    handles.admit_uid = [uids = WorkerAdmission(config.worker_uids, geteuid()).uids()](uid_t uid) {
+      return std::find(uids.begin(), uids.end(), static_cast<uint32_t>(uid)) != uids.end();
+    };
     auto inbox = HandleInbox::Start(handles);
     if (!inbox.ok()) return Annotate(inbox.status(), "the handle socket");
     d->handles_ = *std::move(inbox);
@@ -421,6 +426,16 @@ void Daemon::MonitorLoop() {
     const std::optional<PauseDetector::Pause> paused = pause_->Tick();
     if (paused.has_value()) {
       Logger("rpc")->warn("this daemon did not run for {} (stopped or starved)", absl::FormatDuration(paused->length()));
+    }
+    // Registrations whose session never attached (a worker that crashed between Register and its
+    // hello, or one parked on purpose) are dropped as workers that left: the coordinator is told,
+    // the name is free again. Not right after a pause of this process: a hello sent meanwhile
+    // has not been read yet.
+    if (!pause_->PausedWithin(config_.worker_attach_timeout)) {
+      for (const std::string& id : registry_->ExpireUnattached(config_.worker_attach_timeout)) {
+        DropWorker(id, absl::StrCat("registered but never opened its session within ",
+                                    absl::FormatDuration(config_.worker_attach_timeout)));
+      }
     }
     if (membership_ != nullptr) {
       // Heartbeats that arrived while this daemon was stopped were not received: peers are

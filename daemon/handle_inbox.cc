@@ -283,10 +283,25 @@ void HandleInbox::AcceptSome(absl::Time now) {
     c->opened = c->last_packet = now;
     ucred cred{};
     socklen_t len = sizeof cred;
-    if (getsockopt(c->fd.get(), SOL_SOCKET, SO_PEERCRED, &cred, &len) == 0) {
+    const bool known = getsockopt(c->fd.get(), SOL_SOCKET, SO_PEERCRED, &cred, &len) == 0;
+    if (known) {
       c->pid = cred.pid;
       c->uid = cred.uid;
       c->gid = cred.gid;
+    }
+    // Who it is, before anything it sent is kept: Refuse closes whatever already arrived.
+    if (options_.admit_uid) {
+      if (!known) {
+        Refuse(*c, absl::StrCat("the connection's credentials (SO_PEERCRED) could not be read: ",
+                                std::strerror(errno)));
+        continue;
+      }
+      if (!options_.admit_uid(c->uid)) {
+        Refuse(*c, absl::StrCat("uid ", c->uid,
+                                " may not hand descriptors to this daemon (only the uids that may "
+                                "register workers: --worker-uids)"));
+        continue;
+      }
     }
     if (static_cast<int>(connections_.size()) >= options_.max_connections) {
       Refuse(*c, absl::StrCat("busy: ", options_.max_connections,
@@ -458,6 +473,16 @@ bool HandleInbox::ReadPacket(Connection& c, absl::Time now) {
     Refuse(c, absl::StrCat(options_.max_pending,
                            " deliveries are already waiting to be claimed by registrations; "
                            "register first, or retry after they expire"));
+    return false;
+  }
+  if (const int of_uid = static_cast<int>(std::count_if(
+          pending_.begin(), pending_.end(), [&](const auto& p) { return p.second.uid == c.uid; }));
+      of_uid >= options_.max_pending_per_uid) {
+    lock.unlock();
+    Refuse(c, absl::StrCat(of_uid, " deliveries of uid ", c.uid,
+                           " are already waiting to be claimed (at most ",
+                           options_.max_pending_per_uid,
+                           " per uid); register first, or retry after they expire"));
     return false;
   }
   HandleDelivery& d = pending_[token];

@@ -47,9 +47,16 @@ struct HandleInboxOptions {
   absl::Duration delivery_timeout = absl::Seconds(60);  // a connection open this long is closed
   absl::Duration ttl = absl::Seconds(60);               // unclaimed deliveries expire, closed
   int max_pending = 64;                                 // unclaimed deliveries
+  // Unclaimed deliveries of one uid: one uid cannot fill the queue for the others.
+  int max_pending_per_uid = 32;
   int64_t max_fds = 65536;   // per delivery, and held by the inbox in all (pending and arriving)
   int max_connections = 64;  // delivering at once; more are refused at once ("busy")
   std::function<absl::Time()> clock;  // for tests; absl::Now when empty
+  // Whose connections are served, by their SO_PEERCRED uid (empty: everyone's). A connection of
+  // another uid, or whose credentials cannot be read, is answered "ER" naming its uid and closed
+  // at once, before any descriptor of it is kept. The daemon passes WorkerAdmission's rule
+  // (--worker-uids): only a process that may register may hand memory over.
+  std::function<bool(uid_t)> admit_uid;
 };
 
 // The descriptors of one delivery, in the order sent, and who sent them.

@@ -12,9 +12,11 @@
 #include <sys/un.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <atomic>
 #include <catch2/catch.hpp>
 #include <cstring>
+#include <mutex>
 
 #include "absl/strings/str_cat.h"
 
@@ -426,6 +428,66 @@ TEST_CASE("the socket path is checked and a stale socket is replaced") {
   CHECK(Deliver(o.path, Token(1), fds).ok);
   second->reset();
   CHECK(stat(o.path.c_str(), &st) != 0);
+}
+
+TEST_CASE("a connection of a uid not admitted is answered at once, naming its uid, and nothing is kept") {
+  const int before = OpenFds();
+  {
+    HandleInboxOptions o;
+    std::vector<uid_t> asked;
+    std::mutex asked_mu;
+    o.admit_uid = [&](uid_t uid) {
+      std::lock_guard<std::mutex> lock(asked_mu);
+      asked.push_back(uid);
+      return uid != getuid();  // refuses this process: the test speaks as a stranger
+    };
+    auto inbox = Start(o);
+    std::vector<Fd> two;
+    two.push_back(Memfd(1));
+    two.push_back(Memfd(2));
+    const Answer refused = Deliver(inbox->path(), Token(1), two);
+    CHECK_FALSE(refused.ok);
+    CHECK(Contains(refused.message, absl::StrCat("uid ", getuid(), " may not hand descriptors")));
+    // An empty delivery (the queue-filling attack) likewise.
+    const Answer empty = Deliver(inbox->path(), Token(2), {});
+    CHECK(Contains(empty.message, absl::StrCat("uid ", getuid())));
+    WaitUntil([&] { return inbox->counts().connections == 0; });
+    const HandleInbox::Counts n = inbox->counts();
+    CHECK(n.deliveries == 0);
+    CHECK(n.fds == 0);
+    CHECK_FALSE(inbox->Take(Token(1)).ok());
+    CHECK_FALSE(inbox->Take(Token(2)).ok());
+    std::lock_guard<std::mutex> lock(asked_mu);
+    CHECK(asked.size() == 2);
+    CHECK(std::all_of(asked.begin(), asked.end(), [](uid_t u) { return u == getuid(); }));
+  }
+  CHECK(OpenFds() == before);
+}
+
+TEST_CASE("an admitted uid delivers; one uid's pending deliveries are bounded") {
+  const int before = OpenFds();
+  {
+    HandleInboxOptions o;
+    o.max_pending = 10;
+    o.max_pending_per_uid = 2;
+    o.admit_uid = [](uid_t uid) { return uid == getuid(); };
+    auto inbox = Start(o);
+    std::vector<Fd> one;
+    one.push_back(Memfd(7));
+    REQUIRE(Deliver(inbox->path(), Token(1), one).ok);
+    REQUIRE(Deliver(inbox->path(), Token(2), {}).ok);
+    const Answer third = Deliver(inbox->path(), Token(3), one);
+    CHECK_FALSE(third.ok);
+    CHECK(Contains(third.message, absl::StrCat("2 deliveries of uid ", getuid(), " are already waiting")));
+    CHECK(inbox->counts().deliveries == 2);
+    auto taken = inbox->Take(Token(1));
+    REQUIRE(taken.ok());
+    CHECK(taken->uid == getuid());
+    REQUIRE(taken->fds.size() == 1);
+    CHECK(ValueOf(taken->fds[0]) == 7);
+    CHECK(Deliver(inbox->path(), Token(3), one).ok);  // room again
+  }
+  CHECK(OpenFds() == before);
 }
 
 }  // namespace

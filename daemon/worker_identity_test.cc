@@ -17,6 +17,7 @@
 
 #include <catch2/catch.hpp>
 
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "client/shared_memory.h"
 #include "client/worker_client.h"
@@ -39,7 +40,8 @@ struct Node {
   std::unique_ptr<v1::RefitWorker::Stub> workers;
   std::unique_ptr<v1::RefitControl::Stub> control;
 
-  explicit Node(std::vector<uint32_t> worker_uids = {}, const std::string& tag = "") {
+  explicit Node(std::vector<uint32_t> worker_uids = {}, const std::string& tag = "",
+                absl::Duration attach_timeout = absl::Seconds(10)) {
     DaemonConfig c;
     c.node = 0;
     c.worker_socket = absl::StrCat("/tmp/refitd-identity-", getpid(), tag, ".sock");
@@ -47,6 +49,7 @@ struct Node {
     c.prepare_timeout = absl::Seconds(3);
     c.commit_timeout = absl::Seconds(3);
     c.worker_uids = std::move(worker_uids);
+    c.worker_attach_timeout = attach_timeout;
     auto d = Daemon::Start(c);
     INFO(d.status().message());
     REQUIRE(d.ok());
@@ -236,10 +239,18 @@ TEST_CASE("--worker-uids: a process whose uid is not listed may not register") {
   REQUIRE(shm.ok());
   {
     Node n({me + 1}, "-other");
+    // Its handle delivery is refused already, naming its uid: nothing of it is kept (a uid that
+    // may not register cannot fill the handle socket's queue either).
+    const int fd = shm->fd();
+    auto token = DeliverHandles(HandleSocketPath(n.socket), std::span<const int>(&fd, 1), absl::Now() + absl::Seconds(10));
+    REQUIRE_FALSE(token.ok());
+    INFO(token.status().message());
+    CHECK(absl::StrContains(token.status().message(), absl::StrCat("uid ", me, " may not hand descriptors")));
+    // A registration naming some token (none was kept under it) is refused too.
     v1::RegisterWorkerResponse out;
-    const grpc::Status s = n.Register(Trainer("t0", n.Deliver({shm->fd()})), &out);
-    CHECK(Says(s, grpc::StatusCode::PERMISSION_DENIED, absl::StrCat("runs as uid ", me)));
-    CHECK(Says(s, grpc::StatusCode::PERMISSION_DENIED, absl::StrCat("--worker-uids ", me + 1)));
+    const grpc::Status s = n.Register(Trainer("t0", std::string(32, 'a')), &out);
+    CHECK_FALSE(s.ok());
+    CHECK(out.session_key().empty());
     CHECK(n.Listed().empty());
     // Without a delivery there is no uid to check: refused as well, saying what to do.
     v1::RegisterWorkerRequest bare = Trainer("t0", "");
@@ -259,6 +270,50 @@ TEST_CASE("--worker-uids: a process whose uid is not listed may not register") {
     INFO(s.error_message());
     CHECK(s.ok());
   }
+}
+
+TEST_CASE("a registration whose session never opens is dropped after --worker-attach-timeout; its name registers again") {
+  const absl::Duration timeout = absl::Milliseconds(500);
+  Node n({}, "-attach", timeout);
+  auto shm = SharedMemory::CreateAnonymous("attach", 128);
+  REQUIRE(shm.ok());
+  // One that attaches at once (another group: it has nothing to do with the parked one).
+  v1::RegisterWorkerRequest other = Trainer("v0", n.Deliver({shm->fd()}));
+  other.set_group("value");
+  v1::RegisterWorkerResponse attached;
+  REQUIRE(n.Register(other, &attached).ok());
+  std::unique_ptr<Session> live = Open(n, attached.worker_id(), attached.session_key());
+  absl::SleepFor(absl::Milliseconds(300));  // its hello first: a probe attaching before it would take the session
+  REQUIRE(Eventually([&] {
+    return SessionEnd(n, attached.worker_id(), attached.session_key()).error_code() == grpc::StatusCode::ALREADY_EXISTS;
+  }));
+  // One that never opens its session (crashed between Register and its hello).
+  const absl::Time registered = absl::Now();
+  v1::RegisterWorkerResponse parked;
+  REQUIRE(n.Register(Trainer("t0", n.Deliver({shm->fd()})), &parked).ok());
+  CHECK(Contains(n.Listed(), "policy/t0"));
+  v1::RegisterWorkerResponse refused;
+  CHECK(Says(n.Register(Trainer("t0", n.Deliver({shm->fd()})), &refused), grpc::StatusCode::ALREADY_EXISTS,
+             "already registered"));
+  REQUIRE(Eventually([&] { return !Contains(n.Listed(), "policy/t0"); }, absl::Seconds(5)));
+  CHECK(absl::Now() - registered >= timeout);
+  // Its key opens no session now.
+  CHECK(SessionEnd(n, parked.worker_id(), parked.session_key()).error_code() == grpc::StatusCode::NOT_FOUND);
+  // The name registers again; attached, it stays, as does the other one.
+  v1::RegisterWorkerResponse again;
+  const grpc::Status s = n.Register(Trainer("t0", n.Deliver({shm->fd()})), &again);
+  INFO(s.error_message());
+  REQUIRE(s.ok());
+  std::unique_ptr<Session> second = Open(n, again.worker_id(), again.session_key());
+  absl::SleepFor(absl::Milliseconds(300));  // its hello first: a probe attaching before it would take the session
+  REQUIRE(Eventually([&] {
+    return SessionEnd(n, again.worker_id(), again.session_key()).error_code() == grpc::StatusCode::ALREADY_EXISTS;
+  }));
+  absl::SleepFor(4 * timeout);
+  CHECK(Contains(n.Listed(), "policy/t0"));
+  CHECK(Contains(n.Listed(), "value/v0"));
+  CHECK(n.Unregister(again.worker_id(), again.session_key()).ok());
+  CHECK(n.Unregister(attached.worker_id(), attached.session_key()).ok());
 }
 
 TEST_CASE("memory by descriptor only: by name refused (the object untouched), unsealed memfds sealed, shm_open refused") {

@@ -83,6 +83,7 @@ absl::StatusOr<Registration> WorkerRegistry::Register(const v1::RegisterWorkerRe
                                                    "\" is already registered on node ", node_,
                                                    "; unregister it first"));
     }
+    worker->registered_at = absl::Now();
     workers_[worker->id] = worker;
   }
   Registration out;
@@ -158,12 +159,35 @@ absl::StatusOr<std::shared_ptr<LocalWorker>> WorkerRegistry::Attach(const std::s
   if (w == nullptr) return absl::NotFoundError(absl::StrCat("no worker \"", id, "\" on node ", node_));
   if (auto s = KeyStatus(*w, key); !s.ok()) return s;  // this registration's key, not a later one's
   absl::MutexLock lock(&w->mu);
+  if (w->attach_expired || w->gone) {
+    // Being dropped (ExpireUnattached) or already dropped: its name is free again soon.
+    return absl::NotFoundError(absl::StrCat("worker \"", w->id, "\" is no longer registered on node ", node_,
+                                            " (its session did not open in time); register again"));
+  }
   if (w->has_session) return absl::AlreadyExistsError(absl::StrCat("worker \"", w->id, "\" already has a session"));
   w->has_session = true;
   w->notify = std::move(notify);
   // Registering is over, its sync too: what they decoded and copied is freed (memory_trim.h).
   if (static_cast<int64_t>(w->wire.size()) >= kTrimAfterBytes) RequestTrim();
   return w;
+}
+
+std::vector<std::string> WorkerRegistry::ExpireUnattached(absl::Duration timeout, absl::Time now) {
+  std::vector<std::shared_ptr<LocalWorker>> old;
+  {
+    absl::MutexLock lock(&mu_);
+    for (const auto& [id, w] : workers_) {
+      if (now - w->registered_at >= timeout) old.push_back(w);
+    }
+  }
+  std::vector<std::string> out;
+  for (const auto& w : old) {  // the map's lock released before a worker's is taken
+    absl::MutexLock lock(&w->mu);
+    if (w->has_session || w->gone) continue;
+    w->attach_expired = true;
+    out.push_back(w->id);
+  }
+  return out;
 }
 
 void WorkerRegistry::Detach(LocalWorker& w) {

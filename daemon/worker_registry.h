@@ -45,11 +45,16 @@ struct LocalWorker {
   // This registration's secret (worker_admission.h): its session's hello and its Unregister
   // present it. Set before the worker is added, never changed; never logged or synced.
   std::string session_key;
+  // When the registry added it (set before, never changed): its session must attach within
+  // --worker-attach-timeout of this (ExpireUnattached).
+  absl::Time registered_at;
 
   const std::string& group() const { return request.group(); }
 
   absl::Mutex mu;
-  bool has_session ABSL_GUARDED_BY(mu) = false;
+  bool has_session ABSL_GUARDED_BY(mu) = false;  // a session attached (it stays true after)
+  // No session attached in time (ExpireUnattached): none ever will; it is being dropped.
+  bool attach_expired ABSL_GUARDED_BY(mu) = false;
   // Set by its session at Attach: "look again" (an event queued, the worker gone, stopping).
   std::function<void()> notify ABSL_GUARDED_BY(mu);
   bool gone ABSL_GUARDED_BY(mu) = false;  // unregistered or its session ended: never used again
@@ -100,6 +105,13 @@ class WorkerRegistry {
   absl::StatusOr<std::shared_ptr<LocalWorker>> Attach(const std::string& id, absl::string_view key,
                                                       std::function<void()> notify);
   void Detach(LocalWorker& w);
+  // The ids of the workers registered at or before `now - timeout` whose session never
+  // attached; each is marked so that no session attaches to it any more (Attach: NOT_FOUND),
+  // and the caller drops it as a worker that left (Daemon::DropWorker: the coordinator is told).
+  // A registration that never opens its session (a worker that crashed between Register and its
+  // hello, or one parked on purpose) would otherwise keep its name, its mappings and its place
+  // in the group for good.
+  std::vector<std::string> ExpireUnattached(absl::Duration timeout, absl::Time now = absl::Now());
   struct SessionNext {
     std::optional<v1::RoundEvent> event;  // the oldest queued, taken off the outbox
     bool end = false;                      // the worker is gone or the registry stopping

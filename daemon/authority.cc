@@ -47,6 +47,13 @@ absl::Status Authority::CheckControl(const Caller& caller, Access access, absl::
                                                 ") and operators (", absl::StrJoin(tls_.operators, ","), ")")));
 }
 
+absl::Status Authority::CheckWorker(const Caller& caller) const {
+  if (!enforcing() || caller.unix_socket || Named(caller, tls_.workers)) return absl::OkStatus();
+  return absl::PermissionDeniedError(absl::StrCat("Register over TCP: ", Describe(caller),
+                                                  " may not register workers; workers over --worker-listen are "
+                                                  "--tls-workers (", absl::StrJoin(tls_.workers, ","), ")"));
+}
+
 absl::Status Authority::CheckNode(const Caller& caller, int32_t node, absl::string_view method) const {
   if (!enforcing()) return absl::OkStatus();
   const std::optional<int32_t> is = NodeOf(caller);

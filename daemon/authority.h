@@ -6,6 +6,8 @@
 //   RefitControl: viewer calls need a viewer, operator or daemon name; operator calls (Refit,
 //     StartRefit) an operator or daemon name (daemons forward what their callers were allowed).
 //     Over the unix socket (no certificate): viewer calls only.
+//   RefitWorker over TCP (--worker-listen): only --tls-workers names (the unix socket: the
+//     handle socket's uid, worker_admission.h).
 //   RefitPeer Join, SyncWorkers: only node N's own certificate, for node N.
 //   RefitPeer InstallPlan, RunPhase: only the current coordinator's certificate, stamped with the
 //     incarnation this node joined (a restarted or impersonated coordinator is refused).
@@ -48,6 +50,9 @@ class Authority {
   bool enforcing() const { return tls_.enabled(); }
   // RefitControl's `method`.
   absl::Status CheckControl(const Caller& caller, Access access, absl::string_view method) const;
+  // RefitWorker.Register: over the unix socket anyone (the handle socket's uid admits); over
+  // TCP (--worker-listen) only --tls-workers names.
+  absl::Status CheckWorker(const Caller& caller) const;
   // Join and SyncWorkers claiming to be node `node`.
   absl::Status CheckNode(const Caller& caller, int32_t node, absl::string_view method) const;
   // InstallPlan and RunPhase, stamped with `incarnation`.

@@ -73,6 +73,19 @@ TEST_CASE("Control: the role lists come from the configuration") {
   CHECK(a.CheckControl(Cert({"refit-viewer"}), Access::kView, "Status").code() == absl::StatusCode::kPermissionDenied);
 }
 
+TEST_CASE("Workers over TCP: only --tls-workers names register; the unix socket is the uid's") {
+  const Authority a = Enforcing();
+  CHECK(a.CheckWorker(Cert({"refit-worker"})).ok());
+  const absl::Status intruder = a.CheckWorker(Cert({"intruder"}));
+  CHECK(intruder.code() == absl::StatusCode::kPermissionDenied);
+  CHECK(intruder.message().find("--tls-workers") != absl::string_view::npos);
+  CHECK(a.CheckWorker(Cert({"refit-viewer"})).code() == absl::StatusCode::kPermissionDenied);
+  CHECK(a.CheckWorker(Cert({"refit-operator"})).code() == absl::StatusCode::kPermissionDenied);
+  Caller local;
+  local.unix_socket = true;
+  CHECK(a.CheckWorker(local).ok());
+}
+
 TEST_CASE("Join and SyncWorkers: only a node's own certificate speaks for it") {
   const Authority a = Enforcing();
   CHECK(a.CheckNode(Cert({"refit-node-1", "refitd"}), 1, "Join").ok());

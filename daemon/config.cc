@@ -44,6 +44,8 @@ DaemonConfig ParseDaemonFlags(int argc, char** argv) {
   flags.String("listen", &c.listen, "gRPC address for peers and operators (host:port; port 0 picks one)");
   flags.String("worker-socket", &c.worker_socket, "Unix socket for local workers (default /tmp/refitd-<node>.sock)");
   flags.String("coordinator", &c.coordinator, "the coordinator's --listen address (a gRPC target, e.g. dns:///name:port), or file:PATH naming it (read again when it stops answering); empty: this daemon coordinates");
+  int64_t coordinator_node = c.coordinator_node;
+  flags.Int("coordinator-node", &coordinator_node, "the coordinator's --node: obey only that node's certificate as the coordinator (-1: whichever node answers as itself)");
   flags.String("data-listen", &c.data_listen, "host data plane address peers send messages to");
   flags.String("backend", &c.backend, "data plane: host (shared memory + TCP) or cuda");
   std::string gpus;
@@ -90,6 +92,8 @@ DaemonConfig ParseDaemonFlags(int argc, char** argv) {
   flags.Double("tls-reload-interval", &reload_s, "seconds between checks of the TLS files for a rotated certificate");
   std::string operators = absl::StrJoin(c.tls.operators, ","), viewers = absl::StrJoin(c.tls.viewers, ",");
   flags.String("tls-operators", &operators, "comma-separated certificate names (CN or DNS SAN) allowed to start refits");
+  std::string tls_workers = absl::StrJoin(c.tls.workers, ",");
+  flags.String("tls-workers", &tls_workers, "comma-separated certificate names allowed to register workers over --worker-listen");
   flags.String("tls-viewers", &viewers, "comma-separated certificate names allowed to read status, plans, workers and rounds");
   flags.Bool("insecure-listen", &c.insecure_listen, "without TLS, listen on a non-loopback address all the same (anyone who reaches it can steer and read the weights)");
   std::string worker_uids;
@@ -136,6 +140,8 @@ DaemonConfig ParseDaemonFlags(int argc, char** argv) {
   const auto positional = flags.Parse(argc, argv);
   if (!positional.empty()) flags.Fail(absl::StrCat("unexpected argument \"", positional[0], "\""));
   if (node < 0) flags.Fail("--node must be >= 0");
+  if (coordinator_node < -1 || coordinator_node > INT32_MAX) flags.Fail("--coordinator-node must be a node index, or -1");
+  c.coordinator_node = static_cast<int32_t>(coordinator_node);
   if (max_message < 4096 || max_message > (int64_t{1} << 31)) {
     flags.Fail("--max-message-bytes must be in [4096, 2^31]");
   }
@@ -192,6 +198,7 @@ DaemonConfig ParseDaemonFlags(int argc, char** argv) {
   c.tls.reload = absl::Seconds(reload_s);
   c.tls.operators = absl::StrSplit(operators, ',', absl::SkipEmpty());
   c.tls.viewers = absl::StrSplit(viewers, ',', absl::SkipEmpty());
+  c.tls.workers = absl::StrSplit(tls_workers, ',', absl::SkipEmpty());
   if (!(attach_s > 0)) flags.Fail("--worker-attach-timeout must be positive");
   c.worker_attach_timeout = absl::Seconds(attach_s);
   for (absl::string_view part : absl::StrSplit(worker_uids, ',', absl::SkipEmpty())) {
@@ -215,8 +222,9 @@ DaemonConfig ParseDaemonFlags(int argc, char** argv) {
     std::printf("refitd: the configuration is valid: node %d, %s, listen %s, data %s, %s\n", c.node,
                 c.is_coordinator() ? "coordinator" : ("coordinator at " + c.coordinator).c_str(), c.listen.c_str(),
                 c.data_listen.c_str(),
-                c.tls.enabled() ? ("TLS: certificate " + c.tls.cert + ", CA " + c.tls.ca).c_str()
-                                : "no TLS (loopback only)");
+                c.tls.enabled()     ? ("TLS: certificate " + c.tls.cert + ", CA " + c.tls.ca).c_str()
+                : c.insecure_listen ? "no TLS, and --insecure-listen: anyone who reaches it can steer"
+                                    : "no TLS (loopback only)");
     std::exit(0);
   }
   return c;

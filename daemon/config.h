@@ -19,6 +19,7 @@ struct DaemonConfig {
   std::string worker_socket;              // Unix socket for local workers (--worker-socket);
                                           // default /tmp/refitd-<node>.sock
   std::string coordinator;                // the coordinator's --listen address; empty: this is it
+  int32_t coordinator_node = -1;          // --coordinator-node: the coordinator's index, pinned (-1: any)
   std::string data_listen = "127.0.0.1:0";  // host data plane (--data-listen)
   std::string backend = "host";           // host | cuda (--backend)
   std::vector<int32_t> gpus;              // local GPU indices this daemon serves (--gpus 0,1);

@@ -6,6 +6,7 @@
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/strip.h"
+#include "absl/synchronization/notification.h"
 #include "daemon/logging.h"
 
 namespace refit {
@@ -83,18 +84,16 @@ KnownCoordinator CoordinatorLink::Coordinator() {
 }
 
 absl::Status CoordinatorLink::Answered(const grpc::ClientContext& ctx, const v1::JoinResponse& out) {
-  if (options_.tls != nullptr && options_.tls->enabled()) {
-    Caller server;
-    server.authenticated = true;
-    if (const std::shared_ptr<const grpc::AuthContext> auth = ctx.auth_context(); auth != nullptr) {
-      for (const char* property : {GRPC_X509_CN_PROPERTY_NAME, GRPC_X509_SAN_PROPERTY_NAME}) {
-        for (const grpc::string_ref& v : auth->FindPropertyValues(property)) server.names.emplace_back(v.data(), v.size());
-      }
-    }
-    if (NodeOf(server) != out.coordinator_node()) {
-      return absl::PermissionDeniedError(absl::StrCat("the coordinator at ", Target(), " answers as node ",
-                                                      out.coordinator_node(), " but its certificate is not ",
-                                                      kNodeIdentityPrefix, out.coordinator_node()));
+  // With --coordinator-node, only that node's certificate is obeyed as the coordinator; without
+  // it, the answer's own certificate must be the node the answer names.
+  if (options_.coordinator_node >= 0 && out.coordinator_node() != options_.coordinator_node) {
+    return absl::PermissionDeniedError(absl::StrCat("the daemon at ", Target(), " answers as coordinator node ",
+                                                    out.coordinator_node(), "; --coordinator-node is ",
+                                                    options_.coordinator_node));
+  }
+  if (options_.tls != nullptr) {
+    if (auto s = CheckServerNode(*options_.tls, ctx, out.coordinator_node()); !s.ok()) {
+      return absl::PermissionDeniedError(absl::StrCat("the coordinator at ", Target(), ": ", s.message()));
     }
   }
   absl::MutexLock lock(&mu_);
@@ -236,11 +235,31 @@ void CoordinatorLink::ForwardWatch(const v1::WatchRoundsRequest& request, const 
   grpc::ClientContext ctx;
   std::shared_ptr<v1::RefitControl::Stub> stub = Control();  // outlives the stream
   auto reader = stub->WatchRounds(&ctx, request);
+  // The upstream read blocks until the coordinator sends a round: a side thread cancels it as soon
+  // as the downstream caller is gone or the link stops, so that neither daemon keeps a thread
+  // (and a node can drain) for a watcher that left.
+  absl::Notification done;
+  std::thread watchdog([&] {
+    while (!done.WaitForNotificationWithTimeout(absl::Milliseconds(100))) {
+      bool stopping;
+      {
+        absl::MutexLock lock(&mu_);
+        stopping = stopping_;
+      }
+      if (stopping || cancelled()) {
+        ctx.TryCancel();
+        return;
+      }
+    }
+  });
   v1::RoundStats s;
-  while (!cancelled() && reader->Read(&s)) {
+  while (reader->Read(&s)) {
     if (!write(s)) break;
   }
   ctx.TryCancel();
+  done.Notify();
+  watchdog.join();
+  (void)reader->Finish();  // cancelled by us, or the coordinator ended it: either way done
 }
 
 }  // namespace refit

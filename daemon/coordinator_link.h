@@ -54,6 +54,9 @@ struct CoordinatorLinkOptions {
   std::function<void(bool resync)> on_answer;
   // Channel credentials (TLS or not); null: insecure. Outlives the link.
   const GrpcTls* tls = nullptr;
+  // The coordinator's node index (--coordinator-node); -1: whichever node answers, as long as its
+  // certificate is the node it says it is.
+  int32_t coordinator_node = -1;
 };
 
 class CoordinatorLink {

@@ -1,5 +1,7 @@
 #include "daemon/daemon.h"
 
+#include <grpcpp/resource_quota.h>
+
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -76,10 +78,6 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(const DaemonConfig& config
                         config.listen);
   } else {
     Logger("rpc")->info("no TLS: listening on loopback only (docs/SECURITY.md)");
-  }
-  if (!config.worker_listen.empty()) {
-    Logger("rpc")->warn("workers are also served over TCP at {}: those registrations are not identified by uid",
-                        config.worker_listen);
   }
   if (config.backend == "cuda") {
     auto backend = CudaBackend::Start(config.gpus, config.staging_bytes, config.nccl_stream_priority);
@@ -198,6 +196,7 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(const DaemonConfig& config
     link.node = config.node;
     link.incarnation = d->incarnation_;
     link.tls = d->tls_.get();
+    link.coordinator_node = config.coordinator_node;
     link.heartbeat = config.heartbeat;
     link.peer_timeout = config.peer_timeout;
     link.max_rpc_bytes = config.max_rpc_bytes;
@@ -282,6 +281,11 @@ void ConfigureServer(const DaemonConfig& config, grpc::ServerBuilder& builder) {
   builder.AddChannelArgument(GRPC_ARG_HTTP2_MIN_RECV_PING_INTERVAL_WITHOUT_DATA_MS, 500);
   builder.AddChannelArgument(GRPC_ARG_HTTP2_MAX_PING_STRIKES, 0);  // 0: no limit
   builder.AddChannelArgument(GRPC_ARG_KEEPALIVE_PERMIT_WITHOUT_CALLS, 1);
+  // The sync services hold a thread per call in progress (a Refit for its round, a RunPhase for
+  // its phase): bounded, so that no caller can make the daemon spawn threads without end.
+  grpc::ResourceQuota quota("refitd");
+  quota.SetMaxThreads(512);
+  builder.SetResourceQuota(quota);
 }
 
 }  // namespace
@@ -331,6 +335,11 @@ absl::Status Daemon::Serve() {
   if (worker_server_ == nullptr || (!config_.worker_listen.empty() && worker_port == 0)) {
     return absl::UnavailableError(absl::StrCat("cannot listen on unix:", config_.worker_socket,
                                                config_.worker_listen.empty() ? "" : " and " + config_.worker_listen));
+  }
+  if (!config_.worker_listen.empty()) {
+    const std::string host = config_.worker_listen.substr(0, config_.worker_listen.rfind(':'));
+    Logger("rpc")->warn("workers are also served over TCP at {}:{} (not identified by uid{})", host, worker_port,
+                        config_.tls.enabled() ? "; only --tls-workers certificates register" : "");
   }
   if (!config_.health_listen.empty()) {
     // Plaintext and health only: Kubernetes' grpc probes present no certificate. It tells

@@ -117,6 +117,8 @@ void GrpcPeerClient::RunPhase(int32_t node, const v1::PhaseRequest& request, abs
   stub->async()->RunPhase(&call->context, &call->phase, response,
                           [this, call, node, address = *address, done](grpc::Status status) {
                             absl::Status s = FromGrpc(status);
+                            // The answer counts only from node `node`'s own certificate.
+                            if (s.ok() && options_.tls != nullptr) s = CheckServerNode(*options_.tls, call->context, node);
                             const v1::PhaseRequest::Phase phase = call->phase.phase();
                             if (!s.ok()) {
                               const v1::Culprit blamed = NodeCulprit(node, address, PhaseName(phase));
@@ -162,6 +164,9 @@ void GrpcPeerClient::InstallPlan(int32_t node, std::shared_ptr<const v1::Install
   stub->async()->InstallPlan(&call->context, call->install.get(), &call->install_out,
                              [this, call, node, address = *address, done](grpc::Status status) {
                                absl::Status s = FromGrpc(status);
+                               if (s.ok() && options_.tls != nullptr) {
+                                 s = CheckServerNode(*options_.tls, call->context, node);
+                               }
                                if (!s.ok()) {
                                  s = WithCulpritIfNone(
                                      Rewrap(s, s.code(), absl::StrCat("node ", node, " (", address,

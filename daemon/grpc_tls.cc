@@ -7,6 +7,7 @@
 
 #include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
 
 namespace refit {
 
@@ -45,23 +46,44 @@ std::shared_ptr<grpc::Channel> GrpcTls::Channel(const std::string& target, grpc:
   return grpc::CreateCustomChannel(target, ChannelCredentials(), args);
 }
 
-Caller CallerOf(const grpc::ServerContext& context) {
+namespace {
+
+// CN and DNS SANs: gRPC's "peer_dns" holds the DNS SANs alone (its SAN property also lists
+// e-mail and URI SANs, which are no identity here).
+std::vector<std::string> Names(const grpc::AuthContext& auth) {
+  std::vector<std::string> names;
+  for (const char* property : {GRPC_X509_CN_PROPERTY_NAME, GRPC_PEER_DNS_PROPERTY_NAME}) {
+    for (const grpc::string_ref& v : auth.FindPropertyValues(property)) names.emplace_back(v.data(), v.size());
+  }
+  return names;
+}
+
+}  // namespace
+
+absl::Status CheckServerNode(const GrpcTls& tls, const grpc::ClientContext& context, int32_t node) {
+  if (!tls.enabled()) return absl::OkStatus();
+  const std::shared_ptr<const grpc::AuthContext> auth = context.auth_context();
+  const std::vector<std::string> names = auth != nullptr ? Names(*auth) : std::vector<std::string>();
+  if (NodeOfNames(names) == node) return absl::OkStatus();
+  return absl::PermissionDeniedError(absl::StrCat(
+      "the daemon that answered for node ", node, " presented ",
+      names.empty() ? std::string("no certificate names") : absl::StrCat("certificate \"", names.front(), "\""),
+      ", not ", kNodeIdentityPrefix, node, "'s"));
+}
+
+Caller CallerOf(const grpc::ServerContextBase& context) {
   Caller caller;
   caller.peer = context.peer();
   caller.unix_socket = absl::StartsWith(caller.peer, "unix:");
   const std::shared_ptr<const grpc::AuthContext> auth = context.auth_context();
   if (auth != nullptr && auth->IsPeerAuthenticated()) {
     caller.authenticated = true;
-    for (const char* property : {GRPC_X509_CN_PROPERTY_NAME, GRPC_X509_SAN_PROPERTY_NAME}) {
-      for (const grpc::string_ref& v : auth->FindPropertyValues(property)) {
-        caller.names.emplace_back(v.data(), v.size());
-      }
-    }
+    caller.names = Names(*auth);
   }
   return caller;
 }
 
-int64_t CoordinatorIncarnationOf(const grpc::ServerContext& context) {
+int64_t CoordinatorIncarnationOf(const grpc::ServerContextBase& context) {
   const auto& metadata = context.client_metadata();
   auto it = metadata.find(kCoordinatorIncarnationKey);
   if (it == metadata.end()) return 0;

@@ -5,6 +5,7 @@
 #include "daemon/executor.h"
 #include "daemon/grpc_status.h"
 #include "daemon/grpc_tls.h"
+#include "daemon/registration_limits.h"
 #include "daemon/version.h"
 #include "daemon/group_planner.h"
 #include "daemon/membership.h"
@@ -37,6 +38,10 @@ class WorkerService : public v1::RefitWorker::CallbackService {
     // "unix:..." or, with --worker-listen, "ipv4:..."/"ipv6:...": only the unix socket's
     // registrations are uid-checked (worker_admission.h).
     const WorkerTransport transport = TransportOfPeer(c->peer());
+    if (auto s = p_->authority->CheckWorker(CallerOf(*c)); !s.ok()) {
+      reactor->Finish(ToGrpc(s));
+      return reactor;
+    }
     // `r` and `out` live until Finish.
     if (!blocking_.Submit([this, reactor, r, out, transport] {
           reactor->Finish(ToGrpc(p_->register_worker(*r, transport, out)));
@@ -100,6 +105,15 @@ class ControlService : public v1::RefitControl::Service {
   grpc::Status WatchRounds(grpc::ServerContext* c, const v1::WatchRoundsRequest* r,
                            grpc::ServerWriter<v1::RoundStats>* w) override {
     if (auto s = Check(c, Access::kView, "WatchRounds"); !s.ok()) return s;
+    if (p_->watches.fetch_add(1) >= kMaxWatches) {
+      p_->watches.fetch_sub(1);
+      return ToGrpc(absl::ResourceExhaustedError(
+          absl::StrCat("WatchRounds: ", kMaxWatches, " streams are open on this daemon already; close one")));
+    }
+    struct Release {
+      std::atomic<int>& n;
+      ~Release() { n.fetch_sub(1); }
+    } release{p_->watches};
     auto cancelled = [c] { return c->IsCancelled(); };
     auto write = [w](const v1::RoundStats& s) { return w->Write(s); };
     if (p_->link != nullptr) {
@@ -219,6 +233,18 @@ class PeerService : public v1::RefitPeer::Service {
   grpc::Status SyncWorkers(grpc::ServerContext* context, const v1::SyncWorkersRequest* r,
                            v1::SyncWorkersResponse* out) override {
     if (auto s = p_->authority->CheckNode(CallerOf(*context), r->node(), "SyncWorkers"); !s.ok()) return ToGrpc(s);
+    // What a node says of its workers is checked as a registration is: each on that node, within
+    // the limits, its names printable (a node's bug, or a node's stolen key, stops here).
+    for (const v1::RegisterWorkerRequest& w : r->workers()) {
+      if (w.worker().node() != r->node()) {
+        return ToGrpc(absl::InvalidArgumentError(absl::StrCat("SyncWorkers from node ", r->node(), ": worker \"",
+                                                               w.worker().name(), "\" says it is on node ",
+                                                               w.worker().node())));
+      }
+      if (auto s = CheckRegistration(w, p_->config->limits); !s.ok()) {
+        return ToGrpc(absl::Status(s.code(), absl::StrCat("SyncWorkers from node ", r->node(), ": ", s.message())));
+      }
+    }
     if (p_->membership == nullptr) return ToGrpc(absl::FailedPreconditionError("not the coordinator"));
     // Names another node holds are refused, listed in `out`; a node not joined is refused whole.
     return ToGrpc(p_->membership->ApplySync(*r, out));

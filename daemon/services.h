@@ -2,6 +2,7 @@
 // the component that does the work, and converts the status once (daemon/grpc_status.h).
 #pragma once
 
+#include <atomic>
 #include <functional>
 #include <memory>
 #include <string>
@@ -29,6 +30,8 @@ struct ServiceParts {
   const DaemonConfig* config = nullptr;
   const Authority* authority = nullptr;  // who may call what (docs/SECURITY.md)
   int64_t incarnation = 0;               // this daemon's (the coordinator's answers to Join name it)
+  // WatchRounds streams open on this daemon (each holds a server thread): at most kMaxWatches.
+  mutable std::atomic<int> watches{0};
   std::string address;  // this daemon's control address, once serving
   WorkerRegistry* registry = nullptr;
   NodeAgent* agent = nullptr;
@@ -45,6 +48,10 @@ struct ServiceParts {
       register_worker;
   std::function<void(const std::string& id, const std::string& reason)> drop_worker;
 };
+
+// More WatchRounds at once are RESOURCE_EXHAUSTED: each holds a thread of the server (and, on a
+// node, one of the coordinator's, forwarded).
+inline constexpr int kMaxWatches = 64;
 
 std::unique_ptr<grpc::Service> MakeWorkerService(const ServiceParts* parts);
 std::unique_ptr<grpc::Service> MakeControlService(const ServiceParts* parts);

@@ -6,6 +6,7 @@
 //   --tls-operators  names allowed to steer (Refit, StartRefit) and to look; default refit-operator
 //   --tls-viewers    names allowed to look (Status, WatchRounds, GetPlan, ListWorkers, ListRounds);
 //                    default refit-viewer
+//   --tls-workers    names allowed to register workers over --worker-listen; default refit-worker
 // Every daemon certificate also carries the DNS name `refitd` (kTlsServerName): clients check
 // the server's certificate against that name, since daemons are reached by IP address.
 // Files are read again when they change (every `reload`): a rotated Secret takes effect without
@@ -57,6 +58,8 @@ struct TlsConfig {
   absl::Duration reload = absl::Seconds(10);  // how often the files are checked (--tls-reload-interval)
   std::vector<std::string> operators = {"refit-operator"};  // --tls-operators a,b
   std::vector<std::string> viewers = {"refit-viewer"};      // --tls-viewers a,b
+  // Names that may register workers over --worker-listen (TCP); the unix socket needs none.
+  std::vector<std::string> workers = {"refit-worker"};      // --tls-workers a,b
 
   bool enabled() const { return !cert.empty(); }
 };

@@ -13,6 +13,7 @@ import re
 import socket
 import subprocess
 import sys
+import time
 import unittest
 from math import prod
 
@@ -56,10 +57,12 @@ class AttackSuite(unittest.TestCase):
     def setUpClass(cls):
         # Certificates are read again every second (--tls-reload-interval): the rotation case.
         # --health-listen: the plaintext health port probes use.
-        # --max-group-workers 8: the group-limit case (the policy group holds 4).
+        # --max-group-workers 8: the group-limit case (the policy group holds 4); --worker-listen:
+        # workers over TCP, only with a --tls-workers certificate.
         cls.cluster = harness.Cluster(nodes=3, tls=True, daemon_flags=["--tls-reload-interval", "1",
                                                                        "--health-listen", "127.0.0.1:0",
-                                                                       "--max-group-workers", "8"])
+                                                                       "--max-group-workers", "8",
+                                                                       "--worker-listen", "127.0.0.1:0"])
         cls.certs = cls.cluster.certs
         cls.reports = Reports(cls.cluster)
         cls.files = layouts(cls.cluster)
@@ -241,6 +244,62 @@ class AttackSuite(unittest.TestCase):
                          "the removed CA to be distrusted again")
         self.refit_still_works()
 
+    def test_watchers_that_leave_hold_no_threads(self):
+        """WatchRounds through a node (forwarded to the coordinator) and on the worker socket,
+        opened and dropped: neither daemon keeps a thread for them; more than 64 at once are
+        RESOURCE_EXHAUSTED."""
+        def threads(node):
+            with open(f"/proc/{self.daemon(node).proc.pid}/status") as f:
+                return int(next(l for l in f if l.startswith("Threads:")).split()[1])
+
+        before = {n: threads(n) for n in (0, 1)}
+        calls = []
+        for i in range(40):
+            address = self.worker_socket(1) if i % 2 else self.daemon(1).address
+            stub = self.stub(address, "RefitControl", None if i % 2 else "refit-viewer")
+            calls.append(stub.WatchRounds(refit_pb2.WatchRoundsRequest(group="policy"), timeout=60))
+        time.sleep(1.0)
+        for c in calls:
+            c.cancel()
+        harness.wait_for(lambda: all(threads(n) <= before[n] + 8 for n in (0, 1)), 15,
+                         f"the watchers' threads to end (before {before})")
+        # The cap: at most 64 open at once on one daemon; the rest refused RESOURCE_EXHAUSTED.
+        stub = self.stub(self.daemon(1).address, "RefitControl", "refit-viewer")
+        opened = [stub.WatchRounds(refit_pb2.WatchRoundsRequest(group="policy"), timeout=60) for _ in range(80)]
+        harness.wait_for(lambda: sum(c.done() for c in opened) >= 16, 15, "the watches past 64 to be refused")
+        refused = [c for c in opened if c.done()]
+        self.assertLessEqual(len(opened) - len(refused), 64)
+        for c in refused:
+            self.assertEqual(c.code(), grpc.StatusCode.RESOURCE_EXHAUSTED, c.details())
+        for c in opened:
+            c.cancel()
+        self.refit_still_works()
+
+    def test_workers_over_tcp_need_a_worker_certificate(self):
+        text = open(self.daemon(1).log, errors="replace").read()
+        found = re.findall(r"workers are also served over TCP at (\S+) ", text)
+        self.assertTrue(found, "the daemon logs its --worker-listen address")
+        request = refit_pb2.RegisterWorkerRequest(group="policy", role=refit_pb2.INFERENCE)
+        request.worker.name = "spy"  # refused before it could join the policy group
+        for identity in ("intruder", "refit-viewer", "refit-operator"):
+            remote = self.stub(found[-1], "RefitWorker", identity)
+            try:
+                remote.Register(request, timeout=5)
+                self.fail(f"{identity} registered a worker over TCP")
+            except grpc.RpcError as e:
+                self.assertEqual(e.code(), grpc.StatusCode.PERMISSION_DENIED, (identity, e.details()))
+                self.assertIn("--tls-workers", e.details())
+        # A worker certificate passes the role check (in a group of its own, unregistered at once).
+        worker = self.stub(found[-1], "RefitWorker", "refit-worker")
+        request.group = "tcp-workers"
+        try:
+            response = worker.Register(request, timeout=5)
+            worker.Unregister(refit_pb2.UnregisterWorkerRequest(worker_id=response.worker_id,
+                                                                session_key=response.session_key), timeout=5)
+        except grpc.RpcError as e:
+            self.assertNotEqual(e.code(), grpc.StatusCode.PERMISSION_DENIED, e.details())
+        self.refit_still_works()
+
     # ---------------------------------------------------------------------------------------
     # Peers: only the coordinator steers a node, only a node speaks for itself.
 
@@ -299,6 +358,14 @@ class AttackSuite(unittest.TestCase):
                                  identity)
             sync = refit_pb2.SyncWorkersRequest(node=1, incarnation=12345)
             self.assertEqual(code_of(lambda: peer.SyncWorkers(sync, timeout=5)), grpc.StatusCode.PERMISSION_DENIED)
+        # A node's own certificate cannot slip in workers of another node, or hostile names.
+        node2 = self.stub(self.cluster.control, "RefitPeer", "refit-node-2")
+        for node, name in ((1, "elsewhere"), (2, "bad\0name")):
+            sync = refit_pb2.SyncWorkersRequest(node=2, incarnation=12345)
+            w = sync.workers.add(group="policy", role=refit_pb2.INFERENCE)
+            w.worker.name, w.worker.node = name, node
+            self.assertEqual(code_of(lambda: node2.SyncWorkers(sync, timeout=5)), grpc.StatusCode.INVALID_ARGUMENT,
+                             name)
         workers = {w["worker_id"] for w in self.ctl.workers("policy")}
         for key in self.engines:
             self.assertIn("policy/" + key[len("inference-"):], workers)

@@ -58,8 +58,10 @@ def tls_wanted():
 
 def make_certs(directory, nodes=8):
     """The cluster's TLS material (tools/gen_certs.sh): node-N, refit-operator, refit-viewer,
-    intruder (CA-signed, no role), and rogue/ (another CA's)."""
-    subprocess.run(["bash", repo_file("tools/gen_certs.sh"), directory, str(nodes), "intruder"], check=True,
+    intruder (CA-signed, no role), refit-worker (workers over --worker-listen), and rogue/
+    (another CA's)."""
+    subprocess.run(["bash", repo_file("tools/gen_certs.sh"), directory, str(nodes), "intruder", "refit-worker"],
+                   check=True,
                    stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     return directory
 

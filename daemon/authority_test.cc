@@ -30,6 +30,10 @@ TEST_CASE("NodeOf reads refit-node-<digits> only, from verified certificates") {
   CHECK_FALSE(NodeOf(Cert({"refit-node-1x"})).has_value());
   CHECK_FALSE(NodeOf(Cert({"xrefit-node-1"})).has_value());
   CHECK_FALSE(NodeOf(Cert({"refit-node-1234567890"})).has_value());  // past an int32's digits
+  CHECK_FALSE(NodeOf(Cert({"refit-node-00"})).has_value());
+  CHECK_FALSE(NodeOf(Cert({"refit-node-01"})).has_value());
+  CHECK(NodeOf(Cert({"refit-node-0"})) == 0);
+  CHECK(NodeOf(Cert({"refit-node-10"})) == 10);
   // A certificate naming two nodes is no node's (which would it speak for?); the same node
   // twice (CN and SAN) is that node.
   CHECK_FALSE(NodeOf(Cert({"refit-node-1", "refit-node-0", "refitd"})).has_value());

@@ -27,11 +27,12 @@ namespace refit {
 inline constexpr char kTlsServerName[] = "refitd";
 inline constexpr char kNodeIdentityPrefix[] = "refit-node-";
 
-// "refit-node-<N>": the node N (digits only, at most 9 of them); false for any other name.
+// "refit-node-<N>": the node N (digits only, at most 9, no leading zero); false for any other name.
 inline bool ParseNodeIdentity(absl::string_view identity, int32_t* node) {
   if (identity.substr(0, sizeof(kNodeIdentityPrefix) - 1) != kNodeIdentityPrefix) return false;
   identity.remove_prefix(sizeof(kNodeIdentityPrefix) - 1);
   if (identity.empty() || identity.size() > 9) return false;  // fits an int32
+  if (identity.size() > 1 && identity[0] == '0') return false;  // one spelling per node: "refit-node-00" is none
   for (char c : identity) {
     if (!absl::ascii_isdigit(static_cast<unsigned char>(c))) return false;
   }

@@ -230,8 +230,9 @@ void CoordinatorLink::Stop() {
   if (heartbeat_.joinable()) heartbeat_.join();
 }
 
-void CoordinatorLink::ForwardWatch(const v1::WatchRoundsRequest& request, const std::function<bool()>& cancelled,
-                                   const std::function<bool(const v1::RoundStats&)>& write) {
+absl::Status CoordinatorLink::ForwardWatch(const v1::WatchRoundsRequest& request,
+                                           const std::function<bool()>& cancelled,
+                                           const std::function<bool(const v1::RoundStats&)>& write) {
   grpc::ClientContext ctx;
   std::shared_ptr<v1::RefitControl::Stub> stub = Control();  // outlives the stream
   auto reader = stub->WatchRounds(&ctx, request);
@@ -253,13 +254,21 @@ void CoordinatorLink::ForwardWatch(const v1::WatchRoundsRequest& request, const 
     }
   });
   v1::RoundStats s;
+  bool downstream_gone = false;
   while (reader->Read(&s)) {
-    if (!write(s)) break;
+    if (!write(s)) {
+      downstream_gone = true;
+      break;
+    }
   }
+  const bool ended_by_coordinator = !downstream_gone && !cancelled();
   ctx.TryCancel();
   done.Notify();
   watchdog.join();
-  (void)reader->Finish();  // cancelled by us, or the coordinator ended it: either way done
+  const grpc::Status status = reader->Finish();
+  // The coordinator's own end of the stream (a refusal: too many watches, not allowed) is the
+  // caller's answer; one we cancelled because the caller left is nobody's.
+  return ended_by_coordinator ? FromGrpc(status) : absl::OkStatus();
 }
 
 }  // namespace refit

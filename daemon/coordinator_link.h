@@ -84,8 +84,9 @@ class CoordinatorLink {
     return FromGrpc((stub.get()->*method)(&ctx, request, response));
   }
   // Relays the coordinator's WatchRounds stream until `write` fails or `cancelled()`.
-  void ForwardWatch(const v1::WatchRoundsRequest& request, const std::function<bool()>& cancelled,
-                    const std::function<bool(const v1::RoundStats&)>& write);
+  // Its status: the coordinator's, when the coordinator ended the stream (e.g. refused it).
+  absl::Status ForwardWatch(const v1::WatchRoundsRequest& request, const std::function<bool()>& cancelled,
+                            const std::function<bool(const v1::RoundStats&)>& write);
 
  private:
   void HeartbeatLoop();

@@ -117,7 +117,7 @@ class ControlService : public v1::RefitControl::Service {
     auto cancelled = [c] { return c->IsCancelled(); };
     auto write = [w](const v1::RoundStats& s) { return w->Write(s); };
     if (p_->link != nullptr) {
-      p_->link->ForwardWatch(*r, cancelled, write);
+      return ToGrpc(p_->link->ForwardWatch(*r, cancelled, write));
     } else {
       p_->log->Watch(r->group(), cancelled, write);
     }

@@ -157,6 +157,10 @@ TEST_CASE("a name belongs to its registration: its key, its session; free again 
   REQUIRE(first.worker_id() == "policy/t0");
   REQUIRE(first.session_key().size() == 32);
   std::unique_ptr<Session> live = Open(n, first.worker_id(), first.session_key());
+  // `live`'s hello first: a probe below that attached before it would hold the registration,
+  // then end it when its deadline passed (a session's end drops its worker). Under CI load the
+  // hello took longer than the probe's first try.
+  absl::SleepFor(absl::Seconds(2));
   // Attached: a second session of its own is refused too (checked before it could be taken).
   REQUIRE(Eventually([&] {
     return SessionEnd(n, first.worker_id(), first.session_key()).error_code() == grpc::StatusCode::ALREADY_EXISTS;

@@ -18,6 +18,7 @@ int DTypeSize(DType dtype) {
     case DType::kF8E4M3:
     case DType::kF8E5M2:
     case DType::kI8:
+    case DType::kE8M0:
       return 1;
     case DType::kI64:
       return 8;
@@ -35,6 +36,7 @@ absl::string_view DTypeName(DType dtype) {
     case DType::kI8: return "int8";
     case DType::kI32: return "int32";
     case DType::kI64: return "int64";
+    case DType::kE8M0: return "e8m0";
   }
   return "?";
 }
@@ -50,15 +52,20 @@ absl::StatusOr<DType> ParseDType(absl::string_view name) {
   if (n == "int8" || n == "i8") return DType::kI8;
   if (n == "int32" || n == "i32") return DType::kI32;
   if (n == "int64" || n == "i64") return DType::kI64;
+  if (n == "e8m0" || n == "float8_e8m0fnu" || n == "fp8_e8m0") return DType::kE8M0;
   return absl::InvalidArgumentError(absl::StrCat(
       "unknown dtype \"", name,
-      "\" (expected one of bf16, fp16, fp32, fp8_e4m3, fp8_e5m2, int8, int32, int64)"));
+      "\" (expected one of bf16, fp16, fp32, fp8_e4m3, fp8_e5m2, int8, int32, int64, e8m0)"));
 }
 
 bool CanConvert(DType from, DType to) {
   if (from == to) return true;
   auto is_float = [](DType d) { return d == DType::kBF16 || d == DType::kF16 || d == DType::kF32; };
   return is_float(from) && is_float(to);
+}
+
+bool CanQuantizeFrom(DType from) {
+  return from == DType::kBF16 || from == DType::kF16 || from == DType::kF32;
 }
 
 }  // namespace refit

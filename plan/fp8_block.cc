@@ -219,6 +219,28 @@ uint8_t Mxfp8ScaleCode(float amax) {
   return static_cast<uint8_t>(shared_exp + 127);
 }
 
+float QuantizeOneBlockFp8(const float* values, int64_t rows, int64_t cols, uint8_t* codes,
+                          int64_t code_stride) {
+  const std::span<const float> in(values, static_cast<size_t>(rows * cols));
+  const float scale = BlockFp8Scale(FiniteAmax(in, cols, 0, rows, 0, cols));
+  if (codes != nullptr) {
+    for (int64_t r = 0; r < rows; ++r) {
+      for (int64_t c = 0; c < cols; ++c) codes[r * code_stride + c] = QuantizeElement(in[r * cols + c], scale);
+    }
+  }
+  return scale;
+}
+
+uint8_t QuantizeOneBlockMxfp8(const float* values, int64_t cols, uint8_t* codes) {
+  const std::span<const float> in(values, static_cast<size_t>(cols));
+  const uint8_t code = Mxfp8ScaleCode(FiniteAmax(in, cols, 0, 1, 0, cols));
+  if (codes != nullptr) {
+    const float x = E8M0ToFloat(code);
+    for (int64_t c = 0; c < cols; ++c) codes[c] = QuantizeElement(in[c], x);
+  }
+  return code;
+}
+
 int64_t BlockFp8ScaleCount(int64_t rows, int64_t cols, Fp8BlockShape block) {
   return CeilDiv(rows, block.rows) * CeilDiv(cols, block.cols);
 }

@@ -93,4 +93,12 @@ absl::Status QuantizeMxfp8(std::span<const float> values, int64_t rows, int64_t 
 absl::Status DequantizeMxfp8(std::span<const uint8_t> q, int64_t rows, int64_t cols,
                              std::span<const uint8_t> scales, std::span<float> out);
 
+// One block, the data plane's unit of quantization: `rows` x `cols` values, element (r, c) at
+// values[r * cols + c]. Writes the codes to codes[r * code_stride + c] (codes may be null: the
+// scale alone) and returns the scale by the rules above: block fp8's fp32 scale_inv, or MXFP8's
+// E8M0 code (rows 1).
+float QuantizeOneBlockFp8(const float* values, int64_t rows, int64_t cols, uint8_t* codes,
+                          int64_t code_stride);
+uint8_t QuantizeOneBlockMxfp8(const float* values, int64_t cols, uint8_t* codes);
+
 }  // namespace refit

@@ -1,9 +1,12 @@
 #include "plan/host_copy.h"
 
 #include <algorithm>
+#include <cstring>
 
 #include "absl/strings/str_cat.h"
 #include "plan/convert.h"
+#include "plan/fp8_block.h"
+#include "plan/layout.h"
 
 namespace refit {
 namespace {
@@ -43,7 +46,44 @@ int64_t EndOffset(int64_t offset, int64_t inner, const CopyDescriptor& d, bool s
   return end;
 }
 
+float LoadFloat(const std::byte* p, DType dtype) {
+  float f;
+  ConvertElements(p, dtype, reinterpret_cast<std::byte*>(&f), DType::kF32, 1);
+  return f;
+}
+
 }  // namespace
+
+void QuantizeRegion(const CopyDescriptor& d, const std::byte* src, uint8_t* codes,
+                    int64_t code_stride, std::byte* scales, int64_t scale_stride) {
+  const int64_t rows = d.outer_rank > 0 ? d.count[0] : 1, cols = d.inner;
+  const int64_t br = d.block_rows, bc = d.block_cols;
+  const int64_t ssize = DTypeSize(d.src_dtype);
+  const bool mx = static_cast<QuantFormat>(d.quant_format) == QuantFormat::kMxfp8;
+  std::vector<float> block(static_cast<size_t>(br * bc));
+  for (int64_t r0 = 0; r0 < rows; r0 += br) {
+    const int64_t nr = std::min(br, rows - r0);
+    for (int64_t c0 = 0; c0 < cols; c0 += bc) {
+      const int64_t nc = std::min(bc, cols - c0);
+      for (int64_t r = 0; r < nr; ++r) {
+        for (int64_t c = 0; c < nc; ++c) {
+          block[r * nc + c] = LoadFloat(src + ((r0 + r) * d.src_stride[0] + c0 + c) * ssize, d.src_dtype);
+        }
+      }
+      uint8_t* out = codes == nullptr ? nullptr : codes + r0 * code_stride + c0;
+      std::byte* scale = scales == nullptr
+                             ? nullptr
+                             : scales + ((r0 / br) * scale_stride + c0 / bc) * DTypeSize(d.dst_dtype);
+      if (mx) {
+        const uint8_t code = QuantizeOneBlockMxfp8(block.data(), nc, out);
+        if (scale != nullptr) *scale = std::byte{code};
+      } else {
+        const float v = QuantizeOneBlockFp8(block.data(), nr, nc, out, code_stride);
+        if (scale != nullptr) std::memcpy(scale, &v, sizeof v);
+      }
+    }
+  }
+}
 
 void PackMessage(const Plan& plan, const Message& m, const BufferMemory& src,
                  const BufferMemory& dst, std::vector<std::byte>& staging) {
@@ -54,6 +94,16 @@ void PackMessage(const Plan& plan, const Message& m, const BufferMemory& src,
     const DType wire = d.WireDType();
     const int64_t ssize = DTypeSize(d.src_dtype), wsize = DTypeSize(wire);
     std::byte* base = SourceOf(d, src, dst).data();
+    if (d.op == CopyOp::kQuantize) {
+      QuantizeRegion(d, base + d.src_offset * ssize, reinterpret_cast<uint8_t*>(out), d.inner, nullptr, 0);
+      out += d.WireBytes();
+      continue;
+    }
+    if (d.op == CopyOp::kScale) {
+      QuantizeRegion(d, base + d.src_offset * ssize, nullptr, 0, out, (d.inner + d.block_cols - 1) / d.block_cols);
+      out += d.WireBytes();
+      continue;
+    }
     ForEachRun(d, [&](int64_t so, int64_t) {
       ConvertElements(base + so * ssize, d.src_dtype, out, wire, d.inner);
       out += d.inner * wsize;
@@ -69,6 +119,16 @@ void UnpackMessage(const Plan& plan, const Message& m, std::span<const std::byte
     const DType wire = d.WireDType();
     const int64_t dsize = DTypeSize(d.dst_dtype), wsize = DTypeSize(wire);
     std::byte* base = dst[d.dst_buffer].data();
+    if (d.op == CopyOp::kScale) {
+      // The packed [block rows, block cols] grid into the scale tensor's rows.
+      const int64_t grid_rows = ((d.outer_rank > 0 ? d.count[0] : 1) + d.block_rows - 1) / d.block_rows;
+      const int64_t grid_cols = (d.inner + d.block_cols - 1) / d.block_cols;
+      for (int64_t r = 0; r < grid_rows; ++r) {
+        std::memcpy(base + (d.dst_offset + r * d.dst_stride[0]) * dsize, in, grid_cols * dsize);
+        in += grid_cols * dsize;
+      }
+      continue;
+    }
     ForEachRun(d, [&](int64_t, int64_t dof) {
       ConvertElements(in, wire, base + dof * dsize, d.dst_dtype, d.inner);
       in += d.inner * wsize;
@@ -86,7 +146,18 @@ absl::Status CheckDescriptorBounds(const Plan& plan, const BufferMemory& src,
       return absl::OutOfRangeError(absl::StrCat("descriptor ", i, " names a buffer that does not exist"));
     }
     const int64_t src_end = EndOffset(d.src_offset, d.inner, d, true) * DTypeSize(d.src_dtype);
-    const int64_t dst_end = EndOffset(d.dst_offset, d.inner, d, false) * DTypeSize(d.dst_dtype);
+    int64_t dst_end = EndOffset(d.dst_offset, d.inner, d, false) * DTypeSize(d.dst_dtype);
+    if (d.Quantizes()) {
+      if (d.block_rows == 0 || d.block_cols == 0 || d.outer_rank != 1 || (d.op == CopyOp::kQuantize && d.dst_dtype != DType::kF8E4M3) ||
+          !CanQuantizeFrom(d.src_dtype)) {
+        return absl::OutOfRangeError(absl::StrCat("descriptor ", i, " quantizes with a malformed block or dtype"));
+      }
+    }
+    if (d.op == CopyOp::kScale) {
+      const int64_t grid_rows = (d.count[0] + d.block_rows - 1) / d.block_rows;
+      const int64_t grid_cols = (d.inner + d.block_cols - 1) / d.block_cols;
+      dst_end = (d.dst_offset + (grid_rows - 1) * d.dst_stride[0] + grid_cols) * DTypeSize(d.dst_dtype);
+    }
     if (d.src_offset < 0 || d.dst_offset < 0 ||
         src_end > static_cast<int64_t>(from[d.src_buffer].size()) ||
         dst_end > static_cast<int64_t>(dst[d.dst_buffer].size())) {
@@ -94,6 +165,15 @@ absl::Status CheckDescriptorBounds(const Plan& plan, const BufferMemory& src,
     }
   }
   return absl::OkStatus();
+}
+
+std::vector<std::vector<std::byte>> AllocateScratch(const Plan& plan, BufferMemory& dst) {
+  std::vector<std::vector<std::byte>> storage;
+  for (const ScratchBuffer& b : plan.scratch) {
+    storage.emplace_back(static_cast<size_t>(b.NumBytes()));
+    dst.push_back(storage.back());
+  }
+  return storage;
 }
 
 void ExecuteOnHost(const Plan& plan, const BufferMemory& src, const BufferMemory& dst) {

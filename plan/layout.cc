@@ -6,6 +6,32 @@
 
 namespace refit {
 
+absl::string_view QuantFormatName(QuantFormat format) {
+  switch (format) {
+    case QuantFormat::kNone: return "none";
+    case QuantFormat::kBlockFp8: return "block_fp8";
+    case QuantFormat::kMxfp8: return "mxfp8";
+  }
+  return "?";
+}
+
+Quantization Quantization::Of(QuantFormat format, absl::string_view name, int64_t block_rows,
+                              int64_t block_cols) {
+  Quantization q;
+  q.format = format;
+  if (format == QuantFormat::kBlockFp8) {
+    q.block_rows = block_rows;
+    q.block_cols = block_cols;
+    q.scale = absl::StrCat(name, "_scale_inv");
+  } else if (format == QuantFormat::kMxfp8) {
+    q.block_rows = 1;
+    q.block_cols = 32;
+    q.scale = absl::StrCat(name, "_scale");
+  }
+  return q;
+}
+
+
 int32_t Layout::AddTensor(std::string name, Dims shape, DType dtype) {
   tensors.push_back({std::move(name), shape, dtype});
   return static_cast<int32_t>(tensors.size() - 1);

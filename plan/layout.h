@@ -16,11 +16,36 @@
 
 namespace refit {
 
+// How a destination tensor is quantized on the way (plan/fp8_block.h has the arithmetic,
+// docs/LAYOUTS.md the conventions). A quantized tensor is a 2-D fp8_e4m3 [rows, cols] weight with
+// one scale per block in the tensor named `scale`:
+//   block fp8 (DeepSeek-V3, vLLM `weight_block_size`): blocks of block_rows x block_cols (128 x
+//     128), fp32 scales [ceil(rows / block_rows), ceil(cols / block_cols)], "<name>_scale_inv";
+//   MXFP8 (OCP MX v1.0): blocks of 1 x 32 along the last dimension, e8m0 scales
+//     [rows, ceil(cols / 32)], "<name>_scale".
+// From a bf16, fp16 or fp32 source the data plane quantizes (the planner's block rule); from a
+// source that holds the same fp8 tensor and its scales, both are copied.
+enum class QuantFormat : uint8_t { kNone, kBlockFp8, kMxfp8 };
+absl::string_view QuantFormatName(QuantFormat format);  // "none", "block_fp8", "mxfp8"
+
+struct Quantization {
+  QuantFormat format = QuantFormat::kNone;
+  int64_t block_rows = 0;
+  int64_t block_cols = 0;
+  std::string scale;  // the scale tensor's name
+  // Sets the conventions above for `format` (block fp8: 128 x 128 unless given) for `name`.
+  static Quantization Of(QuantFormat format, absl::string_view name, int64_t block_rows = 128,
+                         int64_t block_cols = 128);
+  DType ScaleDType() const { return format == QuantFormat::kMxfp8 ? DType::kE8M0 : DType::kF32; }
+  bool operator==(const Quantization&) const = default;
+};
+
 // The model's canonical tensor, e.g. "model.layers.3.self_attn.q_proj.weight", [4096, 4096], bf16.
 struct LogicalTensor {
   std::string name;
   Dims shape;
   DType dtype = DType::kBF16;
+  Quantization quant;  // format kNone: not quantized
 };
 
 // A process that owns memory on one GPU (or host memory) of one node.

@@ -19,13 +19,18 @@ int64_t CopyDescriptor::NumElements() const {
   return n;
 }
 
+int64_t CopyDescriptor::WireElements() const {
+  if (op != CopyOp::kScale) return NumElements();
+  const int64_t rows = outer_rank > 0 ? count[0] : 1;
+  return ((rows + block_rows - 1) / block_rows) * ((inner + block_cols - 1) / block_cols);
+}
+
 DType CopyDescriptor::WireDType() const {
+  if (op != CopyOp::kCopy) return dst_dtype;
   return DTypeSize(src_dtype) <= DTypeSize(dst_dtype) ? src_dtype : dst_dtype;
 }
 
-int64_t CopyDescriptor::WireBytes() const {
-  return NumElements() * std::min(DTypeSize(src_dtype), DTypeSize(dst_dtype));
-}
+int64_t CopyDescriptor::WireBytes() const { return WireElements() * DTypeSize(WireDType()); }
 
 void LowerCopy(const Box& region, const CopyEnd& src, const CopyEnd& dst, bool src_is_destination,
                std::vector<CopyDescriptor>& out) {
@@ -89,6 +94,72 @@ void LowerCopy(const Box& region, const CopyEnd& src, const CopyEnd& dst, bool s
     }
     if (i < 0) break;
   }
+}
+
+absl::Status LowerQuantize(CopyOp op, const Box& region, const Quantization& q, const CopyEnd& src,
+                           const CopyEnd& dst, bool src_is_destination, int64_t max_wire_bytes,
+                           std::vector<CopyDescriptor>& out) {
+  if (region.IsEmpty()) return absl::OkStatus();
+  const int64_t br = q.block_rows, bc = q.block_cols;
+  const int64_t rows = region.shape[0], cols = region.shape[1];
+  // The destination's region: the same elements (kQuantize) or their blocks (kScale).
+  Box to = region;
+  if (op == CopyOp::kScale) {
+    to.origin[0] = region.origin[0] / br;
+    to.origin[1] = region.origin[1] / bc;
+    to.shape[0] = (rows + br - 1) / br;
+    to.shape[1] = (cols + bc - 1) / bc;
+  }
+  auto offset = [](const Box& r, const CopyEnd& end) {
+    int64_t o = end.view.offset;
+    for (int d = 0; d < 2; ++d) o += (r.origin[d] - end.tensor_box->origin[d]) * end.view.strides[d];
+    return o;
+  };
+  if ((cols > 1 && src.view.strides[1] != 1) || (to.shape[1] > 1 && dst.view.strides[1] != 1)) {
+    return absl::InvalidArgumentError(
+        "a quantized tensor's piece whose columns are not contiguous in its buffer cannot be quantized");
+  }
+  CopyDescriptor base;
+  base.op = op;
+  base.quant_format = static_cast<uint8_t>(q.format);
+  base.block_rows = static_cast<uint16_t>(br);
+  base.block_cols = static_cast<uint16_t>(bc);
+  base.src_buffer = src.buffer;
+  base.dst_buffer = dst.buffer;
+  base.src_dtype = src.dtype;
+  base.dst_dtype = dst.dtype;
+  base.src_is_destination = src_is_destination;
+  base.outer_rank = 1;
+  base.src_stride[0] = src.view.strides[0];
+  base.dst_stride[0] = dst.view.strides[0];
+  const int64_t src_origin = offset(region, src), dst_origin = offset(to, dst);
+  // Parts: whole block rows while they fit, else whole blocks along a block row.
+  const int64_t elem = DTypeSize(dst.dtype);
+  const int64_t block_cols_total = (cols + bc - 1) / bc;
+  const int64_t row_block_bytes = op == CopyOp::kScale ? block_cols_total * elem : br * cols * elem;
+  int64_t rows_per_part = br, cols_per_part = cols;
+  if (row_block_bytes <= max_wire_bytes) {
+    rows_per_part = br * std::max<int64_t>(1, max_wire_bytes / row_block_bytes);
+  } else {
+    const int64_t block_bytes = op == CopyOp::kScale ? elem : br * bc * elem;
+    cols_per_part = bc * std::max<int64_t>(1, max_wire_bytes / block_bytes);
+  }
+  for (int64_t r = 0; r < rows; r += rows_per_part) {
+    for (int64_t c = 0; c < cols; c += cols_per_part) {
+      CopyDescriptor d = base;
+      d.count[0] = std::min(rows_per_part, rows - r);
+      d.inner = std::min(cols_per_part, cols - c);
+      d.src_offset = src_origin + r * src.view.strides[0] + c * (cols > 1 ? src.view.strides[1] : 0);
+      if (op == CopyOp::kScale) {
+        d.dst_offset = dst_origin + (r / br) * dst.view.strides[0] +
+                       (c / bc) * (to.shape[1] > 1 ? dst.view.strides[1] : 0);
+      } else {
+        d.dst_offset = dst_origin + r * dst.view.strides[0] + c * (cols > 1 ? dst.view.strides[1] : 0);
+      }
+      out.push_back(d);
+    }
+  }
+  return absl::OkStatus();
 }
 
 void SplitDescriptor(const CopyDescriptor& d, int64_t max_wire_bytes,

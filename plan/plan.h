@@ -22,6 +22,21 @@ struct PlanGpu {
 inline constexpr int kMaxOuterDims = 3;
 inline constexpr int kMaxStages = 8;
 
+// What a descriptor does with the elements it reads.
+//   kCopy      element by element, cast from src_dtype to dst_dtype on whichever side of the
+//              wire makes the message smaller.
+//   kQuantize  e4m3 codes of a [count[0], inner] region of a 2-D weight (outer_rank 1) whose
+//              origin is a block corner and whose end is a block edge or the tensor's end: the
+//              region is whole blocks of block_rows x block_cols, and each block's scale is
+//              computed from its own elements (plan/fp8_block.h). The codes travel; unpacking
+//              copies them.
+//   kScale     the scales of the same kind of region: it reads the region's elements (src side
+//              as for kQuantize) and writes one scale per block, a [ceil(count[0] / block_rows),
+//              ceil(inner / block_cols)] grid at dst_offset with row stride dst_stride[0].
+// Both quantizing ops run where the whole block is: on the sending GPU's pack step, or on a
+// destination GPU from a plan scratch buffer the block's parts were gathered into.
+enum class CopyOp : uint8_t { kCopy, kQuantize, kScale };
+
 // One strided copy: `inner` contiguous elements, repeated over up to kMaxOuterDims outer loops
 // (count[0] outermost). Offsets and strides are in elements of the respective buffer. A copy with
 // more dimensions than that is emitted as several descriptors.
@@ -38,13 +53,21 @@ struct CopyDescriptor {
   DType src_dtype = DType::kBF16;
   DType dst_dtype = DType::kBF16;
   bool src_is_destination = false;  // stage > 0: reads a destination buffer the round filled
-  int32_t message = 0;              // index into Plan::messages of the message that carries it
+  CopyOp op = CopyOp::kCopy;
+  uint8_t quant_format = 0;  // QuantFormat (plan/layout.h) of kQuantize and kScale
+  uint16_t block_rows = 0;   // kQuantize, kScale: the block
+  uint16_t block_cols = 0;
+  int32_t message = 0;  // index into Plan::messages of the message that carries it
 
+  // Elements read: the region.
   int64_t NumElements() const;
-  // Bytes this copy puts on a link: elements at the narrower of the two dtypes (casts happen on
-  // whichever side makes the message smaller).
+  // Elements on the wire: the region's (kCopy, kQuantize), or its blocks' (kScale).
+  int64_t WireElements() const;
+  // Bytes this copy puts on a link: WireElements() at WireDType(): for kCopy the narrower of the
+  // two dtypes (casts happen on whichever side makes the message smaller), else dst_dtype.
   int64_t WireBytes() const;
   DType WireDType() const;
+  bool Quantizes() const { return op != CopyOp::kCopy; }
 };
 static_assert(sizeof(CopyDescriptor) <= 128, "descriptors are kept small: millions per plan");
 
@@ -74,6 +97,12 @@ struct PlanStats {
   int64_t bytes_nvlink = 0;
   int64_t bytes_local = 0;
   int64_t bytes_forwarded = 0;  // bytes read from destinations (stages > 0): fan-out and relays
+  // Quantization on the way (fp8 destinations): what bytes_total would be had every element
+  // travelled at its source dtype (and no scale), and the part of bytes_total that carries bf16
+  // (or fp16, fp32) parts of blocks no source GPU holds whole, gathered into scratch.
+  int64_t bytes_before_conversion = 0;
+  int64_t bytes_gathered = 0;
+  int64_t scratch_bytes = 0;  // Plan::scratch, all GPUs
   int32_t stages = 0;           // number of stages with messages
   int64_t max_nic_bytes = 0;    // the busiest NIC's bytes in its busier direction
   double predicted_seconds = 0;
@@ -81,8 +110,22 @@ struct PlanStats {
   double planning_seconds = 0;
 };
 
+// Memory the plan itself needs on a destination GPU: where the parts of a block that no source
+// GPU holds whole are gathered (stage 0) and quantized from (stage 1) by the block rule
+// (docs/PLANNING.md). Descriptors address it as destination buffer `first_scratch_buffer + k`;
+// each data plane allocates the scratch of its GPUs next to the worker's memory.
+struct ScratchBuffer {
+  int32_t gpu = 0;     // index into Plan::gpus
+  int32_t worker = 0;  // the destination worker on that GPU (its device, its node)
+  DType dtype = DType::kBF16;
+  int64_t elements = 0;
+  int64_t NumBytes() const { return elements * DTypeSize(dtype); }
+};
+
 struct Plan {
   std::vector<PlanGpu> gpus;
+  std::vector<ScratchBuffer> scratch;
+  int32_t first_scratch_buffer = 0;  // the destination layout's buffer count
   std::vector<CopyDescriptor> descriptors;  // in the order the planner made them
   // Message m's descriptors are descriptors[message_descriptors[m.first_descriptor + k]] for
   // k < m.num_descriptors. An index rather than a sorted copy: the descriptors of a frontier

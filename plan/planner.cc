@@ -75,6 +75,22 @@ class Planner {
   int32_t NodeId(int32_t node);
   absl::Status PlanTensor(int32_t dst_tensor, const PiecesByTensor& src_by_tensor,
                           const PiecesByTensor& dst_by_tensor);
+  // A destination part no source region covers: in quantizing modes, a part of blocks that no
+  // source piece holds whole (the block rule's gathering), else a coverage error.
+  struct Missing {
+    Box box;        // element coordinates of the quantized tensor
+    int32_t piece;  // the destination piece that needs it
+  };
+  // The matching loop of PlanTensor over the sources in items_: routes every destination piece
+  // of `dst_tensor`; uncovered parts go to `missing` (nullptr: an error).
+  absl::Status PlanNeeds(int32_t dst_tensor, std::span<const int32_t> dst_pieces,
+                         std::vector<Missing>* missing);
+  void IndexSources();
+  void CountUniqueOut();
+  absl::Status PlanQuantized(int32_t dst_tensor, const PiecesByTensor& src_by_tensor,
+                             const PiecesByTensor& dst_by_tensor);
+  absl::Status GatherAndQuantize(int32_t w, std::span<const int32_t> src_pieces,
+                                 const std::vector<Missing>& missing);
   absl::Status CoverageError(int32_t dst_tensor, const Box& need, int32_t dst_piece,
                              int64_t covered) const;
   void Route(const Box& x, std::span<const int32_t> needers, std::span<const int32_t> holders,
@@ -82,6 +98,9 @@ class Planner {
   int32_t LeastSendingSource(std::span<const int32_t> holders, LinkClass link) const;
   void Emit(const Box& x, int32_t from_piece, bool from_destination, int32_t to_piece,
             uint8_t stage);
+  // Counts `bytes` on the link from_gpu -> to_gpu and returns the descriptors' group.
+  int32_t Account(int32_t from_gpu, int32_t to_gpu, int64_t bytes, int64_t before_bytes, uint8_t stage);
+  void Append(int32_t group);  // lowered_ into plan_.descriptors, cut to fit messages
   void BuildMessages();
   void ComputeCost();
 
@@ -125,6 +144,16 @@ class Planner {
   std::vector<int32_t> region_node_;
   std::vector<std::vector<Box>> region_needed_elsewhere_;
   int64_t wire_elem_bytes_ = 0;
+  int64_t source_elem_bytes_ = 0;  // of the tensor being planned, at its source dtype
+  // What Emit lowers from a source piece: copies, or (PlanQuantized) the codes of a quantized
+  // tensor, or its scales (regions then in block coordinates).
+  CopyOp mode_ = CopyOp::kCopy;
+  const Quantization* quant_ = nullptr;
+  Dims quant_shape_;
+  absl::Status lower_status_;
+  Box ToElements(const Box& blocks) const;
+  Box ToBlocks(const Box& elements) const;
+  Box WholeBlocksOf(const Box& elements) const;
   // Per stage: the longest time one message of it takes on its link (a pipeline's fill).
   std::array<double, kMaxStages> stage_tail_{};
   double LinkBytesPerSecond(LinkClass link) const {
@@ -224,12 +253,25 @@ absl::StatusOr<Plan> Planner::Run() {
   node_net_need_.assign(node_ids_.size(), 0);
   node_unique_out_.assign(node_ids_.size(), 0);
 
+  plan_.first_scratch_buffer = static_cast<int32_t>(dst_.buffers.size());
   const PiecesByTensor src_by_tensor(src_), dst_by_tensor(dst_);
   for (size_t t = 0; t < dst_.tensors.size(); ++t) {
+    const LogicalTensor& dt = dst_.tensors[t];
+    auto in_source = src_.tensor_index.find(dt.name);
+    if (in_source == src_.tensor_index.end()) continue;  // a scale the data plane computes
+    if (dt.quant.format != QuantFormat::kNone && CanQuantizeFrom(src_.tensors[in_source->second].dtype)) {
+      const bool needed = !dst_by_tensor.of(static_cast<int32_t>(t)).empty() ||
+                          !dst_by_tensor.of(dst_.tensor_index.at(dt.quant.scale)).empty();
+      if (!needed) continue;
+      REFIT_RETURN_IF_ERROR(PlanQuantized(static_cast<int32_t>(t), src_by_tensor, dst_by_tensor));
+      plan_.stats.tensors += 2;
+      continue;
+    }
     if (dst_by_tensor.of(static_cast<int32_t>(t)).empty()) continue;
     REFIT_RETURN_IF_ERROR(PlanTensor(static_cast<int32_t>(t), src_by_tensor, dst_by_tensor));
     ++plan_.stats.tensors;
   }
+  for (const ScratchBuffer& b : plan_.scratch) plan_.stats.scratch_bytes += b.NumBytes();
   plan_.stats.pieces = static_cast<int64_t>(src_.pieces.size() + dst_.pieces.size());
   BuildMessages();
   ComputeCost();
@@ -242,12 +284,20 @@ absl::Status Planner::PlanTensor(int32_t dst_tensor, const PiecesByTensor& src_b
                                  const PiecesByTensor& dst_by_tensor) {
   const LogicalTensor& dt = dst_.tensors[dst_tensor];
   const int32_t src_tensor = src_.tensor_index.at(dt.name);
-  wire_elem_bytes_ =
-      std::min(DTypeSize(dt.dtype), DTypeSize(src_.tensors[src_tensor].dtype));
+  source_elem_bytes_ = DTypeSize(src_.tensors[src_tensor].dtype);
+  wire_elem_bytes_ = std::min<int64_t>(DTypeSize(dt.dtype), source_elem_bytes_);
+  mode_ = CopyOp::kCopy;
 
   // Match: index the source regions of this tensor.
   items_.clear();
   for (int32_t p : src_by_tensor.of(src_tensor)) items_.push_back({src_.tensor_box(src_.pieces[p]), p});
+  IndexSources();
+  REFIT_RETURN_IF_ERROR(PlanNeeds(dst_tensor, dst_by_tensor.of(dst_tensor), nullptr));
+  CountUniqueOut();
+  return absl::OkStatus();
+}
+
+void Planner::IndexSources() {
   src_regions_.Build(items_);
   region_single_node_.assign(src_regions_.size(), 1);
   region_node_.assign(src_regions_.size(), -1);
@@ -262,11 +312,22 @@ absl::Status Planner::PlanTensor(int32_t dst_tensor, const PiecesByTensor& src_b
       if (region_node_[s] != node) region_single_node_[s] = 0;
     }
   }
+}
 
+void Planner::CountUniqueOut() {
+  for (size_t s = 0; s < src_regions_.size(); ++s) {
+    if (!region_single_node_[s] || region_needed_elsewhere_[s].empty()) continue;
+    node_unique_out_[region_node_[s]] +=
+        UnionVolume(region_needed_elsewhere_[s]) * wire_elem_bytes_;
+  }
+}
+
+absl::Status Planner::PlanNeeds(int32_t dst_tensor, std::span<const int32_t> dst_pieces,
+                                std::vector<Missing>* missing) {
   landing_of_box_.clear();
   landings_.clear();
   // Destination pieces of this tensor, node by node.
-  by_node_.assign(dst_by_tensor.of(dst_tensor).begin(), dst_by_tensor.of(dst_tensor).end());
+  by_node_.assign(dst_pieces.begin(), dst_pieces.end());
   std::stable_sort(by_node_.begin(), by_node_.end(), [&](int32_t a, int32_t b) {
     return gpu_node_[DstGpu(a)] < gpu_node_[DstGpu(b)];
   });
@@ -290,15 +351,188 @@ absl::Status Planner::PlanTensor(int32_t dst_tensor, const PiecesByTensor& src_b
           region_needed_elsewhere_[s].push_back(x);
         }
       });
-      if (covered != need.NumElements()) {
-        return CoverageError(dst_tensor, need, need_regions_.owners(r)[0], covered);
+      REFIT_RETURN_IF_ERROR(lower_status_);
+      if (covered == need.NumElements()) continue;
+      if (missing == nullptr) return CoverageError(dst_tensor, need, need_regions_.owners(r)[0], covered);
+      std::vector<Box> rest = {need};
+      src_regions_.ForEachIntersecting(need, [&](size_t s) {
+        std::vector<Box> next;
+        for (const Box& m : rest) {
+          for (const Box& part : Subtract(m, src_regions_.box(s))) next.push_back(part);
+        }
+        rest = std::move(next);
+      });
+      for (const Box& m : rest) {
+        const Box elements = mode_ == CopyOp::kScale ? ToElements(m) : m;
+        for (int32_t h : need_regions_.owners(r)) missing->push_back({elements, h});
       }
     }
   }
-  for (size_t s = 0; s < src_regions_.size(); ++s) {
-    if (!region_single_node_[s] || region_needed_elsewhere_[s].empty()) continue;
-    node_unique_out_[region_node_[s]] +=
-        UnionVolume(region_needed_elsewhere_[s]) * wire_elem_bytes_;
+  return absl::OkStatus();
+}
+
+Box Planner::ToElements(const Box& blocks) const {
+  Box e = blocks;
+  const int64_t block[2] = {quant_->block_rows, quant_->block_cols};
+  for (int d = 0; d < 2; ++d) {
+    e.origin[d] = blocks.origin[d] * block[d];
+    e.shape[d] = std::min((blocks.origin[d] + blocks.shape[d]) * block[d], quant_shape_[d]) - e.origin[d];
+  }
+  return e;
+}
+
+Box Planner::ToBlocks(const Box& elements) const {
+  Box b = elements;
+  const int64_t block[2] = {quant_->block_rows, quant_->block_cols};
+  for (int d = 0; d < 2; ++d) {
+    b.origin[d] = elements.origin[d] / block[d];
+    b.shape[d] = (elements.origin[d] + elements.shape[d] + block[d] - 1) / block[d] - b.origin[d];
+  }
+  return b;
+}
+
+Box Planner::WholeBlocksOf(const Box& elements) const {
+  Box w = elements;
+  const int64_t block[2] = {quant_->block_rows, quant_->block_cols};
+  for (int d = 0; d < 2; ++d) {
+    const int64_t end = elements.origin[d] + elements.shape[d];
+    const int64_t lo = (elements.origin[d] + block[d] - 1) / block[d] * block[d];
+    const int64_t hi = end == quant_shape_[d] ? end : end / block[d] * block[d];
+    w.origin[d] = lo;
+    w.shape[d] = std::max<int64_t>(0, hi - lo);
+  }
+  return w;
+}
+
+// The block rule (docs/PLANNING.md, "Quantizing on the way"). A block's scale needs every element
+// of the block. Where one source piece holds a block whole, its GPU quantizes it in the pack step
+// and the codes and the scale travel (routed like any region: one network crossing per node,
+// NVLink fan-out of the codes). Blocks no source piece holds whole (FSDP flat ranges, shards cut
+// inside a block) are gathered, at the source dtype, into plan scratch on each destination GPU
+// that needs them (its codes or its scale), and quantized there in a stage-1 local step. The
+// result is the same bits either way: the scale is a function of the block's values only.
+absl::Status Planner::PlanQuantized(int32_t w, const PiecesByTensor& src_by_tensor,
+                                    const PiecesByTensor& dst_by_tensor) {
+  const LogicalTensor& wt = dst_.tensors[w];
+  const int32_t src_w = src_.tensor_index.at(wt.name);
+  const int32_t s = dst_.tensor_index.at(wt.quant.scale);
+  quant_ = &wt.quant;
+  quant_shape_ = wt.shape;
+  source_elem_bytes_ = DTypeSize(src_.tensors[src_w].dtype);
+  std::vector<Missing> missing;
+
+  // The codes, from the whole blocks of each source piece.
+  mode_ = CopyOp::kQuantize;
+  wire_elem_bytes_ = 1;
+  items_.clear();
+  for (int32_t p : src_by_tensor.of(src_w)) {
+    const Box whole = WholeBlocksOf(src_.tensor_box(src_.pieces[p]));
+    if (!whole.IsEmpty()) items_.push_back({whole, p});
+  }
+  std::vector<std::pair<Box, int32_t>> whole_items = items_;
+  IndexSources();
+  REFIT_RETURN_IF_ERROR(PlanNeeds(w, dst_by_tensor.of(w), &missing));
+  CountUniqueOut();
+
+  // The scales, in block coordinates, from the same blocks.
+  mode_ = CopyOp::kScale;
+  wire_elem_bytes_ = DTypeSize(wt.quant.ScaleDType());
+  items_.clear();
+  for (const auto& [box, p] : whole_items) items_.push_back({ToBlocks(box), p});
+  IndexSources();
+  REFIT_RETURN_IF_ERROR(PlanNeeds(s, dst_by_tensor.of(s), &missing));
+  CountUniqueOut();
+
+  if (!missing.empty()) {
+    REFIT_RETURN_IF_ERROR(GatherAndQuantize(w, src_by_tensor.of(src_w), missing));
+  }
+  mode_ = CopyOp::kCopy;
+  quant_ = nullptr;
+  return absl::OkStatus();
+}
+
+absl::Status Planner::GatherAndQuantize(int32_t w, std::span<const int32_t> src_pieces,
+                                        const std::vector<Missing>& missing) {
+  const LogicalTensor& wt = dst_.tensors[w];
+  const DType src_dtype = src_.tensors[src_.tensor_index.at(wt.name)].dtype;
+  // Every source element, for the gathering.
+  mode_ = CopyOp::kCopy;
+  wire_elem_bytes_ = source_elem_bytes_;
+  items_.clear();
+  for (int32_t p : src_pieces) items_.push_back({src_.tensor_box(src_.pieces[p]), p});
+  IndexSources();
+
+  // Per destination GPU: the boxes it needs (made disjoint) and the pieces that need them.
+  absl::flat_hash_map<int32_t, std::pair<std::vector<Box>, std::vector<int32_t>>> by_gpu;
+  std::vector<int32_t> gpus;
+  for (const Missing& m : missing) {
+    const int32_t g = DstGpu(m.piece);
+    auto [it, added] = by_gpu.try_emplace(g);
+    if (added) gpus.push_back(g);
+    it->second.first.push_back(m.box);
+    auto& pieces = it->second.second;
+    if (std::find(pieces.begin(), pieces.end(), m.piece) == pieces.end()) pieces.push_back(m.piece);
+  }
+  for (int32_t g : gpus) {
+    auto& [boxes, pieces] = by_gpu[g];
+    std::vector<Box> disjoint;
+    for (const Box& b : boxes) {
+      std::vector<Box> parts = {b};
+      for (const Box& u : disjoint) {
+        std::vector<Box> rest;
+        for (const Box& p : parts) {
+          for (const Box& q : Subtract(p, u)) rest.push_back(q);
+        }
+        parts = std::move(rest);
+        if (parts.empty()) break;
+      }
+      disjoint.insert(disjoint.end(), parts.begin(), parts.end());
+    }
+    const int32_t worker = dst_.buffers[dst_.pieces[pieces[0]].buffer].worker;
+    for (const Box& u : disjoint) {
+      const int32_t buffer = plan_.first_scratch_buffer + static_cast<int32_t>(plan_.scratch.size());
+      plan_.scratch.push_back({g, worker, src_dtype, u.NumElements()});
+      PieceView row_major{0, Dims{u.shape[1], 1}};
+      const CopyEnd scratch{&u, row_major, buffer, src_dtype};
+      // Stage 0: the block's parts, from the nearest holder of each.
+      src_regions_.ForEachIntersecting(u, [&](size_t r) {
+        const Box x = Intersect(u, src_regions_.box(r));
+        std::span<const int32_t> holders = src_regions_.owners(r);
+        int32_t from = -1;
+        for (int32_t c : holders) {
+          if (SrcGpu(c) == g) from = c;
+        }
+        if (from < 0) {
+          for (int32_t c : holders) {
+            if (gpu_node_[SrcGpu(c)] == gpu_node_[g]) from = c;
+          }
+        }
+        if (from < 0) from = LeastSendingSource(holders, LinkClass::kNetwork);
+        const int64_t bytes = x.NumElements() * source_elem_bytes_;
+        plan_.stats.bytes_gathered += bytes;
+        const int32_t group = Account(SrcGpu(from), g, bytes, bytes, 0);
+        const Piece& fp = src_.pieces[from];
+        const CopyEnd from_end{&src_.tensor_box(fp), ViewOfPiece(src_, from, 0), fp.buffer,
+                               src_.buffers[fp.buffer].dtype};
+        lowered_.clear();
+        LowerCopy(x, from_end, scratch, false, lowered_);
+        Append(group);
+      });
+      // Stage 1, on this GPU: the codes and scales of every piece here that needs them.
+      for (int32_t h : pieces) {
+        const Piece& hp = dst_.pieces[h];
+        const bool codes = hp.tensor == w;
+        const Box x = codes ? Intersect(u, dst_.tensor_box(hp)) : Intersect(u, ToElements(dst_.tensor_box(hp)));
+        if (x.IsEmpty()) continue;
+        const int64_t wire = codes ? x.NumElements() : ToBlocks(x).NumElements() * DTypeSize(wt.quant.ScaleDType());
+        const int32_t group = Account(g, g, wire, codes ? x.NumElements() * source_elem_bytes_ : 0, 1);
+        const CopyEnd to_end{&dst_.tensor_box(hp), ViewOfPiece(dst_, h, 1), hp.buffer, dst_.buffers[hp.buffer].dtype};
+        lowered_.clear();
+        REFIT_RETURN_IF_ERROR(LowerQuantize(codes ? CopyOp::kQuantize : CopyOp::kScale, x, wt.quant, scratch,
+                                            to_end, true, opt_.max_message_bytes, lowered_));
+        Append(group);
+      }
+    }
   }
   return absl::OkStatus();
 }
@@ -432,6 +666,30 @@ void Planner::Emit(const Box& x, int32_t from_piece, bool from_destination, int3
       from_destination ? DstGpu(from_piece) : SrcGpu(from_piece);
   const int32_t to_gpu = DstGpu(to_piece);
   const int64_t bytes = x.NumElements() * wire_elem_bytes_;
+  const int64_t before = mode_ == CopyOp::kScale ? 0 : x.NumElements() * source_elem_bytes_;
+  const int32_t group = Account(from_gpu, to_gpu, bytes, before, stage);
+
+  const Buffer& from_buffer = from_layout.buffers[from.buffer];
+  const Buffer& to_buffer = dst_.buffers[to.buffer];
+  const CopyEnd from_end{&from_layout.tensor_box(from), ViewOfPiece(from_layout, from_piece, 0),
+                         from.buffer, from_buffer.dtype};
+  const CopyEnd to_end{&dst_.tensor_box(to), ViewOfPiece(dst_, to_piece, 1), to.buffer,
+                       to_buffer.dtype};
+  lowered_.clear();
+  if (mode_ == CopyOp::kCopy || from_destination) {
+    // Forwarding copies what an earlier stage landed: codes and scales are already made.
+    LowerCopy(x, from_end, to_end, from_destination, lowered_);
+  } else {
+    const Box region = mode_ == CopyOp::kScale ? ToElements(x) : x;
+    auto lowered = LowerQuantize(mode_, region, *quant_, from_end, to_end, false,
+                                 opt_.max_message_bytes, lowered_);
+    if (!lowered.ok() && lower_status_.ok()) lower_status_ = lowered;
+  }
+  Append(group);
+}
+
+int32_t Planner::Account(int32_t from_gpu, int32_t to_gpu, int64_t bytes, int64_t before_bytes,
+                         uint8_t stage) {
   LinkClass link = LinkClass::kLocal;
   if (gpu_node_[from_gpu] != gpu_node_[to_gpu]) {
     link = LinkClass::kNetwork;
@@ -449,17 +707,11 @@ void Planner::Emit(const Box& x, int32_t from_piece, bool from_destination, int3
   }
   if (stage > 0) plan_.stats.bytes_forwarded += bytes;
   plan_.stats.bytes_total += bytes;
+  plan_.stats.bytes_before_conversion += before_bytes;
   ++plan_.stats.transfers;
 
-  const Buffer& from_buffer = from_layout.buffers[from.buffer];
-  const Buffer& to_buffer = dst_.buffers[to.buffer];
-  const CopyEnd from_end{&from_layout.tensor_box(from), ViewOfPiece(from_layout, from_piece, 0),
-                         from.buffer, from_buffer.dtype};
-  const CopyEnd to_end{&dst_.tensor_box(to), ViewOfPiece(dst_, to_piece, 1), to.buffer,
-                       to_buffer.dtype};
   const uint64_t key = (uint64_t{stage} << 62) | (uint64_t(uint32_t(from_gpu)) << 31) |
                        uint64_t(uint32_t(to_gpu));
-  int32_t group;
   if (!group_table_.empty()) {  // dense table: no hashing on the hot path
     int32_t& slot =
         group_table_[(size_t{stage} * plan_.gpus.size() + from_gpu) * plan_.gpus.size() + to_gpu];
@@ -467,18 +719,18 @@ void Planner::Emit(const Box& x, int32_t from_piece, bool from_destination, int3
       slot = static_cast<int32_t>(groups_.size());
       groups_.push_back({stage, from_gpu, to_gpu, link});
     }
-    group = slot;
-  } else {
-    auto [it, added] = group_of_.emplace(key, static_cast<int32_t>(groups_.size()));
-    if (added) groups_.push_back({stage, from_gpu, to_gpu, link});
-    group = it->second;
+    return slot;
   }
-  lowered_.clear();
-  LowerCopy(x, from_end, to_end, from_destination, lowered_);
+  auto [it, added] = group_of_.emplace(key, static_cast<int32_t>(groups_.size()));
+  if (added) groups_.push_back({stage, from_gpu, to_gpu, link});
+  return it->second;
+}
+
+void Planner::Append(int32_t group) {
   for (CopyDescriptor& d : lowered_) {
     d.message = group;
-    if (d.WireBytes() <= opt_.max_message_bytes) {
-      plan_.descriptors.push_back(d);
+    if (d.Quantizes() || d.WireBytes() <= opt_.max_message_bytes) {
+      plan_.descriptors.push_back(d);  // quantizing ops were cut at block boundaries already
     } else {
       SplitDescriptor(d, opt_.max_message_bytes, plan_.descriptors);
     }

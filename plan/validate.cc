@@ -88,6 +88,62 @@ std::string DescribePiece(const Layout& layout, int32_t piece) {
                       " box ", layout.buffer_box(p).ToString(), ")");
 }
 
+// A quantized tensor (LogicalTensor::quant): a 2-D fp8_e4m3 weight, its block shape, its scale
+// tensor (declared, of the scale dtype and the block grid's shape, not quantized itself), and
+// pieces that hold whole blocks: an engine loads a block with its one scale, so a piece cut
+// inside a block could not be loaded (vLLM refuses such partitions too).
+absl::Status CheckQuantization(const Layout& layout, absl::string_view side) {
+  for (const LogicalTensor& t : layout.tensors) {
+    const Quantization& q = t.quant;
+    if (q.format == QuantFormat::kNone) continue;
+    const std::string what = absl::StrCat("tensor ", Quote(t.name), " (", QuantFormatName(q.format), ")");
+    if (t.dtype != DType::kF8E4M3) {
+      return Invalid(side, absl::StrCat(what, " is ", DTypeName(t.dtype), "; a quantized tensor is fp8_e4m3"));
+    }
+    if (t.shape.rank != 2) {
+      return Invalid(side, absl::StrCat(what, " has shape ", t.shape.ToString(),
+                                        "; quantized tensors are 2-D [rows, cols] weights"));
+    }
+    if (q.block_rows <= 0 || q.block_cols <= 0 || q.block_rows > 4096 || q.block_cols > 4096) {
+      return Invalid(side, absl::StrCat(what, " has block ", q.block_rows, "x", q.block_cols,
+                                        "; each side must be in [1, 4096]"));
+    }
+    if (q.format == QuantFormat::kMxfp8 && (q.block_rows != 1 || q.block_cols != 32)) {
+      return Invalid(side, absl::StrCat(what, " has block ", q.block_rows, "x", q.block_cols,
+                                        "; MXFP8 blocks are 1x32"));
+    }
+    auto it = layout.tensor_index.find(q.scale);
+    if (q.scale.empty() || it == layout.tensor_index.end()) {
+      return Invalid(side, absl::StrCat(what, " names scale tensor ", Quote(q.scale),
+                                        ", which the layout does not declare"));
+    }
+    const LogicalTensor& s = layout.tensors[it->second];
+    const Dims grid{(t.shape[0] + q.block_rows - 1) / q.block_rows, (t.shape[1] + q.block_cols - 1) / q.block_cols};
+    if (s.quant.format != QuantFormat::kNone || s.dtype != q.ScaleDType() || !(s.shape == grid)) {
+      return Invalid(side, absl::StrCat(what, ": its scale tensor ", Quote(s.name), " is ", DTypeName(s.dtype), " ",
+                                        s.shape.ToString(), "; expected ", DTypeName(q.ScaleDType()), " ",
+                                        grid.ToString(), ", not quantized itself"));
+    }
+  }
+  for (size_t i = 0; i < layout.pieces.size(); ++i) {
+    const Piece& p = layout.pieces[i];
+    const LogicalTensor& t = layout.tensors[p.tensor];
+    if (t.quant.format == QuantFormat::kNone) continue;
+    const Box& b = layout.tensor_box(p);
+    const int64_t block[2] = {t.quant.block_rows, t.quant.block_cols};
+    for (int d = 0; d < 2; ++d) {
+      const int64_t end = b.origin[d] + b.shape[d];
+      if (b.origin[d] % block[d] != 0 || (end % block[d] != 0 && end != t.shape[d])) {
+        return Invalid(side, absl::StrCat("piece ", DescribePiece(layout, static_cast<int32_t>(i)),
+                                          " cuts a ", block[0], "x", block[1], " block of quantized tensor ",
+                                          Quote(t.name), " (dimension ", d, " spans ", b.origin[d], ":", end,
+                                          "); pieces of a quantized tensor hold whole blocks"));
+      }
+    }
+  }
+  return absl::OkStatus();
+}
+
 absl::Status ValidateLayout(Layout& layout, absl::string_view side) {
   layout.tensor_index.clear();
   layout.worker_index.clear();
@@ -199,11 +255,28 @@ absl::Status ValidateLayout(Layout& layout, absl::string_view side) {
   for (auto& pieces : pieces_of_buffer) {
     if (auto s = CheckNoOverlap(layout, side, pieces); !s.ok()) return s;
   }
-  return absl::OkStatus();
+  return CheckQuantization(layout, side);
 }
 
 absl::Status ValidatePair(const Layout& source, const Layout& destination) {
+  // Scale tensors the data plane computes: those of destination tensors quantized on the way.
+  absl::flat_hash_set<absl::string_view> computed_scales;
   for (const LogicalTensor& d : destination.tensors) {
+    if (d.quant.format == QuantFormat::kNone) continue;
+    auto it = source.tensor_index.find(d.name);
+    if (it != source.tensor_index.end() && CanQuantizeFrom(source.tensors[it->second].dtype)) {
+      computed_scales.insert(d.quant.scale);
+    }
+  }
+  for (const LogicalTensor& d : destination.tensors) {
+    if (computed_scales.contains(d.name)) {
+      if (source.tensor_index.contains(d.name)) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            "tensor ", Quote(d.name), " is the scale of a tensor the destination quantizes from ",
+            "the source's values, but the source layout declares it too; drop one of the two"));
+      }
+      continue;
+    }
     auto it = source.tensor_index.find(d.name);
     if (it == source.tensor_index.end()) {
       return absl::InvalidArgumentError(
@@ -216,10 +289,21 @@ absl::Status ValidatePair(const Layout& source, const Layout& destination) {
           "tensor ", Quote(d.name), " has shape ", s.shape.ToString(), " in the source layout but ",
           d.shape.ToString(), " in the destination layout"));
     }
+    if (d.quant.format != QuantFormat::kNone && CanQuantizeFrom(s.dtype)) continue;
+    if (d.quant.format != QuantFormat::kNone && !(s.quant == d.quant)) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "tensor ", Quote(d.name), " is ", QuantFormatName(d.quant.format), " in the destination layout; the source's ",
+          DTypeName(s.dtype), " ", QuantFormatName(s.quant.format),
+          " tensor can be neither quantized (only bf16, fp16 and fp32 are) nor copied (its quantization differs)"));
+    }
     if (!CanConvert(s.dtype, d.dtype)) {
+      const bool to_fp8 = d.dtype == DType::kF8E4M3 && CanQuantizeFrom(s.dtype);
       return absl::InvalidArgumentError(absl::StrCat(
           "tensor ", Quote(d.name), " is ", DTypeName(s.dtype), " in the source layout but ",
-          DTypeName(d.dtype), " in the destination layout; only bf16, fp16 and fp32 convert"));
+          DTypeName(d.dtype), " in the destination layout; only bf16, fp16 and fp32 convert",
+          to_fp8 ? " element by element; to quantize into fp8, declare the destination tensor's "
+                   "quantization (block_fp8 or mxfp8) and its scale tensor (docs/LAYOUTS.md)"
+                 : ""));
     }
   }
   return absl::OkStatus();

@@ -12,6 +12,7 @@
 #include "absl/strings/escaping.h"
 #include "absl/strings/str_cat.h"
 #include "plan/convert.h"
+#include "plan/fp8_block.h"
 
 namespace refit {
 namespace {
@@ -172,11 +173,27 @@ FillSpec MakeFillSpec(const Layout& source, const Layout& destination, uint64_t 
   spec.numeric.assign(source.tensors.size(), false);
   for (const LogicalTensor& t : destination.tensors) {
     auto it = source.tensor_index.find(t.name);
-    if (it != source.tensor_index.end() && source.tensors[it->second].dtype != t.dtype) {
-      spec.numeric[it->second] = true;
+    if (it == source.tensor_index.end()) continue;
+    const LogicalTensor& s = source.tensors[it->second];
+    if (s.dtype == t.dtype) continue;
+    spec.numeric[it->second] = true;
+    if (t.quant.format != QuantFormat::kNone && CanQuantizeFrom(s.dtype)) {
+      spec.quant.resize(source.tensors.size());
+      spec.quant[it->second] = {t.shape[1], t.quant.block_rows, t.quant.block_cols};
     }
   }
   return spec;
+}
+
+float QuantSourceValue(uint64_t name_hash, int64_t linear, const QuantFill& fill, uint64_t seed) {
+  const int64_t r = linear / fill.cols, c = linear % fill.cols;
+  const int64_t grid_cols = (fill.cols + fill.block_cols - 1) / fill.block_cols;
+  const uint64_t block = static_cast<uint64_t>((r / fill.block_rows) * grid_cols + c / fill.block_cols);
+  const uint64_t bh = SplitMix64(name_hash ^ SplitMix64(seed * 0x9E3779B97F4A7C15ull + block));
+  if (bh % 11 == 0) return 0.0f;  // a block of zeros: scale 1
+  const int exponent = static_cast<int>((bh >> 8) % 17) - 8;  // fp16's range holds 100 * 2^8
+  const uint64_t h = SplitMix64(name_hash ^ SplitMix64(seed + static_cast<uint64_t>(linear)));
+  return std::ldexp(static_cast<float>(static_cast<int>(h % 201) - 100), exponent);
 }
 
 void ExpectedElement(uint64_t name_hash, int64_t linear, DType dtype, bool numeric, uint64_t seed,
@@ -201,7 +218,16 @@ void FillSources(const Layout& source, const FillSpec& spec, const BufferMemory&
       const int size = DTypeSize(t.dtype);
       std::byte* base = memory[p.buffer].data();
       const bool numeric = spec.numeric[p.tensor];
+      const QuantFill* quant = spec.quant.empty() || spec.quant[p.tensor].cols == 0 ? nullptr : &spec.quant[p.tensor];
       ForEachRun(source, p, [&](int64_t linear, int64_t offset, int64_t count, int64_t stride) {
+        if (quant != nullptr) {
+          for (int64_t k = 0; k < count; ++k) {
+            const float v = QuantSourceValue(name_hash, linear + k, *quant, spec.seed);
+            ConvertElements(reinterpret_cast<const std::byte*>(&v), DType::kF32,
+                            base + (offset + k * stride) * size, t.dtype, 1);
+          }
+          return;
+        }
         if (numeric) {
           for (int64_t k = 0; k < count; ++k) {
             ExpectedElement(name_hash, linear + k, t.dtype, true, spec.seed,
@@ -226,12 +252,47 @@ void PoisonDestinations(const BufferMemory& memory) {
 
 absl::StatusOr<CheckReport> CheckDestinations(const Layout& source, const Layout& destination,
                                               const FillSpec& spec, const BufferMemory& memory) {
+  // Quantized tensors: the reference's codes and scales of each whole tensor, by destination
+  // tensor index (the scale tensor's entry points at its weight's).
+  struct Reference {
+    std::vector<uint8_t> codes;
+    std::vector<std::byte> scales;
+  };
+  std::vector<std::shared_ptr<Reference>> reference(destination.tensors.size());
+  for (size_t i = 0; i < destination.tensors.size(); ++i) {
+    const LogicalTensor& t = destination.tensors[i];
+    auto it = source.tensor_index.find(t.name);
+    if (it == source.tensor_index.end() || spec.quant.empty() || spec.quant[it->second].cols == 0) continue;
+    const QuantFill& fill = spec.quant[it->second];
+    const uint64_t name_hash = HashName(t.name);
+    const int64_t rows = t.shape[0], cols = t.shape[1];
+    std::vector<float> values(static_cast<size_t>(rows * cols));
+    for (int64_t e = 0; e < rows * cols; ++e) values[e] = QuantSourceValue(name_hash, e, fill, spec.seed);
+    auto ref = std::make_shared<Reference>();
+    ref->codes.resize(values.size());
+    absl::Status done;
+    if (t.quant.format == QuantFormat::kMxfp8) {
+      std::vector<uint8_t> scales(static_cast<size_t>(Mxfp8ScaleCount(rows, cols)));
+      done = QuantizeMxfp8(values, rows, cols, ref->codes, scales);
+      ref->scales.resize(scales.size());
+      std::memcpy(ref->scales.data(), scales.data(), scales.size());
+    } else {
+      const Fp8BlockShape block{t.quant.block_rows, t.quant.block_cols};
+      std::vector<float> scales(static_cast<size_t>(BlockFp8ScaleCount(rows, cols, block)));
+      done = QuantizeBlockFp8(values, rows, cols, block, ref->codes, scales);
+      ref->scales.resize(scales.size() * sizeof(float));
+      std::memcpy(ref->scales.data(), scales.data(), ref->scales.size());
+    }
+    if (!done.ok()) return done;
+    reference[i] = ref;
+    reference[destination.tensor_index.at(t.quant.scale)] = ref;
+  }
   std::vector<bool> seen(destination.tensors.size(), false);
   for (const Piece& p : destination.pieces) {  // before the threads start: they look tensors up
     if (seen[p.tensor]) continue;
     seen[p.tensor] = true;
     const std::string& name = destination.tensors[p.tensor].name;
-    if (!source.tensor_index.contains(name)) {
+    if (!source.tensor_index.contains(name) && reference[p.tensor] == nullptr) {
       return absl::FailedPreconditionError(absl::StrCat(
           "tensor \"", name, "\" is not in the source layout (validate both layouts first)"));
     }
@@ -250,9 +311,10 @@ absl::StatusOr<CheckReport> CheckDestinations(const Layout& source, const Layout
     for (int64_t i = first; i < last; ++i) {
       const Piece& p = destination.pieces[i];
       const LogicalTensor& t = destination.tensors[p.tensor];
-      const int32_t src_tensor = source.tensor_index.at(t.name);
-      const bool numeric = spec.numeric[src_tensor];
-      const DType src_dtype = source.tensors[src_tensor].dtype;
+      const Reference* ref = reference[p.tensor].get();
+      const int32_t src_tensor = ref != nullptr ? -1 : source.tensor_index.at(t.name);
+      const bool numeric = ref == nullptr && spec.numeric[src_tensor];
+      const DType src_dtype = ref != nullptr ? t.dtype : source.tensors[src_tensor].dtype;
       const uint64_t name_hash = HashName(t.name);
       const int size = DTypeSize(t.dtype);
       const std::byte* base = memory[p.buffer].data();
@@ -267,6 +329,18 @@ absl::StatusOr<CheckReport> CheckDestinations(const Layout& source, const Layout
               destination.workers[buffer.worker].name, "\" buffer \"", buffer.name, "\" element ",
               offset + k * stride, ": expected ", Hex(expected, size), ", found ", Hex(found, size));
         };
+        if (ref != nullptr) {
+          // Codes of the weight, or scales of the scale tensor, as the reference made them.
+          const std::byte* want = t.quant.format != QuantFormat::kNone
+                                      ? reinterpret_cast<const std::byte*>(ref->codes.data())
+                                      : ref->scales.data();
+          for (int64_t k = 0; k < count; ++k) {
+            const std::byte* expected = want + (linear + k) * size;
+            const std::byte* found = base + (offset + k * stride) * size;
+            if (std::memcmp(expected, found, size) != 0) report_wrong(k, expected, found);
+          }
+          return;
+        }
         if (numeric) {
           for (int64_t k = 0; k < count; ++k) {
             // The value as the source holds it, then converted as the data plane converts it.
@@ -350,7 +424,9 @@ absl::StatusOr<VerifyReport> VerifyOnHost(const Plan& plan, const Layout& source
   };
   std::vector<std::unique_ptr<std::byte[]>> src_owner, dst_owner;
   const BufferMemory src = allocate(source, src_owner);
-  const BufferMemory dst = allocate(destination, dst_owner);
+  BufferMemory dst = allocate(destination, dst_owner);
+  for (const ScratchBuffer& b : plan.scratch) report.bytes_allocated += b.NumBytes();
+  const auto scratch = AllocateScratch(plan, dst);
   const FillSpec spec = MakeFillSpec(source, destination, seed);
   FillSources(source, spec, src);
   PoisonDestinations(dst);

@@ -21,10 +21,20 @@ inline constexpr std::byte kPoison{0xA5};
 // How a tensor's values are generated: arbitrary bytes when both sides share the dtype (every
 // bit pattern is checked); small integers when a cast happens on the way (exact in bf16, fp16 and
 // fp32, so the cast is checked exactly too).
+// Tensors the destination quantizes (LogicalTensor::quant) get small integers times a power of
+// two that differs from block to block, and some blocks of zeros: so every block has its own
+// scale, a misplaced code or scale shows, and the amax-0 rule runs. The expected codes and scales
+// come from the CPU reference (plan/fp8_block.h) run on the whole tensor.
+struct QuantFill {
+  int64_t cols = 0;  // 0: not quantized
+  int64_t block_rows = 0;
+  int64_t block_cols = 0;
+};
 struct FillSpec {
   uint64_t seed = 1;
   // Tensors, by index into the *source* layout, whose destination dtype differs.
   std::vector<bool> numeric;
+  std::vector<QuantFill> quant;  // by source tensor; empty when none is quantized
 };
 FillSpec MakeFillSpec(const Layout& source, const Layout& destination, uint64_t seed);
 
@@ -32,6 +42,8 @@ FillSpec MakeFillSpec(const Layout& source, const Layout& destination, uint64_t 
 void ExpectedElement(uint64_t name_hash, int64_t linear, DType dtype, bool numeric,
                      uint64_t seed, std::byte* out);
 uint64_t HashName(absl::string_view name);
+// Element `linear` of a quantized tensor's source, as fp32 (exact in bf16, fp16 and fp32).
+float QuantSourceValue(uint64_t name_hash, int64_t linear, const QuantFill& fill, uint64_t seed);
 
 // Fills every source piece's elements with their values.
 void FillSources(const Layout& source, const FillSpec& spec, const BufferMemory& memory);
@@ -52,8 +64,8 @@ struct VerifyReport {
   int64_t padding_bytes_checked = 0;
   double seconds = 0;
 };
-// Allocates every buffer of both layouts on the host (refusing beyond `max_bytes`), fills,
-// poisons, executes the plan with ExecuteOnHost and checks.
+// Allocates every buffer of both layouts and the plan's scratch on the host (refusing beyond
+// `max_bytes`), fills, poisons, executes the plan with ExecuteOnHost and checks.
 absl::StatusOr<VerifyReport> VerifyOnHost(const Plan& plan, const Layout& source,
                                           const Layout& destination, uint64_t seed,
                                           int64_t max_bytes);

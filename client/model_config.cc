@@ -108,6 +108,36 @@ absl::StatusOr<ModelConfig> ParseModelConfig(absl::string_view json) {
     if (!d.ok()) return absl::InvalidArgumentError(absl::StrCat("config.json: torch_dtype: ", d.status().message()));
     c.dtype = *d;
   }
+  if (auto q = s.fields().find("quantization_config");
+      q != s.fields().end() && q->second.kind_case() == Value::kStructValue) {
+    const Struct& qc = q->second.struct_value();
+    const std::string method = String(qc, "quant_method");
+    if (method == "fp8") {
+      c.fp8.present = true;
+      if (auto b = qc.fields().find("weight_block_size"); b != qc.fields().end()) {
+        const auto& list = b->second.list_value().values();
+        if (b->second.kind_case() != Value::kListValue || list.size() != 2 ||
+            list[0].number_value() < 1 || list[1].number_value() < 1) {
+          return absl::InvalidArgumentError(
+              "config.json: quantization_config.weight_block_size must be [rows, cols] of positive integers");
+        }
+        c.fp8.block_rows = static_cast<int64_t>(list[0].number_value());
+        c.fp8.block_cols = static_cast<int64_t>(list[1].number_value());
+      } else {
+        // Per-tensor fp8 has one scale per tensor: not what refit quantizes.
+        return absl::InvalidArgumentError(
+            "config.json: quantization_config (fp8) without weight_block_size is per-tensor fp8; refit quantizes "
+            "block fp8 (weight_block_size) and MXFP8");
+      }
+      for (const char* key : {"modules_to_not_convert", "ignored_layers"}) {
+        auto m = qc.fields().find(key);
+        if (m == qc.fields().end() || m->second.kind_case() != Value::kListValue) continue;
+        for (const Value& v : m->second.list_value().values()) {
+          if (v.kind_case() == Value::kStringValue) c.fp8.modules_to_not_convert.push_back(v.string_value());
+        }
+      }
+    }
+  }
   ASSIGN_INT(num_experts, "n_routed_experts", false, 0);
   if (c.num_experts == 0) ASSIGN_INT(num_experts, "num_experts", false, 0);
   ASSIGN_INT(moe_intermediate_size, "moe_intermediate_size", false, 0);

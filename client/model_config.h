@@ -34,6 +34,14 @@ struct ModelConfig {
   bool attention_bias = false;  // q/k/v biases: Qwen2 and Qwen2-MoE only, which always have them
   bool qk_norm = false;         // Qwen3: q_norm, k_norm per head
   DType dtype = DType::kBF16;   // torch_dtype
+  // quantization_config of an fp8 checkpoint (quant_method "fp8", DeepSeek-V3 and vLLM's block
+  // fp8): weight_block_size and modules_to_not_convert (also read as "ignored_layers"). Engines
+  // load such a model in fp8; refit-layout --dtype fp8-block follows it (client/fp8_layout.h).
+  struct Fp8Quantization {
+    bool present = false;
+    int64_t block_rows = 128, block_cols = 128;
+    std::vector<std::string> modules_to_not_convert;
+  } fp8;
 
   // Mixture of experts (0 experts: dense).
   int64_t num_experts = 0;  // n_routed_experts (DeepSeek) or num_experts (Qwen)

@@ -10,9 +10,11 @@
 // naming it on stderr, exit code 2.
 #include <cstdio>
 #include <fstream>
+#include <optional>
 
 #include "absl/strings/str_cat.h"
 #include "client/cli_flags.h"
+#include "client/fp8_layout.h"
 #include "client/layout_generator.h"
 #include "proto/layout_codec.h"
 
@@ -59,7 +61,10 @@ int main(int argc, char** argv) {
   flags.Int("first-node", &first_node, "index of this side's first node");
   flags.Int("scale-down", &scale_down, "divide every width by this factor (same structure, smaller)");
   flags.Int("layers", &layers, "keep at most this many layers (0: all)");
-  flags.String("dtype", &dtype_name, "dtype of the weights (default: the config's torch_dtype)");
+  flags.String("dtype", &dtype_name,
+               "dtype of the weights (default: the config's torch_dtype); inference only: fp8-block (block fp8 "
+               "with the config's quantization_config weight_block_size and modules_to_not_convert, else 128x128) "
+               "or mxfp8: linear weights in float8_e4m3fn with their scale tensors (docs/LAYOUTS.md)");
   flags.String("output", &output, "output file (default: stdout)", "o");
   flags.Parse(argc, argv);
 
@@ -107,7 +112,18 @@ int main(int argc, char** argv) {
   if (!parsed.ok()) flags.Fail(absl::StrCat(config_path, ": ", parsed.status().message()));
   const ModelConfig model = ScaleDown(*parsed, scale_down, layers);
   DType dtype = model.dtype;
-  if (!dtype_name.empty()) {
+  std::optional<Fp8LayoutOptions> fp8;
+  if (dtype_name == "fp8-block" || dtype_name == "mxfp8") {
+    if (side != "inference") flags.Fail("--dtype " + dtype_name + " is for the inference side: trainers hold bf16");
+    fp8.emplace();
+    if (dtype_name == "mxfp8") {
+      fp8->format = QuantFormat::kMxfp8;
+    } else if (model.fp8.present) {
+      fp8->block_rows = model.fp8.block_rows;
+      fp8->block_cols = model.fp8.block_cols;
+    }
+    fp8->modules_to_not_convert = model.fp8.modules_to_not_convert;
+  } else if (!dtype_name.empty()) {
     auto d = ParseDType(dtype_name);
     if (!d.ok()) flags.Fail(std::string(d.status().message()));
     dtype = *d;
@@ -133,7 +149,9 @@ int main(int argc, char** argv) {
   } else {
     InferenceParallelism p{static_cast<int32_t>(tp), static_cast<int32_t>(dp), expert_parallel};
     layout = MakeInferenceLayout(model, p, where, dtype);
-    title = absl::StrCat("inference TP", tp, " DP", dp, expert_parallel ? " EP" : "");
+    if (layout.ok() && fp8.has_value()) layout = QuantizeInferenceLayout(*layout, *fp8);
+    title = absl::StrCat("inference TP", tp, " DP", dp, expert_parallel ? " EP" : "", fp8 ? " " : "",
+                         fp8 ? dtype_name : "");
   }
   if (!layout.ok()) flags.Fail(std::string(layout.status().message()));
   const std::string json = LayoutToJson(*layout, absl::StrCat(model.model_type, " ", title));

@@ -14,6 +14,7 @@
 #include "absl/time/time.h"
 #include "daemon/socket.h"
 #include "plan/host_copy.h"
+#include "plan/layout.h"
 #include "plan/plan.h"
 #include "proto/refit.pb.h"
 
@@ -34,7 +35,8 @@ struct TransferJob {
   int32_t node = 0;
   std::shared_ptr<const Plan> plan;
   BufferMemory src;
-  BufferMemory dst;
+  BufferMemory dst;  // the destination layout's buffers, then the plan's scratch (Plan::scratch)
+  std::shared_ptr<const void> scratch;  // keeps the scratch behind dst alive for the transfer
   absl::flat_hash_map<int32_t, std::string> data_addresses;  // node -> its data plane address
   absl::Time deadline;
   int64_t epoch = 0;       // membership epoch of the plan: a new one means new peers
@@ -79,6 +81,10 @@ class DataBackend {
   // handed over as descriptors.
   virtual absl::StatusOr<std::vector<std::unique_ptr<MappedBuffer>>> MapBuffers(
       const v1::RegisterWorkerRequest& request, std::span<const int64_t> buffer_bytes, std::span<const Fd> fds);
+  // Memory for one of the plan's scratch buffers (Plan::scratch: where the block rule gathers
+  // the parts of fp8 blocks no source holds whole) on the GPU of destination worker `worker`,
+  // reachable like that worker's buffers. Default: host memory (the host backend).
+  virtual absl::StatusOr<std::unique_ptr<MappedBuffer>> AllocateScratch(const Worker& worker, int64_t bytes);
   // This daemon's index of the GPU named `name`, a UUID or PCI bus id (daemon/gpu_ids.h).
   virtual absl::StatusOr<int32_t> GpuIndex(const std::string& name) = 0;
   // Runs this node's messages, in stage order, until every message into this node has landed or

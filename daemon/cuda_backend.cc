@@ -1,5 +1,7 @@
 #include "daemon/cuda_backend.h"
 
+#include <functional>
+
 #include <cuda_runtime.h>
 #include <nccl.h>
 
@@ -185,6 +187,41 @@ void CudaBackend::Forget(const std::string& handle, uint64_t base) {
   if (auto it = by_base_.find(base); it != by_base_.end() && it->second.expired()) by_base_.erase(it);
 }
 
+namespace {
+class DeviceScratch : public MappedBuffer {
+ public:
+  DeviceScratch(DeviceMemory memory, std::function<void()> forget)
+      : memory_(std::move(memory)), forget_(std::move(forget)) {}
+  ~DeviceScratch() override { forget_(); }  // out of the tables before the memory goes
+  std::span<std::byte> bytes() const override {
+    return {static_cast<std::byte*>(memory_.get()), memory_.size()};
+  }
+
+ private:
+  DeviceMemory memory_;
+  std::function<void()> forget_;
+};
+}  // namespace
+
+absl::StatusOr<std::unique_ptr<MappedBuffer>> CudaBackend::AllocateScratch(const Worker& worker, int64_t bytes) {
+  if (!Serves(worker.gpu)) {
+    return absl::FailedPreconditionError(absl::StrCat("GPU ", worker.gpu, " of worker \"", worker.name, "\" is not served here"));
+  }
+  auto memory = DeviceMemory::Allocate(worker.gpu, static_cast<size_t>(std::max<int64_t>(bytes, 1)));
+  if (!memory.ok()) return memory.status();
+  const uint64_t base = reinterpret_cast<uint64_t>(memory->get());
+  {
+    absl::MutexLock lock(&mu_);
+    scratch_by_base_[base] = {static_cast<uint64_t>(memory->size()), worker.gpu};
+  }
+  return std::make_unique<DeviceScratch>(*std::move(memory), [this, base] { ForgetScratch(base); });
+}
+
+void CudaBackend::ForgetScratch(uint64_t base) {
+  absl::MutexLock lock(&mu_);
+  scratch_by_base_.erase(base);
+}
+
 void CudaBackend::ForgetVmm(uint64_t base) {
   absl::MutexLock lock(&mu_);
   vmm_by_base_.erase(base);
@@ -199,6 +236,10 @@ absl::StatusOr<uint64_t> CudaBackend::AddressOn(int32_t gpu, uint64_t address) {
     if (auto v = vmm_by_base_.upper_bound(address); v != vmm_by_base_.begin()) {
       --v;
       if (address < v->first + v->second) return address;  // mapped at this address for every GPU
+    }
+    if (auto v = scratch_by_base_.upper_bound(address); v != scratch_by_base_.begin()) {
+      --v;
+      if (address < v->first + v->second.first) return v->second.second == gpu ? address : 0;
     }
     auto it = by_base_.upper_bound(address);
     if (it != by_base_.begin()) {

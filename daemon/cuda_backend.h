@@ -63,6 +63,9 @@ class CudaBackend : public DataBackend {
   absl::StatusOr<std::vector<std::unique_ptr<MappedBuffer>>> MapBuffers(
       const v1::RegisterWorkerRequest& request, std::span<const int64_t> buffer_bytes,
       std::span<const Fd> fds) override;
+  // Device memory on the worker's GPU, reachable by that GPU's kernels only (the block rule
+  // gathers into and quantizes from it on that GPU alone).
+  absl::StatusOr<std::unique_ptr<MappedBuffer>> AllocateScratch(const Worker& worker, int64_t bytes) override;
   absl::StatusOr<int32_t> GpuIndex(const std::string& name) override;
   absl::StatusOr<TransferStats> Transfer(const TransferJob& job) override;
   void Cancel(const std::string& group, int64_t round_id, const std::string& reason) override;
@@ -112,6 +115,10 @@ class CudaBackend : public DataBackend {
   std::map<std::string, std::weak_ptr<Allocation>> opened_ ABSL_GUARDED_BY(mu_);  // by handle bytes
   std::map<uint64_t, std::weak_ptr<Allocation>> by_base_ ABSL_GUARDED_BY(mu_);    // owner-context base
   std::map<uint64_t, uint64_t> vmm_by_base_ ABSL_GUARDED_BY(mu_);  // VMM range base -> its bytes
+  // Plan scratch: base -> (bytes, GPU). Other GPUs get address 0 for it (no descriptor of theirs
+  // names it).
+  std::map<uint64_t, std::pair<uint64_t, int32_t>> scratch_by_base_ ABSL_GUARDED_BY(mu_);
+  void ForgetScratch(uint64_t base) ABSL_LOCKS_EXCLUDED(mu_);
   std::set<std::pair<std::string, int64_t>> active_ ABSL_GUARDED_BY(mu_);  // rounds transferring now
   std::map<std::pair<std::string, int64_t>, std::string> cancelled_ ABSL_GUARDED_BY(mu_);
   std::set<std::string> leased_ ABSL_GUARDED_BY(mu_);  // groups whose state a Transfer holds

@@ -27,7 +27,10 @@ struct NodeAgent::InstalledPlan {
 struct NodeAgent::Resolved {
   std::weak_ptr<const InstalledPlan> plan;  // resolved for this installation
   std::vector<std::weak_ptr<LocalWorker>> workers;
-  BufferMemory src, dst;
+  BufferMemory src, dst;  // dst: the destination's buffers, then the plan's scratch
+  // The plan's scratch buffers on this node, behind dst's last spans; shared with the transfers
+  // that use them, so a re-resolve during a round does not free memory in use.
+  std::shared_ptr<std::vector<std::unique_ptr<MappedBuffer>>> scratch;
 };
 
 PlanOptions PlanOptionsFor(const v1::InstallPlanRequest& request) {
@@ -374,6 +377,7 @@ absl::Status NodeAgent::Transfer(const std::string& group, const std::shared_ptr
   if (same) {
     job.src = cached->src;
     job.dst = cached->dst;
+    job.scratch = cached->scratch;
   } else {
     // Each buffer of the plan on this node, found by name in its worker's registration (once
     // per worker, then by hash: linear over 100k buffers, not quadratic).
@@ -408,6 +412,23 @@ absl::Status NodeAgent::Transfer(const std::string& group, const std::shared_ptr
     REFIT_RETURN_IF_ERROR(resolve(installed->src, job.src));
     REFIT_RETURN_IF_ERROR(resolve(installed->dst, job.dst));
     auto fresh = std::make_shared<Resolved>();
+    fresh->scratch = std::make_shared<std::vector<std::unique_ptr<MappedBuffer>>>();
+    for (const ScratchBuffer& b : installed->plan->scratch) {
+      const Worker& w = installed->dst.workers[b.worker];
+      if (w.node != node_) {
+        job.dst.emplace_back();
+        continue;
+      }
+      auto memory = backend_->AllocateScratch(w, b.NumBytes());
+      if (!memory.ok()) {
+        return absl::ResourceExhaustedError(absl::StrCat("scratch of ", b.NumBytes(), " bytes for worker \"", w.name,
+                                                         "\" (fp8 blocks no source holds whole): ",
+                                                         memory.status().message()));
+      }
+      job.dst.push_back((*memory)->bytes());
+      fresh->scratch->push_back(*std::move(memory));
+    }
+    job.scratch = fresh->scratch;
     fresh->plan = installed;
     for (const auto& w : workers) fresh->workers.push_back(w);
     fresh->src = job.src;

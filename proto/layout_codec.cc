@@ -92,6 +92,46 @@ std::string OneLine(absl::string_view message) {
   return out;
 }
 
+absl::StatusOr<Quantization> QuantizationFrom(const v1::Quantization& q, absl::string_view name,
+                                              absl::string_view what) {
+  QuantFormat format;
+  if (q.format() == "block_fp8") {
+    format = QuantFormat::kBlockFp8;
+  } else if (q.format() == "mxfp8") {
+    format = QuantFormat::kMxfp8;
+  } else {
+    return absl::InvalidArgumentError(absl::StrCat(what, ": quantization format \"", q.format(),
+                                                   "\" is unknown (expected block_fp8 or mxfp8)"));
+  }
+  if (q.block_size() != 0 && q.block_size() != 2) {
+    return absl::InvalidArgumentError(absl::StrCat(what, ": quantization block has ", q.block_size(),
+                                                   " entries; expected [rows, cols]"));
+  }
+  Quantization out = q.block_size() == 2 ? Quantization::Of(format, name, q.block(0), q.block(1))
+                                         : Quantization::Of(format, name);
+  if (format == QuantFormat::kMxfp8 && q.block_size() == 2) {
+    out.block_rows = q.block(0);  // validation says MXFP8 blocks are 1x32
+    out.block_cols = q.block(1);
+  }
+  if (!q.scale().empty()) out.scale = q.scale();
+  return out;
+}
+
+void QuantizationTo(const Quantization& q, v1::TensorSpec* spec) {
+  if (q.format == QuantFormat::kNone) return;
+  v1::Quantization* out = spec->mutable_quantization();
+  out->set_format(std::string(QuantFormatName(q.format)));
+  out->add_block(q.block_rows);
+  out->add_block(q.block_cols);
+  out->set_scale(q.scale);
+}
+
+std::string QuantizationJson(const Quantization& q) {
+  if (q.format == QuantFormat::kNone) return "";
+  return absl::StrCat(",\"quantization\":{\"format\":\"", QuantFormatName(q.format), "\",\"block\":[",
+                      q.block_rows, ",", q.block_cols, "],\"scale\":", JsonString(q.scale), "}");
+}
+
 }  // namespace
 
 absl::StatusOr<Layout> LayoutFromProto(const v1::Layout& proto, int64_t max_pieces) {
@@ -103,6 +143,9 @@ absl::StatusOr<Layout> LayoutFromProto(const v1::Layout& proto, int64_t max_piec
     auto dtype = ParseDType(t.dtype());
     if (!dtype.ok()) return Annotate(dtype.status(), what);
     const int32_t index = layout.AddTensor(t.name(), shape, *dtype);
+    if (t.has_quantization()) {
+      REFIT_ASSIGN_OR_RETURN(layout.tensors[index].quant, QuantizationFrom(t.quantization(), t.name(), what));
+    }
     if (!tensor_of.emplace(t.name(), index).second) {
       return absl::InvalidArgumentError(absl::StrCat(what, " is declared twice"));
     }
@@ -295,6 +338,7 @@ v1::Layout LayoutToProto(const Layout& layout, absl::string_view model) {
     spec->set_name(t.name);
     DimsTo(t.shape, spec->mutable_shape());
     spec->set_dtype(std::string(DTypeName(t.dtype)));
+    QuantizationTo(t.quant, spec);
   }
   std::vector<v1::Buffer*> buffers(layout.buffers.size());
   std::vector<v1::Worker*> workers;
@@ -333,6 +377,7 @@ v1::Layout CompactLayoutToProto(const Layout& layout, absl::string_view model, c
     spec->set_name(t.name);
     DimsTo(t.shape, spec->mutable_shape());
     spec->set_dtype(std::string(DTypeName(t.dtype)));
+    QuantizationTo(t.quant, spec);
   }
   std::vector<std::vector<int32_t>> buffers_of(layout.workers.size());
   for (size_t b = 0; b < layout.buffers.size(); ++b) {
@@ -499,7 +544,8 @@ std::string LayoutToJson(const Layout& layout, absl::string_view model) {
   for (size_t i = 0; i < layout.tensors.size(); ++i) {
     const LogicalTensor& t = layout.tensors[i];
     absl::StrAppend(&out, i ? ",\n" : "\n", "{\"name\":", JsonString(t.name),
-                    ",\"shape\":", JsonArray(t.shape), ",\"dtype\":\"", DTypeName(t.dtype), "\"}");
+                    ",\"shape\":", JsonArray(t.shape), ",\"dtype\":\"", DTypeName(t.dtype), "\"",
+                    QuantizationJson(t.quant), "}");
   }
   out += "],\n\"workers\":[";
   std::vector<std::vector<int32_t>> buffers_of(layout.workers.size());
@@ -580,6 +626,9 @@ v1::PlanSummary SummaryToProto(const PlanStats& s, bool verified) {
   p.set_bytes_nvlink(s.bytes_nvlink);
   p.set_bytes_local(s.bytes_local);
   p.set_bytes_forwarded(s.bytes_forwarded);
+  p.set_bytes_before_conversion(s.bytes_before_conversion);
+  p.set_bytes_gathered(s.bytes_gathered);
+  p.set_scratch_bytes(s.scratch_bytes);
   p.set_max_nic_bytes(s.max_nic_bytes);
   p.set_predicted_seconds(s.predicted_seconds);
   p.set_lower_bound_seconds(s.lower_bound_seconds);
@@ -595,7 +644,9 @@ std::string SummaryToJson(const PlanStats& s, bool verified) {
       ",\"messages\":", s.messages, ",\"descriptors\":", s.descriptors,
       ",\"bytes_total\":", s.bytes_total, ",\"bytes_network\":", s.bytes_network,
       ",\"bytes_nvlink\":", s.bytes_nvlink, ",\"bytes_local\":", s.bytes_local,
-      ",\"bytes_forwarded\":", s.bytes_forwarded, ",\"max_nic_bytes\":", s.max_nic_bytes,
+      ",\"bytes_forwarded\":", s.bytes_forwarded,
+      ",\"bytes_before_conversion\":", s.bytes_before_conversion, ",\"bytes_gathered\":", s.bytes_gathered,
+      ",\"scratch_bytes\":", s.scratch_bytes, ",\"max_nic_bytes\":", s.max_nic_bytes,
       ",\"predicted_seconds\":", absl::StrFormat("%.9g", s.predicted_seconds),
       ",\"lower_bound_seconds\":", absl::StrFormat("%.9g", s.lower_bound_seconds),
       ",\"planning_seconds\":", absl::StrFormat("%.6g", s.planning_seconds),

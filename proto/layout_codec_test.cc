@@ -41,6 +41,44 @@ TEST_CASE("a layout survives JSON and back, numbers as numbers") {
   REQUIRE(ValidateLayout(*b, "source").ok());
 }
 
+TEST_CASE("a quantized tensor's format, block and scale survive JSON, proto and the compact form") {
+  Layout a;
+  const int32_t w = a.AddTensor("m.weight", Dims{256, 128}, DType::kF8E4M3);
+  a.tensors[w].quant = Quantization::Of(QuantFormat::kBlockFp8, "m.weight", 128, 64);
+  const int32_t s = a.AddTensor("m.weight_scale_inv", Dims{2, 2}, DType::kF32);
+  const int32_t x = a.AddTensor("n.weight", Dims{4, 64}, DType::kF8E4M3);
+  a.tensors[x].quant = Quantization::Of(QuantFormat::kMxfp8, "n.weight");
+  const int32_t xs = a.AddTensor("n.weight_scale", Dims{4, 2}, DType::kE8M0);
+  const int32_t worker = a.AddWorker("e0", 0, 0);
+  for (int32_t t : {w, s, x, xs}) {
+    const int32_t b = a.AddBuffer(worker, a.tensors[t].name, a.tensors[t].dtype, a.tensors[t].shape);
+    a.AddPiece(t, Box::Whole(a.tensors[t].shape), b, Box::Whole(a.tensors[t].shape));
+  }
+  REQUIRE(ValidateLayout(a, "destination").ok());
+  const std::string json = LayoutToJson(a, "fp8");
+  INFO(json);
+  CHECK(json.find(R"("quantization":{"format":"block_fp8","block":[128,64],"scale":"m.weight_scale_inv"})") !=
+        std::string::npos);
+  for (auto b : {ParseLayoutJson(json), LayoutFromProto(LayoutToProto(a, "fp8")),
+                 LayoutFromProto(CompactLayoutToProto(a, "fp8", {}))}) {
+    REQUIRE(b.ok());
+    CHECK(b->tensors[0].quant == a.tensors[0].quant);
+    CHECK(b->tensors[2].quant == a.tensors[2].quant);
+    CHECK(b->tensors[1].quant.format == QuantFormat::kNone);
+    CHECK(b->tensors[3].dtype == DType::kE8M0);
+  }
+  // Defaults: block 128 x 128 and the DeepSeek-V3 scale name.
+  auto d = ParseLayoutJson(R"({"tensors":[{"name":"w","shape":[4,4],"dtype":"float8_e4m3fn",
+    "quantization":{"format":"block_fp8"}}]})");
+  REQUIRE(d.ok());
+  CHECK(d->tensors[0].quant == Quantization::Of(QuantFormat::kBlockFp8, "w", 128, 128));
+  CHECK(d->tensors[0].quant.scale == "w_scale_inv");
+  auto bad = ParseLayoutJson(R"({"tensors":[{"name":"w","shape":[4,4],"dtype":"fp8",
+    "quantization":{"format":"nvfp4"}}]})");
+  REQUIRE(!bad.ok());
+  CHECK_THAT(std::string(bad.status().message()), Catch::Contains("\"nvfp4\" is unknown"));
+}
+
 TEST_CASE("omitted boxes mean the whole tensor and the whole buffer; int64 as strings accepted") {
   auto l = ParseLayoutJson(R"({"tensors":[{"name":"w","shape":["6",2],"dtype":"bfloat16"}],
     "workers":[{"name":"r0","node":0,"gpu":0,"buffers":[{"name":"w","dtype":"bf16","shape":[6,2],

@@ -46,10 +46,23 @@ int64_t EndOffset(int64_t offset, int64_t inner, const CopyDescriptor& d, bool s
   return end;
 }
 
-float LoadFloat(const std::byte* p, DType dtype) {
-  float f;
-  ConvertElements(p, dtype, reinterpret_cast<std::byte*>(&f), DType::kF32, 1);
-  return f;
+// Loads `n` elements of `dtype` at `p` as fp32 (exact: every bf16, fp16 and fp32 value is one).
+void LoadFloats(const std::byte* p, DType dtype, int64_t n, float* out) {
+  switch (dtype) {
+    case DType::kBF16:
+      for (int64_t i = 0; i < n; ++i) {
+        uint16_t h;
+        std::memcpy(&h, p + 2 * i, 2);
+        const uint32_t u = uint32_t{h} << 16;
+        std::memcpy(out + i, &u, 4);
+      }
+      return;
+    case DType::kF32:
+      std::memcpy(out, p, static_cast<size_t>(n) * 4);
+      return;
+    default:
+      ConvertElements(p, dtype, reinterpret_cast<std::byte*>(out), DType::kF32, n);
+  }
 }
 
 }  // namespace
@@ -66,9 +79,7 @@ void QuantizeRegion(const CopyDescriptor& d, const std::byte* src, uint8_t* code
     for (int64_t c0 = 0; c0 < cols; c0 += bc) {
       const int64_t nc = std::min(bc, cols - c0);
       for (int64_t r = 0; r < nr; ++r) {
-        for (int64_t c = 0; c < nc; ++c) {
-          block[r * nc + c] = LoadFloat(src + ((r0 + r) * d.src_stride[0] + c0 + c) * ssize, d.src_dtype);
-        }
+        LoadFloats(src + ((r0 + r) * d.src_stride[0] + c0) * ssize, d.src_dtype, nc, block.data() + r * nc);
       }
       uint8_t* out = codes == nullptr ? nullptr : codes + r0 * code_stride + c0;
       std::byte* scale = scales == nullptr

@@ -5,6 +5,7 @@
 #include <chrono>
 #include <cstring>
 #include <memory>
+#include <mutex>
 #include <thread>
 #include <type_traits>
 #include <vector>
@@ -259,34 +260,62 @@ absl::StatusOr<CheckReport> CheckDestinations(const Layout& source, const Layout
     std::vector<std::byte> scales;
   };
   std::vector<std::shared_ptr<Reference>> reference(destination.tensors.size());
+  std::vector<char> has_pieces(destination.tensors.size(), 0);
+  for (const Piece& p : destination.pieces) has_pieces[p.tensor] = 1;
+  // Only the tensors this destination holds (a worker's layout declares every tensor); one
+  // thread per tensor, a few at a time (quantizing a model's worth takes a while on one core).
+  std::vector<int32_t> todo;
   for (size_t i = 0; i < destination.tensors.size(); ++i) {
     const LogicalTensor& t = destination.tensors[i];
     auto it = source.tensor_index.find(t.name);
     if (it == source.tensor_index.end() || spec.quant.empty() || spec.quant[it->second].cols == 0) continue;
-    const QuantFill& fill = spec.quant[it->second];
-    const uint64_t name_hash = HashName(t.name);
-    const int64_t rows = t.shape[0], cols = t.shape[1];
-    std::vector<float> values(static_cast<size_t>(rows * cols));
-    for (int64_t e = 0; e < rows * cols; ++e) values[e] = QuantSourceValue(name_hash, e, fill, spec.seed);
-    auto ref = std::make_shared<Reference>();
-    ref->codes.resize(values.size());
-    absl::Status done;
-    if (t.quant.format == QuantFormat::kMxfp8) {
-      std::vector<uint8_t> scales(static_cast<size_t>(Mxfp8ScaleCount(rows, cols)));
-      done = QuantizeMxfp8(values, rows, cols, ref->codes, scales);
-      ref->scales.resize(scales.size());
-      std::memcpy(ref->scales.data(), scales.data(), scales.size());
-    } else {
-      const Fp8BlockShape block{t.quant.block_rows, t.quant.block_cols};
-      std::vector<float> scales(static_cast<size_t>(BlockFp8ScaleCount(rows, cols, block)));
-      done = QuantizeBlockFp8(values, rows, cols, block, ref->codes, scales);
-      ref->scales.resize(scales.size() * sizeof(float));
-      std::memcpy(ref->scales.data(), scales.data(), ref->scales.size());
-    }
-    if (!done.ok()) return done;
-    reference[i] = ref;
-    reference[destination.tensor_index.at(t.quant.scale)] = ref;
+    if (!has_pieces[i] && !has_pieces[destination.tensor_index.at(t.quant.scale)]) continue;
+    todo.push_back(static_cast<int32_t>(i));
   }
+  std::atomic<size_t> next{0};
+  std::mutex failed_mu;
+  absl::Status failed;
+  auto work = [&] {
+    for (size_t k = next++; k < todo.size(); k = next++) {
+      const size_t i = static_cast<size_t>(todo[k]);
+      const LogicalTensor& t = destination.tensors[i];
+      auto it = source.tensor_index.find(t.name);
+      const QuantFill& fill = spec.quant[it->second];
+      const uint64_t name_hash = HashName(t.name);
+      const int64_t rows = t.shape[0], cols = t.shape[1];
+      std::vector<float> values(static_cast<size_t>(rows * cols));
+      for (int64_t e = 0; e < rows * cols; ++e) values[e] = QuantSourceValue(name_hash, e, fill, spec.seed);
+      auto ref = std::make_shared<Reference>();
+      ref->codes.resize(values.size());
+      absl::Status done;
+      if (t.quant.format == QuantFormat::kMxfp8) {
+        std::vector<uint8_t> scales(static_cast<size_t>(Mxfp8ScaleCount(rows, cols)));
+        done = QuantizeMxfp8(values, rows, cols, ref->codes, scales);
+        ref->scales.resize(scales.size());
+        std::memcpy(ref->scales.data(), scales.data(), scales.size());
+      } else {
+        const Fp8BlockShape block{t.quant.block_rows, t.quant.block_cols};
+        std::vector<float> scales(static_cast<size_t>(BlockFp8ScaleCount(rows, cols, block)));
+        done = QuantizeBlockFp8(values, rows, cols, block, ref->codes, scales);
+        ref->scales.resize(scales.size() * sizeof(float));
+        std::memcpy(ref->scales.data(), scales.data(), ref->scales.size());
+      }
+      if (!done.ok()) {
+        std::lock_guard<std::mutex> lock(failed_mu);
+        failed = done;
+      }
+      reference[i] = ref;
+      reference[destination.tensor_index.at(t.quant.scale)] = ref;
+    }
+  };
+  {
+    const size_t n = std::min<size_t>(todo.size(), std::max(1u, std::thread::hardware_concurrency()));
+    std::vector<std::thread> threads;
+    for (size_t k = 1; k < n; ++k) threads.emplace_back(work);
+    work();
+    for (auto& th : threads) th.join();
+  }
+  if (!failed.ok()) return failed;
   std::vector<bool> seen(destination.tensors.size(), false);
   for (const Piece& p : destination.pieces) {  // before the threads start: they look tensors up
     if (seen[p.tensor]) continue;

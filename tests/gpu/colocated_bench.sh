@@ -25,7 +25,12 @@ trap stop_all EXIT
 fail() { echo "FAIL: $*" >&2; tail -n 5 "$RUN"/daemon*.log >&2; exit 1; }
 L=("$BIN/refit-layout" --config "$CONFIG" --scale-down "$SCALE")
 "${L[@]}" --side trainer --fsdp 2 --gpus-per-node 2 -o "$RUN/t.json" || fail layout
-"${L[@]}" --side inference --tp 2 --gpus-per-node 2 -o "$RUN/i.json" || fail layout
+# INFER_DTYPE=fp8-block (or mxfp8): engines in fp8, quantized on the way; workers then check
+# against the CPU reference (--peer-layout).
+INFER_DTYPE=${INFER_DTYPE:-}
+dtype_flag=(); [ -n "$INFER_DTYPE" ] && dtype_flag=(--dtype "$INFER_DTYPE")
+"${L[@]}" --side inference --tp 2 --gpus-per-node 2 "${dtype_flag[@]}" -o "$RUN/i.json" || fail layout
+peer_t=(); peer_i=(); [ -n "$INFER_DTYPE" ] && peer_t=(--peer-layout "$RUN/i.json") && peer_i=(--peer-layout "$RUN/t.json")
 for f in "$RUN/t.json" "$RUN/i.json"; do
   python3 -c 'import json,sys; l=json.load(open(sys.argv[1])); [w.update(node=0, gpu=0) for w in l["workers"]]; json.dump(l, open(sys.argv[1], "w"))' "$f"
 done
@@ -33,8 +38,8 @@ gpus_flag=(--gpus 0); [ "$BACKEND" = cuda ] || gpus_flag=()
 start_daemon 0 --backend "$BACKEND" "${gpus_flag[@]}" --max-message-bytes $((64 << 20)) --staging-bytes $((2 << 30)) \
   --prepare-timeout 300 --commit-timeout 300 --transfer-timeout 60 --heartbeat 0.5 --heartbeats-missed 10 || fail daemon
 keys=()
-while read -r name node; do start_worker "$name" "$node" policy trainer "$RUN/t.json" "$name" --same-data --register-timeout 300; keys+=("$name"); done < <(workers_of "$RUN/t.json")
-while read -r name node; do start_worker "$name" "$node" policy inference "$RUN/i.json" "$name" --same-data --register-timeout 300; keys+=("$name"); done < <(workers_of "$RUN/i.json")
+while read -r name node; do start_worker "$name" "$node" policy trainer "$RUN/t.json" "$name" --same-data --register-timeout 300 "${peer_t[@]}"; keys+=("$name"); done < <(workers_of "$RUN/t.json")
+while read -r name node; do start_worker "$name" "$node" policy inference "$RUN/i.json" "$name" --same-data --register-timeout 300 "${peer_i[@]}"; keys+=("$name"); done < <(workers_of "$RUN/i.json")
 for _ in $(seq 600); do
   [ "$(cat "$RUN"/*.report 2>/dev/null | grep -c "^registered")" -eq ${#keys[@]} ] && break
   sleep 0.2

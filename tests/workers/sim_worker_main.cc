@@ -23,6 +23,7 @@
 #include <cstdio>
 #include <fstream>
 #include <mutex>
+#include <optional>
 
 #include "absl/strings/str_cat.h"
 #include "client/cli_flags.h"
@@ -50,7 +51,7 @@ void Report(const std::string& line) {
 
 int main(int argc, char** argv) {
   using namespace refit;
-  std::string daemon, group = "policy", role_name, layout_path, worker_name;
+  std::string daemon, group = "policy", role_name, layout_path, worker_name, peer_layout_path;
   int64_t prepare_delay_ms = 0;
   double register_timeout_s = 10;
   bool same_data = false;
@@ -71,6 +72,10 @@ int main(int argc, char** argv) {
   flags.String("report", &report_path, "append one line per round event here");
   flags.Int("prepare-delay-ms", &prepare_delay_ms, "wait this long before confirming PREPARE (tests)");
   flags.Double("register-timeout", &register_timeout_s, "seconds to wait for the daemon to accept the registration");
+  flags.String("peer-layout", &peer_layout_path,
+               "the other side's layout JSON: values and checks follow the conversions between the two (fp8 "
+               "destinations are checked against the CPU reference quantizing each weight whole); without it both "
+               "sides must share dtypes");
   flags.Bool("same-data", &same_data, "every round carries version 1's values (fill once, compare to a verified copy)");
   flags.Bool("vmm", &vmm, "sim-worker-cuda: buffers in CUDA VMM memory (cuMemCreate), handed over as file descriptors");
   flags.Int("vmm-chunk-mb", &vmm_chunk_mb, "with --vmm: MiB per physical allocation (rounded up to the granularity)");
@@ -86,6 +91,15 @@ int main(int argc, char** argv) {
   if (found == side->worker_index.end()) flags.Fail(absl::StrCat("no worker \"", worker_name, "\" in ", layout_path));
   Layout mine = WorkerLayout(*side, found->second);
   if (auto s = ValidateLayout(mine, role_name); !s.ok()) flags.Fail(std::string(s.message()));
+  std::optional<Layout> peer;
+  if (!peer_layout_path.empty()) {
+    auto p = ReadLayoutFile(peer_layout_path, role_name == "trainer" ? "inference" : "trainer");
+    if (!p.ok()) flags.Fail(std::string(p.status().message()));
+    peer = *std::move(p);
+  }
+  // The source layout whose values the check expects: the trainers' (every tensor, any worker's
+  // WorkerLayout keeps them all).
+  const Layout& source_side = role_name == "trainer" || !peer ? mine : *peer;
 
   sigset_t signals;
   sigemptyset(&signals);
@@ -176,8 +190,10 @@ int main(int argc, char** argv) {
   auto poison = [&] { PoisonDestinations(memory); };
 #endif
   auto spec_for = [&](int64_t version) {
+    const uint64_t seed = static_cast<uint64_t>(same_data ? 1 : version);
+    if (peer) return role_name == "trainer" ? MakeFillSpec(mine, *peer, seed) : MakeFillSpec(*peer, mine, seed);
     FillSpec spec;
-    spec.seed = static_cast<uint64_t>(same_data ? 1 : version);
+    spec.seed = seed;
     spec.numeric.assign(mine.tensors.size(), false);  // both sides share dtypes in this cluster
     return spec;
   };
@@ -213,7 +229,7 @@ int main(int argc, char** argv) {
       Report(absl::StrCat("commit ", version, " ok ", bytes, " bytes equal to the verified round"));
       return;
     }
-    auto checked = CheckDestinations(mine, mine, spec_for(version), memory);
+    auto checked = CheckDestinations(source_side, mine, spec_for(version), memory);
     if (checked.ok() && same_data) {
       for (const auto& span : memory) verified.emplace_back(span.begin(), span.end());
     }

@@ -20,9 +20,11 @@ left. Pairs are also planned across: Python trainer -> refit-layout engine and r
 trainer -> Python engine, verified.
 """
 
+import json
 import random
 import re
 import unittest
+from pathlib import Path
 
 import layout_models as lm
 from refit.layouts import (EngineConfig, RankPlacement, coverage, diff_layouts, engine_layout,
@@ -264,6 +266,73 @@ class TrainerAgreementTest(unittest.TestCase):
                 ref = lm.refit_layout(model, "--side", "trainer", "--fsdp2", str(shards), "--dp",
                                       str(dp), "--scale-down", str(scale), "--layers", str(layers))
                 self.assertEqual(diff_layouts(mine, ref, names=("fsdp2", "refit-layout")), [], label)
+
+
+def fp8_params(params, block):
+    """vLLM's parameters of a block-fp8 model (Fp8LinearMethod, Fp8MoEMethod with
+    weight_block_size): every linear weight in float8_e4m3fn, with its weight_scale_inv over the
+    blocks of the parameter's last two dims."""
+    out = {}
+    for name, (shape, dtype) in params.items():
+        linear = name.endswith("proj.weight") or name.endswith("proj_with_mqa.weight") or \
+            name.endswith("experts.w13_weight") or name.endswith("experts.w2_weight")
+        if not linear:
+            out[name] = (shape, dtype)
+            continue
+        out[name] = (shape, "fp8_e4m3")
+        grid = tuple(shape[:-2]) + (-(-shape[-2] // block[0]), -(-shape[-1] // block[1]))
+        out[name + "_scale_inv"] = (grid, "fp32")
+    return out
+
+
+class Fp8EngineAgreementTest(unittest.TestCase):
+    """vLLM engines serving block fp8: the Python engine layout (weights in fp8 with their
+    weight_scale_inv parameters) equals refit-layout --dtype fp8-block's, quantization and scale
+    pieces included, and bf16 trainers plan into it and verify against the CPU reference."""
+
+    CASES = [
+        # model, scale-down, layers, tp, dp, expert parallel, block
+        ("llama3-8b", 8, 2, 2, 1, False, (64, 64)),
+        ("llama3-8b", 8, 2, 1, 2, False, (128, 128)),
+        ("qwen3-30b-a3b", 4, 1, 2, 1, True, (32, 32)),
+        ("deepseek-v3", 64, 4, 1, 2, True, (8, 8)),
+    ]
+
+    def test_fp8_engines(self):
+        for model, scale, layers, tp, dp, ep, block in self.CASES:
+            label = f"{model} tp{tp} dp{dp}{' ep' if ep else ''} block {block}"
+            with self.subTest(label):
+                m = lm.load_model(model, scale, layers)
+                hf = dict(lm.hf_config(m), quantization_config={
+                    "quant_method": "fp8", "weight_block_size": list(block)})
+                cfg = EngineConfig.from_hf_config(hf, tp_size=tp, dp_size=dp, expert_parallel=ep)
+                self.assertEqual(cfg.weight_block_size, block)
+                mine = engine_layout(lambda d, t: fp8_params(lm.vllm_params(m, tp, t, dp, d, ep), block), cfg)
+                path = lm.write_config(dict(json.loads(Path(lm.config_path(model)).read_text()),
+                                            quantization_config={"quant_method": "fp8",
+                                                                 "weight_block_size": list(block)}))
+                ref = lm.refit_layout(path, *engine_args(scale, layers, tp, dp, ep), "--dtype", "fp8-block")
+                self.assertEqual(diff_layouts(mine, ref, limit=200, names=("vllm", "refit-layout")), [], label)
+                quantized = [t for t in mine["tensors"] if t.get("quantization")]
+                self.assertTrue(quantized, label)
+                for t in quantized:
+                    self.assertEqual(t["dtype"], "fp8_e4m3")
+                    self.assertEqual(t["quantization"]["scale"], t["name"] + "_scale_inv")
+                trainer = lm.refit_layout(model, "--side", "trainer", "--fsdp", "2", "--scale-down",
+                                          str(scale), "--layers", str(layers))
+                rc, out = lm.plan_verify(trainer, mine)
+                self.assertEqual(rc, 0, out)
+
+    def test_refusals(self):
+        m = lm.load_model("llama3-8b", 8, 1)
+        cfg = EngineConfig.from_hf_config(lm.hf_config(m), tp_size=1)
+        with self.assertRaisesRegex(Exception, "weight_block_size"):
+            engine_layout(lambda d, t: fp8_params(lm.vllm_params(m, 1, t), (128, 128)), cfg)
+        # A TP that cuts a block (64 kv rows per rank with 128-row blocks): refused by name.
+        cfg = EngineConfig.from_hf_config(dict(lm.hf_config(m), quantization_config={
+            "quant_method": "fp8", "weight_block_size": [128, 128]}), tp_size=4)
+        with self.assertRaisesRegex(Exception, "cut a 128x128 block"):
+            engine_layout(lambda d, t: fp8_params(lm.vllm_params(m, 4, t), (128, 128)), cfg)
 
 
 if __name__ == "__main__":

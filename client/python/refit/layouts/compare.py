@@ -26,6 +26,14 @@ def _box(box: Any, whole: List[int]) -> BoxT:
     return origin, shape
 
 
+def _quant(t: Dict[str, Any]) -> Tuple[Any, ...]:
+    """A tensor's quantization, normalised: () when it has none."""
+    q = t.get("quantization")
+    if not q:
+        return ()
+    return (q.get("format", ""), tuple(int(x) for x in q.get("block", [])), q.get("scale", ""))
+
+
 def _numel(shape: Tuple[int, ...]) -> int:
     n = 1
     for s in shape:
@@ -34,10 +42,12 @@ def _numel(shape: Tuple[int, ...]) -> int:
 
 
 def normalize_layout(layout: Dict[str, Any]) -> Dict[str, Any]:
-    """``{"tensors": {name: (shape, dtype)}, "workers": {name: (node, gpu, {buffer: (dtype, shape,
-    sorted pieces)})}}`` with each piece ``(tensor, tensor box, buffer box)``."""
+    """``{"tensors": {name: (shape, dtype)}, "quantization": {name: (format, block, scale)} (the
+    quantized tensors), "workers": {name: (node, gpu, {buffer: (dtype, shape, sorted pieces)})}}``
+    with each piece ``(tensor, tensor box, buffer box)``."""
     tensors = {t["name"]: (tuple(int(s) for s in t.get("shape", [])), t["dtype"])
                for t in layout.get("tensors", [])}
+    quantization = {t["name"]: _quant(t) for t in layout.get("tensors", []) if _quant(t)}
     workers = {}
     for w in layout.get("workers", []):
         buffers = {}
@@ -53,7 +63,7 @@ def normalize_layout(layout: Dict[str, Any]) -> Dict[str, Any]:
                 pieces.append((p["tensor"], tb, bb))
             buffers[b["name"]] = (b["dtype"], tuple(shape), tuple(sorted(pieces)))
         workers[w["name"]] = (int(w.get("node", 0)), int(w.get("gpu", 0)), buffers)
-    return {"tensors": tensors, "workers": workers}
+    return {"tensors": tensors, "quantization": quantization, "workers": workers}
 
 
 def diff_layouts(a: Dict[str, Any], b: Dict[str, Any], limit: int = 20,
@@ -70,6 +80,9 @@ def diff_layouts(a: Dict[str, Any], b: Dict[str, Any], limit: int = 20,
     for t in sorted(set(na["tensors"]) | set(nb["tensors"])):
         ta, tb = na["tensors"].get(t), nb["tensors"].get(t)
         if ta != tb and say(f"tensor {t!r}: {A} {ta} vs {B} {tb}"):
+            return out
+        qa, qb = na["quantization"].get(t), nb["quantization"].get(t)
+        if qa != qb and say(f"tensor {t!r}: quantization {A} {qa} vs {B} {qb}"):
             return out
     for w in sorted(set(na["workers"]) | set(nb["workers"])):
         wa, wb = na["workers"].get(w), nb["workers"].get(w)

@@ -18,7 +18,7 @@ the two spellings as equal).
 from __future__ import annotations
 
 import math
-from typing import Any, Dict, Iterable, List, NamedTuple, Sequence, Tuple
+from typing import Any, Dict, Iterable, List, NamedTuple, Optional, Sequence, Tuple
 
 
 class LayoutError(ValueError):
@@ -135,17 +135,23 @@ class LayoutBuilder:
         self._workers: Dict[str, Dict[str, Any]] = {}
         self._buffer_names: Dict[str, set] = {}
 
-    def tensor(self, name: str, shape: Sequence[int], dtype: Any, *, what: str = "") -> None:
+    def tensor(self, name: str, shape: Sequence[int], dtype: Any, *, what: str = "",
+               quantization: Optional[Dict[str, Any]] = None) -> None:
+        """``quantization``: an fp8 weight's ``{"format", "block", "scale"}`` (docs/LAYOUTS.md,
+        "fp8 engines")."""
         shape = [int(s) for s in shape]
         dtype = dtype_name(dtype)
         old = self._tensors.get(name)
         if old is None:
             self._tensors[name] = {"name": name, "shape": shape, "dtype": dtype}
-        elif old["shape"] != shape or old["dtype"] != dtype:
+            if quantization:
+                self._tensors[name]["quantization"] = dict(quantization)
+        elif old["shape"] != shape or old["dtype"] != dtype or old.get("quantization") != (
+                dict(quantization) if quantization else None):
             where = f" ({what})" if what else ""
             raise LayoutError(
-                f"tensor {name!r}{where}: shape {shape} {dtype} disagrees with {old['shape']} "
-                f"{old['dtype']} declared before")
+                f"tensor {name!r}{where}: shape {shape} {dtype} {quantization or ''} disagrees with "
+                f"{old['shape']} {old['dtype']} {old.get('quantization', '')} declared before")
 
     def worker(self, name: str, node: int, gpu: int) -> Dict[str, Any]:
         if name in self._workers:
@@ -186,7 +192,7 @@ class LayoutBuilder:
     def add_layout(self, layout: Dict[str, Any]) -> None:
         """Merges another layout's tensors and workers in (worker names must not repeat)."""
         for t in layout.get("tensors", []):
-            self.tensor(t["name"], t.get("shape", []), t["dtype"])
+            self.tensor(t["name"], t.get("shape", []), t["dtype"], quantization=t.get("quantization"))
         for w in layout.get("workers", []):
             if w["name"] in self._workers:
                 raise LayoutError(f"worker {w['name']!r} appears in two of the merged layouts")

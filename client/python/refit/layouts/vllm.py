@@ -46,6 +46,15 @@ that is the embedding (or any ``lm_head`` when ``config.tie_word_embeddings``) i
 Hugging Face checkpoint has no such tensor. vLLM requires even splits: a TP that does not divide a
 head count, a kv-head count, an intermediate size or the padded vocabulary is refused by name.
 
+fp8 engines (block fp8, vLLM's ``Fp8LinearMethod`` with ``weight_block_size``): a ``float8_e4m3fn``
+weight is declared ``fp8_e4m3`` with ``{"format": "block_fp8", "block": config.weight_block_size,
+"scale": "<hf name>_scale_inv"}``, and its ``weight_scale_inv`` parameter (``<module>.weight_scale_inv``,
+or ``experts.w13_weight_scale_inv`` / ``w2_weight_scale_inv``; fp32, the blocks of the weight
+buffer's last two dims) becomes a buffer holding each part's scale tensor ``<hf name>_scale_inv``
+at its blocks. The data plane quantizes the trainers' bf16 into it (docs/LAYOUTS.md, "fp8
+engines"). A part that does not start on a block, or ends inside one before its tensor ends, is
+refused, as vLLM refuses it.
+
 Workers are named ``vllm-dp<d>-tp<t>`` at rank ``d * tp_size + t`` (``refit-layout``'s names);
 ``RankPlacement`` puts that rank on a node and GPU. Each declares its engine replica
 (``replica``, ``replicaRank``, ``replicaSize``; ``EngineConfig.replica``): the daemons refit a
@@ -57,7 +66,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
-from .core import Box, LayoutBuilder, LayoutError, RankPlacement, named_items
+from .core import Box, LayoutBuilder, LayoutError, RankPlacement, dtype_name, named_items
 
 __all__ = [
     "VLLM_PACKED_MODULES", "VLLM_EXPERT_MODULES", "VLLM_SHARDING", "EngineConfig", "engine_worker",
@@ -120,6 +129,8 @@ class EngineConfig:
     moe_intermediate_size: int = 0
     vocab_padding: int = 64
     tie_word_embeddings: bool = False
+    # Block fp8 (quantization_config.weight_block_size): (rows, cols) of a block, for fp8 weights.
+    weight_block_size: Optional[Tuple[int, int]] = None
     packed_modules: Mapping[str, Sequence[str]] = field(default_factory=lambda: dict(VLLM_PACKED_MODULES))
     expert_modules: Mapping[str, Sequence[str]] = field(default_factory=lambda: dict(VLLM_EXPERT_MODULES))
     sharding: Mapping[str, str] = field(default_factory=lambda: dict(VLLM_SHARDING))
@@ -177,6 +188,10 @@ class EngineConfig:
         )
         if get("kv_lora_rank"):
             fields["head_dim"] = None  # MLA: no fused qkv
+        q = get("quantization_config") or {}
+        qget = (lambda k: q.get(k)) if isinstance(q, Mapping) else (lambda k: getattr(q, k, None))
+        if qget("quant_method") == "fp8" and qget("weight_block_size"):
+            fields["weight_block_size"] = tuple(int(x) for x in qget("weight_block_size"))
         fields.update(parallel)
         return EngineConfig(**fields)
 
@@ -355,6 +370,8 @@ def engine_worker(params: Any, config: EngineConfig, *, placement: RankPlacement
     w["replica"], w["replicaRank"], w["replicaSize"] = config.replica()
     # Tied by identity only for tensors: equal (shape, dtype) tuples may be one constant object.
     embed = {id(obj) for n, obj in named if n.endswith("embed_tokens.weight") and hasattr(obj, "shape")}
+    placed: Dict[str, List[Tuple[str, Tuple[int, ...], Box, Box]]] = {}  # weight -> its pieces
+    scales: List[Tuple[str, Tuple[int, ...], Any]] = []
     for name, obj in named:
         if skip is not None and skip(name):
             continue
@@ -364,23 +381,30 @@ def engine_worker(params: Any, config: EngineConfig, *, placement: RankPlacement
         if module == "lm_head" and tied:
             continue  # tied: the embedding's storage, no tensor of its own
         shape, dtype = _shape_dtype(name, obj)
+        if leaf == "weight_scale_inv" or (module == "experts" and leaf.endswith("_scale_inv")
+                                          and leaf[:-len("_scale_inv")] in config.expert_modules):
+            scales.append((name, shape, dtype))  # after every weight: placed at its weight's blocks
+            continue
+        quant = _quantization(config, name, dtype)
         if module == "experts" and leaf in config.expert_modules:
-            _add_experts(b, w, name, parent, leaf, shape, dtype, config)
+            placed[name] = _add_experts(b, w, name, parent, leaf, shape, dtype, config, quant)
             continue
         if leaf not in _LEAVES:
             raise LayoutError(f"vLLM parameter {name!r}: leaf {leaf!r} is not a weight or bias "
-                              "(quantization scales and other state are not placed; leave it out "
-                              "with skip=)")
+                              "(per-tensor quantization scales and other state are not placed; leave it "
+                              "out with skip=; block fp8's weight_scale_inv is)")
         parts = list(config.packed_modules.get(module, [module]))
         rules = [_rule(config, p, name) for p in parts]
         tp, t = config.tp_size, config.tp_rank
         buf = b.buffer(w, name, dtype, shape)
+        pieces = placed[name] = []
         if len(parts) == 1:
             glob, box = _place(rules[0], shape, config, tp, t, name)
             hf = _hf(config, module_path) + "." + leaf
-            b.tensor(hf, glob, dtype, what=f"vLLM parameter {name!r}")
+            b.tensor(hf, glob, dtype, what=f"vLLM parameter {name!r}", quantization=quant and quant(hf))
             buffer_box = Box((0,) * len(shape), box.shape)
             b.piece(buf, hf, box, buffer_box)
+            pieces.append((hf, glob, box, buffer_box))
             continue
         if not shape:
             raise LayoutError(f"vLLM parameter {name!r}: a fused parameter cannot be a scalar")
@@ -395,14 +419,63 @@ def engine_worker(params: Any, config: EngineConfig, *, placement: RankPlacement
             local = (n,) + shape[1:]
             glob, box = _place(rule, local, config, tp, t, name)
             hf = _hf(config, f"{parent}.{part}" if parent else part) + "." + leaf
-            b.tensor(hf, glob, dtype, what=f"vLLM parameter {name!r}")
+            b.tensor(hf, glob, dtype, what=f"vLLM parameter {name!r}", quantization=quant and quant(hf))
             b.piece(buf, hf, box, _rows_box(shape, offset, n))
+            pieces.append((hf, glob, box, _rows_box(shape, offset, n)))
             offset += n
+    for name, shape, dtype in scales:
+        _add_scales(b, w, name, shape, dtype, placed, config)
     return b.build()
 
 
+def _quantization(config: EngineConfig, name: str, dtype: Any) -> Optional[Callable[[str], Dict[str, Any]]]:
+    """For an fp8 weight parameter: hf name -> its quantization; else None."""
+    if dtype_name(dtype) != "fp8_e4m3":
+        return None
+    if not config.weight_block_size:
+        raise LayoutError(
+            f"vLLM parameter {name!r} is float8_e4m3fn: set EngineConfig.weight_block_size (the model's "
+            "quantization_config.weight_block_size; per-tensor fp8 is not quantized on the way)")
+    block = [int(x) for x in config.weight_block_size]
+    return lambda hf: {"format": "block_fp8", "block": block, "scale": hf + "_scale_inv"}
+
+
+def _add_scales(b: LayoutBuilder, w: Dict[str, Any], name: str, shape: Tuple[int, ...], dtype: Any,
+                placed: Mapping[str, List[Tuple[str, Tuple[int, ...], Box, Box]]],
+                config: EngineConfig) -> None:
+    """A ``weight_scale_inv`` parameter: each part of its weight's scale tensor at its blocks."""
+    weight = name[:-len("_scale_inv")]
+    if weight not in placed or not config.weight_block_size:
+        raise LayoutError(f"vLLM parameter {name!r}: the scales of {weight!r}, which is not an fp8 "
+                          "weight of this rank (or EngineConfig.weight_block_size is not set)")
+    br, bc = (int(x) for x in config.weight_block_size)
+    blk = (br, bc)
+    buf = b.buffer(w, name, dtype, shape)
+    for hf, glob, box, bbox in placed[weight]:
+        if len(glob) != 2:
+            raise LayoutError(f"vLLM parameter {name!r}: {hf!r} of shape {list(glob)} is not a 2-D weight")
+        t_origin, t_shape = list(box.origin), list(box.shape)
+        b_origin, b_shape = list(bbox.origin), list(bbox.shape)
+        lead = len(b_origin) - 2
+        for d in range(2):
+            end = t_origin[d] + t_shape[d]
+            bend = b_origin[lead + d] + b_shape[lead + d]
+            if t_origin[d] % blk[d] or b_origin[lead + d] % blk[d] or (end % blk[d] and end != glob[d]):
+                raise LayoutError(
+                    f"vLLM parameter {name!r}: {hf!r} rows/cols {t_origin[d]}:{end} cut a {br}x{bc} block "
+                    "(vLLM requires each partition to hold whole blocks)")
+            t_origin[d], t_shape[d] = t_origin[d] // blk[d], -(-end // blk[d]) - t_origin[d] // blk[d]
+            b_origin[lead + d], b_shape[lead + d] = b_origin[lead + d] // blk[d], \
+                -(-bend // blk[d]) - b_origin[lead + d] // blk[d]
+        grid = (-(-glob[0] // br), -(-glob[1] // bc))
+        b.tensor(hf + "_scale_inv", grid, dtype, what=f"vLLM parameter {name!r}")
+        b.piece(buf, hf + "_scale_inv", Box(tuple(t_origin), tuple(t_shape)), Box(tuple(b_origin), tuple(b_shape)))
+
+
 def _add_experts(b: LayoutBuilder, w: Dict[str, Any], name: str, parent: str, leaf: str,
-                 shape: Tuple[int, ...], dtype: Any, config: EngineConfig) -> None:
+                 shape: Tuple[int, ...], dtype: Any, config: EngineConfig,
+                 quant: Optional[Callable[[str], Dict[str, Any]]] = None
+                 ) -> List[Tuple[str, Tuple[int, ...], Box, Box]]:
     if config.num_experts <= 0:
         raise LayoutError(f"vLLM parameter {name!r}: stacked experts need EngineConfig.num_experts")
     if len(shape) < 2:
@@ -435,15 +508,19 @@ def _add_experts(b: LayoutBuilder, w: Dict[str, Any], name: str, parent: str, le
         if kind not in ("column", "row", "replicated"):
             raise LayoutError(f"vLLM parameter {name!r}: expert part {part!r} has rule {kind!r}; "
                               "experts take column, row or replicated")
+    pieces = []
     for i, e in enumerate(experts):
         offset = 0
         for part, kind in zip(parts, kinds):
             local = (n,) + inner[1:]
             glob, box = _place(kind, local, config, tp, t, name)
             hf = _hf(config, f"{parent}.experts.{e}.{part}") + ".weight"
-            b.tensor(hf, glob, dtype, what=f"vLLM parameter {name!r}")
-            b.piece(buf, hf, box, Box((i, offset) + (0,) * (len(inner) - 1), (1, n) + inner[1:]))
+            b.tensor(hf, glob, dtype, what=f"vLLM parameter {name!r}", quantization=quant and quant(hf))
+            bbox = Box((i, offset) + (0,) * (len(inner) - 1), (1, n) + inner[1:])
+            b.piece(buf, hf, box, bbox)
+            pieces.append((hf, glob, box, bbox))
             offset += n
+    return pieces
 
 
 def engine_layout(params_of: Callable[[int, int], Any], config: EngineConfig, *,

@@ -3,9 +3,14 @@
 #include <algorithm>
 
 #include "plan/convert.h"
+#include "plan/layout.h"
 
 namespace refit {
 namespace {
+
+static_assert(kCopyItemMxfp8 == static_cast<uint8_t>(QuantFormat::kMxfp8));
+
+int64_t CeilDiv(int64_t a, int64_t b) { return b == 0 ? 0 : (a + b - 1) / b; }
 
 CopyItem ItemFor(const CopyDescriptor& d, int64_t segment_bytes) {
   CopyItem it;
@@ -22,6 +27,32 @@ CopyItem ItemFor(const CopyDescriptor& d, int64_t segment_bytes) {
   return it;
 }
 
+// A quantizing descriptor's item (kQuantize, kScale): its [rows, inner] region, read at `src`,
+// written at `dst` with rows (codes) or block rows (scales) `dst_stride` apart. One unit per
+// block.
+CopyItem QuantizeItemFor(const CopyDescriptor& d, uint64_t src, uint64_t dst, int64_t dst_stride) {
+  CopyItem it;
+  it.src = src;
+  it.dst = dst;
+  it.inner = d.inner;
+  it.count[2] = d.outer_rank > 0 ? d.count[0] : 1;
+  it.src_stride[2] = d.outer_rank > 0 ? d.src_stride[0] : 0;
+  it.dst_stride[2] = dst_stride;
+  it.segment = d.block_cols;
+  it.segments = CeilDiv(d.inner, d.block_cols);
+  it.src_dtype = static_cast<uint8_t>(d.src_dtype);
+  it.dst_dtype = static_cast<uint8_t>(d.dst_dtype);
+  it.op = static_cast<uint8_t>(d.op);
+  it.quant_format = d.quant_format;
+  it.block_rows = d.block_rows;
+  it.block_cols = d.block_cols;
+  return it;
+}
+
+// The scale grid of a kScale descriptor: [block rows, block cols] of its region.
+int64_t GridRows(const CopyDescriptor& d) { return CeilDiv(d.outer_rank > 0 ? d.count[0] : 1, d.block_rows); }
+int64_t GridCols(const CopyDescriptor& d) { return CeilDiv(d.inner, d.block_cols); }
+
 // Contiguous strides for the staging side: runs packed one after another.
 void Packed(CopyItem& it, int64_t (&stride)[kMaxOuterDims]) {
   stride[2] = it.inner;
@@ -35,32 +66,59 @@ void Append(CopyWork& w, const CopyItem& it) {
   w.items.push_back(it);
 }
 
+uint64_t SourceAddress(const CopyDescriptor& d, const BufferAddresses& src, const BufferAddresses& dst) {
+  const BufferAddresses& from = d.src_is_destination ? dst : src;
+  return from[d.src_buffer] + static_cast<uint64_t>(d.src_offset * DTypeSize(d.src_dtype));
+}
+
+uint64_t DestinationAddress(const CopyDescriptor& d, const BufferAddresses& dst) {
+  return dst[d.dst_buffer] + static_cast<uint64_t>(d.dst_offset * DTypeSize(d.dst_dtype));
+}
+
 }  // namespace
 
 void AppendPackItem(const CopyDescriptor& d, const BufferAddresses& src, const BufferAddresses& dst,
                     uint64_t staging, int64_t segment_bytes, CopyWork& w) {
+  const uint64_t at = staging + static_cast<uint64_t>(w.bytes);
+  if (d.Quantizes()) {
+    // Codes with their rows packed, or the packed scale grid.
+    Append(w, QuantizeItemFor(d, SourceAddress(d, src, dst), at, d.op == CopyOp::kQuantize ? d.inner : GridCols(d)));
+    w.bytes += d.WireBytes();
+    return;
+  }
   CopyItem it = ItemFor(d, segment_bytes);
   const DType wire = d.WireDType();
-  const BufferAddresses& from = d.src_is_destination ? dst : src;
-  it.src = from[d.src_buffer] + static_cast<uint64_t>(d.src_offset * DTypeSize(d.src_dtype));
-  it.dst = staging + static_cast<uint64_t>(w.bytes);
+  it.src = SourceAddress(d, src, dst);
+  it.dst = at;
   Packed(it, it.dst_stride);
   it.src_dtype = static_cast<uint8_t>(d.src_dtype);
   it.dst_dtype = static_cast<uint8_t>(wire);
-  w.bytes += d.NumElements() * DTypeSize(wire);
+  w.bytes += d.WireBytes();
   Append(w, it);
 }
 
 void AppendUnpackItem(const CopyDescriptor& d, uint64_t staging, const BufferAddresses& dst,
                       int64_t segment_bytes, CopyWork& w) {
-  CopyItem it = ItemFor(d, segment_bytes);
-  const DType wire = d.WireDType();
-  it.src = staging + static_cast<uint64_t>(w.bytes);
+  const uint64_t at = staging + static_cast<uint64_t>(w.bytes);
+  CopyItem it;
+  if (d.op == CopyOp::kScale) {
+    // The packed grid, row by row, into the scale tensor's rows (dst_stride[0] scales apart).
+    CopyDescriptor grid;
+    grid.inner = GridCols(d);
+    grid.outer_rank = 1;
+    grid.count[0] = GridRows(d);
+    grid.dst_stride[0] = d.dst_stride[0];
+    grid.src_dtype = grid.dst_dtype = d.dst_dtype;
+    it = ItemFor(grid, segment_bytes);
+  } else {
+    it = ItemFor(d, segment_bytes);  // kQuantize: the codes byte by byte (wire and dst e4m3)
+  }
+  it.src = at;
   Packed(it, it.src_stride);
-  it.dst = dst[d.dst_buffer] + static_cast<uint64_t>(d.dst_offset * DTypeSize(d.dst_dtype));
-  it.src_dtype = static_cast<uint8_t>(wire);
+  it.dst = DestinationAddress(d, dst);
+  it.src_dtype = static_cast<uint8_t>(d.WireDType());
   it.dst_dtype = static_cast<uint8_t>(d.dst_dtype);
-  w.bytes += d.NumElements() * DTypeSize(wire);
+  w.bytes += d.WireBytes();
   Append(w, it);
 }
 
@@ -95,22 +153,61 @@ CopyWork DirectWork(const Plan& plan, const Message& m, const BufferAddresses& s
   w.unit_begin.push_back(0);
   for (int64_t k = 0; k < m.num_descriptors; ++k) {
     const CopyDescriptor& d = plan.descriptor(m, k);
+    if (d.Quantizes()) {
+      // Straight into the destination: codes into the weight's rows, scales into the scale
+      // tensor's, both dst_stride[0] apart.
+      Append(w, QuantizeItemFor(d, SourceAddress(d, src, dst), DestinationAddress(d, dst), d.dst_stride[0]));
+      continue;
+    }
     CopyItem it = ItemFor(d, segment_bytes);
-    const BufferAddresses& from = d.src_is_destination ? dst : src;
-    it.src = from[d.src_buffer] + static_cast<uint64_t>(d.src_offset * DTypeSize(d.src_dtype));
-    it.dst = dst[d.dst_buffer] + static_cast<uint64_t>(d.dst_offset * DTypeSize(d.dst_dtype));
+    it.src = SourceAddress(d, src, dst);
+    it.dst = DestinationAddress(d, dst);
     it.src_dtype = static_cast<uint8_t>(d.src_dtype);
     it.dst_dtype = static_cast<uint8_t>(d.dst_dtype);
-    w.unit_begin.push_back(w.unit_begin.back() + it.Units());
-    w.items.push_back(it);
+    Append(w, it);
   }
   return w;
 }
+
+namespace {
+
+// Unit `u` of a quantizing item: block (u / segments, u % segments) of its region, by
+// QuantizeRegion on that block alone (blocks are independent: the same bytes as the whole region).
+void QuantizeUnitOnHost(const CopyItem& it, int64_t u) {
+  const int64_t bi = u / it.segments, bj = u % it.segments;
+  const int64_t r0 = bi * it.block_rows, c0 = bj * it.block_cols;
+  CopyDescriptor block;
+  block.op = static_cast<CopyOp>(it.op);
+  block.quant_format = it.quant_format;
+  block.block_rows = it.block_rows;
+  block.block_cols = it.block_cols;
+  block.src_dtype = static_cast<DType>(it.src_dtype);
+  block.dst_dtype = static_cast<DType>(it.dst_dtype);
+  block.outer_rank = 1;
+  block.count[0] = std::min<int64_t>(it.block_rows, it.count[2] - r0);
+  block.inner = std::min<int64_t>(it.block_cols, it.inner - c0);
+  block.src_stride[0] = it.src_stride[2];
+  const std::byte* src =
+      reinterpret_cast<const std::byte*>(it.src) + (r0 * it.src_stride[2] + c0) * DTypeSize(block.src_dtype);
+  if (block.op == CopyOp::kQuantize) {
+    uint8_t* codes = reinterpret_cast<uint8_t*>(it.dst) + r0 * it.dst_stride[2] + c0;
+    QuantizeRegion(block, src, codes, it.dst_stride[2], nullptr, 0);
+  } else {
+    std::byte* scale = reinterpret_cast<std::byte*>(it.dst) + (bi * it.dst_stride[2] + bj) * DTypeSize(block.dst_dtype);
+    QuantizeRegion(block, src, nullptr, 0, scale, 0);
+  }
+}
+
+}  // namespace
 
 void RunCopyWorkOnHost(const CopyWork& work) {
   // Unit by unit, exactly as the kernel decodes them.
   for (size_t i = 0; i < work.items.size(); ++i) {
     const CopyItem& it = work.items[i];
+    if (it.Quantizes()) {
+      for (int64_t u = 0; u < it.Units(); ++u) QuantizeUnitOnHost(it, u);
+      continue;
+    }
     const int ss = DTypeSize(static_cast<DType>(it.src_dtype));
     const int ds = DTypeSize(static_cast<DType>(it.dst_dtype));
     for (int64_t u = 0; u < it.Units(); ++u) {

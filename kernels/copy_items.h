@@ -3,9 +3,19 @@
 //
 // An item copies `inner` contiguous elements, repeated over up to three strided loops, from `src`
 // to `dst`, converting src_dtype to dst_dtype. Packing a message writes its descriptors one after
-// another into staging at the wire dtype; unpacking reads them back in the same order. The work
-// is cut into units (one run, or a segment of a long run) so that one launch balances thousands
-// of items of any size.
+// another into staging at the wire dtype (d.WireBytes() each); unpacking reads them back in the
+// same order. The work is cut into units (one run, or a segment of a long run) so that one launch
+// balances thousands of items of any size.
+//
+// Quantizing items (op kQuantize or kScale, plan/plan.h; the arithmetic of plan/fp8_block.h) read
+// a [count[2], inner] region of a 2-D weight, rows src_stride[2] apart, cut into blocks of
+// block_rows x block_cols (the last block row and column partial): one unit per block, a block
+// never split. kQuantize writes the block's e4m3 codes at dst, rows dst_stride[2] bytes apart;
+// kScale writes its scale (fp32 for block fp8, an e8m0 byte for MXFP8) into a row-major grid at
+// dst, block rows dst_stride[2] scales apart. Pack items of a message write codes (rows packed)
+// or the packed grid into staging; direct items write them into the destination tensors.
+// Unpacking either is a plain copy item (codes byte by byte, the grid's rows into the scale
+// tensor's), as plan/host_copy.h's UnpackMessage does.
 #pragma once
 
 #include <cstdint>
@@ -23,13 +33,25 @@ struct CopyItem {
   int64_t count[kMaxOuterDims] = {1, 1, 1};  // loops, outermost first (padded with 1)
   int64_t src_stride[kMaxOuterDims] = {0, 0, 0};  // in elements
   int64_t dst_stride[kMaxOuterDims] = {0, 0, 0};
-  int64_t segment = 0;   // elements per work unit within a run
-  int64_t segments = 0;  // work units per run
+  int64_t segment = 0;   // elements per work unit within a run (quantizing: block_cols)
+  int64_t segments = 0;  // work units per run (quantizing: blocks per block row)
   uint8_t src_dtype = 0;
   uint8_t dst_dtype = 0;
-  int64_t Units() const { return count[0] * count[1] * count[2] * segments; }
+  uint8_t op = 0;            // CopyOp: kCopy, or quantizing (kQuantize, kScale)
+  uint8_t quant_format = 0;  // QuantFormat of a quantizing item (kCopyItemMxfp8: MXFP8)
+  uint16_t block_rows = 0;   // quantizing: the block
+  uint16_t block_cols = 0;
+  bool Quantizes() const { return op != static_cast<uint8_t>(CopyOp::kCopy); }
+  // Block rows of a quantizing item's region.
+  int64_t BlockRowsOfRegion() const { return block_rows == 0 ? 0 : (count[2] + block_rows - 1) / block_rows; }
+  int64_t Units() const {
+    return Quantizes() ? BlockRowsOfRegion() * segments : count[0] * count[1] * count[2] * segments;
+  }
 };
 static_assert(sizeof(CopyItem) == 112 + 8, "CopyItem is shared with the kernels: keep it plain");
+
+// QuantFormat::kMxfp8 (plan/layout.h, which the kernels do not include).
+inline constexpr uint8_t kCopyItemMxfp8 = 2;
 
 struct CopyWork {
   std::vector<CopyItem> items;
@@ -61,7 +83,8 @@ void AppendWork(const CopyWork& more, CopyWork& w);
 CopyWork DirectWork(const Plan& plan, const Message& m, const BufferAddresses& src,
                     const BufferAddresses& dst, int64_t segment_bytes = 16384);
 
-// The CPU twin of the kernels: runs the items on host memory (addresses are host pointers).
+// The CPU twin of the kernels: runs the items on host memory (addresses are host pointers);
+// quantizing units through plan/host_copy.h's QuantizeRegion, one block each.
 void RunCopyWorkOnHost(const CopyWork& work);
 
 }  // namespace refit

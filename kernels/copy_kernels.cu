@@ -97,12 +97,114 @@ __device__ __forceinline__ void WarpCopyBytes(const unsigned char* s, unsigned c
   }
 }
 
-// One work unit resolved: `n` elements from s (src dtype) to d (dst dtype).
+// One work unit resolved: `n` elements from s (src dtype) to d (dst dtype). A quantizing unit is
+// one block: n = block rows << 32 | block cols, its first element at s (rows ss elements apart),
+// its codes at d (rows ds bytes apart) or its scale at d.
 struct Unit {
   uint64_t s = 0, d = 0;
   int64_t n = 0;
-  uint32_t dtypes = 0;  // src dtype | dst dtype << 8
+  uint32_t dtypes = 0;  // src dtype | dst dtype << 8 | op << 16 | quant format << 24
+  int64_t ss = 0, ds = 0;
 };
+
+// ---- Quantization: the arithmetic of plan/fp8_block.cc, bit for bit. ----
+
+// FloatToE4M3 (plan/fp8_block.cc), ported line by line: round to nearest even on the exact fp32
+// value, saturating to +-448 (inf too; 464 is 448), NaN -> 0x7f / 0xff with its sign, the sign of
+// a zero result kept. Integer code rather than __nv_cvt_float_to_fp8, whose NaN sign and
+// behaviour in [448, 464] the CPU reference would have to be checked against.
+__device__ __forceinline__ uint8_t FloatToE4M3(float value) {
+  const uint32_t u = __float_as_uint(value);
+  const uint8_t sign = static_cast<uint8_t>((u >> 24) & 0x80);
+  const uint32_t a = u & 0x7FFFFFFFu;
+  if (a > 0x7F800000u) return sign | 0x7F;   // NaN
+  if (a >= 0x43E00000u) return sign | 0x7E;  // >= 448 and inf: saturate
+  const uint32_t exp = a >> 23;
+  if (exp < 121) {
+    if (exp < 117) return sign;  // below 2^-10: rounds to zero (fp32 subnormals included)
+    const uint32_t mant = (a & 0x7FFFFFu) | 0x800000u;
+    const uint32_t shift = 141 - exp;  // 21..24
+    uint32_t q = mant >> shift;
+    const uint32_t rest = mant & ((1u << shift) - 1);
+    const uint32_t half = 1u << (shift - 1);
+    if (rest > half || (rest == half && (q & 1))) ++q;
+    return sign | static_cast<uint8_t>(q);
+  }
+  uint32_t v = a >> 20;
+  const uint32_t rest = a & 0xFFFFFu;
+  if (rest > 0x80000u || (rest == 0x80000u && (v & 1))) ++v;
+  return sign | static_cast<uint8_t>(v - (120u << 3));
+}
+
+// BlockFp8Scale: amax / 448 by IEEE division (not a reciprocal), raised to FLT_MIN; 1 for 0.
+__device__ __forceinline__ float BlockFp8Scale(float amax) {
+  if (amax == 0.0f) return 1.0f;
+  const float scale = __fdiv_rn(amax, 448.0f);
+  const float kMin = __uint_as_float(0x00800000u);  // 2^-126
+  return scale < kMin ? kMin : scale;
+}
+
+// Mxfp8ScaleCode: floor(log2(amax)) from the bits, minus 8, clamped to -127; 127 for 0.
+__device__ __forceinline__ uint8_t Mxfp8ScaleCode(float amax) {
+  if (amax == 0.0f) return 127;
+  const uint32_t u = __float_as_uint(amax) & 0x7FFFFFFFu;
+  const int floor_log2 = (u >> 23) != 0 ? static_cast<int>(u >> 23) - 127 : (31 - __clz(u)) - 149;
+  const int shared_exp = max(floor_log2 - 8, -127);
+  return static_cast<uint8_t>(shared_exp + 127);
+}
+
+// E8M0ToFloat for the codes Mxfp8ScaleCode makes (0..254): 2^(code - 127), 2^-127 a subnormal.
+__device__ __forceinline__ float E8M0ToFloat(uint8_t code) {
+  return code == 0 ? __uint_as_float(0x00400000u) : __uint_as_float(static_cast<uint32_t>(code) << 23);
+}
+
+// Whether element bits of a float dtype (bf16, fp16, fp32) are a NaN; SignBit: their sign as e4m3's.
+__device__ __forceinline__ bool IsNanBits(uint32_t u, uint8_t dtype) {
+  switch (static_cast<DType>(dtype)) {
+    case DType::kBF16: return (u & 0x7FFFu) > 0x7F80u;
+    case DType::kF16: return (u & 0x7FFFu) > 0x7C00u;
+    default: return (u & 0x7FFFFFFFu) > 0x7F800000u;
+  }
+}
+
+__device__ __forceinline__ uint8_t SignBit(uint32_t u, int size) { return (u >> (8 * size - 1)) & 1 ? 0x80 : 0; }
+
+// A warp quantizes one block of nr x nc elements at s (rows ss elements apart): the max of |x|
+// over its finite elements, reduced across the lanes (max is exact and order-free), the block's
+// scale, then kQuantize: the codes e4m3(x / scale) at d (rows ds bytes apart), a NaN encoded from
+// its own bits (sign kept), not divided; kScale: the scale at d (fp32 bits, or an e8m0 byte).
+__device__ __forceinline__ void QuantizeUnit(const unsigned char* s, unsigned char* d, int nr, int nc, int64_t ss,
+                                             int64_t ds, uint8_t sdt, uint8_t op, uint8_t format, int lane) {
+  const int size = Size(sdt);
+  float amax = 0.0f;
+  for (int r = 0; r < nr; ++r) {
+    const unsigned char* row = s + r * ss * size;
+    for (int c = lane; c < nc; c += 32) {
+      const float a = fabsf(BitsToFloat(LoadBits(row + c * size, size), sdt));
+      if (isfinite(a) && a > amax) amax = a;
+    }
+  }
+  for (int o = 16; o > 0; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xFFFFFFFFu, amax, o));
+  const bool mx = format == kCopyItemMxfp8;
+  const uint8_t code = mx ? Mxfp8ScaleCode(amax) : 0;
+  const float scale = mx ? E8M0ToFloat(code) : BlockFp8Scale(amax);
+  if (op == static_cast<uint8_t>(CopyOp::kScale)) {
+    if (lane == 0) {
+      if (mx) *d = code;
+      else StoreBits(__float_as_uint(scale), d, 4);
+    }
+    return;
+  }
+  for (int r = 0; r < nr; ++r) {
+    const unsigned char* row = s + r * ss * size;
+    unsigned char* out = d + r * ds;
+    for (int c = lane; c < nc; c += 32) {
+      const uint32_t bits = LoadBits(row + c * size, size);
+      out[c] = IsNanBits(bits, sdt) ? (SignBit(bits, size) | 0x7F)
+                                    : FloatToE4M3(__fdiv_rn(BitsToFloat(bits, sdt), scale));
+    }
+  }
+}
 
 __device__ __forceinline__ Unit Resolve(const CopyItem* items, const int64_t* unit_begin, int n_items, int64_t u) {
   int lo = 0, hi = n_items - 1;
@@ -112,6 +214,23 @@ __device__ __forceinline__ Unit Resolve(const CopyItem* items, const int64_t* un
   }
   const CopyItem& it = items[lo];
   const int64_t local = u - unit_begin[lo];
+  if (it.op != static_cast<uint8_t>(CopyOp::kCopy)) {
+    // Block (bi, bj) of the region.
+    const int64_t bi = local / it.segments, bj = local % it.segments;
+    const int64_t r0 = bi * it.block_rows, c0 = bj * it.block_cols;
+    const int64_t nr = min(static_cast<int64_t>(it.block_rows), it.count[2] - r0);
+    const int64_t nc = min(static_cast<int64_t>(it.block_cols), it.inner - c0);
+    Unit unit;
+    unit.n = nr << 32 | nc;
+    unit.s = it.src + (r0 * it.src_stride[2] + c0) * Size(it.src_dtype);
+    unit.d = it.op == static_cast<uint8_t>(CopyOp::kQuantize) ? it.dst + r0 * it.dst_stride[2] + c0
+                                                               : it.dst + (bi * it.dst_stride[2] + bj) * Size(it.dst_dtype);
+    unit.ss = it.src_stride[2];
+    unit.ds = it.dst_stride[2];
+    unit.dtypes = it.src_dtype | (static_cast<uint32_t>(it.dst_dtype) << 8) | (static_cast<uint32_t>(it.op) << 16) |
+                  (static_cast<uint32_t>(it.quant_format) << 24);
+    return unit;
+  }
   const int64_t seg = local % it.segments;
   int64_t run = local / it.segments;
   const int64_t c = run % it.count[2];
@@ -163,6 +282,15 @@ __global__ void CopyItemsKernel(const CopyItem* items, const int64_t* unit_begin
       const uint64_t d = __shfl_sync(0xFFFFFFFFu, static_cast<unsigned long long>(mine.d), j);
       const int64_t n = __shfl_sync(0xFFFFFFFFu, static_cast<long long>(mine.n), j);
       const uint32_t dtypes = __shfl_sync(0xFFFFFFFFu, mine.dtypes, j);
+      if (((dtypes >> 16) & 0xFF) != 0) {  // a quantizing unit (op != kCopy): one block, this warp alone
+        const int64_t ss = __shfl_sync(0xFFFFFFFFu, static_cast<long long>(mine.ss), j);
+        const int64_t ds = __shfl_sync(0xFFFFFFFFu, static_cast<long long>(mine.ds), j);
+        QuantizeUnit(reinterpret_cast<const unsigned char*>(s), reinterpret_cast<unsigned char*>(d),
+                     static_cast<int>(n >> 32), static_cast<int>(n & 0xFFFFFFFF), ss, ds,
+                     static_cast<uint8_t>(dtypes & 0xFF), static_cast<uint8_t>((dtypes >> 16) & 0xFF),
+                     static_cast<uint8_t>(dtypes >> 24), lane);
+        continue;
+      }
       CopyUnit(reinterpret_cast<const unsigned char*>(s), reinterpret_cast<unsigned char*>(d), n,
                static_cast<uint8_t>(dtypes & 0xFF), static_cast<uint8_t>(dtypes >> 8), lane);
     }

@@ -3,6 +3,10 @@
 // bf16, fp16 and fp32 on the way. Each warp takes batches of work units (a run, or a segment of a
 // long run) in turn, its lanes resolving a batch's units at once; same-dtype runs move in 16-byte
 // loads and stores when both ends are aligned.
+// Quantizing items (fp8 on the way, kQuantize / kScale) share the launch: a warp takes a whole
+// block as one unit (amax over its finite elements reduced across the lanes, the block's scale,
+// then the e4m3 codes or the scale), with the arithmetic of plan/fp8_block.h bit for bit
+// (__fdiv_rn, FloatToE4M3 ported as integer code, NaN encoded from its own bits).
 #pragma once
 
 #include <cuda_runtime.h>

@@ -41,8 +41,11 @@ struct PairKey {
 
 }  // namespace
 
+// Never a quantizing descriptor (kQuantize, kScale): its wire bytes are codes or scales its pack
+// step computes, not its source's bytes, even where the dtypes match (an fp32 source's fp32
+// scales) and both ends look contiguous (a one-row region).
 bool IsZeroCopy(const CopyDescriptor& d, int64_t min_bytes) {
-  return d.src_dtype == d.dst_dtype && d.WireBytes() >= min_bytes && Contiguous(d, d.src_stride) &&
+  return !d.Quantizes() && d.src_dtype == d.dst_dtype && d.WireBytes() >= min_bytes && Contiguous(d, d.src_stride) &&
          Contiguous(d, d.dst_stride);
 }
 

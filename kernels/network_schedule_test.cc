@@ -9,6 +9,9 @@
 #include <set>
 
 #include "kernels/test_plans.h"
+#include "plan/planner.h"
+#include "plan/test_layouts.h"
+#include "plan/validate.h"
 #include "plan/verify.h"
 
 namespace refit {
@@ -26,11 +29,11 @@ int32_t RankOf(const Plan& plan, int32_t node, int32_t gpu) {
   return -1;
 }
 
-absl::StatusOr<Cluster> Build(TestRun& run, int64_t budget, int64_t zero_copy_min, int32_t max_depth,
-                              int64_t step_bytes = 0) {
+absl::StatusOr<Cluster> Build(const Plan& plan, const BufferAddresses& src, const BufferAddresses& dst, int64_t budget,
+                              int64_t zero_copy_min, int32_t max_depth, int64_t step_bytes = 0) {
   Cluster c;
   std::set<int32_t> nodes;
-  for (const PlanGpu& g : run.t.plan.gpus) nodes.insert(g.node);
+  for (const PlanGpu& g : plan.gpus) nodes.insert(g.node);
   c.staging.reserve(64);
   for (int32_t node : nodes) {
     ScheduleOptions options;
@@ -41,9 +44,9 @@ absl::StatusOr<Cluster> Build(TestRun& run, int64_t budget, int64_t zero_copy_mi
     options.segment_bytes = 64;
     options.step_bytes = step_bytes;
     auto s = BuildNodeSchedule(
-        run.t.plan, options,
+        plan, options,
         [&](int32_t) -> absl::StatusOr<std::pair<BufferAddresses, BufferAddresses>> {
-          return std::make_pair(run.src.addresses(), run.got.addresses());
+          return std::make_pair(src, dst);
         },
         [&](int32_t, int64_t bytes) -> absl::StatusOr<uint64_t> {
           REQUIRE(bytes <= budget);
@@ -55,6 +58,11 @@ absl::StatusOr<Cluster> Build(TestRun& run, int64_t budget, int64_t zero_copy_mi
     c.nodes[node] = *std::move(s);
   }
   return c;
+}
+
+absl::StatusOr<Cluster> Build(TestRun& run, int64_t budget, int64_t zero_copy_min, int32_t max_depth,
+                              int64_t step_bytes = 0) {
+  return Build(run.t.plan, run.src.addresses(), run.got.addresses(), budget, zero_copy_min, max_depth, step_bytes);
 }
 
 void Execute(const Plan& plan, Cluster& c) {
@@ -175,6 +183,84 @@ TEST_CASE("a staging budget below one step is refused with what to change") {
   auto c = Build(run, region - 1, int64_t{1} << 40, 4);
   REQUIRE(c.status().code() == absl::StatusCode::kFailedPrecondition);
   CHECK_THAT(std::string(c.status().message()), Catch::Contains("--staging-bytes"));
+}
+
+TEST_CASE("a quantizing descriptor is never zero-copy, though its dtypes match and its ends are contiguous") {
+  CopyDescriptor d;  // the scales of a one-row fp32 region: fp32 to fp32, contiguous at both ends
+  d.op = CopyOp::kScale;
+  d.quant_format = static_cast<uint8_t>(QuantFormat::kBlockFp8);
+  d.block_rows = d.block_cols = 128;
+  d.src_dtype = d.dst_dtype = DType::kF32;
+  d.outer_rank = 1;
+  d.count[0] = 1;
+  d.inner = 4096;
+  d.src_stride[0] = 4096;
+  d.dst_stride[0] = 32;
+  CHECK_FALSE(IsZeroCopy(d, 1));
+  d.op = CopyOp::kCopy;
+  CHECK(IsZeroCopy(d, 1));  // the same geometry copied is
+  d.op = CopyOp::kQuantize;
+  d.dst_dtype = DType::kF8E4M3;
+  CHECK_FALSE(IsZeroCopy(d, 1));
+}
+
+// fp32 weights into block fp8 across nodes, every descriptor large enough for zero-copy: the
+// one-row tensor's scales (fp32 to fp32, contiguous) must still be computed by the pack step.
+TEST_CASE("fp8 destinations across nodes: quantizing descriptors are packed, the rest zero-copy") {
+  Layout src, dst;
+  testing::AddSplitTensor(src, "row", Dims{1, 4096}, DType::kF32, 1, {0, 4096}, {{0, 0}}, "t");
+  testing::AddSplitTensor(src, "w", Dims{256, 1024}, DType::kF32, 0, {0, 128, 256}, {{0, 0}, {0, 1}}, "t");
+  testing::AddSplitTensor(src, "b", Dims{64, 512}, DType::kF32, 0, {0, 64}, {{0, 1}}, "t");
+  for (const std::string name : {"row", "w"}) {
+    const Quantization q = Quantization::Of(QuantFormat::kBlockFp8, name);
+    const Dims shape = name == "row" ? Dims{1, 4096} : Dims{256, 1024};
+    const int32_t w = dst.AddTensor(name, shape, DType::kF8E4M3);
+    dst.tensors[w].quant = q;
+    const Dims grid{(shape[0] + 127) / 128, shape[1] / 128};
+    const int32_t s = dst.AddTensor(q.scale, grid, DType::kF32);
+    const int32_t worker = dst.workers.empty() ? dst.AddWorker("e0", 1, 0) : 0;
+    const int32_t codes = dst.AddBuffer(worker, name, DType::kF8E4M3, shape);
+    dst.AddPiece(w, Box::Whole(shape), codes, Box::Whole(shape));
+    const int32_t scales = dst.AddBuffer(worker, q.scale, DType::kF32, grid);
+    dst.AddPiece(s, Box::Whole(grid), scales, Box::Whole(grid));
+  }
+  testing::AddSplitTensor(dst, "b", Dims{64, 512}, DType::kF32, 0, {0, 64}, {{1, 0}}, "e");
+  REQUIRE(ValidateLayout(src, "source").ok());
+  REQUIRE(ValidateLayout(dst, "destination").ok());
+  auto plan = MakePlan(src, dst, PlanOptions{});
+  INFO(plan.status().message());
+  REQUIRE(plan.ok());
+  int64_t quantizing = 0, same_dtype_contiguous_scales = 0;
+  for (const CopyDescriptor& d : plan->descriptors) {
+    quantizing += d.Quantizes();
+    CopyDescriptor as_copy = d;
+    as_copy.op = CopyOp::kCopy;
+    same_dtype_contiguous_scales += d.op == CopyOp::kScale && IsZeroCopy(as_copy, 8);
+    CHECK_FALSE((d.Quantizes() && IsZeroCopy(d, 1)));
+  }
+  REQUIRE(quantizing > 0);
+  REQUIRE(same_dtype_contiguous_scales > 0);  // the case that used to travel zero-copy
+  HostBuffers in(src), ref(dst), got(dst);
+  const auto ref_scratch = AllocateScratch(*plan, ref.memory);
+  const auto got_scratch = AllocateScratch(*plan, got.memory);
+  const FillSpec spec = MakeFillSpec(src, dst, 3);
+  FillSources(src, spec, in.memory);
+  PoisonDestinations(ref.memory);
+  PoisonDestinations(got.memory);
+  ExecuteOnHost(*plan, in.memory, ref.memory);
+  for (int32_t depth : {1, 2}) {
+    auto c = Build(*plan, in.addresses(), got.addresses(), int64_t{1} << 30, 8, depth);
+    REQUIRE(c.ok());
+    int64_t zero_copied = 0;
+    for (const auto& n : c->nodes) zero_copied += n.bytes_zero_copy;
+    CHECK(zero_copied > 0);  // "b" and nothing quantizing
+    Execute(*plan, *c);
+    for (size_t b = 0; b < dst.buffers.size(); ++b) REQUIRE(ref.storage[b] == got.storage[b]);
+    auto checked = CheckDestinations(src, dst, spec, got.memory);
+    INFO(checked.status().message());
+    REQUIRE(checked.ok());
+    PoisonDestinations(got.memory);
+  }
 }
 
 TEST_CASE("contiguous same-dtype descriptors are zero-copy; strided or cast ones are not") {

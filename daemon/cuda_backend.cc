@@ -69,6 +69,7 @@ struct CudaBackend::Prepared {
     DeviceMemory arrays;   // every item of this GPU, one allocation
     StagingBuffer staging;  // registered with NCCL by the group's communicator where asked
     std::vector<DeviceWork> direct;                     // per stage
+    std::vector<Event> direct_done;                     // per stage: its direct work finished
     std::vector<std::vector<DeviceWork>> pack, unpack;  // per stage, per step
     // Per stage, per step, on the GPU's timeline (events with timing: the round's log says where
     // the time went): pack done (compute), on the wire (comm), off the wire (comm), unpacked.
@@ -595,6 +596,16 @@ absl::StatusOr<CudaBackend::Prepared*> CudaBackend::PreparedFor(Group& g, const 
       Prepared::OnGpu& on = p->gpus[gpu];
       on.direct.resize(kMaxStages);
       works[gpu].push_back({&w, &on.direct[stage]});
+      if (!on.start) {
+        auto e = Event::Create(gpu);
+        if (!e.ok()) return e.status();
+        on.start = *std::move(e);
+      }
+      while (on.direct_done.size() <= static_cast<size_t>(stage)) {
+        auto e = Event::Create(gpu);
+        if (!e.ok()) return e.status();
+        on.direct_done.push_back(*std::move(e));
+      }
     }
     for (const auto& [gpu, steps] : s.steps) {
       Prepared::OnGpu& on = p->gpus[gpu];
@@ -678,6 +689,13 @@ void LogTimeline(const TransferJob& job, const CudaBackend::Prepared& p) {
       float ms = 0;
       return cudaEventElapsedTime(&ms, start, e.get()) == cudaSuccess ? double{ms} : -1.0;
     };
+    // Copies inside the node (one GPU, or peers): when each stage's direct work was done.
+    for (size_t stage = 0; stage < on.direct_done.size(); ++stage) {
+      if (stage >= on.direct.size() || on.direct[stage].n == 0) continue;
+      Logger("data")->info("group \"{}\" round {} GPU {} stage {}: direct copies of {} units done {:.3f} ms after the "
+                           "round's first work", job.group, job.round_id, gpu, stage, on.direct[stage].total_units,
+                           at(on.direct_done[stage]));
+    }
     int steps = 0;
     int64_t bytes = 0;
     double wire = 0, idle = 0, first = -1, last = 0;
@@ -790,6 +808,8 @@ absl::StatusOr<TransferStats> CudaBackend::Transfer(const TransferJob& job) {
       const auto& d = p.gpus.at(gpu).direct[stage];
       REFIT_RETURN_IF_ERROR(guard.Set(gpu));
       REFIT_CUDA_RETURN_IF_ERROR(LaunchCopyItems(d.items, d.units, d.n, d.total_units, g.streams.at(gpu).direct.get()), "copy");
+      REFIT_CUDA_RETURN_IF_ERROR(cudaEventRecord(p.gpus.at(gpu).direct_done[stage].get(), g.streams.at(gpu).direct.get()),
+                                 "cudaEventRecord");
       busy.insert(gpu);
     }
     // Step k: its sends wait for their pack; one NCCL group for every local GPU's operations;

@@ -81,7 +81,9 @@ def overlaps(src, dst):
     return pairs
 
 
-def timed(fn, rounds, warmup):
+def timed(fn, rounds, warmup, idle_s=0.0):
+    """Seconds of fn() per round; ``idle_s``: the GPU left idle that long before each round, as
+    between refit rounds in colocated_bench.sh (clocks may drop while idle)."""
     times = []
     if not torch.cuda.is_available():  # a dry run on a CPU machine
         for i in range(warmup + rounds):
@@ -93,6 +95,8 @@ def timed(fn, rounds, warmup):
     for i in range(warmup + rounds):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         torch.cuda.synchronize()
+        if idle_s:
+            time.sleep(idle_s)
         start.record()
         fn()
         end.record()
@@ -109,6 +113,8 @@ def main():
     ap.add_argument("--rounds", type=int, default=7)
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--label", default="")
+    ap.add_argument("--idle-s", type=float, default=0.0,
+                    help="also time the ceiling after the GPU idled this long (3 rounds)")
     args = ap.parse_args()
     device = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
     _, src_buffers = load(args.source)
@@ -128,6 +134,7 @@ def main():
     b = torch.empty_like(a)
     a.random_(0, 255)
     ceiling = timed(lambda: b.copy_(a), args.rounds, args.warmup)
+    ceiling_idle = timed(lambda: b.copy_(a), 3, 0, idle_s=args.idle_s) if args.idle_s else []
     del a, b
 
     def per_piece():
@@ -147,6 +154,7 @@ def main():
                       "median_ceiling_s": statistics.median(ceiling), "per_piece_s": baseline,
                       "median_per_piece_s": statistics.median(baseline),
                       "ceiling_gbps": nbytes / statistics.median(ceiling) / 1e9,
+                      "ceiling_after_idle_s": ceiling_idle, "idle_s": args.idle_s,
                       "device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu"}))
 
 

@@ -1,0 +1,142 @@
+// The colocated refit's copy kernel alone, on the layouts a refit runs (issue 17): where the
+// transfer phase's time goes when every message stays on one GPU. Plans --src into --dst (every
+// worker on GPU 0), allocates every buffer with cudaMalloc, builds the direct work of each stage
+// as the cuda backend does (DirectWork), and times one launch per stage, warm (medians of
+// --repeat after 3 warm-up runs), against cudaMemcpyAsync of the same bytes in the same run; per
+// --segments value (bytes per work unit). One JSON line per case.
+//   local_copy_bench --src t.json --dst i.json [--repeat 10] [--segments 16384,65536,262144]
+#include <algorithm>
+#include <cstdio>
+#include <cstring>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_split.h"
+#include "kernels/copy_items.h"
+#include "kernels/copy_kernels.h"
+#include "kernels/cuda_check.h"
+#include "plan/planner.h"
+#include "proto/layout_codec.h"
+
+namespace refit {
+namespace {
+
+float TimeMs(cudaStream_t s, const std::function<void()>& fn) {
+  cudaEvent_t a, b;
+  cudaEventCreate(&a);
+  cudaEventCreate(&b);
+  cudaEventRecord(a, s);
+  fn();
+  cudaEventRecord(b, s);
+  cudaEventSynchronize(b);
+  float ms = 0;
+  cudaEventElapsedTime(&ms, a, b);
+  cudaEventDestroy(a);
+  cudaEventDestroy(b);
+  return ms;
+}
+
+float Median(std::vector<float> v) {
+  std::sort(v.begin(), v.end());
+  return v[v.size() / 2];
+}
+
+int Run(const std::string& src_path, const std::string& dst_path, int repeat, const std::vector<int64_t>& segments) {
+  auto src = ReadLayoutFile(src_path, "source");
+  auto dst = ReadLayoutFile(dst_path, "destination");
+  if (!src.ok() || !dst.ok()) {
+    std::fprintf(stderr, "%s\n", std::string((src.ok() ? dst.status() : src.status()).message()).c_str());
+    return 2;
+  }
+  PlanOptions options;
+  options.topology.gpus_per_node = 1;
+  auto plan = MakePlan(*src, *dst, options);
+  if (!plan.ok()) {
+    std::fprintf(stderr, "%s\n", std::string(plan.status().message()).c_str());
+    return 2;
+  }
+  std::vector<std::unique_ptr<DeviceBuffer>> owners;
+  BufferAddresses sa, da;
+  for (const Buffer& b : src->buffers) owners.push_back(std::make_unique<DeviceBuffer>(b.NumBytes())), sa.push_back(owners.back()->address());
+  for (const Buffer& b : dst->buffers) owners.push_back(std::make_unique<DeviceBuffer>(b.NumBytes())), da.push_back(owners.back()->address());
+  for (const ScratchBuffer& b : plan->scratch) owners.push_back(std::make_unique<DeviceBuffer>(b.NumBytes())), da.push_back(owners.back()->address());
+  int64_t bytes = plan->stats.bytes_total;
+  DeviceBuffer a(static_cast<size_t>(bytes)), b(static_cast<size_t>(bytes));
+  cudaStream_t stream;
+  REFIT_CUDA_CHECK(cudaStreamCreate(&stream));
+  for (int64_t segment : segments) {
+    // One work list per stage, every message of it (all local here).
+    struct Stage {
+      std::unique_ptr<DeviceBuffer> items, begin;
+      int n = 0;
+      int64_t units = 0;
+    };
+    std::vector<Stage> stages(kMaxStages);
+    for (int s = 0; s < kMaxStages; ++s) {
+      CopyWork w;
+      w.unit_begin.push_back(0);
+      for (const Message& m : plan->messages) {
+        if (m.stage == s) AppendWork(DirectWork(*plan, m, sa, da, segment), w);
+      }
+      if (w.items.empty()) continue;
+      Stage& st = stages[s];
+      st.items = std::make_unique<DeviceBuffer>(w.items.size() * sizeof(CopyItem));
+      st.begin = std::make_unique<DeviceBuffer>(w.unit_begin.size() * sizeof(int64_t));
+      REFIT_CUDA_CHECK(cudaMemcpy(st.items->get(), w.items.data(), st.items->size(), cudaMemcpyHostToDevice));
+      REFIT_CUDA_CHECK(cudaMemcpy(st.begin->get(), w.unit_begin.data(), st.begin->size(), cudaMemcpyHostToDevice));
+      st.n = static_cast<int>(w.items.size());
+      st.units = w.unit_begin.back();
+    }
+    int64_t units = 0, items = 0;
+    for (const Stage& st : stages) units += st.units, items += st.n;
+    std::vector<float> tk, tc;
+    for (int r = 0; r < repeat + 3; ++r) {
+      const float k = TimeMs(stream, [&] {
+        for (const Stage& st : stages) {
+          if (st.n == 0) continue;
+          REFIT_CUDA_CHECK(LaunchCopyItems(static_cast<CopyItem*>(st.items->get()), static_cast<int64_t*>(st.begin->get()), st.n,
+                                           st.units, stream));
+        }
+      });
+      const float c = TimeMs(stream, [&] {
+        REFIT_CUDA_CHECK(cudaMemcpyAsync(b.get(), a.get(), static_cast<size_t>(bytes), cudaMemcpyDeviceToDevice, stream));
+      });
+      if (r >= 3) tk.push_back(k), tc.push_back(c);
+    }
+    std::printf("{\"bench\":\"local_copy_kernel\",\"src\":\"%s\",\"bytes\":%lld,\"items\":%lld,\"units\":%lld,"
+                "\"segment_bytes\":%lld,\"runs\":%d,\"kernel_ms\":%.4f,\"memcpy_d2d_ms\":%.4f,\"kernel_vs_memcpy\":%.3f}\n",
+                src_path.c_str(), (long long)bytes, (long long)items, (long long)units, (long long)segment, repeat,
+                Median(tk), Median(tc), Median(tc) / Median(tk));
+    std::fflush(stdout);
+  }
+  return 0;
+}
+
+}  // namespace
+}  // namespace refit
+
+int main(int argc, char** argv) {
+  std::string src, dst;
+  int repeat = 10;
+  std::vector<int64_t> segments = {16384};
+  for (int i = 1; i + 1 < argc; i += 2) {
+    const std::string flag = argv[i], value = argv[i + 1];
+    if (flag == "--src") src = value;
+    else if (flag == "--dst") dst = value;
+    else if (flag == "--repeat") repeat = std::max(1, std::atoi(value.c_str()));
+    else if (flag == "--segments") {
+      segments.clear();
+      for (absl::string_view s : absl::StrSplit(value, ',')) {
+        int64_t v = 0;
+        if (absl::SimpleAtoi(s, &v) && v > 0) segments.push_back(v);
+      }
+    }
+  }
+  if (src.empty() || dst.empty() || segments.empty()) {
+    std::fprintf(stderr, "usage: local_copy_bench --src T.json --dst I.json [--repeat N] [--segments B,B,...]\n");
+    return 2;
+  }
+  return refit::Run(src, dst, repeat, segments);
+}

@@ -38,7 +38,9 @@ for p in [os.path.join(REPO, "client", "python"), os.path.join(REPO, "client", "
 
 import torch  # noqa: E402
 
+import fp8ref  # noqa: E402
 import harness  # noqa: E402
+import procs  # noqa: E402
 import refit  # noqa: E402
 import refmodel  # noqa: E402
 
@@ -115,15 +117,21 @@ def compare(tr, en, version):
             rows = (~same).any(dim=1).nonzero().flatten().tolist()
             out[f"tokens_{mode}_first_divergence"] = [(r, int((~same[r]).nonzero()[0])) for r in rows]
     out["tokens_total"] = int(tr["tokens"].numel())
+    if "trainer" in tr:  # an fp8 engine: tr is fp8ref's expectation; how far from the trainer itself
+        out["fp8_quantized"], out["fp8_rel_bound"] = tr["quantized"], tr["rel_bound"]
+        out.update(fp8ref.vs_trainer(tr["trainer"], en))
     return out
 
 
 def run_case(name, config, *, impl="twin", device="cpu", dtype="float32", backend_flags=(), nodes=2,
              trainer_node=0, engine_node=1, trainer_ranks=1, fsdp2=False, experts_style="per_expert",
              bench_rounds=3, warmup=1, prompts_shape=(3, 12), train=(2, 32), baseline_repeat=5,
-             out_dir=None, logf=print):
+             out_dir=None, logf=print, fp8_block=None, fp8_storage=None):
     """Runs one case; returns its result dict (``ok`` and the measurements). Raises nothing for a
-    failed check: the caller asserts on the dict."""
+    failed check: the caller asserts on the dict. ``fp8_block`` (rows, cols): the engine holds its
+    linear weights in block fp8 (fp8ref.Fp8RefModel, codes in ``fp8_storage``); the checks then
+    compare it with fp8ref's expectation (the reference quantization of the trainer's weights, the
+    trainer's model holding them dequantized), and report how far it is from the trainer."""
     result = {"case": name, "config": os.path.basename(config), "impl": impl, "device": device,
               "dtype": dtype, "rounds": [], "ok": False}
     cluster = harness.Cluster(nodes=nodes, daemon_flags=list(backend_flags))
@@ -148,9 +156,17 @@ def run_case(name, config, *, impl="twin", device="cpu", dtype="float32", backen
         tready = [t.recv() for t in trainers]
         result["trainer"] = tready[0]
         spec_path = cluster.write_json(f"{name}-spec.json", tready[0]["spec"])
+        fp8_args = []
+        reference = None
+        if fp8_block:
+            fp8_args = ["--fp8-block", "x".join(str(int(b)) for b in fp8_block)] + \
+                (["--fp8-storage", fp8_storage] if fp8_storage else [])
+            spec = refmodel.ModelSpec(json.load(open(config)), **tready[0]["spec"])
+            reference = fp8ref.Reference(spec, getattr(torch, dtype), fp8_block, device=device)
+            result["fp8"] = {"block": list(fp8_block), "storage": fp8_storage or "default"}
         engine = Proc(cluster, f"{name}-engine", ["engine", "--daemon", cluster.daemons[engine_node].worker_address,
                                                   *common, "--spec", spec_path, "--node", str(engine_node),
-                                                  "--gpu", "0"], env)
+                                                  "--gpu", "0"] + fp8_args, env)
         result["engine"] = engine.recv()
         result["startup_s"] = round(time.monotonic() - t0, 2)
         logf(f"[{name}] ready in {result['startup_s']} s: trainer {tready[0]['bytes']} bytes, "
@@ -186,6 +202,8 @@ def run_case(name, config, *, impl="twin", device="cpu", dtype="float32", backen
             _all(trainers, {"cmd": "eval", "prompts": prompts, "steps": STEPS, "path": tp})
             er = engine.call({"cmd": "eval", "prompts": prompts, "steps": STEPS, "path": ep})
             tr = torch.load(tp)
+            if reference is not None:
+                tr = reference.expectation(tr, prompts, STEPS, procs.greedy)
             en = torch.load(ep) if er.get("served") else None
             os.unlink(tp)
             if en is not None:
@@ -215,6 +233,10 @@ def run_case(name, config, *, impl="twin", device="cpu", dtype="float32", backen
             else:
                 rec["checks"] = compare(tr, en, v)
                 c = rec["checks"]
+                if reference is not None and prev is not None:  # new weights: a stale engine would fail
+                    c["fp8_quantized_changed"] = sum(
+                        not refmodel.bits_equal(tr["weights"][k], prev[1]["weights"][k])
+                        for k in tr["weights"] if fp8ref.QUANTIZED.match(k))
                 ok &= rec["committed"] and er["version"] == v and c["weights_bits_equal"] \
                     and c["logits_vllm_within_tol"] and c["logits_hf_within_tol"]
                 prev = (v, tr, en)
@@ -341,6 +363,8 @@ def main():
     ap.add_argument("--prompts", default="4x16")
     ap.add_argument("--train", default="4x256")
     ap.add_argument("--out", required=True)
+    ap.add_argument("--fp8-block", default="", help="an fp8 engine: block fp8 linear weights, blocks RxC")
+    ap.add_argument("--fp8-storage", default=None, choices=["uint8", "float8"])
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
     results = []
@@ -352,7 +376,9 @@ def main():
                      bench_rounds=args.bench_rounds, warmup=1,
                      prompts_shape=tuple(int(x) for x in args.prompts.split("x")),
                      train=tuple(int(x) for x in args.train.split("x")), out_dir=args.out,
-                     logf=lambda s: print(s, flush=True))
+                     logf=lambda s: print(s, flush=True),
+                     fp8_block=tuple(int(x) for x in args.fp8_block.split("x")) if args.fp8_block else None,
+                     fp8_storage=args.fp8_storage)
         r.pop("logs", None)
         with open(os.path.join(args.out, f"{name}.json"), "w") as f:
             json.dump(r, f, indent=1, default=str)

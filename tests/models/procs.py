@@ -3,7 +3,8 @@
 its node's refitd through refit.Worker and then answers one JSON command a line on stdin with one
 JSON line on stdout (logs go to stderr).
 
-    procs.py engine  --daemon unix:... --config cfg.json --spec spec.json --node 1 --device cpu
+    procs.py engine  --daemon unix:... --config cfg.json --spec spec.json --node 1 --device cpu \
+        [--fp8-block 32x48 [--fp8-storage uint8|float8]]
     procs.py trainer --daemon unix:... --config cfg.json --impl twin|hf [--fsdp2] --device cuda
 
 Engine (refmodel.RefModel, vLLM's parameters; layout from refit.layouts.vllm.engine_worker):
@@ -82,9 +83,18 @@ class Engine:
         self.spec = refmodel.ModelSpec(cfg, **json.load(open(args.spec)))
         self.device = torch.device(args.device)
         dtype = getattr(torch, args.dtype)
-        self.model = refmodel.RefModel(self.spec, dtype=dtype, device=self.device)
-        if self.device.type == "cpu":
-            refit.share_module_(self.model)
+        if args.fp8_block:  # block fp8 linear weights (fp8ref.Fp8RefModel), quantized by the daemons
+            import fp8ref
+            block = [int(x) for x in args.fp8_block.split("x")]
+            self.model = fp8ref.Fp8RefModel(self.spec, dtype=dtype, device=self.device, block=block,
+                                            storage=args.fp8_storage)
+            cfg = dict(cfg, quantization_config={"quant_method": "fp8", "weight_block_size": block})
+            if self.device.type == "cpu":
+                fp8ref.share_module_(self.model)
+        else:
+            self.model = refmodel.RefModel(self.spec, dtype=dtype, device=self.device)
+            if self.device.type == "cpu":
+                refit.share_module_(self.model)
         self.cv = threading.Condition()
         self.paused = False
         self.busy = 0
@@ -94,7 +104,8 @@ class Engine:
         self.bg = None
         ecfg = vllm.EngineConfig.from_hf_config(cfg)
         params = dict(self.model.named_parameters())
-        self.layout = vllm.engine_worker(params, ecfg, node=args.node, gpu=args.gpu, model=args.group)
+        described = self.model.layout_params() if args.fp8_block else params  # uint8 codes: "fp8_e4m3"
+        self.layout = vllm.engine_worker(described, ecfg, node=args.node, gpu=args.gpu, model=args.group)
         self.worker = refit.Worker(args.daemon, args.group, "inference", self.layout, params,
                                    name=self.layout["workers"][0]["name"],
                                    on_prepare=self.on_prepare, on_commit=self.on_commit,
@@ -426,6 +437,9 @@ def main():
     ap.add_argument("--gpu", type=int, default=0)
     ap.add_argument("--lr", type=float, default=1e-3)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--fp8-block", default="", help="engine: block fp8 linear weights, blocks RxC (e.g. 32x48)")
+    ap.add_argument("--fp8-storage", default=None, choices=["uint8", "float8"],
+                    help="engine: the codes' torch dtype (default float8_e4m3fn where torch has it)")
     args = ap.parse_args()
     torch.set_num_threads(int(os.environ.get("REFIT_TORCH_THREADS", "1")))
     (Engine if args.side == "engine" else Trainer)(args).run()

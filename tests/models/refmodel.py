@@ -292,6 +292,12 @@ class RefModel(nn.Module):
 
     # -- forward -------------------------------------------------------------------------------
 
+    def linear_weight(self, module, leaf="weight"):
+        """The weight a linear layer's GEMM uses: the parameter itself (an fp8 engine,
+        tests/models/fp8ref.Fp8RefModel, dequantizes its codes here)."""
+        return getattr(module, leaf)
+
+
     @torch.no_grad()
     def forward(self, ids, mode="vllm", experts_fused_gemm=None):
         """Logits [B, T, vocab] (the real vocabulary) of token ids [B, T]. ``mode``: "vllm" (one
@@ -311,7 +317,7 @@ class RefModel(nn.Module):
             a = layer.self_attn
             r = h
             x = rms_norm(h, layer.input_layernorm.weight, s.eps)
-            w = a.qkv_proj.weight
+            w = self.linear_weight(a.qkv_proj)
             bias = a.qkv_proj.bias if s.qkv_bias else None
             if fused:
                 qkv = F.linear(x, w, bias)
@@ -321,12 +327,13 @@ class RefModel(nn.Module):
                 q, k, v = (F.linear(x, w[i], None if bias is None else bias[i]) for i in sl)
             o = attention(s, q, k, v, cos, sin, mask,
                           a.q_norm.weight if s.qk_norm else None, a.k_norm.weight if s.qk_norm else None)
-            h = r + F.linear(o, a.o_proj.weight, a.o_proj.bias if s.o_bias else None)
+            h = r + F.linear(o, self.linear_weight(a.o_proj), a.o_proj.bias if s.o_bias else None)
             r = h
             x = rms_norm(h, layer.post_attention_layernorm.weight, s.eps)
             m = layer.mlp
             if s.moe:
-                w13, w2, n = m.experts.w13_weight, m.experts.w2_weight, s.moe_intermediate
+                w13, w2 = self.linear_weight(m.experts, "w13_weight"), self.linear_weight(m.experts, "w2_weight")
+                n = s.moe_intermediate
 
                 def expert(e, xe, w13=w13, w2=w2, n=n):
                     if experts_fused_gemm:
@@ -337,13 +344,13 @@ class RefModel(nn.Module):
 
                 y = moe_block(s, x, m.gate.weight, expert)
             else:
-                gu, n = m.gate_up_proj.weight, s.intermediate
+                gu, n = self.linear_weight(m.gate_up_proj), s.intermediate
                 if fused:
                     y = F.linear(x, gu)
                     g, u = y[..., :n], y[..., n:]
                 else:
                     g, u = F.linear(x, gu[:n]), F.linear(x, gu[n:])
-                y = F.linear(F.silu(g) * u, m.down_proj.weight)
+                y = F.linear(F.silu(g) * u, self.linear_weight(m.down_proj))
             h = r + y
         h = rms_norm(h, self.model.norm.weight, s.eps)
         head = self.head_weight()

@@ -42,9 +42,12 @@ def of_tensor(t):
 
 def matches(t, name):
     """Whether tensor or array `t` holds refit dtype `name` (NumPy arrays hold bf16 and fp8 as
-    same-sized unsigned integers, so those match by storage)."""
+    same-sized unsigned integers, so those match by storage; a torch.uint8 tensor holds fp8 as
+    its bytes, as PyTorch before float8 dtypes must)."""
     want = canonical(name)
     if is_torch(t):
+        if str(t.dtype) == "torch.uint8":
+            return want in ("fp8_e4m3", "fp8_e5m2")
         return canonical(t.dtype) == want
     return str(t.dtype) == str(numpy_storage(want)) or _NUMPY_NAMES.get(str(t.dtype)) == want
 

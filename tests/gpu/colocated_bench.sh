@@ -31,6 +31,10 @@ INFER_DTYPE=${INFER_DTYPE:-}
 dtype_flag=(); [ -n "$INFER_DTYPE" ] && dtype_flag=(--dtype "$INFER_DTYPE")
 "${L[@]}" --side inference --tp 2 --gpus-per-node 2 "${dtype_flag[@]}" -o "$RUN/i.json" || fail layout
 peer_t=(); peer_i=(); [ -n "$INFER_DTYPE" ] && peer_t=(--peer-layout "$RUN/i.json") && peer_i=(--peer-layout "$RUN/t.json")
+# WORKER_FLAGS: more sim-worker flags for every worker, e.g. --vmm (buffers in cuMem memory
+# handed over as descriptors, instead of cudaMalloc and CUDA IPC handles).
+read -r -a worker_flags <<<"${WORKER_FLAGS:-}"
+peer_t+=("${worker_flags[@]}"); peer_i+=("${worker_flags[@]}")
 for f in "$RUN/t.json" "$RUN/i.json"; do
   python3 -c 'import json,sys; l=json.load(open(sys.argv[1])); [w.update(node=0, gpu=0) for w in l["workers"]]; json.dump(l, open(sys.argv[1], "w"))' "$f"
 done

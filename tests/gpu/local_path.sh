@@ -48,12 +48,12 @@ for l in sys.stdin:
     d = json.loads(l); d.update(case=sys.argv[1], run=sys.argv[2]); print(json.dumps(d))' "$tag" "$run" >>"$logs/results.jsonl"
   done
   layouts=$(ls -d /tmp/lp-$tag-* 2>/dev/null | head -n 1)
-  if [ -f "$layouts/t.json" ] && [ -x .device/bin/local_copy_bench ]; then
+  if [ "${KERNEL_BENCH:-1}" = 1 ] && [ -f "$layouts/t.json" ] && [ -x .device/bin/local_copy_bench ]; then
     step "kernel_$tag" 240 .device/bin/local_copy_bench --src "$layouts/t.json" --dst "$layouts/i.json" --repeat 10 \
       --segments "${SEGMENTS:-16384,65536,262144}"
     grep '^{' "$logs/kernel_$tag.log" >>"$logs/results.jsonl"
   fi
-  if [ -z "$dtype" ] && [ -f "$layouts/t.json" ]; then
+  if [ "${BASELINE:-1}" = 1 ] && [ -z "$dtype" ] && [ -f "$layouts/t.json" ]; then
     step "baseline_$tag" 300 python3 tests/bench/local_path_bench.py --source "$layouts/t.json" --destination "$layouts/i.json" \
       --rounds 7 --warmup 2 --label "$tag" --idle-s "${IDLE_S:-0}"
     grep '^{' "$logs/baseline_$tag.log" >>"$logs/results.jsonl"

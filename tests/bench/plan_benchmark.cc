@@ -14,6 +14,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "client/cli_flags.h"
+#include "client/fp8_layout.h"
 #include "client/layout_generator.h"
 #include "tests/bench/frontier_cases.h"
 #include "kernels/network_schedule.h"
@@ -60,14 +61,23 @@ int main(int argc, char** argv) {
   flags.Int("repeat", &repeat, "planning runs per case; the median is reported");
   flags.String("configs", &configs, "folder with the models' config.json files");
   flags.Bool("routing", &routing, "topology routing on (--norouting: off)");
+  std::string inference_dtype = "bf16";
+  flags.String("inference-dtype", &inference_dtype,
+               "bf16, or fp8-block: engines load block fp8 (128x128, or the config's weight_block_size), "
+               "quantized on the way (issue 17)");
+  bool expert_parallel_engines = false;
+  flags.Bool("expert-parallel-engines", &expert_parallel_engines,
+             "engines split the routed experts whole over their ranks (vLLM --enable-expert-parallel)");
   flags.Parse(argc, argv);
   if (repeat < 1) flags.Fail("--repeat must be >= 1");
+  if (inference_dtype != "bf16" && inference_dtype != "fp8-block") flags.Fail("--inference-dtype must be bf16 or fp8-block");
 
   // The anchors' configurations (ANCHORS.md): NCCL M2N's NeMo-RL DeepSeek-V3 run, Perplexity's
   // Kimi-K2 256 -> 128 GPUs, and Qwen3-235B as issue 5 names it.
   const std::vector<Case> cases = FrontierCases();
-  for (const Case& c : cases) {
+  for (Case c : cases) {
     if (!only.empty() && c.name != only) continue;
+    c.inference.expert_parallel |= expert_parallel_engines;
     auto text = ReadFile(absl::StrCat(configs, "/", c.config));
     if (!text.ok()) flags.Fail(std::string(text.status().message()));
     auto model = ParseModelConfig(*text);
@@ -80,6 +90,13 @@ int main(int argc, char** argv) {
     const int32_t inference_nodes = (c.inference.World() + per_node - 1) / per_node;
     auto dst = MakeInferenceLayout(*model, c.inference, {per_node, trainer_nodes}, DType::kBF16);
     if (!dst.ok()) flags.Fail(std::string(dst.status().message()));
+    if (inference_dtype == "fp8-block") {
+      Fp8LayoutOptions fp8;
+      if (model->fp8.present) fp8.block_rows = model->fp8.block_rows, fp8.block_cols = model->fp8.block_cols;
+      fp8.modules_to_not_convert = model->fp8.modules_to_not_convert;
+      dst = QuantizeInferenceLayout(*dst, fp8);
+      if (!dst.ok()) flags.Fail(std::string(dst.status().message()));
+    }
     const double t1 = Now();
     if (auto s = ValidateLayout(*src, "source"); !s.ok()) flags.Fail(std::string(s.message()));
     if (auto s = ValidateLayout(*dst, "destination"); !s.ok()) flags.Fail(std::string(s.message()));
@@ -153,7 +170,8 @@ int main(int argc, char** argv) {
         "\"planning_seconds_min\":%.3f,\"planning_seconds_max\":%.3f,\"runs\":%lld,"
         "\"peak_rss_gib\":%.3f,\"routing\":%s,\"gpus_per_node\":%d,\"nic_gbps\":%.1f,\"nvlink_gbps\":%.1f,"
         "\"model_bytes\":%.0f,\"broadcast_network_bytes\":%.0f,\"broadcast_seconds_bound\":%.4f,"
-        "\"max_relay_depth\":%lld,\"executor_predicted_seconds\":%.4f,\"executor_seconds_without_operation_cost\":%.4f}\n",
+        "\"max_relay_depth\":%lld,\"executor_predicted_seconds\":%.4f,\"executor_seconds_without_operation_cost\":%.4f,"
+        "\"inference_dtype\":\"%s\",\"expert_parallel_engines\":%s,\"bytes_before_conversion\":%lld,\"bytes_gathered\":%lld}\n",
         c.name.c_str(), c.trainer.World(), c.inference.World(), (long long)stats.tensors,
         (long long)stats.pieces, (long long)stats.transfers, (long long)stats.messages,
         (long long)stats.bytes_total, (long long)stats.bytes_network, (long long)stats.bytes_nvlink,
@@ -161,7 +179,8 @@ int main(int argc, char** argv) {
         stats.predicted_seconds / stats.lower_bound_seconds, t1 - t0, validate_seconds, median,
         seconds.front(), seconds.back(), (long long)repeat, PeakRssGiB(), routing ? "true" : "false", per_node,
         nic_gbps, nvlink_gbps, model_bytes, broadcast_network_bytes, broadcast_seconds, (long long)max_relay_depth, executor_seconds,
-        executor_seconds_no_ops);
+        executor_seconds_no_ops, inference_dtype.c_str(), c.inference.expert_parallel ? "true" : "false",
+        (long long)stats.bytes_before_conversion, (long long)stats.bytes_gathered);
     std::fflush(stdout);
   }
   return 0;

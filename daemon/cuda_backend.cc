@@ -64,6 +64,7 @@ struct CudaBackend::Prepared {
     const int64_t* units = nullptr;
     int n = 0;
     int64_t total_units = 0;
+    bool spread = false;  // LaunchCopyItems' unit order (direct work only: measured there)
   };
   struct OnGpu {
     DeviceMemory arrays;   // every item of this GPU, one allocation
@@ -658,6 +659,11 @@ absl::StatusOr<CudaBackend::Prepared*> CudaBackend::PreparedFor(Group& g, const 
       d->n = static_cast<int>(w->items.size());
       d->total_units = w->unit_begin.empty() ? 0 : w->unit_begin.back();
     }
+    for (size_t stage = 0; stage < p->gpus[gpu].direct.size(); ++stage) {
+      Prepared::DeviceWork& d = p->gpus[gpu].direct[stage];
+      auto it = p->schedule.stages[stage].direct.find(gpu);
+      if (it != p->schedule.stages[stage].direct.end()) d.spread = SpreadPays(it->second);
+    }
   }
   std::string staging;
   for (const auto& [gpu, bytes] : p->schedule.region_bytes) {
@@ -807,7 +813,8 @@ absl::StatusOr<TransferStats> CudaBackend::Transfer(const TransferJob& job) {
     for (const auto& [gpu, w] : s.direct) {
       const auto& d = p.gpus.at(gpu).direct[stage];
       REFIT_RETURN_IF_ERROR(guard.Set(gpu));
-      REFIT_CUDA_RETURN_IF_ERROR(LaunchCopyItems(d.items, d.units, d.n, d.total_units, g.streams.at(gpu).direct.get()), "copy");
+      REFIT_CUDA_RETURN_IF_ERROR(
+          LaunchCopyItems(d.items, d.units, d.n, d.total_units, g.streams.at(gpu).direct.get(), d.spread), "copy");
       REFIT_CUDA_RETURN_IF_ERROR(cudaEventRecord(p.gpus.at(gpu).direct_done[stage].get(), g.streams.at(gpu).direct.get()),
                                  "cudaEventRecord");
       busy.insert(gpu);

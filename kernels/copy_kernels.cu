@@ -329,20 +329,18 @@ __device__ __forceinline__ void CopyUnit(const unsigned char* s, unsigned char* 
 // need fewer, shorter-lived blocks: beside NCCL's kernels, the 99k-tensor refit on 2 x H200 ran
 // 2.2x faster (docs/BENCHMARKS.md, session 10).
 __global__ void CopyItemsKernel(const CopyItem* items, const int64_t* unit_begin, int n_items,
-                                int64_t total_units, int batch) {
+                                int64_t total_units, int batch, bool spread) {
   const int lane = threadIdx.x & 31;
   const int64_t warp = (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) >> 5;
   const int64_t warps = (static_cast<int64_t>(gridDim.x) * blockDim.x) >> 5;
-  // A batch is `batch` units `warps` apart (unit r + warp + j * warps, j < batch), not `batch`
-  // consecutive ones: the warps running at any moment then work on neighbouring units, and their
-  // accesses stay within a few pages. Consecutive runs per warp spread the resident warps over
-  // gigabytes at once (thousands of distinct pages on each side), and the copies ran at a third
-  // of the copy engine's rate (issue 17).
-  for (int64_t r = 0; r + warp < total_units; r += warps * batch) {
-    const int64_t first = r + warp;
-    const int count = static_cast<int>(min(static_cast<int64_t>(batch), (total_units - 1 - first) / warps + 1));
+  // Each round covers warps * batch units. Consecutive: warp w takes units w * batch + j; spread:
+  // units w + j * warps (the warps running at any moment on neighbouring units).
+  const int64_t step = spread ? warps : 1, warp_step = spread ? 1 : batch;
+  for (int64_t r = 0; r + warp * warp_step < total_units; r += warps * batch) {
+    const int64_t first = r + warp * warp_step;
+    const int count = static_cast<int>(min(static_cast<int64_t>(batch), (total_units - 1 - first) / step + 1));
     Unit mine;
-    if (lane < count) mine = Resolve(items, unit_begin, n_items, first + lane * warps);
+    if (lane < count) mine = Resolve(items, unit_begin, n_items, first + lane * step);
     for (int j = 0; j < count; ++j) {
       const uint64_t s = __shfl_sync(0xFFFFFFFFu, static_cast<unsigned long long>(mine.s), j);
       const uint64_t d = __shfl_sync(0xFFFFFFFFu, static_cast<unsigned long long>(mine.d), j);
@@ -365,8 +363,18 @@ __global__ void CopyItemsKernel(const CopyItem* items, const int64_t* unit_begin
 
 }  // namespace
 
+bool SpreadPays(const CopyWork& work) {
+  int64_t bytes = 0;
+  for (const CopyItem& it : work.items) {
+    const int widest = std::max(DTypeSize(static_cast<DType>(it.src_dtype)), DTypeSize(static_cast<DType>(it.dst_dtype)));
+    bytes += it.inner * it.count[0] * it.count[1] * it.count[2] * widest;
+  }
+  const int64_t units = work.unit_begin.empty() ? 0 : work.unit_begin.back();
+  return units > 0 && bytes / units >= 1024;
+}
+
 cudaError_t LaunchCopyItems(const CopyItem* items, const int64_t* unit_begin, int n_items,
-                            int64_t total_units, cudaStream_t stream) {
+                            int64_t total_units, cudaStream_t stream, bool spread) {
   if (n_items == 0 || total_units == 0) return cudaSuccess;
   constexpr int kThreads = 256;  // 8 warps
   // Units per batch: 1 while there are fewer units than warps to fill the GPU (large runs keep
@@ -376,7 +384,7 @@ cudaError_t LaunchCopyItems(const CopyItem* items, const int64_t* unit_begin, in
   const int64_t batches = (total_units + batch - 1) / batch;
   const int64_t wanted = (batches + 7) / 8;
   const int blocks = static_cast<int>(wanted < 4096 ? wanted : 4096);
-  CopyItemsKernel<<<blocks, kThreads, 0, stream>>>(items, unit_begin, n_items, total_units, batch);
+  CopyItemsKernel<<<blocks, kThreads, 0, stream>>>(items, unit_begin, n_items, total_units, batch, spread);
   return cudaGetLastError();
 }
 

@@ -72,6 +72,7 @@ int Run(const std::string& src_path, const std::string& dst_path, int repeat, co
       std::unique_ptr<DeviceBuffer> items, begin;
       int n = 0;
       int64_t units = 0;
+      bool spread = false;  // as the cuda backend launches it
     };
     std::vector<Stage> stages(kMaxStages);
     for (int s = 0; s < kMaxStages; ++s) {
@@ -88,6 +89,7 @@ int Run(const std::string& src_path, const std::string& dst_path, int repeat, co
       REFIT_CUDA_CHECK(cudaMemcpy(st.begin->get(), w.unit_begin.data(), st.begin->size(), cudaMemcpyHostToDevice));
       st.n = static_cast<int>(w.items.size());
       st.units = w.unit_begin.back();
+      st.spread = SpreadPays(w);
     }
     int64_t units = 0, items = 0;
     for (const Stage& st : stages) units += st.units, items += st.n;
@@ -97,7 +99,7 @@ int Run(const std::string& src_path, const std::string& dst_path, int repeat, co
         for (const Stage& st : stages) {
           if (st.n == 0) continue;
           REFIT_CUDA_CHECK(LaunchCopyItems(static_cast<CopyItem*>(st.items->get()), static_cast<int64_t*>(st.begin->get()), st.n,
-                                           st.units, stream));
+                                           st.units, stream, st.spread));
         }
       });
       const float c = TimeMs(stream, [&] {

@@ -495,8 +495,10 @@ absl::Status Planner::GatherAndQuantize(int32_t w, std::span<const int32_t> src_
       PieceView row_major{0, Dims{u.shape[1], 1}};
       const CopyEnd scratch{&u, row_major, buffer, src_dtype};
       // Stage 0: the block's parts, from the nearest holder of each.
+      int64_t covered = 0;
       src_regions_.ForEachIntersecting(u, [&](size_t r) {
         const Box x = Intersect(u, src_regions_.box(r));
+        covered += x.NumElements();
         std::span<const int32_t> holders = src_regions_.owners(r);
         int32_t from = -1;
         for (int32_t c : holders) {
@@ -518,6 +520,12 @@ absl::Status Planner::GatherAndQuantize(int32_t w, std::span<const int32_t> src_
         LowerCopy(x, from_end, scratch, false, lowered_);
         Append(group);
       });
+      if (covered != u.NumElements()) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            "destination ", DescribePiece(dst_, pieces[0]), ": ", u.NumElements() - covered, " of ",
+            u.NumElements(), " elements of blocks ", u.ToString(), " of quantized tensor \"", wt.name,
+            "\" have no source in the source layout"));
+      }
       // Stage 1, on this GPU: the codes and scales of every piece here that needs them.
       for (int32_t h : pieces) {
         const Piece& hp = dst_.pieces[h];

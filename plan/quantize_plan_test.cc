@@ -262,6 +262,18 @@ TEST_CASE("fp8 layouts: what is refused, and how it is named") {
     AddSplitTensor(dst, "w", Dims{256, 256}, DType::kF8E4M3, 0, {0, 256}, {{0, 0}}, "e");
     CHECK_THAT(refusal(dst), Catch::Contains("declare the destination tensor's quantization"));
   }
+  SECTION("a cut block whose parts the source does not all hold") {
+    // Rows 0:64 and 100:256 only: the block of rows 0:128 is cut and partly missing.
+    Layout src, dst;
+    AddSplitTensor(src, "w", Dims{256, 256}, DType::kBF16, 0, {0, 64}, {{0, 0}}, "t");
+    AddSplitTensor(src, "w", Dims{256, 256}, DType::kBF16, 0, {100, 256}, {{0, 1}}, "u");
+    AddQuantized(dst, "w", Dims{256, 256}, QuantFormat::kBlockFp8, 128, 128, 0, {0, 256}, {{1, 0}}, "e");
+    REQUIRE(ValidateLayout(src, "source").ok());
+    REQUIRE(ValidateLayout(dst, "destination").ok());
+    auto plan = MakePlan(src, dst, {});
+    REQUIRE(!plan.ok());
+    CHECK_THAT(std::string(plan.status().message()), Catch::Contains("have no source") && Catch::Contains("\"w\""));
+  }
   SECTION("MXFP8 with another block") {
     Layout dst;
     AddQuantized(dst, "w", Dims{256, 256}, QuantFormat::kMxfp8, 1, 32, 0, {0, 256}, {{0, 0}}, "e");

@@ -438,9 +438,10 @@ absl::StatusOr<VerifyReport> VerifyOnHost(const Plan& plan, const Layout& source
   const auto start = std::chrono::steady_clock::now();
   VerifyReport report;
   report.bytes_allocated = source.TotalBufferBytes() + destination.TotalBufferBytes();
+  for (const ScratchBuffer& b : plan.scratch) report.bytes_allocated += b.NumBytes();
   if (report.bytes_allocated > max_bytes) {
     return absl::ResourceExhaustedError(absl::StrCat(
-        "verifying on the host needs ", report.bytes_allocated, " bytes for both layouts' buffers;",
+        "verifying on the host needs ", report.bytes_allocated, " bytes for both layouts' buffers and the plan's scratch;",
         " the limit is ", max_bytes, " (raise it with --verify-max-bytes, or scale the model down)"));
   }
   auto allocate = [](const Layout& layout, std::vector<std::unique_ptr<std::byte[]>>& owners) {
@@ -454,7 +455,6 @@ absl::StatusOr<VerifyReport> VerifyOnHost(const Plan& plan, const Layout& source
   std::vector<std::unique_ptr<std::byte[]>> src_owner, dst_owner;
   const BufferMemory src = allocate(source, src_owner);
   BufferMemory dst = allocate(destination, dst_owner);
-  for (const ScratchBuffer& b : plan.scratch) report.bytes_allocated += b.NumBytes();
   const auto scratch = AllocateScratch(plan, dst);
   const FillSpec spec = MakeFillSpec(source, destination, seed);
   FillSources(source, spec, src);

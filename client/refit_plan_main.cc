@@ -103,6 +103,14 @@ int main(int argc, char** argv) {
               Bytes(s.bytes_total).c_str(), Bytes(s.bytes_network).c_str(),
               Bytes(s.bytes_nvlink).c_str(), Bytes(s.bytes_local).c_str(),
               Bytes(s.bytes_forwarded).c_str());
+  if (s.bytes_before_conversion != s.bytes_total) {
+    // Quantized on the way (fp8 engines): what travels against what would at the source dtype.
+    std::printf("converted: %s travel of %s at the source dtypes (%.2f); gathered for blocks cut between sources %s, "
+                "scratch %s\n",
+                Bytes(s.bytes_total).c_str(), Bytes(s.bytes_before_conversion).c_str(),
+                s.bytes_before_conversion > 0 ? static_cast<double>(s.bytes_total) / s.bytes_before_conversion : 0.0,
+                Bytes(s.bytes_gathered).c_str(), Bytes(s.scratch_bytes).c_str());
+  }
   std::printf("busiest NIC: %s\n", Bytes(s.max_nic_bytes).c_str());
   std::printf("time: predicted %s, lower bound %s (ratio %.3f); planned in %s\n",
               Seconds(s.predicted_seconds).c_str(), Seconds(s.lower_bound_seconds).c_str(),

@@ -475,6 +475,36 @@ absl::Status Planner::GatherAndQuantize(int32_t w, std::span<const int32_t> src_
   }
   for (int32_t g : gpus) {
     auto& [boxes, pieces] = by_gpu[g];
+    // A GPU that needs cut blocks for their scales alone would gather whole blocks (up to 64 MiB)
+    // for 4 bytes each: refused; engines keep a weight's scales with its codes.
+    {
+      std::vector<Box> code_boxes, scale_boxes;
+      for (const Missing& m : missing) {
+        if (DstGpu(m.piece) != g) continue;
+        (dst_.pieces[m.piece].tensor == w ? code_boxes : scale_boxes).push_back(m.box);
+      }
+      for (const Box& b : scale_boxes) {
+        std::vector<Box> rest = {b};
+        for (const Box& c : code_boxes) {
+          std::vector<Box> next;
+          for (const Box& r : rest) {
+            for (const Box& q : Subtract(r, c)) next.push_back(q);
+          }
+          rest = std::move(next);
+        }
+        if (!rest.empty()) {
+          int32_t scale_piece = pieces[0];
+          for (int32_t h : pieces) {
+            if (dst_.pieces[h].tensor != w) scale_piece = h;
+          }
+          return absl::InvalidArgumentError(absl::StrCat(
+              "destination ", DescribePiece(dst_, scale_piece), " holds the scales of blocks ", rest[0].ToString(),
+              " of quantized tensor \"", wt.name, "\" without their codes, and no source holds those blocks whole: ",
+              "their scales would need each whole block gathered on that GPU; keep a weight's scales with its codes ",
+              "(as engines do)"));
+        }
+      }
+    }
     std::vector<Box> disjoint;
     for (const Box& b : boxes) {
       std::vector<Box> parts = {b};
@@ -533,7 +563,8 @@ absl::Status Planner::GatherAndQuantize(int32_t w, std::span<const int32_t> src_
         const Box x = codes ? Intersect(u, dst_.tensor_box(hp)) : Intersect(u, ToElements(dst_.tensor_box(hp)));
         if (x.IsEmpty()) continue;
         const int64_t wire = codes ? x.NumElements() : ToBlocks(x).NumElements() * DTypeSize(wt.quant.ScaleDType());
-        const int32_t group = Account(g, g, wire, codes ? x.NumElements() * source_elem_bytes_ : 0, 1);
+        // The gathering counted these elements at the source dtype already.
+        const int32_t group = Account(g, g, wire, 0, 1);
         const CopyEnd to_end{&dst_.tensor_box(hp), ViewOfPiece(dst_, h, 1), hp.buffer, dst_.buffers[hp.buffer].dtype};
         lowered_.clear();
         REFIT_RETURN_IF_ERROR(LowerQuantize(codes ? CopyOp::kQuantize : CopyOp::kScale, x, wt.quant, scratch,

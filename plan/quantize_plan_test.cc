@@ -124,6 +124,7 @@ TEST_CASE("fp8: shards cut inside a block are gathered into scratch and quantize
                {{1, 0}, {1, 1}}, "tp");
   const Plan plan = PlanAndVerify(src, dst);
   CHECK(plan.stats.bytes_gathered == 256 * 256 * 2);
+  CHECK(plan.stats.bytes_before_conversion == 256 * 256 * 2);  // each element once, at bf16
   CHECK(plan.stats.scratch_bytes == 256 * 256 * 2);
   CHECK(plan.scratch.size() == 2);
   // The gathered bf16 crosses the network; codes and scales are made on the engine's GPU.
@@ -273,6 +274,34 @@ TEST_CASE("fp8 layouts: what is refused, and how it is named") {
     auto plan = MakePlan(src, dst, {});
     REQUIRE(!plan.ok());
     CHECK_THAT(std::string(plan.status().message()), Catch::Contains("have no source") && Catch::Contains("\"w\""));
+  }
+  SECTION("two weights sharing one scale tensor") {
+    Layout src, dst;
+    AddSplitTensor(src, "w", Dims{256, 256}, DType::kBF16, 0, {0, 256}, {{0, 0}}, "t");
+    AddSplitTensor(src, "v", Dims{256, 256}, DType::kBF16, 0, {0, 256}, {{0, 0}}, "t");
+    AddQuantized(dst, "w", Dims{256, 256}, QuantFormat::kBlockFp8, 128, 128, 0, {0, 256}, {{1, 0}}, "e");
+    const int32_t v = dst.AddTensor("v", Dims{256, 256}, DType::kF8E4M3);
+    dst.tensors[v].quant = Quantization::Of(QuantFormat::kBlockFp8, "w");  // w's scale
+    const int32_t b = dst.AddBuffer(0, "v", DType::kF8E4M3, Dims{256, 256});
+    dst.AddPiece(v, Box::Whole(Dims{256, 256}), b, Box::Whole(Dims{256, 256}));
+    auto s = ValidateLayout(dst, "destination");
+    REQUIRE(!s.ok());
+    CHECK_THAT(std::string(s.message()), Catch::Contains("name the same scale tensor \"w_scale_inv\""));
+  }
+  SECTION("scales without their codes, of blocks cut between sources") {
+    Layout src, dst;
+    AddSplitTensor(src, "w", Dims{256, 256}, DType::kBF16, 0, {0, 64, 256}, {{0, 0}, {0, 1}}, "t");
+    AddQuantized(dst, "w", Dims{256, 256}, QuantFormat::kBlockFp8, 128, 128, 0, {0, 256}, {{1, 0}}, "e");
+    // Another worker, on another GPU, holds only the scale of block (0, 0).
+    const int32_t worker = dst.AddWorker("scales-only", 1, 1);
+    const int32_t b = dst.AddBuffer(worker, "s", DType::kF32, Dims{1, 1});
+    dst.AddPiece(dst.tensor_index.contains("w_scale_inv") ? dst.tensor_index.at("w_scale_inv") : 1,
+                 Box::FromDims(Dims{0, 0}, Dims{1, 1}), b, Box::Whole(Dims{1, 1}));
+    REQUIRE(ValidateLayout(src, "source").ok());
+    REQUIRE(ValidateLayout(dst, "destination").ok());
+    auto plan = MakePlan(src, dst, {});
+    REQUIRE(!plan.ok());
+    CHECK_THAT(std::string(plan.status().message()), Catch::Contains("without their codes"));
   }
   SECTION("MXFP8 with another block") {
     Layout dst;

@@ -93,9 +93,17 @@ std::string DescribePiece(const Layout& layout, int32_t piece) {
 // pieces that hold whole blocks: an engine loads a block with its one scale, so a piece cut
 // inside a block could not be loaded (vLLM refuses such partitions too).
 absl::Status CheckQuantization(const Layout& layout, absl::string_view side) {
+  absl::flat_hash_map<absl::string_view, absl::string_view> scale_owner;  // scale -> its weight
   for (const LogicalTensor& t : layout.tensors) {
     const Quantization& q = t.quant;
     if (q.format == QuantFormat::kNone) continue;
+    // One scale tensor per weight: two weights writing one would leave it holding whichever
+    // landed last.
+    if (auto [it, added] = scale_owner.emplace(q.scale, t.name); !added) {
+      return Invalid(side, absl::StrCat("tensors ", Quote(it->second), " and ", Quote(t.name),
+                                        " name the same scale tensor ", Quote(q.scale),
+                                        "; each quantized tensor has its own"));
+    }
     const std::string what = absl::StrCat("tensor ", Quote(t.name), " (", QuantFormatName(q.format), ")");
     if (t.dtype != DType::kF8E4M3) {
       return Invalid(side, absl::StrCat(what, " is ", DTypeName(t.dtype), "; a quantized tensor is fp8_e4m3"));

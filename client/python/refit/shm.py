@@ -68,6 +68,8 @@ class SharedArena:
         if dtypes.have_torch():
             import torch
             flat = torch.frombuffer(self._map, dtype=torch.uint8, count=max(nbytes, 1), offset=offset)
+            if name in ("fp8_e4m3", "fp8_e5m2") and not hasattr(torch, "float8_e4m3fn"):
+                return flat[:nbytes].view(shape)  # PyTorch without float8: fp8 held as its bytes
             return flat[:nbytes].view(dtypes.torch_dtype(name)).view(shape)
         import numpy
         return numpy.frombuffer(self._map, dtype=dtypes.numpy_storage(name), count=count,
@@ -114,7 +116,10 @@ def share_module_(module, arena=None):
         if key in seen:  # tied weights stay tied
             t.data = seen[key]
             continue
-        shared = arena.empty(tuple(t.shape), t.dtype)
+        if str(t.dtype) == "torch.uint8":  # fp8 codes held as bytes: copied as bytes, never cast
+            shared = arena.empty(tuple(t.shape), "int8").view(t.dtype)
+        else:
+            shared = arena.empty(tuple(t.shape), t.dtype)
         shared.copy_(t.data)
         seen[key] = shared
         t.data = shared

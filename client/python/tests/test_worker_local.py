@@ -118,6 +118,24 @@ class SharedMemory(unittest.TestCase):
         arena.close()
 
 
+    @unittest.skipIf(torch is None, "needs torch")
+    def test_fp8_codes_held_as_bytes_are_shared_as_bytes(self):
+        # An fp8 engine on a PyTorch without float8 dtypes holds its codes as torch.uint8: shared
+        # as bytes (never cast), and accepted as fp8 storage; an arena gives fp8 tensors of either.
+        m = torch.nn.Module()
+        codes = torch.tensor([[0x7E, 0x01, 0xFF, 0x80]], dtype=torch.uint8)
+        m.w = torch.nn.Parameter(codes.clone(), requires_grad=False)
+        arena = refit.share_module_(m)
+        self.assertEqual(m.w.dtype, torch.uint8)
+        self.assertTrue(torch.equal(m.w.data, codes))
+        self.assertIsNotNone(shm.find_arena(m.w.data_ptr(), 4)[0])
+        self.assertTrue(refit.dtypes.matches(m.w.data, "fp8_e4m3"))
+        t = refit.SharedArena(4096).empty((2, 3), "fp8_e4m3")
+        self.assertEqual(t.element_size(), 1)
+        self.assertTrue(refit.dtypes.matches(t, "fp8_e4m3"))
+        arena.close()
+
+
 class HandleSocket(unittest.TestCase):
     """A stand-in daemon end of the handle socket: what the client sends is what daemon/README.md
     says, and the descriptors arrive in order."""

@@ -24,6 +24,10 @@ class MeteredBackend : public DataBackend {
   absl::StatusOr<int32_t> GpuIndex(const std::string& name) override {
     return inner_->GpuIndex(name);
   }
+  // The inner backend's memory (device memory for cuda): the default would be host memory.
+  absl::StatusOr<std::unique_ptr<MappedBuffer>> AllocateScratch(const Worker& worker, int64_t bytes) override {
+    return inner_->AllocateScratch(worker, bytes);
+  }
   absl::StatusOr<TransferStats> Transfer(const TransferJob& job) override {
     const absl::Time started = absl::Now();
     absl::StatusOr<TransferStats> stats = inner_->Transfer(job);

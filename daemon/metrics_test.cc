@@ -61,6 +61,9 @@ class FakeBackend : public DataBackend {
   }
   void Cancel(const std::string&, int64_t, const std::string&) override {}
   CommunicatorCounts Communicators() const override { return counts_; }
+  absl::StatusOr<std::unique_ptr<MappedBuffer>> AllocateScratch(const Worker&, int64_t) override {
+    return absl::UnimplementedError("fake scratch");  // tells the wrapper's forwarding from the default
+  }
 
  private:
   CommunicatorCounts counts_;
@@ -149,6 +152,8 @@ TEST_CASE("metrics: the metered backend reports each transfer, bytes by link cla
   std::unique_ptr<DataBackend> backend =
       MeterBackend(std::make_unique<FakeBackend>(), metrics->get());
   CHECK(backend->name() == "fake");
+  // The plan's scratch comes from the inner backend (device memory under cuda), not host memory.
+  CHECK(backend->AllocateScratch(Worker{}, 64).status().message() == "fake scratch");
   TransferJob job;
   job.group = "policy";
   REQUIRE(backend->Transfer(job).ok());

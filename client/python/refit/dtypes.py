@@ -2,19 +2,20 @@
 
 ELEMENT_BYTES = {
     "bf16": 2, "fp16": 2, "fp32": 4, "fp8_e4m3": 1, "fp8_e5m2": 1, "int8": 1, "int32": 4, "int64": 8,
+    "e8m0": 1,  # MXFP8's block scales (docs/LAYOUTS.md, "fp8 engines")
 }
 
 # PyTorch's spellings (str(torch.bfloat16) == "torch.bfloat16"), as the daemon also accepts them.
 _TORCH_NAMES = {
     "bfloat16": "bf16", "float16": "fp16", "half": "fp16", "float32": "fp32", "float": "fp32",
     "float8_e4m3fn": "fp8_e4m3", "float8_e5m2": "fp8_e5m2", "int8": "int8", "int32": "int32",
-    "int64": "int64",
+    "int64": "int64", "float8_e8m0fnu": "e8m0",
 }
 
 # NumPy has no bf16 or fp8: those travel as same-sized unsigned integers.
 _NUMPY_NAMES = {"float16": "fp16", "float32": "fp32", "int8": "int8", "int32": "int32", "int64": "int64"}
 _NUMPY_STORAGE = {"bf16": "uint16", "fp16": "float16", "fp32": "float32", "fp8_e4m3": "uint8",
-                  "fp8_e5m2": "uint8", "int8": "int8", "int32": "int32", "int64": "int64"}
+                  "fp8_e5m2": "uint8", "int8": "int8", "int32": "int32", "int64": "int64", "e8m0": "uint8"}
 
 
 def canonical(name):
@@ -47,7 +48,7 @@ def matches(t, name):
     want = canonical(name)
     if is_torch(t):
         if str(t.dtype) == "torch.uint8":
-            return want in ("fp8_e4m3", "fp8_e5m2")
+            return want in ("fp8_e4m3", "fp8_e5m2", "e8m0")
         return canonical(t.dtype) == want
     return str(t.dtype) == str(numpy_storage(want)) or _NUMPY_NAMES.get(str(t.dtype)) == want
 
@@ -56,7 +57,8 @@ def torch_dtype(name):
     import torch
     n = canonical(name)
     attr = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32", "fp8_e4m3": "float8_e4m3fn",
-            "fp8_e5m2": "float8_e5m2", "int8": "int8", "int32": "int32", "int64": "int64"}[n]
+            "fp8_e5m2": "float8_e5m2", "int8": "int8", "int32": "int32", "int64": "int64",
+            "e8m0": "float8_e8m0fnu"}[n]
     if not hasattr(torch, attr):
         raise ValueError(f"this PyTorch ({torch.__version__}) has no {attr}")
     return getattr(torch, attr)

@@ -68,8 +68,11 @@ class SharedArena:
         if dtypes.have_torch():
             import torch
             flat = torch.frombuffer(self._map, dtype=torch.uint8, count=max(nbytes, 1), offset=offset)
-            if name in ("fp8_e4m3", "fp8_e5m2") and not hasattr(torch, "float8_e4m3fn"):
-                return flat[:nbytes].view(shape)  # PyTorch without float8: fp8 held as its bytes
+            if name in ("fp8_e4m3", "fp8_e5m2", "e8m0"):
+                try:
+                    dtypes.torch_dtype(name)
+                except ValueError:  # a PyTorch without this float8 dtype: held as its bytes
+                    return flat[:nbytes].view(shape)
             return flat[:nbytes].view(dtypes.torch_dtype(name)).view(shape)
         import numpy
         return numpy.frombuffer(self._map, dtype=dtypes.numpy_storage(name), count=count,

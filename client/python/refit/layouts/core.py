@@ -83,6 +83,7 @@ _DTYPES = {
     "int8": "int8", "i8": "int8",
     "int32": "int32", "i32": "int32",
     "int64": "int64", "i64": "int64",
+    "e8m0": "e8m0", "float8_e8m0fnu": "e8m0", "fp8_e8m0": "e8m0",
 }
 
 
@@ -98,7 +99,7 @@ def dtype_name(dtype: Any) -> str:
     if name not in _DTYPES:
         raise LayoutError(
             f"dtype {dtype!s} has no layout spelling (bf16, fp16, fp32, fp8_e4m3, fp8_e5m2, int8, "
-            "int32, int64)")
+            "int32, int64, e8m0)")
     return _DTYPES[name]
 
 

@@ -33,18 +33,8 @@ struct PiecesByTensor {
   }
 };
 
-// Volume of the union of boxes (small lists: the destination nodes that need one region).
-int64_t UnionVolume(std::vector<Box>& boxes) {
-  // Usually the same few boxes, needed by many nodes: drop exact repeats first.
-  std::sort(boxes.begin(), boxes.end(), [](const Box& a, const Box& b) {
-    for (int d = 0; d < a.rank; ++d) {
-      if (a.origin[d] != b.origin[d]) return a.origin[d] < b.origin[d];
-      if (a.shape[d] != b.shape[d]) return a.shape[d] < b.shape[d];
-    }
-    return false;
-  });
-  boxes.erase(std::unique(boxes.begin(), boxes.end()), boxes.end());
-  if (boxes.size() == 1) return boxes[0].NumElements();
+// Disjoint boxes covering the union of `boxes` (small lists: quadratic).
+std::vector<Box> Disjoint(const std::vector<Box>& boxes) {
   std::vector<Box> disjoint;
   for (const Box& b : boxes) {
     std::vector<Box> parts = {b};
@@ -58,8 +48,23 @@ int64_t UnionVolume(std::vector<Box>& boxes) {
     }
     disjoint.insert(disjoint.end(), parts.begin(), parts.end());
   }
+  return disjoint;
+}
+
+// Volume of the union of boxes (small lists: the destination nodes that need one region).
+int64_t UnionVolume(std::vector<Box>& boxes) {
+  // Usually the same few boxes, needed by many nodes: drop exact repeats first.
+  std::sort(boxes.begin(), boxes.end(), [](const Box& a, const Box& b) {
+    for (int d = 0; d < a.rank; ++d) {
+      if (a.origin[d] != b.origin[d]) return a.origin[d] < b.origin[d];
+      if (a.shape[d] != b.shape[d]) return a.shape[d] < b.shape[d];
+    }
+    return false;
+  });
+  boxes.erase(std::unique(boxes.begin(), boxes.end()), boxes.end());
+  if (boxes.size() == 1) return boxes[0].NumElements();
   int64_t v = 0;
-  for (const Box& b : disjoint) v += b.NumElements();
+  for (const Box& b : Disjoint(boxes)) v += b.NumElements();
   return v;
 }
 
@@ -505,19 +510,7 @@ absl::Status Planner::GatherAndQuantize(int32_t w, std::span<const int32_t> src_
         }
       }
     }
-    std::vector<Box> disjoint;
-    for (const Box& b : boxes) {
-      std::vector<Box> parts = {b};
-      for (const Box& u : disjoint) {
-        std::vector<Box> rest;
-        for (const Box& p : parts) {
-          for (const Box& q : Subtract(p, u)) rest.push_back(q);
-        }
-        parts = std::move(rest);
-        if (parts.empty()) break;
-      }
-      disjoint.insert(disjoint.end(), parts.begin(), parts.end());
-    }
+    const std::vector<Box> disjoint = Disjoint(boxes);
     const int32_t worker = dst_.buffers[dst_.pieces[pieces[0]].buffer].worker;
     for (const Box& u : disjoint) {
       const int32_t buffer = plan_.first_scratch_buffer + static_cast<int32_t>(plan_.scratch.size());

@@ -15,6 +15,8 @@
 
 namespace refit {
 namespace {
+using testing::AddFlatShard;
+using testing::AddQuantized;
 using testing::AddSplitTensor;
 using testing::EvenSplit;
 using testing::Placement;
@@ -22,56 +24,6 @@ using testing::Placement;
 constexpr int64_t kGiB = int64_t{1} << 30;
 
 int64_t CeilDiv(int64_t a, int64_t b) { return (a + b - 1) / b; }
-
-// A quantized destination tensor split along `dim` at `boundaries` (block multiples): part i on
-// worker prefix+i holds its codes and the scales of its blocks, each in a buffer of its own.
-void AddQuantized(Layout& layout, const std::string& name, Dims shape, QuantFormat format,
-                  int64_t block_rows, int64_t block_cols, int dim,
-                  const std::vector<int64_t>& boundaries, const std::vector<Placement>& placement,
-                  const std::string& prefix) {
-  const Quantization q = Quantization::Of(format, name, block_rows, block_cols);
-  int32_t w = -1, s = -1;
-  for (size_t i = 0; i < layout.tensors.size(); ++i) {
-    if (layout.tensors[i].name == name) w = static_cast<int32_t>(i);
-    if (layout.tensors[i].name == q.scale) s = static_cast<int32_t>(i);
-  }
-  const int64_t block[2] = {q.block_rows, q.block_cols};
-  const Dims grid{CeilDiv(shape[0], block[0]), CeilDiv(shape[1], block[1])};
-  if (w < 0) {
-    w = layout.AddTensor(name, shape, DType::kF8E4M3);
-    layout.tensors[w].quant = q;
-    s = layout.AddTensor(q.scale, grid, q.ScaleDType());
-  }
-  for (size_t i = 0; i + 1 < boundaries.size(); ++i) {
-    const std::string wname = absl::StrCat(prefix, i);
-    int32_t worker = -1;
-    for (size_t k = 0; k < layout.workers.size(); ++k) {
-      if (layout.workers[k].name == wname) worker = static_cast<int32_t>(k);
-    }
-    if (worker < 0) worker = layout.AddWorker(wname, placement[i].node, placement[i].gpu);
-    Box box = Box::Whole(shape);
-    box.origin[dim] = boundaries[i];
-    box.shape[dim] = boundaries[i + 1] - boundaries[i];
-    const int32_t codes = layout.AddBuffer(worker, name, DType::kF8E4M3, box.shape_dims());
-    layout.AddPiece(w, box, codes, Box::Whole(box.shape_dims()));
-    Box blocks = Box::Whole(grid);
-    blocks.origin[dim] = boundaries[i] / block[dim];
-    blocks.shape[dim] = CeilDiv(boundaries[i + 1], block[dim]) - blocks.origin[dim];
-    const int32_t scales = layout.AddBuffer(worker, q.scale, q.ScaleDType(), blocks.shape_dims());
-    layout.AddPiece(s, blocks, scales, Box::Whole(blocks.shape_dims()));
-  }
-}
-
-// An FSDP flat shard: tensor elements [begin, end) in row-major order, in one flat buffer.
-void AddFlatShard(Layout& layout, int32_t tensor, int32_t worker, int64_t begin, int64_t end) {
-  const LogicalTensor& t = layout.tensors[tensor];
-  const int32_t buffer = layout.AddBuffer(worker, absl::StrCat(t.name, "@", begin), t.dtype, Dims{end - begin});
-  int64_t at = 0;
-  for (const Box& b : FlatRangeToBoxes(t.shape, begin, end)) {
-    layout.AddPiece(tensor, b, buffer, Box::FromDims(Dims{at}, Dims{b.NumElements()}));
-    at += b.NumElements();
-  }
-}
 
 Plan PlanAndVerify(Layout& src, Layout& dst, PlanOptions options = {}) {
   auto s = ValidateLayout(src, "source");

@@ -24,4 +24,15 @@ void AddSplitTensor(Layout& layout, const std::string& tensor, Dims shape, DType
                     const std::vector<int64_t>& boundaries,
                     const std::vector<Placement>& placement, const std::string& worker_prefix);
 
+// A quantized destination tensor (LogicalTensor::quant) split along `dim` at `boundaries` (block
+// multiples): part i on worker prefix+i holds its codes and the scales of its blocks, each in a
+// buffer of its own, as engines keep them.
+void AddQuantized(Layout& layout, const std::string& name, Dims shape, QuantFormat format, int64_t block_rows,
+                  int64_t block_cols, int dim, const std::vector<int64_t>& boundaries,
+                  const std::vector<Placement>& placement, const std::string& prefix);
+
+// An FSDP flat shard: tensor elements [begin, end) in row-major order, in one flat buffer of
+// worker `worker`.
+void AddFlatShard(Layout& layout, int32_t tensor, int32_t worker, int64_t begin, int64_t end);
+
 }  // namespace refit::testing

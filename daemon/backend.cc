@@ -6,22 +6,6 @@
 
 namespace refit {
 
-namespace {
-class HostScratch : public MappedBuffer {
- public:
-  explicit HostScratch(int64_t bytes) : bytes_(static_cast<size_t>(bytes)) {}
-  std::span<std::byte> bytes() const override { return {const_cast<std::byte*>(bytes_.data()), bytes_.size()}; }
-
- private:
-  std::vector<std::byte> bytes_;
-};
-}  // namespace
-
-absl::StatusOr<std::unique_ptr<MappedBuffer>> DataBackend::AllocateScratch(const Worker&, int64_t bytes) {
-  if (bytes < 0) return absl::InvalidArgumentError("scratch of negative size");
-  return std::make_unique<HostScratch>(bytes);
-}
-
 absl::StatusOr<std::vector<std::unique_ptr<MappedBuffer>>> DataBackend::MapBuffers(
     const v1::RegisterWorkerRequest& request, std::span<const int64_t> buffer_bytes, std::span<const Fd> fds) {
   std::vector<std::unique_ptr<MappedBuffer>> out;

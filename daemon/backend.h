@@ -83,8 +83,9 @@ class DataBackend {
       const v1::RegisterWorkerRequest& request, std::span<const int64_t> buffer_bytes, std::span<const Fd> fds);
   // Memory for one of the plan's scratch buffers (Plan::scratch: where the block rule gathers
   // the parts of fp8 blocks no source holds whole) on the GPU of destination worker `worker`,
-  // reachable like that worker's buffers. Default: host memory (the host backend).
-  virtual absl::StatusOr<std::unique_ptr<MappedBuffer>> AllocateScratch(const Worker& worker, int64_t bytes);
+  // reachable like that worker's buffers. No default: a backend (or a wrapper) that forgot it
+  // would hand out memory its data plane cannot reach.
+  virtual absl::StatusOr<std::unique_ptr<MappedBuffer>> AllocateScratch(const Worker& worker, int64_t bytes) = 0;
   // This daemon's index of the GPU named `name`, a UUID or PCI bus id (daemon/gpu_ids.h).
   virtual absl::StatusOr<int32_t> GpuIndex(const std::string& name) = 0;
   // Runs this node's messages, in stage order, until every message into this node has landed or

@@ -556,6 +556,22 @@ void HostBackend::ReadLoop(Connection* c) {
   EndReader(c);
 }
 
+namespace {
+class HostScratch : public MappedBuffer {
+ public:
+  explicit HostScratch(int64_t bytes) : bytes_(static_cast<size_t>(bytes)) {}
+  std::span<std::byte> bytes() const override { return {bytes_.data(), bytes_.size()}; }
+
+ private:
+  mutable std::vector<std::byte> bytes_;  // written through bytes(), as a mapping is
+};
+}  // namespace
+
+absl::StatusOr<std::unique_ptr<MappedBuffer>> HostBackend::AllocateScratch(const Worker&, int64_t bytes) {
+  if (bytes < 0) return absl::InvalidArgumentError("scratch of negative size");
+  return std::make_unique<HostScratch>(bytes);
+}
+
 absl::StatusOr<std::unique_ptr<MappedBuffer>> HostBackend::Map(const v1::BufferMemory& memory,
                                                                int64_t bytes) {
   if (!memory.has_shm()) {

@@ -115,6 +115,8 @@ class HostBackend : public DataBackend {
       const v1::RegisterWorkerRequest& request, std::span<const int64_t> buffer_bytes,
       std::span<const Fd> fds) override;
   absl::StatusOr<int32_t> GpuIndex(const std::string& name) override;
+  // Host memory: the host data plane reads and writes it directly.
+  absl::StatusOr<std::unique_ptr<MappedBuffer>> AllocateScratch(const Worker& worker, int64_t bytes) override;
   absl::StatusOr<TransferStats> Transfer(const TransferJob& job) override;
   // Ends a running Transfer of that round with ABORTED(reason); a round not running here is
   // remembered as over, so that its late frames are dropped.

@@ -37,6 +37,9 @@ class FakeBackend : public DataBackend {
     return std::unique_ptr<MappedBuffer>(new FakeBuffer(bytes));
   }
   absl::StatusOr<int32_t> GpuIndex(const std::string&) override { return 0; }
+  absl::StatusOr<std::unique_ptr<MappedBuffer>> AllocateScratch(const Worker&, int64_t) override {
+    return absl::UnimplementedError("fake");
+  }
   absl::StatusOr<TransferStats> Transfer(const TransferJob&) override { return TransferStats{}; }
   void Cancel(const std::string& group, int64_t round_id, const std::string& reason) override {
     absl::MutexLock lock(&mu_);

@@ -188,6 +188,7 @@ class Fleet:
         self.version, self.dirty = {}, {}
         self.coordinator_restarted = False
         self.transfer_s = {}  # group -> a round's transfer, as measured at the start
+        self.timed_groups = ("bulk", "spread")  # whose transfer_s heal() measures (TRANSFER cases)
         self.workers = {}
         self.add_group("policy", "py", 64, POLICY)
         self.add_group("bulk", "cpp", 4, BULK)
@@ -343,6 +344,9 @@ class Round:
 
 class FaultMatrixBase(unittest.TestCase):
     fleet = None
+    fleet_type = Fleet  # what setUp builds (tests/integration/fp8_fault_matrix_test.py: its own)
+    # The victims of matrix_case, by worker name (in the group a case strikes).
+    trainer_victim, engine_victim = TRAINER, ENGINE
 
     @classmethod
     def setUpClass(cls):
@@ -365,7 +369,7 @@ class FaultMatrixBase(unittest.TestCase):
             cls.fleet = None
         for attempt in range(2):
             if cls.fleet is None:
-                cls.fleet = Fleet()
+                cls.fleet = cls.fleet_type()
             self.f = cls.fleet
             self.ctl = self.f.controller()
             try:
@@ -410,7 +414,7 @@ class FaultMatrixBase(unittest.TestCase):
                 self.recovery_round(group, f"the round that verifies {group}", full_speed=False)
                 if self.problems:
                     raise AssertionError("; ".join(self.problems))
-        for group in ("bulk", "spread"):  # a round's transfer, after the engines' first full check
+        for group in f.timed_groups:  # a round's transfer, after the engines' first full check
             if group not in f.transfer_s:
                 f.transfer_s[group] = self.ctl.refit(group, f.next_version(group), timeout=60).transfer_seconds
 
@@ -496,32 +500,44 @@ class FaultMatrixBase(unittest.TestCase):
     # ------------------------------------------------------------------------------------------
     # One case of the matrix.
 
-    def matrix_case(self, fault, target, phase):
+    def wait_inside(self, group, slow, phase, v, marks, rnd):
+        """Returns once `slow` is inside its slow on_prepare or on_commit of round `v` (Python
+        workers say so: "begin-prepare v"); then the fault strikes."""
+        word = "begin-prepare" if phase == "PREPARE" else "begin-commit"
+        try:
+            self.f.wait_line(slow, lambda l: l == f"{word} {v}", 20, marks[slow.key], f"{word} {v}")
+        except AssertionError as e:
+            self.fail(f"round {v} never reached {phase} in {slow.key}: {rnd.describe()}\n{e}")
+        time.sleep(STRIKE_AFTER_S)
+
+    def matrix_case(self, fault, target, phase, group=None):
         f = self.f
-        group = "policy"
-        if phase == "TRANSFER":
-            # A worker's fault: one sender, one receiver, so that the outcome does not depend on
-            # which peer a sender was busy with; a daemon's: two of each, as the others see it.
-            group = "bulk" if target in ("trainer", "engine") else "spread"
+        if group is None:
+            group = "policy"
+            if phase == "TRANSFER":
+                # A worker's fault: one sender, one receiver, so that the outcome does not depend on
+                # which peer a sender was busy with; a daemon's: two of each, as the others see it.
+                group = "bulk" if target in ("trainer", "engine") else "spread"
         members = f.group(group)
         victim_worker = victim_node = None
         if target == "trainer":
-            victim_worker = f.worker(group, TRAINER)
+            victim_worker = f.worker(group, self.trainer_victim)
         elif target == "engine":
-            victim_worker = f.worker(group, ENGINE)
+            victim_worker = f.worker(group, self.engine_victim)
         elif target == "daemon":
             victim_node = NODE
         else:
             victim_node = COORDINATOR
         coordinator = victim_node == COORDINATOR
-        victim_proc = victim_worker.proc if victim_worker else f.daemon(victim_node).proc
         # Who is slow in PREPARE or COMMIT: the victim itself, or an engine of node 3 (for that
         # daemon: its node is inside the phase; for the coordinator: the round waits on node 3).
-        slow = victim_worker or f.worker(group, ENGINE)
+        slow = victim_worker or f.worker(group, self.engine_victim)
         if phase == "PREPARE":
             slow.set_delay(prepare=SLOW_S)
         elif phase == "COMMIT":
             slow.set_delay(commit=SLOW_S)
+        # After set_delay: a C++ worker is restarted to take a delay (its flag).
+        victim_proc = victim_worker.proc if victim_worker else f.daemon(victim_node).proc
         expected = f'worker "{victim_worker.id}"' if victim_worker else f"node {victim_node}"
         innocents = [w.id for w in members if w is not victim_worker]
         # Must the round abort? Yes when the fault shows before any worker is told COMMIT: a
@@ -562,12 +578,7 @@ class FaultMatrixBase(unittest.TestCase):
                 raise unittest.SkipTest(f"the strike would come {time.monotonic() - t_seen:.2f} s after TRANSFERRING, "
                                         f"too late for a {f.transfer_s[group]:.2f} s transfer (machine too slow)")
         else:
-            word = "begin-prepare" if phase == "PREPARE" else "begin-commit"
-            try:
-                f.wait_line(slow, lambda l: l == f"{word} {v}", 20, marks[slow.key], f"{word} {v}")
-            except AssertionError as e:
-                self.fail(f"round {v} never reached {phase} in {slow.key}: {rnd.describe()}\n{e}")
-            time.sleep(STRIKE_AFTER_S)
+            self.wait_inside(group, slow, phase, v, marks, rnd)
         t_strike = time.monotonic()
         victim_proc.send_signal(signal.SIGKILL if fault == "kill" else signal.SIGSTOP)
         t_cont = None
@@ -648,6 +659,11 @@ class FaultMatrixBase(unittest.TestCase):
         if outcome == "COMMITTED":
             wrong = sorted(k for k, t in told.items() if f.workers[k].engine and t != "commit")
             self.check(not wrong, f"the round COMMITTED, yet engines {wrong} were not told so")
+        # The daemons keep serving: none but a killed one is gone.
+        for d in f.cluster.daemons:
+            if not (fault == "kill" and d.node == victim_node):
+                self.check(d.proc.poll() is None, f"daemon {d.node} exited (status {d.proc.returncode}) after the "
+                                                  f"{fault} of the {target} in {phase}: {d.tail(5)}")
         if watch:
             watch.close()
 

@@ -22,7 +22,7 @@ kill -9 of a trainer and of an engine worker during PREPARE (a sim-worker slow b
 TRANSFER, kill -9 of the coordinator during TRANSFER (last: it needs a new cluster). And the scratch:
 rounds aborted mid-TRANSFER one after another, each re-resolving the engine daemon's buffers (an
 engine restarted), leave no scratch behind (RssAnon, with glibc unmapping what is freed); with
-glibc's defaults the freed scratch stays in its arenas (a daemon bug: SCRATCH_RETAINED, skipped).
+glibc's defaults too (the host scratch is mapped memory, unmapped when the plan's buffers go).
 
 Run alone (deadlines of seconds on 2 cores): bazel test //tests/integration:fp8_fault_matrix_test,
 or with the binaries built: python3 tests/integration/fp8_fault_matrix_test.py [-k PATTERN], with
@@ -68,29 +68,10 @@ def rss_anon(pid):
     return int(fields["RssAnon"][0]) * 1024, int(fields["Threads"][0])
 
 
-# Found by these cases (daemon bugs, described where they are used):
-SCRATCH_RETAINED = (
-    "daemon bug: the host backend's scratch, freed, stays in glibc's arenas. HostBackend::AllocateScratch "
-    "(daemon/host_backend.cc) allocates it as a std::vector on the heap; NodeAgent::Transfer (daemon/node_agent.cc) "
-    "allocates a new one at every re-resolution (a worker or the plan changed) and drops the old one with the "
-    "cached Resolved, and nothing asks for a trim (memory_trim.h's RequestTrim is called for large registrations "
-    "only). After the first free, glibc's dynamic mmap threshold puts later multi-MiB scratch on its heaps, which "
-    "are not given back: over 12 rounds aborted mid-TRANSFER (an engine restarted each time), each followed by a "
-    "committed round, the engine daemon's RssAnon went from 15.7 up to 59.1 MiB with a 6 MiB plan scratch (16 "
-    "rounds: up to 78.6 MiB); with the threshold pinned, 15.9 -> 17.7 MiB over 6 (nothing holds the old scratch). Fix: map the host scratch itself "
-    "(mmap/munmap) or RequestTrim when a Resolved holding scratch is released")
-# The intermittent culprit race (kill -9 of the engine daemon in TRANSFER): see fm.INTERMITTENT.
-WRONG_NODE_BLAMED = (
-    "daemon bug, a race: a sending daemon's data plane notices a killed receiver first and its own node is "
-    "blamed. HostBackend::Send (daemon/host_backend.cc) returns \"cannot reach node 3 (...): Connection refused\" "
-    "(its cached stream broke, the fresh connect was refused) without a culprit, and GrpcPeerClient::RunPhase "
-    "(daemon/grpc_peer_client.cc) then blames the node that reported it (the coordinator's own node through "
-    "WithCulpritIfNone(..., NodeCulprit(self)); a remote sender through NodeCulprit(node)) when that failure "
-    "reaches the round driver before node 3's own TRANSFER call fails; the round's culprit is node 0 (innocent), "
-    "while its reason names node 3. Fix: the data plane's failures to reach or send to a peer carry "
-    "NodeCulprit(peer)")
-fm.INTERMITTENT["test_fp8_kill_daemon_in_transfer"] = (
-    r"^the reason names node [0-2], not node 3: .*cannot reach node 3 ", WRONG_NODE_BLAMED)
+# Found by these cases, and fixed: the host backend's scratch, a heap vector, stayed in glibc's
+# arenas once freed (now mapped and unmapped: test_fp8_scratch_rss_bounded_with_default_malloc);
+# a killed receiver was blamed on the sending node whose data plane noticed it first (the data
+# plane's failures to reach a peer now name that peer: test_fp8_kill_daemon_in_transfer).
 
 
 class Fp8Worker(fm.W):
@@ -286,7 +267,6 @@ class Fp8FaultMatrix(fm.FaultMatrixBase):
         self.engine_daemon_malloc(PINNED_MALLOC)
         self.scratch_case(self.f.scratch_bytes, "glibc's mmap threshold pinned")
 
-    @unittest.skip(SCRATCH_RETAINED)
     def test_fp8_scratch_rss_bounded_with_default_malloc(self):
         """Twelve such rounds with glibc's defaults: the engine daemon's RssAnon never grows by more
         than two plans' scratch."""

@@ -12,7 +12,7 @@ static_assert(kCopyItemMxfp8 == static_cast<uint8_t>(QuantFormat::kMxfp8));
 
 int64_t CeilDiv(int64_t a, int64_t b) { return b == 0 ? 0 : (a + b - 1) / b; }
 
-CopyItem ItemFor(const CopyDescriptor& d, int64_t segment_bytes) {
+CopyItem ItemFor(const CopyDescriptor& d) {
   CopyItem it;
   it.inner = d.inner;
   const int pad = kMaxOuterDims - d.outer_rank;
@@ -21,9 +21,6 @@ CopyItem ItemFor(const CopyDescriptor& d, int64_t segment_bytes) {
     it.src_stride[pad + i] = d.src_stride[i];
     it.dst_stride[pad + i] = d.dst_stride[i];
   }
-  const int64_t widest = std::max(DTypeSize(d.src_dtype), DTypeSize(d.dst_dtype));
-  it.segment = std::max<int64_t>(1, segment_bytes / widest);
-  it.segments = (d.inner + it.segment - 1) / it.segment;
   return it;
 }
 
@@ -60,12 +57,6 @@ void Packed(CopyItem& it, int64_t (&stride)[kMaxOuterDims]) {
   stride[0] = it.inner * it.count[2] * it.count[1];
 }
 
-void Append(CopyWork& w, const CopyItem& it) {
-  if (w.unit_begin.empty()) w.unit_begin.push_back(0);
-  w.unit_begin.push_back(w.unit_begin.back() + it.Units());
-  w.items.push_back(it);
-}
-
 uint64_t SourceAddress(const CopyDescriptor& d, const BufferAddresses& src, const BufferAddresses& dst) {
   const BufferAddresses& from = d.src_is_destination ? dst : src;
   return from[d.src_buffer] + static_cast<uint64_t>(d.src_offset * DTypeSize(d.src_dtype));
@@ -75,7 +66,62 @@ uint64_t DestinationAddress(const CopyDescriptor& d, const BufferAddresses& dst)
   return dst[d.dst_buffer] + static_cast<uint64_t>(d.dst_offset * DTypeSize(d.dst_dtype));
 }
 
+// The widest power of two, at most `limit`, dividing x (limit a power of two; x = 0: limit).
+int64_t WidestDividing(uint64_t x, int64_t limit) {
+  int64_t v = limit;
+  while (v > 1 && x % static_cast<uint64_t>(v) != 0) v /= 2;
+  return v;
+}
+
 }  // namespace
+
+void Append(CopyWork& w, const CopyItem& it) {
+  if (w.unit_begin.empty()) w.unit_begin.push_back(0);
+  w.unit_begin.push_back(w.unit_begin.back() + it.Units());
+  w.items.push_back(it);
+}
+
+void CutIntoUnits(CopyItem& it, int64_t segment_bytes) {
+  const int ss = DTypeSize(static_cast<DType>(it.src_dtype)), ds = DTypeSize(static_cast<DType>(it.dst_dtype));
+  const int64_t widest = std::max(ss, ds);
+  it.segment = std::max<int64_t>(1, segment_bytes / widest);
+  it.tiled = it.inner * widest < kTileRunBytes && it.inner > 0;
+  it.vector = 0;
+  if (!it.tiled) {
+    it.segments = CeilDiv(it.inner, it.segment);
+    return;
+  }
+  it.segments = 0;
+  // Every element address of the item is src + (a*s0 + b*s1 + c*s2 + i) * size for i < inner:
+  // an access of V bytes fits every one of them when V divides the base, the run and every
+  // stride that is stepped (count > 1); tiles then start at multiples of V too (segment rounded).
+  uint64_t elems = static_cast<uint64_t>(it.inner);  // element counts that must be multiples of E
+  for (int k = 0; k < kMaxOuterDims; ++k) {
+    if (it.count[k] > 1) elems |= static_cast<uint64_t>(it.src_stride[k]) | static_cast<uint64_t>(it.dst_stride[k]);
+  }
+  if (ss == ds) {
+    // Bytes: src, dst and every element offset times the size.
+    int64_t v = WidestDividing(it.src | it.dst | (elems * static_cast<uint64_t>(ss)), 16);
+    while (v > ss && it.segment % (v / ss) != 0) {
+      if (it.segment >= v / ss) it.segment -= it.segment % (v / ss);
+      else v /= 2;
+    }
+    it.vector = static_cast<uint8_t>(v);
+    return;
+  }
+  // Converting: E elements per access, E * size bytes at each end (at most 16).
+  // 0: element by element in bytes, at addresses that are not multiples of the element size and
+  // for pairs the kernel has no vector code for (conversions are among bf16, fp16 and fp32).
+  const bool pair = (ss == 2 || ss == 4) && (ds == 2 || ds == 4);
+  if (!pair || it.src % static_cast<uint64_t>(ss) != 0 || it.dst % static_cast<uint64_t>(ds) != 0) return;
+  int64_t e = 16 / widest;
+  while (e > 1 && ((it.src / ss) % e != 0 || (it.dst / ds) % e != 0 || elems % e != 0)) e /= 2;
+  while (e > 1 && it.segment % e != 0) {
+    if (it.segment >= e) it.segment -= it.segment % e;
+    else e /= 2;
+  }
+  it.vector = static_cast<uint8_t>(e);
+}
 
 void AppendPackItem(const CopyDescriptor& d, const BufferAddresses& src, const BufferAddresses& dst,
                     uint64_t staging, int64_t segment_bytes, CopyWork& w) {
@@ -86,13 +132,14 @@ void AppendPackItem(const CopyDescriptor& d, const BufferAddresses& src, const B
     w.bytes += d.WireBytes();
     return;
   }
-  CopyItem it = ItemFor(d, segment_bytes);
+  CopyItem it = ItemFor(d);
   const DType wire = d.WireDType();
   it.src = SourceAddress(d, src, dst);
   it.dst = at;
   Packed(it, it.dst_stride);
   it.src_dtype = static_cast<uint8_t>(d.src_dtype);
   it.dst_dtype = static_cast<uint8_t>(wire);
+  CutIntoUnits(it, segment_bytes);
   w.bytes += d.WireBytes();
   Append(w, it);
 }
@@ -109,15 +156,16 @@ void AppendUnpackItem(const CopyDescriptor& d, uint64_t staging, const BufferAdd
     grid.count[0] = GridRows(d);
     grid.dst_stride[0] = d.dst_stride[0];
     grid.src_dtype = grid.dst_dtype = d.dst_dtype;
-    it = ItemFor(grid, segment_bytes);
+    it = ItemFor(grid);
   } else {
-    it = ItemFor(d, segment_bytes);  // kQuantize: the codes byte by byte (wire and dst e4m3)
+    it = ItemFor(d);  // kQuantize: the codes byte by byte (wire and dst e4m3)
   }
   it.src = at;
   Packed(it, it.src_stride);
   it.dst = DestinationAddress(d, dst);
   it.src_dtype = static_cast<uint8_t>(d.WireDType());
   it.dst_dtype = static_cast<uint8_t>(d.dst_dtype);
+  CutIntoUnits(it, segment_bytes);
   w.bytes += d.WireBytes();
   Append(w, it);
 }
@@ -159,11 +207,12 @@ CopyWork DirectWork(const Plan& plan, const Message& m, const BufferAddresses& s
       Append(w, QuantizeItemFor(d, SourceAddress(d, src, dst), DestinationAddress(d, dst), d.dst_stride[0]));
       continue;
     }
-    CopyItem it = ItemFor(d, segment_bytes);
+    CopyItem it = ItemFor(d);
     it.src = SourceAddress(d, src, dst);
     it.dst = DestinationAddress(d, dst);
     it.src_dtype = static_cast<uint8_t>(d.src_dtype);
     it.dst_dtype = static_cast<uint8_t>(d.dst_dtype);
+    CutIntoUnits(it, segment_bytes);
     Append(w, it);
   }
   return w;
@@ -210,20 +259,36 @@ void RunCopyWorkOnHost(const CopyWork& work) {
     }
     const int ss = DTypeSize(static_cast<DType>(it.src_dtype));
     const int ds = DTypeSize(static_cast<DType>(it.dst_dtype));
-    for (int64_t u = 0; u < it.Units(); ++u) {
-      const int64_t seg = u % it.segments;
-      int64_t run = u / it.segments;
+    // Elements [first, first + n) of run (a, b, c) of the item, starting at column `col`.
+    auto copy = [&](int64_t run, int64_t col, int64_t n) {
       const int64_t c = run % it.count[2];
       run /= it.count[2];
       const int64_t b = run % it.count[1];
       const int64_t a = run / it.count[1];
-      const int64_t first = seg * it.segment;
-      const int64_t n = std::min(it.segment, it.inner - first);
-      const int64_t so = a * it.src_stride[0] + b * it.src_stride[1] + c * it.src_stride[2] + first;
-      const int64_t dof = a * it.dst_stride[0] + b * it.dst_stride[1] + c * it.dst_stride[2] + first;
-      ConvertElements(reinterpret_cast<const std::byte*>(it.src) + so * ss,
-                      static_cast<DType>(it.src_dtype), reinterpret_cast<std::byte*>(it.dst) + dof * ds,
-                      static_cast<DType>(it.dst_dtype), n);
+      const int64_t so = a * it.src_stride[0] + b * it.src_stride[1] + c * it.src_stride[2] + col;
+      const int64_t dof = a * it.dst_stride[0] + b * it.dst_stride[1] + c * it.dst_stride[2] + col;
+      ConvertElements(reinterpret_cast<const std::byte*>(it.src) + so * ss, static_cast<DType>(it.src_dtype),
+                      reinterpret_cast<std::byte*>(it.dst) + dof * ds, static_cast<DType>(it.dst_dtype), n);
+    };
+    if (it.tiled) {
+      // Tile u: elements [u * segment, ...) of the flattened index space, run by run.
+      const int64_t total = it.Rows() * it.inner;
+      for (int64_t u = 0; u < it.Units(); ++u) {
+        int64_t first = u * it.segment;
+        int64_t left = std::min(it.segment, total - first);
+        while (left > 0) {
+          const int64_t col = first % it.inner;
+          const int64_t n = std::min(left, it.inner - col);
+          copy(first / it.inner, col, n);
+          first += n;
+          left -= n;
+        }
+      }
+      continue;
+    }
+    for (int64_t u = 0; u < it.Units(); ++u) {
+      const int64_t first = (u % it.segments) * it.segment;
+      copy(u / it.segments, first, std::min(it.segment, it.inner - first));
     }
   }
 }

@@ -250,5 +250,105 @@ TEST_CASE("a quantizing descriptor's pack item writes its wire bytes, not its el
   CHECK(q.items[0].Units() == 6);  // whole blocks, whatever the segment size
 }
 
+// Hand-built items (kernels/test_plans.h): the host twin, unit by unit as the kernel cuts them,
+// against a plain element loop over poisoned destinations: every byte, gaps and neighbours too.
+TEST_CASE("tiled and run items give a plain loop's bytes (odd widths, offsets, strides, tiny items)") {
+  int64_t tiled = 0, runs = 0, vectors[17] = {};
+  for (const ItemCase& c : MakeItemCases(300)) {
+    INFO(c.name << ", segment bytes " << c.segment_bytes);
+    AlignedBytes src(c.src.size(), std::byte{0}), dst(static_cast<size_t>(c.dst_bytes), kPoison);
+    std::memcpy(src.data, c.src.data(), c.src.size());
+    const CopyWork w = ItemCaseWork(c, src.address(), dst.address());
+    for (const CopyItem& it : w.items) {
+      if (it.tiled) {
+        ++tiled;
+        if (it.src_dtype == it.dst_dtype) ++vectors[it.vector];
+        CHECK(it.Units() == CeilDiv(it.Rows() * it.inner, it.segment));
+      } else {
+        ++runs;
+      }
+    }
+    RunCopyWorkOnHost(w);
+    const std::vector<std::byte> want = ReferenceCopy(c);
+    size_t wrong = 0, first = 0;
+    for (size_t i = 0; i < want.size(); ++i) {
+      if (dst.data[i] != want[i] && wrong++ == 0) first = i;
+    }
+    INFO(wrong << " wrong bytes, the first at " << first);
+    REQUIRE(wrong == 0);
+  }
+  // Every path ran: tiles of each access width, and runs.
+  CHECK(runs > 0);
+  for (int v : {1, 2, 4, 8, 16}) CHECK(vectors[v] > 0);
+  WARN(tiled << " tiled items, " << runs << " of runs");
+}
+
+CopyItem Item(DType from, DType to, uint64_t src, uint64_t dst, int64_t inner, int64_t rows, int64_t src_row, int64_t dst_row) {
+  CopyItem it;
+  it.src = src, it.dst = dst, it.inner = inner;
+  it.count[2] = rows;
+  it.src_stride[2] = src_row, it.dst_stride[2] = dst_row;
+  it.src_dtype = static_cast<uint8_t>(from), it.dst_dtype = static_cast<uint8_t>(to);
+  return it;
+}
+
+TEST_CASE("short runs are tiled with the widest access every address allows") {
+  const DType bf16 = DType::kBF16, f32 = DType::kF32;
+  // The 12x Llama-3-8B rows: 341 bf16 columns out of 682, 2-aligned: 2-byte accesses, not bytes.
+  CopyItem it = Item(bf16, bf16, 0x1000, 0x2000, 341, 4096, 682, 341);
+  CutIntoUnits(it, 16384);
+  CHECK(it.tiled);
+  CHECK(it.vector == 2);
+  CHECK(it.segment == 8192);
+  CHECK(it.Units() == CeilDiv(341 * 4096, 8192));  // 171 tiles, not 4096 runs
+  // Rows of 64 bf16, everything 16-aligned: 16-byte accesses.
+  it = Item(bf16, bf16, 0x1000, 0x2000, 64, 256, 128, 64);
+  CutIntoUnits(it, 16384);
+  CHECK(it.vector == 16);
+  // An odd staging address: bytes.
+  it = Item(bf16, bf16, 0x1000, 0x2001, 64, 256, 128, 64);
+  CutIntoUnits(it, 16384);
+  CHECK(it.vector == 1);
+  // A stride that is stepped limits the width; one of a loop of one does not.
+  it = Item(f32, f32, 0x1000, 0x2000, 4, 1, 6, 4);
+  CutIntoUnits(it, 16384);
+  CHECK(it.vector == 16);
+  it.count[2] = 2;
+  CutIntoUnits(it, 16384);
+  CHECK(it.vector == 8);
+  // Converting: elements per access, up to 16 bytes at the wider end; tiles a multiple of them.
+  it = Item(bf16, f32, 0x1000, 0x2000, 96, 10, 96, 96);
+  CutIntoUnits(it, 100);
+  CHECK(it.vector == 4);
+  CHECK(it.segment == 24);
+  it = Item(f32, bf16, 0x1004, 0x2000, 96, 10, 96, 96);
+  CutIntoUnits(it, 16384);
+  CHECK(it.vector == 1);
+  it = Item(f32, bf16, 0x1000, 0x2001, 96, 10, 96, 96);
+  CutIntoUnits(it, 16384);
+  CHECK(it.vector == 0);  // bytes
+  // Tiny tiles (segment 1 element) never straddle an access.
+  it = Item(bf16, bf16, 0x1000, 0x2000, 64, 3, 64, 64);
+  CutIntoUnits(it, 2);
+  CHECK(it.segment == 1);
+  CHECK(it.vector == 2);
+  // Long runs keep units of a run or a segment of one.
+  it = Item(bf16, bf16, 0x1000, 0x2000, kTileRunBytes / 2, 3, kTileRunBytes / 2, kTileRunBytes / 2);
+  CutIntoUnits(it, 16384);
+  CHECK_FALSE(it.tiled);
+  CHECK(it.Units() == 3);
+}
+
+TEST_CASE("99k small tensors' items become far fewer units") {
+  // The shapes of tests/configs/many-small-moe.json's items: 64- and 256-byte rows (66k items of
+  // 256 rows): 16.9 M run units before, one 16 KiB tile each now.
+  CopyItem it = Item(DType::kBF16, DType::kBF16, 0x1000, 0x200000, 32, 256, 64, 32);
+  CutIntoUnits(it, 16384);
+  CHECK(it.Units() == 1);
+  it = Item(DType::kBF16, DType::kBF16, 0x1000, 0x200000, 128, 256, 256, 128);
+  CutIntoUnits(it, 16384);
+  CHECK(it.Units() == 4);
+}
+
 }  // namespace
 }  // namespace refit

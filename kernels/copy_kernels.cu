@@ -51,7 +51,7 @@ __device__ __forceinline__ uint32_t FloatToBits(float v, uint8_t dtype) {
 }
 
 // 8 elements per lane with 16-byte accesses: both ends 16-byte aligned, n a multiple of 8.
-__device__ __forceinline__ void WarpConvertVector(const unsigned char* s, unsigned char* d, int64_t n,
+__device__ __noinline__ void WarpConvertVector(const unsigned char* s, unsigned char* d, int64_t n,
                                                   uint8_t sdt, uint8_t ddt, int ss, int ds, int lane) {
   for (int64_t chunk = lane; chunk < n / 8; chunk += 32) {
     uint32_t in[8], out[8];
@@ -81,43 +81,327 @@ __device__ __forceinline__ int Size(uint8_t dtype) {
          : d == DType::kI64 ? 8 : 1;
 }
 
-// A warp copies `bytes` bytes from s to d.
-__device__ __forceinline__ void WarpCopyBytes(const unsigned char* s, unsigned char* d, int64_t bytes, int lane) {
-  const uint64_t misalign = (reinterpret_cast<uint64_t>(s) | reinterpret_cast<uint64_t>(d));
-  if ((misalign & 15) == 0 && (bytes & 15) == 0) {
-    // Four 16-byte loads in flight per lane before their stores: one at a time (the compiler
-    // cannot move a load above the previous store, which might alias it) kept a colocated 16 GB
-    // refit at 0.34 of the copy engine (issue 17).
-    const uint4* s4 = reinterpret_cast<const uint4*>(s);
-    uint4* d4 = reinterpret_cast<uint4*>(d);
-    const int64_t n = bytes / 16;
-    constexpr int kInFlight = 4;
-    int64_t i = lane;
-    for (; i + (kInFlight - 1) * 32 < n; i += kInFlight * 32) {
-      uint4 r[kInFlight];
+// Accesses of B bytes: the register type, and its 32-bit words (B < 4: one, zero-extended).
+template <int B> struct Access;
+template <> struct Access<16> { using T = uint4; };
+template <> struct Access<8> { using T = uint2; };
+template <> struct Access<4> { using T = uint32_t; };
+template <> struct Access<2> { using T = uint16_t; };
+template <> struct Access<1> { using T = uint8_t; };
+
+template <int B>
+__device__ __forceinline__ void ToWords(const typename Access<B>::T& v, uint32_t* w) {
+  if constexpr (B == 16) w[0] = v.x, w[1] = v.y, w[2] = v.z, w[3] = v.w;
+  else if constexpr (B == 8) w[0] = v.x, w[1] = v.y;
+  else w[0] = v;
+}
+
+template <int B>
+__device__ __forceinline__ typename Access<B>::T FromWords(const uint32_t* w) {
+  if constexpr (B == 16) return make_uint4(w[0], w[1], w[2], w[3]);
+  else if constexpr (B == 8) return make_uint2(w[0], w[1]);
+  else return static_cast<typename Access<B>::T>(w[0]);
+}
+
+// Element i (of S bytes, 2 or 4) of words w, and back.
+template <int S>
+__device__ __forceinline__ uint32_t Element(const uint32_t* w, int i) {
+  if constexpr (S == 4) return w[i];
+  else return (w[i / 2] >> (16 * (i & 1))) & 0xFFFFu;
+}
+
+template <int S>
+__device__ __forceinline__ void SetElement(uint32_t* w, int i, uint32_t bits) {
+  if constexpr (S == 4) w[i] = bits;
+  else if (i & 1) w[i / 2] |= bits << 16;
+  else w[i / 2] = bits;
+}
+
+// ---- Spans: one contiguous run (or a segment of one). ----
+
+// Aligned 16-byte copy of n vectors: four loads in flight per lane before their stores. One at
+// a time (the compiler cannot move a load above the previous store, which might alias it) kept a
+// colocated 16 GB refit at 0.34 of the copy engine (issue 17).
+__device__ __noinline__ void WarpCopy16(const uint4* s4, uint4* d4, int64_t n, int lane) {
+  constexpr int kInFlight = 4;
+  int64_t i = lane;
+  for (; i + (kInFlight - 1) * 32 < n; i += kInFlight * 32) {
+    uint4 r[kInFlight];
 #pragma unroll
-      for (int k = 0; k < kInFlight; ++k) r[k] = s4[i + k * 32];
+    for (int k = 0; k < kInFlight; ++k) r[k] = s4[i + k * 32];
 #pragma unroll
-      for (int k = 0; k < kInFlight; ++k) d4[i + k * 32] = r[k];
-    }
-    for (; i < n; i += 32) d4[i] = s4[i];
-  } else if ((misalign & 3) == 0 && (bytes & 3) == 0) {
-    const uint32_t* s1 = reinterpret_cast<const uint32_t*>(s);
-    uint32_t* d1 = reinterpret_cast<uint32_t*>(d);
-    for (int64_t i = lane; i < bytes / 4; i += 32) d1[i] = s1[i];
-  } else {
-    for (int64_t i = lane; i < bytes; i += 32) d[i] = s[i];
+    for (int k = 0; k < kInFlight; ++k) d4[i + k * 32] = r[k];
   }
+  for (; i < n; i += 32) d4[i] = s4[i];
+}
+
+// 16 bytes from the 32 at lo, hi (little-endian), starting at byte 4 * Q + r / 8.
+template <int Q>
+__device__ __forceinline__ uint4 Shifted(const uint4& lo, const uint4& hi, int r) {
+  const uint32_t w[8] = {lo.x, lo.y, lo.z, lo.w, hi.x, hi.y, hi.z, hi.w};
+  return make_uint4(__funnelshift_r(w[Q], w[Q + 1], r), __funnelshift_r(w[Q + 1], w[Q + 2], r),
+                    __funnelshift_r(w[Q + 2], w[Q + 3], r), __funnelshift_r(w[Q + 3], w[Q + 4], r));
+}
+
+// n 16-byte vectors to aligned d4 from s, which is k = 4 * Q + r / 8 bytes (1..15) past the
+// aligned address `base`: each lane reads the two aligned vectors its 16 bytes straddle and
+// funnel-shifts them. Both aligned vectors hold bytes of the span (k > 0), so nothing is read
+// outside the 16-byte chunks the span touches; the second is the next lane's first, an L1 hit.
+// Without this, a run whose ends differ in alignment fell to byte accesses (1- and 2-byte:
+// FSDP shards start at any element).
+template <int Q>
+__device__ __noinline__ void WarpCopyShifted(const uint4* base, uint4* d4, int64_t n, int r, int lane) {
+  constexpr int kInFlight = 4;
+  for (int64_t i0 = lane; i0 < n; i0 += kInFlight * 32) {
+    uint4 lo[kInFlight], hi[kInFlight];
+#pragma unroll
+    for (int k = 0; k < kInFlight; ++k) {
+      if (i0 + k * 32 < n) lo[k] = base[i0 + k * 32], hi[k] = base[i0 + k * 32 + 1];
+    }
+#pragma unroll
+    for (int k = 0; k < kInFlight; ++k) {
+      if (i0 + k * 32 < n) d4[i0 + k * 32] = Shifted<Q>(lo[k], hi[k], r);
+    }
+  }
+}
+
+// A warp copies `bytes` bytes from s to d: 16-byte accesses when both ends are aligned (the
+// long aligned case, unchanged); else single bytes up to d's next 16-byte boundary and after
+// its last one, and the body between in aligned 16-byte stores, from aligned 16-byte loads
+// (shifted where s's misalignment differs from d's).
+__device__ __forceinline__ void WarpCopyBytes(const unsigned char* s, unsigned char* d, int64_t bytes, int lane) {
+  if (((reinterpret_cast<uint64_t>(s) | reinterpret_cast<uint64_t>(d) | static_cast<uint64_t>(bytes)) & 15) == 0) {
+    WarpCopy16(reinterpret_cast<const uint4*>(s), reinterpret_cast<uint4*>(d), bytes / 16, lane);
+    return;
+  }
+  if (bytes < 64) {
+    for (int64_t i = lane; i < bytes; i += 32) d[i] = s[i];
+    return;
+  }
+  const int head = static_cast<int>((16 - (reinterpret_cast<uint64_t>(d) & 15)) & 15);
+  if (lane < head) d[lane] = s[lane];
+  s += head, d += head, bytes -= head;
+  const int64_t body = bytes & ~int64_t{15};
+  if (lane < bytes - body) d[body + lane] = s[body + lane];
+  const int k = static_cast<int>(reinterpret_cast<uint64_t>(s) & 15);
+  uint4* d4 = reinterpret_cast<uint4*>(d);
+  const uint4* base = reinterpret_cast<const uint4*>(s - k);
+  const int r = (k & 3) * 8;
+  switch (k >> 2) {
+    case 0:
+      if (k == 0) WarpCopy16(base, d4, body / 16, lane);
+      else WarpCopyShifted<0>(base, d4, body / 16, r, lane);
+      break;
+    case 1: WarpCopyShifted<1>(base, d4, body / 16, r, lane); break;
+    case 2: WarpCopyShifted<2>(base, d4, body / 16, r, lane); break;
+    default: WarpCopyShifted<3>(base, d4, body / 16, r, lane); break;
+  }
+}
+
+// ---- Tiles: a stretch of an item's [rows, inner] index space, crossing rows. ----
+
+// Where a tile's accesses go. Positions count accesses (of `vector` bytes or elements, see
+// CopyItem::vector): a row has inner_v of them. Row r of the item is run (a, b, c) of its loops.
+struct TileView {
+  const unsigned char* s;
+  unsigned char* d;
+  int64_t sst[3], dst[3];  // bytes between runs of each loop
+  int64_t c1, c2;          // count[1], count[2]
+  bool flat;               // count[0] = count[1] = 1: row r at r * stride[2]
+  uint32_t inner_v;
+  int sg;  // bytes per access at the source
+
+  __device__ __forceinline__ int64_t SourceOffset(uint64_t row) const {
+    if (flat) return static_cast<int64_t>(row) * sst[2];
+    int64_t so, dof;
+    RowOffsets(row, so, dof);
+    return so;
+  }
+  __device__ __forceinline__ int64_t DestinationOffset(uint64_t row) const {
+    if (flat) return static_cast<int64_t>(row) * dst[2];
+    int64_t so, dof;
+    RowOffsets(row, so, dof);
+    return dof;
+  }
+
+  // Byte offsets of row `row` at both ends. Several loops (3-D and 4-D tensors): divisions per
+  // access, rare enough; 32-bit when they fit.
+  __device__ __forceinline__ void RowOffsets(uint64_t row, int64_t& so, int64_t& dof) const {
+    int64_t a, b, c;
+    if ((row >> 32) == 0 && ((c1 | c2) >> 32) == 0) {
+      const uint32_t r = static_cast<uint32_t>(row), q = r / static_cast<uint32_t>(c2);
+      c = r - q * static_cast<uint32_t>(c2);
+      a = q / static_cast<uint32_t>(c1);
+      b = q - static_cast<uint32_t>(a) * static_cast<uint32_t>(c1);
+    } else {
+      const uint64_t q = row / static_cast<uint64_t>(c2);
+      c = static_cast<int64_t>(row - q * c2);
+      a = static_cast<int64_t>(q / c1);
+      b = static_cast<int64_t>(q) - a * c1;
+    }
+    so = a * sst[0] + b * sst[1] + c * sst[2];
+    dof = a * dst[0] + b * dst[1] + c * dst[2];
+  }
+};
+
+// A lane's position in the tile: its first access is lane positions past (row0, col0), then
+// every step 32 further. The row and column are carried by adds and one compare, never a
+// division per access: 32 positions are step_rows whole rows and step_cols columns.
+struct TileWalk {
+  uint64_t row;
+  uint32_t col, inner_v, step_rows, step_cols;
+  __device__ __forceinline__ TileWalk(uint64_t row0, uint32_t col0, uint32_t inner, int lane) : inner_v(inner) {
+    const uint32_t c = col0 + static_cast<uint32_t>(lane), extra = c / inner;
+    row = row0 + extra;
+    col = c - extra * inner;
+    step_rows = 32 / inner;
+    step_cols = 32 - step_rows * inner;
+  }
+  __device__ __forceinline__ void Next() {
+    col += step_cols;
+    row += step_rows;
+    if (col >= inner_v) col -= inner_v, ++row;
+  }
+};
+
+// Same dtype: nv accesses of V bytes, K loads in flight per lane before their stores (more for
+// narrow accesses, so that a warp keeps as many bytes in flight).
+template <int V, int K>
+__device__ __noinline__ void TileCopy(const TileView t, uint64_t row0, uint32_t col0, int64_t nv, int lane) {
+  using T = typename Access<V>::T;
+  TileWalk w(row0, col0, t.inner_v, lane);
+  for (int64_t i = lane; i < nv; i += 32 * K) {
+    T r[K];
+    // The stores walk the same positions again from here: recomputing an offset costs less
+    // than K destination pointers held in registers (occupancy).
+    const TileWalk at = w;
+#pragma unroll
+    for (int k = 0; k < K; ++k) {
+      if (i + 32 * k < nv) r[k] = *reinterpret_cast<const T*>(t.s + t.SourceOffset(w.row) + static_cast<int64_t>(w.col) * V);
+      w.Next();
+    }
+    w = at;
+#pragma unroll
+    for (int k = 0; k < K; ++k) {
+      if (i + 32 * k < nv) *reinterpret_cast<T*>(t.d + t.DestinationOffset(w.row) + static_cast<int64_t>(w.col) * V) = r[k];
+      w.Next();
+    }
+  }
+}
+
+// Converting: nv accesses of E elements (E * SS bytes read, E * DS written).
+template <int SS, int DS, int E, int K>
+__device__ __noinline__ void TileConvert(const TileView t, uint64_t row0, uint32_t col0, int64_t nv, uint8_t sdt,
+                                            uint8_t ddt, int lane) {
+  using TS = typename Access<E * SS>::T;
+  using TD = typename Access<E * DS>::T;
+  TileWalk w(row0, col0, t.inner_v, lane);
+  for (int64_t i = lane; i < nv; i += 32 * K) {
+    TS r[K];
+    const TileWalk at = w;
+#pragma unroll
+    for (int k = 0; k < K; ++k) {
+      if (i + 32 * k < nv) {
+        r[k] = *reinterpret_cast<const TS*>(t.s + t.SourceOffset(w.row) + static_cast<int64_t>(w.col) * (E * SS));
+      }
+      w.Next();
+    }
+    w = at;
+#pragma unroll
+    for (int k = 0; k < K; ++k) {
+      if (i + 32 * k < nv) {
+        uint32_t in[(E * SS + 3) / 4], out[(E * DS + 3) / 4];
+        ToWords<E * SS>(r[k], in);
+#pragma unroll
+        for (int e = 0; e < E; ++e) SetElement<DS>(out, e, FloatToBits(BitsToFloat(Element<SS>(in, e), sdt), ddt));
+        *reinterpret_cast<TD*>(t.d + t.DestinationOffset(w.row) + static_cast<int64_t>(w.col) * (E * DS)) =
+            FromWords<E * DS>(out);
+      }
+      w.Next();
+    }
+  }
+}
+
+// Converting at addresses that are not multiples of the element size: element by element, bytes.
+__device__ __noinline__ void TileConvertBytes(const TileView t, uint64_t row0, uint32_t col0, int64_t nv, uint8_t sdt,
+                                                 uint8_t ddt, int lane) {
+  const int ss = Size(sdt), ds = Size(ddt);
+  TileWalk w(row0, col0, t.inner_v, lane);
+  for (int64_t i = lane; i < nv; i += 32) {
+    const uint32_t bits = LoadBits(t.s + t.SourceOffset(w.row) + static_cast<int64_t>(w.col) * ss, ss);
+    StoreBits(FloatToBits(BitsToFloat(bits, sdt), ddt), t.d + t.DestinationOffset(w.row) + static_cast<int64_t>(w.col) * ds, ds);
+    w.Next();
+  }
+}
+
+template <int SS, int DS>
+__device__ __forceinline__ void TileConvertE(const TileView t, uint64_t row0, uint32_t col0, int64_t nv, int e,
+                                             uint8_t sdt, uint8_t ddt, int lane) {
+  constexpr int kMaxE = 16 / (SS > DS ? SS : DS);
+  if (e >= 8 && kMaxE >= 8) TileConvert<SS, DS, (kMaxE >= 8 ? 8 : 1), 4>(t, row0, col0, nv, sdt, ddt, lane);
+  else if (e >= 4) TileConvert<SS, DS, 4, 4>(t, row0, col0, nv, sdt, ddt, lane);
+  else if (e == 2) TileConvert<SS, DS, 2, 8>(t, row0, col0, nv, sdt, ddt, lane);
+  else TileConvert<SS, DS, 1, 8>(t, row0, col0, nv, sdt, ddt, lane);
+}
+
+// e elements per access (0: bytes, at any address; CutIntoUnits sets 0 for pairs other than these).
+__device__ __forceinline__ void ConvertTile(const TileView t, uint64_t row0, uint32_t col0, int64_t nv, int e,
+                                            uint8_t sdt, uint8_t ddt, int lane) {
+  const int ss = Size(sdt), ds = Size(ddt);
+  if (e == 0) TileConvertBytes(t, row0, col0, nv, sdt, ddt, lane);
+  else if (ss == 2 && ds == 4) TileConvertE<2, 4>(t, row0, col0, nv, e, sdt, ddt, lane);
+  else if (ss == 4 && ds == 2) TileConvertE<4, 2>(t, row0, col0, nv, e, sdt, ddt, lane);
+  else TileConvertE<2, 2>(t, row0, col0, nv, e, sdt, ddt, lane);
+}
+
+// Bytes per access at the source end of a tiled item, and the item's view.
+__device__ __forceinline__ int SourceGrain(const CopyItem& it) {
+  const int ss = Size(it.src_dtype);
+  if (it.src_dtype == it.dst_dtype) return it.vector;
+  return it.vector == 0 ? ss : it.vector * ss;
+}
+
+__device__ __forceinline__ TileView ViewOf(const CopyItem& it) {
+  TileView t;
+  const int ss = Size(it.src_dtype), ds = Size(it.dst_dtype);
+  t.s = reinterpret_cast<const unsigned char*>(it.src);
+  t.d = reinterpret_cast<unsigned char*>(it.dst);
+  for (int k = 0; k < 3; ++k) t.sst[k] = it.src_stride[k] * ss, t.dst[k] = it.dst_stride[k] * ds;
+  t.c1 = it.count[1];
+  t.c2 = it.count[2];
+  t.flat = it.count[0] == 1 && it.count[1] == 1;
+  t.sg = SourceGrain(it);
+  t.inner_v = static_cast<uint32_t>(it.inner * ss / t.sg);
+  return t;
+}
+
+// A warp runs nv accesses of a tiled item from position (row0, col0).
+__device__ __forceinline__ void CopyTile(const CopyItem& it, uint64_t row0, uint32_t col0, int64_t nv, int lane) {
+  const TileView t = ViewOf(it);
+  const uint8_t sdt = it.src_dtype, ddt = it.dst_dtype;
+  if (sdt == ddt) {
+    switch (t.sg) {
+      case 16: TileCopy<16, 4>(t, row0, col0, nv, lane); return;
+      case 8: TileCopy<8, 8>(t, row0, col0, nv, lane); return;
+      case 4: TileCopy<4, 8>(t, row0, col0, nv, lane); return;
+      case 2: TileCopy<2, 8>(t, row0, col0, nv, lane); return;
+      default: TileCopy<1, 8>(t, row0, col0, nv, lane); return;
+    }
+  }
+  ConvertTile(t, row0, col0, nv, it.vector, sdt, ddt, lane);
 }
 
 // One work unit resolved: `n` elements from s (src dtype) to d (dst dtype). A quantizing unit is
 // one block: n = block rows << 32 | block cols, its first element at s (rows ss elements apart),
 // its codes at d (rows ds bytes apart) or its scale at d.
+// A tile (tile >= 0, its item's index): n accesses from row s, column d of the item's
+// [rows, inner_v] grid of accesses (TileView).
 struct Unit {
   uint64_t s = 0, d = 0;
   int64_t n = 0;
   uint32_t dtypes = 0;  // src dtype | dst dtype << 8 | op << 16 | quant format << 24
   int64_t ss = 0, ds = 0;
+  int tile = -1;
 };
 
 // ---- Quantization: the arithmetic of plan/fp8_block.cc, bit for bit. ----
@@ -186,7 +470,7 @@ __device__ __forceinline__ uint8_t SignBit(uint32_t u, int size) { return (u >> 
 // over its finite elements, reduced across the lanes (max is exact and order-free), the block's
 // scale, then kQuantize: the codes e4m3(x / scale) at d (rows ds bytes apart), a NaN encoded from
 // its own bits (sign kept), not divided; kScale: the scale at d (fp32 bits, or an e8m0 byte).
-__device__ __forceinline__ void QuantizeUnit(const unsigned char* s, unsigned char* d, int nr, int nc, int64_t ss,
+__device__ __noinline__ void QuantizeUnit(const unsigned char* s, unsigned char* d, int nr, int nc, int64_t ss,
                                              int64_t ds, uint8_t sdt, uint8_t op, uint8_t format, int lane) {
   const int size = Size(sdt);
   // bf16 blocks of whole 16-byte rows (128 x 128 blocks of row-major weights): 8 elements per
@@ -293,6 +577,21 @@ __device__ __forceinline__ Unit Resolve(const CopyItem* items, const int64_t* un
                   (static_cast<uint32_t>(it.quant_format) << 24);
     return unit;
   }
+  if (it.tiled) {
+    // Elements [first, first + n) of the flattened index space, in accesses of sg source bytes
+    // (CutIntoUnits made segment, inner and the strides multiples of them): one 64-bit
+    // division per unit, by this lane of the batch.
+    const int ss = Size(it.src_dtype), sg = SourceGrain(it);
+    const int64_t first = local * it.segment;
+    const int64_t n = min(it.segment, it.count[0] * it.count[1] * it.count[2] * it.inner - first);
+    const int64_t inner_v = it.inner * ss / sg, first_v = first * ss / sg;
+    Unit unit;
+    unit.tile = lo;
+    unit.s = static_cast<uint64_t>(first_v / inner_v);
+    unit.d = static_cast<uint64_t>(first_v - static_cast<int64_t>(unit.s) * inner_v);
+    unit.n = n * ss / sg;
+    return unit;
+  }
   const int64_t seg = local % it.segments;
   int64_t run = local / it.segments;
   const int64_t c = run % it.count[2];
@@ -309,18 +608,36 @@ __device__ __forceinline__ Unit Resolve(const CopyItem* items, const int64_t* un
   return unit;
 }
 
+// A warp copies one run (or a segment of one) of n elements.
 __device__ __forceinline__ void CopyUnit(const unsigned char* s, unsigned char* d, int64_t n, uint8_t sdt, uint8_t ddt,
                                          int lane) {
   const int ss = Size(sdt), ds = Size(ddt);
   if (sdt == ddt) {
     WarpCopyBytes(s, d, n * ss, lane);
-  } else if (((reinterpret_cast<uint64_t>(s) | reinterpret_cast<uint64_t>(d)) & 15) == 0 && n % 8 == 0) {
-    WarpConvertVector(s, d, n, sdt, ddt, ss, ds, lane);
-  } else {
-    for (int64_t i = lane; i < n; i += 32) {
-      StoreBits(FloatToBits(BitsToFloat(LoadBits(s + i * ss, ss), sdt), ddt), d + i * ds, ds);
-    }
+    return;
   }
+  const uint64_t sa = reinterpret_cast<uint64_t>(s), da = reinterpret_cast<uint64_t>(d);
+  if (((sa | da) & 15) == 0 && n % 8 == 0) {
+    WarpConvertVector(s, d, n, sdt, ddt, ss, ds, lane);
+    return;
+  }
+  // The span as a tile of one row: the widest access both ends allow.
+  TileView t;
+  t.s = s;
+  t.d = d;
+  for (int k = 0; k < 3; ++k) t.sst[k] = t.dst[k] = 0;
+  t.c1 = t.c2 = 1;
+  t.flat = true;
+  const bool pair = (ss == 2 || ss == 4) && (ds == 2 || ds == 4);
+  int e = 0;
+  if (pair && sa % ss == 0 && da % ds == 0) {
+    e = 16 / max(ss, ds);
+    while (e > 1 && ((sa / ss) % e != 0 || (da / ds) % e != 0 || n % e != 0)) e /= 2;
+  }
+  t.sg = e == 0 ? ss : e * ss;
+  const int64_t nv = e == 0 ? n : n / e;
+  t.inner_v = static_cast<uint32_t>(min(nv, static_cast<int64_t>(0x7FFFFFFF)));  // a segment: far below
+  ConvertTile(t, 0, 0, nv, e, sdt, ddt, lane);
 }
 
 // Each warp takes batches of `batch` consecutive units in turn. Its first `batch` lanes resolve
@@ -328,7 +645,11 @@ __device__ __forceinline__ void CopyUnit(const unsigned char* s, unsigned char* 
 // per unit), then the whole warp copies them one by one. Tens of thousands of 2-8 KB units then
 // need fewer, shorter-lived blocks: beside NCCL's kernels, the 99k-tensor refit on 2 x H200 ran
 // 2.2x faster (docs/BENCHMARKS.md, session 10).
-__global__ void CopyItemsKernel(const CopyItem* items, const int64_t* unit_begin, int n_items,
+// 80 registers a thread (3 blocks of 256 an SM), as before tiles. Every access loop is a
+// separate __noinline__ function so that each is allocated on its own: inlined together (tiles
+// of five widths, casts, shifted spans, fp8 blocks) ptxas gave the kernel 210 registers, or
+// kilobytes of spills under this bound. A call per unit costs a few callee-saved registers.
+__global__ void __launch_bounds__(256, 3) CopyItemsKernel(const CopyItem* items, const int64_t* unit_begin, int n_items,
                                 int64_t total_units, int batch, bool spread) {
   const int lane = threadIdx.x & 31;
   const int64_t warp = (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) >> 5;
@@ -342,6 +663,14 @@ __global__ void CopyItemsKernel(const CopyItem* items, const int64_t* unit_begin
     Unit mine;
     if (lane < count) mine = Resolve(items, unit_begin, n_items, first + lane * step);
     for (int j = 0; j < count; ++j) {
+      const int tile = __shfl_sync(0xFFFFFFFFu, mine.tile, j);
+      if (tile >= 0) {
+        const uint64_t row0 = __shfl_sync(0xFFFFFFFFu, static_cast<unsigned long long>(mine.s), j);
+        const uint32_t col0 = __shfl_sync(0xFFFFFFFFu, static_cast<uint32_t>(mine.d), j);
+        const int64_t nv = __shfl_sync(0xFFFFFFFFu, static_cast<long long>(mine.n), j);
+        CopyTile(items[tile], row0, col0, nv, lane);
+        continue;
+      }
       const uint64_t s = __shfl_sync(0xFFFFFFFFu, static_cast<unsigned long long>(mine.s), j);
       const uint64_t d = __shfl_sync(0xFFFFFFFFu, static_cast<unsigned long long>(mine.d), j);
       const int64_t n = __shfl_sync(0xFFFFFFFFu, static_cast<long long>(mine.n), j);

@@ -219,6 +219,72 @@ std::vector<std::byte> Download(uint64_t at, size_t bytes) {
   return out;
 }
 
+// Hand-built items (kernels/test_plans.h: short rows of odd widths at odd offsets, thousands of
+// tiny items, conversions of short rows, 3-loop and transposed strides, tiles ending inside items
+// with the next item right after, long runs whose ends differ in alignment, random ones): the
+// kernel's bytes against a plain element loop and the host twin, destinations poisoned, every
+// byte (gaps and neighbours included). Each case in its own launch, then all in one.
+TEST_CASE("GPU tiled and run items match a plain loop byte for byte") {
+  if (GpuCount() == 0) {
+    WARN("no GPU here: skipped");
+    return;
+  }
+  cudaStream_t stream;
+  REFIT_CUDA_CHECK(cudaStreamCreate(&stream));
+  const std::vector<ItemCase> cases = MakeItemCases(400, 7);
+  struct OnDevice {
+    std::unique_ptr<DeviceBuffer> src, dst;
+  };
+  std::vector<OnDevice> on(cases.size());
+  auto upload = [&](size_t i) {
+    const ItemCase& c = cases[i];
+    if (!on[i].src) {
+      on[i].src = std::make_unique<DeviceBuffer>(c.src.size());
+      on[i].dst = std::make_unique<DeviceBuffer>(static_cast<size_t>(c.dst_bytes));
+      REFIT_CUDA_CHECK(cudaMemcpy(on[i].src->get(), c.src.data(), c.src.size(), cudaMemcpyHostToDevice));
+    }
+    REFIT_CUDA_CHECK(cudaMemset(on[i].dst->get(), static_cast<int>(kPoison), on[i].dst->size()));
+  };
+  std::vector<std::vector<std::byte>> wants;
+  int64_t units = 0, bytes = 0;
+  for (size_t i = 0; i < cases.size(); ++i) {
+    const ItemCase& c = cases[i];
+    INFO(c.name << ", segment bytes " << c.segment_bytes);
+    wants.push_back(ReferenceCopy(c));
+    // The host twin at host addresses of the same alignment.
+    AlignedBytes hsrc(c.src.size(), std::byte{0}), hdst(static_cast<size_t>(c.dst_bytes), kPoison);
+    std::memcpy(hsrc.data, c.src.data(), c.src.size());
+    RunCopyWorkOnHost(ItemCaseWork(c, hsrc.address(), hdst.address()));
+    REQUIRE(std::memcmp(hdst.data, wants[i].data(), wants[i].size()) == 0);
+    upload(i);
+    const CopyWork w = ItemCaseWork(c, on[i].src->address(), on[i].dst->address());
+    Run(w, stream);
+    const std::vector<std::byte> got = Download(on[i].dst->address(), wants[i].size());
+    size_t wrong = 0, first = 0;
+    for (size_t b = 0; b < got.size(); ++b) {
+      if (got[b] != wants[i][b] && wrong++ == 0) first = b;
+    }
+    INFO(wrong << " wrong bytes, the first at " << first);
+    REQUIRE(wrong == 0);
+    units += w.unit_begin.back();
+    bytes += c.dst_bytes;
+  }
+  // All cases in one launch: many units per warp's batch, tiles and runs of every kind mixed.
+  CopyWork all;
+  all.unit_begin = {0};
+  for (size_t i = 0; i < cases.size(); ++i) {
+    upload(i);
+    AppendWork(ItemCaseWork(cases[i], on[i].src->address(), on[i].dst->address()), all);
+  }
+  Run(all, stream);
+  for (size_t i = 0; i < cases.size(); ++i) {
+    INFO(cases[i].name << " in the one launch");
+    REQUIRE(Download(on[i].dst->address(), wants[i].size()) == wants[i]);
+  }
+  WARN("checked " << cases.size() << " cases, " << units << " units, " << bytes << " destination bytes on the GPU");
+  cudaStreamDestroy(stream);
+}
+
 TEST_CASE("GPU quantizing units match the host twin bit for bit on adversarial plans", "[fp8]") {
   if (GpuCount() == 0) {
     WARN("no GPU here: skipped");

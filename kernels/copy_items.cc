@@ -99,8 +99,10 @@ void CutIntoUnits(CopyItem& it, int64_t segment_bytes) {
   for (int k = 0; k < kMaxOuterDims; ++k) {
     if (it.count[k] > 1) elems |= static_cast<uint64_t>(it.src_stride[k]) | static_cast<uint64_t>(it.dst_stride[k]);
   }
-  if (ss == ds) {
-    // Bytes: src, dst and every element offset times the size.
+  if (it.src_dtype == it.dst_dtype) {
+    // Bytes: src, dst and every element offset times the size. (By dtype, not size, as the
+    // kernel decides: bf16 <-> fp16 converts, and its `vector` counts elements; taken for bytes,
+    // a converting tile read 2-byte elements at odd staging addresses, a GPU fault.)
     int64_t v = WidestDividing(it.src | it.dst | (elems * static_cast<uint64_t>(ss)), 16);
     while (v > ss && it.segment % (v / ss) != 0) {
       if (it.segment >= v / ss) it.segment -= it.segment % (v / ss);
@@ -193,6 +195,27 @@ CopyWork UnpackWork(const Plan& plan, const Message& m, uint64_t staging,
     AppendUnpackItem(plan.descriptor(m, k), staging, dst, segment_bytes, w);
   }
   return w;
+}
+
+bool AlignedOnly(const CopyWork& work) {
+  for (const CopyItem& it : work.items) {
+    if (it.Quantizes()) continue;  // fp8 blocks: the same code in both kernels
+    if (it.tiled) return false;
+    const int ss = DTypeSize(static_cast<DType>(it.src_dtype)), ds = DTypeSize(static_cast<DType>(it.dst_dtype));
+    // Every unit starts at a run's start plus a whole number of segments: aligned when the bases,
+    // the strides stepped and the segment are (the last segment of a run: when the run is).
+    uint64_t s_bytes = it.src | static_cast<uint64_t>(it.segment * ss) | static_cast<uint64_t>(it.inner * ss);
+    uint64_t d_bytes = it.dst | static_cast<uint64_t>(it.segment * ds) | static_cast<uint64_t>(it.inner * ds);
+    for (int k = 0; k < kMaxOuterDims; ++k) {
+      if (it.count[k] <= 1) continue;
+      s_bytes |= static_cast<uint64_t>(it.src_stride[k] * ss);
+      d_bytes |= static_cast<uint64_t>(it.dst_stride[k] * ds);
+    }
+    if (((s_bytes | d_bytes) & 15) != 0) return false;
+    // Converting: WarpConvertVector takes 8 elements at a time.
+    if (it.src_dtype != it.dst_dtype && ((it.segment | it.inner) % 8 != 0)) return false;
+  }
+  return true;
 }
 
 CopyWork DirectWork(const Plan& plan, const Message& m, const BufferAddresses& src,

@@ -112,6 +112,11 @@ void Append(CopyWork& w, const CopyItem& it);
 CopyWork DirectWork(const Plan& plan, const Message& m, const BufferAddresses& src,
                     const BufferAddresses& dst, int64_t segment_bytes = 16384);
 
+// Whether every copy unit of `work` is 16-byte aligned at both ends, in whole 16 bytes (same
+// dtype) or 8 elements (converting), and none is a tile: then the aligned kernel runs it
+// (LaunchCopyItems' `aligned_only`).
+bool AlignedOnly(const CopyWork& work);
+
 // The CPU twin of the kernels: runs the items on host memory (addresses are host pointers);
 // quantizing units through plan/host_copy.h's QuantizeRegion, one block each.
 void RunCopyWorkOnHost(const CopyWork& work);

@@ -350,5 +350,80 @@ TEST_CASE("99k small tensors' items become far fewer units") {
   CHECK(it.Units() == 4);
 }
 
+
+// What the GPU faults on and the CPU twin does not: every access a tiled item's kernel makes is
+// `vector` bytes (same dtype) or `vector` elements at each end (converting), so the item's base
+// addresses and every element offset it steps by must be multiples of them. Checked on the random
+// plans' pack and unpack work, with staging at odd offsets (as the GPU test runs them).
+TEST_CASE("tiled items' accesses are aligned to the width they were given") {
+  int64_t tiled = 0;
+  for (uint64_t seed = 1; seed <= 60; ++seed) {
+    TestRun run(seed);
+    const TestPlan& t = run.t;
+    for (const Message& m : t.plan.messages) {
+      for (int64_t segment : {int64_t{64}, int64_t{16384}}) {
+        const uint64_t at = 0x10000 + seed % 7;
+        for (const CopyWork& w : {PackWork(t.plan, m, run.src.addresses(), run.got.addresses(), at, segment),
+                                  UnpackWork(t.plan, m, at, run.got.addresses(), segment)}) {
+          for (const CopyItem& it : w.items) {
+            if (!it.tiled) continue;
+            ++tiled;
+            const int ss = DTypeSize(static_cast<DType>(it.src_dtype)), ds = DTypeSize(static_cast<DType>(it.dst_dtype));
+            const uint64_t sv = it.src_dtype == it.dst_dtype ? it.vector : static_cast<uint64_t>(it.vector) * ss;
+            const uint64_t dv = it.src_dtype == it.dst_dtype ? it.vector : static_cast<uint64_t>(it.vector) * ds;
+            if (sv == 0) continue;  // converting element by element in bytes
+            INFO("seed " << seed << " item src " << it.src << " dst " << it.dst << " inner " << it.inner << " vector "
+                         << int(it.vector) << " dtypes " << int(it.src_dtype) << "->" << int(it.dst_dtype));
+            CHECK(it.src % sv == 0);
+            CHECK(it.dst % dv == 0);
+            CHECK((it.inner * ss) % sv == 0);
+            CHECK((it.segment * ss) % sv == 0);
+            for (int k = 0; k < kMaxOuterDims; ++k) {
+              if (it.count[k] <= 1) continue;
+              CHECK((it.src_stride[k] * ss) % sv == 0);
+              CHECK((it.dst_stride[k] * ds) % dv == 0);
+            }
+          }
+        }
+      }
+    }
+  }
+  CHECK(tiled > 0);
+}
+
+// The aligned kernel runs a work only when every unit it would cut is 16-byte aligned at both
+// ends: the aligned hand-built case qualifies, and stops qualifying with any base, stride or
+// segment off by one element, a tile, or a conversion of a run that is not 8 elements a unit.
+TEST_CASE("AlignedOnly accepts aligned long runs and nothing else") {
+  const std::vector<ItemCase> cases = MakeItemCases(0, 11);
+  const ItemCase* c = nullptr;
+  for (const ItemCase& k : cases) {
+    if (k.name == "long aligned runs") c = &k;
+  }
+  REQUIRE(c != nullptr);
+  const CopyWork w = ItemCaseWork(*c, 0x100000, 0x800000);
+  REQUIRE(AlignedOnly(w));
+  for (const CopyItem& it : w.items) REQUIRE_FALSE(it.tiled);
+  auto changed = [&](auto edit) {
+    CopyWork v = w;
+    edit(v.items[1]);  // fp32 -> bf16
+    return AlignedOnly(v);
+  };
+  CHECK_FALSE(changed([](CopyItem& it) { it.src += 4; }));
+  CHECK_FALSE(changed([](CopyItem& it) { it.dst += 2; }));
+  CHECK_FALSE(changed([](CopyItem& it) { it.src_stride[2] += 1; }));
+  CHECK_FALSE(changed([](CopyItem& it) { it.dst_stride[1] += 1; }));
+  CHECK_FALSE(changed([](CopyItem& it) { it.segment -= 4; }));   // 8 elements a unit, no more
+  CHECK_FALSE(changed([](CopyItem& it) { it.inner -= 4; }));     // the last unit of a run
+  CHECK_FALSE(changed([](CopyItem& it) { it.tiled = 1; }));
+  CHECK(changed([](CopyItem& it) { it.count[0] = 1, it.src_stride[0] = 3; }));  // a loop of 1 is never stepped
+  // The odd-width and tiny cases are never aligned work.
+  for (const ItemCase& k : cases) {
+    if (k.name == "long aligned runs") continue;
+    INFO(k.name);
+    CHECK_FALSE(AlignedOnly(ItemCaseWork(k, 0x100000, 0x800000)));
+  }
+}
+
 }  // namespace
 }  // namespace refit

@@ -26,8 +26,10 @@ namespace refit {
 // running at any moment work on neighbouring units. Spread helps runs of a kilobyte and more on
 // one GPU (a colocated 110 MB refit: 1.10 -> 0.72 ms on one H200) and hurts runs of a few hundred
 // bytes (99k small tensors: 4.9 -> 6.0 ms); see SpreadPays.
+// `aligned_only` (AlignedOnly(work)): the aligned kernel, faster where it applies; otherwise the
+// general one, which runs any work.
 cudaError_t LaunchCopyItems(const CopyItem* items, const int64_t* unit_begin, int n_items,
-                            int64_t total_units, cudaStream_t stream, bool spread = false);
+                            int64_t total_units, cudaStream_t stream, bool spread = false, bool aligned_only = false);
 
 // Whether `work`'s units are large enough for `spread` (1 KiB or more on average). Tiles made
 // units of short runs large (16 KiB by default), so spread is now the order for them too; the

@@ -49,15 +49,22 @@ struct DeviceLayout {
   }
 };
 
+int aligned_launches = 0;  // launches through the aligned kernel (AlignedOnly)
+
 void Run(const CopyWork& w, cudaStream_t stream) {
   DeviceBuffer items(w.items.size() * sizeof(CopyItem)), begin(w.unit_begin.size() * sizeof(int64_t));
   REFIT_CUDA_CHECK(cudaMemcpy(items.get(), w.items.data(), items.size(), cudaMemcpyHostToDevice));
   REFIT_CUDA_CHECK(cudaMemcpy(begin.get(), w.unit_begin.data(), begin.size(), cudaMemcpyHostToDevice));
   // Every other launch in the spread unit order: both orders must give the same bytes.
   static int launches = 0;
-  const bool spread = launches++ % 2 == 1;
+  // And, of works the aligned kernel can run (AlignedOnly: the backend launches it for them), every
+  // other pair of launches through the general kernel: both kernels must give the same bytes.
+  const int k = launches++;
+  const bool spread = k % 2 == 1;
+  const bool aligned = AlignedOnly(w) && (k / 2) % 2 == 0;
+  if (aligned) ++aligned_launches;
   REFIT_CUDA_CHECK(LaunchCopyItems(static_cast<const CopyItem*>(items.get()), static_cast<const int64_t*>(begin.get()),
-                                   static_cast<int>(w.items.size()), w.unit_begin.back(), stream, spread));
+                                   static_cast<int>(w.items.size()), w.unit_begin.back(), stream, spread, aligned));
   REFIT_CUDA_CHECK(cudaStreamSynchronize(stream));
 }
 
@@ -100,7 +107,8 @@ TEST_CASE("GPU pack and unpack match the CPU reference byte for byte") {
     INFO(checked.status().message());
     REQUIRE(checked.ok());
   }
-  WARN("checked " << messages << " messages, " << bytes << " bytes on the GPU");
+  WARN("checked " << messages << " messages, " << bytes << " bytes on the GPU; " << aligned_launches
+                   << " launches so far through the aligned kernel");
   cudaStreamDestroy(stream);
 }
 
@@ -594,4 +602,35 @@ TEST_CASE("GPU quantization of one 4096 x 4096 block matches the host twin", "[f
 }
 
 }  // namespace
+// The aligned kernel (what the backend launches for AlignedOnly work) and the general one give
+// the same bytes on the same aligned work: each through both, in both unit orders.
+TEST_CASE("the aligned kernel and the general one agree on aligned work") {
+  if (GpuCount() == 0) {
+    WARN("no GPU here: skipped");
+    return;
+  }
+  cudaStream_t stream;
+  REFIT_CUDA_CHECK(cudaStreamCreate(&stream));
+  const std::vector<ItemCase> cases = MakeItemCases(0, 11);
+  const ItemCase* c = nullptr;
+  for (const ItemCase& k : cases) {
+    if (k.name == "long aligned runs") c = &k;
+  }
+  REQUIRE(c != nullptr);
+  const std::vector<std::byte> want = ReferenceCopy(*c);
+  DeviceBuffer src(c->src.size()), dst(static_cast<size_t>(c->dst_bytes));
+  REFIT_CUDA_CHECK(cudaMemcpy(src.get(), c->src.data(), c->src.size(), cudaMemcpyHostToDevice));
+  const CopyWork w = ItemCaseWork(*c, src.address(), dst.address());
+  REQUIRE(AlignedOnly(w));
+  const int before = aligned_launches;
+  for (int round = 0; round < 4; ++round) {
+    REFIT_CUDA_CHECK(cudaMemset(dst.get(), static_cast<int>(kPoison), dst.size()));
+    Run(w, stream);
+    INFO("launch " << round);
+    REQUIRE(Download(dst.address(), want.size()) == want);
+  }
+  CHECK(aligned_launches - before == 2);
+  cudaStreamDestroy(stream);
+}
+
 }  // namespace refit

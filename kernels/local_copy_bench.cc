@@ -77,6 +77,7 @@ int Run(const std::string& src_path, const std::string& dst_path, int repeat, co
       int n = 0;
       int64_t units = 0, tiled_units = 0;
       bool spread = false;  // as the cuda backend launches it (SpreadPays), unless --spread
+      bool aligned = false;  // AlignedOnly: the aligned kernel, as the cuda backend launches it
     };
     std::vector<Stage> stages(kMaxStages);
     for (int s = 0; s < kMaxStages; ++s) {
@@ -94,6 +95,7 @@ int Run(const std::string& src_path, const std::string& dst_path, int repeat, co
       st.n = static_cast<int>(w.items.size());
       st.units = w.unit_begin.back();
       st.spread = spread < 0 ? SpreadPays(w) : spread == 1;
+      st.aligned = AlignedOnly(w);
       for (const CopyItem& it : w.items) st.tiled_units += it.tiled ? it.Units() : 0;
     }
     int64_t units = 0, items = 0, tiled_units = 0;
@@ -105,7 +107,7 @@ int Run(const std::string& src_path, const std::string& dst_path, int repeat, co
         for (const Stage& st : stages) {
           if (st.n == 0) continue;
           REFIT_CUDA_CHECK(LaunchCopyItems(static_cast<CopyItem*>(st.items->get()), static_cast<int64_t*>(st.begin->get()), st.n,
-                                           st.units, stream, st.spread));
+                                           st.units, stream, st.spread, st.aligned));
         }
       });
       const float c = TimeMs(stream, [&] {

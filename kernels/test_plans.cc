@@ -3,6 +3,7 @@
 #include <cmath>
 #include <cstring>
 #include <random>
+#include <tuple>
 
 #include "absl/strings/str_cat.h"
 #include "plan/convert.h"
@@ -159,6 +160,23 @@ std::vector<ItemCase> MakeItemCases(int random, uint64_t seed) {
     s.count[0] = c0, s.count[1] = c1, s.count[2] = c2;
     return s;
   };
+  {  // Long runs, every address 16-byte aligned: what the aligned kernel runs (AlignedOnly).
+    ItemCase c{"long aligned runs"};
+    for (auto [from, to, inner] : {std::tuple{DType::kBF16, DType::kBF16, int64_t{8192}},
+                                   std::tuple{DType::kF32, DType::kBF16, int64_t{4096}},
+                                   std::tuple{DType::kBF16, DType::kF32, int64_t{4096}},
+                                   std::tuple{DType::kF16, DType::kBF16, int64_t{4096}},
+                                   std::tuple{DType::kI8, DType::kI8, int64_t{16384}}}) {
+      ItemSpec s = item(from, to, inner, 1, 2, 5);
+      s.src_stride[2] = 2 * inner;  // half of a wider row
+      s.src_stride[1] = s.src_stride[2] * 5;
+      s.dst_stride[2] = inner + 64;
+      s.dst_stride[1] = s.dst_stride[2] * 5;
+      c.items.push_back(s);
+    }
+    Finish(c, rng, false);
+    cases.push_back(std::move(c));
+  }
   {  // The 12x Llama-3-8B refit: bf16 rows of 341 and 597 columns out of wider rows, odd offsets.
     ItemCase c{"short rows of odd widths at odd byte offsets"};
     for (int64_t w : {341, 597, 160, 1, 3, 31, 33}) {

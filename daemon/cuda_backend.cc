@@ -1,5 +1,7 @@
 #include "daemon/cuda_backend.h"
 
+#include <sys/prctl.h>
+
 #include <functional>
 
 #include <cuda_runtime.h>
@@ -29,6 +31,9 @@
 #include "plan/status_macros.h"
 
 namespace refit {
+
+// The page size legacy CUDA IPC imports are mapped with when the allocation is a whole number of them.
+constexpr int64_t kIpcPageBytes = int64_t{2} << 20;
 
 // An IPC allocation, opened in the context of its own GPU and, when another GPU's kernels read or
 // write it, in that GPU's context too (with lazy peer access): a pointer from one device's import
@@ -65,6 +70,7 @@ struct CudaBackend::Prepared {
     int n = 0;
     int64_t total_units = 0;
     bool spread = false;  // LaunchCopyItems' unit order (direct work only: measured there)
+    bool aligned = false;  // AlignedOnly: the aligned kernel runs it
   };
   struct OnGpu {
     DeviceMemory arrays;   // every item of this GPU, one allocation
@@ -391,6 +397,15 @@ absl::StatusOr<std::unique_ptr<MappedBuffer>> CudaBackend::Map(const v1::BufferM
   if (a != nullptr) return std::unique_ptr<MappedBuffer>(new IpcBuffer(a, ipc.offset(), bytes));
   auto home = IpcImport::Open(device, ipc.handle(), "cudaIpcOpenMemHandle (is the worker alive, and on this node?)");
   if (!home.ok()) return home.status();
+  if (ipc.size() % kIpcPageBytes != 0) {
+    // Measured on an H200 (tests/bench/ipc_copy_bench, docs/BENCHMARKS.md): such an import is
+    // mapped with small pages, and copy kernels walking it ran at 0.37 of the copy engine,
+    // against 0.84 for the same allocation rounded up to 2 MiB.
+    Logger("data")->warn("a CUDA IPC allocation of {} bytes on GPU {} is not a whole number of 2 MiB: imported into "
+                         "this process it is mapped with small pages and refits through it run up to 3x slower; "
+                         "allocate multiples of 2 MiB (PyTorch's caching allocator does) or CUDA VMM memory",
+                         ipc.size(), device);
+  }
   const uint64_t base = reinterpret_cast<uint64_t>(home->get());
   std::shared_ptr<Allocation> fresh(new Allocation(), [this, handle = ipc.handle(), base](Allocation* dead) {
     Forget(handle, base);  // no new transfer finds it, then its imports close
@@ -658,6 +673,7 @@ absl::StatusOr<CudaBackend::Prepared*> CudaBackend::PreparedFor(Group& g, const 
       d->units = reinterpret_cast<const int64_t*>(base + at[i].second);
       d->n = static_cast<int>(w->items.size());
       d->total_units = w->unit_begin.empty() ? 0 : w->unit_begin.back();
+      d->aligned = AlignedOnly(*w);
     }
     for (size_t stage = 0; stage < p->gpus[gpu].direct.size(); ++stage) {
       Prepared::DeviceWork& d = p->gpus[gpu].direct[stage];
@@ -686,7 +702,15 @@ namespace {
 // (read after the round, when all of them have completed): time on the wire and its rate, the
 // wire's idle time between steps (waiting for a pack, or for the host), the pipeline's fill and
 // drain. One info line per GPU, one debug line per step.
-void LogTimeline(const TransferJob& job, const CudaBackend::Prepared& p) {
+// `host`: when the host began the round, had launched every stage's work, and saw it done.
+struct HostTimes {
+  absl::Time started, launched, done;
+};
+
+void LogTimeline(const TransferJob& job, const CudaBackend::Prepared& p, const HostTimes& host) {
+  Logger("data")->info("group \"{}\" round {}: host launched the work {:.3f} ms after starting, saw it done at {:.3f} ms",
+                       job.group, job.round_id, absl::ToDoubleMilliseconds(host.launched - host.started),
+                       absl::ToDoubleMilliseconds(host.done - host.started));
   DeviceGuard guard;
   for (const auto& [gpu, on] : p.gpus) {
     if (!on.start) continue;
@@ -787,7 +811,8 @@ absl::StatusOr<TransferStats> CudaBackend::Transfer(const TransferJob& job) {
       REFIT_RETURN_IF_ERROR(comm->Wait([&] { return Interrupted(job); }, "registering staging with NCCL"));
     }
   }
-  const auto started = absl::Now();
+  const absl::Time started = absl::Now();
+  absl::Time launched = started;  // the last stage's launches done
   for (const auto& [gpu, on] : p.gpus) {
     if (!on.start) continue;
     REFIT_RETURN_IF_ERROR(guard.Set(gpu));
@@ -805,7 +830,7 @@ absl::StatusOr<TransferStats> CudaBackend::Transfer(const TransferJob& job) {
       for (int32_t k = 0; k < depth && k < static_cast<int32_t>(steps.size()); ++k) {
         const auto& w = on.pack[stage][k];
         REFIT_RETURN_IF_ERROR(guard.Set(gpu));
-        REFIT_CUDA_RETURN_IF_ERROR(LaunchCopyItems(w.items, w.units, w.n, w.total_units, compute), "pack");
+        REFIT_CUDA_RETURN_IF_ERROR(LaunchCopyItems(w.items, w.units, w.n, w.total_units, compute, false, w.aligned), "pack");
         REFIT_CUDA_RETURN_IF_ERROR(cudaEventRecord(on.packed[stage][k].get(), compute), "cudaEventRecord");
       }
       busy.insert(gpu);
@@ -814,7 +839,8 @@ absl::StatusOr<TransferStats> CudaBackend::Transfer(const TransferJob& job) {
       const auto& d = p.gpus.at(gpu).direct[stage];
       REFIT_RETURN_IF_ERROR(guard.Set(gpu));
       REFIT_CUDA_RETURN_IF_ERROR(
-          LaunchCopyItems(d.items, d.units, d.n, d.total_units, g.streams.at(gpu).direct.get(), d.spread), "copy");
+          LaunchCopyItems(d.items, d.units, d.n, d.total_units, g.streams.at(gpu).direct.get(), d.spread, d.aligned),
+          "copy");
       REFIT_CUDA_RETURN_IF_ERROR(cudaEventRecord(p.gpus.at(gpu).direct_done[stage].get(), g.streams.at(gpu).direct.get()),
                                  "cudaEventRecord");
       busy.insert(gpu);
@@ -861,35 +887,20 @@ absl::StatusOr<TransferStats> CudaBackend::Transfer(const TransferJob& job) {
         REFIT_CUDA_RETURN_IF_ERROR(cudaEventRecord(on.moved[stage][k].get(), st.comm.get()), "cudaEventRecord");
         REFIT_CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(compute, on.moved[stage][k].get(), 0), "cudaStreamWaitEvent");
         const auto& u = on.unpack[stage][k];
-        REFIT_CUDA_RETURN_IF_ERROR(LaunchCopyItems(u.items, u.units, u.n, u.total_units, compute), "unpack");
+        REFIT_CUDA_RETURN_IF_ERROR(LaunchCopyItems(u.items, u.units, u.n, u.total_units, compute, false, u.aligned), "unpack");
         REFIT_CUDA_RETURN_IF_ERROR(cudaEventRecord(on.unpacked[stage][k].get(), compute), "cudaEventRecord");
         const int32_t next = k + std::max(1, schedule.depth.count(gpu) ? schedule.depth.at(gpu) : 1);
         if (next < static_cast<int32_t>(steps.size())) {
           const auto& w = on.pack[stage][next];
-          REFIT_CUDA_RETURN_IF_ERROR(LaunchCopyItems(w.items, w.units, w.n, w.total_units, compute), "pack");
+          REFIT_CUDA_RETURN_IF_ERROR(LaunchCopyItems(w.items, w.units, w.n, w.total_units, compute, false, w.aligned), "pack");
           REFIT_CUDA_RETURN_IF_ERROR(cudaEventRecord(on.packed[stage][next].get(), compute), "cudaEventRecord");
         }
       }
     }
-    // Wait for every stream of the stage, polling: a deadline, a Cancel and an NCCL error (a
-    // dead peer on the socket transport) must be able to end it.
-    for (int32_t gpu : busy) {
-      const Group::Streams& st = g.streams.at(gpu);
-      for (const Stream* stream : {&st.direct, &st.comm, &st.compute}) {
-        while (true) {
-          const cudaError_t q = cudaStreamQuery(stream->get());
-          if (q == cudaSuccess) break;
-          if (q != cudaErrorNotReady) return CudaError(q, absl::StrCat("round ", job.round_id, " on GPU ", gpu));
-          if (comm != nullptr) REFIT_RETURN_IF_ERROR(comm->Errors(absl::StrCat("round ", job.round_id, " stage ", stage)));
-          if (auto s = Interrupted(job); !s.ok()) {
-            return absl::Status(s.code(), absl::StrCat("round ", job.round_id, ": GPU ", gpu, " did not finish stage ", stage,
-                                                       comm != nullptr ? " (NCCL aborted)" : "", ": ", s.message()));
-          }
-          absl::SleepFor(absl::Microseconds(20));
-        }
-      }
-    }
+    launched = absl::Now();
+    REFIT_RETURN_IF_ERROR(WaitForStage(job, g, busy, stage, comm));
   }
+  const absl::Time done = absl::Now();
   ok = true;
   TransferStats stats;
   stats.bytes_sent = schedule.bytes_sent;
@@ -897,8 +908,38 @@ absl::StatusOr<TransferStats> CudaBackend::Transfer(const TransferJob& job) {
   stats.bytes_local = schedule.bytes_local;
   stats.bytes_nvlink = schedule.bytes_peer;
   LogMoved(job, started, &stats);
-  LogTimeline(job, p);
+  LogTimeline(job, p, {started, launched, done});
   return stats;
+}
+
+absl::Status CudaBackend::WaitForStage(const TransferJob& job, const Group& g, const std::set<int32_t>& busy, int stage,
+                                       NodeCommunicator* comm) {
+  // Polls rather than blocking in the driver: a deadline, a Cancel and an NCCL error (a dead peer
+  // on the socket transport) must be able to end the wait. The first kSpin without sleeping: a
+  // colocated refit's copies end within a millisecond or two, and one sleep's wake-up (60-80 us
+  // under the kernel's default 50 us timer slack) was a tenth of a 1 GB refit's transfer phase.
+  // Then every kPoll, with this thread's timer slack at 1 us so the sleep is what it says.
+  constexpr absl::Duration kSpin = absl::Milliseconds(2), kPoll = absl::Microseconds(20);
+  static thread_local bool precise_sleep = prctl(PR_SET_TIMERSLACK, 1000UL, 0, 0, 0) == 0;
+  (void)precise_sleep;
+  const absl::Time spin_until = absl::Now() + kSpin;
+  for (int32_t gpu : busy) {
+    const Group::Streams& st = g.streams.at(gpu);
+    for (const Stream* stream : {&st.direct, &st.comm, &st.compute}) {
+      while (true) {
+        const cudaError_t q = cudaStreamQuery(stream->get());
+        if (q == cudaSuccess) break;
+        if (q != cudaErrorNotReady) return CudaError(q, absl::StrCat("round ", job.round_id, " on GPU ", gpu));
+        if (comm != nullptr) REFIT_RETURN_IF_ERROR(comm->Errors(absl::StrCat("round ", job.round_id, " stage ", stage)));
+        if (auto s = Interrupted(job); !s.ok()) {
+          return absl::Status(s.code(), absl::StrCat("round ", job.round_id, ": GPU ", gpu, " did not finish stage ", stage,
+                                                     comm != nullptr ? " (NCCL aborted)" : "", ": ", s.message()));
+        }
+        if (absl::Now() > spin_until) absl::SleepFor(kPoll);
+      }
+    }
+  }
+  return absl::OkStatus();
 }
 
 absl::Status CudaBackend::Interrupted(const TransferJob& job) {

@@ -42,6 +42,8 @@
 
 namespace refit {
 
+class NodeCommunicator;
+
 class CudaBackend : public DataBackend {
  public:
   // `gpus`: the local GPU indices this daemon serves (peer access is enabled among them).
@@ -100,6 +102,10 @@ class CudaBackend : public DataBackend {
   // (all daemons do so in the same round), aborted on any failure and rebuilt with a new id.
   absl::Status CommunicatorFor(Group& g, const TransferJob& job);
   void DropCommunicator(const std::string& group, Group& g);
+  // Until every stream `busy` GPUs ran the stage on is idle, or the round is interrupted (the
+  // deadline, Cancel, an NCCL error).
+  absl::Status WaitForStage(const TransferJob& job, const Group& g, const std::set<int32_t>& busy, int stage,
+                            NodeCommunicator* comm) ABSL_LOCKS_EXCLUDED(mu_);
   // ABORTED once the round is cancelled, DEADLINE_EXCEEDED past its deadline, else OK.
   absl::Status Interrupted(const TransferJob& job) ABSL_LOCKS_EXCLUDED(mu_);
 

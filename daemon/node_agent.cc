@@ -453,6 +453,7 @@ absl::Status NodeAgent::Transfer(const std::string& group, const std::shared_ptr
   response->set_data_plane_ms(stats->data_plane_ms);
   response->set_started_after_request_ms(stats->started_after_request_ms);
   response->set_request_arrived_unix_us(absl::ToUnixMicros(job.requested));
+  response->set_answered_unix_us(absl::ToUnixMicros(absl::Now()));
   return absl::OkStatus();
 }
 

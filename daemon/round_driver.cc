@@ -342,10 +342,12 @@ absl::Status RoundDriver::RunRound(const std::string& group, int64_t round_id, i
     absl::MutexLock lock(&mu_);
     for (int32_t n : to_install) groups_[group].installed_epoch[n] = epoch;
   }
-  // When each node was called (the TRANSFER's NodeTransfer.request_sent_unix_us).
+  // When each node was called and its answer came (the TRANSFER's NodeTransfer.request_sent_unix_us
+  // and answer_received_unix_us).
   struct SentTimes {
     absl::Mutex mu;
     std::map<int32_t, absl::Time> at ABSL_GUARDED_BY(mu);
+    std::map<int32_t, absl::Time> answered ABSL_GUARDED_BY(mu);
   };
   auto phase = [&](v1::PhaseRequest::Phase p, absl::Duration timeout, int64_t* bytes) {
     auto sent = std::make_shared<SentTimes>();
@@ -364,7 +366,13 @@ absl::Status RoundDriver::RunRound(const std::string& group, int64_t round_id, i
             absl::MutexLock lock(&sent->mu);
             sent->at[n] = absl::Now();
           }
-          peers->RunPhase(n, r, timeout, out, std::move(done));
+          peers->RunPhase(n, r, timeout, out, [sent, n, done = std::move(done)](absl::Status s) {
+            {
+              absl::MutexLock lock(&sent->mu);
+              sent->answered[n] = absl::Now();
+            }
+            done(std::move(s));
+          });
         },
         abort_on_failure ? std::function<void(const absl::Status&)>(
                                [abort_all](const absl::Status& s) { abort_all(std::string(s.message())); })
@@ -385,6 +393,10 @@ absl::Status RoundDriver::RunRound(const std::string& group, int64_t round_id, i
         node->set_started_after_request_ms(response.started_after_request_ms());
         node->set_request_arrived_unix_us(response.request_arrived_unix_us());
         if (auto at = sent->at.find(n); at != sent->at.end()) node->set_request_sent_unix_us(absl::ToUnixMicros(at->second));
+        node->set_answered_unix_us(response.answered_unix_us());
+        if (auto at = sent->answered.find(n); at != sent->answered.end()) {
+          node->set_answer_received_unix_us(absl::ToUnixMicros(at->second));
+        }
       }
     }
     return s;

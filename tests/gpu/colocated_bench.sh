@@ -65,10 +65,33 @@ transfer = [float(s["transfer_seconds"]) for s in measured]
 # The daemon's own data-plane time, from the round's statistics (RoundStats.nodes), not its log.
 moved = [float(n["data_plane_ms"]) for s in measured for n in s.get("nodes", []) if int(n.get("node", 0)) == 0]
 nbytes = int(measured[0]["bytes"])
+# Where the transfer phase went, per round (node 0, the coordinator's own): the coordinator's call
+# reaching the node, the node's preparation before its data plane began, the data plane, and the
+# rest (the answer's way back to the coordinator).
+def breakdown(s):
+    n = next((n for n in s.get("nodes", []) if int(n.get("node", 0)) == 0), None)
+    if n is None or not n.get("request_sent_unix_us") or not n.get("request_arrived_unix_us"):
+        return None
+    sent, arrived = int(n["request_sent_unix_us"]), int(n["request_arrived_unix_us"])
+    reach = (arrived - sent) / 1e3
+    prep = float(n.get("started_after_request_ms", 0))
+    data = float(n.get("data_plane_ms", 0))
+    out = {"reach_ms": reach, "node_prep_ms": prep, "data_plane_ms": data,
+           "rest_ms": float(s["transfer_seconds"]) * 1e3 - reach - prep - data}
+    # With the answer's times (refitd from session 15 on): the node's own work after its data
+    # plane (logging the timeline, answering), the answer's way back, the coordinator waking up.
+    answered, received = int(n.get("answered_unix_us", 0)), int(n.get("answer_received_unix_us", 0))
+    if answered and received:
+        out["node_after_ms"] = (answered - arrived) / 1e3 - prep - data
+        out["answer_back_ms"] = (received - answered) / 1e3
+        out["coordinator_after_ms"] = float(s["transfer_seconds"]) * 1e3 - (received - sent) / 1e3
+    return out
+parts = [b for b in map(breakdown, measured) if b]
+median_parts = {k: round(statistics.median(b[k] for b in parts if k in b), 4) for k in parts[0]} if parts else None
 print(json.dumps({"mode": "colocated-1gpu", "refitd": os.path.realpath(os.path.join(bin_dir, "refitd")), "scale_down": scale,
                   "bytes": nbytes, "rounds": rounds, "warmup": warmup, "transfer_s": transfer,
                   "median_transfer_s": statistics.median(transfer), "data_plane_ms": moved,
                   "median_data_plane_ms": statistics.median(moved) if moved else None,
                   "data_plane_gbps": nbytes / statistics.median(moved) / 1e6 if moved else None,
-                  "round_s": [float(s["seconds"]) for s in measured]}))
+                  "round_s": [float(s["seconds"]) for s in measured], "transfer_breakdown": median_parts}))
 PY

@@ -7,7 +7,8 @@
 # tests/gpu/colocated_bench.sh (refit's transfer phase, medians of 6 rounds after 2), with this
 # refitd ("after") and the older one ("before"), then tests/bench/local_path_bench.py on the same
 # layouts (one device-to-device copy of the same bytes: the ceiling; a per-piece copy_ loop: the
-# baseline). Also runs kernels/copy_kernels_test when KERNELS=1. One JSON line per result in
+# baseline). Also runs kernels/copy_kernels_test when KERNELS=1, and with IPC_BENCH=1
+# tests/bench/ipc_copy_bench on each case's layouts. One JSON line per result in
 # $OUT/local_path/results.jsonl, logs packed into $OUT/local_path.tgz.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
@@ -52,6 +53,17 @@ for l in sys.stdin:
     step "kernel_$tag" 240 .device/bin/local_copy_bench --src "$layouts/t.json" --dst "$layouts/i.json" --repeat 10 \
       --segments "${SEGMENTS:-16384,65536,262144}"
     grep '^{' "$logs/kernel_$tag.log" >>"$logs/results.jsonl"
+  fi
+  # IPC_BENCH=1: the copy kernel on this case's layouts through memory another process exported
+  # (CUDA IPC, the allocation as is and rounded to 2 MiB) against its own, and how soon the host
+  # sees GPU work done (tests/bench/ipc_copy_bench).
+  if [ "${IPC_BENCH:-0}" = 1 ] && [ -f "$layouts/t.json" ] && [ -x .device/bin/ipc_copy_bench ]; then
+    step "ipc_$tag" 240 .device/bin/ipc_copy_bench --sizes-mib 1024 --max-mib 1024 --repeat 7 \
+      --src "$layouts/t.json" --dst "$layouts/i.json"
+    grep '^{' "$logs/ipc_$tag.log" | python3 -c '
+import json, sys
+for l in sys.stdin:
+    d = json.loads(l); d.update(case=sys.argv[1]); print(json.dumps(d))' "$tag" >>"$logs/results.jsonl"
   fi
   if [ "${BASELINE:-1}" = 1 ] && [ -z "$dtype" ] && [ -f "$layouts/t.json" ]; then
     step "baseline_$tag" 300 python3 tests/bench/local_path_bench.py --source "$layouts/t.json" --destination "$layouts/i.json" \

@@ -123,6 +123,10 @@ int main(int argc, char** argv) {
   char* device = nullptr;
   total = std::max<int64_t>(total, 256);
   if (!vmm) {
+    // A whole number of 2 MiB pages, as PyTorch's caching allocator sizes its segments: another
+    // process imports an allocation of any other size through CUDA IPC with small pages, and a
+    // colocated refit's copy kernel ran at a third of its speed on it (docs/BENCHMARKS.md, session 15).
+    total = (total + (int64_t{2} << 20) - 1) / (int64_t{2} << 20) * (int64_t{2} << 20);
     if (cudaMalloc(&device, total) != cudaSuccess) flags.Fail("cudaMalloc failed");
   } else {
     // Physical allocations of --vmm-chunk-mb, mapped back to back in one reserved range: what

@@ -314,13 +314,14 @@ class VmmBuffer : public MappedBuffer {
 }  // namespace
 
 absl::StatusOr<std::unique_ptr<CudaBackend>> CudaBackend::Start(const std::vector<int32_t>& gpus, int64_t staging_bytes,
-                                                               bool nccl_stream_priority) {
+                                                               bool nccl_stream_priority, bool aligned_copy_kernel) {
   int count = 0;
   REFIT_CUDA_RETURN_IF_ERROR(cudaGetDeviceCount(&count), "no usable GPU for --backend=cuda");
   std::unique_ptr<CudaBackend> b(new CudaBackend());
   b->gpus_ = gpus;
   b->staging_bytes_ = staging_bytes;
   b->nccl_stream_priority_ = nccl_stream_priority;
+  b->aligned_copy_kernel_ = aligned_copy_kernel;
   if (b->gpus_.empty()) {
     for (int i = 0; i < count; ++i) b->gpus_.push_back(i);
   }
@@ -673,7 +674,8 @@ absl::StatusOr<CudaBackend::Prepared*> CudaBackend::PreparedFor(Group& g, const 
       d->units = reinterpret_cast<const int64_t*>(base + at[i].second);
       d->n = static_cast<int>(w->items.size());
       d->total_units = w->unit_begin.empty() ? 0 : w->unit_begin.back();
-      d->aligned = AlignedOnly(*w);
+      // The aligned kernel only when asked (--aligned-copy-kernel): it has not yet run on a GPU.
+      d->aligned = aligned_copy_kernel_ && AlignedOnly(*w);
     }
     for (size_t stage = 0; stage < p->gpus[gpu].direct.size(); ++stage) {
       Prepared::DeviceWork& d = p->gpus[gpu].direct[stage];

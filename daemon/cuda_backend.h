@@ -52,7 +52,8 @@ class CudaBackend : public DataBackend {
   // blocks are scheduled ahead of pending pack and unpack blocks (which slow NCCL by 17% while
   // they run beside it, docs/BENCHMARKS.md). Not yet measured end to end.
   static absl::StatusOr<std::unique_ptr<CudaBackend>> Start(const std::vector<int32_t>& gpus,
-                                                          int64_t staging_bytes, bool nccl_stream_priority = false);
+                                                          int64_t staging_bytes, bool nccl_stream_priority = false,
+                                                          bool aligned_copy_kernel = false);
   // Every MappedBuffer it returned must be gone first, and no Transfer running.
   ~CudaBackend() override;
 
@@ -114,6 +115,7 @@ class CudaBackend : public DataBackend {
   std::vector<GpuName> names_;  // of gpus_, for GpuIndex
   std::map<int32_t, std::pair<int, int>> priorities_;  // GPU -> (least, greatest) stream priority
   bool nccl_stream_priority_ = false;
+  bool aligned_copy_kernel_ = false;
   int64_t staging_bytes_ = 0;
 
   std::atomic<int64_t> comms_built_{0}, comms_aborted_{0};  // for Communicators()

@@ -80,7 +80,8 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(const DaemonConfig& config
     Logger("rpc")->info("no TLS: listening on loopback only (docs/SECURITY.md)");
   }
   if (config.backend == "cuda") {
-    auto backend = CudaBackend::Start(config.gpus, config.staging_bytes, config.nccl_stream_priority);
+    auto backend = CudaBackend::Start(config.gpus, config.staging_bytes, config.nccl_stream_priority,
+                                      config.aligned_copy_kernel);
     if (!backend.ok()) return backend.status();
     d->backend_ = *std::move(backend);
   } else {

@@ -4,9 +4,11 @@
 // as the cuda backend does (DirectWork), and times one launch per stage, warm (medians of
 // --repeat after 3 warm-up runs), against cudaMemcpyAsync of the same bytes in the same run; per
 // --segments value (bytes per work unit: a tile of short runs, or a run's segment) and --spread
-// value (the unit order: auto is SpreadPays, as the cuda backend launches; 0 or 1 forces it). One
-// JSON line per case.
+// value (the unit order: auto is SpreadPays, as the cuda backend launches; 0 or 1 forces it);
+// with --aligned-kernel 1 aligned work goes through the aligned kernel (refitd
+// --aligned-copy-kernel), with 0 through the general one. One JSON line per case.
 //   local_copy_bench --src t.json --dst i.json [--repeat 10] [--segments 16384,65536,262144] [--spread auto,0,1]
+//                    [--aligned-kernel 1]
 #include <algorithm>
 #include <cstdio>
 #include <cstring>
@@ -46,7 +48,7 @@ float Median(std::vector<float> v) {
 }
 
 int Run(const std::string& src_path, const std::string& dst_path, int repeat, const std::vector<int64_t>& segments,
-        const std::vector<int>& spreads) {
+        const std::vector<int>& spreads, bool aligned_kernel) {
   auto src = ReadLayoutFile(src_path, "source");
   auto dst = ReadLayoutFile(dst_path, "destination");
   if (!src.ok() || !dst.ok()) {
@@ -95,12 +97,12 @@ int Run(const std::string& src_path, const std::string& dst_path, int repeat, co
       st.n = static_cast<int>(w.items.size());
       st.units = w.unit_begin.back();
       st.spread = spread < 0 ? SpreadPays(w) : spread == 1;
-      st.aligned = AlignedOnly(w);
+      st.aligned = aligned_kernel && AlignedOnly(w);
       for (const CopyItem& it : w.items) st.tiled_units += it.tiled ? it.Units() : 0;
     }
     int64_t units = 0, items = 0, tiled_units = 0;
-    bool spread_used = false;
-    for (const Stage& st : stages) units += st.units, items += st.n, tiled_units += st.tiled_units, spread_used |= st.spread;
+    bool spread_used = false, aligned_used = false;
+    for (const Stage& st : stages) units += st.units, items += st.n, tiled_units += st.tiled_units, spread_used |= st.spread, aligned_used |= st.aligned;
     std::vector<float> tk, tc;
     for (int r = 0; r < repeat + 3; ++r) {
       const float k = TimeMs(stream, [&] {
@@ -116,10 +118,11 @@ int Run(const std::string& src_path, const std::string& dst_path, int repeat, co
       if (r >= 3) tk.push_back(k), tc.push_back(c);
     }
     std::printf("{\"bench\":\"local_copy_kernel\",\"src\":\"%s\",\"bytes\":%lld,\"items\":%lld,\"units\":%lld,"
-                "\"tiled_units\":%lld,\"segment_bytes\":%lld,\"spread\":\"%s\",\"runs\":%d,\"kernel_ms\":%.4f,"
+                "\"tiled_units\":%lld,\"segment_bytes\":%lld,\"spread\":\"%s\",\"aligned_kernel\":%s,\"runs\":%d,\"kernel_ms\":%.4f,"
                 "\"memcpy_d2d_ms\":%.4f,\"kernel_vs_memcpy\":%.3f}\n",
                 src_path.c_str(), (long long)bytes, (long long)items, (long long)units, (long long)tiled_units,
-                (long long)segment, spread < 0 ? (spread_used ? "auto:1" : "auto:0") : (spread ? "1" : "0"), repeat,
+                (long long)segment, spread < 0 ? (spread_used ? "auto:1" : "auto:0") : (spread ? "1" : "0"),
+                aligned_used ? "true" : "false", repeat,
                 Median(tk), Median(tc), Median(tc) / Median(tk));
     std::fflush(stdout);
    }
@@ -135,6 +138,7 @@ int main(int argc, char** argv) {
   int repeat = 10;
   std::vector<int64_t> segments = {16384};
   std::vector<int> spreads = {-1};  // auto
+  bool aligned_kernel = true;
   for (int i = 1; i + 1 < argc; i += 2) {
     const std::string flag = argv[i], value = argv[i + 1];
     if (flag == "--src") src = value;
@@ -146,14 +150,16 @@ int main(int argc, char** argv) {
         int64_t v = 0;
         if (absl::SimpleAtoi(s, &v) && v > 0) segments.push_back(v);
       }
+    } else if (flag == "--aligned-kernel") {
+      aligned_kernel = value == "1";
     } else if (flag == "--spread") {
       spreads.clear();
       for (absl::string_view s : absl::StrSplit(value, ',')) spreads.push_back(s == "auto" ? -1 : s == "1" ? 1 : 0);
     }
   }
   if (src.empty() || dst.empty() || segments.empty() || spreads.empty()) {
-    std::fprintf(stderr, "usage: local_copy_bench --src T.json --dst I.json [--repeat N] [--segments B,B,...] [--spread auto,0,1]\n");
+    std::fprintf(stderr, "usage: local_copy_bench --src T.json --dst I.json [--repeat N] [--segments B,B,...] [--spread auto,0,1] [--aligned-kernel 0|1]\n");
     return 2;
   }
-  return refit::Run(src, dst, repeat, segments, spreads);
+  return refit::Run(src, dst, repeat, segments, spreads, aligned_kernel);
 }

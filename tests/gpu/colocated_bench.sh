@@ -39,7 +39,9 @@ for f in "$RUN/t.json" "$RUN/i.json"; do
   python3 -c 'import json,sys; l=json.load(open(sys.argv[1])); [w.update(node=0, gpu=0) for w in l["workers"]]; json.dump(l, open(sys.argv[1], "w"))' "$f"
 done
 gpus_flag=(--gpus 0); [ "$BACKEND" = cuda ] || gpus_flag=()
-start_daemon 0 --backend "$BACKEND" "${gpus_flag[@]}" --max-message-bytes $((64 << 20)) --staging-bytes $((2 << 30)) \
+# DAEMON_FLAGS: more refitd flags, e.g. --aligned-copy-kernel.
+read -r -a daemon_flags <<<"${DAEMON_FLAGS:-}"
+start_daemon 0 --backend "$BACKEND" "${gpus_flag[@]}" "${daemon_flags[@]}" --max-message-bytes $((64 << 20)) --staging-bytes $((2 << 30)) \
   --prepare-timeout 300 --commit-timeout 300 --transfer-timeout 60 --heartbeat 0.5 --heartbeats-missed 10 || fail daemon
 keys=()
 while read -r name node; do start_worker "$name" "$node" policy trainer "$RUN/t.json" "$name" --same-data --register-timeout 300 "${peer_t[@]}"; keys+=("$name"); done < <(workers_of "$RUN/t.json")

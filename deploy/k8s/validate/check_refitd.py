@@ -45,7 +45,7 @@ def fail(where, message):
     print(f"FAIL {where}: {message}")
 
 
-BOOLS = {"insecure-listen", "routing", "nccl-register", "nccl-stream-priority"}
+BOOLS = {"insecure-listen", "routing", "nccl-register", "nccl-stream-priority", "aligned-copy-kernel"}
 
 
 def flag_values(argv):

@@ -700,15 +700,16 @@ absl::StatusOr<CudaBackend::Prepared*> CudaBackend::PreparedFor(Group& g, const 
 
 namespace {
 
-// Where a round's time went on each GPU that used the network, from the events of its steps
-// (read after the round, when all of them have completed): time on the wire and its rate, the
-// wire's idle time between steps (waiting for a pack, or for the host), the pipeline's fill and
-// drain. One info line per GPU, one debug line per step.
-// `host`: when the host began the round, had launched every stage's work, and saw it done.
+// When the host began a round, had launched every stage's work, and saw it done.
 struct HostTimes {
   absl::Time started, launched, done;
 };
 
+// Where a round's time went on each GPU that used the network, from the events of its steps
+// (read after the round, when all of them have completed): time on the wire and its rate, the
+// wire's idle time between steps (waiting for a pack, or for the host), the pipeline's fill and
+// drain. One info line per GPU, one debug line per step. First, the host's side: when it had
+// launched every stage's work and when it saw it done, after starting.
 void LogTimeline(const TransferJob& job, const CudaBackend::Prepared& p, const HostTimes& host) {
   Logger("data")->info("group \"{}\" round {}: host launched the work {:.3f} ms after starting, saw it done at {:.3f} ms",
                        job.group, job.round_id, absl::ToDoubleMilliseconds(host.launched - host.started),

@@ -1,6 +1,7 @@
 #include "daemon/backend.h"
 
 #include "absl/strings/str_cat.h"
+#include "daemon/log_later.h"
 #include "daemon/logging.h"
 #include "plan/status_macros.h"
 
@@ -26,13 +27,16 @@ absl::StatusOr<std::vector<std::unique_ptr<MappedBuffer>>> DataBackend::MapBuffe
 void LogMoved(const TransferJob& job, absl::Time started, TransferStats* stats) {
   stats->data_plane_ms = absl::ToDoubleMilliseconds(absl::Now() - started);
   if (job.requested == absl::InfinitePast()) {  // not from a phase request (tests, tools)
-    Logger("data")->info("group \"{}\" round {}: moved in {:.3f} ms", job.group, job.round_id, stats->data_plane_ms);
+    LogLater("data", spdlog::level::info, "group \"{}\" round {}: moved in {:.3f} ms", job.group, job.round_id,
+             stats->data_plane_ms);
     return;
   }
   stats->started_after_request_ms = absl::ToDoubleMilliseconds(started - job.requested);
-  Logger("data")->info("group \"{}\" round {}: moved in {:.3f} ms; started {:.3f} ms after the request arrived at {}",
-                       job.group, job.round_id, stats->data_plane_ms, stats->started_after_request_ms,
-                       absl::FormatTime("%H:%M:%E6S", job.requested, absl::LocalTimeZone()));
+  // Written after the node answered (daemon/log_later.h): the round waits for no disk.
+  LogLater("data", spdlog::level::info,
+           "group \"{}\" round {}: moved in {:.3f} ms; started {:.3f} ms after the request arrived at {}", job.group,
+           job.round_id, stats->data_plane_ms, stats->started_after_request_ms,
+           absl::FormatTime("%H:%M:%E6S", job.requested, absl::LocalTimeZone()));
 }
 
 }  // namespace refit

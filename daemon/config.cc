@@ -55,7 +55,7 @@ DaemonConfig ParseDaemonFlags(int argc, char** argv) {
   flags.Int("staging-bytes", &staging, "cuda backend: staging memory per GPU per group (pipelined network steps)");
   flags.Int("max-relay-depth", &relay_depth, "coordinator: longest chain of relays between destination nodes (0: none)");
   flags.Bool("nccl-register", &c.nccl_register, "coordinator, cuda: staging allocated by NCCL and registered with the communicator (NCCL moves it buffer to buffer)");
-  flags.Bool("aligned-copy-kernel", &c.aligned_copy_kernel, "cuda: copy work whose every unit is 16-byte aligned through the aligned kernel (inlined loops, no spills; built in session 15, not yet run on a GPU)");
+  flags.Bool("aligned-copy-kernel", &c.aligned_copy_kernel, "cuda: copy work whose every unit is 16-byte aligned through the aligned kernel (inlined loops, no spills; =false: the general kernel for all work)");
   flags.Bool("nccl-stream-priority", &c.nccl_stream_priority, "cuda: NCCL's stream at the GPU's highest priority, ahead of pack and unpack kernels (not yet measured end to end)");
   flags.Int("zero-copy-min-bytes", &zero_copy, "coordinator, cuda: smallest descriptor sent without staging (larger: fewer NCCL operations, more packing)");
   flags.Double("prepare-timeout", &prepare_s, "seconds for every worker to confirm PREPARE");

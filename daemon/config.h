@@ -39,7 +39,7 @@ struct DaemonConfig {
   // cuda: NCCL's stream at the GPU's highest priority (--nccl-stream-priority); local to a daemon.
   bool nccl_stream_priority = false;
   // cuda: the aligned copy kernel for aligned work (--aligned-copy-kernel); local to a daemon.
-  bool aligned_copy_kernel = false;
+  bool aligned_copy_kernel = true;
   absl::Duration prepare_timeout = absl::Seconds(10);
   absl::Duration transfer_timeout = absl::Seconds(60);
   absl::Duration commit_timeout = absl::Seconds(10);

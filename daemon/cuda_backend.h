@@ -53,7 +53,7 @@ class CudaBackend : public DataBackend {
   // they run beside it, docs/BENCHMARKS.md). Not yet measured end to end.
   static absl::StatusOr<std::unique_ptr<CudaBackend>> Start(const std::vector<int32_t>& gpus,
                                                           int64_t staging_bytes, bool nccl_stream_priority = false,
-                                                          bool aligned_copy_kernel = false);
+                                                          bool aligned_copy_kernel = true);
   // Every MappedBuffer it returned must be gone first, and no Transfer running.
   ~CudaBackend() override;
 
@@ -71,6 +71,7 @@ class CudaBackend : public DataBackend {
   absl::StatusOr<std::unique_ptr<MappedBuffer>> AllocateScratch(const Worker& worker, int64_t bytes) override;
   absl::StatusOr<int32_t> GpuIndex(const std::string& name) override;
   absl::StatusOr<TransferStats> Transfer(const TransferJob& job) override;
+  void WorkersPrepared(const std::string& group) override;
   void Cancel(const std::string& group, int64_t round_id, const std::string& reason) override;
   absl::StatusOr<std::string> NewCommunicatorId() override;
   CommunicatorCounts Communicators() const override { return {comms_built_.load(), comms_aborted_.load()}; }
@@ -115,7 +116,7 @@ class CudaBackend : public DataBackend {
   std::vector<GpuName> names_;  // of gpus_, for GpuIndex
   std::map<int32_t, std::pair<int, int>> priorities_;  // GPU -> (least, greatest) stream priority
   bool nccl_stream_priority_ = false;
-  bool aligned_copy_kernel_ = false;
+  bool aligned_copy_kernel_ = true;
   int64_t staging_bytes_ = 0;
 
   std::atomic<int64_t> comms_built_{0}, comms_aborted_{0};  // for Communicators()

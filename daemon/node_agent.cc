@@ -318,7 +318,10 @@ absl::Status NodeAgent::RunPhase(const v1::PhaseRequest& request, v1::PhaseRespo
       // Answers about an earlier round of the same id (before a coordinator restart) are stale.
       e.set_kind(v1::RoundEvent::PREPARE);
       REFIT_RETURN_IF_ERROR(registry_->Send(ids, e, /*reset_prepared=*/true, /*reset_resumed=*/false));
-      return registry_->AwaitWorkers(group, ids, request.round_id(), false, timeout, "PREPARE", aborted.get());
+      REFIT_RETURN_IF_ERROR(
+          registry_->AwaitWorkers(group, ids, request.round_id(), false, timeout, "PREPARE", aborted.get()));
+      backend_->WorkersPrepared(group);  // before the answer: the TRANSFER cannot overtake it
+      return absl::OkStatus();
     }
     case v1::PhaseRequest::TRANSFER:
       return Transfer(group, installed, request, response);

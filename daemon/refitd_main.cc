@@ -10,6 +10,7 @@
 
 #include "daemon/config.h"
 #include "daemon/daemon.h"
+#include "daemon/log_later.h"
 #include "daemon/logging.h"
 
 int main(int argc, char** argv) {
@@ -59,6 +60,7 @@ int main(int argc, char** argv) {
   running = daemon->get();
   if (signalled) (*daemon)->Shutdown();  // raced the signal: it saw no daemon, or this one did
   (*daemon)->Wait();
+  refit::FlushLaterLogs();  // the last rounds' reports (daemon/log_later.h)
   daemon->reset();
   return 0;
 }

@@ -81,11 +81,11 @@ void Append(CopyWork& w, const CopyItem& it) {
   w.items.push_back(it);
 }
 
-void CutIntoUnits(CopyItem& it, int64_t segment_bytes) {
+void CutIntoUnits(CopyItem& it, int64_t segment_bytes, int64_t tile_run_bytes) {
   const int ss = DTypeSize(static_cast<DType>(it.src_dtype)), ds = DTypeSize(static_cast<DType>(it.dst_dtype));
   const int64_t widest = std::max(ss, ds);
   it.segment = std::max<int64_t>(1, segment_bytes / widest);
-  it.tiled = it.inner * widest < kTileRunBytes && it.inner > 0;
+  it.tiled = it.inner * widest < tile_run_bytes && it.inner > 0;
   it.vector = 0;
   if (!it.tiled) {
     it.segments = CeilDiv(it.inner, it.segment);
@@ -188,7 +188,7 @@ CopyWork PackWork(const Plan& plan, const Message& m, const BufferAddresses& src
 }
 
 CopyWork UnpackWork(const Plan& plan, const Message& m, uint64_t staging,
-                    const BufferAddresses& dst, int64_t segment_bytes) {
+                    const BufferAddresses& dst, int64_t segment_bytes, int64_t tile_run_bytes) {
   CopyWork w;
   w.unit_begin.push_back(0);
   for (int64_t k = 0; k < m.num_descriptors; ++k) {
@@ -197,29 +197,36 @@ CopyWork UnpackWork(const Plan& plan, const Message& m, uint64_t staging,
   return w;
 }
 
-bool AlignedOnly(const CopyWork& work) {
-  for (const CopyItem& it : work.items) {
-    if (it.Quantizes()) continue;  // fp8 blocks: the same code in both kernels
-    if (it.tiled) return false;
-    const int ss = DTypeSize(static_cast<DType>(it.src_dtype)), ds = DTypeSize(static_cast<DType>(it.dst_dtype));
-    // Every unit starts at a run's start plus a whole number of segments: aligned when the bases,
-    // the strides stepped and the segment are (the last segment of a run: when the run is).
-    uint64_t s_bytes = it.src | static_cast<uint64_t>(it.segment * ss) | static_cast<uint64_t>(it.inner * ss);
-    uint64_t d_bytes = it.dst | static_cast<uint64_t>(it.segment * ds) | static_cast<uint64_t>(it.inner * ds);
-    for (int k = 0; k < kMaxOuterDims; ++k) {
-      if (it.count[k] <= 1) continue;
-      s_bytes |= static_cast<uint64_t>(it.src_stride[k] * ss);
-      d_bytes |= static_cast<uint64_t>(it.dst_stride[k] * ds);
-    }
-    if (((s_bytes | d_bytes) & 15) != 0) return false;
-    // Converting: WarpConvertVector takes 8 elements at a time.
-    if (it.src_dtype != it.dst_dtype && ((it.segment | it.inner) % 8 != 0)) return false;
+bool AlignedItem(const CopyItem& it) {
+  if (it.Quantizes()) return true;  // fp8 blocks: the same code in both kernels
+  if (it.tiled) return false;
+  const int ss = DTypeSize(static_cast<DType>(it.src_dtype)), ds = DTypeSize(static_cast<DType>(it.dst_dtype));
+  // Every unit starts at a run's start plus a whole number of segments: aligned when the bases,
+  // the strides stepped and the segment are (the last segment of a run: when the run is).
+  uint64_t s_bytes = it.src | static_cast<uint64_t>(it.segment * ss) | static_cast<uint64_t>(it.inner * ss);
+  uint64_t d_bytes = it.dst | static_cast<uint64_t>(it.segment * ds) | static_cast<uint64_t>(it.inner * ds);
+  for (int k = 0; k < kMaxOuterDims; ++k) {
+    if (it.count[k] <= 1) continue;
+    s_bytes |= static_cast<uint64_t>(it.src_stride[k] * ss);
+    d_bytes |= static_cast<uint64_t>(it.dst_stride[k] * ds);
   }
-  return true;
+  if (((s_bytes | d_bytes) & 15) != 0) return false;
+  // Converting: WarpConvertVector takes 8 elements at a time.
+  return it.src_dtype == it.dst_dtype || (it.segment | it.inner) % 8 == 0;
+}
+
+bool AlignedOnly(const CopyWork& work) {
+  return std::all_of(work.items.begin(), work.items.end(), AlignedItem);
+}
+
+void SplitAligned(const CopyWork& work, CopyWork& aligned, CopyWork& general) {
+  aligned = CopyWork{};
+  general = CopyWork{};
+  for (const CopyItem& it : work.items) Append(AlignedItem(it) ? aligned : general, it);
 }
 
 CopyWork DirectWork(const Plan& plan, const Message& m, const BufferAddresses& src,
-                    const BufferAddresses& dst, int64_t segment_bytes) {
+                    const BufferAddresses& dst, int64_t segment_bytes, int64_t tile_run_bytes) {
   CopyWork w;
   w.unit_begin.push_back(0);
   for (int64_t k = 0; k < m.num_descriptors; ++k) {
@@ -235,7 +242,7 @@ CopyWork DirectWork(const Plan& plan, const Message& m, const BufferAddresses& s
     it.dst = DestinationAddress(d, dst);
     it.src_dtype = static_cast<uint8_t>(d.src_dtype);
     it.dst_dtype = static_cast<uint8_t>(d.dst_dtype);
-    CutIntoUnits(it, segment_bytes);
+    CutIntoUnits(it, segment_bytes, tile_run_bytes);
     Append(w, it);
   }
   return w;

@@ -34,8 +34,12 @@ namespace refit {
 
 // Runs shorter than this (bytes at the wider dtype) are tiled (see above). Long runs keep units of
 // one run (a segment of one): a warp then streams one contiguous span, 16-byte aligned at the
-// destination, which is how 16 GB of aligned tensors reach 0.935 of cudaMemcpy.
-inline constexpr int64_t kTileRunBytes = 4096;
+// destination, which is how 16 GB of aligned tensors reach 0.935 of cudaMemcpy. 512 rather than
+// the first 4096: runs of 0.5-4 KiB (TP shards' rows of small models) copy faster as runs, and
+// where aligned through the aligned kernel (one H200, local_copy_bench --tile-run-bytes: Llama-3-8B
+// scaled to 1 GB 0.598 -> 0.519 ms, scaled to 110 MB 0.207 -> 0.136, Qwen2.5-0.5B 0.575 -> 0.555;
+// 99k small tensors the same).
+inline constexpr int64_t kTileRunBytes = 512;
 
 struct CopyItem {
   uint64_t src = 0;  // address of the first element (device or host)
@@ -89,7 +93,8 @@ using BufferAddresses = std::vector<uint64_t>;
 CopyWork PackWork(const Plan& plan, const Message& m, const BufferAddresses& src,
                   const BufferAddresses& dst, uint64_t staging, int64_t segment_bytes = 16384);
 CopyWork UnpackWork(const Plan& plan, const Message& m, uint64_t staging,
-                    const BufferAddresses& dst, int64_t segment_bytes = 16384);
+                    const BufferAddresses& dst, int64_t segment_bytes = 16384,
+                    int64_t tile_run_bytes = kTileRunBytes);
 
 // One descriptor's item appended to `w`: packed at staging + w.bytes, or unpacked from there
 // (w.bytes then grows by its wire bytes); building blocks of the functions above.
@@ -104,18 +109,23 @@ void AppendWork(const CopyWork& more, CopyWork& w);
 // most `segment_bytes` (at the wider dtype): tiled when its runs are shorter than kTileRunBytes
 // (with `vector` and `segment` a multiple of it), else runs or segments of runs. The functions
 // above call it; tests that build items by hand too. Then Append() it.
-void CutIntoUnits(CopyItem& it, int64_t segment_bytes);
+void CutIntoUnits(CopyItem& it, int64_t segment_bytes, int64_t tile_run_bytes = kTileRunBytes);
 void Append(CopyWork& w, const CopyItem& it);
 
 // Items that copy message `m` straight from its sources to its destinations, without staging:
 // for GPUs that reach each other's memory (one node, peer access).
 CopyWork DirectWork(const Plan& plan, const Message& m, const BufferAddresses& src,
-                    const BufferAddresses& dst, int64_t segment_bytes = 16384);
+                    const BufferAddresses& dst, int64_t segment_bytes = 16384,
+                    int64_t tile_run_bytes = kTileRunBytes);
 
 // Whether every copy unit of `work` is 16-byte aligned at both ends, in whole 16 bytes (same
 // dtype) or 8 elements (converting), and none is a tile: then the aligned kernel runs it
 // (LaunchCopyItems' `aligned_only`).
 bool AlignedOnly(const CopyWork& work);
+// The same for one item; and `work` cut in two by it (the items in order within each; `work`
+// must be neither output).
+bool AlignedItem(const CopyItem& it);
+void SplitAligned(const CopyWork& work, CopyWork& aligned, CopyWork& general);
 
 // The CPU twin of the kernels: runs the items on host memory (addresses are host pointers);
 // quantizing units through plan/host_copy.h's QuantizeRegion, one block each.

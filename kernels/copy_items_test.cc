@@ -294,13 +294,19 @@ CopyItem Item(DType from, DType to, uint64_t src, uint64_t dst, int64_t inner, i
 
 TEST_CASE("short runs are tiled with the widest access every address allows") {
   const DType bf16 = DType::kBF16, f32 = DType::kF32;
-  // The 12x Llama-3-8B rows: 341 bf16 columns out of 682, 2-aligned: 2-byte accesses, not bytes.
-  CopyItem it = Item(bf16, bf16, 0x1000, 0x2000, 341, 4096, 682, 341);
+  // Rows of 171 bf16 columns out of 342 (odd widths), 2-aligned: 2-byte accesses, not bytes.
+  CopyItem it = Item(bf16, bf16, 0x1000, 0x2000, 171, 4096, 342, 171);
   CutIntoUnits(it, 16384);
   CHECK(it.tiled);
   CHECK(it.vector == 2);
   CHECK(it.segment == 8192);
-  CHECK(it.Units() == CeilDiv(341 * 4096, 8192));  // 171 tiles, not 4096 runs
+  CHECK(it.Units() == CeilDiv(171 * 4096, 8192));  // 86 tiles, not 4096 runs
+  // The 12x Llama-3-8B rows (341 of 682 bf16 columns, 682 bytes): runs, one unit each (faster on
+  // an H200 than tiles of them, session 16).
+  it = Item(bf16, bf16, 0x1000, 0x2000, 341, 4096, 682, 341);
+  CutIntoUnits(it, 16384);
+  CHECK_FALSE(it.tiled);
+  CHECK(it.Units() == 4096);
   // Rows of 64 bf16, everything 16-aligned: 16-byte accesses.
   it = Item(bf16, bf16, 0x1000, 0x2000, 64, 256, 128, 64);
   CutIntoUnits(it, 16384);
@@ -423,6 +429,35 @@ TEST_CASE("AlignedOnly accepts aligned long runs and nothing else") {
     INFO(k.name);
     CHECK_FALSE(AlignedOnly(ItemCaseWork(k, 0x100000, 0x800000)));
   }
+}
+
+// Mixed work runs as two launches (the cuda backend's direct copies): the aligned items, in
+// order, through the aligned kernel, the rest through the general one; nothing lost or doubled.
+TEST_CASE("SplitAligned cuts mixed work into aligned items and the rest, in order") {
+  const std::vector<ItemCase> cases = MakeItemCases(0, 11);
+  CopyWork mixed;
+  for (const ItemCase& k : cases) AppendWork(ItemCaseWork(k, 0x100000, 0x800000), mixed);
+  REQUIRE_FALSE(AlignedOnly(mixed));
+  CopyWork aligned, general;
+  SplitAligned(mixed, aligned, general);
+  REQUIRE_FALSE(aligned.items.empty());
+  REQUIRE_FALSE(general.items.empty());
+  CHECK(AlignedOnly(aligned));
+  CHECK(aligned.items.size() + general.items.size() == mixed.items.size());
+  CHECK(aligned.unit_begin.back() + general.unit_begin.back() == mixed.unit_begin.back());
+  size_t a = 0, g = 0;
+  for (const CopyItem& it : mixed.items) {
+    const CopyItem& got = AlignedItem(it) ? aligned.items.at(a++) : general.items.at(g++);
+    CHECK(got.src == it.src);
+    CHECK(got.dst == it.dst);
+    CHECK(got.Units() == it.Units());
+  }
+  for (const CopyItem& it : general.items) CHECK_FALSE(AlignedItem(it));
+  // Aligned work stays whole.
+  const CopyWork whole = aligned;
+  SplitAligned(whole, aligned, general);
+  CHECK(aligned.items.size() == whole.items.size());
+  CHECK(general.items.empty());
 }
 
 }  // namespace

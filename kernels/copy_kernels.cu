@@ -742,6 +742,13 @@ bool SpreadPays(const CopyWork& work) {
   return units > 0 && bytes / units >= 1024;
 }
 
+__global__ void NothingKernel() {}
+
+cudaError_t LaunchNothing(cudaStream_t stream) {
+  NothingKernel<<<1, 1, 0, stream>>>();
+  return cudaGetLastError();
+}
+
 cudaError_t LaunchCopyItems(const CopyItem* items, const int64_t* unit_begin, int n_items,
                             int64_t total_units, cudaStream_t stream, bool spread, bool aligned_only) {
   if (n_items == 0 || total_units == 0) return cudaSuccess;

@@ -31,6 +31,10 @@ namespace refit {
 cudaError_t LaunchCopyItems(const CopyItem* items, const int64_t* unit_begin, int n_items,
                             int64_t total_units, cudaStream_t stream, bool spread = false, bool aligned_only = false);
 
+// A kernel that does nothing: launched only for the GPU to switch to this process's context
+// (daemon/cuda_backend.cc, WorkersPrepared).
+cudaError_t LaunchNothing(cudaStream_t stream);
+
 // Whether `work`'s units are large enough for `spread` (1 KiB or more on average). Tiles made
 // units of short runs large (16 KiB by default), so spread is now the order for them too; the
 // 4.9 -> 6.0 ms above was measured with one unit per 195-byte run.

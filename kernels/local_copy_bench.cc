@@ -7,8 +7,11 @@
 // value (the unit order: auto is SpreadPays, as the cuda backend launches; 0 or 1 forces it);
 // with --aligned-kernel 1 aligned work goes through the aligned kernel (refitd
 // --aligned-copy-kernel), with 0 through the general one. One JSON line per case.
+// --tile-run-bytes: runs shorter than this are tiled (kTileRunBytes as refitd runs); --split 1:
+// a stage's aligned items through the aligned kernel and the rest through the general one, two
+// launches (0: one launch, the aligned kernel only where every item allows it).
 //   local_copy_bench --src t.json --dst i.json [--repeat 10] [--segments 16384,65536,262144] [--spread auto,0,1]
-//                    [--aligned-kernel 1]
+//                    [--aligned-kernel 1] [--tile-run-bytes 512] [--split 0,1]
 #include <algorithm>
 #include <cstdio>
 #include <cstring>
@@ -47,8 +50,16 @@ float Median(std::vector<float> v) {
   return v[v.size() / 2];
 }
 
-int Run(const std::string& src_path, const std::string& dst_path, int repeat, const std::vector<int64_t>& segments,
-        const std::vector<int>& spreads, bool aligned_kernel) {
+struct Options {
+  int repeat = 10;
+  std::vector<int64_t> segments = {16384};
+  std::vector<int> spreads = {-1};  // auto
+  bool aligned_kernel = true;
+  std::vector<int64_t> tile_run_bytes = {kTileRunBytes};
+  std::vector<int> splits = {0};
+};
+
+int Run(const std::string& src_path, const std::string& dst_path, const Options& o) {
   auto src = ReadLayoutFile(src_path, "source");
   auto dst = ReadLayoutFile(dst_path, "destination");
   if (!src.ok() || !dst.ok()) {
@@ -71,25 +82,23 @@ int Run(const std::string& src_path, const std::string& dst_path, int repeat, co
   DeviceBuffer a(static_cast<size_t>(bytes)), b(static_cast<size_t>(bytes));
   cudaStream_t stream;
   REFIT_CUDA_CHECK(cudaStreamCreate(&stream));
-  for (int64_t segment : segments) {
-   for (int spread : spreads) {
-    // One work list per stage, every message of it (all local here).
-    struct Stage {
+  for (int64_t segment : o.segments) {
+   for (int spread : o.spreads) {
+    for (int64_t tile_run : o.tile_run_bytes) {
+     for (int split : o.splits) {
+    // One work list per stage, every message of it (all local here); with --split 1, a stage's
+    // aligned items in one launch of the aligned kernel and the rest in one of the general.
+    struct Launch {
       std::unique_ptr<DeviceBuffer> items, begin;
       int n = 0;
       int64_t units = 0, tiled_units = 0;
       bool spread = false;  // as the cuda backend launches it (SpreadPays), unless --spread
       bool aligned = false;  // AlignedOnly: the aligned kernel, as the cuda backend launches it
     };
-    std::vector<Stage> stages(kMaxStages);
-    for (int s = 0; s < kMaxStages; ++s) {
-      CopyWork w;
-      w.unit_begin.push_back(0);
-      for (const Message& m : plan->messages) {
-        if (m.stage == s) AppendWork(DirectWork(*plan, m, sa, da, segment), w);
-      }
-      if (w.items.empty()) continue;
-      Stage& st = stages[s];
+    std::vector<Launch> launches;
+    auto add = [&](const CopyWork& w) {
+      if (w.items.empty()) return;
+      Launch& st = launches.emplace_back();
       st.items = std::make_unique<DeviceBuffer>(w.items.size() * sizeof(CopyItem));
       st.begin = std::make_unique<DeviceBuffer>(w.unit_begin.size() * sizeof(int64_t));
       REFIT_CUDA_CHECK(cudaMemcpy(st.items->get(), w.items.data(), st.items->size(), cudaMemcpyHostToDevice));
@@ -97,17 +106,31 @@ int Run(const std::string& src_path, const std::string& dst_path, int repeat, co
       st.n = static_cast<int>(w.items.size());
       st.units = w.unit_begin.back();
       st.spread = spread < 0 ? SpreadPays(w) : spread == 1;
-      st.aligned = aligned_kernel && AlignedOnly(w);
+      st.aligned = o.aligned_kernel && AlignedOnly(w);
       for (const CopyItem& it : w.items) st.tiled_units += it.tiled ? it.Units() : 0;
+    };
+    for (int s = 0; s < kMaxStages; ++s) {
+      CopyWork w;
+      w.unit_begin.push_back(0);
+      for (const Message& m : plan->messages) {
+        if (m.stage == s) AppendWork(DirectWork(*plan, m, sa, da, segment, tile_run), w);
+      }
+      if (split == 0) {
+        add(w);
+        continue;
+      }
+      CopyWork aligned, general;
+      SplitAligned(w, aligned, general);
+      add(aligned);
+      add(general);
     }
     int64_t units = 0, items = 0, tiled_units = 0;
     bool spread_used = false, aligned_used = false;
-    for (const Stage& st : stages) units += st.units, items += st.n, tiled_units += st.tiled_units, spread_used |= st.spread, aligned_used |= st.aligned;
+    for (const Launch& st : launches) units += st.units, items += st.n, tiled_units += st.tiled_units, spread_used |= st.spread, aligned_used |= st.aligned;
     std::vector<float> tk, tc;
-    for (int r = 0; r < repeat + 3; ++r) {
+    for (int r = 0; r < o.repeat + 3; ++r) {
       const float k = TimeMs(stream, [&] {
-        for (const Stage& st : stages) {
-          if (st.n == 0) continue;
+        for (const Launch& st : launches) {
           REFIT_CUDA_CHECK(LaunchCopyItems(static_cast<CopyItem*>(st.items->get()), static_cast<int64_t*>(st.begin->get()), st.n,
                                            st.units, stream, st.spread, st.aligned));
         }
@@ -118,13 +141,17 @@ int Run(const std::string& src_path, const std::string& dst_path, int repeat, co
       if (r >= 3) tk.push_back(k), tc.push_back(c);
     }
     std::printf("{\"bench\":\"local_copy_kernel\",\"src\":\"%s\",\"bytes\":%lld,\"items\":%lld,\"units\":%lld,"
-                "\"tiled_units\":%lld,\"segment_bytes\":%lld,\"spread\":\"%s\",\"aligned_kernel\":%s,\"runs\":%d,\"kernel_ms\":%.4f,"
+                "\"tiled_units\":%lld,\"segment_bytes\":%lld,\"tile_run_bytes\":%lld,\"split\":%d,\"launches\":%zu,"
+                "\"spread\":\"%s\",\"aligned_kernel\":%s,\"runs\":%d,\"kernel_ms\":%.4f,"
                 "\"memcpy_d2d_ms\":%.4f,\"kernel_vs_memcpy\":%.3f}\n",
                 src_path.c_str(), (long long)bytes, (long long)items, (long long)units, (long long)tiled_units,
-                (long long)segment, spread < 0 ? (spread_used ? "auto:1" : "auto:0") : (spread ? "1" : "0"),
-                aligned_used ? "true" : "false", repeat,
+                (long long)segment, (long long)tile_run, split, launches.size(),
+                spread < 0 ? (spread_used ? "auto:1" : "auto:0") : (spread ? "1" : "0"),
+                aligned_used ? "true" : "false", o.repeat,
                 Median(tk), Median(tc), Median(tc) / Median(tk));
     std::fflush(stdout);
+     }
+    }
    }
   }
   return 0;
@@ -135,31 +162,36 @@ int Run(const std::string& src_path, const std::string& dst_path, int repeat, co
 
 int main(int argc, char** argv) {
   std::string src, dst;
-  int repeat = 10;
-  std::vector<int64_t> segments = {16384};
-  std::vector<int> spreads = {-1};  // auto
-  bool aligned_kernel = true;
+  refit::Options o;
+  auto list = [](const std::string& value) {
+    std::vector<int64_t> out;
+    for (absl::string_view s : absl::StrSplit(value, ',')) {
+      int64_t v = 0;
+      if (absl::SimpleAtoi(s, &v) && v >= 0) out.push_back(v);
+    }
+    return out;
+  };
   for (int i = 1; i + 1 < argc; i += 2) {
     const std::string flag = argv[i], value = argv[i + 1];
     if (flag == "--src") src = value;
     else if (flag == "--dst") dst = value;
-    else if (flag == "--repeat") repeat = std::max(1, std::atoi(value.c_str()));
-    else if (flag == "--segments") {
-      segments.clear();
-      for (absl::string_view s : absl::StrSplit(value, ',')) {
-        int64_t v = 0;
-        if (absl::SimpleAtoi(s, &v) && v > 0) segments.push_back(v);
-      }
+    else if (flag == "--repeat") o.repeat = std::max(1, std::atoi(value.c_str()));
+    else if (flag == "--segments") o.segments = list(value);
+    else if (flag == "--tile-run-bytes") o.tile_run_bytes = list(value);
+    else if (flag == "--split") {
+      o.splits.clear();
+      for (int64_t v : list(value)) o.splits.push_back(v != 0);
     } else if (flag == "--aligned-kernel") {
-      aligned_kernel = value == "1";
+      o.aligned_kernel = value == "1";
     } else if (flag == "--spread") {
-      spreads.clear();
-      for (absl::string_view s : absl::StrSplit(value, ',')) spreads.push_back(s == "auto" ? -1 : s == "1" ? 1 : 0);
+      o.spreads.clear();
+      for (absl::string_view s : absl::StrSplit(value, ',')) o.spreads.push_back(s == "auto" ? -1 : s == "1" ? 1 : 0);
     }
   }
-  if (src.empty() || dst.empty() || segments.empty() || spreads.empty()) {
-    std::fprintf(stderr, "usage: local_copy_bench --src T.json --dst I.json [--repeat N] [--segments B,B,...] [--spread auto,0,1] [--aligned-kernel 0|1]\n");
+  if (src.empty() || dst.empty() || o.segments.empty() || o.spreads.empty() || o.tile_run_bytes.empty() || o.splits.empty()) {
+    std::fprintf(stderr, "usage: local_copy_bench --src T.json --dst I.json [--repeat N] [--segments B,B,...] [--spread auto,0,1] "
+                         "[--aligned-kernel 0|1] [--tile-run-bytes B,B,...] [--split 0,1]\n");
     return 2;
   }
-  return refit::Run(src, dst, repeat, segments, spreads, aligned_kernel);
+  return refit::Run(src, dst, o);
 }

@@ -339,22 +339,36 @@ void TimeSync(int sock, uint64_t a, uint64_t b, size_t bytes, cudaStream_t strea
   CHECK_CUDA(cudaEventCreate(&e1));
   using Clock = std::chrono::steady_clock;
   auto us = [](Clock::duration d) { return std::chrono::duration<double, std::micro>(d).count(); };
-  // The last: stream queries again, right after the other process ran GPU work of its own (the GPU
-  // switches between processes' contexts: what a refit pays after the workers' PREPARE).
+  // From the fifth: stream queries again, right after the other process ran GPU work of its own
+  // (the GPU switches between processes' contexts: what a refit pays after the workers' PREPARE);
+  // the same with the copy engine instead of the kernel (does it switch as slowly?); and with a
+  // small kernel of this process's own run to completion first (the switch taken before the copy,
+  // as refitd could while it waits for TRANSFER).
   const char* methods[] = {"stream_query_spin", "event_query_spin", "stream_synchronize", "mapped_flag_spin",
-                           "stream_query_after_other_process"};
-  for (int m = 0; m < 5; ++m) {
+                           "stream_query_after_other_process", "memcpy_after_other_process",
+                           "after_other_process_and_a_small_kernel"};
+  KernelWork small = OneItem(a, b, 4096);
+  for (int m = 0; m < 7; ++m) {
     std::vector<float> late, launch, query;
     for (int r = 0; r < repeat + 3; ++r) {
       *const_cast<volatile int*>(flag) = 0;
       CHECK_CUDA(cudaStreamSynchronize(stream));
-      if (m == 4) {
+      if (m >= 4) {
         char c = 'w';
         if (write(sock, &c, 1) != 1 || read(sock, &c, 1) != 1) std::exit(1);
       }
+      if (m == 6) {
+        CHECK_CUDA(refit::LaunchCopyItems(small.items, small.begin, 1, small.units, stream));
+        CHECK_CUDA(cudaStreamSynchronize(stream));
+      }
       const auto t0 = Clock::now();
       CHECK_CUDA(cudaEventRecord(e0, stream));
-      CHECK_CUDA(refit::LaunchCopyItems(w.items, w.begin, 1, w.units, stream));
+      if (m == 5) {
+        CHECK_CUDA(cudaMemcpyAsync(reinterpret_cast<void*>(b), reinterpret_cast<void*>(a), bytes, cudaMemcpyDeviceToDevice,
+                                   stream));
+      } else {
+        CHECK_CUDA(refit::LaunchCopyItems(w.items, w.begin, 1, w.units, stream));
+      }
       CHECK_CUDA(cudaEventRecord(e1, stream));
       if (m == 3) {
         CHECK_CU(cuStreamWriteValue32(stream, reinterpret_cast<CUdeviceptr>(device_flag), static_cast<cuuint32_t>(r + 1),
@@ -362,7 +376,7 @@ void TimeSync(int sock, uint64_t a, uint64_t b, size_t bytes, cudaStream_t strea
       }
       const auto t1 = Clock::now();
       int polls = 0;
-      if (m == 0 || m == 4) {
+      if (m == 0 || m >= 4) {
         while (cudaStreamQuery(stream) == cudaErrorNotReady) ++polls;
       } else if (m == 1) {
         while (cudaEventQuery(e1) == cudaErrorNotReady) ++polls;
@@ -387,6 +401,8 @@ void TimeSync(int sock, uint64_t a, uint64_t b, size_t bytes, cudaStream_t strea
     std::fflush(stdout);
   }
   cudaFreeHost(flag);
+  cudaFree(small.items);
+  cudaFree(small.begin);
 }
 
 int Parent(int sock, size_t max_bytes, const std::vector<size_t>& sizes, int repeat, const LayoutCase* layouts) {

@@ -95,5 +95,8 @@ print(json.dumps({"mode": "colocated-1gpu", "refitd": os.path.realpath(os.path.j
                   "median_transfer_s": statistics.median(transfer), "data_plane_ms": moved,
                   "median_data_plane_ms": statistics.median(moved) if moved else None,
                   "data_plane_gbps": nbytes / statistics.median(moved) / 1e6 if moved else None,
-                  "round_s": [float(s["seconds"]) for s in measured], "transfer_breakdown": median_parts}))
+                  "round_s": [float(s["seconds"]) for s in measured],
+                  "median_round_s": statistics.median(float(s["seconds"]) for s in measured),
+                  "median_prepare_s": statistics.median(float(s.get("prepare_seconds", 0)) for s in measured),
+                  "transfer_breakdown": median_parts}))
 PY

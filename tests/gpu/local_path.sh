@@ -8,7 +8,8 @@
 # refitd ("after") and the older one ("before"), then tests/bench/local_path_bench.py on the same
 # layouts (one device-to-device copy of the same bytes: the ceiling; a per-piece copy_ loop: the
 # baseline). Also runs kernels/copy_kernels_test when KERNELS=1, and with IPC_BENCH=1
-# tests/bench/ipc_copy_bench on each case's layouts. One JSON line per result in
+# tests/bench/ipc_copy_bench on each case's layouts. KERNEL_FLAGS: more local_copy_bench flags
+# (--tile-run-bytes, --split). One JSON line per result in
 # $OUT/local_path/results.jsonl, logs packed into $OUT/local_path.tgz.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
@@ -38,9 +39,11 @@ for case in ${CASES:-llama3-8b:1}; do
     if [ -n "${BUDGET_S:-}" ] && [ $SECONDS -gt "$BUDGET_S" ]; then echo "$tag $run: skipped (BUDGET_S)"; continue; fi
     [ "$run" = before ] && [ ! -x .device/bin/refitd-before ] && continue
     bin=.device/bin; [ "$run" = before ] && bin=/tmp/bin-before
+    # "general": this refitd with the general copy kernel only (the A/B of the aligned one).
+    flags=${DAEMON_FLAGS:-}; [ "$run" = general ] && flags="$flags --aligned-copy-kernel=false"
     rm -rf "/tmp/lp-$tag-$run"
     step "refit_${tag}_$run" 240 env BIN="$bin" RUN="/tmp/lp-$tag-$run" CONFIG="tests/configs/$model.json" SCALE="$scale" \
-      INFER_DTYPE="${dtype:-}" bash tests/gpu/colocated_bench.sh
+      INFER_DTYPE="${dtype:-}" DAEMON_FLAGS="$flags" bash tests/gpu/colocated_bench.sh
     cp "/tmp/lp-$tag-$run/daemon0.log" "$logs/refit_${tag}_${run}_daemon0.log" 2>/dev/null
     cat /tmp/lp-$tag-$run/*.report >"$logs/refit_${tag}_${run}_reports.txt" 2>/dev/null
     grep '^{' "$logs/refit_${tag}_$run.log" | python3 -c '
@@ -50,9 +53,11 @@ for l in sys.stdin:
   done
   layouts=$(ls -d /tmp/lp-$tag-* 2>/dev/null | head -n 1)
   if [ "${KERNEL_BENCH:-1}" = 1 ] && [ -f "$layouts/t.json" ] && [ -x .device/bin/local_copy_bench ]; then
-    step "kernel_$tag" 240 .device/bin/local_copy_bench --src "$layouts/t.json" --dst "$layouts/i.json" --repeat 10 \
-      --segments "${SEGMENTS:-16384,65536,262144}"
-    grep '^{' "$logs/kernel_$tag.log" >>"$logs/results.jsonl"
+    for aligned in ${ALIGNED_KERNEL:-1}; do  # ALIGNED_KERNEL="1 0": the aligned kernel against the general one
+      step "kernel_${tag}_aligned$aligned" 240 .device/bin/local_copy_bench --src "$layouts/t.json" --dst "$layouts/i.json" \
+        --repeat 10 --segments "${SEGMENTS:-16384,65536,262144}" --aligned-kernel "$aligned" ${KERNEL_FLAGS:-}
+      grep '^{' "$logs/kernel_${tag}_aligned$aligned.log" >>"$logs/results.jsonl"
+    done
   fi
   # IPC_BENCH=1: the copy kernel on this case's layouts through memory another process exported
   # (CUDA IPC, the allocation as is and rounded to 2 MiB) against its own, and how soon the host
@@ -83,6 +88,10 @@ for r in rows:
     t = r["median_transfer_s"]
     line = {"case": r["case"], "run": r["run"], "bytes": r["bytes"], "transfer_ms": round(t * 1e3, 3),
             "data_plane_ms": round(r["median_data_plane_ms"], 3) if r.get("median_data_plane_ms") else None}
+    if r.get("median_round_s") is not None:
+        line.update(round_ms=round(r["median_round_s"] * 1e3, 3), prepare_ms=round(r["median_prepare_s"] * 1e3, 3))
+    if (r.get("transfer_breakdown") or {}).get("node_after_ms") is not None:
+        line.update(node_after_ms=r["transfer_breakdown"]["node_after_ms"])
     if b:
         line.update(ceiling_ms=round(b["median_ceiling_s"] * 1e3, 3), per_piece_ms=round(b["median_per_piece_s"] * 1e3, 3),
                     ceiling_bytes=b["bytes"], of_ceiling=round(b["median_ceiling_s"] * r["bytes"] / b["bytes"] / t, 3),

@@ -114,6 +114,10 @@ class CudaBackend::GroupLease {
  public:
   static absl::StatusOr<GroupLease> Take(CudaBackend* b, const TransferJob& job) ABSL_LOCKS_EXCLUDED(b->mu_) {
     absl::MutexLock lock(&b->mu_);
+    // A round's TRANSFER follows its PREPARE's WorkersPrepared; one of another round (a new
+    // coordinator's, while the old one's PREPARE still ends here) may meet it.
+    auto warm = [b, &job]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(b->mu_) { return !b->warming_.contains(job.group); };
+    b->mu_.AwaitWithTimeout(absl::Condition(&warm), absl::Seconds(1));
     if (b->leased_.contains(job.group)) {
       return absl::FailedPreconditionError(absl::StrCat("round ", job.round_id, ": a transfer of group \"", job.group,
                                                         "\" is still running on this node"));
@@ -988,6 +992,7 @@ void CudaBackend::WorkersPrepared(const std::string& group) {
     if (leased_.contains(group) || it == groups_.end() || it->second == nullptr || it->second->prepared == nullptr) return;
     g = std::move(it->second);
     leased_.insert(group);
+    warming_.insert(group);
   }
   DeviceGuard guard;
   for (const auto& [gpu, on] : g->prepared->gpus) {
@@ -997,6 +1002,7 @@ void CudaBackend::WorkersPrepared(const std::string& group) {
   absl::MutexLock lock(&mu_);
   groups_[group] = std::move(g);
   leased_.erase(group);
+  warming_.erase(group);
 }
 
 void CudaBackend::Cancel(const std::string& group, int64_t round_id, const std::string& reason) {

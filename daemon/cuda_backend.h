@@ -131,6 +131,9 @@ class CudaBackend : public DataBackend {
   std::set<std::pair<std::string, int64_t>> active_ ABSL_GUARDED_BY(mu_);  // rounds transferring now
   std::map<std::pair<std::string, int64_t>, std::string> cancelled_ ABSL_GUARDED_BY(mu_);
   std::set<std::string> leased_ ABSL_GUARDED_BY(mu_);  // groups whose state a Transfer holds
+  // Groups whose state WorkersPrepared holds for a few microseconds (also in leased_): a Transfer
+  // waits for them rather than fail as if another transfer ran.
+  std::set<std::string> warming_ ABSL_GUARDED_BY(mu_);
   // By group (absent or null while leased: GroupLease).
   std::map<std::string, std::unique_ptr<Group>> groups_ ABSL_GUARDED_BY(mu_);
 };

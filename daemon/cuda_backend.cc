@@ -117,7 +117,10 @@ class CudaBackend::GroupLease {
     // A round's TRANSFER follows its PREPARE's WorkersPrepared; one of another round (a new
     // coordinator's, while the old one's PREPARE still ends here) may meet it.
     auto warm = [b, &job]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(b->mu_) { return !b->warming_.contains(job.group); };
-    b->mu_.AwaitWithTimeout(absl::Condition(&warm), absl::Seconds(1));
+    if (!b->mu_.AwaitWithTimeout(absl::Condition(&warm), absl::Seconds(1))) {
+      return absl::UnavailableError(absl::StrCat("round ", job.round_id, ": group \"", job.group,
+                                                 "\" is still being made ready for its transfer on this node (1 s)"));
+    }
     if (b->leased_.contains(job.group)) {
       return absl::FailedPreconditionError(absl::StrCat("round ", job.round_id, ": a transfer of group \"", job.group,
                                                         "\" is still running on this node"));
@@ -348,6 +351,9 @@ absl::StatusOr<std::unique_ptr<CudaBackend>> CudaBackend::Start(const std::vecto
                          pci});
     int least = 0, greatest = 0;
     REFIT_CUDA_RETURN_IF_ERROR(cudaDeviceGetStreamPriorityRange(&least, &greatest), "stream priorities");
+    // Loaded now: CUDA loads a kernel at its first launch, which may wait for the GPU's other
+    // work, and WorkersPrepared launches it holding the group.
+    REFIT_CUDA_RETURN_IF_ERROR(LoadNothing(), absl::StrCat("loading a kernel on GPU ", g));
     b->priorities_[g] = {least, greatest};
     for (int32_t peer : b->gpus_) {
       if (peer == g) continue;
@@ -733,8 +739,8 @@ struct HostTimes {
 // the node answered (LogLater): the round's events are reused by the next round.
 void LogTimeline(const TransferJob& job, const CudaBackend::Prepared& p, const HostTimes& host) {
   LogLater("data", spdlog::level::info, "group \"{}\" round {}: host launched the work {:.3f} ms after starting, saw it done at {:.3f} ms",
-                       job.group, job.round_id, absl::ToDoubleMilliseconds(host.launched - host.started),
-                       absl::ToDoubleMilliseconds(host.done - host.started));
+           job.group, job.round_id, absl::ToDoubleMilliseconds(host.launched - host.started),
+           absl::ToDoubleMilliseconds(host.done - host.started));
   DeviceGuard guard;
   for (const auto& [gpu, on] : p.gpus) {
     if (!on.start) continue;
@@ -750,8 +756,8 @@ void LogTimeline(const TransferJob& job, const CudaBackend::Prepared& p, const H
       for (const auto& d : on.direct[stage]) units += d.total_units;
       if (units == 0) continue;
       LogLater("data", spdlog::level::info, "group \"{}\" round {} GPU {} stage {}: direct copies of {} units done {:.3f} ms after the "
-                           "round's first work", job.group, job.round_id, gpu, stage, units,
-                           at(on.direct_done[stage]));
+               "round's first work", job.group, job.round_id, gpu, stage, units,
+               at(on.direct_done[stage]));
     }
     int steps = 0;
     int64_t bytes = 0;
@@ -774,17 +780,17 @@ void LogTimeline(const TransferJob& job, const CudaBackend::Prepared& p, const H
         last = std::max(last, unpacked);
         if (end > begin) rates.push_back(step_bytes / 1e6 / (end - begin));
         LogLater("data", spdlog::level::debug, "round {} GPU {} stage {} step {}: {} bytes in {} operations; packed at {:.3f} ms, on the "
-                              "wire {:.3f}-{:.3f} ms, unpacked at {:.3f} ms",
-                              job.round_id, gpu, stage, k, step_bytes, it->second[k].ops.size(), packed, begin, end, unpacked);
+                 "wire {:.3f}-{:.3f} ms, unpacked at {:.3f} ms",
+                 job.round_id, gpu, stage, k, step_bytes, it->second[k].ops.size(), packed, begin, end, unpacked);
       }
     }
     if (steps == 0) continue;
     std::sort(rates.begin(), rates.end());
     LogLater("data", spdlog::level::info, "group \"{}\" round {} GPU {} timeline: {} steps, {} bytes; on the wire {:.3f} ms ({:.1f} GB/s; "
-                         "steps {:.0f}-{:.0f} GB/s), wire idle between steps {:.3f} ms, first step on the wire at {:.3f} ms, "
-                         "last unpacked at {:.3f} ms",
-                         job.group, job.round_id, gpu, steps, bytes, wire, wire > 0 ? bytes / 1e6 / wire : 0.0,
-                         rates.empty() ? 0.0 : rates.front(), rates.empty() ? 0.0 : rates.back(), idle, first, last);
+             "steps {:.0f}-{:.0f} GB/s), wire idle between steps {:.3f} ms, first step on the wire at {:.3f} ms, "
+             "last unpacked at {:.3f} ms",
+             job.group, job.round_id, gpu, steps, bytes, wire, wire > 0 ? bytes / 1e6 / wire : 0.0,
+             rates.empty() ? 0.0 : rates.front(), rates.empty() ? 0.0 : rates.back(), idle, first, last);
   }
 }
 
@@ -983,8 +989,9 @@ absl::Status CudaBackend::Interrupted(const TransferJob& job) {
 void CudaBackend::WorkersPrepared(const std::string& group) {
   // An empty kernel on each GPU the group's last round used: the GPU switches from the workers'
   // contexts to this one now (tests/bench/ipc_copy_bench, "after_other_process_and_a_small_kernel").
-  // Nothing to wait for; a failure here shows again, and is reported, in the transfer. Not before
-  // the group's first round (no streams yet), nor while a transfer of it runs.
+  // Nothing to wait for; a failure to launch is left to the transfer's own launches to report
+  // (sticky errors show there again; others were this launch's alone). Not before the group's
+  // first round (no streams yet), nor while a transfer of it runs.
   std::unique_ptr<Group> g;
   {
     absl::MutexLock lock(&mu_);

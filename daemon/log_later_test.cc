@@ -5,6 +5,9 @@
 
 #include <catch2/catch.hpp>
 
+#include <sys/wait.h>
+#include <unistd.h>
+
 #include <sstream>
 #include <string>
 #include <vector>
@@ -20,6 +23,55 @@
 
 namespace refit {
 namespace {
+
+// First in this file: the child must be the process that starts the writer (a child forked after
+// the parent started it writes its lines itself).
+TEST_CASE("log later: lines still waiting are written when the process exits") {
+  int fds[2];
+  REQUIRE(pipe(fds) == 0);
+  const pid_t child = fork();
+  REQUIRE(child >= 0);
+  if (child == 0) {
+    dup2(fds[1], 2);
+    close(fds[0]);
+    for (int i = 0; i < 500; ++i) LogLater("exit_test", spdlog::level::info, "exit line {} of 500", i);
+    std::exit(0);  // no flush: the exit handler writes them
+  }
+  close(fds[1]);
+  std::string got;
+  char buffer[4096];
+  for (ssize_t n; (n = read(fds[0], buffer, sizeof buffer)) > 0;) got.append(buffer, static_cast<size_t>(n));
+  close(fds[0]);
+  int status = 0;
+  REQUIRE(waitpid(child, &status, 0) == child);
+  CHECK(WIFEXITED(status));
+  CHECK(WEXITSTATUS(status) == 0);
+  int lines = 0;
+  for (size_t at = 0; (at = got.find(" of 500", at)) != std::string::npos; ++at) ++lines;
+  CHECK(lines == 500);
+  CHECK(got.find("exit line 499 of 500") != std::string::npos);
+}
+
+// Arguments are copied when the line is logged and formatted later: text behind a pointer or a
+// view whose owner is gone by then, numbers with their precision.
+TEST_CASE("log later: arguments formatted later are the ones logged") {
+  std::ostringstream out;
+  auto logger = std::make_shared<spdlog::logger>("later_args", std::make_shared<spdlog::sinks::ostream_sink_mt>(out));
+  logger->set_pattern("%v");
+  spdlog::register_logger(logger);
+  {
+    std::string owner = "policy-7";
+    const char* pointer = owner.c_str();
+    const std::string_view view = owner;
+    LogLater("later_args", spdlog::level::info, "{} {} {} {:.3f} {}", std::string("temporary"), pointer, view, 2.0 / 3, 42);
+    owner.assign(owner.size(), 'x');  // what a later reader of the pointer or view would see
+  }
+  const char* none = nullptr;
+  LogLater("later_args", spdlog::level::info, "none: {}", none);
+  REQUIRE(FlushLaterLogs(absl::Seconds(10)));
+  CHECK(out.str() == "temporary policy-7 policy-7 0.667 42\nnone: (null)\n");
+  spdlog::drop("later_args");
+}
 
 TEST_CASE("log later: every line, in order, with its time and its thread's group and round") {
   std::ostringstream out;

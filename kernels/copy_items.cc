@@ -188,7 +188,7 @@ CopyWork PackWork(const Plan& plan, const Message& m, const BufferAddresses& src
 }
 
 CopyWork UnpackWork(const Plan& plan, const Message& m, uint64_t staging,
-                    const BufferAddresses& dst, int64_t segment_bytes, int64_t tile_run_bytes) {
+                    const BufferAddresses& dst, int64_t segment_bytes) {
   CopyWork w;
   w.unit_begin.push_back(0);
   for (int64_t k = 0; k < m.num_descriptors; ++k) {

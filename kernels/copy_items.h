@@ -93,8 +93,7 @@ using BufferAddresses = std::vector<uint64_t>;
 CopyWork PackWork(const Plan& plan, const Message& m, const BufferAddresses& src,
                   const BufferAddresses& dst, uint64_t staging, int64_t segment_bytes = 16384);
 CopyWork UnpackWork(const Plan& plan, const Message& m, uint64_t staging,
-                    const BufferAddresses& dst, int64_t segment_bytes = 16384,
-                    int64_t tile_run_bytes = kTileRunBytes);
+                    const BufferAddresses& dst, int64_t segment_bytes = 16384);
 
 // One descriptor's item appended to `w`: packed at staging + w.bytes, or unpacked from there
 // (w.bytes then grows by its wire bytes); building blocks of the functions above.

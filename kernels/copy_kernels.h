@@ -34,10 +34,13 @@ cudaError_t LaunchCopyItems(const CopyItem* items, const int64_t* unit_begin, in
 // A kernel that does nothing: launched only for the GPU to switch to this process's context
 // (daemon/cuda_backend.cc, WorkersPrepared).
 cudaError_t LaunchNothing(cudaStream_t stream);
+// Loads that kernel into the current device's context (lazy loading would at its first launch).
+cudaError_t LoadNothing();
 
 // Whether `work`'s units are large enough for `spread` (1 KiB or more on average). Tiles made
 // units of short runs large (16 KiB by default), so spread is now the order for them too; the
-// 4.9 -> 6.0 ms above was measured with one unit per 195-byte run.
+// 4.9 -> 6.0 ms above was measured with one unit per 195-byte run. Runs of 512 bytes to 1 KiB are
+// units of their own (kTileRunBytes) and can bring the average under 1 KiB: spread off then.
 bool SpreadPays(const CopyWork& work);
 
 }  // namespace refit

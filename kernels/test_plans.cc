@@ -280,7 +280,7 @@ std::vector<ItemCase> MakeItemCases(int random, uint64_t seed) {
       ItemSpec s;
       if (rng() % 3 == 0) s.src_dtype = floats[rng() % 3], s.dst_dtype = floats[rng() % 3];
       else s.src_dtype = s.dst_dtype = same[rng() % 5];
-      const int kind = static_cast<int>(rng() % 4);  // tiny, short, around kTileRunBytes, long
+      const int kind = static_cast<int>(rng() % 4);  // tiny, short (across kTileRunBytes), medium, long
       s.inner = kind == 0 ? uniform(1, 8) : kind == 1 ? uniform(9, 700) : kind == 2 ? uniform(900, 2200) : uniform(2200, 9000);
       if (rng() % 2 == 0) s.inner = (s.inner + 7) / 8 * 8;  // aligned widths too
       const int dims = static_cast<int>(uniform(0, 3));

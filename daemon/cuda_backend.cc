@@ -352,8 +352,13 @@ absl::StatusOr<std::unique_ptr<CudaBackend>> CudaBackend::Start(const std::vecto
     int least = 0, greatest = 0;
     REFIT_CUDA_RETURN_IF_ERROR(cudaDeviceGetStreamPriorityRange(&least, &greatest), "stream priorities");
     // Loaded now: CUDA loads a kernel at its first launch, which may wait for the GPU's other
-    // work, and WorkersPrepared launches it holding the group.
-    REFIT_CUDA_RETURN_IF_ERROR(LoadNothing(), absl::StrCat("loading a kernel on GPU ", g));
+    // work, and WorkersPrepared launches it holding the group. Not fatal: loaded at first use
+    // then (added after the session's last GPU run: a warning, not a daemon that will not start).
+    if (const cudaError_t e = LoadNothing(); e != cudaSuccess) {
+      Logger("data")->warn("GPU {}: the empty kernel not loaded ahead ({}); it loads at its first launch", g,
+                           cudaGetErrorString(e));
+      cudaGetLastError();
+    }
     b->priorities_[g] = {least, greatest};
     for (int32_t peer : b->gpus_) {
       if (peer == g) continue;

@@ -24,6 +24,7 @@
 #include "daemon/data_frame.h"
 #include "daemon/logging.h"
 #include "daemon/memory_trim.h"
+#include "kernels/copy_items.h"
 #include "plan/status_macros.h"
 
 namespace refit {
@@ -838,6 +839,9 @@ absl::StatusOr<TransferStats> HostBackend::Transfer(const TransferJob& request) 
 
   TransferStats stats;
   std::vector<std::byte> staging;
+  BufferAddresses local_src, local_dst;
+  for (const auto& b : request.src) local_src.push_back(reinterpret_cast<uint64_t>(b.data()));
+  for (const auto& b : request.dst) local_dst.push_back(reinterpret_cast<uint64_t>(b.data()));
   // Waits until every incoming message of the stages before `stage` has landed.
   auto wait_for_stages_before = [&](int stage) -> absl::Status {
     absl::MutexLock lock(&job.mu);
@@ -869,8 +873,9 @@ absl::StatusOr<TransferStats> HostBackend::Transfer(const TransferJob& request) 
       const Message& m = plan.messages[i];
       if (m.stage != stage || plan.gpus[m.src_gpu].node != request.node) continue;
       if (plan.gpus[m.dst_gpu].node == request.node) {
-        PackMessage(plan, m, request.src, request.dst, staging);
-        UnpackMessage(plan, m, staging, request.dst);
+        // Straight from the sources into the destinations, as the cuda backend copies inside a
+        // node (the kernels' CPU twin): not packed into staging and unpacked again.
+        RunCopyWorkOnHost(DirectWork(plan, m, local_src, local_dst));
         stats.bytes_local += m.bytes;
       } else {
         status = Send(job, m, static_cast<int64_t>(i), staging);

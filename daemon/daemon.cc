@@ -115,7 +115,8 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(const DaemonConfig& config
   d->registry_ = std::make_unique<WorkerRegistry>(config.node, config.gpus, d->backend_.get(), d->handles_.get());
   d->registry_->SetLimits(config.limits);
   d->registry_->SetAdmission(WorkerAdmission(config.worker_uids, geteuid()));
-  // Ticked every 100 ms by MonitorLoop: a gap of half a second is a pause of this process.
+  // Ticked every 100 ms by TickLoop (and MonitorLoop): a gap of half a second is a pause of this
+  // process.
   d->pause_ = std::make_unique<PauseDetector>(Clock::Real(), absl::Milliseconds(500));
   NodeAgentLease lease;
   if (!config.is_coordinator()) {
@@ -226,6 +227,7 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(const DaemonConfig& config
                       d->address_, config.worker_socket, d->handles_->path(), d->backend_->data_address(),
                       d->backend_->name(),
                       config.is_coordinator() ? "coordinator" : "coordinator at " + config.coordinator);
+  d->ticker_ = std::thread([self] { self->TickLoop(); });
   d->monitor_ = std::thread([self] { self->MonitorLoop(); });
   if (config.is_coordinator()) {
     d->membership_->SetSelf(d->address_, d->backend_->data_address(), d->incarnation_);
@@ -373,6 +375,7 @@ Daemon::~Daemon() {
   if (metrics_) metrics_->Stop();  // no scrape reads the components being torn down
   Shutdown();
   if (monitor_.joinable()) monitor_.join();
+  if (ticker_.joinable()) ticker_.join();
   if (link_) link_->Stop();
   if (driver_) driver_->Stop();  // rounds started by StartRefit end by their deadlines
   for (grpc::Server* server : Servers()) server->Wait();
@@ -425,18 +428,37 @@ void Daemon::Wait() {
   while (!stopping_) stopped_.WaitWithTimeout(&mu_, absl::Seconds(1));
 }
 
-void Daemon::MonitorLoop() {
-  const absl::Duration silence = config_.heartbeat * config_.heartbeats_missed;
+namespace {
+void LogPause(const std::optional<PauseDetector::Pause>& paused) {
+  if (!paused.has_value()) return;
+  Logger("rpc")->warn("this daemon did not run for {} (stopped or starved)", absl::FormatDuration(paused->length()));
+}
+}  // namespace
+
+void Daemon::TickLoop() {
   while (true) {
     {
       absl::MutexLock lock(&mu_);
       if (!stopping_) stopped_.WaitWithTimeout(&mu_, absl::Milliseconds(100));
       if (stopping_) return;
     }
-    const std::optional<PauseDetector::Pause> paused = pause_->Tick();
-    if (paused.has_value()) {
-      Logger("rpc")->warn("this daemon did not run for {} (stopped or starved)", absl::FormatDuration(paused->length()));
+    LogPause(pause_->Tick());
+  }
+}
+
+void Daemon::MonitorLoop() {
+  const absl::Duration silence = config_.heartbeat * config_.heartbeats_missed;
+  absl::Time checked = absl::Now();  // the pauses that ended since: this loop's to act on
+  while (true) {
+    {
+      absl::MutexLock lock(&mu_);
+      if (!stopping_) stopped_.WaitWithTimeout(&mu_, absl::Milliseconds(100));
+      if (stopping_) return;
     }
+    LogPause(pause_->Tick());  // a pause that ended just now counts here, before the ticker's next tick
+    const std::optional<PauseDetector::Pause> last = pause_->LastPause();
+    const bool paused = last.has_value() && last->ended > checked;
+    checked = absl::Now();
     // Registrations whose session never attached (a worker that crashed between Register and its
     // hello, or one parked on purpose) are dropped as workers that left: the coordinator is told,
     // the name is free again. Not right after a pause of this process: a hello sent meanwhile
@@ -455,7 +477,7 @@ void Daemon::MonitorLoop() {
       const std::vector<DeadNode> declared = membership_->CheckLiveness();
       if (metrics_ != nullptr) metrics_->NodesDeclaredDead(static_cast<int>(declared.size()));
       for (const DeadNode& dead : declared) peers_->CancelNode(dead.node);
-    } else if (paused.has_value()) {
+    } else if (paused) {
       // Leases ran out while this node was stopped, not the coordinator: the next heartbeat's
       // answer says whether its rounds go on (or resync: they ended).
       agent_->RenewLeases();

@@ -77,9 +77,13 @@ class Daemon {
   // worker at a time; elsewhere the whole list).
   absl::Status SyncAdded(const v1::RegisterWorkerRequest& added);
   void SyncRemoved(const std::string& id);
-  // Every 100 ms: this daemon's own pauses; on the coordinator the failure detector (not while
-  // it was itself paused), elsewhere the coordinator's leases on this node's rounds.
+  // Every 100 ms: on the coordinator the failure detector (not while this daemon was itself
+  // paused), elsewhere the coordinator's leases on this node's rounds.
   void MonitorLoop();
+  // Every 100 ms, and nothing else: ticks the pause detector. A thread of its own, so that a slow
+  // step of the monitor's (a lock held elsewhere, a dropped worker's bookkeeping) is not taken
+  // for a pause of the whole process, which would blame the coordinator for a round's failure.
+  void TickLoop();
 
   const DaemonConfig config_;
   std::string address_;
@@ -116,6 +120,7 @@ class Daemon {
   std::unique_ptr<grpc::Server> worker_server_;
   std::unique_ptr<grpc::Server> health_server_;
   std::thread monitor_;
+  std::thread ticker_;
 
   absl::Mutex mu_;
   absl::CondVar stopped_;

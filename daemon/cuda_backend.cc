@@ -628,7 +628,6 @@ absl::StatusOr<CudaBackend::Prepared*> CudaBackend::PreparedFor(Group& g, const 
   // Upload every work list of each GPU into one device allocation.
   std::map<int32_t, std::vector<std::pair<const CopyWork*, Prepared::DeviceWork*>>> works;
   std::deque<CopyWork> parts;  // the halves of split direct work, until uploaded
-  std::set<const Prepared::DeviceWork*> direct;  // spread is measured, and chosen, for these only
   for (int stage = 0; stage < kMaxStages; ++stage) {
     const StageSchedule& s = p->schedule.stages[stage];
     for (const auto& [gpu, w] : s.direct) {
@@ -639,15 +638,18 @@ absl::StatusOr<CudaBackend::Prepared*> CudaBackend::PreparedFor(Group& g, const 
       CopyWork& aligned = parts.emplace_back();
       CopyWork& general = parts.emplace_back();
       if (aligned_copy_kernel_ && !AlignedOnly(w)) SplitAligned(w, aligned, general);
+      // Spread is measured, and chosen, for direct work only (each launch by its own units).
       if (!aligned.items.empty() && !general.items.empty()) {
         on.direct[stage].resize(2);
+        on.direct[stage][0].spread = SpreadPays(aligned);
+        on.direct[stage][1].spread = SpreadPays(general);
         works[gpu].push_back({&aligned, &on.direct[stage][0]});
         works[gpu].push_back({&general, &on.direct[stage][1]});
       } else {
         on.direct[stage].resize(1);
+        on.direct[stage][0].spread = SpreadPays(w);
         works[gpu].push_back({&w, &on.direct[stage][0]});
       }
-      for (const Prepared::DeviceWork& d : on.direct[stage]) direct.insert(&d);
       if (!on.start) {
         auto e = Event::Create(gpu);
         if (!e.ok()) return e.status();
@@ -711,7 +713,6 @@ absl::StatusOr<CudaBackend::Prepared*> CudaBackend::PreparedFor(Group& g, const 
       d->total_units = w->unit_begin.empty() ? 0 : w->unit_begin.back();
       // The aligned kernel where it applies (--aligned-copy-kernel=false: the general one always).
       d->aligned = aligned_copy_kernel_ && AlignedOnly(*w);
-      d->spread = direct.contains(d) && SpreadPays(*w);
     }
   }
   std::string staging;
@@ -814,9 +815,7 @@ void CudaBackend::DropPrepared(Group& g) {
 }
 
 absl::StatusOr<TransferStats> CudaBackend::Transfer(const TransferJob& job) {
-  BufferAddresses src, dst;
-  for (const auto& s : job.src) src.push_back(reinterpret_cast<uint64_t>(s.data()));
-  for (const auto& s : job.dst) dst.push_back(reinterpret_cast<uint64_t>(s.data()));
+  const BufferAddresses src = AddressesOf(job.src), dst = AddressesOf(job.dst);
   auto lease = GroupLease::Take(this, job);
   if (!lease.ok()) return lease.status();
   Group& g = lease->group();

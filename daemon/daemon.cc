@@ -435,26 +435,20 @@ void LogPause(const std::optional<PauseDetector::Pause>& paused) {
 }
 }  // namespace
 
+bool Daemon::SleepUnlessStopping(absl::Duration d) {
+  absl::MutexLock lock(&mu_);
+  if (!stopping_) stopped_.WaitWithTimeout(&mu_, d);
+  return !stopping_;
+}
+
 void Daemon::TickLoop() {
-  while (true) {
-    {
-      absl::MutexLock lock(&mu_);
-      if (!stopping_) stopped_.WaitWithTimeout(&mu_, absl::Milliseconds(100));
-      if (stopping_) return;
-    }
-    LogPause(pause_->Tick());
-  }
+  while (SleepUnlessStopping(absl::Milliseconds(100))) LogPause(pause_->Tick());
 }
 
 void Daemon::MonitorLoop() {
   const absl::Duration silence = config_.heartbeat * config_.heartbeats_missed;
   absl::Time checked = absl::Now();  // the pauses that ended since: this loop's to act on
-  while (true) {
-    {
-      absl::MutexLock lock(&mu_);
-      if (!stopping_) stopped_.WaitWithTimeout(&mu_, absl::Milliseconds(100));
-      if (stopping_) return;
-    }
+  while (SleepUnlessStopping(absl::Milliseconds(100))) {
     LogPause(pause_->Tick());  // a pause that ended just now counts here, before the ticker's next tick
     const std::optional<PauseDetector::Pause> last = pause_->LastPause();
     const bool paused = last.has_value() && last->ended > checked;

@@ -84,6 +84,8 @@ class Daemon {
   // step of the monitor's (a lock held elsewhere, a dropped worker's bookkeeping) is not taken
   // for a pause of the whole process, which would blame the coordinator for a round's failure.
   void TickLoop();
+  // Waits `d` or until Shutdown; false once stopping.
+  bool SleepUnlessStopping(absl::Duration d);
 
   const DaemonConfig config_;
   std::string address_;

@@ -839,9 +839,7 @@ absl::StatusOr<TransferStats> HostBackend::Transfer(const TransferJob& request) 
 
   TransferStats stats;
   std::vector<std::byte> staging;
-  BufferAddresses local_src, local_dst;
-  for (const auto& b : request.src) local_src.push_back(reinterpret_cast<uint64_t>(b.data()));
-  for (const auto& b : request.dst) local_dst.push_back(reinterpret_cast<uint64_t>(b.data()));
+  const BufferAddresses local_src = AddressesOf(request.src), local_dst = AddressesOf(request.dst);
   // Waits until every incoming message of the stages before `stage` has landed.
   auto wait_for_stages_before = [&](int stage) -> absl::Status {
     absl::MutexLock lock(&job.mu);

@@ -5,9 +5,10 @@
 // when logged (its arguments, its time, the thread's LogContext: the group and round in JSON logs)
 // and leaves formatting and writing to the writer thread, which writes what waits every 20 ms (a
 // line does not wake it: that cost the logging thread more than writing). So a data plane's lines
-// may follow lines logged up to 20 ms after them; each carries the time it was logged at. Bounded: past kLaterCapacity lines
-// waiting, the caller waits for room (never drops a line, never grows). Lines still waiting when
-// the process is killed are lost; at exit (std::exit, returning from main) they are written.
+// may follow lines logged up to 20 ms after them; each carries the time it was logged at.
+// Bounded: past kLaterCapacity lines waiting, the caller waits for room (never drops a line, never
+// grows). Lines still waiting when the process is killed are lost; at exit (std::exit, returning
+// from main) they are written.
 // Why not spdlog's async logger: it formats on its own thread without this thread's LogContext,
 // and every logger would become asynchronous where only the hot path needs it.
 #pragma once

@@ -75,6 +75,13 @@ int64_t WidestDividing(uint64_t x, int64_t limit) {
 
 }  // namespace
 
+BufferAddresses AddressesOf(const BufferMemory& memory) {
+  BufferAddresses a;
+  a.reserve(memory.size());
+  for (const auto& s : memory) a.push_back(reinterpret_cast<uint64_t>(s.data()));
+  return a;
+}
+
 void Append(CopyWork& w, const CopyItem& it) {
   if (w.unit_begin.empty()) w.unit_begin.push_back(0);
   w.unit_begin.push_back(w.unit_begin.back() + it.Units());

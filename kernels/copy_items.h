@@ -87,6 +87,8 @@ struct CopyWork {
 
 // Addresses of each buffer of a layout (0 where the buffer is not here).
 using BufferAddresses = std::vector<uint64_t>;
+// The addresses of `memory`'s spans, in its order.
+BufferAddresses AddressesOf(const BufferMemory& memory);
 
 // Items that pack message `m` (sources from src/dst addresses as the descriptor says) into
 // `staging`, or unpack `staging` into the destinations. `segment_bytes` bounds one work unit.

@@ -49,11 +49,7 @@ HostBuffers::HostBuffers(const Layout& l) {
   for (auto& s : storage) memory.emplace_back(s.data(), s.size());
 }
 
-BufferAddresses HostBuffers::addresses() const {
-  BufferAddresses a;
-  for (const auto& s : memory) a.push_back(reinterpret_cast<uint64_t>(s.data()));
-  return a;
-}
+BufferAddresses HostBuffers::addresses() const { return AddressesOf(memory); }
 
 }  // namespace refit
 

@@ -1,7 +1,9 @@
 #include "daemon/log_later.h"
 
+#include <pthread.h>
 #include <unistd.h>
 
+#include <atomic>
 #include <cstdint>
 #include <cstdlib>
 #include <deque>
@@ -50,6 +52,12 @@ class Writer {
       return;
     }
     mu_.Lock();
+    if (!stopped_ && waiting_.size() < kLaterCapacity) {  // the common case, without a deadline to compute
+      waiting_.push_back(std::move(line));
+      ++added_;
+      mu_.Unlock();
+      return;
+    }
     // Room, or a caller stuck behind a writer that cannot write (stderr blocked): then it writes
     // itself rather than wait on; the order of lines may suffer, never their number. After the
     // process began to exit (Stop), every caller writes its own lines.
@@ -118,8 +126,11 @@ class Writer {
   uint64_t written_ ABSL_GUARDED_BY(mu_) = 0;
   int flushing_ ABSL_GUARDED_BY(mu_) = 0;  // callers of Flush waiting
   bool stopped_ ABSL_GUARDED_BY(mu_) = false;
-  const pid_t pid_ = getpid();  // the process the writer thread runs in
-  bool Here() const { return getpid() == pid_; }
+  // False in a child forked from this process (getpid is a system call each time: 1 us).
+  static inline std::atomic<bool> forked_{false};
+  static void AtFork() { forked_.store(true, std::memory_order_relaxed); }
+  const bool registered_ = pthread_atfork(nullptr, nullptr, &Writer::AtFork) == 0;
+  bool Here() const { return !forked_.load(std::memory_order_relaxed); }
   std::thread thread_;  // last: starts once the members above exist
 };
 

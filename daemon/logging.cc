@@ -1,5 +1,6 @@
 #include "daemon/logging.h"
 
+#include <cstdio>
 #include <mutex>
 
 #include "daemon/json_log_formatter.h"
@@ -49,6 +50,17 @@ bool SetLogFormat(const std::string& format, int32_t node) {
   json_node = node;
   spdlog::apply_all([](const std::shared_ptr<spdlog::logger>& l) { Format(*l); });
   return true;
+}
+
+std::string UtcTimeOfDay(absl::Time t) {
+  // Unix time has no leap seconds: a day is 86400 s, and the time of day is what is left over.
+  constexpr int64_t kDay = int64_t{86400} * 1000000;
+  const int64_t us = ((absl::ToUnixMicros(t) % kDay) + kDay) % kDay;
+  const int64_t s = us / 1000000;
+  char text[24];
+  std::snprintf(text, sizeof(text), "%02d:%02d:%02d.%06d", static_cast<int>(s / 3600), static_cast<int>(s / 60 % 60),
+                static_cast<int>(s % 60), static_cast<int>(us % 1000000));
+  return text;
 }
 
 const LogContext& CurrentLogContext() { return context; }

@@ -7,6 +7,7 @@
 #include <memory>
 #include <string>
 
+#include "absl/time/time.h"
 #include "spdlog/spdlog.h"
 
 namespace refit {
@@ -17,6 +18,10 @@ std::shared_ptr<spdlog::logger> Logger(const std::string& name);
 bool SetLogLevel(const std::string& level);
 // Sets every logger's format: "text" or "json" (with `node` in each object). False otherwise.
 bool SetLogFormat(const std::string& format, int32_t node);
+
+// "HH:MM:SS.uuuuuu": `t`'s time of day in UTC, as every log line's time is printed. For the hot
+// path: absl::FormatTime took 9 us (one H200 host's VM and this 2-core one alike), this 0.2.
+std::string UtcTimeOfDay(absl::Time t);
 
 // What this thread is doing, for structured logs: the group and round of the phase it runs.
 struct LogContext {

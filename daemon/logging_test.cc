@@ -78,3 +78,19 @@ TEST_CASE("log level and format: unknown names refused") {
 
 }  // namespace
 }  // namespace refit
+
+namespace refit {
+namespace {
+
+TEST_CASE("UtcTimeOfDay prints what absl::FormatTime prints in UTC, before 1970 and at midnight too") {
+  for (int64_t us : {int64_t{0}, int64_t{1}, int64_t{86399999999}, int64_t{86400000000}, int64_t{1796192918815999},
+                     int64_t{-1}, int64_t{-86400000001}, int64_t{4102444799999999}}) {
+    const absl::Time t = absl::FromUnixMicros(us);
+    INFO(us);
+    CHECK(UtcTimeOfDay(t) == absl::FormatTime("%H:%M:%E6S", t, absl::UTCTimeZone()));
+  }
+  CHECK(UtcTimeOfDay(absl::FromUnixMicros(3723000004)) == "01:02:03.000004");
+}
+
+}  // namespace
+}  // namespace refit

@@ -2,6 +2,7 @@
 # GPU machine, one call: everything GPU-related one GPU allows, after the cuda backend's split
 # into RAII owners (daemon/cuda/, issue 13), from a bundle made here.
 #   here:   REFITD_BEFORE=$(bash tests/gpu/build_before.sh | tail -n 1) bash tests/gpu/cuda_split.sh --bundle
+#           (LOCAL_COPY_BENCH_BEFORE=FILE: an older local_copy_bench bundled as local_copy_bench-before)
 #   there:  OUT=DIR bash tests/gpu/cuda_split.sh          (logs packed into $OUT/cuda_split.tgz)
 # Runs: the kernels' GPU test; tests/gpu/python_cuda.sh (the VMM and export unit tests, the
 # Python client's CUDA cases, colocated on IPC and on VMM, pip install); two groups at once on
@@ -20,6 +21,10 @@ if [ "${1:-}" = "--bundle" ]; then
   bin=$(bazel info bazel-bin 2>/dev/null) || exit 1
   ../shared/device/bundle .device "${programs[@]/#/$bin/}" || exit 1
   if [ -n "${REFITD_BEFORE:-}" ]; then cp "$REFITD_BEFORE" .device/bin/refitd-before && chmod +x .device/bin/refitd-before; fi
+  # An older kernels/local_copy_bench, for tests/gpu/local_path.sh's A/B of the copy kernel.
+  if [ -n "${LOCAL_COPY_BENCH_BEFORE:-}" ]; then
+    cp "$LOCAL_COPY_BENCH_BEFORE" .device/bin/local_copy_bench-before && chmod +x .device/bin/local_copy_bench-before
+  fi
   git log -1 --format='%H %s' >.device/commit.txt; git status --short >>.device/commit.txt
   du -sh .device
   exit 0

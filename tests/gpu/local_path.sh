@@ -9,8 +9,11 @@
 # layouts (one device-to-device copy of the same bytes: the ceiling; a per-piece copy_ loop: the
 # baseline). Also runs kernels/copy_kernels_test when KERNELS=1, and with IPC_BENCH=1
 # tests/bench/ipc_copy_bench on each case's layouts. KERNEL_FLAGS: more local_copy_bench flags
-# (--tile-run-bytes, --split). One JSON line per result in
-# $OUT/local_path/results.jsonl, logs packed into $OUT/local_path.tgz.
+# (--tile-run-bytes, --split); a bundled local_copy_bench-before (an older kernel) runs beside it.
+# MPS=1: every process of the call (refitd, the workers, the baseline) a client of one MPS server,
+# from a control daemon started here with pipe and log folders of its own and quit at the end
+# (one context on the GPU for all: no switch between processes' contexts). One JSON line per
+# result in $OUT/local_path/results.jsonl, logs packed into $OUT/local_path.tgz.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 out=${OUT:-out/gpu}
@@ -28,6 +31,13 @@ step() {  # step NAME SECONDS COMMAND...
 }
 { nvidia-smi -L; nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm,clocks.max.mem --format=csv,noheader
   nproc; cat .device/commit.txt 2>/dev/null; } >"$logs/machine.txt" 2>&1
+source tests/gpu/mps_lib.sh
+if [ "${MPS:-0}" = 1 ] && ! start_mps /tmp/refit-mps >"$logs/mps_start.log" 2>&1; then
+  echo "MPS: the control daemon did not start: $(tail -n 2 "$logs/mps_start.log")"
+  tar czf "$out/local_path.tgz" -C "$out" local_path
+  exit 1
+fi
+trap stop_mps EXIT
 [ "${KERNELS:-0}" = 1 ] && step copy_kernels_test 300 .device/bin/copy_kernels_test --durations yes
 mkdir -p /tmp/bin-before
 for f in .device/bin/*; do ln -sf "$PWD/$f" /tmp/bin-before/; done
@@ -49,14 +59,22 @@ for case in ${CASES:-llama3-8b:1}; do
     grep '^{' "$logs/refit_${tag}_$run.log" | python3 -c '
 import json, sys
 for l in sys.stdin:
-    d = json.loads(l); d.update(case=sys.argv[1], run=sys.argv[2]); print(json.dumps(d))' "$tag" "$run" >>"$logs/results.jsonl"
+    d = json.loads(l); d.update(case=sys.argv[1], run=sys.argv[2], mps=sys.argv[3] == "1"); print(json.dumps(d))' \
+      "$tag" "$run" "${MPS:-0}" >>"$logs/results.jsonl"
   done
   layouts=$(ls -d /tmp/lp-$tag-* 2>/dev/null | head -n 1)
   if [ "${KERNEL_BENCH:-1}" = 1 ] && [ -f "$layouts/t.json" ] && [ -x .device/bin/local_copy_bench ]; then
     for aligned in ${ALIGNED_KERNEL:-1}; do  # ALIGNED_KERNEL="1 0": the aligned kernel against the general one
-      step "kernel_${tag}_aligned$aligned" 240 .device/bin/local_copy_bench --src "$layouts/t.json" --dst "$layouts/i.json" \
-        --repeat 10 --segments "${SEGMENTS:-16384,65536,262144}" --aligned-kernel "$aligned" ${KERNEL_FLAGS:-}
-      grep '^{' "$logs/kernel_${tag}_aligned$aligned.log" >>"$logs/results.jsonl"
+      for build in after before; do
+        prog=.device/bin/local_copy_bench; [ "$build" = before ] && prog=.device/bin/local_copy_bench-before
+        [ -x "$prog" ] || continue
+        step "kernel_${tag}_aligned${aligned}_$build" 240 "$prog" --src "$layouts/t.json" --dst "$layouts/i.json" \
+          --repeat 10 --segments "${SEGMENTS:-16384,65536,262144}" --aligned-kernel "$aligned" ${KERNEL_FLAGS:-}
+        grep '^{' "$logs/kernel_${tag}_aligned${aligned}_$build.log" | python3 -c '
+import json, sys
+for l in sys.stdin:
+    d = json.loads(l); d.update(case=sys.argv[1], build=sys.argv[2]); print(json.dumps(d))' "$tag" "$build" >>"$logs/results.jsonl"
+      done
     done
   fi
   # IPC_BENCH=1: the copy kernel on this case's layouts through memory another process exported
@@ -86,7 +104,7 @@ for r in rows:
         continue
     b = base.get(r["case"].split("-fp8")[0].split("-mxfp8")[0])
     t = r["median_transfer_s"]
-    line = {"case": r["case"], "run": r["run"], "bytes": r["bytes"], "transfer_ms": round(t * 1e3, 3),
+    line = {"case": r["case"], "run": r["run"], "mps": r.get("mps", False), "bytes": r["bytes"], "transfer_ms": round(t * 1e3, 3),
             "data_plane_ms": round(r["median_data_plane_ms"], 3) if r.get("median_data_plane_ms") else None}
     if r.get("median_round_s") is not None:
         line.update(round_ms=round(r["median_round_s"] * 1e3, 3), prepare_ms=round(r["median_prepare_s"] * 1e3, 3))
@@ -102,5 +120,6 @@ for r in rows:
     print(json.dumps(line))
 PY
 echo "status=$status"
+stop_mps "$logs/mps_log"
 tar czf "$out/local_path.tgz" -C "$out" local_path && cp "$logs/summary.txt" "$out/summary.txt" && rm -rf "$logs"
 exit $status

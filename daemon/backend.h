@@ -91,12 +91,15 @@ class DataBackend {
   // Runs this node's messages, in stage order, until every message into this node has landed or
   // the deadline passes. Errors name the round, the stage and the peer at fault.
   virtual absl::StatusOr<TransferStats> Transfer(const TransferJob& job) = 0;
-  // The workers of `group` on this node have prepared a round (their weights written): its
-  // TRANSFER is next. A backend may get ready meanwhile; the cuda backend has the GPU switch to
-  // its context now, while the coordinator gathers the other nodes' answers, rather than at the
-  // start of the transfer (0.15 ms on an H200 after another process's GPU work).
-  virtual void WorkersPrepared(const std::string& group) { (void)group; }
-  // Ends a running Transfer of that round early with ABORTED(reason).
+  // The workers of `job`'s group on this node have prepared its round (their weights written):
+  // its TRANSFER is next, or its abort. A backend may get ready meanwhile, while the coordinator
+  // gathers the other nodes' answers; the cuda backend launches a round copied within the node
+  // now, held back on the GPU until Transfer lets it go (an armed round: the launches, and the
+  // GPU's switch to its context after the workers' GPU work, leave the transfer phase). Never
+  // fails: what cannot be made ready is done by Transfer as usual.
+  virtual void WorkersPrepared(const TransferJob& job) { (void)job; }
+  // Ends a running Transfer of that round early with ABORTED(reason); work made ready for it by
+  // WorkersPrepared does nothing.
   virtual void Cancel(const std::string& group, int64_t round_id, const std::string& reason) = 0;
   // A fresh communicator id for the coordinator to hand out (empty: this backend needs none).
   virtual absl::StatusOr<std::string> NewCommunicatorId() { return std::string(); }

@@ -10,6 +10,7 @@
 #include <algorithm>
 #include <cstring>
 #include <deque>
+#include <optional>
 #include <set>
 #include <span>
 
@@ -20,6 +21,7 @@
 #include "daemon/cuda/device_guard.h"
 #include "daemon/cuda/device_memory.h"
 #include "daemon/cuda/event.h"
+#include "daemon/cuda/host_word.h"
 #include "daemon/cuda/ipc_import.h"
 #include "daemon/cuda/node_communicator.h"
 #include "daemon/cuda/staging.h"
@@ -37,6 +39,26 @@ namespace refit {
 
 // The page size legacy CUDA IPC imports are mapped with when the allocation is a whole number of them.
 constexpr int64_t kIpcPageBytes = int64_t{2} << 20;
+
+namespace {
+
+// The stage of a round that can be armed (launched at PREPARE, let go at TRANSFER): one stage of
+// copies inside the node and nothing else (no network steps, which the host drives step by step,
+// no later stage, which waits for this one on the host). -1 otherwise.
+int ArmableStage(const NodeSchedule& schedule) {
+  if (schedule.uses_network) return -1;
+  int found = -1;
+  for (int stage = 0; stage < kMaxStages; ++stage) {
+    const StageSchedule& s = schedule.stages[stage];
+    if (!s.steps.empty()) return -1;
+    if (s.direct.empty()) continue;
+    if (found >= 0) return -1;
+    found = stage;
+  }
+  return found;
+}
+
+}  // namespace
 
 // An IPC allocation, opened in the context of its own GPU and, when another GPU's kernels read or
 // write it, in that GPU's context too (with lazy peer access): a pointer from one device's import
@@ -98,14 +120,35 @@ struct CudaBackend::Prepared {
 
 // One group's resources on this node, leased to one Transfer at a time. Members go in reverse:
 // the communicator first (deregistering staging, then its ranks), then the prepared schedule
-// (its fence waits for the streams, then staging and items are freed), the streams last.
+// (its fence waits for the streams, then staging and items are freed), the streams, and last the
+// words armed work waits on and reads (after everything that waits for the streams).
 struct CudaBackend::Group {
+  // An armed round: its copies launched at PREPARE (WorkersPrepared) behind a wait for the host
+  // word; its TRANSFER writes `go`, its abort go + 1 (the copies then do nothing), and the next
+  // round's go is go + 2.
+  struct Armed {
+    int64_t round = -1;
+    uint32_t go = 0;
+  };
+  HostWord word;                          // what armed work waits for (mapped for every GPU)
+  std::map<int32_t, DeviceMemory> gates;  // by GPU: what its armed copies read (LaunchGate)
+  uint32_t next_go = 2;
+  std::optional<Armed> armed;
   struct Streams {
     Stream compute, comm, direct;
   };
   std::map<int32_t, Streams> streams;  // by GPU
   std::unique_ptr<Prepared> prepared;
   std::unique_ptr<NodeCommunicator> comm;
+
+  // Armed work is let go as called off: it ends at once, doing nothing. A host store: safe under
+  // the backend's lock, and before anything waits for the streams (it would wait forever).
+  void Disarm() {
+    if (!armed) return;
+    word.Store(armed->go + 1);
+    armed.reset();
+  }
+  ~Group() { Disarm(); }
 };
 
 // A group's state, held by one Transfer: taken out of groups_ under mu_ (refused while another
@@ -199,8 +242,17 @@ absl::Status CudaBackend::CommunicatorFor(Group& g, const TransferJob& job) {
   return absl::OkStatus();
 }
 
+void CudaBackend::DisarmAll() {
+  // Freeing or unmapping memory may wait for the whole GPU (cudaFree does), which would wait
+  // forever for armed work held back on it; none refers to it once called off.
+  for (auto& [group, g] : groups_) {
+    if (g != nullptr) g->Disarm();
+  }
+}
+
 void CudaBackend::Forget(const std::string& handle, uint64_t base) {
   absl::MutexLock lock(&mu_);
+  DisarmAll();
   // Only entries that died: the same handle may have been opened again meanwhile (the driver
   // counts opens in one context, so a new import of it has the same base).
   if (auto it = opened_.find(handle); it != opened_.end() && it->second.expired()) opened_.erase(it);
@@ -239,11 +291,13 @@ absl::StatusOr<std::unique_ptr<MappedBuffer>> CudaBackend::AllocateScratch(const
 
 void CudaBackend::ForgetScratch(uint64_t base) {
   absl::MutexLock lock(&mu_);
+  DisarmAll();
   scratch_by_base_.erase(base);
 }
 
 void CudaBackend::ForgetVmm(uint64_t base) {
   absl::MutexLock lock(&mu_);
+  DisarmAll();
   vmm_by_base_.erase(base);
 }
 
@@ -326,7 +380,8 @@ class VmmBuffer : public MappedBuffer {
 }  // namespace
 
 absl::StatusOr<std::unique_ptr<CudaBackend>> CudaBackend::Start(const std::vector<int32_t>& gpus, int64_t staging_bytes,
-                                                               bool nccl_stream_priority, bool aligned_copy_kernel) {
+                                                               bool nccl_stream_priority, bool aligned_copy_kernel,
+                                                               ArmRounds arm_rounds) {
   int count = 0;
   REFIT_CUDA_RETURN_IF_ERROR(cudaGetDeviceCount(&count), "no usable GPU for --backend=cuda");
   std::unique_ptr<CudaBackend> b(new CudaBackend());
@@ -337,6 +392,17 @@ absl::StatusOr<std::unique_ptr<CudaBackend>> CudaBackend::Start(const std::vecto
   if (b->gpus_.empty()) {
     for (int i = 0; i < count; ++i) b->gpus_.push_back(i);
   }
+  bool mps = true;
+  for (int32_t g : b->gpus_) {
+    int shared = 0;
+    if (g < 0 || g >= count || cudaDeviceGetAttribute(&shared, cudaDevAttrMpsEnabled, g) != cudaSuccess) shared = 0;
+    mps = mps && shared != 0;
+  }
+  cudaGetLastError();
+  b->arm_rounds_ = arm_rounds == ArmRounds::kAlways || (arm_rounds == ArmRounds::kAuto && mps);
+  Logger("data")->info("cuda: rounds copied within the node {} (--arm-rounds; MPS {})",
+                       b->arm_rounds_ ? "armed at PREPARE, let go at TRANSFER" : "launched at TRANSFER",
+                       mps ? "shares these GPUs" : "off");
   DeviceGuard guard;
   for (int32_t g : b->gpus_) {
     if (g < 0 || g >= count) return absl::InvalidArgumentError(absl::StrCat("--gpus names GPU ", g, "; this node has ", count));
@@ -735,6 +801,7 @@ namespace {
 // When the host began a round, had launched every stage's work, and saw it done.
 struct HostTimes {
   absl::Time started, launched, done;
+  bool armed = false;  // launched at PREPARE, let go at `started`
 };
 
 // Where a round's time went on each GPU that used the network, from the events of its steps
@@ -744,9 +811,14 @@ struct HostTimes {
 // launched every stage's work and when it saw it done, after starting. Read here, written after
 // the node answered (LogLater): the round's events are reused by the next round.
 void LogTimeline(const TransferJob& job, const CudaBackend::Prepared& p, const HostTimes& host) {
-  LogLater("data", spdlog::level::info, "group \"{}\" round {}: host launched the work {:.3f} ms after starting, saw it done at {:.3f} ms",
-           job.group, job.round_id, absl::ToDoubleMilliseconds(host.launched - host.started),
-           absl::ToDoubleMilliseconds(host.done - host.started));
+  if (host.armed) {
+    LogLater("data", spdlog::level::info, "group \"{}\" round {}: host let go the work launched at PREPARE, saw it done at {:.3f} ms",
+             job.group, job.round_id, absl::ToDoubleMilliseconds(host.done - host.started));
+  } else {
+    LogLater("data", spdlog::level::info, "group \"{}\" round {}: host launched the work {:.3f} ms after starting, saw it done at {:.3f} ms",
+             job.group, job.round_id, absl::ToDoubleMilliseconds(host.launched - host.started),
+             absl::ToDoubleMilliseconds(host.done - host.started));
+  }
   DeviceGuard guard;
   for (const auto& [gpu, on] : p.gpus) {
     if (!on.start) continue;
@@ -803,6 +875,7 @@ void LogTimeline(const TransferJob& job, const CudaBackend::Prepared& p, const H
 }  // namespace
 
 void CudaBackend::DropPrepared(Group& g) {
+  g.Disarm();  // armed work would hold the streams forever
   if (g.prepared == nullptr) return;
   std::unique_ptr<Prepared> old = std::move(g.prepared);
   old->idle.Wait();
@@ -848,16 +921,28 @@ absl::StatusOr<TransferStats> CudaBackend::Transfer(const TransferJob& job) {
       REFIT_RETURN_IF_ERROR(comm->Wait([&] { return Interrupted(job); }, "registering staging with NCCL"));
     }
   }
+  // Armed for another round (one the coordinator gave up on): its work is called off first.
+  if (g.armed && g.armed->round != job.round_id) g.Disarm();
   const absl::Time started = absl::Now();
   absl::Time launched = started;  // the last stage's launches done
+  const bool fired = g.armed.has_value();
+  if (fired) {
+    // This round's work waits on the GPU since PREPARE (WorkersPrepared): let go, then waited for.
+    g.word.Store(g.armed->go);
+    g.armed.reset();
+    const int stage = ArmableStage(schedule);
+    std::set<int32_t> busy;
+    for (const auto& [gpu, w] : schedule.stages[stage].direct) busy.insert(gpu);
+    REFIT_RETURN_IF_ERROR(WaitForStage(job, g, busy, stage, nullptr));
+  }
   for (const auto& [gpu, on] : p.gpus) {
-    if (!on.start) continue;
+    if (fired || !on.start) continue;
     REFIT_RETURN_IF_ERROR(guard.Set(gpu));
     REFIT_CUDA_RETURN_IF_ERROR(cudaEventRecord(on.start.get(), g.streams.at(gpu).compute.get()), "cudaEventRecord");
   }
   for (int stage = 0; stage < kMaxStages; ++stage) {
     const StageSchedule& s = schedule.stages[stage];
-    if (s.direct.empty() && s.steps.empty()) continue;
+    if (fired || (s.direct.empty() && s.steps.empty())) continue;
     std::set<int32_t> busy;
     // Pack the first steps ahead, then copy inside the node on a stream of its own.
     for (const auto& [gpu, steps] : s.steps) {
@@ -946,7 +1031,7 @@ absl::StatusOr<TransferStats> CudaBackend::Transfer(const TransferJob& job) {
   stats.bytes_local = schedule.bytes_local;
   stats.bytes_nvlink = schedule.bytes_peer;
   LogMoved(job, started, &stats);
-  LogTimeline(job, p, {started, launched, done});
+  LogTimeline(job, p, {started, launched, done, fired});
   return stats;
 }
 
@@ -990,35 +1075,95 @@ absl::Status CudaBackend::Interrupted(const TransferJob& job) {
   return absl::OkStatus();
 }
 
-void CudaBackend::WorkersPrepared(const std::string& group) {
-  // An empty kernel on each GPU the group's last round used: the GPU switches from the workers'
-  // contexts to this one now (tests/bench/ipc_copy_bench, "after_other_process_and_a_small_kernel").
-  // Nothing to wait for; a failure to launch is left to the transfer's own launches to report
-  // (sticky errors show there again; others were this launch's alone). Not before the group's
-  // first round (no streams yet), nor while a transfer of it runs.
+void CudaBackend::WorkersPrepared(const TransferJob& job) {
+  // Not before the group's first round (no streams, no schedule yet), nor while a transfer of it
+  // runs. The group is held (leased, and warming_: a Transfer waits for it) for the launches.
   std::unique_ptr<Group> g;
   {
     absl::MutexLock lock(&mu_);
-    auto it = groups_.find(group);
-    if (leased_.contains(group) || it == groups_.end() || it->second == nullptr || it->second->prepared == nullptr) return;
+    auto it = groups_.find(job.group);
+    if (leased_.contains(job.group) || it == groups_.end() || it->second == nullptr || it->second->prepared == nullptr) {
+      return;
+    }
     g = std::move(it->second);
-    leased_.insert(group);
-    warming_.insert(group);
+    leased_.insert(job.group);
+    warming_.insert(job.group);
   }
+  g->Disarm();  // armed for an earlier round that never transferred
+  const Prepared& p = *g->prepared;
   DeviceGuard guard;
-  for (const auto& [gpu, on] : g->prepared->gpus) {
-    if (!on.start || !g->streams.contains(gpu) || !guard.Set(gpu).ok()) continue;
-    (void)LaunchNothing(g->streams.at(gpu).direct.get());
+  if (arm_rounds_ && p.plan == job.plan && ArmableStage(p.schedule) >= 0 && p.src == AddressesOf(job.src) &&
+      p.dst == AddressesOf(job.dst)) {
+    if (auto armed = Arm(*g, job); !armed.ok()) {
+      g->Disarm();  // what was launched does nothing; Transfer launches the round as usual
+      Logger("data")->warn("group \"{}\" round {}: not made ready at PREPARE ({}); launched at TRANSFER instead",
+                           job.group, job.round_id, std::string(armed.message()));
+    }
+  } else {
+    // Not armable (network steps, stages, a new plan): an empty kernel on each GPU the group's last
+    // round used, so that the GPU switches from the workers' contexts to this one now
+    // (tests/bench/ipc_copy_bench, "after_other_process_and_a_small_kernel"). Nothing to wait for;
+    // a failure to launch is left to the transfer's own launches to report.
+    for (const auto& [gpu, on] : p.gpus) {
+      if (!on.start || !g->streams.contains(gpu) || !guard.Set(gpu).ok()) continue;
+      (void)LaunchNothing(g->streams.at(gpu).direct.get());
+    }
   }
   absl::MutexLock lock(&mu_);
-  groups_[group] = std::move(g);
-  leased_.erase(group);
-  warming_.erase(group);
+  groups_[job.group] = std::move(g);
+  leased_.erase(job.group);
+  warming_.erase(job.group);
+}
+
+absl::Status CudaBackend::Arm(Group& g, const TransferJob& job) {
+  auto driver = CudaDriver::Get();
+  if (!driver.ok()) return driver.status();
+  const Prepared& p = *g.prepared;
+  const int stage = ArmableStage(p.schedule);
+  if (!g.word) {
+    auto word = HostWord::Create(p.schedule.stages[stage].direct.begin()->first);
+    if (!word.ok()) return word.status();
+    g.word = *std::move(word);
+  }
+  // Set first: whatever is launched below is called off by Disarm if a launch fails part-way.
+  g.armed = Group::Armed{job.round_id, g.next_go};
+  g.next_go += 2;
+  const uint32_t go = g.armed->go;
+  DeviceGuard guard;
+  for (const auto& [gpu, w] : p.schedule.stages[stage].direct) {
+    const Prepared::OnGpu& on = p.gpus.at(gpu);
+    if (!g.gates.contains(gpu)) {
+      auto gate = DeviceMemory::Allocate(gpu, sizeof(uint32_t));
+      if (!gate.ok()) return Annotate(gate.status(), "an armed round's gate");
+      g.gates.emplace(gpu, *std::move(gate));
+    }
+    auto* gate = static_cast<uint32_t*>(g.gates.at(gpu).get());
+    const cudaStream_t stream = g.streams.at(gpu).direct.get();
+    REFIT_RETURN_IF_ERROR(guard.Set(gpu));
+    REFIT_RETURN_IF_ERROR(driver.value()->Check(
+        driver.value()->StreamWaitValue32(stream, reinterpret_cast<CUdeviceptr>(g.word.device()), go,
+                                          CU_STREAM_WAIT_VALUE_GEQ),
+        "cuStreamWaitValue32"));
+    REFIT_CUDA_RETURN_IF_ERROR(LaunchGate(g.word.device(), go, gate, stream), "the armed round's gate");
+    // The round's first work on this GPU: when it was let go.
+    REFIT_CUDA_RETURN_IF_ERROR(cudaEventRecord(on.start.get(), stream), "cudaEventRecord");
+    for (const auto& d : on.direct[stage]) {
+      REFIT_CUDA_RETURN_IF_ERROR(LaunchCopyItems(d.items, d.units, d.n, d.total_units, stream, d.spread, d.aligned, gate, go),
+                                 "copy (armed)");
+    }
+    REFIT_CUDA_RETURN_IF_ERROR(cudaEventRecord(on.direct_done[stage].get(), stream), "cudaEventRecord");
+  }
+  return absl::OkStatus();
 }
 
 void CudaBackend::Cancel(const std::string& group, int64_t round_id, const std::string& reason) {
   absl::MutexLock lock(&mu_);
   if (active_.contains({group, round_id})) cancelled_[{group, round_id}] = reason;
+  // Armed for it and not transferring: its work, launched ahead, is called off.
+  if (auto it = groups_.find(group); it != groups_.end() && it->second != nullptr && it->second->armed &&
+                                     it->second->armed->round == round_id) {
+    it->second->Disarm();
+  }
 }
 
 }  // namespace refit

@@ -44,6 +44,13 @@ namespace refit {
 
 class NodeCommunicator;
 
+// Whether rounds copied within the node are armed (WorkersPrepared): kAuto when every GPU served
+// is shared through MPS (one context for all processes). Without MPS, armed work waiting on the
+// GPU lets the GPU switch back to the workers' contexts, and being let go costs a switch again:
+// on one H200, colocated 1 GB, 0.673 -> 0.746 ms armed without MPS, 0.588 armed with it
+// (docs/BENCHMARKS.md, session 17).
+enum class ArmRounds { kAuto, kAlways, kNever };
+
 class CudaBackend : public DataBackend {
  public:
   // `gpus`: the local GPU indices this daemon serves (peer access is enabled among them).
@@ -53,7 +60,8 @@ class CudaBackend : public DataBackend {
   // they run beside it, docs/BENCHMARKS.md). Not yet measured end to end.
   static absl::StatusOr<std::unique_ptr<CudaBackend>> Start(const std::vector<int32_t>& gpus,
                                                           int64_t staging_bytes, bool nccl_stream_priority = false,
-                                                          bool aligned_copy_kernel = true);
+                                                          bool aligned_copy_kernel = true,
+                                                          ArmRounds arm_rounds = ArmRounds::kAuto);
   // Every MappedBuffer it returned must be gone first, and no Transfer running.
   ~CudaBackend() override;
 
@@ -71,7 +79,7 @@ class CudaBackend : public DataBackend {
   absl::StatusOr<std::unique_ptr<MappedBuffer>> AllocateScratch(const Worker& worker, int64_t bytes) override;
   absl::StatusOr<int32_t> GpuIndex(const std::string& name) override;
   absl::StatusOr<TransferStats> Transfer(const TransferJob& job) override;
-  void WorkersPrepared(const std::string& group) override;
+  void WorkersPrepared(const TransferJob& job) override;
   void Cancel(const std::string& group, int64_t round_id, const std::string& reason) override;
   absl::StatusOr<std::string> NewCommunicatorId() override;
   CommunicatorCounts Communicators() const override { return {comms_built_.load(), comms_aborted_.load()}; }
@@ -90,6 +98,8 @@ class CudaBackend : public DataBackend {
   // Removes a released import from the tables (the deleters of Allocation and VmmMapping).
   void Forget(const std::string& handle, uint64_t base) ABSL_LOCKS_EXCLUDED(mu_);
   void ForgetVmm(uint64_t base) ABSL_LOCKS_EXCLUDED(mu_);
+  // Calls off every group's armed work (Group::Disarm): before any memory is released.
+  void DisarmAll() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   absl::StatusOr<std::shared_ptr<VmmMapping>> MapVmmRange(const v1::RegisterWorkerRequest& request, int range,
                                                           std::span<const Fd> fds) ABSL_LOCKS_EXCLUDED(mu_);
   bool Serves(int32_t gpu) const;
@@ -99,6 +109,9 @@ class CudaBackend : public DataBackend {
                                         const std::vector<uint64_t>& dst);
   // Waits for the group's streams, deregisters its staging from NCCL, frees its schedule.
   static void DropPrepared(Group& g);
+  // Launches the group's prepared round (ArmableStage) for `job`'s round behind a wait for the
+  // group's host word: Transfer lets it go, Cancel and Group::Disarm call it off.
+  absl::Status Arm(Group& g, const TransferJob& job);
   // One NCCL communicator per (group, id) over every GPU of the plan (rank = the plan's GPU
   // index), one rank per local GPU in this process. Built at the first transfer that needs it
   // (all daemons do so in the same round), aborted on any failure and rebuilt with a new id.
@@ -117,6 +130,7 @@ class CudaBackend : public DataBackend {
   std::map<int32_t, std::pair<int, int>> priorities_;  // GPU -> (least, greatest) stream priority
   bool nccl_stream_priority_ = false;
   bool aligned_copy_kernel_ = true;
+  bool arm_rounds_ = false;  // ArmRounds resolved at Start
   int64_t staging_bytes_ = 0;
 
   std::atomic<int64_t> comms_built_{0}, comms_aborted_{0};  // for Communicators()
@@ -131,7 +145,7 @@ class CudaBackend : public DataBackend {
   std::set<std::pair<std::string, int64_t>> active_ ABSL_GUARDED_BY(mu_);  // rounds transferring now
   std::map<std::pair<std::string, int64_t>, std::string> cancelled_ ABSL_GUARDED_BY(mu_);
   std::set<std::string> leased_ ABSL_GUARDED_BY(mu_);  // groups whose state a Transfer holds
-  // Groups whose state WorkersPrepared holds for a few microseconds (also in leased_): a Transfer
+  // Groups whose state WorkersPrepared holds while it launches (also in leased_): a Transfer
   // waits for them rather than fail as if another transfer ran.
   std::set<std::string> warming_ ABSL_GUARDED_BY(mu_);
   // By group (absent or null while leased: GroupLease).

@@ -40,7 +40,8 @@ absl::StatusOr<CudaDriver> Load() {
         Find("cuMemAddressReserve", 10020, &d.MemAddressReserve),
         Find("cuMemAddressFree", 10020, &d.MemAddressFree), Find("cuMemMap", 10020, &d.MemMap),
         Find("cuMemUnmap", 10020, &d.MemUnmap), Find("cuMemSetAccess", 10020, &d.MemSetAccess),
-        Find("cuMemRelease", 10020, &d.MemRelease), Find("cuCtxGetCurrent", 4000, &d.CtxGetCurrent)}) {
+        Find("cuMemRelease", 10020, &d.MemRelease), Find("cuCtxGetCurrent", 4000, &d.CtxGetCurrent),
+        Find("cuStreamWaitValue32", 11070, &d.StreamWaitValue32)}) {
     if (!s.ok()) return s;
   }
   if (auto s = d.Check(d.Init(0), "cuInit", absl::StatusCode::kFailedPrecondition); !s.ok())

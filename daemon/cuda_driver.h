@@ -28,6 +28,8 @@ struct CudaDriver {
   PFN_cuMemSetAccess_v10020 MemSetAccess = nullptr;
   PFN_cuMemRelease_v10020 MemRelease = nullptr;
   PFN_cuCtxGetCurrent_v4000 CtxGetCurrent = nullptr;  // DeviceGuard: is any context current?
+  // Work launched ahead of its round waits for the host's word (daemon/cuda_backend.cc, armed).
+  PFN_cuStreamWaitValue32_v11070 StreamWaitValue32 = nullptr;
 
   // The driver's functions, found and cuInit'ed once per process; the error (kept) says why
   // not, e.g. no driver or one too old for the runtime.

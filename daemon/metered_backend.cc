@@ -45,7 +45,7 @@ class MeteredBackend : public DataBackend {
     metrics_->Communicators(inner_->Communicators());
     return stats;
   }
-  void WorkersPrepared(const std::string& group) override { inner_->WorkersPrepared(group); }
+  void WorkersPrepared(const TransferJob& job) override { inner_->WorkersPrepared(job); }
   void Cancel(const std::string& group, int64_t round_id, const std::string& reason) override {
     inner_->Cancel(group, round_id, reason);
     metrics_->Communicators(inner_->Communicators());  // a cancel may abort one

@@ -320,7 +320,20 @@ absl::Status NodeAgent::RunPhase(const v1::PhaseRequest& request, v1::PhaseRespo
       REFIT_RETURN_IF_ERROR(registry_->Send(ids, e, /*reset_prepared=*/true, /*reset_resumed=*/false));
       REFIT_RETURN_IF_ERROR(
           registry_->AwaitWorkers(group, ids, request.round_id(), false, timeout, "PREPARE", aborted.get()));
-      backend_->WorkersPrepared(group);  // before the answer: the TRANSFER cannot overtake it
+      // Before the answer, so that the TRANSFER cannot overtake it: the backend may launch the
+      // round's work now, to run when the TRANSFER comes (the cuda backend's armed rounds).
+      std::vector<std::shared_ptr<LocalWorker>> workers;
+      if (auto job = JobFor(group, installed, request, workers); job.ok()) {
+        backend_->WorkersPrepared(*job);
+        bool open = false;
+        {
+          absl::MutexLock lock(&mu_);
+          auto it = active_rounds_.find(group);
+          open = it != active_rounds_.end() && it->second.round == request.round_id();
+        }
+        // Aborted meanwhile (its Cancel may have found nothing to call off yet): called off now.
+        if (!open) backend_->Cancel(group, request.round_id(), "the round was aborted while its transfer was made ready");
+      }
       return absl::OkStatus();
     }
     case v1::PhaseRequest::TRANSFER:
@@ -344,8 +357,10 @@ absl::Status NodeAgent::RunPhase(const v1::PhaseRequest& request, v1::PhaseRespo
   }
 }
 
-absl::Status NodeAgent::Transfer(const std::string& group, const std::shared_ptr<const InstalledPlan>& installed,
-                                 const v1::PhaseRequest& request, v1::PhaseResponse* response) {
+absl::StatusOr<TransferJob> NodeAgent::JobFor(const std::string& group,
+                                              const std::shared_ptr<const InstalledPlan>& installed,
+                                              const v1::PhaseRequest& request,
+                                              std::vector<std::shared_ptr<LocalWorker>>& workers) {
   const absl::Duration timeout = absl::Milliseconds(request.timeout_ms());
   TransferJob job;
   job.requested = absl::Now();
@@ -362,7 +377,7 @@ absl::Status NodeAgent::Transfer(const std::string& group, const std::shared_ptr
   job.nccl_register = installed->nccl_register;
   // This node's workers of both layouts, as registered now; held for the transfer (they keep
   // the mappings alive).
-  std::vector<std::shared_ptr<LocalWorker>> workers;
+  workers.clear();
   for (const Layout* l : {&installed->src, &installed->dst}) {
     for (const Worker& w : l->workers) {
       if (w.node == node_) workers.push_back(registry_->Find(absl::StrCat(group, "/", w.name)));
@@ -440,7 +455,15 @@ absl::Status NodeAgent::Transfer(const std::string& group, const std::shared_ptr
     absl::MutexLock lock(&mu_);
     resolved_[group] = std::move(fresh);
   }
-  auto stats = backend_->Transfer(job);
+  return job;
+}
+
+absl::Status NodeAgent::Transfer(const std::string& group, const std::shared_ptr<const InstalledPlan>& installed,
+                                 const v1::PhaseRequest& request, v1::PhaseResponse* response) {
+  std::vector<std::shared_ptr<LocalWorker>> workers;
+  auto job = JobFor(group, installed, request, workers);
+  if (!job.ok()) return job.status();
+  auto stats = backend_->Transfer(*job);
   if (!stats.ok()) {
     absl::MutexLock lock(&mu_);
     auto lost = lost_workers_.find(group);
@@ -455,7 +478,7 @@ absl::Status NodeAgent::Transfer(const std::string& group, const std::shared_ptr
   response->set_bytes_nvlink(stats->bytes_nvlink);
   response->set_data_plane_ms(stats->data_plane_ms);
   response->set_started_after_request_ms(stats->started_after_request_ms);
-  response->set_request_arrived_unix_us(absl::ToUnixMicros(job.requested));
+  response->set_request_arrived_unix_us(absl::ToUnixMicros(job->requested));
   response->set_answered_unix_us(absl::ToUnixMicros(absl::Now()));
   return absl::OkStatus();
 }

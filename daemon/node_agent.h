@@ -88,6 +88,11 @@ class NodeAgent {
   void Abort(const std::string& group, int64_t round, int64_t version, const std::string& reason, bool only_if_open);
   absl::Time LeaseFromNow() const;
 
+  // The round's job on this node (its buffers found in the workers' registrations, cached while
+  // the same workers stay registered); `workers` holds them (their mappings) while it is used.
+  // Failures name the worker that left or the buffer it lacks.
+  absl::StatusOr<TransferJob> JobFor(const std::string& group, const std::shared_ptr<const InstalledPlan>& installed,
+                                     const v1::PhaseRequest& request, std::vector<std::shared_ptr<LocalWorker>>& workers);
   absl::Status Transfer(const std::string& group, const std::shared_ptr<const InstalledPlan>& installed,
                         const v1::PhaseRequest& request, v1::PhaseResponse* response);
   // "group/name" of each worker the plan places on this node.

@@ -28,8 +28,19 @@ namespace refit {
 // bytes (99k small tensors: 4.9 -> 6.0 ms); see SpreadPays.
 // `aligned_only` (AlignedOnly(work)): the aligned kernel, faster where it applies; otherwise the
 // general one, which runs any work.
+// `gate` (device memory, optional): the kernel copies only if *gate == go when it starts, and
+// does nothing otherwise (work launched ahead of its round's go-ahead: LaunchGate).
 cudaError_t LaunchCopyItems(const CopyItem* items, const int64_t* unit_begin, int n_items,
-                            int64_t total_units, cudaStream_t stream, bool spread = false, bool aligned_only = false);
+                            int64_t total_units, cudaStream_t stream, bool spread = false, bool aligned_only = false,
+                            const uint32_t* gate = nullptr, uint32_t go = 0);
+
+// Work launched ahead, at a round's PREPARE, and let go at its TRANSFER (daemon/cuda_backend.cc):
+// the caller makes the stream wait (cuStreamWaitValue32, the driver API, which this library does
+// not link) until the host-written word `host_word` (mapped host memory, at its device address)
+// reaches go, or what follows it; then LaunchGate's one thread sets *gate = go if the word is
+// exactly go and 0 otherwise (go + 1: the round was called off). Copies launched after it with
+// (gate, go) copy only when let go.
+cudaError_t LaunchGate(const uint32_t* host_word, uint32_t go, uint32_t* gate, cudaStream_t stream);
 
 // A kernel that does nothing: launched only for the GPU to switch to this process's context
 // (daemon/cuda_backend.cc, WorkersPrepared).

@@ -11,6 +11,7 @@
 #include <cstring>
 #include <memory>
 #include <random>
+#include <tuple>
 
 #include "absl/strings/str_cat.h"
 #include "kernels/cuda_check.h"
@@ -630,6 +631,54 @@ TEST_CASE("the aligned kernel and the general one agree on aligned work") {
     REQUIRE(Download(dst.address(), want.size()) == want);
   }
   CHECK(aligned_launches - before == 2);
+  cudaStreamDestroy(stream);
+}
+
+// Work launched ahead of its round (LaunchGate, then copies with the gate): it copies when the host
+// word says go, and writes nothing when it says the round was called off (go + 1) or holds an
+// older round's go; both kernels, gated the same.
+TEST_CASE("gated copies copy only when their host word says go") {
+  if (GpuCount() == 0) {
+    WARN("no GPU here: skipped");
+    return;
+  }
+  cudaStream_t stream;
+  REFIT_CUDA_CHECK(cudaStreamCreate(&stream));
+  const std::vector<ItemCase> cases = MakeItemCases(0, 11);
+  const ItemCase* c = nullptr;
+  for (const ItemCase& k : cases) {
+    if (k.name == "long aligned runs") c = &k;
+  }
+  REQUIRE(c != nullptr);
+  const std::vector<std::byte> want = ReferenceCopy(*c);
+  DeviceBuffer src(c->src.size()), dst(static_cast<size_t>(c->dst_bytes)), gate(sizeof(uint32_t));
+  REFIT_CUDA_CHECK(cudaMemcpy(src.get(), c->src.data(), c->src.size(), cudaMemcpyHostToDevice));
+  const CopyWork w = ItemCaseWork(*c, src.address(), dst.address());
+  REQUIRE(AlignedOnly(w));
+  DeviceBuffer d_items(w.items.size() * sizeof(CopyItem)), d_begin(w.unit_begin.size() * sizeof(int64_t));
+  REFIT_CUDA_CHECK(cudaMemcpy(d_items.get(), w.items.data(), d_items.size(), cudaMemcpyHostToDevice));
+  REFIT_CUDA_CHECK(cudaMemcpy(d_begin.get(), w.unit_begin.data(), d_begin.size(), cudaMemcpyHostToDevice));
+  uint32_t* word = nullptr;
+  REFIT_CUDA_CHECK(cudaHostAlloc(reinterpret_cast<void**>(&word), sizeof(uint32_t), cudaHostAllocMapped));
+  uint32_t* word_on_gpu = nullptr;
+  REFIT_CUDA_CHECK(cudaHostGetDevicePointer(reinterpret_cast<void**>(&word_on_gpu), word, 0));
+  const std::vector<std::byte> poisoned(want.size(), static_cast<std::byte>(kPoison));
+  // (word, go, copies?): go; called off; an older round's go; a word past go (a later round's).
+  const std::tuple<uint32_t, uint32_t, bool> runs[] = {{6, 6, true}, {7, 6, false}, {4, 6, false}, {9, 8, false}};
+  for (const auto& [value, go, copies] : runs) {
+    for (bool aligned : {true, false}) {
+      REFIT_CUDA_CHECK(cudaMemset(dst.get(), static_cast<int>(kPoison), dst.size()));
+      *reinterpret_cast<volatile uint32_t*>(word) = value;
+      REFIT_CUDA_CHECK(LaunchGate(word_on_gpu, go, static_cast<uint32_t*>(gate.get()), stream));
+      REFIT_CUDA_CHECK(LaunchCopyItems(static_cast<const CopyItem*>(d_items.get()), static_cast<const int64_t*>(d_begin.get()),
+                                       static_cast<int>(w.items.size()), w.unit_begin.back(), stream, false, aligned,
+                                       static_cast<const uint32_t*>(gate.get()), go));
+      REFIT_CUDA_CHECK(cudaStreamSynchronize(stream));
+      INFO("word " << value << " go " << go << " aligned kernel " << aligned);
+      CHECK(Download(dst.address(), want.size()) == (copies ? want : poisoned));
+    }
+  }
+  cudaFreeHost(word);
   cudaStreamDestroy(stream);
 }
 

@@ -1,0 +1,164 @@
+// Armed rounds on a GPU (daemon/cuda_backend.cc): a round copied within the node is launched when
+// its workers have prepared (WorkersPrepared) and let go by its TRANSFER. What a user relies on:
+// a round armed and then called off (Cancel, as the node's abort does) writes nothing into the
+// engines' memory; one let go copies every byte; one armed for a round that never transferred is
+// called off by the next round's TRANSFER, which copies; a backend destroyed while armed does not
+// hang. Buffers are the backend's own device memory (AllocateScratch), destinations poisoned
+// before every round and checked byte for byte after. Skips where no GPU is present.
+#include <cuda_runtime.h>
+
+#include <catch2/catch.hpp>
+#include <cstring>
+#include <memory>
+#include <vector>
+
+#include "daemon/cuda_backend.h"
+#include "plan/planner.h"
+#include "plan/test_layouts.h"
+#include "plan/validate.h"
+
+namespace refit {
+namespace {
+
+constexpr int64_t kRows = 512, kCols = 1024;  // bf16: rows of 1 KB in each destination shard
+constexpr unsigned char kPoisonByte = 0xA5;
+
+int Gpus() {
+  int n = 0;
+  return cudaGetDeviceCount(&n) == cudaSuccess ? n : 0;
+}
+
+struct Setup {
+  std::unique_ptr<CudaBackend> backend;
+  std::vector<std::unique_ptr<MappedBuffer>> src, dst;
+  Layout source, destination;
+  std::shared_ptr<const Plan> plan;
+  std::vector<std::byte> values;  // the whole tensor, row-major
+
+  Setup() {
+    auto b = CudaBackend::Start({0}, 64 << 20, false, true, ArmRounds::kAlways);
+    INFO(b.status().message());
+    REQUIRE(b.ok());
+    backend = *std::move(b);
+    // Trainer: two row halves; engine: two column halves (TP row-parallel), all on GPU 0.
+    testing::AddSplitTensor(source, "w", Dims{kRows, kCols}, DType::kBF16, 0, {0, kRows / 2, kRows},
+                            {{0, 0}, {0, 0}}, "fsdp");
+    testing::AddSplitTensor(destination, "w", Dims{kRows, kCols}, DType::kBF16, 1, {0, kCols / 2, kCols},
+                            {{0, 0}, {0, 0}}, "tp");
+    REQUIRE(ValidateLayout(source, "trainer").ok());
+    REQUIRE(ValidateLayout(destination, "inference").ok());
+    auto p = MakePlan(source, destination, PlanOptions{});
+    INFO(p.status().message());
+    REQUIRE(p.ok());
+    plan = std::make_shared<const Plan>(*std::move(p));
+    values.resize(kRows * kCols * 2);
+    for (size_t i = 0; i < values.size(); ++i) values[i] = static_cast<std::byte>((i * 2654435761u) >> 13);
+    for (auto [layout, out] : {std::pair{&source, &src}, std::pair{&destination, &dst}}) {
+      for (const Buffer& buffer : layout->buffers) {
+        auto m = backend->AllocateScratch(layout->workers[buffer.worker], buffer.NumBytes());
+        REQUIRE(m.ok());
+        out->push_back(*std::move(m));
+      }
+    }
+    // Source shard k: rows [k * kRows / 2, ...), contiguous in the tensor.
+    const size_t half = values.size() / 2;
+    for (int k = 0; k < 2; ++k) {
+      REQUIRE(cudaMemcpy(src[k]->bytes().data(), values.data() + k * half, half, cudaMemcpyHostToDevice) == cudaSuccess);
+    }
+  }
+
+  TransferJob Job(int64_t round) const {
+    TransferJob job;
+    job.group = "policy";
+    job.round_id = round;
+    job.plan = plan;
+    for (const auto& m : src) job.src.push_back(m->bytes());
+    for (const auto& m : dst) job.dst.push_back(m->bytes());
+    job.deadline = absl::Now() + absl::Seconds(20);
+    return job;
+  }
+
+  void Poison() {
+    for (const auto& m : dst) REQUIRE(cudaMemset(m->bytes().data(), kPoisonByte, m->bytes().size()) == cudaSuccess);
+    REQUIRE(cudaDeviceSynchronize() == cudaSuccess);
+  }
+
+  // Every destination byte: the tensor's column half, or poison everywhere.
+  bool Holds(bool copied) const {
+    const size_t row_bytes = kCols * 2, half_row = row_bytes / 2;
+    for (int k = 0; k < 2; ++k) {
+      std::vector<std::byte> got(dst[k]->bytes().size());
+      if (cudaMemcpy(got.data(), dst[k]->bytes().data(), got.size(), cudaMemcpyDeviceToHost) != cudaSuccess) return false;
+      for (int64_t r = 0; r < kRows; ++r) {
+        for (size_t c = 0; c < half_row; ++c) {
+          const std::byte want = copied ? values[r * row_bytes + k * half_row + c] : static_cast<std::byte>(kPoisonByte);
+          if (got[r * half_row + c] != want) return false;
+        }
+      }
+    }
+    return true;
+  }
+};
+
+TEST_CASE("an armed round copies when let go and writes nothing when called off") {
+  if (Gpus() == 0) {
+    WARN("no GPU here: skipped");
+    return;
+  }
+  Setup s;
+  // Round 1 builds the schedule (nothing to arm before it), then copies as usual.
+  s.Poison();
+  s.backend->WorkersPrepared(s.Job(1));
+  REQUIRE(s.backend->Transfer(s.Job(1)).ok());
+  CHECK(s.Holds(true));
+
+  // Round 2: armed, then aborted: the GPU runs what was launched, and it writes nothing.
+  s.Poison();
+  s.backend->WorkersPrepared(s.Job(2));
+  s.backend->Cancel("policy", 2, "aborted by the test");
+  REQUIRE(cudaDeviceSynchronize() == cudaSuccess);
+  CHECK(s.Holds(false));
+
+  // Round 3: armed, then let go by its TRANSFER.
+  s.Poison();
+  s.backend->WorkersPrepared(s.Job(3));
+  auto stats = s.backend->Transfer(s.Job(3));
+  INFO(stats.status().message());
+  REQUIRE(stats.ok());
+  CHECK(s.Holds(true));
+  CHECK(stats->bytes_local + stats->bytes_received == kRows * kCols * 2);
+
+  // Round 4 armed but never transferred (its coordinator gave up without an abort reaching here);
+  // round 5's TRANSFER calls it off and copies.
+  s.Poison();
+  s.backend->WorkersPrepared(s.Job(4));
+  REQUIRE(s.backend->Transfer(s.Job(5)).ok());
+  CHECK(s.Holds(true));
+
+  // Armed twice without a transfer between: the first is called off, the second let go.
+  s.Poison();
+  s.backend->WorkersPrepared(s.Job(6));
+  s.backend->WorkersPrepared(s.Job(7));
+  REQUIRE(s.backend->Transfer(s.Job(7)).ok());
+  CHECK(s.Holds(true));
+
+  // Many rounds in a row, each let go: every one copies.
+  for (int64_t round = 8; round < 40; ++round) {
+    s.Poison();
+    s.backend->WorkersPrepared(s.Job(round));
+    REQUIRE(s.backend->Transfer(s.Job(round)).ok());
+    INFO("round " << round);
+    REQUIRE(s.Holds(true));
+  }
+
+  // Armed when the backend goes: its destruction calls the work off instead of waiting forever.
+  s.Poison();
+  s.backend->WorkersPrepared(s.Job(40));
+  s.src.clear();
+  s.dst.clear();
+  s.backend.reset();
+  REQUIRE(cudaDeviceSynchronize() == cudaSuccess);
+}
+
+}  // namespace
+}  // namespace refit

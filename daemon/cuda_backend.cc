@@ -819,10 +819,10 @@ void LogTimeline(const TransferJob& job, const CudaBackend::Prepared& p, const H
              job.group, job.round_id, absl::ToDoubleMilliseconds(host.launched - host.started),
              absl::ToDoubleMilliseconds(host.done - host.started));
   }
-  DeviceGuard guard;
+  // Events carry their context: no device to switch to (a cold cudaSetDevice and its undoing
+  // cost the node's work after its data plane microseconds).
   for (const auto& [gpu, on] : p.gpus) {
     if (!on.start) continue;
-    if (!guard.Set(gpu).ok()) continue;
     auto at = [&, start = on.start.get()](const Event& e) {  // clang 14 cannot capture a structured binding
       float ms = 0;
       return cudaEventElapsedTime(&ms, start, e.get()) == cudaSuccess ? double{ms} : -1.0;

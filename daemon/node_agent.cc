@@ -286,7 +286,9 @@ absl::Status NodeAgent::RunPhase(const v1::PhaseRequest& request, v1::PhaseRespo
     return absl::FailedPreconditionError(absl::StrCat(
         "node ", node_, " has no plan of group \"", group, "\" for membership epoch ", request.epoch()));
   }
-  const std::vector<std::string> ids = LocalIds(group, *installed);  // this node's workers in the plan
+  // This node's workers in the plan (PREPARE and COMMIT tell them; a TRANSFER has no need).
+  const std::vector<std::string> ids =
+      request.phase() == v1::PhaseRequest::TRANSFER ? std::vector<std::string>() : LocalIds(group, *installed);
   const absl::Duration timeout = absl::Milliseconds(request.timeout_ms());
   v1::RoundEvent e;
   e.set_round_id(request.round_id());

@@ -8,20 +8,30 @@
 
 namespace refit {
 
-DeviceGuard::DeviceGuard() {
-  // Only a thread with a current context has a device to go back to (cudaGetDevice answers 0
-  // either way). Without the driver's entry points nothing can be current: nothing to restore.
+namespace {
+
+// The thread's current device, or -1 when it has no current context (nothing to go back to:
+// cudaGetDevice answers 0 either way; without the driver's entry points nothing can be current).
+int CurrentDevice() {
   auto driver = CudaDriver::Get();
-  if (!driver.ok()) return;
+  if (!driver.ok()) return -1;
   CUcontext context = nullptr;
-  if ((*driver)->CtxGetCurrent(&context) != CUDA_SUCCESS || context == nullptr) return;
+  if ((*driver)->CtxGetCurrent(&context) != CUDA_SUCCESS || context == nullptr) return -1;
   int device = -1;
-  if (cudaGetDevice(&device) == cudaSuccess) previous_ = device;
+  return cudaGetDevice(&device) == cudaSuccess ? device : -1;
 }
 
-DeviceGuard::DeviceGuard(int32_t gpu) : DeviceGuard() { status_ = Set(gpu); }
+}  // namespace
+
+DeviceGuard::DeviceGuard() = default;
+
+DeviceGuard::DeviceGuard(int32_t gpu) { status_ = Set(gpu); }
 
 absl::Status DeviceGuard::Set(int32_t gpu) {
+  if (!remembered_) {
+    remembered_ = true;
+    previous_ = CurrentDevice();
+  }
   REFIT_CUDA_RETURN_IF_ERROR(cudaSetDevice(gpu), absl::StrCat("cudaSetDevice(", gpu, ")"));
   return absl::OkStatus();
 }

@@ -14,7 +14,8 @@
 // child and imported through IPC, the allocation's size as is or rounded up to 2 MiB.
 // Then, on its own memory: how long the host takes to see a 1 GiB copy done after the GPU
 // finished it, by cudaStreamQuery in a loop, cudaEventQuery, cudaStreamSynchronize, and a flag
-// the GPU writes into mapped host memory.
+// the GPU writes into mapped host memory; and how soon the GPU sees a word the host writes into
+// mapped host memory (host_word: what lets an armed round go).
 //   ipc_copy_bench [--max-mib 8192] [--sizes-mib 64,1024,8192] [--repeat 7] [--src T.json --dst I.json]
 #include <cuda.h>
 #include <cuda_runtime.h>
@@ -23,6 +24,8 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <thread>
+#include <atomic>
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
@@ -405,6 +408,47 @@ void TimeSync(int sock, uint64_t a, uint64_t b, size_t bytes, cudaStream_t strea
   cudaFree(small.begin);
 }
 
+// How soon the GPU sees a word the host writes into mapped host memory (what lets an armed
+// round's work go, daemon/cuda_backend.cc): the stream waits for the word (cuStreamWaitValue32),
+// then writes a second mapped word back (cuStreamWriteValue32), optionally after a one-thread
+// kernel (the armed round's gate); the host writes the first and spins on the second. The round
+// trip, less mapped_flag_spin's GPU-to-host part, is the host-to-GPU latency. Medians, in us.
+void TimeHostWord(cudaStream_t stream, int repeat) {
+  uint32_t *word = nullptr, *back = nullptr, *word_dev = nullptr, *back_dev = nullptr, *gate = nullptr;
+  CHECK_CUDA(cudaHostAlloc(reinterpret_cast<void**>(&word), sizeof(uint32_t), cudaHostAllocMapped));
+  CHECK_CUDA(cudaHostAlloc(reinterpret_cast<void**>(&back), sizeof(uint32_t), cudaHostAllocMapped));
+  CHECK_CUDA(cudaHostGetDevicePointer(reinterpret_cast<void**>(&word_dev), word, 0));
+  CHECK_CUDA(cudaHostGetDevicePointer(reinterpret_cast<void**>(&back_dev), back, 0));
+  CHECK_CUDA(cudaMalloc(&gate, sizeof(uint32_t)));
+  *reinterpret_cast<volatile uint32_t*>(word) = 0;
+  *reinterpret_cast<volatile uint32_t*>(back) = 0;
+  using Clock = std::chrono::steady_clock;
+  uint32_t value = 0;
+  for (int with_gate = 0; with_gate < 2; ++with_gate) {
+    std::vector<float> trip;
+    for (int r = 0; r < repeat + 3; ++r) {
+      ++value;
+      CHECK_CU(cuStreamWaitValue32(stream, reinterpret_cast<CUdeviceptr>(word_dev), value, CU_STREAM_WAIT_VALUE_GEQ));
+      if (with_gate) CHECK_CUDA(refit::LaunchGate(word_dev, value, gate, stream));
+      CHECK_CU(cuStreamWriteValue32(stream, reinterpret_cast<CUdeviceptr>(back_dev), value, CU_STREAM_WRITE_VALUE_DEFAULT));
+      std::this_thread::sleep_for(std::chrono::milliseconds(2));  // the wait in place, the GPU idle
+      const auto t0 = Clock::now();
+      std::atomic_ref<uint32_t>(*word).store(value, std::memory_order_release);
+      while (*const_cast<volatile uint32_t*>(back) != value) {
+      }
+      const auto t1 = Clock::now();
+      if (r >= 3) trip.push_back(static_cast<float>(std::chrono::duration<double, std::micro>(t1 - t0).count()));
+      CHECK_CUDA(cudaStreamSynchronize(stream));
+    }
+    std::printf("{\"bench\":\"host_word\",\"method\":\"%s\",\"runs\":%d,\"round_trip_us\":%.1f}\n",
+                with_gate ? "wait_gate_kernel_write_back" : "wait_write_back", repeat, Median(trip));
+    std::fflush(stdout);
+  }
+  cudaFreeHost(word);
+  cudaFreeHost(back);
+  cudaFree(gate);
+}
+
 int Parent(int sock, size_t max_bytes, const std::vector<size_t>& sizes, int repeat, const LayoutCase* layouts) {
   CHECK_CUDA(cudaSetDevice(0));
   CHECK_CUDA(cudaFree(nullptr));
@@ -470,6 +514,7 @@ int Parent(int sock, size_t max_bytes, const std::vector<size_t>& sizes, int rep
   }
   if (layouts != nullptr) TimeLayouts(*layouts, workers, stream, repeat);
   TimeSync(sock, u(own[0]), u(own[1]), std::min<size_t>(max_bytes, size_t{1} << 30), stream, repeat);
+  TimeHostWord(stream, repeat);
   const char done = 'd';
   (void)!write(sock, &done, 1);
   return 0;

@@ -67,9 +67,9 @@ struct Setup {
     }
   }
 
-  TransferJob Job(int64_t round) const {
+  TransferJob Job(int64_t round, const std::string& group = "policy") const {
     TransferJob job;
-    job.group = "policy";
+    job.group = group;
     job.round_id = round;
     job.plan = plan;
     for (const auto& m : src) job.src.push_back(m->bytes());
@@ -151,6 +151,14 @@ TEST_CASE("an armed round copies when let go and writes nothing when called off"
     REQUIRE(s.Holds(true));
   }
 
+  // Not let go within the backend's bound (100 ms; say its coordinator stalled): called off by the
+  // backend itself, and the TRANSFER that comes late launches the round.
+  s.Poison();
+  s.backend->WorkersPrepared(s.Job(41));
+  absl::SleepFor(absl::Milliseconds(300));
+  REQUIRE(s.backend->Transfer(s.Job(41)).ok());
+  CHECK(s.Holds(true));
+
   // Armed when the backend goes: its destruction calls the work off instead of waiting forever.
   s.Poison();
   s.backend->WorkersPrepared(s.Job(40));
@@ -158,6 +166,33 @@ TEST_CASE("an armed round copies when let go and writes nothing when called off"
   s.dst.clear();
   s.backend.reset();
   REQUIRE(cudaDeviceSynchronize() == cudaSuccess);
+}
+
+// Two groups on one GPU: one armed, the other rebuilding its schedule (a new plan: its old items
+// are freed, and a free may wait for the whole GPU) and copying. Nothing waits for the armed wait:
+// the rebuild calls it off, and the armed group's own TRANSFER then launches its round itself.
+TEST_CASE("a group armed on a GPU holds up no other group's rebuild and copy") {
+  if (Gpus() == 0) {
+    WARN("no GPU here: skipped");
+    return;
+  }
+  Setup s;
+  for (const char* group : {"policy", "reward"}) {
+    s.Poison();
+    REQUIRE(s.backend->Transfer(s.Job(1, group)).ok());
+    CHECK(s.Holds(true));
+  }
+  s.Poison();
+  s.backend->WorkersPrepared(s.Job(2, "policy"));
+  TransferJob other = s.Job(2, "reward");
+  other.plan = std::make_shared<const Plan>(*s.plan);  // another plan object: rebuilt
+  const absl::Time t0 = absl::Now();
+  REQUIRE(s.backend->Transfer(other).ok());
+  CHECK(absl::Now() - t0 < absl::Milliseconds(90));  // not held until the armed round's bound
+  CHECK(s.Holds(true));
+  s.Poison();
+  REQUIRE(s.backend->Transfer(s.Job(2, "policy")).ok());
+  CHECK(s.Holds(true));
 }
 
 }  // namespace

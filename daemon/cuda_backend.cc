@@ -120,35 +120,36 @@ struct CudaBackend::Prepared {
 
 // One group's resources on this node, leased to one Transfer at a time. Members go in reverse:
 // the communicator first (deregistering staging, then its ranks), then the prepared schedule
-// (its fence waits for the streams, then staging and items are freed), the streams, and last the
-// words armed work waits on and reads (after everything that waits for the streams).
+// (its fence waits for the streams, then staging and items are freed), the streams last.
 struct CudaBackend::Group {
-  // An armed round: its copies launched at PREPARE (WorkersPrepared) behind a wait for the host
-  // word; its TRANSFER writes `go`, its abort go + 1 (the copies then do nothing), and the next
-  // round's go is go + 2.
-  struct Armed {
-    int64_t round = -1;
-    uint32_t go = 0;
-  };
-  HostWord word;                          // what armed work waits for (mapped for every GPU)
-  std::map<int32_t, DeviceMemory> gates;  // by GPU: what its armed copies read (LaunchGate)
-  uint32_t next_go = 2;
-  std::optional<Armed> armed;
   struct Streams {
     Stream compute, comm, direct;
   };
   std::map<int32_t, Streams> streams;  // by GPU
   std::unique_ptr<Prepared> prepared;
   std::unique_ptr<NodeCommunicator> comm;
+};
 
-  // Armed work is let go as called off: it ends at once, doing nothing. A host store: safe under
-  // the backend's lock, and before anything waits for the streams (it would wait forever).
-  void Disarm() {
+// A group's armed round (WorkersPrepared): its copies launched at PREPARE behind a stream wait
+// for `word`; its TRANSFER stores `go` (Fire), anything else go + 1 (CallOff: the gated copies
+// then do nothing); the next arm's go is go + 2. Kept in armed_, apart from the group's lease, so
+// that any thread can call it off; created at a group's first arm, kept until the backend goes
+// (a few words per group and GPU).
+struct CudaBackend::ArmGate {
+  HostWord word;                         // mapped for every GPU
+  std::map<int32_t, DeviceMemory> gate;  // by GPU: what its gated copies read (LaunchGate)
+  std::map<int32_t, HostWord> decided;   // by GPU: what its gate kernel set: go, or 0
+  int64_t round = -1;
+  uint32_t go = 0;
+  uint32_t next_go = 2;
+  bool armed = false;
+  absl::Time until;  // called off then (DisarmLoop) if not let go before
+
+  void CallOff() {
     if (!armed) return;
-    word.Store(armed->go + 1);
-    armed.reset();
+    word.Store(go + 1);
+    armed = false;
   }
-  ~Group() { Disarm(); }
 };
 
 // A group's state, held by one Transfer: taken out of groups_ under mu_ (refused while another
@@ -198,7 +199,53 @@ class CudaBackend::GroupLease {
   std::unique_ptr<Group> g_;
 };
 
-CudaBackend::~CudaBackend() = default;
+CudaBackend::~CudaBackend() {
+  {
+    absl::MutexLock lock(&armed_mu_);
+    stopping_ = true;
+    for (auto& [group, a] : armed_) a->CallOff();  // before the groups' fences wait for their streams
+    armed_changed_.SignalAll();
+  }
+  if (disarmer_.joinable()) disarmer_.join();
+}
+
+void CudaBackend::DisarmLoop() {
+  absl::MutexLock lock(&armed_mu_);
+  while (!stopping_) {
+    const absl::Time now = absl::Now();
+    absl::Time next = absl::InfiniteFuture();
+    for (auto& [group, a] : armed_) {
+      if (!a->armed) continue;
+      if (a->until <= now) {
+        a->CallOff();
+        LogLater("data", spdlog::level::warn,
+                 "group \"{}\" round {}: armed at PREPARE and not let go within {} ms: called off (its TRANSFER, "
+                 "if it comes, launches the round itself)",
+                 group, a->round, absl::ToInt64Milliseconds(kArmedAtMost));
+      } else {
+        next = std::min(next, a->until);
+      }
+    }
+    armed_changed_.WaitWithDeadline(&armed_mu_, next);
+  }
+}
+
+bool CudaBackend::Fire(const std::string& group, int64_t round, uint32_t* go) {
+  absl::MutexLock lock(&armed_mu_);
+  auto it = armed_.find(group);
+  if (it == armed_.end() || !it->second->armed || it->second->round != round) return false;
+  ArmGate& a = *it->second;
+  *go = a.go;
+  a.word.Store(a.go);
+  a.armed = false;
+  return true;
+}
+
+void CudaBackend::CallOff(const std::string& group, std::optional<int64_t> round) {
+  absl::MutexLock lock(&armed_mu_);
+  auto it = armed_.find(group);
+  if (it != armed_.end() && (!round.has_value() || it->second->round == *round)) it->second->CallOff();
+}
 
 absl::StatusOr<std::string> CudaBackend::NewCommunicatorId() {
   ncclUniqueId id;
@@ -208,6 +255,7 @@ absl::StatusOr<std::string> CudaBackend::NewCommunicatorId() {
 
 void CudaBackend::DropCommunicator(const std::string& group, Group& g) {
   if (g.comm == nullptr) return;
+  DisarmAll();
   const absl::Time t0 = absl::Now();
   g.comm->Abort();
   ++comms_aborted_;
@@ -243,11 +291,11 @@ absl::Status CudaBackend::CommunicatorFor(Group& g, const TransferJob& job) {
 }
 
 void CudaBackend::DisarmAll() {
-  // Freeing or unmapping memory may wait for the whole GPU (cudaFree does), which would wait
-  // forever for armed work held back on it; none refers to it once called off.
-  for (auto& [group, g] : groups_) {
-    if (g != nullptr) g->Disarm();
-  }
+  // Freeing or unmapping memory may wait for the whole GPU (cudaFree does), and so may an NCCL
+  // abort: they would wait for armed work held back on it; none refers to memory once called off.
+  // A round armed between this and the free holds it up to kArmedAtMost (DisarmLoop).
+  absl::MutexLock lock(&armed_mu_);
+  for (auto& [group, a] : armed_) a->CallOff();
 }
 
 void CudaBackend::Forget(const std::string& handle, uint64_t base) {
@@ -400,6 +448,7 @@ absl::StatusOr<std::unique_ptr<CudaBackend>> CudaBackend::Start(const std::vecto
   }
   cudaGetLastError();
   b->arm_rounds_ = arm_rounds == ArmRounds::kAlways || (arm_rounds == ArmRounds::kAuto && mps);
+  if (b->arm_rounds_) b->disarmer_ = std::thread([p = b.get()] { p->DisarmLoop(); });
   Logger("data")->info("cuda: rounds copied within the node {} (--arm-rounds; MPS {})",
                        b->arm_rounds_ ? "armed at PREPARE, let go at TRANSFER" : "launched at TRANSFER",
                        mps ? "shares these GPUs" : "off");
@@ -875,8 +924,8 @@ void LogTimeline(const TransferJob& job, const CudaBackend::Prepared& p, const H
 }  // namespace
 
 void CudaBackend::DropPrepared(Group& g) {
-  g.Disarm();  // armed work would hold the streams forever
   if (g.prepared == nullptr) return;
+  DisarmAll();  // the fence below and the frees after it would wait for armed work
   std::unique_ptr<Prepared> old = std::move(g.prepared);
   old->idle.Wait();
   // NCCL must forget the staging before it is freed.
@@ -921,19 +970,33 @@ absl::StatusOr<TransferStats> CudaBackend::Transfer(const TransferJob& job) {
       REFIT_RETURN_IF_ERROR(comm->Wait([&] { return Interrupted(job); }, "registering staging with NCCL"));
     }
   }
-  // Armed for another round (one the coordinator gave up on): its work is called off first.
-  if (g.armed && g.armed->round != job.round_id) g.Disarm();
+  // This round's work waits on the GPU since PREPARE (WorkersPrepared, armed): let go, unless the
+  // round was cancelled meanwhile. Otherwise every armed round is called off first (this group's,
+  // of a round that never transferred, and other groups', whose waits could hold up launches
+  // queued behind them on the GPU).
+  if (auto s = Interrupted(job); !s.ok()) {
+    CallOff(job.group, job.round_id);
+    return s;
+  }
   const absl::Time started = absl::Now();
   absl::Time launched = started;  // the last stage's launches done
-  const bool fired = g.armed.has_value();
+  uint32_t go = 0;
+  bool fired = Fire(job.group, job.round_id, &go);
   if (fired) {
-    // This round's work waits on the GPU since PREPARE (WorkersPrepared): let go, then waited for.
-    g.word.Store(g.armed->go);
-    g.armed.reset();
     const int stage = ArmableStage(schedule);
     std::set<int32_t> busy;
     for (const auto& [gpu, w] : schedule.stages[stage].direct) busy.insert(gpu);
     REFIT_RETURN_IF_ERROR(WaitForStage(job, g, busy, stage, nullptr));
+    // What each GPU's gate decided: go, or the work did nothing (it read an older word): then the
+    // round is launched as usual below, never reported done without its bytes.
+    std::string missed = GatesMissed(job.group, busy, go);
+    if (!missed.empty()) {
+      Logger("data")->warn("group \"{}\" round {}: the work armed at PREPARE did not run on GPU {}; launched again",
+                           job.group, job.round_id, missed);
+      fired = false;
+    }
+  } else {
+    DisarmAll();
   }
   for (const auto& [gpu, on] : p.gpus) {
     if (fired || !on.start) continue;
@@ -1089,13 +1152,13 @@ void CudaBackend::WorkersPrepared(const TransferJob& job) {
     leased_.insert(job.group);
     warming_.insert(job.group);
   }
-  g->Disarm();  // armed for an earlier round that never transferred
+  CallOff(job.group, std::nullopt);  // armed for an earlier round that never transferred
   const Prepared& p = *g->prepared;
   DeviceGuard guard;
   if (arm_rounds_ && p.plan == job.plan && ArmableStage(p.schedule) >= 0 && p.src == AddressesOf(job.src) &&
       p.dst == AddressesOf(job.dst)) {
     if (auto armed = Arm(*g, job); !armed.ok()) {
-      g->Disarm();  // what was launched does nothing; Transfer launches the round as usual
+      CallOff(job.group, job.round_id);  // what was launched does nothing; Transfer launches the round
       Logger("data")->warn("group \"{}\" round {}: not made ready at PREPARE ({}); launched at TRANSFER instead",
                            job.group, job.round_id, std::string(armed.message()));
     }
@@ -1120,31 +1183,61 @@ absl::Status CudaBackend::Arm(Group& g, const TransferJob& job) {
   if (!driver.ok()) return driver.status();
   const Prepared& p = *g.prepared;
   const int stage = ArmableStage(p.schedule);
-  if (!g.word) {
-    auto word = HostWord::Create(p.schedule.stages[stage].direct.begin()->first);
-    if (!word.ok()) return word.status();
-    g.word = *std::move(word);
+  ArmGate* a = nullptr;
+  {
+    absl::MutexLock lock(&armed_mu_);
+    if (stopping_) return absl::CancelledError("the backend is stopping");
+    std::unique_ptr<ArmGate>& slot = armed_[job.group];
+    if (slot == nullptr) slot = std::make_unique<ArmGate>();
+    a = slot.get();  // stable until the backend goes; its words and gates are made by this group's
+                     // lease holder alone, while it is not armed
   }
-  // Set first: whatever is launched below is called off by Disarm if a launch fails part-way.
-  g.armed = Group::Armed{job.round_id, g.next_go};
-  g.next_go += 2;
-  const uint32_t go = g.armed->go;
+  // The words and gates first (none is touched by others while the gate is not armed).
+  for (const auto& [gpu, w] : p.schedule.stages[stage].direct) {
+    if (!a->word) {
+      auto word = HostWord::Create(gpu);
+      if (!word.ok()) return word.status();
+      a->word = *std::move(word);
+    }
+    if (!a->gate.contains(gpu)) {
+      auto gate = DeviceMemory::Allocate(gpu, sizeof(uint32_t));
+      if (!gate.ok()) return Annotate(gate.status(), "an armed round's gate");
+      a->gate.emplace(gpu, *std::move(gate));
+    }
+    if (!a->decided.contains(gpu)) {
+      auto decided = HostWord::Create(gpu);
+      if (!decided.ok()) return decided.status();
+      a->decided.emplace(gpu, *std::move(decided));
+    }
+  }
+  uint32_t go = 0;
+  {
+    // Armed before anything is launched: whatever is launched below waits for this go, and is
+    // called off by the caller if a launch fails part-way.
+    absl::MutexLock lock(&armed_mu_);
+    if (stopping_) return absl::CancelledError("the backend is stopping");
+    go = a->next_go;
+    a->next_go += 2;
+    if (a->next_go == 0) a->next_go = 2;  // 0 is never a go (a gate set to 0 copies nothing)
+    a->round = job.round_id;
+    a->go = go;
+    a->armed = true;
+    a->until = absl::Now() + kArmedAtMost;
+    armed_changed_.Signal();
+  }
   DeviceGuard guard;
   for (const auto& [gpu, w] : p.schedule.stages[stage].direct) {
     const Prepared::OnGpu& on = p.gpus.at(gpu);
-    if (!g.gates.contains(gpu)) {
-      auto gate = DeviceMemory::Allocate(gpu, sizeof(uint32_t));
-      if (!gate.ok()) return Annotate(gate.status(), "an armed round's gate");
-      g.gates.emplace(gpu, *std::move(gate));
-    }
-    auto* gate = static_cast<uint32_t*>(g.gates.at(gpu).get());
+    auto* gate = static_cast<uint32_t*>(a->gate.at(gpu).get());
     const cudaStream_t stream = g.streams.at(gpu).direct.get();
     REFIT_RETURN_IF_ERROR(guard.Set(gpu));
     REFIT_RETURN_IF_ERROR(driver.value()->Check(
-        driver.value()->StreamWaitValue32(stream, reinterpret_cast<CUdeviceptr>(g.word.device()), go,
+        driver.value()->StreamWaitValue32(stream, reinterpret_cast<CUdeviceptr>(a->word.device()), go,
                                           CU_STREAM_WAIT_VALUE_GEQ),
         "cuStreamWaitValue32"));
-    REFIT_CUDA_RETURN_IF_ERROR(LaunchGate(g.word.device(), go, gate, stream), "the armed round's gate");
+    a->decided.at(gpu).Store(0);
+    REFIT_CUDA_RETURN_IF_ERROR(LaunchGate(a->word.device(), go, gate, a->decided.at(gpu).device(), stream),
+                               "the armed round's gate");
     // The round's first work on this GPU: when it was let go.
     REFIT_CUDA_RETURN_IF_ERROR(cudaEventRecord(on.start.get(), stream), "cudaEventRecord");
     for (const auto& d : on.direct[stage]) {
@@ -1156,14 +1249,28 @@ absl::Status CudaBackend::Arm(Group& g, const TransferJob& job) {
   return absl::OkStatus();
 }
 
+std::string CudaBackend::GatesMissed(const std::string& group, const std::set<int32_t>& gpus, uint32_t go) {
+  ArmGate* a = nullptr;
+  {
+    absl::MutexLock lock(&armed_mu_);
+    auto it = armed_.find(group);
+    if (it == armed_.end()) return "(all: no gate)";
+    a = it->second.get();
+  }
+  // Read without the lock: this group's lease holder (the caller) alone changes its gates.
+  std::string missed;
+  for (int32_t gpu : gpus) {
+    auto d = a->decided.find(gpu);
+    if (d == a->decided.end() || d->second.Load() != go) absl::StrAppend(&missed, missed.empty() ? "" : ", ", gpu);
+  }
+  return missed;
+}
+
 void CudaBackend::Cancel(const std::string& group, int64_t round_id, const std::string& reason) {
   absl::MutexLock lock(&mu_);
   if (active_.contains({group, round_id})) cancelled_[{group, round_id}] = reason;
-  // Armed for it and not transferring: its work, launched ahead, is called off.
-  if (auto it = groups_.find(group); it != groups_.end() && it->second != nullptr && it->second->armed &&
-                                     it->second->armed->round == round_id) {
-    it->second->Disarm();
-  }
+  // Armed for it and not let go: its work, launched ahead, is called off.
+  CallOff(group, round_id);
 }
 
 }  // namespace refit

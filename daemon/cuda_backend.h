@@ -14,8 +14,15 @@
 //
 // Ownership: every CUDA and NCCL handle has one RAII owner in daemon/cuda/ (streams, events,
 // device memory, staging, IPC imports, VMM handles/reservations/maps, NCCL ranks and
-// registrations, a device guard); this class only composes them, and its destructor is the
-// members' own, in declaration order.
+// registrations, a device guard, mapped host words); this class only composes them, and its
+// destructor is the members' own, in declaration order, after calling off armed rounds and
+// joining the thread that bounds them.
+//
+// Armed rounds (ArmRounds, with MPS): a round copied within the node is launched when its workers
+// have prepared, held on the GPU by a stream wait for a host word, and let go by its TRANSFER
+// with one host store: the launches (cold API calls: 0.05 ms) leave the transfer phase. Anything
+// else calls it off (the gated copies then write nothing): an abort, another round's transfer, a
+// rebuilt schedule, any memory released, the backend's end, or 100 ms passing.
 //
 // Threads and locks: one mutex, mu_, guards the tables shared between threads (the imports by
 // handle and address, the groups' states, the rounds transferring and cancelled). It is held
@@ -30,8 +37,10 @@
 #include <atomic>
 #include <map>
 #include <memory>
+#include <optional>
 #include <set>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "absl/base/thread_annotations.h"
@@ -98,8 +107,9 @@ class CudaBackend : public DataBackend {
   // Removes a released import from the tables (the deleters of Allocation and VmmMapping).
   void Forget(const std::string& handle, uint64_t base) ABSL_LOCKS_EXCLUDED(mu_);
   void ForgetVmm(uint64_t base) ABSL_LOCKS_EXCLUDED(mu_);
-  // Calls off every group's armed work (Group::Disarm): before any memory is released.
-  void DisarmAll() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Calls off every group's armed work: before any memory is released, a communicator aborted,
+  // or work launched that could queue behind an armed wait.
+  void DisarmAll() ABSL_LOCKS_EXCLUDED(armed_mu_);
   absl::StatusOr<std::shared_ptr<VmmMapping>> MapVmmRange(const v1::RegisterWorkerRequest& request, int range,
                                                           std::span<const Fd> fds) ABSL_LOCKS_EXCLUDED(mu_);
   bool Serves(int32_t gpu) const;
@@ -108,10 +118,19 @@ class CudaBackend : public DataBackend {
   absl::StatusOr<Prepared*> PreparedFor(Group& g, const TransferJob& job, const std::vector<uint64_t>& src,
                                         const std::vector<uint64_t>& dst);
   // Waits for the group's streams, deregisters its staging from NCCL, frees its schedule.
-  static void DropPrepared(Group& g);
+  void DropPrepared(Group& g) ABSL_LOCKS_EXCLUDED(mu_, armed_mu_);
   // Launches the group's prepared round (ArmableStage) for `job`'s round behind a wait for the
-  // group's host word: Transfer lets it go, Cancel and Group::Disarm call it off.
-  absl::Status Arm(Group& g, const TransferJob& job);
+  // group's host word (its ArmGate): Fire lets it go; CallOff, DisarmAll and DisarmLoop call it off.
+  absl::Status Arm(Group& g, const TransferJob& job) ABSL_LOCKS_EXCLUDED(armed_mu_);
+  // Lets `group`'s work armed for `round` go (true), or finds none armed for it (false).
+  bool Fire(const std::string& group, int64_t round, uint32_t* go) ABSL_LOCKS_EXCLUDED(armed_mu_);
+  // Calls off `group`'s armed work (of `round` only, when given).
+  void CallOff(const std::string& group, std::optional<int64_t> round) ABSL_LOCKS_EXCLUDED(armed_mu_);
+  // The GPUs among `gpus` whose gate did not let `group`'s work go (go): "" when all did.
+  std::string GatesMissed(const std::string& group, const std::set<int32_t>& gpus, uint32_t go)
+      ABSL_LOCKS_EXCLUDED(armed_mu_);
+  // Calls off armed rounds past kArmedAtMost; runs while arm_rounds_, until the backend goes.
+  void DisarmLoop() ABSL_LOCKS_EXCLUDED(armed_mu_);
   // One NCCL communicator per (group, id) over every GPU of the plan (rank = the plan's GPU
   // index), one rank per local GPU in this process. Built at the first transfer that needs it
   // (all daemons do so in the same round), aborted on any failure and rebuilt with a new id.
@@ -148,8 +167,21 @@ class CudaBackend : public DataBackend {
   // Groups whose state WorkersPrepared holds while it launches (also in leased_): a Transfer
   // waits for them rather than fail as if another transfer ran.
   std::set<std::string> warming_ ABSL_GUARDED_BY(mu_);
+  // Armed rounds, by group (ArmGate): apart from the groups' leases, so that any thread can call
+  // them off, a group leased or not. Taken after mu_ where both are held; nothing else under it.
+  // Declared before groups_: destroyed after them (the groups' fences wait for streams whose
+  // armed work reads these words until called off, which the destructor does first).
+  // An armed round not let go within kArmedAtMost is called off (DisarmLoop): a free that
+  // raced with an arm, or a stream queued behind its wait, waits no longer than that.
+  static constexpr absl::Duration kArmedAtMost = absl::Milliseconds(100);
+  struct ArmGate;
+  absl::Mutex armed_mu_ ABSL_ACQUIRED_AFTER(mu_);
+  absl::CondVar armed_changed_;
+  std::map<std::string, std::unique_ptr<ArmGate>> armed_ ABSL_GUARDED_BY(armed_mu_);
+  bool stopping_ ABSL_GUARDED_BY(armed_mu_) = false;
   // By group (absent or null while leased: GroupLease).
   std::map<std::string, std::unique_ptr<Group>> groups_ ABSL_GUARDED_BY(mu_);
+  std::thread disarmer_;  // DisarmLoop; last: joined by the destructor before anything goes
 };
 
 }  // namespace refit

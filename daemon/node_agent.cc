@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <set>
+#include <utility>
 
 #include "absl/strings/str_cat.h"
 #include "daemon/culprit.h"
@@ -230,9 +231,15 @@ void NodeAgent::ForgetIfGone(const std::string& group) {
       }
     }
   }
+  // What the group held here (its plan, its scratch) goes after the lock: freeing GPU memory may
+  // wait for the GPU (daemon/cuda_backend.h, armed rounds), and nothing should wait holding mu_.
+  std::shared_ptr<const InstalledPlan> dropped_plan;
+  std::shared_ptr<const Resolved> dropped_resolved;
   absl::MutexLock lock(&mu_);
   if (active_rounds_.contains(group)) return;  // a round began meanwhile
   if (auto it = installed_.find(group); it != installed_.end() && it->second != installed) return;  // reinstalled
+  if (auto it = installed_.find(group); it != installed_.end()) dropped_plan = std::move(it->second);
+  if (auto it = resolved_.find(group); it != resolved_.end()) dropped_resolved = std::move(it->second);
   installed_.erase(group);
   resolved_.erase(group);
   abort_reasons_.erase(group);
@@ -454,8 +461,9 @@ absl::StatusOr<TransferJob> NodeAgent::JobFor(const std::string& group,
     fresh->src = job.src;
     fresh->dst = job.dst;
     workers.insert(workers.end(), hold.begin(), hold.end());
+    std::shared_ptr<const Resolved> old;  // freed after the lock (its scratch: GPU memory)
     absl::MutexLock lock(&mu_);
-    resolved_[group] = std::move(fresh);
+    old = std::exchange(resolved_[group], std::move(fresh));
   }
   return job;
 }

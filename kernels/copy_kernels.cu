@@ -747,8 +747,13 @@ bool SpreadPays(const CopyWork& work) {
 
 __global__ void NothingKernel() {}
 
-__global__ void GateKernel(const uint32_t* host_word, uint32_t go, uint32_t* gate) {
-  *gate = *reinterpret_cast<const volatile uint32_t*>(host_word) == go ? go : 0u;
+__global__ void GateKernel(const uint32_t* host_word, uint32_t go, uint32_t* gate, uint32_t* decided) {
+  uint32_t word;
+  // Acquire, system scope: the host's store, as the stream's wait saw it (not an older copy).
+  asm volatile("ld.acquire.sys.u32 %0, [%1];" : "=r"(word) : "l"(host_word) : "memory");
+  const uint32_t g = word == go ? go : 0u;
+  *gate = g;
+  if (decided != nullptr) *reinterpret_cast<volatile uint32_t*>(decided) = g;
 }
 
 cudaError_t LoadNothing() {
@@ -781,8 +786,8 @@ cudaError_t LaunchCopyItems(const CopyItem* items, const int64_t* unit_begin, in
   return cudaGetLastError();
 }
 
-cudaError_t LaunchGate(const uint32_t* host_word, uint32_t go, uint32_t* gate, cudaStream_t stream) {
-  GateKernel<<<1, 1, 0, stream>>>(host_word, go, gate);
+cudaError_t LaunchGate(const uint32_t* host_word, uint32_t go, uint32_t* gate, uint32_t* decided, cudaStream_t stream) {
+  GateKernel<<<1, 1, 0, stream>>>(host_word, go, gate, decided);
   return cudaGetLastError();
 }
 

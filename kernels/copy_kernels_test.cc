@@ -636,7 +636,7 @@ TEST_CASE("the aligned kernel and the general one agree on aligned work") {
 
 // Work launched ahead of its round (LaunchGate, then copies with the gate): it copies when the host
 // word says go, and writes nothing when it says the round was called off (go + 1) or holds an
-// older round's go; both kernels, gated the same.
+// older round's go; both kernels, gated the same; the gate reports what it decided.
 TEST_CASE("gated copies copy only when their host word says go") {
   if (GpuCount() == 0) {
     WARN("no GPU here: skipped");
@@ -662,6 +662,10 @@ TEST_CASE("gated copies copy only when their host word says go") {
   REFIT_CUDA_CHECK(cudaHostAlloc(reinterpret_cast<void**>(&word), sizeof(uint32_t), cudaHostAllocMapped));
   uint32_t* word_on_gpu = nullptr;
   REFIT_CUDA_CHECK(cudaHostGetDevicePointer(reinterpret_cast<void**>(&word_on_gpu), word, 0));
+  uint32_t* decided = nullptr;
+  REFIT_CUDA_CHECK(cudaHostAlloc(reinterpret_cast<void**>(&decided), sizeof(uint32_t), cudaHostAllocMapped));
+  uint32_t* decided_on_gpu = nullptr;
+  REFIT_CUDA_CHECK(cudaHostGetDevicePointer(reinterpret_cast<void**>(&decided_on_gpu), decided, 0));
   const std::vector<std::byte> poisoned(want.size(), static_cast<std::byte>(kPoison));
   // (word, go, copies?): go; called off; an older round's go; a word past go (a later round's).
   const std::tuple<uint32_t, uint32_t, bool> runs[] = {{6, 6, true}, {7, 6, false}, {4, 6, false}, {9, 8, false}};
@@ -669,16 +673,19 @@ TEST_CASE("gated copies copy only when their host word says go") {
     for (bool aligned : {true, false}) {
       REFIT_CUDA_CHECK(cudaMemset(dst.get(), static_cast<int>(kPoison), dst.size()));
       *reinterpret_cast<volatile uint32_t*>(word) = value;
-      REFIT_CUDA_CHECK(LaunchGate(word_on_gpu, go, static_cast<uint32_t*>(gate.get()), stream));
+      *reinterpret_cast<volatile uint32_t*>(decided) = 12345;
+      REFIT_CUDA_CHECK(LaunchGate(word_on_gpu, go, static_cast<uint32_t*>(gate.get()), decided_on_gpu, stream));
       REFIT_CUDA_CHECK(LaunchCopyItems(static_cast<const CopyItem*>(d_items.get()), static_cast<const int64_t*>(d_begin.get()),
                                        static_cast<int>(w.items.size()), w.unit_begin.back(), stream, false, aligned,
                                        static_cast<const uint32_t*>(gate.get()), go));
       REFIT_CUDA_CHECK(cudaStreamSynchronize(stream));
       INFO("word " << value << " go " << go << " aligned kernel " << aligned);
       CHECK(Download(dst.address(), want.size()) == (copies ? want : poisoned));
+      CHECK(*reinterpret_cast<volatile uint32_t*>(decided) == (copies ? go : 0u));
     }
   }
   cudaFreeHost(word);
+  cudaFreeHost(decided);
   cudaStreamDestroy(stream);
 }
 

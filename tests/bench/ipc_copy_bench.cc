@@ -429,7 +429,7 @@ void TimeHostWord(cudaStream_t stream, int repeat) {
     for (int r = 0; r < repeat + 3; ++r) {
       ++value;
       CHECK_CU(cuStreamWaitValue32(stream, reinterpret_cast<CUdeviceptr>(word_dev), value, CU_STREAM_WAIT_VALUE_GEQ));
-      if (with_gate) CHECK_CUDA(refit::LaunchGate(word_dev, value, gate, stream));
+      if (with_gate) CHECK_CUDA(refit::LaunchGate(word_dev, value, gate, nullptr, stream));
       CHECK_CU(cuStreamWriteValue32(stream, reinterpret_cast<CUdeviceptr>(back_dev), value, CU_STREAM_WRITE_VALUE_DEFAULT));
       std::this_thread::sleep_for(std::chrono::milliseconds(2));  // the wait in place, the GPU idle
       const auto t0 = Clock::now();

@@ -56,7 +56,7 @@ DaemonConfig ParseDaemonFlags(int argc, char** argv) {
   flags.Int("max-relay-depth", &relay_depth, "coordinator: longest chain of relays between destination nodes (0: none)");
   flags.Bool("nccl-register", &c.nccl_register, "coordinator, cuda: staging allocated by NCCL and registered with the communicator (NCCL moves it buffer to buffer)");
   flags.Bool("aligned-copy-kernel", &c.aligned_copy_kernel, "cuda: copy work whose every unit is 16-byte aligned through the aligned kernel (inlined loops, no spills; =false: the general kernel for all work)");
-  flags.String("arm-rounds", &c.arm_rounds, "cuda: launch a round copied within the node when its workers have prepared, let go at TRANSFER: auto (when MPS shares the GPUs: without it the GPU switches contexts when let go, 0.07 ms slower on one H200), always, never");
+  flags.String("arm-rounds", &c.arm_rounds, "cuda: launch a round copied within the node when its workers have prepared, let go at TRANSFER by a host store: never (default: on one H200 under MPS it took 0.04 ms off the transfer phase and added 0.03-0.28 to PREPARE), auto (when MPS shares the GPUs; without MPS being let go costs a context switch), always");
   flags.Bool("nccl-stream-priority", &c.nccl_stream_priority, "cuda: NCCL's stream at the GPU's highest priority, ahead of pack and unpack kernels (not yet measured end to end)");
   flags.Int("zero-copy-min-bytes", &zero_copy, "coordinator, cuda: smallest descriptor sent without staging (larger: fewer NCCL operations, more packing)");
   flags.Double("prepare-timeout", &prepare_s, "seconds for every worker to confirm PREPARE");
@@ -150,8 +150,8 @@ DaemonConfig ParseDaemonFlags(int argc, char** argv) {
   if (staging < (int64_t{1} << 20)) flags.Fail("--staging-bytes must be at least 1048576");
   c.staging_bytes = staging;
   if (zero_copy < 1) flags.Fail("--zero-copy-min-bytes must be positive");
-  if (c.arm_rounds != "auto" && c.arm_rounds != "always" && c.arm_rounds != "never") {
-    flags.Fail(absl::StrCat("--arm-rounds must be auto, always or never, not \"", c.arm_rounds, "\""));
+  if (c.arm_rounds != "never" && c.arm_rounds != "auto" && c.arm_rounds != "always") {
+    flags.Fail(absl::StrCat("--arm-rounds must be never, auto or always, not \"", c.arm_rounds, "\""));
   }
   c.zero_copy_min_bytes = zero_copy;
   if (relay_depth < 0 || relay_depth > kMaxStages - 2) flags.Fail(absl::StrCat("--max-relay-depth must be in [0, ", kMaxStages - 2, "]"));

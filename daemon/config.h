@@ -40,9 +40,9 @@ struct DaemonConfig {
   bool nccl_stream_priority = false;
   // cuda: the aligned copy kernel for aligned work (--aligned-copy-kernel); local to a daemon.
   bool aligned_copy_kernel = true;
-  // cuda: arm rounds copied within the node (--arm-rounds): "auto" (when MPS shares the GPUs),
-  // "always" or "never"; local to a daemon.
-  std::string arm_rounds = "auto";
+  // cuda: arm rounds copied within the node (--arm-rounds): "never", "auto" (when MPS shares the
+  // GPUs) or "always"; local to a daemon.
+  std::string arm_rounds = "never";
   absl::Duration prepare_timeout = absl::Seconds(10);
   absl::Duration transfer_timeout = absl::Seconds(60);
   absl::Duration commit_timeout = absl::Seconds(10);

@@ -18,9 +18,10 @@
 // destructor is the members' own, in declaration order, after calling off armed rounds and
 // joining the thread that bounds them.
 //
-// Armed rounds (ArmRounds, with MPS): a round copied within the node is launched when its workers
-// have prepared, held on the GPU by a stream wait for a host word, and let go by its TRANSFER
-// with one host store: the launches (cold API calls: 0.05 ms) leave the transfer phase. Anything
+// Armed rounds (--arm-rounds, off by default: ArmRounds): a round copied within the node is
+// launched when its workers have prepared, held on the GPU by a stream wait for a host word, and
+// let go by its TRANSFER with one host store: the launches (cold API calls: 0.05 ms) leave the
+// transfer phase, for the PREPARE answer to pay today. Anything
 // else calls it off (the gated copies then write nothing): an abort, another round's transfer, a
 // rebuilt schedule, any memory released, the backend's end, or 100 ms passing.
 //
@@ -56,8 +57,11 @@ class NodeCommunicator;
 // Whether rounds copied within the node are armed (WorkersPrepared): kAuto when every GPU served
 // is shared through MPS (one context for all processes). Without MPS, armed work waiting on the
 // GPU lets the GPU switch back to the workers' contexts, and being let go costs a switch again:
-// on one H200, colocated 1 GB, 0.673 -> 0.746 ms armed without MPS, 0.588 armed with it
-// (docs/BENCHMARKS.md, session 17).
+// on one H200, colocated 1 GB, 0.673 -> 0.746 ms armed without MPS. With MPS the transfer phase
+// fell 0.628 -> 0.584 ms (0.80-0.85 of the copy ceiling over four calls), but the launches moved
+// into PREPARE before its answer, which grew 0.03-0.28 ms: PREPARE + TRANSFER no shorter, so
+// kNever is refitd's default (docs/BENCHMARKS.md, session 17). Arming off the PREPARE answer's
+// path, while the coordinator gathers the answers, is what would make it pay.
 enum class ArmRounds { kAuto, kAlways, kNever };
 
 class CudaBackend : public DataBackend {
@@ -70,7 +74,7 @@ class CudaBackend : public DataBackend {
   static absl::StatusOr<std::unique_ptr<CudaBackend>> Start(const std::vector<int32_t>& gpus,
                                                           int64_t staging_bytes, bool nccl_stream_priority = false,
                                                           bool aligned_copy_kernel = true,
-                                                          ArmRounds arm_rounds = ArmRounds::kAuto);
+                                                          ArmRounds arm_rounds = ArmRounds::kNever);
   // Every MappedBuffer it returned must be gone first, and no Transfer running.
   ~CudaBackend() override;
 

@@ -80,9 +80,9 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(const DaemonConfig& config
     Logger("rpc")->info("no TLS: listening on loopback only (docs/SECURITY.md)");
   }
   if (config.backend == "cuda") {
-    const ArmRounds arm = config.arm_rounds == "always"  ? ArmRounds::kAlways
-                          : config.arm_rounds == "never" ? ArmRounds::kNever
-                                                         : ArmRounds::kAuto;
+    const ArmRounds arm = config.arm_rounds == "always" ? ArmRounds::kAlways
+                          : config.arm_rounds == "auto" ? ArmRounds::kAuto
+                                                        : ArmRounds::kNever;
     auto backend = CudaBackend::Start(config.gpus, config.staging_bytes, config.nccl_stream_priority,
                                       config.aligned_copy_kernel, arm);
     if (!backend.ok()) return backend.status();

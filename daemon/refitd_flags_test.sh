@@ -18,7 +18,7 @@ expect_refusal() {  # WHAT PATTERN ARGS...
 }
 expect_refusal "log level" '--log-level "verbose" is not one of' --log-level verbose
 expect_refusal "log format" '--log-format "yaml" is not text or json' --log-format yaml
-expect_refusal "arm rounds" '--arm-rounds must be auto, always or never, not "sometimes"' --arm-rounds sometimes
+expect_refusal "arm rounds" '--arm-rounds must be never, auto or always, not "sometimes"' --arm-rounds sometimes
 echo '{"node": 1, "heartbeet": 0.5}' >"$tmp/bad.json"
 expect_refusal "config key" "$tmp/bad.json: unknown key \"heartbeet\"" --config "$tmp/bad.json"
 echo '{"node": "abc"}' >"$tmp/badvalue.json"

@@ -98,6 +98,9 @@ class DataBackend {
   // GPU's switch to its context after the workers' GPU work, leave the transfer phase). Never
   // fails: what cannot be made ready is done by Transfer as usual.
   virtual void WorkersPrepared(const TransferJob& job) { (void)job; }
+  // Whether WorkersPrepared uses the whole job (its plan and buffers), which the node then builds
+  // at PREPARE; otherwise it gets the group and round alone.
+  virtual bool ArmsRounds() const { return false; }
   // Ends a running Transfer of that round early with ABORTED(reason); work made ready for it by
   // WorkersPrepared does nothing.
   virtual void Cancel(const std::string& group, int64_t round_id, const std::string& reason) = 0;

@@ -93,6 +93,7 @@ class CudaBackend : public DataBackend {
   absl::StatusOr<int32_t> GpuIndex(const std::string& name) override;
   absl::StatusOr<TransferStats> Transfer(const TransferJob& job) override;
   void WorkersPrepared(const TransferJob& job) override;
+  bool ArmsRounds() const override { return arm_rounds_; }
   void Cancel(const std::string& group, int64_t round_id, const std::string& reason) override;
   absl::StatusOr<std::string> NewCommunicatorId() override;
   CommunicatorCounts Communicators() const override { return {comms_built_.load(), comms_aborted_.load()}; }

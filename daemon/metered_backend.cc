@@ -46,6 +46,7 @@ class MeteredBackend : public DataBackend {
     return stats;
   }
   void WorkersPrepared(const TransferJob& job) override { inner_->WorkersPrepared(job); }
+  bool ArmsRounds() const override { return inner_->ArmsRounds(); }
   void Cancel(const std::string& group, int64_t round_id, const std::string& reason) override {
     inner_->Cancel(group, round_id, reason);
     metrics_->Communicators(inner_->Communicators());  // a cancel may abort one

@@ -332,7 +332,9 @@ absl::Status NodeAgent::RunPhase(const v1::PhaseRequest& request, v1::PhaseRespo
       // Before the answer, so that the TRANSFER cannot overtake it: the backend may launch the
       // round's work now, to run when the TRANSFER comes (the cuda backend's armed rounds).
       std::vector<std::shared_ptr<LocalWorker>> workers;
-      if (auto job = JobFor(group, installed, request, workers); job.ok()) {
+      absl::StatusOr<TransferJob> job = TransferJob{.group = group, .round_id = request.round_id(), .node = node_};
+      if (backend_->ArmsRounds()) job = JobFor(group, installed, request, workers);
+      if (job.ok()) {
         backend_->WorkersPrepared(*job);
         bool open = false;
         {

@@ -27,6 +27,7 @@
 #include "daemon/cuda/staging.h"
 #include "daemon/cuda/stream.h"
 #include "daemon/cuda/vmm.h"
+#include "daemon/cuda_backend_state.h"
 #include "daemon/cuda_driver.h"
 #include "daemon/log_later.h"
 #include "daemon/logging.h"
@@ -39,26 +40,6 @@ namespace refit {
 
 // The page size legacy CUDA IPC imports are mapped with when the allocation is a whole number of them.
 constexpr int64_t kIpcPageBytes = int64_t{2} << 20;
-
-namespace {
-
-// The stage of a round that can be armed (launched at PREPARE, let go at TRANSFER): one stage of
-// copies inside the node and nothing else (no network steps, which the host drives step by step,
-// no later stage, which waits for this one on the host). -1 otherwise.
-int ArmableStage(const NodeSchedule& schedule) {
-  if (schedule.uses_network) return -1;
-  int found = -1;
-  for (int stage = 0; stage < kMaxStages; ++stage) {
-    const StageSchedule& s = schedule.stages[stage];
-    if (!s.steps.empty()) return -1;
-    if (s.direct.empty()) continue;
-    if (found >= 0) return -1;
-    found = stage;
-  }
-  return found;
-}
-
-}  // namespace
 
 // An IPC allocation, opened in the context of its own GPU and, when another GPU's kernels read or
 // write it, in that GPU's context too (with lazy peer access): a pointer from one device's import
@@ -83,73 +64,6 @@ struct CudaBackend::VmmMapping {
   VmmReservation reserved;
   std::vector<VmmMap> mapped;  // after `reserved`: unmapped before the range is freed
   CUdeviceptr base() const { return reserved.base(); }
-};
-
-// A group's plan as this node executes it, built once per plan and buffer addresses and reused
-// round after round: the schedule, its copy items uploaded to each GPU, the staging and the
-// events that chain the pipeline.
-struct CudaBackend::Prepared {
-  struct DeviceWork {
-    const CopyItem* items = nullptr;
-    const int64_t* units = nullptr;
-    int n = 0;
-    int64_t total_units = 0;
-    bool spread = false;  // LaunchCopyItems' unit order (direct work only: measured there)
-    bool aligned = false;  // AlignedOnly: the aligned kernel runs it
-  };
-  struct OnGpu {
-    DeviceMemory arrays;   // every item of this GPU, one allocation
-    StagingBuffer staging;  // registered with NCCL by the group's communicator where asked
-    // Per stage: one launch, or two where some items suit the aligned kernel and some do not
-    // (the aligned ones through it, the rest through the general kernel: SplitAligned).
-    std::vector<std::vector<DeviceWork>> direct;
-    std::vector<Event> direct_done;                     // per stage: its direct work finished
-    std::vector<std::vector<DeviceWork>> pack, unpack;  // per stage, per step
-    // Per stage, per step, on the GPU's timeline (events with timing: the round's log says where
-    // the time went): pack done (compute), on the wire (comm), off the wire (comm), unpacked.
-    std::vector<std::vector<Event>> packed, wire_begin, moved, unpacked;
-    Event start;  // the round's first work on this GPU
-  };
-  std::shared_ptr<const Plan> plan;
-  BufferAddresses src, dst;
-  NodeSchedule schedule;
-  std::map<int32_t, OnGpu> gpus;
-  // Last: waits for the group's streams before any memory or event above is released.
-  StreamFence idle;
-};
-
-// One group's resources on this node, leased to one Transfer at a time. Members go in reverse:
-// the communicator first (deregistering staging, then its ranks), then the prepared schedule
-// (its fence waits for the streams, then staging and items are freed), the streams last.
-struct CudaBackend::Group {
-  struct Streams {
-    Stream compute, comm, direct;
-  };
-  std::map<int32_t, Streams> streams;  // by GPU
-  std::unique_ptr<Prepared> prepared;
-  std::unique_ptr<NodeCommunicator> comm;
-};
-
-// A group's armed round (WorkersPrepared): its copies launched at PREPARE behind a stream wait
-// for `word`; its TRANSFER stores `go` (Fire), anything else go + 1 (CallOff: the gated copies
-// then do nothing); the next arm's go is go + 2. Kept in armed_, apart from the group's lease, so
-// that any thread can call it off; created at a group's first arm, kept until the backend goes
-// (a few words per group and GPU).
-struct CudaBackend::ArmGate {
-  HostWord word;                         // mapped for every GPU
-  std::map<int32_t, DeviceMemory> gate;  // by GPU: what its gated copies read (LaunchGate)
-  std::map<int32_t, HostWord> decided;   // by GPU: what its gate kernel set: go, or 0
-  int64_t round = -1;
-  uint32_t go = 0;
-  uint32_t next_go = 2;
-  bool armed = false;
-  absl::Time until;  // called off then (DisarmLoop) if not let go before
-
-  void CallOff() {
-    if (!armed) return;
-    word.Store(go + 1);
-    armed = false;
-  }
 };
 
 // A group's state, held by one Transfer: taken out of groups_ under mu_ (refused while another
@@ -209,44 +123,6 @@ CudaBackend::~CudaBackend() {
   if (disarmer_.joinable()) disarmer_.join();
 }
 
-void CudaBackend::DisarmLoop() {
-  absl::MutexLock lock(&armed_mu_);
-  while (!stopping_) {
-    const absl::Time now = absl::Now();
-    absl::Time next = absl::InfiniteFuture();
-    for (auto& [group, a] : armed_) {
-      if (!a->armed) continue;
-      if (a->until <= now) {
-        a->CallOff();
-        LogLater("data", spdlog::level::warn,
-                 "group \"{}\" round {}: armed at PREPARE and not let go within {} ms: called off (its TRANSFER, "
-                 "if it comes, launches the round itself)",
-                 group, a->round, absl::ToInt64Milliseconds(kArmedAtMost));
-      } else {
-        next = std::min(next, a->until);
-      }
-    }
-    armed_changed_.WaitWithDeadline(&armed_mu_, next);
-  }
-}
-
-bool CudaBackend::Fire(const std::string& group, int64_t round, uint32_t* go) {
-  absl::MutexLock lock(&armed_mu_);
-  auto it = armed_.find(group);
-  if (it == armed_.end() || !it->second->armed || it->second->round != round) return false;
-  ArmGate& a = *it->second;
-  *go = a.go;
-  a.word.Store(a.go);
-  a.armed = false;
-  return true;
-}
-
-void CudaBackend::CallOff(const std::string& group, std::optional<int64_t> round) {
-  absl::MutexLock lock(&armed_mu_);
-  auto it = armed_.find(group);
-  if (it != armed_.end() && (!round.has_value() || it->second->round == *round)) it->second->CallOff();
-}
-
 absl::StatusOr<std::string> CudaBackend::NewCommunicatorId() {
   ncclUniqueId id;
   if (auto s = NcclError(ncclGetUniqueId(&id), "ncclGetUniqueId"); !s.ok()) return s;
@@ -288,14 +164,6 @@ absl::Status CudaBackend::CommunicatorFor(Group& g, const TransferJob& job) {
   }
   ++comms_built_;
   return absl::OkStatus();
-}
-
-void CudaBackend::DisarmAll() {
-  // Freeing or unmapping memory may wait for the whole GPU (cudaFree does), and so may an NCCL
-  // abort: they would wait for armed work held back on it; none refers to memory once called off.
-  // A round armed between this and the free holds it up to kArmedAtMost (DisarmLoop).
-  absl::MutexLock lock(&armed_mu_);
-  for (auto& [group, a] : armed_) a->CallOff();
 }
 
 void CudaBackend::Forget(const std::string& handle, uint64_t base) {
@@ -1136,134 +1004,6 @@ absl::Status CudaBackend::Interrupted(const TransferJob& job) {
   }
   if (absl::Now() > job.deadline) return absl::DeadlineExceededError("the transfer deadline passed");
   return absl::OkStatus();
-}
-
-void CudaBackend::WorkersPrepared(const TransferJob& job) {
-  // Not before the group's first round (no streams, no schedule yet), nor while a transfer of it
-  // runs. The group is held (leased, and warming_: a Transfer waits for it) for the launches.
-  std::unique_ptr<Group> g;
-  {
-    absl::MutexLock lock(&mu_);
-    auto it = groups_.find(job.group);
-    if (leased_.contains(job.group) || it == groups_.end() || it->second == nullptr || it->second->prepared == nullptr) {
-      return;
-    }
-    g = std::move(it->second);
-    leased_.insert(job.group);
-    warming_.insert(job.group);
-  }
-  CallOff(job.group, std::nullopt);  // armed for an earlier round that never transferred
-  const Prepared& p = *g->prepared;
-  DeviceGuard guard;
-  if (arm_rounds_ && p.plan == job.plan && ArmableStage(p.schedule) >= 0 && p.src == AddressesOf(job.src) &&
-      p.dst == AddressesOf(job.dst)) {
-    if (auto armed = Arm(*g, job); !armed.ok()) {
-      CallOff(job.group, job.round_id);  // what was launched does nothing; Transfer launches the round
-      Logger("data")->warn("group \"{}\" round {}: not made ready at PREPARE ({}); launched at TRANSFER instead",
-                           job.group, job.round_id, std::string(armed.message()));
-    }
-  } else {
-    // Not armable (network steps, stages, a new plan): an empty kernel on each GPU the group's last
-    // round used, so that the GPU switches from the workers' contexts to this one now
-    // (tests/bench/ipc_copy_bench, "after_other_process_and_a_small_kernel"). Nothing to wait for;
-    // a failure to launch is left to the transfer's own launches to report.
-    for (const auto& [gpu, on] : p.gpus) {
-      if (!on.start || !g->streams.contains(gpu) || !guard.Set(gpu).ok()) continue;
-      (void)LaunchNothing(g->streams.at(gpu).direct.get());
-    }
-  }
-  absl::MutexLock lock(&mu_);
-  groups_[job.group] = std::move(g);
-  leased_.erase(job.group);
-  warming_.erase(job.group);
-}
-
-absl::Status CudaBackend::Arm(Group& g, const TransferJob& job) {
-  auto driver = CudaDriver::Get();
-  if (!driver.ok()) return driver.status();
-  const Prepared& p = *g.prepared;
-  const int stage = ArmableStage(p.schedule);
-  ArmGate* a = nullptr;
-  {
-    absl::MutexLock lock(&armed_mu_);
-    if (stopping_) return absl::CancelledError("the backend is stopping");
-    std::unique_ptr<ArmGate>& slot = armed_[job.group];
-    if (slot == nullptr) slot = std::make_unique<ArmGate>();
-    a = slot.get();  // stable until the backend goes; its words and gates are made by this group's
-                     // lease holder alone, while it is not armed
-  }
-  // The words and gates first (none is touched by others while the gate is not armed).
-  for (const auto& [gpu, w] : p.schedule.stages[stage].direct) {
-    if (!a->word) {
-      auto word = HostWord::Create(gpu);
-      if (!word.ok()) return word.status();
-      a->word = *std::move(word);
-    }
-    if (!a->gate.contains(gpu)) {
-      auto gate = DeviceMemory::Allocate(gpu, sizeof(uint32_t));
-      if (!gate.ok()) return Annotate(gate.status(), "an armed round's gate");
-      a->gate.emplace(gpu, *std::move(gate));
-    }
-    if (!a->decided.contains(gpu)) {
-      auto decided = HostWord::Create(gpu);
-      if (!decided.ok()) return decided.status();
-      a->decided.emplace(gpu, *std::move(decided));
-    }
-  }
-  uint32_t go = 0;
-  {
-    // Armed before anything is launched: whatever is launched below waits for this go, and is
-    // called off by the caller if a launch fails part-way.
-    absl::MutexLock lock(&armed_mu_);
-    if (stopping_) return absl::CancelledError("the backend is stopping");
-    go = a->next_go;
-    a->next_go += 2;
-    if (a->next_go == 0) a->next_go = 2;  // 0 is never a go (a gate set to 0 copies nothing)
-    a->round = job.round_id;
-    a->go = go;
-    a->armed = true;
-    a->until = absl::Now() + kArmedAtMost;
-    armed_changed_.Signal();
-  }
-  DeviceGuard guard;
-  for (const auto& [gpu, w] : p.schedule.stages[stage].direct) {
-    const Prepared::OnGpu& on = p.gpus.at(gpu);
-    auto* gate = static_cast<uint32_t*>(a->gate.at(gpu).get());
-    const cudaStream_t stream = g.streams.at(gpu).direct.get();
-    REFIT_RETURN_IF_ERROR(guard.Set(gpu));
-    REFIT_RETURN_IF_ERROR(driver.value()->Check(
-        driver.value()->StreamWaitValue32(stream, reinterpret_cast<CUdeviceptr>(a->word.device()), go,
-                                          CU_STREAM_WAIT_VALUE_GEQ),
-        "cuStreamWaitValue32"));
-    a->decided.at(gpu).Store(0);
-    REFIT_CUDA_RETURN_IF_ERROR(LaunchGate(a->word.device(), go, gate, a->decided.at(gpu).device(), stream),
-                               "the armed round's gate");
-    // The round's first work on this GPU: when it was let go.
-    REFIT_CUDA_RETURN_IF_ERROR(cudaEventRecord(on.start.get(), stream), "cudaEventRecord");
-    for (const auto& d : on.direct[stage]) {
-      REFIT_CUDA_RETURN_IF_ERROR(LaunchCopyItems(d.items, d.units, d.n, d.total_units, stream, d.spread, d.aligned, gate, go),
-                                 "copy (armed)");
-    }
-    REFIT_CUDA_RETURN_IF_ERROR(cudaEventRecord(on.direct_done[stage].get(), stream), "cudaEventRecord");
-  }
-  return absl::OkStatus();
-}
-
-std::string CudaBackend::GatesMissed(const std::string& group, const std::set<int32_t>& gpus, uint32_t go) {
-  ArmGate* a = nullptr;
-  {
-    absl::MutexLock lock(&armed_mu_);
-    auto it = armed_.find(group);
-    if (it == armed_.end()) return "(all: no gate)";
-    a = it->second.get();
-  }
-  // Read without the lock: this group's lease holder (the caller) alone changes its gates.
-  std::string missed;
-  for (int32_t gpu : gpus) {
-    auto d = a->decided.find(gpu);
-    if (d == a->decided.end() || d->second.Load() != go) absl::StrAppend(&missed, missed.empty() ? "" : ", ", gpu);
-  }
-  return missed;
 }
 
 void CudaBackend::Cancel(const std::string& group, int64_t round_id, const std::string& reason) {

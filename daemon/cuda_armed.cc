@@ -1,0 +1,211 @@
+// Armed rounds (daemon/cuda_backend.h): a round copied within the node launched when its workers
+// have prepared, let go by its TRANSFER with one store to a host word, called off otherwise.
+#include <cuda.h>
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <memory>
+#include <set>
+#include <string>
+
+#include "absl/strings/str_cat.h"
+#include "daemon/cuda/cuda_status.h"
+#include "daemon/cuda/device_guard.h"
+#include "daemon/cuda_backend.h"
+#include "daemon/cuda_backend_state.h"
+#include "daemon/cuda_driver.h"
+#include "daemon/log_later.h"
+#include "daemon/logging.h"
+#include "kernels/copy_kernels.h"
+#include "plan/status_macros.h"
+
+namespace refit {
+
+int ArmableStage(const NodeSchedule& schedule) {
+  if (schedule.uses_network) return -1;
+  int found = -1;
+  for (int stage = 0; stage < kMaxStages; ++stage) {
+    const StageSchedule& s = schedule.stages[stage];
+    if (!s.steps.empty()) return -1;
+    if (s.direct.empty()) continue;
+    if (found >= 0) return -1;
+    found = stage;
+  }
+  return found;
+}
+
+void CudaBackend::DisarmLoop() {
+  absl::MutexLock lock(&armed_mu_);
+  while (!stopping_) {
+    const absl::Time now = absl::Now();
+    absl::Time next = absl::InfiniteFuture();
+    for (auto& [group, a] : armed_) {
+      if (!a->armed) continue;
+      if (a->until <= now) {
+        a->CallOff();
+        LogLater("data", spdlog::level::warn,
+                 "group \"{}\" round {}: armed at PREPARE and not let go within {} ms: called off (its TRANSFER, "
+                 "if it comes, launches the round itself)",
+                 group, a->round, absl::ToInt64Milliseconds(kArmedAtMost));
+      } else {
+        next = std::min(next, a->until);
+      }
+    }
+    armed_changed_.WaitWithDeadline(&armed_mu_, next);
+  }
+}
+
+bool CudaBackend::Fire(const std::string& group, int64_t round, uint32_t* go) {
+  absl::MutexLock lock(&armed_mu_);
+  auto it = armed_.find(group);
+  if (it == armed_.end() || !it->second->armed || it->second->round != round) return false;
+  ArmGate& a = *it->second;
+  *go = a.go;
+  a.word.Store(a.go);
+  a.armed = false;
+  return true;
+}
+
+void CudaBackend::CallOff(const std::string& group, std::optional<int64_t> round) {
+  absl::MutexLock lock(&armed_mu_);
+  auto it = armed_.find(group);
+  if (it != armed_.end() && (!round.has_value() || it->second->round == *round)) it->second->CallOff();
+}
+
+void CudaBackend::DisarmAll() {
+  // Freeing or unmapping memory may wait for the whole GPU (cudaFree does), and so may an NCCL
+  // abort: they would wait for armed work held back on it; none refers to memory once called off.
+  // A round armed between this and the free holds it up to kArmedAtMost (DisarmLoop).
+  absl::MutexLock lock(&armed_mu_);
+  for (auto& [group, a] : armed_) a->CallOff();
+}
+
+void CudaBackend::WorkersPrepared(const TransferJob& job) {
+  // Not before the group's first round (no streams, no schedule yet), nor while a transfer of it
+  // runs. The group is held (leased, and warming_: a Transfer waits for it) for the launches.
+  std::unique_ptr<Group> g;
+  {
+    absl::MutexLock lock(&mu_);
+    auto it = groups_.find(job.group);
+    if (leased_.contains(job.group) || it == groups_.end() || it->second == nullptr || it->second->prepared == nullptr) {
+      return;
+    }
+    g = std::move(it->second);
+    leased_.insert(job.group);
+    warming_.insert(job.group);
+  }
+  CallOff(job.group, std::nullopt);  // armed for an earlier round that never transferred
+  const Prepared& p = *g->prepared;
+  DeviceGuard guard;
+  if (arm_rounds_ && p.plan == job.plan && ArmableStage(p.schedule) >= 0 && p.src == AddressesOf(job.src) &&
+      p.dst == AddressesOf(job.dst)) {
+    if (auto armed = Arm(*g, job); !armed.ok()) {
+      CallOff(job.group, job.round_id);  // what was launched does nothing; Transfer launches the round
+      Logger("data")->warn("group \"{}\" round {}: not made ready at PREPARE ({}); launched at TRANSFER instead",
+                           job.group, job.round_id, std::string(armed.message()));
+    }
+  } else {
+    // Not armable (network steps, stages, a new plan): an empty kernel on each GPU the group's last
+    // round used, so that the GPU switches from the workers' contexts to this one now
+    // (tests/bench/ipc_copy_bench, "after_other_process_and_a_small_kernel"). Nothing to wait for;
+    // a failure to launch is left to the transfer's own launches to report.
+    for (const auto& [gpu, on] : p.gpus) {
+      if (!on.start || !g->streams.contains(gpu) || !guard.Set(gpu).ok()) continue;
+      (void)LaunchNothing(g->streams.at(gpu).direct.get());
+    }
+  }
+  absl::MutexLock lock(&mu_);
+  groups_[job.group] = std::move(g);
+  leased_.erase(job.group);
+  warming_.erase(job.group);
+}
+
+absl::Status CudaBackend::Arm(Group& g, const TransferJob& job) {
+  auto driver = CudaDriver::Get();
+  if (!driver.ok()) return driver.status();
+  const Prepared& p = *g.prepared;
+  const int stage = ArmableStage(p.schedule);
+  ArmGate* a = nullptr;
+  {
+    absl::MutexLock lock(&armed_mu_);
+    if (stopping_) return absl::CancelledError("the backend is stopping");
+    std::unique_ptr<ArmGate>& slot = armed_[job.group];
+    if (slot == nullptr) slot = std::make_unique<ArmGate>();
+    a = slot.get();  // stable until the backend goes; its words and gates are made by this group's
+                     // lease holder alone, while it is not armed
+  }
+  // The words and gates first (none is touched by others while the gate is not armed).
+  for (const auto& [gpu, w] : p.schedule.stages[stage].direct) {
+    if (!a->word) {
+      auto word = HostWord::Create(gpu);
+      if (!word.ok()) return word.status();
+      a->word = *std::move(word);
+    }
+    if (!a->gate.contains(gpu)) {
+      auto gate = DeviceMemory::Allocate(gpu, sizeof(uint32_t));
+      if (!gate.ok()) return Annotate(gate.status(), "an armed round's gate");
+      a->gate.emplace(gpu, *std::move(gate));
+    }
+    if (!a->decided.contains(gpu)) {
+      auto decided = HostWord::Create(gpu);
+      if (!decided.ok()) return decided.status();
+      a->decided.emplace(gpu, *std::move(decided));
+    }
+  }
+  uint32_t go = 0;
+  {
+    // Armed before anything is launched: whatever is launched below waits for this go, and is
+    // called off by the caller if a launch fails part-way.
+    absl::MutexLock lock(&armed_mu_);
+    if (stopping_) return absl::CancelledError("the backend is stopping");
+    go = a->next_go;
+    a->next_go += 2;
+    if (a->next_go == 0) a->next_go = 2;  // 0 is never a go (a gate set to 0 copies nothing)
+    a->round = job.round_id;
+    a->go = go;
+    a->armed = true;
+    a->until = absl::Now() + kArmedAtMost;
+    armed_changed_.Signal();
+  }
+  DeviceGuard guard;
+  for (const auto& [gpu, w] : p.schedule.stages[stage].direct) {
+    const Prepared::OnGpu& on = p.gpus.at(gpu);
+    auto* gate = static_cast<uint32_t*>(a->gate.at(gpu).get());
+    const cudaStream_t stream = g.streams.at(gpu).direct.get();
+    REFIT_RETURN_IF_ERROR(guard.Set(gpu));
+    REFIT_RETURN_IF_ERROR(driver.value()->Check(
+        driver.value()->StreamWaitValue32(stream, reinterpret_cast<CUdeviceptr>(a->word.device()), go,
+                                          CU_STREAM_WAIT_VALUE_GEQ),
+        "cuStreamWaitValue32"));
+    a->decided.at(gpu).Store(0);
+    REFIT_CUDA_RETURN_IF_ERROR(LaunchGate(a->word.device(), go, gate, a->decided.at(gpu).device(), stream),
+                               "the armed round's gate");
+    // The round's first work on this GPU: when it was let go.
+    REFIT_CUDA_RETURN_IF_ERROR(cudaEventRecord(on.start.get(), stream), "cudaEventRecord");
+    for (const auto& d : on.direct[stage]) {
+      REFIT_CUDA_RETURN_IF_ERROR(LaunchCopyItems(d.items, d.units, d.n, d.total_units, stream, d.spread, d.aligned, gate, go),
+                                 "copy (armed)");
+    }
+    REFIT_CUDA_RETURN_IF_ERROR(cudaEventRecord(on.direct_done[stage].get(), stream), "cudaEventRecord");
+  }
+  return absl::OkStatus();
+}
+
+std::string CudaBackend::GatesMissed(const std::string& group, const std::set<int32_t>& gpus, uint32_t go) {
+  ArmGate* a = nullptr;
+  {
+    absl::MutexLock lock(&armed_mu_);
+    auto it = armed_.find(group);
+    if (it == armed_.end()) return "(all: no gate)";
+    a = it->second.get();
+  }
+  // Read without the lock: this group's lease holder (the caller) alone changes its gates.
+  std::string missed;
+  for (int32_t gpu : gpus) {
+    auto d = a->decided.find(gpu);
+    if (d == a->decided.end() || d->second.Load() != go) absl::StrAppend(&missed, missed.empty() ? "" : ", ", gpu);
+  }
+  return missed;
+}
+
+}  // namespace refit

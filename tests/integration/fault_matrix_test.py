@@ -436,7 +436,10 @@ class FaultMatrixBase(unittest.TestCase):
         known = INTERMITTENT.get(self._testMethodName)
         if known and all(re.search(known[0], p) for p in self.problems):
             self.skipTest(f"{known[1]}, seen again: " + "; ".join(self.problems))
-        self.fail("\n  - " + "\n  - ".join(self.problems))
+        # What each daemon logged last, so that a failure in CI is diagnosed from its output alone
+        # (the logs themselves go with the test's tmpdir).
+        tails = [f"--- daemon {d.node}, its last 25 lines:\n{d.tail(25)}" for d in self.f.cluster.daemons]
+        self.fail("\n  - " + "\n  - ".join(self.problems) + "\n" + "\n".join(tails))
 
     def wait_members(self, group, timeout=READY_S):
         """Until the coordinator lists every worker of `group` (all re-registered) and the group

@@ -94,7 +94,7 @@ void CudaBackend::WorkersPrepared(const TransferJob& job) {
     leased_.insert(job.group);
     warming_.insert(job.group);
   }
-  CallOff(job.group, std::nullopt);  // armed for an earlier round that never transferred
+  if (arm_rounds_) CallOff(job.group, std::nullopt);  // armed for an earlier round that never transferred
   const Prepared& p = *g->prepared;
   DeviceGuard guard;
   if (arm_rounds_ && p.plan == job.plan && ArmableStage(p.schedule) >= 0 && p.src == AddressesOf(job.src) &&

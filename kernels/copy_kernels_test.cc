@@ -10,7 +10,9 @@
 #include <cmath>
 #include <cstring>
 #include <memory>
+#include <optional>
 #include <random>
+#include <string>
 #include <tuple>
 
 #include "absl/strings/str_cat.h"
@@ -602,6 +604,14 @@ TEST_CASE("GPU quantization of one 4096 x 4096 block matches the host twin", "[f
   cudaStreamDestroy(stream);
 }
 
+// MakeItemCases' case of that name.
+std::optional<ItemCase> FindItemCase(const std::string& name) {
+  for (ItemCase& k : MakeItemCases(0, 11)) {
+    if (k.name == name) return std::move(k);
+  }
+  return std::nullopt;
+}
+
 }  // namespace
 // The aligned kernel (what the backend launches for AlignedOnly work) and the general one give
 // the same bytes on the same aligned work: each through both, in both unit orders.
@@ -612,12 +622,8 @@ TEST_CASE("the aligned kernel and the general one agree on aligned work") {
   }
   cudaStream_t stream;
   REFIT_CUDA_CHECK(cudaStreamCreate(&stream));
-  const std::vector<ItemCase> cases = MakeItemCases(0, 11);
-  const ItemCase* c = nullptr;
-  for (const ItemCase& k : cases) {
-    if (k.name == "long aligned runs") c = &k;
-  }
-  REQUIRE(c != nullptr);
+  const std::optional<ItemCase> c = FindItemCase("long aligned runs");
+  REQUIRE(c.has_value());
   const std::vector<std::byte> want = ReferenceCopy(*c);
   DeviceBuffer src(c->src.size()), dst(static_cast<size_t>(c->dst_bytes));
   REFIT_CUDA_CHECK(cudaMemcpy(src.get(), c->src.data(), c->src.size(), cudaMemcpyHostToDevice));
@@ -644,12 +650,8 @@ TEST_CASE("gated copies copy only when their host word says go") {
   }
   cudaStream_t stream;
   REFIT_CUDA_CHECK(cudaStreamCreate(&stream));
-  const std::vector<ItemCase> cases = MakeItemCases(0, 11);
-  const ItemCase* c = nullptr;
-  for (const ItemCase& k : cases) {
-    if (k.name == "long aligned runs") c = &k;
-  }
-  REQUIRE(c != nullptr);
+  const std::optional<ItemCase> c = FindItemCase("long aligned runs");
+  REQUIRE(c.has_value());
   const std::vector<std::byte> want = ReferenceCopy(*c);
   DeviceBuffer src(c->src.size()), dst(static_cast<size_t>(c->dst_bytes)), gate(sizeof(uint32_t));
   REFIT_CUDA_CHECK(cudaMemcpy(src.get(), c->src.data(), c->src.size(), cudaMemcpyHostToDevice));

@@ -44,6 +44,8 @@ struct TransferJob {
   int64_t step_bytes = 0;  // cuda backend: one network step's bytes, the same on every node
   int64_t zero_copy_min_bytes = 0;  // cuda backend: smallest zero-copy descriptor (0: default)
   bool nccl_register = false;       // cuda backend: staging registered with NCCL, on every node alike
+  std::shared_ptr<const void> holds;  // keeps src and dst mapped where the job outlives its call
+                                      // (RoundPreparing): the node's workers
   absl::Time requested = absl::InfinitePast();  // when the phase request reached this node (logged:
                                                 // nodes that start apart make the round longer)
 };
@@ -91,18 +93,22 @@ class DataBackend {
   // Runs this node's messages, in stage order, until every message into this node has landed or
   // the deadline passes. Errors name the round, the stage and the peer at fault.
   virtual absl::StatusOr<TransferStats> Transfer(const TransferJob& job) = 0;
-  // The workers of `job`'s group on this node have prepared its round (their weights written):
-  // its TRANSFER is next, or its abort. A backend may get ready meanwhile, while the coordinator
-  // gathers the other nodes' answers: the cuda backend has the GPU switch to its context now (an
-  // empty kernel: 0.15 ms on an H200 after another process's GPU work), or, arming rounds
-  // (ArmsRounds), launches a round copied within the node, held back on the GPU until Transfer
-  // lets it go. Never fails: what cannot be made ready is done by Transfer as usual.
-  virtual void WorkersPrepared(const TransferJob& job) { (void)job; }
-  // Whether WorkersPrepared uses the whole job (its plan and buffers), which the node then builds
-  // at PREPARE; otherwise it gets the group and round alone.
+  // PREPARE has been sent to the node's workers of `job`'s group (they write their weights now).
+  // A backend that ArmsRounds launches the round's work meanwhile, held back on the GPU until
+  // Transfer lets it go (the cuda backend's armed rounds), on a thread of its own: the call
+  // returns at once, and the job (job.holds: the node's workers, whose memory it names) is kept
+  // no longer than that. Never fails: what cannot be made ready is done by Transfer as usual.
+  virtual void RoundPreparing(TransferJob job) { (void)job; }
+  // Whether RoundPreparing is wanted: the node then builds the whole job (its plan and buffers)
+  // at PREPARE.
   virtual bool ArmsRounds() const { return false; }
+  // The workers of `group` on this node have prepared round `round_id`: its TRANSFER is next, or
+  // its abort. The cuda backend has the GPU switch to its context now, while the coordinator
+  // gathers the other nodes' answers (an empty kernel: 0.15 ms on an H200 after another
+  // process's GPU work), where it armed nothing for the round.
+  virtual void WorkersPrepared(const std::string& group, int64_t round_id) { (void)group, (void)round_id; }
   // Ends a running Transfer of that round early with ABORTED(reason); work made ready for it by
-  // WorkersPrepared does nothing.
+  // RoundPreparing does nothing.
   virtual void Cancel(const std::string& group, int64_t round_id, const std::string& reason) = 0;
   // A fresh communicator id for the coordinator to hand out (empty: this backend needs none).
   virtual absl::StatusOr<std::string> NewCommunicatorId() { return std::string(); }

@@ -1,10 +1,12 @@
-// Armed rounds (daemon/cuda_backend.h): a round copied within the node launched when its workers
-// have prepared, let go by its TRANSFER with one store to a host word, called off otherwise.
+// Armed rounds (daemon/cuda_backend.h): a round copied within the node launched while its workers
+// prepare, on a thread of the backend's own (off the PREPARE answer's path), let go by its
+// TRANSFER with one store to a host word, called off otherwise.
 #include <cuda.h>
 #include <cuda_runtime.h>
 
 #include <algorithm>
 #include <memory>
+#include <optional>
 #include <set>
 #include <string>
 
@@ -69,7 +71,16 @@ bool CudaBackend::Fire(const std::string& group, int64_t round, uint32_t* go) {
 void CudaBackend::CallOff(const std::string& group, std::optional<int64_t> round) {
   absl::MutexLock lock(&armed_mu_);
   auto it = armed_.find(group);
-  if (it != armed_.end() && (!round.has_value() || it->second->round == *round)) it->second->CallOff();
+  if (it == armed_.end()) return;
+  ArmGate& a = *it->second;
+  if (round.has_value() && a.pending == *round) a.pending = -1;
+  if (!round.has_value() || a.round == *round) a.CallOff();
+}
+
+bool CudaBackend::Armed(const std::string& group, int64_t round) {
+  absl::MutexLock lock(&armed_mu_);
+  auto it = armed_.find(group);
+  return it != armed_.end() && it->second->armed && it->second->round == round;
 }
 
 void CudaBackend::DisarmAll() {
@@ -80,44 +91,112 @@ void CudaBackend::DisarmAll() {
   for (auto& [group, a] : armed_) a->CallOff();
 }
 
-void CudaBackend::WorkersPrepared(const TransferJob& job) {
+void CudaBackend::RoundPreparing(TransferJob job) {
+  if (!arm_rounds_) return;
+  const std::string group = job.group;
+  std::optional<TransferJob> replaced;  // dropped after the lock: it may hold workers' last references
+  absl::MutexLock lock(&armed_mu_);
+  if (stopping_) return;
+  std::unique_ptr<ArmGate>& slot = armed_[group];
+  if (slot == nullptr) slot = std::make_unique<ArmGate>();
+  slot->pending = job.round_id;
+  if (auto it = to_arm_.find(group); it != to_arm_.end()) {
+    replaced = std::exchange(it->second, std::move(job));
+  } else {
+    to_arm_.emplace(group, std::move(job));
+  }
+  arm_queued_.Signal();
+}
+
+void CudaBackend::ArmLoop() {
+  for (;;) {
+    std::optional<TransferJob> job;
+    {
+      absl::MutexLock lock(&armed_mu_);
+      while (!stopping_ && to_arm_.empty()) arm_queued_.Wait(&armed_mu_);
+      if (stopping_) break;
+      job = std::move(to_arm_.begin()->second);
+      to_arm_.erase(to_arm_.begin());
+    }
+    ArmAhead(*job);
+  }
+  std::map<std::string, TransferJob> left;  // released here, not under the lock
+  absl::MutexLock lock(&armed_mu_);
+  left.swap(to_arm_);
+}
+
+void CudaBackend::ArmAhead(const TransferJob& job) {
   // Not before the group's first round (no streams, no schedule yet), nor while a transfer of it
-  // runs. The group is held (leased, and warming_: a Transfer waits for it) for the launches.
+  // runs (too late). The group is held (leased, and warming_: a Transfer waits for it).
   std::unique_ptr<Group> g;
   {
     absl::MutexLock lock(&mu_);
     auto it = groups_.find(job.group);
-    if (leased_.contains(job.group) || it == groups_.end() || it->second == nullptr || it->second->prepared == nullptr) {
-      return;
+    if (!leased_.contains(job.group) && it != groups_.end() && it->second != nullptr && it->second->prepared != nullptr) {
+      g = std::move(it->second);
+      leased_.insert(job.group);
+      warming_.insert(job.group);
     }
-    g = std::move(it->second);
-    leased_.insert(job.group);
-    warming_.insert(job.group);
   }
-  if (arm_rounds_) CallOff(job.group, std::nullopt);  // armed for an earlier round that never transferred
+  if (g == nullptr) {
+    CallOff(job.group, job.round_id);  // nothing armed for it: no longer pending (WorkersPrepared)
+    return;
+  }
+  CallOff(job.group, std::nullopt);  // armed for an earlier round that never transferred
   const Prepared& p = *g->prepared;
-  DeviceGuard guard;
-  if (arm_rounds_ && p.plan == job.plan && ArmableStage(p.schedule) >= 0 && p.src == AddressesOf(job.src) &&
+  absl::Status armed = absl::CancelledError("its schedule is not armable");
+  if (p.plan == job.plan && ArmableStage(p.schedule) >= 0 && p.src == AddressesOf(job.src) &&
       p.dst == AddressesOf(job.dst)) {
-    if (auto armed = Arm(*g, job); !armed.ok()) {
-      CallOff(job.group, job.round_id);  // what was launched does nothing; Transfer launches the round
+    armed = Arm(*g, job);
+  }
+  if (!armed.ok()) {
+    CallOff(job.group, job.round_id);  // what was launched does nothing; Transfer launches the round
+    if (!absl::IsCancelled(armed)) {
       Logger("data")->warn("group \"{}\" round {}: not made ready at PREPARE ({}); launched at TRANSFER instead",
                            job.group, job.round_id, std::string(armed.message()));
-    }
-  } else {
-    // Not armable (network steps, stages, a new plan): an empty kernel on each GPU the group's last
-    // round used, so that the GPU switches from the workers' contexts to this one now
-    // (tests/bench/ipc_copy_bench, "after_other_process_and_a_small_kernel"). Nothing to wait for;
-    // a failure to launch is left to the transfer's own launches to report.
-    for (const auto& [gpu, on] : p.gpus) {
-      if (!on.start || !g->streams.contains(gpu) || !guard.Set(gpu).ok()) continue;
-      (void)LaunchNothing(g->streams.at(gpu).direct.get());
     }
   }
   absl::MutexLock lock(&mu_);
   groups_[job.group] = std::move(g);
   leased_.erase(job.group);
   warming_.erase(job.group);
+}
+
+void CudaBackend::WorkersPrepared(const std::string& group, int64_t round_id) {
+  if (arm_rounds_) {
+    absl::MutexLock lock(&armed_mu_);
+    auto it = armed_.find(group);
+    if (it != armed_.end() && (it->second->pending == round_id || (it->second->armed && it->second->round == round_id))) {
+      return;  // armed, or about to be: the GPU switches to this context when it is let go
+    }
+  }
+  // Not before the group's first round (no streams yet), nor while a transfer of it runs.
+  std::unique_ptr<Group> g;
+  {
+    absl::MutexLock lock(&mu_);
+    auto it = groups_.find(group);
+    if (leased_.contains(group) || it == groups_.end() || it->second == nullptr || it->second->prepared == nullptr) {
+      return;
+    }
+    g = std::move(it->second);
+    leased_.insert(group);
+    warming_.insert(group);
+  }
+  // An empty kernel on each GPU the group's last round used, so that the GPU switches from the
+  // workers' contexts to this one now (tests/bench/ipc_copy_bench,
+  // "after_other_process_and_a_small_kernel"). Nothing to wait for; a failure to launch is left
+  // to the transfer's own launches to report.
+  {
+    DeviceGuard guard;
+    for (const auto& [gpu, on] : g->prepared->gpus) {
+      if (!on.start || !g->streams.contains(gpu) || !guard.Set(gpu).ok()) continue;
+      (void)LaunchNothing(g->streams.at(gpu).direct.get());
+    }
+  }
+  absl::MutexLock lock(&mu_);
+  groups_[group] = std::move(g);
+  leased_.erase(group);
+  warming_.erase(group);
 }
 
 absl::Status CudaBackend::Arm(Group& g, const TransferJob& job) {
@@ -158,6 +237,8 @@ absl::Status CudaBackend::Arm(Group& g, const TransferJob& job) {
     // called off by the caller if a launch fails part-way.
     absl::MutexLock lock(&armed_mu_);
     if (stopping_) return absl::CancelledError("the backend is stopping");
+    if (a->pending != job.round_id) return absl::CancelledError("called off before it was armed");
+    a->pending = -1;
     go = a->next_go;
     a->next_go += 2;
     if (a->next_go == 0) a->next_go = 2;  // 0 is never a go (a gate set to 0 copies nothing)

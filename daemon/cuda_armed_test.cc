@@ -1,9 +1,9 @@
-// Armed rounds on a GPU (daemon/cuda_backend.cc): a round copied within the node is launched when
-// its workers have prepared (WorkersPrepared) and let go by its TRANSFER. What a user relies on:
-// a round armed and then called off (Cancel, as the node's abort does) writes nothing into the
-// engines' memory; one let go copies every byte; one armed for a round that never transferred is
-// called off by the next round's TRANSFER, which copies; a backend destroyed while armed does not
-// hang. Buffers are the backend's own device memory (AllocateScratch), destinations poisoned
+// Armed rounds on a GPU (daemon/cuda_armed.cc): a round copied within the node is launched while
+// its workers prepare (RoundPreparing, on the backend's own thread) and let go by its TRANSFER.
+// What a user relies on: a round armed and then called off (Cancel, as the node's abort does)
+// writes nothing into the engines' memory, nor one called off before its arming began; one let go
+// copies every byte; one armed for a round that never transferred is called off by the next
+// round's TRANSFER, which copies; a backend destroyed while armed does not hang. Buffers are the backend's own device memory (AllocateScratch), destinations poisoned
 // before every round and checked byte for byte after. Skips where no GPU is present.
 #include <cuda_runtime.h>
 
@@ -78,6 +78,17 @@ struct Setup {
     return job;
   }
 
+  // PREPARE as the node sends it to the backend; true once the round is armed (2 s at most).
+  bool Prepare(int64_t round, const std::string& group = "policy") {
+    backend->RoundPreparing(Job(round, group));
+    const absl::Time until = absl::Now() + absl::Seconds(2);
+    while (!backend->Armed(group, round)) {
+      if (absl::Now() > until) return false;
+      absl::SleepFor(absl::Microseconds(200));
+    }
+    return true;
+  }
+
   void Poison() {
     for (const auto& m : dst) REQUIRE(cudaMemset(m->bytes().data(), kPoisonByte, m->bytes().size()) == cudaSuccess);
     REQUIRE(cudaDeviceSynchronize() == cudaSuccess);
@@ -108,20 +119,35 @@ TEST_CASE("an armed round copies when let go and writes nothing when called off"
   Setup s;
   // Round 1 builds the schedule (nothing to arm before it), then copies as usual.
   s.Poison();
-  s.backend->WorkersPrepared(s.Job(1));
+  s.backend->RoundPreparing(s.Job(1));
+  s.backend->WorkersPrepared("policy", 1);
   REQUIRE(s.backend->Transfer(s.Job(1)).ok());
   CHECK(s.Holds(true));
+  CHECK_FALSE(s.backend->Armed("policy", 1));
 
   // Round 2: armed, then aborted: the GPU runs what was launched, and it writes nothing.
   s.Poison();
-  s.backend->WorkersPrepared(s.Job(2));
+  REQUIRE(s.Prepare(2));
   s.backend->Cancel("policy", 2, "aborted by the test");
+  CHECK_FALSE(s.backend->Armed("policy", 2));
+  REQUIRE(cudaDeviceSynchronize() == cudaSuccess);
+  CHECK(s.Holds(false));
+
+  // Round 50: aborted as soon as its PREPARE came (before or while it is armed): never armed
+  // afterwards, nothing written.
+  s.Poison();
+  s.backend->RoundPreparing(s.Job(50));
+  s.backend->Cancel("policy", 50, "aborted by the test");
+  for (int i = 0; i < 100; ++i) {
+    REQUIRE_FALSE(s.backend->Armed("policy", 50));
+    absl::SleepFor(absl::Milliseconds(2));
+  }
   REQUIRE(cudaDeviceSynchronize() == cudaSuccess);
   CHECK(s.Holds(false));
 
   // Round 3: armed, then let go by its TRANSFER.
   s.Poison();
-  s.backend->WorkersPrepared(s.Job(3));
+  REQUIRE(s.Prepare(3));
   auto stats = s.backend->Transfer(s.Job(3));
   INFO(stats.status().message());
   REQUIRE(stats.ok());
@@ -131,21 +157,23 @@ TEST_CASE("an armed round copies when let go and writes nothing when called off"
   // Round 4 armed but never transferred (its coordinator gave up without an abort reaching here);
   // round 5's TRANSFER calls it off and copies.
   s.Poison();
-  s.backend->WorkersPrepared(s.Job(4));
+  REQUIRE(s.Prepare(4));
   REQUIRE(s.backend->Transfer(s.Job(5)).ok());
+  CHECK_FALSE(s.backend->Armed("policy", 4));
   CHECK(s.Holds(true));
 
   // Armed twice without a transfer between: the first is called off, the second let go.
   s.Poison();
-  s.backend->WorkersPrepared(s.Job(6));
-  s.backend->WorkersPrepared(s.Job(7));
+  REQUIRE(s.Prepare(6));
+  REQUIRE(s.Prepare(7));
+  CHECK_FALSE(s.backend->Armed("policy", 6));
   REQUIRE(s.backend->Transfer(s.Job(7)).ok());
   CHECK(s.Holds(true));
 
   // Many rounds in a row, each let go: every one copies.
   for (int64_t round = 8; round < 40; ++round) {
     s.Poison();
-    s.backend->WorkersPrepared(s.Job(round));
+    REQUIRE(s.Prepare(round));
     REQUIRE(s.backend->Transfer(s.Job(round)).ok());
     INFO("round " << round);
     REQUIRE(s.Holds(true));
@@ -154,14 +182,15 @@ TEST_CASE("an armed round copies when let go and writes nothing when called off"
   // Not let go within the backend's bound (100 ms; say its coordinator stalled): called off by the
   // backend itself, and the TRANSFER that comes late launches the round.
   s.Poison();
-  s.backend->WorkersPrepared(s.Job(41));
+  REQUIRE(s.Prepare(41));
   absl::SleepFor(absl::Milliseconds(300));
+  CHECK_FALSE(s.backend->Armed("policy", 41));
   REQUIRE(s.backend->Transfer(s.Job(41)).ok());
   CHECK(s.Holds(true));
 
   // Armed when the backend goes: its destruction calls the work off instead of waiting forever.
   s.Poison();
-  s.backend->WorkersPrepared(s.Job(40));
+  REQUIRE(s.Prepare(40));
   s.src.clear();
   s.dst.clear();
   s.backend.reset();
@@ -183,7 +212,7 @@ TEST_CASE("a group armed on a GPU holds up no other group's rebuild and copy") {
     CHECK(s.Holds(true));
   }
   s.Poison();
-  s.backend->WorkersPrepared(s.Job(2, "policy"));
+  REQUIRE(s.Prepare(2, "policy"));
   TransferJob other = s.Job(2, "reward");
   other.plan = std::make_shared<const Plan>(*s.plan);  // another plan object: rebuilt
   const absl::Time t0 = absl::Now();

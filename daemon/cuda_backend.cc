@@ -72,8 +72,8 @@ class CudaBackend::GroupLease {
  public:
   static absl::StatusOr<GroupLease> Take(CudaBackend* b, const TransferJob& job) ABSL_LOCKS_EXCLUDED(b->mu_) {
     absl::MutexLock lock(&b->mu_);
-    // A round's TRANSFER follows its PREPARE's WorkersPrepared; one of another round (a new
-    // coordinator's, while the old one's PREPARE still ends here) may meet it.
+    // A round's TRANSFER may meet its own arming (ArmAhead) or WorkersPrepared's launch, or those
+    // of another round (a new coordinator's, while the old one's PREPARE still ends here).
     auto warm = [b, &job]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(b->mu_) { return !b->warming_.contains(job.group); };
     if (!b->mu_.AwaitWithTimeout(absl::Condition(&warm), absl::Seconds(1))) {
       return absl::UnavailableError(absl::StrCat("round ", job.round_id, ": group \"", job.group,
@@ -119,7 +119,11 @@ CudaBackend::~CudaBackend() {
     stopping_ = true;
     for (auto& [group, a] : armed_) a->CallOff();  // before the groups' fences wait for their streams
     armed_changed_.SignalAll();
+    arm_queued_.SignalAll();
   }
+  // The armer first: the jobs it drops may hold the last references to workers' memory, whose
+  // release calls back into this backend (Forget, DisarmAll).
+  if (armer_.joinable()) armer_.join();
   if (disarmer_.joinable()) disarmer_.join();
 }
 
@@ -316,7 +320,10 @@ absl::StatusOr<std::unique_ptr<CudaBackend>> CudaBackend::Start(const std::vecto
   }
   cudaGetLastError();
   b->arm_rounds_ = arm_rounds == ArmRounds::kAlways || (arm_rounds == ArmRounds::kAuto && mps);
-  if (b->arm_rounds_) b->disarmer_ = std::thread([p = b.get()] { p->DisarmLoop(); });
+  if (b->arm_rounds_) {
+    b->disarmer_ = std::thread([p = b.get()] { p->DisarmLoop(); });
+    b->armer_ = std::thread([p = b.get()] { p->ArmLoop(); });
+  }
   Logger("data")->info("cuda: rounds copied within the node {} (--arm-rounds; MPS {})",
                        b->arm_rounds_ ? "armed at PREPARE, let go at TRANSFER" : "launched at TRANSFER",
                        mps ? "shares these GPUs" : "off");
@@ -335,7 +342,7 @@ absl::StatusOr<std::unique_ptr<CudaBackend>> CudaBackend::Start(const std::vecto
     int least = 0, greatest = 0;
     REFIT_CUDA_RETURN_IF_ERROR(cudaDeviceGetStreamPriorityRange(&least, &greatest), "stream priorities");
     // Loaded now: CUDA loads a kernel at its first launch, which may wait for the GPU's other
-    // work, and WorkersPrepared launches it holding the group. Not fatal: loaded at first use
+    // work, and WorkersPrepared and ArmAhead launch it holding the group. Not fatal: loaded at first use
     // then (added after the session's last GPU run: a warning, not a daemon that will not start).
     if (const cudaError_t e = LoadNothing(); e != cudaSuccess) {
       Logger("data")->warn("GPU {}: the empty kernel not loaded ahead ({}); it loads at its first launch", g,
@@ -838,7 +845,7 @@ absl::StatusOr<TransferStats> CudaBackend::Transfer(const TransferJob& job) {
       REFIT_RETURN_IF_ERROR(comm->Wait([&] { return Interrupted(job); }, "registering staging with NCCL"));
     }
   }
-  // This round's work waits on the GPU since PREPARE (WorkersPrepared, armed): let go, unless the
+  // This round's work waits on the GPU since PREPARE (RoundPreparing, armed): let go, unless the
   // round was cancelled meanwhile. Otherwise every armed round is called off first (this group's,
   // of a round that never transferred, and other groups', whose waits could hold up launches
   // queued behind them on the GPU).
@@ -864,6 +871,7 @@ absl::StatusOr<TransferStats> CudaBackend::Transfer(const TransferJob& job) {
       fired = false;
     }
   } else {
+    if (arm_rounds_) CallOff(job.group, job.round_id);  // its arm, if still queued, arms nothing now
     DisarmAll();
   }
   for (const auto& [gpu, on] : p.gpus) {

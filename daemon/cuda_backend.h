@@ -54,14 +54,13 @@ namespace refit {
 
 class NodeCommunicator;
 
-// Whether rounds copied within the node are armed (WorkersPrepared): kAuto when every GPU served
+// Whether rounds copied within the node are armed (RoundPreparing): kAuto when every GPU served
 // is shared through MPS (one context for all processes). Without MPS, armed work waiting on the
 // GPU lets the GPU switch back to the workers' contexts, and being let go costs a switch again:
 // on one H200, colocated 1 GB, 0.673 -> 0.746 ms armed without MPS. With MPS the transfer phase
-// fell 0.628 -> 0.584 ms (0.80-0.85 of the copy ceiling over four calls), but the launches moved
-// into PREPARE before its answer, which grew 0.03-0.28 ms: PREPARE + TRANSFER no shorter, so
-// kNever is refitd's default (docs/BENCHMARKS.md, session 17). Arming off the PREPARE answer's
-// path, while the coordinator gathers the answers, is what would make it pay.
+// fell 0.628 -> 0.584 ms (0.80-0.85 of the copy ceiling over four calls), but armed before the
+// PREPARE answer the launches grew PREPARE by 0.03-0.28 ms (docs/BENCHMARKS.md, session 17). They
+// now run on a thread of their own while the workers prepare (session 18).
 enum class ArmRounds { kAuto, kAlways, kNever };
 
 class CudaBackend : public DataBackend {
@@ -92,8 +91,11 @@ class CudaBackend : public DataBackend {
   absl::StatusOr<std::unique_ptr<MappedBuffer>> AllocateScratch(const Worker& worker, int64_t bytes) override;
   absl::StatusOr<int32_t> GpuIndex(const std::string& name) override;
   absl::StatusOr<TransferStats> Transfer(const TransferJob& job) override;
-  void WorkersPrepared(const TransferJob& job) override;
+  void RoundPreparing(TransferJob job) override;
   bool ArmsRounds() const override { return arm_rounds_; }
+  void WorkersPrepared(const std::string& group, int64_t round_id) override;
+  // Whether `group`'s work for `round` is armed now (launched, waiting to be let go).
+  bool Armed(const std::string& group, int64_t round) ABSL_LOCKS_EXCLUDED(armed_mu_);
   void Cancel(const std::string& group, int64_t round_id, const std::string& reason) override;
   absl::StatusOr<std::string> NewCommunicatorId() override;
   CommunicatorCounts Communicators() const override { return {comms_built_.load(), comms_aborted_.load()}; }
@@ -124,12 +126,19 @@ class CudaBackend : public DataBackend {
                                         const std::vector<uint64_t>& dst);
   // Waits for the group's streams, deregisters its staging from NCCL, frees its schedule.
   void DropPrepared(Group& g) ABSL_LOCKS_EXCLUDED(mu_, armed_mu_);
+  // Arms the rounds RoundPreparing queued, one at a time, until the backend goes.
+  void ArmLoop() ABSL_LOCKS_EXCLUDED(armed_mu_);
+  // Takes the group (as a Transfer would, marked warming_: its Transfer waits) and arms `job`'s
+  // round where its prepared schedule fits it; the group is given back either way.
+  void ArmAhead(const TransferJob& job) ABSL_LOCKS_EXCLUDED(mu_, armed_mu_);
   // Launches the group's prepared round (ArmableStage) for `job`'s round behind a wait for the
   // group's host word (its ArmGate): Fire lets it go; CallOff, DisarmAll and DisarmLoop call it off.
+  // CANCELLED where the round was called off before it was armed.
   absl::Status Arm(Group& g, const TransferJob& job) ABSL_LOCKS_EXCLUDED(armed_mu_);
   // Lets `group`'s work armed for `round` go (true), or finds none armed for it (false).
   bool Fire(const std::string& group, int64_t round, uint32_t* go) ABSL_LOCKS_EXCLUDED(armed_mu_);
-  // Calls off `group`'s armed work (of `round` only, when given).
+  // Calls off `group`'s armed work (of `round` only, when given); given a round, also its arm still
+  // queued or under way (it then arms nothing).
   void CallOff(const std::string& group, std::optional<int64_t> round) ABSL_LOCKS_EXCLUDED(armed_mu_);
   // The GPUs among `gpus` whose gate did not let `group`'s work go (go): "" when all did.
   std::string GatesMissed(const std::string& group, const std::set<int32_t>& gpus, uint32_t go)
@@ -169,8 +178,8 @@ class CudaBackend : public DataBackend {
   std::set<std::pair<std::string, int64_t>> active_ ABSL_GUARDED_BY(mu_);  // rounds transferring now
   std::map<std::pair<std::string, int64_t>, std::string> cancelled_ ABSL_GUARDED_BY(mu_);
   std::set<std::string> leased_ ABSL_GUARDED_BY(mu_);  // groups whose state a Transfer holds
-  // Groups whose state WorkersPrepared holds while it launches (also in leased_): a Transfer
-  // waits for them rather than fail as if another transfer ran.
+  // Groups whose state ArmAhead or WorkersPrepared holds while it launches (also in leased_): a
+  // Transfer waits for them rather than fail as if another transfer ran.
   std::set<std::string> warming_ ABSL_GUARDED_BY(mu_);
   // Armed rounds, by group (ArmGate): apart from the groups' leases, so that any thread can call
   // them off, a group leased or not. Taken after mu_ where both are held; nothing else under it.
@@ -183,10 +192,14 @@ class CudaBackend : public DataBackend {
   absl::Mutex armed_mu_ ABSL_ACQUIRED_AFTER(mu_);
   absl::CondVar armed_changed_;
   std::map<std::string, std::unique_ptr<ArmGate>> armed_ ABSL_GUARDED_BY(armed_mu_);
+  // Rounds RoundPreparing queued for ArmLoop: one per group (a newer PREPARE replaces an older).
+  std::map<std::string, TransferJob> to_arm_ ABSL_GUARDED_BY(armed_mu_);
+  absl::CondVar arm_queued_;
   bool stopping_ ABSL_GUARDED_BY(armed_mu_) = false;
   // By group (absent or null while leased: GroupLease).
   std::map<std::string, std::unique_ptr<Group>> groups_ ABSL_GUARDED_BY(mu_);
   std::thread disarmer_;  // DisarmLoop; last: joined by the destructor before anything goes
+  std::thread armer_;     // ArmLoop; likewise
 };
 
 }  // namespace refit

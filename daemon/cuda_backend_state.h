@@ -70,7 +70,7 @@ struct CudaBackend::Group {
   std::unique_ptr<NodeCommunicator> comm;
 };
 
-// A group's armed round (WorkersPrepared): its copies launched at PREPARE behind a stream wait
+// A group's armed round (RoundPreparing, ArmAhead): its copies launched at PREPARE behind a stream wait
 // for `word`; its TRANSFER stores `go` (Fire), anything else go + 1 (CallOff: the gated copies
 // then do nothing); the next arm's go is go + 2. Kept in armed_, apart from the group's lease, so
 // that any thread can call it off; created at a group's first arm, kept until the backend goes
@@ -80,6 +80,7 @@ struct CudaBackend::ArmGate {
   std::map<int32_t, DeviceMemory> gate;  // by GPU: what its gated copies read (LaunchGate)
   std::map<int32_t, HostWord> decided;   // by GPU: what its gate kernel set: go, or 0
   int64_t round = -1;
+  int64_t pending = -1;  // the round queued to be armed (RoundPreparing), until armed or called off
   uint32_t go = 0;
   uint32_t next_go = 2;
   bool armed = false;

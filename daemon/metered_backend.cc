@@ -45,7 +45,8 @@ class MeteredBackend : public DataBackend {
     metrics_->Communicators(inner_->Communicators());
     return stats;
   }
-  void WorkersPrepared(const TransferJob& job) override { inner_->WorkersPrepared(job); }
+  void RoundPreparing(TransferJob job) override { inner_->RoundPreparing(std::move(job)); }
+  void WorkersPrepared(const std::string& group, int64_t round_id) override { inner_->WorkersPrepared(group, round_id); }
   bool ArmsRounds() const override { return inner_->ArmsRounds(); }
   void Cancel(const std::string& group, int64_t round_id, const std::string& reason) override {
     inner_->Cancel(group, round_id, reason);

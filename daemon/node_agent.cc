@@ -327,15 +327,26 @@ absl::Status NodeAgent::RunPhase(const v1::PhaseRequest& request, v1::PhaseRespo
       // Answers about an earlier round of the same id (before a coordinator restart) are stale.
       e.set_kind(v1::RoundEvent::PREPARE);
       REFIT_RETURN_IF_ERROR(registry_->Send(ids, e, /*reset_prepared=*/true, /*reset_resumed=*/false));
-      REFIT_RETURN_IF_ERROR(
-          registry_->AwaitWorkers(group, ids, request.round_id(), false, timeout, "PREPARE", aborted.get()));
-      // Before the answer, so that the TRANSFER cannot overtake it: the backend may launch the
-      // round's work now, to run when the TRANSFER comes (the cuda backend's armed rounds).
-      std::vector<std::shared_ptr<LocalWorker>> workers;
-      absl::StatusOr<TransferJob> job = TransferJob{.group = group, .round_id = request.round_id(), .node = node_};
-      if (backend_->ArmsRounds()) job = JobFor(group, installed, request, workers);
-      if (job.ok()) {
-        backend_->WorkersPrepared(*job);
+      // While the workers prepare, the backend may launch the round's work, to run when the
+      // TRANSFER comes (the cuda backend's armed rounds): off the PREPARE answer's path. A job
+      // that cannot be built now is left to the TRANSFER, which reports why.
+      const bool arms = backend_->ArmsRounds();
+      if (arms) {
+        std::vector<std::shared_ptr<LocalWorker>> workers;
+        if (auto job = JobFor(group, installed, request, workers); job.ok()) {
+          job->holds = std::make_shared<const std::vector<std::shared_ptr<LocalWorker>>>(std::move(workers));
+          backend_->RoundPreparing(*std::move(job));
+        }
+      }
+      if (absl::Status s = registry_->AwaitWorkers(group, ids, request.round_id(), false, timeout, "PREPARE",
+                                                   aborted.get());
+          !s.ok()) {
+        if (arms) backend_->Cancel(group, request.round_id(), "its workers did not prepare");
+        return s;
+      }
+      // Before the answer, so that the TRANSFER cannot overtake it.
+      backend_->WorkersPrepared(group, request.round_id());
+      if (arms) {
         bool open = false;
         {
           absl::MutexLock lock(&mu_);

@@ -12,6 +12,7 @@ byte. Prints one JSON line per case; exits 1 if any case failed.
 import argparse
 import json
 import os
+import shlex
 import subprocess
 import sys
 import time
@@ -49,7 +50,8 @@ def make_layouts(dirname, gpus):
 
 
 def run_case(name, alloc_conf, alloc, gpus, out_dir):
-    cluster = harness.Cluster(nodes=1, daemon_flags=["--backend", "cuda"])
+    # REFITD_FLAGS: more refitd flags (e.g. --arm-rounds auto).
+    cluster = harness.Cluster(nodes=1, daemon_flags=["--backend", "cuda"] + shlex.split(os.environ.get("REFITD_FLAGS", "")))
     result = {"case": name, "alloc_conf": alloc_conf, "alloc": alloc, "gpus": gpus}
     try:
         files = make_layouts(cluster.dir, gpus)

@@ -56,7 +56,7 @@ DaemonConfig ParseDaemonFlags(int argc, char** argv) {
   flags.Int("max-relay-depth", &relay_depth, "coordinator: longest chain of relays between destination nodes (0: none)");
   flags.Bool("nccl-register", &c.nccl_register, "coordinator, cuda: staging allocated by NCCL and registered with the communicator (NCCL moves it buffer to buffer)");
   flags.Bool("aligned-copy-kernel", &c.aligned_copy_kernel, "cuda: copy work whose every unit is 16-byte aligned through the aligned kernel (inlined loops, no spills; =false: the general kernel for all work)");
-  flags.String("arm-rounds", &c.arm_rounds, "cuda: launch a round copied within the node when its workers have prepared, let go at TRANSFER by a host store: never (default: on one H200 under MPS it took 0.04 ms off the transfer phase and added 0.03-0.28 to PREPARE), auto (when MPS shares the GPUs; without MPS being let go costs a context switch), always");
+  flags.String("arm-rounds", &c.arm_rounds, "cuda: launch a round copied within the node while its workers prepare, let go at TRANSFER by a host store: auto (default: when MPS shares the GPUs; on one H200 under MPS the transfer phase 0.02-0.08 ms shorter and PREPARE no longer), always (without MPS being let go costs a context switch: slower), never");
   flags.Bool("nccl-stream-priority", &c.nccl_stream_priority, "cuda: NCCL's stream at the GPU's highest priority, ahead of pack and unpack kernels (not yet measured end to end)");
   flags.Int("zero-copy-min-bytes", &zero_copy, "coordinator, cuda: smallest descriptor sent without staging (larger: fewer NCCL operations, more packing)");
   flags.Double("prepare-timeout", &prepare_s, "seconds for every worker to confirm PREPARE");

@@ -42,7 +42,7 @@ struct DaemonConfig {
   bool aligned_copy_kernel = true;
   // cuda: arm rounds copied within the node (--arm-rounds): "never", "auto" (when MPS shares the
   // GPUs) or "always"; local to a daemon.
-  std::string arm_rounds = "never";
+  std::string arm_rounds = "auto";
   absl::Duration prepare_timeout = absl::Seconds(10);
   absl::Duration transfer_timeout = absl::Seconds(60);
   absl::Duration commit_timeout = absl::Seconds(10);

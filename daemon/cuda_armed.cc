@@ -46,9 +46,12 @@ void CudaBackend::DisarmLoop() {
       if (a->until <= now) {
         a->CallOff();
         LogLater("data", spdlog::level::warn,
-                 "group \"{}\" round {}: armed at PREPARE and not let go within {} ms: called off (its TRANSFER, "
-                 "if it comes, launches the round itself)",
-                 group, a->round, absl::ToInt64Milliseconds(kArmedAtMost));
+                 "group \"{}\" round {}: armed at PREPARE and not let go {}: called off (its TRANSFER, if it comes, "
+                 "launches the round itself)",
+                 group, a->round,
+                 a->prepared == a->round
+                     ? absl::StrCat("within ", absl::ToInt64Milliseconds(kArmedAtMost), " ms of its workers' answer")
+                     : std::string("by its PREPARE's deadline"));
       } else {
         next = std::min(next, a->until);
       }
@@ -84,11 +87,20 @@ bool CudaBackend::Armed(const std::string& group, int64_t round) {
 }
 
 void CudaBackend::DisarmAll() {
-  // Freeing or unmapping memory may wait for the whole GPU (cudaFree does), and so may an NCCL
-  // abort: they would wait for armed work held back on it; none refers to memory once called off.
-  // A round armed between this and the free holds it up to kArmedAtMost (DisarmLoop).
   absl::MutexLock lock(&armed_mu_);
   for (auto& [group, a] : armed_) a->CallOff();
+}
+
+CudaBackend::ArmsHeldOff::ArmsHeldOff(CudaBackend* b) : b_(b) {
+  // Called off, the armed work refers to no memory: what is freed meanwhile waits for nothing.
+  absl::MutexLock lock(&b_->armed_mu_);
+  ++b_->held_off_;
+  for (auto& [group, a] : b_->armed_) a->CallOff();
+}
+
+CudaBackend::ArmsHeldOff::~ArmsHeldOff() {
+  absl::MutexLock lock(&b_->armed_mu_);
+  --b_->held_off_;
 }
 
 void CudaBackend::RoundPreparing(TransferJob job) {
@@ -166,8 +178,15 @@ void CudaBackend::WorkersPrepared(const std::string& group, int64_t round_id) {
   if (arm_rounds_) {
     absl::MutexLock lock(&armed_mu_);
     auto it = armed_.find(group);
-    if (it != armed_.end() && (it->second->pending == round_id || (it->second->armed && it->second->round == round_id))) {
-      return;  // armed, or about to be: the GPU switches to this context when it is let go
+    if (it != armed_.end()) {
+      ArmGate& a = *it->second;
+      a.prepared = round_id;
+      if (a.armed && a.round == round_id) {
+        a.until = std::min(a.until, absl::Now() + kArmedAtMost);
+        armed_changed_.Signal();
+        return;  // the GPU switches to this context when it is let go
+      }
+      if (a.pending == round_id) return;  // about to be armed (Arm bounds it from now)
     }
   }
   // Not before the group's first round (no streams yet), nor while a transfer of it runs.
@@ -239,13 +258,16 @@ absl::Status CudaBackend::Arm(Group& g, const TransferJob& job) {
     if (stopping_) return absl::CancelledError("the backend is stopping");
     if (a->pending != job.round_id) return absl::CancelledError("called off before it was armed");
     a->pending = -1;
+    if (held_off_ > 0) return absl::CancelledError("memory is being released");
     go = a->next_go;
     a->next_go += 2;
     if (a->next_go == 0) a->next_go = 2;  // 0 is never a go (a gate set to 0 copies nothing)
     a->round = job.round_id;
     a->go = go;
     a->armed = true;
-    a->until = absl::Now() + kArmedAtMost;
+    // Armed while the workers prepare: bounded by the PREPARE's deadline (its failure or abort
+    // calls it off sooner), and by kArmedAtMost once they answered (WorkersPrepared).
+    a->until = a->prepared == job.round_id ? absl::Now() + kArmedAtMost : job.deadline;
     armed_changed_.Signal();
   }
   DeviceGuard guard;

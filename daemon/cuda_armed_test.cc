@@ -3,7 +3,9 @@
 // What a user relies on: a round armed and then called off (Cancel, as the node's abort does)
 // writes nothing into the engines' memory, nor one called off before its arming began; one let go
 // copies every byte; one armed for a round that never transferred is called off by the next
-// round's TRANSFER, which copies; a backend destroyed while armed does not hang. Buffers are the backend's own device memory (AllocateScratch), destinations poisoned
+// round's TRANSFER, which copies; workers slower to prepare than the bound find their round still
+// armed; memory released while armed waits for nothing; a backend destroyed while armed does not
+// hang. Buffers are the backend's own device memory (AllocateScratch), destinations poisoned
 // before every round and checked byte for byte after. Skips where no GPU is present.
 #include <cuda_runtime.h>
 
@@ -179,10 +181,38 @@ TEST_CASE("an armed round copies when let go and writes nothing when called off"
     REQUIRE(s.Holds(true));
   }
 
-  // Not let go within the backend's bound (100 ms; say its coordinator stalled): called off by the
-  // backend itself, and the TRANSFER that comes late launches the round.
+  // Workers that take longer to prepare than the bound after their answer (PyTorch workers take
+  // ~150 ms): still armed when they answer, then let go.
+  s.Poison();
+  REQUIRE(s.Prepare(42));
+  absl::SleepFor(absl::Milliseconds(250));
+  CHECK(s.backend->Armed("policy", 42));
+  s.backend->WorkersPrepared("policy", 42);
+  CHECK(s.backend->Armed("policy", 42));
+  REQUIRE(s.backend->Transfer(s.Job(42)).ok());
+  CHECK(s.Holds(true));
+
+  // Memory released while a round is armed (a worker left, a plan's scratch freed): called off
+  // first, so the release waits for nothing held back on the GPU.
+  s.Poison();
+  REQUIRE(s.Prepare(43));
+  {
+    auto extra = s.backend->AllocateScratch(s.source.workers[0], 1 << 20);
+    REQUIRE(extra.ok());
+    const absl::Time t0 = absl::Now();
+    extra->reset();
+    CHECK(absl::Now() - t0 < absl::Milliseconds(90));
+  }
+  CHECK_FALSE(s.backend->Armed("policy", 43));
+  REQUIRE(s.backend->Transfer(s.Job(43)).ok());
+  CHECK(s.Holds(true));
+
+  // Not let go within the backend's bound after its workers answered (100 ms; say its
+  // coordinator stalled): called off by the backend itself, and the TRANSFER that comes late
+  // launches the round.
   s.Poison();
   REQUIRE(s.Prepare(41));
+  s.backend->WorkersPrepared("policy", 41);
   absl::SleepFor(absl::Milliseconds(300));
   CHECK_FALSE(s.backend->Armed("policy", 41));
   REQUIRE(s.backend->Transfer(s.Job(41)).ok());

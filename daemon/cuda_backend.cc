@@ -135,7 +135,7 @@ absl::StatusOr<std::string> CudaBackend::NewCommunicatorId() {
 
 void CudaBackend::DropCommunicator(const std::string& group, Group& g) {
   if (g.comm == nullptr) return;
-  DisarmAll();
+  ArmsHeldOff off(this);
   const absl::Time t0 = absl::Now();
   g.comm->Abort();
   ++comms_aborted_;
@@ -172,7 +172,6 @@ absl::Status CudaBackend::CommunicatorFor(Group& g, const TransferJob& job) {
 
 void CudaBackend::Forget(const std::string& handle, uint64_t base) {
   absl::MutexLock lock(&mu_);
-  DisarmAll();
   // Only entries that died: the same handle may have been opened again meanwhile (the driver
   // counts opens in one context, so a new import of it has the same base).
   if (auto it = opened_.find(handle); it != opened_.end() && it->second.expired()) opened_.erase(it);
@@ -182,16 +181,17 @@ void CudaBackend::Forget(const std::string& handle, uint64_t base) {
 namespace {
 class DeviceScratch : public MappedBuffer {
  public:
-  DeviceScratch(DeviceMemory memory, std::function<void()> forget)
-      : memory_(std::move(memory)), forget_(std::move(forget)) {}
-  ~DeviceScratch() override { forget_(); }  // out of the tables before the memory goes
+  // `release` takes the memory out of the backend's tables and frees it (arming held off).
+  DeviceScratch(DeviceMemory memory, std::function<void(DeviceMemory&)> release)
+      : memory_(std::move(memory)), release_(std::move(release)) {}
+  ~DeviceScratch() override { release_(memory_); }
   std::span<std::byte> bytes() const override {
     return {static_cast<std::byte*>(memory_.get()), memory_.size()};
   }
 
  private:
   DeviceMemory memory_;
-  std::function<void()> forget_;
+  std::function<void(DeviceMemory&)> release_;
 };
 }  // namespace
 
@@ -206,18 +206,20 @@ absl::StatusOr<std::unique_ptr<MappedBuffer>> CudaBackend::AllocateScratch(const
     absl::MutexLock lock(&mu_);
     scratch_by_base_[base] = {static_cast<uint64_t>(memory->size()), worker.gpu};
   }
-  return std::make_unique<DeviceScratch>(*std::move(memory), [this, base] { ForgetScratch(base); });
+  return std::make_unique<DeviceScratch>(*std::move(memory), [this, base](DeviceMemory& m) {
+    ArmsHeldOff off(this);
+    ForgetScratch(base);  // out of the tables before the memory goes
+    m = DeviceMemory();
+  });
 }
 
 void CudaBackend::ForgetScratch(uint64_t base) {
   absl::MutexLock lock(&mu_);
-  DisarmAll();
   scratch_by_base_.erase(base);
 }
 
 void CudaBackend::ForgetVmm(uint64_t base) {
   absl::MutexLock lock(&mu_);
-  DisarmAll();
   vmm_by_base_.erase(base);
 }
 
@@ -419,6 +421,7 @@ absl::StatusOr<std::unique_ptr<MappedBuffer>> CudaBackend::Map(const v1::BufferM
   }
   const uint64_t base = reinterpret_cast<uint64_t>(home->get());
   std::shared_ptr<Allocation> fresh(new Allocation(), [this, handle = ipc.handle(), base](Allocation* dead) {
+    ArmsHeldOff off(this);
     Forget(handle, base);  // no new transfer finds it, then its imports close
     delete dead;
   });
@@ -522,6 +525,7 @@ absl::StatusOr<std::shared_ptr<CudaBackend::VmmMapping>> CudaBackend::MapVmmRang
                                                   absl::StrJoin(gpus_, ", "), ")")));
   const uint64_t base = static_cast<uint64_t>(mapping->base());
   std::shared_ptr<VmmMapping> m(mapping.release(), [this, base](VmmMapping* dead) {
+    ArmsHeldOff off(this);
     ForgetVmm(base);  // no new kernel is given these addresses, then unmapped and freed
     delete dead;
   });
@@ -800,7 +804,7 @@ void LogTimeline(const TransferJob& job, const CudaBackend::Prepared& p, const H
 
 void CudaBackend::DropPrepared(Group& g) {
   if (g.prepared == nullptr) return;
-  DisarmAll();  // the fence below and the frees after it would wait for armed work
+  ArmsHeldOff off(this);  // the fence below and the frees after it would wait for armed work
   std::unique_ptr<Prepared> old = std::move(g.prepared);
   old->idle.Wait();
   // NCCL must forget the staging before it is freed.

@@ -18,12 +18,13 @@
 // destructor is the members' own, in declaration order, after calling off armed rounds and
 // joining the thread that bounds them.
 //
-// Armed rounds (--arm-rounds, off by default: ArmRounds): a round copied within the node is
-// launched when its workers have prepared, held on the GPU by a stream wait for a host word, and
-// let go by its TRANSFER with one host store: the launches (cold API calls: 0.05 ms) leave the
-// transfer phase, for the PREPARE answer to pay today. Anything
-// else calls it off (the gated copies then write nothing): an abort, another round's transfer, a
-// rebuilt schedule, any memory released, the backend's end, or 100 ms passing.
+// Armed rounds (--arm-rounds, by default where MPS shares the GPUs: ArmRounds): a round copied
+// within the node is launched while its workers prepare, by a thread of this backend's own, held
+// on the GPU by a stream wait for a host word, and let go by its TRANSFER with one host store:
+// the launches (cold API calls: 0.05 ms) leave the transfer phase, and PREPARE's answer does not
+// wait for them. Anything else calls it off (the gated copies then write nothing): an abort,
+// another round's transfer, a rebuilt schedule, any memory released (ArmsHeldOff), the backend's
+// end, 100 ms after the workers' answer, or the PREPARE's deadline.
 //
 // Threads and locks: one mutex, mu_, guards the tables shared between threads (the imports by
 // handle and address, the groups' states, the rounds transferring and cancelled). It is held
@@ -59,8 +60,9 @@ class NodeCommunicator;
 // GPU lets the GPU switch back to the workers' contexts, and being let go costs a switch again:
 // on one H200, colocated 1 GB, 0.673 -> 0.746 ms armed without MPS. With MPS the transfer phase
 // fell 0.628 -> 0.584 ms (0.80-0.85 of the copy ceiling over four calls), but armed before the
-// PREPARE answer the launches grew PREPARE by 0.03-0.28 ms (docs/BENCHMARKS.md, session 17). They
-// now run on a thread of their own while the workers prepare (session 18).
+// PREPARE answer the launches grew PREPARE by 0.03-0.28 ms (docs/BENCHMARKS.md, session 17). Made
+// on a thread of their own while the workers prepare, both phases are shorter armed than not
+// under MPS (session 18): kAuto is refitd's default.
 enum class ArmRounds { kAuto, kAlways, kNever };
 
 class CudaBackend : public DataBackend {
@@ -114,9 +116,22 @@ class CudaBackend : public DataBackend {
   // Removes a released import from the tables (the deleters of Allocation and VmmMapping).
   void Forget(const std::string& handle, uint64_t base) ABSL_LOCKS_EXCLUDED(mu_);
   void ForgetVmm(uint64_t base) ABSL_LOCKS_EXCLUDED(mu_);
-  // Calls off every group's armed work: before any memory is released, a communicator aborted,
-  // or work launched that could queue behind an armed wait.
+  // Calls off every group's armed work: before work is launched that could queue behind an
+  // armed wait.
   void DisarmAll() ABSL_LOCKS_EXCLUDED(armed_mu_);
+  // While one lives nothing is armed: every armed round is called off when it is made, and Arm
+  // refuses. Held across releasing memory and aborting NCCL, which may wait for the whole GPU
+  // (cudaFree does), and so would wait for armed work.
+  class ArmsHeldOff {
+   public:
+    explicit ArmsHeldOff(CudaBackend* b) ABSL_LOCKS_EXCLUDED(b->armed_mu_);
+    ~ArmsHeldOff();
+    ArmsHeldOff(const ArmsHeldOff&) = delete;
+    ArmsHeldOff& operator=(const ArmsHeldOff&) = delete;
+
+   private:
+    CudaBackend* b_;
+  };
   absl::StatusOr<std::shared_ptr<VmmMapping>> MapVmmRange(const v1::RegisterWorkerRequest& request, int range,
                                                           std::span<const Fd> fds) ABSL_LOCKS_EXCLUDED(mu_);
   bool Serves(int32_t gpu) const;
@@ -143,7 +158,8 @@ class CudaBackend : public DataBackend {
   // The GPUs among `gpus` whose gate did not let `group`'s work go (go): "" when all did.
   std::string GatesMissed(const std::string& group, const std::set<int32_t>& gpus, uint32_t go)
       ABSL_LOCKS_EXCLUDED(armed_mu_);
-  // Calls off armed rounds past kArmedAtMost; runs while arm_rounds_, until the backend goes.
+  // Calls off armed rounds past their bound (ArmGate::until); runs while arm_rounds_, until the
+  // backend goes.
   void DisarmLoop() ABSL_LOCKS_EXCLUDED(armed_mu_);
   // One NCCL communicator per (group, id) over every GPU of the plan (rank = the plan's GPU
   // index), one rank per local GPU in this process. Built at the first transfer that needs it
@@ -185,8 +201,9 @@ class CudaBackend : public DataBackend {
   // them off, a group leased or not. Taken after mu_ where both are held; nothing else under it.
   // Declared before groups_: destroyed after them (the groups' fences wait for streams whose
   // armed work reads these words until called off, which the destructor does first).
-  // An armed round not let go within kArmedAtMost is called off (DisarmLoop): a free that
-  // raced with an arm, or a stream queued behind its wait, waits no longer than that.
+  // An armed round not let go within kArmedAtMost of its workers' answer (WorkersPrepared), or
+  // by its PREPARE's deadline while they prepare, is called off (DisarmLoop): its TRANSFER, late,
+  // launches the round itself.
   static constexpr absl::Duration kArmedAtMost = absl::Milliseconds(100);
   struct ArmGate;
   absl::Mutex armed_mu_ ABSL_ACQUIRED_AFTER(mu_);
@@ -195,6 +212,7 @@ class CudaBackend : public DataBackend {
   // Rounds RoundPreparing queued for ArmLoop: one per group (a newer PREPARE replaces an older).
   std::map<std::string, TransferJob> to_arm_ ABSL_GUARDED_BY(armed_mu_);
   absl::CondVar arm_queued_;
+  int held_off_ ABSL_GUARDED_BY(armed_mu_) = 0;  // ArmsHeldOff alive
   bool stopping_ ABSL_GUARDED_BY(armed_mu_) = false;
   // By group (absent or null while leased: GroupLease).
   std::map<std::string, std::unique_ptr<Group>> groups_ ABSL_GUARDED_BY(mu_);

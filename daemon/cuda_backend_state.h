@@ -81,10 +81,12 @@ struct CudaBackend::ArmGate {
   std::map<int32_t, HostWord> decided;   // by GPU: what its gate kernel set: go, or 0
   int64_t round = -1;
   int64_t pending = -1;  // the round queued to be armed (RoundPreparing), until armed or called off
+  int64_t prepared = -1;  // the last round whose workers answered PREPARE here (WorkersPrepared)
   uint32_t go = 0;
   uint32_t next_go = 2;
   bool armed = false;
-  absl::Time until;  // called off then (DisarmLoop) if not let go before
+  absl::Time until;  // called off then (DisarmLoop) if not let go before: the PREPARE's deadline,
+                     // then kArmedAtMost after the workers' answer
 
   void CallOff() {
     if (!armed) return;

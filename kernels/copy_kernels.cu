@@ -122,18 +122,15 @@ __device__ __forceinline__ void SetElement(uint32_t* w, int i, uint32_t bits) {
 // Aligned 16-byte copy of n vectors: four loads in flight per lane before their stores. One at
 // a time (the compiler cannot move a load above the previous store, which might alias it) kept a
 // colocated 16 GB refit at 0.34 of the copy engine (issue 17).
-template <int kInFlight = 4, bool kStreaming = false>
 __device__ __forceinline__ void WarpCopy16Inline(const uint4* s4, uint4* d4, int64_t n, int lane) {
+  constexpr int kInFlight = 4;
   int64_t i = lane;
   for (; i + (kInFlight - 1) * 32 < n; i += kInFlight * 32) {
     uint4 r[kInFlight];
 #pragma unroll
-    for (int k = 0; k < kInFlight; ++k) r[k] = kStreaming ? __ldcs(s4 + i + k * 32) : s4[i + k * 32];
+    for (int k = 0; k < kInFlight; ++k) r[k] = s4[i + k * 32];
 #pragma unroll
-    for (int k = 0; k < kInFlight; ++k) {
-      if constexpr (kStreaming) __stcs(d4 + i + k * 32, r[k]);
-      else d4[i + k * 32] = r[k];
-    }
+    for (int k = 0; k < kInFlight; ++k) d4[i + k * 32] = r[k];
   }
   for (; i < n; i += 32) d4[i] = s4[i];
 }
@@ -658,14 +655,10 @@ __device__ __forceinline__ void CopyUnit(const unsigned char* s, unsigned char* 
 
 // A unit of the aligned kernel: both ends 16-byte aligned, n a multiple of 16 bytes (same dtype)
 // or of 8 elements (converting), as AlignedOnly checked on the host.
-template <int kVariant>
 __device__ __forceinline__ void CopyAlignedUnit(const unsigned char* s, unsigned char* d, int64_t n, uint8_t sdt,
                                                 uint8_t ddt, int lane) {
   const int ss = Size(sdt), ds = Size(ddt);
-  if (sdt == ddt) {
-    WarpCopy16Inline<kVariant == 0 ? 4 : 8, kVariant == 2>(reinterpret_cast<const uint4*>(s), reinterpret_cast<uint4*>(d),
-                                                          n * ss / 16, lane);
-  }
+  if (sdt == ddt) WarpCopy16Inline(reinterpret_cast<const uint4*>(s), reinterpret_cast<uint4*>(d), n * ss / 16, lane);
   else WarpConvertVector(s, d, n, sdt, ddt, ss, ds, lane);
 }
 
@@ -683,7 +676,7 @@ __device__ __forceinline__ void CopyAlignedUnit(const unsigned char* s, unsigned
 // 16-byte loop and the vector conversion, inlined with the fp8 blocks into 80 registers without
 // spills, as before tiles existed (the general kernel spills a few hundred bytes per thread and
 // calls its loops: the 16 GB aligned refit 8.34 -> 8.77 ms, bf16 -> fp8 27.7 -> 35.3 ms through it).
-template <bool kTiles, int kVariant = 0>
+template <bool kTiles>
 __global__ void __launch_bounds__(256, 3) CopyItemsKernel(const CopyItem* items, const int64_t* unit_begin, int n_items,
                                 int64_t total_units, int batch, bool spread, const uint32_t* gate, uint32_t go) {
   // Launched ahead and not let go (the round was called off): nothing. Every thread reads the
@@ -733,7 +726,7 @@ __global__ void __launch_bounds__(256, 3) CopyItemsKernel(const CopyItem* items,
         CopyUnit(reinterpret_cast<const unsigned char*>(s), reinterpret_cast<unsigned char*>(d), n,
                  static_cast<uint8_t>(dtypes & 0xFF), static_cast<uint8_t>(dtypes >> 8), lane);
       } else {
-        CopyAlignedUnit<kVariant>(reinterpret_cast<const unsigned char*>(s), reinterpret_cast<unsigned char*>(d), n,
+        CopyAlignedUnit(reinterpret_cast<const unsigned char*>(s), reinterpret_cast<unsigned char*>(d), n,
                         static_cast<uint8_t>(dtypes & 0xFF), static_cast<uint8_t>(dtypes >> 8), lane);
       }
     }
@@ -773,12 +766,6 @@ cudaError_t LaunchNothing(cudaStream_t stream) {
   return cudaGetLastError();
 }
 
-namespace {
-int aligned_variant = 0;  // EXPERIMENT (session 18): SetAlignedCopyVariant
-}  // namespace
-
-void SetAlignedCopyVariant(int variant) { aligned_variant = variant; }
-
 cudaError_t LaunchCopyItems(const CopyItem* items, const int64_t* unit_begin, int n_items,
                             int64_t total_units, cudaStream_t stream, bool spread, bool aligned_only,
                             const uint32_t* gate, uint32_t go) {
@@ -794,16 +781,7 @@ cudaError_t LaunchCopyItems(const CopyItem* items, const int64_t* unit_begin, in
   if (!aligned_only) {
     CopyItemsKernel<true><<<blocks, kThreads, 0, stream>>>(items, unit_begin, n_items, total_units, batch, spread, gate, go);
   } else {
-    switch (aligned_variant) {
-      case 1:
-        CopyItemsKernel<false, 1><<<blocks, kThreads, 0, stream>>>(items, unit_begin, n_items, total_units, batch, spread, gate, go);
-        break;
-      case 2:
-        CopyItemsKernel<false, 2><<<blocks, kThreads, 0, stream>>>(items, unit_begin, n_items, total_units, batch, spread, gate, go);
-        break;
-      default:
-        CopyItemsKernel<false, 0><<<blocks, kThreads, 0, stream>>>(items, unit_begin, n_items, total_units, batch, spread, gate, go);
-    }
+    CopyItemsKernel<false><<<blocks, kThreads, 0, stream>>>(items, unit_begin, n_items, total_units, batch, spread, gate, go);
   }
   return cudaGetLastError();
 }

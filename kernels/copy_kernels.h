@@ -30,9 +30,6 @@ namespace refit {
 // general one, which runs any work.
 // `gate` (device memory, optional): the kernel copies only if *gate == go when it starts, and
 // does nothing otherwise (work launched ahead of its round's go-ahead: LaunchGate).
-// EXPERIMENT (session 18): the aligned kernel's 16-byte loop, 0: 4 loads in flight a lane, 1: 8,
-// 2: 8 with streaming cache hints (local_copy_bench --aligned-variant).
-void SetAlignedCopyVariant(int variant);
 cudaError_t LaunchCopyItems(const CopyItem* items, const int64_t* unit_begin, int n_items,
                             int64_t total_units, cudaStream_t stream, bool spread = false, bool aligned_only = false,
                             const uint32_t* gate = nullptr, uint32_t go = 0);

@@ -11,7 +11,7 @@
 // a stage's aligned items through the aligned kernel and the rest through the general one, two
 // launches (0: one launch, the aligned kernel only where every item allows it).
 //   local_copy_bench --src t.json --dst i.json [--repeat 10] [--segments 16384,65536,262144] [--spread auto,0,1]
-//                    [--aligned-kernel 1] [--tile-run-bytes 512] [--split 0,1] [--aligned-variants 0,1,2]
+//                    [--aligned-kernel 1] [--tile-run-bytes 512] [--split 0,1]
 #include <algorithm>
 #include <cstdio>
 #include <cstring>
@@ -57,8 +57,6 @@ struct Options {
   bool aligned_kernel = true;
   std::vector<int64_t> tile_run_bytes = {kTileRunBytes};
   std::vector<int> splits = {0};
-  std::vector<int64_t> aligned_variants = {0};  // EXPERIMENT: SetAlignedCopyVariant, one Run each
-  int aligned_variant = 0;
 };
 
 int Run(const std::string& src_path, const std::string& dst_path, const Options& o) {
@@ -144,12 +142,12 @@ int Run(const std::string& src_path, const std::string& dst_path, const Options&
     }
     std::printf("{\"bench\":\"local_copy_kernel\",\"src\":\"%s\",\"bytes\":%lld,\"items\":%lld,\"units\":%lld,"
                 "\"tiled_units\":%lld,\"segment_bytes\":%lld,\"tile_run_bytes\":%lld,\"split\":%d,\"launches\":%zu,"
-                "\"spread\":\"%s\",\"aligned_kernel\":%s,\"aligned_variant\":%d,\"runs\":%d,\"kernel_ms\":%.4f,"
+                "\"spread\":\"%s\",\"aligned_kernel\":%s,\"runs\":%d,\"kernel_ms\":%.4f,"
                 "\"memcpy_d2d_ms\":%.4f,\"kernel_vs_memcpy\":%.3f}\n",
                 src_path.c_str(), (long long)bytes, (long long)items, (long long)units, (long long)tiled_units,
                 (long long)segment, (long long)tile_run, split, launches.size(),
                 spread < 0 ? (spread_used ? "auto:1" : "auto:0") : (spread ? "1" : "0"),
-                aligned_used ? "true" : "false", o.aligned_variant, o.repeat,
+                aligned_used ? "true" : "false", o.repeat,
                 Median(tk), Median(tc), Median(tc) / Median(tk));
     std::fflush(stdout);
      }
@@ -183,8 +181,6 @@ int main(int argc, char** argv) {
     else if (flag == "--split") {
       o.splits.clear();
       for (int64_t v : list(value)) o.splits.push_back(v != 0);
-    } else if (flag == "--aligned-variants") {
-      o.aligned_variants = list(value);
     } else if (flag == "--aligned-kernel") {
       o.aligned_kernel = value == "1";
     } else if (flag == "--spread") {
@@ -197,10 +193,5 @@ int main(int argc, char** argv) {
                          "[--aligned-kernel 0|1] [--tile-run-bytes B,B,...] [--split 0,1]\n");
     return 2;
   }
-  for (int64_t v : o.aligned_variants) {
-    refit::SetAlignedCopyVariant(static_cast<int>(v));
-    o.aligned_variant = static_cast<int>(v);
-    if (int rc = refit::Run(src, dst, o); rc != 0) return rc;
-  }
-  return 0;
+  return refit::Run(src, dst, o);
 }

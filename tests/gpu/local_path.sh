@@ -10,6 +10,7 @@
 # baseline). Also runs kernels/copy_kernels_test when KERNELS=1, and with IPC_BENCH=1
 # tests/bench/ipc_copy_bench on each case's layouts. KERNEL_FLAGS: more local_copy_bench flags
 # (--tile-run-bytes, --split); a bundled local_copy_bench-before (an older kernel) runs beside it.
+# RUNS may also name "general" (the general copy kernel only) and "unarmed" (--arm-rounds never).
 # MPS=1: every process of the call (refitd, the workers, the baseline) a client of one MPS server,
 # from a control daemon started here with pipe and log folders of its own and quit at the end
 # (one context on the GPU for all: no switch between processes' contexts). One JSON line per
@@ -49,8 +50,10 @@ for case in ${CASES:-llama3-8b:1}; do
     if [ -n "${BUDGET_S:-}" ] && [ $SECONDS -gt "$BUDGET_S" ]; then echo "$tag $run: skipped (BUDGET_S)"; continue; fi
     [ "$run" = before ] && [ ! -x .device/bin/refitd-before ] && continue
     bin=.device/bin; [ "$run" = before ] && bin=/tmp/bin-before
-    # "general": this refitd with the general copy kernel only (the A/B of the aligned one).
+    # "general": this refitd with the general copy kernel only (the A/B of the aligned one);
+    # "unarmed": this refitd never arming rounds (the A/B of DAEMON_FLAGS="--arm-rounds auto").
     flags=${DAEMON_FLAGS:-}; [ "$run" = general ] && flags="$flags --aligned-copy-kernel=false"
+    [ "$run" = unarmed ] && flags="$flags --arm-rounds never"
     rm -rf "/tmp/lp-$tag-$run"
     step "refit_${tag}_$run" 240 env BIN="$bin" RUN="/tmp/lp-$tag-$run" CONFIG="tests/configs/$model.json" SCALE="$scale" \
       INFER_DTYPE="${dtype:-}" DAEMON_FLAGS="$flags" bash tests/gpu/colocated_bench.sh

@@ -816,10 +816,19 @@ void CudaBackend::DropPrepared(Group& g) {
 }
 
 absl::StatusOr<TransferStats> CudaBackend::Transfer(const TransferJob& job) {
-  const BufferAddresses src = AddressesOf(job.src), dst = AddressesOf(job.dst);
   auto lease = GroupLease::Take(this, job);
   if (!lease.ok()) return lease.status();
   Group& g = lease->group();
+  // This round's work waits on the GPU since PREPARE (RoundPreparing, armed): let go first, so
+  // that what follows (finding the schedule unchanged) runs while the GPU copies. Armed means
+  // still valid: every change of memory or plan since the arming called it off. The caller holds
+  // the workers' memory, and a failure below waits for the streams (DropPrepared) before the
+  // lease ends. Rebuilt all the same (PreparedFor), it is launched again.
+  absl::Time started = absl::Now();  // the data plane's start: let go, or the first launch
+  uint32_t go = 0;
+  bool fired = arm_rounds_ && Fire(job.group, job.round_id, &go);
+  const Prepared* const armed_with = fired ? g.prepared.get() : nullptr;
+  const BufferAddresses src = AddressesOf(job.src), dst = AddressesOf(job.dst);
   DeviceGuard guard;  // the caller's device again when done; declared after the lease: restored first
   // Whichever way the transfer fails: abort NCCL (its kernels may wait on a dead peer), let the
   // streams drain, and rebuild everything for the next round. Runs before the lease gives the
@@ -836,6 +845,7 @@ absl::StatusOr<TransferStats> CudaBackend::Transfer(const TransferJob& job) {
   auto prepared = PreparedFor(g, job, src, dst);
   if (!prepared.ok()) return prepared.status();
   const Prepared& p = **prepared;
+  if (fired && &p != armed_with) fired = false;  // rebuilt: the old schedule's fence waited for it
   const NodeSchedule& schedule = p.schedule;
   NodeCommunicator* comm = nullptr;
   if (schedule.uses_network) {
@@ -849,18 +859,14 @@ absl::StatusOr<TransferStats> CudaBackend::Transfer(const TransferJob& job) {
       REFIT_RETURN_IF_ERROR(comm->Wait([&] { return Interrupted(job); }, "registering staging with NCCL"));
     }
   }
-  // This round's work waits on the GPU since PREPARE (RoundPreparing, armed): let go, unless the
-  // round was cancelled meanwhile. Otherwise every armed round is called off first (this group's,
-  // of a round that never transferred, and other groups', whose waits could hold up launches
-  // queued behind them on the GPU).
   if (auto s = Interrupted(job); !s.ok()) {
     CallOff(job.group, job.round_id);
     return s;
   }
-  const absl::Time started = absl::Now();
+  if (!fired) started = absl::Now();
   absl::Time launched = started;  // the last stage's launches done
-  uint32_t go = 0;
-  bool fired = Fire(job.group, job.round_id, &go);
+  // Not let go above: every armed round is called off first (this group's, of a round that never
+  // transferred, and other groups', whose waits could hold up launches queued behind them).
   if (fired) {
     const int stage = ArmableStage(schedule);
     std::set<int32_t> busy;

@@ -26,7 +26,7 @@ CopyItem ItemFor(const CopyDescriptor& d) {
 
 // A quantizing descriptor's item (kQuantize, kScale): its [rows, inner] region, read at `src`,
 // written at `dst` with rows (codes) or block rows (scales) `dst_stride` apart. One unit per
-// block.
+// block (per kMxfp8RowsPerUnit blocks of MXFP8).
 CopyItem QuantizeItemFor(const CopyDescriptor& d, uint64_t src, uint64_t dst, int64_t dst_stride) {
   CopyItem it;
   it.src = src;
@@ -257,11 +257,12 @@ CopyWork DirectWork(const Plan& plan, const Message& m, const BufferAddresses& s
 
 namespace {
 
-// Unit `u` of a quantizing item: block (u / segments, u % segments) of its region, by
-// QuantizeRegion on that block alone (blocks are independent: the same bytes as the whole region).
+// Unit `u` of a quantizing item: the blocks (u / segments, u % segments) of its region stands for
+// (RowsPerUnit rows of them), by QuantizeRegion on them alone (blocks are independent: the same
+// bytes as the whole region).
 void QuantizeUnitOnHost(const CopyItem& it, int64_t u) {
   const int64_t bi = u / it.segments, bj = u % it.segments;
-  const int64_t r0 = bi * it.block_rows, c0 = bj * it.block_cols;
+  const int64_t r0 = bi * it.RowsPerUnit(), c0 = bj * it.block_cols;
   CopyDescriptor block;
   block.op = static_cast<CopyOp>(it.op);
   block.quant_format = it.quant_format;
@@ -270,7 +271,7 @@ void QuantizeUnitOnHost(const CopyItem& it, int64_t u) {
   block.src_dtype = static_cast<DType>(it.src_dtype);
   block.dst_dtype = static_cast<DType>(it.dst_dtype);
   block.outer_rank = 1;
-  block.count[0] = std::min<int64_t>(it.block_rows, it.count[2] - r0);
+  block.count[0] = std::min<int64_t>(it.RowsPerUnit(), it.count[2] - r0);  // whole blocks
   block.inner = std::min<int64_t>(it.block_cols, it.inner - c0);
   block.src_stride[0] = it.src_stride[2];
   const std::byte* src =
@@ -279,8 +280,9 @@ void QuantizeUnitOnHost(const CopyItem& it, int64_t u) {
     uint8_t* codes = reinterpret_cast<uint8_t*>(it.dst) + r0 * it.dst_stride[2] + c0;
     QuantizeRegion(block, src, codes, it.dst_stride[2], nullptr, 0);
   } else {
-    std::byte* scale = reinterpret_cast<std::byte*>(it.dst) + (bi * it.dst_stride[2] + bj) * DTypeSize(block.dst_dtype);
-    QuantizeRegion(block, src, nullptr, 0, scale, 0);
+    std::byte* scale =
+        reinterpret_cast<std::byte*>(it.dst) + (r0 / it.block_rows * it.dst_stride[2] + bj) * DTypeSize(block.dst_dtype);
+    QuantizeRegion(block, src, nullptr, 0, scale, it.dst_stride[2]);
   }
 }
 

@@ -470,12 +470,16 @@ __device__ __forceinline__ bool IsNanBits(uint32_t u, uint8_t dtype) {
 
 __device__ __forceinline__ uint8_t SignBit(uint32_t u, int size) { return (u >> (8 * size - 1)) & 1 ? 0x80 : 0; }
 
+// The top bit of a quantizing unit's format byte: its nr rows are nr blocks of one row (MXFP8),
+// not one block (Resolve, kMxfp8RowsPerUnit).
+constexpr uint8_t kRowsMode = 0x80;
+
 // A warp quantizes one block of nr x nc elements at s (rows ss elements apart): the max of |x|
 // over its finite elements, reduced across the lanes (max is exact and order-free), the block's
 // scale, then kQuantize: the codes e4m3(x / scale) at d (rows ds bytes apart), a NaN encoded from
 // its own bits (sign kept), not divided; kScale: the scale at d (fp32 bits, or an e8m0 byte).
-__device__ __forceinline__ void QuantizeBlock(const unsigned char* s, unsigned char* d, int nr, int nc, int64_t ss,
-                                              int64_t ds, uint8_t sdt, uint8_t op, uint8_t format, int lane) {
+__device__ __forceinline__ void QuantizeOneBlock(const unsigned char* s, unsigned char* d, int nr, int nc, int64_t ss,
+                                                 int64_t ds, uint8_t sdt, uint8_t op, uint8_t format, int lane) {
   const int size = Size(sdt);
   // bf16 blocks of whole 16-byte rows (128 x 128 blocks of row-major weights): 8 elements per
   // 16-byte load and 8 codes per 8-byte store, four loads in flight per lane. 2-byte loads one at
@@ -556,6 +560,62 @@ __device__ __forceinline__ void QuantizeBlock(const unsigned char* s, unsigned c
   }
 }
 
+// MXFP8, rows mode: nr (at most 8) blocks of one row of nc (at most 32) elements, rows ss
+// elements apart, each scaled on its own. bf16 rows of whole 16-byte chunks: four lanes a block,
+// a chunk each: the max over the block's lanes (xor 1, 2), its e8m0 code, then each lane's 8
+// codes (kQuantize: rows ds bytes apart) or the block's code by its first lane (kScale: rows ds
+// codes apart). Other rows: one block after another, as QuantizeOneBlock does them.
+__device__ __forceinline__ void QuantizeRows(const unsigned char* s, unsigned char* d, int nr, int nc, int64_t ss,
+                                             int64_t ds, uint8_t sdt, uint8_t op, uint8_t format, int lane) {
+  const bool quantize = op == static_cast<uint8_t>(CopyOp::kQuantize);
+  const bool vector = sdt == static_cast<uint8_t>(DType::kBF16) && nc % 8 == 0 && nc <= 32 && nr <= 8 &&
+                      ((reinterpret_cast<uint64_t>(s) | static_cast<uint64_t>(ss * 2)) & 15) == 0 &&
+                      (!quantize || ((reinterpret_cast<uint64_t>(d) | static_cast<uint64_t>(ds)) & 7) == 0);
+  if (!vector) {
+    const int size = Size(sdt);
+    for (int r = 0; r < nr; ++r) QuantizeOneBlock(s + r * ss * size, d + r * ds, 1, nc, ss, ds, sdt, op, format, lane);
+    return;
+  }
+  const int row = lane >> 2, chunk = lane & 3;
+  const bool on = row < nr && chunk < nc / 8;
+  uint4 v = make_uint4(0, 0, 0, 0);
+  if (on) v = *reinterpret_cast<const uint4*>(s + (static_cast<int64_t>(row) * ss + chunk * 8) * 2);
+  const uint32_t w[4] = {v.x, v.y, v.z, v.w};
+  float amax = 0.0f;
+#pragma unroll
+  for (int h = 0; h < 8; ++h) {
+    const float a = fabsf(__uint_as_float(h & 1 ? w[h / 2] & 0xFFFF0000u : w[h / 2] << 16));
+    if (isfinite(a) && a > amax) amax = a;
+  }
+  amax = fmaxf(amax, __shfl_xor_sync(0xFFFFFFFFu, amax, 1));
+  amax = fmaxf(amax, __shfl_xor_sync(0xFFFFFFFFu, amax, 2));
+  const uint8_t code = Mxfp8ScaleCode(amax);
+  if (!quantize) {
+    if (on && chunk == 0) d[row * ds] = code;
+    return;
+  }
+  if (!on) return;
+  const float scale = E8M0ToFloat(code);
+  uint32_t out[2] = {0, 0};
+#pragma unroll
+  for (int h = 0; h < 8; ++h) {
+    const uint32_t bits = h & 1 ? w[h / 2] >> 16 : w[h / 2] & 0xFFFFu;
+    const uint32_t q = IsNanBits(bits, sdt) ? (SignBit(bits, 2) | 0x7F)
+                                            : FloatToE4M3(__fdiv_rn(__uint_as_float(bits << 16), scale));
+    out[h / 4] |= q << (8 * (h % 4));
+  }
+  *reinterpret_cast<uint2*>(d + row * ds + chunk * 8) = make_uint2(out[0], out[1]);
+}
+
+__device__ __forceinline__ void QuantizeBlock(const unsigned char* s, unsigned char* d, int nr, int nc, int64_t ss,
+                                              int64_t ds, uint8_t sdt, uint8_t op, uint8_t format, int lane) {
+  if (format & kRowsMode) {
+    QuantizeRows(s, d, nr, nc, ss, ds, sdt, op, static_cast<uint8_t>(format & ~kRowsMode), lane);
+  } else {
+    QuantizeOneBlock(s, d, nr, nc, ss, ds, sdt, op, format, lane);
+  }
+}
+
 // The general kernel calls it (its own registers: inlined there, with tiles, it spilled); the
 // aligned kernel inlines it, as before tiles (no spills: a 16 GB bf16 -> fp8 refit 27.7 ms,
 // against 35.3 through the call).
@@ -574,20 +634,24 @@ __device__ __forceinline__ Unit Resolve(const CopyItem* items, const int64_t* un
   const CopyItem& it = items[lo];
   const int64_t local = u - unit_begin[lo];
   if (it.op != static_cast<uint8_t>(CopyOp::kCopy)) {
-    // Block (bi, bj) of the region.
+    // Block (bi, bj) of the region, or (MXFP8, one-row blocks) kMxfp8RowsPerUnit blocks down
+    // from block (bi * kMxfp8RowsPerUnit, bj), each scaled on its own (QuantizeBlock's rows mode).
+    const bool rows = it.quant_format == kCopyItemMxfp8 && it.block_rows == 1;
+    const int64_t g = rows ? kMxfp8RowsPerUnit : it.block_rows;
     const int64_t bi = local / it.segments, bj = local % it.segments;
-    const int64_t r0 = bi * it.block_rows, c0 = bj * it.block_cols;
-    const int64_t nr = min(static_cast<int64_t>(it.block_rows), it.count[2] - r0);
+    const int64_t r0 = bi * g, c0 = bj * it.block_cols;
+    const int64_t nr = min(g, it.count[2] - r0);
     const int64_t nc = min(static_cast<int64_t>(it.block_cols), it.inner - c0);
     Unit unit;
     unit.n = nr << 32 | nc;
     unit.s = it.src + (r0 * it.src_stride[2] + c0) * Size(it.src_dtype);
-    unit.d = it.op == static_cast<uint8_t>(CopyOp::kQuantize) ? it.dst + r0 * it.dst_stride[2] + c0
-                                                               : it.dst + (bi * it.dst_stride[2] + bj) * Size(it.dst_dtype);
+    unit.d = it.op == static_cast<uint8_t>(CopyOp::kQuantize)
+                 ? it.dst + r0 * it.dst_stride[2] + c0
+                 : it.dst + (r0 / it.block_rows * it.dst_stride[2] + bj) * Size(it.dst_dtype);
     unit.ss = it.src_stride[2];
     unit.ds = it.dst_stride[2];
     unit.dtypes = it.src_dtype | (static_cast<uint32_t>(it.dst_dtype) << 8) | (static_cast<uint32_t>(it.op) << 16) |
-                  (static_cast<uint32_t>(it.quant_format) << 24);
+                  (static_cast<uint32_t>(it.quant_format | (rows ? kRowsMode : 0)) << 24);
     return unit;
   }
   if (kTiles && it.tiled) {

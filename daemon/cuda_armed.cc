@@ -112,6 +112,7 @@ void CudaBackend::RoundPreparing(TransferJob job) {
   std::unique_ptr<ArmGate>& slot = armed_[group];
   if (slot == nullptr) slot = std::make_unique<ArmGate>();
   slot->pending = job.round_id;
+  slot->prepared = -1;  // its workers answer after this (WorkersPrepared): not an older round's answer
   if (auto it = to_arm_.find(group); it != to_arm_.end()) {
     replaced = std::exchange(it->second, std::move(job));
   } else {

@@ -344,10 +344,10 @@ absl::StatusOr<std::unique_ptr<CudaBackend>> CudaBackend::Start(const std::vecto
     int least = 0, greatest = 0;
     REFIT_CUDA_RETURN_IF_ERROR(cudaDeviceGetStreamPriorityRange(&least, &greatest), "stream priorities");
     // Loaded now: CUDA loads a kernel at its first launch, which may wait for the GPU's other
-    // work, and WorkersPrepared and ArmAhead launch it holding the group. Not fatal: loaded at first use
-    // then (added after the session's last GPU run: a warning, not a daemon that will not start).
-    if (const cudaError_t e = LoadNothing(); e != cudaSuccess) {
-      Logger("data")->warn("GPU {}: the empty kernel not loaded ahead ({}); it loads at its first launch", g,
+    // work (armed rounds of other groups included), and WorkersPrepared and ArmAhead launch them
+    // holding the group. Not fatal: loaded at first use then.
+    if (const cudaError_t e = LoadKernels(); e != cudaSuccess) {
+      Logger("data")->warn("GPU {}: the copy kernels not loaded ahead ({}); they load at their first launch", g,
                            cudaGetErrorString(e));
       cudaGetLastError();
     }
@@ -584,6 +584,7 @@ absl::StatusOr<CudaBackend::Prepared*> CudaBackend::PreparedFor(Group& g, const 
     return g.prepared.get();
   }
   DropPrepared(g);
+  ++g.generation;  // a new schedule: whatever was armed on the old one is not this one's work
   auto p = std::make_unique<Prepared>();
   p->plan = job.plan;
   p->src = src;
@@ -827,7 +828,7 @@ absl::StatusOr<TransferStats> CudaBackend::Transfer(const TransferJob& job) {
   absl::Time started = absl::Now();  // the data plane's start: let go, or the first launch
   uint32_t go = 0;
   bool fired = arm_rounds_ && Fire(job.group, job.round_id, &go);
-  const Prepared* const armed_with = fired ? g.prepared.get() : nullptr;
+  const uint64_t armed_with = g.generation;
   const BufferAddresses src = AddressesOf(job.src), dst = AddressesOf(job.dst);
   DeviceGuard guard;  // the caller's device again when done; declared after the lease: restored first
   // Whichever way the transfer fails: abort NCCL (its kernels may wait on a dead peer), let the
@@ -845,7 +846,9 @@ absl::StatusOr<TransferStats> CudaBackend::Transfer(const TransferJob& job) {
   auto prepared = PreparedFor(g, job, src, dst);
   if (!prepared.ok()) return prepared.status();
   const Prepared& p = **prepared;
-  if (fired && &p != armed_with) fired = false;  // rebuilt: the old schedule's fence waited for it
+  // Rebuilt (a generation, not the address: a new Prepared may take the old one's): the old
+  // schedule's fence waited for what was let go, and this round is launched below.
+  if (fired && (g.generation != armed_with || ArmableStage(p.schedule) < 0)) fired = false;
   const NodeSchedule& schedule = p.schedule;
   NodeCommunicator* comm = nullptr;
   if (schedule.uses_network) {
@@ -881,9 +884,10 @@ absl::StatusOr<TransferStats> CudaBackend::Transfer(const TransferJob& job) {
       fired = false;
     }
   } else {
-    if (arm_rounds_) CallOff(job.group, job.round_id);  // its arm, if still queued, arms nothing now
     DisarmAll();
   }
+  // A second arm of this round still queued (a PREPARE of the same id again) arms nothing now.
+  if (arm_rounds_) CallOff(job.group, job.round_id);
   for (const auto& [gpu, on] : p.gpus) {
     if (fired || !on.start) continue;
     REFIT_RETURN_IF_ERROR(guard.Set(gpu));

@@ -67,6 +67,7 @@ struct CudaBackend::Group {
   };
   std::map<int32_t, Streams> streams;  // by GPU
   std::unique_ptr<Prepared> prepared;
+  uint64_t generation = 0;  // schedules prepared so far (PreparedFor): what an armed round was made on
   std::unique_ptr<NodeCommunicator> comm;
 };
 

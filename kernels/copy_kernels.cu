@@ -820,9 +820,14 @@ __global__ void GateKernel(const uint32_t* host_word, uint32_t go, uint32_t* gat
   if (decided != nullptr) *reinterpret_cast<volatile uint32_t*>(decided) = g;
 }
 
-cudaError_t LoadNothing() {
+cudaError_t LoadKernels() {
   cudaFuncAttributes attributes;
-  return cudaFuncGetAttributes(&attributes, NothingKernel);
+  for (const void* f : {reinterpret_cast<const void*>(NothingKernel), reinterpret_cast<const void*>(GateKernel),
+                        reinterpret_cast<const void*>(CopyItemsKernel<true>),
+                        reinterpret_cast<const void*>(CopyItemsKernel<false>)}) {
+    if (const cudaError_t e = cudaFuncGetAttributes(&attributes, f); e != cudaSuccess) return e;
+  }
+  return cudaSuccess;
 }
 
 cudaError_t LaunchNothing(cudaStream_t stream) {

@@ -47,8 +47,9 @@ cudaError_t LaunchGate(const uint32_t* host_word, uint32_t go, uint32_t* gate, u
 // A kernel that does nothing: launched only for the GPU to switch to this process's context
 // (daemon/cuda_backend.cc, WorkersPrepared).
 cudaError_t LaunchNothing(cudaStream_t stream);
-// Loads that kernel into the current device's context (lazy loading would at its first launch).
-cudaError_t LoadNothing();
+// Loads these kernels (the empty one, the gate, both copy kernels) into the current device's
+// context: lazy loading would at their first launch, which may wait for the GPU's other work.
+cudaError_t LoadKernels();
 
 // Whether `work`'s units are large enough for `spread` (1 KiB or more on average). Tiles made
 // units of short runs large (16 KiB by default), so spread is now the order for them too; the

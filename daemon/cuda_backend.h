@@ -16,7 +16,7 @@
 // device memory, staging, IPC imports, VMM handles/reservations/maps, NCCL ranks and
 // registrations, a device guard, mapped host words); this class only composes them, and its
 // destructor is the members' own, in declaration order, after calling off armed rounds and
-// joining the thread that bounds them.
+// joining the threads that arm them and bound them.
 //
 // Armed rounds (--arm-rounds, by default where MPS shares the GPUs: ArmRounds): a round copied
 // within the node is launched while its workers prepare, by a thread of this backend's own, held

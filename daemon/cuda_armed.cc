@@ -142,8 +142,10 @@ void CudaBackend::ArmAhead(const TransferJob& job) {
   // Not before the group's first round (no streams, no schedule yet), nor while a transfer of it
   // runs (too late). The group is held (leased, and warming_: a Transfer waits for it).
   std::unique_ptr<Group> g;
+  uint64_t released = 0;
   {
     absl::MutexLock lock(&mu_);
+    released = released_;
     auto it = groups_.find(job.group);
     if (!leased_.contains(job.group) && it != groups_.end() && it->second != nullptr && it->second->prepared != nullptr) {
       g = std::move(it->second);
@@ -158,7 +160,7 @@ void CudaBackend::ArmAhead(const TransferJob& job) {
   CallOff(job.group, std::nullopt);  // armed for an earlier round that never transferred
   const Prepared& p = *g->prepared;
   absl::Status armed = absl::CancelledError("its schedule is not armable");
-  if (p.plan == job.plan && ArmableStage(p.schedule) >= 0 && p.src == AddressesOf(job.src) &&
+  if (p.plan == job.plan && p.released == released && ArmableStage(p.schedule) >= 0 && p.src == AddressesOf(job.src) &&
       p.dst == AddressesOf(job.dst)) {
     armed = Arm(*g, job);
   }

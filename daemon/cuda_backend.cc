@@ -172,6 +172,7 @@ absl::Status CudaBackend::CommunicatorFor(Group& g, const TransferJob& job) {
 
 void CudaBackend::Forget(const std::string& handle, uint64_t base) {
   absl::MutexLock lock(&mu_);
+  ++released_;
   // Only entries that died: the same handle may have been opened again meanwhile (the driver
   // counts opens in one context, so a new import of it has the same base).
   if (auto it = opened_.find(handle); it != opened_.end() && it->second.expired()) opened_.erase(it);
@@ -215,11 +216,13 @@ absl::StatusOr<std::unique_ptr<MappedBuffer>> CudaBackend::AllocateScratch(const
 
 void CudaBackend::ForgetScratch(uint64_t base) {
   absl::MutexLock lock(&mu_);
+  ++released_;
   scratch_by_base_.erase(base);
 }
 
 void CudaBackend::ForgetVmm(uint64_t base) {
   absl::MutexLock lock(&mu_);
+  ++released_;
   vmm_by_base_.erase(base);
 }
 
@@ -580,13 +583,22 @@ absl::Status CudaBackend::EnsureStreams(Group& g) {
 
 absl::StatusOr<CudaBackend::Prepared*> CudaBackend::PreparedFor(Group& g, const TransferJob& job, const BufferAddresses& src,
                                                                 const BufferAddresses& dst) {
-  if (g.prepared != nullptr && g.prepared->plan == job.plan && g.prepared->src == src && g.prepared->dst == dst) {
+  uint64_t released = 0;
+  {
+    absl::MutexLock lock(&mu_);
+    released = released_;
+  }
+  // The same home addresses are not enough once memory was released: a new import may sit at an
+  // old one's home address while the other GPUs' imports the schedule holds are gone.
+  if (g.prepared != nullptr && g.prepared->plan == job.plan && g.prepared->src == src && g.prepared->dst == dst &&
+      g.prepared->released == released) {
     return g.prepared.get();
   }
   DropPrepared(g);
   ++g.generation;  // a new schedule: whatever was armed on the old one is not this one's work
   auto p = std::make_unique<Prepared>();
   p->plan = job.plan;
+  p->released = released;
   p->src = src;
   p->dst = dst;
   for (const auto& [gpu, streams] : g.streams) {

@@ -191,6 +191,10 @@ class CudaBackend : public DataBackend {
   // names it).
   std::map<uint64_t, std::pair<uint64_t, int32_t>> scratch_by_base_ ABSL_GUARDED_BY(mu_);
   void ForgetScratch(uint64_t base) ABSL_LOCKS_EXCLUDED(mu_);
+  // Releases of memory so far (Forget, ForgetVmm, ForgetScratch): a schedule prepared before one
+  // may hold another GPU's import of memory that is gone, at a home address now someone else's
+  // (Prepared::released).
+  uint64_t released_ ABSL_GUARDED_BY(mu_) = 0;
   std::set<std::pair<std::string, int64_t>> active_ ABSL_GUARDED_BY(mu_);  // rounds transferring now
   std::map<std::pair<std::string, int64_t>, std::string> cancelled_ ABSL_GUARDED_BY(mu_);
   std::set<std::string> leased_ ABSL_GUARDED_BY(mu_);  // groups whose state a Transfer holds

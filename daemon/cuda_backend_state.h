@@ -51,7 +51,8 @@ struct CudaBackend::Prepared {
     Event start;  // the round's first work on this GPU
   };
   std::shared_ptr<const Plan> plan;
-  BufferAddresses src, dst;
+  BufferAddresses src, dst;  // home addresses (each buffer's owner GPU's)
+  uint64_t released = 0;     // CudaBackend::released_ before its addresses were resolved
   NodeSchedule schedule;
   std::map<int32_t, OnGpu> gpus;
   // Last: waits for the group's streams before any memory or event above is released.

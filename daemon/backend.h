@@ -97,7 +97,8 @@ class DataBackend {
   // A backend that ArmsRounds launches the round's work meanwhile, held back on the GPU until
   // Transfer lets it go (the cuda backend's armed rounds), on a thread of its own: the call
   // returns at once, and the job (job.holds: the node's workers, whose memory it names) is kept
-  // no longer than that. Never fails: what cannot be made ready is done by Transfer as usual.
+  // until the round is armed or dropped. Never fails: what cannot be made ready is done by
+  // Transfer as usual.
   virtual void RoundPreparing(TransferJob job) { (void)job; }
   // Whether RoundPreparing is wanted: the node then builds the whole job (its plan and buffers)
   // at PREPARE.

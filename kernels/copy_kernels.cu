@@ -470,6 +470,32 @@ __device__ __forceinline__ bool IsNanBits(uint32_t u, uint8_t dtype) {
 
 __device__ __forceinline__ uint8_t SignBit(uint32_t u, int size) { return (u >> (8 * size - 1)) & 1 ? 0x80 : 0; }
 
+// The max of `amax` and the finite |x| of eight bf16 (a 16-byte chunk).
+__device__ __forceinline__ float Bf16ChunkAmax(const uint4& v, float amax) {
+  const uint32_t w[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+  for (int h = 0; h < 8; ++h) {
+    const float a = fabsf(__uint_as_float(h & 1 ? w[h / 2] & 0xFFFF0000u : w[h / 2] << 16));
+    if (isfinite(a) && a > amax) amax = a;
+  }
+  return amax;
+}
+
+// Eight bf16 (a 16-byte chunk) as e4m3 codes of x / scale, a NaN encoded from its own bits.
+__device__ __forceinline__ uint2 Bf16ChunkCodes(const uint4& v, float scale) {
+  const uint32_t w[4] = {v.x, v.y, v.z, v.w};
+  uint32_t code[2] = {0, 0};
+#pragma unroll
+  for (int h = 0; h < 8; ++h) {
+    const uint32_t bits = h & 1 ? w[h / 2] >> 16 : w[h / 2] & 0xFFFFu;
+    const uint32_t q = IsNanBits(bits, static_cast<uint8_t>(DType::kBF16))
+                           ? (SignBit(bits, 2) | 0x7F)
+                           : FloatToE4M3(__fdiv_rn(__uint_as_float(bits << 16), scale));
+    code[h / 4] |= q << (8 * (h % 4));
+  }
+  return make_uint2(code[0], code[1]);
+}
+
 // The top bit of a quantizing unit's format byte: its nr rows are nr blocks of one row (MXFP8),
 // not one block (Resolve, kMxfp8RowsPerUnit).
 constexpr uint8_t kRowsMode = 0x80;
@@ -503,13 +529,7 @@ __device__ __forceinline__ void QuantizeOneBlock(const unsigned char* s, unsigne
       }
 #pragma unroll
       for (int i = 0; i < kInFlight; ++i) {
-        if (k0 + 32 * i >= chunks) continue;
-        const uint32_t w[4] = {v[i].x, v[i].y, v[i].z, v[i].w};
-#pragma unroll
-        for (int h = 0; h < 8; ++h) {
-          const float a = fabsf(__uint_as_float(h & 1 ? w[h / 2] & 0xFFFF0000u : w[h / 2] << 16));
-          if (isfinite(a) && a > amax) amax = a;
-        }
+        if (k0 + 32 * i < chunks) amax = Bf16ChunkAmax(v[i], amax);
       }
     }
   } else {
@@ -534,18 +554,8 @@ __device__ __forceinline__ void QuantizeOneBlock(const unsigned char* s, unsigne
   }
   if (vector) {
     for (int k = lane; k < chunks; k += 32) {
-      const uint4 v = *chunk_at(k);
-      const uint32_t w[4] = {v.x, v.y, v.z, v.w};
-      uint32_t code[2] = {0, 0};
-#pragma unroll
-      for (int h = 0; h < 8; ++h) {
-        const uint32_t bits = h & 1 ? w[h / 2] >> 16 : w[h / 2] & 0xFFFFu;
-        const uint32_t q = IsNanBits(bits, sdt) ? (SignBit(bits, 2) | 0x7F)
-                                                : FloatToE4M3(__fdiv_rn(__uint_as_float(bits << 16), scale));
-        code[h / 4] |= q << (8 * (h % 4));
-      }
       *reinterpret_cast<uint2*>(d + static_cast<int64_t>(k / chunks_per_row) * ds + (k % chunks_per_row) * 8) =
-          make_uint2(code[0], code[1]);
+          Bf16ChunkCodes(*chunk_at(k), scale);
     }
     return;
   }
@@ -580,13 +590,7 @@ __device__ __forceinline__ void QuantizeRows(const unsigned char* s, unsigned ch
   const bool on = row < nr && chunk < nc / 8;
   uint4 v = make_uint4(0, 0, 0, 0);
   if (on) v = *reinterpret_cast<const uint4*>(s + (static_cast<int64_t>(row) * ss + chunk * 8) * 2);
-  const uint32_t w[4] = {v.x, v.y, v.z, v.w};
-  float amax = 0.0f;
-#pragma unroll
-  for (int h = 0; h < 8; ++h) {
-    const float a = fabsf(__uint_as_float(h & 1 ? w[h / 2] & 0xFFFF0000u : w[h / 2] << 16));
-    if (isfinite(a) && a > amax) amax = a;
-  }
+  float amax = Bf16ChunkAmax(v, 0.0f);
   amax = fmaxf(amax, __shfl_xor_sync(0xFFFFFFFFu, amax, 1));
   amax = fmaxf(amax, __shfl_xor_sync(0xFFFFFFFFu, amax, 2));
   const uint8_t code = Mxfp8ScaleCode(amax);
@@ -594,17 +598,7 @@ __device__ __forceinline__ void QuantizeRows(const unsigned char* s, unsigned ch
     if (on && chunk == 0) d[row * ds] = code;
     return;
   }
-  if (!on) return;
-  const float scale = E8M0ToFloat(code);
-  uint32_t out[2] = {0, 0};
-#pragma unroll
-  for (int h = 0; h < 8; ++h) {
-    const uint32_t bits = h & 1 ? w[h / 2] >> 16 : w[h / 2] & 0xFFFFu;
-    const uint32_t q = IsNanBits(bits, sdt) ? (SignBit(bits, 2) | 0x7F)
-                                            : FloatToE4M3(__fdiv_rn(__uint_as_float(bits << 16), scale));
-    out[h / 4] |= q << (8 * (h % 4));
-  }
-  *reinterpret_cast<uint2*>(d + row * ds + chunk * 8) = make_uint2(out[0], out[1]);
+  if (on) *reinterpret_cast<uint2*>(d + row * ds + chunk * 8) = Bf16ChunkCodes(v, E8M0ToFloat(code));
 }
 
 __device__ __forceinline__ void QuantizeBlock(const unsigned char* s, unsigned char* d, int nr, int nc, int64_t ss,

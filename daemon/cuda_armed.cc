@@ -138,21 +138,28 @@ void CudaBackend::ArmLoop() {
   left.swap(to_arm_);
 }
 
-void CudaBackend::ArmAhead(const TransferJob& job) {
-  // Not before the group's first round (no streams, no schedule yet), nor while a transfer of it
-  // runs (too late). The group is held (leased, and warming_: a Transfer waits for it).
-  std::unique_ptr<Group> g;
-  uint64_t released = 0;
-  {
-    absl::MutexLock lock(&mu_);
-    released = released_;
-    auto it = groups_.find(job.group);
-    if (!leased_.contains(job.group) && it != groups_.end() && it->second != nullptr && it->second->prepared != nullptr) {
-      g = std::move(it->second);
-      leased_.insert(job.group);
-      warming_.insert(job.group);
-    }
+std::unique_ptr<CudaBackend::Group> CudaBackend::TakeToWarm(const std::string& group, uint64_t* released) {
+  absl::MutexLock lock(&mu_);
+  if (released != nullptr) *released = released_;
+  auto it = groups_.find(group);
+  if (leased_.contains(group) || it == groups_.end() || it->second == nullptr || it->second->prepared == nullptr) {
+    return nullptr;
   }
+  leased_.insert(group);
+  warming_.insert(group);
+  return std::move(it->second);
+}
+
+void CudaBackend::GiveBackWarmed(const std::string& group, std::unique_ptr<Group> g) {
+  absl::MutexLock lock(&mu_);
+  groups_[group] = std::move(g);
+  leased_.erase(group);
+  warming_.erase(group);
+}
+
+void CudaBackend::ArmAhead(const TransferJob& job) {
+  uint64_t released = 0;
+  std::unique_ptr<Group> g = TakeToWarm(job.group, &released);  // none: too early, or too late
   if (g == nullptr) {
     CallOff(job.group, job.round_id);  // nothing armed for it: no longer pending (WorkersPrepared)
     return;
@@ -171,10 +178,7 @@ void CudaBackend::ArmAhead(const TransferJob& job) {
                            job.group, job.round_id, std::string(armed.message()));
     }
   }
-  absl::MutexLock lock(&mu_);
-  groups_[job.group] = std::move(g);
-  leased_.erase(job.group);
-  warming_.erase(job.group);
+  GiveBackWarmed(job.group, std::move(g));
 }
 
 void CudaBackend::WorkersPrepared(const std::string& group, int64_t round_id) {
@@ -192,18 +196,8 @@ void CudaBackend::WorkersPrepared(const std::string& group, int64_t round_id) {
       if (a.pending == round_id) return;  // about to be armed (Arm bounds it from now)
     }
   }
-  // Not before the group's first round (no streams yet), nor while a transfer of it runs.
-  std::unique_ptr<Group> g;
-  {
-    absl::MutexLock lock(&mu_);
-    auto it = groups_.find(group);
-    if (leased_.contains(group) || it == groups_.end() || it->second == nullptr || it->second->prepared == nullptr) {
-      return;
-    }
-    g = std::move(it->second);
-    leased_.insert(group);
-    warming_.insert(group);
-  }
+  std::unique_ptr<Group> g = TakeToWarm(group);
+  if (g == nullptr) return;
   // An empty kernel on each GPU the group's last round used, so that the GPU switches from the
   // workers' contexts to this one now (tests/bench/ipc_copy_bench,
   // "after_other_process_and_a_small_kernel"). Nothing to wait for; a failure to launch is left
@@ -215,10 +209,7 @@ void CudaBackend::WorkersPrepared(const std::string& group, int64_t round_id) {
       (void)LaunchNothing(g->streams.at(gpu).direct.get());
     }
   }
-  absl::MutexLock lock(&mu_);
-  groups_[group] = std::move(g);
-  leased_.erase(group);
-  warming_.erase(group);
+  GiveBackWarmed(group, std::move(g));
 }
 
 absl::Status CudaBackend::Arm(Group& g, const TransferJob& job) {

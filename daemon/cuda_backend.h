@@ -141,6 +141,11 @@ class CudaBackend : public DataBackend {
                                         const std::vector<uint64_t>& dst);
   // Waits for the group's streams, deregisters its staging from NCCL, frees its schedule.
   void DropPrepared(Group& g) ABSL_LOCKS_EXCLUDED(mu_, armed_mu_);
+  // The group's state for ArmAhead or WorkersPrepared to launch on (leased, and warming_: its
+  // Transfer waits for it), or null before its first round (no streams, no schedule yet) or while
+  // a transfer of it runs. `released`: released_ as it was then. GiveBackWarmed returns it.
+  std::unique_ptr<Group> TakeToWarm(const std::string& group, uint64_t* released = nullptr) ABSL_LOCKS_EXCLUDED(mu_);
+  void GiveBackWarmed(const std::string& group, std::unique_ptr<Group> g) ABSL_LOCKS_EXCLUDED(mu_);
   // Arms the rounds RoundPreparing queued, one at a time, until the backend goes.
   void ArmLoop() ABSL_LOCKS_EXCLUDED(armed_mu_);
   // Takes the group (as a Transfer would, marked warming_: its Transfer waits) and arms `job`'s

@@ -122,7 +122,7 @@ CudaBackend::~CudaBackend() {
     arm_queued_.SignalAll();
   }
   // The armer first: the jobs it drops may hold the last references to workers' memory, whose
-  // release calls back into this backend (Forget, DisarmAll).
+  // release calls back into this backend (ArmsHeldOff, Forget).
   if (armer_.joinable()) armer_.join();
   if (disarmer_.joinable()) disarmer_.join();
 }

@@ -257,9 +257,9 @@ CopyWork DirectWork(const Plan& plan, const Message& m, const BufferAddresses& s
 
 namespace {
 
-// Unit `u` of a quantizing item: the blocks (u / segments, u % segments) of its region stands for
-// (RowsPerUnit rows of them), by QuantizeRegion on them alone (blocks are independent: the same
-// bytes as the whole region).
+// Unit `u` of a quantizing item: its RowsPerUnit rows of blocks at (u / segments, u % segments)
+// (one block; MXFP8: eight one-row blocks), by QuantizeRegion on them alone (blocks are
+// independent: the same bytes as the whole region).
 void QuantizeUnitOnHost(const CopyItem& it, int64_t u) {
   const int64_t bi = u / it.segments, bj = u % it.segments;
   const int64_t r0 = bi * it.RowsPerUnit(), c0 = bj * it.block_cols;

@@ -17,8 +17,9 @@
 // a [count[2], inner] region of a 2-D weight, rows src_stride[2] apart, cut into blocks of
 // block_rows x block_cols (the last block row and column partial): one unit per block (MXFP8's
 // 1 x 32 blocks: kMxfp8RowsPerUnit of them stacked), a block never split. kQuantize writes the
-// block's e4m3 codes at dst, rows dst_stride[2] bytes apart; kScale writes its scale (fp32 for block fp8, an e8m0 byte for MXFP8) into a row-major grid at
-// dst, block rows dst_stride[2] scales apart. Pack items of a message write codes (rows packed)
+// block's e4m3 codes at dst, rows dst_stride[2] bytes apart; kScale writes its scale (fp32 for
+// block fp8, an e8m0 byte for MXFP8) into a row-major grid at dst, block rows dst_stride[2]
+// scales apart. Pack items of a message write codes (rows packed)
 // or the packed grid into staging; direct items write them into the destination tensors.
 // Unpacking either is a plain copy item (codes byte by byte, the grid's rows into the scale
 // tensor's), as plan/host_copy.h's UnpackMessage does.

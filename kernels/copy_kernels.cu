@@ -814,6 +814,28 @@ __global__ void GateKernel(const uint32_t* host_word, uint32_t go, uint32_t* gat
   if (decided != nullptr) *reinterpret_cast<volatile uint32_t*>(decided) = g;
 }
 
+// LaunchWaitingGate's kernel: GateKernel that waits for the word itself (no stream wait before
+// it), reading it every `sleep_ns` (0: back to back). Reaching go or past it is cuStreamWaitValue32's
+// GEQ, wrapping: the signed difference not negative.
+__global__ void WaitingGateKernel(const uint32_t* host_word, uint32_t go, uint32_t* gate, uint32_t* decided,
+                                  unsigned sleep_ns) {
+  uint32_t word;
+  while (true) {
+    asm volatile("ld.acquire.sys.u32 %0, [%1];" : "=r"(word) : "l"(host_word) : "memory");
+    if (static_cast<int32_t>(word - go) >= 0) break;
+    if (sleep_ns > 0) __nanosleep(sleep_ns);
+  }
+  const uint32_t g = word == go ? go : 0u;
+  *gate = g;
+  if (decided != nullptr) *reinterpret_cast<volatile uint32_t*>(decided) = g;
+}
+
+cudaError_t LaunchWaitingGate(const uint32_t* host_word, uint32_t go, uint32_t* gate, uint32_t* decided,
+                              unsigned sleep_ns, cudaStream_t stream) {
+  WaitingGateKernel<<<1, 1, 0, stream>>>(host_word, go, gate, decided, sleep_ns);
+  return cudaGetLastError();
+}
+
 cudaError_t LoadKernels() {
   cudaFuncAttributes attributes;
   for (const void* f : {reinterpret_cast<const void*>(NothingKernel), reinterpret_cast<const void*>(GateKernel),
@@ -832,21 +854,52 @@ cudaError_t LaunchNothing(cudaStream_t stream) {
 cudaError_t LaunchCopyItems(const CopyItem* items, const int64_t* unit_begin, int n_items,
                             int64_t total_units, cudaStream_t stream, bool spread, bool aligned_only,
                             const uint32_t* gate, uint32_t go) {
+  return LaunchCopyItemsShaped(items, unit_begin, n_items, total_units, stream, spread, aligned_only,
+                               DefaultCopyLaunchShape(aligned_only), gate, go);
+}
+
+CopyLaunchShape DefaultCopyLaunchShape(bool aligned_only) {
+  CopyLaunchShape shape;
+  // The aligned kernel's units are long runs (segments up to 16 KiB): batches of 8 end the warps'
+  // work evenly, where batches of 21 (a 1 GB model's 174k units) left the last wave's warps
+  // copying 120 KB each. One H200, local_copy_bench, same call (session 19): 1 GB 0.5229 ->
+  // 0.5098 ms, a 1 GB Qwen2.5-0.5B 0.5302 -> 0.5164, 16 GB 7.997 -> 7.968; the general kernel's
+  // tiles of short runs want the lanes' resolving spread wide (many-small-moe 2.07 -> 2.09 ms at
+  // 8, 2.25 at 1): 32 there.
+  if (aligned_only) shape.max_batch = 8;
+  return shape;
+}
+
+cudaError_t LaunchCopyItemsShaped(const CopyItem* items, const int64_t* unit_begin, int n_items, int64_t total_units,
+                                  cudaStream_t stream, bool spread, bool aligned_only, const CopyLaunchShape& shape,
+                                  const uint32_t* gate, uint32_t go) {
   if (n_items == 0 || total_units == 0) return cudaSuccess;
   constexpr int kThreads = 256;  // 8 warps
   // Units per batch: 1 while there are fewer units than warps to fill the GPU (large runs keep
   // every warp busy), up to 32 (a lane per unit) for tens of thousands of small ones.
-  constexpr int64_t kWarpsToFill = 8192;
-  const int batch = static_cast<int>(std::clamp<int64_t>(total_units / kWarpsToFill, 1, 32));
+  const int batch = static_cast<int>(
+      std::clamp<int64_t>(total_units / std::max<int64_t>(shape.warps_to_fill, 1), 1, std::clamp(shape.max_batch, 1, 32)));
   const int64_t batches = (total_units + batch - 1) / batch;
   const int64_t wanted = (batches + 7) / 8;
-  const int blocks = static_cast<int>(wanted < 4096 ? wanted : 4096);
+  const int blocks = static_cast<int>(std::min<int64_t>(wanted, std::max(shape.max_blocks, 1)));
   if (!aligned_only) {
     CopyItemsKernel<true><<<blocks, kThreads, 0, stream>>>(items, unit_begin, n_items, total_units, batch, spread, gate, go);
   } else {
     CopyItemsKernel<false><<<blocks, kThreads, 0, stream>>>(items, unit_begin, n_items, total_units, batch, spread, gate, go);
   }
   return cudaGetLastError();
+}
+
+int CopyKernelResidentBlocks(bool aligned_only) {
+  int device = 0, sms = 0, per_sm = 0;
+  if (cudaGetDevice(&device) != cudaSuccess ||
+      cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device) != cudaSuccess) {
+    return 0;
+  }
+  const void* f = aligned_only ? reinterpret_cast<const void*>(CopyItemsKernel<false>)
+                               : reinterpret_cast<const void*>(CopyItemsKernel<true>);
+  if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, f, 256, 0) != cudaSuccess) return 0;
+  return sms * per_sm;
 }
 
 cudaError_t LaunchGate(const uint32_t* host_word, uint32_t go, uint32_t* gate, uint32_t* decided, cudaStream_t stream) {

@@ -22,7 +22,7 @@
 namespace refit {
 
 // `items` and `unit_begin` (n_items + 1 entries) in device memory. A warp takes batches of up
-// to 32 units: consecutive ones, or, with `spread`, units a grid of warps apart, so that the warps
+// to 32 units (8 in the aligned kernel: DefaultCopyLaunchShape): consecutive ones, or, with `spread`, units a grid of warps apart, so that the warps
 // running at any moment work on neighbouring units. Spread helps runs of a kilobyte and more on
 // one GPU (a colocated 110 MB refit: 1.10 -> 0.72 ms on one H200) and hurts runs of a few hundred
 // bytes (99k small tensors: 4.9 -> 6.0 ms); see SpreadPays.
@@ -34,6 +34,21 @@ cudaError_t LaunchCopyItems(const CopyItem* items, const int64_t* unit_begin, in
                             int64_t total_units, cudaStream_t stream, bool spread = false, bool aligned_only = false,
                             const uint32_t* gate = nullptr, uint32_t go = 0);
 
+// The launch's shape: units per warp's batch (total_units / warps_to_fill, between 1 and
+// max_batch) and blocks (enough for every batch, at most max_blocks; the warps loop over what is
+// left). kernels/local_copy_bench varies it; LaunchCopyItems launches DefaultCopyLaunchShape.
+struct CopyLaunchShape {
+  int max_batch = 32;
+  int64_t warps_to_fill = 8192;
+  int max_blocks = 4096;
+};
+CopyLaunchShape DefaultCopyLaunchShape(bool aligned_only);
+cudaError_t LaunchCopyItemsShaped(const CopyItem* items, const int64_t* unit_begin, int n_items, int64_t total_units,
+                                  cudaStream_t stream, bool spread, bool aligned_only, const CopyLaunchShape& shape,
+                                  const uint32_t* gate = nullptr, uint32_t go = 0);
+// Blocks of the copy kernel resident at once on the current device (every SM full).
+int CopyKernelResidentBlocks(bool aligned_only);
+
 // Work launched ahead, at a round's PREPARE, and let go at its TRANSFER (daemon/cuda_backend.cc):
 // the caller makes the stream wait (cuStreamWaitValue32, the driver API, which this library does
 // not link) until the host-written word `host_word` (mapped host memory, at its device address)
@@ -43,6 +58,12 @@ cudaError_t LaunchCopyItems(const CopyItem* items, const int64_t* unit_begin, in
 // (mapped host memory, optional) gets what the gate was set to, for the host to check after the
 // stream ran: go, or the round's work did nothing.
 cudaError_t LaunchGate(const uint32_t* host_word, uint32_t go, uint32_t* gate, uint32_t* decided, cudaStream_t stream);
+
+// LaunchGate without the stream's wait before it: one thread reads `host_word` until it reaches
+// go (or what follows it), sleeping `sleep_ns` between reads, then sets the gate as LaunchGate
+// does. Holds a block slot of one SM while it waits (kernels/gate_bench measures both ways).
+cudaError_t LaunchWaitingGate(const uint32_t* host_word, uint32_t go, uint32_t* gate, uint32_t* decided,
+                              unsigned sleep_ns, cudaStream_t stream);
 
 // A kernel that does nothing: launched only for the GPU to switch to this process's context
 // (daemon/cuda_backend.cc, WorkersPrepared).

@@ -12,10 +12,10 @@
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 programs=(daemon/refitd client/refit-layout client/refitctl tests/workers/sim-worker-cuda daemon/cuda_vmm_test daemon/cuda_armed_test
-          client/cuda_export_test kernels/copy_kernels_test kernels/local_copy_bench tests/bench/ipc_copy_bench)
+          client/cuda_export_test kernels/copy_kernels_test kernels/local_copy_bench kernels/gate_bench tests/bench/ipc_copy_bench)
 if [ "${1:-}" = "--bundle" ]; then
   bazel build //daemon:refitd //client:refit-layout //client:refitctl //tests/workers:sim-worker-cuda \
-    //daemon:cuda_vmm_test //daemon:cuda_armed_test //client:cuda_export_test //kernels:copy_kernels_test //kernels:local_copy_bench //tests/bench:ipc_copy_bench 2>&1 | grep -E "ERROR|error:" && exit 1
+    //daemon:cuda_vmm_test //daemon:cuda_armed_test //client:cuda_export_test //kernels:copy_kernels_test //kernels:local_copy_bench //kernels:gate_bench //tests/bench:ipc_copy_bench 2>&1 | grep -E "ERROR|error:" && exit 1
   # Bazel's own output folder for these options: the bazel-bin link follows whichever build ran
   # last, and other builds (another config) may run in this workspace meanwhile.
   bin=$(bazel info bazel-bin 2>/dev/null) || exit 1

@@ -890,18 +890,6 @@ cudaError_t LaunchCopyItemsShaped(const CopyItem* items, const int64_t* unit_beg
   return cudaGetLastError();
 }
 
-int CopyKernelResidentBlocks(bool aligned_only) {
-  int device = 0, sms = 0, per_sm = 0;
-  if (cudaGetDevice(&device) != cudaSuccess ||
-      cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device) != cudaSuccess) {
-    return 0;
-  }
-  const void* f = aligned_only ? reinterpret_cast<const void*>(CopyItemsKernel<false>)
-                               : reinterpret_cast<const void*>(CopyItemsKernel<true>);
-  if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, f, 256, 0) != cudaSuccess) return 0;
-  return sms * per_sm;
-}
-
 cudaError_t LaunchGate(const uint32_t* host_word, uint32_t go, uint32_t* gate, uint32_t* decided, cudaStream_t stream) {
   GateKernel<<<1, 1, 0, stream>>>(host_word, go, gate, decided);
   return cudaGetLastError();

@@ -46,8 +46,6 @@ CopyLaunchShape DefaultCopyLaunchShape(bool aligned_only);
 cudaError_t LaunchCopyItemsShaped(const CopyItem* items, const int64_t* unit_begin, int n_items, int64_t total_units,
                                   cudaStream_t stream, bool spread, bool aligned_only, const CopyLaunchShape& shape,
                                   const uint32_t* gate = nullptr, uint32_t go = 0);
-// Blocks of the copy kernel resident at once on the current device (every SM full).
-int CopyKernelResidentBlocks(bool aligned_only);
 
 // Work launched ahead, at a round's PREPARE, and let go at its TRANSFER (daemon/cuda_backend.cc):
 // the caller makes the stream wait (cuStreamWaitValue32, the driver API, which this library does

@@ -10,11 +10,11 @@
 // --tile-run-bytes: runs shorter than this are tiled (kTileRunBytes as refitd runs); --split 1:
 // a stage's aligned items through the aligned kernel and the rest through the general one, two
 // launches (0: one launch, the aligned kernel only where every item allows it). --batch-caps,
-// --fill-warps, --block-waves: the launch's shape (CopyLaunchShape; batch cap 0: the kernel's
-// default; block waves in multiples of the blocks resident at once, 0 for LaunchCopyItems' cap).
+// --fill-warps, --blocks-per-sm: the launch's shape (CopyLaunchShape; batch cap 0: the kernel's
+// default; blocks at most this many times the SMs, 0 for LaunchCopyItems' cap).
 //   local_copy_bench --src t.json --dst i.json [--repeat 10] [--segments 16384,65536,262144] [--spread auto,0,1]
 //                    [--aligned-kernel 1] [--tile-run-bytes 512] [--split 0,1] [--batch-caps 32,8,4]
-//                    [--fill-warps 8192,2048] [--block-waves 0,1,2]
+//                    [--fill-warps 8192,2048] [--blocks-per-sm 0,1,2,3]
 #include <algorithm>
 #include <cstdio>
 #include <cstring>
@@ -61,8 +61,8 @@ struct Options {
   std::vector<int64_t> tile_run_bytes = {kTileRunBytes};
   std::vector<int> splits = {0};
   // The launch's shape (CopyLaunchShape): batch caps (0: each kernel's default), warps to fill,
-  // blocks in waves of the resident blocks (0: LaunchCopyItems' cap of 4096).
-  std::vector<int64_t> batch_caps = {0}, fill_warps = {8192}, block_waves = {0};
+  // blocks at most this many per SM (0: LaunchCopyItems' cap of 4096).
+  std::vector<int64_t> batch_caps = {0}, fill_warps = {8192}, blocks_per_sm = {0};
 };
 
 int Run(const std::string& src_path, const std::string& dst_path, const Options& o) {
@@ -88,6 +88,8 @@ int Run(const std::string& src_path, const std::string& dst_path, const Options&
   DeviceBuffer a(static_cast<size_t>(bytes)), b(static_cast<size_t>(bytes));
   cudaStream_t stream;
   REFIT_CUDA_CHECK(cudaStreamCreate(&stream));
+  int sms = 0;
+  REFIT_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
   for (int64_t segment : o.segments) {
    for (int spread : o.spreads) {
     for (int64_t tile_run : o.tile_run_bytes) {
@@ -135,12 +137,12 @@ int Run(const std::string& src_path, const std::string& dst_path, const Options&
     for (const Launch& st : launches) units += st.units, items += st.n, tiled_units += st.tiled_units, spread_used |= st.spread, aligned_used |= st.aligned;
     for (int64_t batch_cap : o.batch_caps) {
      for (int64_t fill : o.fill_warps) {
-      for (int64_t waves : o.block_waves) {
+      for (int64_t per_sm : o.blocks_per_sm) {
     auto shape_of = [&](const Launch& st) {
       CopyLaunchShape shape = DefaultCopyLaunchShape(st.aligned);
       if (batch_cap > 0) shape.max_batch = static_cast<int>(batch_cap);
       shape.warps_to_fill = fill;
-      if (waves > 0) shape.max_blocks = static_cast<int>(waves * CopyKernelResidentBlocks(st.aligned));
+      if (per_sm > 0) shape.max_blocks = static_cast<int>(per_sm * sms);
       return shape;
     };
     std::vector<float> tk, tc;
@@ -160,12 +162,12 @@ int Run(const std::string& src_path, const std::string& dst_path, const Options&
     std::printf("{\"bench\":\"local_copy_kernel\",\"src\":\"%s\",\"bytes\":%lld,\"items\":%lld,\"units\":%lld,"
                 "\"tiled_units\":%lld,\"segment_bytes\":%lld,\"tile_run_bytes\":%lld,\"split\":%d,\"launches\":%zu,"
                 "\"spread\":\"%s\",\"aligned_kernel\":%s,\"batch_cap\":%lld,\"fill_warps\":%lld,"
-                "\"block_waves\":%lld,\"runs\":%d,\"kernel_ms\":%.4f,"
+                "\"blocks_per_sm\":%lld,\"runs\":%d,\"kernel_ms\":%.4f,"
                 "\"memcpy_d2d_ms\":%.4f,\"kernel_vs_memcpy\":%.3f}\n",
                 src_path.c_str(), (long long)bytes, (long long)items, (long long)units, (long long)tiled_units,
                 (long long)segment, (long long)tile_run, split, launches.size(),
                 spread < 0 ? (spread_used ? "auto:1" : "auto:0") : (spread ? "1" : "0"),
-                aligned_used ? "true" : "false", (long long)batch_cap, (long long)fill, (long long)waves, o.repeat,
+                aligned_used ? "true" : "false", (long long)batch_cap, (long long)fill, (long long)per_sm, o.repeat,
                 Median(tk), Median(tc), Median(tc) / Median(tk));
     std::fflush(stdout);
       }
@@ -201,7 +203,7 @@ int main(int argc, char** argv) {
     else if (flag == "--tile-run-bytes") o.tile_run_bytes = list(value);
     else if (flag == "--batch-caps") o.batch_caps = list(value);
     else if (flag == "--fill-warps") o.fill_warps = list(value);
-    else if (flag == "--block-waves") o.block_waves = list(value);
+    else if (flag == "--blocks-per-sm") o.blocks_per_sm = list(value);
     else if (flag == "--split") {
       o.splits.clear();
       for (int64_t v : list(value)) o.splits.push_back(v != 0);
@@ -213,10 +215,10 @@ int main(int argc, char** argv) {
     }
   }
   if (src.empty() || dst.empty() || o.segments.empty() || o.spreads.empty() || o.tile_run_bytes.empty() || o.splits.empty() ||
-      o.batch_caps.empty() || o.fill_warps.empty() || o.block_waves.empty()) {
+      o.batch_caps.empty() || o.fill_warps.empty() || o.blocks_per_sm.empty()) {
     std::fprintf(stderr, "usage: local_copy_bench --src T.json --dst I.json [--repeat N] [--segments B,B,...] [--spread auto,0,1] "
                          "[--aligned-kernel 0|1] [--tile-run-bytes B,B,...] [--split 0,1] [--batch-caps N,...] "
-                         "[--fill-warps N,...] [--block-waves N,...]\n");
+                         "[--fill-warps N,...] [--blocks-per-sm N,...]\n");
     return 2;
   }
   return refit::Run(src, dst, o);

@@ -839,6 +839,7 @@ cudaError_t LaunchWaitingGate(const uint32_t* host_word, uint32_t go, uint32_t* 
 cudaError_t LoadKernels() {
   cudaFuncAttributes attributes;
   for (const void* f : {reinterpret_cast<const void*>(NothingKernel), reinterpret_cast<const void*>(GateKernel),
+                        reinterpret_cast<const void*>(WaitingGateKernel),
                         reinterpret_cast<const void*>(CopyItemsKernel<true>),
                         reinterpret_cast<const void*>(CopyItemsKernel<false>)}) {
     if (const cudaError_t e = cudaFuncGetAttributes(&attributes, f); e != cudaSuccess) return e;

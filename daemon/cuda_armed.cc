@@ -270,19 +270,13 @@ absl::Status CudaBackend::Arm(Group& g, const TransferJob& job) {
     auto* gate = static_cast<uint32_t*>(a->gate.at(gpu).get());
     const cudaStream_t stream = g.streams.at(gpu).direct.get();
     REFIT_RETURN_IF_ERROR(guard.Set(gpu));
+    REFIT_RETURN_IF_ERROR(driver.value()->Check(
+        driver.value()->StreamWaitValue32(stream, reinterpret_cast<CUdeviceptr>(a->word.device()), go,
+                                          CU_STREAM_WAIT_VALUE_GEQ),
+        "cuStreamWaitValue32"));
     a->decided.at(gpu).Store(0);
-    if (waiting_gate_) {
-      REFIT_CUDA_RETURN_IF_ERROR(
-          LaunchWaitingGate(a->word.device(), go, gate, a->decided.at(gpu).device(), kGateSleepNs, stream),
-          "the armed round's gate");
-    } else {
-      REFIT_RETURN_IF_ERROR(driver.value()->Check(
-          driver.value()->StreamWaitValue32(stream, reinterpret_cast<CUdeviceptr>(a->word.device()), go,
-                                            CU_STREAM_WAIT_VALUE_GEQ),
-          "cuStreamWaitValue32"));
-      REFIT_CUDA_RETURN_IF_ERROR(LaunchGate(a->word.device(), go, gate, a->decided.at(gpu).device(), stream),
-                                 "the armed round's gate");
-    }
+    REFIT_CUDA_RETURN_IF_ERROR(LaunchGate(a->word.device(), go, gate, a->decided.at(gpu).device(), stream),
+                               "the armed round's gate");
     // The round's first work on this GPU: when it was let go.
     REFIT_CUDA_RETURN_IF_ERROR(cudaEventRecord(on.start.get(), stream), "cudaEventRecord");
     for (const auto& d : on.direct[stage]) {

@@ -325,7 +325,6 @@ absl::StatusOr<std::unique_ptr<CudaBackend>> CudaBackend::Start(const std::vecto
   }
   cudaGetLastError();
   b->arm_rounds_ = arm_rounds == ArmRounds::kAlways || (arm_rounds == ArmRounds::kAuto && mps);
-  b->waiting_gate_ = mps;
   if (b->arm_rounds_) {
     b->disarmer_ = std::thread([p = b.get()] { p->DisarmLoop(); });
     b->armer_ = std::thread([p = b.get()] { p->ArmLoop(); });

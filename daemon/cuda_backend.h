@@ -20,8 +20,7 @@
 //
 // Armed rounds (--arm-rounds, by default where MPS shares the GPUs: ArmRounds): a round copied
 // within the node is launched while its workers prepare, by a thread of this backend's own, held
-// on the GPU by a gate waiting for a host word (a kernel reading it under MPS, else a stream
-// wait: waiting_gate_), and let go by its TRANSFER with one host store:
+// on the GPU by a stream wait for a host word, and let go by its TRANSFER with one host store:
 // the launches (cold API calls: 0.05 ms) leave the transfer phase, and PREPARE's answer does not
 // wait for them. Anything else calls it off (the gated copies then write nothing): an abort,
 // another round's transfer, a rebuilt schedule, any memory released (ArmsHeldOff), the backend's
@@ -186,15 +185,6 @@ class CudaBackend : public DataBackend {
   bool nccl_stream_priority_ = false;
   bool aligned_copy_kernel_ = true;
   bool arm_rounds_ = false;  // ArmRounds resolved at Start
-  // An armed round's gate: a kernel of one thread that reads the host word itself
-  // (LaunchWaitingGate) where MPS shares the GPUs, else a stream wait for the word, then the gate
-  // kernel. On one H200 the waiting kernel sees the word and lets the copies start 6-7 us sooner
-  // (kernels/gate_bench, session 19: 6.2-7.0 against 12.9-14.9 us from the store to seeing a copy
-  // done, less its GPU time). It holds a block slot of one SM while the workers prepare, which
-  // under MPS costs them nothing they would notice; without MPS it would keep this process's
-  // context on the GPU, time-slicing the workers' work with it.
-  bool waiting_gate_ = false;
-  static constexpr unsigned kGateSleepNs = 200;  // between its reads: 0-1000 ns measured the same
   int64_t staging_bytes_ = 0;
 
   std::atomic<int64_t> comms_built_{0}, comms_aborted_{0};  // for Communicators()

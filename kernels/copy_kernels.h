@@ -59,7 +59,11 @@ cudaError_t LaunchGate(const uint32_t* host_word, uint32_t go, uint32_t* gate, u
 
 // LaunchGate without the stream's wait before it: one thread reads `host_word` until it reaches
 // go (or what follows it), sleeping `sleep_ns` between reads, then sets the gate as LaunchGate
-// does. Holds a block slot of one SM while it waits (kernels/gate_bench measures both ways).
+// does. For kernels/gate_bench only: it lets copies start 6-7 us sooner than the stream wait, but
+// a kernel that runs while the workers prepare is one running when refitd is killed, and under
+// MPS killing a client whose kernel runs is a fatal error for every client of the GPU: the
+// trainers' and engines' contexts torn down, the GPU reset (tests/gpu/armed_faults.sh case 5,
+// session 19). A stream wait is not a running kernel.
 cudaError_t LaunchWaitingGate(const uint32_t* host_word, uint32_t go, uint32_t* gate, uint32_t* decided,
                               unsigned sleep_ns, cudaStream_t stream);
 

@@ -55,7 +55,8 @@ struct TransferStats {
   int64_t bytes_received = 0;  // over the network or NVLink
   int64_t bytes_local = 0;
   int64_t bytes_nvlink = 0;    // of bytes_received: from another GPU of this node
-  // Set by LogMoved: the data plane's own time, and when it began after the request arrived.
+  // Set by LogMoved (the cuda backend: LogRound): the data plane's own time, and when it began after
+  // the request arrived.
   double data_plane_ms = 0;
   double started_after_request_ms = -1;  // -1: not from a phase request
 };

@@ -920,7 +920,8 @@ void HostBackend::Cancel(const std::string& group, int64_t round_id, const std::
     } else {
       // Not begun here: its frames are late ones, and a Transfer of it ends at once.
       RememberEnded(key);
-      ended_[key].cancelled = absl::AbortedError(reason);
+      // The first reason stays: the node names the first worker lost as the culprit.
+      if (ended_[key].cancelled.ok()) ended_[key].cancelled = absl::AbortedError(reason);
       jobs_changed_.SignalAll();
     }
   }

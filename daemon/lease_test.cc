@@ -250,6 +250,25 @@ TEST_CASE("node agent: a lost worker is the culprit of its round; a group withou
         absl::StatusCode::kFailedPrecondition);
 }
 
+// Several workers lost in one round (a frozen daemon's workers all drop their sessions at once):
+// the first is the culprit, and the failure's words name the same worker.
+TEST_CASE("node agent: of several workers lost in a round, the first is its culprit and its reason") {
+  Node n;
+  REQUIRE(n.Prepare(1).ok());
+  REQUIRE(n.registry.Drop("policy/i0") != nullptr);
+  n.agent->WorkerLost("policy", "policy/i0", "its session ended");
+  REQUIRE(n.registry.Drop("policy/t0") != nullptr);
+  n.agent->WorkerLost("policy", "policy/t0", "its session ended");
+  v1::PhaseResponse out;
+  const absl::Status transfer = n.agent->RunPhase(Node::Phase(v1::PhaseRequest::TRANSFER, 1), &out);
+  CHECK(transfer.code() == absl::StatusCode::kAborted);
+  const std::optional<v1::Culprit> culprit = CulpritOf(transfer);
+  REQUIRE(culprit.has_value());
+  CHECK(culprit->worker_id() == "policy/i0");
+  CHECK(transfer.message().find("policy/i0") != absl::string_view::npos);
+  CHECK(transfer.message().find("policy/t0") == absl::string_view::npos);
+}
+
 // The coordinator's ABORT (another node failed first) can reach a node before the same round's
 // PREPARE: the PREPARE must not reopen the round (it used to, and waited for its workers).
 TEST_CASE("node agent: a PREPARE that arrives after its round's ABORT is refused at once") {

@@ -162,6 +162,11 @@ void LogLater(const std::string& logger, spdlog::level::level_enum level, std::s
   log_later_internal::Add(logger, level, [text = std::move(text)] { return text; });
 }
 
+void LogLaterMade(const std::string& logger, spdlog::level::level_enum level, std::function<std::string()> make_text) {
+  if (!LogLaterEnabled(logger, level)) return;
+  log_later_internal::Add(logger, level, std::move(make_text));
+}
+
 bool FlushLaterLogs(absl::Duration timeout) { return TheWriter().Flush(timeout); }
 
 }  // namespace refit

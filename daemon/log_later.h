@@ -66,6 +66,11 @@ void LogLater(const std::string& logger, spdlog::level::level_enum level, fmt::f
                             return fmt::vformat(format, fmt::make_format_args(args...));
                           });
 }
+// A line whose text `make_text` makes on the writer thread, from what it captured (by value: it
+// runs later, on another thread). For a line of many parts that only the caller can put together,
+// formatted off the hot path all the same.
+void LogLaterMade(const std::string& logger, spdlog::level::level_enum level, std::function<std::string()> make_text);
+
 // Blocks until every line logged before the call is written, or `timeout` passed (false then).
 bool FlushLaterLogs(absl::Duration timeout = absl::Seconds(5));
 

@@ -73,6 +73,33 @@ TEST_CASE("log later: arguments formatted later are the ones logged") {
   spdlog::drop("later_args");
 }
 
+// A line made on the writer thread: from what its maker captured, in order with the others, and
+// not at all below the logger's level (not even made).
+TEST_CASE("log later: a line made later is made from what was captured, in order") {
+  std::ostringstream out;
+  auto logger = std::make_shared<spdlog::logger>("later_made", std::make_shared<spdlog::sinks::ostream_sink_mt>(out));
+  logger->set_pattern("%v");
+  spdlog::register_logger(logger);
+  std::vector<int> parts = {1, 2, 3};
+  LogLater("later_made", spdlog::level::info, "before");
+  LogLaterMade("later_made", spdlog::level::info, [parts] {
+    std::string line = "parts:";
+    for (int p : parts) line += " " + std::to_string(p);
+    return line;
+  });
+  parts.push_back(4);  // after the line was logged: not in it
+  bool made = false;
+  LogLaterMade("later_made", spdlog::level::debug, [&made] {
+    made = true;
+    return std::string("below the level");
+  });
+  LogLater("later_made", spdlog::level::info, "after");
+  REQUIRE(FlushLaterLogs(absl::Seconds(10)));
+  CHECK(out.str() == "before\nparts: 1 2 3\nafter\n");
+  CHECK_FALSE(made);
+  spdlog::drop("later_made");
+}
+
 TEST_CASE("log later: every line, in order, with its time and its thread's group and round") {
   std::ostringstream out;
   auto logger = std::make_shared<spdlog::logger>("later_test", std::make_shared<spdlog::sinks::ostream_sink_mt>(out));

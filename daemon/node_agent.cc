@@ -203,15 +203,19 @@ std::shared_ptr<std::atomic<int64_t>> NodeAgent::AbortedRound(const std::string&
 
 void NodeAgent::WorkerLost(const std::string& group, const std::string& id, const std::string& reason) {
   int64_t round = -1;
+  const std::string why = absl::StrCat("worker \"", id, "\" on node ", node_, " left: ", reason);
   {
     absl::MutexLock lock(&mu_);
     if (auto it = active_rounds_.find(group); it != active_rounds_.end()) {
       round = it->second.round;
-      lost_workers_[group] = {round, id};
+      // The first worker lost in a round is its culprit, as the backends keep the first reason
+      // (several can go at once: a frozen daemon's workers all drop their sessions).
+      LostWorker& lost = lost_workers_[group];
+      if (lost.round != round) lost = LostWorker{round, id, why};
     }
   }
   if (round >= 0) {
-    backend_->Cancel(group, round, absl::StrCat("worker \"", id, "\" on node ", node_, " left: ", reason));
+    backend_->Cancel(group, round, why);
   } else {
     ForgetIfGone(group);
   }
@@ -485,13 +489,22 @@ absl::Status NodeAgent::Transfer(const std::string& group, const std::shared_ptr
                                  const v1::PhaseRequest& request, v1::PhaseResponse* response) {
   std::vector<std::shared_ptr<LocalWorker>> workers;
   auto job = JobFor(group, installed, request, workers);
-  if (!job.ok()) return job.status();
+  if (!job.ok()) {
+    // A worker missing from the registry: the first one lost in this round, if one was (not
+    // whichever of several comes first in the layouts).
+    absl::MutexLock lock(&mu_);
+    auto lost = lost_workers_.find(group);
+    if (lost != lost_workers_.end() && lost->second.round == request.round_id()) {
+      return WithCulprit(absl::AbortedError(lost->second.reason), WorkerCulprit(node_, lost->second.id, "TRANSFER"));
+    }
+    return job.status();
+  }
   auto stats = backend_->Transfer(*job);
   if (!stats.ok()) {
     absl::MutexLock lock(&mu_);
     auto lost = lost_workers_.find(group);
-    if (lost != lost_workers_.end() && lost->second.first == request.round_id()) {
-      return WithCulpritIfNone(stats.status(), WorkerCulprit(node_, lost->second.second, "TRANSFER"));
+    if (lost != lost_workers_.end() && lost->second.round == request.round_id()) {
+      return WithCulpritIfNone(stats.status(), WorkerCulprit(node_, lost->second.id, "TRANSFER"));
     }
     return stats.status();
   }

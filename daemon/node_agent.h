@@ -110,8 +110,13 @@ class NodeAgent {
 
   mutable absl::Mutex mu_;
   std::map<std::string, std::shared_ptr<const InstalledPlan>> installed_ ABSL_GUARDED_BY(mu_);
-  // group -> (round, worker): the worker whose loss cancelled that round's transfer here.
-  std::map<std::string, std::pair<int64_t, std::string>> lost_workers_ ABSL_GUARDED_BY(mu_);
+  // By group: the first worker whose loss cancelled a round's transfer here, and why.
+  struct LostWorker {
+    int64_t round = -1;
+    std::string id;
+    std::string reason;
+  };
+  std::map<std::string, LostWorker> lost_workers_ ABSL_GUARDED_BY(mu_);
   // The buffers of a group's last transfer, reused while the same local workers stay registered
   // (a model of 100k tensors would otherwise cost tens of milliseconds of lookups every round).
   std::map<std::string, std::shared_ptr<const Resolved>> resolved_ ABSL_GUARDED_BY(mu_);

@@ -839,7 +839,6 @@ cudaError_t LaunchWaitingGate(const uint32_t* host_word, uint32_t go, uint32_t* 
 cudaError_t LoadKernels() {
   cudaFuncAttributes attributes;
   for (const void* f : {reinterpret_cast<const void*>(NothingKernel), reinterpret_cast<const void*>(GateKernel),
-                        reinterpret_cast<const void*>(WaitingGateKernel),
                         reinterpret_cast<const void*>(CopyItemsKernel<true>),
                         reinterpret_cast<const void*>(CopyItemsKernel<false>)}) {
     if (const cudaError_t e = cudaFuncGetAttributes(&attributes, f); e != cudaSuccess) return e;
@@ -877,7 +876,7 @@ cudaError_t LaunchCopyItemsShaped(const CopyItem* items, const int64_t* unit_beg
   if (n_items == 0 || total_units == 0) return cudaSuccess;
   constexpr int kThreads = 256;  // 8 warps
   // Units per batch: 1 while there are fewer units than warps to fill the GPU (large runs keep
-  // every warp busy), up to 32 (a lane per unit) for tens of thousands of small ones.
+  // every warp busy), up to max_batch (32: a lane per unit) for tens of thousands of small ones.
   const int batch = static_cast<int>(
       std::clamp<int64_t>(total_units / std::max<int64_t>(shape.warps_to_fill, 1), 1, std::clamp(shape.max_batch, 1, 32)));
   const int64_t batches = (total_units + batch - 1) / batch;

@@ -70,7 +70,7 @@ cudaError_t LaunchWaitingGate(const uint32_t* host_word, uint32_t go, uint32_t* 
 // A kernel that does nothing: launched only for the GPU to switch to this process's context
 // (daemon/cuda_backend.cc, WorkersPrepared).
 cudaError_t LaunchNothing(cudaStream_t stream);
-// Loads these kernels (the empty one, both gates, both copy kernels) into the current device's
+// Loads these kernels (the empty one, the gate, both copy kernels) into the current device's
 // context: lazy loading would at their first launch, which may wait for the GPU's other work.
 cudaError_t LoadKernels();
 

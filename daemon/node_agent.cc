@@ -485,6 +485,13 @@ absl::StatusOr<TransferJob> NodeAgent::JobFor(const std::string& group,
   return job;
 }
 
+std::optional<NodeAgent::LostWorker> NodeAgent::LostIn(const std::string& group, int64_t round) const {
+  absl::MutexLock lock(&mu_);
+  auto lost = lost_workers_.find(group);
+  if (lost == lost_workers_.end() || lost->second.round != round) return std::nullopt;
+  return lost->second;
+}
+
 absl::Status NodeAgent::Transfer(const std::string& group, const std::shared_ptr<const InstalledPlan>& installed,
                                  const v1::PhaseRequest& request, v1::PhaseResponse* response) {
   std::vector<std::shared_ptr<LocalWorker>> workers;
@@ -492,19 +499,15 @@ absl::Status NodeAgent::Transfer(const std::string& group, const std::shared_ptr
   if (!job.ok()) {
     // A worker missing from the registry: the first one lost in this round, if one was (not
     // whichever of several comes first in the layouts).
-    absl::MutexLock lock(&mu_);
-    auto lost = lost_workers_.find(group);
-    if (lost != lost_workers_.end() && lost->second.round == request.round_id()) {
-      return WithCulprit(absl::AbortedError(lost->second.reason), WorkerCulprit(node_, lost->second.id, "TRANSFER"));
+    if (auto lost = LostIn(group, request.round_id())) {
+      return WithCulprit(absl::AbortedError(lost->reason), WorkerCulprit(node_, lost->id, "TRANSFER"));
     }
     return job.status();
   }
   auto stats = backend_->Transfer(*job);
   if (!stats.ok()) {
-    absl::MutexLock lock(&mu_);
-    auto lost = lost_workers_.find(group);
-    if (lost != lost_workers_.end() && lost->second.round == request.round_id()) {
-      return WithCulpritIfNone(stats.status(), WorkerCulprit(node_, lost->second.id, "TRANSFER"));
+    if (auto lost = LostIn(group, request.round_id())) {
+      return WithCulpritIfNone(stats.status(), WorkerCulprit(node_, lost->id, "TRANSFER"));
     }
     return stats.status();
   }

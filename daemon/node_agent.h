@@ -117,6 +117,8 @@ class NodeAgent {
     std::string reason;
   };
   std::map<std::string, LostWorker> lost_workers_ ABSL_GUARDED_BY(mu_);
+  // The worker whose loss cancelled `round` of `group` here, if one did.
+  std::optional<LostWorker> LostIn(const std::string& group, int64_t round) const ABSL_LOCKS_EXCLUDED(mu_);
   // The buffers of a group's last transfer, reused while the same local workers stay registered
   // (a model of 100k tensors would otherwise cost tens of milliseconds of lookups every round).
   std::map<std::string, std::shared_ptr<const Resolved>> resolved_ ABSL_GUARDED_BY(mu_);

@@ -454,44 +454,33 @@ PROBLEMS=()
 healthy_round "the first round" || setup_fail "${PROBLEMS[*]}"
 echo "setup: $BACKEND, MPS=$MPS, scale 1/$SCALE, $(python3 -c 'import json,sys; print(json.load(open(sys.argv[1])).get("bytes","?"))' "$RUN/round$V.json" 2>/dev/null) bytes a round, held engine $HELD (+${HOLD_MS} ms in PREPARE), first round ${HR_S}s, run dir $RUN"
 
-# --- case 1: kill -9 an engine while armed -------------------------------------------------------
-if begin; then
-  start_round
-  if await_armed; then
-    kill -9 "${WORKER_PID[$HELD]}"; wait "${WORKER_PID[$HELD]}" 2>/dev/null
-    if wait_round_end "$(add "$PREPARE_S" "$SLACK_S")" "$T_STRIKE"; then
-      check_failed_round "$HELD"
-    else
-      problem "the round did not end within $(add "$PREPARE_S" "$SLACK_S")s of the kill"
+# --- cases 1 and 2: kill -9 an engine, then a trainer, while armed -------------------------------
+# kill_case N NAME VICTIM TOLD_S: the round fails within PREPARE_S + SLACK_S naming VICTIM, every
+# survivor is told within TOLD_S, nobody commits it, refitd lives; VICTIM restarted, next round exact.
+kill_case() {
+  local n=$1 name=$2 victim=$3 told_s=$4
+  if begin; then
+    start_round
+    if await_armed; then
+      kill -9 "${WORKER_PID[$victim]}"; wait "${WORKER_PID[$victim]}" 2>/dev/null
+      if wait_round_end "$(add "$PREPARE_S" "$SLACK_S")" "$T_STRIKE"; then
+        check_failed_round "$victim"
+      else
+        problem "the round did not end within $(add "$PREPARE_S" "$SLACK_S")s of the kill"
+      fi
+      survivors_told "$told_s" "$victim"
+      no_commit_of_v
+      daemon_must_live
+      restart_victim "$victim"
+      recovery "kill -9 of $victim"
     fi
-    survivors_told "$(add "$PREPARE_S" "$SLACK_S")" "$HELD"
-    no_commit_of_v
-    daemon_must_live
-    restart_victim "$HELD"
-    recovery "kill -9 of $HELD"
   fi
-fi
-finish 1 kill-engine "round ${O_STATE:-?} ${ENDED_S:-?}s after the kill, culprit ${O_CULPRIT:-?}; restarted, next round committed byte-exact in ${REC_S:-?}s (armed before: $PRE_ARMED)"
-
-# --- case 2: kill -9 a trainer while armed (the armed copy reads its memory) ---------------------
-if begin; then
-  start_round
-  if await_armed; then
-    kill -9 "${WORKER_PID[$TRAINER]}"; wait "${WORKER_PID[$TRAINER]}" 2>/dev/null
-    if wait_round_end "$(add "$PREPARE_S" "$SLACK_S")" "$T_STRIKE"; then
-      check_failed_round "$TRAINER"
-    else
-      problem "the round did not end within $(add "$PREPARE_S" "$SLACK_S")s of the kill"
-    fi
-    # The held engine is told once its on_prepare returns (HOLD_MS).
-    survivors_told "$(add "$PREPARE_S" "$SLACK_S" "$HOLD_S" 1)" "$TRAINER"
-    no_commit_of_v
-    daemon_must_live
-    restart_victim "$TRAINER"
-    recovery "kill -9 of $TRAINER"
-  fi
-fi
-finish 2 kill-trainer "round ${O_STATE:-?} ${ENDED_S:-?}s after the kill, culprit ${O_CULPRIT:-?}; restarted, next round committed byte-exact in ${REC_S:-?}s (armed before: $PRE_ARMED)"
+  finish "$n" "$name" "round ${O_STATE:-?} ${ENDED_S:-?}s after the kill, culprit ${O_CULPRIT:-?}; restarted, next round committed byte-exact in ${REC_S:-?}s (armed before: $PRE_ARMED)"
+}
+kill_case 1 kill-engine "$HELD" "$(add "$PREPARE_S" "$SLACK_S")"
+# The trainer: the armed copy reads its memory. The held engine is told once its on_prepare
+# returns (HOLD_MS).
+kill_case 2 kill-trainer "$TRAINER" "$(add "$PREPARE_S" "$SLACK_S" "$HOLD_S" 1)"
 
 # --- case 3: SIGSTOP an engine in PREPARE past the PREPARE timeout --------------------------------
 if begin; then

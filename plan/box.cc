@@ -80,8 +80,7 @@ absl::StatusOr<Box> Box::Make(std::span<const int64_t> origin, std::span<const i
           absl::StrCat("box origin has a negative index ", origin[d], " in dimension ", d));
     }
     if (origin[d] > INT64_MAX - shape[d]) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("box end overflows int64 in dimension ", d));
+      return absl::InvalidArgumentError(absl::StrCat("box end overflows int64 in dimension ", d));
     }
     b.origin[d] = origin[d];
     b.shape[d] = shape[d];
@@ -205,6 +204,66 @@ size_t BoxHash::operator()(const Box& b) const {
     h ^= h >> 29;
   }
   return static_cast<size_t>(h);
+}
+
+namespace {
+
+// Union volume of boxes[ids] restricted to dimensions d and after (the earlier dimensions are
+// the caller's slab). The last dimension is an interval union.
+int64_t UnionVolumeFrom(std::span<const Box> boxes, std::vector<int32_t>& ids, int d) {
+  const int rank = boxes[ids[0]].rank;
+  if (d == rank) return 1;
+  if (d == rank - 1) {
+    std::sort(ids.begin(), ids.end(),
+              [&](int32_t a, int32_t b) { return boxes[a].origin[d] < boxes[b].origin[d]; });
+    int64_t volume = 0, lo = boxes[ids[0]].origin[d], hi = lo;
+    for (int32_t i : ids) {
+      const Box& b = boxes[i];
+      if (b.origin[d] > hi) {
+        volume += hi - lo;
+        lo = b.origin[d];
+        hi = lo;
+      }
+      hi = std::max(hi, b.end(d));
+    }
+    return volume + (hi - lo);
+  }
+  // A dimension every box spans alike is a factor, not a sweep.
+  bool alike = true;
+  for (int32_t i : ids) {
+    alike &= boxes[i].origin[d] == boxes[ids[0]].origin[d] &&
+             boxes[i].shape[d] == boxes[ids[0]].shape[d];
+  }
+  if (alike) return boxes[ids[0]].shape[d] * UnionVolumeFrom(boxes, ids, d + 1);
+  std::vector<int64_t> cuts;
+  cuts.reserve(2 * ids.size());
+  for (int32_t i : ids) cuts.push_back(boxes[i].origin[d]), cuts.push_back(boxes[i].end(d));
+  std::sort(cuts.begin(), cuts.end());
+  cuts.erase(std::unique(cuts.begin(), cuts.end()), cuts.end());
+  int64_t volume = 0;
+  std::vector<int32_t> slab;
+  slab.reserve(ids.size());
+  for (size_t c = 0; c + 1 < cuts.size(); ++c) {
+    slab.clear();
+    for (int32_t i : ids) {
+      if (boxes[i].origin[d] <= cuts[c] && boxes[i].end(d) >= cuts[c + 1]) slab.push_back(i);
+    }
+    if (!slab.empty()) volume += (cuts[c + 1] - cuts[c]) * UnionVolumeFrom(boxes, slab, d + 1);
+  }
+  return volume;
+}
+
+}  // namespace
+
+int64_t UnionVolume(std::span<const Box> boxes) {
+  std::vector<int32_t> ids;
+  ids.reserve(boxes.size());
+  for (size_t i = 0; i < boxes.size(); ++i) {
+    if (!boxes[i].IsEmpty()) ids.push_back(static_cast<int32_t>(i));
+  }
+  if (ids.empty()) return 0;
+  if (ids.size() == 1) return boxes[ids[0]].NumElements();
+  return UnionVolumeFrom(boxes, ids, 0);
 }
 
 }  // namespace refit

@@ -70,10 +70,48 @@ TEST_CASE("row-major strides and linear indices") {
 
 TEST_CASE("contiguity of a box in an array") {
   const Dims shape{4, 6};
-  CHECK(IsContiguousIn(B({1, 0}, {2, 6}), shape));   // whole rows
-  CHECK(IsContiguousIn(B({1, 2}, {1, 3}), shape));   // part of one row
+  CHECK(IsContiguousIn(B({1, 0}, {2, 6}), shape));  // whole rows
+  CHECK(IsContiguousIn(B({1, 2}, {1, 3}), shape));  // part of one row
   CHECK_FALSE(IsContiguousIn(B({1, 2}, {2, 3}), shape));
   CHECK(IsContiguousIn(B({3, 0, 0}, {1, 1, 5}), Dims{4, 2, 5}));
+}
+
+TEST_CASE("UnionVolume counts every element of overlapping boxes once") {
+  CHECK(UnionVolume({}) == 0);
+  CHECK(UnionVolume(std::vector<Box>{B({}, {}), B({}, {})}) == 1);
+  CHECK(UnionVolume(std::vector<Box>{B({0, 0}, {4, 4}), B({2, 2}, {4, 4})}) == 28);
+  CHECK(UnionVolume(std::vector<Box>{B({0, 0}, {4, 4}), B({4, 0}, {4, 4}), B({0, 0}, {8, 4})}) ==
+        32);
+  CHECK(UnionVolume(std::vector<Box>{B({0}, {0}), B({3}, {2})}) == 2);  // an empty box adds nothing
+  // Against counting the elements of a small grid, for random boxes of rank 1 to 3.
+  std::mt19937 rng(11);
+  for (int trial = 0; trial < 300; ++trial) {
+    const int rank = 1 + trial % 3;
+    std::vector<Box> boxes(1 + rng() % 7);
+    for (Box& b : boxes) {
+      b.rank = rank;
+      for (int d = 0; d < rank; ++d) {
+        b.origin[d] = rng() % 6;
+        b.shape[d] = rng() % 4;
+      }
+    }
+    int64_t counted = 0;
+    for (int x = 0; x < 10; ++x) {
+      for (int y = 0; y < (rank > 1 ? 10 : 1); ++y) {
+        for (int z = 0; z < (rank > 2 ? 10 : 1); ++z) {
+          const int64_t p[3] = {x, y, z};
+          bool in = false;
+          for (const Box& b : boxes) {
+            bool inside = true;
+            for (int d = 0; d < rank; ++d) inside &= p[d] >= b.origin[d] && p[d] < b.end(d);
+            in |= inside;
+          }
+          counted += in;
+        }
+      }
+    }
+    REQUIRE(UnionVolume(boxes) == counted);
+  }
 }
 
 }  // namespace

@@ -51,23 +51,6 @@ std::vector<Box> Disjoint(const std::vector<Box>& boxes) {
   return disjoint;
 }
 
-// Volume of the union of boxes (small lists: the destination nodes that need one region).
-int64_t UnionVolume(std::vector<Box>& boxes) {
-  // Usually the same few boxes, needed by many nodes: drop exact repeats first.
-  std::sort(boxes.begin(), boxes.end(), [](const Box& a, const Box& b) {
-    for (int d = 0; d < a.rank; ++d) {
-      if (a.origin[d] != b.origin[d]) return a.origin[d] < b.origin[d];
-      if (a.shape[d] != b.shape[d]) return a.shape[d] < b.shape[d];
-    }
-    return false;
-  });
-  boxes.erase(std::unique(boxes.begin(), boxes.end()), boxes.end());
-  if (boxes.size() == 1) return boxes[0].NumElements();
-  int64_t v = 0;
-  for (const Box& b : Disjoint(boxes)) v += b.NumElements();
-  return v;
-}
-
 class Planner {
  public:
   Planner(const Layout& src, const Layout& dst, const PlanOptions& options)

@@ -97,15 +97,20 @@ absl::StatusOr<NodeSchedule> BuildNodeSchedule(const Plan& plan, const ScheduleO
     Unit staged{&m, {}, false, 0};
     std::vector<Unit>& list = units[m.stage][{m.src_gpu, m.dst_gpu}];
     const size_t first_zero = list.size();
+    // What is not zero-copy is staged: the message's bytes less its zero-copy descriptors'. A
+    // plan slice (plan/plan_slice.h) keeps, of other nodes' messages, only the descriptors large
+    // enough to be zero-copy, so this holds there too.
+    int64_t zero_copy_bytes = 0;
     for (int64_t k = 0; k < m.num_descriptors; ++k) {
       const CopyDescriptor& d = plan.descriptor(m, k);
       if (IsZeroCopy(d, options.zero_copy_min_bytes)) {
         list.push_back(Unit{&m, {k}, true, d.WireBytes()});
-      } else {
-        if (local) staged.descriptors.push_back(k);
-        staged.bytes += d.WireBytes();
+        zero_copy_bytes += d.WireBytes();
+      } else if (local) {
+        staged.descriptors.push_back(k);
       }
     }
+    staged.bytes = m.bytes - zero_copy_bytes;
     if (staged.bytes > 0) list.insert(list.begin() + static_cast<std::ptrdiff_t>(first_zero), std::move(staged));
   }
   // Pass 2: steps. Pairs in rank order, each pair's units in order, every unit into the first

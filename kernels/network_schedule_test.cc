@@ -6,9 +6,11 @@
 
 #include <catch2/catch.hpp>
 #include <cstring>
+#include <deque>
 #include <set>
 
 #include "kernels/test_plans.h"
+#include "plan/plan_slice.h"
 #include "plan/planner.h"
 #include "plan/test_layouts.h"
 #include "plan/validate.h"
@@ -20,6 +22,7 @@ namespace {
 struct Cluster {
   std::vector<NodeSchedule> nodes;
   std::vector<std::vector<std::byte>> staging;  // kept alive for the schedules' addresses
+  std::deque<Plan> slices;                      // each node's slice, when built from slices
 };
 
 int32_t RankOf(const Plan& plan, int32_t node, int32_t gpu) {
@@ -29,8 +32,10 @@ int32_t RankOf(const Plan& plan, int32_t node, int32_t gpu) {
   return -1;
 }
 
+// `sliced`: each node builds its schedule from its own slice of the plan (plan/plan_slice.h), as
+// refitd does, instead of the whole plan.
 absl::StatusOr<Cluster> Build(const Plan& plan, const BufferAddresses& src, const BufferAddresses& dst, int64_t budget,
-                              int64_t zero_copy_min, int32_t max_depth, int64_t step_bytes = 0) {
+                              int64_t zero_copy_min, int32_t max_depth, int64_t step_bytes = 0, bool sliced = false) {
   Cluster c;
   std::set<int32_t> nodes;
   for (const PlanGpu& g : plan.gpus) nodes.insert(g.node);
@@ -43,8 +48,9 @@ absl::StatusOr<Cluster> Build(const Plan& plan, const BufferAddresses& src, cons
     options.max_depth = max_depth;
     options.segment_bytes = 64;
     options.step_bytes = step_bytes;
+    const Plan& own = sliced ? c.slices.emplace_back(SliceOfPlan(plan, node, zero_copy_min)) : plan;
     auto s = BuildNodeSchedule(
-        plan, options,
+        own, options,
         [&](int32_t) -> absl::StatusOr<std::pair<BufferAddresses, BufferAddresses>> {
           return std::make_pair(src, dst);
         },
@@ -61,8 +67,9 @@ absl::StatusOr<Cluster> Build(const Plan& plan, const BufferAddresses& src, cons
 }
 
 absl::StatusOr<Cluster> Build(TestRun& run, int64_t budget, int64_t zero_copy_min, int32_t max_depth,
-                              int64_t step_bytes = 0) {
-  return Build(run.t.plan, run.src.addresses(), run.got.addresses(), budget, zero_copy_min, max_depth, step_bytes);
+                              int64_t step_bytes = 0, bool sliced = false) {
+  return Build(run.t.plan, run.src.addresses(), run.got.addresses(), budget, zero_copy_min, max_depth, step_bytes,
+               sliced);
 }
 
 void Execute(const Plan& plan, Cluster& c) {
@@ -134,11 +141,14 @@ TEST_CASE("every node's schedule together lands every byte, at every depth, with
           for (const auto& [gpu, r] : n.region_bytes) region = std::max(region, r);
         }
         // A budget of exactly `depth` of the largest step: slots are reused as soon as allowed.
-        auto c = Build(run, std::max<int64_t>(region, 1) * depth, zero_copy_min, depth, step_bytes);
+        // Every other run from the nodes' slices: the same steps must come out (or the pairs'
+        // sends and receives would not match).
+        const bool sliced = (seed + depth) % 2 == 0;
+        auto c = Build(run, std::max<int64_t>(region, 1) * depth, zero_copy_min, depth, step_bytes, sliced);
         REQUIRE(c.ok());
         Execute(run.t.plan, *c);
         ExecuteOnHost(run.t.plan, run.src.memory, run.ref.memory);
-        INFO("seed " << seed << " zero-copy from " << zero_copy_min << " depth " << depth);
+        INFO("seed " << seed << " zero-copy from " << zero_copy_min << " depth " << depth << " sliced " << sliced);
         for (size_t b = 0; b < run.t.dst.buffers.size(); ++b) REQUIRE(run.ref.storage[b] == run.got.storage[b]);
         auto checked = CheckDestinations(run.t.src, run.t.dst, run.spec, run.got.memory);
         INFO(checked.status().message());

@@ -170,12 +170,7 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(const DaemonConfig& config
     peers.local_phase = [self](const v1::PhaseRequest& r, v1::PhaseResponse* out) {
       return self->agent_->RunPhase(r, out);
     };
-    peers.local_install = [self](const v1::InstallPlanRequest& r) {
-      // The coordinator planned these very layouts with the same options (GroupPlanner): its own
-      // node takes that plan instead of planning the epoch a second time.
-      std::shared_ptr<const GroupPlan> planned = self->planner_->Get(r.group());
-      return self->agent_->InstallPlan(r, planned->epoch == r.epoch() ? planned->plan : nullptr);
-    };
+    peers.local_install = [self](const v1::InstallPlanRequest& r) { return self->agent_->InstallPlan(r); };
     d->peers_ = std::make_unique<GrpcPeerClient>(std::move(peers));
     RoundDriverOptions rounds;
     rounds.self = config.node;

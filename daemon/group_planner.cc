@@ -1,5 +1,6 @@
 #include "daemon/group_planner.h"
 
+#include <algorithm>
 #include <set>
 
 #include "absl/strings/str_cat.h"
@@ -9,6 +10,7 @@
 #include "plan/planner.h"
 #include "plan/validate.h"
 #include "proto/layout_codec.h"
+#include "proto/plan_codec.h"
 
 namespace refit {
 
@@ -19,6 +21,28 @@ int64_t GroupPlanner::plannings() const {
   absl::MutexLock lock(&mu_);
   return plannings_;
 }
+
+int64_t GroupPlanner::reused() const {
+  absl::MutexLock lock(&mu_);
+  return reused_;
+}
+
+namespace {
+
+// The layout without its tensors and pieces: what a slice names (workers, buffers).
+std::shared_ptr<const Layout> WorkersAndBuffers(Layout layout) {
+  layout.tensors.clear();
+  layout.pieces.clear();
+  layout.boxes.clear();
+  layout.box_ids.clear();
+  layout.tensor_index.clear();
+  auto kept = std::make_shared<Layout>(std::move(layout));
+  kept->pieces.shrink_to_fit();
+  kept->boxes.shrink_to_fit();
+  return kept;
+}
+
+}  // namespace
 
 void GroupPlanner::Forget(const std::string& group) {
   absl::MutexLock lock(&mu_);
@@ -131,24 +155,48 @@ std::shared_ptr<const GroupPlan> GroupPlanner::Compute(const std::string& group,
     g->src = CompactLayoutToProto(*src, g->src.model());
     g->dst = CompactLayoutToProto(*dst, g->dst.model());
   }
-  if (s.ok()) s = ValidateLayout(*src, "source");
-  if (s.ok()) s = ValidateLayout(*dst, "destination");
+  v1::InstallPlanRequest probe;  // the options every node derives from the request
   if (s.ok()) {
-    v1::InstallPlanRequest probe;  // the options every node derives from the request
     *probe.mutable_source() = g->src;
     *probe.mutable_destination() = g->dst;
     probe.set_max_message_bytes(options_.max_message_bytes);
     probe.set_no_routing(!options_.routing);
     probe.set_max_relay_depth(options_.max_relay_depth);
-    auto plan = options_.make_plan ? options_.make_plan(*src, *dst, PlanOptionsFor(probe))
-                                   : MakePlan(*src, *dst, PlanOptionsFor(probe));
-    if (plan.ok()) {
-      Logger("plan")->info("group \"{}\" epoch {}: planned {} tensors, {} messages, {} bytes in {:.3f} s", group,
-                           g->epoch, plan->stats.tensors, plan->stats.messages, plan->stats.bytes_total,
-                           plan->stats.planning_seconds);
-      g->plan = std::make_shared<const refit::Plan>(*std::move(plan));
-    } else {
-      s = plan.status();
+    g->digest = PlanInputsDigest(g->src, g->dst, PlanOptionsFor(probe));
+    absl::MutexLock lock(&mu_);
+    for (auto it = kept_.begin(); it != kept_.end(); ++it) {
+      if (it->digest != g->digest) continue;
+      g->plan = it->plan;
+      g->src_layout = it->src_layout;
+      g->dst_layout = it->dst_layout;
+      g->reused = true;
+      ++reused_;
+      std::rotate(it, it + 1, kept_.end());  // the most recently used last
+      break;
+    }
+  }
+  if (s.ok() && g->reused) {
+    Logger("plan")->info("group \"{}\" epoch {}: the layouts of an earlier epoch (plan {}): its plan is reused",
+                         group, g->epoch, ShortHex(g->digest));
+  } else {
+    if (s.ok()) s = ValidateLayout(*src, "source");
+    if (s.ok()) s = ValidateLayout(*dst, "destination");
+    if (s.ok()) {
+      auto plan = options_.make_plan ? options_.make_plan(*src, *dst, PlanOptionsFor(probe))
+                                     : MakePlan(*src, *dst, PlanOptionsFor(probe));
+      if (plan.ok()) {
+        Logger("plan")->info("group \"{}\" epoch {}: planned {} tensors, {} messages, {} bytes in {:.3f} s (plan {})",
+                             group, g->epoch, plan->stats.tensors, plan->stats.messages, plan->stats.bytes_total,
+                             plan->stats.planning_seconds, ShortHex(g->digest));
+        g->plan = std::make_shared<const refit::Plan>(*std::move(plan));
+        g->src_layout = WorkersAndBuffers(*std::move(src));
+        g->dst_layout = WorkersAndBuffers(*std::move(dst));
+        absl::MutexLock lock(&mu_);
+        kept_.push_back({g->digest, g->plan, g->src_layout, g->dst_layout});
+        if (kept_.size() > kPlansKept) kept_.erase(kept_.begin());
+      } else {
+        s = plan.status();
+      }
     }
   }
   g->planning_time = absl::Now() - started;

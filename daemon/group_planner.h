@@ -36,8 +36,13 @@ struct GroupPlan {
   // expands to the very layouts planned here. Compacted once per epoch, with the plan.
   v1::Layout src, dst;
   std::shared_ptr<const Plan> plan;   // set when status is OK
-  // Decoding, validating and planning here (wall time): a daemon installing the plan does the
-  // same work, so RoundDriver's install deadline grows with it.
+  // What determines the plan (PlanInputsDigest: both compact layouts and the options): its
+  // identity on every node, and the key of the plans kept for a membership that comes back.
+  std::string digest;
+  // The layouts' workers and buffers (no tensors, no pieces): what each node's slice names.
+  std::shared_ptr<const Layout> src_layout, dst_layout;
+  bool reused = false;  // the plan of an earlier epoch with the same digest: not planned again
+  // Decoding, validating and planning here (wall time).
   absl::Duration planning_time = absl::ZeroDuration();
   std::vector<int32_t> nodes;         // nodes with workers in the plan
   int trainers = 0, inference = 0;    // registered
@@ -61,8 +66,9 @@ class GroupPlanner {
 
   // The plan of the group's current epoch (planned now if not yet). Never null.
   std::shared_ptr<const GroupPlan> Get(const std::string& group);
-  // How many plannings ran (tests: one per epoch).
+  // How many plannings ran (tests: one per epoch), and how many of them reused a kept plan.
   int64_t plannings() const;
+  int64_t reused() const;
   // The group was forgotten (Membership::OnGroupForgotten): its cached plan goes.
   void Forget(const std::string& group);
 
@@ -80,6 +86,18 @@ class GroupPlanner {
   };
   std::map<std::string, Entry> cache_ ABSL_GUARDED_BY(mu_);
   int64_t plannings_ ABSL_GUARDED_BY(mu_) = 0;
+  mutable int64_t reused_ ABSL_GUARDED_BY(mu_) = 0;
+  // The plans of the last kPlansKept distinct digests, most recent last: a membership that
+  // returns to a layout pair seen before (an engine restarting, a replica leaving and coming
+  // back) reuses its plan instead of planning again. Bounded by count: a frontier plan is
+  // hundreds of MB.
+  static constexpr size_t kPlansKept = 3;
+  struct KeptPlan {
+    std::string digest;
+    std::shared_ptr<const Plan> plan;
+    std::shared_ptr<const Layout> src_layout, dst_layout;
+  };
+  mutable std::vector<KeptPlan> kept_ ABSL_GUARDED_BY(mu_);
 };
 
 }  // namespace refit

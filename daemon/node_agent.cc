@@ -11,11 +11,14 @@
 #include "plan/status_macros.h"
 #include "plan/validate.h"
 #include "proto/layout_codec.h"
+#include "proto/plan_codec.h"
 
 namespace refit {
 
 struct NodeAgent::InstalledPlan {
   int64_t epoch = -1;
+  std::string digest;  // the plan's (InstallPlanRequest.plan_digest); empty: not given
+  // From a slice: every worker, and this node's buffers (others are placeholders, worker -1).
   Layout src, dst;
   std::shared_ptr<const Plan> plan;
   absl::flat_hash_map<int32_t, std::string> data_addresses;
@@ -165,31 +168,67 @@ std::vector<std::string> NodeAgent::LocalIds(const std::string& group, const Ins
   return ids;
 }
 
-absl::Status NodeAgent::InstallPlan(const v1::InstallPlanRequest& request, std::shared_ptr<const Plan> planned) {
+namespace {
+
+// A slice's own bytes must hash to what the coordinator sent, and name the plan they are part of.
+absl::Status CheckSliceDigests(const v1::InstallPlanRequest& request, int32_t node) {
+  const std::string where =
+      absl::StrCat("node ", node, ": the plan slice of group \"", request.group(), "\" epoch ", request.epoch());
+  if (request.plan_digest().size() != 32) {
+    return absl::InvalidArgumentError(absl::StrCat(where, " names no plan digest"));
+  }
+  const std::string digest = Sha256(request.slice());
+  if (digest != request.slice_digest()) {
+    return absl::DataLossError(absl::StrCat(where, " (plan ", ShortHex(request.plan_digest()), ") arrived damaged: its ",
+                                            request.slice().size(), " bytes hash to ", ShortHex(digest),
+                                            ", the coordinator sent ", ShortHex(request.slice_digest())));
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+absl::Status NodeAgent::InstallPlan(const v1::InstallPlanRequest& request) {
+  const absl::Time started = absl::Now();
   auto installed = std::make_shared<InstalledPlan>();
   installed->epoch = request.epoch();
-  auto src = LayoutFromProto(request.source());
-  auto dst = LayoutFromProto(request.destination());
-  if (!src.ok()) return src.status();
-  if (!dst.ok()) return dst.status();
-  installed->src = *std::move(src);
-  installed->dst = *std::move(dst);
-  if (planned == nullptr) {
+  installed->digest = request.plan_digest();
+  if (!request.slice().empty()) {
+    // The coordinator's slice for this node: checked, bounded, run as it is (no planning here).
+    REFIT_RETURN_IF_ERROR(CheckSliceDigests(request, node_));
+    auto slice = SliceFromWire(request.slice(), node_);
+    if (!slice.ok()) {
+      return absl::InvalidArgumentError(absl::StrCat("node ", node_, ": group \"", request.group(), "\" epoch ",
+                                                     request.epoch(), ": ", slice.status().message()));
+    }
+    installed->src = std::move(slice->src);
+    installed->dst = std::move(slice->dst);
+    installed->plan = std::make_shared<const Plan>(std::move(slice->plan));
+  } else {
+    // The layouts themselves: this node plans them (as the coordinator would).
+    auto src = LayoutFromProto(request.source());
+    auto dst = LayoutFromProto(request.destination());
+    if (!src.ok()) return src.status();
+    if (!dst.ok()) return dst.status();
+    installed->src = *std::move(src);
+    installed->dst = *std::move(dst);
     REFIT_RETURN_IF_ERROR(ValidateLayout(installed->src, "source"));
     REFIT_RETURN_IF_ERROR(ValidateLayout(installed->dst, "destination"));
     auto plan = MakePlan(installed->src, installed->dst, PlanOptionsFor(request));
     if (!plan.ok()) return plan.status();
-    planned = std::make_shared<const Plan>(*std::move(plan));
+    installed->plan = std::make_shared<const Plan>(*std::move(plan));
   }
-  installed->plan = std::move(planned);
   for (const v1::NodeAddress& n : request.nodes()) installed->data_addresses[n.node()] = n.data_address();
   installed->nccl_id = request.nccl_id();
   installed->step_bytes = request.step_bytes();
   installed->zero_copy_min_bytes = request.zero_copy_min_bytes();
   installed->nccl_register = request.nccl_register();
-  Logger("plan")->info("group \"{}\" epoch {}: installed a plan of {} messages, {} bytes",
+  Logger("plan")->info("group \"{}\" epoch {}: installed a plan of {} messages, {} bytes (plan {}, {}; {} descriptors "
+                       "here) in {:.3f} s",
                        request.group(), request.epoch(), installed->plan->stats.messages,
-                       installed->plan->stats.bytes_total);
+                       installed->plan->stats.bytes_total, ShortHex(installed->digest),
+                       request.slice().empty() ? "planned here" : absl::StrCat("a slice of ", request.slice().size(), " bytes"),
+                       installed->plan->descriptors.size(), absl::ToDoubleSeconds(absl::Now() - started));
   absl::MutexLock lock(&mu_);
   installed_[request.group()] = std::move(installed);
   return absl::OkStatus();
@@ -296,6 +335,11 @@ absl::Status NodeAgent::RunPhase(const v1::PhaseRequest& request, v1::PhaseRespo
   if (installed == nullptr || installed->epoch != request.epoch()) {
     return absl::FailedPreconditionError(absl::StrCat(
         "node ", node_, " has no plan of group \"", group, "\" for membership epoch ", request.epoch()));
+  }
+  if (!request.plan_digest().empty() && request.plan_digest() != installed->digest) {
+    return absl::FailedPreconditionError(absl::StrCat("node ", node_, " holds plan ", ShortHex(installed->digest),
+                                                      " of group \"", group, "\" epoch ", request.epoch(),
+                                                      ", the round runs plan ", ShortHex(request.plan_digest())));
   }
   // This node's workers in the plan (PREPARE and COMMIT tell them; a TRANSFER has no need).
   const std::vector<std::string> ids =
@@ -431,6 +475,7 @@ absl::StatusOr<TransferJob> NodeAgent::JobFor(const std::string& group,
       std::vector<LocalWorker*> by_worker(l.workers.size(), nullptr);
       for (size_t b = 0; b < l.buffers.size(); ++b) {
         const int32_t wi = l.buffers[b].worker;
+        if (wi < 0) continue;  // a slice's placeholder: a buffer of another node
         const Worker& w = l.workers[wi];
         if (w.node != node_) continue;
         if (by_worker[wi] == nullptr) {
@@ -450,6 +495,12 @@ absl::StatusOr<TransferJob> NodeAgent::JobFor(const std::string& group,
               absl::StrCat("worker \"", local.id, "\" has no buffer \"", l.buffers[b].name, "\""));
         }
         memory[b] = local.buffers[k->second]->bytes();
+        if (static_cast<int64_t>(memory[b].size()) < l.buffers[b].NumBytes()) {
+          // The worker registered again, otherwise, since the plan was made.
+          return absl::FailedPreconditionError(absl::StrCat(
+              "node ", node_, ": worker \"", local.id, "\" buffer \"", l.buffers[b].name, "\" holds ",
+              memory[b].size(), " bytes, the plan's layout ", l.buffers[b].NumBytes()));
+        }
       }
       return absl::OkStatus();
     };

@@ -59,9 +59,11 @@ class NodeAgent {
   // coordinator restarted or declared this node dead, so no round of its is going on here.
   int AbortOpenRounds(const std::string& why);
 
-  // Plans the request's layouts (or takes `planned`, the coordinator's own plan of the same
-  // request) and installs it for the group, replacing the previous one.
-  absl::Status InstallPlan(const v1::InstallPlanRequest& request, std::shared_ptr<const Plan> planned = nullptr);
+  // Installs the group's plan, replacing the previous one: the request's slice (this node's part,
+  // made by the coordinator; its digest checked, its contents bounded), or, without one, a plan of
+  // the request's layouts made here. The plan's digest is kept: a PREPARE naming another plan
+  // is refused.
+  absl::Status InstallPlan(const v1::InstallPlanRequest& request);
   absl::Status RunPhase(const v1::PhaseRequest& request, v1::PhaseResponse* response);
   // Draining (SIGTERM): PREPARE of a new round is refused from now on (UNAVAILABLE); waits up to
   // `deadline` for the rounds open here to end, then aborts those left (their workers told).

@@ -10,6 +10,8 @@
 #include "daemon/culprit.h"
 #include "daemon/logging.h"
 #include "daemon/node_agent.h"
+#include "daemon/plan_slices.h"
+#include "proto/plan_codec.h"
 
 namespace refit {
 
@@ -246,14 +248,20 @@ absl::Status RoundDriver::BlamePause(const std::string& group, int64_t round_id,
 
 namespace {
 
-// A daemon other than the coordinator decodes, expands, validates and plans for itself: the work
-// the coordinator measured planning this epoch (GroupPlan::planning_time), tens of seconds for a
-// frontier model on a small machine. The install call's deadline grows with it, with room for a
-// slower or busier node, so that a deadline meant for a control RPC cannot cut it short.
-constexpr int kInstallSlack = 4;
+// A node's install decodes, checks and indexes its slice: work in proportion to the slice's
+// bytes (tens of MB/s on a busy small machine: DeepSeek-V3's largest slice, ~20 MB, installs in
+// a fraction of a second; docs/PLANNING.md). The deadline allows 10 MB/s, so that a node that
+// overruns it is stuck, not slow, and is named as such.
+constexpr absl::Duration kInstallPerByte = absl::Nanoseconds(100);
 
-absl::Duration InstallTimeout(absl::Duration peer_timeout, const GroupPlan& plan) {
-  return peer_timeout * 4 + plan.planning_time * kInstallSlack;
+absl::Duration InstallTimeout(absl::Duration peer_timeout, int64_t largest_slice_bytes) {
+  return peer_timeout * 4 + kInstallPerByte * largest_slice_bytes;
+}
+
+// The descriptors of other nodes' network messages a slice keeps: the cuda backend's zero-copy
+// threshold (0: its default, 16 MiB), which cuts every node's network steps.
+int64_t KeepRemoteMinBytes(int64_t zero_copy_min_bytes) {
+  return zero_copy_min_bytes > 0 ? zero_copy_min_bytes : int64_t{16} << 20;
 }
 
 }  // namespace
@@ -273,8 +281,6 @@ absl::Status RoundDriver::RunRound(const std::string& group, int64_t round_id, i
   auto install = std::make_shared<v1::InstallPlanRequest>();
   install->set_group(group);
   install->set_epoch(epoch);
-  *install->mutable_source() = plan->src;
-  *install->mutable_destination() = plan->dst;
   install->set_max_message_bytes(options_.max_message_bytes);
   install->set_step_bytes(options_.step_bytes);
   install->set_no_routing(!options_.routing);
@@ -328,12 +334,25 @@ absl::Status RoundDriver::RunRound(const std::string& group, int64_t round_id, i
     auto id = options_.new_communicator_id ? options_.new_communicator_id() : absl::StatusOr<std::string>("");
     if (id.ok()) install->set_nccl_id(*id); else status = id.status();
   }
-  if (status.ok()) {
-    const absl::Duration install_timeout = InstallTimeout(peer_timeout, *plan);
+  if (status.ok() && !to_install.empty()) {
+    // Each node its own slice of the plan, made here (the plan's memory is read, not copied).
+    const absl::Time slicing = clock_->Now();
+    auto requests = std::make_shared<std::map<int32_t, std::shared_ptr<const v1::InstallPlanRequest>>>();
+    int64_t largest = 0, total = 0;
+    for (int32_t n : to_install) {
+      auto r = SliceRequest(*install, *plan, n, KeepRemoteMinBytes(options_.zero_copy_min_bytes));
+      largest = std::max<int64_t>(largest, static_cast<int64_t>(r->slice().size()));
+      total += static_cast<int64_t>(r->slice().size());
+      (*requests)[n] = std::move(r);
+    }
+    Logger("plan")->info("group \"{}\" epoch {}: sliced plan {} for {} nodes in {:.3f} s ({} bytes, the largest {})",
+                         group, epoch, ShortHex(plan->digest), to_install.size(),
+                         absl::ToDoubleSeconds(clock_->Now() - slicing), total, largest);
+    const absl::Duration install_timeout = InstallTimeout(peer_timeout, largest);
     auto calls = FanOut::Start(
         to_install,
-        [peers, install, timeout = install_timeout](int32_t n, v1::PhaseResponse*, PeerClient::Done done) {
-          peers->InstallPlan(n, install, timeout, std::move(done));
+        [peers, requests, timeout = install_timeout](int32_t n, v1::PhaseResponse*, PeerClient::Done done) {
+          peers->InstallPlan(n, requests->at(n), timeout, std::move(done));
         },
         nullptr);
     status = calls->Wait(install_timeout + absl::Seconds(1), "InstallPlan");
@@ -358,6 +377,7 @@ absl::Status RoundDriver::RunRound(const std::string& group, int64_t round_id, i
     r.set_version(version);
     r.set_epoch(epoch);
     r.set_timeout_ms(absl::ToInt64Milliseconds(timeout));
+    if (p == v1::PhaseRequest::PREPARE) r.set_plan_digest(plan->digest);  // every node runs this plan
     const bool abort_on_failure = p == v1::PhaseRequest::TRANSFER || p == v1::PhaseRequest::PREPARE;
     auto calls = FanOut::Start(
         nodes,

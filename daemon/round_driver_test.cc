@@ -253,8 +253,8 @@ TEST_CASE("round driver: 1,000 StartRefit rounds leave no thread behind") {
   f.peers.Take();
 }
 
-// A node plans for itself when it installs: the wait for InstallPlan grows with the epoch's
-// planning time, so a plan that takes long to install is not cut short by 4 x peer_timeout.
+// Each node is sent its own slice of the plan; the install's deadline follows the slice's bytes,
+// and a node that overruns it is named.
 class SlowInstallPeers : public FakePeers {
  public:
   explicit SlowInstallPeers(absl::Duration delay) : delay_(delay) {}
@@ -263,61 +263,90 @@ class SlowInstallPeers : public FakePeers {
   }
   void InstallPlan(int32_t node, std::shared_ptr<const v1::InstallPlanRequest> request, absl::Duration timeout,
                    Done done) override {
-    if (node == 0) return FakePeers::InstallPlan(node, std::move(request), timeout, std::move(done));  // has the plan
     absl::MutexLock lock(&mu_);
+    requests_[node] = request;
+    if (node == 0) return FakePeers::InstallPlan(node, std::move(request), timeout, std::move(done));
     timeouts_.push_back(timeout);
     threads_.emplace_back([this, node, request, timeout, done = std::move(done)] {
       absl::SleepFor(delay_);
       FakePeers::InstallPlan(node, request, timeout, done);
     });
   }
+  std::vector<absl::Duration> Timeouts() {
+    absl::MutexLock lock(&mu_);
+    return timeouts_;
+  }
+  std::shared_ptr<const v1::InstallPlanRequest> Request(int32_t node) {
+    absl::MutexLock lock(&mu_);
+    return requests_[node];
+  }
 
  private:
   const absl::Duration delay_;
   absl::Mutex mu_;
   std::vector<std::thread> threads_ ABSL_GUARDED_BY(mu_);
-
- public:
   std::vector<absl::Duration> timeouts_ ABSL_GUARDED_BY(mu_);  // the remote installs' call deadlines
-  std::vector<absl::Duration> Timeouts() {
-    absl::MutexLock lock(&mu_);
-    return timeouts_;
+  std::map<int32_t, std::shared_ptr<const v1::InstallPlanRequest>> requests_ ABSL_GUARDED_BY(mu_);
+};
+
+struct SlicedGroup {
+  FakeClock clock;
+  Membership membership{0, absl::Milliseconds(500), 4, &clock};
+  GroupPlanner planner{{}, &membership};
+  RoundLog log;
+  SlicedGroup() {
+    membership.SetSelf("10.0.0.0:7070", "10.0.0.0:7071", 1);
+    membership.AddLocal(Registration("t0", v1::TRAINER, 0, 8, 0));
+    membership.Join(JoinOf(1, 7));
+    REQUIRE(membership.ApplySync(SyncOf(1, 7, {Registration("i0", v1::INFERENCE, 0, 8, 1)})).ok());
+  }
+  absl::Status Refit(SlowInstallPeers& peers) {
+    RoundDriverOptions options;
+    options.self = 0;
+    options.peer_timeout = absl::Milliseconds(100);
+    RoundDriver driver(options, &membership, &planner, &peers, &log, &clock);
+    v1::RefitRequest r;
+    r.set_group("policy");
+    r.set_version(1);
+    v1::RoundStats stats;
+    return driver.Refit(r, &stats);
   }
 };
 
-TEST_CASE("round driver: the install's wait grows with the epoch's planning time") {
-  FakeClock clock;
-  Membership membership{0, absl::Milliseconds(500), 4, &clock};
-  GroupPlannerOptions planning;
-  planning.make_plan = [](const Layout& src, const Layout& dst, const PlanOptions& options) {
-    absl::SleepFor(absl::Milliseconds(400));  // a frontier plan, scaled down
-    return MakePlan(src, dst, options);
-  };
-  GroupPlanner planner{planning, &membership};
-  RoundLog log;
-  // 4 x 100 ms + 1 s = 1.4 s would end the wait; the node answers after 2 s, within
-  // 1.4 s + 4 x the planning time (>= 0.4 s).
-  SlowInstallPeers peers(absl::Seconds(2));
-  membership.SetSelf("10.0.0.0:7070", "10.0.0.0:7071", 1);
-  membership.AddLocal(Registration("t0", v1::TRAINER, 0, 8, 0));
-  membership.Join(JoinOf(1, 7));
-  REQUIRE(membership.ApplySync(SyncOf(1, 7, {Registration("i0", v1::INFERENCE, 0, 8, 1)})).ok());
-  RoundDriverOptions options;
-  options.self = 0;
-  options.peer_timeout = absl::Milliseconds(100);
-  RoundDriver driver(options, &membership, &planner, &peers, &log, &clock);
-  v1::RefitRequest r;
-  r.set_group("policy");
-  r.set_version(1);
-  v1::RoundStats stats;
-  const absl::Status s = driver.Refit(r, &stats);
+TEST_CASE("round driver: each node is sent its slice and the plan's digest, with a deadline for its bytes") {
+  SlicedGroup g;
+  SlowInstallPeers peers(absl::Milliseconds(50));
+  const absl::Status s = g.Refit(peers);
   INFO(s.message());
-  CHECK(s.ok());
-  CHECK(planner.Get("policy")->planning_time >= absl::Milliseconds(400));
-  // The call's own deadline grows too (the RPC, not only the wait): 4 x 100 ms + 4 x >= 0.4 s.
+  REQUIRE(s.ok());
+  const std::string digest = g.planner.Get("policy")->digest;
+  REQUIRE(digest.size() == 32);
+  for (int32_t node : {0, 1}) {
+    auto request = peers.Request(node);
+    REQUIRE(request != nullptr);
+    CHECK(request->plan_digest() == digest);
+    CHECK(!request->slice().empty());
+    CHECK(request->source().workers_size() == 0);  // the layouts themselves are not sent
+    v1::PlanSlice slice;
+    REQUIRE(slice.ParseFromString(request->slice()));
+    CHECK(slice.node() == node);
+  }
   const std::vector<absl::Duration> timeouts = peers.Timeouts();
   REQUIRE(timeouts.size() == 1);
-  CHECK(timeouts[0] >= absl::Seconds(2));
+  const int64_t bytes = static_cast<int64_t>(peers.Request(1)->slice().size());
+  CHECK(timeouts[0] >= absl::Milliseconds(400) + absl::Nanoseconds(100) * bytes);
+}
+
+TEST_CASE("round driver: a node that overruns its install's deadline is named") {
+  SlicedGroup g;
+  SlowInstallPeers peers(absl::Seconds(3));  // past 4 x 100 ms + the slice's allowance + 1 s
+  const absl::Status s = g.Refit(peers);
+  INFO(s.message());
+  CHECK(s.code() == absl::StatusCode::kAborted);
+  CHECK(s.message().find("node 1 did not answer InstallPlan") != std::string::npos);
+  auto culprit = CulpritOf(s);
+  REQUIRE(culprit.has_value());
+  CHECK(culprit->node() == 1);
 }
 
 }  // namespace

@@ -3,9 +3,8 @@
 #include "daemon/group_planner.h"
 
 #include <atomic>
-#include <thread>
-
 #include <catch2/catch.hpp>
+#include <thread>
 
 #include "daemon/node_agent.h"
 #include "daemon/test_registrations.h"
@@ -27,8 +26,8 @@ TEST_CASE("group planner: one plan per epoch, cached; a new membership plans aga
 
   auto first = planner.Get("policy");
   CHECK(first->status.code() == absl::StatusCode::kFailedPrecondition);
-  CHECK(std::string(first->status.message()).find("is not ready: 1 trainers and 0 inference workers") !=
-        std::string::npos);
+  CHECK(std::string(first->status.message())
+            .find("is not ready: 1 trainers and 0 inference workers") != std::string::npos);
   CHECK(planner.Get("policy") == first);
   CHECK(planner.plannings() == 1);
 
@@ -53,6 +52,46 @@ TEST_CASE("group planner: one plan per epoch, cached; a new membership plans aga
   CHECK(planner.plannings() == after + 1);
 }
 
+TEST_CASE(
+    "group planner: a membership that comes back to a layout pair seen before reuses its plan") {
+  FakeClock clock;
+  Membership m(0, absl::Milliseconds(500), 4, &clock);
+  m.SetSelf("a", "b", 1);
+  GroupPlannerOptions options;
+  std::atomic<int> made{0};
+  options.make_plan = [&made](const Layout& src, const Layout& dst, const PlanOptions& o) {
+    ++made;
+    return MakePlan(src, dst, o);
+  };
+  GroupPlanner planner(options, &m);
+  m.AddLocal(Registration("t0", v1::TRAINER, 0, 8, 0));
+  m.AddLocal(Registration("i0", v1::INFERENCE, 0, 8, 0));
+  auto first = planner.Get("policy");
+  REQUIRE(first->status.ok());
+  CHECK(first->digest.size() == 32);
+  CHECK_FALSE(first->reused);
+  CHECK(made == 1);
+  // A second engine joins (a new layout pair: planned), then leaves (the first pair: reused),
+  // then comes back (reused too).
+  m.AddLocal(Registration("i1", v1::INFERENCE, 0, 8, 0));
+  auto two = planner.Get("policy");
+  REQUIRE(two->status.ok());
+  CHECK(two->digest != first->digest);
+  CHECK(made == 2);
+  m.RemoveLocal("policy/i1");
+  auto back = planner.Get("policy");
+  REQUIRE(back->status.ok());
+  CHECK(back->epoch > two->epoch);
+  CHECK(back->digest == first->digest);
+  CHECK(back->reused);
+  CHECK(back->plan == first->plan);
+  m.AddLocal(Registration("i1", v1::INFERENCE, 0, 8, 0));
+  auto again = planner.Get("policy");
+  CHECK(again->plan == two->plan);
+  CHECK(made == 2);
+  CHECK(planner.reused() == 2);
+}
+
 TEST_CASE("group planner: workers that disagree on a tensor are named") {
   FakeClock clock;
   Membership m(0, absl::Milliseconds(500), 4, &clock);
@@ -64,11 +103,12 @@ TEST_CASE("group planner: workers that disagree on a tensor are named") {
   m.AddLocal(odd);
   m.AddLocal(Registration("i0", v1::INFERENCE, 0, 8, 0));
   auto plan = planner.Get("policy");
-  CHECK(std::string(plan->status.message()).find("workers \"t0\" and \"t1\" disagree on tensor \"w\"") !=
-        std::string::npos);
+  CHECK(std::string(plan->status.message())
+            .find("workers \"t0\" and \"t1\" disagree on tensor \"w\"") != std::string::npos);
 }
 
-TEST_CASE("group planner: plans outside any lock; concurrent callers of one epoch share one planning") {
+TEST_CASE(
+    "group planner: plans outside any lock; concurrent callers of one epoch share one planning") {
   FakeClock clock;
   Membership m(0, absl::Milliseconds(500), 4, &clock);
   m.SetSelf("a", "b", 1);
@@ -106,8 +146,8 @@ TEST_CASE("group planner: plans outside any lock; concurrent callers of one epoc
   CHECK(calls == 1);
 }
 
-v1::RegisterWorkerRequest Rank(const std::string& name, const std::string& replica, int32_t rank, int32_t size,
-                               int64_t r0, int64_t r1, int32_t node) {
+v1::RegisterWorkerRequest Rank(const std::string& name, const std::string& replica, int32_t rank,
+                               int32_t size, int64_t r0, int64_t r1, int32_t node) {
   v1::RegisterWorkerRequest r = Registration(name, v1::INFERENCE, r0, r1, node);
   r.mutable_worker()->set_replica(replica);
   r.mutable_worker()->set_replica_rank(rank);
@@ -130,7 +170,10 @@ TEST_CASE("group planner: only complete replicas are planned, never part of one"
   CHECK(m.Join(JoinOf(1, 5)));
   CHECK(m.Join(JoinOf(2, 6)));
   // TP2 x DP2: dp0 on node 1, dp1 on node 2 without its rank 0 (killed, say).
-  REQUIRE(m.ApplySync(SyncOf(1, 5, {Rank("vllm-dp0-tp0", "dp0", 0, 2, 0, 4, 1), Rank("vllm-dp0-tp1", "dp0", 1, 2, 4, 8, 1)})).ok());
+  REQUIRE(m.ApplySync(SyncOf(1, 5,
+                             {Rank("vllm-dp0-tp0", "dp0", 0, 2, 0, 4, 1),
+                              Rank("vllm-dp0-tp1", "dp0", 1, 2, 4, 8, 1)}))
+              .ok());
   REQUIRE(m.ApplySync(SyncOf(2, 6, {Rank("vllm-dp1-tp1", "dp1", 1, 2, 4, 8, 2)})).ok());
   auto plan = planner.Get("policy");
   REQUIRE(plan->status.ok());
@@ -138,9 +181,12 @@ TEST_CASE("group planner: only complete replicas are planned, never part of one"
   CHECK(plan->planned == std::vector<std::string>{"dp0"});
   CHECK(plan->incomplete == std::vector<std::string>{"dp1"});
   CHECK(plan->nodes == std::vector<int32_t>{0, 1});  // node 2 takes no part in a round
-  CHECK(plan->inference == 3);                        // registered
+  CHECK(plan->inference == 3);                       // registered
   // The replica's rank comes back: both planned.
-  REQUIRE(m.ApplySync(SyncOf(2, 6, {Rank("vllm-dp1-tp1", "dp1", 1, 2, 4, 8, 2), Rank("vllm-dp1-tp0", "dp1", 0, 2, 0, 4, 2)})).ok());
+  REQUIRE(m.ApplySync(SyncOf(2, 6,
+                             {Rank("vllm-dp1-tp1", "dp1", 1, 2, 4, 8, 2),
+                              Rank("vllm-dp1-tp0", "dp1", 0, 2, 0, 4, 2)}))
+              .ok());
   plan = planner.Get("policy");
   REQUIRE(plan->status.ok());
   CHECK(plan->planned == std::vector<std::string>{"dp0", "dp1"});
@@ -153,8 +199,10 @@ TEST_CASE("group planner: only complete replicas are planned, never part of one"
   plan = planner.Get("policy");
   CHECK(plan->status.code() == absl::StatusCode::kFailedPrecondition);
   CHECK(std::string(plan->status.message()) ==
-        "group \"policy\" is not ready: no complete inference replica (a replica counts only with every rank "
-        "registered): replica \"dp0\": 1 of 2 ranks registered; missing rank 0 (present: 1 \"vllm-dp0-tp1\")");
+        "group \"policy\" is not ready: no complete inference replica (a replica counts only with "
+        "every rank "
+        "registered): replica \"dp0\": 1 of 2 ranks registered; missing rank 0 (present: 1 "
+        "\"vllm-dp0-tp1\")");
 }
 
 TEST_CASE("group planner: a complete replica must still be covered by the trainers") {

@@ -1,11 +1,11 @@
-// The coordinator's lease on a node's rounds, on the injected clock: phase calls and heartbeat
-// answers renew it; when it ends the node aborts its round as the coordinator's ABORT would (the
-// transfer cancelled, ABORT to every worker of the group); a round whose COMMIT is being
-// delivered is never aborted; a late phase of an aborted round is refused. And the pause
-// detector: a failure detector that was itself stopped does not declare its peers dead.
-#include <thread>
-
+// A node installing its plan (a slice with its digests) and the coordinator's lease on its
+// rounds, on the injected clock: phase calls and heartbeat answers renew it; when it ends the node
+// aborts its round as the coordinator's ABORT would (the transfer cancelled, ABORT to every worker
+// of the group); a round whose COMMIT is being delivered is never aborted; a late phase of an
+// aborted round is refused. And the pause detector: a failure detector that was itself stopped does
+// not declare its peers dead.
 #include <catch2/catch.hpp>
+#include <thread>
 
 #include "absl/strings/str_cat.h"
 #include "daemon/culprit.h"
@@ -13,6 +13,9 @@
 #include "daemon/node_agent.h"
 #include "daemon/pause_detector.h"
 #include "daemon/test_registrations.h"
+#include "plan/plan_slice.h"
+#include "plan/validate.h"
+#include "proto/plan_codec.h"
 
 namespace refit {
 namespace {
@@ -23,7 +26,9 @@ using testing::SyncOf;
 class FakeBuffer : public MappedBuffer {
  public:
   explicit FakeBuffer(int64_t bytes) : data_(static_cast<size_t>(bytes)) {}
-  std::span<std::byte> bytes() const override { return {const_cast<std::byte*>(data_.data()), data_.size()}; }
+  std::span<std::byte> bytes() const override {
+    return {const_cast<std::byte*>(data_.data()), data_.size()};
+  }
 
  private:
   std::vector<std::byte> data_;
@@ -33,7 +38,8 @@ class FakeBackend : public DataBackend {
  public:
   std::string name() const override { return "fake"; }
   std::string data_address() const override { return "fake:0"; }
-  absl::StatusOr<std::unique_ptr<MappedBuffer>> Map(const v1::BufferMemory&, int64_t bytes) override {
+  absl::StatusOr<std::unique_ptr<MappedBuffer>> Map(const v1::BufferMemory&,
+                                                    int64_t bytes) override {
     return std::unique_ptr<MappedBuffer>(new FakeBuffer(bytes));
   }
   absl::StatusOr<int32_t> GpuIndex(const std::string&) override { return 0; }
@@ -67,14 +73,18 @@ struct Node {
   std::unique_ptr<NodeAgent> agent;
   std::shared_ptr<LocalWorker> trainer, engine;
 
-  Node() {
+  // `sliced`: the plan arrives as the coordinator sends it, this node's slice and its digests
+  // (plan_digest: the plan's identity); otherwise as layouts the node plans itself.
+  explicit Node(bool sliced = false, const std::string& plan_digest = std::string(32, 'p')) {
     NodeAgentLease lease;
     lease.clock = &clock;
     lease.lease = absl::Seconds(2);
     lease.coordinator = "10.0.0.0:7070";
     agent = std::make_unique<NodeAgent>(1, &registry, &backend, lease);
-    auto t = registry.Register(WithMemory(Registration("t0", v1::TRAINER, 0, 8, 1)), WorkerTransport::kInProcess);
-    auto e = registry.Register(WithMemory(Registration("i0", v1::INFERENCE, 0, 8, 1)), WorkerTransport::kInProcess);
+    auto t = registry.Register(WithMemory(Registration("t0", v1::TRAINER, 0, 8, 1)),
+                               WorkerTransport::kInProcess);
+    auto e = registry.Register(WithMemory(Registration("i0", v1::INFERENCE, 0, 8, 1)),
+                               WorkerTransport::kInProcess);
     REQUIRE(t.ok());
     REQUIRE(e.ok());
     trainer = t->worker;
@@ -90,14 +100,26 @@ struct Node {
     dst.workers[0].name = "i0";
     src.workers[0].node = 1;
     dst.workers[0].node = 1;
-    *install.mutable_source() = LayoutToProto(src);
-    *install.mutable_destination() = LayoutToProto(dst);
     install.set_max_message_bytes(1 << 20);
+    if (sliced) {
+      REQUIRE(ValidateLayout(src, "source").ok());
+      REQUIRE(ValidateLayout(dst, "destination").ok());
+      auto plan = MakePlan(src, dst, PlanOptions{});
+      REQUIRE(plan.ok());
+      install.set_plan_digest(plan_digest);
+      install.set_slice(SliceToWire(SliceOfPlan(*plan, 1, 0), 1, src, dst));
+      install.set_slice_digest(Sha256(install.slice()));
+      sliced_install = install;
+    } else {
+      *install.mutable_source() = LayoutToProto(src);
+      *install.mutable_destination() = LayoutToProto(dst);
+    }
     REQUIRE(agent->InstallPlan(install).ok());
   }
+  v1::InstallPlanRequest sliced_install;
 
   // PREPARE of `round`, both workers confirming at once (as their sessions would).
-  absl::Status Prepare(int64_t round) {
+  absl::Status Prepare(int64_t round, const std::string& plan_digest = std::string()) {
     std::thread confirm([&] {
       const absl::Time until = absl::Now() + absl::Seconds(5);
       for (auto* w : {trainer.get(), engine.get()}) {
@@ -114,7 +136,9 @@ struct Node {
       }
     });
     v1::PhaseResponse out;
-    const absl::Status s = agent->RunPhase(Phase(v1::PhaseRequest::PREPARE, round), &out);
+    v1::PhaseRequest prepare = Phase(v1::PhaseRequest::PREPARE, round);
+    prepare.set_plan_digest(plan_digest);
+    const absl::Status s = agent->RunPhase(prepare, &out);
     confirm.join();
     return s;
   }
@@ -143,7 +167,8 @@ struct Node {
   }
 };
 
-TEST_CASE("lease: ends the node's round when the coordinator falls silent, and tells every worker") {
+TEST_CASE(
+    "lease: ends the node's round when the coordinator falls silent, and tells every worker") {
   Node n;
   REQUIRE(n.Prepare(7).ok());
   CHECK(n.agent->ExpireLeases() == 0);
@@ -155,7 +180,8 @@ TEST_CASE("lease: ends the node's round when the coordinator falls silent, and t
   CHECK(Node::Events(*n.engine) == std::vector<std::string>{"PREPARE 7", "ABORT 7"});
   const std::string why = Node::LastReason(*n.engine);
   INFO(why);
-  CHECK(why.find("the coordinator (10.0.0.0:7070) was lost: its lease on round 7") != std::string::npos);
+  CHECK(why.find("the coordinator (10.0.0.0:7070) was lost: its lease on round 7") !=
+        std::string::npos);
   CHECK(why.find("node 1") == std::string::npos);  // never names this innocent node
   REQUIRE(n.backend.Cancels().size() == 1);
   CHECK(n.backend.Cancels()[0].rfind("policy/7: the coordinator", 0) == 0);
@@ -189,7 +215,8 @@ TEST_CASE("lease: heartbeat answers and phase calls renew it") {
   CHECK(n.agent->ExpireLeases() == 1);
 }
 
-TEST_CASE("lease: a round whose COMMIT is being delivered is never aborted; a resync ends open rounds") {
+TEST_CASE(
+    "lease: a round whose COMMIT is being delivered is never aborted; a resync ends open rounds") {
   Node n;
   REQUIRE(n.Prepare(4).ok());
   v1::PhaseResponse out;
@@ -218,7 +245,8 @@ TEST_CASE("lease: a round whose COMMIT is being delivered is never aborted; a re
 // Not the lease, but the same node: a worker lost mid-round is named the culprit of the node's
 // TRANSFER failure (structured, not only in words), and the node forgets a group none of whose
 // workers is left once no round of it is open.
-TEST_CASE("node agent: a lost worker is the culprit of its round; a group without workers is forgotten") {
+TEST_CASE(
+    "node agent: a lost worker is the culprit of its round; a group without workers is forgotten") {
   Node n;
   REQUIRE(n.Prepare(1).ok());
   REQUIRE(n.registry.Drop("policy/i0") != nullptr);
@@ -235,7 +263,8 @@ TEST_CASE("node agent: a lost worker is the culprit of its round; a group withou
   CHECK(n.agent->GroupsKept() == 1);
   // A worker of the group outside the plan (registered since: its replica incomplete) was in no
   // round: the ABORT goes to the round's workers only.
-  auto outsider = n.registry.Register(WithMemory(Registration("i9", v1::INFERENCE, 0, 8, 1)), WorkerTransport::kInProcess);
+  auto outsider = n.registry.Register(WithMemory(Registration("i9", v1::INFERENCE, 0, 8, 1)),
+                                      WorkerTransport::kInProcess);
   REQUIRE(outsider.ok());
   REQUIRE(n.agent->RunPhase(Node::Phase(v1::PhaseRequest::ABORT, 1), &out).ok());
   CHECK(Node::Events(*n.trainer).back() == "ABORT 1");
@@ -252,7 +281,8 @@ TEST_CASE("node agent: a lost worker is the culprit of its round; a group withou
 
 // Several workers lost in one round (a frozen daemon's workers all drop their sessions at once):
 // the first is the culprit, and the failure's words name the same worker.
-TEST_CASE("node agent: of several workers lost in a round, the first is its culprit and its reason") {
+TEST_CASE(
+    "node agent: of several workers lost in a round, the first is its culprit and its reason") {
   Node n;
   REQUIRE(n.Prepare(1).ok());
   REQUIRE(n.registry.Drop("policy/i0") != nullptr);
@@ -281,10 +311,12 @@ TEST_CASE("node agent: a PREPARE that arrives after its round's ABORT is refused
   const absl::Status late = n.agent->RunPhase(Node::Phase(v1::PhaseRequest::PREPARE, 5), &out);
   CHECK(absl::Now() - t0 < absl::Milliseconds(500));
   CHECK(late.code() == absl::StatusCode::kAborted);
-  CHECK_THAT(std::string(late.message()), Catch::Contains("was aborted before its PREPARE reached node 1"));
+  CHECK_THAT(std::string(late.message()),
+             Catch::Contains("was aborted before its PREPARE reached node 1"));
   CHECK_THAT(std::string(late.message()), Catch::Contains("failed PREPARE: refused"));
   for (auto* w : {n.trainer.get(), n.engine.get()}) {
-    for (const std::string& e : Node::Events(*w)) CHECK(e.rfind("PREPARE", 0) != 0);  // never asked to prepare
+    for (const std::string& e : Node::Events(*w))
+      CHECK(e.rfind("PREPARE", 0) != 0);  // never asked to prepare
   }
   // The next round is not affected.
   CHECK(n.Prepare(6).ok());
@@ -301,7 +333,8 @@ TEST_CASE("lease: none on the coordinator's own node") {
   CHECK(agent.ExpireLeases() == 0);
 }
 
-TEST_CASE("pause detector: a gap between ticks is a pause; the frozen failure detector judges nobody") {
+TEST_CASE(
+    "pause detector: a gap between ticks is a pause; the frozen failure detector judges nobody") {
   FakeClock clock;
   PauseDetector pause(&clock, absl::Milliseconds(500));
   for (int i = 0; i < 10; ++i) {
@@ -316,7 +349,9 @@ TEST_CASE("pause detector: a gap between ticks is a pause; the frozen failure de
   m.SetSelf("10.0.0.0:7070", "10.0.0.0:7071", 1);
   for (int32_t node : {1, 2}) {
     m.Join(JoinOf(node, 10 + node));
-    REQUIRE(m.ApplySync(SyncOf(node, 10 + node, {Registration(absl::StrCat("i", node), v1::INFERENCE, 0, 8, node)})).ok());
+    REQUIRE(m.ApplySync(SyncOf(node, 10 + node,
+                               {Registration(absl::StrCat("i", node), v1::INFERENCE, 0, 8, node)}))
+                .ok());
   }
   auto monitor = [&] {
     pause.Tick();
@@ -341,6 +376,45 @@ TEST_CASE("pause detector: a gap between ticks is a pause; the frozen failure de
   REQUIRE(dead.size() == 1);
   CHECK(dead[0].node == 2);  // the one that failed, a whole verdict after the detector woke
   CHECK(m.ControlAddress(1).ok());
+}
+
+TEST_CASE("a node runs the slice the coordinator sent, and only the plan the round names") {
+  const std::string digest(32, 'd');
+  Node node(/*sliced=*/true, digest);
+  REQUIRE(node.Prepare(1, digest).ok());
+  v1::PhaseResponse out;
+  REQUIRE(node.agent->RunPhase(Node::Phase(v1::PhaseRequest::TRANSFER, 1), &out).ok());
+  // A round running another plan (a node that missed an install) is refused, naming both.
+  node.agent->RunPhase(Node::Phase(v1::PhaseRequest::ABORT, 1), &out).IgnoreError();
+  const absl::Status other = node.Prepare(2, std::string(32, 'x'));
+  CHECK(other.code() == absl::StatusCode::kFailedPrecondition);
+  CHECK(other.message().find("node 1 holds plan 646464646464") != std::string::npos);
+  CHECK(other.message().find("the round runs plan 787878787878") != std::string::npos);
+}
+
+TEST_CASE(
+    "a damaged slice, or one made for another node, is refused and the plan installed stays") {
+  Node node(/*sliced=*/true, std::string(32, 'd'));
+  v1::InstallPlanRequest damaged = node.sliced_install;
+  damaged.mutable_slice()->back() ^= 1;
+  absl::Status s = node.agent->InstallPlan(damaged);
+  CHECK(s.code() == absl::StatusCode::kDataLoss);
+  CHECK(s.message().find("node 1: the plan slice of group \"policy\" epoch 1 (plan 646464646464) "
+                         "arrived damaged") != std::string::npos);
+  v1::InstallPlanRequest elsewhere = node.sliced_install;
+  v1::PlanSlice slice;
+  REQUIRE(slice.ParseFromString(elsewhere.slice()));
+  slice.set_node(2);
+  elsewhere.set_slice(slice.SerializeAsString());
+  elsewhere.set_slice_digest(Sha256(elsewhere.slice()));
+  s = node.agent->InstallPlan(elsewhere);
+  CHECK(s.message().find("made for node 2, not node 1") != std::string::npos);
+  v1::InstallPlanRequest unnamed = node.sliced_install;
+  unnamed.clear_plan_digest();
+  CHECK(node.agent->InstallPlan(unnamed).message().find("names no plan digest") !=
+        std::string::npos);
+  // The plan installed before is still there: its round runs.
+  CHECK(node.Prepare(1, std::string(32, 'd')).ok());
 }
 
 }  // namespace

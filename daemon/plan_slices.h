@@ -3,7 +3,9 @@
 #pragma once
 
 #include <cstdint>
+#include <map>
 #include <memory>
+#include <vector>
 
 #include "daemon/group_planner.h"
 #include "proto/refit.pb.h"
@@ -17,5 +19,11 @@ namespace refit {
 std::shared_ptr<const v1::InstallPlanRequest> SliceRequest(const v1::InstallPlanRequest& base,
                                                            const GroupPlan& plan, int32_t node,
                                                            int64_t keep_remote_min_bytes);
+
+// SliceRequest for each of `nodes`, on up to `threads` threads at once (tens of milliseconds per
+// node for a frontier plan), joined before it returns.
+std::map<int32_t, std::shared_ptr<const v1::InstallPlanRequest>> SliceRequests(
+    const v1::InstallPlanRequest& base, const GroupPlan& plan, const std::vector<int32_t>& nodes,
+    int64_t keep_remote_min_bytes, int threads);
 
 }  // namespace refit

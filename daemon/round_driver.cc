@@ -4,6 +4,7 @@
 #include <map>
 #include <memory>
 #include <set>
+#include <thread>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
@@ -337,13 +338,13 @@ absl::Status RoundDriver::RunRound(const std::string& group, int64_t round_id, i
   if (status.ok() && !to_install.empty()) {
     // Each node its own slice of the plan, made here (the plan's memory is read, not copied).
     const absl::Time slicing = clock_->Now();
-    auto requests = std::make_shared<std::map<int32_t, std::shared_ptr<const v1::InstallPlanRequest>>>();
+    auto requests = std::make_shared<std::map<int32_t, std::shared_ptr<const v1::InstallPlanRequest>>>(
+        SliceRequests(*install, *plan, to_install, KeepRemoteMinBytes(options_.zero_copy_min_bytes),
+                      static_cast<int>(std::min(8u, std::max(1u, std::thread::hardware_concurrency())))));
     int64_t largest = 0, total = 0;
-    for (int32_t n : to_install) {
-      auto r = SliceRequest(*install, *plan, n, KeepRemoteMinBytes(options_.zero_copy_min_bytes));
+    for (const auto& [n, r] : *requests) {
       largest = std::max<int64_t>(largest, static_cast<int64_t>(r->slice().size()));
       total += static_cast<int64_t>(r->slice().size());
-      (*requests)[n] = std::move(r);
     }
     Logger("plan")->info("group \"{}\" epoch {}: sliced plan {} for {} nodes in {:.3f} s ({} bytes, the largest {})",
                          group, epoch, ShortHex(plan->digest), to_install.size(),

@@ -31,9 +31,9 @@ namespace refit {
 struct GroupPlan {
   int64_t epoch = -1;
   absl::Status status;                // FAILED_PRECONDITION with the reason when not ready
-  // What RoundDriver sends and every daemon plans again (InstallPlan): once decoded, in compact
-  // form (CompactLayoutToProto: replicas described once, runs of pieces), which LayoutFromProto
-  // expands to the very layouts planned here. Compacted once per epoch, with the plan.
+  // Both layouts in compact form (CompactLayoutToProto: replicas described once, runs of pieces),
+  // which LayoutFromProto expands to the very layouts planned here: what the plan's digest is
+  // computed from. Compacted once per epoch.
   v1::Layout src, dst;
   std::shared_ptr<const Plan> plan;   // set when status is OK
   // What determines the plan (PlanInputsDigest: both compact layouts and the options): its

@@ -250,8 +250,8 @@ absl::Status RoundDriver::BlamePause(const std::string& group, int64_t round_id,
 namespace {
 
 // A node's install decodes, checks and indexes its slice: work in proportion to the slice's
-// bytes (tens of MB/s on a busy small machine: DeepSeek-V3's largest slice, ~20 MB, installs in
-// a fraction of a second; docs/PLANNING.md). The deadline allows 10 MB/s, so that a node that
+// bytes (over 100 MB/s on this small machine: DeepSeek-V3's largest slice, ~10 MB, installs in
+// under 0.1 s; docs/PLANNING.md). The deadline allows 10 MB/s, so that a node that
 // overruns it is stuck, not slow, and is named as such.
 constexpr absl::Duration kInstallPerByte = absl::Nanoseconds(100);
 

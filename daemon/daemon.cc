@@ -170,7 +170,9 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(const DaemonConfig& config
     peers.local_phase = [self](const v1::PhaseRequest& r, v1::PhaseResponse* out) {
       return self->agent_->RunPhase(r, out);
     };
-    peers.local_install = [self](const v1::InstallPlanRequest& r) { return self->agent_->InstallPlan(r); };
+    peers.local_install = [self](const v1::InstallPlanRequest& r) {
+      return self->agent_->InstallPlan(r);
+    };
     d->peers_ = std::make_unique<GrpcPeerClient>(std::move(peers));
     RoundDriverOptions rounds;
     rounds.self = config.node;

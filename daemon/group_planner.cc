@@ -176,8 +176,9 @@ std::shared_ptr<const GroupPlan> GroupPlanner::Compute(const std::string& group,
     }
   }
   if (s.ok() && g->reused) {
-    Logger("plan")->info("group \"{}\" epoch {}: the layouts of an earlier epoch (plan {}): its plan is reused",
-                         group, g->epoch, ShortHex(g->digest));
+    Logger("plan")->info(
+        "group \"{}\" epoch {}: the layouts of an earlier epoch (plan {}): its plan is reused",
+        group, g->epoch, ShortHex(g->digest));
   } else {
     if (s.ok()) s = ValidateLayout(*src, "source");
     if (s.ok()) s = ValidateLayout(*dst, "destination");
@@ -185,9 +186,11 @@ std::shared_ptr<const GroupPlan> GroupPlanner::Compute(const std::string& group,
       auto plan = options_.make_plan ? options_.make_plan(*src, *dst, PlanOptionsFor(probe))
                                      : MakePlan(*src, *dst, PlanOptionsFor(probe));
       if (plan.ok()) {
-        Logger("plan")->info("group \"{}\" epoch {}: planned {} tensors, {} messages, {} bytes in {:.3f} s (plan {})",
-                             group, g->epoch, plan->stats.tensors, plan->stats.messages, plan->stats.bytes_total,
-                             plan->stats.planning_seconds, ShortHex(g->digest));
+        Logger("plan")->info(
+            "group \"{}\" epoch {}: planned {} tensors, {} messages, {} bytes in {:.3f} s (plan "
+            "{})",
+            group, g->epoch, plan->stats.tensors, plan->stats.messages, plan->stats.bytes_total,
+            plan->stats.planning_seconds, ShortHex(g->digest));
         g->plan = std::make_shared<const refit::Plan>(*std::move(plan));
         g->src_layout = WorkersAndBuffers(*std::move(src));
         g->dst_layout = WorkersAndBuffers(*std::move(dst));

@@ -172,16 +172,17 @@ namespace {
 
 // A slice's own bytes must hash to what the coordinator sent, and name the plan they are part of.
 absl::Status CheckSliceDigests(const v1::InstallPlanRequest& request, int32_t node) {
-  const std::string where =
-      absl::StrCat("node ", node, ": the plan slice of group \"", request.group(), "\" epoch ", request.epoch());
+  const std::string where = absl::StrCat("node ", node, ": the plan slice of group \"",
+                                         request.group(), "\" epoch ", request.epoch());
   if (request.plan_digest().size() != 32) {
     return absl::InvalidArgumentError(absl::StrCat(where, " names no plan digest"));
   }
   const std::string digest = Sha256(request.slice());
   if (digest != request.slice_digest()) {
-    return absl::DataLossError(absl::StrCat(where, " (plan ", ShortHex(request.plan_digest()), ") arrived damaged: its ",
-                                            request.slice().size(), " bytes hash to ", ShortHex(digest),
-                                            ", the coordinator sent ", ShortHex(request.slice_digest())));
+    return absl::DataLossError(
+        absl::StrCat(where, " (plan ", ShortHex(request.plan_digest()), ") arrived damaged: its ",
+                     request.slice().size(), " bytes hash to ", ShortHex(digest),
+                     ", the coordinator sent ", ShortHex(request.slice_digest())));
   }
   return absl::OkStatus();
 }
@@ -198,8 +199,9 @@ absl::Status NodeAgent::InstallPlan(const v1::InstallPlanRequest& request) {
     REFIT_RETURN_IF_ERROR(CheckSliceDigests(request, node_));
     auto slice = SliceFromWire(request.slice(), node_);
     if (!slice.ok()) {
-      return absl::InvalidArgumentError(absl::StrCat("node ", node_, ": group \"", request.group(), "\" epoch ",
-                                                     request.epoch(), ": ", slice.status().message()));
+      return absl::InvalidArgumentError(absl::StrCat("node ", node_, ": group \"", request.group(),
+                                                     "\" epoch ", request.epoch(), ": ",
+                                                     slice.status().message()));
     }
     installed->src = std::move(slice->src);
     installed->dst = std::move(slice->dst);
@@ -223,12 +225,15 @@ absl::Status NodeAgent::InstallPlan(const v1::InstallPlanRequest& request) {
   installed->step_bytes = request.step_bytes();
   installed->zero_copy_min_bytes = request.zero_copy_min_bytes();
   installed->nccl_register = request.nccl_register();
-  Logger("plan")->info("group \"{}\" epoch {}: installed a plan of {} messages, {} bytes (plan {}, {}; {} descriptors "
-                       "here) in {:.3f} s",
-                       request.group(), request.epoch(), installed->plan->stats.messages,
-                       installed->plan->stats.bytes_total, ShortHex(installed->digest),
-                       request.slice().empty() ? "planned here" : absl::StrCat("a slice of ", request.slice().size(), " bytes"),
-                       installed->plan->descriptors.size(), absl::ToDoubleSeconds(absl::Now() - started));
+  Logger("plan")->info(
+      "group \"{}\" epoch {}: installed a plan of {} messages, {} bytes (plan {}, {}; {} "
+      "descriptors "
+      "here) in {:.3f} s",
+      request.group(), request.epoch(), installed->plan->stats.messages,
+      installed->plan->stats.bytes_total, ShortHex(installed->digest),
+      request.slice().empty() ? "planned here"
+                              : absl::StrCat("a slice of ", request.slice().size(), " bytes"),
+      installed->plan->descriptors.size(), absl::ToDoubleSeconds(absl::Now() - started));
   absl::MutexLock lock(&mu_);
   installed_[request.group()] = std::move(installed);
   return absl::OkStatus();
@@ -337,9 +342,9 @@ absl::Status NodeAgent::RunPhase(const v1::PhaseRequest& request, v1::PhaseRespo
         "node ", node_, " has no plan of group \"", group, "\" for membership epoch ", request.epoch()));
   }
   if (!request.plan_digest().empty() && request.plan_digest() != installed->digest) {
-    return absl::FailedPreconditionError(absl::StrCat("node ", node_, " holds plan ", ShortHex(installed->digest),
-                                                      " of group \"", group, "\" epoch ", request.epoch(),
-                                                      ", the round runs plan ", ShortHex(request.plan_digest())));
+    return absl::FailedPreconditionError(absl::StrCat(
+        "node ", node_, " holds plan ", ShortHex(installed->digest), " of group \"", group,
+        "\" epoch ", request.epoch(), ", the round runs plan ", ShortHex(request.plan_digest())));
   }
   // This node's workers in the plan (PREPARE and COMMIT tell them; a TRANSFER has no need).
   const std::vector<std::string> ids =
@@ -497,9 +502,10 @@ absl::StatusOr<TransferJob> NodeAgent::JobFor(const std::string& group,
         memory[b] = local.buffers[k->second]->bytes();
         if (static_cast<int64_t>(memory[b].size()) < l.buffers[b].NumBytes()) {
           // The worker registered again, otherwise, since the plan was made.
-          return absl::FailedPreconditionError(absl::StrCat(
-              "node ", node_, ": worker \"", local.id, "\" buffer \"", l.buffers[b].name, "\" holds ",
-              memory[b].size(), " bytes, the plan's layout ", l.buffers[b].NumBytes()));
+          return absl::FailedPreconditionError(
+              absl::StrCat("node ", node_, ": worker \"", local.id, "\" buffer \"",
+                           l.buffers[b].name, "\" holds ", memory[b].size(),
+                           " bytes, the plan's layout ", l.buffers[b].NumBytes()));
         }
       }
       return absl::OkStatus();

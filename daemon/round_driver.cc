@@ -338,21 +338,25 @@ absl::Status RoundDriver::RunRound(const std::string& group, int64_t round_id, i
   if (status.ok() && !to_install.empty()) {
     // Each node its own slice of the plan, made here (the plan's memory is read, not copied).
     const absl::Time slicing = clock_->Now();
-    auto requests = std::make_shared<std::map<int32_t, std::shared_ptr<const v1::InstallPlanRequest>>>(
-        SliceRequests(*install, *plan, to_install, KeepRemoteMinBytes(options_.zero_copy_min_bytes),
-                      static_cast<int>(std::min(8u, std::max(1u, std::thread::hardware_concurrency())))));
+    auto requests =
+        std::make_shared<std::map<int32_t, std::shared_ptr<const v1::InstallPlanRequest>>>(
+            SliceRequests(
+                *install, *plan, to_install, KeepRemoteMinBytes(options_.zero_copy_min_bytes),
+                static_cast<int>(std::min(8u, std::max(1u, std::thread::hardware_concurrency())))));
     int64_t largest = 0, total = 0;
     for (const auto& [n, r] : *requests) {
       largest = std::max<int64_t>(largest, static_cast<int64_t>(r->slice().size()));
       total += static_cast<int64_t>(r->slice().size());
     }
-    Logger("plan")->info("group \"{}\" epoch {}: sliced plan {} for {} nodes in {:.3f} s ({} bytes, the largest {})",
-                         group, epoch, ShortHex(plan->digest), to_install.size(),
-                         absl::ToDoubleSeconds(clock_->Now() - slicing), total, largest);
+    Logger("plan")->info(
+        "group \"{}\" epoch {}: sliced plan {} for {} nodes in {:.3f} s ({} bytes, the largest {})",
+        group, epoch, ShortHex(plan->digest), to_install.size(),
+        absl::ToDoubleSeconds(clock_->Now() - slicing), total, largest);
     const absl::Duration install_timeout = InstallTimeout(peer_timeout, largest);
     auto calls = FanOut::Start(
         to_install,
-        [peers, requests, timeout = install_timeout](int32_t n, v1::PhaseResponse*, PeerClient::Done done) {
+        [peers, requests, timeout = install_timeout](int32_t n, v1::PhaseResponse*,
+                                                     PeerClient::Done done) {
           peers->InstallPlan(n, requests->at(n), timeout, std::move(done));
         },
         nullptr);
@@ -378,7 +382,8 @@ absl::Status RoundDriver::RunRound(const std::string& group, int64_t round_id, i
     r.set_version(version);
     r.set_epoch(epoch);
     r.set_timeout_ms(absl::ToInt64Milliseconds(timeout));
-    if (p == v1::PhaseRequest::PREPARE) r.set_plan_digest(plan->digest);  // every node runs this plan
+    if (p == v1::PhaseRequest::PREPARE)
+      r.set_plan_digest(plan->digest);  // every node runs this plan
     const bool abort_on_failure = p == v1::PhaseRequest::TRANSFER || p == v1::PhaseRequest::PREPARE;
     auto calls = FanOut::Start(
         nodes,

@@ -261,11 +261,12 @@ class SlowInstallPeers : public FakePeers {
   ~SlowInstallPeers() override {
     for (std::thread& t : threads_) t.join();
   }
-  void InstallPlan(int32_t node, std::shared_ptr<const v1::InstallPlanRequest> request, absl::Duration timeout,
-                   Done done) override {
+  void InstallPlan(int32_t node, std::shared_ptr<const v1::InstallPlanRequest> request,
+                   absl::Duration timeout, Done done) override {
     absl::MutexLock lock(&mu_);
     requests_[node] = request;
-    if (node == 0) return FakePeers::InstallPlan(node, std::move(request), timeout, std::move(done));
+    if (node == 0)
+      return FakePeers::InstallPlan(node, std::move(request), timeout, std::move(done));
     timeouts_.push_back(timeout);
     threads_.emplace_back([this, node, request, timeout, done = std::move(done)] {
       absl::SleepFor(delay_);
@@ -313,7 +314,9 @@ struct SlicedGroup {
   }
 };
 
-TEST_CASE("round driver: each node is sent its slice and the plan's digest, with a deadline for its bytes") {
+TEST_CASE(
+    "round driver: each node is sent its slice and the plan's digest, with a deadline for its "
+    "bytes") {
   SlicedGroup g;
   SlowInstallPeers peers(absl::Milliseconds(50));
   const absl::Status s = g.Refit(peers);

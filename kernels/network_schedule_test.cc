@@ -34,8 +34,9 @@ int32_t RankOf(const Plan& plan, int32_t node, int32_t gpu) {
 
 // `sliced`: each node builds its schedule from its own slice of the plan (plan/plan_slice.h), as
 // refitd does, instead of the whole plan.
-absl::StatusOr<Cluster> Build(const Plan& plan, const BufferAddresses& src, const BufferAddresses& dst, int64_t budget,
-                              int64_t zero_copy_min, int32_t max_depth, int64_t step_bytes = 0, bool sliced = false) {
+absl::StatusOr<Cluster> Build(const Plan& plan, const BufferAddresses& src,
+                              const BufferAddresses& dst, int64_t budget, int64_t zero_copy_min,
+                              int32_t max_depth, int64_t step_bytes = 0, bool sliced = false) {
   Cluster c;
   std::set<int32_t> nodes;
   for (const PlanGpu& g : plan.gpus) nodes.insert(g.node);
@@ -66,10 +67,10 @@ absl::StatusOr<Cluster> Build(const Plan& plan, const BufferAddresses& src, cons
   return c;
 }
 
-absl::StatusOr<Cluster> Build(TestRun& run, int64_t budget, int64_t zero_copy_min, int32_t max_depth,
-                              int64_t step_bytes = 0, bool sliced = false) {
-  return Build(run.t.plan, run.src.addresses(), run.got.addresses(), budget, zero_copy_min, max_depth, step_bytes,
-               sliced);
+absl::StatusOr<Cluster> Build(TestRun& run, int64_t budget, int64_t zero_copy_min,
+                              int32_t max_depth, int64_t step_bytes = 0, bool sliced = false) {
+  return Build(run.t.plan, run.src.addresses(), run.got.addresses(), budget, zero_copy_min,
+               max_depth, step_bytes, sliced);
 }
 
 void Execute(const Plan& plan, Cluster& c) {
@@ -144,11 +145,13 @@ TEST_CASE("every node's schedule together lands every byte, at every depth, with
         // Every other run from the nodes' slices: the same steps must come out (or the pairs'
         // sends and receives would not match).
         const bool sliced = (seed + depth) % 2 == 0;
-        auto c = Build(run, std::max<int64_t>(region, 1) * depth, zero_copy_min, depth, step_bytes, sliced);
+        auto c = Build(run, std::max<int64_t>(region, 1) * depth, zero_copy_min, depth, step_bytes,
+                       sliced);
         REQUIRE(c.ok());
         Execute(run.t.plan, *c);
         ExecuteOnHost(run.t.plan, run.src.memory, run.ref.memory);
-        INFO("seed " << seed << " zero-copy from " << zero_copy_min << " depth " << depth << " sliced " << sliced);
+        INFO("seed " << seed << " zero-copy from " << zero_copy_min << " depth " << depth
+                     << " sliced " << sliced);
         for (size_t b = 0; b < run.t.dst.buffers.size(); ++b) REQUIRE(run.ref.storage[b] == run.got.storage[b]);
         auto checked = CheckDestinations(run.t.src, run.t.dst, run.spec, run.got.memory);
         INFO(checked.status().message());

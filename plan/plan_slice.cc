@@ -21,7 +21,8 @@ Plan SliceOfPlan(const Plan& plan, int32_t node, int64_t keep_remote_min_bytes) 
     const bool network = plan.gpus[m.src_gpu].node != plan.gpus[m.dst_gpu].node;
     m.first_descriptor = static_cast<int64_t>(slice.descriptors.size());
     // A descriptor of keep_remote_min_bytes needs a message at least that large.
-    const bool keeps_some = local || (network && keep_remote_min_bytes > 0 && m.bytes >= keep_remote_min_bytes);
+    const bool keeps_some =
+        local || (network && keep_remote_min_bytes > 0 && m.bytes >= keep_remote_min_bytes);
     for (int64_t k = 0; keeps_some && k < original.num_descriptors; ++k) {
       const CopyDescriptor& d = plan.descriptor(original, k);
       if (local ||

@@ -53,7 +53,7 @@ def panel(ax, inputs, metrics, title, ylabel, log=False):
     if log:
         ax.set_yscale("log")
     ax.grid(True, alpha=0.3)
-    ax.legend(fontsize=7)
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0)  # beside the axes: no point hidden
 
 
 FIGURES = {
@@ -113,7 +113,7 @@ def main():
         fig.suptitle("refitd on loopback, 2-core shared machine: " + name, fontsize=11)
         fig.tight_layout()
         out = os.path.join(a.out_dir, f"{a.prefix}-{name}.png")
-        fig.savefig(out, dpi=110)
+        fig.savefig(out, dpi=110, bbox_inches="tight")
         plt.close(fig)
         written.append(out)
     print("\n".join(written))

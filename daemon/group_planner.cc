@@ -57,20 +57,21 @@ void GroupPlanner::Forget(const std::string& group) {
 
 std::shared_ptr<const GroupPlan> GroupPlanner::Get(const std::string& group) {
   while (true) {
-    // Without pieces first: a cached plan of this epoch is the common case, and decoding every
-    // worker's pieces costs what they do (millions, for a frontier model).
-    GroupMembers members = membership_->Group(group, /*with_pieces=*/false);
+    // The epoch alone first: a cached plan of this epoch is the common case (every round, every
+    // Status), and copying every worker's registration costs what they hold (a frontier model's
+    // tensor tables, per worker).
+    const int64_t epoch = membership_->Epoch(group);
     {
       absl::MutexLock lock(&mu_);
       Entry& e = cache_[group];
-      if (e.latest != nullptr && e.latest->epoch == members.epoch) return e.latest;
-      if (e.planning_epoch == members.epoch) {
+      if (e.latest != nullptr && e.latest->epoch == epoch) return e.latest;
+      if (e.planning_epoch == epoch) {
         // Another caller plans this epoch: wait for it (bounded waits; a newer epoch may arrive).
         planned_.WaitWithTimeout(&mu_, absl::Milliseconds(100));
         continue;
       }
     }
-    members = membership_->Group(group, /*with_pieces=*/true);
+    GroupMembers members = membership_->Group(group, /*with_pieces=*/true);
     {
       absl::MutexLock lock(&mu_);
       Entry& e = cache_[group];

@@ -505,6 +505,12 @@ GroupMembers Membership::Group(const std::string& group, bool with_pieces) const
   return out;
 }
 
+int64_t Membership::Epoch(const std::string& group) const {
+  absl::MutexLock lock(&mu_);
+  auto g = groups_.find(group);
+  return g == groups_.end() ? GroupMembers().epoch : g->second.epoch;
+}
+
 std::vector<std::string> Membership::GroupNames() const {
   absl::MutexLock lock(&mu_);
   std::vector<std::string> out;

@@ -116,6 +116,9 @@ class Membership {
   // `with_pieces`: each worker's buffers with their pieces, decoded for the caller (the planner);
   // without, the rest of each registration only (cheap: what replicas, counts and epochs need).
   GroupMembers Group(const std::string& group, bool with_pieces = true) const;
+  // The group's membership epoch (Group()'s, also for no such group), without copying any
+  // registration: what a caller holding a plan asks every round.
+  int64_t Epoch(const std::string& group) const;
   std::vector<std::string> GroupNames() const;
   void NodeStatuses(v1::StatusResponse* response) const;
   void ListWorkers(const v1::ListWorkersRequest& request, v1::ListWorkersResponse* response) const;

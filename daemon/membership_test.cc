@@ -61,6 +61,19 @@ TEST_CASE("membership: failure detection on the injected clock") {
 // Issue 13.2: a node frozen past the verdict whose workers re-register (a SyncWorkers) before its
 // next heartbeat was revived by the sync; its heartbeat then took the fast path and the node
 // never learned it had been declared dead, so it never aborted its open round.
+TEST_CASE("membership: Epoch answers what Group's epoch is, without the registrations") {
+  FakeClock clock;
+  Membership m(0, absl::Milliseconds(500), 4, &clock);
+  m.SetSelf("a", "b", 1);
+  CHECK(m.Epoch("policy") == m.Group("policy").epoch);  // no such group yet
+  m.AddLocal(Registration("t0", v1::TRAINER, 0, 8, 0));
+  const int64_t first = m.Epoch("policy");
+  CHECK(first == m.Group("policy").epoch);
+  m.AddLocal(Registration("i0", v1::INFERENCE, 0, 8, 0));
+  CHECK(m.Epoch("policy") > first);
+  CHECK(m.Epoch("policy") == m.Group("policy").epoch);
+}
+
 TEST_CASE("membership: a node declared dead is not revived by a sync; its heartbeat says resync") {
   FakeClock clock;
   Membership m(0, absl::Milliseconds(500), 4, &clock);

@@ -25,8 +25,7 @@ Plan SliceOfPlan(const Plan& plan, int32_t node, int64_t keep_remote_min_bytes) 
         local || (network && keep_remote_min_bytes > 0 && m.bytes >= keep_remote_min_bytes);
     for (int64_t k = 0; keeps_some && k < original.num_descriptors; ++k) {
       const CopyDescriptor& d = plan.descriptor(original, k);
-      if (local ||
-          (network && keep_remote_min_bytes > 0 && d.WireBytes() >= keep_remote_min_bytes)) {
+      if (local || d.WireBytes() >= keep_remote_min_bytes) {  // keeps_some checked the rest
         slice.descriptors.push_back(d);
       }
     }

@@ -186,38 +186,97 @@ absl::Status CoordinatorLink::Sync(std::vector<v1::WorkerRefusal>* refused) {
     Logger("rpc")->warn("the coordinator did not admit {}: {}", r.worker_id(), r.reason());
     if (refused != nullptr) refused->push_back(r);
   }
+  {
+    // Under `sync_order_`: the last sync's outcome is what the coordinator holds. A failed one may
+    // still have been applied; sending the list again is harmless.
+    absl::MutexLock lock(&mu_);
+    sync_owed_ = !s.ok();
+  }
   return s;
+}
+
+bool CoordinatorLink::SyncOwed() {
+  absl::MutexLock lock(&mu_);
+  return sync_owed_;
+}
+
+std::optional<bool> CoordinatorLink::Heartbeat(bool* lost) {
+  grpc::ClientContext ctx;
+  // A moved coordinator is found within a heartbeat of its file naming it (one small read per
+  // heartbeat), and a heartbeat waits for a connection a second at most, not --peer-timeout:
+  // one to a coordinator that vanished would otherwise hold up the next look at the file.
+  Refresh();
+  ctx.set_deadline(Deadline(
+      std::min(options_.peer_timeout, std::max(options_.heartbeat * 2, absl::Seconds(1)))));
+  ctx.set_wait_for_ready(true);  // a coordinator coming back is joined as soon as it listens
+  v1::JoinResponse out;
+  absl::Status s = FromGrpc(Peer()->Join(&ctx, join_, &out));
+  if (s.ok()) s = Answered(ctx, out);
+  if (!s.ok()) {
+    if (!*lost) {
+      Logger("rpc")->warn("heartbeat to the coordinator at {} failed: {}", Target(),
+                          std::string(s.message()));
+    }
+    *lost = true;
+    return std::nullopt;
+  }
+  if (*lost) Logger("rpc")->info("the coordinator at {} answers again", Target());
+  *lost = false;
+  return out.resync();
 }
 
 void CoordinatorLink::HeartbeatLoop() {
   bool lost = false;
+  absl::Time next_beat = absl::Now() + options_.heartbeat;
+  // A sync owed is sent after an answered heartbeat, and one that failed is tried again with a
+  // back-off (each attempt within --peer-timeout) between heartbeats, which go on meanwhile: a
+  // node that stopped heartbeating to resend a large list would be declared dead for it. One
+  // refused because the coordinator does not know this node waits for the heartbeat that
+  // rejoins it.
+  absl::Time not_before = absl::InfinitePast();
+  absl::Duration backoff = kFirstSyncRetry;
+  bool retry_between_beats = false;
   while (true) {
     {
       absl::MutexLock lock(&mu_);
-      if (!stopping_) stop_.WaitWithTimeout(&mu_, options_.heartbeat);
+      absl::Time wake = next_beat;
+      if (sync_owed_ && retry_between_beats) {
+        wake = std::min(wake, std::max(not_before, absl::Now()));
+      }
+      if (!stopping_) stop_.WaitWithDeadline(&mu_, wake);
       if (stopping_) return;
     }
-    grpc::ClientContext ctx;
-    // A moved coordinator is found within a heartbeat of its file naming it (one small read per
-    // heartbeat), and a heartbeat waits for a connection a second at most, not --peer-timeout:
-    // one to a coordinator that vanished would otherwise hold up the next look at the file.
-    Refresh();
-    ctx.set_deadline(Deadline(std::min(options_.peer_timeout, std::max(options_.heartbeat * 2, absl::Seconds(1)))));
-    ctx.set_wait_for_ready(true);  // a coordinator coming back is joined as soon as it listens
-    v1::JoinResponse out;
-    absl::Status s = FromGrpc(Peer()->Join(&ctx, join_, &out));
-    if (s.ok()) s = Answered(ctx, out);
-    if (!s.ok()) {
-      if (!lost) {
-        Logger("rpc")->warn("heartbeat to the coordinator at {} failed: {}", Target(), std::string(s.message()));
+    bool answered = false;
+    if (absl::Now() >= next_beat) {
+      const std::optional<bool> resync = Heartbeat(&lost);
+      next_beat = absl::Now() + options_.heartbeat;
+      // Unanswered: the next answer says whether the coordinator lacks this node's list.
+      if (!resync.has_value()) continue;
+      answered = true;
+      if (options_.on_answer) options_.on_answer(*resync);
+      // The coordinator restarted or declared this node dead, and no list of this incarnation
+      // reached it since: it asks in every answer until one does.
+      if (*resync) {
+        absl::MutexLock lock(&mu_);
+        sync_owed_ = true;
       }
-      lost = true;
+    }
+    if (!SyncOwed()) {  // sent, perhaps by a registration meanwhile
+      not_before = absl::InfinitePast();
+      backoff = kFirstSyncRetry;
+      retry_between_beats = false;
       continue;
     }
-    if (lost) Logger("rpc")->info("the coordinator at {} answers again", Target());
-    lost = false;
-    if (options_.on_answer) options_.on_answer(out.resync());
-    if (out.resync()) Sync().IgnoreError();  // the coordinator restarted, or declared this node dead
+    if (absl::Now() < not_before || !(answered || retry_between_beats)) continue;
+    if (const absl::Status s = Sync(); !s.ok()) {
+      Logger("rpc")->warn(
+          "sending this node's workers to the coordinator at {} failed (again in {} at the "
+          "earliest): {}",
+          Target(), absl::FormatDuration(backoff), std::string(s.message()));
+      not_before = absl::Now() + backoff;
+      backoff = std::min(backoff * 2, kLastSyncRetry);
+      retry_between_beats = s.code() != absl::StatusCode::kFailedPrecondition;
+    }
   }
 }
 

@@ -1,9 +1,11 @@
 // A non-coordinator daemon's link to its coordinator: join (retried until the coordinator
 // answers), a heartbeat every `--heartbeat` (the whole worker list again when the coordinator
-// asks: it restarted, or declared this node dead), ordered worker syncs, and the forwarding of
-// operator calls. Its channels reconnect within a second (back-off 100 ms to 1 s), and a
-// heartbeat waits for the connection (within --peer-timeout), so a restarted coordinator is
-// joined again at its next heartbeat.
+// asks: it restarted, or declared this node dead; it asks in every answer until a list
+// arrives, so a lost or late answer costs a heartbeat, not the node's workers), ordered worker
+// syncs (one that failed is sent again, with a back-off), and the forwarding of operator calls. Its
+// channels reconnect within a second (back-off 100 ms to 1 s), and a heartbeat waits for the
+// connection (within --peer-timeout), so a restarted coordinator is joined again at its next
+// heartbeat.
 //
 // Where the coordinator is: a gRPC target ("10.0.0.1:7070", or "dns:///refit-coordinator:7070",
 // which gRPC resolves again when the connection fails: a restarted pod behind a Kubernetes
@@ -11,20 +13,21 @@
 // so that a coordinator restarted at a new address is joined once the file names it (within a
 // heartbeat or two of the rewrite).
 //
-// Locks: `mu_` guards the stop flag and the stubs. `sync_order_` guards no data: it orders
-// syncs, each a snapshot taken and sent under it, so that two registrations racing cannot let
-// an older snapshot (without the newer worker) reach the coordinator last. It is the one lock
-// held across an RPC (bounded by --peer-timeout); a sequence number in SyncWorkersRequest would
-// remove it.
+// Locks: `mu_` guards the stop flag, the stubs and whether a sync is owed. `sync_order_` guards no
+// data: it orders syncs, each a snapshot taken and sent under it, so that two registrations racing
+// cannot let an older snapshot (without the newer worker) reach the coordinator last. It is the one
+// lock held across an RPC (bounded by --peer-timeout); a sequence number in SyncWorkersRequest
+// would remove it.
 #pragma once
+
+#include <grpcpp/grpcpp.h>
 
 #include <functional>
 #include <memory>
+#include <optional>
 #include <string>
 #include <thread>
 #include <vector>
-
-#include <grpcpp/grpcpp.h>
 
 #include "absl/base/thread_annotations.h"
 #include "absl/status/status.h"
@@ -61,14 +64,17 @@ struct CoordinatorLinkOptions {
 
 class CoordinatorLink {
  public:
+  static constexpr absl::Duration kFirstSyncRetry = absl::Milliseconds(100);
+  static constexpr absl::Duration kLastSyncRetry = absl::Seconds(5);
+
   explicit CoordinatorLink(CoordinatorLinkOptions options);
   ~CoordinatorLink();  // Stop()
 
   // Joins (waiting for the coordinator: join_timeout), then heartbeats until Stop().
   absl::Status Join(const std::string& control_address, const std::string& data_address);
-  // Sends this node's whole worker list.
   // Sends this node's whole worker list; `refused` (may be null) gets the workers the coordinator
-  // did not admit (their name is held on another node).
+  // did not admit (their name is held on another node). When it fails, the heartbeat loop sends
+  // the list again (back-off kFirstSyncRetry to kLastSyncRetry) until a sync succeeds.
   absl::Status Sync(std::vector<v1::WorkerRefusal>* refused = nullptr);
   void Stop();
   // The coordinator as its last answer to Join named it (node -1 before the first). With TLS an
@@ -90,6 +96,10 @@ class CoordinatorLink {
 
  private:
   void HeartbeatLoop();
+  // One heartbeat: the answer's `resync`, or nullopt when unanswered (`lost` tracks the outage,
+  // logged once).
+  std::optional<bool> Heartbeat(bool* lost);
+  bool SyncOwed();
   // Records who answered a Join; an answer whose certificate is not the node it names is refused.
   absl::Status Answered(const grpc::ClientContext& ctx, const v1::JoinResponse& out);
   // The stubs of the current target; shared: a refresh may replace them while a call uses them.
@@ -108,6 +118,9 @@ class CoordinatorLink {
   absl::Mutex mu_;
   absl::CondVar stop_;
   bool stopping_ ABSL_GUARDED_BY(mu_) = false;
+  // The coordinator may lack this node's current worker list: the last sync failed, or an
+  // answer asked for it (resync). Cleared by a sync that succeeds.
+  bool sync_owed_ ABSL_GUARDED_BY(mu_) = false;
   std::string target_ ABSL_GUARDED_BY(mu_);  // the coordinator's gRPC target now
   std::shared_ptr<v1::RefitPeer::Stub> peer_ ABSL_GUARDED_BY(mu_);
   std::shared_ptr<v1::RefitControl::Stub> control_ ABSL_GUARDED_BY(mu_);

@@ -133,6 +133,7 @@ TEST_CASE(
   // While "policy" plans: the membership takes heartbeats and syncs, and another group's plan
   // (not ready, so no planner call) is answered at once.
   CHECK(m.Join(JoinOf(3, 9)));
+  REQUIRE(m.ApplySync(SyncOf(3, 9, {})).ok());
   CHECK_FALSE(m.Join(JoinOf(3, 9)));
   CHECK_FALSE(planner.Get("other")->status.ok());
   std::this_thread::sleep_for(std::chrono::milliseconds(50));

@@ -98,6 +98,7 @@ void Membership::SetSelf(const std::string& control_address, const std::string& 
   me.data_address = data_address;
   me.incarnation = incarnation;
   me.alive = true;
+  me.synced = true;  // its workers arrive one at a time (AddLocal)
 }
 
 bool Membership::Join(const v1::JoinRequest& request) {
@@ -112,27 +113,27 @@ bool Membership::Join(const v1::JoinRequest& request) {
 
 bool Membership::JoinLocked(const v1::JoinRequest& request) {
   const absl::Time now = clock_->Now();
-  // The common case, a heartbeat from a known, live daemon.
+  // The common case, a heartbeat from a known, live daemon. It is asked for its workers again
+  // until a sync brings them: the answer that asked first may have come late, or not at all.
   if (auto it = beats_.find(request.node()); it != beats_.end() && it->second.first == request.incarnation()) {
     it->second.second = now;
-    return false;
+    return !nodes_[request.node()].synced;
   }
   NodeInfo& n = nodes_[request.node()];
   beats_[request.node()] = {request.incarnation(), now};
-  bool resync = false;
   if (n.incarnation != request.incarnation() || !n.alive) {
     if (n.incarnation != 0 && n.incarnation != request.incarnation()) {
       Logger("rpc")->warn("node {} restarted; its old workers are gone", request.node());
     }
     n.workers.clear();
     n.incarnation = request.incarnation();
-    resync = true;
+    n.synced = false;
   }
   n.control_address = request.control_address();
   n.data_address = request.data_address();
   n.alive = true;
   RecomputeEpochs();
-  return resync;
+  return !n.synced;
 }
 
 absl::Status Membership::ApplySync(const v1::SyncWorkersRequest& request, v1::SyncWorkersResponse* response) {
@@ -178,6 +179,7 @@ absl::Status Membership::ApplySync(const v1::SyncWorkersRequest& request, v1::Sy
       n.workers.push_back(std::move(stored));
     }
     n.alive = true;
+    n.synced = true;
     if (request.node() != self_) beats_[request.node()] = {request.incarnation(), clock_->Now()};
     for (const auto& w : n.workers) groups_[w.group()];
     RecomputeEpochs();
@@ -362,6 +364,7 @@ bool Membership::MarkDeadLocked(int32_t node, const std::string& why) {
   auto it = nodes_.find(node);
   if (it == nodes_.end() || !it->second.alive) return false;
   it->second.alive = false;
+  it->second.synced = false;
   it->second.workers.clear();
   RequestTrim();  // rare, and its workers may have been large
   beats_.erase(node);  // its next heartbeat takes the slow path and resyncs

@@ -81,8 +81,9 @@ class Membership {
 
   // This node (the coordinator): alive from the start, never judged by heartbeats.
   void SetSelf(const std::string& control_address, const std::string& data_address, int64_t incarnation);
-  // A join or heartbeat; true when the node must send its whole worker list (new, restarted, or
-  // declared dead since).
+  // A join or heartbeat; true when the node must send its whole worker list: it is new,
+  // restarted or declared dead since, and no sync of its has been applied since then. Every
+  // heartbeat says so until one is (an answer that said it may have been lost, or a sync).
   bool Join(const v1::JoinRequest& request);
   // A node's whole worker list. A worker whose name another live node holds is not admitted:
   // it is listed in `response->refused` (may be null), naming the holder. FAILED_PRECONDITION
@@ -142,6 +143,8 @@ class Membership {
     std::string control_address, data_address;
     int64_t incarnation = 0;
     bool alive = false;
+    // Its worker list arrived since it last joined at this incarnation (or was revived).
+    bool synced = false;
     std::vector<StoredWorker> workers;
   };
   struct ReplicaRecord {

@@ -98,6 +98,41 @@ TEST_CASE("membership: a node declared dead is not revived by a sync; its heartb
   CHECK(m.Group("policy").inference == 1);
 }
 
+// A node revived by a heartbeat whose answer it never got (late, or lost) did not know it had to
+// send its workers: its later heartbeats took the fast path and it stayed alive with none for good.
+TEST_CASE("membership: every heartbeat asks for the worker list until a sync brings it") {
+  FakeClock clock;
+  Membership m(0, absl::Milliseconds(500), 4, &clock);
+  m.SetSelf("10.0.0.0:7070", "10.0.0.0:7071", 1);
+  CHECK(m.Join(JoinOf(1, 11)));
+  CHECK(m.Join(JoinOf(1, 11)));  // the first answer was lost: asked again
+  REQUIRE(m.ApplySync(SyncOf(1, 11, {Registration("i0", v1::INFERENCE, 0, 8, 1)})).ok());
+  CHECK_FALSE(m.Join(JoinOf(1, 11)));  // acknowledged: plain heartbeats from now on
+
+  // Declared dead; the heartbeat that revives it is answered, and that answer never arrives.
+  clock.Advance(absl::Seconds(3));
+  REQUIRE(m.CheckLiveness().size() == 1);
+  CHECK(m.Join(JoinOf(1, 11)));
+  CHECK(m.ControlAddress(1).ok());
+  CHECK(m.Group("policy").inference == 0);
+  for (int i = 0; i < 3; ++i) {
+    clock.Advance(absl::Milliseconds(500));
+    CHECK(m.Join(JoinOf(1, 11)));  // alive, but without its workers: every answer says resync
+    CHECK(m.CheckLiveness().empty());
+  }
+  REQUIRE(m.ApplySync(SyncOf(1, 11, {Registration("i0", v1::INFERENCE, 0, 8, 1)})).ok());
+  CHECK(m.Group("policy").inference == 1);
+  CHECK_FALSE(m.Join(JoinOf(1, 11)));
+
+  // An empty list is a list: a node with no workers is asked once it sent it, not forever.
+  CHECK(m.Join(JoinOf(2, 22)));
+  REQUIRE(m.ApplySync(SyncOf(2, 22, {})).ok());
+  CHECK_FALSE(m.Join(JoinOf(2, 22)));
+  // A restart (a new incarnation) asks again, whatever the old incarnation had sent.
+  CHECK(m.Join(JoinOf(2, 23)));
+  CHECK(m.Join(JoinOf(2, 23)));
+}
+
 TEST_CASE("membership: the coordinator itself is never judged by heartbeats") {
   FakeClock clock;
   Membership m(0, absl::Milliseconds(500), 4, &clock);
@@ -123,8 +158,8 @@ TEST_CASE("membership: a new incarnation is a restarted node; its old workers ar
   CHECK(restarted.trainers == 0);
   CHECK(restarted.inference == 0);
   CHECK_FALSE(restarted.exists);  // its last workers are gone: the group is forgotten
-  CHECK_FALSE(m.Join(JoinOf(2, 200)));  // its heartbeats from now on
   REQUIRE(m.ApplySync(SyncOf(2, 200, {Registration("t0", v1::TRAINER, 0, 8, 2)})).ok());
+  CHECK_FALSE(m.Join(JoinOf(2, 200)));  // its heartbeats from now on
   CHECK(m.Group("policy").trainers == 1);
   // The same workers under a new incarnation are a new membership, at an epoch never used.
   CHECK(m.Group("policy").epoch > before.epoch);

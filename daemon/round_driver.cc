@@ -172,12 +172,7 @@ absl::StatusOr<int64_t> RoundDriver::BeginRound(const v1::RefitRequest& request)
     return absl::NotFoundError(absl::StrCat("no model group \"", request.group(), "\" (known: ",
                                             known.empty() ? "none" : absl::StrJoin(known, ", "), ")"));
   }
-  if (request.version() <= 0) return absl::InvalidArgumentError("version must be positive");
-  if (request.version() > kMaxVersion) {
-    return absl::InvalidArgumentError(absl::StrCat("version ", request.version(), " is above the largest version, ",
-                                                   kMaxVersion, " (INT64_MAX - 1): a group there could never refit "
-                                                   "again"));
-  }
+  if (auto s = CheckVersionBound(request.version()); !s.ok()) return s;
   {
     absl::MutexLock lock(&mu_);
     if (auto s = CheckVersion(request.group(), request.version()); !s.ok()) return s;
@@ -439,6 +434,16 @@ absl::Status RoundDriver::RunRound(const std::string& group, int64_t round_id, i
     stats->set_transfer_seconds(absl::ToDoubleSeconds(clock_->Now() - t));
   }
   if (status.ok()) {
+    // Write-ahead: the version is in the state file before any node is told to COMMIT it, so a
+    // restarted coordinator never reports a lower one nor accepts it again. Not recorded: not
+    // committed (the round aborts, every node told).
+    if (auto s = state_->RecordVersion(group, version); !s.ok()) {
+      status = WithCulprit(
+          absl::Status(s.code(), absl::StrCat("the coordinator cannot commit: ", s.message())),
+          CoordinatorCulprit(options_.self, PhaseName(v1::PhaseRequest::COMMIT)));
+    }
+  }
+  if (status.ok()) {
     // The commit point: every node finished its TRANSFER, so every destination buffer of the plan
     // holds `version`. The round is committed from here on: COMMIT goes to every node, which
     // delivers it to every worker of the plan still there, and no ABORT of this round follows
@@ -465,12 +470,6 @@ absl::Status RoundDriver::RunRound(const std::string& group, int64_t round_id, i
   stats->set_bytes(bytes);
   stats->set_seconds(absl::ToDoubleSeconds(clock_->Now() - start));
   if (status.ok()) {
-    // Recorded before the round is reported committed: a restarted coordinator never accepts
-    // this version (or one below it) again.
-    if (auto s = state_->RecordCommitted(group, version); !s.ok()) {
-      Logger("round")->error("group \"{}\" round {}: version {} committed but not recorded: {}", group, round_id,
-                             version, std::string(s.message()));
-    }
     stats->set_state(v1::RoundStats::COMMITTED);
     Logger("round")->info("group \"{}\" round {}: version {} committed, {} bytes in {:.3f} s", group, round_id,
                           version, stats->bytes(), stats->seconds());

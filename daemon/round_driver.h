@@ -6,8 +6,9 @@
 // started by StartRefit run on one bounded executor (no thread per round), joined at Stop().
 //
 // Round ids and committed versions come from a StateStore (persisted with --state-file): an id
-// is reserved before it is used, a version recorded before its round is reported committed, so
-// neither goes back when the coordinator restarts. Versions are bounded: above kMaxVersion is
+// is reserved before it is used, a version recorded at the commit point, before any node is
+// told to COMMIT it (a round whose version cannot be recorded aborts), so neither goes back
+// when the coordinator restarts. Versions are bounded: from kVersionLimit (2^53) on,
 // INVALID_ARGUMENT.
 //
 // Lock: `mu_` guards the per-group round state (busy, committed version, installed epochs). It
@@ -64,8 +65,8 @@ struct RoundDriverOptions {
   absl::Duration blame_pause = absl::Seconds(1);
 };
 
-// The largest version a refit may ask for: INT64_MAX would leave a group no next version.
-inline constexpr int64_t kMaxVersion = std::numeric_limits<int64_t>::max() - 1;
+// The largest version a refit may ask for (state_store.h says why).
+inline constexpr int64_t kMaxVersion = kVersionLimit - 1;
 
 class RoundDriver {
  public:

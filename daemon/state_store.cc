@@ -22,11 +22,68 @@ namespace {
 
 constexpr char kHeader[] = "refitd-state 1";
 
+// "<what> <path>: <errno text>", with errno read before anything else can change it.
 absl::Status Errno(const std::string& what, const std::string& path) {
-  return absl::InternalError(absl::StrCat(what, " ", path, ": ", std::strerror(errno)));
+  const int e = errno;
+  return absl::InternalError(absl::StrCat(what, " ", path, ": ", std::strerror(e)));
 }
 
+class PosixAtomicWriter : public StateFileWriter {
+ public:
+  absl::Status Replace(const std::string& path, const std::string& text) override {
+    const std::string tmp = path + ".tmp";
+    const int fd = open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0600);
+    if (fd < 0) return Errno("cannot create", tmp);
+    size_t done = 0;
+    while (done < text.size()) {
+      const ssize_t n = write(fd, text.data() + done, text.size() - done);
+      if (n < 0 && errno == EINTR) continue;
+      if (n <= 0) {
+        const absl::Status s = Errno("cannot write", tmp);
+        close(fd);
+        return s;
+      }
+      done += static_cast<size_t>(n);
+    }
+    if (fsync(fd) != 0) {
+      const absl::Status s = Errno("cannot fsync", tmp);
+      close(fd);
+      return s;
+    }
+    if (close(fd) != 0) return Errno("cannot close", tmp);  // NFS reports write errors here
+    if (rename(tmp.c_str(), path.c_str()) != 0) return Errno("cannot rename it over", path);
+    // The rename itself made durable: without it a crash may bring the old file back.
+    std::string dir = path;
+    const std::string folder = dirname(dir.data());
+    const int dfd = open(folder.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+    if (dfd < 0) return Errno("cannot open its folder", folder);
+    if (fsync(dfd) != 0) {
+      const absl::Status s = Errno("cannot fsync its folder", folder);
+      close(dfd);
+      return s;
+    }
+    close(dfd);
+    return absl::OkStatus();
+  }
+};
+
 }  // namespace
+
+absl::Status CheckVersionBound(int64_t version) {
+  if (version <= 0) {
+    return absl::InvalidArgumentError(absl::StrCat("version ", version, " is not positive"));
+  }
+  if (version >= kVersionLimit) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("version ", version, " is not below 2^53 (", kVersionLimit,
+                     "), the limit on versions; the largest is ", kVersionLimit - 1));
+  }
+  return absl::OkStatus();
+}
+
+std::unique_ptr<StateFileWriter> AtomicFileWriter() {
+  return std::make_unique<PosixAtomicWriter>();
+}
 
 std::string FormatState(int64_t next_round, const std::map<std::string, int64_t>& versions) {
   std::string out = absl::StrCat(kHeader, "\nnext_round_id ", next_round, "\n");
@@ -79,52 +136,31 @@ absl::Status ParseState(const std::string& text, const std::string& path, int64_
   return absl::OkStatus();
 }
 
-absl::StatusOr<std::unique_ptr<StateStore>> StateStore::Open(const std::string& path) {
-  std::unique_ptr<StateStore> store(new StateStore(path));
+absl::StatusOr<std::unique_ptr<StateStore>> StateStore::Open(
+    const std::string& path, std::unique_ptr<StateFileWriter> writer) {
+  if (writer == nullptr) writer = AtomicFileWriter();
+  std::unique_ptr<StateStore> store(new StateStore(path, std::move(writer)));
   if (path.empty()) return store;
   std::ifstream in(path, std::ios::binary);
+  absl::MutexLock lock(&store->mu_);
   if (!in) {
     if (access(path.c_str(), F_OK) == 0) return Errno("cannot read the state file", path);
-    absl::MutexLock lock(&store->mu_);
-    if (auto s = store->WriteLocked(); !s.ok()) return s;  // fail now, not at the first round
+    // Written now: an unwritable path fails at start, not at the first round.
+    if (auto s = store->WriteLocked(store->next_round_, store->versions_); !s.ok()) return s;
     return store;
   }
   std::stringstream text;
   text << in.rdbuf();
-  absl::MutexLock lock(&store->mu_);
   if (auto s = ParseState(text.str(), path, &store->next_round_, &store->versions_); !s.ok()) return s;
   return store;
 }
 
-absl::Status StateStore::WriteLocked() {
+absl::Status StateStore::WriteLocked(int64_t next_round,
+                                     const std::map<std::string, int64_t>& versions) {
   if (path_.empty()) return absl::OkStatus();
-  const std::string tmp = path_ + ".tmp";
-  const std::string text = FormatState(next_round_, versions_);
-  const int fd = open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0600);
-  if (fd < 0) return Errno("cannot write the state file", tmp);
-  size_t done = 0;
-  while (done < text.size()) {
-    const ssize_t n = write(fd, text.data() + done, text.size() - done);
-    if (n < 0 && errno == EINTR) continue;
-    if (n <= 0) {
-      const absl::Status s = Errno("cannot write the state file", tmp);
-      close(fd);
-      return s;
-    }
-    done += static_cast<size_t>(n);
-  }
-  if (fsync(fd) != 0) {
-    const absl::Status s = Errno("cannot fsync the state file", tmp);
-    close(fd);
-    return s;
-  }
-  close(fd);
-  if (rename(tmp.c_str(), path_.c_str()) != 0) return Errno("cannot replace the state file", path_);
-  std::string dir = path_;
-  const int dfd = open(dirname(dir.data()), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
-  if (dfd >= 0) {  // the rename itself durable
-    fsync(dfd);
-    close(dfd);
+  if (auto s = writer_->Replace(path_, FormatState(next_round, versions)); !s.ok()) {
+    return absl::UnavailableError(
+        absl::StrCat("cannot write the state file ", path_, ": ", s.message()));
   }
   return absl::OkStatus();
 }
@@ -132,19 +168,33 @@ absl::Status StateStore::WriteLocked() {
 absl::StatusOr<int64_t> StateStore::ReserveRoundId() {
   absl::MutexLock lock(&mu_);
   if (next_round_ == std::numeric_limits<int64_t>::max()) return absl::ResourceExhaustedError("no round ids left");
-  const int64_t id = next_round_++;
-  if (auto s = WriteLocked(); !s.ok()) {
+  const int64_t id = next_round_;
+  if (auto s = WriteLocked(id + 1, versions_); !s.ok()) {
     return absl::Status(s.code(), absl::StrCat("cannot reserve round id ", id, ": ", s.message()));
   }
+  next_round_ = id + 1;
   return id;
 }
 
-absl::Status StateStore::RecordCommitted(const std::string& group, int64_t version) {
+absl::Status StateStore::RecordVersion(const std::string& group, int64_t version) {
+  if (auto s = CheckVersionBound(version); !s.ok()) {
+    return absl::InvalidArgumentError(absl::StrCat("group \"", group, "\": ", s.message()));
+  }
   absl::MutexLock lock(&mu_);
-  int64_t& v = versions_[group];
-  if (version <= v) return absl::OkStatus();
-  v = version;
-  return WriteLocked();
+  auto it = versions_.find(group);
+  if (it != versions_.end() && version <= it->second) {
+    return absl::FailedPreconditionError(absl::StrCat("version ", version, " of group \"", group,
+                                                      "\" is not above its recorded version ",
+                                                      it->second, ": a version is committed once"));
+  }
+  std::map<std::string, int64_t> next = versions_;
+  next[group] = version;
+  if (auto s = WriteLocked(next_round_, next); !s.ok()) {
+    return absl::Status(s.code(), absl::StrCat("version ", version, " of group \"", group,
+                                               "\" not recorded: ", s.message()));
+  }
+  versions_ = std::move(next);
+  return absl::OkStatus();
 }
 
 int64_t StateStore::Committed(const std::string& group) const {

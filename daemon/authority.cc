@@ -33,8 +33,13 @@ bool Authority::Named(const Caller& caller, const std::vector<std::string>& name
   return false;
 }
 
+absl::Status Authority::CheckLocalUser(const Caller& caller, absl::string_view method) const {
+  if (caller.unix_socket || local_users_ == nullptr) return absl::OkStatus();
+  return local_users_->CheckGrpcPeer(caller.peer, method);
+}
+
 absl::Status Authority::CheckControl(const Caller& caller, Access access, absl::string_view method) const {
-  if (!enforcing()) return absl::OkStatus();
+  if (!enforcing()) return CheckLocalUser(caller, method);
   const bool daemon = NodeOf(caller).has_value();
   const bool operate = daemon || Named(caller, tls_.operators);
   const bool view = operate || Named(caller, tls_.viewers) || caller.unix_socket;
@@ -48,14 +53,15 @@ absl::Status Authority::CheckControl(const Caller& caller, Access access, absl::
 }
 
 absl::Status Authority::CheckWorker(const Caller& caller) const {
-  if (!enforcing() || caller.unix_socket || Named(caller, tls_.workers)) return absl::OkStatus();
+  if (!enforcing()) return CheckLocalUser(caller, "Register");
+  if (caller.unix_socket || Named(caller, tls_.workers)) return absl::OkStatus();
   return absl::PermissionDeniedError(absl::StrCat("Register over TCP: ", Describe(caller),
                                                   " may not register workers; workers over --worker-listen are "
                                                   "--tls-workers (", absl::StrJoin(tls_.workers, ","), ")"));
 }
 
 absl::Status Authority::CheckNode(const Caller& caller, int32_t node, absl::string_view method) const {
-  if (!enforcing()) return absl::OkStatus();
+  if (!enforcing()) return CheckLocalUser(caller, method);
   const std::optional<int32_t> is = NodeOf(caller);
   if (is == node) return absl::OkStatus();
   return absl::PermissionDeniedError(absl::StrCat(method, " for node ", node, ": ", Describe(caller),
@@ -64,7 +70,7 @@ absl::Status Authority::CheckNode(const Caller& caller, int32_t node, absl::stri
 
 absl::Status Authority::CheckCoordinator(const Caller& caller, const KnownCoordinator& coordinator,
                                          int64_t incarnation, absl::string_view method) const {
-  if (!enforcing()) return absl::OkStatus();
+  if (!enforcing()) return CheckLocalUser(caller, method);
   if (coordinator.node < 0) {
     return absl::PermissionDeniedError(absl::StrCat(method, " from ", Describe(caller),
                                                     ": this daemon obeys no coordinator (it is the coordinator, "

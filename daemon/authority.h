@@ -11,16 +11,20 @@
 //   RefitPeer Join, SyncWorkers: only node N's own certificate, for node N.
 //   RefitPeer InstallPlan, RunPhase: only the current coordinator's certificate, stamped with the
 //     incarnation this node joined (a restarted or impersonated coordinator is refused).
-// Without TLS every listener is loopback (or --insecure-listen) and every caller is trusted.
+// Without TLS every listener is loopback (or --insecure-listen), and a TCP caller is admitted only
+// when the user owning its socket is this daemon's own or root (loopback_owner.h): loopback is
+// every local user's. The unix socket's callers are admitted by its file mode and credentials.
 #pragma once
 
 #include <cstdint>
+#include <memory>
 #include <optional>
 #include <string>
 #include <vector>
 
 #include "absl/status/status.h"
 #include "absl/strings/string_view.h"
+#include "daemon/loopback_owner.h"
 #include "daemon/tls_config.h"
 
 namespace refit {
@@ -45,7 +49,9 @@ struct KnownCoordinator {
 
 class Authority {
  public:
-  explicit Authority(TlsConfig tls) : tls_(std::move(tls)) {}
+  // `local_users`: without TLS, whose loopback connections are admitted (null: anyone's).
+  explicit Authority(TlsConfig tls, std::shared_ptr<const LoopbackUsers> local_users = nullptr)
+      : tls_(std::move(tls)), local_users_(std::move(local_users)) {}
 
   bool enforcing() const { return tls_.enabled(); }
   // RefitControl's `method`.
@@ -61,7 +67,10 @@ class Authority {
 
  private:
   bool Named(const Caller& caller, const std::vector<std::string>& names) const;
+  // Without TLS: the user behind a TCP caller.
+  absl::Status CheckLocalUser(const Caller& caller, absl::string_view method) const;
   const TlsConfig tls_;
+  const std::shared_ptr<const LoopbackUsers> local_users_;
 };
 
 }  // namespace refit

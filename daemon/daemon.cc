@@ -67,7 +67,8 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(const DaemonConfig& config
   SetLogFormat(config.log_format, config.node);
   std::unique_ptr<Daemon> d(new Daemon(config));
   d->tls_ = std::make_unique<GrpcTls>(config.tls);
-  d->authority_ = std::make_unique<Authority>(config.tls);
+  if (!config.tls.enabled()) d->local_users_ = std::make_shared<LoopbackUsers>();
+  d->authority_ = std::make_unique<Authority>(config.tls, d->local_users_);
   if (config.tls.enabled()) {
     Logger("rpc")->info("TLS: certificate {}, CA {} (read again every {}); operators {}, viewers {}", config.tls.cert,
                         config.tls.ca, absl::FormatDuration(config.tls.reload), absl::StrJoin(config.tls.operators, ","),
@@ -77,7 +78,8 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(const DaemonConfig& config
                         "daemon's state; its peers' phases are obeyed unauthenticated (docs/SECURITY.md)",
                         config.listen);
   } else {
-    Logger("rpc")->info("no TLS: listening on loopback only (docs/SECURITY.md)");
+    Logger("rpc")->info("no TLS: listening on loopback only, for {} (docs/SECURITY.md)",
+                        d->local_users_->Describe());
   }
   if (config.backend == "cuda") {
     const ArmRounds arm = config.arm_rounds == "always" ? ArmRounds::kAlways
@@ -88,7 +90,8 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(const DaemonConfig& config
     if (!backend.ok()) return backend.status();
     d->backend_ = *std::move(backend);
   } else {
-    auto backend = HostBackend::Start(config.data_listen, HostBackendOptions{.tls = config.tls});
+    auto backend = HostBackend::Start(
+        config.data_listen, HostBackendOptions{.tls = config.tls, .local_users = d->local_users_});
     if (!backend.ok()) return backend.status();
     d->backend_ = *std::move(backend);
   }
@@ -139,6 +142,15 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(const DaemonConfig& config
     if (!config.state_file.empty()) {
       Logger("rpc")->info("state file {}: next round id {}, {} groups' committed versions", config.state_file,
                           d->state_->NextRoundId(), d->state_->Versions().size());
+    }
+    // Kept (versions never go back), but such a group has no next version to refit to.
+    for (const auto& [group, version] : d->state_->Versions()) {
+      if (version < kVersionLimit) continue;
+      Logger("rpc")->warn(
+          "group \"{}\" is at version {} in {}, at or above the limit {} (2^53): it cannot refit "
+          "again until its line there is lowered below the limit (and above every other version it "
+          "committed)",
+          group, version, config.state_file, kVersionLimit);
     }
     d->membership_ = std::make_unique<Membership>(config.node, config.heartbeat, config.heartbeats_missed, Clock::Real());
     d->membership_->SetLimits(config.group_limits);
@@ -291,6 +303,14 @@ void ConfigureServer(const DaemonConfig& config, grpc::ServerBuilder& builder) {
   builder.SetResourceQuota(quota);
 }
 
+// The addresses a loopback caller of `configured` (its port 0 bound as `port`) may have reached.
+void AddLoopbackListeners(const std::string& configured, int port, LoopbackUsers& users) {
+  for (std::string host : {std::string("127.0.0.1"), std::string("[::1]"),
+                           configured.substr(0, configured.rfind(':'))}) {
+    if (auto e = ParseHostPort(absl::StrCat(host, ":", port)); e.ok()) users.AddListener(*e);
+  }
+}
+
 }  // namespace
 
 absl::Status Daemon::Serve() {
@@ -319,6 +339,7 @@ absl::Status Daemon::Serve() {
   builder.RegisterService(services_.back().get());
   server_ = builder.BuildAndStart();
   if (server_ == nullptr || port == 0) return absl::UnavailableError(absl::StrCat("cannot listen on ", config_.listen));
+  if (local_users_ != nullptr) AddLoopbackListeners(config_.listen, port, *local_users_);
   // Workers: the unix socket (its file mode says who may connect; the handle socket's
   // credentials say who registers), and TCP only when asked. RefitControl is here too, for local
   // tools (under TLS, read-only: steering needs an operator certificate). Never RefitPeer.
@@ -335,6 +356,8 @@ absl::Status Daemon::Serve() {
   workers.RegisterService(services_[services_.size() - 2].get());
   workers.RegisterService(services_.back().get());
   worker_server_ = workers.BuildAndStart();
+  if (local_users_ != nullptr && worker_port != 0)
+    AddLoopbackListeners(config_.worker_listen, worker_port, *local_users_);
   if (worker_server_ == nullptr || (!config_.worker_listen.empty() && worker_port == 0)) {
     return absl::UnavailableError(absl::StrCat("cannot listen on unix:", config_.worker_socket,
                                                config_.worker_listen.empty() ? "" : " and " + config_.worker_listen));

@@ -20,20 +20,21 @@
 // No component holds its lock across a call into another, the backend or an RPC.
 #pragma once
 
+#include <grpcpp/grpcpp.h>
+
 #include <memory>
 #include <string>
 #include <thread>
 #include <vector>
 
-#include <grpcpp/grpcpp.h>
-
 #include "absl/base/thread_annotations.h"
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
-#include "daemon/backend.h"
 #include "daemon/authority.h"
+#include "daemon/backend.h"
 #include "daemon/config.h"
 #include "daemon/grpc_tls.h"
+#include "daemon/loopback_owner.h"
 #include "daemon/services.h"
 
 namespace refit {
@@ -113,6 +114,7 @@ class Daemon {
   std::vector<std::unique_ptr<grpc::Service>> services_;
   // TLS credentials and who may call what; before the servers and every client that uses them.
   std::unique_ptr<GrpcTls> tls_;
+  std::shared_ptr<LoopbackUsers> local_users_;  // without TLS: who may reach the TCP ports
   std::unique_ptr<Authority> authority_;
   // Three listeners, so that each service is reachable only where it belongs: server_ (--listen:
   // RefitControl, RefitPeer), worker_server_ (the unix socket, and --worker-listen if given:

@@ -335,6 +335,17 @@ void HostBackend::AcceptLoop() {
         inet_ntop(AF_INET, &sa.sin_addr, host, sizeof host);
         peer = absl::StrCat(host, ":", ntohs(sa.sin_port));
       }
+      if (options_.local_users != nullptr) {
+        // Before anything is read from it: another user's bytes never reach an engine.
+        if (absl::Status s =
+                options_.local_users->CheckPeer(fd.get(), absl::StrCat("data plane ", address_));
+            !s.ok()) {
+          if (user_refusals_log_.Allow(&more)) log->warn("{}{}", std::string(s.message()), more);
+          absl::MutexLock lock(&mu_);
+          ++counters_.user_refused;
+          continue;  // fd closes
+        }
+      }
       absl::MutexLock lock(&mu_);
       if (stopping_) return;
       if (static_cast<int64_t>(connections_.size()) >= options_.max_incoming) {
@@ -771,6 +782,15 @@ absl::Status HostBackend::Send(Job& job, const Message& m, int64_t index,
     if (fresh) {
       auto c = TcpConnect(addr->second, job.job.deadline);
       if (!c.ok()) return blame(absl::UnavailableError(absl::StrCat("cannot reach ", peer, ": ", c.status().message())));
+      if (options_.local_users != nullptr) {
+        // The listener must be a daemon's: a process of another user that took a dead node's
+        // port would otherwise receive the weights.
+        if (absl::Status u =
+                options_.local_users->CheckPeer(c->get(), absl::StrCat("sending to ", peer));
+            !u.ok()) {
+          return blame(absl::PermissionDeniedError(u.message()));
+        }
+      }
       stream = DataStream(*std::move(c), peer);
     }
     const int fd = stream.fd().get();

@@ -47,6 +47,7 @@
 #include "client/shared_memory.h"
 #include "daemon/backend.h"
 #include "daemon/data_stream.h"
+#include "daemon/loopback_owner.h"
 #include "daemon/socket.h"
 #include "daemon/tls_config.h"
 
@@ -64,6 +65,9 @@ struct HostBackendOptions {
   int ended_rounds = 1024;
   // Mutual TLS on every data connection when enabled() (DaemonConfig::tls); else plain TCP.
   TlsConfig tls;
+  // Without TLS: the users whose loopback connections are admitted, both ways (a connection
+  // accepted from, or made to, a socket another user owns is closed at once). Null: anyone's.
+  std::shared_ptr<const LoopbackUsers> local_users;
   // TLS: a new connection's handshake must be done within this (or frame_wait, if shorter), and
   // at most `max_handshaking` connections are in their handshake at once (0: half of
   // max_incoming): one more cuts off the oldest of them, so that connections that never
@@ -88,6 +92,7 @@ struct HostConnectionStats {
   int64_t accept_errors = 0;
   int64_t stale_frames = 0;    // frames of rounds over here, read and dropped
   int64_t tls_refused = 0;     // incoming connections whose TLS handshake or peer failed
+  int64_t user_refused = 0;    // without TLS: incoming connections of a user not admitted
   int64_t handshaking = 0;     // TLS: accepted, handshake not done yet
   int64_t handshakes_cut = 0;  // TLS: cut off in their handshake for a newer one (max_handshaking)
   int64_t tls_reloads = 0;     // TLS contexts replaced since start (rotated files)
@@ -169,7 +174,7 @@ class HostBackend : public DataBackend {
   Fd wake_;      // eventfd: a reader ended, or the backend stops
   std::unique_ptr<TlsContext> tls_;  // null: plain TCP
   std::thread acceptor_;
-  LogLimiter accept_errors_log_, refusals_log_, drops_log_, stale_log_;
+  LogLimiter accept_errors_log_, refusals_log_, drops_log_, stale_log_, user_refusals_log_;
 
   mutable absl::Mutex mu_;
   absl::CondVar jobs_changed_;  // a job began or ended, a round was cancelled, stopping

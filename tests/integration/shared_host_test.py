@@ -1,0 +1,144 @@
+"""The default mode (no TLS) on a shared host: loopback is every local user's, so a process of
+another uid, which cannot open the worker socket, must not reach what moves or steers weights
+through the daemons' TCP ports either. Two daemons without TLS, a trainer and an engine (Python
+pattern workers that check every destination byte at every commit); then a process running as
+uid 65534 (nobody) tries the control port (Status, Refit), the peer service (Join, RunPhase) and
+the data plane (a frame, and a listener on a dead node's data port is not tried here: the sender's
+check is covered by daemon/loopback_owner_test). Each is refused, naming the uid; the daemons log
+it; the legitimate rounds keep committing byte-exact. Needs root (to become another uid)."""
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import unittest
+
+import harness
+
+sys.path.insert(0, os.path.dirname(harness.HERE))
+import refit  # noqa: E402
+
+from e2e_lib import Reports, layouts, names, start_python  # noqa: E402
+
+NOBODY = 65534
+
+# Run as nobody: every call it makes, and what came of it, as one JSON object on stdout.
+HOSTILE = r"""
+import json, socket, sys
+sys.path.insert(0, sys.argv[1])
+import grpc
+from refit import _rpc
+from refit._proto import refit_pb2
+control, data = sys.argv[2], sys.argv[3]
+out = {}
+def code(fn):
+    try:
+        fn()
+        return "OK"
+    except grpc.RpcError as e:
+        return "%s: %s" % (e.code().name, e.details())
+channel = grpc.insecure_channel(control)
+ctl = _rpc.Stub(channel, "RefitControl")
+peer = _rpc.Stub(channel, "RefitPeer")
+out["Status"] = code(lambda: ctl.Status(refit_pb2.StatusRequest(), timeout=10))
+out["Refit"] = code(lambda: ctl.Refit(refit_pb2.RefitRequest(group="policy", version=10**6), timeout=20))
+out["Join"] = code(lambda: peer.Join(refit_pb2.JoinRequest(node=7, control_address="127.0.0.1:9",
+                                                          data_address="127.0.0.1:9"), timeout=10))
+out["RunPhase"] = code(lambda: peer.RunPhase(refit_pb2.PhaseRequest(group="policy"), timeout=10))
+host, port = data.rsplit(":", 1)
+s = socket.create_connection((host, int(port)), timeout=5)
+try:
+    s.sendall(b"RFD1" + bytes(28) + b"policy" + b"\xff" * 4096)
+    s.settimeout(5)
+    try:
+        rest = s.recv(1)
+        out["data"] = "closed" if rest == b"" else "answered %r" % rest
+    except ConnectionResetError:
+        out["data"] = "closed"
+    except socket.timeout:
+        out["data"] = "held open"
+finally:
+    s.close()
+print(json.dumps(out))
+"""
+
+
+@unittest.skipUnless(os.geteuid() == 0, "becoming another uid needs root")
+class SharedHostSuite(unittest.TestCase):
+    @classmethod
+    def setUpClass(cls):
+        cls.cluster = harness.Cluster(nodes=2, tls=False)
+        cls.reports = Reports(cls.cluster)
+        cls.files = layouts(cls.cluster)
+        cls.engines = []
+        for role, node in [("trainer", 0), ("inference", 1)]:
+            for w in names(cls.files[role]):
+                key = f"{role}-{w}"
+                start_python(cls.cluster, key, node, role, cls.files[role], w)
+                cls.reports.wait(key, "registered")
+                if role == "inference":
+                    cls.engines.append(key)
+        cls.ctl = refit.Controller(cls.cluster.control)
+        cls.ctl.wait_ready("policy", timeout=30)
+        cls.version = 0
+        # The package, readable by nobody (the test's own files are under root's home).
+        cls.public = tempfile.mkdtemp(prefix="refit-shared-host-", dir="/tmp")
+        shutil.copytree(os.path.dirname(refit.__file__), os.path.join(cls.public, "refit"))
+        for root, dirs, files in os.walk(cls.public):
+            for n in dirs + files:
+                os.chmod(os.path.join(root, n), 0o755)
+        os.chmod(cls.public, 0o755)
+
+    @classmethod
+    def tearDownClass(cls):
+        cls.ctl.close()
+        cls.cluster.close()
+        shutil.rmtree(cls.public, ignore_errors=True)
+
+    def refit_still_works(self):
+        type(self).version += 1
+        v = self.version
+        stats = self.ctl.refit("policy", v, timeout=60)
+        self.assertTrue(stats.committed, stats)
+        for key in self.engines:
+            self.reports.wait(key, f"commit {v} ")
+            last = [l for l in self.reports.lines(key) if l.startswith(f"commit {v} ")][-1]
+            self.assertIn(" ok ", last, f"{key}: {last}")
+
+    def data_address(self, node):
+        with open(self.cluster.daemons[node].log, errors="replace") as f:
+            text = f.read()
+        found = [w for line in text.splitlines() if "data plane" in line and "(host)" in line
+                 for w in [line.split("data plane ", 1)[1].split(" ", 1)[0]]]
+        self.assertTrue(found, "the daemon logs its data plane address")
+        return found[-1]
+
+    def as_nobody(self, control, data):
+        def drop():
+            os.setgid(NOBODY)
+            os.setuid(NOBODY)
+        p = subprocess.run([sys.executable, "-c", HOSTILE, self.public, control, data], preexec_fn=drop,
+                           capture_output=True, text=True, timeout=120, cwd="/tmp")
+        self.assertEqual(p.returncode, 0, p.stderr)
+        return json.loads(p.stdout.strip().splitlines()[-1])
+
+    def test_another_user_reaches_nothing(self):
+        self.refit_still_works()
+        for node in (0, 1):
+            got = self.as_nobody(self.cluster.daemons[node].address, self.data_address(node))
+            for call in ("Status", "Refit", "Join", "RunPhase"):
+                self.assertTrue(got[call].startswith("PERMISSION_DENIED"), f"node {node} {call}: {got[call]}")
+                self.assertIn(f"uid {NOBODY}", got[call])
+            self.assertEqual(got["data"], "closed", f"node {node}'s data plane")
+            with open(self.cluster.daemons[node].log, errors="replace") as f:
+                log = f.read()
+            self.assertIn(f"belongs to uid {NOBODY}", log, f"node {node} logs the refused data connection")
+        self.refit_still_works()
+        # The same calls from this uid are answered: the refusal is the user's, not the call's.
+        status = self.ctl.status()
+        self.assertIn("policy", json.dumps(status, default=str), status)
+
+
+if __name__ == "__main__":
+    unittest.main()

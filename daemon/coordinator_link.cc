@@ -200,7 +200,7 @@ bool CoordinatorLink::SyncOwed() {
   return sync_owed_;
 }
 
-std::optional<bool> CoordinatorLink::Heartbeat(bool* lost) {
+std::optional<v1::JoinResponse> CoordinatorLink::Heartbeat(bool* lost) {
   grpc::ClientContext ctx;
   // A moved coordinator is found within a heartbeat of its file naming it (one small read per
   // heartbeat), and a heartbeat waits for a connection a second at most, not --peer-timeout:
@@ -222,7 +222,7 @@ std::optional<bool> CoordinatorLink::Heartbeat(bool* lost) {
   }
   if (*lost) Logger("rpc")->info("the coordinator at {} answers again", Target());
   *lost = false;
-  return out.resync();
+  return out;
 }
 
 void CoordinatorLink::HeartbeatLoop() {
@@ -248,15 +248,15 @@ void CoordinatorLink::HeartbeatLoop() {
     }
     bool answered = false;
     if (absl::Now() >= next_beat) {
-      const std::optional<bool> resync = Heartbeat(&lost);
+      const std::optional<v1::JoinResponse> answer = Heartbeat(&lost);
       next_beat = absl::Now() + options_.heartbeat;
       // Unanswered: the next answer says whether the coordinator lacks this node's list.
-      if (!resync.has_value()) continue;
+      if (!answer.has_value()) continue;
       answered = true;
-      if (options_.on_answer) options_.on_answer(*resync);
+      if (options_.on_answer) options_.on_answer(*answer);
       // The coordinator restarted or declared this node dead, and no list of this incarnation
       // reached it since: it asks in every answer until one does.
-      if (*resync) {
+      if (answer->resync()) {
         absl::MutexLock lock(&mu_);
         sync_owed_ = true;
       }

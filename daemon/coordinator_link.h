@@ -53,8 +53,9 @@ struct CoordinatorLinkOptions {
   std::function<std::vector<v1::RegisterWorkerRequest>()> snapshot;
   // A heartbeat was answered (called with no lock held, before a resync's SyncWorkers).
   // `resync`: the coordinator does not know this node's incarnation (it restarted, or declared
-  // this node dead), so no round of its is open here any more; else it renews their leases.
-  std::function<void(bool resync)> on_answer;
+  // this node dead), so no round of its is open here any more; else the rounds it still runs
+  // (`running_rounds`) have their leases renewed.
+  std::function<void(const v1::JoinResponse& answer)> on_answer;
   // Channel credentials (TLS or not); null: insecure. Outlives the link.
   const GrpcTls* tls = nullptr;
   // The coordinator's node index (--coordinator-node); -1: whichever node answers, as long as its
@@ -96,9 +97,9 @@ class CoordinatorLink {
 
  private:
   void HeartbeatLoop();
-  // One heartbeat: the answer's `resync`, or nullopt when unanswered (`lost` tracks the outage,
-  // logged once).
-  std::optional<bool> Heartbeat(bool* lost);
+  // One heartbeat: the answer, or nullopt when unanswered (`lost` tracks the outage, logged
+  // once).
+  std::optional<v1::JoinResponse> Heartbeat(bool* lost);
   bool SyncOwed();
   // Records who answered a Join; an answer whose certificate is not the node it names is refused.
   absl::Status Answered(const grpc::ClientContext& ctx, const v1::JoinResponse& out);

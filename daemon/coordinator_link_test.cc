@@ -149,8 +149,8 @@ struct Rejoin {
       absl::MutexLock lock(&mu);
       return workers;
     };
-    o.on_answer = [this](bool resync) {
-      if (resync) ++resyncs;
+    o.on_answer = [this](const v1::JoinResponse& answer) {
+      if (answer.resync()) ++resyncs;
     };
     link = std::make_unique<CoordinatorLink>(std::move(o));
     REQUIRE(link->Join("127.0.0.1:3", "127.0.0.1:4").ok());

@@ -216,9 +216,11 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(const DaemonConfig& config
     link.max_rpc_bytes = config.max_rpc_bytes;
     link.join_timeout = config.join_timeout;
     link.snapshot = [self] { return self->registry_->Snapshot(); };
-    link.on_answer = [self](bool resync) {
-      if (!resync) {
-        self->agent_->RenewLeases();
+    link.on_answer = [self](const v1::JoinResponse& answer) {
+      if (!answer.resync()) {
+        const std::map<std::string, int64_t> running(answer.running_rounds().begin(),
+                                                     answer.running_rounds().end());
+        self->agent_->RenewLeases(answer.lists_running_rounds() ? &running : nullptr);
         return;
       }
       self->agent_->AbortOpenRounds(absl::StrCat("the coordinator (", self->config_.coordinator,

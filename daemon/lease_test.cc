@@ -215,6 +215,35 @@ TEST_CASE("lease: heartbeat answers and phase calls renew it") {
   CHECK(n.agent->ExpireLeases() == 1);
 }
 
+TEST_CASE("lease: answers that no longer list the round do not renew it (its COMMIT never came)") {
+  // An asymmetric partition: the coordinator's calls to this node are lost, this node's
+  // heartbeats reach it. The coordinator ended round 6 (committed without this node's
+  // confirmation, or aborted); its answers list what it still runs.
+  Node n;
+  REQUIRE(n.Prepare(6).ok());
+  v1::PhaseResponse out;
+  REQUIRE(n.agent->RunPhase(Node::Phase(v1::PhaseRequest::TRANSFER, 6), &out).ok());
+  const std::map<std::string, int64_t> running_6 = {{"policy", 6}};
+  const std::map<std::string, int64_t> another = {{"policy", 7}, {"other", 6}};
+  const std::map<std::string, int64_t> none;
+  for (int i = 0; i < 4; ++i) {  // while the coordinator runs it: renewed
+    n.clock.Advance(absl::Milliseconds(1500));
+    n.agent->RenewLeases(&running_6);
+    CHECK(n.agent->ExpireLeases() == 0);
+  }
+  // Over at the coordinator: answers keep coming, and renew nothing.
+  n.clock.Advance(absl::Milliseconds(1500));
+  n.agent->RenewLeases(&none);
+  n.agent->RenewLeases(&another);  // another round of the group, or the same id of another group
+  CHECK(n.agent->ExpireLeases() == 0);
+  n.clock.Advance(absl::Milliseconds(501));
+  n.agent->RenewLeases(&none);
+  CHECK(n.agent->ExpireLeases() == 1);
+  // The engines drop the round (and with it any version: their replica holds none).
+  CHECK(Node::Events(*n.engine) == std::vector<std::string>{"PREPARE 6", "ABORT 6"});
+  CHECK(Node::LastReason(*n.engine).find("lease on round 6") != std::string::npos);
+}
+
 TEST_CASE(
     "lease: a round whose COMMIT is being delivered is never aborted; a resync ends open rounds") {
   Node n;

@@ -49,6 +49,9 @@ std::vector<ReplicaView> ReplicasOf(const std::vector<std::pair<int32_t, v1::Reg
       out.push_back(std::move(v));
       continue;
     }
+    for (const Rank& k : ranks) v.nodes.push_back(workers[k.worker].first);
+    std::sort(v.nodes.begin(), v.nodes.end());
+    v.nodes.erase(std::unique(v.nodes.begin(), v.nodes.end()), v.nodes.end());
     // Workers by rank.
     v.workers.assign(v.size, "");
     for (const Rank& k : ranks) {

@@ -40,6 +40,7 @@ struct ReplicaView {
   int32_t size = 1;
   std::vector<std::string> workers;  // by rank; "" where no worker holds it
   std::vector<int32_t> missing;      // ranks no worker holds (at most kMaxListedRanks listed)
+  std::vector<int32_t> nodes;        // the nodes of its workers, ascending
   bool complete = false;
   std::string problem;               // why it does not count; empty when complete
   int64_t version = 0;               // last committed to it whole (0: none since it changed)

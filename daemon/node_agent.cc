@@ -69,10 +69,16 @@ absl::Time NodeAgent::LeaseFromNow() const {
   return lease_.clock->Now() + lease_.lease;
 }
 
-void NodeAgent::RenewLeases() {
+void NodeAgent::RenewLeases(const std::map<std::string, int64_t>* running) {
   const absl::Time until = LeaseFromNow();
   absl::MutexLock lock(&mu_);
-  for (auto& [group, active] : active_rounds_) active.lease_until = std::max(active.lease_until, until);
+  for (auto& [group, active] : active_rounds_) {
+    if (running != nullptr) {
+      auto it = running->find(group);
+      if (it == running->end() || it->second != active.round) continue;
+    }
+    active.lease_until = std::max(active.lease_until, until);
+  }
 }
 
 int NodeAgent::ExpireLeases() {

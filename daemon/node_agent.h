@@ -51,8 +51,11 @@ class NodeAgent {
  public:
   NodeAgent(int32_t node, WorkerRegistry* registry, DataBackend* backend, NodeAgentLease lease = {});
 
-  // The coordinator answered a heartbeat: every open round's lease runs on from now.
-  void RenewLeases();
+  // The coordinator answered a heartbeat: the lease of every open round it still runs
+  // (`running`: group -> round id; null: every open round) runs on from now. A round it no longer
+  // runs is not renewed: it ended there (its COMMIT or ABORT did not reach this node), and here it
+  // ends with its lease.
+  void RenewLeases(const std::map<std::string, int64_t>* running = nullptr);
   // Aborts every open round whose lease ended; returns how many.
   int ExpireLeases();
   // Aborts every open round (not one whose COMMIT is being delivered) because `why`: the

@@ -72,6 +72,13 @@ class RoundDriver::FanOut {
     for (const auto& [n, r] : responses_) bytes += r.bytes_received() + r.bytes_local();
     return bytes;
   }
+  // The nodes whose call failed (with its failure) or has not ended yet (DEADLINE_EXCEEDED).
+  std::map<int32_t, absl::Status> NotConfirmed() {
+    absl::MutexLock lock(&mu_);
+    std::map<int32_t, absl::Status> out = failed_;
+    for (int32_t n : pending_) out.emplace(n, absl::DeadlineExceededError("no answer"));
+    return out;
+  }
   // Every node's answer (after a Wait that saw every call end; empty otherwise).
   std::map<int32_t, v1::PhaseResponse> Responses() {
     absl::MutexLock lock(&mu_);
@@ -85,6 +92,7 @@ class RoundDriver::FanOut {
     {
       absl::MutexLock lock(&mu_);
       pending_.erase(node);
+      if (!s.ok()) failed_[node] = s;
       if (!s.ok() && first_.ok()) {
         first_ = s;
         report = true;
@@ -97,6 +105,7 @@ class RoundDriver::FanOut {
   absl::Mutex mu_;
   absl::CondVar done_;
   std::set<int32_t> pending_ ABSL_GUARDED_BY(mu_);
+  std::map<int32_t, absl::Status> failed_ ABSL_GUARDED_BY(mu_);
   absl::Status first_ ABSL_GUARDED_BY(mu_);
   // One per node, made before any call starts and never rehashed (std::map): each call writes
   // only its own.
@@ -192,6 +201,10 @@ absl::StatusOr<int64_t> RoundDriver::BeginRound(const v1::RefitRequest& request)
     groups_[request.group()].busy = false;
     return absl::UnavailableError(absl::StrCat("the coordinator cannot start a round: ", id.status().message()));
   }
+  {
+    absl::MutexLock lock(&mu_);
+    groups_[request.group()].round_id = *id;
+  }
   return *id;
 }
 
@@ -200,6 +213,7 @@ absl::Status RoundDriver::FinishRound(const v1::RefitRequest& request, int64_t r
   absl::MutexLock lock(&mu_);
   GroupRounds& g = groups_[request.group()];
   g.busy = false;
+  g.round_id = 0;
   if (s.ok()) g.version = request.version();
   return s;
 }
@@ -220,6 +234,7 @@ absl::StatusOr<int64_t> RoundDriver::StartRefit(const v1::RefitRequest& request)
   if (!queued) {
     absl::MutexLock lock(&mu_);
     groups_[request.group()].busy = false;
+    groups_[request.group()].round_id = 0;
     return absl::UnavailableError("the coordinator is shutting down");
   }
   return *round_id;
@@ -368,7 +383,8 @@ absl::Status RoundDriver::RunRound(const std::string& group, int64_t round_id, i
     std::map<int32_t, absl::Time> at ABSL_GUARDED_BY(mu);
     std::map<int32_t, absl::Time> answered ABSL_GUARDED_BY(mu);
   };
-  auto phase = [&](v1::PhaseRequest::Phase p, absl::Duration timeout, int64_t* bytes) {
+  auto phase = [&](v1::PhaseRequest::Phase p, absl::Duration timeout, int64_t* bytes,
+                   std::map<int32_t, absl::Status>* not_confirmed = nullptr) {
     auto sent = std::make_shared<SentTimes>();
     v1::PhaseRequest r;
     r.set_phase(p);
@@ -401,6 +417,7 @@ absl::Status RoundDriver::RunRound(const std::string& group, int64_t round_id, i
     // Each call has the phase's deadline plus the peer allowance; the wait adds a margin.
     absl::Status s = calls->Wait(timeout + peer_timeout + absl::Seconds(1), PhaseName(p));
     if (bytes != nullptr) *bytes = calls->BytesIn();
+    if (not_confirmed != nullptr) *not_confirmed = calls->NotConfirmed();
     if (p == v1::PhaseRequest::TRANSFER && s.ok()) {
       absl::MutexLock lock(&sent->mu);
       for (const auto& [n, response] : calls->Responses()) {
@@ -413,7 +430,8 @@ absl::Status RoundDriver::RunRound(const std::string& group, int64_t round_id, i
         node->set_data_plane_ms(response.data_plane_ms());
         node->set_started_after_request_ms(response.started_after_request_ms());
         node->set_request_arrived_unix_us(response.request_arrived_unix_us());
-        if (auto at = sent->at.find(n); at != sent->at.end()) node->set_request_sent_unix_us(absl::ToUnixMicros(at->second));
+        if (auto at = sent->at.find(n); at != sent->at.end())
+          node->set_request_sent_unix_us(absl::ToUnixMicros(at->second));
         node->set_answered_unix_us(response.answered_unix_us());
         if (auto at = sent->answered.find(n); at != sent->answered.end()) {
           node->set_answer_received_unix_us(absl::ToUnixMicros(at->second));
@@ -453,19 +471,53 @@ absl::Status RoundDriver::RunRound(const std::string& group, int64_t round_id, i
     for (const std::string& r : plan->planned) stats->add_replicas(r);
     for (const std::string& r : plan->incomplete) stats->add_incomplete_replicas(r);
     t = clock_->Now();
-    const absl::Status confirmed = phase(v1::PhaseRequest::COMMIT, options_.commit_timeout, nullptr);
+    std::map<int32_t, absl::Status> not_confirmed;
+    const absl::Status confirmed =
+        phase(v1::PhaseRequest::COMMIT, options_.commit_timeout, nullptr, &not_confirmed);
     stats->set_commit_seconds(absl::ToDoubleSeconds(clock_->Now() - t));
+    // A replica holds the version only once every rank of it confirmed. A node that failed for
+    // one worker (the culprit it names) confirmed the others; one that failed otherwise, or did
+    // not answer, confirmed none of its ranks. The replicas left hold no version as far as anyone
+    // can tell (a node cut off aborts the round when its lease ends): status shows them so, and
+    // the next round refits them whole.
+    std::set<int32_t> silent_nodes;
+    std::set<std::string> failed_workers;
+    for (const auto& [n, failure] : not_confirmed) {
+      const std::optional<v1::Culprit> culprit = CulpritOf(failure);
+      if (culprit.has_value() && culprit->kind() == v1::Culprit::WORKER) {
+        failed_workers.insert(culprit->worker_id());
+      } else {
+        silent_nodes.insert(n);
+      }
+    }
+    std::vector<std::string> whole, unconfirmed;
+    for (const std::string& name : plan->planned) {
+      const auto view = std::find_if(plan->replicas.begin(), plan->replicas.end(),
+                                     [&](const ReplicaView& v) { return v.name == name; });
+      bool all = view != plan->replicas.end();
+      if (all) {
+        for (int32_t n : view->nodes) all = all && silent_nodes.count(n) == 0;
+        for (const std::string& w : view->workers)
+          all = all && failed_workers.count(absl::StrCat(group, "/", w)) == 0;
+      }
+      (all ? whole : unconfirmed).push_back(name);
+    }
+    for (const std::string& r : unconfirmed) stats->add_unconfirmed_replicas(r);
     if (!confirmed.ok()) {
       stats->set_commit_note(std::string(confirmed.message()));
-      Logger("round")->warn("group \"{}\" round {}: committed, but not every worker confirmed: {}", group, round_id,
-                            std::string(confirmed.message()));
+      Logger("round")->warn(
+          "group \"{}\" round {}: committed, but not every worker confirmed; replicas [{}] hold "
+          "no version until a round refits them: {}",
+          group, round_id, absl::StrJoin(unconfirmed, ", "), std::string(confirmed.message()));
     }
-    membership_->RecordCommit(group, epoch, plan->planned, version);
-    Logger("round")->info("group \"{}\" round {}: version {} to replicas [{}]{}", group, round_id, version,
-                          absl::StrJoin(plan->planned, ", "),
+    membership_->RecordCommit(group, epoch, whole, version);
+    membership_->RecordCommit(group, epoch, unconfirmed, 0);
+    Logger("round")->info("group \"{}\" round {}: version {} to replicas [{}]{}", group, round_id,
+                          version, absl::StrJoin(whole, ", "),
                           plan->incomplete.empty()
                               ? std::string()
-                              : absl::StrCat("; not to the incomplete [", absl::StrJoin(plan->incomplete, ", "), "]"));
+                              : absl::StrCat("; not to the incomplete [",
+                                             absl::StrJoin(plan->incomplete, ", "), "]"));
   }
   stats->set_bytes(bytes);
   stats->set_seconds(absl::ToDoubleSeconds(clock_->Now() - start));
@@ -497,6 +549,15 @@ absl::Status RoundDriver::RunRound(const std::string& group, int64_t round_id, i
   return status.ok() ? status
                      : Rewrap(status, absl::StatusCode::kAborted,
                               absl::StrCat("round ", round_id, " of group \"", group, "\" aborted: ", status.message()));
+}
+
+std::map<std::string, int64_t> RoundDriver::RunningRounds() const {
+  absl::MutexLock lock(&mu_);
+  std::map<std::string, int64_t> out;
+  for (const auto& [group, g] : groups_) {
+    if (g.busy && g.round_id > 0) out[group] = g.round_id;
+  }
+  return out;
 }
 
 void RoundDriver::ForgetGroup(const std::string& group) {

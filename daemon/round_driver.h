@@ -80,6 +80,8 @@ class RoundDriver {
   // its outcome goes to the round log.
   absl::StatusOr<int64_t> StartRefit(const v1::RefitRequest& request);
   int64_t CommittedVersion(const std::string& group) const;
+  // The rounds running now (group -> round id), as a heartbeat's answer tells the nodes.
+  std::map<std::string, int64_t> RunningRounds() const;
   // The group was forgotten (Membership::OnGroupForgotten): what the driver kept for it goes, but
   // its committed version (versions never go back).
   void ForgetGroup(const std::string& group);
@@ -94,6 +96,7 @@ class RoundDriver {
   struct GroupRounds {
     int64_t version = 0;  // last committed
     bool busy = false;
+    int64_t round_id = 0;                        // the running round's, once reserved (0: none)
     std::map<int32_t, int64_t> installed_epoch;  // per node
   };
   class FanOut;

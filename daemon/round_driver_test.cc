@@ -42,9 +42,11 @@ class FakePeers : public PeerClient {
       absl::MutexLock lock(&mu_);
       calls_.push_back({node, what, request.reason()});
       if (node == fail_node_ && what == fail_phase_) {
-        s = WithCulprit(
-            absl::UnavailableError(absl::StrCat("node ", node, " (10.0.0.", node, ":7070) failed ", what, ": boom")),
-            WorkerCulprit(node, "policy/i0", what));  // as a node's registry names a worker
+        s = absl::UnavailableError(
+            absl::StrCat("node ", node, " (10.0.0.", node, ":7070) failed ", what, ": boom"));
+        // As a node's registry names a worker, or the transport names the node it lost.
+        s = WithCulprit(s, fail_as_node_ ? NodeCulprit(node, "10.0.0.1:7070", what)
+                                         : WorkerCulprit(node, "policy/i0", what));
       }
     }
     if (what == "TRANSFER") {
@@ -63,10 +65,11 @@ class FakePeers : public PeerClient {
     }
     done(absl::OkStatus());
   }
-  void FailAt(int32_t node, const std::string& phase) {
+  void FailAt(int32_t node, const std::string& phase, bool as_node = false) {
     absl::MutexLock lock(&mu_);
     fail_node_ = node;
     fail_phase_ = phase;
+    fail_as_node_ = as_node;
   }
   std::vector<Call> Take() {
     absl::MutexLock lock(&mu_);
@@ -78,6 +81,7 @@ class FakePeers : public PeerClient {
   std::vector<Call> calls_ ABSL_GUARDED_BY(mu_);
   int32_t fail_node_ ABSL_GUARDED_BY(mu_) = -1;
   std::string fail_phase_ ABSL_GUARDED_BY(mu_);
+  bool fail_as_node_ ABSL_GUARDED_BY(mu_) = false;
 };
 
 std::vector<std::string> Seq(const std::vector<FakePeers::Call>& calls) {
@@ -144,6 +148,8 @@ TEST_CASE("round driver: install once per membership, then PREPARE, TRANSFER, CO
   CHECK(stats.nodes(0).node() == 0);
   CHECK(stats.nodes(1).node() == 1);
   CHECK(f.driver->CommittedVersion("policy") == 1);
+  CHECK(stats.unconfirmed_replicas().empty());
+  CHECK(f.membership.ReplicaVersions("policy") == std::map<std::string, int64_t>{{"i0", 1}});
   // Same membership: no install.
   REQUIRE(f.Refit(2).ok());
   CHECK(Seq(f.peers.Take()) == std::vector<std::string>{"PREPARE@1", "PREPARE@0", "TRANSFER@1", "TRANSFER@0",
@@ -219,10 +225,29 @@ TEST_CASE("round driver: the first failure aborts every node, the culprit's mess
     CHECK(std::count(seq.begin(), seq.end(), "ABORT@0") == 0);
     CHECK(std::count(seq.begin(), seq.end(), "ABORT@1") == 0);
     CHECK(f.driver->CommittedVersion("policy") == 1);
-    // The replica ("i0", its own) holds the version.
-    CHECK(f.membership.ReplicaVersions("policy") == std::map<std::string, int64_t>{{"i0", 1}});
+    // The replica ("i0", its own, on node 1) was refit but not confirmed: it holds no version as
+    // far as anyone knows, and says so, until a round refits it whole.
+    CHECK(f.membership.ReplicaVersions("policy") == std::map<std::string, int64_t>{{"i0", 0}});
     CHECK(std::vector<std::string>(stats.replicas().begin(), stats.replicas().end()) ==
           std::vector<std::string>{"i0"});
+    CHECK(std::vector<std::string>(stats.unconfirmed_replicas().begin(),
+                                   stats.unconfirmed_replicas().end()) ==
+          std::vector<std::string>{"i0"});
+    f.peers.FailAt(-1, "");
+    v1::RoundStats next;
+    REQUIRE(f.Refit(2, &next).ok());
+    CHECK(next.unconfirmed_replicas().empty());
+    CHECK(f.membership.ReplicaVersions("policy") == std::map<std::string, int64_t>{{"i0", 2}});
+  }
+  SECTION("in COMMIT, a node cut off: none of its replicas holds the version") {
+    f.peers.FailAt(1, "COMMIT", /*as_node=*/true);
+    v1::RoundStats stats;
+    REQUIRE(f.Refit(1, &stats).ok());
+    CHECK(stats.state() == v1::RoundStats::COMMITTED);
+    CHECK(std::vector<std::string>(stats.unconfirmed_replicas().begin(),
+                                   stats.unconfirmed_replicas().end()) ==
+          std::vector<std::string>{"i0"});
+    CHECK(f.membership.ReplicaVersions("policy") == std::map<std::string, int64_t>{{"i0", 0}});
   }
 }
 

@@ -228,6 +228,11 @@ class PeerService : public v1::RefitPeer::Service {
     if (p_->membership->Join(*r)) out->set_resync(true);
     out->set_coordinator_node(c.node);
     out->set_coordinator_incarnation(p_->incarnation);
+    if (p_->driver != nullptr) {
+      for (const auto& [group, round] : p_->driver->RunningRounds())
+        (*out->mutable_running_rounds())[group] = round;
+      out->set_lists_running_rounds(true);
+    }
     return grpc::Status::OK;
   }
   grpc::Status SyncWorkers(grpc::ServerContext* context, const v1::SyncWorkersRequest* r,

@@ -9,6 +9,7 @@
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
 #include "client/cli_flags.h"
+#include "daemon/certificate_check.h"
 #include "google/protobuf/struct.pb.h"
 #include "google/protobuf/util/json_util.h"
 #include "plan/plan.h"
@@ -198,6 +199,11 @@ DaemonConfig ParseDaemonFlags(int argc, char** argv) {
   }
   for (const std::string* file : {&c.tls.cert, &c.tls.key, &c.tls.ca}) {
     if (!file->empty() && !ReadFile(*file).ok()) flags.Fail(absl::StrCat("cannot read TLS file ", *file));
+  }
+  if (c.tls.enabled()) {
+    // What every peer would refuse later, round after round, is refused now, by name.
+    if (absl::Status s = CheckDaemonCertificate(c.tls, c.node); !s.ok())
+      flags.Fail(std::string(s.message()));
   }
   if (reload_s <= 0) flags.Fail("--tls-reload-interval must be positive");
   c.tls.reload = absl::Seconds(reload_s);

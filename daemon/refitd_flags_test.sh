@@ -38,10 +38,21 @@ expect_refusal "TLS file unreadable" "cannot read TLS file $tmp/none.pem" \
 expect_refusal "worker uid" '--worker-uids: "root" is not a uid' --worker-uids root
 out=$("$refitd" --check-config --listen 10.1.2.3:7070 --insecure-listen 2>&1) || fail "--insecure-listen: $out"
 echo "$out" | grep -q "no TLS, and --insecure-listen" || fail "--check-config: $out"
+# The certificate itself is checked: its names, its key, its CA (daemon/certificate_check.h).
+bash tools/gen_certs.sh "$tmp/certs" 2 refit-node-5 >/dev/null 2>&1 || fail "tools/gen_certs.sh"
+c=$tmp/certs
+out=$("$refitd" --check-config --node 1 --listen 10.1.2.3:7070 --tls-cert "$c/node-1.pem" --tls-key "$c/node-1.key" \
+  --tls-ca "$c/ca.pem" 2>&1) || fail "--check-config with TLS: $out"
+echo "$out" | grep -q "TLS: certificate $c/node-1.pem" || fail "--check-config with TLS: $out"
+expect_refusal "certificate without refitd" "--tls-cert $c/refit-node-5.pem lacks the DNS name refitd" \
+  --check-config --node 5 --tls-cert "$c/refit-node-5.pem" --tls-key "$c/refit-node-5.key" --tls-ca "$c/ca.pem"
+expect_refusal "another node's certificate" "is not node 0's" \
+  --check-config --node 0 --tls-cert "$c/node-1.pem" --tls-key "$c/node-1.key" --tls-ca "$c/ca.pem"
+expect_refusal "another CA's certificate" "does not verify against --tls-ca" \
+  --check-config --node 0 --tls-cert "$c/rogue/node-0.pem" --tls-key "$c/rogue/node-0.key" --tls-ca "$c/ca.pem"
 touch "$tmp/c.pem" "$tmp/k.pem" "$tmp/a.pem"
-out=$("$refitd" --check-config --listen 10.1.2.3:7070 --tls-cert "$tmp/c.pem" --tls-key "$tmp/k.pem" --tls-ca "$tmp/a.pem" 2>&1) ||
-  fail "--check-config with TLS: $out"
-echo "$out" | grep -q "TLS: certificate $tmp/c.pem" || fail "--check-config with TLS: $out"
+expect_refusal "empty certificate" "--tls-cert $tmp/c.pem: no PEM certificate" \
+  --check-config --tls-cert "$tmp/c.pem" --tls-key "$tmp/k.pem" --tls-ca "$tmp/a.pem"
 
 # A coordinator that serves, then stops: its log lines.
 run() {  # LOG ARGS...

@@ -67,7 +67,8 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(const DaemonConfig& config
   SetLogFormat(config.log_format, config.node);
   std::unique_ptr<Daemon> d(new Daemon(config));
   d->tls_ = std::make_unique<GrpcTls>(config.tls);
-  if (!config.tls.enabled()) d->local_users_ = std::make_shared<LoopbackUsers>();
+  if (!config.tls.enabled())
+    d->local_users_ = std::make_shared<LoopbackUsers>(/*admit_remote=*/config.insecure_listen);
   d->authority_ = std::make_unique<Authority>(config.tls, d->local_users_);
   if (config.tls.enabled()) {
     Logger("rpc")->info("TLS: certificate {}, CA {} (read again every {}); operators {}, viewers {}", config.tls.cert,
@@ -305,12 +306,10 @@ void ConfigureServer(const DaemonConfig& config, grpc::ServerBuilder& builder) {
   builder.SetResourceQuota(quota);
 }
 
-// The addresses a loopback caller of `configured` (its port 0 bound as `port`) may have reached.
+// The addresses a caller of the listener configured as `configured` (bound to `port`) may have
+// reached.
 void AddLoopbackListeners(const std::string& configured, int port, LoopbackUsers& users) {
-  for (std::string host : {std::string("127.0.0.1"), std::string("[::1]"),
-                           configured.substr(0, configured.rfind(':'))}) {
-    if (auto e = ParseHostPort(absl::StrCat(host, ":", port)); e.ok()) users.AddListener(*e);
-  }
+  for (const Endpoint& e : ListenerAddresses(configured, port)) users.AddListener(e);
 }
 
 }  // namespace

@@ -1,9 +1,11 @@
 #include "daemon/loopback_owner.h"
 
 #include <arpa/inet.h>
+#include <ifaddrs.h>
 #include <linux/inet_diag.h>
 #include <linux/netlink.h>
 #include <linux/sock_diag.h>
+#include <netdb.h>
 #include <netinet/in.h>
 #include <sys/time.h>
 #include <unistd.h>
@@ -12,6 +14,7 @@
 #include <cerrno>
 #include <cstring>
 
+#include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
@@ -173,28 +176,104 @@ absl::StatusOr<Endpoint> ParseHostPort(absl::string_view address) {
 }
 
 absl::StatusOr<Endpoint> ParseGrpcPeer(absl::string_view peer) {
+  // gRPC writes peers as URIs: "ipv6:%5B::1%5D:5000" for [::1]:5000.
+  std::string text;
+  for (size_t i = 0; i < peer.size(); ++i) {
+    int byte = 0;
+    if (peer[i] == '%' && i + 2 < peer.size() &&
+        absl::SimpleHexAtoi(peer.substr(i + 1, 2), &byte)) {
+      text.push_back(static_cast<char>(byte));
+      i += 2;
+    } else {
+      text.push_back(peer[i]);
+    }
+  }
+  const absl::string_view t = text;
   for (absl::string_view prefix : {"ipv4:", "ipv6:"}) {
-    if (peer.substr(0, prefix.size()) == prefix) return ParseHostPort(peer.substr(prefix.size()));
+    if (t.substr(0, prefix.size()) == prefix) return ParseHostPort(t.substr(prefix.size()));
   }
   return absl::NotFoundError(absl::StrCat("\"", peer, "\" is not a TCP peer"));
 }
 
-absl::StatusOr<uint32_t> OwnerOfSocket(const Endpoint& local, const Endpoint& remote) {
-  if (!IsLoopback(local) || !IsLoopback(remote)) {
-    return absl::FailedPreconditionError(absl::StrCat("the connection ", local.ToString(), " - ",
-                                                      remote.ToString(), " is not a loopback one"));
+bool IsUnixPeer(absl::string_view peer) {
+  return absl::StartsWith(peer, "unix:") || absl::StartsWith(peer, "unix-abstract:");
+}
+
+std::vector<Endpoint> ListenerAddresses(absl::string_view configured, int port) {
+  std::string host(configured.substr(0, configured.rfind(':')));
+  if (host.size() >= 2 && host.front() == '[' && host.back() == ']')
+    host = host.substr(1, host.size() - 2);
+  std::vector<Endpoint> out;
+  auto add = [&](const std::string& ip) {
+    const bool v6 = ip.find(':') != std::string::npos;
+    if (auto e =
+            ParseHostPort(v6 ? absl::StrCat("[", ip, "]:", port) : absl::StrCat(ip, ":", port));
+        e.ok()) {
+      out.push_back(*e);
+    }
+  };
+  if (host == "localhost") {
+    add("127.0.0.1");
+    add("::1");
+  } else if (host.empty() || host == "0.0.0.0" || host == "::") {
+    // A wildcard: a connection may reach it on any address of the host.
+    add("127.0.0.1");
+    add("::1");
+    ifaddrs* all = nullptr;
+    if (getifaddrs(&all) == 0) {
+      for (ifaddrs* a = all; a != nullptr; a = a->ifa_next) {
+        if (a->ifa_addr == nullptr ||
+            (a->ifa_addr->sa_family != AF_INET && a->ifa_addr->sa_family != AF_INET6))
+          continue;
+        char ip[INET6_ADDRSTRLEN];
+        const void* raw =
+            a->ifa_addr->sa_family == AF_INET
+                ? static_cast<const void*>(&reinterpret_cast<sockaddr_in*>(a->ifa_addr)->sin_addr)
+                : static_cast<const void*>(
+                      &reinterpret_cast<sockaddr_in6*>(a->ifa_addr)->sin6_addr);
+        if (inet_ntop(a->ifa_addr->sa_family, raw, ip, sizeof ip) != nullptr) add(ip);
+      }
+      freeifaddrs(all);
+    }
+  } else if (ParseHostPort(
+                 absl::StrCat(host.find(':') != std::string::npos ? "[" + host + "]" : host, ":0"))
+                 .ok()) {
+    add(host);
+  } else {
+    addrinfo hints{};
+    hints.ai_socktype = SOCK_STREAM;
+    addrinfo* found = nullptr;
+    if (getaddrinfo(host.c_str(), nullptr, &hints, &found) == 0) {
+      for (addrinfo* a = found; a != nullptr; a = a->ai_next) {
+        char ip[INET6_ADDRSTRLEN];
+        const void* raw =
+            a->ai_family == AF_INET
+                ? static_cast<const void*>(&reinterpret_cast<sockaddr_in*>(a->ai_addr)->sin_addr)
+                : static_cast<const void*>(&reinterpret_cast<sockaddr_in6*>(a->ai_addr)->sin6_addr);
+        if ((a->ai_family == AF_INET || a->ai_family == AF_INET6) &&
+            inet_ntop(a->ai_family, raw, ip, sizeof ip) != nullptr) {
+          add(ip);
+        }
+      }
+      freeaddrinfo(found);
+    }
   }
+  return out;
+}
+
+absl::StatusOr<uint32_t> OwnerOfSocket(const Endpoint& local, const Endpoint& remote) {
   // A dual-stack socket sees an IPv4 peer as ::ffff:a.b.c.d while the peer's own socket is IPv4:
   // ask in IPv4 first, then as the addresses were given.
   const Raw l4 = RawOf(local, true), r4 = RawOf(remote, true);
   absl::StatusOr<uint32_t> owner = absl::NotFoundError("");
-  if (l4.family == r4.family) owner = AskKernel(l4, r4);
+  if (l4.family != AF_UNSPEC && l4.family == r4.family) owner = AskKernel(l4, r4);
   const Raw l6 = RawOf(local, false), r6 = RawOf(remote, false);
   if (absl::IsNotFound(owner.status()) && l6.family == AF_INET6 && r6.family == AF_INET6)
     owner = AskKernel(l6, r6);
   if (absl::IsNotFound(owner.status())) {
-    return absl::NotFoundError(
-        absl::StrCat("no socket ", local.ToString(), " connected to ", remote.ToString()));
+    return absl::NotFoundError(absl::StrCat("no socket of this host is ", local.ToString(),
+                                            " connected to ", remote.ToString(),
+                                            ": another host's"));
   }
   return owner;
 }
@@ -211,10 +290,14 @@ absl::StatusOr<uint32_t> OwnerOfPeer(int fd) {
   return OwnerOfSocket(peer, self);
 }
 
-LoopbackUsers::LoopbackUsers() : uids_({static_cast<uint32_t>(geteuid())}) {
+LoopbackUsers::LoopbackUsers(bool admit_remote)
+    : uids_({static_cast<uint32_t>(geteuid())}), admit_remote_(admit_remote) {
   if (geteuid() != 0) uids_.push_back(0);
   std::sort(uids_.begin(), uids_.end());
 }
+
+LoopbackUsers::LoopbackUsers(std::vector<uint32_t> uids, bool admit_remote)
+    : uids_(std::move(uids)), admit_remote_(admit_remote) {}
 
 bool LoopbackUsers::Admits(uint32_t uid) const {
   return std::find(uids_.begin(), uids_.end(), uid) != uids_.end();
@@ -224,18 +307,19 @@ std::string LoopbackUsers::Describe() const {
   return absl::StrCat("uid ", absl::StrJoin(uids_, " and "));
 }
 
-absl::Status LoopbackUsers::Check(absl::StatusOr<uint32_t> owner, const std::string& who,
+absl::Status LoopbackUsers::Check(const absl::StatusOr<uint32_t>& owner, const std::string& who,
                                   absl::string_view what) const {
   if (owner.ok()) {
     if (Admits(*owner)) return absl::OkStatus();
-    return absl::PermissionDeniedError(
-        absl::StrCat(what, ": ", who, " belongs to uid ", *owner,
-                     "; without TLS this port admits only ", Describe(),
-                     " (local tools of other users: the worker socket; other hosts and users: TLS, "
-                     "docs/SECURITY.md)"));
+    return absl::PermissionDeniedError(absl::StrCat(
+        what, ": ", who, " belongs to uid ", *owner, "; without TLS this daemon admits only ",
+        Describe(),
+        " (other users: give their uids to --worker-uids to use the worker socket, or use TLS: "
+        "docs/SECURITY.md)"));
   }
-  // Not on this host: only a listener given a routable address (--insecure-listen) meets one.
-  if (absl::IsFailedPrecondition(owner.status())) return absl::OkStatus();
+  // Another host's: only a listener given a routable address (--insecure-listen) meets one, and
+  // there anyone who reaches it was accepted by that flag.
+  if (absl::IsNotFound(owner.status()) && admit_remote_) return absl::OkStatus();
   return absl::PermissionDeniedError(absl::StrCat(what, ": cannot tell which user owns ", who, " (",
                                                   owner.status().message(), ")"));
 }
@@ -255,8 +339,12 @@ void LoopbackUsers::AddListener(const Endpoint& local) {
 }
 
 absl::Status LoopbackUsers::CheckGrpcPeer(absl::string_view peer, absl::string_view what) const {
+  if (IsUnixPeer(peer)) return absl::OkStatus();  // its file mode and credentials decide
   absl::StatusOr<Endpoint> caller = ParseGrpcPeer(peer);
-  if (!caller.ok()) return absl::OkStatus();  // a unix socket: its file mode and credentials decide
+  if (!caller.ok()) {
+    return absl::PermissionDeniedError(
+        absl::StrCat(what, ": cannot read the caller's address \"", peer, "\""));
+  }
   std::vector<Endpoint> locals;
   {
     absl::MutexLock lock(&mu_);
@@ -264,9 +352,17 @@ absl::Status LoopbackUsers::CheckGrpcPeer(absl::string_view peer, absl::string_v
   }
   absl::StatusOr<uint32_t> owner =
       absl::NotFoundError("this daemon knows no TCP listener of its own yet");
+  bool any = false;
   for (const Endpoint& local : locals) {
-    owner = OwnerOfSocket(*caller, local);
-    if (!absl::IsNotFound(owner.status())) break;
+    absl::StatusOr<uint32_t> found = OwnerOfSocket(*caller, local);
+    if (absl::IsNotFound(found.status())) continue;
+    if (!found.ok() || !Admits(*found)) return Check(found, caller->ToString(), what);
+    owner = found;
+    any = true;
+  }
+  if (!any && !locals.empty()) {
+    owner = absl::NotFoundError(absl::StrCat("no socket of this host is ", caller->ToString(),
+                                             " connected to this daemon: another host's"));
   }
   return Check(owner, caller->ToString(), what);
 }

@@ -1,12 +1,18 @@
 #include "daemon/loopback_owner.h"
 
+#include <arpa/inet.h>
+#include <ifaddrs.h>
+#include <netinet/in.h>
 #include <poll.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
 #include <catch2/catch.hpp>
 #include <cerrno>
+#include <functional>
+#include <optional>
 #include <string>
+#include <thread>
 #include <utility>
 
 #include "daemon/socket.h"
@@ -45,7 +51,8 @@ TEST_CASE("the owner of either end of a loopback connection is this process' uid
   CHECK(LoopbackUsers().CheckPeer(p.server.get(), "data connection").ok());
   // A user list without this uid refuses it, naming the uid and what the port admits.
   const uint32_t other = geteuid() == 12345 ? 12346 : 12345;
-  const absl::Status refused = LoopbackUsers({other}).CheckPeer(p.server.get(), "data connection");
+  const absl::Status refused =
+      LoopbackUsers({other}, false).CheckPeer(p.server.get(), "data connection");
   CHECK(absl::IsPermissionDenied(refused));
   CHECK(refused.message().find("uid " + std::to_string(geteuid())) != std::string::npos);
   CHECK(refused.message().find("admits only uid " + std::to_string(other)) != std::string::npos);
@@ -70,7 +77,7 @@ TEST_CASE("a gRPC peer string is looked up against the daemon's listeners") {
   mine.AddListener(*listener);
   CHECK(mine.CheckGrpcPeer(peer, "Status").ok());
   const uint32_t other = geteuid() == 12345 ? 12346 : 12345;
-  LoopbackUsers others({other});
+  LoopbackUsers others({other}, false);
   others.AddListener(*listener);
   CHECK(absl::IsPermissionDenied(others.CheckGrpcPeer(peer, "Status")));
   // Unix sockets are not TCP peers: their file mode and credentials decide elsewhere.
@@ -160,11 +167,141 @@ TEST_CASE("addresses: loopback, parsing, non-loopback ends") {
   CHECK(absl::IsInvalidArgument(ParseHostPort("no-port").status()));
   CHECK(absl::IsInvalidArgument(ParseHostPort("127.0.0.1:99999").status()));
   CHECK(absl::IsNotFound(ParseGrpcPeer("unix:/x").status()));
-  // The kernel's uid is no user of this host for another host's connection: not looked up.
-  CHECK(absl::IsFailedPrecondition(OwnerOfSocket(*routable, *v4).status()));
-  LoopbackUsers others({12345});
-  others.AddListener(*v4);
-  CHECK(others.CheckGrpcPeer("ipv4:10.1.2.3:80", "Status").ok());
+  // gRPC's peers are URIs.
+  auto escaped = ParseGrpcPeer("ipv6:%5B::1%5D:49830");
+  REQUIRE(escaped.ok());
+  CHECK(escaped->ToString() == "[::1]:49830");
+  CHECK(IsUnixPeer("unix:/x"));
+  CHECK(IsUnixPeer("unix-abstract:x"));
+  CHECK_FALSE(IsUnixPeer("ipv4:127.0.0.1:1"));
+  // Another host's connection: no socket of this host; admitted only where other hosts are
+  // (--insecure-listen), and an unreadable caller never.
+  CHECK(absl::IsNotFound(OwnerOfSocket(*routable, *v4).status()));
+  LoopbackUsers local_only({12345}, false), with_remote({12345}, true);
+  local_only.AddListener(*v4);
+  with_remote.AddListener(*v4);
+  CHECK(absl::IsPermissionDenied(local_only.CheckGrpcPeer("ipv4:10.1.2.3:80", "Status")));
+  CHECK(with_remote.CheckGrpcPeer("ipv4:10.1.2.3:80", "Status").ok());
+  CHECK(absl::IsPermissionDenied(with_remote.CheckGrpcPeer("ipv9:what", "Status")));
+  // Listener addresses: an IP as given, both loopbacks for localhost, every address for a wildcard.
+  CHECK(ListenerAddresses("127.0.0.2:0", 7).size() == 1);
+  CHECK(ListenerAddresses("127.0.0.2:0", 7)[0].ToString() == "127.0.0.2:7");
+  CHECK(ListenerAddresses("localhost:0", 7).size() == 2);
+  CHECK(ListenerAddresses("0.0.0.0:0", 7).size() >= 2);
+}
+
+// A non-loopback address of this host, if it has one.
+std::optional<std::string> RoutableAddress() {
+  ifaddrs* all = nullptr;
+  if (getifaddrs(&all) != 0) return std::nullopt;
+  std::optional<std::string> found;
+  for (ifaddrs* a = all; a != nullptr && !found; a = a->ifa_next) {
+    if (a->ifa_addr == nullptr || a->ifa_addr->sa_family != AF_INET) continue;
+    char ip[INET_ADDRSTRLEN];
+    inet_ntop(AF_INET, &reinterpret_cast<sockaddr_in*>(a->ifa_addr)->sin_addr, ip, sizeof ip);
+    if (std::string(ip).rfind("127.", 0) != 0) found = ip;
+  }
+  freeifaddrs(all);
+  return found;
+}
+
+// Runs `body` in a child process as uid 65534; its exit code.
+int AsNobody(const std::function<int()>& body) {
+  const pid_t child = fork();
+  REQUIRE(child >= 0);
+  if (child == 0) {
+    if (setgid(65534) != 0 || setuid(65534) != 0) _exit(2);
+    _exit(body());
+  }
+  int status = 0;
+  REQUIRE(waitpid(child, &status, 0) == child);
+  return WIFEXITED(status) ? WEXITSTATUS(status) : 100;
+}
+
+// Connects from `from` (an IP, port 0) to `to`, keeps the connection until the parent closes it.
+int ConnectAndHold(const std::string& from, const std::string& to) {
+  auto dst = ParseHostPort(to);
+  auto src = ParseHostPort(from);
+  if (!dst.ok() || !src.ok()) return 3;
+  const int fd = socket(AF_INET, SOCK_STREAM, 0);
+  const int one = 1;
+  setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof one);
+  if (bind(fd, reinterpret_cast<const sockaddr*>(&src->address), sizeof(sockaddr_in)) != 0)
+    return 4;
+  if (connect(fd, reinterpret_cast<const sockaddr*>(&dst->address), sizeof(sockaddr_in)) != 0)
+    return 5;
+  pollfd p{fd, POLLIN, 0};
+  while (poll(&p, 1, 10000) < 0 && errno == EINTR) {
+  }
+  return 0;
+}
+
+TEST_CASE("another user connecting from the host's own routable address is still that user") {
+  if (geteuid() != 0) {
+    WARN("not root: the other-user case needs setuid");
+    return;
+  }
+  const std::optional<std::string> routable = RoutableAddress();
+  if (!routable) {
+    WARN("this host has no routable IPv4 address");
+    return;
+  }
+  auto l = TcpListen("127.0.0.1:0");
+  REQUIRE(l.ok());
+  const std::string address = l->second;
+  std::thread child(
+      [&] { CHECK(AsNobody([&] { return ConnectAndHold(*routable + ":0", address); }) == 0); });
+  auto s = TcpAccept(l->first);
+  REQUIRE(s.ok());
+  auto owner = OwnerOfPeer(s->get());
+  REQUIRE(owner.ok());
+  CHECK(*owner == 65534u);
+  CHECK(absl::IsPermissionDenied(LoopbackUsers().CheckPeer(s->get(), "data connection")));
+  CHECK(absl::IsPermissionDenied(
+      LoopbackUsers(/*admit_remote=*/true).CheckPeer(s->get(), "data connection")));
+  s->Close();
+  child.join();
+}
+
+TEST_CASE(
+    "a caller that binds another user's address and port to reach another listener is refused") {
+  if (geteuid() != 0) {
+    WARN("not root: the other-user case needs setuid");
+    return;
+  }
+  // Root's connection 127.0.0.1:X -> listener A; nobody binds 127.0.0.1:X (SO_REUSEADDR) and
+  // connects to listener B. A call on B names only "127.0.0.1:X".
+  auto a = TcpListen("127.0.0.1:0");
+  auto b = TcpListen("127.0.0.1:0");
+  REQUIRE(a.ok());
+  REQUIRE(b.ok());
+  const int mine = socket(AF_INET, SOCK_STREAM, 0);
+  const int one = 1;
+  setsockopt(mine, SOL_SOCKET, SO_REUSEADDR, &one, sizeof one);
+  auto any = ParseHostPort("127.0.0.1:0");
+  REQUIRE(bind(mine, reinterpret_cast<const sockaddr*>(&any->address), sizeof(sockaddr_in)) == 0);
+  auto to_a = ParseHostPort(a->second);
+  REQUIRE(connect(mine, reinterpret_cast<const sockaddr*>(&to_a->address), sizeof(sockaddr_in)) ==
+          0);
+  Fd mine_fd(mine);
+  Endpoint source;
+  socklen_t len = sizeof source.address;
+  REQUIRE(getsockname(mine, reinterpret_cast<sockaddr*>(&source.address), &len) == 0);
+  auto accepted_a = TcpAccept(a->first);
+  REQUIRE(accepted_a.ok());
+  const std::string b_address = b->second;
+  std::thread child(
+      [&] { CHECK(AsNobody([&] { return ConnectAndHold(source.ToString(), b_address); }) == 0); });
+  auto accepted_b = TcpAccept(b->first);
+  REQUIRE(accepted_b.ok());
+  LoopbackUsers users;
+  users.AddListener(*ParseHostPort(a->second));
+  users.AddListener(*ParseHostPort(b->second));
+  const absl::Status s = users.CheckGrpcPeer("ipv4:" + source.ToString(), "Status");
+  CHECK(absl::IsPermissionDenied(s));
+  CHECK(std::string(s.message()).find("uid 65534") != std::string::npos);
+  accepted_b->Close();
+  child.join();
 }
 
 }  // namespace

@@ -225,6 +225,17 @@ class PeerService : public v1::RefitPeer::Service {
     if (r->node() == c.node) {
       return ToGrpc(absl::AlreadyExistsError(absl::StrCat("node ", r->node(), " is the coordinator's own index")));
     }
+    if (!c.tls.enabled() && !c.insecure_listen) {
+      // Without TLS every daemon listens on loopback: a node naming another address is not one.
+      for (const std::string& a : {r->control_address(), r->data_address()}) {
+        if (!a.empty() && !IsLoopbackAddress(a)) {
+          return ToGrpc(absl::PermissionDeniedError(absl::StrCat(
+              "Join of node ", r->node(), ": address ", a,
+              " is not a loopback one, and without TLS every daemon "
+              "listens on loopback (--insecure-listen on the coordinator admits others)")));
+        }
+      }
+    }
     if (p_->membership->Join(*r)) out->set_resync(true);
     out->set_coordinator_node(c.node);
     out->set_coordinator_incarnation(p_->incarnation);

@@ -47,21 +47,35 @@ out["Join"] = code(lambda: peer.Join(refit_pb2.JoinRequest(node=7, control_addre
                                                           data_address="127.0.0.1:9"), timeout=10))
 out["RunPhase"] = code(lambda: peer.RunPhase(refit_pb2.PhaseRequest(group="policy"), timeout=10))
 host, port = data.rsplit(":", 1)
-s = socket.create_connection((host, int(port)), timeout=5)
-try:
-    s.sendall(b"RFD1" + bytes(28) + b"policy" + b"\xff" * 4096)
-    s.settimeout(5)
+def send_frame(source):
+    # From loopback, and from this host's own routable address (still this host's user).
+    s = socket.create_connection((host, int(port)), timeout=5, source_address=(source, 0) if source else None)
     try:
-        rest = s.recv(1)
-        out["data"] = "closed" if rest == b"" else "answered %r" % rest
-    except ConnectionResetError:
-        out["data"] = "closed"
-    except socket.timeout:
-        out["data"] = "held open"
-finally:
-    s.close()
+        s.sendall(b"RFD1" + bytes(28) + b"policy" + b"\xff" * 4096)
+        s.settimeout(5)
+        try:
+            rest = s.recv(1)
+            return "closed" if rest == b"" else "answered %r" % rest
+        except ConnectionResetError:
+            return "closed"
+        except socket.timeout:
+            return "held open"
+    finally:
+        s.close()
+if sys.argv[4]:  # first: the daemon's first refusal is the one it logs at once
+    out["data_from_routable"] = send_frame(sys.argv[4])
+out["data"] = send_frame(None)
 print(json.dumps(out))
 """
+
+
+def routable_address():
+    """An IPv4 address of this host that is not loopback ("" if none)."""
+    try:
+        out = subprocess.run(["hostname", "-I"], capture_output=True, text=True, timeout=5).stdout.split()
+    except OSError:
+        return ""
+    return next((a for a in out if "." in a and not a.startswith("127.")), "")
 
 
 @unittest.skipUnless(os.geteuid() == 0, "becoming another uid needs root")
@@ -118,7 +132,8 @@ class SharedHostSuite(unittest.TestCase):
         def drop():
             os.setgid(NOBODY)
             os.setuid(NOBODY)
-        p = subprocess.run([sys.executable, "-c", HOSTILE, self.public, control, data], preexec_fn=drop,
+        p = subprocess.run([sys.executable, "-c", HOSTILE, self.public, control, data, routable_address()],
+                           preexec_fn=drop,
                            capture_output=True, text=True, timeout=120, cwd="/tmp")
         self.assertEqual(p.returncode, 0, p.stderr)
         return json.loads(p.stdout.strip().splitlines()[-1])
@@ -131,9 +146,15 @@ class SharedHostSuite(unittest.TestCase):
                 self.assertTrue(got[call].startswith("PERMISSION_DENIED"), f"node {node} {call}: {got[call]}")
                 self.assertIn(f"uid {NOBODY}", got[call])
             self.assertEqual(got["data"], "closed", f"node {node}'s data plane")
+            if "data_from_routable" in got:
+                self.assertEqual(got["data_from_routable"], "closed", f"node {node}'s data plane, from {routable_address()}")
             with open(self.cluster.daemons[node].log, errors="replace") as f:
                 log = f.read()
             self.assertIn(f"belongs to uid {NOBODY}", log, f"node {node} logs the refused data connection")
+            # (Refusals are logged at a bounded rate: the first one of the burst is the routable one.)
+            if "data_from_routable" in got:  # refused as the user it is, not read as a malformed frame
+                self.assertTrue(any(routable_address() in l and f"belongs to uid {NOBODY}" in l for l in log.splitlines()),
+                                f"node {node} names the user behind {routable_address()}")
         self.refit_still_works()
         # The same calls from this uid are answered: the refusal is the user's, not the call's.
         status = self.ctl.status()

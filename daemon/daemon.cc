@@ -1,7 +1,6 @@
 #include "daemon/daemon.h"
 
 #include <grpcpp/resource_quota.h>
-
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -25,6 +24,7 @@
 #include "daemon/pause_detector.h"
 #include "daemon/round_driver.h"
 #include "daemon/round_log.h"
+#include "daemon/socket_access.h"
 #include "daemon/state_store.h"
 #include "daemon/worker_registry.h"
 #include "plan/status_macros.h"
@@ -230,13 +230,10 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(const DaemonConfig& config
     d->link_ = std::make_unique<CoordinatorLink>(std::move(link));
   }
   if (auto s = d->Serve(); !s.ok()) return s;
-  if (!config.worker_uids.empty()) {
-    // Other uids are named: they must be able to connect (a unix socket needs write permission),
-    // and are then admitted or refused by the handle socket's credentials, not the file mode.
-    chmod(config.worker_socket.c_str(), 0666);
-  }
-  if (struct stat st; stat(config.worker_socket.c_str(), &st) == 0) {
-    chmod(d->handles_->path().c_str(), st.st_mode & 07777);
+  // The daemon's user, and the users --worker-uids names, may connect (a unix socket needs write
+  // permission); a registration is then admitted or refused by the handle socket's credentials.
+  for (const std::string& path : {config.worker_socket, d->handles_->path()}) {
+    if (auto s = GrantSocketAccess(path, config.worker_uids); !s.ok()) return s;
   }
   Logger("rpc")->info("node {} serving on {} and unix:{} (handles: {}), data plane {} ({}), {}", config.node,
                       d->address_, config.worker_socket, d->handles_->path(), d->backend_->data_address(),

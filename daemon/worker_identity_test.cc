@@ -9,13 +9,15 @@
 //   refused.
 #include <fcntl.h>
 #include <sys/mman.h>
+#include <sys/stat.h>
+#include <sys/un.h>
+#include <sys/wait.h>
 #include <unistd.h>
 
 #include <algorithm>
+#include <catch2/catch.hpp>
 #include <cerrno>
 #include <cstring>
-
-#include <catch2/catch.hpp>
 
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
@@ -275,6 +277,50 @@ TEST_CASE("--worker-uids: a process whose uid is not listed may not register") {
     INFO(s.error_message());
     CHECK(s.ok());
   }
+}
+
+// Whether a process of `uid` can connect to the unix socket at `path` (a child process).
+bool CanConnect(uint32_t uid, const std::string& path) {
+  const pid_t child = fork();
+  REQUIRE(child >= 0);
+  if (child == 0) {
+    if (setgid(65534) != 0 || setuid(uid) != 0) _exit(2);
+    sockaddr_un a{};
+    a.sun_family = AF_UNIX;
+    std::strncpy(a.sun_path, path.c_str(), sizeof a.sun_path - 1);
+    for (int type : {SOCK_STREAM, SOCK_SEQPACKET, SOCK_DGRAM}) {  // whichever kind the socket is
+      const int fd = socket(AF_UNIX, type, 0);
+      if (connect(fd, reinterpret_cast<sockaddr*>(&a), sizeof a) == 0) _exit(0);
+      if (errno == EACCES) _exit(1);
+      if (errno != EPROTOTYPE) _exit(3);
+    }
+    _exit(3);
+  }
+  int status = 0;
+  REQUIRE(waitpid(child, &status, 0) == child);
+  REQUIRE(WIFEXITED(status));
+  REQUIRE(WEXITSTATUS(status) != 2);
+  REQUIRE(WEXITSTATUS(status) != 3);
+  return WEXITSTATUS(status) == 0;
+}
+
+TEST_CASE("--worker-uids: the listed users can connect to the sockets, no other user can") {
+  if (geteuid() != 0) {
+    WARN("not root: becoming other users needs setuid");
+    return;
+  }
+  Node n({65533}, "-acl");
+  const std::string path = n.socket.substr(std::string("unix:").size());
+  for (const std::string& p : {path, HandleSocketPath(n.socket)}) {
+    INFO(p);
+    struct stat st {};
+    REQUIRE(stat(p.c_str(), &st) == 0);
+    CHECK((st.st_mode & 0007) == 0);  // never world-writable
+    CHECK(CanConnect(65533, p));
+    CHECK_FALSE(CanConnect(65534, p));
+  }
+  Node plain({}, "-noacl");
+  CHECK_FALSE(CanConnect(65533, plain.socket.substr(std::string("unix:").size())));
 }
 
 TEST_CASE("a registration whose session never opens is dropped after --worker-attach-timeout; its name registers again") {

@@ -7,7 +7,15 @@
 namespace refit {
 
 bool QuantizedByEngines(absl::string_view name, const Fp8LayoutOptions& options) {
-  if (!absl::EndsWith(name, "proj.weight") && !absl::EndsWith(name, "proj_with_mqa.weight")) return false;
+  // Mixtral's experts are w1, w2, w3 (vLLM's FusedMoE quantizes them like any expert).
+  const bool mixtral_expert =
+      absl::StrContains(name, ".experts.") &&
+      (absl::EndsWith(name, ".w1.weight") || absl::EndsWith(name, ".w2.weight") ||
+       absl::EndsWith(name, ".w3.weight"));
+  if (!absl::EndsWith(name, "proj.weight") && !absl::EndsWith(name, "proj_with_mqa.weight") &&
+      !mixtral_expert) {
+    return false;
+  }
   for (const std::string& m : options.modules_to_not_convert) {
     if (!m.empty() && absl::StrContains(name, m)) return false;
   }

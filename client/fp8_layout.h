@@ -2,7 +2,8 @@
 // where their scales sit, in the conventions engines load (docs/LAYOUTS.md, "fp8 engines").
 //
 // Quantized: the 2-D weights of linear layers, named "...proj.weight" or "...proj_with_mqa.weight"
-// (attention and MLP projections, every expert's, MLA's), as vLLM's Fp8LinearMethod and
+// (attention and MLP projections, every expert's, MLA's), and Mixtral's experts
+// "...experts.<e>.w1/w2/w3.weight", as vLLM's Fp8LinearMethod / Fp8MoEMethod and
 // DeepSeek-V3's checkpoint do; not embeddings, lm_head, norms, biases or the MoE router (vLLM
 // builds the router with quant_config=None), nor any tensor whose name contains one of
 // `modules_to_not_convert`. Each quantized weight's buffer becomes fp8_e4m3 and gains a scale

@@ -5,6 +5,7 @@
 
 #include <catch2/catch.hpp>
 
+#include "absl/strings/str_cat.h"
 #include "client/layout_generator.h"
 #include "client/model_config.h"
 #include "plan/planner.h"
@@ -44,7 +45,8 @@ PlanStats PlanAndVerify(const ModelConfig& m, const TrainerParallelism& tp, cons
     const bool q = t.quant.format != QuantFormat::kNone;
     quantized += q;
     if (t.name.find("norm") != std::string::npos || t.name.find("embed") != std::string::npos ||
-        t.name == "lm_head.weight" || t.name.find("mlp.gate.") != std::string::npos) {
+        t.name == "lm_head.weight" || t.name.find("mlp.gate.") != std::string::npos ||
+        t.name.find("block_sparse_moe.gate.") != std::string::npos) {
       CHECK(!q);
     }
     if (q) CHECK(dst->tensor_index.contains(t.quant.scale));
@@ -102,6 +104,64 @@ TEST_CASE("DeepSeek-V3: experts in stacked buffers, MLA, the router kept in bf16
   tp.dp = 2;
   InferenceParallelism ip{1, 2, true};
   PlanAndVerify(m, tp, ip, Block(8, 8));
+}
+
+TEST_CASE(
+    "DeepSeek-V3 as shipped: its quantization_config's 128x128 blocks, weight_scale_inv beside "
+    "each weight") {
+  // Scaled by 64, but the widths vLLM stacks in one buffer (q_a in fused_qkv_a_proj, gate and up in
+  // gate_up_proj and w13) kept at whole 128-row blocks, as the real model's are: a part starting
+  // inside a block cannot be loaded (checked below).
+  ModelConfig m = Small("deepseek-v3-fp8.json", 64, 4);
+  REQUIRE(m.fp8.present);
+  m.q_lora_rank = 128;
+  m.moe_intermediate_size = 128;
+  m.intermediate_size = 256;
+  Fp8LayoutOptions o = Block(m.fp8.block_rows, m.fp8.block_cols);
+  TrainerParallelism tp;
+  tp.ep = 2;
+  tp.dp = 2;
+  PlanAndVerify(m, tp, {1, 2, true}, o);
+  auto plain = MakeInferenceLayout(m, {1, 1, false}, {4, 0}, DType::kBF16);
+  REQUIRE(plain.ok());
+  auto l = QuantizeInferenceLayout(*plain, o);
+  REQUIRE(l.ok());
+  REQUIRE(ValidateLayout(*l, "destination").ok());  // indexes the tensors by name
+  // As DeepSeek-V3's checkpoint holds them: "<weight>_scale_inv", fp32, one per 128x128 block.
+  for (const char* name :
+       {"model.layers.0.self_attn.q_a_proj.weight", "model.layers.0.self_attn.kv_b_proj.weight",
+        "model.layers.3.mlp.experts.5.down_proj.weight",
+        "model.layers.3.mlp.shared_experts.gate_proj.weight"}) {
+    INFO(name);
+    const LogicalTensor& t = l->tensors[l->tensor_index.at(name)];
+    CHECK(t.dtype == DType::kF8E4M3);
+    CHECK(t.quant.scale == absl::StrCat(name, "_scale_inv"));
+    const LogicalTensor& s = l->tensors[l->tensor_index.at(t.quant.scale)];
+    CHECK(s.dtype == DType::kF32);
+    CHECK(s.shape == Dims{(t.shape[0] + 127) / 128, (t.shape[1] + 127) / 128});
+  }
+  for (const char* name :
+       {"model.layers.3.mlp.gate.weight", "model.layers.3.mlp.gate.e_score_correction_bias",
+        "model.embed_tokens.weight", "lm_head.weight",
+        "model.layers.0.self_attn.kv_a_layernorm.weight"}) {
+    INFO(name);
+    CHECK(l->tensors[l->tensor_index.at(name)].quant.format == QuantFormat::kNone);
+  }
+}
+
+TEST_CASE("Mixtral: the experts' w1, w2, w3 are quantized, the router is not") {
+  const ModelConfig m = Small("mixtral-8x7b.json", 32, 2);
+  TrainerParallelism tp;
+  tp.tp = 2;
+  tp.ep = 2;
+  tp.dp = 2;
+  PlanAndVerify(m, tp, {2, 1, false}, Block(16, 16));
+  const Fp8LayoutOptions o = Block(128, 128);
+  for (const char* part : {"w1", "w2", "w3"}) {
+    CHECK(QuantizedByEngines(
+        absl::StrCat("model.layers.0.block_sparse_moe.experts.7.", part, ".weight"), o));
+  }
+  CHECK(!QuantizedByEngines("model.layers.0.block_sparse_moe.gate.weight", o));
 }
 
 TEST_CASE("Qwen3-MoE in MXFP8") {

@@ -1,8 +1,10 @@
 #include "client/layout_generator.h"
 
 #include <algorithm>
+#include <cstring>
 
 #include "absl/container/flat_hash_map.h"
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_replace.h"
 #include "client/model_tensors.h"
@@ -103,6 +105,21 @@ std::string Sibling(const std::string& name, absl::string_view from, absl::strin
   return absl::StrReplaceAll(name, {{from, to}});
 }
 
+// The up projection beside a gate projection: "...gate_proj.weight" -> "...up_proj.weight", or
+// Mixtral's expert "...w1.weight" -> "...w3.weight".
+std::string UpOf(const std::string& gate) {
+  if (absl::EndsWith(gate, ".w1.weight")) {
+    return absl::StrCat(gate.substr(0, gate.size() - std::strlen("w1.weight")), "w3.weight");
+  }
+  return Sibling(gate, "gate_proj", "up_proj");
+}
+
+// The module holding a routed expert's tensor, "<...>.experts" ("model.layers.3.mlp.experts",
+// Mixtral's "model.layers.3.block_sparse_moe.experts"): vLLM's FusedMoE stacks its experts there.
+std::string ExpertsModule(const std::string& expert_tensor) {
+  return expert_tensor.substr(0, expert_tensor.find(".experts.") + std::strlen(".experts"));
+}
+
 // Rows of a head-split tensor that rank t of tp holds: whole heads, `unit` rows each.
 std::pair<int64_t, int64_t> HeadRows(const TensorDef& def, int dim, int64_t tp, int64_t t) {
   const int64_t heads = def.shape[dim] / def.head_unit;
@@ -174,7 +191,7 @@ absl::Status AddMegatronRank(Builder& b, const ModelConfig& m, const TrainerPara
           auto [e0, e1] = Part(m.num_experts, p.ep, ep_rank);
           if (def.expert < e0 || def.expert >= e1) break;
         }
-        const int32_t up = b.Index(Sibling(def.name, "gate_proj", "up_proj"));
+        const int32_t up = b.Index(UpOf(def.name));
         auto [r0, r1] = Part(def.shape[0], tp, t);
         const std::string name =
             def.expert >= 0 ? absl::StrCat(lp, "mlp.experts.linear_fc1.weight",
@@ -388,12 +405,12 @@ void AddVllmRank(Builder& b, const ModelConfig& m, const InferenceParallelism& p
       case Role::kUp:
         break;  // fused with kQ / kGate
       case Role::kGate: {
-        const int32_t up = b.Index(Sibling(def.name, "gate_proj", "up_proj"));
+        const int32_t up = b.Index(UpOf(def.name));
         if (def.expert >= 0) {
           if (def.expert < e0 || def.expert >= e1) break;
           // Stacked: w13_weight [E_local, 2 * inter_t, hidden].
           auto [r0, r1] = Part(def.shape[0], expert_split, expert_part);
-          const std::string name = lp + "mlp.experts.w13_weight";
+          const std::string name = ExpertsModule(def.name) + ".w13_weight";
           int32_t buf;
           if (def.expert == e0) {
             buf = b.Buffer(worker, name, Dims{e1 - e0, 2 * (r1 - r0), def.shape[1]});
@@ -418,7 +435,8 @@ void AddVllmRank(Builder& b, const ModelConfig& m, const InferenceParallelism& p
           auto [c0, c1] = Part(def.shape[1], expert_split, expert_part);
           int32_t buf;
           if (def.expert == e0) {
-            buf = b.Buffer(worker, lp + "mlp.experts.w2_weight", Dims{e1 - e0, def.shape[0], c1 - c0});
+            buf = b.Buffer(worker, ExpertsModule(def.name) + ".w2_weight",
+                           Dims{e1 - e0, def.shape[0], c1 - c0});
           } else {
             buf = last_w2;
           }

@@ -176,19 +176,52 @@ TEST_CASE("vLLM without expert parallelism: routed experts over dp * tp ranks, t
     TrainerParallelism trainer;  // planned from this Megatron trainer and verified
   };
   const std::vector<Case> cases = {
-      {"Qwen3-30B-A3B TP2 DP2 (the report: dp1-tp0 holds gate rows [24, 36))", "qwen3-30b-a3b.json", 16,
-       1, 2, 2, false, {2, 1, 2, 2, 1, 0}},
+      {"Qwen3-30B-A3B TP2 DP2 (the report: dp1-tp0 holds gate rows [24, 36))",
+       "qwen3-30b-a3b.json",
+       16,
+       1,
+       2,
+       2,
+       false,
+       {2, 1, 2, 2, 1, 0}},
       {"Qwen3-30B-A3B TP1 DP4", "qwen3-30b-a3b.json", 16, 1, 1, 4, false, {2, 1, 2, 2, 1, 0}},
       {"Qwen3-30B-A3B TP4 DP2", "qwen3-30b-a3b.json", 16, 2, 4, 2, false, {1, 1, 4, 4, 1, 0}},
-      {"Qwen3-30B-A3B TP2 DP1 (no flattening to do)", "qwen3-30b-a3b.json", 16, 1, 2, 1, false,
+      {"Qwen3-30B-A3B TP2 DP1 (no flattening to do)",
+       "qwen3-30b-a3b.json",
+       16,
+       1,
+       2,
+       1,
+       false,
        {2, 1, 1, 1, 1, 0}},
-      {"Qwen3-30B-A3B TP2 DP2 EP: experts whole, over 4 ranks", "qwen3-30b-a3b.json", 16, 1, 2, 2, true,
+      {"Qwen3-30B-A3B TP2 DP2 EP: experts whole, over 4 ranks",
+       "qwen3-30b-a3b.json",
+       16,
+       1,
+       2,
+       2,
+       true,
        {2, 1, 2, 2, 1, 0}},
-      {"DeepSeek-V3 TP2 DP2: shared experts over tp, routed over dp * tp", "deepseek-v3.json", 64, 4, 2, 2,
-       false, {1, 2, 4, 4, 1, 0}},
+      {"DeepSeek-V3 TP2 DP2: shared experts over tp, routed over dp * tp",
+       "deepseek-v3.json",
+       64,
+       4,
+       2,
+       2,
+       false,
+       {1, 2, 4, 4, 1, 0}},
       {"DeepSeek-V3 TP4 DP2 EP", "deepseek-v3.json", 64, 4, 4, 2, true, {2, 1, 2, 2, 1, 0}},
       {"Kimi-K2 TP2 DP4", "kimi-k2.json", 64, 2, 2, 4, false, {2, 1, 2, 2, 1, 0}},
       {"Qwen3-235B-A22B TP2 DP2", "qwen3-235b-a22b.json", 32, 1, 2, 2, false, {2, 1, 1, 1, 1, 0}},
+      {"DeepSeek-V2-Lite TP2 DP2 (q_proj, no q_lora; 2 shared experts)",
+       "deepseek-v2-lite.json",
+       16,
+       3,
+       2,
+       2,
+       false,
+       {2, 1, 2, 2, 1, 0}},
+      {"DeepSeek-V2 TP4 DP2 EP", "deepseek-v2.json", 64, 2, 4, 2, true, {2, 1, 2, 2, 1, 0}},
   };
   for (const Case& c : cases) {
     SECTION(c.name) {
@@ -256,6 +289,68 @@ TEST_CASE("vLLM without expert parallelism: routed experts over dp * tp ranks, t
         CHECK(b->shape[1] * c.tp == l->tensors[l->tensor_index.at(o)].shape[1]);
       }
       PlanAndVerify(m, c.trainer, ip, 8, false);
+    }
+  }
+}
+
+// Mixtral in vLLM: MixtralMoE's FusedMoE stacks w1 (gate) and w3 (up) in
+// block_sparse_moe.experts.w13_weight and w2 in w2_weight, flattened over dp * tp like any
+// FusedMoE.
+TEST_CASE("Mixtral: block_sparse_moe experts stacked as vLLM's w13 [w1; w3] and w2") {
+  const ModelConfig m = Small("mixtral-8x7b.json", 64, 2);
+  REQUIRE(m.moe_intermediate_size == 224);
+  for (const bool ep : {false, true}) {
+    SECTION(ep ? "TP2 DP2 EP: experts whole" : "TP2 DP2: rows over 4 ranks") {
+      const InferenceParallelism ip{2, 2, ep};
+      auto l = MakeInferenceLayout(m, ip, {8, 0}, DType::kBF16);
+      INFO(l.status().message());
+      REQUIRE(l.ok());
+      REQUIRE(ValidateLayout(*l, "destination").ok());
+      const int64_t E = 8, H = m.hidden_size, i = ep ? 224 : 224 / 4, e_local = ep ? E / 4 : E;
+      for (int64_t r = 0; r < 4; ++r) {
+        const std::string w = absl::StrCat("vllm-dp", r / 2, "-tp", r % 2);
+        const std::string lp = "model.layers.1.block_sparse_moe.";
+        const Buffer* w13 = FindBuffer(*l, w, lp + "experts.w13_weight");
+        const Buffer* w2 = FindBuffer(*l, w, lp + "experts.w2_weight");
+        REQUIRE(w13 != nullptr);
+        REQUIRE(w2 != nullptr);
+        CHECK(w13->shape == Dims{e_local, 2 * i, H});
+        CHECK(w2->shape == Dims{e_local, H, i});
+        const int64_t e0 = ep ? r * 2 : 0, row0 = ep ? 0 : r * i;
+        for (int64_t e : {e0, e0 + e_local - 1}) {
+          const std::string p = absl::StrCat(lp, "experts.", e, ".");
+          CheckSlice(*l, w13, p + "w1.weight", 0, row0, i, Dims{e - e0, 0, 0});
+          CheckSlice(*l, w13, p + "w3.weight", 0, row0, i, Dims{e - e0, i, 0});
+          CheckSlice(*l, w2, p + "w2.weight", 1, row0, i, Dims{e - e0, 0, 0});
+        }
+        const Buffer* gate = FindBuffer(*l, w, lp + "gate.weight");
+        REQUIRE(gate != nullptr);
+        CHECK(gate->shape == Dims{E, H});
+        CHECK(FindBuffer(*l, w, "model.layers.1.self_attn.qkv_proj.weight") != nullptr);
+      }
+      PlanAndVerify(m, {2, 1, 2, 2, 1, 0}, ip, 8, false);
+    }
+  }
+}
+
+// Every family from every trainer kind (Megatron TP x EP, FSDP1, FSDP2) into vLLM with and without
+// expert parallelism: planned and verified byte for byte.
+TEST_CASE("DeepSeek-V2/V3, Kimi-K2, Mixtral: Megatron, FSDP1 and FSDP2 trainers to vLLM engines") {
+  struct Family {
+    const char* config;
+    int64_t factor, layers;
+  };
+  for (const Family& f : {Family{"deepseek-v2-lite.json", 16, 3}, Family{"deepseek-v2.json", 64, 2},
+                          Family{"deepseek-v3-fp8.json", 64, 4}, Family{"kimi-k2.json", 64, 2},
+                          Family{"mixtral-8x7b.json", 64, 2}}) {
+    SECTION(f.config) {
+      const ModelConfig m = Small(f.config, f.factor, f.layers);
+      TrainerParallelism fsdp1, fsdp2;
+      fsdp1.fsdp = 4;
+      fsdp2.fsdp2 = 4;
+      PlanAndVerify(m, {2, 1, 2, 2, 1, 0}, {2, 1, false}, 8, false);
+      PlanAndVerify(m, fsdp1, {2, 2, true}, 8, true);
+      PlanAndVerify(m, fsdp2, {2, 2, false}, 8, true);
     }
   }
 }

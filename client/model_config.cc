@@ -45,6 +45,77 @@ std::string String(const Struct& s, const std::string& key) {
   return it->second.string_value();
 }
 
+// Whether `key` is in the config at all (null included): DeepSeek's configs say "q_lora_rank":
+// null for "no q_lora", while a config without the key gets the config class's default.
+bool Present(const Struct& s, const std::string& key) { return s.fields().contains(key); }
+
+absl::Status RequireKeys(const Struct& s, const std::string& model_type,
+                         std::initializer_list<const char*> keys, const char* why) {
+  for (const char* key : keys) {
+    if (!Present(s, key)) {
+      return absl::InvalidArgumentError(absl::StrCat("config.json: model_type \"", model_type,
+                                                     "\" needs \"", key, "\" (", why, ")"));
+    }
+  }
+  return absl::OkStatus();
+}
+
+// quantization_config: block fp8 as DeepSeek-V3 and vLLM ship it is read; every other scheme
+// changes the engine's tensors (packed integers, per-tensor or static scales, power-of-two scales)
+// in ways not modeled, and is refused by the field that says so.
+absl::Status ParseQuantization(const Struct& qc, ModelConfig& c) {
+  const std::string method = String(qc, "quant_method");
+  if (method != "fp8") {
+    return absl::InvalidArgumentError(
+        absl::StrCat("config.json: quantization_config.quant_method \"", method,
+                     "\" is not supported (refit models block fp8: quant_method \"fp8\" with "
+                     "weight_block_size)"));
+  }
+  if (const std::string fmt = String(qc, "fmt"); !fmt.empty() && fmt != "e4m3") {
+    return absl::InvalidArgumentError(absl::StrCat("config.json: quantization_config.fmt \"", fmt,
+                                                   "\" is not supported (fp8 engines hold e4m3)"));
+  }
+  if (const std::string scheme = String(qc, "activation_scheme");
+      !scheme.empty() && scheme != "dynamic") {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "config.json: quantization_config.activation_scheme \"", scheme,
+        "\" is not supported (static activation scales are tensors refit does not model)"));
+  }
+  if (Present(qc, "scale_fmt") && qc.fields().at("scale_fmt").kind_case() != Value::kNullValue) {
+    return absl::InvalidArgumentError(
+        "config.json: quantization_config.scale_fmt is not supported (refit computes fp32 block "
+        "scales "
+        "amax / 448, not rounded to a scale format)");
+  }
+  c.fp8.present = true;
+  auto b = qc.fields().find("weight_block_size");
+  if (b == qc.fields().end()) {
+    // Per-tensor fp8 has one scale per tensor: not what refit quantizes.
+    return absl::InvalidArgumentError(
+        "config.json: quantization_config (fp8) without weight_block_size is per-tensor fp8; refit "
+        "quantizes "
+        "block fp8 (weight_block_size) and MXFP8");
+  }
+  const auto& list = b->second.list_value().values();
+  if (b->second.kind_case() != Value::kListValue || list.size() != 2 ||
+      list[0].number_value() < 1 || list[1].number_value() < 1) {
+    return absl::InvalidArgumentError(
+        "config.json: quantization_config.weight_block_size must be [rows, cols] of positive "
+        "integers");
+  }
+  c.fp8.block_rows = static_cast<int64_t>(list[0].number_value());
+  c.fp8.block_cols = static_cast<int64_t>(list[1].number_value());
+  for (const char* key : {"modules_to_not_convert", "ignored_layers"}) {
+    auto m = qc.fields().find(key);
+    if (m == qc.fields().end() || m->second.kind_case() != Value::kListValue) continue;
+    for (const Value& v : m->second.list_value().values()) {
+      if (v.kind_case() == Value::kStringValue)
+        c.fp8.modules_to_not_convert.push_back(v.string_value());
+    }
+  }
+  return absl::OkStatus();
+}
+
 #define ASSIGN_INT(field, key, required, fallback)                 \
   do {                                                             \
     auto v = Int(s, key, required, fallback);                      \
@@ -109,38 +180,65 @@ absl::StatusOr<ModelConfig> ParseModelConfig(absl::string_view json) {
     c.dtype = *d;
   }
   if (auto q = s.fields().find("quantization_config");
-      q != s.fields().end() && q->second.kind_case() == Value::kStructValue) {
-    const Struct& qc = q->second.struct_value();
-    const std::string method = String(qc, "quant_method");
-    if (method == "fp8") {
-      c.fp8.present = true;
-      if (auto b = qc.fields().find("weight_block_size"); b != qc.fields().end()) {
-        const auto& list = b->second.list_value().values();
-        if (b->second.kind_case() != Value::kListValue || list.size() != 2 ||
-            list[0].number_value() < 1 || list[1].number_value() < 1) {
-          return absl::InvalidArgumentError(
-              "config.json: quantization_config.weight_block_size must be [rows, cols] of positive integers");
-        }
-        c.fp8.block_rows = static_cast<int64_t>(list[0].number_value());
-        c.fp8.block_cols = static_cast<int64_t>(list[1].number_value());
-      } else {
-        // Per-tensor fp8 has one scale per tensor: not what refit quantizes.
-        return absl::InvalidArgumentError(
-            "config.json: quantization_config (fp8) without weight_block_size is per-tensor fp8; refit quantizes "
-            "block fp8 (weight_block_size) and MXFP8");
-      }
-      for (const char* key : {"modules_to_not_convert", "ignored_layers"}) {
-        auto m = qc.fields().find(key);
-        if (m == qc.fields().end() || m->second.kind_case() != Value::kListValue) continue;
-        for (const Value& v : m->second.list_value().values()) {
-          if (v.kind_case() == Value::kStringValue) c.fp8.modules_to_not_convert.push_back(v.string_value());
-        }
-      }
+      q != s.fields().end() && q->second.kind_case() != Value::kNullValue) {
+    if (q->second.kind_case() != Value::kStructValue) {
+      return absl::InvalidArgumentError("config.json: \"quantization_config\" is not an object");
+    }
+    if (auto st = ParseQuantization(q->second.struct_value(), c); !st.ok()) return st;
+  }
+  // The fields that decide a mixture-of-experts family's tensors, which its config classes default
+  // differently (transformers' DeepseekV3Config has 256 experts and q_lora_rank 1536 by default,
+  // DeepSeek's remote code no experts): a config that leaves them out is refused, not guessed.
+  if (c.DeepSeekStyle()) {
+    if (auto st = RequireKeys(s, c.model_type,
+                              {"n_routed_experts", "n_shared_experts", "first_k_dense_replace",
+                               "moe_intermediate_size", "q_lora_rank", "kv_lora_rank",
+                               "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "topk_method"},
+                              "DeepSeek's config classes default it differently");
+        !st.ok()) {
+      return st;
+    }
+    // transformers' DeepseekV3TopkRouter always holds gate.e_score_correction_bias, DeepSeek's
+    // remote code only with noaux_tc; DeepSeek-V2's router never has one.
+    const std::string method = String(s, "topk_method");
+    const bool v2 = c.model_type == "deepseek_v2";
+    if (v2 ? (method != "greedy" && method != "group_limited_greedy") : method != "noaux_tc") {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "config.json: \"topk_method\": \"", method, "\" is not supported for model_type \"",
+          c.model_type, "\" (", v2 ? "greedy or group_limited_greedy" : "noaux_tc",
+          "; other routers hold other tensors in transformers than in DeepSeek's code)"));
     }
   }
-  ASSIGN_INT(num_experts, "n_routed_experts", false, 0);
-  if (c.num_experts == 0) ASSIGN_INT(num_experts, "num_experts", false, 0);
-  ASSIGN_INT(moe_intermediate_size, "moe_intermediate_size", false, 0);
+  if (c.MixtralStyle()) {
+    if (auto st = RequireKeys(s, c.model_type, {"num_local_experts", "intermediate_size"},
+                              "each expert's width");
+        !st.ok()) {
+      return st;
+    }
+    ASSIGN_INT(num_experts, "num_local_experts", true, 0);
+    c.moe_intermediate_size = c.intermediate_size;
+    if (c.num_experts == 0) {
+      return absl::InvalidArgumentError("config.json: \"num_local_experts\" must be positive");
+    }
+  }
+  if (c.model_type == "qwen2_moe" || c.model_type == "qwen3_moe") {
+    if (auto st = RequireKeys(s, c.model_type, {"num_experts"}, "its config class defaults it");
+        !st.ok()) {
+      return st;
+    }
+  }
+  if (c.model_type == "qwen2_moe") {
+    if (auto st = RequireKeys(s, c.model_type, {"shared_expert_intermediate_size"},
+                              "its config class defaults it");
+        !st.ok()) {
+      return st;
+    }
+  }
+  if (!c.MixtralStyle()) {
+    ASSIGN_INT(num_experts, "n_routed_experts", false, 0);
+    if (c.num_experts == 0) ASSIGN_INT(num_experts, "num_experts", false, 0);
+    ASSIGN_INT(moe_intermediate_size, "moe_intermediate_size", false, 0);
+  }
   ASSIGN_INT(n_shared_experts, "n_shared_experts", false, 0);
   ASSIGN_INT(shared_expert_intermediate_size, "shared_expert_intermediate_size", false, 0);
   ASSIGN_INT(first_k_dense_replace, "first_k_dense_replace", false, 0);

@@ -19,7 +19,7 @@ namespace refit {
 
 // The model_type values ParseModelConfig accepts, comma-separated, for error messages.
 inline constexpr const char* kSupportedModelTypes =
-    "llama, qwen2, qwen2_moe, qwen3, qwen3_moe, deepseek_v3, kimi_k2";
+    "llama, qwen2, qwen2_moe, qwen3, qwen3_moe, deepseek_v2, deepseek_v3, kimi_k2, mixtral";
 
 struct ModelConfig {
   std::string model_type;  // one of kSupportedModelTypes
@@ -44,15 +44,16 @@ struct ModelConfig {
   } fp8;
 
   // Mixture of experts (0 experts: dense).
-  int64_t num_experts = 0;  // n_routed_experts (DeepSeek) or num_experts (Qwen)
-  int64_t moe_intermediate_size = 0;
+  int64_t num_experts =
+      0;  // n_routed_experts (DeepSeek), num_experts (Qwen), num_local_experts (Mixtral)
+  int64_t moe_intermediate_size = 0;  // Mixtral: its intermediate_size (every layer is MoE)
   int64_t n_shared_experts = 0;                 // DeepSeek: shared_experts of n x moe size
   int64_t shared_expert_intermediate_size = 0;  // Qwen2-MoE: one shared_expert + its gate
   int64_t first_k_dense_replace = 0;            // DeepSeek: the first k layers are dense
   int64_t moe_layer_freq = 1;
   int64_t decoder_sparse_step = 1;              // Qwen-MoE: layer l is sparse iff (l + 1) % step == 0
   std::vector<int64_t> mlp_only_layers;         // Qwen-MoE: these layers are dense
-  bool router_bias = false;  // DeepSeek-V3: gate.e_score_correction_bias
+  bool router_bias = false;  // DeepSeek-V3 (topk_method noaux_tc): gate.e_score_correction_bias
   // Whether gate.e_score_correction_bias is a module buffer (transformers' DeepseekV3TopkRouter
   // registers it so) rather than a parameter (DeepSeek's remote modeling_deepseek.py, which
   // Kimi-K2 runs, makes it an nn.Parameter). FSDP flattens and shards parameters only.
@@ -75,8 +76,13 @@ struct ModelConfig {
     return true;
   }
   // DeepSeek's MoE block registers experts, then the router, then the shared experts; Qwen's
-  // registers the router first.
-  bool DeepSeekStyle() const { return model_type == "deepseek_v3" || model_type == "kimi_k2"; }
+  // and Mixtral's register the router first.
+  bool DeepSeekStyle() const {
+    return model_type == "deepseek_v2" || model_type == "deepseek_v3" || model_type == "kimi_k2";
+  }
+  // Mixtral's MoE block is "block_sparse_moe" and its experts' projections are w1 (gate), w2
+  // (down) and w3 (up), registered in that order (MixtralBlockSparseTop2MLP).
+  bool MixtralStyle() const { return model_type == "mixtral"; }
 };
 
 // Parses config.json. Missing required fields and inconsistent ones are INVALID_ARGUMENT naming

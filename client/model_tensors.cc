@@ -1,5 +1,7 @@
 #include "client/model_tensors.h"
 
+#include <tuple>
+
 #include "absl/strings/str_cat.h"
 
 namespace refit {
@@ -19,9 +21,17 @@ std::vector<TensorDef> ModelTensors(const ModelConfig& c) {
   };
   auto mlp = [&](const std::string& prefix, int64_t inter, int64_t layer, int64_t expert,
                  bool shared) {
-    for (auto [name, role, shape] : {std::tuple{"gate_proj", Role::kGate, Dims{inter, H}},
-                                     std::tuple{"up_proj", Role::kUp, Dims{inter, H}},
-                                     std::tuple{"down_proj", Role::kDown, Dims{H, inter}}}) {
+    using Part = std::tuple<const char*, Role, Dims>;
+    // MixtralBlockSparseTop2MLP registers w1 (gate), w2 (down), w3 (up).
+    const std::vector<Part> parts =
+        c.MixtralStyle() && expert >= 0
+            ? std::vector<Part>{{"w1", Role::kGate, Dims{inter, H}},
+                                {"w2", Role::kDown, Dims{H, inter}},
+                                {"w3", Role::kUp, Dims{inter, H}}}
+            : std::vector<Part>{{"gate_proj", Role::kGate, Dims{inter, H}},
+                                {"up_proj", Role::kUp, Dims{inter, H}},
+                                {"down_proj", Role::kDown, Dims{H, inter}}};
+    for (const auto& [name, role, shape] : parts) {
       TensorDef* t = add(absl::StrCat(prefix, name, ".weight"), shape, role, layer);
       t->expert = expert;
       t->shared = shared;
@@ -68,24 +78,26 @@ std::vector<TensorDef> ModelTensors(const ModelConfig& c) {
     if (!c.IsMoeLayer(l)) {
       mlp(p + "mlp.", c.intermediate_size, l, -1, false);
     } else {
+      const std::string moe = p + (c.MixtralStyle() ? "block_sparse_moe." : "mlp.");
       auto router = [&] {
-        add(p + "mlp.gate.weight", Dims{c.num_experts, H}, Role::kReplicated, l);
+        add(moe + "gate.weight", Dims{c.num_experts, H}, Role::kReplicated, l);
         if (c.router_bias) {
           TensorDef* bias =
-              add(p + "mlp.gate.e_score_correction_bias", Dims{c.num_experts}, Role::kReplicated, l);
+              add(moe + "gate.e_score_correction_bias", Dims{c.num_experts}, Role::kReplicated, l);
           bias->buffer = c.router_bias_is_buffer;
           bias->router_bias = true;
         }
       };
       auto experts = [&] {
         for (int64_t e = 0; e < c.num_experts; ++e) {
-          mlp(absl::StrCat(p, "mlp.experts.", e, "."), c.moe_intermediate_size, l, e, false);
+          mlp(absl::StrCat(moe, "experts.", e, "."), c.moe_intermediate_size, l, e, false);
         }
       };
-      if (c.DeepSeekStyle()) {  // DeepseekV3MoE: experts, gate, shared_experts
+      if (c.DeepSeekStyle()) {  // DeepseekV2Moe / DeepseekV3MoE: experts, gate, shared_experts
         experts();
         router();
-      } else {  // Qwen2MoeSparseMoeBlock / Qwen3MoeSparseMoeBlock: gate, experts, shared_expert
+      } else {  // Qwen2MoeSparseMoeBlock, Qwen3MoeSparseMoeBlock, MixtralSparseMoeBlock: gate,
+                // experts
         router();
         experts();
       }

@@ -12,8 +12,11 @@
 //   mlp (dense): gate_proj, up_proj, down_proj
 //     or (Qwen-MoE): gate, experts.0..E-1.{gate_proj, up_proj, down_proj},
 //              [shared_expert.{gate_proj, up_proj, down_proj}, shared_expert_gate]
-//     or (DeepSeek): experts.0..E-1.{...}, gate.weight, [gate.e_score_correction_bias],
+//     or (DeepSeek-V2/V3, Kimi-K2): experts.0..E-1.{...}, gate.weight,
+//              [gate.e_score_correction_bias (V3's noaux_tc router)],
 //              [shared_experts.{gate_proj, up_proj, down_proj}]
+//   or, Mixtral, block_sparse_moe (not mlp): gate.weight, experts.0..E-1.{w1, w2, w3} (w1 the
+//              gate projection, w3 the up, w2 the down, registered in that order)
 //   input_layernorm.weight, post_attention_layernorm.weight
 // before the layers model.embed_tokens.weight; after them model.norm.weight, lm_head.weight
 // (omitted when tied to the embedding).

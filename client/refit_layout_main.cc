@@ -2,8 +2,12 @@
 // config.json and a parallel configuration, as layout JSON (docs/LAYOUTS.md).
 //
 //   refit-layout --config llama3-8b.json --side trainer --tp 4 --pp 2 --dp 2 -o trainer.json
-//   refit-layout --config llama3-8b.json --side inference --tp 2 --dp 2 --first-node 2 -o engine.json
-//   refit-layout --config llama3-8b.json --side trainer --fsdp2 8 [--dp 2] -o fsdp2.json
+//   refit-layout --config llama3-8b.json --side inference --tp 2 --dp 2 --first-node 2 -o
+//   engine.json refit-layout --config llama3-8b.json --side trainer --fsdp2 8 [--dp 2] -o
+//   fsdp2.json
+//
+// A config with an fp8 quantization_config (DeepSeek-V3 as shipped) gives an fp8 engine layout
+// (its weight_block_size, weight_scale_inv tensors) unless --dtype names another dtype.
 //
 // A flag of the other side (--pp, --ep, --cp, --fsdp* for inference; --expert-parallel for a
 // trainer), a parallelism the framework refuses, or a model type not modeled faithfully: one line
@@ -62,9 +66,15 @@ int main(int argc, char** argv) {
   flags.Int("scale-down", &scale_down, "divide every width by this factor (same structure, smaller)");
   flags.Int("layers", &layers, "keep at most this many layers (0: all)");
   flags.String("dtype", &dtype_name,
-               "dtype of the weights (default: the config's torch_dtype); inference only: fp8-block (block fp8 "
-               "with the config's quantization_config weight_block_size and modules_to_not_convert, else 128x128) "
-               "or mxfp8: linear weights in float8_e4m3fn with their scale tensors (docs/LAYOUTS.md)");
+               "dtype of the weights (default: the config's torch_dtype; for the inference side of "
+               "a config with "
+               "an fp8 quantization_config, fp8-block); inference only: fp8-block (block fp8 with "
+               "the config's "
+               "quantization_config weight_block_size and modules_to_not_convert, else 128x128) or "
+               "mxfp8: linear "
+               "weights in float8_e4m3fn with their scale tensors (docs/LAYOUTS.md); bf16 (or "
+               "another dtype) "
+               "overrides the config's quantization_config");
   flags.String("output", &output, "output file (default: stdout)", "o");
   flags.Parse(argc, argv);
 
@@ -113,6 +123,9 @@ int main(int argc, char** argv) {
   const ModelConfig model = ScaleDown(*parsed, scale_down, layers);
   DType dtype = model.dtype;
   std::optional<Fp8LayoutOptions> fp8;
+  // An fp8 checkpoint (quantization_config) is served in fp8: its engine layout is fp8 unless
+  // --dtype says otherwise.
+  if (dtype_name.empty() && side == "inference" && model.fp8.present) dtype_name = "fp8-block";
   if (dtype_name == "fp8-block" || dtype_name == "mxfp8") {
     if (side != "inference") flags.Fail("--dtype " + dtype_name + " is for the inference side: trainers hold bf16");
     fp8.emplace();

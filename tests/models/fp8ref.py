@@ -39,7 +39,9 @@ FLT_MIN = np.float32(np.finfo(np.float32).tiny)  # 2^-126
 # Checkpoint names of the weights an fp8 engine holds quantized (vLLM's Fp8LinearMethod on every
 # linear layer but the head; Fp8MoEMethod on the experts). The router, embeddings, norms, biases
 # and lm_head are not quantized.
-QUANTIZED = re.compile(r"^model\.layers\.\d+\.(self_attn\.(q|k|v|o)_proj|mlp\.(gate|up|down)_proj|"
+QUANTIZED = re.compile(r"^model\.layers\.\d+\.(self_attn\.(q|k|v|o|q_a|q_b|kv_b)_proj|"
+                       r"self_attn\.kv_a_proj_with_mqa|mlp\.(gate|up|down)_proj|"
+                       r"mlp\.shared_experts\.(gate|up|down)_proj|"
                        r"mlp\.experts\.\d+\.(gate|up|down)_proj)\.weight$")
 
 
@@ -174,11 +176,19 @@ class Fp8RefModel(refmodel.RefModel):
     def quantized_params(self):
         """(module, leaf) of every fp8 weight."""
         out = []
-        for layer in self.model.layers:
+        s = self.spec
+        for i, layer in enumerate(self.model.layers):
             a, m = layer.self_attn, layer.mlp
-            out += [(a.qkv_proj, "weight"), (a.o_proj, "weight")]
-            if self.spec.moe:
+            if s.mla:
+                names = (["fused_qkv_a_proj", "q_b_proj"] if s.q_lora else ["q_proj", "kv_a_proj_with_mqa"]) + \
+                    ["kv_b_proj", "o_proj"]
+                out += [(getattr(a, n), "weight") for n in names]
+            else:
+                out += [(a.qkv_proj, "weight"), (a.o_proj, "weight")]
+            if s.is_moe_layer(i):
                 out += [(m.experts, "w13_weight"), (m.experts, "w2_weight")]
+                if s.n_shared:
+                    out += [(m.shared_experts.gate_up_proj, "weight"), (m.shared_experts.down_proj, "weight")]
             else:
                 out += [(m.gate_up_proj, "weight"), (m.down_proj, "weight")]
         return out
@@ -221,18 +231,34 @@ class Fp8RefModel(refmodel.RefModel):
         for i, layer in enumerate(self.model.layers):
             p = f"model.layers.{i}."
             a = layer.self_attn
-            qs = a.qkv_proj.weight_scale_inv
-            out[p + "self_attn.q_proj.weight_scale_inv"] = qs[: q // br]
-            out[p + "self_attn.k_proj.weight_scale_inv"] = qs[q // br: (q + kv) // br]
-            out[p + "self_attn.v_proj.weight_scale_inv"] = qs[(q + kv) // br:]
+            if s.mla:
+                if s.q_lora:  # q_a then kv_a in fused_qkv_a_proj: q_lora_rank is whole blocks
+                    fs = a.fused_qkv_a_proj.weight_scale_inv
+                    out[p + "self_attn.q_a_proj.weight_scale_inv"] = fs[: s.q_lora // br]
+                    out[p + "self_attn.kv_a_proj_with_mqa.weight_scale_inv"] = fs[s.q_lora // br:]
+                    out[p + "self_attn.q_b_proj.weight_scale_inv"] = a.q_b_proj.weight_scale_inv
+                else:
+                    out[p + "self_attn.q_proj.weight_scale_inv"] = a.q_proj.weight_scale_inv
+                    out[p + "self_attn.kv_a_proj_with_mqa.weight_scale_inv"] = a.kv_a_proj_with_mqa.weight_scale_inv
+                out[p + "self_attn.kv_b_proj.weight_scale_inv"] = a.kv_b_proj.weight_scale_inv
+            else:
+                qs = a.qkv_proj.weight_scale_inv
+                out[p + "self_attn.q_proj.weight_scale_inv"] = qs[: q // br]
+                out[p + "self_attn.k_proj.weight_scale_inv"] = qs[q // br: (q + kv) // br]
+                out[p + "self_attn.v_proj.weight_scale_inv"] = qs[(q + kv) // br:]
             out[p + "self_attn.o_proj.weight_scale_inv"] = a.o_proj.weight_scale_inv
             m = layer.mlp
-            if s.moe:
+            if s.is_moe_layer(i):
                 n, s13, s2 = s.moe_intermediate, m.experts.w13_weight_scale_inv, m.experts.w2_weight_scale_inv
                 for e in range(s.experts):
                     out[p + f"mlp.experts.{e}.gate_proj.weight_scale_inv"] = s13[e, : n // br]
                     out[p + f"mlp.experts.{e}.up_proj.weight_scale_inv"] = s13[e, n // br:]
                     out[p + f"mlp.experts.{e}.down_proj.weight_scale_inv"] = s2[e]
+                if s.n_shared:
+                    n, sh = s.n_shared * s.moe_intermediate, m.shared_experts
+                    out[p + "mlp.shared_experts.gate_proj.weight_scale_inv"] = sh.gate_up_proj.weight_scale_inv[: n // br]
+                    out[p + "mlp.shared_experts.up_proj.weight_scale_inv"] = sh.gate_up_proj.weight_scale_inv[n // br:]
+                    out[p + "mlp.shared_experts.down_proj.weight_scale_inv"] = sh.down_proj.weight_scale_inv
             else:
                 n = s.intermediate
                 out[p + "mlp.gate_proj.weight_scale_inv"] = m.gate_up_proj.weight_scale_inv[: n // br]
@@ -289,7 +315,10 @@ class Reference:
         out = {"weights": weights, "trainer": tr, "quantized": sum(bool(QUANTIZED.match(n)) for n in tr["weights"]),
                "rel_bound": rel_bound(self.spec)}
         for model, key in [(self.model, "logits"), (self.model64, "logits_ref")]:
-            views = refmodel.to_checkpoint_names(dict(model.named_parameters()), self.spec)
+            held = dict(model.named_parameters())
+            # DeepSeek's router bias: a module buffer of the twin, a parameter of some trainers.
+            held.update({n: b for n, b in model.named_buffers() if n in deq})
+            views = refmodel.to_checkpoint_names(held, self.spec)
             if set(views) != set(deq):
                 raise RuntimeError(f"reference model's tensors differ from the trainer's: "
                                    f"{sorted(set(views) ^ set(deq))[:6]}")

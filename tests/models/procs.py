@@ -33,6 +33,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
 import torch  # noqa: E402
+from torch import nn  # noqa: E402
 
 import refmodel  # noqa: E402
 
@@ -74,6 +75,58 @@ def serve_commands(handlers):
 
 # ------------------------------------------------------------------------------------------------
 
+def transformers_view(cfg, engine_model, dtype, device, spec):
+    """transformers' own causal LM for ``cfg`` computing on ``engine_model``'s parameters
+    (``bind_to_engine``): what refit writes into the engine is what this model computes with, in
+    transformers' arithmetic."""
+    import transformers
+    hf_cfg = transformers.AutoConfig.for_model(**{k: v for k, v in cfg.items() if k != "quantization_config"})
+    try:
+        model = transformers.AutoModelForCausalLM.from_config(hf_cfg, attn_implementation="eager",
+                                                              experts_implementation="eager")
+    except (TypeError, ValueError):
+        model = transformers.AutoModelForCausalLM.from_config(hf_cfg, attn_implementation="eager")
+    inv = {n: b.detach().clone() for n, b in model.named_buffers() if n.endswith("inv_freq")}
+    model = model.to(dtype).to(device)
+    for n, b in inv.items():  # RoPE's inv_freq stays fp32, as in the trainer (procs.Trainer)
+        owner = model.get_submodule(n.rsplit(".", 1)[0])
+        owner.register_buffer("inv_freq", b.to(device), persistent=False)
+        if hasattr(owner, "original_inv_freq"):
+            owner.original_inv_freq = owner.inv_freq
+    return bind_to_engine(model, engine_model, spec)
+
+
+def bind_to_engine(model, engine_model, spec):
+    """``model`` (transformers' module names) with every parameter replaced by a view into
+    ``engine_model``'s vLLM-convention parameters, by checkpoint name (RefModel.checkpoint_views).
+    transformers 5's fused experts (``experts.gate_up_proj`` [E, 2I, H], ``experts.down_proj``
+    [E, H, I]) are the engine's ``w13_weight`` / ``w2_weight`` themselves (gate rows then up rows,
+    per expert); a tied head is the embedding's view."""
+    views = engine_model.checkpoint_views()
+    for name, p in list(model.named_parameters()):
+        owner_name, leaf = name.rsplit(".", 1)
+        owner = model.get_submodule(owner_name)
+        if name.endswith("experts.gate_up_proj") or name.endswith("experts.down_proj"):
+            target = getattr(engine_model.get_submodule(owner_name), "w13_weight" if leaf == "gate_up_proj"
+                             else "w2_weight")
+        elif name == "lm_head.weight" and spec.tied:
+            continue
+        elif name in views:
+            target = views[name]
+        else:
+            raise RuntimeError(f"transformers' {name} has no counterpart in the engine")
+        if name.endswith("e_score_correction_bias") and target.dtype != p.dtype:
+            continue  # vLLM's fp32 copy of a bias no gradient reaches: the model keeps its own
+        if tuple(target.shape) != tuple(p.shape) or target.dtype != p.dtype:
+            raise RuntimeError(f"transformers' {name} {tuple(p.shape)} {p.dtype} vs the engine's "
+                               f"{tuple(target.shape)} {target.dtype}")
+        owner._parameters[leaf] = nn.Parameter(target, requires_grad=False)
+    if spec.tied:  # the head was the old embedding Parameter object: make it the new one
+        model.lm_head._parameters["weight"] = model.model.embed_tokens.weight
+    model.eval()
+    return model
+
+
 class Engine:
     def __init__(self, args):
         import refit
@@ -102,10 +155,25 @@ class Engine:
         self.refuse = set()
         self.events = []
         self.bg = None
-        ecfg = vllm.EngineConfig.from_hf_config(cfg)
-        params = dict(self.model.named_parameters())
+        # The harness names tensors as its trainer does: transformers 5 (and refmodel.Twin) call
+        # Mixtral's MoE block "mlp" and split its fused experts into gate_proj/up_proj/down_proj
+        # (refmodel.to_checkpoint_names), where the checkpoint and vLLM's loader say
+        # block_sparse_moe.experts.<e>.w1/w3/w2: the engine's layout follows the trainer's names.
+        naming = {"expert_modules": dict(vllm.VLLM_EXPERT_MODULES), "sharding": dict(vllm.VLLM_SHARDING)} \
+            if cfg.get("model_type") == "mixtral" else {}
+        ecfg = vllm.EngineConfig.from_hf_config(cfg, **naming)
+        # A router bias the trainer holds as a module buffer is not refit (nothing sends it): the
+        # engine keeps its own, zero like the trainer's.
+        skip = None if self.spec.router_bias_in_trainer else (lambda n: n.endswith("e_score_correction_bias"))
+        params = {n: p for n, p in self.model.named_parameters() if skip is None or not skip(n)}
         described = self.model.layout_params() if args.fp8_block else params  # uint8 codes: "fp8_e4m3"
+        if args.fp8_block and skip is not None:
+            described = {n: p for n, p in described.items() if not skip(n)}
         self.layout = vllm.engine_worker(described, ecfg, node=args.node, gpu=args.gpu, model=args.group)
+        self.hf_model = None
+        if args.impl == "hf" and not args.fp8_block:
+            self.hf_model = transformers_view(cfg, self.model, dtype, self.device, self.spec)
+        self.reference = None  # a second engine loaded the ordinary way (load_weights), built on use
         self.worker = refit.Worker(args.daemon, args.group, "inference", self.layout, params,
                                    name=self.layout["workers"][0]["name"],
                                    on_prepare=self.on_prepare, on_commit=self.on_commit,
@@ -164,17 +232,58 @@ class Engine:
             if version == 0:
                 return {"version": 0, "worker_version": self.worker.version, "served": False}
             res = {}
-            for mode in ["vllm", "hf"]:
-                res[f"logits_{mode}"] = self.model(prompts, mode=mode).float().cpu()
-                res[f"tokens_{mode}"] = greedy(lambda x, mode=mode: self.model(x, mode=mode), prompts,
-                                               cmd["steps"]).cpu()
+            for mode, forward in self.forwards(self.model, self.hf_model).items():
+                res[f"logits_{mode}"] = forward(prompts).float().cpu()
+                res[f"tokens_{mode}"] = greedy(forward, prompts, cmd["steps"]).cpu()
             if cmd.get("weights", True):
                 res["weights"] = {k: v.detach().cpu().clone() for k, v in self.model.checkpoint_views().items()}
+            if cmd.get("reference"):
+                res.update(self._reference_engine(cmd))
             sync(self.device)
             after = self.serving
         torch.save(res, cmd["path"])
         return {"version": version, "version_after": after, "worker_version": self.worker.version,
                 "served": True, "path": cmd["path"]}
+
+    def forwards(self, model, hf_model):
+        """{mode: ids -> logits}: "vllm" (RefModel's fused GEMMs), "hf" (transformers' own modules
+        on views of the same parameters, where the engine runs with --impl hf; else RefModel's
+        reproduction of transformers' arithmetic) and, beside transformers' own, "refhf" (that
+        reproduction), so that a reproduction differing from transformers shows."""
+        out = {"vllm": lambda x: model(x, mode="vllm")}
+        if hf_model is not None:
+            vocab = self.spec.vocab
+            out["hf"] = lambda x: hf_model(input_ids=x, use_cache=False).logits[..., :vocab]
+            out["refhf"] = lambda x: model(x, mode="hf")
+        else:
+            out["hf"] = lambda x: model(x, mode="hf")
+        return out
+
+    def _reference_engine(self, cmd):
+        """The same engine code with the trainer's weights loaded the ordinary way (checkpoint
+        tensor by checkpoint tensor, as vLLM's load_weights), not through refit: its logits and
+        tokens, every mode. Bit-equal weights must give bit-equal results."""
+        weights = torch.load(cmd["reference"])["weights"]
+        if self.reference is None:
+            self.reference = refmodel.RefModel(self.spec, dtype=self.model.model.norm.weight.dtype,
+                                               device=self.device)
+            self.reference_hf = None
+            if self.hf_model is not None:
+                self.reference_hf = transformers_view(json.load(open(self.args.config)), self.reference,
+                                                      self.reference.model.norm.weight.dtype, self.device,
+                                                      self.spec)
+        views = self.reference.checkpoint_views()
+        missing = sorted(set(views) - set(weights))
+        if missing:
+            raise RuntimeError(f"reference engine: the trainer has no {missing[:4]}")
+        for name, view in views.items():
+            self.reference.load_checkpoint_tensor(name, weights[name].to(self.device), views)
+        prompts = torch.tensor(cmd["prompts"], dtype=torch.long, device=self.device)
+        out = {}
+        for mode, forward in self.forwards(self.reference, self.reference_hf).items():
+            out[f"reference_logits_{mode}"] = forward(prompts).float().cpu()
+            out[f"reference_tokens_{mode}"] = greedy(forward, prompts, cmd["steps"]).cpu()
+        return out
 
     def eval(self, cmd):
         return self._evaluate(cmd)
@@ -221,7 +330,30 @@ def _spec_overrides(names, cfg_spec):
         "o_bias": any(n.endswith("self_attn.o_proj.bias") for n in names),
         "qk_norm": any(n.endswith("self_attn.q_norm.weight") for n in names),
         "experts_style": "fused" if any(n.endswith("experts.gate_up_proj") for n in names) else "per_expert",
+        "router_bias_in_trainer": any(n.endswith("gate.e_score_correction_bias") for n in names),
     }
+
+
+def router_weights_fp32(model, dtype, device):
+    """Whether the model's MoE router hands the experts fp32 top-k weights: asked of the live
+    module (transformers 5's routers return (logits, weights, indices); Mixtral's keeps the
+    weights fp32, Qwen-MoE's casts them; transformers 4's gate is a Linear and its block casts).
+    None for a dense model or a router of another form (DeepSeek's)."""
+    for name, module in model.named_modules():
+        if not name.endswith("mlp.gate") and not name.endswith("block_sparse_moe.gate"):
+            continue
+        weight = getattr(module, "weight", None)
+        if weight is None or weight.dim() != 2:
+            continue
+        x = torch.randn(3, weight.shape[1], dtype=dtype, device=device)
+        with torch.no_grad():
+            out = module(x)
+        if isinstance(out, torch.Tensor):
+            return False
+        if isinstance(out, tuple) and len(out) == 3:
+            return out[1].dtype == torch.float32
+        return None
+    return None
 
 
 class Trainer:
@@ -248,6 +380,8 @@ class Trainer:
         names = [n for n, _ in self.model.named_parameters()]
         self.spec_overrides = _spec_overrides(names, cfg)
         self.spec_overrides["rope_theta"] = self.rope_theta
+        if self.info.get("router_weights_fp32") is not None:
+            self.spec_overrides["router_weights_fp32"] = self.info["router_weights_fp32"]
         self.spec = refmodel.ModelSpec(cfg, **self.spec_overrides)
         for n, p in self.model.named_parameters():  # transformers 5's fused experts: [E, 2I, H], [E, H, I]
             if n.endswith("experts.gate_up_proj") or n.endswith("experts.down_proj"):
@@ -281,7 +415,9 @@ class Trainer:
                 torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", self.rank)))
                 self.device = torch.device("cuda", torch.cuda.current_device())
         torch.manual_seed(args.seed)
-        hf_cfg = transformers.AutoConfig.for_model(**cfg)
+        # The trainer holds the weights unquantized: an fp8 checkpoint's quantization_config is the
+        # engine's (driver.py gives the engine --fp8-block from it).
+        hf_cfg = transformers.AutoConfig.for_model(**{k: v for k, v in cfg.items() if k != "quantization_config"})
         kw = {"attn_implementation": "eager"}
         try:
             model = transformers.AutoModelForCausalLM.from_config(hf_cfg, experts_implementation="eager", **kw)
@@ -316,6 +452,7 @@ class Trainer:
         model = model.to(getattr(torch, args.dtype)).to(self.device)
         restore(model)
         self.info["dtypes"] = sorted({str(p.dtype) for p in model.parameters()})
+        self.info["router_weights_fp32"] = router_weights_fp32(model, getattr(torch, args.dtype), self.device)
         if args.fsdp2:
             try:
                 from torch.distributed.fsdp import fully_shard

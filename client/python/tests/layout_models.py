@@ -138,6 +138,15 @@ class Model:
     def mla(self) -> bool:
         return self.kv_lora > 0
 
+    @property
+    def mixtral(self) -> bool:
+        """Mixtral: block_sparse_moe with experts' w1 (gate), w2 (down), w3 (up), every layer MoE."""
+        return self.model_type == "mixtral"
+
+    @property
+    def moe_module(self) -> str:
+        return "block_sparse_moe." if self.mixtral else "mlp."
+
 
 def load_model(name: str, scale_down: int = 1, layers: int = 0) -> Model:
     """tests/configs/<name>.json, widths divided by ``scale_down`` (at least 1 left), at most
@@ -158,8 +167,8 @@ def model_from_config(c: dict, scale_down: int = 1, layers: int = 0) -> Model:
         vocab=int(c["vocab_size"]), tie=bool(c.get("tie_word_embeddings", False)),
         bias=bool(c.get("attention_bias", mt in ("qwen2", "qwen2_moe"))),
         qk_norm=mt in ("qwen3", "qwen3_moe"),
-        experts=int(c.get("n_routed_experts") or c.get("num_experts") or 0),
-        moe_inter=int(c.get("moe_intermediate_size") or 0),
+        experts=int(c.get("n_routed_experts") or c.get("num_experts") or c.get("num_local_experts") or 0),
+        moe_inter=int(c.get("intermediate_size") if mt == "mixtral" else c.get("moe_intermediate_size") or 0),
         n_shared=int(c.get("n_shared_experts") or 0),
         shared_inter=int(c.get("shared_expert_intermediate_size") or 0),
         first_dense=int(c.get("first_k_dense_replace") or 0),
@@ -187,7 +196,9 @@ def hf_config(m: Model) -> dict:
          "num_key_value_heads": m.kv_heads, "head_dim": m.head_dim, "vocab_size": m.vocab,
          "intermediate_size": m.inter, "tie_word_embeddings": m.tie,
          "num_hidden_layers": m.layers, "moe_intermediate_size": m.moe_inter}
-    if m.experts:
+    if m.mixtral:
+        d["num_local_experts"] = m.experts
+    elif m.experts:
         d["num_experts"] = m.experts
     if m.mla:
         d.update(kv_lora_rank=m.kv_lora, q_lora_rank=m.q_lora or None)
@@ -209,6 +220,13 @@ def hf_tensors(m: Model) -> Dict[str, Tuple[Tuple[int, ...], str]]:
         add(p + "gate_proj.weight", inter, H)
         add(p + "up_proj.weight", inter, H)
         add(p + "down_proj.weight", H, inter)
+
+    def expert(p: str, inter: int) -> None:
+        if not m.mixtral:
+            return mlp(p, inter)
+        add(p + "w1.weight", inter, H)
+        add(p + "w2.weight", H, inter)
+        add(p + "w3.weight", inter, H)
 
     add("model.embed_tokens.weight", m.vocab, H)
     for layer in range(m.layers):
@@ -244,11 +262,12 @@ def hf_tensors(m: Model) -> Dict[str, Tuple[Tuple[int, ...], str]]:
         if not m.is_moe(layer):
             mlp(p + "mlp.", m.inter)
             continue
-        add(p + "mlp.gate.weight", m.experts, H)
+        moe = p + m.moe_module
+        add(moe + "gate.weight", m.experts, H)
         if m.router_bias:
-            add(p + "mlp.gate.e_score_correction_bias", m.experts)
+            add(moe + "gate.e_score_correction_bias", m.experts)
         for e in range(m.experts):
-            mlp(f"{p}mlp.experts.{e}.", m.moe_inter)
+            expert(f"{moe}experts.{e}.", m.moe_inter)
         if m.n_shared:
             mlp(p + "mlp.shared_experts.", m.n_shared * m.moe_inter)
         if m.shared_inter:
@@ -328,12 +347,13 @@ def vllm_params(m: Model, tp: int = 1, tp_rank: int = 0, dp: int = 1, dp_rank: i
         if not m.is_moe(layer):
             dense_mlp(p + "mlp.", m.inter)
             continue
-        add(p + "mlp.gate.weight", m.experts, H)
+        moe = p + m.moe_module
+        add(moe + "gate.weight", m.experts, H)
         if m.router_bias:
-            add(p + "mlp.gate.e_score_correction_bias", m.experts, dtype="fp32")
+            add(moe + "gate.e_score_correction_bias", m.experts, dtype="fp32")
         i_t = _divide(m.moe_inter, moe_tp, "moe intermediate_size_per_partition")
-        add(p + "mlp.experts.w13_weight", local_experts, 2 * i_t, H)
-        add(p + "mlp.experts.w2_weight", local_experts, H, i_t)
+        add(moe + "experts.w13_weight", local_experts, 2 * i_t, H)
+        add(moe + "experts.w2_weight", local_experts, H, i_t)
         if m.n_shared:
             dense_mlp(p + "mlp.shared_experts.", m.n_shared * m.moe_inter)
         if m.shared_inter:
@@ -348,8 +368,8 @@ def vllm_params(m: Model, tp: int = 1, tp_rank: int = 0, dp: int = 1, dp_rank: i
 # ------------------------------------------------------------------------------------------------
 # Trainer parameters as DTensor specs.
 
-COLUMN = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj", "q_b_proj", "kv_b_proj")
-ROW = ("o_proj", "down_proj")
+COLUMN = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj", "q_b_proj", "kv_b_proj", "w1", "w3")
+ROW = ("o_proj", "down_proj", "w2")
 
 
 def tp_placement(name: str) -> Optional[str]:
@@ -393,8 +413,8 @@ def megatron_specs(m: Model, tp: int = 1, dp: int = 1, pp: int = 1, ep: int = 1)
         stage = 0 if layer < 0 else pp - 1 if layer >= m.layers else next(
             s for s in range(pp) if _part(m.layers, pp, s)[0] <= layer < _part(m.layers, pp, s)[1])
         ds = list(range(dp))
-        if ".mlp.experts." in name:
-            e = int(name.split(".mlp.experts.")[1].split(".")[0])
+        if ".experts." in name:
+            e = int(name.split(".experts.")[1].split(".")[0])
             k = next(k for k in range(ep) if _part(m.experts, ep, k)[0] <= e < _part(m.experts, ep, k)[1])
             ds = [d for d in ds if d % ep == k]
         ranks = [[t + tp * (d + dp * stage) for t in range(tp)] for d in ds]

@@ -60,6 +60,17 @@ ENGINE_CASES = [
     ("kimi-k2", 64, 2, 2, 4, False),
     ("many-small-moe", 1, 1, 2, 2, True),
     ("many-small-moe", 1, 1, 2, 2, False),
+    # DeepSeek-V2: MLA without q_lora (Lite: q_proj), greedy routers without a bias, 2 shared experts.
+    ("deepseek-v2-lite", 16, 3, 2, 2, False),
+    ("deepseek-v2-lite", 16, 3, 2, 1, True),
+    ("deepseek-v2", 64, 2, 4, 1, True),
+    ("deepseek-v2", 64, 2, 2, 2, False),
+    # Mixtral: block_sparse_moe, experts w1/w3 stacked in w13_weight, w2 in w2_weight.
+    ("mixtral-8x7b", 64, 2, 1, 1, False),
+    ("mixtral-8x7b", 64, 2, 2, 1, False),
+    ("mixtral-8x7b", 64, 2, 2, 2, False),
+    ("mixtral-8x7b", 64, 2, 2, 2, True),
+    ("mixtral-8x7b", 64, 1, 8, 1, False),
 ]
 
 
@@ -224,6 +235,9 @@ class TrainerAgreementTest(unittest.TestCase):
         ("qwen3-30b-a3b", 16, 2, 2, 2, 1, 2),
         ("qwen3-30b-a3b", 16, 2, 1, 4, 1, 4),
         ("deepseek-v3", 64, 4, 2, 2, 1, 2),
+        ("deepseek-v2-lite", 16, 3, 2, 2, 1, 2),
+        ("mixtral-8x7b", 64, 2, 2, 2, 1, 2),
+        ("mixtral-8x7b", 64, 4, 1, 2, 2, 2),
     ]
 
     def test_megatron_boxes(self):
@@ -255,7 +269,10 @@ class TrainerAgreementTest(unittest.TestCase):
                                                  ("qwen2.5-7b", 16, 2, 3, 2),  # HSDP
                                                  ("qwen3-30b-a3b", 16, 1, 8, 1),
                                                  ("deepseek-v3", 64, 4, 4, 1),
-                                                 ("kimi-k2", 64, 2, 4, 1)]:
+                                                 ("kimi-k2", 64, 2, 4, 1),
+                                                 ("deepseek-v2-lite", 16, 3, 4, 1),
+                                                 ("deepseek-v2", 64, 2, 3, 2),
+                                                 ("mixtral-8x7b", 64, 2, 4, 1)]:
             label = f"{model} fsdp2 {shards} dp {dp}"
             with self.subTest(label):
                 m = lm.load_model(model, scale, layers)
@@ -296,6 +313,7 @@ class Fp8EngineAgreementTest(unittest.TestCase):
         ("llama3-8b", 8, 2, 1, 2, False, (128, 128)),
         ("qwen3-30b-a3b", 4, 1, 2, 1, True, (32, 32)),
         ("deepseek-v3", 64, 4, 1, 2, True, (8, 8)),
+        ("mixtral-8x7b", 16, 1, 2, 1, False, (16, 16)),
     ]
 
     def test_fp8_engines(self):
@@ -322,6 +340,24 @@ class Fp8EngineAgreementTest(unittest.TestCase):
                                           str(scale), "--layers", str(layers))
                 rc, out = lm.plan_verify(trainer, mine)
                 self.assertEqual(rc, 0, out)
+
+    def test_fp8_by_default_from_quantization_config(self):
+        # DeepSeek-V3 as shipped, its blocks made 8x8 to fit the scaled-down widths: refit-layout
+        # without --dtype gives the fp8 engine the Python side derives from the same config.
+        shipped = json.loads(Path(lm.config_path("deepseek-v3-fp8")).read_text())
+        self.assertEqual(shipped["quantization_config"]["weight_block_size"], [128, 128])
+        shipped["quantization_config"]["weight_block_size"] = [8, 8]
+        path = lm.write_config(shipped)
+        m = lm.model_from_config(shipped, 64, 4)
+        cfg = EngineConfig.from_hf_config(dict(lm.hf_config(m), quantization_config=shipped["quantization_config"]),
+                                          tp_size=1, dp_size=2, expert_parallel=True)
+        mine = engine_layout(lambda d, t: fp8_params(lm.vllm_params(m, 1, t, 2, d, True), (8, 8)), cfg)
+        ref = lm.refit_layout(path, *engine_args(64, 4, 1, 2, True))
+        self.assertEqual(diff_layouts(mine, ref, limit=200, names=("vllm", "refit-layout")), [])
+        self.assertIn("fp8_e4m3", {t["dtype"] for t in ref["tensors"]})
+        bf16 = lm.refit_layout(path, *engine_args(64, 4, 1, 2, True), "--dtype", "bf16")
+        self.assertNotIn("fp8_e4m3", {t["dtype"] for t in bf16["tensors"]})
+        self.assertFalse([t for t in bf16["tensors"] if t["name"].endswith("_scale_inv")])
 
     def test_refusals(self):
         m = lm.load_model("llama3-8b", 8, 1)

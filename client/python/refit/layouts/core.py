@@ -18,10 +18,12 @@ the two spellings as equal).
 from __future__ import annotations
 
 import math
-from typing import Any, Dict, Iterable, List, NamedTuple, Optional, Sequence, Tuple
+from typing import Any, Dict, Iterable, List, NamedTuple, Optional, Sequence, Set, Tuple
+
+from refit.errors import InvalidArgument
 
 
-class LayoutError(ValueError):
+class LayoutError(InvalidArgument):
     """A layout cannot be derived: the message names the parameter (or tensor) and what is wrong."""
 
 
@@ -134,7 +136,7 @@ class LayoutBuilder:
         self.model = model
         self._tensors: Dict[str, Dict[str, Any]] = {}
         self._workers: Dict[str, Dict[str, Any]] = {}
-        self._buffer_names: Dict[str, set] = {}
+        self._buffer_names: Dict[str, Set[str]] = {}
 
     def tensor(self, name: str, shape: Sequence[int], dtype: Any, *, what: str = "",
                quantization: Optional[Dict[str, Any]] = None) -> None:

@@ -90,7 +90,7 @@ class Partial:
     reduce_op: str = "sum"
 
 
-_PLACEMENT_RE = [
+_PLACEMENT_RE: List[Tuple["re.Pattern[str]", Callable[["re.Match[str]"], Any]]] = [
     (re.compile(r"^(?:_S|_StridedShard)\(\s*(?:dim=)?(-?\d+)\s*,\s*(?:sf=|split_factor=)?(\d+)\s*\)$"),
      lambda m: StridedShard(int(m.group(1)), int(m.group(2)))),
     (re.compile(r"^(?:S|Shard)\(\s*(?:dim=)?(-?\d+)\s*\)$"), lambda m: Shard(int(m.group(1)))),
@@ -163,7 +163,7 @@ def _order(mesh_shape: Sequence[int], placements: Sequence[Any], what: str,
     if order and not all(list(v) == sorted(v) for v in order.values()):
         if strided:
             raise LayoutError(f"{what}: a shard order and _StridedShard cannot be combined")
-        cuts = []
+        ordered: List[Tuple[int, int]] = []
         listed = set()
         for tdim, mdims in sorted(order.items()):
             for m in mdims:
@@ -171,12 +171,12 @@ def _order(mesh_shape: Sequence[int], placements: Sequence[Any], what: str,
                 if not isinstance(p, Shard) or p.dim != tdim:
                     raise LayoutError(f"{what}: shard order puts mesh dim {m} on tensor dim {tdim}, "
                                       f"but its placement is {p}")
-                cuts.append((m, tdim))
+                ordered.append((m, tdim))
                 listed.add(m)
         for m, p in enumerate(placements):
             if isinstance(p, Shard) and m not in listed:
                 raise LayoutError(f"{what}: mesh dim {m} ({p}) is missing from the shard order")
-        return cuts
+        return ordered
 
     cuts: List[Tuple[int, int]] = []
     for dim in sorted({p.dim for p in placements if isinstance(p, (Shard, StridedShard))}):
@@ -332,14 +332,25 @@ def _worker_name(pattern: Union[str, Callable[[int], str]], rank: int) -> str:
 def trainer_layout(params: Mapping[str, Any], mesh: Union[Mesh, Sequence[int]], *,
                    placement: RankPlacement = RankPlacement(),
                    worker_name: Union[str, Callable[[int], str]] = "fsdp-rank{rank}",
-                   name_map: Optional[Callable[[str], str]] = None, model: str = "") -> Dict[str, Any]:
+                   name_map: Optional[Callable[[str], str]] = None, model: str = "",
+                   replica: Optional[str] = None) -> Dict[str, Any]:
     """The whole trainer layout: every rank of the mesh(es) as a worker, sorted by rank.
 
     ``params``: ``{parameter name: ParamSpec or (shape, dtype, placements[, mesh])}`` in the
     order buffers should appear. ``mesh``: a ``Mesh`` or a mesh shape (ranks row-major from 0).
     Each rank's worker holds, per parameter whose mesh contains it, one buffer named after the
     parameter with its ``local_box`` (none when that box is empty). Returns the layout dict.
+
+    ``replica``: for an *engine* described this way (e.g. a TP engine holding row slices), the
+    name of the engine replica its ranks form. Every worker then declares ``replica``,
+    ``replicaRank`` (its rank's position among the layout's ranks: the mesh rank, for a mesh
+    numbered from 0) and ``replicaSize`` (the number of ranks), so the daemons refit the engine
+    only once all its ranks are registered, and whole (docs/ROUNDS.md, "Replicas and commit").
+    Without it each engine rank is a replica of its own and may hold another version than its
+    peers. Trainers leave it out: replicas are an engine's.
     """
+    if replica is not None and (not isinstance(replica, str) or not replica):
+        raise LayoutError(f"replica must be a non-empty name, not {replica!r}")
     default = mesh if isinstance(mesh, Mesh) else Mesh(mesh)
     specs = []
     for name, spec in params.items():
@@ -353,9 +364,11 @@ def trainer_layout(params: Mapping[str, Any], mesh: Union[Mesh, Sequence[int]], 
     tensor_of = name_map or (lambda n: n)
     for name, spec, _ in specs:
         b.tensor(tensor_of(name), spec.shape, spec.dtype, what=f"parameter {name!r}")
-    for rank in ranks:
+    for replica_rank, rank in enumerate(ranks):
         node, gpu = placement.where(rank)
         w = b.worker(_worker_name(worker_name, rank), node, gpu)
+        if replica is not None:
+            w["replica"], w["replicaRank"], w["replicaSize"] = replica, replica_rank, len(ranks)
         for name, spec, m in specs:
             coord = m.coordinate(rank)
             if coord is None:
@@ -379,7 +392,7 @@ def _global_rank(named: List[Tuple[str, Any]]) -> int:
     try:
         import torch.distributed as dist  # only for the default rank
         if dist.is_available() and dist.is_initialized():
-            return dist.get_rank()
+            return int(dist.get_rank())
     except ImportError:
         pass
     for _, obj in named:

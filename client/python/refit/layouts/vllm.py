@@ -15,7 +15,8 @@ How a parameter is placed, from its name ``<parent>.<module>.<leaf>``:
   ``fused_qkv_a_proj`` -> q_a_proj, kv_a_proj_with_mqa) is a fused buffer: its parts are stacked on
   dim 0 in that order, each sharded by its own rule;
 * ``<parent>.experts.<leaf>`` with ``leaf`` in ``config.expert_modules`` (default: ``w13_weight``
-  -> gate_proj, up_proj; ``w2_weight`` -> down_proj) is a stack of this rank's experts
+  -> gate_proj, up_proj; ``w2_weight`` -> down_proj; Mixtral, from ``from_hf_config``: ``w1``, ``w3``
+  and ``w2`` under ``block_sparse_moe``) is a stack of this rank's experts
   ``[E_local, ...]``, expert ``e`` at index ``e - first`` (``"linear"``, vLLM's default: the first
   ``E % ep`` ranks hold one more) or ``e // ep`` (``"round_robin"``); Hugging Face names
   ``<parent>.experts.<e>.<part>.weight``;
@@ -69,7 +70,7 @@ from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 from .core import Box, LayoutBuilder, LayoutError, RankPlacement, dtype_name, named_items
 
 __all__ = [
-    "VLLM_PACKED_MODULES", "VLLM_EXPERT_MODULES", "VLLM_SHARDING", "EngineConfig", "engine_worker",
+    "VLLM_PACKED_MODULES", "VLLM_EXPERT_MODULES", "VLLM_SHARDING", "MIXTRAL_FIELDS", "EngineConfig", "engine_worker",
     "engine_layout", "expert_ids",
 ]
 
@@ -92,6 +93,14 @@ VLLM_SHARDING: Dict[str, str] = {
     "gate_proj": "column", "up_proj": "column", "down_proj": "row",
     "q_a_proj": "replicated", "kv_a_proj_with_mqa": "replicated",
     "gate": "replicated", "shared_expert_gate": "replicated",
+}
+
+# Mixtral (vLLM's MixtralForCausalLM): block_sparse_moe.experts is a FusedMoE whose w13_weight
+# stacks the checkpoint's w1 (gate) then w3 (up) and whose w2_weight holds w2 (down), its
+# expert_params_mapping(ckpt_gate_proj_name="w1", ckpt_down_proj_name="w2", ckpt_up_proj_name="w3").
+MIXTRAL_FIELDS: Dict[str, Any] = {
+    "expert_modules": {"w13_weight": ["w1", "w3"], "w2_weight": ["w2"]},
+    "sharding": dict(VLLM_SHARDING, w1="column", w3="column", w2="row"),
 }
 
 _LEAVES = ("weight", "bias", "e_score_correction_bias")
@@ -172,8 +181,11 @@ class EngineConfig:
         """From a Hugging Face config (a ``PretrainedConfig`` or its ``config.json`` dict) and the
         parallel fields (``tp_size=``, ``tp_rank=``, ``dp_size=``, ``dp_rank=``,
         ``expert_parallel=``, ...)."""
-        get = (lambda k, d=None: config.get(k, d)) if isinstance(config, Mapping) else \
-            (lambda k, d=None: getattr(config, k, d))
+        def get(key: str, default: Any = None) -> Any:
+            if isinstance(config, Mapping):
+                return config.get(key, default)
+            return getattr(config, key, default)
+
         heads = int(get("num_attention_heads"))
         fields = dict(
             num_attention_heads=heads,
@@ -188,10 +200,18 @@ class EngineConfig:
         )
         if get("kv_lora_rank"):
             fields["head_dim"] = None  # MLA: no fused qkv
+        if get("model_type") == "mixtral":
+            fields.update(MIXTRAL_FIELDS)
+            fields["moe_intermediate_size"] = int(get("intermediate_size") or 0)
+            fields["intermediate_size"] = 0  # every layer is MoE: no dense MLP to check
         q = get("quantization_config") or {}
-        qget = (lambda k: q.get(k)) if isinstance(q, Mapping) else (lambda k: getattr(q, k, None))
-        if qget("quant_method") == "fp8" and qget("weight_block_size"):
-            fields["weight_block_size"] = tuple(int(x) for x in qget("weight_block_size"))
+
+        def qget(key: str) -> Any:
+            return q.get(key) if isinstance(q, Mapping) else getattr(q, key, None)
+
+        block = qget("weight_block_size")
+        if qget("quant_method") == "fp8" and block:
+            fields["weight_block_size"] = (int(block[0]), int(block[1]))
         fields.update(parallel)
         return EngineConfig(**fields)
 
@@ -293,7 +313,7 @@ def _place(rule: str, local: Tuple[int, ...], config: EngineConfig, tp: int, t: 
 def _part_rows(parts: Sequence[str], rules: Sequence[str], rows: int, config: EngineConfig,
                tp: int, name: str) -> List[int]:
     """Rows (dim 0) of each part of a fused buffer of ``rows`` rows."""
-    heads = []
+    heads: List[Optional[int]] = []
     for part, rule in zip(parts, rules):
         if rule == "heads":
             _check_heads(config, tp, name)

@@ -10,6 +10,7 @@ packages=(
   clang libclang-rt-14-dev
   python3-numpy python3-matplotlib bc
   python3-grpcio python3-protobuf python3-torch python3-pip python3-venv python3-setuptools python3-wheel
+  mypy  # //client/python:mypy_test type-checks the Python package
 )
 missing=()
 for p in "${packages[@]}"; do

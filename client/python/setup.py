@@ -1,18 +1,19 @@
-"""pip install ./client/python: the `refit` package, its protobuf modules generated from
-../../proto by protoc at build time (offline: `pip install --no-index --no-build-isolation`
-with Debian's python3-setuptools; runtime needs grpcio and protobuf, numpy; torch optional)."""
+"""pip install ./client/python: the package's metadata is in pyproject.toml; this file adds the
+build step that generates the protobuf modules from ../../proto with protoc (offline:
+`pip install --no-index --no-build-isolation` with Debian's python3-setuptools; runtime needs
+grpcio, protobuf and numpy; torch optional)."""
 import os
 import subprocess
 import sys
 
-from setuptools import find_packages, setup
+from setuptools import setup
 from setuptools.command.build_py import build_py
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 
 class BuildWithStubs(build_py):
-    def run(self):
+    def run(self) -> None:
         proto_root = os.path.abspath(os.path.join(HERE, "..", ".."))
         if not os.path.exists(os.path.join(proto_root, "proto", "refit.proto")):
             sys.exit("setup.py: ../../proto/refit.proto not found: install from the refit repository "
@@ -22,12 +23,4 @@ class BuildWithStubs(build_py):
         super().run()
 
 
-setup(
-    name="refit",
-    version="0.1.0",
-    description="Fast, correct weight refit between trainer and inference processes",
-    packages=find_packages(include=["refit", "refit.*"]),
-    python_requires=">=3.9",
-    install_requires=[],  # grpcio, protobuf and numpy: from the system (Debian) or the user's env
-    cmdclass={"build_py": BuildWithStubs},
-)
+setup(cmdclass={"build_py": BuildWithStubs})

@@ -5,10 +5,12 @@ derived here instead of by grpc_python_plugin, so installing the package needs p
 GPU machines and many images have protoc but not the gRPC plugin), and a stub can never drift
 from the messages it was built with.
 """
+from typing import Any
+
 from refit._proto import layout_pb2, refit_pb2
 
 
-def _message_class(descriptor):
+def _message_class(descriptor: Any) -> Any:
     for module in (refit_pb2, layout_pb2):
         cls = getattr(module, descriptor.name, None)
         if cls is not None and cls.DESCRIPTOR.full_name == descriptor.full_name:
@@ -17,9 +19,10 @@ def _message_class(descriptor):
 
 
 class Stub:
-    """`Stub(channel, "RefitControl").Status(request, timeout=...)`: one callable per RPC."""
+    """`Stub(channel, "RefitControl").Status(request, timeout=...)`: one callable per RPC (made
+    at run time, so their names are attributes mypy cannot see: they are Any)."""
 
-    def __init__(self, channel, service):
+    def __init__(self, channel: Any, service: str) -> None:
         svc = refit_pb2.DESCRIPTOR.services_by_name[service]
         for m in svc.methods:
             path = f"/{svc.full_name}/{m.name}"
@@ -34,3 +37,6 @@ class Stub:
             else:
                 call = channel.unary_unary(path, request_serializer=req, response_deserializer=resp)
             setattr(self, m.name, call)
+
+    def __getattr__(self, name: str) -> Any:  # the RPCs set above; for the type checker only
+        raise AttributeError(name)

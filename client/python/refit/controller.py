@@ -8,38 +8,29 @@ cluster's state.
 Failures raise RefitError, which carries the gRPC code, the phase the round failed in and the
 culprit the daemons named (a worker, a node, the coordinator): refitd sends it structured, as a
 refit.v1.Culprit in the status details (grpc-status-details-bin, a google.rpc.Status); from a
-daemon that sends none, it is read from the reason.
+daemon that sends none, it is read from the reason. refit.aio.Controller is the same for asyncio.
 """
 import re
+import time
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple, TypeVar
 
 import grpc
 from google.protobuf import json_format
 
 from refit import _rpc
-from refit.tls import channel as tls_channel
 from refit._proto import refit_pb2
+from refit.errors import InvalidArgument, InvalidRequest, RefitError, RefitTimeout
+from refit.tls import TlsFiles
+from refit.tls import channel as tls_channel
 
-ROUND_STATES = {v: k for k, v in refit_pb2.RoundStats.State.items()}
+__all__ = ["Controller", "RefitError", "RoundResult"]
 
-
-class RefitError(RuntimeError):
-    """A failed control call or round: `code` (grpc.StatusCode), `phase` ("PREPARE", "TRANSFER",
-    "COMMIT", "INSTALL" or None), `culprit` (e.g. 'worker "policy/engine-1"', 'node 3', or None),
-    `reason`; `blamed`: the daemons' refit.v1.Culprit (kind, node, worker_id, address, phase) when
-    they sent one, else None."""
-
-    def __init__(self, code, reason, phase=None, culprit=None, blamed=None):
-        self.code, self.reason, self.phase, self.culprit = code, reason, phase, culprit
-        self.blamed = blamed
-        where = f" in {phase}" if phase else ""
-        who = f" (culprit: {culprit})" if culprit else ""
-        super().__init__(f"{code.name}{where}: {reason}{who}")
-
+ROUND_STATES: Dict[int, str] = {v: k for k, v in refit_pb2.RoundStats.State.items()}
 
 _PHASES = ("PREPARE", "TRANSFER", "COMMIT")
 
 
-def parse_reason(reason):
+def parse_reason(reason: str) -> Tuple[Optional[str], Optional[str]]:
     """(phase, culprit) named in a round's reason, e.g. 'node 1: worker "policy/e0" did not
     confirm PREPARE of group ...' -> ("PREPARE", 'worker "policy/e0"')."""
     phase = None
@@ -57,7 +48,7 @@ def parse_reason(reason):
 _CULPRIT_URL = "type.googleapis.com/refit.v1.Culprit"
 
 
-def culprit_text(c):
+def culprit_text(c: Any) -> Optional[str]:
     """'worker "group/name"' or 'node N' for a refit.v1.Culprit (None when it names nobody)."""
     if c is None or c.kind == refit_pb2.Culprit.KIND_UNSPECIFIED:
         return None
@@ -66,7 +57,7 @@ def culprit_text(c):
     return f"node {c.node}"
 
 
-def culprit_of(error):
+def culprit_of(error: grpc.RpcError) -> Any:
     """The refit.v1.Culprit in a grpc.RpcError's status details, or None."""
     try:
         trailers = error.trailing_metadata() or ()
@@ -88,7 +79,7 @@ def culprit_of(error):
     return None
 
 
-def error_from(e):
+def error_from(e: grpc.RpcError) -> RefitError:
     """A RefitError for a grpc.RpcError: the structured culprit if sent, else the reason's."""
     reason = e.details() or ""
     phase, culprit = parse_reason(reason)
@@ -99,67 +90,196 @@ def error_from(e):
     return RefitError(e.code(), reason, phase, culprit, blamed)
 
 
+# ----------------------------------------------------------------------------------------------
+# Why a group is not ready, by rank. The daemon names an inference replica's missing ranks; the
+# trainer side has no declared size, so a missing trainer shows up in the daemon's words only as
+# a destination piece with no source. These functions name the missing rank on either side from
+# the group's status and its registered workers.
+
+NO_SOURCE = "have no source in the source layout"
+_NUMBERED = re.compile(r"^(.*?)(\d+)$")
+
+
+def missing_trainer(names: Sequence[str]) -> Optional[str]:
+    """The first trainer missing from registered trainer workers named `<prefix><rank>` ("fsdp-rank0",
+    "rank2"): the lowest gap in their ranks, else the rank after the last; None when the names
+    follow no such numbering."""
+    numbered = [_NUMBERED.match(n) for n in names]
+    prefixes = {m.group(1) for m in numbered if m}
+    if not names or len(prefixes) != 1 or not all(numbered):
+        return None
+    prefix = prefixes.pop()
+    ranks = {int(m.group(2)) for m in numbered if m}
+    first_missing = next(r for r in range(len(ranks) + 1) if r not in ranks)
+    return f"{prefix}{first_missing}"
+
+
+def explain_not_ready(group: str, reason: str, status: Optional[Dict[str, Any]],
+                      trainers: Optional[Sequence[str]]) -> Tuple[str, Optional[str]]:
+    """(what is missing, culprit) for a group that is not ready: `reason` the daemon's words,
+    `status` the group's status (Controller.group), `trainers` its registered trainer workers'
+    names (without the group). The text names each missing rank first, then the daemon's reason."""
+    found: List[str] = []
+    culprit = None
+    for r in (status or {}).get("replicas", []):
+        for rank in r.get("missing_ranks", []):
+            found.append(f'inference replica "{r.get("name", "")}" rank {rank} is not registered')
+    if NO_SOURCE in reason and trainers is not None:
+        registered = ", ".join(sorted(trainers)) or "none"
+        guess = missing_trainer(trainers)
+        if guess is not None:
+            rank = _NUMBERED.match(guess)
+            found.append(f'trainer rank {rank.group(2) if rank else "?"} ("{group}/{guess}") is not registered, or '
+                         f"the trainers' layout does not cover the model (registered trainers: {registered})")
+            culprit = f'worker "{group}/{guess}"'
+        else:
+            found.append("a trainer is not registered, or the trainers' layout does not cover the model "
+                         f"(registered trainers: {registered})")
+    if not found:
+        return reason, None
+    return "; ".join(found) + f". The daemon says: {reason}", culprit
+
+
+NOT_READY = re.compile(r'group "[^"]*" is not ready')
+
+
 class RoundResult:
     """A round's statistics (refit.v1.RoundStats) with readable fields."""
 
-    def __init__(self, stats):
+    def __init__(self, stats: Any) -> None:
         self.proto = stats
-        self.group, self.round_id, self.version = stats.group, stats.round_id, stats.version
-        self.state = ROUND_STATES.get(stats.state, str(stats.state))
-        self.reason = stats.reason
-        self.culprit = culprit_text(stats.culprit) if stats.HasField("culprit") else None
-        self.bytes, self.seconds = stats.bytes, stats.seconds
-        self.prepare_seconds = stats.prepare_seconds
-        self.transfer_seconds = stats.transfer_seconds
-        self.commit_seconds = stats.commit_seconds
+        self.group: str = stats.group
+        self.round_id: int = stats.round_id
+        self.version: int = stats.version
+        self.state: str = ROUND_STATES.get(stats.state, str(stats.state))
+        self.reason: str = stats.reason
+        self.culprit: Optional[str] = culprit_text(stats.culprit) if stats.HasField("culprit") else None
+        self.bytes: int = stats.bytes
+        self.seconds: float = stats.seconds
+        self.prepare_seconds: float = stats.prepare_seconds
+        self.transfer_seconds: float = stats.transfer_seconds
+        self.commit_seconds: float = stats.commit_seconds
 
     @property
-    def committed(self):
+    def committed(self) -> bool:
         return self.state == "COMMITTED"
 
-    def as_dict(self):
+    def as_dict(self) -> Dict[str, Any]:
         return json_format.MessageToDict(self.proto, preserving_proto_field_name=True)
 
-    def __repr__(self):
+    def __repr__(self) -> str:
         return (f"RoundResult(group={self.group!r}, round={self.round_id}, version={self.version}, "
                 f"{self.state}, {self.bytes} bytes in {self.seconds:.3f} s)")
 
 
+def refit_request(group: str, version: int) -> Any:
+    if not isinstance(group, str) or not group:
+        raise InvalidRequest(grpc.StatusCode.INVALID_ARGUMENT, f"group must be a non-empty string, not {group!r}")
+    if isinstance(version, bool) or not isinstance(version, int) or not 0 < version < (1 << 63):
+        raise InvalidRequest(grpc.StatusCode.INVALID_ARGUMENT,
+                             f"version must be an integer in [1, 2^63), not {version!r}")
+    return refit_pb2.RefitRequest(group=group, version=version)
+
+
+def as_dict(message: Any) -> Dict[str, Any]:
+    return json_format.MessageToDict(message, preserving_proto_field_name=True)
+
+
+def group_of(status: Dict[str, Any], name: str) -> Optional[Dict[str, Any]]:
+    for g in status.get("groups", []):
+        if g.get("name") == name:
+            return dict(g)
+    return None
+
+
+def version_of(group: str, status: Optional[Dict[str, Any]]) -> int:
+    """The committed version in a group's status (0 before its first round). A group no worker
+    registered is not reported, and its version (which the coordinator may still hold from
+    earlier runs) cannot be read: that is a RefitError (FAILED_PRECONDITION)."""
+    if status is None:
+        raise RefitError(grpc.StatusCode.FAILED_PRECONDITION,
+                         f"group {group!r} has no registered worker, so the daemons report no committed "
+                         "version for it: ask once its workers registered (after wait_ready)")
+    return int(status.get("version", 0))
+
+
+def trainer_names(workers: Sequence[Dict[str, Any]], group: str) -> List[str]:
+    prefix = group + "/"
+    return [w["worker_id"][len(prefix):] if w["worker_id"].startswith(prefix) else w["worker_id"]
+            for w in workers if w.get("role") == "TRAINER"]
+
+
+def ready_wait_error(group: str, timeout: float, last: str) -> RefitTimeout:
+    return RefitTimeout(f"group {group!r} not ready after {timeout} s: {last}")
+
+
+_T = TypeVar("_T")
+
+MAX_RECEIVE = [("grpc.max_receive_message_length", 256 << 20)]
+
+
 class Controller:
-    def __init__(self, address, timeout=10.0, tls=None):
+    def __init__(self, address: str, timeout: float = 10.0, tls: Optional[TlsFiles] = None) -> None:
         """`address`: any refitd's "host:port" (or "unix:PATH"); calls other than refit() end
         within `timeout` seconds. `tls`: refit.TlsFiles of an operator's or viewer's certificate
         (default: $REFIT_TLS_CERT/KEY/CA when set; refit.tls)."""
         self.address, self.timeout = address, timeout
-        self._channel = tls_channel(address, tls, options=[("grpc.max_receive_message_length", 256 << 20)])
+        self._channel = tls_channel(address, tls, options=MAX_RECEIVE)
         self._stub = _rpc.Stub(self._channel, "RefitControl")
 
-    def _call(self, method, request, timeout=None):
+    def _call(self, method: Callable[..., _T], request: Any, timeout: Optional[float] = None) -> _T:
         try:
             return method(request, timeout=timeout or self.timeout)
         except grpc.RpcError as e:
             raise error_from(e) from None
 
-    @staticmethod
-    def _request(group, version):
-        if not isinstance(version, int) or not 0 < version < (1 << 63):
-            raise RefitError(grpc.StatusCode.INVALID_ARGUMENT,
-                             f"version must be an integer in [1, 2^63), not {version!r}")
-        return refit_pb2.RefitRequest(group=group, version=version)
+    def _explain(self, group: str, reason: str, status: Optional[Dict[str, Any]]) -> Tuple[str, Optional[str]]:
+        """explain_not_ready with the group's registered trainers, when a missing trainer may be why."""
+        trainers = None
+        if NO_SOURCE in reason:
+            try:
+                trainers = trainer_names(self.workers(group), group)
+            except RefitError:  # the explanation is a bonus: the daemon's own reason stands
+                pass
+        return explain_not_ready(group, reason, status, trainers)
 
-    def refit(self, group, version, timeout=120.0):
+    def _explained(self, group: str, e: RefitError) -> RefitError:
+        """`e`, or for a group that is not ready, the same error naming the missing ranks."""
+        if e.code != grpc.StatusCode.FAILED_PRECONDITION or not NOT_READY.search(e.reason):
+            return e
+        try:
+            status = self.group(group)
+        except RefitError:
+            return e
+        reason, culprit = self._explain(group, e.reason, status)
+        if reason == e.reason:
+            return e
+        return RefitError(e.code, reason, None, culprit)
+
+    def refit(self, group: str, version: int, timeout: float = 120.0) -> RoundResult:
         """Runs one round of `group` to `version` and waits for its end. Returns a RoundResult
         of a committed round; raises RefitError (phase, culprit) when it aborted or was refused."""
-        stats = self._call(self._stub.Refit, self._request(group, version), timeout)
+        request = refit_request(group, version)
+        try:
+            stats = self._call(self._stub.Refit, request, timeout)
+        except RefitError as e:
+            raise self._explained(group, e) from None
         return RoundResult(stats)
 
-    def start_refit(self, group, version):
+    def start_refit(self, group: str, version: int) -> int:
         """Starts a round and returns its id at once; watch() reports how it ends."""
-        return self._call(self._stub.StartRefit, self._request(group, version)).round_id
+        request = refit_request(group, version)
+        try:
+            return int(self._call(self._stub.StartRefit, request).round_id)
+        except RefitError as e:
+            raise self._explained(group, e) from None
 
-    def watch(self, group="", timeout=None):
-        """Yields a RoundResult for every round event from now on (PREPARING, TRANSFERRING,
-        COMMITTED, ABORTED) of `group` (empty: all). Ends after `timeout` seconds if given."""
+    def watch(self, group: str = "", timeout: Optional[float] = None) -> Iterator[RoundResult]:
+        """Yields a RoundResult for every round state change (PREPARING, TRANSFERRING, COMMITTED,
+        ABORTED) of `group` (empty: all) published once the daemon opened the stream: nothing is
+        replayed, so a round that ended before is not reported, and one already running shows
+        only its later states. Open watch() before starting the rounds it must see, or read
+        rounds() for the history. Ends after `timeout` seconds if given."""
         call = self._stub.WatchRounds(refit_pb2.WatchRoundsRequest(group=group), timeout=timeout)
         try:
             for stats in call:
@@ -167,52 +287,74 @@ class Controller:
         except grpc.RpcError as e:
             if e.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
                 return
-            raise RefitError(e.code(), e.details() or "") from None
+            raise error_from(e) from None
         finally:
             call.cancel()
 
-    def status(self, timeout=None):
+    def rounds(self, group: str = "", limit: int = 100) -> List[RoundResult]:
+        """The most recent rounds of `group` (empty: all), oldest first, each in its last state
+        (committed, aborted, or still running), as the coordinator's round log holds them (its
+        last 1,024 state changes). `limit`: how many, at most."""
+        if isinstance(limit, bool) or not isinstance(limit, int) or limit <= 0:
+            raise InvalidArgument(f"limit must be a positive integer, not {limit!r}")
+        r = self._call(self._stub.ListRounds, refit_pb2.ListRoundsRequest(group=group, limit=limit))
+        return [RoundResult(s) for s in r.rounds]
+
+    def status(self, timeout: Optional[float] = None) -> Dict[str, Any]:
         """The cluster: coordinator, nodes, groups (readiness, versions, plans), as a dict."""
-        r = self._call(self._stub.Status, refit_pb2.StatusRequest(), timeout)
-        return json_format.MessageToDict(r, preserving_proto_field_name=True)
+        return as_dict(self._call(self._stub.Status, refit_pb2.StatusRequest(), timeout))
 
-    def group(self, name, timeout=None):
-        for g in self.status(timeout).get("groups", []):
-            if g.get("name") == name:
-                return g
-        return None
+    def group(self, name: str, timeout: Optional[float] = None) -> Optional[Dict[str, Any]]:
+        """The status of group `name` (see status()), or None when no worker registered it."""
+        return group_of(self.status(timeout), name)
 
-    def workers(self, group=""):
+    def committed_version(self, group: str) -> int:
+        """The last version committed to `group` (0: none yet). Versions outlive processes: the
+        coordinator records them in its state file, so a job run again finds them here."""
+        return version_of(group, self.group(group))
+
+    def next_version(self, group: str) -> int:
+        """The smallest version the next round of `group` may take: committed_version() + 1. A
+        loop that numbers rounds by its step refits `max(step, ctl.next_version(group))`, or
+        counts from here, so that a run restarted (or run again) is not refused as not newer."""
+        return self.committed_version(group) + 1
+
+    def workers(self, group: str = "") -> List[Dict[str, Any]]:
         r = self._call(self._stub.ListWorkers, refit_pb2.ListWorkersRequest(group=group))
-        return [json_format.MessageToDict(w, preserving_proto_field_name=True) for w in r.workers]
+        return [as_dict(w) for w in r.workers]
 
-    def plan(self, group):
-        r = self._call(self._stub.GetPlan, refit_pb2.GetPlanRequest(group=group))
-        return json_format.MessageToDict(r, preserving_proto_field_name=True)
+    def plan(self, group: str) -> Dict[str, Any]:
+        return as_dict(self._call(self._stub.GetPlan, refit_pb2.GetPlanRequest(group=group)))
 
-    def wait_ready(self, group, timeout=30.0):
-        """Blocks until `group` is ready to refit (both sides complete); returns its status."""
-        import time
+    def wait_ready(self, group: str, timeout: float = 30.0) -> Dict[str, Any]:
+        """Blocks until `group` is ready to refit (both sides complete); returns its status.
+        Raises RefitTimeout after `timeout` seconds, naming what is missing (a trainer or
+        inference rank that is not registered, when that is why)."""
         deadline = time.monotonic() + timeout
-        last = None
-        while time.monotonic() < deadline:
+        last = "no answer"
+        while True:
+            left = deadline - time.monotonic()
+            g = None
             try:  # each poll within what is left of `timeout`
-                g = self.group(group, timeout=max(0.05, min(self.timeout, deadline - time.monotonic())))
+                g = self.group(group, timeout=max(0.05, min(self.timeout, left)))
             except RefitError as e:
                 last = str(e)
-                g = None
-            if g and g.get("ready"):
-                return g
-            if g:
-                last = g.get("not_ready_reason", "not ready")
+            else:
+                if g is None:
+                    last = f"no worker of group {group!r} is registered"
+                elif g.get("ready"):
+                    return g
+                else:
+                    last = g.get("not_ready_reason", "not ready")
+            if time.monotonic() + 0.1 >= deadline:
+                raise ready_wait_error(group, timeout, self._explain(group, last, g)[0] if g else last)
             time.sleep(0.1)
-        raise TimeoutError(f"group {group!r} not ready after {timeout} s: {last}")
 
-    def close(self):
+    def close(self) -> None:
         self._channel.close()
 
-    def __enter__(self):
+    def __enter__(self) -> "Controller":
         return self
 
-    def __exit__(self, *exc):
+    def __exit__(self, *exc: object) -> None:
         self.close()

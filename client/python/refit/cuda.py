@@ -11,8 +11,12 @@ Two kinds of memory, both found from the tensor's own address (nothing is copied
 GPUs are named by UUID, never by this process's CUDA index (workers run under
 CUDA_VISIBLE_DEVICES).
 """
+import contextlib
 import ctypes
 import threading
+from typing import Any, Iterator, List, Optional, Sequence, Tuple
+
+from refit.errors import ExportError
 
 CUDA_SUCCESS = 0
 CU_POINTER_ATTRIBUTE_MEMORY_TYPE = 2
@@ -30,55 +34,55 @@ NOT_SHAREABLE = (
     "cuMemCreate, add CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR to prop.requestedHandleTypes")
 
 
-class CudaExportError(RuntimeError):
-    pass
+class CudaExportError(ExportError, RuntimeError):
+    """The CUDA driver cannot export a tensor's memory (or is not there): the message says why."""
 
 
 class _Driver:
-    def __init__(self):
+    def __init__(self) -> None:
         try:
             self.lib = ctypes.CDLL("libcuda.so.1")
         except OSError as e:
             raise CudaExportError(f"the CUDA driver (libcuda.so.1) is not loadable: {e}") from e
         self._check(self.lib.cuInit(0), "cuInit")
 
-    def fn(self, *names):
+    def fn(self, *names: str) -> Any:
         for n in names:
             f = getattr(self.lib, n, None)
             if f is not None:
                 return f
         raise CudaExportError(f"the CUDA driver lacks {names[0]}")
 
-    def call(self, what, names, *args):
+    def call(self, what: str, names: Sequence[str], *args: Any) -> int:
         r = self.fn(*names)(*args)
         return r
 
-    def _check(self, r, what):
+    def _check(self, r: int, what: str) -> None:
         if r != CUDA_SUCCESS:
             raise CudaExportError(f"{what} failed: {self.error_string(r)}")
 
-    def error_string(self, r):
+    def error_string(self, r: int) -> str:
         s = ctypes.c_char_p()
         if self.lib.cuGetErrorString(r, ctypes.byref(s)) == CUDA_SUCCESS and s.value:
             return f"{s.value.decode()} (CUDA error {r})"
         return f"CUDA error {r}"
 
-    def check(self, what, names, *args):
+    def check(self, what: str, names: Sequence[str], *args: Any) -> None:
         self._check(self.call(what, names, *args), what)
 
-    def attribute(self, attribute, address, ctype=ctypes.c_int):
+    def attribute(self, attribute: int, address: int, ctype: Any = ctypes.c_int) -> Optional[int]:
         v = ctype()
         r = self.call("cuPointerGetAttribute", ["cuPointerGetAttribute"], ctypes.byref(v),
                       ctypes.c_int(attribute), ctypes.c_uint64(address))
         return v.value if r == CUDA_SUCCESS else None
 
-    def address_range(self, address):
+    def address_range(self, address: int) -> Tuple[int, int]:
         base, size = ctypes.c_uint64(), ctypes.c_size_t()
         self.check("cuMemGetAddressRange", ["cuMemGetAddressRange_v2", "cuMemGetAddressRange"],
                    ctypes.byref(base), ctypes.byref(size), ctypes.c_uint64(address))
         return base.value, size.value
 
-    def device_uuid(self, ordinal):
+    def device_uuid(self, ordinal: int) -> str:
         dev = ctypes.c_int()
         self.check("cuDeviceGet", ["cuDeviceGet"], ctypes.byref(dev), ctypes.c_int(ordinal))
         raw = (ctypes.c_ubyte * 16)()
@@ -87,11 +91,11 @@ class _Driver:
         return f"GPU-{h[0:8]}-{h[8:12]}-{h[12:16]}-{h[16:20]}-{h[20:32]}"
 
 
-_driver = None
+_driver: Optional[_Driver] = None
 _driver_lock = threading.Lock()
 
 
-def driver():
+def driver() -> _Driver:
     global _driver
     with _driver_lock:
         if _driver is None:
@@ -99,7 +103,7 @@ def driver():
         return _driver
 
 
-def device_uuid(ordinal):
+def device_uuid(ordinal: int) -> str:
     """The UUID ("GPU-...") of this process's CUDA device `ordinal`, as nvidia-smi -L prints it."""
     return driver().device_uuid(ordinal)
 
@@ -107,22 +111,38 @@ def device_uuid(ordinal):
 class IpcExport:
     """A legacy allocation: its 64-byte IPC handle, size, and the tensor's offset in it."""
 
-    def __init__(self, handle, offset, size, gpu_uuid):
+    def __init__(self, handle: bytes, offset: int, size: int, gpu_uuid: str) -> None:
         self.handle, self.offset, self.size, self.gpu_uuid = handle, offset, size, gpu_uuid
 
 
 class VmmChunk:
-    def __init__(self, address, size, fd):
+    def __init__(self, address: int, size: int, fd: int) -> None:
         self.address, self.size, self.fd = address, size, fd
 
 
-def _current_context_for(device_index):
-    """Makes the device's primary context current on this thread (as PyTorch's runtime does)."""
-    import torch
-    return torch.cuda.device(device_index)
+@contextlib.contextmanager
+def _current_context_for(device_index: int) -> Iterator[None]:
+    """The device's primary context (the one PyTorch's runtime uses) current on this thread for the
+    block, then the thread's own again. Pushed through the driver: a thread that never used CUDA
+    has no current context, and torch.cuda.device(i) makes none current when i is already the
+    thread's device (an engine's worker threads: "invalid device context")."""
+    d = driver()
+    dev = ctypes.c_int()
+    d.check("cuDeviceGet", ["cuDeviceGet"], ctypes.byref(dev), ctypes.c_int(device_index))
+    ctx = ctypes.c_void_p()
+    d.check("cuDevicePrimaryCtxRetain", ["cuDevicePrimaryCtxRetain"], ctypes.byref(ctx), dev)
+    try:
+        d.check("cuCtxPushCurrent", ["cuCtxPushCurrent_v2", "cuCtxPushCurrent"], ctx)
+        try:
+            yield
+        finally:
+            popped = ctypes.c_void_p()
+            d.call("cuCtxPopCurrent", ["cuCtxPopCurrent_v2", "cuCtxPopCurrent"], ctypes.byref(popped))
+    finally:
+        d.call("cuDevicePrimaryCtxRelease", ["cuDevicePrimaryCtxRelease_v2", "cuDevicePrimaryCtxRelease"], dev)
 
 
-def classify(address, nbytes, device_index, what):
+def classify(address: int, nbytes: int, device_index: int, what: str) -> str:
     """"ipc" or "vmm" for the memory holding [address, address + nbytes)."""
     d = driver()
     with _current_context_for(device_index):
@@ -142,7 +162,7 @@ def classify(address, nbytes, device_index, what):
                               f"memory ({d.error_string(r)}); refit cannot share it")
 
 
-def export_ipc(address, nbytes, device_index, what):
+def export_ipc(address: int, nbytes: int, device_index: int, what: str) -> IpcExport:
     d = driver()
     with _current_context_for(device_index):
         base, size = d.address_range(address)
@@ -153,11 +173,11 @@ def export_ipc(address, nbytes, device_index, what):
         return IpcExport(bytes(handle), address - base, size, d.device_uuid(device_index))
 
 
-def export_vmm_chunks(start, end, device_index, what):
+def export_vmm_chunks(start: int, end: int, device_index: int, what: str) -> List[VmmChunk]:
     """File descriptors of the physical allocations mapped over [start, end), in address order.
     The caller owns (and closes) the descriptors."""
     d = driver()
-    chunks = []
+    chunks: List[VmmChunk] = []
     with _current_context_for(device_index):
         try:
             a = start

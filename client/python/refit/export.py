@@ -8,15 +8,17 @@ go with them. Nothing is copied: each buffer is the tensor's own memory.
   range (PyTorch's expandable segments map many tensors into one) share its descriptors.
 """
 import os
+from typing import Any, Dict, List, Sequence, Tuple
 
 from refit import dtypes, shm
 from refit._proto import refit_pb2
+from refit.errors import ExportError  # re-exported
+
+Device = Tuple[str, Any]  # ("cuda", index) or ("cpu", None)
+Pairs = Sequence[Tuple[str, Any]]  # (buffer name, tensor), in the layout's order
 
 
-from refit.errors import ExportError  # noqa: E402  (re-exported)
-
-
-def describe(t):
+def describe(t: Any) -> Tuple[int, int, Device]:
     """(address, nbytes, device) of a torch tensor or numpy array."""
     if dtypes.is_torch(t):
         nbytes = t.numel() * t.element_size()
@@ -28,7 +30,7 @@ def describe(t):
     raise ExportError(f"a {type(t).__name__} is not a tensor: pass torch tensors or numpy arrays")
 
 
-def is_contiguous(t):
+def is_contiguous(t: Any) -> bool:
     if dtypes.is_torch(t):
         return t.is_contiguous()
     return t.flags["C_CONTIGUOUS"]
@@ -38,15 +40,15 @@ class Exported:
     """The memory of a worker's buffers: one BufferMemory each, the descriptors to hand over,
     the VMM ranges, and the GPU (by UUID) when they are on one."""
 
-    def __init__(self):
-        self.memory = []
-        self.fds = []          # owned here; close() closes them
-        self.owned_fds = []    # of those, the ones this module opened (VMM exports, dup'd memfds)
-        self.vmm_ranges = []
+    def __init__(self) -> None:
+        self.memory: List[Any] = []
+        self.fds: List[int] = []          # owned here; close() closes them
+        self.owned_fds: List[int] = []    # of those, the ones this module opened (VMM exports, dup'd memfds)
+        self.vmm_ranges: List[Any] = []
         self.gpu_uuid = ""
-        self._arena_fd_index = {}
+        self._arena_fd_index: Dict[int, int] = {}
 
-    def close(self):
+    def close(self) -> None:
         for fd in self.owned_fds:
             try:
                 os.close(fd)
@@ -55,14 +57,14 @@ class Exported:
         self.owned_fds = []
         self.fds = []
 
-    def _add_fd(self, fd, owned):
+    def _add_fd(self, fd: int, owned: bool) -> int:
         self.fds.append(fd)
         if owned:
             self.owned_fds.append(fd)
         return len(self.fds) - 1
 
 
-def export_buffers(buffers):
+def export_buffers(buffers: Pairs) -> Exported:
     """`buffers`: (name, tensor) pairs in the layout's order. Returns an Exported; on error,
     closes whatever it opened and raises ExportError naming the buffer."""
     out = Exported()
@@ -90,7 +92,7 @@ def export_buffers(buffers):
         raise
 
 
-def _export_host(out, buffers):
+def _export_host(out: Exported, buffers: Pairs) -> None:
     outside = [name for name, t in buffers
                if shm.find_arena(describe(t)[0], max(describe(t)[1], 1))[0] is None]
     if outside:
@@ -102,6 +104,7 @@ def _export_host(out, buffers):
     for name, t in buffers:
         address, nbytes, _ = describe(t)
         arena, offset = shm.find_arena(address, max(nbytes, 1))
+        assert arena is not None and offset is not None  # every buffer was found in one above
         if arena.fd < 0:
             raise ExportError(f"buffer {name!r} lives in a SharedArena that was closed")
         key = id(arena)
@@ -115,10 +118,10 @@ def _export_host(out, buffers):
         out.memory.append(m)
 
 
-def _export_cuda(out, buffers, device_index):
+def _export_cuda(out: Exported, buffers: Pairs, device_index: int) -> None:
     from refit import cuda
     out.gpu_uuid = cuda.device_uuid(device_index)
-    kinds = {}
+    kinds: Dict[str, str] = {}
     for name, t in buffers:
         address, nbytes, _ = describe(t)
         kinds[name] = cuda.classify(address, max(nbytes, 1), device_index, f"buffer {name!r}")
@@ -126,8 +129,8 @@ def _export_cuda(out, buffers, device_index):
     # exported once per allocation however many buffers it holds.
     vmm = sorted((describe(t)[0], describe(t)[0] + max(describe(t)[1], 1), name)
                  for name, t in buffers if kinds[name] == "vmm")
-    ranges = []  # [start, end, chunks]
-    chunk_of = {}
+    ranges: List[Any] = []  # [start, end, chunks]
+    chunk_of: Dict[int, Tuple[int, int]] = {}
     for start, end, name in vmm:
         if ranges and start < ranges[-1][1]:
             if end > ranges[-1][1]:
@@ -172,6 +175,6 @@ def _export_cuda(out, buffers, device_index):
         out.memory.append(m)
 
 
-def _own(out, chunks):
+def _own(out: Exported, chunks: Sequence[Any]) -> None:
     # Until they are added to `out.fds`, the chunks' descriptors are tracked for cleanup only.
     out.owned_fds.extend(c.fd for c in chunks)

@@ -11,6 +11,7 @@ import os
 import secrets
 import socket
 import struct
+from typing import Iterable, Optional
 
 MAGIC = b"RFH1"
 MAX_FDS_PER_PACKET = 250
@@ -19,7 +20,7 @@ MAX_FDS_PER_PACKET = 250
 from refit.errors import HandoverError  # noqa: E402  (re-exported)
 
 
-def handle_socket_path(daemon_address):
+def handle_socket_path(daemon_address: str) -> Optional[str]:
     """The handle socket of a daemon reached at "unix:/path/to.sock" (None for TCP addresses)."""
     if daemon_address.startswith("unix:"):
         path = daemon_address[len("unix:"):]
@@ -29,7 +30,7 @@ def handle_socket_path(daemon_address):
     return None
 
 
-def deliver(path, fds, timeout=10.0):
+def deliver(path: str, fds: Iterable[int], timeout: float = 10.0) -> str:
     """Sends `fds` (ints, still owned by the caller) to the daemon's handle socket at `path`;
     returns the token to register with."""
     token = secrets.token_hex(16).encode()
@@ -82,7 +83,7 @@ def deliver(path, fds, timeout=10.0):
     raise HandoverError(f"unexpected answer from the daemon's handle socket {path}: {reply[:16]!r}")
 
 
-def close_all(fds):
+def close_all(fds: Iterable[int]) -> None:
     for fd in fds:
         try:
             os.close(fd)

@@ -14,24 +14,26 @@ import fcntl
 import mmap
 import os
 import threading
+from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple
 
 from refit import dtypes
+from refit.errors import ArenaFull, InvalidArgument
 
 _ALIGN = 256  # every tensor aligned for any element type and for the daemon's 16-byte copies
 
 # Arenas by address range, so that any tensor (or a view inside one) finds the arena it lives in.
 _lock = threading.Lock()
-_starts = []   # sorted start addresses
-_arenas = {}   # start -> arena
+_starts: List[int] = []                # sorted start addresses
+_arenas: Dict[int, "SharedArena"] = {}  # start -> arena
 
 
 class SharedArena:
     """An anonymous, sealed shared-memory file of `nbytes`, mapped here, cut into tensors."""
 
-    def __init__(self, nbytes, name="refit-arena"):
+    def __init__(self, nbytes: int, name: str = "refit-arena") -> None:
         nbytes = int(nbytes)
         if nbytes <= 0:
-            raise ValueError(f"a shared arena needs a positive size, not {nbytes}")
+            raise InvalidArgument(f"a shared arena needs a positive size, not {nbytes}")
         self.fd = os.memfd_create(name, os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
         try:
             os.ftruncate(self.fd, nbytes)
@@ -48,15 +50,15 @@ class SharedArena:
             bisect.insort(_starts, self.address)
             _arenas[self.address] = self
 
-    def _take(self, nbytes):
+    def _take(self, nbytes: int) -> int:
         start = (self._used + _ALIGN - 1) // _ALIGN * _ALIGN
         if start + nbytes > self.nbytes:
-            raise MemoryError(f"shared arena of {self.nbytes} bytes is full: {nbytes} more bytes "
+            raise ArenaFull(f"shared arena of {self.nbytes} bytes is full: {nbytes} more bytes "
                               f"do not fit after {self._used} (make a larger SharedArena)")
         self._used = start + nbytes
         return start
 
-    def empty(self, shape, dtype):
+    def empty(self, shape: Sequence[int], dtype: Any) -> Any:
         """A new tensor of `shape` and refit/torch dtype `dtype` in this arena (uninitialised)."""
         shape = tuple(int(s) for s in shape)
         name = dtypes.canonical(dtype)
@@ -78,13 +80,13 @@ class SharedArena:
         return numpy.frombuffer(self._map, dtype=dtypes.numpy_storage(name), count=count,
                                 offset=offset).reshape(shape)
 
-    def locate(self, address, nbytes):
+    def locate(self, address: int, nbytes: int) -> Optional[int]:
         """The offset of [address, address + nbytes) in this arena, or None if it is not inside."""
         if address < self.address or address + nbytes > self.address + self.nbytes:
             return None
         return address - self.address
 
-    def close(self):
+    def close(self) -> None:
         """Forget the arena here (tensors cut from it must no longer be used)."""
         with _lock:
             if self.address in _arenas:
@@ -95,7 +97,7 @@ class SharedArena:
             self.fd = -1
 
 
-def find_arena(address, nbytes):
+def find_arena(address: int, nbytes: int) -> Tuple[Optional[SharedArena], Optional[int]]:
     """(arena, offset) holding [address, address + nbytes), or (None, None)."""
     with _lock:
         i = bisect.bisect_right(_starts, address) - 1
@@ -106,14 +108,21 @@ def find_arena(address, nbytes):
     return (arena, offset) if offset is not None else (None, None)
 
 
-def share_module_(module, arena=None):
+def arena_bytes(tensors: Iterable[Any]) -> int:
+    """Bytes of a SharedArena that holds tensors like `tensors` (torch tensors or NumPy arrays),
+    each aligned as `empty` aligns it: `SharedArena(arena_bytes(params))`."""
+    def nbytes(t: Any) -> int:
+        return int(t.numel() * t.element_size()) if dtypes.is_torch(t) else int(t.nbytes)
+    return sum(nbytes(t) + _ALIGN for t in tensors) + _ALIGN
+
+
+def share_module_(module: Any, arena: Optional[SharedArena] = None) -> SharedArena:
     """Moves every CPU parameter and buffer of a torch module into one shared arena, in place
     (`param.data` is replaced; the module's code is unchanged). One copy, at setup; from then on
     the daemon reads and writes the module's live tensors. Returns the arena."""
     tensors = [t for t in list(module.parameters()) + list(module.buffers()) if t.device.type == "cpu"]
-    total = sum((t.numel() * t.element_size() + _ALIGN) for t in tensors) + _ALIGN
-    arena = arena or SharedArena(total)
-    seen = {}
+    arena = arena or SharedArena(arena_bytes(tensors))
+    seen: Dict[Any, Any] = {}
     for t in tensors:
         key = (t.data_ptr(), t.numel(), t.dtype)
         if key in seen:  # tied weights stay tied

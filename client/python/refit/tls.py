@@ -8,50 +8,75 @@ Without `tls`, $REFIT_TLS_CERT, $REFIT_TLS_KEY and $REFIT_TLS_CA are used when s
 does). A daemon's unix socket is always plaintext: its file mode guards it.
 """
 import os
-from collections import namedtuple
+from typing import Any, NamedTuple, Optional, Sequence, Tuple
 
 import grpc
+
+from refit.errors import InvalidArgument
 
 # Every daemon's certificate carries this DNS name; daemons are reached by IP address, so the
 # name checked is the role (daemon/tls_config.h).
 SERVER_NAME = "refitd"
 
 
-class TlsFiles(namedtuple("TlsFiles", "cert key ca")):
+class TlsFiles(NamedTuple):
     """PEM files: this client's certificate chain, its private key, the cluster's CA bundle."""
 
+    cert: str
+    key: str
+    ca: str
+
     @classmethod
-    def from_env(cls):
-        """From $REFIT_TLS_CERT/KEY/CA; None when none is set. ValueError when only some are."""
+    def from_env(cls) -> Optional["TlsFiles"]:
+        """From $REFIT_TLS_CERT/KEY/CA; None when none is set. InvalidArgument when only some are."""
         names = ("REFIT_TLS_CERT", "REFIT_TLS_KEY", "REFIT_TLS_CA")
         values = [os.environ.get(n, "") for n in names]
         if not any(values):
             return None
         if not all(values):
             missing = [n for n, v in zip(names, values) if not v]
-            raise ValueError(f"TLS needs all of {', '.join(names)}; missing {', '.join(missing)}")
+            raise InvalidArgument(f"TLS needs all of {', '.join(names)}; missing {', '.join(missing)}")
         return cls(*values)
 
-    def credentials(self):
-        def read(path, what):
+    def credentials(self) -> grpc.ChannelCredentials:
+        """The gRPC credentials of these files (InvalidArgument naming a file that cannot be read)."""
+        def read(path: str, what: str) -> bytes:
             try:
                 with open(path, "rb") as f:
                     return f.read()
             except OSError as e:
-                raise ValueError(f"cannot read the TLS {what} {path}: {e.strerror}") from None
+                raise InvalidArgument(f"cannot read the TLS {what} {path}: {e.strerror}") from None
         return grpc.ssl_channel_credentials(root_certificates=read(self.ca, "CA bundle"),
                                             private_key=read(self.key, "private key"),
                                             certificate_chain=read(self.cert, "certificate"))
 
 
-def channel(address, tls=None, options=()):
+def _secure(address: str, tls: Optional[TlsFiles]) -> Optional[TlsFiles]:
+    """The TLS files to reach `address` with: None for a unix socket or when none are given."""
+    if address.startswith("unix:"):
+        return None
+    return tls if tls is not None else TlsFiles.from_env()
+
+
+def channel(address: str, tls: Optional[TlsFiles] = None,
+            options: Sequence[Tuple[str, Any]] = ()) -> grpc.Channel:
     """A gRPC channel to a refitd at `address` ("host:port" or "unix:PATH"). `tls`: TlsFiles, or
     None for $REFIT_TLS_* (plaintext when those are unset too)."""
     options = list(options)
-    if address.startswith("unix:"):
-        return grpc.insecure_channel(address, options=options)
-    tls = tls if tls is not None else TlsFiles.from_env()
-    if tls is None:
+    files = _secure(address, tls)
+    if files is None:
         return grpc.insecure_channel(address, options=options)
     options.append(("grpc.ssl_target_name_override", SERVER_NAME))
-    return grpc.secure_channel(address, tls.credentials(), options=options)
+    return grpc.secure_channel(address, files.credentials(), options=options)
+
+
+def aio_channel(address: str, tls: Optional[TlsFiles] = None,
+                options: Sequence[Tuple[str, Any]] = ()) -> "grpc.aio.Channel":
+    """channel() for asyncio (grpc.aio): made inside the event loop that uses it."""
+    import grpc.aio
+    options = list(options)
+    files = _secure(address, tls)
+    if files is None:
+        return grpc.aio.insecure_channel(address, options=options)
+    options.append(("grpc.ssl_target_name_override", SERVER_NAME))
+    return grpc.aio.secure_channel(address, files.credentials(), options=options)

@@ -1,6 +1,6 @@
 """A trainer or inference process, registered with its node's refitd with its live tensors.
 
-    worker = refit.Worker("unix:/tmp/refitd-0.sock", group="policy", role="inference",
+    worker = refit.Worker("unix:/tmp/refitd-0.sock", group="policy", role=refit.Role.INFERENCE,
                           layout=my_layout, tensors=dict(model.named_parameters()),
                           on_prepare=stop_generating, on_commit=resume)
     ...
@@ -30,16 +30,23 @@ import os
 import queue
 import threading
 import time
+from typing import Any, Callable, Deque, Iterator, List, Mapping, Optional, Tuple
 
 import grpc
 
 from refit import _rpc, dtypes, export, handles, layout_io
 from refit._proto import refit_pb2
-from refit.errors import HandoverError, RegistrationError
+from refit.errors import HandoverError, RegistrationError, RegistrationTimeout, StateError, StorageReplaced
+from refit.role import Role, RoleLike
+
+__all__ = ["Round", "Worker", "Role"]
 
 log = logging.getLogger("refit.worker")
 
-ROLES = {"trainer": refit_pb2.TRAINER, "inference": refit_pb2.INFERENCE, "engine": refit_pb2.INFERENCE}
+_WIRE_ROLES = {Role.TRAINER: refit_pb2.TRAINER, Role.INFERENCE: refit_pb2.INFERENCE}
+
+# A worker still waiting for its daemon after this long says so (once), then keeps waiting.
+WAITING_LOG_AFTER_S = 1.0
 
 KEEPALIVE = [
     ("grpc.keepalive_time_ms", 1000),
@@ -64,17 +71,38 @@ _PREDECESSOR_GRACE_S = 5.0
 
 
 class Round:
-    """What `serve()` returns: one round as this worker saw it."""
+    """What `serve()` returns: one round as this worker saw it, and where its time went:
+    `waited_seconds` for the PREPARE to come, `prepare_seconds` in on_prepare,
+    `transfer_seconds` from answering PREPARE to the round's end (the daemons moving the data
+    and committing), `commit_seconds` in on_commit (or on_abort); `seconds` the three together,
+    how long the round held this worker."""
 
-    def __init__(self, round_id, version, committed, reason=""):
+    def __init__(self, round_id: int, version: int, committed: bool, reason: str = "", *,
+                 waited_seconds: float = 0.0, prepare_seconds: float = 0.0, transfer_seconds: float = 0.0,
+                 commit_seconds: float = 0.0) -> None:
         self.round_id, self.version, self.committed, self.reason = round_id, version, committed, reason
+        self.waited_seconds = waited_seconds
+        self.prepare_seconds = prepare_seconds
+        self.transfer_seconds = transfer_seconds
+        self.commit_seconds = commit_seconds
 
-    def __repr__(self):
+    @property
+    def seconds(self) -> float:
+        return self.prepare_seconds + self.transfer_seconds + self.commit_seconds
+
+    def __repr__(self) -> str:
         state = "committed" if self.committed else f"aborted: {self.reason}"
-        return f"Round(id={self.round_id}, version={self.version}, {state})"
+        return f"Round(id={self.round_id}, version={self.version}, {state}, {self.seconds:.3f} s)"
 
 
-def check_tensors(worker, specs, tensors):
+def local_tensor(t: Any) -> Any:
+    """The tensor that is the buffer: a DTensor's local shard (a view, not a copy), else `t`."""
+    if hasattr(t, "to_local") and hasattr(t, "placements"):
+        return t.to_local()
+    return t
+
+
+def check_tensors(worker: Any, specs: Any, tensors: Mapping[str, Any]) -> List[Tuple[str, Any]]:
     """Every buffer of the worker's layout has its live tensor, alike in shape, dtype and
     contiguity; all on one device. Returns [(buffer name, tensor)] in the layout's order."""
     tensors = dict(tensors)
@@ -85,8 +113,7 @@ def check_tensors(worker, specs, tensors):
         if t is None:
             problems.append(f"buffer {b.name!r} of the layout has no tensor (pass tensors={{{b.name!r}: ...}})")
             continue
-        if hasattr(t, "to_local") and hasattr(t, "placements"):  # a DTensor: its local shard is the buffer
-            t = t.to_local()
+        t = local_tensor(t)
         if not hasattr(t, "shape") or not hasattr(t, "dtype"):
             problems.append(f"parameter {b.name!r} is a {type(t).__name__}, not a tensor")
             continue
@@ -119,7 +146,7 @@ def check_tensors(worker, specs, tensors):
     return pairs
 
 
-def _check_no_overlap(worker_name, pairs):
+def _check_no_overlap(worker_name: str, pairs: List[Tuple[str, Any]]) -> None:
     """Two buffers over the same bytes would have the daemon write one through the other."""
     spans = sorted((export.describe(t)[0], export.describe(t)[0] + export.describe(t)[1], name)
                    for name, t in pairs if export.describe(t)[1] > 0)
@@ -129,23 +156,66 @@ def _check_no_overlap(worker_name, pairs):
                                     "(register each byte once)")
 
 
+def _warn_if_a_rank_without_replica(layout: Any, worker: Any) -> None:
+    """An engine worker that holds part of the model and declares no replica is a replica of its
+    own to the daemons: a round may commit to it while its peers (the other TP ranks) are not
+    registered yet, and the engine then serves mixed versions. Legal, so a warning, not an error."""
+    if worker.replica_size > 0 or len(layout.workers) < 2:
+        return
+    part = layout_io.part_of_model(layout, worker)
+    if part is None:
+        return
+    log.warning("inference worker %r holds part of the model (%s) but its layout declares no replica: "
+                "the daemons refit it as an engine of its own, even while the engine's other ranks are "
+                "not registered. Declare replica, replicaRank and replicaSize on every rank "
+                "(refit.layouts.dtensor.trainer_layout(..., replica=\"dp0\"), refit-layout and "
+                "refit.layouts.vllm write them)", worker.name, part)
+
+
+class _Registered:
+    """A registered buffer: the object the caller passed, and the memory handed to the daemon."""
+
+    def __init__(self, name: str, given: Any, tensor: Any) -> None:
+        self.name, self.given = name, given
+        self.address, self.nbytes, _ = export.describe(tensor)
+
+    def replaced(self) -> Optional[str]:
+        """How the given object's memory differs from what was handed over, or None."""
+        address, nbytes, _ = export.describe(local_tensor(self.given))
+        if (address, nbytes) == (self.address, self.nbytes):
+            return None
+        return (f"parameter {self.name!r} now lives at {address:#x} ({nbytes} bytes), not in the memory "
+                f"registered ({self.address:#x}, {self.nbytes} bytes)")
+
+
+Callback = Optional[Callable[..., Any]]
+
+
 class Worker:
-    def __init__(self, daemon, group, role, layout, tensors, *, name=None, on_prepare=None,
-                 on_commit=None, on_abort=None, on_disconnect=None, on_reconnect=None,
-                 blocking=False, register_timeout=30.0, reconnect=True):
+    def __init__(self, daemon: str, group: str, role: RoleLike, layout: Any, tensors: Mapping[str, Any], *,
+                 name: Optional[str] = None, on_prepare: Callback = None, on_commit: Callback = None,
+                 on_abort: Callback = None, on_disconnect: Callback = None, on_reconnect: Callback = None,
+                 blocking: bool = False, register_timeout: float = 30.0, reconnect: bool = True) -> None:
         """Registers `tensors` (buffer name -> live tensor, e.g. dict(model.named_parameters()))
         as worker `name` of `layout` (a dict, JSON or refit.v1.Layout; `name` may be omitted when
         it holds one worker) in model group `group` with the daemon at `daemon`
-        ("unix:/tmp/refitd-0.sock"). `role`: "trainer" or "inference". Waits up to
-        `register_timeout` seconds for a daemon that is starting or busy; raises
-        RegistrationError (naming every mismatched parameter) otherwise."""
-        if role not in ROLES:
-            raise ValueError(f"role must be 'trainer' or 'inference', not {role!r}")
-        self.daemon, self.group, self.role = daemon, group, role
-        self._role = ROLES[role]
+        ("unix:/tmp/refitd-0.sock"). `role`: refit.Role.TRAINER or refit.Role.INFERENCE (or
+        "trainer", "inference", "engine"). Waits up to `register_timeout` seconds for a daemon
+        that is starting or busy, logging a warning after a second of waiting; raises
+        RegistrationError (naming every mismatched parameter), or RegistrationTimeout when no
+        daemon took the registration in time."""
+        self.role: Role = Role.of(role)
+        self.daemon, self.group = daemon, group
+        self._role = _WIRE_ROLES[self.role]
+        self._inference = self.role is Role.INFERENCE
+        layout = layout_io.to_proto(layout)
         self._worker, self._specs = layout_io.one_worker(layout, name)
-        self.name = self._worker.name
+        self.name: str = self._worker.name
+        if self._inference:
+            _warn_if_a_rank_without_replica(layout, self._worker)
         self._pairs = check_tensors(self._worker, self._specs, tensors)
+        given = dict(tensors)
+        self._registered = [_Registered(n, given[n], t) for n, t in self._pairs]
         self._on_prepare, self._on_commit, self._on_abort = on_prepare, on_commit, on_abort
         self._on_disconnect, self._on_reconnect = on_disconnect, on_reconnect
         self._blocking = blocking
@@ -154,11 +224,12 @@ class Worker:
         self._version = 0          # guarded by _mu
         self._connected = False
         self._closed = False
-        self._in_round = None      # round id between PREPARE and its end
-        self._events = collections.deque()  # (kind, round id, version, reason) for the dispatcher / serve()
-        self._outgoing = None      # the live session's queue of WorkerMessages
-        self._call = None
-        self.worker_id = None
+        self._in_round: Optional[int] = None  # round id between PREPARE and its end
+        # (kind, round id, version, reason) for the dispatcher / serve()
+        self._events: Deque[Tuple[str, int, int, str]] = collections.deque()
+        self._outgoing: Optional["queue.Queue[Any]"] = None  # the live session's queue of WorkerMessages
+        self._call: Any = None
+        self.worker_id: Optional[str] = None
         self._session_key = ""     # the last registration's (RegisterWorkerResponse.session_key)
         self.registrations = 0
         self._channel = grpc.insecure_channel(daemon, options=KEEPALIVE)
@@ -171,7 +242,7 @@ class Worker:
         self._thread = threading.Thread(target=self._session_loop, name=f"refit-session-{self.name}",
                                         daemon=True)
         self._thread.start()
-        self._dispatcher = None
+        self._dispatcher: Optional[threading.Thread] = None
         if not blocking:
             self._dispatcher = threading.Thread(target=self._dispatch_loop, name=f"refit-worker-{self.name}",
                                                 daemon=True)
@@ -181,25 +252,38 @@ class Worker:
     # Public state.
 
     @property
-    def version(self):
+    def version(self) -> int:
         """Inference: the last version received completely (0: none, e.g. while a round writes
         the tensors, or after an aborted one). Trainer: the last version a round committed."""
         with self._mu:
             return self._version
 
     @property
-    def connected(self):
+    def connected(self) -> bool:
         with self._mu:
             return self._connected
 
-    def wait_version(self, version, timeout):
-        """Blocks until `version` is committed here; False on timeout."""
+    def wait_version(self, version: int, timeout: float) -> bool:
+        """Blocks until this worker holds `version` or a later one, committed; True then, False
+        after `timeout` seconds (or once the worker is closed)."""
         return self._wait(lambda: self._version >= version, timeout)
 
-    def wait_connected(self, timeout):
+    def wait_connected(self, timeout: float) -> bool:
+        """Blocks until the worker's session with its daemon is up; False after `timeout` s."""
         return self._wait(lambda: self._connected, timeout)
 
-    def _wait(self, predicate, timeout):
+    def check_storage(self) -> None:
+        """Raises StorageReplaced, naming each parameter, when a registered tensor's memory was
+        replaced since registration (`param.data = ...`, `model.to(...)`): a refit would read or
+        write the old memory. Every PREPARE runs this check, and refuses the round if it fails."""
+        problems = [p for p in (r.replaced() for r in self._registered) if p]
+        if problems:
+            more = f" (and {len(problems) - 4} more)" if len(problems) > 4 else ""
+            raise StorageReplaced(f"worker {self.name!r}: " + "; ".join(problems[:4]) + more +
+                                  ": its storage was replaced after registration (param.data = ..., "
+                                  "model.to(...)); update weights in place (param.copy_) or register again")
+
+    def _wait(self, predicate: Callable[[], bool], timeout: float) -> bool:
         deadline = time.monotonic() + timeout
         with self._mu:
             while not predicate():
@@ -212,9 +296,12 @@ class Worker:
     # ------------------------------------------------------------------------------------------
     # Registration.
 
-    def _register_until(self, deadline, first):
+    def _register_until(self, deadline: float, first: bool) -> None:
         backoff = 0.05
-        grace = time.monotonic() + _PREDECESSOR_GRACE_S
+        started = time.monotonic()
+        grace = started + _PREDECESSOR_GRACE_S
+        warn_at = started + WAITING_LOG_AFTER_S
+        warned = False
         while True:
             try:
                 return self._register(timeout=max(0.5, min(10.0, deadline - time.monotonic())))
@@ -222,16 +309,32 @@ class Worker:
                 cause = e.__cause__
                 transient = getattr(e, "transient", False) or (
                     isinstance(cause, grpc.RpcError) and (cause.code() in _TRANSIENT or (
-                        (not first or time.monotonic() < grace) and cause.code() == grpc.StatusCode.ALREADY_EXISTS)))
+                        (not first or time.monotonic() < grace) and
+                        cause.code() == grpc.StatusCode.ALREADY_EXISTS)))
                 with self._mu:
                     closed = self._closed
-                if not transient or closed or time.monotonic() + backoff >= deadline:
+                if not transient or closed:
                     raise
+                now = time.monotonic()
+                if now >= deadline:
+                    raise RegistrationTimeout(f"worker {self.name!r}: not registered with refitd at "
+                                              f"{self._socket_path()} within {deadline - started:.1f} s: {e}") from e
+                if not warned and now >= warn_at:
+                    warned = True
+                    until = "until it is back" if deadline == float("inf") else f"for {deadline - now:.0f} s more"
+                    log.warning("worker %s: waiting for refitd at %s (%s); retrying %s", self.name,
+                                self._socket_path(), e, until)
                 log.debug("worker %s: registration not taken yet (%s); retrying", self.name, e)
-                time.sleep(backoff)
+                # The first retry after `warn_at` comes on time, so the warning does too; the last
+                # comes at the deadline.
+                pause = backoff if warned else min(backoff, max(0.01, warn_at - now))
+                time.sleep(min(pause, deadline - now))
                 backoff = min(1.0, backoff * 2)
 
-    def _register(self, timeout):
+    def _socket_path(self) -> str:
+        return self.daemon[len("unix:"):] if self.daemon.startswith("unix:") else self.daemon
+
+    def _register(self, timeout: float) -> None:
         exported = export.export_buffers(self._pairs)
         try:
             request = refit_pb2.RegisterWorkerRequest(group=self.group, role=self._role)
@@ -267,7 +370,7 @@ class Worker:
     # ------------------------------------------------------------------------------------------
     # The session: reads the daemon's events and queues them; registers again after a loss.
 
-    def _session_loop(self):
+    def _session_loop(self) -> None:
         while True:
             with self._mu:
                 if self._closed:
@@ -279,7 +382,7 @@ class Worker:
                 self._connected = False
                 lost_round = self._in_round
                 self._in_round = None
-                if self.role == "inference" and lost_round is not None:
+                if self._inference and lost_round is not None:
                     self._version = 0  # the round never ended here: the tensors may be partial
                 if lost_round is not None:
                     self._drop_pending_prepare(lost_round)
@@ -308,13 +411,13 @@ class Worker:
             if self._on_reconnect:
                 self._call_safely(self._on_reconnect)
 
-    def _run_session(self):
-        outgoing = queue.Queue()
+    def _run_session(self) -> str:
+        outgoing: "queue.Queue[Any]" = queue.Queue()
         with self._mu:
             key = self._session_key
         outgoing.put(refit_pb2.WorkerMessage(hello=self.worker_id, session_key=key))
 
-        def messages():
+        def messages() -> Iterator[Any]:
             while True:
                 m = outgoing.get()
                 if m is None:
@@ -337,12 +440,12 @@ class Worker:
             with self._mu:
                 self._outgoing = None
 
-    def _enqueue(self, e):
+    def _enqueue(self, e: Any) -> None:
         kinds = refit_pb2.RoundEvent
         with self._mu:
             if e.kind == kinds.PREPARE:
                 self._in_round = e.round_id
-                if self.role == "inference":
+                if self._inference:
                     self._version = 0  # the tensors are about to change
                 self._events.append(("PREPARE", e.round_id, e.version, ""))
             elif e.kind == kinds.COMMIT:
@@ -351,19 +454,19 @@ class Worker:
                 # Only a round it was prepared for can have left its tensors partial.
                 if self._in_round == e.round_id:
                     self._in_round = None
-                    if self.role == "inference":
+                    if self._inference:
                         self._version = 0
                 # A PREPARE not served yet is dropped: the round is over; the abort alone is reported.
                 self._drop_pending_prepare(e.round_id)
                 self._events.append(("ABORT", e.round_id, e.version, e.reason))
             self._mu.notify_all()
 
-    def _drop_pending_prepare(self, round_id):  # _mu held
+    def _drop_pending_prepare(self, round_id: int) -> None:  # _mu held
         kept = [x for x in self._events if not (x[0] == "PREPARE" and x[1] == round_id)]
         self._events.clear()
         self._events.extend(kept)
 
-    def _send(self, message):
+    def _send(self, message: Any) -> None:
         with self._mu:
             q = self._outgoing
         if q is not None:
@@ -372,7 +475,7 @@ class Worker:
     # ------------------------------------------------------------------------------------------
     # Rounds, one at a time: on the dispatch thread, or in serve() (blocking=True).
 
-    def _dispatch_loop(self):
+    def _dispatch_loop(self) -> None:
         while True:
             with self._mu:
                 if self._closed:
@@ -382,44 +485,52 @@ class Worker:
             except BaseException:  # never lose the dispatcher: the next round must still be served
                 log.exception("worker %s: a round's callbacks failed", self.name)
 
-    def serve(self, timeout=None, round_timeout=600.0):
+    def serve(self, timeout: Optional[float] = None, round_timeout: float = 600.0) -> Optional[Round]:
         """blocking=True: takes part in the next round, in the caller's thread. Waits up to
         `timeout` seconds (None: forever, 0: only a round already pending) for a PREPARE; runs
         on_prepare, then waits for the round's end (the daemons' phase deadlines bound it; this
         worker gives up after `round_timeout` seconds all the same and counts the round as
-        aborted) and runs on_commit or on_abort. Returns a Round, or None when no round came.
-        Call it within the daemon's --prepare-timeout of every refit request, or the round
-        aborts naming this worker."""
+        aborted) and runs on_commit or on_abort. Returns a Round (with where its time went), or
+        None when no round came. Call it within the daemon's --prepare-timeout of every refit
+        request, or the round aborts naming this worker."""
         if not self._blocking:
-            raise RuntimeError("serve() is for Worker(..., blocking=True); this worker runs its "
-                               "callbacks on its own thread")
+            raise StateError("serve() is for Worker(..., blocking=True); this worker runs its "
+                             "callbacks on its own thread")
         return self._serve_one(timeout, round_timeout)
 
-    def _serve_one(self, timeout, round_timeout):
-        deadline = None if timeout is None else time.monotonic() + timeout
+    def _serve_one(self, timeout: Optional[float], round_timeout: float) -> Optional[Round]:
+        started = time.monotonic()
+        deadline = None if timeout is None else started + timeout
         event = self._next_event(deadline, lambda x: x[0] in ("PREPARE", "ABORT", "LOST"))
         if event is None:
             return None
         kind, round_id, version, reason = event
+        taken = time.monotonic()
         if kind != "PREPARE":  # a round that ended before this worker served it
             self._finish_abort(round_id, reason, kind == "ABORT")
-            return Round(round_id, version, False, reason)
+            return Round(round_id, version, False, reason, waited_seconds=taken - started,
+                         commit_seconds=time.monotonic() - taken)
         self._prepare(round_id, version)  # a refusal is answered by the round's ABORT
-        event = self._next_event(time.monotonic() + round_timeout,
-                                 lambda x: x[1] == round_id and x[0] != "PREPARE")
+        answered = time.monotonic()
+        event = self._next_event(answered + round_timeout, lambda x: x[1] == round_id and x[0] != "PREPARE")
         if event is None:
             with self._mu:
                 closed = self._closed
             event = ("LOST", round_id, version, "worker closed" if closed else
                      f"no COMMIT or ABORT of round {round_id} within {round_timeout} s")
         kind, _, version2, reason = event
+        ended = time.monotonic()
         if kind == "COMMIT":
             self._commit(round_id, version2)
-            return Round(round_id, version2, True)
-        self._finish_abort(round_id, reason, kind == "ABORT")
-        return Round(round_id, version, False, reason)
+        else:
+            self._finish_abort(round_id, reason, kind == "ABORT")
+        committed = kind == "COMMIT"
+        return Round(round_id, version2 if committed else version, committed, "" if committed else reason,
+                     waited_seconds=taken - started, prepare_seconds=answered - taken,
+                     transfer_seconds=ended - answered, commit_seconds=time.monotonic() - ended)
 
-    def _next_event(self, deadline, wanted):
+    def _next_event(self, deadline: Optional[float],
+                    wanted: Callable[[Tuple[str, int, int, str]], bool]) -> Optional[Tuple[str, int, int, str]]:
         with self._mu:
             while True:
                 for i, x in enumerate(self._events):
@@ -433,8 +544,9 @@ class Worker:
                     return None
                 self._mu.wait(min(left, 1.0) if left is not None else 1.0)
 
-    def _prepare(self, round_id, version):
+    def _prepare(self, round_id: int, version: int) -> bool:
         try:
+            self.check_storage()  # a round over replaced memory would move stale weights
             if self._on_prepare:
                 self._on_prepare(version)
         except BaseException as ex:  # the worker refuses the round; its reason reaches the operator
@@ -445,7 +557,7 @@ class Worker:
         self._send(refit_pb2.WorkerMessage(prepared=round_id))
         return True
 
-    def _commit(self, round_id, version):
+    def _commit(self, round_id: int, version: int) -> None:
         with self._mu:
             self._version = version
             self._in_round = None
@@ -454,7 +566,7 @@ class Worker:
             self._call_safely(self._on_commit, version)
         self._send(refit_pb2.WorkerMessage(resumed=round_id))
 
-    def _finish_abort(self, round_id, reason, acknowledge):
+    def _finish_abort(self, round_id: int, reason: str, acknowledge: bool) -> None:
         with self._mu:
             # The version was dropped at the round's PREPARE (or at the session's loss); a round
             # this worker was never prepared for wrote nothing of it.
@@ -466,7 +578,7 @@ class Worker:
         if acknowledge:  # a lost session has nobody to acknowledge to
             self._send(refit_pb2.WorkerMessage(resumed=round_id))
 
-    def _call_safely(self, fn, *args):
+    def _call_safely(self, fn: Callable[..., Any], *args: Any) -> None:
         try:
             fn(*args)
         except BaseException:
@@ -475,7 +587,7 @@ class Worker:
     # ------------------------------------------------------------------------------------------
     # Ending.
 
-    def close(self, unregister=True):
+    def close(self, unregister: bool = True) -> None:
         """Unregisters (the daemon forgets the worker) and ends the session. Safe from a callback."""
         with self._mu:
             if self._closed:
@@ -498,8 +610,8 @@ class Worker:
                 t.join(timeout=5)
         self._channel.close()
 
-    def __enter__(self):
+    def __enter__(self) -> "Worker":
         return self
 
-    def __exit__(self, *exc):
+    def __exit__(self, *exc: object) -> None:
         self.close()

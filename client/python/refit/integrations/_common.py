@@ -1,0 +1,282 @@
+"""What the stack adapters share: the engine side's update window, a trainer that stages a stack's
+(name, tensor) stream into registered buffers, and version bookkeeping against the controller."""
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from typing import Any, Callable, Dict, Iterable, List, Mapping, Optional, Tuple
+
+try:  # the package's exception root (older trees: plain RuntimeError)
+    from refit.errors import Error as _RefitRoot
+except ImportError:  # pragma: no cover
+    _RefitRoot = RuntimeError  # type: ignore[misc,assignment]
+
+log = logging.getLogger("refit.integrations")
+
+
+class IntegrationError(_RefitRoot, RuntimeError):
+    """An adapter could not do what its stack asked: the message says which step and why."""
+
+
+class RoundAborted(IntegrationError):
+    """The refit round this update waited for aborted: the engine's weights hold no complete
+    version and must not serve until a later round commits. `reason` is the daemons' reason."""
+
+    def __init__(self, message: str, reason: str = "") -> None:
+        super().__init__(message)
+        self.reason = reason
+
+
+class UnsupportedModel(IntegrationError, ValueError):
+    """The engine's model has parts refit does not write (a draft/MTP model, a quantization refit
+    cannot produce): the message names them."""
+
+
+def env_or(value: Optional[Any], env: str, default: Any = None) -> Any:
+    """`value` when given, else $env, else `default` (how per-host settings reach every worker of a
+    stack that sends one configuration to all of them)."""
+    if value not in (None, ""):
+        return value
+    got = os.environ.get(env)
+    return got if got not in (None, "") else default
+
+
+class EngineWindow:
+    """The engine side of one round, as the stack's update calls see it.
+
+    The daemon may write the engine's tensors only while the engine runs no forward pass: between
+    `enter()` (the stack's "start update" call, on the thread that would otherwise run the model)
+    and `leave()`. PREPARE waits up to `prepare_wait_s` for the window and refuses the round
+    otherwise, so a round can never write under a running forward pass. `always_open` serves
+    stacks that stop generating before their sync step and have no "start update" call reaching
+    the engine: the window is then open whenever no caller closed it."""
+
+    def __init__(self, prepare_wait_s: float, always_open: bool = False) -> None:
+        self._cv = threading.Condition()
+        self._open = always_open
+        self._always_open = always_open
+        self._prepare_wait_s = prepare_wait_s
+        self._prepared: Optional[int] = None
+        self._outcome: Optional[Tuple[str, Any]] = None  # ("COMMIT", version) | ("ABORT", reason)
+        self.committed_version = 0
+
+    # The stack's thread.
+    def enter(self) -> None:
+        with self._cv:
+            self._open = True
+            self._prepared, self._outcome = None, None
+            self._cv.notify_all()
+
+    def leave(self) -> None:
+        with self._cv:
+            self._open = self._always_open
+            self._cv.notify_all()
+
+    def wait_prepared(self, timeout: float) -> int:
+        """The version of the round that PREPAREd this engine since `enter()`."""
+        deadline = time.monotonic() + timeout
+        with self._cv:
+            while self._prepared is None:
+                if self._outcome is not None and self._outcome[0] == "ABORT":
+                    raise RoundAborted(f"the refit round aborted before it prepared this engine: "
+                                       f"{self._outcome[1]}", self._outcome[1])
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise IntegrationError(f"no refit round prepared this engine within {timeout:g} s "
+                                           "(did the trainer start one? is the group ready?)")
+                self._cv.wait(left)
+            return self._prepared
+
+    def wait_outcome(self, version: int, timeout: float) -> None:
+        """Returns once the daemons COMMITted `version` here; raises when the round aborted."""
+        deadline = time.monotonic() + timeout
+        with self._cv:
+            while True:
+                if self._outcome is not None:
+                    kind, what = self._outcome
+                    if kind == "ABORT":
+                        raise RoundAborted(f"refit round of version {version} aborted: {what}", what)
+                    if what != version:
+                        raise IntegrationError(f"refit committed version {what}, but this update "
+                                               f"expected version {version}")
+                    return
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise IntegrationError(f"refit round of version {version} did not end within {timeout:g} s")
+                self._cv.wait(left)
+
+    # The refit worker's callbacks.
+    def on_prepare(self, version: int) -> None:
+        deadline = time.monotonic() + self._prepare_wait_s
+        with self._cv:
+            while not self._open:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    # Raising refuses the round: its text reaches the operator.
+                    raise RuntimeError("the engine is serving, not inside a weight update "
+                                       f"(no start of an update within {self._prepare_wait_s:g} s)")
+                self._cv.wait(left)
+            self._prepared, self._outcome = version, None
+            self._cv.notify_all()
+
+    def on_commit(self, version: int) -> None:
+        with self._cv:
+            self._outcome = ("COMMIT", version)
+            self.committed_version = version
+            self._cv.notify_all()
+
+    def on_abort(self, reason: str) -> None:
+        with self._cv:
+            self._outcome = ("ABORT", reason)
+            self._cv.notify_all()
+
+
+def group_version(controller: Any, group: str) -> int:
+    """The group's committed version (0 before the first round)."""
+    g = controller.group(group)
+    return int(g.get("version", 0)) if g else 0
+
+
+def wait_group_version_above(controller: Any, group: str, floor: int, timeout: float,
+                             poll_s: float = 0.05) -> int:
+    """Waits until `group` has committed a version above `floor`; returns it."""
+    deadline = time.monotonic() + timeout
+    while True:
+        v = group_version(controller, group)
+        if v > floor:
+            return v
+        if time.monotonic() >= deadline:
+            raise IntegrationError(f"group {group!r} committed no version above {floor} within {timeout:g} s")
+        time.sleep(poll_s)
+
+
+class StagedTrainer:
+    """A trainer for stacks that hand the sync step a stream of full tensors `(HF name, tensor)`
+    (verl's and NeMo-RL's checkpoint engines): refit cannot reach the live shards behind that
+    stream, so the first round allocates one buffer per tensor (CUDA: on the tensor's device;
+    CPU: in one shared-memory arena), registers them as a trainer worker holding full replicas,
+    and every round copies the stream into them and runs one refit round. The engines still
+    receive straight into their live weights; what this replaces is the stack's broadcast."""
+
+    def __init__(self, daemon: str, group: str, control: str, *, node: int = 0,
+                 worker_name: str = "staged-trainer", timeout_s: float = 120.0,
+                 register_timeout_s: float = 30.0) -> None:
+        self.daemon, self.group, self.control, self.node = daemon, group, control, node
+        self.worker_name, self.timeout_s, self.register_timeout_s = worker_name, timeout_s, register_timeout_s
+        self._buffers: Optional[Dict[str, Any]] = None
+        self._arena: Any = None
+        self._worker: Any = None
+        self._controller: Any = None
+        self.last_version = 0
+        self.last_result: Any = None
+
+    @property
+    def controller(self) -> Any:
+        if self._controller is None:
+            import refit
+            self._controller = refit.Controller(self.control)
+        return self._controller
+
+    def _allocate(self, tensors: List[Tuple[str, Any]]) -> Dict[str, Any]:
+        import refit
+        import torch
+        buffers: Dict[str, Any] = {}
+        cpu = [(n, t) for n, t in tensors if t.device.type == "cpu"]
+        if cpu:
+            nbytes = sum(t.numel() * t.element_size() + 256 for _, t in cpu)
+            self._arena = refit.SharedArena(max(nbytes, 1), name="refit-staging")
+        for name, t in tensors:
+            if name in buffers:
+                raise IntegrationError(f"the weight stream names {name!r} twice")
+            if t.device.type == "cpu":
+                buffers[name] = self._arena.empty(tuple(t.shape), t.dtype)
+            else:
+                buffers[name] = torch.empty(tuple(t.shape), dtype=t.dtype, device=t.device)
+        return buffers
+
+    def _register(self) -> None:
+        import refit
+        from refit.layouts import dtensor
+        assert self._buffers is not None
+        layout = dtensor.trainer_worker(self._buffers, rank=0, node=self.node, worker_name=self.worker_name)
+        self._worker = refit.Worker(self.daemon, self.group, "trainer", layout, self._buffers,
+                                    register_timeout=self.register_timeout_s)
+
+    def stage(self, weights: Iterable[Tuple[str, Any]]) -> int:
+        """Copies the stream into the staging buffers (allocating and registering them the first
+        time); returns the bytes staged."""
+        import torch
+        with torch.no_grad():
+            if self._buffers is None:
+                held = [(name, t.detach()) for name, t in weights]
+                self._buffers = self._allocate(held)
+                pairs: Iterable[Tuple[str, Any]] = held
+            else:
+                pairs = weights
+            seen = set()
+            nbytes = 0
+            for name, t in pairs:
+                buf = self._buffers.get(name)
+                if buf is None:
+                    raise IntegrationError(f"the weight stream has {name!r}, which the first round did not "
+                                           "have (the tensors a trainer sends must not change between rounds)")
+                if tuple(buf.shape) != tuple(t.shape) or buf.dtype != t.dtype:
+                    raise IntegrationError(f"{name!r} is {tuple(t.shape)} {t.dtype} now, but was "
+                                           f"{tuple(buf.shape)} {buf.dtype} in the first round")
+                buf.copy_(t)
+                seen.add(name)
+                nbytes += t.numel() * t.element_size()
+            missing = sorted(set(self._buffers) - seen)
+            if missing:
+                raise IntegrationError(f"the weight stream lacks {len(missing)} tensor(s) it had in the first "
+                                       f"round: {', '.join(missing[:5])}")
+            if any(b.device.type == "cuda" for b in self._buffers.values()):
+                torch.cuda.synchronize()
+        if self._worker is None:
+            self._register()
+        return nbytes
+
+    def round(self, version: Optional[int] = None) -> int:
+        """One refit round of the staged tensors; returns its version."""
+        ctl = self.controller
+        ctl.wait_ready(self.group, timeout=self.timeout_s)
+        v = version if version is not None else max(group_version(ctl, self.group), self.last_version) + 1
+        self.last_result = ctl.refit(self.group, v, timeout=self.timeout_s)
+        self.last_version = v
+        return v
+
+    def close(self) -> None:
+        if self._worker is not None:
+            self._worker.close()
+            self._worker = None
+        if self._controller is not None:
+            self._controller.close()
+            self._controller = None
+
+
+def drain(weights: Iterable[Any]) -> int:
+    """Consumes a weight stream (its collectives run on every rank); returns the items seen."""
+    n = 0
+    for _ in weights:
+        n += 1
+    return n
+
+
+def named(params: Any) -> List[Tuple[str, Any]]:
+    """(name, tensor) pairs of a module, a mapping or an iterable of pairs."""
+    if hasattr(params, "named_parameters"):
+        return list(params.named_parameters())
+    if isinstance(params, Mapping):
+        return list(params.items())
+    return list(params)
+
+
+def call_quietly(fn: Optional[Callable[[], Any]]) -> None:
+    if fn is None:
+        return
+    try:
+        fn()
+    except Exception:  # noqa: BLE001 (cleanup on a path that already raises)
+        log.exception("cleanup step failed")

@@ -1,0 +1,1 @@
+from verl.checkpoint_engine.base import CheckpointEngine, CheckpointEngineRegistry  # noqa: F401

@@ -618,36 +618,336 @@ __device__ __noinline__ void QuantizeUnit(const unsigned char* s, unsigned char*
   QuantizeBlock(s, d, nr, nc, ss, ds, sdt, op, format, lane);
 }
 
-template <bool kTiles>
-__device__ __forceinline__ Unit Resolve(const CopyItem* items, const int64_t* unit_begin, int n_items, int64_t u) {
+// ---- The quantizing kernel (LaunchCopyItems' `quantizing`): a thread block per block fp8 block. ----
+
+// Two finite fp32 values as e4m3 codes, lo in the low byte: the hardware's round to nearest even,
+// saturating to +-448. For finite input this is FloatToE4M3 bit for bit: both round the exact
+// fp32 value to nearest even over e4m3's normals and subnormals (k * 2^-9), keep the sign of a
+// zero result, and give 448 for everything that rounds past it ([448, 464] rounds to 448, the
+// rest would be 480, NaN's pattern, and saturates). kernels/e4m3_rule_test checks that rule against
+// FloatToE4M3 for every fp32 pattern on the CPU; copy_kernels_test checks this instruction against
+// the port for every finite pattern on the GPU. NaN and inf never reach it (callers see to that).
+__device__ __forceinline__ uint32_t E4M3x2(float lo, float hi) {
+  uint16_t r;
+  asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;" : "=h"(r) : "f"(hi), "f"(lo));
+  return r;
+}
+
+// The largest bf16 magnitude bits among eight (a 16-byte chunk) and `m`, infs and NaNs included:
+// for non-negative floats the bits' order is the values' order. A result of 0x7F80 or more means
+// the chunks held an inf or a NaN, and the finite amax must be taken the slow way.
+__device__ __forceinline__ uint32_t Bf16ChunkMagnitudeMax(const uint4& v, uint32_t m) {
+  m = __vmaxu2(m, v.x & 0x7FFF7FFFu);
+  m = __vmaxu2(m, v.y & 0x7FFF7FFFu);
+  m = __vmaxu2(m, v.z & 0x7FFF7FFFu);
+  return __vmaxu2(m, v.w & 0x7FFF7FFFu);
+}
+
+__device__ __forceinline__ uint32_t HalvesMax(uint32_t m) { return max(m & 0xFFFFu, m >> 16); }
+
+// Whether any of eight bf16 is an inf or a NaN (exponent all ones).
+__device__ __forceinline__ bool Bf16ChunkNonFinite(const uint4& v) {
+  const uint32_t w[4] = {v.x, v.y, v.z, v.w};
+  bool bad = false;
+#pragma unroll
+  for (int i = 0; i < 4; ++i) bad |= (~w[i] & 0x7F800000u) == 0 || (~w[i] & 0x7F80u) == 0;
+  return bad;
+}
+
+// How a unit's elements become x / scale: block fp8 divides (IEEE, as the reference); MXFP8's scale
+// is a power of two 2^k, so x * 2^-k (exactly representable, k in [-127, 127]) is the exact
+// quotient rounded once, the same bits as the division.
+struct Divisor {
+  float scale, inverse;
+  bool power_of_two;
+  __device__ __forceinline__ float Of(float x) const { return power_of_two ? x * inverse : __fdiv_rn(x, scale); }
+};
+
+__device__ __forceinline__ Divisor BlockDivisor(float amax, bool mx, uint8_t* code) {
+  Divisor q;
+  q.power_of_two = mx;
+  if (mx) {
+    *code = Mxfp8ScaleCode(amax);  // 0..254 (at most 246 for finite amax)
+    q.scale = E8M0ToFloat(*code);
+    q.inverse = E8M0ToFloat(static_cast<uint8_t>(254 - *code));  // 2^(127 - code)
+  } else {
+    *code = 0;
+    q.scale = BlockFp8Scale(amax);
+    q.inverse = 0.0f;
+  }
+  return q;
+}
+
+// Eight bf16 (a 16-byte chunk) as e4m3 codes of x / scale, as Bf16ChunkCodes makes them: the
+// hardware conversion for finite x (whose quotients are finite: |x| <= amax), Bf16ChunkCodes
+// itself for a chunk holding an inf or a NaN.
+__device__ __forceinline__ uint2 Bf16ChunkCodesFast(const uint4& v, const Divisor& q) {
+  if (Bf16ChunkNonFinite(v)) return Bf16ChunkCodes(v, q.scale);
+  const uint32_t w[4] = {v.x, v.y, v.z, v.w};
+  uint32_t pair[4];
+#pragma unroll
+  for (int i = 0; i < 4; ++i) pair[i] = E4M3x2(q.Of(__uint_as_float(w[i] << 16)), q.Of(__uint_as_float(w[i] & 0xFFFF0000u)));
+  return make_uint2(pair[0] | (pair[1] << 16), pair[2] | (pair[3] << 16));
+}
+
+// A kQuantize item and the kScale item of the same region (same source, block and format): the
+// quantizing kernel writes the scales with the codes, from one read, and skips the kScale item's
+// units (the planner lists a weight's codes, then its scales, kTwinWindow is how far apart it looks).
+constexpr int kTwinWindow = 8;
+
+__device__ __forceinline__ bool Twins(const CopyItem& q, const CopyItem& s) {
+  return (q.op == static_cast<uint8_t>(CopyOp::kQuantize)) & (s.op == static_cast<uint8_t>(CopyOp::kScale)) &
+         (q.src == s.src) & (q.src_dtype == s.src_dtype) & (q.inner == s.inner) & (q.count[0] == s.count[0]) &
+         (q.count[1] == s.count[1]) & (q.count[2] == s.count[2]) & (q.src_stride[2] == s.src_stride[2]) &
+         (q.block_rows == s.block_rows) & (q.block_cols == s.block_cols) & (q.quant_format == s.quant_format) &
+         (q.segments == s.segments);
+}
+
+// Of item i: kQuantize, bit k set when items[i + 1 + k] is its twin (it writes their scales);
+// kScale, 1 when some kQuantize item of the kTwinWindow before it is its twin (its units do nothing).
+__device__ __noinline__ uint32_t TwinMask(const CopyItem* items, int n_items, int i) {
+  const CopyItem& it = items[i];
+  uint32_t mask = 0;
+  if (it.op == static_cast<uint8_t>(CopyOp::kQuantize)) {
+#pragma unroll
+    for (int k = 0; k < kTwinWindow; ++k) {
+      if (i + 1 + k < n_items && Twins(it, items[i + 1 + k])) mask |= 1u << k;
+    }
+  } else if (it.op == static_cast<uint8_t>(CopyOp::kScale)) {
+#pragma unroll
+    for (int k = 0; k < kTwinWindow; ++k) {
+      if (i - 1 - k >= 0 && Twins(items[i - 1 - k], it)) mask = 1;
+    }
+  }
+  return mask;
+}
+
+// The scale of block row `block_row` (of the item's grid), block column bj, in twin scale item t.
+__device__ __forceinline__ unsigned char* TwinScaleAt(const CopyItem& t, int64_t block_row, int64_t bj) {
+  return reinterpret_cast<unsigned char*>(t.dst) + (block_row * t.dst_stride[2] + bj) * Size(t.dst_dtype);
+}
+
+// A quantizing unit as the quantizing kernel sees it: Resolve's fields, its item, the item's twins.
+struct QuantUnit {
+  Unit u;
+  int item = -1;
+  uint32_t twins = 0;
+  __device__ __forceinline__ int nr() const { return static_cast<int>(u.n >> 32); }
+  __device__ __forceinline__ int nc() const { return static_cast<int>(u.n & 0xFFFFFFFF); }
+  __device__ __forceinline__ uint8_t sdt() const { return static_cast<uint8_t>(u.dtypes & 0xFF); }
+  __device__ __forceinline__ uint8_t op() const { return static_cast<uint8_t>((u.dtypes >> 16) & 0xFF); }
+  __device__ __forceinline__ uint8_t format() const { return static_cast<uint8_t>(u.dtypes >> 24); }
+  __device__ __forceinline__ bool quantize() const { return op() == static_cast<uint8_t>(CopyOp::kQuantize); }
+  // bf16 in whole 16-byte chunks, 16-byte aligned rows; codes (if any) in 8-byte aligned rows.
+  __device__ __forceinline__ bool Vector() const {
+    return sdt() == static_cast<uint8_t>(DType::kBF16) && nc() % 8 == 0 && ((u.s | static_cast<uint64_t>(u.ss * 2)) & 15) == 0 &&
+           (!quantize() || ((u.d | static_cast<uint64_t>(u.ds)) & 7) == 0);
+  }
+};
+
+__device__ __forceinline__ QuantUnit ShflQuantUnit(const QuantUnit& q, int j) {
+  QuantUnit r;
+  r.u.s = __shfl_sync(0xFFFFFFFFu, static_cast<unsigned long long>(q.u.s), j);
+  r.u.d = __shfl_sync(0xFFFFFFFFu, static_cast<unsigned long long>(q.u.d), j);
+  r.u.n = __shfl_sync(0xFFFFFFFFu, static_cast<long long>(q.u.n), j);
+  r.u.ss = __shfl_sync(0xFFFFFFFFu, static_cast<long long>(q.u.ss), j);
+  r.u.ds = __shfl_sync(0xFFFFFFFFu, static_cast<long long>(q.u.ds), j);
+  r.u.dtypes = __shfl_sync(0xFFFFFFFFu, q.u.dtypes, j);
+  r.item = __shfl_sync(0xFFFFFFFFu, q.item, j);
+  r.twins = __shfl_sync(0xFFFFFFFFu, q.twins, j);
+  return r;
+}
+
+// The unit's block coordinates in its item: block row (of the scale grid) and block column.
+__device__ __forceinline__ void BlockOf(const CopyItem& it, int64_t local, int64_t* first_row, int64_t* bj) {
+  const bool rows = it.quant_format == kCopyItemMxfp8 && it.block_rows == 1;
+  *first_row = local / it.segments * (rows ? kMxfp8RowsPerUnit : it.block_rows);
+  *bj = local % it.segments;
+}
+
+// Block fp8 (or MXFP8 blocks of several rows) of at most kTileChunks 16-byte bf16 chunks: the 256
+// threads of the block hold it in registers (8 chunks each, loaded at once), reduce its amax through
+// shared memory, and write the codes (and the twins' scales) or the scale from the registers.
+constexpr int kQuantThreads = 256;
+constexpr int kChunksPerThread = 8;
+constexpr int kTileChunks = kQuantThreads * kChunksPerThread;  // 128 x 128 bf16
+
+__device__ __forceinline__ bool TileFits(const QuantUnit& q) {
+  return !(q.format() & kRowsMode) && q.Vector() && static_cast<int64_t>(q.nr()) * (q.nc() / 8) <= kTileChunks;
+}
+
+__device__ __noinline__ void QuantizeTile(const QuantUnit& q, const CopyItem* items, int64_t local, float* partial) {
+  const int t = threadIdx.x, lane = t & 31, warp = t >> 5;
+  const int cpr = q.nc() / 8, chunks = q.nr() * cpr;
+  const unsigned char* s = reinterpret_cast<const unsigned char*>(q.u.s);
+  uint4 v[kChunksPerThread];
+#pragma unroll
+  for (int i = 0; i < kChunksPerThread; ++i) {
+    const int k = t + kQuantThreads * i;
+    v[i] = make_uint4(0, 0, 0, 0);
+    if (k < chunks) v[i] = *reinterpret_cast<const uint4*>(s + (static_cast<int64_t>(k / cpr) * q.u.ss + (k % cpr) * 8) * 2);
+  }
+  uint32_t m = 0;
+#pragma unroll
+  for (int i = 0; i < kChunksPerThread; ++i) m = Bf16ChunkMagnitudeMax(v[i], m);
+  float amax = __uint_as_float(HalvesMax(m) << 16);
+  if (HalvesMax(m) >= 0x7F80u) {  // an inf or a NaN here: the max over the finite ones
+    amax = 0.0f;
+#pragma unroll
+    for (int i = 0; i < kChunksPerThread; ++i) amax = Bf16ChunkAmax(v[i], amax);
+  }
+  for (int o = 16; o > 0; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xFFFFFFFFu, amax, o));
+  if (lane == 0) partial[warp] = amax;
+  __syncthreads();
+  amax = partial[0];
+#pragma unroll
+  for (int w = 1; w < kQuantThreads / 32; ++w) amax = fmaxf(amax, partial[w]);
+  const bool mx = (q.format() & ~kRowsMode) == kCopyItemMxfp8;
+  uint8_t code;
+  const Divisor div = BlockDivisor(amax, mx, &code);
+  if (t == 0) {
+    auto put = [&](unsigned char* at) {
+      if (mx) *at = code;
+      else StoreBits(__float_as_uint(div.scale), at, 4);
+    };
+    if (!q.quantize()) {
+      put(reinterpret_cast<unsigned char*>(q.u.d));
+    } else if (q.twins != 0) {
+      const CopyItem& it = items[q.item];
+      int64_t first_row, bj;
+      BlockOf(it, local, &first_row, &bj);
+      for (int k = 0; k < kTwinWindow; ++k) {
+        if (q.twins >> k & 1) put(TwinScaleAt(items[q.item + 1 + k], first_row / it.block_rows, bj));
+      }
+    }
+  }
+  if (q.quantize()) {
+    unsigned char* d = reinterpret_cast<unsigned char*>(q.u.d);
+#pragma unroll
+    for (int i = 0; i < kChunksPerThread; ++i) {
+      const int k = t + kQuantThreads * i;
+      if (k < chunks) *reinterpret_cast<uint2*>(d + static_cast<int64_t>(k / cpr) * q.u.ds + (k % cpr) * 8) = Bf16ChunkCodesFast(v[i], div);
+    }
+  }
+}
+
+// MXFP8 units of one-row blocks (QuantizeRows' vector case), up to kRowUnits of them a warp at
+// once: every lane's loads first (a unit is 512 bytes), then the codes, the twins' scales or the
+// scales.
+constexpr int kRowUnits = 4;
+
+__device__ __forceinline__ bool RowsFit(const QuantUnit& q) {
+  return (q.format() & kRowsMode) && q.Vector() && q.nc() <= 32 && q.nr() <= 8;
+}
+
+// Whether the task's unit j (as lane j of `mine` holds it) is this kernel's MXFP8 row unit to run.
+__device__ __forceinline__ bool TakesRowUnit(const QuantUnit& q, int j, int count) {
+  return j < count && q.item >= 0 && (q.quantize() || q.twins == 0) && RowsFit(q);
+}
+
+// The task's units warp, warp + 8, ... that are MXFP8 row units, from lane j of `mine` (its
+// resolved unit) and `mine_local`. Shuffled again for the second pass rather than held: registers.
+__device__ __noinline__ void QuantizeRowUnits(const QuantUnit& mine, int64_t mine_local, int count, const CopyItem* items,
+                                                 int warp, int lane) {
+  constexpr int kWarps = kQuantThreads / 32;
+  const int row = lane >> 2, chunk = lane & 3;
+  uint4 v[kRowUnits];
+#pragma unroll
+  for (int k = 0; k < kRowUnits; ++k) {
+    const QuantUnit q = ShflQuantUnit(mine, warp + kWarps * k);
+    v[k] = make_uint4(0, 0, 0, 0);
+    if (TakesRowUnit(q, warp + kWarps * k, count) && row < q.nr() && chunk < q.nc() / 8) {
+      v[k] = *reinterpret_cast<const uint4*>(reinterpret_cast<const unsigned char*>(q.u.s) +
+                                             (static_cast<int64_t>(row) * q.u.ss + chunk * 8) * 2);
+    }
+  }
+#pragma unroll
+  for (int k = 0; k < kRowUnits; ++k) {
+    const int j = warp + kWarps * k;
+    const QuantUnit q = ShflQuantUnit(mine, j);
+    const int64_t local = __shfl_sync(0xFFFFFFFFu, static_cast<long long>(mine_local), j);
+    if (!TakesRowUnit(q, j, count)) continue;  // uniform across the warp
+    const bool on = row < q.nr() && chunk < q.nc() / 8;
+    const uint32_t m = HalvesMax(Bf16ChunkMagnitudeMax(v[k], 0));
+    float amax = m >= 0x7F80u ? Bf16ChunkAmax(v[k], 0.0f) : __uint_as_float(m << 16);
+    amax = fmaxf(amax, __shfl_xor_sync(0xFFFFFFFFu, amax, 1));
+    amax = fmaxf(amax, __shfl_xor_sync(0xFFFFFFFFu, amax, 2));
+    uint8_t code;
+    const Divisor div = BlockDivisor(amax, true, &code);
+    unsigned char* d = reinterpret_cast<unsigned char*>(q.u.d);
+    if (!q.quantize()) {
+      if (on && chunk == 0) d[row * q.u.ds] = code;
+      continue;
+    }
+    if (on) *reinterpret_cast<uint2*>(d + row * q.u.ds + chunk * 8) = Bf16ChunkCodesFast(v[k], div);
+    if (q.twins != 0 && on && chunk == 0) {
+      const CopyItem& it = items[q.item];
+      int64_t first_row, bj;
+      BlockOf(it, local, &first_row, &bj);
+      for (int t = 0; t < kTwinWindow; ++t) {
+        if (q.twins >> t & 1) *TwinScaleAt(items[q.item + 1 + t], first_row + row, bj) = code;
+      }
+    }
+  }
+}
+
+// Any other quantizing unit, one warp: the copy kernel's code (QuantizeBlock), then each twin's
+// scales by the same code (a second read; these shapes are rare: fp16 and fp32 sources, unaligned
+// rows, blocks over 128 x 128).
+__device__ __noinline__ void QuantizeUnitWithTwins(const QuantUnit& q, const CopyItem* items, int64_t local, int lane) {
+  const unsigned char* s = reinterpret_cast<const unsigned char*>(q.u.s);
+  QuantizeBlock(s, reinterpret_cast<unsigned char*>(q.u.d), q.nr(), q.nc(), q.u.ss, q.u.ds, q.sdt(), q.op(), q.format(), lane);
+  if (!q.quantize() || q.twins == 0) return;
+  const CopyItem& it = items[q.item];
+  int64_t first_row, bj;
+  BlockOf(it, local, &first_row, &bj);
+  for (int k = 0; k < kTwinWindow; ++k) {
+    if (!(q.twins >> k & 1)) continue;
+    const CopyItem& twin = items[q.item + 1 + k];
+    QuantizeBlock(s, TwinScaleAt(twin, first_row / it.block_rows, bj), q.nr(), q.nc(), q.u.ss, twin.dst_stride[2], q.sdt(),
+                  static_cast<uint8_t>(CopyOp::kScale), q.format(), lane);
+  }
+}
+
+// A quantizing unit (op != kCopy): unit `local` of item `it`.
+__device__ __forceinline__ Unit ResolveQuantizing(const CopyItem& it, int64_t local) {
+  // Block (bi, bj) of the region, or (MXFP8, one-row blocks) kMxfp8RowsPerUnit blocks down
+  // from block (bi * kMxfp8RowsPerUnit, bj), each scaled on its own (QuantizeBlock's rows mode).
+  const bool rows = it.quant_format == kCopyItemMxfp8 && it.block_rows == 1;
+  const int64_t g = rows ? kMxfp8RowsPerUnit : it.block_rows;
+  const int64_t bi = local / it.segments, bj = local % it.segments;
+  const int64_t r0 = bi * g, c0 = bj * it.block_cols;
+  const int64_t nr = min(g, it.count[2] - r0);
+  const int64_t nc = min(static_cast<int64_t>(it.block_cols), it.inner - c0);
+  Unit unit;
+  unit.n = nr << 32 | nc;
+  unit.s = it.src + (r0 * it.src_stride[2] + c0) * Size(it.src_dtype);
+  unit.d = it.op == static_cast<uint8_t>(CopyOp::kQuantize)
+               ? it.dst + r0 * it.dst_stride[2] + c0
+               : it.dst + (r0 / it.block_rows * it.dst_stride[2] + bj) * Size(it.dst_dtype);
+  unit.ss = it.src_stride[2];
+  unit.ds = it.dst_stride[2];
+  unit.dtypes = it.src_dtype | (static_cast<uint32_t>(it.dst_dtype) << 8) | (static_cast<uint32_t>(it.op) << 16) |
+                (static_cast<uint32_t>(it.quant_format | (rows ? kRowsMode : 0)) << 24);
+  return unit;
+}
+
+// The item of unit u: the last with unit_begin <= u.
+__device__ __forceinline__ int ItemOf(const int64_t* unit_begin, int n_items, int64_t u) {
   int lo = 0, hi = n_items - 1;
   while (lo < hi) {
     const int mid = (lo + hi + 1) / 2;
     if (unit_begin[mid] <= u) lo = mid; else hi = mid - 1;
   }
+  return lo;
+}
+
+template <bool kTiles>
+__device__ __forceinline__ Unit Resolve(const CopyItem* items, const int64_t* unit_begin, int n_items, int64_t u) {
+  const int lo = ItemOf(unit_begin, n_items, u);
   const CopyItem& it = items[lo];
   const int64_t local = u - unit_begin[lo];
-  if (it.op != static_cast<uint8_t>(CopyOp::kCopy)) {
-    // Block (bi, bj) of the region, or (MXFP8, one-row blocks) kMxfp8RowsPerUnit blocks down
-    // from block (bi * kMxfp8RowsPerUnit, bj), each scaled on its own (QuantizeBlock's rows mode).
-    const bool rows = it.quant_format == kCopyItemMxfp8 && it.block_rows == 1;
-    const int64_t g = rows ? kMxfp8RowsPerUnit : it.block_rows;
-    const int64_t bi = local / it.segments, bj = local % it.segments;
-    const int64_t r0 = bi * g, c0 = bj * it.block_cols;
-    const int64_t nr = min(g, it.count[2] - r0);
-    const int64_t nc = min(static_cast<int64_t>(it.block_cols), it.inner - c0);
-    Unit unit;
-    unit.n = nr << 32 | nc;
-    unit.s = it.src + (r0 * it.src_stride[2] + c0) * Size(it.src_dtype);
-    unit.d = it.op == static_cast<uint8_t>(CopyOp::kQuantize)
-                 ? it.dst + r0 * it.dst_stride[2] + c0
-                 : it.dst + (r0 / it.block_rows * it.dst_stride[2] + bj) * Size(it.dst_dtype);
-    unit.ss = it.src_stride[2];
-    unit.ds = it.dst_stride[2];
-    unit.dtypes = it.src_dtype | (static_cast<uint32_t>(it.dst_dtype) << 8) | (static_cast<uint32_t>(it.op) << 16) |
-                  (static_cast<uint32_t>(it.quant_format | (rows ? kRowsMode : 0)) << 24);
-    return unit;
-  }
+  if (it.op != static_cast<uint8_t>(CopyOp::kCopy)) return ResolveQuantizing(it, local);
   if (kTiles && it.tiled) {
     // Elements [first, first + n) of the flattened index space, in accesses of sg source bytes
     // (CutIntoUnits made segment, inner and the strides multiples of them): one 64-bit
@@ -734,9 +1034,11 @@ __device__ __forceinline__ void CopyAlignedUnit(const unsigned char* s, unsigned
 // 16-byte loop and the vector conversion, inlined with the fp8 blocks into 80 registers without
 // spills, as before tiles existed (the general kernel spills a few hundred bytes per thread and
 // calls its loops: the 16 GB aligned refit 8.34 -> 8.77 ms, bf16 -> fp8 27.7 -> 35.3 ms through it).
+// skip_quantizing: quantizing units are QuantizeItemsKernel's, launched beside it.
 template <bool kTiles>
 __global__ void __launch_bounds__(256, 3) CopyItemsKernel(const CopyItem* items, const int64_t* unit_begin, int n_items,
-                                int64_t total_units, int batch, bool spread, const uint32_t* gate, uint32_t go) {
+                                int64_t total_units, int batch, bool spread, bool skip_quantizing, const uint32_t* gate,
+                                uint32_t go) {
   // Launched ahead and not let go (the round was called off): nothing. Every thread reads the
   // same word, written by LaunchGate's kernel before this one began.
   if (gate != nullptr && *reinterpret_cast<const volatile uint32_t*>(gate) != go) return;
@@ -765,6 +1067,7 @@ __global__ void __launch_bounds__(256, 3) CopyItemsKernel(const CopyItem* items,
       const int64_t n = __shfl_sync(0xFFFFFFFFu, static_cast<long long>(mine.n), j);
       const uint32_t dtypes = __shfl_sync(0xFFFFFFFFu, mine.dtypes, j);
       if (((dtypes >> 16) & 0xFF) != 0) {  // a quantizing unit (op != kCopy): one block, this warp alone
+        if (skip_quantizing) continue;
         const int64_t ss = __shfl_sync(0xFFFFFFFFu, static_cast<long long>(mine.ss), j);
         const int64_t ds = __shfl_sync(0xFFFFFFFFu, static_cast<long long>(mine.ds), j);
         if constexpr (kTiles) {
@@ -788,6 +1091,54 @@ __global__ void __launch_bounds__(256, 3) CopyItemsKernel(const CopyItem* items,
                         static_cast<uint8_t>(dtypes & 0xFF), static_cast<uint8_t>(dtypes >> 8), lane);
       }
     }
+  }
+}
+
+// The quantizing kernel: a thread block takes tasks of 32 consecutive units; each warp resolves
+// the task's units (a lane each, the same in every warp) and the block runs them in order: a block
+// fp8 block (TileFits) all 256 threads together; any other quantizing unit one warp, the warps in
+// turn, MXFP8 row units up to kRowUnits a warp at once. Copy units are the copy kernel's; a kScale
+// unit whose twin writes its scales does nothing.
+// kMinBlocks: 2 gives ptxas 128 registers and no spills; 3 (80 registers) spills a few hundred
+// bytes a thread (CopyLaunchShape::quant_min_blocks picks, local_copy_bench compares them).
+template <int kMinBlocks>
+__global__ void __launch_bounds__(kQuantThreads, kMinBlocks) QuantizeItemsKernel(const CopyItem* items, const int64_t* unit_begin,
+                                                                         int n_items, int64_t total_units,
+                                                                         const uint32_t* gate, uint32_t go) {
+  if (gate != nullptr && *reinterpret_cast<const volatile uint32_t*>(gate) != go) return;
+  __shared__ float partial[2][kQuantThreads / 32];  // by turns: a tile's reads end before the next but one writes
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  constexpr int kWarps = kQuantThreads / 32;
+  int turn = 0;
+  const int64_t tasks = (total_units + 31) / 32;
+  for (int64_t task = blockIdx.x; task < tasks; task += gridDim.x) {
+    const int64_t first = task * 32;
+    const int count = static_cast<int>(min(static_cast<int64_t>(32), total_units - first));
+    QuantUnit mine;
+    int64_t my_local = 0;
+    if (lane < count) {
+      const int64_t u = first + lane;
+      const int lo = ItemOf(unit_begin, n_items, u);
+      const CopyItem& it = items[lo];
+      my_local = u - unit_begin[lo];
+      if (it.op != static_cast<uint8_t>(CopyOp::kCopy)) {
+        mine.u = ResolveQuantizing(it, my_local);
+        mine.item = lo;
+        mine.twins = TwinMask(items, n_items, lo);
+      }
+    }
+    for (int j = 0; j < count; ++j) {
+      const QuantUnit q = ShflQuantUnit(mine, j);  // the same in every thread of the block
+      if (q.item < 0 || (!q.quantize() && q.twins != 0)) continue;
+      const int64_t local = __shfl_sync(0xFFFFFFFFu, static_cast<long long>(my_local), j);
+      if (TileFits(q)) {
+        QuantizeTile(q, items, local, partial[turn]);
+        turn ^= 1;
+      } else if (j % kWarps == warp && !RowsFit(q)) {
+        QuantizeUnitWithTwins(q, items, local, lane);
+      }
+    }
+    QuantizeRowUnits(mine, my_local, count, items, warp, lane);  // this warp's MXFP8 row units
   }
 }
 
@@ -840,10 +1191,33 @@ cudaError_t LoadKernels() {
   cudaFuncAttributes attributes;
   for (const void* f : {reinterpret_cast<const void*>(NothingKernel), reinterpret_cast<const void*>(GateKernel),
                         reinterpret_cast<const void*>(CopyItemsKernel<true>),
-                        reinterpret_cast<const void*>(CopyItemsKernel<false>)}) {
+                        reinterpret_cast<const void*>(CopyItemsKernel<false>),
+                        reinterpret_cast<const void*>(QuantizeItemsKernel<2>),
+                        reinterpret_cast<const void*>(QuantizeItemsKernel<3>)}) {
     if (const cudaError_t e = cudaFuncGetAttributes(&attributes, f); e != cudaSuccess) return e;
   }
   return cudaSuccess;
+}
+
+// Every finite fp32 pattern through E4M3x2 (both halves) against the port of FloatToE4M3.
+__global__ void E4M3CheckKernel(unsigned long long* mismatches, uint32_t* first) {
+  const uint64_t threads = static_cast<uint64_t>(gridDim.x) * blockDim.x;
+  for (uint64_t b = static_cast<uint64_t>(blockIdx.x) * blockDim.x + threadIdx.x; b <= 0xFFFFFFFFull; b += threads) {
+    const uint32_t u = static_cast<uint32_t>(b);
+    if ((u & 0x7F800000u) == 0x7F800000u) continue;
+    const float v = __uint_as_float(u);
+    const uint32_t want = FloatToE4M3(v);
+    const uint32_t got_lo = E4M3x2(v, 1.0f) & 0xFF, got_hi = E4M3x2(1.0f, v) >> 8;
+    if (got_lo != want || got_hi != want) {
+      atomicAdd(mismatches, 1ull);
+      atomicMin(first, u);
+    }
+  }
+}
+
+cudaError_t CheckE4M3Conversion(unsigned long long* mismatches, uint32_t* first, cudaStream_t stream) {
+  E4M3CheckKernel<<<4096, 256, 0, stream>>>(mismatches, first);
+  return cudaGetLastError();
 }
 
 cudaError_t LaunchNothing(cudaStream_t stream) {
@@ -853,9 +1227,13 @@ cudaError_t LaunchNothing(cudaStream_t stream) {
 
 cudaError_t LaunchCopyItems(const CopyItem* items, const int64_t* unit_begin, int n_items,
                             int64_t total_units, cudaStream_t stream, bool spread, bool aligned_only,
-                            const uint32_t* gate, uint32_t go) {
+                            const uint32_t* gate, uint32_t go, bool quantizing) {
   return LaunchCopyItemsShaped(items, unit_begin, n_items, total_units, stream, spread, aligned_only,
-                               DefaultCopyLaunchShape(aligned_only), gate, go);
+                               DefaultCopyLaunchShape(aligned_only), gate, go, quantizing);
+}
+
+bool HasQuantizing(const CopyWork& work) {
+  return std::any_of(work.items.begin(), work.items.end(), [](const CopyItem& it) { return it.Quantizes(); });
 }
 
 CopyLaunchShape DefaultCopyLaunchShape(bool aligned_only) {
@@ -872,7 +1250,7 @@ CopyLaunchShape DefaultCopyLaunchShape(bool aligned_only) {
 
 cudaError_t LaunchCopyItemsShaped(const CopyItem* items, const int64_t* unit_begin, int n_items, int64_t total_units,
                                   cudaStream_t stream, bool spread, bool aligned_only, const CopyLaunchShape& shape,
-                                  const uint32_t* gate, uint32_t go) {
+                                  const uint32_t* gate, uint32_t go, bool quantizing) {
   if (n_items == 0 || total_units == 0) return cudaSuccess;
   constexpr int kThreads = 256;  // 8 warps
   // Units per batch: 1 while there are fewer units than warps to fill the GPU (large runs keep
@@ -883,9 +1261,21 @@ cudaError_t LaunchCopyItemsShaped(const CopyItem* items, const int64_t* unit_beg
   const int64_t wanted = (batches + 7) / 8;
   const int blocks = static_cast<int>(std::min<int64_t>(wanted, std::max(shape.max_blocks, 1)));
   if (!aligned_only) {
-    CopyItemsKernel<true><<<blocks, kThreads, 0, stream>>>(items, unit_begin, n_items, total_units, batch, spread, gate, go);
+    CopyItemsKernel<true><<<blocks, kThreads, 0, stream>>>(items, unit_begin, n_items, total_units, batch, spread,
+                                                           quantizing, gate, go);
   } else {
-    CopyItemsKernel<false><<<blocks, kThreads, 0, stream>>>(items, unit_begin, n_items, total_units, batch, spread, gate, go);
+    CopyItemsKernel<false><<<blocks, kThreads, 0, stream>>>(items, unit_begin, n_items, total_units, batch, spread,
+                                                            quantizing, gate, go);
+  }
+  if (quantizing) {
+    if (const cudaError_t e = cudaGetLastError(); e != cudaSuccess) return e;
+    const int64_t tasks = (total_units + 31) / 32;
+    const int quant_blocks = static_cast<int>(std::min<int64_t>(tasks, std::max(shape.max_blocks, 1)));
+    if (shape.quant_min_blocks == 3) {
+      QuantizeItemsKernel<3><<<quant_blocks, kQuantThreads, 0, stream>>>(items, unit_begin, n_items, total_units, gate, go);
+    } else {
+      QuantizeItemsKernel<2><<<quant_blocks, kQuantThreads, 0, stream>>>(items, unit_begin, n_items, total_units, gate, go);
+    }
   }
   return cudaGetLastError();
 }

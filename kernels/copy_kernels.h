@@ -22,17 +22,27 @@
 namespace refit {
 
 // `items` and `unit_begin` (n_items + 1 entries) in device memory. A warp takes batches of up
-// to 32 units (8 in the aligned kernel: DefaultCopyLaunchShape): consecutive ones, or, with `spread`, units a grid of warps apart, so that the warps
-// running at any moment work on neighbouring units. Spread helps runs of a kilobyte and more on
-// one GPU (a colocated 110 MB refit: 1.10 -> 0.72 ms on one H200) and hurts runs of a few hundred
-// bytes (99k small tensors: 4.9 -> 6.0 ms); see SpreadPays.
+// to 32 units (8 in the aligned kernel: DefaultCopyLaunchShape): consecutive ones, or, with
+// `spread`, units a grid of warps apart, so that the warps running at any moment work on
+// neighbouring units. Spread helps runs of a kilobyte and more on one GPU (a colocated 110 MB
+// refit: 1.10 -> 0.72 ms on one H200) and hurts runs of a few hundred bytes (99k small tensors:
+// 4.9 -> 6.0 ms); see SpreadPays.
 // `aligned_only` (AlignedOnly(work)): the aligned kernel, faster where it applies; otherwise the
 // general one, which runs any work.
 // `gate` (device memory, optional): the kernel copies only if *gate == go when it starts, and
 // does nothing otherwise (work launched ahead of its round's go-ahead: LaunchGate).
+// `quantizing` (HasQuantizing(work)): the quantizing units run in a second kernel launched after
+// the copy kernel, which then skips them: a thread block per block fp8 block, held in registers
+// and read once (the copy kernel's warp reads it twice, and once more for its kScale unit), the
+// codes by the hardware's conversion, and each block's scale written with its codes where the
+// work holds the kScale item of the same region (whose units then do nothing). The same bytes
+// either way; false runs every unit in the copy kernel (one launch: work without quantizing items).
 cudaError_t LaunchCopyItems(const CopyItem* items, const int64_t* unit_begin, int n_items,
-                            int64_t total_units, cudaStream_t stream, bool spread = false, bool aligned_only = false,
-                            const uint32_t* gate = nullptr, uint32_t go = 0);
+                            int64_t total_units, cudaStream_t stream, bool spread = false,
+                            bool aligned_only = false, const uint32_t* gate = nullptr,
+                            uint32_t go = 0, bool quantizing = false);
+// Whether any item of `work` quantizes (LaunchCopyItems' `quantizing`).
+bool HasQuantizing(const CopyWork& work);
 
 // The launch's shape: units per warp's batch (total_units / warps_to_fill, between 1 and
 // max_batch) and blocks (enough for every batch, at most max_blocks; the warps loop over what is
@@ -41,11 +51,15 @@ struct CopyLaunchShape {
   int max_batch = 32;
   int64_t warps_to_fill = 8192;
   int max_blocks = 4096;
+  // The quantizing kernel's blocks resident per SM that ptxas plans registers for: 2 or 3.
+  int quant_min_blocks = 2;
 };
 CopyLaunchShape DefaultCopyLaunchShape(bool aligned_only);
-cudaError_t LaunchCopyItemsShaped(const CopyItem* items, const int64_t* unit_begin, int n_items, int64_t total_units,
-                                  cudaStream_t stream, bool spread, bool aligned_only, const CopyLaunchShape& shape,
-                                  const uint32_t* gate = nullptr, uint32_t go = 0);
+cudaError_t LaunchCopyItemsShaped(const CopyItem* items, const int64_t* unit_begin, int n_items,
+                                  int64_t total_units, cudaStream_t stream, bool spread,
+                                  bool aligned_only, const CopyLaunchShape& shape,
+                                  const uint32_t* gate = nullptr, uint32_t go = 0,
+                                  bool quantizing = false);
 
 // Work launched ahead, at a round's PREPARE, and let go at its TRANSFER (daemon/cuda_backend.cc):
 // the caller makes the stream wait (cuStreamWaitValue32, the driver API, which this library does
@@ -73,6 +87,13 @@ cudaError_t LaunchNothing(cudaStream_t stream);
 // Loads these kernels (the empty one, the gate, both copy kernels) into the current device's
 // context: lazy loading would at their first launch, which may wait for the GPU's other work.
 cudaError_t LoadKernels();
+
+// For copy_kernels_test: runs every finite fp32 pattern through the quantizing kernel's hardware
+// e4m3 conversion and through its port of FloatToE4M3; adds the number that differ to
+// *mismatches and lowers *first to the smallest such pattern (both device memory, set by the
+// caller to 0 and 0xFFFFFFFF).
+cudaError_t CheckE4M3Conversion(unsigned long long* mismatches, uint32_t* first,
+                                cudaStream_t stream);
 
 // Whether `work`'s units are large enough for `spread` (1 KiB or more on average). Tiles made
 // units of short runs large (16 KiB by default), so spread is now the order for them too; the

@@ -53,6 +53,10 @@ struct DeviceLayout {
 };
 
 int aligned_launches = 0;  // launches through the aligned kernel (AlignedOnly)
+int quantizing_launches = 0;  // launches with the quantizing kernel (LaunchCopyItems' `quantizing`)
+// Whether work with quantizing items runs them in the quantizing kernel: -1 every other
+// pair of launches of such work (both must give the same bytes), 0 never, 1 always.
+int quantizing_mode = -1;
 
 void Run(const CopyWork& w, cudaStream_t stream) {
   DeviceBuffer items(w.items.size() * sizeof(CopyItem)), begin(w.unit_begin.size() * sizeof(int64_t));
@@ -66,8 +70,13 @@ void Run(const CopyWork& w, cudaStream_t stream) {
   const bool spread = k % 2 == 1;
   const bool aligned = AlignedOnly(w) && (k / 2) % 2 == 0;
   if (aligned) ++aligned_launches;
-  REFIT_CUDA_CHECK(LaunchCopyItems(static_cast<const CopyItem*>(items.get()), static_cast<const int64_t*>(begin.get()),
-                                   static_cast<int>(w.items.size()), w.unit_begin.back(), stream, spread, aligned));
+  const bool quantizing =
+      HasQuantizing(w) && (quantizing_mode < 0 ? (k / 4) % 2 == 0 : quantizing_mode == 1);
+  if (quantizing) ++quantizing_launches;
+  REFIT_CUDA_CHECK(LaunchCopyItems(static_cast<const CopyItem*>(items.get()),
+                                   static_cast<const int64_t*>(begin.get()),
+                                   static_cast<int>(w.items.size()), w.unit_begin.back(), stream,
+                                   spread, aligned, nullptr, 0, quantizing));
   REFIT_CUDA_CHECK(cudaStreamSynchronize(stream));
 }
 
@@ -358,7 +367,10 @@ TEST_CASE("GPU quantizing units match the host twin bit for bit on adversarial p
       REQUIRE(host2 == host);
     }
   }
-  WARN("checked " << messages << " messages (" << quantizing << " quantizing descriptors) on the GPU");
+  WARN("checked " << messages << " messages (" << quantizing
+                  << " quantizing descriptors) on the GPU, " << quantizing_launches
+                  << " launches so far with the quantizing kernel");
+  REQUIRE(quantizing_launches > 0);
   cudaStreamDestroy(stream);
 }
 
@@ -431,9 +443,36 @@ TEST_CASE("one launch mixing quantizing and copy units matches the host twin", "
   REQUIRE(quantizing_units > 2000);
   REQUIRE(quantizing_rows > 10000);
   RunCopyWorkOnHost(host);
-  Run(device, stream);
-  REQUIRE(Download(staging.address(), staging.size()) == host_staging);
+  for (int mode : {0, 1}) {  // the copy kernel's quantizing units, then the quantizing kernel's
+    INFO((mode == 1 ? "with" : "without") << " the quantizing kernel");
+    quantizing_mode = mode;
+    REFIT_CUDA_CHECK(cudaMemset(staging.get(), 0xA5, staging.size()));
+    Run(device, stream);
+    quantizing_mode = -1;
+    REQUIRE(Download(staging.address(), staging.size()) == host_staging);
+  }
   cudaStreamDestroy(stream);
+}
+
+// The quantizing kernel converts finite quotients with the hardware's instruction: it must be
+// the port of FloatToE4M3 (which the sweep below checks against the CPU's) for every one.
+TEST_CASE("GPU hardware e4m3 conversion is FloatToE4M3 for every finite fp32", "[fp8]") {
+  if (GpuCount() == 0) {
+    WARN("no GPU here: skipped");
+    return;
+  }
+  DeviceBuffer counters(16);
+  const uint32_t init[4] = {0, 0, 0xFFFFFFFFu, 0};
+  REFIT_CUDA_CHECK(cudaMemcpy(counters.get(), init, sizeof(init), cudaMemcpyHostToDevice));
+  auto* base = static_cast<unsigned char*>(counters.get());
+  REFIT_CUDA_CHECK(CheckE4M3Conversion(reinterpret_cast<unsigned long long*>(base),
+                                       reinterpret_cast<uint32_t*>(base + 8), nullptr));
+  REFIT_CUDA_CHECK(cudaDeviceSynchronize());
+  uint32_t got[4];
+  REFIT_CUDA_CHECK(cudaMemcpy(got, counters.get(), sizeof(got), cudaMemcpyDeviceToHost));
+  const uint64_t mismatches = got[0] | static_cast<uint64_t>(got[1]) << 32;
+  INFO(mismatches << " patterns differ, the first 0x" << std::hex << got[2]);
+  REQUIRE(mismatches == 0);
 }
 
 // The sweep (kernels/copy_items_test.cc has its host side): MXFP8 rows of 32 that start with 256,

@@ -12,9 +12,17 @@
 // launches (0: one launch, the aligned kernel only where every item allows it). --batch-caps,
 // --fill-warps, --blocks-per-sm: the launch's shape (CopyLaunchShape; batch cap 0: the kernel's
 // default; blocks at most this many times the SMs, 0 for LaunchCopyItems' cap).
-//   local_copy_bench --src t.json --dst i.json [--repeat 10] [--segments 16384,65536,262144] [--spread auto,0,1]
-//                    [--aligned-kernel 1] [--tile-run-bytes 512] [--split 0,1] [--batch-caps 32,8,4]
-//                    [--fill-warps 8192,2048] [--blocks-per-sm 0,1,2,3]
+//   local_copy_bench --src t.json --dst i.json [--repeat 10] [--segments 16384,65536,262144]
+//   [--spread auto,0,1]
+//                    [--aligned-kernel 1] [--tile-run-bytes 512] [--split 0,1] [--batch-caps
+//                    32,8,4]
+//                    [--fill-warps 8192,2048] [--blocks-per-sm 0,1,2,3] [--quantizing auto,0]
+//                    [--quant-min-blocks 2,3]
+// --quantizing: quantizing items in the quantizing kernel (auto: where a launch has any, as
+// HasQuantizing; 0: in the copy kernel, as before it); --quant-min-blocks: its register plan.
+// Each line also gives the bytes the launches must read and write (a quantized weight's source
+// once, its codes and scales; a copy's both ends) and the time that traffic takes at the rate of
+// the device-to-device copy of the same run (which reads and writes `bytes`): the memory bound.
 #include <algorithm>
 #include <cstdio>
 #include <cstring>
@@ -63,7 +71,22 @@ struct Options {
   // The launch's shape (CopyLaunchShape): batch caps (0: each kernel's default), warps to fill,
   // blocks at most this many per SM (0: LaunchCopyItems' cap of 4096).
   std::vector<int64_t> batch_caps = {0}, fill_warps = {8192}, blocks_per_sm = {0};
+  std::vector<int> quantizing = {-1};  // -1: auto (HasQuantizing), 0: never
+  std::vector<int64_t> quant_min_blocks = {2};
 };
+
+// Bytes an item must read and write at least: a kScale item's source is its kQuantize item's.
+void ItemTraffic(const CopyItem& it, int64_t* read, int64_t* written) {
+  const int ss = DTypeSize(static_cast<DType>(it.src_dtype)),
+            ds = DTypeSize(static_cast<DType>(it.dst_dtype));
+  if (it.op == static_cast<uint8_t>(CopyOp::kScale)) {
+    *written += (it.count[2] + it.block_rows - 1) / it.block_rows * it.segments * ds;
+    return;
+  }
+  const int64_t elements = it.Rows() * it.inner;
+  *read += elements * ss;
+  *written += elements * ds;
+}
 
 int Run(const std::string& src_path, const std::string& dst_path, const Options& o) {
   auto src = ReadLayoutFile(src_path, "source");
@@ -102,7 +125,9 @@ int Run(const std::string& src_path, const std::string& dst_path, const Options&
       int64_t units = 0, tiled_units = 0;
       bool spread = false;  // as the cuda backend launches it (SpreadPays), unless --spread
       bool aligned = false;  // AlignedOnly: the aligned kernel, as the cuda backend launches it
+      bool has_quantizing = false;
     };
+    int64_t read_bytes = 0, written_bytes = 0;
     std::vector<Launch> launches;
     auto add = [&](const CopyWork& w) {
       if (w.items.empty()) return;
@@ -115,7 +140,11 @@ int Run(const std::string& src_path, const std::string& dst_path, const Options&
       st.units = w.unit_begin.back();
       st.spread = spread < 0 ? SpreadPays(w) : spread == 1;
       st.aligned = o.aligned_kernel && AlignedOnly(w);
-      for (const CopyItem& it : w.items) st.tiled_units += it.tiled ? it.Units() : 0;
+      st.has_quantizing = HasQuantizing(w);
+      for (const CopyItem& it : w.items) {
+        st.tiled_units += it.tiled ? it.Units() : 0;
+        ItemTraffic(it, &read_bytes, &written_bytes);
+      }
     };
     for (int s = 0; s < kMaxStages; ++s) {
       CopyWork w;
@@ -138,38 +167,59 @@ int Run(const std::string& src_path, const std::string& dst_path, const Options&
     for (int64_t batch_cap : o.batch_caps) {
      for (int64_t fill : o.fill_warps) {
       for (int64_t per_sm : o.blocks_per_sm) {
-    auto shape_of = [&](const Launch& st) {
-      CopyLaunchShape shape = DefaultCopyLaunchShape(st.aligned);
-      if (batch_cap > 0) shape.max_batch = static_cast<int>(batch_cap);
-      shape.warps_to_fill = fill;
-      if (per_sm > 0) shape.max_blocks = static_cast<int>(per_sm * sms);
-      return shape;
-    };
-    std::vector<float> tk, tc;
-    for (int r = 0; r < o.repeat + 3; ++r) {
-      const float k = TimeMs(stream, [&] {
-        for (const Launch& st : launches) {
-          REFIT_CUDA_CHECK(LaunchCopyItemsShaped(static_cast<CopyItem*>(st.items->get()),
-                                                 static_cast<int64_t*>(st.begin->get()), st.n, st.units, stream,
-                                                 st.spread, st.aligned, shape_of(st)));
-        }
-      });
-      const float c = TimeMs(stream, [&] {
-        REFIT_CUDA_CHECK(cudaMemcpyAsync(b.get(), a.get(), static_cast<size_t>(bytes), cudaMemcpyDeviceToDevice, stream));
-      });
-      if (r >= 3) tk.push_back(k), tc.push_back(c);
-    }
-    std::printf("{\"bench\":\"local_copy_kernel\",\"src\":\"%s\",\"bytes\":%lld,\"items\":%lld,\"units\":%lld,"
-                "\"tiled_units\":%lld,\"segment_bytes\":%lld,\"tile_run_bytes\":%lld,\"split\":%d,\"launches\":%zu,"
+        for (int quantizing : o.quantizing) {
+          for (int64_t quant_min_blocks : o.quant_min_blocks) {
+            auto shape_of = [&](const Launch& st) {
+              CopyLaunchShape shape = DefaultCopyLaunchShape(st.aligned);
+              if (batch_cap > 0) shape.max_batch = static_cast<int>(batch_cap);
+              shape.warps_to_fill = fill;
+              if (per_sm > 0) shape.max_blocks = static_cast<int>(per_sm * sms);
+              shape.quant_min_blocks = static_cast<int>(quant_min_blocks);
+              return shape;
+            };
+            std::vector<float> tk, tc;
+            float bound_ms = 0;
+            for (int r = 0; r < o.repeat + 3; ++r) {
+              const float k = TimeMs(stream, [&] {
+                for (const Launch& st : launches) {
+                  REFIT_CUDA_CHECK(LaunchCopyItemsShaped(
+                      static_cast<CopyItem*>(st.items->get()),
+                      static_cast<int64_t*>(st.begin->get()), st.n, st.units, stream, st.spread,
+                      st.aligned, shape_of(st), nullptr, 0, quantizing != 0 && st.has_quantizing));
+                }
+              });
+              const float c = TimeMs(stream, [&] {
+                REFIT_CUDA_CHECK(cudaMemcpyAsync(b.get(), a.get(), static_cast<size_t>(bytes),
+                                                 cudaMemcpyDeviceToDevice, stream));
+              });
+              if (r >= 3) tk.push_back(k), tc.push_back(c);
+            }
+            // The copy read and wrote `bytes` in Median(tc): the same rate for the launches'
+            // traffic.
+            bound_ms = static_cast<float>(static_cast<double>(read_bytes + written_bytes) /
+                                          (2.0 * bytes) * Median(tc));
+            std::printf(
+                "{\"bench\":\"local_copy_kernel\",\"src\":\"%s\",\"bytes\":%lld,\"items\":%lld,"
+                "\"units\":%lld,"
+                "\"tiled_units\":%lld,\"segment_bytes\":%lld,\"tile_run_bytes\":%lld,\"split\":%d,"
+                "\"launches\":%zu,"
                 "\"spread\":\"%s\",\"aligned_kernel\":%s,\"batch_cap\":%lld,\"fill_warps\":%lld,"
-                "\"blocks_per_sm\":%lld,\"runs\":%d,\"kernel_ms\":%.4f,"
-                "\"memcpy_d2d_ms\":%.4f,\"kernel_vs_memcpy\":%.3f}\n",
-                src_path.c_str(), (long long)bytes, (long long)items, (long long)units, (long long)tiled_units,
-                (long long)segment, (long long)tile_run, split, launches.size(),
+                "\"blocks_per_sm\":%lld,\"quantizing\":\"%s\",\"quant_min_blocks\":%lld,\"runs\":%"
+                "d,\"kernel_ms\":%.4f,"
+                "\"memcpy_d2d_ms\":%.4f,\"kernel_vs_memcpy\":%.3f,\"read_bytes\":%lld,\"written_"
+                "bytes\":%lld,"
+                "\"traffic_bound_ms\":%.4f,\"of_traffic_bound\":%.3f}\n",
+                src_path.c_str(), (long long)bytes, (long long)items, (long long)units,
+                (long long)tiled_units, (long long)segment, (long long)tile_run, split,
+                launches.size(),
                 spread < 0 ? (spread_used ? "auto:1" : "auto:0") : (spread ? "1" : "0"),
-                aligned_used ? "true" : "false", (long long)batch_cap, (long long)fill, (long long)per_sm, o.repeat,
-                Median(tk), Median(tc), Median(tc) / Median(tk));
-    std::fflush(stdout);
+                aligned_used ? "true" : "false", (long long)batch_cap, (long long)fill,
+                (long long)per_sm, quantizing != 0 ? "auto" : "0", (long long)quant_min_blocks,
+                o.repeat, Median(tk), Median(tc), Median(tc) / Median(tk), (long long)read_bytes,
+                (long long)written_bytes, bound_ms, bound_ms / Median(tk));
+            std::fflush(stdout);
+          }
+        }
       }
      }
     }
@@ -204,7 +254,13 @@ int main(int argc, char** argv) {
     else if (flag == "--batch-caps") o.batch_caps = list(value);
     else if (flag == "--fill-warps") o.fill_warps = list(value);
     else if (flag == "--blocks-per-sm") o.blocks_per_sm = list(value);
-    else if (flag == "--split") {
+    else if (flag == "--quant-min-blocks")
+      o.quant_min_blocks = list(value);
+    else if (flag == "--quantizing") {
+      o.quantizing.clear();
+      for (absl::string_view s : absl::StrSplit(value, ','))
+        o.quantizing.push_back(s == "0" ? 0 : -1);
+    } else if (flag == "--split") {
       o.splits.clear();
       for (int64_t v : list(value)) o.splits.push_back(v != 0);
     } else if (flag == "--aligned-kernel") {
@@ -214,11 +270,17 @@ int main(int argc, char** argv) {
       for (absl::string_view s : absl::StrSplit(value, ',')) o.spreads.push_back(s == "auto" ? -1 : s == "1" ? 1 : 0);
     }
   }
-  if (src.empty() || dst.empty() || o.segments.empty() || o.spreads.empty() || o.tile_run_bytes.empty() || o.splits.empty() ||
-      o.batch_caps.empty() || o.fill_warps.empty() || o.blocks_per_sm.empty()) {
-    std::fprintf(stderr, "usage: local_copy_bench --src T.json --dst I.json [--repeat N] [--segments B,B,...] [--spread auto,0,1] "
-                         "[--aligned-kernel 0|1] [--tile-run-bytes B,B,...] [--split 0,1] [--batch-caps N,...] "
-                         "[--fill-warps N,...] [--blocks-per-sm N,...]\n");
+  if (src.empty() || dst.empty() || o.segments.empty() || o.spreads.empty() ||
+      o.tile_run_bytes.empty() || o.splits.empty() || o.batch_caps.empty() ||
+      o.fill_warps.empty() || o.blocks_per_sm.empty() || o.quantizing.empty() ||
+      o.quant_min_blocks.empty()) {
+    std::fprintf(
+        stderr,
+        "usage: local_copy_bench --src T.json --dst I.json [--repeat N] [--segments B,B,...] "
+        "[--spread auto,0,1] "
+        "[--aligned-kernel 0|1] [--tile-run-bytes B,B,...] [--split 0,1] [--batch-caps N,...] "
+        "[--fill-warps N,...] [--blocks-per-sm N,...] [--quantizing auto,0] [--quant-min-blocks "
+        "2,3]\n");
     return 2;
   }
   return refit::Run(src, dst, o);

@@ -78,7 +78,10 @@ int Fail(const grpc::Status& s) {
 class Endpoints {
  public:
   Endpoints(std::vector<std::string> addresses, double timeout_s, const TlsConfig& tls)
-      : addresses_(std::move(addresses)), timeout_s_(timeout_s), tls_(tls) {}
+      : addresses_(std::move(addresses)),
+        timeout_s_(timeout_s),
+        tls_(tls),
+        tls_enabled_(tls.enabled()) {}
 
   template <typename Request, typename Response, typename Method>
   grpc::Status Call(Method method, const Request& request, Response* response, bool deadline = true) {
@@ -89,9 +92,26 @@ class Endpoints {
       auto stub = v1::RefitControl::NewStub(Channel(a));
       last = (stub.get()->*method)(&ctx, request, response);
       if (last.error_code() != grpc::StatusCode::UNAVAILABLE) return last;
+      last = ExplainClosed(a, last);
       if (addresses_.size() > 1) std::fprintf(stderr, "refitctl: %s unreachable: %s\n", a.c_str(), last.error_message().c_str());
     }
     return last;
+  }
+  // gRPC says "Socket closed" both for a daemon that stopped and for one with TLS that hung up on
+  // a caller it does not accept: name both.
+  grpc::Status ExplainClosed(const std::string& address, const grpc::Status& s) const {
+    if (absl::StartsWith(address, "unix:") ||
+        !absl::StrContains(s.error_message(), "Socket closed"))
+      return s;
+    return grpc::Status(
+        s.error_code(),
+        absl::StrCat(
+            s.error_message(), " (", address,
+            " closed the connection: the daemon stopped, or it uses TLS and ",
+            tls_enabled_
+                ? "does not accept this certificate (its CA, its names)"
+                : "this call brought no certificate: give --tls-cert, --tls-key and --tls-ca",
+            ")"));
   }
   const std::vector<std::string>& addresses() const { return addresses_; }
   // TLS to TCP addresses when configured; the unix socket is local (its file mode guards it).
@@ -107,6 +127,7 @@ class Endpoints {
   const std::vector<std::string> addresses_;
   const double timeout_s_;
   const GrpcTls tls_;
+  const bool tls_enabled_;
 };
 
 std::string Human(int64_t b) {

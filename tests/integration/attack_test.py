@@ -158,6 +158,12 @@ class AttackSuite(unittest.TestCase):
         self.channels.append(anonymous)
         self.assertEqual(code_of(lambda: _rpc.Stub(anonymous, "RefitControl").Status(status, timeout=5)),
                          grpc.StatusCode.UNAVAILABLE)
+        # refitctl without a certificate says why the daemon hung up, not only "Socket closed".
+        bare = {k: v for k, v in os.environ.items() if not k.startswith("REFIT_TLS_")}
+        out = subprocess.run([harness.binary("refitctl"), "--daemon", control, "status"], capture_output=True,
+                             text=True, timeout=60, env=bare)
+        self.assertNotEqual(out.returncode, 0)
+        self.assertIn("give --tls-cert, --tls-key and --tls-ca", out.stderr)
         rogue = self.stub(control, "RefitControl", "refit-operator", rogue=True)
         self.assertEqual(code_of(lambda: rogue.Refit(refit_request, timeout=5)), grpc.StatusCode.UNAVAILABLE)
         intruder = self.stub(control, "RefitControl", "intruder")

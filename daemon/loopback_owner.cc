@@ -54,7 +54,8 @@ Raw RawOf(const Endpoint& e, bool unmap) {
   return r;
 }
 
-constexpr uint8_t kTcpEstablished = 1;  // include/net/tcp_states.h
+// include/net/tcp_states.h
+constexpr uint8_t kTcpEstablished = 1, kTcpSynRecv = 3, kTcpNewSynRecv = 12;
 
 // One exact lookup (inet_diag_find_one_icsk): the socket whose own address is `local`.
 absl::StatusOr<uint32_t> AskKernel(const Raw& local, const Raw& remote) {
@@ -110,6 +111,10 @@ absl::StatusOr<uint32_t> AskKernel(const Raw& local, const Raw& remote) {
       // A socket its process closed is a kernel remnant (TIME_WAIT, or FIN_WAIT2 kept as one)
       // that reports uid 0, whoever made it: a sender that connects, writes and closes must not
       // pass for root. Only an open connection's owner counts.
+      if (found->idiag_state == kTcpSynRecv || found->idiag_state == kTcpNewSynRecv) {
+        // A listener's side of a connection just made: not yet a socket of its own.
+        return absl::FailedPreconditionError("its socket is still being set up");
+      }
       if (found->idiag_state != kTcpEstablished) {
         return absl::AbortedError(absl::StrCat("its socket is no longer open (TCP state ",
                                                static_cast<int>(found->idiag_state), ")"));
@@ -286,8 +291,15 @@ absl::StatusOr<uint32_t> OwnerOfPeer(int fd) {
     return absl::InvalidArgumentError(
         absl::StrCat("not a connected socket: ", std::strerror(errno)));
   }
-  // The other end's socket has the two addresses the other way round.
-  return OwnerOfSocket(peer, self);
+  // The other end's socket has the two addresses the other way round. The listener's end of a
+  // connection this side just made may still be in the handshake's last step: asked again a
+  // few times, a millisecond apart.
+  absl::StatusOr<uint32_t> owner = OwnerOfSocket(peer, self);
+  for (int i = 0; i < 50 && absl::IsFailedPrecondition(owner.status()); ++i) {
+    usleep(1000);
+    owner = OwnerOfSocket(peer, self);
+  }
+  return owner;
 }
 
 LoopbackUsers::LoopbackUsers(bool admit_remote)

@@ -47,9 +47,10 @@ std::vector<Endpoint> ListenerAddresses(absl::string_view configured, int port);
 // The uid that owns the socket whose own address is `local` and whose peer is `remote` (the
 // kernel's view of that socket). NOT_FOUND when this host has none (the other end is another
 // host's); ABORTED when it is no longer open (its process closed it: the kernel then reports
-// uid 0 for it).
+// uid 0 for it); FAILED_PRECONDITION while it is still in the handshake (a listener's end).
 absl::StatusOr<uint32_t> OwnerOfSocket(const Endpoint& local, const Endpoint& remote);
-// The uid that owns the other end of the connected socket `fd`.
+// The uid that owns the other end of the connected socket `fd` (waiting up to 50 ms for a
+// listener's end still in the handshake).
 absl::StatusOr<uint32_t> OwnerOfPeer(int fd);
 
 // Who may reach a daemon's TCP ports without TLS: its own effective uid and root (which can read

@@ -12,7 +12,6 @@
 #include <functional>
 #include <optional>
 #include <string>
-#include <thread>
 #include <utility>
 
 #include "daemon/socket.h"
@@ -84,27 +83,79 @@ TEST_CASE("a gRPC peer string is looked up against the daemon's listeners") {
   CHECK(others.CheckGrpcPeer("unix:/tmp/x.sock", "Status").ok());
 }
 
-TEST_CASE("a connection made by another user is owned by that user") {
-  if (geteuid() != 0) {
-    // Only root can make a process of another uid; the cases above still run.
-    WARN("not root: the other-user case needs setuid");
-    return;
+// A non-loopback address of this host, if it has one.
+std::optional<std::string> RoutableAddress() {
+  ifaddrs* all = nullptr;
+  if (getifaddrs(&all) != 0) return std::nullopt;
+  std::optional<std::string> found;
+  for (ifaddrs* a = all; a != nullptr && !found; a = a->ifa_next) {
+    if (a->ifa_addr == nullptr || a->ifa_addr->sa_family != AF_INET) continue;
+    char ip[INET_ADDRSTRLEN];
+    inet_ntop(AF_INET, &reinterpret_cast<sockaddr_in*>(a->ifa_addr)->sin_addr, ip, sizeof ip);
+    if (std::string(ip).rfind("127.", 0) != 0) found = ip;
   }
-  auto l = TcpListen("127.0.0.1:0");
-  REQUIRE(l.ok());
-  const std::string address = l->second;
+  freeifaddrs(all);
+  return found;
+}
+
+// `body` in a child process running as uid 65534 (its result the exit code); the child's pid.
+// The test's assertions stay in the parent: the child only connects.
+pid_t StartAsNobody(const std::function<int()>& body) {
   const pid_t child = fork();
   REQUIRE(child >= 0);
   if (child == 0) {
     if (setgid(65534) != 0 || setuid(65534) != 0) _exit(2);
-    auto c = TcpConnect(address, absl::Now() + absl::Seconds(5));
-    if (!c.ok()) _exit(3);
-    // Open until the parent closes (the socket is non-blocking: wait for the end first).
-    pollfd p{c->get(), POLLIN, 0};
-    while (poll(&p, 1, 10000) < 0 && errno == EINTR) {
-    }
-    _exit(0);
+    _exit(body());
   }
+  return child;
+}
+
+// The child's exit code (100 if it did not exit).
+int ExitCodeOf(pid_t child) {
+  int status = 0;
+  REQUIRE(waitpid(child, &status, 0) == child);
+  return WIFEXITED(status) ? WEXITSTATUS(status) : 100;
+}
+
+// A blocking connection from `from` (an IP and port; port 0: any) to `to`, bound with
+// SO_REUSEADDR (as gRPC's client sockets are); -1 on failure.
+int ConnectFrom(const std::string& from, const std::string& to) {
+  auto dst = ParseHostPort(to);
+  auto src = ParseHostPort(from);
+  if (!dst.ok() || !src.ok()) return -1;
+  const int fd = socket(AF_INET, SOCK_STREAM, 0);
+  const int one = 1;
+  setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof one);
+  if (bind(fd, reinterpret_cast<const sockaddr*>(&src->address), sizeof(sockaddr_in)) != 0 ||
+      connect(fd, reinterpret_cast<const sockaddr*>(&dst->address), sizeof(sockaddr_in)) != 0) {
+    close(fd);
+    return -1;
+  }
+  return fd;
+}
+
+// Connects from `from` to `to` and keeps the connection until the parent closes its end.
+int ConnectAndHold(const std::string& from, const std::string& to) {
+  const int fd = ConnectFrom(from, to);
+  if (fd < 0) return 3;
+  pollfd p{fd, POLLIN, 0};
+  while (poll(&p, 1, 10000) < 0 && errno == EINTR) {
+  }
+  return 0;
+}
+
+bool Root() {
+  if (geteuid() == 0) return true;
+  // Only root can make a process of another uid; the cases without one still run.
+  WARN("not root: the other-user cases need setuid");
+  return false;
+}
+
+TEST_CASE("a connection made by another user is owned by that user") {
+  if (!Root()) return;
+  auto l = TcpListen("127.0.0.1:0");
+  REQUIRE(l.ok());
+  const pid_t child = StartAsNobody([&] { return ConnectAndHold("127.0.0.1:0", l->second); });
   auto s = TcpAccept(l->first);
   REQUIRE(s.ok());
   auto owner = OwnerOfPeer(s->get());
@@ -114,34 +165,20 @@ TEST_CASE("a connection made by another user is owned by that user") {
   CHECK(absl::IsPermissionDenied(refused));
   CHECK(refused.message().find("uid 65534") != std::string::npos);
   s->Close();
-  int status = 0;
-  REQUIRE(waitpid(child, &status, 0) == child);
-  CHECK(WIFEXITED(status));
-  CHECK(WEXITSTATUS(status) == 0);
+  CHECK(ExitCodeOf(child) == 0);
 }
 
 TEST_CASE("a sender that writes and closes before the lookup is not taken for root") {
-  if (geteuid() != 0) {
-    WARN("not root: the other-user case needs setuid");
-    return;
-  }
+  if (!Root()) return;
   auto l = TcpListen("127.0.0.1:0");
   REQUIRE(l.ok());
-  const std::string address = l->second;
-  const pid_t child = fork();
-  REQUIRE(child >= 0);
-  if (child == 0) {
-    if (setgid(65534) != 0 || setuid(65534) != 0) _exit(2);
-    auto c = TcpConnect(address, absl::Now() + absl::Seconds(5));
-    if (!c.ok()) _exit(3);
+  const pid_t child = StartAsNobody([&] {
+    const int fd = ConnectFrom("127.0.0.1:0", l->second);
     const char payload[] = "frame";
-    if (write(c->get(), payload, sizeof payload) != sizeof payload) _exit(4);
-    _exit(0);  // closes: its socket becomes a kernel remnant that reports uid 0
-  }
-  int status = 0;
-  REQUIRE(waitpid(child, &status, 0) == child);
-  REQUIRE(WIFEXITED(status));
-  REQUIRE(WEXITSTATUS(status) == 0);
+    if (fd < 0 || write(fd, payload, sizeof payload) != sizeof payload) return 4;
+    return 0;  // exits: its socket becomes a kernel remnant that reports uid 0
+  });
+  REQUIRE(ExitCodeOf(child) == 0);
   auto s = TcpAccept(l->first);
   REQUIRE(s.ok());
   CHECK(absl::IsAborted(OwnerOfPeer(s->get()).status()));
@@ -190,57 +227,8 @@ TEST_CASE("addresses: loopback, parsing, non-loopback ends") {
   CHECK(ListenerAddresses("0.0.0.0:0", 7).size() >= 2);
 }
 
-// A non-loopback address of this host, if it has one.
-std::optional<std::string> RoutableAddress() {
-  ifaddrs* all = nullptr;
-  if (getifaddrs(&all) != 0) return std::nullopt;
-  std::optional<std::string> found;
-  for (ifaddrs* a = all; a != nullptr && !found; a = a->ifa_next) {
-    if (a->ifa_addr == nullptr || a->ifa_addr->sa_family != AF_INET) continue;
-    char ip[INET_ADDRSTRLEN];
-    inet_ntop(AF_INET, &reinterpret_cast<sockaddr_in*>(a->ifa_addr)->sin_addr, ip, sizeof ip);
-    if (std::string(ip).rfind("127.", 0) != 0) found = ip;
-  }
-  freeifaddrs(all);
-  return found;
-}
-
-// Runs `body` in a child process as uid 65534; its exit code.
-int AsNobody(const std::function<int()>& body) {
-  const pid_t child = fork();
-  REQUIRE(child >= 0);
-  if (child == 0) {
-    if (setgid(65534) != 0 || setuid(65534) != 0) _exit(2);
-    _exit(body());
-  }
-  int status = 0;
-  REQUIRE(waitpid(child, &status, 0) == child);
-  return WIFEXITED(status) ? WEXITSTATUS(status) : 100;
-}
-
-// Connects from `from` (an IP, port 0) to `to`, keeps the connection until the parent closes it.
-int ConnectAndHold(const std::string& from, const std::string& to) {
-  auto dst = ParseHostPort(to);
-  auto src = ParseHostPort(from);
-  if (!dst.ok() || !src.ok()) return 3;
-  const int fd = socket(AF_INET, SOCK_STREAM, 0);
-  const int one = 1;
-  setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof one);
-  if (bind(fd, reinterpret_cast<const sockaddr*>(&src->address), sizeof(sockaddr_in)) != 0)
-    return 4;
-  if (connect(fd, reinterpret_cast<const sockaddr*>(&dst->address), sizeof(sockaddr_in)) != 0)
-    return 5;
-  pollfd p{fd, POLLIN, 0};
-  while (poll(&p, 1, 10000) < 0 && errno == EINTR) {
-  }
-  return 0;
-}
-
 TEST_CASE("another user connecting from the host's own routable address is still that user") {
-  if (geteuid() != 0) {
-    WARN("not root: the other-user case needs setuid");
-    return;
-  }
+  if (!Root()) return;
   const std::optional<std::string> routable = RoutableAddress();
   if (!routable) {
     WARN("this host has no routable IPv4 address");
@@ -248,9 +236,7 @@ TEST_CASE("another user connecting from the host's own routable address is still
   }
   auto l = TcpListen("127.0.0.1:0");
   REQUIRE(l.ok());
-  const std::string address = l->second;
-  std::thread child(
-      [&] { CHECK(AsNobody([&] { return ConnectAndHold(*routable + ":0", address); }) == 0); });
+  const pid_t child = StartAsNobody([&] { return ConnectAndHold(*routable + ":0", l->second); });
   auto s = TcpAccept(l->first);
   REQUIRE(s.ok());
   auto owner = OwnerOfPeer(s->get());
@@ -260,38 +246,26 @@ TEST_CASE("another user connecting from the host's own routable address is still
   CHECK(absl::IsPermissionDenied(
       LoopbackUsers(/*admit_remote=*/true).CheckPeer(s->get(), "data connection")));
   s->Close();
-  child.join();
+  CHECK(ExitCodeOf(child) == 0);
 }
 
 TEST_CASE(
     "a caller that binds another user's address and port to reach another listener is refused") {
-  if (geteuid() != 0) {
-    WARN("not root: the other-user case needs setuid");
-    return;
-  }
+  if (!Root()) return;
   // Root's connection 127.0.0.1:X -> listener A; nobody binds 127.0.0.1:X (SO_REUSEADDR) and
   // connects to listener B. A call on B names only "127.0.0.1:X".
   auto a = TcpListen("127.0.0.1:0");
   auto b = TcpListen("127.0.0.1:0");
   REQUIRE(a.ok());
   REQUIRE(b.ok());
-  const int mine = socket(AF_INET, SOCK_STREAM, 0);
-  const int one = 1;
-  setsockopt(mine, SOL_SOCKET, SO_REUSEADDR, &one, sizeof one);
-  auto any = ParseHostPort("127.0.0.1:0");
-  REQUIRE(bind(mine, reinterpret_cast<const sockaddr*>(&any->address), sizeof(sockaddr_in)) == 0);
-  auto to_a = ParseHostPort(a->second);
-  REQUIRE(connect(mine, reinterpret_cast<const sockaddr*>(&to_a->address), sizeof(sockaddr_in)) ==
-          0);
-  Fd mine_fd(mine);
+  Fd mine(ConnectFrom("127.0.0.1:0", a->second));
+  REQUIRE(mine.valid());
   Endpoint source;
   socklen_t len = sizeof source.address;
-  REQUIRE(getsockname(mine, reinterpret_cast<sockaddr*>(&source.address), &len) == 0);
+  REQUIRE(getsockname(mine.get(), reinterpret_cast<sockaddr*>(&source.address), &len) == 0);
   auto accepted_a = TcpAccept(a->first);
   REQUIRE(accepted_a.ok());
-  const std::string b_address = b->second;
-  std::thread child(
-      [&] { CHECK(AsNobody([&] { return ConnectAndHold(source.ToString(), b_address); }) == 0); });
+  const pid_t child = StartAsNobody([&] { return ConnectAndHold(source.ToString(), b->second); });
   auto accepted_b = TcpAccept(b->first);
   REQUIRE(accepted_b.ok());
   LoopbackUsers users;
@@ -301,7 +275,7 @@ TEST_CASE(
   CHECK(absl::IsPermissionDenied(s));
   CHECK(std::string(s.message()).find("uid 65534") != std::string::npos);
   accepted_b->Close();
-  child.join();
+  CHECK(ExitCodeOf(child) == 0);
 }
 
 }  // namespace

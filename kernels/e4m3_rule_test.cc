@@ -7,29 +7,17 @@
 // saturates to +-448. Here that rule is computed in double arithmetic, a way independent of
 // FloatToE4M3's bit manipulation, and compared with it for every finite fp32 pattern.
 // copy_kernels_test checks the instruction itself against the kernel's port on a GPU.
+#include <bit>
 #include <catch2/catch.hpp>
 #include <cfenv>
 #include <cmath>
 #include <cstdint>
-#include <cstring>
 
 #include "plan/convert.h"
 #include "plan/fp8_block.h"
 
 namespace refit {
 namespace {
-
-float FromBits(uint32_t u) {
-  float f;
-  std::memcpy(&f, &u, 4);
-  return f;
-}
-
-uint32_t Bits(float f) {
-  uint32_t u;
-  std::memcpy(&u, &f, 4);
-  return u;
-}
 
 // The documented rule for a finite v: the e4m3 code of v rounded to nearest even, saturated.
 uint8_t SaturatingRoundToE4M3(float v) {
@@ -57,13 +45,13 @@ TEST_CASE("FloatToE4M3 is the hardware's saturating round to nearest even for ev
   for (uint64_t b = 0; b <= 0xFFFFFFFFull; ++b) {
     const uint32_t u = static_cast<uint32_t>(b);
     if ((u & 0x7F800000u) == 0x7F800000u) continue;  // inf and NaN never reach the instruction
-    const float v = FromBits(u);
+    const float v = std::bit_cast<float>(u);
     ++checked;
     if (FloatToE4M3(v) != SaturatingRoundToE4M3(v) && wrong++ == 0) first = u;
   }
   INFO(wrong << " of " << checked << " differ, the first 0x" << std::hex << first
-             << ": FloatToE4M3 " << int{FloatToE4M3(FromBits(first))} << ", the rule "
-             << int{SaturatingRoundToE4M3(FromBits(first))});
+             << ": FloatToE4M3 " << int{FloatToE4M3(std::bit_cast<float>(first))} << ", the rule "
+             << int{SaturatingRoundToE4M3(std::bit_cast<float>(first))});
   REQUIRE(checked == 0xFF000000ull);
   REQUIRE(wrong == 0);
   // The rule itself on values whose codes are known.
@@ -92,7 +80,7 @@ TEST_CASE(
     for (uint32_t h = 0; h <= 0xFFFF; ++h) {
       const float x = BF16ToFloat(static_cast<uint16_t>(h));
       if (std::isnan(x)) continue;  // encoded from its own bits, never divided
-      wrong += Bits(x / scale) != Bits(x * inverse);
+      wrong += std::bit_cast<uint32_t>(x / scale) != std::bit_cast<uint32_t>(x * inverse);
     }
   }
   REQUIRE(wrong == 0);

@@ -28,7 +28,7 @@ from refit.dtypes import ELEMENT_BYTES  # noqa: E402
 from refit._proto import layout_pb2, refit_pb2  # noqa: E402
 from refit.tls import TlsFiles  # noqa: E402
 
-from e2e_lib import Reports, layouts, names, start_python  # noqa: E402
+from e2e_lib import Reports, commit_checked, data_address, layouts, names, start_python  # noqa: E402
 
 F_GET_SEALS = 1034
 F_SEAL_SHRINK = 0x0002
@@ -106,13 +106,7 @@ class AttackSuite(unittest.TestCase):
     def refit_still_works(self):
         """A legitimate round commits and every engine checked every byte of it."""
         type(self).version += 1
-        v = self.version
-        stats = self.ctl.refit("policy", v, timeout=60)
-        self.assertTrue(stats.committed, stats)
-        for key in self.engines:
-            self.reports.wait(key, f"commit {v} ")
-            last = [l for l in self.reports.lines(key) if l.startswith(f"commit {v} ")][-1]
-            self.assertIn(" ok ", last, f"{key}: {last}")
+        commit_checked(self, self.ctl, self.reports, self.engines, self.version)
 
     def daemon(self, node):
         return self.cluster.daemons[node]
@@ -121,10 +115,9 @@ class AttackSuite(unittest.TestCase):
         return self.daemon(node).worker_address
 
     def data_address(self, node):
-        text = open(self.daemon(node).log, errors="replace").read()
-        found = re.findall(r"data plane (\S+) \(host\)", text)
-        self.assertTrue(found, "the daemon logs its data plane address")
-        return found[-1]
+        address = data_address(self.daemon(node))
+        self.assertIsNotNone(address, "the daemon logs its data plane address")
+        return address
 
     def register_by_hand(self, node, group, name, role=refit_pb2.TRAINER, fds=None, shm=None, worker=None,
                          tensors=None):

@@ -19,7 +19,7 @@ import harness
 sys.path.insert(0, os.path.dirname(harness.HERE))
 import refit  # noqa: E402
 
-from e2e_lib import Reports, layouts, names, start_python  # noqa: E402
+from e2e_lib import Reports, commit_checked, data_address, layouts, names, start_python  # noqa: E402
 
 NOBODY = 65534
 
@@ -112,21 +112,12 @@ class SharedHostSuite(unittest.TestCase):
 
     def refit_still_works(self):
         type(self).version += 1
-        v = self.version
-        stats = self.ctl.refit("policy", v, timeout=60)
-        self.assertTrue(stats.committed, stats)
-        for key in self.engines:
-            self.reports.wait(key, f"commit {v} ")
-            last = [l for l in self.reports.lines(key) if l.startswith(f"commit {v} ")][-1]
-            self.assertIn(" ok ", last, f"{key}: {last}")
+        commit_checked(self, self.ctl, self.reports, self.engines, self.version)
 
     def data_address(self, node):
-        with open(self.cluster.daemons[node].log, errors="replace") as f:
-            text = f.read()
-        found = [w for line in text.splitlines() if "data plane" in line and "(host)" in line
-                 for w in [line.split("data plane ", 1)[1].split(" ", 1)[0]]]
-        self.assertTrue(found, "the daemon logs its data plane address")
-        return found[-1]
+        address = data_address(self.cluster.daemons[node])
+        self.assertIsNotNone(address, "the daemon logs its data plane address")
+        return address
 
     def as_nobody(self, control, data):
         def drop():

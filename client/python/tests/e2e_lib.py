@@ -2,6 +2,7 @@
 (pattern_worker.py, sim-worker) started against a harness.Cluster, and their report files."""
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -63,3 +64,21 @@ def start_sim(cluster, key, node, role, layout, worker):
     return cluster.spawn([harness.binary("sim-worker"), "--daemon", cluster.daemons[node].worker_address,
                           "--group", "policy", "--role", role, "--layout", layout, "--worker", worker,
                           "--report", os.path.join(cluster.dir, f"{key}.report")], key)
+
+
+def commit_checked(test, ctl, reports, engines, version):
+    """Refits group "policy" to `version` and asserts that the round committed and that every
+    engine of `engines` (report keys) checked every byte of it ("commit V ok ...")."""
+    stats = ctl.refit("policy", version, timeout=60)
+    test.assertTrue(stats.committed, stats)
+    for key in engines:
+        reports.wait(key, f"commit {version} ")
+        last = [l for l in reports.lines(key) if l.startswith(f"commit {version} ")][-1]
+        test.assertIn(" ok ", last, f"{key}: {last}")
+
+
+def data_address(daemon):
+    """The host data plane's address a harness.Daemon logged; None if it logged none."""
+    with open(daemon.log, errors="replace") as f:
+        found = re.findall(r"data plane (\S+) \(host\)", f.read())
+    return found[-1] if found else None

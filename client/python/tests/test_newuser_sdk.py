@@ -18,6 +18,8 @@ from refit.layouts import RankPlacement, dtensor  # noqa: E402
 
 import torch  # noqa: E402
 
+from sdk_cluster import ArenaCluster  # noqa: E402
+
 # One 8x4 fp32 tensor, rows over two ranks on either side, as docs/PYTHON.md describes them.
 SPECS = {"w": ((8, 4), torch.float32, ["S(0)"])}
 
@@ -31,26 +33,10 @@ def engine_layout(replica):
                                   placement=RankPlacement(first_node=1), replica=replica)
 
 
-class Cluster(unittest.TestCase):
-    def setUp(self):
-        self.cluster = harness.Cluster(nodes=2)
-        self.ctl = refit.Controller(self.cluster.control)
-        self.arena = refit.SharedArena(1 << 16)
-        self.workers = []
-
-    def tearDown(self):
-        for w in self.workers:
-            w.close()
-        self.ctl.close()
-        self.cluster.close()
-        self.arena.close()
-
+class Cluster(ArenaCluster):
     def worker(self, node, role, layout, name, fill=0.0):
-        shape = next(tuple(b["shape"]) for w in layout["workers"] if w["name"] == name for b in w["buffers"])
-        t = self.arena.empty(shape, torch.float32).fill_(fill)
-        w = refit.Worker(self.cluster.daemons[node].worker_address, "g", role, layout, {"w": t}, name=name)
-        self.workers.append(w)
-        return w, t
+        t = self.arena_tensor(layout, name, torch.float32).fill_(fill)
+        return self.register(node, role, layout, name, t), t
 
     def trainers(self):
         layout = trainers_layout()

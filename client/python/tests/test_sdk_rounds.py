@@ -13,6 +13,7 @@ import harness
 sys.path.insert(0, os.path.dirname(harness.HERE))
 import refit  # noqa: E402
 import refit.aio  # noqa: E402
+from sdk_cluster import ArenaCluster  # noqa: E402
 
 try:
     import torch
@@ -37,26 +38,10 @@ ENGINE_TP2 = layout([{"name": f"engine-tp{r}", "node": 1, "gpu": r, "replica": "
                       "replicaSize": 2, "buffers": [rows(4 * r, 4)]} for r in range(2)])
 
 
-class Rounds(unittest.TestCase):
-    def setUp(self):
-        self.cluster = harness.Cluster(nodes=2)
-        self.ctl = refit.Controller(self.cluster.control)
-        self.arena = refit.SharedArena(1 << 16)
-        self.workers = []
-
-    def tearDown(self):
-        for w in self.workers:
-            w.close()
-        self.ctl.close()
-        self.cluster.close()
-        self.arena.close()
-
+class Rounds(ArenaCluster):
     def worker(self, node, role, lay, name, tensor=None, **kw):
-        t = tensor if tensor is not None else self.arena.empty(
-            next(tuple(b["shape"]) for w in lay["workers"] if w["name"] == name for b in w["buffers"]), "fp32")
-        w = refit.Worker(self.cluster.daemons[node].worker_address, "g", role, lay, {"w": t}, name=name, **kw)
-        self.workers.append(w)
-        return w
+        t = tensor if tensor is not None else self.arena_tensor(lay, name, "fp32")
+        return self.register(node, role, lay, name, t, **kw)
 
     def trainers(self, **kw):
         return [self.worker(0, "trainer", TRAINERS, f"rank{r}", **kw) for r in range(2)]

@@ -4,9 +4,15 @@
 #include <cuda_runtime.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cstdio>
 #include <map>
+#include <string>
+#include <utility>
+#include <vector>
 
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
 #include "absl/strings/str_cat.h"
 
 namespace refit {
@@ -145,6 +151,157 @@ absl::Status ExportIpc(const void* pointer, int64_t bytes, int device, const std
   return absl::OkStatus();
 }
 
+// Every VMM allocation exported so far, by base; closes the descriptors not handed on (a
+// failure).
+class ExportedChunks {
+ public:
+  ExportedChunks() = default;
+  ExportedChunks(const ExportedChunks&) = delete;
+  ExportedChunks& operator=(const ExportedChunks&) = delete;
+  ~ExportedChunks() {
+    for (auto& [base, c] : chunks) {
+      if (c.fd >= 0) close(c.fd);
+    }
+  }
+
+  std::map<CUdeviceptr, Chunk> chunks;
+};
+
+// A buffer in VMM memory, placed in its range once the ranges are known.
+struct VmmBuffer {
+  size_t index;
+  CUdeviceptr start, end;
+  std::string what;
+};
+
+// Adjacent allocations on one GPU.
+struct Range {
+  CUdeviceptr start, end;
+  int device;
+};
+
+// What one ExportCudaBuffers call has gathered so far.
+struct ExportState {
+  CudaExport out;
+  ExportedChunks exported;
+  std::vector<VmmBuffer> vmm;
+  bool driver_ready = false;
+};
+
+// Makes the primary context of the GPU that holds `p` current (driver calls act on the current
+// context) and returns that GPU.
+absl::StatusOr<int> MakeBufferDeviceCurrent(const void* p, const std::string& what) {
+  cudaPointerAttributes attributes{};
+  if (cudaPointerGetAttributes(&attributes, p) != cudaSuccess ||
+      attributes.type != cudaMemoryTypeDevice) {
+    cudaGetLastError();
+    return absl::InvalidArgumentError(absl::StrCat(
+        what, " is not device memory: the cuda backend takes buffers allocated on a GPU"));
+  }
+  if (cudaSetDevice(attributes.device) != cudaSuccess || cudaFree(nullptr) != cudaSuccess) {
+    cudaGetLastError();
+    return absl::InternalError(
+        absl::StrCat(what, ": cannot make GPU ", attributes.device, "'s context current"));
+  }
+  return attributes.device;
+}
+
+// Whether `p` lies in CUDA VMM memory (cuMemCreate) rather than a legacy allocation (cudaMalloc).
+bool IsVmmMemory(const void* p) {
+  CUmemGenericAllocationHandle probe = 0;
+  if (cuMemRetainAllocationHandle(&probe, const_cast<void*>(p)) != CUDA_SUCCESS) return false;
+  cuMemRelease(probe);
+  return true;
+}
+
+// Every allocation under [start, end), each exported once however many buffers it holds.
+absl::Status ExportVmmChunks(CUdeviceptr start, CUdeviceptr end, const std::string& what,
+                             std::map<CUdeviceptr, Chunk>& chunks) {
+  for (CUdeviceptr a = start; a < end;) {
+    auto next = chunks.upper_bound(a);
+    if (next != chunks.begin()) {
+      const Chunk& prev = std::prev(next)->second;
+      if (a < prev.base + prev.size) {
+        a = prev.base + prev.size;
+        continue;
+      }
+    }
+    auto c = ExportChunk(a, absl::StrCat(what, " (at offset ", a - start, ")"));
+    if (!c.ok()) return c.status();
+    a = c->base + c->size;
+    chunks[c->base] = *c;
+  }
+  return absl::OkStatus();
+}
+
+// Buffer `i`: an IPC handle for legacy memory; for VMM memory, its allocations exported and the
+// buffer noted, to be placed once every buffer's allocations are known.
+absl::Status ExportBuffer(size_t i, const CudaBufferRef& buffer, ExportState& state) {
+  const std::string what = buffer.name.empty() ? absl::StrCat("buffer ", i)
+                                               : absl::StrCat("buffer \"", buffer.name, "\"");
+  const void* p = buffer.pointer;
+  absl::StatusOr<int> device = MakeBufferDeviceCurrent(p, what);
+  if (!device.ok()) return device.status();
+  if (!state.driver_ready) {
+    if (CUresult r = cuInit(0); r != CUDA_SUCCESS)
+      return absl::InternalError(absl::StrCat("cuInit: ", CuName(r)));
+    state.driver_ready = true;
+  }
+  if (state.out.gpu_uuid.empty()) {
+    auto uuid = CudaDeviceUuid(*device);
+    if (!uuid.ok()) return uuid.status();
+    state.out.gpu_uuid = *uuid;
+  }
+  if (!IsVmmMemory(p)) return ExportIpc(p, buffer.bytes, *device, what, &state.out.memory[i]);
+  const CUdeviceptr start = reinterpret_cast<CUdeviceptr>(p);
+  const CUdeviceptr end = start + static_cast<CUdeviceptr>(std::max<int64_t>(buffer.bytes, 1));
+  if (absl::Status s = ExportVmmChunks(start, end, what, state.exported.chunks); !s.ok()) return s;
+  state.vmm.push_back({i, start, end, what});
+  return absl::OkStatus();
+}
+
+// Hands every exported allocation's descriptor to `out`, adjacent allocations on one GPU forming
+// one range; descriptors in address order.
+absl::StatusOr<std::vector<Range>> HandOverRanges(std::map<CUdeviceptr, Chunk>& chunks,
+                                                  CudaExport& out) {
+  std::vector<Range> ranges;
+  for (auto& [base, c] : chunks) {
+    if (ranges.empty() || ranges.back().end != base || ranges.back().device != c.device) {
+      auto uuid = CudaDeviceUuid(c.device);
+      if (!uuid.ok()) return uuid.status();
+      ranges.push_back({base, base, c.device});
+      v1::VmmRange& r = out.vmm_ranges.emplace_back();
+      r.set_first_fd(static_cast<int32_t>(out.fds.size()));
+      r.set_gpu_uuid(*uuid);
+    }
+    out.vmm_ranges.back().add_chunk_bytes(static_cast<int64_t>(c.size));
+    ranges.back().end = base + c.size;
+    out.fds.push_back(c.fd);
+    c.fd = -1;  // `out` owns it now
+  }
+  return ranges;
+}
+
+// Each VMM buffer's range and its offset there; a buffer may not run past its range.
+absl::Status PlaceVmmBuffers(const std::vector<VmmBuffer>& vmm, const std::vector<Range>& ranges,
+                             CudaExport& out) {
+  for (const VmmBuffer& b : vmm) {
+    for (size_t r = 0; r < ranges.size(); ++r) {
+      if (ranges[r].start <= b.start && b.start < ranges[r].end) {
+        if (b.end > ranges[r].end) {
+          return absl::InvalidArgumentError(
+              absl::StrCat(b.what, " spans CUDA VMM memory of two GPUs"));
+        }
+        v1::CudaVmm* m = out.memory[b.index].mutable_cuda_vmm();
+        m->set_range(static_cast<int32_t>(r));
+        m->set_offset(static_cast<int64_t>(b.start - ranges[r].start));
+        break;
+      }
+    }
+  }
+  return absl::OkStatus();
+}
+
 }  // namespace
 
 CudaExport::CudaExport(CudaExport&& other) noexcept { *this = std::move(other); }
@@ -189,115 +346,15 @@ absl::StatusOr<CudaExport> ExportCudaBuffer(const void* device_pointer, int64_t 
 
 absl::StatusOr<CudaExport> ExportCudaBuffers(std::span<const CudaBufferRef> buffers) {
   KeepDevice keep;
-  CudaExport out;
-  out.memory.resize(buffers.size());
-  std::map<CUdeviceptr, Chunk> chunks;  // every VMM allocation exported, by base
-  struct Closer {
-    std::map<CUdeviceptr, Chunk>& chunks;
-    ~Closer() {  // those not handed to `out` (a failure)
-      for (auto& [base, c] : chunks) {
-        if (c.fd >= 0) close(c.fd);
-      }
-    }
-  } closer{chunks};
-  struct VmmBuffer {
-    size_t index;
-    CUdeviceptr start, end;
-    std::string what;
-  };
-  std::vector<VmmBuffer> vmm;
-  bool driver_ready = false;
+  ExportState state;
+  state.out.memory.resize(buffers.size());
   for (size_t i = 0; i < buffers.size(); ++i) {
-    const std::string what = buffers[i].name.empty()
-                                 ? absl::StrCat("buffer ", i)
-                                 : absl::StrCat("buffer \"", buffers[i].name, "\"");
-    const void* p = buffers[i].pointer;
-    cudaPointerAttributes attributes{};
-    if (cudaPointerGetAttributes(&attributes, p) != cudaSuccess ||
-        attributes.type != cudaMemoryTypeDevice) {
-      cudaGetLastError();
-      return absl::InvalidArgumentError(absl::StrCat(
-          what, " is not device memory: the cuda backend takes buffers allocated on a GPU"));
-    }
-    // Driver calls act on the current context: the buffer's GPU's primary context.
-    if (cudaSetDevice(attributes.device) != cudaSuccess || cudaFree(nullptr) != cudaSuccess) {
-      cudaGetLastError();
-      return absl::InternalError(
-          absl::StrCat(what, ": cannot make GPU ", attributes.device, "'s context current"));
-    }
-    if (!driver_ready) {
-      if (CUresult r = cuInit(0); r != CUDA_SUCCESS)
-        return absl::InternalError(absl::StrCat("cuInit: ", CuName(r)));
-      driver_ready = true;
-    }
-    if (out.gpu_uuid.empty()) {
-      auto uuid = CudaDeviceUuid(attributes.device);
-      if (!uuid.ok()) return uuid.status();
-      out.gpu_uuid = *uuid;
-    }
-    const CUdeviceptr start = reinterpret_cast<CUdeviceptr>(p);
-    CUmemGenericAllocationHandle probe = 0;
-    if (cuMemRetainAllocationHandle(&probe, const_cast<void*>(p)) !=
-        CUDA_SUCCESS) {  // legacy memory
-      if (auto s = ExportIpc(p, buffers[i].bytes, attributes.device, what, &out.memory[i]); !s.ok())
-        return s;
-      continue;
-    }
-    cuMemRelease(probe);
-    const CUdeviceptr end =
-        start + static_cast<CUdeviceptr>(std::max<int64_t>(buffers[i].bytes, 1));
-    // Every allocation under the buffer, each exported once however many buffers it holds.
-    for (CUdeviceptr a = start; a < end;) {
-      auto next = chunks.upper_bound(a);
-      if (next != chunks.begin()) {
-        const Chunk& prev = std::prev(next)->second;
-        if (a < prev.base + prev.size) {
-          a = prev.base + prev.size;
-          continue;
-        }
-      }
-      auto c = ExportChunk(a, absl::StrCat(what, " (at offset ", a - start, ")"));
-      if (!c.ok()) return c.status();
-      a = c->base + c->size;
-      chunks[c->base] = *c;
-    }
-    vmm.push_back({i, start, end, what});
+    if (absl::Status s = ExportBuffer(i, buffers[i], state); !s.ok()) return s;
   }
-  // Adjacent allocations on one GPU form one range; descriptors in address order.
-  struct Range {
-    CUdeviceptr start, end;
-    int device;
-  };
-  std::vector<Range> ranges;
-  for (auto& [base, c] : chunks) {
-    if (ranges.empty() || ranges.back().end != base || ranges.back().device != c.device) {
-      auto uuid = CudaDeviceUuid(c.device);
-      if (!uuid.ok()) return uuid.status();
-      ranges.push_back({base, base, c.device});
-      v1::VmmRange& r = out.vmm_ranges.emplace_back();
-      r.set_first_fd(static_cast<int32_t>(out.fds.size()));
-      r.set_gpu_uuid(*uuid);
-    }
-    out.vmm_ranges.back().add_chunk_bytes(static_cast<int64_t>(c.size));
-    ranges.back().end = base + c.size;
-    out.fds.push_back(c.fd);
-    c.fd = -1;  // `out` owns it now
-  }
-  for (const VmmBuffer& b : vmm) {
-    for (size_t r = 0; r < ranges.size(); ++r) {
-      if (ranges[r].start <= b.start && b.start < ranges[r].end) {
-        if (b.end > ranges[r].end) {
-          return absl::InvalidArgumentError(
-              absl::StrCat(b.what, " spans CUDA VMM memory of two GPUs"));
-        }
-        v1::CudaVmm* m = out.memory[b.index].mutable_cuda_vmm();
-        m->set_range(static_cast<int32_t>(r));
-        m->set_offset(static_cast<int64_t>(b.start - ranges[r].start));
-        break;
-      }
-    }
-  }
-  return out;
+  absl::StatusOr<std::vector<Range>> ranges = HandOverRanges(state.exported.chunks, state.out);
+  if (!ranges.ok()) return ranges.status();
+  if (absl::Status s = PlaceVmmBuffers(state.vmm, *ranges, state.out); !s.ok()) return s;
+  return std::move(state.out);
 }
 
 }  // namespace refit

@@ -123,9 +123,9 @@ absl::Status ParseQuantization(const Struct& qc, ModelConfig& c) {
     c.field = *v;                                                  \
   } while (0)
 
-}  // namespace
+// The steps of ParseModelConfig, in order: each reads its fields into `c`, or refuses them.
 
-absl::StatusOr<ModelConfig> ParseModelConfig(absl::string_view json) {
+absl::StatusOr<Struct> ParseJsonObject(absl::string_view json) {
   Struct s;
   auto status = google::protobuf::util::JsonStringToMessage(
       google::protobuf::StringPiece(json.data(), json.size()), &s);
@@ -133,7 +133,10 @@ absl::StatusOr<ModelConfig> ParseModelConfig(absl::string_view json) {
     return absl::InvalidArgumentError(
         absl::StrCat("config.json is not valid JSON: ", status.message().as_string()));
   }
-  ModelConfig c;
+  return s;
+}
+
+absl::Status ReadModelType(const Struct& s, ModelConfig& c) {
   c.model_type = String(s, "model_type");
   if (c.model_type.empty()) {
     return absl::InvalidArgumentError(absl::StrCat(
@@ -146,7 +149,10 @@ absl::StatusOr<ModelConfig> ParseModelConfig(absl::string_view json) {
         "\" is not supported: its tensors are not modeled faithfully here (supported: ",
         kSupportedModelTypes, ")"));
   }
-  const bool qwen2_family = c.model_type == "qwen2" || c.model_type == "qwen2_moe";
+  return absl::OkStatus();
+}
+
+absl::Status ReadDimensions(const Struct& s, ModelConfig& c) {
   ASSIGN_INT(hidden_size, "hidden_size", true, 0);
   ASSIGN_INT(num_attention_heads, "num_attention_heads", true, 0);
   ASSIGN_INT(num_key_value_heads, "num_key_value_heads", false, c.num_attention_heads);
@@ -159,9 +165,14 @@ absl::StatusOr<ModelConfig> ParseModelConfig(absl::string_view json) {
   }
   ASSIGN_INT(head_dim, "head_dim", false, c.hidden_size / c.num_attention_heads);
   c.tie_word_embeddings = Bool(s, "tie_word_embeddings", false);
-  // Qwen2's q/k/v projections always have biases (bias=True in modeling_qwen2.py, whatever the
-  // config says) and its o_proj never has one. Elsewhere attention_bias also gives o_proj (and, for
-  // DeepSeek, q_a_proj and kv_a_proj_with_mqa) a bias, which the generators do not model.
+  return absl::OkStatus();
+}
+
+// Qwen2's q/k/v projections always have biases (bias=True in modeling_qwen2.py, whatever the
+// config says) and its o_proj never has one. Elsewhere attention_bias also gives o_proj (and, for
+// DeepSeek, q_a_proj and kv_a_proj_with_mqa) a bias, which the generators do not model.
+absl::Status ReadBiasesAndNorms(const Struct& s, ModelConfig& c) {
+  const bool qwen2_family = c.model_type == "qwen2" || c.model_type == "qwen2_moe";
   if (qwen2_family) {
     c.attention_bias = Bool(s, "qkv_bias", true);
   } else if (Bool(s, "attention_bias", false)) {
@@ -174,53 +185,75 @@ absl::StatusOr<ModelConfig> ParseModelConfig(absl::string_view json) {
         "config.json: \"mlp_bias\": true is not supported (MLP biases are not modeled)");
   }
   c.qk_norm = c.model_type == "qwen3" || c.model_type == "qwen3_moe";
-  if (const std::string dtype = String(s, "torch_dtype"); !dtype.empty()) {
-    auto d = ParseDType(dtype);
-    if (!d.ok()) return absl::InvalidArgumentError(absl::StrCat("config.json: torch_dtype: ", d.status().message()));
-    c.dtype = *d;
+  return absl::OkStatus();
+}
+
+absl::Status ReadDType(const Struct& s, ModelConfig& c) {
+  const std::string dtype = String(s, "torch_dtype");
+  if (dtype.empty()) return absl::OkStatus();
+  auto d = ParseDType(dtype);
+  if (!d.ok()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("config.json: torch_dtype: ", d.status().message()));
   }
-  if (auto q = s.fields().find("quantization_config");
-      q != s.fields().end() && q->second.kind_case() != Value::kNullValue) {
-    if (q->second.kind_case() != Value::kStructValue) {
-      return absl::InvalidArgumentError("config.json: \"quantization_config\" is not an object");
-    }
-    if (auto st = ParseQuantization(q->second.struct_value(), c); !st.ok()) return st;
+  c.dtype = *d;
+  return absl::OkStatus();
+}
+
+absl::Status ReadQuantizationConfig(const Struct& s, ModelConfig& c) {
+  auto q = s.fields().find("quantization_config");
+  if (q == s.fields().end() || q->second.kind_case() == Value::kNullValue) {
+    return absl::OkStatus();
   }
-  // The fields that decide a mixture-of-experts family's tensors, which its config classes default
-  // differently (transformers' DeepseekV3Config has 256 experts and q_lora_rank 1536 by default,
-  // DeepSeek's remote code no experts): a config that leaves them out is refused, not guessed.
-  if (c.DeepSeekStyle()) {
-    if (auto st = RequireKeys(s, c.model_type,
-                              {"n_routed_experts", "n_shared_experts", "first_k_dense_replace",
-                               "moe_intermediate_size", "q_lora_rank", "kv_lora_rank",
-                               "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "topk_method"},
-                              "DeepSeek's config classes default it differently");
-        !st.ok()) {
-      return st;
-    }
-    // transformers' DeepseekV3TopkRouter always holds gate.e_score_correction_bias, DeepSeek's
-    // remote code only with noaux_tc; DeepSeek-V2's router never has one.
-    const std::string method = String(s, "topk_method");
-    const bool v2 = c.model_type == "deepseek_v2";
-    if (v2 ? (method != "greedy" && method != "group_limited_greedy") : method != "noaux_tc") {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "config.json: \"topk_method\": \"", method, "\" is not supported for model_type \"",
-          c.model_type, "\" (", v2 ? "greedy or group_limited_greedy" : "noaux_tc",
-          "; other routers hold other tensors in transformers than in DeepSeek's code)"));
-    }
+  if (q->second.kind_case() != Value::kStructValue) {
+    return absl::InvalidArgumentError("config.json: \"quantization_config\" is not an object");
   }
-  if (c.MixtralStyle()) {
-    if (auto st = RequireKeys(s, c.model_type, {"num_local_experts", "intermediate_size"},
-                              "each expert's width");
-        !st.ok()) {
-      return st;
-    }
-    ASSIGN_INT(num_experts, "num_local_experts", true, 0);
-    c.moe_intermediate_size = c.intermediate_size;
-    if (c.num_experts == 0) {
-      return absl::InvalidArgumentError("config.json: \"num_local_experts\" must be positive");
-    }
+  return ParseQuantization(q->second.struct_value(), c);
+}
+
+// The fields that decide a mixture-of-experts family's tensors, which its config classes default
+// differently (transformers' DeepseekV3Config has 256 experts and q_lora_rank 1536 by default,
+// DeepSeek's remote code no experts): a config that leaves them out is refused, not guessed.
+absl::Status RequireDeepSeekFields(const Struct& s, ModelConfig& c) {
+  if (!c.DeepSeekStyle()) return absl::OkStatus();
+  if (auto st = RequireKeys(s, c.model_type,
+                            {"n_routed_experts", "n_shared_experts", "first_k_dense_replace",
+                             "moe_intermediate_size", "q_lora_rank", "kv_lora_rank",
+                             "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "topk_method"},
+                            "DeepSeek's config classes default it differently");
+      !st.ok()) {
+    return st;
   }
+  // transformers' DeepseekV3TopkRouter always holds gate.e_score_correction_bias, DeepSeek's
+  // remote code only with noaux_tc; DeepSeek-V2's router never has one.
+  const std::string method = String(s, "topk_method");
+  const bool v2 = c.model_type == "deepseek_v2";
+  if (v2 ? (method != "greedy" && method != "group_limited_greedy") : method != "noaux_tc") {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "config.json: \"topk_method\": \"", method, "\" is not supported for model_type \"",
+        c.model_type, "\" (", v2 ? "greedy or group_limited_greedy" : "noaux_tc",
+        "; other routers hold other tensors in transformers than in DeepSeek's code)"));
+  }
+  return absl::OkStatus();
+}
+
+// Mixtral: every layer is MoE, each expert as wide as intermediate_size.
+absl::Status ReadMixtralExperts(const Struct& s, ModelConfig& c) {
+  if (!c.MixtralStyle()) return absl::OkStatus();
+  if (auto st = RequireKeys(s, c.model_type, {"num_local_experts", "intermediate_size"},
+                            "each expert's width");
+      !st.ok()) {
+    return st;
+  }
+  ASSIGN_INT(num_experts, "num_local_experts", true, 0);
+  c.moe_intermediate_size = c.intermediate_size;
+  if (c.num_experts == 0) {
+    return absl::InvalidArgumentError("config.json: \"num_local_experts\" must be positive");
+  }
+  return absl::OkStatus();
+}
+
+absl::Status RequireQwenMoeFields(const Struct& s, ModelConfig& c) {
   if (c.model_type == "qwen2_moe" || c.model_type == "qwen3_moe") {
     if (auto st = RequireKeys(s, c.model_type, {"num_experts"}, "its config class defaults it");
         !st.ok()) {
@@ -228,12 +261,14 @@ absl::StatusOr<ModelConfig> ParseModelConfig(absl::string_view json) {
     }
   }
   if (c.model_type == "qwen2_moe") {
-    if (auto st = RequireKeys(s, c.model_type, {"shared_expert_intermediate_size"},
-                              "its config class defaults it");
-        !st.ok()) {
-      return st;
-    }
+    return RequireKeys(s, c.model_type, {"shared_expert_intermediate_size"},
+                       "its config class defaults it");
   }
+  return absl::OkStatus();
+}
+
+// The experts of every family but Mixtral's, and which layers hold them.
+absl::Status ReadExperts(const Struct& s, ModelConfig& c) {
   if (!c.MixtralStyle()) {
     ASSIGN_INT(num_experts, "n_routed_experts", false, 0);
     if (c.num_experts == 0) ASSIGN_INT(num_experts, "num_experts", false, 0);
@@ -249,31 +284,48 @@ absl::StatusOr<ModelConfig> ParseModelConfig(absl::string_view json) {
         "config.json: \"moe_layer_freq\": ", c.moe_layer_freq,
         " is not supported (transformers and vLLM disagree on which layers are MoE)"));
   }
-  if (c.model_type == "qwen2_moe" || c.model_type == "qwen3_moe") {
-    ASSIGN_INT(decoder_sparse_step, "decoder_sparse_step", false, 1);
-    if (c.decoder_sparse_step == 0) {
-      return absl::InvalidArgumentError("config.json: \"decoder_sparse_step\" must be positive");
-    }
-    if (auto it = s.fields().find("mlp_only_layers");
-        it != s.fields().end() && it->second.kind_case() == Value::kListValue) {
-      for (const Value& v : it->second.list_value().values()) {
-        if (v.kind_case() != Value::kNumberValue || v.number_value() < 0 ||
-            v.number_value() != static_cast<double>(static_cast<int64_t>(v.number_value()))) {
-          return absl::InvalidArgumentError(
-              "config.json: \"mlp_only_layers\" must list non-negative integers");
-        }
-        c.mlp_only_layers.push_back(static_cast<int64_t>(v.number_value()));
-      }
-    }
+  return absl::OkStatus();
+}
+
+// Qwen-MoE: sparse every decoder_sparse_step layers, except mlp_only_layers.
+absl::Status ReadQwenMoeLayers(const Struct& s, ModelConfig& c) {
+  if (c.model_type != "qwen2_moe" && c.model_type != "qwen3_moe") return absl::OkStatus();
+  ASSIGN_INT(decoder_sparse_step, "decoder_sparse_step", false, 1);
+  if (c.decoder_sparse_step == 0) {
+    return absl::InvalidArgumentError("config.json: \"decoder_sparse_step\" must be positive");
   }
+  auto it = s.fields().find("mlp_only_layers");
+  if (it == s.fields().end() || it->second.kind_case() != Value::kListValue) {
+    return absl::OkStatus();
+  }
+  for (const Value& v : it->second.list_value().values()) {
+    if (v.kind_case() != Value::kNumberValue || v.number_value() < 0 ||
+        v.number_value() != static_cast<double>(static_cast<int64_t>(v.number_value()))) {
+      return absl::InvalidArgumentError(
+          "config.json: \"mlp_only_layers\" must list non-negative integers");
+    }
+    c.mlp_only_layers.push_back(static_cast<int64_t>(v.number_value()));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status ReadRouterBias(const Struct& s, ModelConfig& c) {
   c.router_bias = String(s, "topk_method") == "noaux_tc";
   c.router_bias_is_buffer = c.model_type == "deepseek_v3";
+  return absl::OkStatus();
+}
+
+absl::Status ReadLatentAttention(const Struct& s, ModelConfig& c) {
   ASSIGN_INT(q_lora_rank, "q_lora_rank", false, 0);
   ASSIGN_INT(kv_lora_rank, "kv_lora_rank", false, 0);
   ASSIGN_INT(qk_nope_head_dim, "qk_nope_head_dim", false, 0);
   ASSIGN_INT(qk_rope_head_dim, "qk_rope_head_dim", false, 0);
   ASSIGN_INT(v_head_dim, "v_head_dim", false, 0);
+  return absl::OkStatus();
+}
 
+// What the fields read say together: the widths every layer needs, heads that group evenly.
+absl::Status CheckConsistent(const Struct&, ModelConfig& c) {
   if (c.num_experts > 0 && c.moe_intermediate_size == 0) {
     return absl::InvalidArgumentError(
         "config.json: a mixture-of-experts model needs \"moe_intermediate_size\"");
@@ -291,6 +343,29 @@ absl::StatusOr<ModelConfig> ParseModelConfig(absl::string_view json) {
   if (c.kv_lora_rank > 0 && (c.qk_rope_head_dim == 0 || c.v_head_dim == 0)) {
     return absl::InvalidArgumentError(
         "config.json: latent attention (kv_lora_rank) needs qk_rope_head_dim and v_head_dim");
+  }
+  return absl::OkStatus();
+}
+
+using ParseStep = absl::Status (*)(const Struct&, ModelConfig&);
+
+// In this order: a config wrong in several ways is refused for the first.
+constexpr ParseStep kParseSteps[] = {
+    ReadModelType,      ReadDimensions,         ReadBiasesAndNorms,
+    ReadDType,          ReadQuantizationConfig, RequireDeepSeekFields,
+    ReadMixtralExperts, RequireQwenMoeFields,   ReadExperts,
+    ReadQwenMoeLayers,  ReadRouterBias,         ReadLatentAttention,
+    CheckConsistent,
+};
+
+}  // namespace
+
+absl::StatusOr<ModelConfig> ParseModelConfig(absl::string_view json) {
+  absl::StatusOr<Struct> s = ParseJsonObject(json);
+  if (!s.ok()) return s.status();
+  ModelConfig c;
+  for (ParseStep step : kParseSteps) {
+    if (absl::Status st = step(*s, c); !st.ok()) return st;
   }
   return c;
 }

@@ -15,6 +15,8 @@
 // (the gRPC code and message are printed); 2 bad usage; 3 unreachable (no daemon answered, or a
 // watched stream broke); 4 timed out (DEADLINE_EXCEEDED); health: 1 when a service is not
 // SERVING.
+#include <grpcpp/grpcpp.h>
+
 #include <algorithm>
 #include <cstdio>
 #include <cstdlib>
@@ -24,18 +26,18 @@
 #include <string>
 #include <vector>
 
-#include <grpcpp/grpcpp.h>
-
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
 #include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
-#include "absl/strings/str_split.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
+#include "absl/strings/str_split.h"
 #include "client/cli_flags.h"
-#include "google/protobuf/util/json_util.h"
 #include "daemon/grpc_tls.h"
 #include "daemon/version.h"
+#include "google/protobuf/util/json_util.h"
 #include "proto/health.grpc.pb.h"
 #include "proto/refit.grpc.pb.h"
 
@@ -184,240 +186,445 @@ void PrintRound(const v1::RoundStats& r, Output out, bool header) {
   std::printf("%s\n", r.state() == v1::RoundStats::COMMITTED ? r.commit_note().c_str() : r.reason().c_str());
 }
 
+// Output formatting, one function per answer.
+
+void PrintJson(const google::protobuf::Message& m) { std::printf("%s\n", Json(m).c_str()); }
+
+// `cluster` is null when no daemon answered: refitctl's own version is still printed.
+void PrintVersion(const v1::StatusResponse* cluster, Output out) {
+  if (out == Output::kJson) {
+    std::printf("{\"refitctl\":\"%s\",\"daemon\":\"%s\"}\n", kRefitVersion,
+                cluster != nullptr ? cluster->version().c_str() : "");
+    return;
+  }
+  std::printf("refitctl %s\n", kRefitVersion);
+  if (cluster != nullptr) {
+    std::printf("cluster (coordinator %s) %s\n", cluster->coordinator().c_str(),
+                cluster->version().empty() ? "?" : cluster->version().c_str());
+  }
+}
+
+void PrintHealthHeader(Output out) {
+  if (out != Output::kJson) std::printf("%-28s %-24s %s\n", "DAEMON", "SERVICE", "STATUS");
+}
+
+void PrintHealthLine(const std::string& address, const char* service, const std::string& status,
+                     Output out) {
+  if (out == Output::kJson) {
+    std::printf("{\"daemon\":\"%s\",\"service\":\"%s\",\"status\":\"%s\"}\n", address.c_str(),
+                service, status.c_str());
+  } else {
+    std::printf("%-28s %-24s %s\n", address.c_str(), *service ? service : "(server)",
+                status.c_str());
+  }
+}
+
+void PrintNodes(const v1::StatusResponse& r) {
+  std::printf("coordinator %s%s\n\n%-6s %-22s %-6s %s\n", r.coordinator().c_str(),
+              r.version().empty() ? "" : absl::StrCat(" (refit ", r.version(), ")").c_str(), "NODE",
+              "ADDRESS", "ALIVE", "WORKERS");
+  for (const auto& n : r.nodes()) {
+    std::printf("%-6d %-22s %-6s %d\n", n.node(), n.address().c_str(), n.alive() ? "yes" : "no",
+                n.workers());
+  }
+}
+
+void PrintGroups(const v1::StatusResponse& r, bool wide) {
+  std::printf("\n%-10s %-6s %-8s %-9s %-10s %-10s %-10s ", "GROUP", "READY", "VERSION", "TRAINERS",
+              "INFERENCE", "BYTES", "MESSAGES");
+  if (wide) std::printf("%-8s %-10s %-10s ", "EPOCH", "NETWORK", "PREDICTED");
+  std::printf("%s\n", "WHY NOT READY");
+  for (const auto& g : r.groups()) {
+    std::printf("%-10s %-6s %-8lld %-9d %-10d %-10s %-10lld ", g.name().c_str(),
+                g.ready() ? "yes" : "no", (long long)g.version(), g.trainers(),
+                g.inference_workers(), Human(g.plan().bytes_total()).c_str(),
+                (long long)g.plan().messages());
+    if (wide) {
+      std::printf("%-8lld %-10s %-10s ", (long long)g.planned_at_membership(),
+                  Human(g.plan().bytes_network()).c_str(),
+                  absl::StrFormat("%.3f s", g.plan().predicted_seconds()).c_str());
+    }
+    std::printf("%s\n", g.not_ready_reason().c_str());
+  }
+}
+
+// The inference side by replica: which count (complete), which version each holds, and why the
+// others do not count (missing ranks). Nothing when no group has replicas.
+void PrintReplicas(const v1::StatusResponse& r, bool wide) {
+  bool any_replicas = false;
+  for (const auto& g : r.groups()) any_replicas |= g.replicas_size() > 0;
+  if (!any_replicas) return;
+  std::printf("\n%-10s %-16s %-6s %-9s %-8s %s\n", "GROUP", "REPLICA", "RANKS", "COMPLETE",
+              "VERSION", "PROBLEM");
+  for (const auto& g : r.groups()) {
+    for (const auto& rep : g.replicas()) {
+      const int held =
+          static_cast<int>(std::count_if(rep.workers().begin(), rep.workers().end(),
+                                         [](const std::string& w) { return !w.empty(); }));
+      const std::string ranks = std::to_string(held) + "/" + std::to_string(rep.size());
+      std::printf("%-10s %-16s %-6s %-9s %-8lld %s\n", g.name().c_str(), rep.name().c_str(),
+                  ranks.c_str(), rep.complete() ? "yes" : "no", (long long)rep.version(),
+                  rep.problem().c_str());
+      if (!wide) continue;
+      for (int rank = 0; rank < rep.workers_size(); ++rank) {
+        std::printf("%-10s   rank %-4d %s\n", "", rank,
+                    rep.workers(rank).empty() ? "(missing)" : rep.workers(rank).c_str());
+      }
+    }
+  }
+}
+
+void PrintWorkers(const v1::ListWorkersResponse& r) {
+  std::printf("%-32s %-10s %-5s %-4s %-8s %-7s %s\n", "WORKER", "ROLE", "NODE", "GPU", "BUFFERS",
+              "PIECES", "BYTES");
+  for (const auto& w : r.workers()) {
+    std::printf("%-32s %-10s %-5d %-4d %-8d %-7d %s\n", w.worker_id().c_str(),
+                w.role() == v1::TRAINER ? "trainer" : "inference", w.node(), w.gpu(), w.buffers(),
+                w.pieces(), Human(w.bytes()).c_str());
+  }
+}
+
+void PrintPlanSummary(const v1::PlanSummary& r) {
+  std::printf("tensors %lld  pieces %lld  transfers %lld  messages %lld\n", (long long)r.tensors(),
+              (long long)r.pieces(), (long long)r.transfers(), (long long)r.messages());
+  std::printf("bytes %s: network %s, nvlink %s, local %s\n", Human(r.bytes_total()).c_str(),
+              Human(r.bytes_network()).c_str(), Human(r.bytes_nvlink()).c_str(),
+              Human(r.bytes_local()).c_str());
+  std::printf("predicted %.6f s, lower bound %.6f s, planned in %.3f s\n", r.predicted_seconds(),
+              r.lower_bound_seconds(), r.planning_seconds());
+}
+
+// Rounds as a table under one header, or "no rounds yet".
+void PrintRounds(const v1::ListRoundsResponse& r, Output out) {
+  bool header = true;
+  for (const auto& round : r.rounds()) {
+    PrintRound(round, out, header);
+    header = false;
+  }
+  if (header) std::printf("no rounds yet\n");
+}
+
+// The command line: flags, then the command and its arguments, each checked before any call.
+
+constexpr char kUsage[] =
+    "[--daemon ADDR[,ADDR...]] [-o table|wide|json] status | workers [GROUP] | plan GROUP | "
+    "refit GROUP VERSION [--no-wait] | watch [GROUP] | rounds [GROUP] [--limit N] | health | "
+    "version\n"
+    "exit codes: 0 success; 1 refused by the cluster (its gRPC code and message printed), or "
+    "health not SERVING; 2 bad usage; 3 unreachable (no daemon answered, or a watched stream "
+    "broke); 4 timed out";
+
+std::string EnvOr(const char* name, const char* fallback) {
+  const char* value = std::getenv(name);
+  return value != nullptr ? value : fallback;
+}
+
+// TLS (docs/SECURITY.md): an operator's or viewer's certificate, signed by the cluster's CA.
+TlsConfig TlsFromEnvironment() {
+  TlsConfig tls;
+  tls.cert = EnvOr("REFIT_TLS_CERT", "");
+  tls.key = EnvOr("REFIT_TLS_KEY", "");
+  tls.ca = EnvOr("REFIT_TLS_CA", "");
+  return tls;
+}
+
+// The flags as given, defaults from the environment where it names them.
+struct FlagValues {
+  std::string daemon = EnvOr("REFIT_DAEMON", "unix:/tmp/refitd-0.sock");
+  std::string output = "table";
+  bool no_wait = false;
+  double timeout_s = 300;
+  int64_t limit = 20;
+  TlsConfig tls = TlsFromEnvironment();
+};
+
+void RegisterFlags(CliFlags& flags, FlagValues& v) {
+  flags.String("daemon", &v.daemon,
+               "refitd addresses, comma-separated: the next is tried when one is unreachable (env "
+               "REFIT_DAEMON)");
+  flags.String("output", &v.output, "table, wide or json", "o");
+  flags.Bool("no-wait", &v.no_wait, "refit: start the round and return its id");
+  flags.Double("timeout", &v.timeout_s, "seconds to wait for an answer");
+  flags.Int("limit", &v.limit, "rounds: how many of the most recent");
+  flags.String("tls-cert", &v.tls.cert,
+               "PEM client certificate (an operator's or viewer's) for TCP addresses (env "
+               "REFIT_TLS_CERT)");
+  flags.String("tls-key", &v.tls.key, "PEM private key of --tls-cert (env REFIT_TLS_KEY)");
+  flags.String("tls-ca", &v.tls.ca, "PEM CA bundle of the cluster (env REFIT_TLS_CA)");
+}
+
+absl::Status CheckTlsFiles(const TlsConfig& tls) {
+  if (tls.cert.empty() != tls.key.empty() || tls.cert.empty() != tls.ca.empty()) {
+    return absl::InvalidArgumentError(
+        "--tls-cert, --tls-key and --tls-ca go together: give all three, or none");
+  }
+  for (const std::string* file : {&tls.cert, &tls.key, &tls.ca}) {
+    if (!file->empty() && !std::ifstream(*file).good()) {
+      return absl::InvalidArgumentError(absl::StrCat("cannot read TLS file ", *file));
+    }
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<Output> ParseOutput(const std::string& name) {
+  if (name == "table") return Output::kTable;
+  if (name == "wide") return Output::kWide;
+  if (name == "json") return Output::kJson;
+  return absl::InvalidArgumentError("-o must be table, wide or json");
+}
+
+// What every command runs with, checked.
+struct Settings {
+  std::vector<std::string> addresses;
+  Output output = Output::kTable;
+  bool no_wait = false;
+  int64_t limit = 0;
+};
+
+absl::StatusOr<Settings> CheckFlags(const FlagValues& v, const std::vector<std::string>& args) {
+  if (absl::Status s = CheckTlsFiles(v.tls); !s.ok()) return s;
+  if (args.empty()) {
+    return absl::InvalidArgumentError(
+        "a command is needed: status, workers, plan, refit, watch, rounds, health, version (see "
+        "--help)");
+  }
+  absl::StatusOr<Output> output = ParseOutput(v.output);
+  if (!output.ok()) return output.status();
+  Settings settings;
+  settings.output = *output;
+  settings.no_wait = v.no_wait;
+  settings.limit = v.limit;
+  settings.addresses = absl::StrSplit(v.daemon, ',', absl::SkipWhitespace());
+  if (settings.addresses.empty()) return absl::InvalidArgumentError("--daemon names no address");
+  if (v.limit < 1 || v.limit > 1024) {
+    return absl::InvalidArgumentError("--limit must be in [1, 1024]");
+  }
+  return settings;
+}
+
+struct Command {
+  std::string name;
+  std::string group;    // the first argument; empty (every group) when not given
+  int64_t version = 0;  // refit
+};
+
+// The subcommands: each calls the cluster, prints its answer and returns the exit code.
+
+int RunVersion(const Command&, const Settings& settings, Endpoints& daemons) {
+  v1::StatusResponse r;
+  const grpc::Status s = daemons.Call(&v1::RefitControl::Stub::Status, v1::StatusRequest(), &r);
+  PrintVersion(s.ok() ? &r : nullptr, settings.output);
+  return s.ok() ? 0 : Fail(s);
+}
+
+// grpc.health.v1, as Kubernetes' probes ask: the server as a whole, then each service.
+constexpr const char* kHealthServices[] = {"", "refit.v1.RefitControl", "refit.v1.RefitPeer",
+                                           "refit.v1.RefitWorker"};
+
+// Each service of the daemon at `address`, printed; the worst exit code among them.
+int CheckDaemonHealth(const Endpoints& daemons, const std::string& address, Output out) {
+  using grpc::health::v1::HealthCheckResponse;
+  int rc = 0;
+  auto stub = grpc::health::v1::Health::NewStub(daemons.Channel(address));
+  for (const char* service : kHealthServices) {
+    grpc::ClientContext ctx;
+    ctx.set_deadline(daemons.Deadline());
+    grpc::health::v1::HealthCheckRequest req;
+    req.set_service(service);
+    HealthCheckResponse r;
+    const grpc::Status s = stub->Check(&ctx, req, &r);
+    if (!s.ok()) {
+      rc = std::max(rc, ExitCode(s));
+    } else if (r.status() != HealthCheckResponse::SERVING) {
+      rc = std::max(rc, kExitRefused);
+    }
+    PrintHealthLine(address, service,
+                    s.ok() ? HealthCheckResponse::ServingStatus_Name(r.status())
+                           : absl::StrCat(CodeName(s.error_code()), ": ", s.error_message()),
+                    out);
+    if (!s.ok()) break;  // unreachable: its other services are too
+  }
+  return rc;
+}
+
+// Each daemon named, each of its services.
+int RunHealth(const Command&, const Settings& settings, Endpoints& daemons) {
+  PrintHealthHeader(settings.output);
+  int rc = 0;
+  for (const std::string& a : daemons.addresses()) {
+    rc = std::max(rc, CheckDaemonHealth(daemons, a, settings.output));
+  }
+  return rc;
+}
+
+int RunStatus(const Command&, const Settings& settings, Endpoints& daemons) {
+  v1::StatusResponse r;
+  const grpc::Status s = daemons.Call(&v1::RefitControl::Stub::Status, v1::StatusRequest(), &r);
+  if (!s.ok()) return Fail(s);
+  if (settings.output == Output::kJson) {
+    PrintJson(r);
+    return 0;
+  }
+  const bool wide = settings.output == Output::kWide;
+  PrintNodes(r);
+  PrintGroups(r, wide);
+  PrintReplicas(r, wide);
+  return 0;
+}
+
+int RunWorkers(const Command& command, const Settings& settings, Endpoints& daemons) {
+  v1::ListWorkersRequest req;
+  req.set_group(command.group);
+  v1::ListWorkersResponse r;
+  const grpc::Status s = daemons.Call(&v1::RefitControl::Stub::ListWorkers, req, &r);
+  if (!s.ok()) return Fail(s);
+  if (settings.output == Output::kJson) {
+    PrintJson(r);
+  } else {
+    PrintWorkers(r);
+  }
+  return 0;
+}
+
+int RunPlan(const Command& command, const Settings& settings, Endpoints& daemons) {
+  v1::GetPlanRequest req;
+  req.set_group(command.group);
+  v1::PlanSummary r;
+  const grpc::Status s = daemons.Call(&v1::RefitControl::Stub::GetPlan, req, &r);
+  if (!s.ok()) return Fail(s);
+  if (settings.output == Output::kJson) {
+    PrintJson(r);
+  } else {
+    PrintPlanSummary(r);
+  }
+  return 0;
+}
+
+// A daemon that was unreachable never saw the request; one that answered (even "no") did:
+// failover only past the former, so a round is never started twice by refitctl.
+int RunRefit(const Command& command, const Settings& settings, Endpoints& daemons) {
+  v1::RefitRequest req;
+  req.set_group(command.group);
+  req.set_version(command.version);
+  if (settings.no_wait) {
+    v1::StartRefitResponse r;
+    const grpc::Status s = daemons.Call(&v1::RefitControl::Stub::StartRefit, req, &r);
+    if (!s.ok()) return Fail(s);
+    if (settings.output == Output::kJson) {
+      PrintJson(r);
+    } else {
+      std::printf("round %lld started\n", (long long)r.round_id());
+    }
+    return 0;
+  }
+  v1::RoundStats r;
+  const grpc::Status s = daemons.Call(&v1::RefitControl::Stub::Refit, req, &r);
+  if (!s.ok()) return Fail(s);
+  PrintRound(r, settings.output, true);
+  return 0;
+}
+
+int RunRounds(const Command& command, const Settings& settings, Endpoints& daemons) {
+  v1::ListRoundsRequest req;
+  req.set_group(command.group);
+  req.set_limit(static_cast<int32_t>(settings.limit));
+  v1::ListRoundsResponse r;
+  const grpc::Status s = daemons.Call(&v1::RefitControl::Stub::ListRounds, req, &r);
+  if (!s.ok()) return Fail(s);
+  if (settings.output == Output::kJson) {
+    PrintJson(r);
+  } else {
+    PrintRounds(r, settings.output);
+  }
+  return 0;
+}
+
+// Prints rounds from the first daemon that takes the stream until it ends; how it ended.
+grpc::Status WatchFirstDaemon(Endpoints& daemons, const v1::WatchRoundsRequest& req, Output out) {
+  bool header = true;
+  grpc::Status last;
+  for (const std::string& a : daemons.addresses()) {
+    grpc::ClientContext ctx;
+    auto stub = v1::RefitControl::NewStub(daemons.Channel(a));
+    auto reader = stub->WatchRounds(&ctx, req);
+    v1::RoundStats r;
+    bool any = false;
+    while (reader->Read(&r)) {
+      any = true;
+      PrintRound(r, out, header);
+      header = false;
+      std::fflush(stdout);
+    }
+    last = reader->Finish();  // once: a second Finish() aborts the process
+    if (any || last.error_code() != grpc::StatusCode::UNAVAILABLE) break;
+  }
+  return last;
+}
+
+// The stream runs until interrupted. Any end is a break (the daemon or its coordinator went
+// away): exit 3, never a clean 0.
+int RunWatch(const Command& command, const Settings& settings, Endpoints& daemons) {
+  v1::WatchRoundsRequest req;
+  req.set_group(command.group);
+  const grpc::Status last = WatchFirstDaemon(daemons, req, settings.output);
+  std::fprintf(stderr, "refitctl: the watch stream ended: %s%s%s\n", CodeName(last.error_code()),
+               last.error_message().empty() ? "" : ": ", last.error_message().c_str());
+  return last.ok() || last.error_code() == grpc::StatusCode::UNAVAILABLE ||
+                 last.error_code() == grpc::StatusCode::CANCELLED
+             ? kExitUnreachable
+             : Fail(last);
+}
+
+using CommandFunction = int (*)(const Command&, const Settings&, Endpoints&);
+
+struct CommandEntry {
+  const char* name;
+  CommandFunction run;
+};
+
+constexpr CommandEntry kCommands[] = {
+    {"version", RunVersion}, {"health", RunHealth}, {"status", RunStatus}, {"workers", RunWorkers},
+    {"plan", RunPlan},       {"refit", RunRefit},   {"rounds", RunRounds}, {"watch", RunWatch},
+};
+
+CommandFunction FindCommand(const std::string& name) {
+  for (const CommandEntry& c : kCommands) {
+    if (name == c.name) return c.run;
+  }
+  return nullptr;
+}
+
+// The command and its arguments; a usage error names what is wrong.
+absl::StatusOr<Command> ParseCommand(const std::vector<std::string>& args) {
+  Command command{args[0], args.size() > 1 ? args[1] : ""};
+  if (command.name == "plan" && args.size() != 2) {
+    return absl::InvalidArgumentError("usage: refitctl plan GROUP");
+  }
+  if (command.name == "refit" &&
+      (args.size() != 3 || !absl::SimpleAtoi(args[2], &command.version))) {
+    return absl::InvalidArgumentError("usage: refitctl refit GROUP VERSION");
+  }
+  if (FindCommand(command.name) == nullptr) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("unknown command \"", command.name,
+                     "\" (status, workers, plan, refit, watch, rounds, health, version)"));
+  }
+  return command;
+}
+
 }  // namespace
 }  // namespace refit
 
 int main(int argc, char** argv) {
   using namespace refit;
-  std::string daemon = std::getenv("REFIT_DAEMON") ? std::getenv("REFIT_DAEMON") : "unix:/tmp/refitd-0.sock";
-  std::string output = "table";
-  bool no_wait = false;
-  double timeout_s = 300;
-  int64_t limit = 20;
-  CliFlags flags("refitctl",
-                 "[--daemon ADDR[,ADDR...]] [-o table|wide|json] status | workers [GROUP] | plan GROUP | "
-                 "refit GROUP VERSION [--no-wait] | watch [GROUP] | rounds [GROUP] [--limit N] | health | version\n"
-                 "exit codes: 0 success; 1 refused by the cluster (its gRPC code and message printed), or health "
-                 "not SERVING; 2 bad usage; 3 unreachable (no daemon answered, or a watched stream broke); "
-                 "4 timed out");
-  flags.String("daemon", &daemon, "refitd addresses, comma-separated: the next is tried when one is unreachable (env REFIT_DAEMON)");
-  flags.String("output", &output, "table, wide or json", "o");
-  flags.Bool("no-wait", &no_wait, "refit: start the round and return its id");
-  flags.Double("timeout", &timeout_s, "seconds to wait for an answer");
-  flags.Int("limit", &limit, "rounds: how many of the most recent");
-  // TLS (docs/SECURITY.md): an operator's or viewer's certificate, signed by the cluster's CA.
-  auto env = [](const char* name) { return std::string(std::getenv(name) ? std::getenv(name) : ""); };
-  TlsConfig tls;
-  tls.cert = env("REFIT_TLS_CERT");
-  tls.key = env("REFIT_TLS_KEY");
-  tls.ca = env("REFIT_TLS_CA");
-  flags.String("tls-cert", &tls.cert, "PEM client certificate (an operator's or viewer's) for TCP addresses (env REFIT_TLS_CERT)");
-  flags.String("tls-key", &tls.key, "PEM private key of --tls-cert (env REFIT_TLS_KEY)");
-  flags.String("tls-ca", &tls.ca, "PEM CA bundle of the cluster (env REFIT_TLS_CA)");
-  const auto args = flags.Parse(argc, argv);
-  if (tls.cert.empty() != tls.key.empty() || tls.cert.empty() != tls.ca.empty()) {
-    flags.Fail("--tls-cert, --tls-key and --tls-ca go together: give all three, or none");
-  }
-  for (const std::string* file : {&tls.cert, &tls.key, &tls.ca}) {
-    if (!file->empty() && !std::ifstream(*file).good()) flags.Fail(absl::StrCat("cannot read TLS file ", *file));
-  }
-  if (args.empty()) flags.Fail("a command is needed: status, workers, plan, refit, watch, rounds, health, version (see --help)");
-  Output out = Output::kTable;
-  if (output == "wide") {
-    out = Output::kWide;
-  } else if (output == "json") {
-    out = Output::kJson;
-  } else if (output != "table") {
-    flags.Fail("-o must be table, wide or json");
-  }
-  const bool json = out == Output::kJson;
-  std::vector<std::string> addresses = absl::StrSplit(daemon, ',', absl::SkipWhitespace());
-  if (addresses.empty()) flags.Fail("--daemon names no address");
-  if (limit < 1 || limit > 1024) flags.Fail("--limit must be in [1, 1024]");
-  Endpoints daemons(addresses, timeout_s, tls);
-  const std::string& cmd = args[0];
-  if (cmd == "version") {
-    v1::StatusResponse r;
-    const grpc::Status s = daemons.Call(&v1::RefitControl::Stub::Status, v1::StatusRequest(), &r);
-    if (json) {
-      std::printf("{\"refitctl\":\"%s\",\"daemon\":\"%s\"}\n", kRefitVersion, s.ok() ? r.version().c_str() : "");
-    } else {
-      std::printf("refitctl %s\n", kRefitVersion);
-      if (s.ok()) std::printf("cluster (coordinator %s) %s\n", r.coordinator().c_str(), r.version().empty() ? "?" : r.version().c_str());
-    }
-    return s.ok() ? 0 : Fail(s);
-  }
-  if (cmd == "health") {
-    // Each daemon named, each of its services (grpc.health.v1, as Kubernetes' probes ask).
-    static const char* kServices[] = {"", "refit.v1.RefitControl", "refit.v1.RefitPeer", "refit.v1.RefitWorker"};
-    int rc = 0;
-    if (!json) std::printf("%-28s %-24s %s\n", "DAEMON", "SERVICE", "STATUS");
-    for (const std::string& a : daemons.addresses()) {
-      auto stub = grpc::health::v1::Health::NewStub(daemons.Channel(a));
-      for (const char* service : kServices) {
-        grpc::ClientContext ctx;
-        ctx.set_deadline(daemons.Deadline());
-        grpc::health::v1::HealthCheckRequest req;
-        req.set_service(service);
-        grpc::health::v1::HealthCheckResponse r;
-        const grpc::Status s = stub->Check(&ctx, req, &r);
-        const std::string status = s.ok() ? grpc::health::v1::HealthCheckResponse::ServingStatus_Name(r.status())
-                                          : absl::StrCat(CodeName(s.error_code()), ": ", s.error_message());
-        if (!s.ok()) {
-          rc = std::max(rc, ExitCode(s));
-        } else if (r.status() != grpc::health::v1::HealthCheckResponse::SERVING) {
-          rc = std::max(rc, kExitRefused);
-        }
-        if (json) {
-          std::printf("{\"daemon\":\"%s\",\"service\":\"%s\",\"status\":\"%s\"}\n", a.c_str(), service, status.c_str());
-        } else {
-          std::printf("%-28s %-24s %s\n", a.c_str(), *service ? service : "(server)", status.c_str());
-        }
-        if (!s.ok()) break;  // unreachable: its other services are too
-      }
-    }
-    return rc;
-  }
-  if (cmd == "status") {
-    v1::StatusResponse r;
-    if (auto s = daemons.Call(&v1::RefitControl::Stub::Status, v1::StatusRequest(), &r); !s.ok()) return Fail(s);
-    if (json) return std::printf("%s\n", Json(r).c_str()), 0;
-    const bool wide = out == Output::kWide;
-    std::printf("coordinator %s%s\n\n%-6s %-22s %-6s %s\n", r.coordinator().c_str(),
-                r.version().empty() ? "" : absl::StrCat(" (refit ", r.version(), ")").c_str(), "NODE", "ADDRESS",
-                "ALIVE", "WORKERS");
-    for (const auto& n : r.nodes()) {
-      std::printf("%-6d %-22s %-6s %d\n", n.node(), n.address().c_str(), n.alive() ? "yes" : "no", n.workers());
-    }
-    std::printf("\n%-10s %-6s %-8s %-9s %-10s %-10s %-10s ", "GROUP", "READY", "VERSION", "TRAINERS", "INFERENCE",
-                "BYTES", "MESSAGES");
-    if (wide) std::printf("%-8s %-10s %-10s ", "EPOCH", "NETWORK", "PREDICTED");
-    std::printf("%s\n", "WHY NOT READY");
-    for (const auto& g : r.groups()) {
-      std::printf("%-10s %-6s %-8lld %-9d %-10d %-10s %-10lld ", g.name().c_str(), g.ready() ? "yes" : "no",
-                  (long long)g.version(), g.trainers(), g.inference_workers(), Human(g.plan().bytes_total()).c_str(),
-                  (long long)g.plan().messages());
-      if (wide) {
-        std::printf("%-8lld %-10s %-10s ", (long long)g.planned_at_membership(), Human(g.plan().bytes_network()).c_str(),
-                    absl::StrFormat("%.3f s", g.plan().predicted_seconds()).c_str());
-      }
-      std::printf("%s\n", g.not_ready_reason().c_str());
-    }
-    // The inference side by replica: which count (complete), which version each holds, and why
-    // the others do not count (missing ranks).
-    bool any_replicas = false;
-    for (const auto& g : r.groups()) any_replicas |= g.replicas_size() > 0;
-    if (any_replicas) {
-      std::printf("\n%-10s %-16s %-6s %-9s %-8s %s\n", "GROUP", "REPLICA", "RANKS", "COMPLETE", "VERSION", "PROBLEM");
-      for (const auto& g : r.groups()) {
-        for (const auto& rep : g.replicas()) {
-          const int held = static_cast<int>(std::count_if(rep.workers().begin(), rep.workers().end(),
-                                                          [](const std::string& w) { return !w.empty(); }));
-          const std::string ranks = std::to_string(held) + "/" + std::to_string(rep.size());
-          std::printf("%-10s %-16s %-6s %-9s %-8lld %s\n", g.name().c_str(), rep.name().c_str(), ranks.c_str(),
-                      rep.complete() ? "yes" : "no", (long long)rep.version(), rep.problem().c_str());
-          if (wide) {
-            for (int rank = 0; rank < rep.workers_size(); ++rank) {
-              std::printf("%-10s   rank %-4d %s\n", "", rank, rep.workers(rank).empty() ? "(missing)" : rep.workers(rank).c_str());
-            }
-          }
-        }
-      }
-    }
-    return 0;
-  }
-  if (cmd == "workers") {
-    v1::ListWorkersRequest req;
-    if (args.size() > 1) req.set_group(args[1]);
-    v1::ListWorkersResponse r;
-    if (auto s = daemons.Call(&v1::RefitControl::Stub::ListWorkers, req, &r); !s.ok()) return Fail(s);
-    if (json) return std::printf("%s\n", Json(r).c_str()), 0;
-    std::printf("%-32s %-10s %-5s %-4s %-8s %-7s %s\n", "WORKER", "ROLE", "NODE", "GPU", "BUFFERS", "PIECES", "BYTES");
-    for (const auto& w : r.workers()) {
-      std::printf("%-32s %-10s %-5d %-4d %-8d %-7d %s\n", w.worker_id().c_str(),
-                  w.role() == v1::TRAINER ? "trainer" : "inference", w.node(), w.gpu(), w.buffers(),
-                  w.pieces(), Human(w.bytes()).c_str());
-    }
-    return 0;
-  }
-  if (cmd == "plan") {
-    if (args.size() != 2) flags.Fail("usage: refitctl plan GROUP");
-    v1::GetPlanRequest req;
-    req.set_group(args[1]);
-    v1::PlanSummary r;
-    if (auto s = daemons.Call(&v1::RefitControl::Stub::GetPlan, req, &r); !s.ok()) return Fail(s);
-    if (json) return std::printf("%s\n", Json(r).c_str()), 0;
-    std::printf("tensors %lld  pieces %lld  transfers %lld  messages %lld\n", (long long)r.tensors(),
-                (long long)r.pieces(), (long long)r.transfers(), (long long)r.messages());
-    std::printf("bytes %s: network %s, nvlink %s, local %s\n", Human(r.bytes_total()).c_str(),
-                Human(r.bytes_network()).c_str(), Human(r.bytes_nvlink()).c_str(), Human(r.bytes_local()).c_str());
-    std::printf("predicted %.6f s, lower bound %.6f s, planned in %.3f s\n", r.predicted_seconds(),
-                r.lower_bound_seconds(), r.planning_seconds());
-    return 0;
-  }
-  if (cmd == "refit") {
-    int64_t version = 0;
-    if (args.size() != 3 || !absl::SimpleAtoi(args[2], &version)) flags.Fail("usage: refitctl refit GROUP VERSION");
-    v1::RefitRequest req;
-    req.set_group(args[1]);
-    req.set_version(version);
-    // A daemon that was unreachable never saw the request; one that answered (even "no") did:
-    // failover only past the former, so a round is never started twice by refitctl.
-    if (no_wait) {
-      v1::StartRefitResponse r;
-      if (auto s = daemons.Call(&v1::RefitControl::Stub::StartRefit, req, &r); !s.ok()) return Fail(s);
-      if (json) return std::printf("%s\n", Json(r).c_str()), 0;
-      std::printf("round %lld started\n", (long long)r.round_id());
-      return 0;
-    }
-    v1::RoundStats r;
-    if (auto s = daemons.Call(&v1::RefitControl::Stub::Refit, req, &r); !s.ok()) return Fail(s);
-    PrintRound(r, out, true);
-    return 0;
-  }
-  if (cmd == "rounds") {
-    v1::ListRoundsRequest req;
-    if (args.size() > 1) req.set_group(args[1]);
-    req.set_limit(static_cast<int32_t>(limit));
-    v1::ListRoundsResponse r;
-    if (auto s = daemons.Call(&v1::RefitControl::Stub::ListRounds, req, &r); !s.ok()) return Fail(s);
-    if (json) return std::printf("%s\n", Json(r).c_str()), 0;
-    bool header = true;
-    for (const auto& round : r.rounds()) {
-      PrintRound(round, out, header);
-      header = false;
-    }
-    if (header) std::printf("no rounds yet\n");
-    return 0;
-  }
-  if (cmd == "watch") {
-    v1::WatchRoundsRequest req;
-    if (args.size() > 1) req.set_group(args[1]);
-    // The first daemon that takes the stream; it runs until interrupted. Any end is a break (the
-    // daemon or its coordinator went away): exit 3, never a clean 0.
-    bool header = true;
-    grpc::Status last;
-    for (const std::string& a : daemons.addresses()) {
-      grpc::ClientContext ctx;
-      auto stub = v1::RefitControl::NewStub(daemons.Channel(a));
-      auto reader = stub->WatchRounds(&ctx, req);
-      v1::RoundStats r;
-      bool any = false;
-      while (reader->Read(&r)) {
-        any = true;
-        PrintRound(r, out, header);
-        header = false;
-        std::fflush(stdout);
-      }
-      last = reader->Finish();  // once: a second Finish() aborts the process
-      if (any || last.error_code() != grpc::StatusCode::UNAVAILABLE) break;
-    }
-    std::fprintf(stderr, "refitctl: the watch stream ended: %s%s%s\n", CodeName(last.error_code()),
-                 last.error_message().empty() ? "" : ": ", last.error_message().c_str());
-    return last.ok() || last.error_code() == grpc::StatusCode::UNAVAILABLE ||
-                   last.error_code() == grpc::StatusCode::CANCELLED
-               ? kExitUnreachable
-               : Fail(last);
-  }
-  flags.Fail(absl::StrCat("unknown command \"", cmd, "\" (status, workers, plan, refit, watch, rounds, health, version)"));
+  CliFlags flags("refitctl", kUsage);
+  FlagValues values;
+  RegisterFlags(flags, values);
+  const std::vector<std::string> args = flags.Parse(argc, argv);
+  const absl::StatusOr<Settings> settings = CheckFlags(values, args);
+  if (!settings.ok()) flags.Fail(std::string(settings.status().message()));
+  Endpoints daemons(settings->addresses, values.timeout_s, values.tls);
+  const absl::StatusOr<Command> command = ParseCommand(args);
+  if (!command.ok()) flags.Fail(std::string(command.status().message()));
+  return FindCommand(command->name)(*command, *settings, daemons);
 }

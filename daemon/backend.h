@@ -119,6 +119,9 @@ class DataBackend {
     int64_t built = 0, aborted = 0;
   };
   virtual CommunicatorCounts Communicators() const { return {}; }
+  // Events of the data connections since start, by name (host backend: accepted, evicted, ...;
+  // metrics read them at scrape time). Empty: this backend counts none.
+  virtual std::vector<std::pair<std::string, int64_t>> ConnectionEvents() const { return {}; }
 };
 
 }  // namespace refit

@@ -48,6 +48,14 @@ DaemonConfig ParseDaemonFlags(int argc, char** argv) {
   int64_t coordinator_node = c.coordinator_node;
   flags.Int("coordinator-node", &coordinator_node, "the coordinator's --node: obey only that node's certificate as the coordinator (-1: whichever node answers as itself)");
   flags.String("data-listen", &c.data_listen, "host data plane address peers send messages to");
+  double data_first_byte_s = absl::ToDoubleSeconds(c.data_first_byte_timeout),
+         data_idle_s = absl::ToDoubleSeconds(c.data_idle_timeout);
+  flags.Double("data-first-byte-timeout", &data_first_byte_s,
+               "host data plane: seconds within which a new connection's first frame must begin "
+               "(after its TLS handshake, with TLS)");
+  flags.Double("data-idle-timeout", &data_idle_s,
+               "host data plane: seconds a connection may idle between frames before the receiver "
+               "closes it (the sender dials again)");
   flags.String("backend", &c.backend, "data plane: host (shared memory + TCP) or cuda");
   std::string gpus;
   flags.String("gpus", &gpus, "comma-separated local GPU indices this daemon serves (empty: any)");
@@ -70,6 +78,13 @@ DaemonConfig ParseDaemonFlags(int argc, char** argv) {
   double drain_s = absl::ToDoubleSeconds(c.drain_timeout);
   flags.Double("drain-timeout", &drain_s, "seconds SIGTERM waits for running rounds before aborting them (then exit 0)");
   flags.Int("heartbeats-missed", &missed, "a daemon silent for this many heartbeats is declared dead");
+  flags.Int("max-nodes", &c.max_nodes,
+            "coordinator: most nodes it lists, itself included; a new node past it is refused "
+            "unless a dead one can be forgotten to make room");
+  double forget_s = absl::ToDoubleSeconds(c.forget_dead_after);
+  flags.Double("forget-dead-after", &forget_s,
+               "coordinator: seconds a node declared dead stays listed (refitctl status) before it "
+               "is forgotten; it may join again");
   flags.Int("max-rpc-bytes", &max_rpc, "largest gRPC message accepted (layouts of big models are large)");
   flags.Int("max-registration-pieces", &c.limits.max_pieces, "most pieces one worker's registration may hold");
   flags.Int("max-registration-buffers", &c.limits.max_buffers, "most buffers one worker's registration may hold");
@@ -178,12 +193,19 @@ DaemonConfig ParseDaemonFlags(int argc, char** argv) {
   c.node = static_cast<int32_t>(node);
   c.max_message_bytes = max_message;
   c.heartbeats_missed = static_cast<int>(std::max<int64_t>(1, missed));
+  if (c.max_nodes < 1) flags.Fail("--max-nodes must be positive");
+  if (forget_s <= 0) flags.Fail("--forget-dead-after must be positive");
+  c.forget_dead_after = absl::Seconds(forget_s);
   c.prepare_timeout = absl::Seconds(prepare_s);
   c.transfer_timeout = absl::Seconds(transfer_s);
   c.commit_timeout = absl::Seconds(commit_s);
   c.peer_timeout = absl::Seconds(peer_s);
   c.heartbeat = absl::Seconds(heartbeat_s);
   if (drain_s < 0) flags.Fail("--drain-timeout must be >= 0");
+  if (!(data_first_byte_s > 0)) flags.Fail("--data-first-byte-timeout must be positive");
+  if (!(data_idle_s > 0)) flags.Fail("--data-idle-timeout must be positive");
+  c.data_first_byte_timeout = absl::Seconds(data_first_byte_s);
+  c.data_idle_timeout = absl::Seconds(data_idle_s);
   for (int64_t limit : {c.limits.max_pieces, c.limits.max_buffers, c.limits.max_tensors, c.limits.max_bytes}) {
     if (limit < 1) flags.Fail("--max-registration-pieces, -buffers, -tensors and -bytes must be positive");
   }

@@ -21,6 +21,11 @@ struct DaemonConfig {
   std::string coordinator;                // the coordinator's --listen address; empty: this is it
   int32_t coordinator_node = -1;          // --coordinator-node: the coordinator's index, pinned (-1: any)
   std::string data_listen = "127.0.0.1:0";  // host data plane (--data-listen)
+  // Host data plane: a new connection's first frame must begin within this
+  // (--data-first-byte-timeout), and a connection idle between frames longer is closed
+  // (--data-idle-timeout): idle connections cannot hold the node's places (host_backend.h).
+  absl::Duration data_first_byte_timeout = absl::Seconds(10);
+  absl::Duration data_idle_timeout = absl::Seconds(120);
   std::string backend = "host";           // host | cuda (--backend)
   std::vector<int32_t> gpus;              // local GPU indices this daemon serves (--gpus 0,1);
                                           // empty: any. A worker on another GPU is refused.
@@ -49,6 +54,9 @@ struct DaemonConfig {
   absl::Duration peer_timeout = absl::Seconds(5);   // one control RPC between daemons
   absl::Duration heartbeat = absl::Milliseconds(500);
   int heartbeats_missed = 4;              // a peer silent this many heartbeats is dead
+  int64_t max_nodes = 4096;               // coordinator: most nodes listed, itself included
+  absl::Duration forget_dead_after =
+      absl::Minutes(1);                  // coordinator: a dead node is listed this long
   int64_t max_rpc_bytes = 256 << 20;     // largest gRPC message accepted (--max-rpc-bytes)
   std::string log_level = "info";
   std::string log_format = "text";        // or "json"

@@ -103,6 +103,7 @@ absl::Status CoordinatorLink::Answered(const grpc::ClientContext& ctx, const v1:
                         coordinator_.incarnation);
   }
   coordinator_ = KnownCoordinator{out.coordinator_node(), out.coordinator_incarnation()};
+  if (out.resync()) ++resyncs_seen_;
   return absl::OkStatus();
 }
 
@@ -124,6 +125,13 @@ std::shared_ptr<v1::RefitControl::Stub> CoordinatorLink::Control() {
   return control_;
 }
 
+v1::JoinRequest CoordinatorLink::JoinRequestNow() {
+  v1::JoinRequest out = join_;
+  absl::MutexLock lock(&mu_);
+  out.set_resyncs_seen(resyncs_seen_);
+  return out;
+}
+
 absl::Status CoordinatorLink::Join(const std::string& control_address, const std::string& data_address) {
   join_.set_node(options_.node);
   join_.set_control_address(control_address);
@@ -141,8 +149,10 @@ absl::Status CoordinatorLink::Join(const std::string& control_address, const std
     grpc::ClientContext ctx;
     ctx.set_deadline(Deadline(options_.peer_timeout));
     v1::JoinResponse out;
-    joined = Target().empty() ? absl::UnavailableError(absl::StrCat(options_.coordinator, " names no coordinator"))
-                              : FromGrpc(Peer()->Join(&ctx, join_, &out));
+    joined =
+        Target().empty()
+            ? absl::UnavailableError(absl::StrCat(options_.coordinator, " names no coordinator"))
+            : FromGrpc(Peer()->Join(&ctx, JoinRequestNow(), &out));
     if (joined.ok()) joined = Answered(ctx, out);
     if (joined.ok()) {
       if (attempt > 1) Logger("rpc")->info("joined the coordinator at {} after {} attempts", Target(), attempt);
@@ -177,6 +187,11 @@ absl::Status CoordinatorLink::Sync(std::vector<v1::WorkerRefusal>* refused) {
   v1::SyncWorkersRequest sync;
   sync.set_node(options_.node);
   sync.set_incarnation(options_.incarnation);
+  sync.set_sequence(++last_sequence_);
+  {
+    absl::MutexLock lock(&mu_);
+    sync.set_resyncs_seen(resyncs_seen_);
+  }
   for (v1::RegisterWorkerRequest& w : options_.snapshot()) *sync.add_workers() = std::move(w);
   grpc::ClientContext ctx;
   ctx.set_deadline(Deadline(options_.peer_timeout));
@@ -210,7 +225,7 @@ std::optional<v1::JoinResponse> CoordinatorLink::Heartbeat(bool* lost) {
       std::min(options_.peer_timeout, std::max(options_.heartbeat * 2, absl::Seconds(1)))));
   ctx.set_wait_for_ready(true);  // a coordinator coming back is joined as soon as it listens
   v1::JoinResponse out;
-  absl::Status s = FromGrpc(Peer()->Join(&ctx, join_, &out));
+  absl::Status s = FromGrpc(Peer()->Join(&ctx, JoinRequestNow(), &out));
   if (s.ok()) s = Answered(ctx, out);
   if (!s.ok()) {
     if (!*lost) {

@@ -13,11 +13,15 @@
 // so that a coordinator restarted at a new address is joined once the file names it (within a
 // heartbeat or two of the rewrite).
 //
-// Locks: `mu_` guards the stop flag, the stubs and whether a sync is owed. `sync_order_` guards no
-// data: it orders syncs, each a snapshot taken and sent under it, so that two registrations racing
-// cannot let an older snapshot (without the newer worker) reach the coordinator last. It is the one
-// lock held across an RPC (bounded by --peer-timeout); a sequence number in SyncWorkersRequest
-// would remove it.
+// Syncs are numbered (SyncWorkersRequest.sequence), and each carries how many answers asked this
+// node to resync (resyncs_seen, also in every heartbeat): the coordinator ignores a list older
+// than one it applied, and refuses one taken before the node heard that it was admitted again
+// (declared dead, then revived), whatever order the network delivers them in.
+//
+// Locks: `mu_` guards the stop flag, the stubs, whether a sync is owed and the resyncs seen.
+// `sync_order_` orders syncs, each a snapshot numbered, taken and sent under it, so that the
+// outcome of the last sync is what the coordinator holds (`sync_owed_` stays exact). It is the one
+// lock held across an RPC (bounded by --peer-timeout).
 #pragma once
 
 #include <grpcpp/grpcpp.h>
@@ -101,6 +105,8 @@ class CoordinatorLink {
   // once).
   std::optional<v1::JoinResponse> Heartbeat(bool* lost);
   bool SyncOwed();
+  // The join or heartbeat to send now: join_ with the resyncs seen so far.
+  v1::JoinRequest JoinRequestNow();
   // Records who answered a Join; an answer whose certificate is not the node it names is refused.
   absl::Status Answered(const grpc::ClientContext& ctx, const v1::JoinResponse& out);
   // The stubs of the current target; shared: a refresh may replace them while a call uses them.
@@ -115,6 +121,7 @@ class CoordinatorLink {
   v1::JoinRequest join_;  // set by Join, before the heartbeat thread starts
   std::thread heartbeat_;
   absl::Mutex sync_order_;
+  int64_t last_sequence_ ABSL_GUARDED_BY(sync_order_) = 0;
 
   absl::Mutex mu_;
   absl::CondVar stop_;
@@ -122,6 +129,8 @@ class CoordinatorLink {
   // The coordinator may lack this node's current worker list: the last sync failed, or an
   // answer asked for it (resync). Cleared by a sync that succeeds.
   bool sync_owed_ ABSL_GUARDED_BY(mu_) = false;
+  // Answers that said `resync`, counted before anything acts on them (JoinRequest.resyncs_seen).
+  int64_t resyncs_seen_ ABSL_GUARDED_BY(mu_) = 0;
   std::string target_ ABSL_GUARDED_BY(mu_);  // the coordinator's gRPC target now
   std::shared_ptr<v1::RefitPeer::Stub> peer_ ABSL_GUARDED_BY(mu_);
   std::shared_ptr<v1::RefitControl::Stub> control_ ABSL_GUARDED_BY(mu_);

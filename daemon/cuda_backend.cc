@@ -582,6 +582,153 @@ absl::Status CudaBackend::EnsureStreams(Group& g) {
   return absl::OkStatus();
 }
 
+namespace {
+
+// A GPU's work lists, in upload order, each with the launch description UploadWork fills in.
+using WorkList = std::vector<std::pair<const CopyWork*, CudaBackend::Prepared::DeviceWork*>>;
+using WorkLists = std::map<int32_t, WorkList>;  // by GPU
+
+// The GPU's event marking the round's first work on it, made once.
+absl::Status EnsureStartEvent(CudaBackend::Prepared::OnGpu& on, int32_t gpu) {
+  if (!on.start) {
+    auto e = Event::Create(gpu);
+    if (!e.ok()) return e.status();
+    on.start = *std::move(e);
+  }
+  return absl::OkStatus();
+}
+
+// A GPU's copies inside the node in one stage: their work lists (`parts` keeps the halves of split
+// work) and the event marking them done.
+absl::Status ListDirectWork(CudaBackend::Prepared::OnGpu& on, int32_t gpu, int stage,
+                            const CopyWork& w, bool aligned_copy_kernel, WorkList& list,
+                            std::deque<CopyWork>& parts) {
+  on.direct.resize(kMaxStages);
+  // Mixed work in two launches: on one H200, a real 1 GB model's (Qwen2.5-0.5B) 0.555 -> 0.529
+  // ms, 98,883 small tensors 2.063 -> 2.031 ms (session 16, local_copy_bench --split).
+  CopyWork& aligned = parts.emplace_back();
+  CopyWork& general = parts.emplace_back();
+  if (aligned_copy_kernel && !AlignedOnly(w)) SplitAligned(w, aligned, general);
+  // Spread is measured, and chosen, for direct work only (each launch by its own units).
+  if (!aligned.items.empty() && !general.items.empty()) {
+    on.direct[stage].resize(2);
+    on.direct[stage][0].spread = SpreadPays(aligned);
+    on.direct[stage][1].spread = SpreadPays(general);
+    list.push_back({&aligned, &on.direct[stage][0]});
+    list.push_back({&general, &on.direct[stage][1]});
+  } else {
+    on.direct[stage].resize(1);
+    on.direct[stage][0].spread = SpreadPays(w);
+    list.push_back({&w, &on.direct[stage][0]});
+  }
+  REFIT_RETURN_IF_ERROR(EnsureStartEvent(on, gpu));
+  while (on.direct_done.size() <= static_cast<size_t>(stage)) {
+    auto e = Event::Create(gpu);
+    if (!e.ok()) return e.status();
+    on.direct_done.push_back(*std::move(e));
+  }
+  return absl::OkStatus();
+}
+
+// A GPU's network steps in one stage: each step's pack and unpack work lists, and its events.
+absl::Status ListStepWork(CudaBackend::Prepared::OnGpu& on, int32_t gpu, int stage,
+                          const std::vector<NetworkStep>& steps, WorkList& list) {
+  on.pack.resize(kMaxStages);
+  on.unpack.resize(kMaxStages);
+  for (auto* events : {&on.packed, &on.wire_begin, &on.moved, &on.unpacked}) {
+    events->resize(kMaxStages);
+  }
+  REFIT_RETURN_IF_ERROR(EnsureStartEvent(on, gpu));
+  on.pack[stage].resize(steps.size());
+  on.unpack[stage].resize(steps.size());
+  for (size_t k = 0; k < steps.size(); ++k) {
+    list.push_back({&steps[k].pack, &on.pack[stage][k]});
+    list.push_back({&steps[k].unpack, &on.unpack[stage][k]});
+    for (auto* events :
+         {&on.packed[stage], &on.wire_begin[stage], &on.moved[stage], &on.unpacked[stage]}) {
+      auto e = Event::Create(gpu);
+      if (!e.ok()) return e.status();
+      events->push_back(*std::move(e));
+    }
+  }
+  return absl::OkStatus();
+}
+
+// Every work list of the schedule, by GPU and in stage order, and the events that chain them.
+absl::Status ListWork(CudaBackend::Prepared& p, bool aligned_copy_kernel, WorkLists& works,
+                      std::deque<CopyWork>& parts) {
+  for (int stage = 0; stage < kMaxStages; ++stage) {
+    const StageSchedule& s = p.schedule.stages[stage];
+    for (const auto& [gpu, w] : s.direct) {
+      REFIT_RETURN_IF_ERROR(
+          ListDirectWork(p.gpus[gpu], gpu, stage, w, aligned_copy_kernel, works[gpu], parts));
+    }
+    for (const auto& [gpu, steps] : s.steps) {
+      REFIT_RETURN_IF_ERROR(ListStepWork(p.gpus[gpu], gpu, stage, steps, works[gpu]));
+    }
+  }
+  return absl::OkStatus();
+}
+
+// Uploads every work list of each GPU into one device allocation, and points each launch
+// description at its items and units there.
+absl::Status UploadWork(CudaBackend::Prepared& p, bool aligned_copy_kernel, WorkLists& works) {
+  DeviceGuard guard;
+  for (auto& [gpu, list] : works) {
+    std::vector<std::byte> host;
+    std::vector<std::pair<size_t, size_t>> at;  // (items, units) offsets
+    for (auto& [w, d] : list) {
+      const size_t items = host.size();
+      host.resize(items + w->items.size() * sizeof(CopyItem));
+      std::memcpy(host.data() + items, w->items.data(), w->items.size() * sizeof(CopyItem));
+      const size_t units = host.size();
+      host.resize(units + w->unit_begin.size() * sizeof(int64_t));
+      std::memcpy(host.data() + units, w->unit_begin.data(),
+                  w->unit_begin.size() * sizeof(int64_t));
+      host.resize((host.size() + 15) / 16 * 16);
+      at.push_back({items, units});
+    }
+    CudaBackend::Prepared::OnGpu& on = p.gpus[gpu];
+    auto arrays = DeviceMemory::Allocate(gpu, std::max<size_t>(host.size(), 16));
+    if (!arrays.ok()) return Annotate(arrays.status(), "copy items");
+    on.arrays = *std::move(arrays);
+    REFIT_RETURN_IF_ERROR(guard.Set(gpu));
+    REFIT_CUDA_RETURN_IF_ERROR(
+        cudaMemcpy(on.arrays.get(), host.data(), host.size(), cudaMemcpyHostToDevice),
+        "copy items");
+    auto* base = static_cast<std::byte*>(on.arrays.get());
+    for (size_t i = 0; i < list.size(); ++i) {
+      auto& [w, d] = list[i];
+      d->items = reinterpret_cast<const CopyItem*>(base + at[i].first);
+      d->units = reinterpret_cast<const int64_t*>(base + at[i].second);
+      d->n = static_cast<int>(w->items.size());
+      d->total_units = w->unit_begin.empty() ? 0 : w->unit_begin.back();
+      // The aligned kernel where it applies (--aligned-copy-kernel=false: the general one always).
+      d->aligned = aligned_copy_kernel && AlignedOnly(*w);
+    }
+  }
+  return absl::OkStatus();
+}
+
+void LogPrepared(const TransferJob& job, const NodeSchedule& schedule) {
+  std::string staging;
+  for (const auto& [gpu, bytes] : schedule.region_bytes) {
+    const auto depth = schedule.depth.find(gpu);  // none where the GPU's region is empty
+    absl::StrAppend(&staging, staging.empty() ? "" : ", ", "GPU ", gpu, ": ",
+                    schedule.StagingBytes(gpu), " bytes (",
+                    depth == schedule.depth.end() ? 0 : depth->second, " steps in flight)");
+  }
+  Logger("data")->info(
+      "group \"{}\" node {}: prepared; network {} bytes out, {} in ({} zero-copy) in {} "
+      "operations; NVLink {} bytes; local {} bytes; staging {}{}",
+      job.group, job.node, schedule.bytes_sent, schedule.bytes_received, schedule.bytes_zero_copy,
+      schedule.network_ops, schedule.bytes_peer, schedule.bytes_local,
+      staging.empty() ? "none" : staging,
+      job.nccl_register && !staging.empty() ? " (registered with NCCL)" : "");
+}
+
+}  // namespace
+
 absl::StatusOr<CudaBackend::Prepared*> CudaBackend::PreparedFor(Group& g, const TransferJob& job, const BufferAddresses& src,
                                                                 const BufferAddresses& dst) {
   uint64_t released = 0;
@@ -605,6 +752,18 @@ absl::StatusOr<CudaBackend::Prepared*> CudaBackend::PreparedFor(Group& g, const 
   for (const auto& [gpu, streams] : g.streams) {
     for (const Stream* s : {&streams.compute, &streams.comm, &streams.direct}) p->idle.Add(*s);
   }
+  REFIT_RETURN_IF_ERROR(BuildSchedule(*p, job, src, dst));
+  WorkLists works;
+  std::deque<CopyWork> parts;  // the halves of split direct work, until uploaded
+  REFIT_RETURN_IF_ERROR(ListWork(*p, aligned_copy_kernel_, works, parts));
+  REFIT_RETURN_IF_ERROR(UploadWork(*p, aligned_copy_kernel_, works));
+  LogPrepared(job, p->schedule);
+  g.prepared = std::move(p);
+  return g.prepared.get();
+}
+
+absl::Status CudaBackend::BuildSchedule(Prepared& p, const TransferJob& job,
+                                        const BufferAddresses& src, const BufferAddresses& dst) {
   ScheduleOptions options;
   options.node = job.node;
   options.staging_budget = staging_bytes_;
@@ -613,7 +772,9 @@ absl::StatusOr<CudaBackend::Prepared*> CudaBackend::PreparedFor(Group& g, const 
   auto schedule = BuildNodeSchedule(
       *job.plan, options,
       [&](int32_t gpu) -> absl::StatusOr<std::pair<BufferAddresses, BufferAddresses>> {
-        if (!Serves(gpu)) return absl::FailedPreconditionError(absl::StrCat("GPU ", gpu, " is not served here"));
+        if (!Serves(gpu)) {
+          return absl::FailedPreconditionError(absl::StrCat("GPU ", gpu, " is not served here"));
+        }
         std::pair<BufferAddresses, BufferAddresses> out;
         for (auto [from, to] : {std::pair{&src, &out.first}, std::pair{&dst, &out.second}}) {
           for (uint64_t a : *from) {
@@ -625,117 +786,15 @@ absl::StatusOr<CudaBackend::Prepared*> CudaBackend::PreparedFor(Group& g, const 
         return out;
       },
       [&](int32_t gpu, int64_t bytes) -> absl::StatusOr<uint64_t> {
-        Prepared::OnGpu& on = p->gpus[gpu];
+        Prepared::OnGpu& on = p.gpus[gpu];
         auto staging = StagingBuffer::Allocate(gpu, static_cast<size_t>(bytes), job.nccl_register);
         if (!staging.ok()) return staging.status();
         on.staging = *std::move(staging);
         return reinterpret_cast<uint64_t>(on.staging.get());
       });
   if (!schedule.ok()) return schedule.status();
-  p->schedule = *std::move(schedule);
-  // Upload every work list of each GPU into one device allocation.
-  std::map<int32_t, std::vector<std::pair<const CopyWork*, Prepared::DeviceWork*>>> works;
-  std::deque<CopyWork> parts;  // the halves of split direct work, until uploaded
-  for (int stage = 0; stage < kMaxStages; ++stage) {
-    const StageSchedule& s = p->schedule.stages[stage];
-    for (const auto& [gpu, w] : s.direct) {
-      Prepared::OnGpu& on = p->gpus[gpu];
-      on.direct.resize(kMaxStages);
-      // Mixed work in two launches: on one H200, a real 1 GB model's (Qwen2.5-0.5B) 0.555 -> 0.529
-      // ms, 98,883 small tensors 2.063 -> 2.031 ms (session 16, local_copy_bench --split).
-      CopyWork& aligned = parts.emplace_back();
-      CopyWork& general = parts.emplace_back();
-      if (aligned_copy_kernel_ && !AlignedOnly(w)) SplitAligned(w, aligned, general);
-      // Spread is measured, and chosen, for direct work only (each launch by its own units).
-      if (!aligned.items.empty() && !general.items.empty()) {
-        on.direct[stage].resize(2);
-        on.direct[stage][0].spread = SpreadPays(aligned);
-        on.direct[stage][1].spread = SpreadPays(general);
-        works[gpu].push_back({&aligned, &on.direct[stage][0]});
-        works[gpu].push_back({&general, &on.direct[stage][1]});
-      } else {
-        on.direct[stage].resize(1);
-        on.direct[stage][0].spread = SpreadPays(w);
-        works[gpu].push_back({&w, &on.direct[stage][0]});
-      }
-      if (!on.start) {
-        auto e = Event::Create(gpu);
-        if (!e.ok()) return e.status();
-        on.start = *std::move(e);
-      }
-      while (on.direct_done.size() <= static_cast<size_t>(stage)) {
-        auto e = Event::Create(gpu);
-        if (!e.ok()) return e.status();
-        on.direct_done.push_back(*std::move(e));
-      }
-    }
-    for (const auto& [gpu, steps] : s.steps) {
-      Prepared::OnGpu& on = p->gpus[gpu];
-      on.pack.resize(kMaxStages);
-      on.unpack.resize(kMaxStages);
-      for (auto* list : {&on.packed, &on.wire_begin, &on.moved, &on.unpacked}) list->resize(kMaxStages);
-      if (!on.start) {
-        auto e = Event::Create(gpu);
-        if (!e.ok()) return e.status();
-        on.start = *std::move(e);
-      }
-      on.pack[stage].resize(steps.size());
-      on.unpack[stage].resize(steps.size());
-      for (size_t k = 0; k < steps.size(); ++k) {
-        works[gpu].push_back({&steps[k].pack, &on.pack[stage][k]});
-        works[gpu].push_back({&steps[k].unpack, &on.unpack[stage][k]});
-        for (auto* events : {&on.packed[stage], &on.wire_begin[stage], &on.moved[stage], &on.unpacked[stage]}) {
-          auto e = Event::Create(gpu);
-          if (!e.ok()) return e.status();
-          events->push_back(*std::move(e));
-        }
-      }
-    }
-  }
-  DeviceGuard guard;
-  for (auto& [gpu, list] : works) {
-    std::vector<std::byte> host;
-    std::vector<std::pair<size_t, size_t>> at;  // (items, units) offsets
-    for (auto& [w, d] : list) {
-      const size_t items = host.size();
-      host.resize(items + w->items.size() * sizeof(CopyItem));
-      std::memcpy(host.data() + items, w->items.data(), w->items.size() * sizeof(CopyItem));
-      const size_t units = host.size();
-      host.resize(units + w->unit_begin.size() * sizeof(int64_t));
-      std::memcpy(host.data() + units, w->unit_begin.data(), w->unit_begin.size() * sizeof(int64_t));
-      host.resize((host.size() + 15) / 16 * 16);
-      at.push_back({items, units});
-    }
-    Prepared::OnGpu& on = p->gpus[gpu];
-    auto arrays = DeviceMemory::Allocate(gpu, std::max<size_t>(host.size(), 16));
-    if (!arrays.ok()) return Annotate(arrays.status(), "copy items");
-    on.arrays = *std::move(arrays);
-    REFIT_RETURN_IF_ERROR(guard.Set(gpu));
-    REFIT_CUDA_RETURN_IF_ERROR(cudaMemcpy(on.arrays.get(), host.data(), host.size(), cudaMemcpyHostToDevice), "copy items");
-    auto* base = static_cast<std::byte*>(on.arrays.get());
-    for (size_t i = 0; i < list.size(); ++i) {
-      auto& [w, d] = list[i];
-      d->items = reinterpret_cast<const CopyItem*>(base + at[i].first);
-      d->units = reinterpret_cast<const int64_t*>(base + at[i].second);
-      d->n = static_cast<int>(w->items.size());
-      d->total_units = w->unit_begin.empty() ? 0 : w->unit_begin.back();
-      // The aligned kernel where it applies (--aligned-copy-kernel=false: the general one always).
-      d->aligned = aligned_copy_kernel_ && AlignedOnly(*w);
-    }
-  }
-  std::string staging;
-  for (const auto& [gpu, bytes] : p->schedule.region_bytes) {
-    absl::StrAppend(&staging, staging.empty() ? "" : ", ", "GPU ", gpu, ": ", p->schedule.StagingBytes(gpu), " bytes (",
-                    p->schedule.depth[gpu], " steps in flight)");
-  }
-  Logger("data")->info("group \"{}\" node {}: prepared; network {} bytes out, {} in ({} zero-copy) in {} operations; "
-                       "NVLink {} bytes; local {} bytes; staging {}{}",
-                       job.group, job.node, p->schedule.bytes_sent, p->schedule.bytes_received,
-                       p->schedule.bytes_zero_copy, p->schedule.network_ops, p->schedule.bytes_peer,
-                       p->schedule.bytes_local, staging.empty() ? "none" : staging,
-                       job.nccl_register && !staging.empty() ? " (registered with NCCL)" : "");
-  g.prepared = std::move(p);
-  return g.prepared.get();
+  p.schedule = *std::move(schedule);
+  return absl::OkStatus();
 }
 
 void CudaBackend::DropPrepared(Group& g) {
@@ -790,129 +849,44 @@ absl::StatusOr<TransferStats> CudaBackend::Transfer(const TransferJob& job) {
     REFIT_RETURN_IF_ERROR(CommunicatorFor(g, job));
     comm = g.comm.get();
     used_comm = true;
-    if (job.nccl_register) {
-      for (const auto& [gpu, on] : p.gpus) {
-        if (on.staging.nccl_memory()) REFIT_RETURN_IF_ERROR(comm->Register(gpu, on.staging.get(), on.staging.size()));
-      }
-      REFIT_RETURN_IF_ERROR(comm->Wait([&] { return Interrupted(job); }, "registering staging with NCCL"));
-    }
+    if (job.nccl_register) REFIT_RETURN_IF_ERROR(RegisterStaging(job, p, *comm));
   }
+  REFIT_ASSIGN_OR_RETURN(TransferStats stats,
+                         RunPrepared(job, g, p, comm, fired, go, started, guard));
+  ok = true;
+  return stats;
+}
+
+absl::StatusOr<TransferStats> CudaBackend::RunPrepared(const TransferJob& job, const Group& g,
+                                                       const Prepared& p, NodeCommunicator* comm,
+                                                       bool fired, uint32_t go, absl::Time started,
+                                                       DeviceGuard& guard) {
+  const NodeSchedule& schedule = p.schedule;
   if (auto s = Interrupted(job); !s.ok()) {
     CallOff(job.group, job.round_id);
     return s;
   }
   if (!fired) started = absl::Now();
   absl::Time launched = started;  // the last stage's launches done
-  // Not let go above: every armed round is called off first (this group's, of a round that never
-  // transferred, and other groups', whose waits could hold up launches queued behind them).
+  // Not let go at the start: every armed round is called off first (this group's, of a round that
+  // never transferred, and other groups', whose waits could hold up launches queued behind them).
   if (fired) {
-    const int stage = ArmableStage(schedule);
-    std::set<int32_t> busy;
-    for (const auto& [gpu, w] : schedule.stages[stage].direct) busy.insert(gpu);
-    REFIT_RETURN_IF_ERROR(WaitForStage(job, g, busy, stage, nullptr));
-    // What each GPU's gate decided: go, or the work did nothing (it read an older word): then the
-    // round is launched as usual below, never reported done without its bytes.
-    std::string missed = GatesMissed(job.group, busy, go);
-    if (!missed.empty()) {
-      Logger("data")->warn("group \"{}\" round {}: the work armed at PREPARE did not run on GPU {}; launched again",
-                           job.group, job.round_id, missed);
-      fired = false;
-    }
+    REFIT_ASSIGN_OR_RETURN(fired, ArmedWorkRan(job, g, p, go));
   } else {
     DisarmAll();
   }
   // A second arm of this round still queued (a PREPARE of the same id again) arms nothing now.
   if (arm_rounds_) CallOff(job.group, job.round_id);
-  for (const auto& [gpu, on] : p.gpus) {
-    if (fired || !on.start) continue;
-    REFIT_RETURN_IF_ERROR(guard.Set(gpu));
-    REFIT_CUDA_RETURN_IF_ERROR(cudaEventRecord(on.start.get(), g.streams.at(gpu).compute.get()), "cudaEventRecord");
-  }
+  if (!fired) REFIT_RETURN_IF_ERROR(RecordStarts(g, p, guard));
   for (int stage = 0; stage < kMaxStages; ++stage) {
     const StageSchedule& s = schedule.stages[stage];
     if (fired || (s.direct.empty() && s.steps.empty())) continue;
-    std::set<int32_t> busy;
-    // Pack the first steps ahead, then copy inside the node on a stream of its own.
-    for (const auto& [gpu, steps] : s.steps) {
-      const Prepared::OnGpu& on = p.gpus.at(gpu);
-      const cudaStream_t compute = g.streams.at(gpu).compute.get();
-      const int32_t depth = std::max(1, schedule.depth.count(gpu) ? schedule.depth.at(gpu) : 1);
-      for (int32_t k = 0; k < depth && k < static_cast<int32_t>(steps.size()); ++k) {
-        const auto& w = on.pack[stage][k];
-        REFIT_RETURN_IF_ERROR(guard.Set(gpu));
-        REFIT_CUDA_RETURN_IF_ERROR(LaunchCopyItems(w.items, w.units, w.n, w.total_units, compute, false, w.aligned), "pack");
-        REFIT_CUDA_RETURN_IF_ERROR(cudaEventRecord(on.packed[stage][k].get(), compute), "cudaEventRecord");
-      }
-      busy.insert(gpu);
-    }
-    for (const auto& [gpu, w] : s.direct) {
-      REFIT_RETURN_IF_ERROR(guard.Set(gpu));
-      for (const auto& d : p.gpus.at(gpu).direct[stage]) {
-        REFIT_CUDA_RETURN_IF_ERROR(
-            LaunchCopyItems(d.items, d.units, d.n, d.total_units, g.streams.at(gpu).direct.get(), d.spread, d.aligned),
-            "copy");
-      }
-      REFIT_CUDA_RETURN_IF_ERROR(cudaEventRecord(p.gpus.at(gpu).direct_done[stage].get(), g.streams.at(gpu).direct.get()),
-                                 "cudaEventRecord");
-      busy.insert(gpu);
-    }
-    // Step k: its sends wait for their pack; one NCCL group for every local GPU's operations;
-    // the unpack of step k and the pack of step k + depth (into the slots step k freed) follow.
-    for (int32_t k = 0; k < s.num_steps; ++k) {
-      for (const auto& [gpu, steps] : s.steps) {
-        if (k >= static_cast<int32_t>(steps.size())) continue;
-        const Prepared::OnGpu& on = p.gpus.at(gpu);
-        const cudaStream_t comm_stream = g.streams.at(gpu).comm.get();
-        REFIT_RETURN_IF_ERROR(guard.Set(gpu));
-        REFIT_CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(comm_stream, on.packed[stage][k].get(), 0),
-                                   "ordering a step's sends after its pack");
-        REFIT_CUDA_RETURN_IF_ERROR(cudaEventRecord(on.wire_begin[stage][k].get(), comm_stream), "cudaEventRecord");
-      }
-      REFIT_RETURN_IF_ERROR(NcclError(ncclGroupStart(), "ncclGroupStart"));
-      for (const auto& [gpu, steps] : s.steps) {
-        if (k >= static_cast<int32_t>(steps.size())) continue;
-        const cudaStream_t comm_stream = g.streams.at(gpu).comm.get();
-        if (auto st = guard.Set(gpu); !st.ok()) {
-          ncclGroupEnd();
-          return st;
-        }
-        for (const NetworkOp& op : steps[k].ops) {
-          auto* buffer = reinterpret_cast<void*>(op.buffer);
-          const ncclResult_t r =
-              op.send ? ncclSend(buffer, static_cast<size_t>(op.bytes), ncclUint8, op.peer, comm->on(gpu), comm_stream)
-                      : ncclRecv(buffer, static_cast<size_t>(op.bytes), ncclUint8, op.peer, comm->on(gpu), comm_stream);
-          if (r != ncclSuccess && r != ncclInProgress) {
-            ncclGroupEnd();
-            return NcclError(r, op.send ? "ncclSend" : "ncclRecv");
-          }
-        }
-      }
-      REFIT_RETURN_IF_ERROR(NcclError(ncclGroupEnd(), "ncclGroupEnd"));
-      REFIT_RETURN_IF_ERROR(comm->Wait([&] { return Interrupted(job); }, absl::StrCat("round ", job.round_id, " stage ", stage, " step ", k)));
-      for (const auto& [gpu, steps] : s.steps) {
-        if (k >= static_cast<int32_t>(steps.size())) continue;
-        const Prepared::OnGpu& on = p.gpus.at(gpu);
-        const Group::Streams& st = g.streams.at(gpu);
-        const cudaStream_t compute = st.compute.get();
-        REFIT_RETURN_IF_ERROR(guard.Set(gpu));
-        REFIT_CUDA_RETURN_IF_ERROR(cudaEventRecord(on.moved[stage][k].get(), st.comm.get()), "cudaEventRecord");
-        REFIT_CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(compute, on.moved[stage][k].get(), 0), "cudaStreamWaitEvent");
-        const auto& u = on.unpack[stage][k];
-        REFIT_CUDA_RETURN_IF_ERROR(LaunchCopyItems(u.items, u.units, u.n, u.total_units, compute, false, u.aligned), "unpack");
-        REFIT_CUDA_RETURN_IF_ERROR(cudaEventRecord(on.unpacked[stage][k].get(), compute), "cudaEventRecord");
-        const int32_t next = k + std::max(1, schedule.depth.count(gpu) ? schedule.depth.at(gpu) : 1);
-        if (next < static_cast<int32_t>(steps.size())) {
-          const auto& w = on.pack[stage][next];
-          REFIT_CUDA_RETURN_IF_ERROR(LaunchCopyItems(w.items, w.units, w.n, w.total_units, compute, false, w.aligned), "pack");
-          REFIT_CUDA_RETURN_IF_ERROR(cudaEventRecord(on.packed[stage][next].get(), compute), "cudaEventRecord");
-        }
-      }
-    }
+    REFIT_ASSIGN_OR_RETURN(const std::set<int32_t> busy,
+                           LaunchStage(job, g, p, stage, comm, guard));
     launched = absl::Now();
     REFIT_RETURN_IF_ERROR(WaitForStage(job, g, busy, stage, comm));
   }
   const absl::Time done = absl::Now();
-  ok = true;
   TransferStats stats;
   stats.bytes_sent = schedule.bytes_sent;
   stats.bytes_received = schedule.bytes_received + schedule.bytes_peer;
@@ -921,6 +895,179 @@ absl::StatusOr<TransferStats> CudaBackend::Transfer(const TransferJob& job) {
   LogRound(job, p, {started, launched, done, fired}, &stats);
   if (schedule.uses_network) LogNetworkTimeline(job, p);
   return stats;
+}
+
+absl::Status CudaBackend::RegisterStaging(const TransferJob& job, const Prepared& p,
+                                          NodeCommunicator& comm) {
+  for (const auto& [gpu, on] : p.gpus) {
+    if (on.staging.nccl_memory()) {
+      REFIT_RETURN_IF_ERROR(comm.Register(gpu, on.staging.get(), on.staging.size()));
+    }
+  }
+  return comm.Wait([&] { return Interrupted(job); }, "registering staging with NCCL");
+}
+
+absl::StatusOr<bool> CudaBackend::ArmedWorkRan(const TransferJob& job, const Group& g,
+                                               const Prepared& p, uint32_t go) {
+  const NodeSchedule& schedule = p.schedule;
+  const int stage = ArmableStage(schedule);
+  std::set<int32_t> busy;
+  for (const auto& [gpu, w] : schedule.stages[stage].direct) busy.insert(gpu);
+  REFIT_RETURN_IF_ERROR(WaitForStage(job, g, busy, stage, nullptr));
+  // What each GPU's gate decided: go, or the work did nothing (it read an older word): then the
+  // round is launched as usual, never reported done without its bytes.
+  std::string missed = GatesMissed(job.group, busy, go);
+  if (!missed.empty()) {
+    Logger("data")->warn(
+        "group \"{}\" round {}: the work armed at PREPARE did not run on GPU {}; launched again",
+        job.group, job.round_id, missed);
+    return false;
+  }
+  return true;
+}
+
+absl::Status CudaBackend::RecordStarts(const Group& g, const Prepared& p, DeviceGuard& guard) {
+  for (const auto& [gpu, on] : p.gpus) {
+    if (!on.start) continue;
+    REFIT_RETURN_IF_ERROR(guard.Set(gpu));
+    REFIT_CUDA_RETURN_IF_ERROR(cudaEventRecord(on.start.get(), g.streams.at(gpu).compute.get()),
+                               "cudaEventRecord");
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<std::set<int32_t>> CudaBackend::LaunchStage(const TransferJob& job, const Group& g,
+                                                           const Prepared& p, int stage,
+                                                           NodeCommunicator* comm,
+                                                           DeviceGuard& guard) {
+  std::set<int32_t> busy;
+  // Pack the first steps ahead, then copy inside the node on a stream of its own.
+  REFIT_RETURN_IF_ERROR(PackFirstSteps(g, p, stage, guard, busy));
+  REFIT_RETURN_IF_ERROR(LaunchDirectCopies(g, p, stage, guard, busy));
+  for (int32_t k = 0; k < p.schedule.stages[stage].num_steps; ++k) {
+    REFIT_RETURN_IF_ERROR(RunNetworkStep(job, g, p, stage, k, comm, guard));
+  }
+  return busy;
+}
+
+absl::Status CudaBackend::PackFirstSteps(const Group& g, const Prepared& p, int stage,
+                                         DeviceGuard& guard, std::set<int32_t>& busy) {
+  const NodeSchedule& schedule = p.schedule;
+  const StageSchedule& s = schedule.stages[stage];
+  for (const auto& [gpu, steps] : s.steps) {
+    const Prepared::OnGpu& on = p.gpus.at(gpu);
+    const cudaStream_t compute = g.streams.at(gpu).compute.get();
+    const int32_t depth = std::max(1, schedule.depth.count(gpu) ? schedule.depth.at(gpu) : 1);
+    for (int32_t k = 0; k < depth && k < static_cast<int32_t>(steps.size()); ++k) {
+      const auto& w = on.pack[stage][k];
+      REFIT_RETURN_IF_ERROR(guard.Set(gpu));
+      REFIT_CUDA_RETURN_IF_ERROR(
+          LaunchCopyItems(w.items, w.units, w.n, w.total_units, compute, false, w.aligned), "pack");
+      REFIT_CUDA_RETURN_IF_ERROR(cudaEventRecord(on.packed[stage][k].get(), compute),
+                                 "cudaEventRecord");
+    }
+    busy.insert(gpu);
+  }
+  return absl::OkStatus();
+}
+
+absl::Status CudaBackend::LaunchDirectCopies(const Group& g, const Prepared& p, int stage,
+                                             DeviceGuard& guard, std::set<int32_t>& busy) {
+  const StageSchedule& s = p.schedule.stages[stage];
+  for (const auto& [gpu, w] : s.direct) {
+    REFIT_RETURN_IF_ERROR(guard.Set(gpu));
+    for (const auto& d : p.gpus.at(gpu).direct[stage]) {
+      REFIT_CUDA_RETURN_IF_ERROR(
+          LaunchCopyItems(d.items, d.units, d.n, d.total_units, g.streams.at(gpu).direct.get(),
+                          d.spread, d.aligned),
+          "copy");
+    }
+    REFIT_CUDA_RETURN_IF_ERROR(
+        cudaEventRecord(p.gpus.at(gpu).direct_done[stage].get(), g.streams.at(gpu).direct.get()),
+        "cudaEventRecord");
+    busy.insert(gpu);
+  }
+  return absl::OkStatus();
+}
+
+absl::Status CudaBackend::RunNetworkStep(const TransferJob& job, const Group& g, const Prepared& p,
+                                         int stage, int32_t k, NodeCommunicator* comm,
+                                         DeviceGuard& guard) {
+  // Step k: its sends wait for their pack; one NCCL group for every local GPU's operations;
+  // the unpack of step k and the pack of step k + depth (into the slots step k freed) follow.
+  const StageSchedule& s = p.schedule.stages[stage];
+  for (const auto& [gpu, steps] : s.steps) {
+    if (k >= static_cast<int32_t>(steps.size())) continue;
+    const Prepared::OnGpu& on = p.gpus.at(gpu);
+    const cudaStream_t comm_stream = g.streams.at(gpu).comm.get();
+    REFIT_RETURN_IF_ERROR(guard.Set(gpu));
+    REFIT_CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(comm_stream, on.packed[stage][k].get(), 0),
+                               "ordering a step's sends after its pack");
+    REFIT_CUDA_RETURN_IF_ERROR(cudaEventRecord(on.wire_begin[stage][k].get(), comm_stream),
+                               "cudaEventRecord");
+  }
+  REFIT_RETURN_IF_ERROR(PostNetworkOps(g, p, stage, k, comm, guard));
+  REFIT_RETURN_IF_ERROR(
+      comm->Wait([&] { return Interrupted(job); },
+                 absl::StrCat("round ", job.round_id, " stage ", stage, " step ", k)));
+  return UnpackAndPackNext(g, p, stage, k, guard);
+}
+
+absl::Status CudaBackend::PostNetworkOps(const Group& g, const Prepared& p, int stage, int32_t k,
+                                         NodeCommunicator* comm, DeviceGuard& guard) {
+  const StageSchedule& s = p.schedule.stages[stage];
+  REFIT_RETURN_IF_ERROR(NcclError(ncclGroupStart(), "ncclGroupStart"));
+  for (const auto& [gpu, steps] : s.steps) {
+    if (k >= static_cast<int32_t>(steps.size())) continue;
+    const cudaStream_t comm_stream = g.streams.at(gpu).comm.get();
+    if (auto st = guard.Set(gpu); !st.ok()) {
+      ncclGroupEnd();
+      return st;
+    }
+    for (const NetworkOp& op : steps[k].ops) {
+      auto* buffer = reinterpret_cast<void*>(op.buffer);
+      const ncclResult_t r = op.send ? ncclSend(buffer, static_cast<size_t>(op.bytes), ncclUint8,
+                                                op.peer, comm->on(gpu), comm_stream)
+                                     : ncclRecv(buffer, static_cast<size_t>(op.bytes), ncclUint8,
+                                                op.peer, comm->on(gpu), comm_stream);
+      if (r != ncclSuccess && r != ncclInProgress) {
+        ncclGroupEnd();
+        return NcclError(r, op.send ? "ncclSend" : "ncclRecv");
+      }
+    }
+  }
+  return NcclError(ncclGroupEnd(), "ncclGroupEnd");
+}
+
+absl::Status CudaBackend::UnpackAndPackNext(const Group& g, const Prepared& p, int stage, int32_t k,
+                                            DeviceGuard& guard) {
+  const NodeSchedule& schedule = p.schedule;
+  const StageSchedule& s = schedule.stages[stage];
+  for (const auto& [gpu, steps] : s.steps) {
+    if (k >= static_cast<int32_t>(steps.size())) continue;
+    const Prepared::OnGpu& on = p.gpus.at(gpu);
+    const Group::Streams& st = g.streams.at(gpu);
+    const cudaStream_t compute = st.compute.get();
+    REFIT_RETURN_IF_ERROR(guard.Set(gpu));
+    REFIT_CUDA_RETURN_IF_ERROR(cudaEventRecord(on.moved[stage][k].get(), st.comm.get()),
+                               "cudaEventRecord");
+    REFIT_CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(compute, on.moved[stage][k].get(), 0),
+                               "cudaStreamWaitEvent");
+    const auto& u = on.unpack[stage][k];
+    REFIT_CUDA_RETURN_IF_ERROR(
+        LaunchCopyItems(u.items, u.units, u.n, u.total_units, compute, false, u.aligned), "unpack");
+    REFIT_CUDA_RETURN_IF_ERROR(cudaEventRecord(on.unpacked[stage][k].get(), compute),
+                               "cudaEventRecord");
+    const int32_t next = k + std::max(1, schedule.depth.count(gpu) ? schedule.depth.at(gpu) : 1);
+    if (next < static_cast<int32_t>(steps.size())) {
+      const auto& w = on.pack[stage][next];
+      REFIT_CUDA_RETURN_IF_ERROR(
+          LaunchCopyItems(w.items, w.units, w.n, w.total_units, compute, false, w.aligned), "pack");
+      REFIT_CUDA_RETURN_IF_ERROR(cudaEventRecord(on.packed[stage][next].get(), compute),
+                                 "cudaEventRecord");
+    }
+  }
+  return absl::OkStatus();
 }
 
 absl::Status CudaBackend::WaitForStage(const TransferJob& job, const Group& g, const std::set<int32_t>& busy, int stage,

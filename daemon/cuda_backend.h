@@ -53,6 +53,7 @@
 
 namespace refit {
 
+class DeviceGuard;
 class NodeCommunicator;
 
 // Whether rounds copied within the node are armed (RoundPreparing): kAuto when every GPU served
@@ -137,8 +138,14 @@ class CudaBackend : public DataBackend {
   bool Serves(int32_t gpu) const;
   // The group's streams on every GPU served, made at its first transfer.
   absl::Status EnsureStreams(Group& g);
-  absl::StatusOr<Prepared*> PreparedFor(Group& g, const TransferJob& job, const std::vector<uint64_t>& src,
-                                        const std::vector<uint64_t>& dst);
+  // The group's schedule for the job's plan and these buffer addresses: the one prepared before
+  // where it still fits, else a new one (the old one dropped: DropPrepared).
+  absl::StatusOr<Prepared*> PreparedFor(Group& g, const TransferJob& job,
+                                        const std::vector<uint64_t>& src,
+                                        const std::vector<uint64_t>& dst) ABSL_LOCKS_EXCLUDED(mu_);
+  // PreparedFor's first step: the node's schedule, with each GPU's staging allocated.
+  absl::Status BuildSchedule(Prepared& p, const TransferJob& job, const std::vector<uint64_t>& src,
+                             const std::vector<uint64_t>& dst) ABSL_LOCKS_EXCLUDED(mu_);
   // Waits for the group's streams, deregisters its staging from NCCL, frees its schedule.
   void DropPrepared(Group& g) ABSL_LOCKS_EXCLUDED(mu_, armed_mu_);
   // The group's state for ArmAhead or WorkersPrepared to launch on (leased, and warming_: its
@@ -171,6 +178,45 @@ class CudaBackend : public DataBackend {
   // (all daemons do so in the same round), aborted on any failure and rebuilt with a new id.
   absl::Status CommunicatorFor(Group& g, const TransferJob& job);
   void DropCommunicator(const std::string& group, Group& g);
+  // The steps of Transfer, in its order. Those given `guard` switch GPUs through Transfer's own
+  // guard, which restores the caller's device once, when the transfer ends.
+  // Registers each GPU's staging with NCCL (--nccl-register) and waits until NCCL is done.
+  absl::Status RegisterStaging(const TransferJob& job, const Prepared& p, NodeCommunicator& comm)
+      ABSL_LOCKS_EXCLUDED(mu_);
+  // Transfer once its schedule and communicator are ready: the round's work let go at its start
+  // (`fired`, with the gates' `go`) or launched stage by stage, waited for, and logged.
+  absl::StatusOr<TransferStats> RunPrepared(const TransferJob& job, const Group& g,
+                                            const Prepared& p, NodeCommunicator* comm, bool fired,
+                                            uint32_t go, absl::Time started, DeviceGuard& guard)
+      ABSL_LOCKS_EXCLUDED(mu_, armed_mu_);
+  // Waits for the round's work armed at PREPARE, now let go; false where some GPU's gate did not
+  // let it go (the round is then launched as usual).
+  absl::StatusOr<bool> ArmedWorkRan(const TransferJob& job, const Group& g, const Prepared& p,
+                                    uint32_t go) ABSL_LOCKS_EXCLUDED(mu_, armed_mu_);
+  // Marks the round's start on each GPU's compute stream (the round's log times from it).
+  absl::Status RecordStarts(const Group& g, const Prepared& p, DeviceGuard& guard);
+  // Launches one stage: the first packs, the copies inside the node, then every network step.
+  // Returns the GPUs that work on it.
+  absl::StatusOr<std::set<int32_t>> LaunchStage(const TransferJob& job, const Group& g,
+                                                const Prepared& p, int stage,
+                                                NodeCommunicator* comm, DeviceGuard& guard)
+      ABSL_LOCKS_EXCLUDED(mu_);
+  // The packs of the steps that fit in staging at once (depth), on the compute streams.
+  absl::Status PackFirstSteps(const Group& g, const Prepared& p, int stage, DeviceGuard& guard,
+                              std::set<int32_t>& busy);
+  // The stage's copies inside the node, on the direct streams.
+  absl::Status LaunchDirectCopies(const Group& g, const Prepared& p, int stage, DeviceGuard& guard,
+                                  std::set<int32_t>& busy);
+  // Network step k: sends after their pack, the NCCL operations, the wait for them, the unpack.
+  absl::Status RunNetworkStep(const TransferJob& job, const Group& g, const Prepared& p, int stage,
+                              int32_t k, NodeCommunicator* comm, DeviceGuard& guard)
+      ABSL_LOCKS_EXCLUDED(mu_);
+  // Step k's sends and receives of every local GPU, in one NCCL group.
+  absl::Status PostNetworkOps(const Group& g, const Prepared& p, int stage, int32_t k,
+                              NodeCommunicator* comm, DeviceGuard& guard);
+  // Step k's unpack once off the wire, and the pack of step k + depth into the staging it freed.
+  absl::Status UnpackAndPackNext(const Group& g, const Prepared& p, int stage, int32_t k,
+                                 DeviceGuard& guard);
   // Until every stream `busy` GPUs ran the stage on is idle, or the round is interrupted (the
   // deadline, Cancel, an NCCL error).
   absl::Status WaitForStage(const TransferJob& job, const Group& g, const std::set<int32_t>& busy, int stage,

@@ -38,6 +38,11 @@ std::string RoleName(v1::Role r) { return r == v1::TRAINER ? "trainer" : r == v1
 // (the planner's cached plan of the current epoch, planned now if the membership changed).
 ClusterView ViewForMetrics(const Membership& membership, GroupPlanner& planner) {
   ClusterView view;
+  view.coordinator = true;
+  const MembershipCounts counts = membership.Counts();
+  view.stale_syncs = counts.stale_syncs;
+  view.forgotten_nodes = counts.forgotten_nodes;
+  view.refused_joins = counts.refused_joins;
   for (const std::string& name : membership.GroupNames()) {
     const GroupMembers members = membership.Group(name);
     const std::shared_ptr<const GroupPlan> plan = planner.Get(name);
@@ -92,7 +97,10 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(const DaemonConfig& config
     d->backend_ = *std::move(backend);
   } else {
     auto backend = HostBackend::Start(
-        config.data_listen, HostBackendOptions{.tls = config.tls, .local_users = d->local_users_});
+        config.data_listen, HostBackendOptions{.first_byte_timeout = config.data_first_byte_timeout,
+                                               .idle_timeout = config.data_idle_timeout,
+                                               .tls = config.tls,
+                                               .local_users = d->local_users_});
     if (!backend.ok()) return backend.status();
     d->backend_ = *std::move(backend);
   }
@@ -155,6 +163,8 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(const DaemonConfig& config
     }
     d->membership_ = std::make_unique<Membership>(config.node, config.heartbeat, config.heartbeats_missed, Clock::Real());
     d->membership_->SetLimits(config.group_limits);
+    d->membership_->SetNodeLimits(
+        {.max_nodes = config.max_nodes, .forget_dead_after = config.forget_dead_after});
     GroupPlannerOptions planning;
     planning.max_message_bytes = config.max_message_bytes;
     planning.routing = config.routing;
@@ -170,7 +180,11 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(const DaemonConfig& config
     if (d->metrics_ != nullptr) {
       Metrics* metrics = d->metrics_.get();
       d->round_log_->AddListener([metrics](const v1::RoundStats& s) { metrics->RoundEnded(s); });
-      metrics->SetClusterView([self] { return ViewForMetrics(*self->membership_, *self->planner_); });
+      metrics->SetClusterView([self] {
+        ClusterView view = ViewForMetrics(*self->membership_, *self->planner_);
+        view.data_connections = self->backend_->ConnectionEvents();
+        return view;
+      });
     }
     GrpcPeerClientOptions peers;
     peers.self = config.node;
@@ -228,6 +242,13 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(const DaemonConfig& config
                                                  ") no longer knows this node: it restarted, or declared it dead"));
     };
     d->link_ = std::make_unique<CoordinatorLink>(std::move(link));
+    if (d->metrics_ != nullptr) {
+      d->metrics_->SetClusterView([self] {
+        ClusterView view;
+        view.data_connections = self->backend_->ConnectionEvents();
+        return view;
+      });
+    }
   }
   if (auto s = d->Serve(); !s.ok()) return s;
   // The daemon's user, and the users --worker-uids names, may connect (a unix socket needs write

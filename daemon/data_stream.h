@@ -12,15 +12,15 @@
 #pragma once
 
 #include <openssl/ssl.h>
+#include <sys/socket.h>
+#include <sys/types.h>
 
+#include <array>
 #include <cstddef>
 #include <memory>
 #include <span>
 #include <string>
-#include <sys/types.h>
 #include <vector>
-
-#include <array>
 
 #include "absl/base/thread_annotations.h"
 #include "absl/status/statusor.h"
@@ -107,6 +107,9 @@ class DataStream {
   const std::vector<int32_t>& peer_nodes() const { return peer_nodes_; }
   // Wakes a thread blocked on this stream; the descriptor stays owned.
   void Shutdown() { fd_.Shutdown(); }
+  // Ends this side's writing (the peer reads the end of the stream); reading goes on. Plain TCP
+  // and TLS alike: no close_notify, as in Close.
+  void ShutdownWrite() { shutdown(fd_.get(), SHUT_WR); }
   void Close() {
     ssl_.reset();  // no close_notify: the peer learns of the end from the socket's
     fd_.Close();

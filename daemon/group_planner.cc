@@ -90,22 +90,29 @@ std::shared_ptr<const GroupPlan> GroupPlanner::Get(const std::string& group) {
   }
 }
 
-std::shared_ptr<const GroupPlan> GroupPlanner::Compute(const std::string& group, const GroupMembers& members) const {
-  auto g = std::make_shared<GroupPlan>();
-  g->epoch = members.epoch;
-  g->trainers = members.trainers;
-  g->inference = members.inference;
-  g->replicas = members.replicas;
+namespace {
+
+// Sorts the group's replicas into planned (complete) and incomplete; returns what the first eight
+// incomplete ones lack (and how many more there are), for the message of a group not ready.
+std::vector<std::string> SortReplicas(const GroupMembers& members, GroupPlan& g) {
   std::vector<std::string> problems;
   for (const ReplicaView& r : members.replicas) {
-    (r.complete ? g->planned : g->incomplete).push_back(r.name);
+    (r.complete ? g.planned : g.incomplete).push_back(r.name);
     if (!r.complete && problems.size() < 8) problems.push_back(r.problem);
   }
-  if (g->incomplete.size() > problems.size()) {
-    problems.push_back(absl::StrCat("and ", g->incomplete.size() - problems.size(), " more incomplete replicas"));
+  if (g.incomplete.size() > problems.size()) {
+    problems.push_back(
+        absl::StrCat("and ", g.incomplete.size() - problems.size(), " more incomplete replicas"));
   }
-  g->src.set_model(group + " trainers");
-  g->dst.set_model(group + " inference");
+  return problems;
+}
+
+// Both sides' layouts from the workers' registrations (full form: every tensor once, every
+// worker), and the nodes with workers in them. FAILED_PRECONDITION when two workers disagree on a
+// tensor.
+absl::Status GatherLayouts(const std::string& group, const GroupMembers& members, GroupPlan& g) {
+  g.src.set_model(group + " trainers");
+  g.dst.set_model(group + " inference");
   std::map<std::string, std::pair<v1::TensorSpec, std::string>> seen[2];  // name -> spec, worker
   std::set<int32_t> nodes;
   for (size_t i = 0; i < members.workers.size(); ++i) {
@@ -114,100 +121,127 @@ std::shared_ptr<const GroupPlan> GroupPlanner::Compute(const std::string& group,
     const auto& [node, w] = members.workers[i];
     nodes.insert(node);
     const int side = w.role() == v1::TRAINER ? 0 : 1;
-    v1::Layout& l = side == 0 ? g->src : g->dst;
+    v1::Layout& l = side == 0 ? g.src : g.dst;
     for (const v1::TensorSpec& t : w.tensors()) {
       auto [it, added] = seen[side].emplace(t.name(), std::make_pair(t, w.worker().name()));
       if (added) {
         *l.add_tensors() = t;
       } else if (it->second.first.SerializeAsString() != t.SerializeAsString()) {
-        g->status = absl::FailedPreconditionError(absl::StrCat(
+        return absl::FailedPreconditionError(absl::StrCat(
             "group \"", group, "\": workers \"", it->second.second, "\" and \"", w.worker().name(),
             "\" disagree on tensor \"", t.name(), "\" (shape or dtype)"));
-        return g;
       }
     }
     *l.add_workers() = w.worker();
   }
-  g->nodes.assign(nodes.begin(), nodes.end());
-  // A plan that is not ready keeps no layouts: the full forms would stay cached with it.
-  auto not_ready = [&](absl::Status s) {
+  g.nodes.assign(nodes.begin(), nodes.end());
+  return absl::OkStatus();
+}
+
+// FAILED_PRECONDITION where a side has no workers to plan.
+absl::Status BothSidesPresent(const std::string& group, const GroupMembers& members,
+                              const GroupPlan& g, const std::vector<std::string>& problems) {
+  if (g.src.workers_size() > 0 && g.dst.workers_size() == 0 && members.inference > 0) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "group \"", group,
+        "\" is not ready: no complete inference replica (a replica counts only with every rank "
+        "registered): ",
+        absl::StrJoin(problems, "; ")));
+  }
+  if (g.src.workers_size() == 0 || g.dst.workers_size() == 0) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("group \"", group, "\" is not ready: ", g.src.workers_size(), " trainers and ",
+                     g.dst.workers_size(), " inference workers registered; both sides are needed"));
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+std::shared_ptr<const GroupPlan> GroupPlanner::Compute(const std::string& group,
+                                                       const GroupMembers& members) const {
+  auto g = std::make_shared<GroupPlan>();
+  g->epoch = members.epoch;
+  g->trainers = members.trainers;
+  g->inference = members.inference;
+  g->replicas = members.replicas;
+  const std::vector<std::string> problems = SortReplicas(members, *g);
+  if (absl::Status s = GatherLayouts(group, members, *g); !s.ok()) {
+    g->status = std::move(s);
+    return g;
+  }
+  if (absl::Status s = BothSidesPresent(group, members, *g, problems); !s.ok()) {
+    // A plan that is not ready keeps no layouts: the full forms would stay cached with it.
     g->src.Clear();
     g->dst.Clear();
     g->status = std::move(s);
     return g;
-  };
-  if (g->src.workers_size() > 0 && g->dst.workers_size() == 0 && members.inference > 0) {
-    return not_ready(absl::FailedPreconditionError(absl::StrCat(
-        "group \"", group, "\" is not ready: no complete inference replica (a replica counts only with every rank "
-        "registered): ", absl::StrJoin(problems, "; "))));
-  }
-  if (g->src.workers_size() == 0 || g->dst.workers_size() == 0) {
-    return not_ready(absl::FailedPreconditionError(absl::StrCat(
-        "group \"", group, "\" is not ready: ", g->src.workers_size(), " trainers and ",
-        g->dst.workers_size(), " inference workers registered; both sides are needed")));
   }
   const absl::Time started = absl::Now();
-  auto src = LayoutFromProto(g->src);
-  auto dst = LayoutFromProto(g->dst);
-  absl::Status s = src.ok() ? dst.status() : src.status();
-  if (s.ok()) {
-    // The full forms go: the compact ones are what every node is sent (a frontier engine's full
-    // layout is hundreds of MiB; compact, a few).
-    g->src = CompactLayoutToProto(*src, g->src.model());
-    g->dst = CompactLayoutToProto(*dst, g->dst.model());
-  }
-  v1::InstallPlanRequest probe;  // the options every node derives from the request
-  if (s.ok()) {
-    *probe.mutable_source() = g->src;
-    *probe.mutable_destination() = g->dst;
-    probe.set_max_message_bytes(options_.max_message_bytes);
-    probe.set_no_routing(!options_.routing);
-    probe.set_max_relay_depth(options_.max_relay_depth);
-    g->digest = PlanInputsDigest(g->src, g->dst, PlanOptionsFor(probe));
-    absl::MutexLock lock(&mu_);
-    for (auto it = kept_.begin(); it != kept_.end(); ++it) {
-      if (it->digest != g->digest) continue;
-      g->plan = it->plan;
-      g->src_layout = it->src_layout;
-      g->dst_layout = it->dst_layout;
-      g->reused = true;
-      ++reused_;
-      std::rotate(it, it + 1, kept_.end());  // the most recently used last
-      break;
-    }
-  }
-  if (s.ok() && g->reused) {
-    Logger("plan")->info(
-        "group \"{}\" epoch {}: the layouts of an earlier epoch (plan {}): its plan is reused",
-        group, g->epoch, ShortHex(g->digest));
-  } else {
-    if (s.ok()) s = ValidateLayout(*src, "source");
-    if (s.ok()) s = ValidateLayout(*dst, "destination");
-    if (s.ok()) {
-      auto plan = options_.make_plan ? options_.make_plan(*src, *dst, PlanOptionsFor(probe))
-                                     : MakePlan(*src, *dst, PlanOptionsFor(probe));
-      if (plan.ok()) {
-        Logger("plan")->info(
-            "group \"{}\" epoch {}: planned {} tensors, {} messages, {} bytes in {:.3f} s (plan "
-            "{})",
-            group, g->epoch, plan->stats.tensors, plan->stats.messages, plan->stats.bytes_total,
-            plan->stats.planning_seconds, ShortHex(g->digest));
-        g->plan = std::make_shared<const refit::Plan>(*std::move(plan));
-        g->src_layout = WorkersAndBuffers(*std::move(src));
-        g->dst_layout = WorkersAndBuffers(*std::move(dst));
-        absl::MutexLock lock(&mu_);
-        kept_.push_back({g->digest, g->plan, g->src_layout, g->dst_layout});
-        if (kept_.size() > kPlansKept) kept_.erase(kept_.begin());
-      } else {
-        s = plan.status();
-      }
-    }
-  }
+  absl::Status s = PlanLayouts(group, *g);
   g->planning_time = absl::Now() - started;
   g->status = s.ok() ? s
                      : absl::FailedPreconditionError(
                            absl::StrCat("group \"", group, "\" is not ready: ", s.message()));
   return g;
+}
+
+absl::Status GroupPlanner::PlanLayouts(const std::string& group, GroupPlan& g) const {
+  auto src = LayoutFromProto(g.src);
+  auto dst = LayoutFromProto(g.dst);
+  if (absl::Status s = src.ok() ? dst.status() : src.status(); !s.ok()) return s;
+  // The full forms go: the compact ones are what every node is sent (a frontier engine's full
+  // layout is hundreds of MiB; compact, a few).
+  g.src = CompactLayoutToProto(*src, g.src.model());
+  g.dst = CompactLayoutToProto(*dst, g.dst.model());
+  v1::InstallPlanRequest probe;  // the options every node derives from the request
+  *probe.mutable_source() = g.src;
+  *probe.mutable_destination() = g.dst;
+  probe.set_max_message_bytes(options_.max_message_bytes);
+  probe.set_no_routing(!options_.routing);
+  probe.set_max_relay_depth(options_.max_relay_depth);
+  g.digest = PlanInputsDigest(g.src, g.dst, PlanOptionsFor(probe));
+  if (ReuseKept(g)) {
+    Logger("plan")->info(
+        "group \"{}\" epoch {}: the layouts of an earlier epoch (plan {}): its plan is reused",
+        group, g.epoch, ShortHex(g.digest));
+    return absl::OkStatus();
+  }
+  if (absl::Status s = ValidateLayout(*src, "source"); !s.ok()) return s;
+  if (absl::Status s = ValidateLayout(*dst, "destination"); !s.ok()) return s;
+  auto plan = options_.make_plan ? options_.make_plan(*src, *dst, PlanOptionsFor(probe))
+                                 : MakePlan(*src, *dst, PlanOptionsFor(probe));
+  if (!plan.ok()) return plan.status();
+  Logger("plan")->info(
+      "group \"{}\" epoch {}: planned {} tensors, {} messages, {} bytes in {:.3f} s (plan {})",
+      group, g.epoch, plan->stats.tensors, plan->stats.messages, plan->stats.bytes_total,
+      plan->stats.planning_seconds, ShortHex(g.digest));
+  g.plan = std::make_shared<const refit::Plan>(*std::move(plan));
+  g.src_layout = WorkersAndBuffers(*std::move(src));
+  g.dst_layout = WorkersAndBuffers(*std::move(dst));
+  Keep(g);
+  return absl::OkStatus();
+}
+
+bool GroupPlanner::ReuseKept(GroupPlan& g) const {
+  absl::MutexLock lock(&mu_);
+  for (auto it = kept_.begin(); it != kept_.end(); ++it) {
+    if (it->digest != g.digest) continue;
+    g.plan = it->plan;
+    g.src_layout = it->src_layout;
+    g.dst_layout = it->dst_layout;
+    g.reused = true;
+    ++reused_;
+    std::rotate(it, it + 1, kept_.end());  // the most recently used last
+    return true;
+  }
+  return false;
+}
+
+void GroupPlanner::Keep(const GroupPlan& g) const {
+  absl::MutexLock lock(&mu_);
+  kept_.push_back({g.digest, g.plan, g.src_layout, g.dst_layout});
+  if (kept_.size() > kPlansKept) kept_.erase(kept_.begin());
 }
 
 }  // namespace refit

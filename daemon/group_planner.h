@@ -74,6 +74,13 @@ class GroupPlanner {
 
  private:
   std::shared_ptr<const GroupPlan> Compute(const std::string& group, const GroupMembers& members) const;
+  // The steps of Compute once both sides have workers: `g`'s layouts compacted, its digest, and
+  // its plan, a kept one where the digest matches, else made here (and kept).
+  absl::Status PlanLayouts(const std::string& group, GroupPlan& g) const ABSL_LOCKS_EXCLUDED(mu_);
+  // The kept plan of `g`'s digest, if any, into `g` (the most recently used kept last).
+  bool ReuseKept(GroupPlan& g) const ABSL_LOCKS_EXCLUDED(mu_);
+  // `g`'s plan among the kept ones, the oldest dropped beyond kPlansKept.
+  void Keep(const GroupPlan& g) const ABSL_LOCKS_EXCLUDED(mu_);
 
   const GroupPlannerOptions options_;
   const Membership* const membership_;

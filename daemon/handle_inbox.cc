@@ -114,7 +114,7 @@ absl::StatusOr<std::unique_ptr<HandleInbox>> HandleInbox::Start(HandleInboxOptio
 
 HandleInbox::~HandleInbox() {
   {
-    std::lock_guard<std::mutex> lock(mu_);
+    absl::MutexLock lock(&mu_);
     stopping_ = true;
   }
   const uint64_t one = 1;
@@ -127,12 +127,12 @@ HandleInbox::~HandleInbox() {
 }
 
 HandleInbox::Counts HandleInbox::counts() {
-  std::lock_guard<std::mutex> lock(mu_);
+  absl::MutexLock lock(&mu_);
   return {static_cast<int>(pending_.size()), held_fds_, connections_open_};
 }
 
 absl::StatusOr<HandleDelivery> HandleInbox::Take(const std::string& token) {
-  std::lock_guard<std::mutex> lock(mu_);
+  absl::MutexLock lock(&mu_);
   Expire(Now());
   auto it = pending_.find(token);
   if (it == pending_.end()) {
@@ -190,7 +190,7 @@ void HandleInbox::Loop() {
     std::erase_if(connections_,
                   [](const std::unique_ptr<Connection>& c) { return !c->fd.valid(); });
     {
-      std::lock_guard<std::mutex> lock(mu_);
+      absl::MutexLock lock(&mu_);
       if (stopping_) break;
       Expire(now);
       connections_open_ = static_cast<int>(connections_.size());
@@ -241,12 +241,12 @@ void HandleInbox::Loop() {
     if (listening && polled[1].revents != 0) AcceptSome(after);
     // counts() sees the connections as they are now, not as of the loop's top: a count read
     // between an accept and the next pass would miss the connection just accepted.
-    std::lock_guard<std::mutex> lock(mu_);
+    absl::MutexLock lock(&mu_);
     connections_open_ = static_cast<int>(connections_.size());
   }
   // Shutting down: whatever is still arriving or unclaimed is closed.
   connections_.clear();
-  std::lock_guard<std::mutex> lock(mu_);
+  absl::MutexLock lock(&mu_);
   pending_.clear();
   held_fds_ = 0;
   connections_open_ = 0;
@@ -341,164 +341,194 @@ void HandleInbox::Refuse(Connection& c, const std::string& why) {
     }
   }
   {
-    std::lock_guard<std::mutex> lock(mu_);
+    absl::MutexLock lock(&mu_);
     held_fds_ -= static_cast<int64_t>(c.fds.size());
   }
   c.fds.clear();  // closed
   c.fd.Close();
 }
 
-bool HandleInbox::ReadPacket(Connection& c, absl::Time now) {
+struct HandleInbox::Packet {
   char data[kHandlePacketBytes + 1];  // one byte more: a longer packet is refused, not cut
-  alignas(cmsghdr) char control[CMSG_SPACE(sizeof(int) * kMaxHandlesPerPacket)];
-  iovec iov{data, sizeof data};
-  msghdr msg{};
-  msg.msg_iov = &iov;
-  msg.msg_iovlen = 1;
-  msg.msg_control = control;
-  msg.msg_controllen = sizeof control;
-  const ssize_t n = recvmsg(c.fd.get(), &msg, MSG_CMSG_CLOEXEC | MSG_DONTWAIT);
-  if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR)) return true;
-  // Own every descriptor that arrived before looking at anything else: every way out below
-  // closes them.
-  std::vector<Fd> arrived;
-  if (n >= 0) {
-    for (cmsghdr* h = CMSG_FIRSTHDR(&msg); h != nullptr; h = CMSG_NXTHDR(&msg, h)) {
-      if (h->cmsg_level != SOL_SOCKET || h->cmsg_type != SCM_RIGHTS) continue;
-      const size_t k = (h->cmsg_len - CMSG_LEN(0)) / sizeof(int);
-      for (size_t i = 0; i < k; ++i) {
-        int fd;
-        std::memcpy(&fd, CMSG_DATA(h) + i * sizeof(int), sizeof fd);
-        arrived.emplace_back(fd);
-      }
-    }
-  }
-  if (n < 0) {
-    Refuse(c, absl::StrCat("receive failed: ", std::strerror(errno)));
+  ssize_t bytes = 0;                  // recvmsg's result
+  int error = 0;                      // its errno, where bytes < 0
+  int flags = 0;                      // its msg_flags
+  std::vector<Fd> fds;
+};
+
+struct HandleInbox::PacketHeader {
+  std::string token;
+  uint32_t count = 0;  // descriptors announced
+  uint32_t flags = 0;
+};
+
+bool HandleInbox::ReadPacket(Connection& c, absl::Time now) {
+  Packet p = Receive(c.fd.get());
+  if (p.bytes < 0 && (p.error == EAGAIN || p.error == EWOULDBLOCK || p.error == EINTR)) return true;
+  // Every way out below closes the packet's descriptors (p.fds), after the refusal.
+  const auto refuse = [&](const absl::Status& why) {
+    Refuse(c, std::string(why.message()));
+    return false;
+  };
+  if (p.bytes < 0) {
+    Refuse(c, absl::StrCat("receive failed: ", std::strerror(p.error)));
     return false;
   }
-  if (n ==
-      0) {  // the worker closed the connection (or sent an empty packet) before the last packet
+  // The worker closed the connection (or sent an empty packet) before the last packet.
+  if (p.bytes == 0) {
     Refuse(c, "connection closed (or an empty packet) before the last packet");
     return false;
   }
   ++c.packets;
   c.last_packet = now;
-  if (msg.msg_flags & MSG_CTRUNC) {
-    Refuse(c, absl::StrCat(
-                  "packet ", c.packets, ": its descriptors were cut off (more than ",
-                  kMaxHandlesPerPacket,
-                  " in one packet, or the daemon is out of descriptors: raise its RLIMIT_NOFILE)"));
-    return false;
-  }
-  if ((msg.msg_flags & MSG_TRUNC) || n != static_cast<ssize_t>(kHandlePacketBytes)) {
-    Refuse(c, absl::StrCat("packet ", c.packets, " has ",
-                           (msg.msg_flags & MSG_TRUNC) ? "more than " : "", n,
-                           " bytes; a handle packet has ", kHandlePacketBytes));
-    return false;
-  }
-  if (std::memcmp(data, kHandleMagic, sizeof kHandleMagic) != 0) {
-    Refuse(c, absl::StrCat("packet ", c.packets,
-                           ": bad magic (not a refit handle packet, which starts with \"RFH1\")"));
-    return false;
-  }
-  const std::string token(data + 4, kHandleTokenChars);
-  const uint32_t count = LoadLe32(data + 4 + kHandleTokenChars);
-  const uint32_t flags = LoadLe32(data + 8 + kHandleTokenChars);
-  if (!IsToken(token)) {
-    Refuse(c, absl::StrCat("packet ", c.packets, ": the token must be ", kHandleTokenChars,
-                           " lowercase hex digits"));
-    return false;
-  }
-  if (!c.token.empty() && token != c.token) {
-    Refuse(c, absl::StrCat("packet ", c.packets,
-                           " names another token than the connection's first packet"));
-    return false;
-  }
-  if (count > static_cast<uint32_t>(kMaxHandlesPerPacket)) {
-    Refuse(c, absl::StrCat("packet ", c.packets, " announces ", count, " descriptors; at most ",
-                           kMaxHandlesPerPacket, " travel in one packet"));
-    return false;
-  }
-  if (count != arrived.size()) {
-    Refuse(c, absl::StrCat("packet ", c.packets, " announces ", count, " descriptors but ",
-                           arrived.size(), " arrived"));
-    return false;
-  }
-  if ((flags & ~kHandleLastPacket) != 0) {
-    Refuse(c, absl::StrCat("packet ", c.packets, " has unknown flags 0x", absl::Hex(flags)));
-    return false;
-  }
-  if (static_cast<int64_t>(c.fds.size() + arrived.size()) > options_.max_fds) {
-    Refuse(c, absl::StrCat("more than ", options_.max_fds, " descriptors in one delivery"));
-    return false;
-  }
-  if (c.token.empty()) {
-    for (const auto& other : connections_) {
-      if (other.get() != &c && other->fd.valid() && other->token == token) {
-        Refuse(c, absl::StrCat("token \"", token,
-                               "\" is already being delivered on another connection; choose a "
-                               "fresh random token"));
-        return false;
-      }
-    }
-    c.token = token;
-  }
-  {
-    std::unique_lock<std::mutex> lock(mu_);
-    if (pending_.contains(token)) {
-      lock.unlock();
-      Refuse(c,
-             absl::StrCat(
-                 "duplicate token \"", token,
-                 "\": a delivery under it is waiting to be claimed; choose a fresh random token"));
-      return false;
-    }
-    if (held_fds_ + static_cast<int64_t>(arrived.size()) > options_.max_fds) {
-      const int64_t held = held_fds_;
-      lock.unlock();
-      Refuse(c, absl::StrCat("the daemon already holds ", held,
-                             " descriptors of deliveries (at most ", options_.max_fds,
-                             "); register the workers that sent them, or retry after they expire"));
-      return false;
-    }
-    held_fds_ += static_cast<int64_t>(arrived.size());
-  }
-  for (Fd& fd : arrived) c.fds.push_back(std::move(fd));
-  if ((flags & kHandleLastPacket) == 0) return true;
+  absl::StatusOr<PacketHeader> header = CheckPacket(p, c);
+  if (!header.ok()) return refuse(header.status());
+  if (absl::Status s = AdoptToken(c, header->token); !s.ok()) return refuse(s);
+  if (absl::Status s = HoldDescriptors(header->token, p.fds.size()); !s.ok()) return refuse(s);
+  for (Fd& fd : p.fds) c.fds.push_back(std::move(fd));
+  if ((header->flags & kHandleLastPacket) == 0) return true;
+  if (absl::Status s = Deliver(c, header->token, now); !s.ok()) return refuse(s);
+  return false;
+}
 
-  std::unique_lock<std::mutex> lock(mu_);
-  if (static_cast<int>(pending_.size()) >= options_.max_pending) {
-    lock.unlock();
-    Refuse(c, absl::StrCat(options_.max_pending,
-                           " deliveries are already waiting to be claimed by registrations; "
-                           "register first, or retry after they expire"));
-    return false;
+HandleInbox::Packet HandleInbox::Receive(int fd) {
+  Packet p;
+  alignas(cmsghdr) char control[CMSG_SPACE(sizeof(int) * kMaxHandlesPerPacket)];
+  iovec iov{p.data, sizeof p.data};
+  msghdr msg{};
+  msg.msg_iov = &iov;
+  msg.msg_iovlen = 1;
+  msg.msg_control = control;
+  msg.msg_controllen = sizeof control;
+  p.bytes = recvmsg(fd, &msg, MSG_CMSG_CLOEXEC | MSG_DONTWAIT);
+  if (p.bytes < 0) {
+    p.error = errno;
+    return p;
   }
-  if (const int of_uid = static_cast<int>(std::count_if(
-          pending_.begin(), pending_.end(), [&](const auto& p) { return p.second.uid == c.uid; }));
-      of_uid >= options_.max_pending_per_uid) {
-    lock.unlock();
-    Refuse(c, absl::StrCat(of_uid, " deliveries of uid ", c.uid,
-                           " are already waiting to be claimed (at most ",
-                           options_.max_pending_per_uid,
-                           " per uid); register first, or retry after they expire"));
-    return false;
+  p.flags = msg.msg_flags;
+  for (cmsghdr* h = CMSG_FIRSTHDR(&msg); h != nullptr; h = CMSG_NXTHDR(&msg, h)) {
+    if (h->cmsg_level != SOL_SOCKET || h->cmsg_type != SCM_RIGHTS) continue;
+    const size_t k = (h->cmsg_len - CMSG_LEN(0)) / sizeof(int);
+    for (size_t i = 0; i < k; ++i) {
+      int fd;
+      std::memcpy(&fd, CMSG_DATA(h) + i * sizeof(int), sizeof fd);
+      p.fds.emplace_back(fd);
+    }
   }
-  HandleDelivery& d = pending_[token];
-  d.fds = std::move(c.fds);
-  d.pid = c.pid;
-  d.uid = c.uid;
-  d.gid = c.gid;
-  d.arrived = now;
-  const size_t total = d.fds.size();  // `d` is Take's once the lock is released
-  c.fds.clear();
-  lock.unlock();
+  return p;
+}
+
+absl::StatusOr<HandleInbox::PacketHeader> HandleInbox::CheckPacket(const Packet& p,
+                                                                   const Connection& c) const {
+  if (p.flags & MSG_CTRUNC) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "packet ", c.packets, ": its descriptors were cut off (more than ", kMaxHandlesPerPacket,
+        " in one packet, or the daemon is out of descriptors: raise its RLIMIT_NOFILE)"));
+  }
+  if ((p.flags & MSG_TRUNC) || p.bytes != static_cast<ssize_t>(kHandlePacketBytes)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("packet ", c.packets, " has ", (p.flags & MSG_TRUNC) ? "more than " : "",
+                     p.bytes, " bytes; a handle packet has ", kHandlePacketBytes));
+  }
+  if (std::memcmp(p.data, kHandleMagic, sizeof kHandleMagic) != 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("packet ", c.packets,
+                     ": bad magic (not a refit handle packet, which starts with \"RFH1\")"));
+  }
+  PacketHeader header;
+  header.token.assign(p.data + 4, kHandleTokenChars);
+  header.count = LoadLe32(p.data + 4 + kHandleTokenChars);
+  header.flags = LoadLe32(p.data + 8 + kHandleTokenChars);
+  if (!IsToken(header.token)) {
+    return absl::InvalidArgumentError(absl::StrCat("packet ", c.packets, ": the token must be ",
+                                                   kHandleTokenChars, " lowercase hex digits"));
+  }
+  if (!c.token.empty() && header.token != c.token) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "packet ", c.packets, " names another token than the connection's first packet"));
+  }
+  if (header.count > static_cast<uint32_t>(kMaxHandlesPerPacket)) {
+    return absl::InvalidArgumentError(absl::StrCat("packet ", c.packets, " announces ",
+                                                   header.count, " descriptors; at most ",
+                                                   kMaxHandlesPerPacket, " travel in one packet"));
+  }
+  if (header.count != p.fds.size()) {
+    return absl::InvalidArgumentError(absl::StrCat("packet ", c.packets, " announces ",
+                                                   header.count, " descriptors but ", p.fds.size(),
+                                                   " arrived"));
+  }
+  if ((header.flags & ~kHandleLastPacket) != 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("packet ", c.packets, " has unknown flags 0x", absl::Hex(header.flags)));
+  }
+  if (static_cast<int64_t>(c.fds.size() + p.fds.size()) > options_.max_fds) {
+    return absl::ResourceExhaustedError(
+        absl::StrCat("more than ", options_.max_fds, " descriptors in one delivery"));
+  }
+  return header;
+}
+
+absl::Status HandleInbox::AdoptToken(Connection& c, const std::string& token) const {
+  if (!c.token.empty()) return absl::OkStatus();
+  for (const auto& other : connections_) {
+    if (other.get() != &c && other->fd.valid() && other->token == token) {
+      return absl::AlreadyExistsError(absl::StrCat(
+          "token \"", token,
+          "\" is already being delivered on another connection; choose a fresh random token"));
+    }
+  }
+  c.token = token;
+  return absl::OkStatus();
+}
+
+absl::Status HandleInbox::HoldDescriptors(const std::string& token, size_t n) {
+  absl::MutexLock lock(&mu_);
+  if (pending_.contains(token)) {
+    return absl::AlreadyExistsError(absl::StrCat(
+        "duplicate token \"", token,
+        "\": a delivery under it is waiting to be claimed; choose a fresh random token"));
+  }
+  if (held_fds_ + static_cast<int64_t>(n) > options_.max_fds) {
+    return absl::ResourceExhaustedError(absl::StrCat(
+        "the daemon already holds ", held_fds_, " descriptors of deliveries (at most ",
+        options_.max_fds, "); register the workers that sent them, or retry after they expire"));
+  }
+  held_fds_ += static_cast<int64_t>(n);
+  return absl::OkStatus();
+}
+
+absl::Status HandleInbox::Deliver(Connection& c, const std::string& token, absl::Time now) {
+  size_t total = 0;
+  {
+    absl::MutexLock lock(&mu_);
+    if (static_cast<int>(pending_.size()) >= options_.max_pending) {
+      return absl::ResourceExhaustedError(
+          absl::StrCat(options_.max_pending,
+                       " deliveries are already waiting to be claimed by "
+                       "registrations; register first, or retry after they expire"));
+    }
+    if (const int of_uid =
+            static_cast<int>(std::count_if(pending_.begin(), pending_.end(),
+                                           [&](const auto& p) { return p.second.uid == c.uid; }));
+        of_uid >= options_.max_pending_per_uid) {
+      return absl::ResourceExhaustedError(absl::StrCat(
+          of_uid, " deliveries of uid ", c.uid, " are already waiting to be claimed (at most ",
+          options_.max_pending_per_uid, " per uid); register first, or retry after they expire"));
+    }
+    HandleDelivery& d = pending_[token];
+    d.fds = std::move(c.fds);
+    d.pid = c.pid;
+    d.uid = c.uid;
+    d.gid = c.gid;
+    d.arrived = now;
+    total = d.fds.size();  // `d` is Take's once the lock is released
+    c.fds.clear();
+  }
   Logger("worker")->info("handles: {} descriptors in {} packets under token {} from {}", total,
                          c.packets, Short(token), c.Who());
   Answer(c.fd.get(), true, static_cast<uint32_t>(total), "");
   c.fd.Close();
-  return false;
+  return absl::OkStatus();
 }
 
 }  // namespace refit

@@ -20,13 +20,14 @@
 #include <functional>
 #include <map>
 #include <memory>
-#include <mutex>
 #include <set>
 #include <string>
 #include <thread>
 #include <vector>
 
+#include "absl/base/thread_annotations.h"
 #include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
 #include "daemon/socket.h"
 
@@ -77,7 +78,7 @@ class HandleInbox {
 
   // The delivery made under `token`, exactly once: afterwards the inbox no longer has it.
   // NOT_FOUND when nothing arrived under it, or when it expired unclaimed.
-  absl::StatusOr<HandleDelivery> Take(const std::string& token);
+  absl::StatusOr<HandleDelivery> Take(const std::string& token) ABSL_LOCKS_EXCLUDED(mu_);
 
   const std::string& path() const { return options_.path; }
 
@@ -86,37 +87,53 @@ class HandleInbox {
     int64_t fds = 0;      // held in all: pending deliveries and connections still delivering
     int connections = 0;  // delivering now
   };
-  Counts counts();
+  Counts counts() ABSL_LOCKS_EXCLUDED(mu_);
 
  private:
   struct Connection;
+  struct Packet;
+  struct PacketHeader;
   explicit HandleInbox(HandleInboxOptions options);
   absl::Time Now() const { return options_.clock ? options_.clock() : absl::Now(); }
-  void Loop();
-  void AcceptSome(absl::Time now);
+  void Loop() ABSL_LOCKS_EXCLUDED(mu_);
+  void AcceptSome(absl::Time now) ABSL_LOCKS_EXCLUDED(mu_);
   // Reads one packet; false when the connection is finished (answered or dropped).
-  bool ReadPacket(Connection& c, absl::Time now);
-  void Refuse(Connection& c, const std::string& why);
-  void Expire(absl::Time now);  // mu_ held
+  bool ReadPacket(Connection& c, absl::Time now) ABSL_LOCKS_EXCLUDED(mu_);
+  // The steps of ReadPacket; an error's message is why the connection is refused.
+  // recvmsg of one packet, its descriptors owned before anything else is looked at.
+  static Packet Receive(int fd);
+  // The packet's header, where the packet is well formed and fits the connection's delivery.
+  absl::StatusOr<PacketHeader> CheckPacket(const Packet& p, const Connection& c) const;
+  // The connection's token, from its first packet: not one arriving on another connection too.
+  absl::Status AdoptToken(Connection& c, const std::string& token) const;
+  // Counts `n` more descriptors as held, where the inbox's bounds allow them.
+  absl::Status HoldDescriptors(const std::string& token, size_t n) ABSL_LOCKS_EXCLUDED(mu_);
+  // After the last packet: the delivery made pending under its token, where the bounds allow it,
+  // and the connection answered and closed.
+  absl::Status Deliver(Connection& c, const std::string& token, absl::Time now)
+      ABSL_LOCKS_EXCLUDED(mu_);
+  void Refuse(Connection& c, const std::string& why) ABSL_LOCKS_EXCLUDED(mu_);
+  void Expire(absl::Time now) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   const HandleInboxOptions options_;
   Fd listener_;
   Fd wake_;          // eventfd: Shutdown wakes the loop
   ino_t inode_ = 0;  // of the socket this inbox bound: only that one is removed at the end
   std::thread loop_;
-  std::vector<std::unique_ptr<Connection>> connections_;  // the loop's own
-  absl::Time accept_resume_ = absl::InfinitePast();       // backing off after EMFILE and the like
+  // The loop thread's own (no lock): the connections delivering, and accept()'s back-off.
+  std::vector<std::unique_ptr<Connection>> connections_;
+  absl::Time accept_resume_ = absl::InfinitePast();  // backing off after EMFILE and the like
   absl::Time accept_error_logged_ = absl::InfinitePast();
   int accept_errors_unlogged_ = 0;
 
-  std::mutex mu_;
-  bool stopping_ = false;
-  std::map<std::string, HandleDelivery> pending_;  // by token
-  int64_t held_fds_ = 0;                           // in pending_ and in connections_
-  int connections_open_ = 0;
+  absl::Mutex mu_;
+  bool stopping_ ABSL_GUARDED_BY(mu_) = false;
+  std::map<std::string, HandleDelivery> pending_ ABSL_GUARDED_BY(mu_);  // by token
+  int64_t held_fds_ ABSL_GUARDED_BY(mu_) = 0;  // in pending_ and in connections_
+  int connections_open_ ABSL_GUARDED_BY(mu_) = 0;
   // Tokens of recently expired deliveries (bounded): Take tells "expired" from "never sent".
-  std::deque<std::string> expired_order_;
-  std::set<std::string> expired_;
+  std::deque<std::string> expired_order_ ABSL_GUARDED_BY(mu_);
+  std::set<std::string> expired_ ABSL_GUARDED_BY(mu_);
 };
 
 }  // namespace refit

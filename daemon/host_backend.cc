@@ -35,6 +35,11 @@ namespace {
 constexpr size_t kReaderStackBytes = 512 << 10;
 constexpr size_t kDrainChunkBytes = 1 << 20;
 constexpr absl::Duration kLogInterval = absl::Seconds(10);  // LogLimiter's
+// After an idle connection's write side is shut (its sender sees the end at its next reuse),
+// its reader still reads a frame that arrives within this: one the sender began before the end
+// reached it. A sender writes within microseconds of checking the connection, so a frame later
+// than this is not one that raced.
+constexpr absl::Duration kIdleCloseGrace = absl::Seconds(2);
 
 class ShmBuffer : public MappedBuffer {
  public:
@@ -93,6 +98,16 @@ struct HostBackend::Connection {
   pthread_t thread{};
   // TLS: in its handshake (under mu_); the acceptor clears it when it cuts the handshake off.
   bool handshaking = false;
+  // Under mu_, for the deadlines and for eviction: between a frame's first byte and its end;
+  // whether a whole frame came on it (then it is likely a node's pooled connection); since
+  // when it waits for a frame (its accept, or its last frame's end).
+  bool in_frame = false;
+  bool carried_frame = false;
+  absl::Time idle_since;
+  // Under mu_: shut down by the acceptor (a handshake cut off, or evicted for a newer
+  // connection); it no longer counts against max_incoming.
+  bool ending = false;
+  bool evicted = false;
 };
 
 struct HostBackend::Job {
@@ -250,12 +265,28 @@ void HostBackend::Wake() {
   }
 }
 
+std::vector<std::pair<std::string, int64_t>> HostBackend::ConnectionEvents() const {
+  const HostConnectionStats s = connection_stats();
+  return {{"accepted", s.accepted},
+          {"refused", s.refused},
+          {"evicted", s.evicted},
+          {"first_byte_timeout", s.first_byte_timeouts},
+          {"idle_closed", s.idle_closed},
+          {"accept_error", s.accept_errors},
+          {"tls_refused", s.tls_refused},
+          {"user_refused", s.user_refused},
+          {"handshake_cut", s.handshakes_cut},
+          {"forged_frame", s.forged_frames},
+          {"stale_frame", s.stale_frames}};
+}
+
 HostConnectionStats HostBackend::connection_stats() const {
   HostConnectionStats s;
   {
     absl::MutexLock lock(&mu_);
     s = counters_;
     s.reader_threads = static_cast<int64_t>(connections_.size());
+    for (const auto& [id, c] : connections_) s.in_frame += c->in_frame;
     s.cached_outgoing = static_cast<int64_t>(outgoing_.size());
   }
   if (tls_ != nullptr) s.tls_reloads = tls_->reloads();  // its own lock, never held with mu_
@@ -348,16 +379,22 @@ void HostBackend::AcceptLoop() {
       }
       absl::MutexLock lock(&mu_);
       if (stopping_) return;
-      if (static_cast<int64_t>(connections_.size()) >= options_.max_incoming) {
+      // Idle connections never lock senders out: the one idle the longest makes room. Those
+      // ending still hold a thread for a moment; twice the bound caps them under a flood.
+      if ((LiveConnections() >= options_.max_incoming && !EvictIdlest(peer)) ||
+          static_cast<int64_t>(connections_.size()) >= 2 * int64_t{options_.max_incoming}) {
         ++counters_.refused;
         if (refusals_log_.Allow(&more)) {
-          log->warn("data plane {}: refusing a data connection from {}: {} are open, the most this node "
-                    "serves at once{}", address_, peer, connections_.size(), more);
+          log->warn(
+              "data plane {}: refusing a data connection from {}: {} are open, each inside a "
+              "frame, the most this node serves at once{}",
+              address_, peer, LiveConnections(), more);
         }
         continue;  // fd closes
       }
       auto c = std::make_unique<Connection>();
       c->id = next_connection_++;
+      c->idle_since = absl::Now();
       c->stream = DataStream(std::move(fd), absl::StrCat("the data connection from ", peer));
       Connection* raw = c.get();
       if (!StartSmallThread([this, raw] { ReadLoop(raw); }, &c->thread)) {
@@ -379,6 +416,7 @@ void HostBackend::AcceptLoop() {
           }
           if (oldest != nullptr) {
             oldest->handshaking = false;
+            oldest->ending = true;
             --counters_.handshaking;
             ++counters_.handshakes_cut;
             oldest->stream.Shutdown();  // its reader ends (it closes the descriptor, under mu_)
@@ -390,6 +428,75 @@ void HostBackend::AcceptLoop() {
       connections_[raw->id] = std::move(c);
     }
   }
+}
+
+int64_t HostBackend::LiveConnections() const {
+  int64_t live = 0;
+  for (const auto& [id, c] : connections_) live += !c->ending;
+  return live;
+}
+
+bool HostBackend::EvictIdlest(const std::string& for_peer) {
+  // A connection that never carried a frame goes first (connections anyone can open: they
+  // cannot push out a node's pooled one), then the one idle the longest.
+  Connection* victim = nullptr;
+  for (auto& [id, c] : connections_) {
+    if (c->in_frame || c->ending) continue;
+    if (victim == nullptr || std::pair(c->carried_frame, c->idle_since) <
+                                 std::pair(victim->carried_frame, victim->idle_since)) {
+      victim = c.get();
+    }
+  }
+  if (victim == nullptr) return false;
+  victim->ending = victim->evicted = true;
+  if (victim->handshaking) {
+    victim->handshaking = false;
+    --counters_.handshaking;
+  }
+  ++counters_.evicted;
+  std::string more;
+  if (refusals_log_.Allow(&more)) {
+    Logger("xfer")->warn(
+        "data plane {}: closing {} (idle for {}) to serve a new one from {}: {} connections are "
+        "open, the most this node serves at once{}",
+        address_, victim->stream.peer(),
+        absl::FormatDuration(absl::Trunc(absl::Now() - victim->idle_since, absl::Milliseconds(1))),
+        for_peer, options_.max_incoming, more);
+  }
+  victim->stream.Shutdown();  // its reader ends (it closes the descriptor, under mu_)
+  return true;
+}
+
+void HostBackend::MarkInFrame(Connection* c, bool in_frame) {
+  absl::MutexLock lock(&mu_);
+  c->in_frame = in_frame;
+  if (!in_frame) {
+    c->carried_frame = true;
+    c->idle_since = absl::Now();
+  }
+}
+
+bool HostBackend::ExpireIdle(Connection* c) {
+  bool pooled;
+  {
+    absl::MutexLock lock(&mu_);
+    pooled = c->carried_frame;
+    ++(pooled ? counters_.idle_closed : counters_.first_byte_timeouts);
+  }
+  std::string more;
+  if (idle_log_.Allow(&more)) {
+    if (pooled) {
+      Logger("xfer")->info("data plane {}: closing {}: idle for {} between frames{}", address_,
+                           c->stream.peer(), absl::FormatDuration(options_.idle_timeout), more);
+    } else {
+      Logger("xfer")->warn(
+          "data plane {}: closing {}: no frame began within {} of its connection{}", address_,
+          c->stream.peer(), absl::FormatDuration(options_.first_byte_timeout), more);
+    }
+  }
+  if (!pooled) return false;
+  c->stream.ShutdownWrite();
+  return true;
 }
 
 void HostBackend::EndReader(Connection* c) {
@@ -437,15 +544,18 @@ void HostBackend::ReadLoop(Connection* c) {
     // only for handshake_timeout (or until newer handshakes cut it off).
     absl::Status s =
         stream.AcceptTls(*tls_, absl::Now() + std::min(options_.frame_wait, options_.handshake_timeout));
-    bool stopping, cut;
+    bool stopping, cut, evicted;
     {
       absl::MutexLock lock(&mu_);
-      cut = !c->handshaking;
+      evicted = c->evicted;
+      cut = !c->handshaking && !evicted;
       if (c->handshaking) {
         c->handshaking = false;
         --counters_.handshaking;
       }
-      if (!s.ok() || cut) ++counters_.tls_refused;
+      if ((!s.ok() && !evicted) || cut) ++counters_.tls_refused;
+      // Its deadline for a first frame runs from here.
+      c->idle_since = absl::Now();
       stopping = stopping_;  // then the handshake was cut off by the shutdown: nothing to say
     }
     if (cut) {
@@ -454,18 +564,36 @@ void HostBackend::ReadLoop(Connection* c) {
           options_.max_handshaking > 0 ? options_.max_handshaking : std::max(1, options_.max_incoming / 2),
           " connections in their handshake at once"));
     }
+    if (evicted) {
+      EndReader(c);  // logged by the acceptor
+      return;
+    }
     if (!s.ok()) {
       if (!stopping && drops_log_.Allow(&more)) log->warn("data plane {}: refused a data connection: {}{}", address_, std::string(s.message()), more);
       EndReader(c);
       return;
     }
   }
+  // A frame's first byte comes by this: first_byte_timeout after the connection began,
+  // idle_timeout after a frame, kIdleCloseGrace once the write side is shut for idleness.
+  absl::Time idle_until = absl::Now() + options_.first_byte_timeout;
+  bool closing_idle = false;
   while (true) {
     std::array<std::byte, kFrameHeaderBytes> wire;
-    // Between rounds a connection idles: wait for a frame's first byte without a deadline, until
-    // the peer closes it or this backend stops (shutdown wakes the read). The rest of the frame
-    // comes by a deadline.
-    if (!stream.RecvAll({wire.data(), 1}, absl::InfiniteFuture()).ok()) break;
+    // The peer closing it, this backend stopping or the acceptor evicting it (shutdown wakes
+    // the read) also end the wait. The rest of the frame comes by frame_wait.
+    if (absl::Status first = stream.RecvAll({wire.data(), 1}, idle_until); !first.ok()) {
+      if (!absl::IsDeadlineExceeded(first) || closing_idle || !ExpireIdle(c)) break;
+      closing_idle = true;
+      idle_until = absl::Now() + kIdleCloseGrace;
+      continue;
+    }
+    MarkInFrame(c, true);
+    // Every path out of this frame that keeps the connection passes `next_frame`.
+    auto next_frame = [&] {
+      MarkInFrame(c, false);
+      idle_until = absl::Now() + (closing_idle ? kIdleCloseGrace : options_.idle_timeout);
+    };
     const absl::Time deadline = absl::Now() + options_.frame_wait;
     if (auto s = stream.RecvAll(std::span(wire).subspan(1), deadline); !s.ok()) {
       if (drops_log_.Allow(&more)) {
@@ -548,6 +676,7 @@ void HostBackend::ReadLoop(Connection* c) {
           break;
         }
         job->Land(h.message, staging);
+        next_frame();
         continue;
       }
       // The round failed or ended here before this frame: drop it like any late one.
@@ -567,6 +696,7 @@ void HostBackend::ReadLoop(Connection* c) {
       log->info("dropped a late frame ({} bytes) of round {} of group \"{}\" from {}: that round is over here{}",
                 h.bytes, h.round_id, group, peer, more);
     }
+    next_frame();
   }
   // Its staging (up to a message, tens of MB) goes with this thread: past glibc's dynamic mmap
   // threshold it sits in the thread's arena, which keeps it unless asked (connections end when a

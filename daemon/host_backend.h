@@ -4,12 +4,23 @@
 //
 // Connections, and what bounds them:
 // - Incoming: one reader thread per accepted connection (a small stack), at most
-//   `max_incoming` at once; more are accepted and closed at once, with a (rate-limited) log line.
-//   A connection that closes or fails releases its descriptor and its thread (joined by the
-//   acceptor as soon as it ends). An accept error (EMFILE, ENFILE, ENOBUFS...) is logged
-//   (rate-limited) and retried after `accept_backoff`: the node keeps accepting.
+//   `max_incoming` at once. Anyone who can connect could otherwise hold those places for good,
+//   so every connection has deadlines: its first frame must begin within `first_byte_timeout`
+//   of its accept (or of its TLS handshake), and a connection idle between frames longer than
+//   `idle_timeout` is closed. One more connection than `max_incoming` evicts the connection
+//   idle the longest (one that never carried a frame first: a node's pooled connection has);
+//   only when every connection is inside a frame is the new one closed at once, with a
+//   (rate-limited) log line. A connection that closes or fails releases its descriptor and its
+//   thread (joined by the acceptor as soon as it ends). An accept error (EMFILE, ENFILE,
+//   ENOBUFS...) is logged (rate-limited) and retried after `accept_backoff`: the node keeps
+//   accepting.
+// - An idle connection is closed gracefully: its write side first (the sender sees the end
+//   before it reuses the connection, and dials afresh), while a frame the sender had already
+//   begun to write is still read for kIdleCloseGrace (host_backend.cc): closing at once would
+//   lose a frame that raced the close without an error on either side.
 // - Outgoing: one cached connection per peer address, reused from round to round; dropped when a
-//   send on it fails, when it is found closed by the peer before reuse, and after any round that
+//   send on it fails, when it is found closed by the peer before reuse (its receiver closes it
+//   after idle_timeout: the frame goes on a fresh connection), and after any round that
 //   did not succeed here (so that nothing of an aborted round is ever followed by a new round on
 //   the same connection).
 // - Frames carry (group, round id, message, bytes). A frame of a round that is over here
@@ -23,14 +34,15 @@
 // - When Transfer returns, nothing writes into the round's memory any more.
 // - With `tls` configured, every data connection is mutual TLS (data_stream.h): a sender accepts
 //   only the certificate of the node it dials, a receiver only nodes' certificates. The receiver's
-//   handshake runs on the connection's reader thread, by `handshake_timeout`, so a peer that stalls or
-//   fails it holds nothing but its own thread; at most `max_handshaking` connections are in their
-//   handshake at once, a newer one cutting the oldest off (idle connections cannot fill the slots). A frame whose message the plan has another node
-//   send than the one the client's certificate names, or that the round does not have, closes
-//   the connection before any of it lands and fails no round (a node can neither write another's
-//   weights nor abort rounds with frames it does not send); only the message's own sender fails
-//   the round with a bad frame of it (the wrong size, not for this node). Without `tls`, plain
-//   TCP, and any bad frame of a running round fails it.
+//   handshake runs on the connection's reader thread, by `handshake_timeout`, so a peer that stalls
+//   or fails it holds nothing but its own thread; at most `max_handshaking` connections are in
+//   their handshake at once, a newer one cutting the oldest off (idle connections cannot fill the
+//   slots). A frame whose message the plan has another node send than the one the client's
+//   certificate names, or that the round does not have, closes the connection before any of it
+//   lands and fails no round (a node can neither write another's weights nor abort rounds with
+//   frames it does not send); only the message's own sender fails the round with a bad frame of it
+//   (the wrong size, not for this node). Without `tls`, plain TCP, and any bad frame of a running
+//   round fails it.
 #pragma once
 
 #include <sys/types.h>
@@ -54,8 +66,16 @@
 namespace refit {
 
 struct HostBackendOptions {
-  // Incoming data connections served at once (one reader thread each); more are refused.
+  // Incoming data connections served at once (one reader thread each); one more evicts the
+  // connection idle the longest, or is refused when all are inside a frame.
   int max_incoming = 512;
+  // A new connection's first frame must begin within this of its accept (of its TLS handshake,
+  // with TLS): a sender dials only when it has a frame to send.
+  absl::Duration first_byte_timeout = absl::Seconds(10);
+  // A connection idle between frames for longer is closed by its reader (the sender dials
+  // again for its next frame). Rounds minutes apart reconnect each time: a TCP (and TLS)
+  // handshake, milliseconds.
+  absl::Duration idle_timeout = absl::Seconds(120);
   // How long a frame of a round that has not started here waits for it before its connection
   // is dropped (peers begin a round at slightly different times).
   absl::Duration frame_wait = absl::Seconds(30);
@@ -87,8 +107,12 @@ struct HostBackendOptions {
 struct HostConnectionStats {
   int64_t open_incoming = 0;   // accepted and being read now (one thread each)
   int64_t reader_threads = 0;  // reader threads not yet joined (open_incoming + ending ones)
+  int64_t in_frame = 0;        // connections inside a frame now (never evicted)
   int64_t accepted = 0;        // since start
-  int64_t refused = 0;         // over max_incoming
+  int64_t refused = 0;         // over max_incoming, every connection inside a frame
+  int64_t evicted = 0;         // closed, idle, for a newer connection over max_incoming
+  int64_t first_byte_timeouts = 0;  // closed: no frame began within first_byte_timeout
+  int64_t idle_closed = 0;          // closed: idle between frames for idle_timeout
   int64_t accept_errors = 0;
   int64_t stale_frames = 0;    // frames of rounds over here, read and dropped
   int64_t tls_refused = 0;     // incoming connections whose TLS handshake or peer failed
@@ -128,6 +152,7 @@ class HostBackend : public DataBackend {
   void Cancel(const std::string& group, int64_t round_id, const std::string& reason) override;
 
   HostConnectionStats connection_stats() const;
+  std::vector<std::pair<std::string, int64_t>> ConnectionEvents() const override;
   // Bytes of shared memory mapped now (each object once, while any buffer maps it).
   int64_t mapped_bytes() const { return mapped_bytes_->load(); }
 
@@ -160,6 +185,16 @@ class HostBackend : public DataBackend {
   void Reap() ABSL_LOCKS_EXCLUDED(mu_);
   void ReadLoop(Connection* c);
   void EndReader(Connection* c) ABSL_LOCKS_EXCLUDED(mu_);
+  // Makes room for one more connection over max_incoming: ends the one idle the longest.
+  // False when every connection is inside a frame (or ending already).
+  bool EvictIdlest(const std::string& for_peer) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Connections counted against max_incoming: those not ending already.
+  int64_t LiveConnections() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // The reader of `c` marks where it is, for the deadlines and for EvictIdlest.
+  void MarkInFrame(Connection* c, bool in_frame) ABSL_LOCKS_EXCLUDED(mu_);
+  // `c` waited past its deadline for a frame's first byte: counted and logged. True when its
+  // reader should go on reading for kIdleCloseGrace (its write side shut), false to end it.
+  bool ExpireIdle(Connection* c) ABSL_LOCKS_EXCLUDED(mu_);
   FrameFate FindJob(const RoundKey& key, absl::Time deadline, std::shared_ptr<Job>* job)
       ABSL_LOCKS_EXCLUDED(mu_);
   absl::Status Send(Job& job, const Message& m, int64_t index, std::vector<std::byte>& staging);
@@ -174,7 +209,8 @@ class HostBackend : public DataBackend {
   Fd wake_;      // eventfd: a reader ended, or the backend stops
   std::unique_ptr<TlsContext> tls_;  // null: plain TCP
   std::thread acceptor_;
-  LogLimiter accept_errors_log_, refusals_log_, drops_log_, stale_log_, user_refusals_log_;
+  LogLimiter accept_errors_log_, refusals_log_, drops_log_, stale_log_, user_refusals_log_,
+      idle_log_;
 
   mutable absl::Mutex mu_;
   absl::CondVar jobs_changed_;  // a job began or ended, a round was cancelled, stopping

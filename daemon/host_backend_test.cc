@@ -725,28 +725,123 @@ TEST_CASE("1,000 data connections opened and closed: every descriptor and thread
        << " after; fds " << fds << " before, " << Fds() << " after");
 }
 
-TEST_CASE("beyond max_incoming, data connections are refused at once; closing frees their places") {
+TEST_CASE(
+    "beyond max_incoming, the connection idle the longest makes room; one inside a frame never "
+    "does") {
   HostBackendOptions options;
   options.max_incoming = 8;
+  options.first_byte_timeout = absl::Seconds(60);  // none of them ends by its deadline here
   auto a = HostBackend::Start("127.0.0.1:0", options);
   REQUIRE(a.ok());
   HostBackend& b = **a;
   std::vector<Fd> held;
-  for (int i = 0; i < 8; ++i) held.push_back(Dial(b.data_address()));
-  REQUIRE(Eventually([&] { return b.connection_stats().open_incoming == 8; }));
+  for (int i = 0; i < 8; ++i) {
+    held.push_back(Dial(b.data_address()));
+    // One at a time, so that their ages are their order.
+    REQUIRE(Eventually([&] { return b.connection_stats().open_incoming == i + 1; }));
+  }
   std::vector<Fd> extra;
   for (int i = 0; i < 4; ++i) extra.push_back(Dial(b.data_address()));
-  for (const Fd& e : extra) CHECK(ClosedWithin(e, absl::Seconds(5)));
-  for (const Fd& h : held) CHECK_FALSE(ClosedWithin(h, absl::Milliseconds(1)));
+  for (int i = 0; i < 4; ++i) CHECK(ClosedWithin(held[i], absl::Seconds(5)));  // the four oldest
+  REQUIRE(Eventually([&] { return b.connection_stats().reader_threads == 8; }));
+  for (int i = 4; i < 8; ++i) CHECK_FALSE(ClosedWithin(held[i], absl::Milliseconds(1)));
+  for (const Fd& e : extra) CHECK_FALSE(ClosedWithin(e, absl::Milliseconds(1)));
   HostConnectionStats s = b.connection_stats();
-  CHECK(s.refused == 4);
+  CHECK(s.evicted == 4);
+  CHECK(s.refused == 0);
   CHECK(s.open_incoming == 8);
-  CHECK(s.reader_threads == 8);
+
+  // Inside a frame (of a round that has not begun here: its reader waits frame_wait for it), no
+  // connection is evicted: the new one is refused.
   held.clear();
+  extra.clear();
   REQUIRE(Eventually([&] { return b.connection_stats().reader_threads == 0; }));
-  for (int i = 0; i < 8; ++i) held.push_back(Dial(b.data_address()));
-  REQUIRE(Eventually([&] { return b.connection_stats().open_incoming == 8; }));
-  CHECK(b.connection_stats().refused == 4);
+  std::vector<Fd> busy;
+  for (int i = 0; i < 8; ++i) {
+    busy.push_back(Dial(b.data_address()));
+    SendFrameHeader(busy.back(), "policy", 99, 0, 8);
+  }
+  REQUIRE(Eventually([&] { return b.connection_stats().in_frame == 8; }));
+  Fd late = Dial(b.data_address());
+  CHECK(ClosedWithin(late, absl::Seconds(5)));
+  for (const Fd& fd : busy) CHECK_FALSE(ClosedWithin(fd, absl::Milliseconds(1)));
+  s = b.connection_stats();
+  CHECK(s.refused == 1);
+  CHECK(s.evicted == 4);
+  CHECK(s.in_frame == 8);
+}
+
+TEST_CASE(
+    "idle connections cannot lock a sender out: max_incoming of them, and a round still runs") {
+  Fixture f(6, 64, 48, 4096, 1);
+  HostBackendOptions options;
+  options.max_incoming = 8;
+  options.first_byte_timeout = absl::Seconds(60);
+  Cluster c(2, options);
+  std::vector<Fd> squatters;
+  for (int i = 0; i < 8; ++i) squatters.push_back(Dial(c.nodes[1]->data_address()));
+  REQUIRE(Eventually([&] { return c.nodes[1]->connection_stats().open_incoming == 8; }));
+  Memory src(f.src), dst(f.dst);
+  FullRound(c, f, src, dst, 1);
+  CHECK(c.nodes[1]->connection_stats().evicted == 1);
+  CHECK(c.nodes[1]->connection_stats().refused == 0);
+  FullRound(c, f, src, dst, 2);  // on the pooled connection, which the squatters did not push out
+}
+
+TEST_CASE(
+    "a connection that sends nothing ends at first_byte_timeout; one idle between frames at "
+    "idle_timeout") {
+  HostBackendOptions options;
+  options.first_byte_timeout = absl::Milliseconds(500);
+  options.idle_timeout = absl::Seconds(1);
+  auto a = HostBackend::Start("127.0.0.1:0", options);
+  REQUIRE(a.ok());
+  HostBackend& b = **a;
+  Fd silent = Dial(b.data_address());
+  CHECK_FALSE(ClosedWithin(silent, absl::Milliseconds(100)));
+  CHECK(ClosedWithin(silent, absl::Seconds(10)));
+  CHECK(b.connection_stats().first_byte_timeouts == 1);
+  CHECK(b.connection_stats().idle_closed == 0);
+
+  // A connection that carried a frame (a late one: round 7 is over here) idles up to idle_timeout.
+  b.Cancel("policy", 7, "over");
+  const std::vector<std::byte> payload(64, std::byte{0x5a});
+  Fd pooled = Dial(b.data_address());
+  SendFrameHeader(pooled, "policy", 7, 0, 64);
+  SendBytes(pooled, payload.data(), payload.size());
+  REQUIRE(Eventually([&] { return b.connection_stats().stale_frames == 1; }));
+  CHECK_FALSE(ClosedWithin(pooled, absl::Milliseconds(300)));
+  CHECK(ClosedWithin(pooled, absl::Seconds(10)));  // the end of the receiver's stream...
+  CHECK(b.connection_stats().idle_closed == 1);
+  // ... while a frame its sender began before it saw the end is still read.
+  SendFrameHeader(pooled, "policy", 7, 0, 64);
+  SendBytes(pooled, payload.data(), payload.size());
+  REQUIRE(Eventually([&] { return b.connection_stats().stale_frames == 2; }));
+  REQUIRE(Eventually([&] { return b.connection_stats().reader_threads == 0; }));
+  CHECK(b.connection_stats().first_byte_timeouts == 1);
+}
+
+// Node 1 closes node 0's pooled connection after `idle_timeout`; node 0's next round must not
+// write into it (the frame would vanish without an error, and the round wait for it).
+void TwoRoundsApartByMoreThanIdleTimeout(Cluster& c) {
+  Fixture f(6, 64, 48, 4096, 1);
+  Memory src(f.src), dst(f.dst);
+  FullRound(c, f, src, dst, 1);
+  REQUIRE(c.nodes[0]->connection_stats().cached_outgoing == 1);
+  REQUIRE(Eventually([&] {
+    const HostConnectionStats s = c.nodes[1]->connection_stats();
+    return s.idle_closed == 1 && s.open_incoming == 0;
+  }));
+  CHECK(c.nodes[0]->connection_stats().cached_outgoing == 1);  // node 0 has not noticed yet
+  FullRound(c, f, src, dst, 2);                                // byte for byte, at full speed
+  CHECK(c.nodes[1]->connection_stats().accepted == 2);
+}
+
+TEST_CASE("a pooled connection its receiver closed for idleness: the next round dials afresh") {
+  HostBackendOptions options;
+  options.idle_timeout = absl::Milliseconds(300);
+  Cluster c(2, options);
+  TwoRoundsApartByMoreThanIdleTimeout(c);
 }
 
 TEST_CASE("the acceptor survives EMFILE: it logs, backs off and accepts again") {
@@ -1125,7 +1220,10 @@ TEST_CASE("TLS: connections that never handshake hold no slot for long and canno
     return s.accepted + s.refused == 40;
   }));
   CHECK(b.connection_stats().handshaking <= 8);
-  CHECK(b.connection_stats().handshakes_cut + b.connection_stats().refused >= 32);
+  // Beyond the slots the oldest handshakes are cut off; beyond max_incoming the oldest are evicted.
+  CHECK(b.connection_stats().handshakes_cut + b.connection_stats().evicted +
+            b.connection_stats().refused >=
+        32);
   Memory src(f.src), dst(f.dst);
   FullRound(c, f, src, dst, 1);  // within 3 s, on a fresh connection
   // Those left are closed at handshake_timeout; node 0's connection stays.
@@ -1133,6 +1231,19 @@ TEST_CASE("TLS: connections that never handshake hold no slot for long and canno
   REQUIRE(Eventually([&] { return b.connection_stats().open_incoming == 1; }));
   CHECK(b.connection_stats().handshaking == 0);
   FullRound(c, f, src, dst, 2);
+}
+
+TEST_CASE(
+    "TLS: a pooled connection its receiver closed for idleness: the next round dials afresh") {
+  Cluster c(0);
+  for (int i = 0; i < 2; ++i) {
+    HostBackendOptions options = TlsOptions(Tls(Certs(), absl::StrCat("node-", i)));
+    options.idle_timeout = absl::Milliseconds(300);
+    auto b = HostBackend::Start("127.0.0.1:0", options);
+    REQUIRE(b.ok());
+    c.nodes.push_back(*std::move(b));
+  }
+  TwoRoundsApartByMoreThanIdleTimeout(c);
 }
 
 void CopyFile(const std::string& from, const std::string& to) {

@@ -1,13 +1,13 @@
 #include "daemon/membership.h"
 
-#include "daemon/memory_trim.h"
-
 #include <algorithm>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "daemon/logging.h"
+#include "daemon/memory_trim.h"
 #include "plan/dtype.h"
+#include "plan/status_macros.h"
 
 namespace refit {
 
@@ -104,17 +104,17 @@ void Membership::SetSelf(const std::string& control_address, const std::string& 
   me.synced = true;  // its workers arrive one at a time (AddLocal)
 }
 
-bool Membership::Join(const v1::JoinRequest& request) {
-  bool resync = false;
+absl::StatusOr<bool> Membership::Admit(const v1::JoinRequest& request) {
+  absl::StatusOr<bool> resync;
   {
     absl::MutexLock lock(&mu_);
-    resync = JoinLocked(request);
+    resync = AdmitLocked(request);
   }
   TellForgotten();
   return resync;
 }
 
-bool Membership::JoinLocked(const v1::JoinRequest& request) {
+absl::StatusOr<bool> Membership::AdmitLocked(const v1::JoinRequest& request) {
   const absl::Time now = clock_->Now();
   // The common case, a heartbeat from a known, live daemon. It is asked for its workers again
   // until a sync brings them: the answer that asked first may have come late, or not at all.
@@ -122,21 +122,81 @@ bool Membership::JoinLocked(const v1::JoinRequest& request) {
     it->second.second = now;
     return !nodes_[request.node()].synced;
   }
+  if (!nodes_.contains(request.node())) REFIT_RETURN_IF_ERROR(MakeRoomLocked(request.node()));
   NodeInfo& n = nodes_[request.node()];
   beats_[request.node()] = {request.incarnation(), now};
   if (n.incarnation != request.incarnation() || !n.alive) {
     if (n.incarnation != 0 && n.incarnation != request.incarnation()) {
       Logger("rpc")->warn("node {} restarted; its old workers are gone", request.node());
     }
+    if (n.incarnation != request.incarnation()) n.applied_sequence = 0;  // it numbers anew
     n.workers.clear();
     n.incarnation = request.incarnation();
     n.synced = false;
   }
+  // A list the node took before this answer reaches it predates its admission (ApplySync).
+  n.admitted_at_resyncs = request.resyncs_seen();
   n.control_address = request.control_address();
   n.data_address = request.data_address();
   n.alive = true;
   RecomputeEpochs();
   return !n.synced;
+}
+
+absl::Status Membership::MakeRoomLocked(int32_t node) {
+  if (static_cast<int64_t>(nodes_.size()) < node_limits_.max_nodes) return absl::OkStatus();
+  // The node dead the longest goes first: dead, it is in no group and no round can reach it.
+  std::optional<int32_t> oldest;
+  for (const auto& [id, info] : nodes_) {
+    if (id == self_ || info.alive) continue;
+    if (!oldest || info.dead_since < nodes_.at(*oldest).dead_since) oldest = id;
+  }
+  if (oldest) {
+    ForgetLocked(*oldest, absl::StrCat("to make room for node ", node, " (--max-nodes ",
+                                       node_limits_.max_nodes, ")"));
+    return absl::OkStatus();
+  }
+  ++counts_.refused_joins;
+  const std::string why =
+      absl::StrCat("node ", node, " cannot join: the coordinator lists ", nodes_.size(),
+                   " nodes, every one alive, and --max-nodes is ", node_limits_.max_nodes);
+  // A flood of joins logs once, not once a join; the count goes on.
+  if (!std::exchange(refusing_joins_, true))
+    Logger("rpc")->warn("{} (further refusals are counted, not logged)", why);
+  return absl::ResourceExhaustedError(why);
+}
+
+void Membership::ForgetLocked(int32_t node, absl::string_view why) {
+  auto it = nodes_.find(node);
+  if (it == nodes_.end()) return;
+  auto dead = dead_because_.find(node);
+  Logger("rpc")->info("node {} ({}) forgotten {}; it was dead for {}{}", node,
+                      it->second.control_address, std::string(why),
+                      absl::FormatDuration(clock_->Now() - it->second.dead_since),
+                      dead != dead_because_.end() ? absl::StrCat(" (", dead->second, ")") : "");
+  nodes_.erase(it);
+  dead_because_.erase(node);
+  beats_.erase(node);  // none: a dead node has left it already
+  ++counts_.forgotten_nodes;
+  refusing_joins_ = false;
+}
+
+std::optional<absl::Status> Membership::StaleSync(const v1::SyncWorkersRequest& request,
+                                                  const NodeInfo& n) const {
+  if (request.sequence() == 0) return std::nullopt;  // not numbered: a daemon from before the check
+  if (request.resyncs_seen() <= n.admitted_at_resyncs) {
+    auto dead = dead_because_.find(request.node());
+    return absl::FailedPreconditionError(
+        absl::StrCat("SyncWorkers ", request.sequence(), " from node ", request.node(),
+                     " was sent before the node heard that the coordinator admitted it again",
+                     dead != dead_because_.end()
+                         ? absl::StrCat(" (it had been declared dead: ", dead->second, ")")
+                         : "",
+                     "; the coordinator asks for the list in its next heartbeat's answer"));
+  }
+  // An older list that arrives after a newer one: it says nothing the coordinator needs.
+  if (request.sequence() <= n.applied_sequence) return absl::OkStatus();
+  return std::nullopt;
 }
 
 absl::Status Membership::ApplySync(const v1::SyncWorkersRequest& request, v1::SyncWorkersResponse* response) {
@@ -150,15 +210,29 @@ absl::Status Membership::ApplySync(const v1::SyncWorkersRequest& request, v1::Sy
       auto beat = beats_.find(request.node());
       if (beat == beats_.end() || beat->second.first != request.incarnation()) {
         auto dead = dead_because_.find(request.node());
-        return absl::FailedPreconditionError(absl::StrCat(
-            "SyncWorkers from node ", request.node(), " (incarnation ", request.incarnation(),
-            "): the node has not joined this coordinator",
-            dead != dead_because_.end() ? absl::StrCat(" since it was declared dead (", dead->second, ")") : "",
-            "; it joins again with its next heartbeat"));
+        const bool full = !nodes_.contains(request.node()) &&
+                          static_cast<int64_t>(nodes_.size()) >= node_limits_.max_nodes;
+        return absl::FailedPreconditionError(
+            absl::StrCat("SyncWorkers from node ", request.node(), " (incarnation ",
+                         request.incarnation(), "): the node has not joined this coordinator",
+                         dead != dead_because_.end()
+                             ? absl::StrCat(" since it was declared dead (", dead->second, ")")
+                             : "",
+                         full ? absl::StrCat(", which lists --max-nodes ", node_limits_.max_nodes,
+                                             " nodes, every one alive")
+                              : "; it joins again with its next heartbeat"));
+      }
+      if (std::optional<absl::Status> stale = StaleSync(request, nodes_.at(request.node()))) {
+        ++counts_.stale_syncs;
+        Logger("rpc")->debug(
+            "node {}: worker list {} not applied: {}", request.node(), request.sequence(),
+            stale->ok() ? std::string("a newer one was applied") : std::string(stale->message()));
+        return *stale;
       }
     }
     NodeInfo& n = nodes_[request.node()];
     n.incarnation = request.incarnation();
+    if (request.sequence() > 0) n.applied_sequence = request.sequence();
     // The old list and the request itself (freed by gRPC after this returns) may be large.
     for (const StoredWorker& w : n.workers) large |= static_cast<int64_t>(w.wire.size()) >= kTrimAfterBytes;
     large |= static_cast<int64_t>(request.ByteSizeLong()) >= kTrimAfterBytes;
@@ -368,6 +442,7 @@ bool Membership::MarkDeadLocked(int32_t node, const std::string& why) {
   if (it == nodes_.end() || !it->second.alive) return false;
   it->second.alive = false;
   it->second.synced = false;
+  it->second.dead_since = clock_->Now();
   it->second.workers.clear();
   RequestTrim();  // rare, and its workers may have been large
   beats_.erase(node);  // its next heartbeat takes the slow path and resyncs
@@ -400,6 +475,15 @@ std::vector<DeadNode> Membership::CheckLiveness() {
     for (int32_t node : silent) {
       if (MarkDeadLocked(node, why)) dead.push_back({node, why});
     }
+    std::vector<int32_t> long_dead;
+    for (const auto& [node, info] : nodes_) {
+      if (node != self_ && !info.alive && now - info.dead_since >= node_limits_.forget_dead_after) {
+        long_dead.push_back(node);
+      }
+    }
+    const std::string after = absl::StrCat("after --forget-dead-after ",
+                                           absl::FormatDuration(node_limits_.forget_dead_after));
+    for (int32_t node : long_dead) ForgetLocked(node, after);
   }
   TellForgotten();
   return dead;
@@ -415,12 +499,18 @@ absl::StatusOr<std::string> Membership::ControlAddress(int32_t node) const {
 }
 
 std::optional<std::string> Membership::DeathReason(int32_t node) const {
+  if (node == self_) return std::nullopt;  // never judged by heartbeats
   absl::MutexLock lock(&mu_);
-  auto dead = dead_because_.find(node);
-  if (dead == dead_because_.end()) return std::nullopt;
   auto it = nodes_.find(node);
-  if (it != nodes_.end() && it->second.alive) return std::nullopt;
-  return dead->second;
+  if (it == nodes_.end()) {
+    // A round may still name a node forgotten while it ran: it died before it was forgotten.
+    return absl::StrCat(
+        "not a member of the cluster (never joined, or forgotten after being dead for ",
+        absl::FormatDuration(node_limits_.forget_dead_after), " or to make room for another)");
+  }
+  if (it->second.alive) return std::nullopt;
+  auto dead = dead_because_.find(node);
+  return dead != dead_because_.end() ? dead->second : "not alive";
 }
 
 std::vector<v1::NodeAddress> Membership::DataAddresses() const {
@@ -533,6 +623,11 @@ void Membership::NodeStatuses(v1::StatusResponse* response) const {
     n->set_alive(info.alive);
     n->set_workers(static_cast<int32_t>(info.workers.size()));
   }
+}
+
+MembershipCounts Membership::Counts() const {
+  absl::MutexLock lock(&mu_);
+  return counts_;
 }
 
 void Membership::ListWorkers(const v1::ListWorkersRequest& request, v1::ListWorkersResponse* response) const {

@@ -3,6 +3,14 @@
 // changes). Liveness comes from heartbeats, judged on an injected clock: a node silent for
 // `heartbeat * heartbeats_missed` is dead (CheckLiveness).
 //
+// Bounded: at most NodeLimits::max_nodes nodes are listed (a new one past it is refused, unless
+// a dead node can be forgotten to make room), and a node dead for NodeLimits::forget_dead_after is
+// forgotten (CheckLiveness). A dead node holds no workers and is in no group's view, so forgetting
+// it changes no epoch and no round planned before; if it comes back it joins as a new node.
+//
+// A node's worker lists apply in the order it sent them, and only once it knew of its latest
+// admission: SyncWorkersRequest.sequence and .resyncs_seen (ApplySync).
+//
 // Also, per group, its inference replicas (Worker.replica: docs/ROUNDS.md, "Replicas and
 // commit"): complete or not, the missing ranks, and the last version committed to each whole.
 // A worker name is held by one node at a time: a sync or local registration naming a worker that
@@ -71,6 +79,20 @@ struct DeadNode {
   std::string why;
 };
 
+// How many nodes the coordinator lists, and how long it keeps a dead one (--max-nodes,
+// --forget-dead-after).
+struct NodeLimits {
+  int64_t max_nodes = 4096;  // the coordinator included
+  absl::Duration forget_dead_after = absl::Minutes(1);
+};
+
+// What the membership turned away or dropped since it started.
+struct MembershipCounts {
+  int64_t stale_syncs = 0;      // worker lists older than one applied, or from before an admission
+  int64_t forgotten_nodes = 0;  // dead for --forget-dead-after, or making room for a new node
+  int64_t refused_joins = 0;    // new nodes past --max-nodes, every node listed alive
+};
+
 class Membership {
  public:
   Membership(int32_t self, absl::Duration heartbeat, int heartbeats_missed, const Clock* clock);
@@ -79,16 +101,26 @@ class Membership {
     absl::MutexLock lock(&mu_);
     limits_ = limits;
   }
+  void SetNodeLimits(const NodeLimits& limits) {
+    absl::MutexLock lock(&mu_);
+    node_limits_ = limits;
+  }
 
   // This node (the coordinator): alive from the start, never judged by heartbeats.
   void SetSelf(const std::string& control_address, const std::string& data_address, int64_t incarnation);
   // A join or heartbeat; true when the node must send its whole worker list: it is new,
   // restarted or declared dead since, and no sync of its has been applied since then. Every
   // heartbeat says so until one is (an answer that said it may have been lost, or a sync).
-  bool Join(const v1::JoinRequest& request);
+  // RESOURCE_EXHAUSTED, naming --max-nodes, for a new node when max_nodes are listed, all alive.
+  absl::StatusOr<bool> Admit(const v1::JoinRequest& request);
+  // Admit() for a caller that cannot answer an error: a refused node is told to resync, and its
+  // sync is refused naming the cap.
+  bool Join(const v1::JoinRequest& request) { return Admit(request).value_or(true); }
   // A node's whole worker list. A worker whose name another live node holds is not admitted:
   // it is listed in `response->refused` (may be null), naming the holder. FAILED_PRECONDITION
-  // from a node not joined at this incarnation (unknown, restarted, or declared dead since).
+  // from a node not joined at this incarnation (unknown, restarted, or declared dead since), or
+  // for a list taken before the node heard of its latest admission (resyncs_seen). A list older
+  // than the last applied (sequence) is ignored: OK, nothing changes.
   absl::Status ApplySync(const v1::SyncWorkersRequest& request, v1::SyncWorkersResponse* response = nullptr);
   // The coordinator's own workers, one at a time (a snapshot per registration would make
   // registering n workers O(n^2)). ALREADY_EXISTS, naming the holder, when another live node
@@ -106,13 +138,14 @@ class Membership {
   // Replica -> the last version committed to it whole, of the group's current replicas.
   std::map<std::string, int64_t> ReplicaVersions(const std::string& group) const;
 
-  // The failure detector: declares dead every node silent too long, and returns them.
+  // The failure detector: declares dead every node silent too long, and returns them; forgets
+  // those dead for forget_dead_after.
   std::vector<DeadNode> CheckLiveness();
   bool MarkDead(int32_t node, const std::string& why);
 
   // A live node's control address, else UNAVAILABLE.
   absl::StatusOr<std::string> ControlAddress(int32_t node) const;
-  // Why a node is dead (or unknown), if it was declared dead; nullopt while it lives.
+  // Why a node is dead, or not a member (never joined, or forgotten); nullopt while it lives.
   std::optional<std::string> DeathReason(int32_t node) const;
   std::vector<v1::NodeAddress> DataAddresses() const;  // of live nodes
   // `with_pieces`: each worker's buffers with their pieces, decoded for the caller (the planner);
@@ -124,6 +157,7 @@ class Membership {
   std::vector<std::string> GroupNames() const;
   void NodeStatuses(v1::StatusResponse* response) const;
   void ListWorkers(const v1::ListWorkersRequest& request, v1::ListWorkersResponse* response) const;
+  MembershipCounts Counts() const;
 
  private:
   // A worker as the coordinator keeps it (issue 15.5): the registration without its pieces as a
@@ -146,6 +180,10 @@ class Membership {
     bool alive = false;
     // Its worker list arrived since it last joined at this incarnation (or was revived).
     bool synced = false;
+    // JoinRequest.resyncs_seen of the join that last admitted it: a list must carry more.
+    int64_t admitted_at_resyncs = 0;
+    int64_t applied_sequence = 0;  // of the last list applied at this incarnation
+    absl::Time dead_since = absl::InfinitePast();
     std::vector<StoredWorker> workers;
   };
   struct ReplicaRecord {
@@ -159,7 +197,15 @@ class Membership {
     std::map<std::string, ReplicaRecord> replicas;
   };
 
-  bool JoinLocked(const v1::JoinRequest& request) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  absl::StatusOr<bool> AdmitLocked(const v1::JoinRequest& request)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Room for one more node: OK while below max_nodes, or once the longest-dead node is forgotten.
+  absl::Status MakeRoomLocked(int32_t node) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Why a numbered sync is not applied (nullopt: it is): FAILED_PRECONDITION, or OK to ignore it.
+  std::optional<absl::Status> StaleSync(const v1::SyncWorkersRequest& request,
+                                        const NodeInfo& n) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Drops a dead node's record; it holds no workers, so no group changes.
+  void ForgetLocked(int32_t node, absl::string_view why) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // After every change: epochs, replicas, name holders; groups left without workers forgotten.
   void RecomputeEpochs() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // The hooks, told of the groups RecomputeEpochs forgot. Called without `mu_`.
@@ -177,6 +223,9 @@ class Membership {
   std::map<int32_t, NodeInfo> nodes_ ABSL_GUARDED_BY(mu_);
   std::map<std::string, GroupInfo> groups_ ABSL_GUARDED_BY(mu_);
   GroupLimits limits_ ABSL_GUARDED_BY(mu_);
+  NodeLimits node_limits_ ABSL_GUARDED_BY(mu_);
+  MembershipCounts counts_ ABSL_GUARDED_BY(mu_);
+  bool refusing_joins_ ABSL_GUARDED_BY(mu_) = false;  // logged once per stretch of refusals
   struct GroupLoad {
     int64_t workers = 0, buffers = 0, tensors = 0, pieces = 0, bytes = 0;
     void Add(const StoredWorker& w) {

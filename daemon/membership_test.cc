@@ -417,3 +417,179 @@ TEST_CASE("membership: a group's limits (--max-group-*) refuse the worker that w
 
 }  // namespace
 }  // namespace refit
+
+namespace refit {
+namespace {
+
+// A heartbeat from a node that has received `resyncs_seen` answers saying resync.
+v1::JoinRequest Beat(int32_t node, int64_t incarnation, int64_t resyncs_seen) {
+  v1::JoinRequest j = JoinOf(node, incarnation);
+  j.set_resyncs_seen(resyncs_seen);
+  return j;
+}
+
+// The node's `sequence`-th list, taken once it had received `resyncs_seen` resync answers.
+v1::SyncWorkersRequest Numbered(v1::SyncWorkersRequest sync, int64_t sequence,
+                                int64_t resyncs_seen) {
+  sync.set_sequence(sequence);
+  sync.set_resyncs_seen(resyncs_seen);
+  return sync;
+}
+
+std::vector<int32_t> Listed(const Membership& m) {
+  v1::StatusResponse status;
+  m.NodeStatuses(&status);
+  std::vector<int32_t> out;
+  for (const v1::NodeStatus& n : status.nodes()) out.push_back(n.node());
+  return out;
+}
+
+TEST_CASE("membership: a node's worker lists apply in the order it sent them, not as they arrive") {
+  FakeClock clock;
+  Membership m(0, absl::Milliseconds(500), 4, &clock);
+  m.SetSelf("10.0.0.0:7070", "10.0.0.0:7071", 1);
+  REQUIRE(m.Join(Beat(1, 11, 0)));  // its first resync answer
+  const v1::SyncWorkersRequest first =
+      Numbered(SyncOf(1, 11, {Registration("i0", v1::INFERENCE, 0, 8, 1)}), 1, 1);
+  const v1::SyncWorkersRequest second =
+      Numbered(SyncOf(1, 11,
+                      {Registration("i0", v1::INFERENCE, 0, 8, 1),
+                       Registration("i1", v1::INFERENCE, 0, 8, 1, "other")}),
+               2, 1);
+  REQUIRE(m.ApplySync(second).ok());
+  // The first list, late (its sender timed out and sent the second): ignored, counted.
+  CHECK(m.ApplySync(first).ok());
+  CHECK(m.Group("other").inference == 1);
+  CHECK(m.Counts().stale_syncs == 1);
+  CHECK(m.ApplySync(second).ok());  // the same list twice changes nothing either
+  CHECK(m.Counts().stale_syncs == 2);
+  CHECK_FALSE(m.Join(Beat(1, 11, 1)));  // the coordinator holds the node's list: no resync
+  REQUIRE(m.ApplySync(Numbered(SyncOf(1, 11, {}), 3, 1)).ok());
+  CHECK_FALSE(m.Group("other").exists);
+  CHECK(m.Group("policy").inference == 0);
+
+  // A restarted node numbers its lists from 1 again.
+  REQUIRE(m.Join(Beat(1, 12, 0)));
+  REQUIRE(m.ApplySync(Numbered(SyncOf(1, 12, {Registration("i0", v1::INFERENCE, 0, 8, 1)}), 1, 1))
+              .ok());
+  CHECK(m.Group("policy").inference == 1);
+  CHECK(m.Counts().stale_syncs == 2);
+}
+
+TEST_CASE("membership: a list taken before the node heard of its readmission is refused") {
+  FakeClock clock;
+  Membership m(0, absl::Milliseconds(500), 4, &clock);  // dead after 2 s of silence
+  m.SetSelf("10.0.0.0:7070", "10.0.0.0:7071", 1);
+  REQUIRE(m.Join(Beat(1, 11, 0)));
+  REQUIRE(m.ApplySync(Numbered(SyncOf(1, 11, {Registration("i0", v1::INFERENCE, 0, 8, 1)}), 1, 1))
+              .ok());
+  clock.Advance(absl::Seconds(3));
+  REQUIRE(m.CheckLiveness().size() == 1);
+  // Its next heartbeat admits it again; the answer (resync) is lost. A list it took before
+  // hearing of it (a registration's, or one sent before the verdict that arrives now) is refused:
+  // applied, it would end the resyncs, and the node would never learn it had been declared dead.
+  REQUIRE(m.Join(Beat(1, 11, 1)));
+  const absl::Status early =
+      m.ApplySync(Numbered(SyncOf(1, 11, {Registration("i0", v1::INFERENCE, 0, 8, 1)}), 2, 1));
+  CHECK(early.code() == absl::StatusCode::kFailedPrecondition);
+  CHECK_THAT(std::string(early.message()), Catch::Contains("declared dead: no heartbeat for 2s"));
+  CHECK(m.Counts().stale_syncs == 1);
+  CHECK(m.Group("policy").inference == 0);
+  CHECK(m.Join(Beat(1, 11, 1)));  // so every answer still asks for the list
+  // Once it heard (a second resync answer), its list is applied.
+  REQUIRE(m.ApplySync(Numbered(SyncOf(1, 11, {Registration("i0", v1::INFERENCE, 0, 8, 1)}), 3, 2))
+              .ok());
+  CHECK(m.Group("policy").inference == 1);
+  CHECK_FALSE(m.Join(Beat(1, 11, 2)));
+  // Lists that are not numbered (daemons from before the check) apply as they arrive.
+  REQUIRE(m.ApplySync(SyncOf(1, 11, {})).ok());
+  CHECK(m.Group("policy").inference == 0);
+  CHECK(m.Counts().stale_syncs == 1);
+}
+
+TEST_CASE("membership: a node dead for --forget-dead-after is forgotten once, and may join again") {
+  FakeClock clock;
+  Membership m(0, absl::Milliseconds(500), 4, &clock);  // dead after 2 s of silence
+  m.SetSelf("10.0.0.0:7070", "10.0.0.0:7071", 1);
+  m.SetNodeLimits({.max_nodes = 4096, .forget_dead_after = absl::Seconds(10)});
+  REQUIRE(m.AddLocal(Registration("t0", v1::TRAINER, 0, 8, 0)).ok());
+  REQUIRE(m.Join(JoinOf(1, 11)));
+  REQUIRE(m.ApplySync(SyncOf(1, 11, {Registration("i0", v1::INFERENCE, 0, 8, 1)})).ok());
+  clock.Advance(absl::Seconds(3));
+  REQUIRE(m.CheckLiveness().size() == 1);
+  // A round planned now, after the verdict (the node's workers are gone from the group).
+  const GroupMembers planned = m.Group("policy");
+  CHECK(planned.nodes == std::vector<int32_t>{0});
+  CHECK(Listed(m) == std::vector<int32_t>{0, 1});  // listed dead for a while
+
+  clock.Advance(absl::Seconds(10) - absl::Milliseconds(1));
+  CHECK(m.CheckLiveness().empty());
+  CHECK(Listed(m) == std::vector<int32_t>{0, 1});
+  clock.Advance(absl::Milliseconds(1));
+  CHECK(m.CheckLiveness().empty());  // forgetting is not a death verdict
+  CHECK(Listed(m) == std::vector<int32_t>{0});
+  CHECK(m.Counts().forgotten_nodes == 1);
+  m.CheckLiveness();
+  CHECK(m.Counts().forgotten_nodes == 1);  // once
+  // The round in flight sees nothing change: same epoch, same members; a call to the node that
+  // fails is still blamed on its death.
+  CHECK(m.Epoch("policy") == planned.epoch);
+  CHECK(m.Group("policy").nodes == planned.nodes);
+  CHECK(m.ControlAddress(1).status().code() == absl::StatusCode::kUnavailable);
+  REQUIRE(m.DeathReason(1).has_value());
+  CHECK_THAT(*m.DeathReason(1), Catch::Contains("not a member of the cluster"));
+
+  // It comes back: a new node to the coordinator, asked for its list, its workers in the group.
+  CHECK(m.Join(JoinOf(1, 11)));
+  CHECK(m.DeathReason(1) == std::nullopt);
+  REQUIRE(m.ApplySync(SyncOf(1, 11, {Registration("i0", v1::INFERENCE, 0, 8, 1)})).ok());
+  CHECK(m.Group("policy").nodes == std::vector<int32_t>{0, 1});
+  CHECK(m.Group("policy").epoch > planned.epoch);
+  CHECK_FALSE(m.Join(JoinOf(1, 11)));
+}
+
+TEST_CASE(
+    "membership: --max-nodes caps the nodes listed; a dead node makes room, a flood is refused") {
+  FakeClock clock;
+  Membership m(0, absl::Milliseconds(500), 4, &clock);  // dead after 2 s of silence
+  m.SetSelf("10.0.0.0:7070", "10.0.0.0:7071", 1);
+  m.SetNodeLimits({.max_nodes = 3, .forget_dead_after = absl::Hours(1)});
+  REQUIRE(m.Admit(JoinOf(1, 11)).ok());
+  REQUIRE(m.Admit(JoinOf(2, 22)).ok());
+  const absl::StatusOr<bool> third = m.Admit(JoinOf(3, 33));
+  CHECK(third.status().code() == absl::StatusCode::kResourceExhausted);
+  CHECK(third.status().message() ==
+        "node 3 cannot join: the coordinator lists 3 nodes, every one alive, and --max-nodes is 3");
+  // Through Join (a caller that cannot answer an error) the node is told to resync, and its sync
+  // is refused naming the cap.
+  CHECK(m.Join(JoinOf(3, 33)));
+  const absl::Status sync = m.ApplySync(SyncOf(3, 33, {}));
+  CHECK(sync.code() == absl::StatusCode::kFailedPrecondition);
+  CHECK_THAT(std::string(sync.message()), Catch::Contains("--max-nodes 3"));
+  CHECK(m.Counts().refused_joins == 2);
+  // The nodes listed keep their heartbeats.
+  CHECK(m.Admit(JoinOf(1, 11)).ok());
+  CHECK(m.Admit(JoinOf(2, 22)).ok());
+
+  // 20,000 forged joins, all refused: the table stays as it was.
+  for (int32_t node = 100; node < 20100; ++node) {
+    CHECK_FALSE(m.Admit(JoinOf(node, 1)).ok());
+  }
+  CHECK(m.Counts().refused_joins == 20002);
+  CHECK(Listed(m) == std::vector<int32_t>{0, 1, 2});
+
+  // Node 2 goes silent and is declared dead: the next new node takes its place.
+  clock.Advance(absl::Seconds(1));
+  REQUIRE(m.Admit(JoinOf(1, 11)).ok());
+  clock.Advance(absl::Milliseconds(1500));
+  REQUIRE(m.CheckLiveness().size() == 1);
+  CHECK(Listed(m) == std::vector<int32_t>{0, 1, 2});
+  REQUIRE(m.Admit(JoinOf(3, 33)).ok());
+  CHECK(Listed(m) == std::vector<int32_t>{0, 1, 3});
+  CHECK(m.Counts().forgotten_nodes == 1);
+  // Node 2 comes back to a full table of live nodes: refused until one dies.
+  CHECK(m.Admit(JoinOf(2, 22)).status().code() == absl::StatusCode::kResourceExhausted);
+}
+
+}  // namespace
+}  // namespace refit

@@ -53,6 +53,9 @@ class MeteredBackend : public DataBackend {
     metrics_->Communicators(inner_->Communicators());  // a cancel may abort one
   }
   CommunicatorCounts Communicators() const override { return inner_->Communicators(); }
+  std::vector<std::pair<std::string, int64_t>> ConnectionEvents() const override {
+    return inner_->ConnectionEvents();
+  }
   absl::StatusOr<std::string> NewCommunicatorId() override { return inner_->NewCommunicatorId(); }
 
  private:

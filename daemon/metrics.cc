@@ -41,6 +41,14 @@ prometheus::ClientMetric Sample(double value, prometheus::Labels labels, bool co
   return m;
 }
 
+prometheus::MetricFamily CounterFamily(std::string name, std::string help) {
+  prometheus::MetricFamily f;
+  f.name = std::move(name);
+  f.help = std::move(help);
+  f.type = prometheus::MetricType::Counter;
+  return f;
+}
+
 prometheus::MetricFamily GaugeFamily(std::string name, std::string help) {
   prometheus::MetricFamily f;
   f.name = std::move(name);
@@ -96,10 +104,9 @@ class Metrics::ClusterCollector : public prometheus::Collectable {
         "refit_group_plan_epoch", "The membership epoch the group's current plan was made for.");
     prometheus::MetricFamily planning = GaugeFamily(
         "refit_group_planning_seconds", "How long planning the group's current plan took.");
-    prometheus::MetricFamily plannings;
-    plannings.name = "refit_plannings_total";
-    plannings.help = "Plannings run by the coordinator (one per group and membership epoch).";
-    plannings.type = prometheus::MetricType::Counter;
+    prometheus::MetricFamily plannings =
+        CounterFamily("refit_plannings_total",
+                      "Plannings run by the coordinator (one per group and membership epoch).");
     for (const GroupView& g : v.groups) {
       workers.metric.push_back(Sample(g.trainers, {{"group", g.name}, {"role", "trainer"}}));
       workers.metric.push_back(Sample(g.inference, {{"group", g.name}, {"role", "inference"}}));
@@ -110,9 +117,36 @@ class Metrics::ClusterCollector : public prometheus::Collectable {
       planning.metric.push_back(
           Sample(absl::ToDoubleSeconds(g.planning_time), {{"group", g.name}}));
     }
+    prometheus::MetricFamily connections = CounterFamily(
+        "refit_data_connections_total",
+        "This node's data connections by event: accepted, refused (every one inside a frame), "
+        "evicted (idle, for a newer one), first_byte_timeout, idle_closed, accept_error, "
+        "tls_refused, user_refused (another uid, without TLS), handshake_cut, forged_frame, "
+        "stale_frame.");
+    for (const auto& [event, n] : v.data_connections) {
+      connections.metric.push_back(
+          Sample(static_cast<double>(n), {{"event", event}}, /*counter=*/true));
+    }
+    std::vector<prometheus::MetricFamily> out;
+    out.push_back(std::move(connections));
+    if (!v.coordinator) return out;
     plannings.metric.push_back(Sample(static_cast<double>(v.plannings), {}, /*counter=*/true));
-    return {std::move(workers),    std::move(ready),    std::move(membership_epoch),
-            std::move(plan_epoch), std::move(planning), std::move(plannings)};
+    prometheus::MetricFamily membership = CounterFamily(
+        "refit_membership_events_total",
+        "The coordinator's membership events: stale_sync (a worker list older than one applied, "
+        "or taken before the node's readmission), node_forgotten (dead for --forget-dead-after, "
+        "or making room), join_refused (over --max-nodes, every node alive).");
+    membership.metric.push_back(
+        Sample(static_cast<double>(v.stale_syncs), {{"event", "stale_sync"}}, true));
+    membership.metric.push_back(
+        Sample(static_cast<double>(v.forgotten_nodes), {{"event", "node_forgotten"}}, true));
+    membership.metric.push_back(
+        Sample(static_cast<double>(v.refused_joins), {{"event", "join_refused"}}, true));
+    for (auto* f :
+         {&workers, &ready, &membership_epoch, &plan_epoch, &planning, &plannings, &membership}) {
+      out.push_back(std::move(*f));
+    }
+    return out;
   }
 
  private:

@@ -12,6 +12,7 @@
 #include <sstream>
 
 #include "daemon/grpc_status.h"
+#include "daemon/host_backend.h"
 #include "daemon/metered_backend.h"
 #include "daemon/round_log.h"
 
@@ -223,8 +224,13 @@ TEST_CASE("metrics: groups, workers and plans read at scrape time; /metrics over
     g.membership_epoch = 7;
     g.plan_epoch = 7;
     g.planning_time = absl::Milliseconds(250);
+    v.coordinator = true;
     v.groups.push_back(g);
     v.plannings = 4;
+    v.stale_syncs = 5;
+    v.forgotten_nodes = 6;
+    v.refused_joins = 9;
+    v.data_connections = {{"accepted", 11}, {"evicted", 3}, {"user_refused", 2}};
     return v;
   });
   m->RoundEnded(Round("policy", v1::RoundStats::COMMITTED, 8, 1));
@@ -241,9 +247,63 @@ TEST_CASE("metrics: groups, workers and plans read at scrape time; /metrics over
   CHECK(Value(body, R"(refit_group_plan_epoch{group="policy"})") == 7);
   CHECK(Value(body, R"(refit_group_planning_seconds{group="policy"})") == Approx(0.25));
   CHECK(Value(body, "refit_plannings_total") == 4);
+  CHECK(Value(body, R"(refit_membership_events_total{event="stale_sync"})") == 5);
+  CHECK(Value(body, R"(refit_membership_events_total{event="node_forgotten"})") == 6);
+  CHECK(Value(body, R"(refit_membership_events_total{event="join_refused"})") == 9);
+  CHECK(Value(body, R"(refit_data_connections_total{event="accepted"})") == 11);
+  CHECK(Value(body, R"(refit_data_connections_total{event="evicted"})") == 3);
+  CHECK(Value(body, R"(refit_data_connections_total{event="user_refused"})") == 2);
   m->Stop();  // the callback is never called again
   CHECK(Value(m->Scrape(), "refit_plannings_total") == -1);
   CHECK(scrapes == 1);
+}
+
+TEST_CASE("metrics: a node that does not coordinate exports its data connections, no groups") {
+  auto metrics = Metrics::Start("");
+  REQUIRE(metrics.ok());
+  Metrics* m = metrics->get();
+  m->SetClusterView([] {
+    ClusterView v;
+    v.data_connections = {{"accepted", 4}, {"first_byte_timeout", 1}};
+    return v;
+  });
+  const std::string text = m->Scrape();
+  INFO(text);
+  CHECK(Value(text, R"(refit_data_connections_total{event="accepted"})") == 4);
+  CHECK(Value(text, R"(refit_data_connections_total{event="first_byte_timeout"})") == 1);
+  CHECK(Value(text, "refit_plannings_total") == -1);
+  CHECK(text.find("refit_membership_events_total") == std::string::npos);
+}
+
+TEST_CASE("metrics: the host backend counts its data connections' events") {
+  auto backend = HostBackend::Start("127.0.0.1:0");
+  REQUIRE(backend.ok());
+  const auto before = (*backend)->ConnectionEvents();
+  auto find = [](const std::vector<std::pair<std::string, int64_t>>& events,
+                 const std::string& name) {
+    for (const auto& [event, n] : events) {
+      if (event == name) return n;
+    }
+    return int64_t{-1};
+  };
+  CHECK(find(before, "accepted") == 0);
+  CHECK(find(before, "user_refused") == 0);
+  CHECK(find(before, "evicted") == 0);
+  // One connection made: counted as accepted once the acceptor took it.
+  const std::string address = (*backend)->data_address();
+  const int port = std::stoi(address.substr(address.rfind(':') + 1));
+  const int fd = socket(AF_INET, SOCK_STREAM, 0);
+  REQUIRE(fd >= 0);
+  sockaddr_in to{};
+  to.sin_family = AF_INET;
+  to.sin_port = htons(static_cast<uint16_t>(port));
+  to.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  REQUIRE(connect(fd, reinterpret_cast<sockaddr*>(&to), sizeof to) == 0);
+  const absl::Time until = absl::Now() + absl::Seconds(5);
+  while (find((*backend)->ConnectionEvents(), "accepted") < 1 && absl::Now() < until)
+    absl::SleepFor(absl::Milliseconds(5));
+  CHECK(find((*backend)->ConnectionEvents(), "accepted") == 1);
+  close(fd);
 }
 
 TEST_CASE("metrics: a listen address that is not host:port is refused") {

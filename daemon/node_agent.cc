@@ -323,20 +323,43 @@ absl::Status NodeAgent::RunPhase(const v1::PhaseRequest& request, v1::PhaseRespo
     return absl::OkStatus();
   }
   if (request.phase() == v1::PhaseRequest::TRANSFER || request.phase() == v1::PhaseRequest::COMMIT) {
-    // The round must still be open here: a coordinator that was stopped past its lease may send
-    // the next phase of a round this node aborted meanwhile (its workers were told ABORT).
-    absl::MutexLock lock(&mu_);
-    auto it = active_rounds_.find(group);
-    if (it == active_rounds_.end() || it->second.round != request.round_id()) {
-      auto why = abort_reasons_.find(group);
-      return absl::AbortedError(absl::StrCat(
-          "round ", request.round_id(), " of group \"", group, "\" is not open here",
-          why != abort_reasons_.end() && why->second.first == request.round_id() ? ": " + why->second.second
-                                                                                  : std::string()));
-    }
-    it->second.lease_until = std::max(it->second.lease_until, LeaseFromNow());
-    if (request.phase() == v1::PhaseRequest::COMMIT) it->second.committing = true;
+    REFIT_RETURN_IF_ERROR(RenewOpenRound(request));
   }
+  REFIT_ASSIGN_OR_RETURN(std::shared_ptr<const InstalledPlan> installed, InstalledFor(request));
+  switch (request.phase()) {
+    case v1::PhaseRequest::PREPARE:
+      return Prepare(installed, request);
+    case v1::PhaseRequest::TRANSFER:
+      return Transfer(group, installed, request, response);
+    case v1::PhaseRequest::COMMIT:
+      return Commit(installed, request);
+    default:
+      return absl::InvalidArgumentError("RunPhase: unknown phase");
+  }
+}
+
+absl::Status NodeAgent::RenewOpenRound(const v1::PhaseRequest& request) {
+  const std::string& group = request.group();
+  // The round must still be open here: a coordinator that was stopped past its lease may send
+  // the next phase of a round this node aborted meanwhile (its workers were told ABORT).
+  absl::MutexLock lock(&mu_);
+  auto it = active_rounds_.find(group);
+  if (it == active_rounds_.end() || it->second.round != request.round_id()) {
+    auto why = abort_reasons_.find(group);
+    return absl::AbortedError(
+        absl::StrCat("round ", request.round_id(), " of group \"", group, "\" is not open here",
+                     why != abort_reasons_.end() && why->second.first == request.round_id()
+                         ? ": " + why->second.second
+                         : std::string()));
+  }
+  it->second.lease_until = std::max(it->second.lease_until, LeaseFromNow());
+  if (request.phase() == v1::PhaseRequest::COMMIT) it->second.committing = true;
+  return absl::OkStatus();
+}
+
+absl::StatusOr<std::shared_ptr<const NodeAgent::InstalledPlan>> NodeAgent::InstalledFor(
+    const v1::PhaseRequest& request) const {
+  const std::string& group = request.group();
   std::shared_ptr<const InstalledPlan> installed;
   {
     absl::MutexLock lock(&mu_);
@@ -352,90 +375,118 @@ absl::Status NodeAgent::RunPhase(const v1::PhaseRequest& request, v1::PhaseRespo
         "node ", node_, " holds plan ", ShortHex(installed->digest), " of group \"", group,
         "\" epoch ", request.epoch(), ", the round runs plan ", ShortHex(request.plan_digest())));
   }
-  // This node's workers in the plan (PREPARE and COMMIT tell them; a TRANSFER has no need).
-  const std::vector<std::string> ids =
-      request.phase() == v1::PhaseRequest::TRANSFER ? std::vector<std::string>() : LocalIds(group, *installed);
-  const absl::Duration timeout = absl::Milliseconds(request.timeout_ms());
+  return installed;
+}
+
+namespace {
+
+// The event a phase sends this node's workers.
+v1::RoundEvent RoundEventOf(const v1::PhaseRequest& request, v1::RoundEvent::Kind kind) {
   v1::RoundEvent e;
   e.set_round_id(request.round_id());
   e.set_version(request.version());
-  switch (request.phase()) {
-    case v1::PhaseRequest::PREPARE: {
-      std::shared_ptr<std::atomic<int64_t>> aborted;
-      {
-        absl::MutexLock lock(&mu_);
-        if (draining_) {
-          return absl::UnavailableError(absl::StrCat("node ", node_, " is draining (shutting down): no new rounds"));
-        }
-        // Aborted before its PREPARE got here, by this coordinator in this round's lifetime (an
-        // older record of the same id, from before a coordinator restart, is long past it).
-        if (auto early = early_aborts_.find(group); early != early_aborts_.end() &&
-                                                     early->second.round == request.round_id() &&
-                                                     absl::Now() - early->second.at < timeout) {
-          return absl::AbortedError(absl::StrCat("round ", request.round_id(), " of group \"", group,
-                                                 "\" was aborted before its PREPARE reached node ", node_, ": ",
-                                                 early->second.reason));
-        }
-        // What this node remembers of earlier rounds must not answer for this one: round ids
-        // start again at 1 when the coordinator restarts.
-        aborted = AbortedRound(group);
-        aborted->store(-1);
-        ActiveRound& active = active_rounds_[group];
-        active = ActiveRound{request.round_id(), request.version(), LeaseFromNow(), false};
-      }
-      // Answers about an earlier round of the same id (before a coordinator restart) are stale.
-      e.set_kind(v1::RoundEvent::PREPARE);
-      REFIT_RETURN_IF_ERROR(registry_->Send(ids, e, /*reset_prepared=*/true, /*reset_resumed=*/false));
-      // While the workers prepare, the backend may launch the round's work, to run when the
-      // TRANSFER comes (the cuda backend's armed rounds): off the PREPARE answer's path. A job
-      // that cannot be built now is left to the TRANSFER, which reports why.
-      const bool arms = backend_->ArmsRounds();
-      if (arms) {
-        std::vector<std::shared_ptr<LocalWorker>> workers;
-        if (auto job = JobFor(group, installed, request, workers); job.ok()) {
-          job->holds = std::make_shared<const std::vector<std::shared_ptr<LocalWorker>>>(std::move(workers));
-          backend_->RoundPreparing(*std::move(job));
-        }
-      }
-      if (absl::Status s = registry_->AwaitWorkers(group, ids, request.round_id(), false, timeout, "PREPARE",
-                                                   aborted.get());
-          !s.ok()) {
-        if (arms) backend_->Cancel(group, request.round_id(), "its workers did not prepare");
-        return s;
-      }
-      // Before the answer, so that the TRANSFER cannot overtake it.
-      backend_->WorkersPrepared(group, request.round_id());
-      if (arms) {
-        bool open = false;
-        {
-          absl::MutexLock lock(&mu_);
-          auto it = active_rounds_.find(group);
-          open = it != active_rounds_.end() && it->second.round == request.round_id();
-        }
-        // Aborted meanwhile (its Cancel may have found nothing to call off yet): called off now.
-        if (!open) backend_->Cancel(group, request.round_id(), "the round was aborted while its transfer was made ready");
-      }
-      return absl::OkStatus();
-    }
-    case v1::PhaseRequest::TRANSFER:
-      return Transfer(group, installed, request, response);
-    case v1::PhaseRequest::COMMIT: {
-      e.set_kind(v1::RoundEvent::COMMIT);
-      // Its answer to this COMMIT, not to an earlier round of the same id.
-      absl::Status s = registry_->Send(ids, e, /*reset_prepared=*/false, /*reset_resumed=*/true);
-      if (s.ok()) s = registry_->AwaitWorkers(group, ids, request.round_id(), true, timeout, "COMMIT", nullptr);
-      {
-        absl::MutexLock lock(&mu_);
-        if (auto it = active_rounds_.find(group); it != active_rounds_.end() && it->second.round == request.round_id()) {
-          active_rounds_.erase(it);
-        }
-      }
-      ForgetIfGone(group);  // workers that left during the round
-      return s;
-    }
-    default:
-      return absl::InvalidArgumentError("RunPhase: unknown phase");
+  e.set_kind(kind);
+  return e;
+}
+
+}  // namespace
+
+absl::Status NodeAgent::Prepare(const std::shared_ptr<const InstalledPlan>& installed,
+                                const v1::PhaseRequest& request) {
+  const std::string& group = request.group();
+  const std::vector<std::string> ids = LocalIds(group, *installed);
+  const absl::Duration timeout = absl::Milliseconds(request.timeout_ms());
+  REFIT_ASSIGN_OR_RETURN(std::shared_ptr<std::atomic<int64_t>> aborted,
+                         OpenRound(request, timeout));
+  // Answers about an earlier round of the same id (before a coordinator restart) are stale.
+  REFIT_RETURN_IF_ERROR(registry_->Send(ids, RoundEventOf(request, v1::RoundEvent::PREPARE),
+                                        /*reset_prepared=*/true, /*reset_resumed=*/false));
+  const bool arms = backend_->ArmsRounds();
+  if (arms) OfferToArm(installed, request);
+  if (absl::Status s = registry_->AwaitWorkers(group, ids, request.round_id(), false, timeout,
+                                               "PREPARE", aborted.get());
+      !s.ok()) {
+    if (arms) backend_->Cancel(group, request.round_id(), "its workers did not prepare");
+    return s;
   }
+  // Before the answer, so that the TRANSFER cannot overtake it.
+  backend_->WorkersPrepared(group, request.round_id());
+  if (arms) {
+    bool open = false;
+    {
+      absl::MutexLock lock(&mu_);
+      auto it = active_rounds_.find(group);
+      open = it != active_rounds_.end() && it->second.round == request.round_id();
+    }
+    // Aborted meanwhile (its Cancel may have found nothing to call off yet): called off now.
+    if (!open) {
+      backend_->Cancel(group, request.round_id(),
+                       "the round was aborted while its transfer was made ready");
+    }
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<std::shared_ptr<std::atomic<int64_t>>> NodeAgent::OpenRound(
+    const v1::PhaseRequest& request, absl::Duration timeout) {
+  const std::string& group = request.group();
+  absl::MutexLock lock(&mu_);
+  if (draining_) {
+    return absl::UnavailableError(
+        absl::StrCat("node ", node_, " is draining (shutting down): no new rounds"));
+  }
+  // Aborted before its PREPARE got here, by this coordinator in this round's lifetime (an
+  // older record of the same id, from before a coordinator restart, is long past it).
+  if (auto early = early_aborts_.find(group); early != early_aborts_.end() &&
+                                              early->second.round == request.round_id() &&
+                                              absl::Now() - early->second.at < timeout) {
+    return absl::AbortedError(absl::StrCat("round ", request.round_id(), " of group \"", group,
+                                           "\" was aborted before its PREPARE reached node ", node_,
+                                           ": ", early->second.reason));
+  }
+  // What this node remembers of earlier rounds must not answer for this one: round ids
+  // start again at 1 when the coordinator restarts.
+  std::shared_ptr<std::atomic<int64_t>> aborted = AbortedRound(group);
+  aborted->store(-1);
+  ActiveRound& active = active_rounds_[group];
+  active = ActiveRound{request.round_id(), request.version(), LeaseFromNow(), false};
+  return aborted;
+}
+
+void NodeAgent::OfferToArm(const std::shared_ptr<const InstalledPlan>& installed,
+                           const v1::PhaseRequest& request) {
+  // While the workers prepare, the backend may launch the round's work, to run when the
+  // TRANSFER comes (the cuda backend's armed rounds): off the PREPARE answer's path. A job
+  // that cannot be built now is left to the TRANSFER, which reports why.
+  std::vector<std::shared_ptr<LocalWorker>> workers;
+  if (auto job = JobFor(request.group(), installed, request, workers); job.ok()) {
+    job->holds =
+        std::make_shared<const std::vector<std::shared_ptr<LocalWorker>>>(std::move(workers));
+    backend_->RoundPreparing(*std::move(job));
+  }
+}
+
+absl::Status NodeAgent::Commit(const std::shared_ptr<const InstalledPlan>& installed,
+                               const v1::PhaseRequest& request) {
+  const std::string& group = request.group();
+  const std::vector<std::string> ids = LocalIds(group, *installed);
+  const absl::Duration timeout = absl::Milliseconds(request.timeout_ms());
+  // Its answer to this COMMIT, not to an earlier round of the same id.
+  absl::Status s =
+      registry_->Send(ids, RoundEventOf(request, v1::RoundEvent::COMMIT), /*reset_prepared=*/false,
+                      /*reset_resumed=*/true);
+  if (s.ok()) {
+    s = registry_->AwaitWorkers(group, ids, request.round_id(), true, timeout, "COMMIT", nullptr);
+  }
+  {
+    absl::MutexLock lock(&mu_);
+    if (auto it = active_rounds_.find(group);
+        it != active_rounds_.end() && it->second.round == request.round_id()) {
+      active_rounds_.erase(it);
+    }
+  }
+  ForgetIfGone(group);  // workers that left during the round
+  return s;
 }
 
 absl::StatusOr<TransferJob> NodeAgent::JobFor(const std::string& group,

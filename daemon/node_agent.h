@@ -93,6 +93,27 @@ class NodeAgent {
   void Abort(const std::string& group, int64_t round, int64_t version, const std::string& reason, bool only_if_open);
   absl::Time LeaseFromNow() const;
 
+  // The steps of RunPhase.
+  // TRANSFER and COMMIT: ABORTED unless the round is still open here; its lease runs on from now.
+  absl::Status RenewOpenRound(const v1::PhaseRequest& request) ABSL_LOCKS_EXCLUDED(mu_);
+  // The plan installed for the request's group, epoch and digest.
+  absl::StatusOr<std::shared_ptr<const InstalledPlan>> InstalledFor(
+      const v1::PhaseRequest& request) const ABSL_LOCKS_EXCLUDED(mu_);
+  // PREPARE: the round opened here, PREPARE to this node's workers and their answers awaited.
+  absl::Status Prepare(const std::shared_ptr<const InstalledPlan>& installed,
+                       const v1::PhaseRequest& request) ABSL_LOCKS_EXCLUDED(mu_);
+  // Opens the round here, unless the node drains or the round was aborted already; returns the
+  // group's aborted-round word, which ends the wait for PREPARE when the coordinator aborts it.
+  absl::StatusOr<std::shared_ptr<std::atomic<int64_t>>> OpenRound(const v1::PhaseRequest& request,
+                                                                  absl::Duration timeout)
+      ABSL_LOCKS_EXCLUDED(mu_);
+  // Hands the round's job to a backend that arms rounds while the workers prepare.
+  void OfferToArm(const std::shared_ptr<const InstalledPlan>& installed,
+                  const v1::PhaseRequest& request) ABSL_LOCKS_EXCLUDED(mu_);
+  // COMMIT: to this node's workers, their answers awaited; the round is then closed here.
+  absl::Status Commit(const std::shared_ptr<const InstalledPlan>& installed,
+                      const v1::PhaseRequest& request) ABSL_LOCKS_EXCLUDED(mu_);
+
   // The round's job on this node (its buffers found in the workers' registrations, cached while
   // the same workers stay registered); `workers` holds them (their mappings) while it is used.
   // Failures name the worker that left or the buffer it lacks.

@@ -6,11 +6,14 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <optional>
 #include <string>
 #include <vector>
 
+#include "absl/container/flat_hash_map.h"
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
 #include "plan/layout.h"
 #include "proto/refit.pb.h"
 
@@ -25,15 +28,38 @@ struct CheckedLayout {
   std::vector<int64_t> buffer_bytes;  // per buffer of request.worker(), in order
 };
 
-// The worker's part of the layout, decoded on node `node` and validated as its role's side, then
-// what its memory handles refer to (memory_refs.h) against `fds` descriptors handed over.
-// INVALID_ARGUMENT starting "register: ".
-absl::StatusOr<CheckedLayout> CheckRegistrationLayout(const v1::RegisterWorkerRequest& request, int32_t node,
-                                                      size_t fds);
+// The worker's part of the layout, decoded on node `node` (on GPU `gpu`: the worker's own
+// worker.gpu when not given) and validated as its role's side, then what its memory handles refer
+// to (memory_refs.h) against `fds` descriptors handed over. INVALID_ARGUMENT starting "register: ".
+// Nothing of `request` is copied: its pieces as messages cost 12x their size on the wire.
+absl::StatusOr<CheckedLayout> CheckRegistrationLayout(const v1::RegisterWorkerRequest& request,
+                                                      int32_t node, size_t fds,
+                                                      std::optional<int32_t> gpu = std::nullopt);
 
-// What a node keeps of a registration it took (issue 15.5): returns `request` serialized without
-// its memory handles (what the coordinator is sent), and clears its buffers' pieces, which as
-// messages cost 12x their size on the wire; the rest of `request` stays as it was.
-std::string TakePieces(v1::RegisterWorkerRequest* request);
+// What a node keeps of a registration it took, made from one encoding of it, never from a copy as
+// messages (a piece costs about 500 bytes as a message, 47 on the wire).
+struct KeptRegistration {
+  // The registration without its buffers' pieces, everything else as it came (memory handles
+  // included: the backends and sessions read them), worker.node and worker.gpu set.
+  v1::RegisterWorkerRequest header;
+  // The whole registration encoded without its memory handles (memory, fd_token, vmm_ranges):
+  // what the coordinator is sent. worker.node and worker.gpu are set by a second occurrence of
+  // field `worker` at the end, which a parser merges into the first.
+  std::string wire;
+};
+absl::StatusOr<KeptRegistration> KeepRegistration(const v1::RegisterWorkerRequest& request,
+                                                  int32_t node, int32_t gpu);
+
+// A registration's tensors by name (views into the request, which must outlive it).
+using TensorsByName = absl::flat_hash_map<absl::string_view, const v1::TensorSpec*>;
+TensorsByName IndexTensors(const v1::RegisterWorkerRequest& request);
+
+// Whether `request` (its tensors indexed in `mine`) declares every tensor that `registered`, a
+// worker of the same group and side registered earlier as `registered_id`, also declares exactly
+// as it does: shape, dtype and quantization; the planner plans a group only when they agree.
+// FAILED_PRECONDITION naming the tensor, both declarations and the earlier worker.
+absl::Status CheckSameTensors(const v1::RegisterWorkerRequest& request, const TensorsByName& mine,
+                              const v1::RegisterWorkerRequest& registered,
+                              absl::string_view registered_id);
 
 }  // namespace refit

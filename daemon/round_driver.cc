@@ -277,81 +277,167 @@ int64_t KeepRemoteMinBytes(int64_t zero_copy_min_bytes) {
 
 }  // namespace
 
-absl::Status RoundDriver::RunRound(const std::string& group, int64_t round_id, int64_t version,
-                                   v1::RoundStats* stats) {
-  ScopedLogContext log_context(group, round_id);
-  const absl::Time start = clock_->Now();
-  stats->set_group(group);
-  stats->set_round_id(round_id);
-  stats->set_version(version);
-  stats->set_state(v1::RoundStats::PREPARING);
-  const std::shared_ptr<const GroupPlan> plan = planner_->Get(group);
-  if (!plan->status.ok()) return plan->status;
-  const int64_t epoch = plan->epoch;
-  const std::vector<int32_t> nodes = Order(plan->nodes);
-  auto install = std::make_shared<v1::InstallPlanRequest>();
-  install->set_group(group);
-  install->set_epoch(epoch);
-  install->set_max_message_bytes(options_.max_message_bytes);
-  install->set_step_bytes(options_.step_bytes);
-  install->set_no_routing(!options_.routing);
-  install->set_max_relay_depth(options_.max_relay_depth);
-  install->set_zero_copy_min_bytes(options_.zero_copy_min_bytes);
-  install->set_nccl_register(options_.nccl_register);
-  for (v1::NodeAddress& a : membership_->DataAddresses()) *install->add_nodes() = std::move(a);
-  std::vector<int32_t> to_install;
-  {
-    absl::MutexLock lock(&mu_);
-    GroupRounds& g = groups_[group];
-    for (int32_t n : nodes) {
-      if (g.installed_epoch[n] != epoch) to_install.push_back(n);
-    }
-  }
-  log_->Publish(*stats);
-  Logger("round")->info("group \"{}\" round {} -> version {} on nodes [{}]", group, round_id, version,
-                        absl::StrJoin(plan->nodes, ", "));
+// ABORT to every node of a round, at most once, whoever asks first: a failing call of PREPARE
+// or TRANSFER (from a callback, which may outlive the round's wait) or the round itself.
+class RoundDriver::Aborter {
+ public:
+  Aborter(PeerClient* peers, std::vector<int32_t> nodes, v1::PhaseRequest request,
+          absl::Duration peer_timeout)
+      : peers_(peers),
+        nodes_(std::move(nodes)),
+        request_(std::move(request)),
+        peer_timeout_(peer_timeout) {}
 
-  // The first failure is the round's reason; during PREPARE and TRANSFER it also aborts every
-  // node at once, so nobody waits out a deadline for a round that cannot commit. Shared with
-  // the calls' callbacks, which may outlive a wait that gave up.
-  struct Abort {
-    absl::Mutex mu;
-    std::shared_ptr<FanOut> calls ABSL_GUARDED_BY(mu);  // set once: the abort started
-  };
-  auto aborter = std::make_shared<Abort>();
-  PeerClient* peers = peers_;
-  const absl::Duration peer_timeout = options_.peer_timeout;
-  auto abort_all = [aborter, peers, nodes, group, round_id, version, epoch, peer_timeout](const std::string& reason) {
+  void Start(const std::string& reason) {
     std::shared_ptr<FanOut> calls;
     {
-      absl::MutexLock lock(&aborter->mu);
-      if (aborter->calls != nullptr) return;
-      calls = aborter->calls = FanOut::Make(nodes, nullptr);
+      absl::MutexLock lock(&mu_);
+      if (calls_ != nullptr) return;
+      calls = calls_ = FanOut::Make(nodes_, nullptr);
     }
-    v1::PhaseRequest abort;
-    abort.set_phase(v1::PhaseRequest::ABORT);
-    abort.set_group(group);
-    abort.set_round_id(round_id);
-    abort.set_version(version);
-    abort.set_epoch(epoch);
+    v1::PhaseRequest abort = request_;
     abort.set_reason(reason);
-    FanOut::Run(calls, [peers, abort, peer_timeout](int32_t n, v1::PhaseResponse* out, PeerClient::Done done) {
-      peers->RunPhase(n, abort, peer_timeout, out, std::move(done));
+    FanOut::Run(calls, [peers = peers_, abort, timeout = peer_timeout_](
+                           int32_t n, v1::PhaseResponse* out, PeerClient::Done done) {
+      peers->RunPhase(n, abort, timeout, out, std::move(done));
     });
+  }
+
+  // Every node has its ABORT, or gave up on it (null: none was started).
+  void Wait() {
+    std::shared_ptr<FanOut> calls;
+    {
+      absl::MutexLock lock(&mu_);
+      calls = calls_;
+    }
+    if (calls != nullptr) calls->Wait(peer_timeout_ * 2 + absl::Seconds(1), "ABORT").IgnoreError();
+  }
+
+ private:
+  PeerClient* const peers_;
+  const std::vector<int32_t> nodes_;
+  const v1::PhaseRequest request_;  // ABORT of the round, without its reason
+  const absl::Duration peer_timeout_;
+  absl::Mutex mu_;
+  std::shared_ptr<FanOut> calls_ ABSL_GUARDED_BY(mu_);  // set once: the abort started
+};
+
+// One round, step by step: install the plan where needed, PREPARE, TRANSFER, record the version,
+// COMMIT, settle which replicas hold it; or abort every node, naming the first failure.
+class RoundDriver::Round {
+ public:
+  Round(RoundDriver* driver, const std::string& group, int64_t round_id, int64_t version,
+        v1::RoundStats* stats)
+      : d_(*driver), group_(group), round_id_(round_id), version_(version), stats_(stats) {}
+
+  absl::Status Run() {
+    ScopedLogContext log_context(group_, round_id_);
+    start_ = d_.clock_->Now();
+    if (absl::Status s = Begin(); !s.ok()) return s;
+    absl::Status status = Install();
+    // From PREPARE on, the planned replicas' engines hold no version until COMMIT: one aborted
+    // drops to none, and status must not show the one before.
+    if (status.ok()) d_.membership_->RecordCommit(group_, epoch_, plan_->planned, 0);
+    absl::Time t = d_.clock_->Now();
+    if (status.ok())
+      status = Phase(v1::PhaseRequest::PREPARE, d_.options_.prepare_timeout, nullptr, nullptr);
+    stats_->set_prepare_seconds(absl::ToDoubleSeconds(d_.clock_->Now() - t));
+    int64_t bytes = 0;
+    if (status.ok()) {
+      stats_->set_state(v1::RoundStats::TRANSFERRING);
+      d_.log_->Publish(*stats_);
+      t = d_.clock_->Now();
+      status = Phase(v1::PhaseRequest::TRANSFER, d_.options_.transfer_timeout, &bytes, nullptr);
+      stats_->set_transfer_seconds(absl::ToDoubleSeconds(d_.clock_->Now() - t));
+    }
+    if (status.ok()) status = RecordVersion();
+    if (status.ok()) Commit();
+    stats_->set_bytes(bytes);
+    stats_->set_seconds(absl::ToDoubleSeconds(d_.clock_->Now() - start_));
+    if (status.ok()) {
+      stats_->set_state(v1::RoundStats::COMMITTED);
+      Logger("round")->info("group \"{}\" round {}: version {} committed, {} bytes in {:.3f} s",
+                            group_, round_id_, version_, stats_->bytes(), stats_->seconds());
+    } else {
+      status = Abort(status);
+    }
+    d_.log_->Publish(*stats_);
+    return status.ok() ? status
+                       : Rewrap(status, absl::StatusCode::kAborted,
+                                absl::StrCat("round ", round_id_, " of group \"", group_,
+                                             "\" aborted: ", status.message()));
+  }
+
+ private:
+  // When each node was called and its answer came (the TRANSFER's
+  // NodeTransfer.request_sent_unix_us and answer_received_unix_us).
+  struct SentTimes {
+    absl::Mutex mu;
+    std::map<int32_t, absl::Time> at ABSL_GUARDED_BY(mu);
+    std::map<int32_t, absl::Time> answered ABSL_GUARDED_BY(mu);
   };
 
-  absl::Status status;
-  if (!to_install.empty()) {  // a new membership: a new communicator (cuda backend)
-    auto id = options_.new_communicator_id ? options_.new_communicator_id() : absl::StatusOr<std::string>("");
-    if (id.ok()) install->set_nccl_id(*id); else status = id.status();
+  // The plan, its nodes, the nodes that must install it; the round published as PREPARING.
+  absl::Status Begin() {
+    stats_->set_group(group_);
+    stats_->set_round_id(round_id_);
+    stats_->set_version(version_);
+    stats_->set_state(v1::RoundStats::PREPARING);
+    plan_ = d_.planner_->Get(group_);
+    if (!plan_->status.ok()) return plan_->status;
+    epoch_ = plan_->epoch;
+    nodes_ = d_.Order(plan_->nodes);
+    {
+      absl::MutexLock lock(&d_.mu_);
+      GroupRounds& g = d_.groups_[group_];
+      for (int32_t n : nodes_) {
+        if (g.installed_epoch[n] != epoch_) to_install_.push_back(n);
+      }
+    }
+    // The first failure is the round's reason; during PREPARE and TRANSFER it also aborts every
+    // node at once, so nobody waits out a deadline for a round that cannot commit.
+    aborter_ = std::make_shared<Aborter>(d_.peers_, nodes_, Request(v1::PhaseRequest::ABORT),
+                                         d_.options_.peer_timeout);
+    d_.log_->Publish(*stats_);
+    Logger("round")->info("group \"{}\" round {} -> version {} on nodes [{}]", group_, round_id_,
+                          version_, absl::StrJoin(plan_->nodes, ", "));
+    return absl::OkStatus();
   }
-  if (status.ok() && !to_install.empty()) {
-    // Each node its own slice of the plan, made here (the plan's memory is read, not copied).
-    const absl::Time slicing = clock_->Now();
+
+  v1::PhaseRequest Request(v1::PhaseRequest::Phase p) const {
+    v1::PhaseRequest r;
+    r.set_phase(p);
+    r.set_group(group_);
+    r.set_round_id(round_id_);
+    r.set_version(version_);
+    r.set_epoch(epoch_);
+    return r;
+  }
+
+  // Each node of a new membership its own slice of the plan (made here: the plan's memory is
+  // read, not copied), with a fresh communicator (cuda backend).
+  absl::Status Install() {
+    if (to_install_.empty()) return absl::OkStatus();
+    auto install = std::make_shared<v1::InstallPlanRequest>();
+    install->set_group(group_);
+    install->set_epoch(epoch_);
+    install->set_max_message_bytes(d_.options_.max_message_bytes);
+    install->set_step_bytes(d_.options_.step_bytes);
+    install->set_no_routing(!d_.options_.routing);
+    install->set_max_relay_depth(d_.options_.max_relay_depth);
+    install->set_zero_copy_min_bytes(d_.options_.zero_copy_min_bytes);
+    install->set_nccl_register(d_.options_.nccl_register);
+    for (v1::NodeAddress& a : d_.membership_->DataAddresses()) *install->add_nodes() = std::move(a);
+    if (d_.options_.new_communicator_id) {
+      absl::StatusOr<std::string> id = d_.options_.new_communicator_id();
+      if (!id.ok()) return id.status();
+      install->set_nccl_id(*id);
+    }
+    const absl::Time slicing = d_.clock_->Now();
     auto requests =
         std::make_shared<std::map<int32_t, std::shared_ptr<const v1::InstallPlanRequest>>>(
             SliceRequests(
-                *install, *plan, to_install, KeepRemoteMinBytes(options_.zero_copy_min_bytes),
+                *install, *plan_, to_install_, KeepRemoteMinBytes(d_.options_.zero_copy_min_bytes),
                 static_cast<int>(std::min(8u, std::max(1u, std::thread::hardware_concurrency())))));
     int64_t largest = 0, total = 0;
     for (const auto& [n, r] : *requests) {
@@ -360,45 +446,35 @@ absl::Status RoundDriver::RunRound(const std::string& group, int64_t round_id, i
     }
     Logger("plan")->info(
         "group \"{}\" epoch {}: sliced plan {} for {} nodes in {:.3f} s ({} bytes, the largest {})",
-        group, epoch, ShortHex(plan->digest), to_install.size(),
-        absl::ToDoubleSeconds(clock_->Now() - slicing), total, largest);
-    const absl::Duration install_timeout = InstallTimeout(peer_timeout, largest);
+        group_, epoch_, ShortHex(plan_->digest), to_install_.size(),
+        absl::ToDoubleSeconds(d_.clock_->Now() - slicing), total, largest);
+    const absl::Duration timeout = InstallTimeout(d_.options_.peer_timeout, largest);
     auto calls = FanOut::Start(
-        to_install,
-        [peers, requests, timeout = install_timeout](int32_t n, v1::PhaseResponse*,
-                                                     PeerClient::Done done) {
+        to_install_,
+        [peers = d_.peers_, requests, timeout](int32_t n, v1::PhaseResponse*,
+                                               PeerClient::Done done) {
           peers->InstallPlan(n, requests->at(n), timeout, std::move(done));
         },
         nullptr);
-    status = calls->Wait(install_timeout + absl::Seconds(1), "InstallPlan");
+    if (absl::Status s = calls->Wait(timeout + absl::Seconds(1), "InstallPlan"); !s.ok()) return s;
+    absl::MutexLock lock(&d_.mu_);
+    for (int32_t n : to_install_) d_.groups_[group_].installed_epoch[n] = epoch_;
+    return absl::OkStatus();
   }
-  if (status.ok()) {
-    absl::MutexLock lock(&mu_);
-    for (int32_t n : to_install) groups_[group].installed_epoch[n] = epoch;
-  }
-  // When each node was called and its answer came (the TRANSFER's NodeTransfer.request_sent_unix_us
-  // and answer_received_unix_us).
-  struct SentTimes {
-    absl::Mutex mu;
-    std::map<int32_t, absl::Time> at ABSL_GUARDED_BY(mu);
-    std::map<int32_t, absl::Time> answered ABSL_GUARDED_BY(mu);
-  };
-  auto phase = [&](v1::PhaseRequest::Phase p, absl::Duration timeout, int64_t* bytes,
-                   std::map<int32_t, absl::Status>* not_confirmed = nullptr) {
+
+  // One phase on every node. PREPARE and TRANSFER abort the round at their first failure.
+  absl::Status Phase(v1::PhaseRequest::Phase p, absl::Duration timeout, int64_t* bytes,
+                     std::map<int32_t, absl::Status>* not_confirmed) {
     auto sent = std::make_shared<SentTimes>();
-    v1::PhaseRequest r;
-    r.set_phase(p);
-    r.set_group(group);
-    r.set_round_id(round_id);
-    r.set_version(version);
-    r.set_epoch(epoch);
+    v1::PhaseRequest r = Request(p);
     r.set_timeout_ms(absl::ToInt64Milliseconds(timeout));
     if (p == v1::PhaseRequest::PREPARE)
-      r.set_plan_digest(plan->digest);  // every node runs this plan
+      r.set_plan_digest(plan_->digest);  // every node runs this plan
     const bool abort_on_failure = p == v1::PhaseRequest::TRANSFER || p == v1::PhaseRequest::PREPARE;
     auto calls = FanOut::Start(
-        nodes,
-        [peers, r, timeout, sent](int32_t n, v1::PhaseResponse* out, PeerClient::Done done) {
+        nodes_,
+        [peers = d_.peers_, r, timeout, sent](int32_t n, v1::PhaseResponse* out,
+                                              PeerClient::Done done) {
           {
             absl::MutexLock lock(&sent->mu);
             sent->at[n] = absl::Now();
@@ -411,75 +487,94 @@ absl::Status RoundDriver::RunRound(const std::string& group, int64_t round_id, i
             done(std::move(s));
           });
         },
-        abort_on_failure ? std::function<void(const absl::Status&)>(
-                               [abort_all](const absl::Status& s) { abort_all(std::string(s.message())); })
-                         : nullptr);
+        abort_on_failure
+            ? std::function<void(const absl::Status&)>([aborter = aborter_](const absl::Status& s) {
+                aborter->Start(std::string(s.message()));
+              })
+            : nullptr);
     // Each call has the phase's deadline plus the peer allowance; the wait adds a margin.
-    absl::Status s = calls->Wait(timeout + peer_timeout + absl::Seconds(1), PhaseName(p));
+    absl::Status s =
+        calls->Wait(timeout + d_.options_.peer_timeout + absl::Seconds(1), PhaseName(p));
     if (bytes != nullptr) *bytes = calls->BytesIn();
     if (not_confirmed != nullptr) *not_confirmed = calls->NotConfirmed();
-    if (p == v1::PhaseRequest::TRANSFER && s.ok()) {
-      absl::MutexLock lock(&sent->mu);
-      for (const auto& [n, response] : calls->Responses()) {
-        v1::NodeTransfer* node = stats->add_nodes();
-        node->set_node(n);
-        node->set_bytes_sent(response.bytes_sent());
-        node->set_bytes_received(response.bytes_received());
-        node->set_bytes_local(response.bytes_local());
-        node->set_bytes_nvlink(response.bytes_nvlink());
-        node->set_data_plane_ms(response.data_plane_ms());
-        node->set_started_after_request_ms(response.started_after_request_ms());
-        node->set_request_arrived_unix_us(response.request_arrived_unix_us());
-        if (auto at = sent->at.find(n); at != sent->at.end())
-          node->set_request_sent_unix_us(absl::ToUnixMicros(at->second));
-        node->set_answered_unix_us(response.answered_unix_us());
-        if (auto at = sent->answered.find(n); at != sent->answered.end()) {
-          node->set_answer_received_unix_us(absl::ToUnixMicros(at->second));
-        }
+    if (p == v1::PhaseRequest::TRANSFER && s.ok()) RecordNodeTransfers(calls->Responses(), *sent);
+    return s;
+  }
+
+  void RecordNodeTransfers(const std::map<int32_t, v1::PhaseResponse>& responses, SentTimes& sent) {
+    absl::MutexLock lock(&sent.mu);
+    for (const auto& [n, response] : responses) {
+      v1::NodeTransfer* node = stats_->add_nodes();
+      node->set_node(n);
+      node->set_bytes_sent(response.bytes_sent());
+      node->set_bytes_received(response.bytes_received());
+      node->set_bytes_local(response.bytes_local());
+      node->set_bytes_nvlink(response.bytes_nvlink());
+      node->set_data_plane_ms(response.data_plane_ms());
+      node->set_started_after_request_ms(response.started_after_request_ms());
+      node->set_request_arrived_unix_us(response.request_arrived_unix_us());
+      if (auto at = sent.at.find(n); at != sent.at.end())
+        node->set_request_sent_unix_us(absl::ToUnixMicros(at->second));
+      node->set_answered_unix_us(response.answered_unix_us());
+      if (auto at = sent.answered.find(n); at != sent.answered.end()) {
+        node->set_answer_received_unix_us(absl::ToUnixMicros(at->second));
       }
     }
-    return s;
-  };
-  absl::Time t = clock_->Now();
-  if (status.ok()) status = phase(v1::PhaseRequest::PREPARE, options_.prepare_timeout, nullptr);
-  stats->set_prepare_seconds(absl::ToDoubleSeconds(clock_->Now() - t));
-  int64_t bytes = 0;
-  if (status.ok()) {
-    stats->set_state(v1::RoundStats::TRANSFERRING);
-    log_->Publish(*stats);
-    t = clock_->Now();
-    status = phase(v1::PhaseRequest::TRANSFER, options_.transfer_timeout, &bytes);
-    stats->set_transfer_seconds(absl::ToDoubleSeconds(clock_->Now() - t));
   }
-  if (status.ok()) {
-    // Write-ahead: the version is in the state file before any node is told to COMMIT it, so a
-    // restarted coordinator never reports a lower one nor accepts it again. Not recorded: not
-    // committed (the round aborts, every node told).
-    if (auto s = state_->RecordVersion(group, version); !s.ok()) {
-      status = WithCulprit(
-          absl::Status(s.code(), absl::StrCat("the coordinator cannot commit: ", s.message())),
-          CoordinatorCulprit(options_.self, PhaseName(v1::PhaseRequest::COMMIT)));
-    }
+
+  // Write-ahead: the version is in the state file before any node is told to COMMIT it, so a
+  // restarted coordinator never reports a lower one nor accepts it again. Not recorded: not
+  // committed (the round aborts, every node told).
+  absl::Status RecordVersion() {
+    absl::Status s = d_.state_->RecordVersion(group_, version_);
+    if (s.ok()) return s;
+    return WithCulprit(
+        absl::Status(s.code(), absl::StrCat("the coordinator cannot commit: ", s.message())),
+        CoordinatorCulprit(d_.options_.self, PhaseName(v1::PhaseRequest::COMMIT)));
   }
-  if (status.ok()) {
-    // The commit point: every node finished its TRANSFER, so every destination buffer of the plan
-    // holds `version`. The round is committed from here on: COMMIT goes to every node, which
-    // delivers it to every worker of the plan still there, and no ABORT of this round follows
-    // (docs/ROUNDS.md, "Replicas and commit"). A worker or node that is gone or does not confirm
-    // in time is noted, not a reason to abort: what it was sent stands, and a worker that left
-    // makes its replica incomplete (it no longer counts, and holds no version until refit whole).
-    for (const std::string& r : plan->planned) stats->add_replicas(r);
-    for (const std::string& r : plan->incomplete) stats->add_incomplete_replicas(r);
-    t = clock_->Now();
+
+  // The commit point: every node finished its TRANSFER, so every destination buffer of the plan
+  // holds the version. The round is committed from here on: COMMIT goes to every node, which
+  // delivers it to every worker of the plan still there, and no ABORT of this round follows
+  // (docs/ROUNDS.md, "Replicas and commit"). A worker or node that is gone or does not confirm in
+  // time is noted, not a reason to abort: what it was sent stands, and a worker that left makes
+  // its replica incomplete (it no longer counts, and holds no version until refit whole).
+  void Commit() {
+    for (const std::string& r : plan_->planned) stats_->add_replicas(r);
+    for (const std::string& r : plan_->incomplete) stats_->add_incomplete_replicas(r);
+    const absl::Time t = d_.clock_->Now();
     std::map<int32_t, absl::Status> not_confirmed;
     const absl::Status confirmed =
-        phase(v1::PhaseRequest::COMMIT, options_.commit_timeout, nullptr, &not_confirmed);
-    stats->set_commit_seconds(absl::ToDoubleSeconds(clock_->Now() - t));
-    // A replica holds the version only once every rank of it confirmed. A node that failed for
-    // one worker (the culprit it names) confirmed the others; one that failed otherwise, or did
-    // not answer, confirmed none of its ranks. The replicas left hold no version as far as anyone
-    // can tell (a node cut off aborts the round when its lease ends): status shows them so, and
-    // the next round refits them whole.
+        Phase(v1::PhaseRequest::COMMIT, d_.options_.commit_timeout, nullptr, &not_confirmed);
+    stats_->set_commit_seconds(absl::ToDoubleSeconds(d_.clock_->Now() - t));
+    std::vector<std::string> whole, unconfirmed;
+    SplitByConfirmation(not_confirmed, &whole, &unconfirmed);
+    for (const std::string& r : unconfirmed) stats_->add_unconfirmed_replicas(r);
+    if (!confirmed.ok()) {
+      stats_->set_commit_note(std::string(confirmed.message()));
+      Logger("round")->warn(
+          "group \"{}\" round {}: committed, but not every worker confirmed; replicas [{}] hold "
+          "no version until a round refits them: {}",
+          group_, round_id_, absl::StrJoin(unconfirmed, ", "), std::string(confirmed.message()));
+    }
+    d_.membership_->RecordCommit(group_, epoch_, whole, version_);
+    d_.membership_->RecordCommit(group_, epoch_, unconfirmed, 0);
+    Logger("round")->info("group \"{}\" round {}: version {} to replicas [{}]{}", group_, round_id_,
+                          version_, absl::StrJoin(whole, ", "),
+                          plan_->incomplete.empty()
+                              ? std::string()
+                              : absl::StrCat("; not to the incomplete [",
+                                             absl::StrJoin(plan_->incomplete, ", "), "]"));
+  }
+
+  // A replica holds the version only once every rank of it confirmed. A node that failed for one
+  // worker (the culprit it names) confirmed the others; one that failed otherwise, or did not
+  // answer, confirmed none of its ranks. The replicas left hold no version as far as anyone can
+  // tell (a node cut off aborts the round when its lease ends): status shows them so, and the
+  // next round refits them whole.
+  void SplitByConfirmation(const std::map<int32_t, absl::Status>& not_confirmed,
+                           std::vector<std::string>* whole,
+                           std::vector<std::string>* unconfirmed) const {
     std::set<int32_t> silent_nodes;
     std::set<std::string> failed_workers;
     for (const auto& [n, failure] : not_confirmed) {
@@ -490,65 +585,52 @@ absl::Status RoundDriver::RunRound(const std::string& group, int64_t round_id, i
         silent_nodes.insert(n);
       }
     }
-    std::vector<std::string> whole, unconfirmed;
-    for (const std::string& name : plan->planned) {
-      const auto view = std::find_if(plan->replicas.begin(), plan->replicas.end(),
+    for (const std::string& name : plan_->planned) {
+      const auto view = std::find_if(plan_->replicas.begin(), plan_->replicas.end(),
                                      [&](const ReplicaView& v) { return v.name == name; });
-      bool all = view != plan->replicas.end();
+      bool all = view != plan_->replicas.end();
       if (all) {
         for (int32_t n : view->nodes) all = all && silent_nodes.count(n) == 0;
         for (const std::string& w : view->workers)
-          all = all && failed_workers.count(absl::StrCat(group, "/", w)) == 0;
+          all = all && failed_workers.count(absl::StrCat(group_, "/", w)) == 0;
       }
-      (all ? whole : unconfirmed).push_back(name);
+      (all ? whole : unconfirmed)->push_back(name);
     }
-    for (const std::string& r : unconfirmed) stats->add_unconfirmed_replicas(r);
-    if (!confirmed.ok()) {
-      stats->set_commit_note(std::string(confirmed.message()));
-      Logger("round")->warn(
-          "group \"{}\" round {}: committed, but not every worker confirmed; replicas [{}] hold "
-          "no version until a round refits them: {}",
-          group, round_id, absl::StrJoin(unconfirmed, ", "), std::string(confirmed.message()));
-    }
-    membership_->RecordCommit(group, epoch, whole, version);
-    membership_->RecordCommit(group, epoch, unconfirmed, 0);
-    Logger("round")->info("group \"{}\" round {}: version {} to replicas [{}]{}", group, round_id,
-                          version, absl::StrJoin(whole, ", "),
-                          plan->incomplete.empty()
-                              ? std::string()
-                              : absl::StrCat("; not to the incomplete [",
-                                             absl::StrJoin(plan->incomplete, ", "), "]"));
   }
-  stats->set_bytes(bytes);
-  stats->set_seconds(absl::ToDoubleSeconds(clock_->Now() - start));
-  if (status.ok()) {
-    stats->set_state(v1::RoundStats::COMMITTED);
-    Logger("round")->info("group \"{}\" round {}: version {} committed, {} bytes in {:.3f} s", group, round_id,
-                          version, stats->bytes(), stats->seconds());
-  } else {
-    status = BlamePause(group, round_id, start, status);
-    abort_all(std::string(status.message()));
-    std::shared_ptr<FanOut> aborts;
-    {
-      absl::MutexLock lock(&aborter->mu);
-      aborts = aborter->calls;
-    }
-    // Every node has its ABORT (or gave up on it) before the round is reported over.
-    if (aborts != nullptr) aborts->Wait(peer_timeout * 2 + absl::Seconds(1), "ABORT").IgnoreError();
+
+  // Every node told, the round reported over: ABORTED with its reason and culprit.
+  absl::Status Abort(const absl::Status& failure) {
+    const absl::Status status = d_.BlamePause(group_, round_id_, start_, failure);
+    aborter_->Start(std::string(status.message()));
+    aborter_->Wait();
     {
       // The next round installs the plan again, with a fresh communicator: an aborted one is gone.
-      absl::MutexLock lock(&mu_);
-      groups_[group].installed_epoch.clear();
+      absl::MutexLock lock(&d_.mu_);
+      d_.groups_[group_].installed_epoch.clear();
     }
-    stats->set_state(v1::RoundStats::ABORTED);
-    stats->set_reason(std::string(status.message()));
-    if (auto culprit = CulpritOf(status)) *stats->mutable_culprit() = *std::move(culprit);
-    Logger("round")->warn("group \"{}\" round {} aborted: {}", group, round_id, std::string(status.message()));
+    stats_->set_state(v1::RoundStats::ABORTED);
+    stats_->set_reason(std::string(status.message()));
+    if (auto culprit = CulpritOf(status)) *stats_->mutable_culprit() = *std::move(culprit);
+    Logger("round")->warn("group \"{}\" round {} aborted: {}", group_, round_id_,
+                          std::string(status.message()));
+    return status;
   }
-  log_->Publish(*stats);
-  return status.ok() ? status
-                     : Rewrap(status, absl::StatusCode::kAborted,
-                              absl::StrCat("round ", round_id, " of group \"", group, "\" aborted: ", status.message()));
+
+  RoundDriver& d_;
+  const std::string group_;
+  const int64_t round_id_, version_;
+  v1::RoundStats* const stats_;
+  absl::Time start_;
+  std::shared_ptr<const GroupPlan> plan_;
+  int64_t epoch_ = 0;
+  std::vector<int32_t> nodes_;       // remote nodes first, this one last
+  std::vector<int32_t> to_install_;  // nodes without this plan's epoch installed
+  std::shared_ptr<Aborter> aborter_;
+};
+
+absl::Status RoundDriver::RunRound(const std::string& group, int64_t round_id, int64_t version,
+                                   v1::RoundStats* stats) {
+  return Round(this, group, round_id, version, stats).Run();
 }
 
 std::map<std::string, int64_t> RoundDriver::RunningRounds() const {

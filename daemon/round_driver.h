@@ -100,6 +100,8 @@ class RoundDriver {
     std::map<int32_t, int64_t> installed_epoch;  // per node
   };
   class FanOut;
+  class Aborter;
+  class Round;
 
   absl::StatusOr<int64_t> BeginRound(const v1::RefitRequest& request);
   absl::Status FinishRound(const v1::RefitRequest& request, int64_t round_id, v1::RoundStats* stats);

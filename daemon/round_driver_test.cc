@@ -249,6 +249,20 @@ TEST_CASE("round driver: the first failure aborts every node, the culprit's mess
           std::vector<std::string>{"i0"});
     CHECK(f.membership.ReplicaVersions("policy") == std::map<std::string, int64_t>{{"i0", 0}});
   }
+  SECTION("after a committed version: the replica its engines dropped holds no version") {
+    // PREPARE stops the engines and an ABORT leaves them at no version: status must not keep
+    // showing the version committed before.
+    REQUIRE(f.Refit(1).ok());
+    REQUIRE(f.membership.ReplicaVersions("policy") == std::map<std::string, int64_t>{{"i0", 1}});
+    f.peers.Take();
+    f.peers.FailAt(1, "TRANSFER");
+    CHECK(f.Refit(2).code() == absl::StatusCode::kAborted);
+    CHECK(f.membership.ReplicaVersions("policy") == std::map<std::string, int64_t>{{"i0", 0}});
+    CHECK(f.driver->CommittedVersion("policy") == 1);
+    f.peers.FailAt(-1, "");
+    REQUIRE(f.Refit(2).ok());
+    CHECK(f.membership.ReplicaVersions("policy") == std::map<std::string, int64_t>{{"i0", 2}});
+  }
 }
 
 TEST_CASE("round driver: 1,000 StartRefit rounds leave no thread behind") {

@@ -105,15 +105,9 @@ class ControlService : public v1::RefitControl::Service {
   grpc::Status WatchRounds(grpc::ServerContext* c, const v1::WatchRoundsRequest* r,
                            grpc::ServerWriter<v1::RoundStats>* w) override {
     if (auto s = Check(c, Access::kView, "WatchRounds"); !s.ok()) return s;
-    if (p_->watches.fetch_add(1) >= kMaxWatches) {
-      p_->watches.fetch_sub(1);
-      return ToGrpc(absl::ResourceExhaustedError(
-          absl::StrCat("WatchRounds: ", kMaxWatches, " streams are open on this daemon already; close one")));
-    }
-    struct Release {
-      std::atomic<int>& n;
-      ~Release() { n.fetch_sub(1); }
-    } release{p_->watches};
+    // Held until the stream ends.
+    absl::StatusOr<WatchSlots::Slot> slot = p_->watch_slots.Acquire(WatchCallerOf(CallerOf(*c)));
+    if (!slot.ok()) return ToGrpc(slot.status());
     auto cancelled = [c] { return c->IsCancelled(); };
     auto write = [w](const v1::RoundStats& s) { return w->Write(s); };
     if (p_->link != nullptr) {
@@ -236,7 +230,9 @@ class PeerService : public v1::RefitPeer::Service {
         }
       }
     }
-    if (p_->membership->Join(*r)) out->set_resync(true);
+    const absl::StatusOr<bool> resync = p_->membership->Admit(*r);
+    if (!resync.ok()) return ToGrpc(resync.status());
+    if (*resync) out->set_resync(true);
     out->set_coordinator_node(c.node);
     out->set_coordinator_incarnation(p_->incarnation);
     if (p_->driver != nullptr) {

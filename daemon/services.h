@@ -2,15 +2,16 @@
 // the component that does the work, and converts the status once (daemon/grpc_status.h).
 #pragma once
 
+#include <grpcpp/grpcpp.h>
+
 #include <atomic>
 #include <functional>
 #include <memory>
 #include <string>
 
-#include <grpcpp/grpcpp.h>
-
 #include "daemon/authority.h"
 #include "daemon/config.h"
+#include "daemon/watch_slots.h"
 #include "daemon/worker_admission.h"
 #include "proto/refit.grpc.pb.h"
 
@@ -24,14 +25,21 @@ class RoundDriver;
 class RoundLog;
 class WorkerRegistry;
 
+// More WatchRounds at once are RESOURCE_EXHAUSTED: each holds a thread of the server (and, on a
+// node, one of the coordinator's, forwarded); and one caller may hold at most
+// kMaxWatchesPerCaller of them, so that no one local user or certificate takes every slot
+// (watch_slots.h says who a caller is).
+inline constexpr int kMaxWatches = 64;
+inline constexpr int kMaxWatchesPerCaller = 8;
+
 // What the services reach; null where this daemon has none (the coordinator has no link, the
 // others no membership, planner, driver or log).
 struct ServiceParts {
   const DaemonConfig* config = nullptr;
   const Authority* authority = nullptr;  // who may call what (docs/SECURITY.md)
   int64_t incarnation = 0;               // this daemon's (the coordinator's answers to Join name it)
-  // WatchRounds streams open on this daemon (each holds a server thread): at most kMaxWatches.
-  mutable std::atomic<int> watches{0};
+  // WatchRounds streams open on this daemon, in all and per caller.
+  mutable WatchSlots watch_slots{kMaxWatches, kMaxWatchesPerCaller};
   std::string address;  // this daemon's control address, once serving
   WorkerRegistry* registry = nullptr;
   NodeAgent* agent = nullptr;
@@ -48,10 +56,6 @@ struct ServiceParts {
       register_worker;
   std::function<void(const std::string& id, const std::string& reason)> drop_worker;
 };
-
-// More WatchRounds at once are RESOURCE_EXHAUSTED: each holds a thread of the server (and, on a
-// node, one of the coordinator's, forwarded).
-inline constexpr int kMaxWatches = 64;
 
 std::unique_ptr<grpc::Service> MakeWorkerService(const ServiceParts* parts);
 std::unique_ptr<grpc::Service> MakeControlService(const ServiceParts* parts);

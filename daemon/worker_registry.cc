@@ -8,6 +8,7 @@
 #include "daemon/logging.h"
 #include "daemon/memory_trim.h"
 #include "daemon/registration_check.h"
+#include "google/protobuf/unknown_field_set.h"
 
 namespace refit {
 WorkerRegistry::WorkerRegistry(int32_t node, std::vector<int32_t> gpus, DataBackend* backend,
@@ -40,40 +41,46 @@ absl::StatusOr<Registration> WorkerRegistry::Register(const v1::RegisterWorkerRe
                            std::string(s.message()));
     return s;
   }
-  // Its size and names, before anything of it is copied, decoded or mapped.
+  // Its size and names, before anything of it is decoded or mapped.
   if (auto s = CheckRegistration(original, limits_); !s.ok()) return s;
-  auto worker = std::make_shared<LocalWorker>();
-  worker->request = original;  // worker.node (and worker.gpu, from gpu_uuid) filled in below
-  const v1::RegisterWorkerRequest& request = worker->request;
-  const v1::Worker& w = request.worker();
-  if (auto s = CheckRegistrationFields(request); !s.ok()) return s;
-  if (!request.gpu_uuid().empty()) {
+  if (auto s = CheckRegistrationFields(original); !s.ok()) return s;
+  const v1::Worker& w = original.worker();
+  int32_t gpu = w.gpu();
+  if (!original.gpu_uuid().empty()) {
     // The worker's CUDA index is its own (CUDA_VISIBLE_DEVICES); the UUID is everyone's.
-    auto gpu = backend_->GpuIndex(request.gpu_uuid());
-    if (!gpu.ok()) {
-      return absl::InvalidArgumentError(absl::StrCat("register: worker \"", w.name(), "\": ", gpu.status().message()));
+    auto index = backend_->GpuIndex(original.gpu_uuid());
+    if (!index.ok()) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("register: worker \"", w.name(), "\": ", index.status().message()));
     }
-    worker->request.mutable_worker()->set_gpu(*gpu);
+    gpu = *index;
   }
-  if (!gpus_.empty() && std::find(gpus_.begin(), gpus_.end(), w.gpu()) == gpus_.end()) {
-    return absl::InvalidArgumentError(absl::StrCat("register: worker \"", w.name(), "\" is on GPU ",
-                                                   w.gpu(), ", which node ", node_,
-                                                   "'s daemon does not serve (--gpus ",
-                                                   absl::StrJoin(gpus_, ","), ")"));
+  if (!gpus_.empty() && std::find(gpus_.begin(), gpus_.end(), gpu) == gpus_.end()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("register: worker \"", w.name(), "\" is on GPU ", gpu, ", which node ", node_,
+                     "'s daemon does not serve (--gpus ", absl::StrJoin(gpus_, ","), ")"));
   }
-  auto checked = CheckRegistrationLayout(request, node_, delivery.fds.size());  // registration_check.h
+  auto checked =
+      CheckRegistrationLayout(original, node_, delivery.fds.size(), gpu);  // registration_check.h
   if (!checked.ok()) return checked.status();
-  auto layout = &checked->layout;
-  const std::vector<int64_t>& bytes = checked->buffer_bytes;
-  worker->id = absl::StrCat(request.group(), "/", w.name());
-  worker->request.mutable_worker()->set_node(node_);
-  auto mapped = backend_->MapBuffers(request, bytes, delivery.fds);
+  const size_t pieces = checked->layout.pieces.size();
+  checked->layout = Layout();  // checked: what it holds is not needed any more
+  // Before its memory is mapped: a worker that cannot join its group is refused with nothing kept.
+  const TensorsByName tensors = IndexTensors(original);
+  int64_t checked_up_to = 0;
+  if (auto s = CheckAgainstGroup(original, tensors, 0, &checked_up_to); !s.ok()) return s;
+  auto worker = std::make_shared<LocalWorker>();
+  worker->id = absl::StrCat(original.group(), "/", w.name());
+  auto kept = KeepRegistration(original, node_, gpu);
+  if (!kept.ok()) return kept.status();
+  worker->request = std::move(kept->header);
+  worker->wire = std::move(kept->wire);
+  auto mapped = backend_->MapBuffers(worker->request, checked->buffer_bytes, delivery.fds);
   if (!mapped.ok()) {
     return absl::Status(mapped.status().code(),
                         absl::StrCat("register: worker \"", w.name(), "\": ", mapped.status().message()));
   }
   worker->buffers = *std::move(mapped);
-  worker->wire = TakePieces(&worker->request);  // issue 15.5: the pieces only as bytes
   worker->session_key = NewSessionKey();
   for (int b = 0; b < w.buffers_size(); ++b) worker->buffer_index[w.buffers(b).name()] = b;
   {
@@ -83,15 +90,57 @@ absl::StatusOr<Registration> WorkerRegistry::Register(const v1::RegisterWorkerRe
                                                    "\" is already registered on node ", node_,
                                                    "; unregister it first"));
     }
+    // Only the workers added since the check above: whoever was first keeps the group.
+    if (auto s = CheckAgainstGroupLocked(original, tensors, checked_up_to); !s.ok()) return s;
     worker->registered_at = absl::Now();
+    worker->added = ++added_;
     workers_[worker->id] = worker;
   }
   Registration out;
   out.worker = std::move(worker);
-  out.pieces = layout->pieces.size();
+  out.pieces = pieces;
   out.descriptors = delivery.fds.size();
   out.pid = delivery.pid;
   out.uid = delivery.uid;
+  return out;
+}
+
+absl::Status WorkerRegistry::CheckAgainstGroup(const v1::RegisterWorkerRequest& request,
+                                               const TensorsByName& tensors, int64_t after,
+                                               int64_t* checked_up_to) const {
+  std::vector<std::shared_ptr<LocalWorker>> same;
+  {
+    absl::MutexLock lock(&mu_);
+    *checked_up_to = added_;
+    same = SameSideLocked(request, after);
+  }
+  // Compared outside the lock: a group's tables may be large; what a worker registered never
+  // changes.
+  for (const auto& other : same) {
+    if (auto s = CheckSameTensors(request, tensors, other->request, other->id); !s.ok()) return s;
+  }
+  return absl::OkStatus();
+}
+
+absl::Status WorkerRegistry::CheckAgainstGroupLocked(const v1::RegisterWorkerRequest& request,
+                                                     const TensorsByName& tensors,
+                                                     int64_t after) const {
+  for (const auto& other : SameSideLocked(request, after)) {
+    if (auto s = CheckSameTensors(request, tensors, other->request, other->id); !s.ok()) return s;
+  }
+  return absl::OkStatus();
+}
+
+std::vector<std::shared_ptr<LocalWorker>> WorkerRegistry::SameSideLocked(
+    const v1::RegisterWorkerRequest& request, int64_t after) const {
+  std::vector<std::shared_ptr<LocalWorker>> out;
+  const std::string id = absl::StrCat(request.group(), "/", request.worker().name());
+  for (const auto& [other_id, w] : workers_) {
+    // A registration under its own name is ALREADY_EXISTS, which a restarted worker waits out
+    // while its predecessor's session ends; its predecessor's tensors are not the group's then.
+    if (w->added <= after || other_id == id) continue;
+    if (w->group() == request.group() && w->request.role() == request.role()) out.push_back(w);
+  }
   return out;
 }
 
@@ -125,14 +174,21 @@ std::vector<v1::RegisterWorkerRequest> WorkerRegistry::Snapshot() const {
   absl::MutexLock lock(&mu_);
   out.reserve(workers_.size());
   for (const auto& [id, w] : workers_) {
-    out.push_back(w->Full());  // handles stay on this node: `wire` has none
+    out.push_back(w->Encoded());  // handles stay on this node: `wire` has none
   }
   return out;
 }
 
 v1::RegisterWorkerRequest LocalWorker::Full() const {
   v1::RegisterWorkerRequest r;
-  if (!r.ParseFromString(wire)) r = request;  // cannot happen: TakePieces wrote it
+  if (!r.ParseFromString(wire)) r = request;  // cannot happen: KeepRegistration wrote it
+  return r;
+}
+
+v1::RegisterWorkerRequest LocalWorker::Encoded() const {
+  v1::RegisterWorkerRequest r;
+  if (!r.GetReflection()->MutableUnknownFields(&r)->ParseFromString(wire))
+    return Full();  // cannot happen, as above
   return r;
 }
 

@@ -25,8 +25,9 @@
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
 #include "daemon/backend.h"
-#include "daemon/registration_limits.h"
 #include "daemon/handle_inbox.h"
+#include "daemon/registration_check.h"
+#include "daemon/registration_limits.h"
 #include "daemon/worker_admission.h"
 #include "proto/refit.pb.h"
 
@@ -38,8 +39,12 @@ struct LocalWorker {
   std::string id;                     // "<group>/<name>"
   v1::RegisterWorkerRequest request;  // worker.node (and worker.gpu, from gpu_uuid) filled in;
                                       // its buffers without their pieces, which are in `wire`
-  std::string wire;  // the whole registration, serialized, no memory handles (TakePieces)
-  v1::RegisterWorkerRequest Full() const;  // decodes `wire`: what the coordinator is sent
+  std::string wire;  // the whole registration, encoded, no memory handles (KeepRegistration)
+  v1::RegisterWorkerRequest Full()
+      const;  // decodes `wire`: every piece as a message (12x its size)
+  // `wire` as a message that holds it undecoded (as unknown fields: its accessors read nothing):
+  // what a sync sends, at the cost of one copy of its bytes.
+  v1::RegisterWorkerRequest Encoded() const;
   std::vector<std::unique_ptr<MappedBuffer>> buffers;
   absl::flat_hash_map<std::string, int> buffer_index;  // by name: a trainer may hold 100k buffers
   // This registration's secret (worker_admission.h): its session's hello and its Unregister
@@ -48,6 +53,7 @@ struct LocalWorker {
   // When the registry added it (set before, never changed): its session must attach within
   // --worker-attach-timeout of this (ExpireUnattached).
   absl::Time registered_at;
+  int64_t added = 0;  // its place in the order of registrations (set before, never changed)
 
   const std::string& group() const { return request.group(); }
 
@@ -87,12 +93,16 @@ class WorkerRegistry {
   // Claims its descriptors, admits (worker_admission.h: by `transport` and the delivery's uid),
   // validates a registration, maps its memory and adds the worker with a fresh session key
   // (ALREADY_EXISTS for a name registered on this node: it belongs to its registration until
-  // that is dropped).
+  // that is dropped). A worker that declares a tensor otherwise than a worker of its group and
+  // side registered here before it (shape, dtype, quantization) is refused, FAILED_PRECONDITION
+  // naming both (CheckSameTensors): the first keeps the group, which could not be planned with
+  // both; nothing of the refused one is kept, its memory is not mapped.
   absl::StatusOr<Registration> Register(const v1::RegisterWorkerRequest& request, WorkerTransport transport);
   std::shared_ptr<LocalWorker> Find(const std::string& id) const;
   // Removes a worker and wakes its session; returns it (nullptr: there was none).
   std::shared_ptr<LocalWorker> Drop(const std::string& id);
-  // What this node tells the coordinator: every worker, memory handles stripped.
+  // What this node tells the coordinator: every worker, memory handles stripped, each as
+  // LocalWorker::Encoded (undecoded: to be sent, not read).
   std::vector<v1::RegisterWorkerRequest> Snapshot() const;
 
   // OK when `key` is worker `id`'s session key (NOT_FOUND, PERMISSION_DENIED).
@@ -141,6 +151,17 @@ class WorkerRegistry {
 
  private:
   void Changed();
+  // CheckSameTensors against each worker of `request`'s group and side added after `after`: without
+  // the lock held while comparing (`checked_up_to`: the last added then), or with it held.
+  absl::Status CheckAgainstGroup(const v1::RegisterWorkerRequest& request,
+                                 const TensorsByName& tensors, int64_t after,
+                                 int64_t* checked_up_to) const;
+  absl::Status CheckAgainstGroupLocked(const v1::RegisterWorkerRequest& request,
+                                       const TensorsByName& tensors, int64_t after) const
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  std::vector<std::shared_ptr<LocalWorker>> SameSideLocked(const v1::RegisterWorkerRequest& request,
+                                                           int64_t after) const
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Calls `w`'s session notify, if any, outside every lock.
   static void NotifySession(LocalWorker& w);
 
@@ -156,6 +177,7 @@ class WorkerRegistry {
   absl::CondVar changed_;  // an answer, a worker gone, an abort, stopping
   std::map<std::string, std::shared_ptr<LocalWorker>> workers_ ABSL_GUARDED_BY(mu_);
   int64_t changes_ ABSL_GUARDED_BY(mu_) = 0;
+  int64_t added_ ABSL_GUARDED_BY(mu_) = 0;  // registrations added so far
 };
 
 }  // namespace refit

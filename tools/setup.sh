@@ -7,7 +7,7 @@ packages=(
   g++ pkg-config
   libgrpc++-dev protobuf-compiler-grpc libprotobuf-dev protobuf-compiler
   libspdlog-dev libfmt-dev catch2 libabsl-dev libssl-dev openssl
-  clang libclang-rt-14-dev
+  clang libclang-rt-14-dev clang-format-14  # tools/check_format.sh
   python3-numpy python3-matplotlib bc
   python3-grpcio python3-protobuf python3-torch python3-pip python3-venv python3-setuptools python3-wheel
   mypy  # //client/python:mypy_test type-checks the Python package

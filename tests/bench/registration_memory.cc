@@ -20,7 +20,7 @@ namespace refit {
 namespace {
 
 struct Rss {
-  int64_t rss = 0, anon = 0;
+  int64_t rss = 0, anon = 0, hwm = 0;
 };
 
 Rss ReadRss(pid_t pid) {
@@ -31,6 +31,7 @@ Rss ReadRss(pid_t pid) {
   while (status >> key) {
     if (key == "VmRSS:" && status >> kib) r.rss = kib * 1024;
     if (key == "RssAnon:" && status >> kib) r.anon = kib * 1024;
+    if (key == "VmHWM:" && status >> kib) r.hwm = kib * 1024;
   }
   return r;
 }
@@ -82,11 +83,11 @@ void Settle(double seconds) { std::this_thread::sleep_for(std::chrono::duration<
 
 }  // namespace
 
-Layout RegistrationLayout(const RegistrationMemoryOptions& o) {
+Layout RegistrationLayout(const RegistrationMemoryOptions& o, const std::string& worker_name) {
   Layout l;
   const int64_t rows = o.rows_per_tensor;
   const int64_t tensors = (o.pieces + rows - 1) / rows;
-  const int32_t worker = l.AddWorker("regmem-0", 0, 0);
+  const int32_t worker = l.AddWorker(worker_name, 0, 0);
   l.pieces.reserve(static_cast<size_t>(o.pieces));
   int64_t left = o.pieces;
   for (int64_t t = 0; t < tensors; ++t) {
@@ -103,7 +104,11 @@ Layout RegistrationLayout(const RegistrationMemoryOptions& o) {
 
 absl::StatusOr<RegistrationMemory> MeasureRegistration(const RegistrationMemoryOptions& o) {
   RegistrationMemory out;
-  const Layout layout = RegistrationLayout(o);
+  out.workers = o.workers;
+  std::vector<Layout> layouts;
+  for (int64_t i = 0; i < o.workers; ++i)
+    layouts.push_back(RegistrationLayout(o, absl::StrCat("regmem-", i)));
+  const Layout& layout = layouts.front();
   out.pieces = static_cast<int64_t>(layout.pieces.size());
   out.tensors = static_cast<int64_t>(layout.tensors.size());
   out.buffers = static_cast<int64_t>(layout.buffers.size());
@@ -144,23 +149,39 @@ absl::StatusOr<RegistrationMemory> MeasureRegistration(const RegistrationMemoryO
   auto node = Daemon::Start(o.refitd, "node", flags);
   if (!node.ok()) return node.status();
 
-  auto read = [&](int64_t DaemonMemory::*rss, int64_t DaemonMemory::*anon) {
+  // `peak`: VmHWM too (it never comes down: read once registered, it is the peak while
+  // registering).
+  auto read = [&](int64_t DaemonMemory::*rss, int64_t DaemonMemory::*anon, bool peak = false) {
     Settle(o.settle_seconds);
     for (auto [d, m] : {std::pair{node->get(), &out.node}, std::pair{coordinator->get(), &out.coordinator}}) {
       const Rss r = ReadRss(d->pid());
       m->*rss = r.rss;
       m->*anon = r.anon;
+      if (peak) m->hwm_registered = r.hwm;
     }
   };
   read(&DaemonMemory::rss_before, &DaemonMemory::anon_before);
   const auto start = std::chrono::steady_clock::now();
-  auto worker = WorkerClient::Connect((*node)->worker_target(), "regmem", v1::TRAINER, layout, WorkerCallbacks{},
-                                      absl::Seconds(300));
-  if (!worker.ok()) return worker.status();
+  std::vector<absl::StatusOr<std::unique_ptr<WorkerClient>>> workers(layouts.size());
+  {
+    std::vector<std::thread> threads;
+    for (size_t i = 0; i < layouts.size(); ++i) {
+      threads.emplace_back([&, i] {
+        workers[i] = WorkerClient::Connect((*node)->worker_target(), "regmem", v1::TRAINER,
+                                           layouts[i], WorkerCallbacks{}, absl::Seconds(300));
+      });
+    }
+    for (std::thread& t : threads) t.join();
+  }
+  for (const auto& w : workers) {
+    if (!w.ok()) return w.status();
+  }
   out.register_seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-  read(&DaemonMemory::rss_registered, &DaemonMemory::anon_registered);
-  if (auto s = (*worker)->Unregister(); !s.ok()) return s;
-  worker->reset();
+  read(&DaemonMemory::rss_registered, &DaemonMemory::anon_registered, /*peak=*/true);
+  for (auto& w : workers) {
+    if (auto s = (*w)->Unregister(); !s.ok()) return s;
+    w->reset();
+  }
   read(&DaemonMemory::rss_unregistered, &DaemonMemory::anon_unregistered);
   return out;
 }

@@ -245,8 +245,8 @@ class AttackSuite(unittest.TestCase):
 
     def test_watchers_that_leave_hold_no_threads(self):
         """WatchRounds through a node (forwarded to the coordinator) and on the worker socket,
-        opened and dropped: neither daemon keeps a thread for them; more than 64 at once are
-        RESOURCE_EXHAUSTED."""
+        opened and dropped: neither daemon keeps a thread for them; one caller gets at most 8 at
+        once (64 on a daemon in all), the rest are RESOURCE_EXHAUSTED."""
         def threads(node):
             with open(f"/proc/{self.daemon(node).proc.pid}/status") as f:
                 return int(next(l for l in f if l.startswith("Threads:")).split()[1])
@@ -262,12 +262,13 @@ class AttackSuite(unittest.TestCase):
             c.cancel()
         harness.wait_for(lambda: all(threads(n) <= before[n] + 8 for n in (0, 1)), 15,
                          f"the watchers' threads to end (before {before})")
-        # The cap: at most 64 open at once on one daemon; the rest refused RESOURCE_EXHAUSTED.
+        # The caps: one caller (here the refit-viewer certificate) at most 8 open at once; the
+        # rest refused RESOURCE_EXHAUSTED.
         stub = self.stub(self.daemon(1).address, "RefitControl", "refit-viewer")
         opened = [stub.WatchRounds(refit_pb2.WatchRoundsRequest(group="policy"), timeout=60) for _ in range(80)]
-        harness.wait_for(lambda: sum(c.done() for c in opened) >= 16, 15, "the watches past 64 to be refused")
+        harness.wait_for(lambda: sum(c.done() for c in opened) >= 72, 15, "the watches past 8 to be refused")
         refused = [c for c in opened if c.done()]
-        self.assertLessEqual(len(opened) - len(refused), 64)
+        self.assertLessEqual(len(opened) - len(refused), 8)
         codes = [c.code() for c in refused]
         self.assertIn(grpc.StatusCode.RESOURCE_EXHAUSTED, codes)
         # Under load a few past the cap have ended CANCELLED instead (seen in CI, not understood

@@ -140,16 +140,27 @@ def group_version(controller: Any, group: str) -> int:
 
 
 def wait_group_version_above(controller: Any, group: str, floor: int, timeout: float,
-                             poll_s: float = 0.05) -> int:
-    """Waits until `group` has committed a version above `floor`; returns it."""
+                             recheck_s: float = 0.5) -> int:
+    """Waits until `group` has committed a version above `floor`; returns it. Woken by the
+    round's COMMITTED event on the coordinator's watch stream, not by polling (a 50 ms poll added
+    25 ms to every sync on average); the version is read again every `recheck_s`, since a watch
+    replays nothing and a commit can land before the stream is open."""
     deadline = time.monotonic() + timeout
     while True:
         v = group_version(controller, group)
         if v > floor:
             return v
-        if time.monotonic() >= deadline:
+        left = deadline - time.monotonic()
+        if left <= 0:
             raise IntegrationError(f"group {group!r} committed no version above {floor} within {timeout:g} s")
-        time.sleep(poll_s)
+        try:
+            for event in controller.watch(group, timeout=min(recheck_s, left)):
+                if event.committed and event.version > floor:
+                    return event.version
+        except _RefitRoot:
+            # The daemon refused the stream (its watch slots are capped, per caller and in all):
+            # read the version again shortly instead.
+            time.sleep(min(0.05, max(0.0, deadline - time.monotonic())))
 
 
 class StagedTrainer:

@@ -240,15 +240,21 @@ int64_t UnionVolumeFrom(std::span<const Box> boxes, std::vector<int32_t>& ids, i
   for (int32_t i : ids) cuts.push_back(boxes[i].origin[d]), cuts.push_back(boxes[i].end(d));
   std::sort(cuts.begin(), cuts.end());
   cuts.erase(std::unique(cuts.begin(), cuts.end()), cuts.end());
+  // Cuts include every origin and end, so a box covers a slab whole or misses it. Sweep: boxes
+  // join the active list at their origin and leave it at their end, so a slab costs its own
+  // boxes, not all of them (128 disjoint slices of a tensor cost 128 steps, not 128^2).
+  std::sort(ids.begin(), ids.end(),
+            [&](int32_t a, int32_t b) { return boxes[a].origin[d] < boxes[b].origin[d]; });
   int64_t volume = 0;
-  std::vector<int32_t> slab;
-  slab.reserve(ids.size());
+  std::vector<int32_t> active, slab;
+  size_t joined = 0;
   for (size_t c = 0; c + 1 < cuts.size(); ++c) {
-    slab.clear();
-    for (int32_t i : ids) {
-      if (boxes[i].origin[d] <= cuts[c] && boxes[i].end(d) >= cuts[c + 1]) slab.push_back(i);
-    }
-    if (!slab.empty()) volume += (cuts[c + 1] - cuts[c]) * UnionVolumeFrom(boxes, slab, d + 1);
+    std::erase_if(active, [&](int32_t i) { return boxes[i].end(d) <= cuts[c]; });
+    while (joined < ids.size() && boxes[ids[joined]].origin[d] <= cuts[c])
+      active.push_back(ids[joined++]);
+    if (active.empty()) continue;
+    slab = active;  // the next dimension reorders its list
+    volume += (cuts[c + 1] - cuts[c]) * UnionVolumeFrom(boxes, slab, d + 1);
   }
   return volume;
 }
@@ -262,6 +268,21 @@ int64_t UnionVolume(std::span<const Box> boxes) {
     if (!boxes[i].IsEmpty()) ids.push_back(static_cast<int32_t>(i));
   }
   if (ids.empty()) return 0;
+  if (ids.size() == 1) return boxes[ids[0]].NumElements();
+  // Equal boxes count once: replicas make many (the same slice needed by every engine replica),
+  // and the sweep's cost grows with the number of boxes, not of distinct ones.
+  std::sort(ids.begin(), ids.end(), [&](int32_t a, int32_t b) {
+    const Box& x = boxes[a];
+    const Box& y = boxes[b];
+    for (int d = 0; d < x.rank; ++d) {
+      if (x.origin[d] != y.origin[d]) return x.origin[d] < y.origin[d];
+      if (x.shape[d] != y.shape[d]) return x.shape[d] < y.shape[d];
+    }
+    return false;
+  });
+  ids.erase(std::unique(ids.begin(), ids.end(),
+                        [&](int32_t a, int32_t b) { return boxes[a] == boxes[b]; }),
+            ids.end());
   if (ids.size() == 1) return boxes[ids[0]].NumElements();
   return UnionVolumeFrom(boxes, ids, 0);
 }

@@ -83,12 +83,26 @@ TEST_CASE("UnionVolume counts every element of overlapping boxes once") {
   CHECK(UnionVolume(std::vector<Box>{B({0, 0}, {4, 4}), B({4, 0}, {4, 4}), B({0, 0}, {8, 4})}) ==
         32);
   CHECK(UnionVolume(std::vector<Box>{B({0}, {0}), B({3}, {2})}) == 2);  // an empty box adds nothing
-  // Against counting the elements of a small grid, for random boxes of rank 1 to 3.
+  {
+    // A tensor's row slices, each needed by 8 replicas: every slice once.
+    std::vector<Box> slices;
+    for (int replica = 0; replica < 8; ++replica) {
+      for (int64_t row = 0; row < 2048; row += 16) slices.push_back(B({row, 0}, {16, 7168}));
+    }
+    CHECK(UnionVolume(slices) == int64_t{2048} * 7168);
+  }
+  // Against counting the elements of a small grid, for random boxes of rank 1 to 3, some of them
+  // repeated.
   std::mt19937 rng(11);
   for (int trial = 0; trial < 300; ++trial) {
     const int rank = 1 + trial % 3;
-    std::vector<Box> boxes(1 + rng() % 7);
-    for (Box& b : boxes) {
+    std::vector<Box> boxes(1 + rng() % 10);
+    for (size_t i = 0; i < boxes.size(); ++i) {
+      Box& b = boxes[i];
+      if (i > 0 && rng() % 3 == 0) {
+        b = boxes[rng() % i];
+        continue;
+      }
       b.rank = rank;
       for (int d = 0; d < rank; ++d) {
         b.origin[d] = rng() % 6;

@@ -2,13 +2,17 @@
 
 #include <algorithm>
 #include <chrono>
+#include <functional>
 #include <numeric>
+#include <optional>
+#include <thread>
 
 #include "absl/container/flat_hash_map.h"
 #include "absl/strings/str_cat.h"
 #include "plan/lower.h"
 #include "plan/region_set.h"
 #include "plan/status_macros.h"
+#include "plan/transfer_lowering.h"
 #include "plan/validate.h"
 
 namespace refit {
@@ -51,6 +55,88 @@ std::vector<Box> Disjoint(const std::vector<Box>& boxes) {
   return disjoint;
 }
 
+// One tensor's network landings (relay candidates), by box: each box's latest landing, chained to
+// its earlier ones. Boxes are named by small ids (the tensor's distinct intersections), so
+// routing looks a landing up without hashing a box.
+class Landings {
+ public:
+  struct Landing {
+    int32_t piece;  // destination piece that holds the region
+    int32_t node;
+    uint8_t stage;  // stage of the transfer that lands it
+    int32_t next;   // the previous landing of the same box, or -1
+  };
+
+  void Clear(size_t boxes) {
+    landings_.clear();
+    latest_.assign(boxes, -1);
+  }
+  // The latest landing of box `id`, or -1.
+  int32_t Latest(int32_t id) const {
+    return id < static_cast<int32_t>(latest_.size()) ? latest_[id] : -1;
+  }
+  void Add(int32_t id, int32_t piece, int32_t node, uint8_t stage) {
+    if (id >= static_cast<int32_t>(latest_.size())) latest_.resize(id + 1, -1);
+    landings_.push_back({piece, node, stage, latest_[id]});
+    latest_[id] = static_cast<int32_t>(landings_.size() - 1);
+  }
+  const Landing& operator[](int32_t landing) const { return landings_[landing]; }
+
+ private:
+  std::vector<Landing> landings_;
+  std::vector<int32_t> latest_;
+};
+
+// The lower bound's unions repeat: the experts of a model are sliced alike, so the boxes other
+// nodes need of one expert are the same list as of the previous expert of that kind. Remembers
+// the last few lists and their volumes (UnionVolume sorts and sweeps every time).
+class UnionVolumeMemo {
+ public:
+  int64_t Volume(const std::vector<Box>& boxes) {
+    for (const Entry& e : entries_) {
+      if (e.boxes == boxes) return e.volume;
+    }
+    Entry& e = entries_[next_++ % entries_.size()];
+    e.boxes = boxes;
+    e.volume = UnionVolume(boxes);
+    return e.volume;
+  }
+
+ private:
+  struct Entry {
+    std::vector<Box> boxes;
+    int64_t volume = 0;
+  };
+  std::array<Entry, 8> entries_;  // a model's few kinds of matrices
+  size_t next_ = 0;
+};
+
+// How one tensor's pieces match: its source regions, and in order, every (need region, source
+// region) intersection routing visits. Pieces are named by position (the k-th source or
+// destination piece of the tensor), not by id: tensors whose pieces have the same boxes on the
+// same destination nodes (a model's experts, layer after layer) match alike, so the match is made
+// once per kind and only the routing, which depends on the links' loads, runs per tensor. Piece
+// ids grow with positions, so ordering by either is the same and the plan does not change.
+struct TensorMatch {
+  std::vector<int32_t> key;  // source pieces' boxes; destination pieces' boxes and nodes
+  std::vector<int32_t> region_owner_begin, region_owners;  // source regions: source positions
+  std::vector<int32_t> needers;  // destination positions, a run per need region
+  struct Step {
+    Box x;         // need region ∩ source region
+    int32_t x_id;  // equal boxes, equal ids: dense from 0
+    int32_t node;
+    int32_t region;
+    int32_t needers_begin, needers_end;
+  };
+  std::vector<Step> steps;
+  int32_t distinct_boxes = 0;
+  // Steps by source region: steps[region_steps[i]] for i in [region_step_begin[s], ..[s + 1]).
+  std::vector<int32_t> region_step_begin, region_steps;
+  // Per source region, for the lower bound: the union of its steps' boxes, and their nodes.
+  std::vector<int64_t> needed_volume;
+  std::vector<std::vector<int32_t>> needed_nodes;
+};
+
 class Planner {
  public:
   Planner(const Layout& src, const Layout& dst, const PlanOptions& options)
@@ -59,10 +145,20 @@ class Planner {
   absl::StatusOr<Plan> Run();
 
  private:
+  absl::Status RouteTensors();
   int32_t GpuId(const Worker& w);
   int32_t NodeId(int32_t node);
-  absl::Status PlanTensor(int32_t dst_tensor, const PiecesByTensor& src_by_tensor,
-                          const PiecesByTensor& dst_by_tensor);
+  absl::Status PlanTensor(int32_t dst_tensor, int32_t src_tensor,
+                          const PiecesByTensor& src_by_tensor, const PiecesByTensor& dst_by_tensor);
+  // The match of a tensor whose pieces are `src_pieces` and `dst_pieces`: a kept one when an
+  // earlier tensor's pieces had the same boxes and nodes. A coverage error names the tensor.
+  absl::StatusOr<const TensorMatch*> MatchOf(int32_t dst_tensor,
+                                             std::span<const int32_t> src_pieces,
+                                             std::span<const int32_t> dst_pieces);
+  absl::Status BuildMatch(int32_t dst_tensor, std::span<const int32_t> src_pieces,
+                          std::span<const int32_t> dst_pieces, TensorMatch& match);
+  void RouteMatch(const TensorMatch& match, std::span<const int32_t> src_pieces,
+                  std::span<const int32_t> dst_pieces);
   // A destination part no source region covers: in quantizing modes, a part of blocks that no
   // source piece holds whole (the block rule's gathering), else a coverage error.
   struct Missing {
@@ -81,15 +177,26 @@ class Planner {
                                  const std::vector<Missing>& missing);
   absl::Status CoverageError(int32_t dst_tensor, const Box& need, int32_t dst_piece,
                              int64_t covered) const;
-  void Route(const Box& x, std::span<const int32_t> needers, std::span<const int32_t> holders,
-             int32_t node);
+  // Routes `x` (id `x_id` among this tensor's boxes) from `holders` to `needers` on `node`.
+  void Route(const Box& x, int32_t x_id, std::span<const int32_t> needers,
+             std::span<const int32_t> holders, int32_t node);
+  // This tensor's id of `box` (box_ids_).
+  int32_t BoxId(const Box& box) {
+    return box_ids_.try_emplace(box, static_cast<int32_t>(box_ids_.size())).first->second;
+  }
+  absl::flat_hash_map<Box, int32_t, BoxHash> box_ids_;
   int32_t LeastSendingSource(std::span<const int32_t> holders, LinkClass link) const;
-  void Emit(const Box& x, int32_t from_piece, bool from_destination, int32_t to_piece,
-            uint8_t stage);
+  // Accounts the transfer of `x` (the lowerer's box `x_box`) and hands it to the lowerer.
+  void Emit(const Box& x, int32_t x_box, int32_t from_piece, bool from_destination,
+            int32_t to_piece, uint8_t stage);
   // Counts `bytes` on the link from_gpu -> to_gpu and returns the descriptors' group.
   int32_t Account(int32_t from_gpu, int32_t to_gpu, int64_t bytes, int64_t before_bytes, uint8_t stage);
-  void Append(int32_t group);  // lowered_ into plan_.descriptors, cut to fit messages
+  // lowered_ into plan_.descriptors, cut to fit messages: for what is lowered here, not by the
+  // lowerer (which must be drained first, to keep the descriptors in order).
+  void Append(int32_t group);
   void BuildMessages();
+  // fn(from, to) over [0, n) cut into one range per planning thread, run at once.
+  void ForRanges(size_t n, const std::function<void(size_t, size_t)>& fn) const;
   void ComputeCost();
 
   const Layout& src_;
@@ -97,6 +204,8 @@ class Planner {
   const PlanOptions& opt_;
   const Topology& topo_;
   Plan plan_;
+  std::optional<TransferLowerer> lowerer_;  // appends to plan_.descriptors: declared after it
+  int32_t threads_ = 1;
 
   absl::flat_hash_map<int64_t, int32_t> gpu_ids_;
   absl::flat_hash_map<int32_t, int32_t> node_ids_;
@@ -138,7 +247,6 @@ class Planner {
   CopyOp mode_ = CopyOp::kCopy;
   const Quantization* quant_ = nullptr;
   Dims quant_shape_;
-  absl::Status lower_status_;
   Box ToElements(const Box& blocks) const;
   Box ToBlocks(const Box& elements) const;
   Box WholeBlocksOf(const Box& elements) const;
@@ -152,14 +260,13 @@ class Planner {
   }
 
   // Regions that crossed the network into a destination node, this tensor: relay candidates.
-  struct Landing {
-    int32_t piece;  // destination piece that holds the region
-    int32_t node;
-    uint8_t stage;  // stage of the transfer that lands it
-    int32_t next;   // next landing of the same box, or -1
-  };
-  absl::flat_hash_map<Box, int32_t, BoxHash> landing_of_box_;
-  std::vector<Landing> landings_;
+  Landings landings_;
+  // The matches of the last few kinds of tensor, most recently made last.
+  std::array<TensorMatch, 16> matches_;
+  size_t next_match_ = 0;
+  std::vector<int32_t> match_key_, holder_ids_, needer_ids_;
+  std::vector<Box> elsewhere_;
+  UnionVolumeMemo union_volumes_;
 
   // The view of the piece used last, per side: consecutive copies often share their source.
   struct CachedView {
@@ -242,6 +349,24 @@ absl::StatusOr<Plan> Planner::Run() {
   node_unique_out_.assign(node_ids_.size(), 0);
 
   plan_.first_scratch_buffer = static_cast<int32_t>(dst_.buffers.size());
+  threads_ =
+      opt_.threads > 0 ? opt_.threads : std::max<int32_t>(1, std::thread::hardware_concurrency());
+  lowerer_.emplace(src_, dst_, opt_.max_message_bytes, plan_.descriptors, threads_ > 1);
+  const absl::Status routed = RouteTensors();
+  // A lowering error was made by a transfer routed before whatever stopped the routing.
+  REFIT_RETURN_IF_ERROR(lowerer_->Drain());
+  REFIT_RETURN_IF_ERROR(routed);
+  lowerer_.reset();
+  for (const ScratchBuffer& b : plan_.scratch) plan_.stats.scratch_bytes += b.NumBytes();
+  plan_.stats.pieces = static_cast<int64_t>(src_.pieces.size() + dst_.pieces.size());
+  BuildMessages();
+  ComputeCost();
+  plan_.stats.planning_seconds =
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  return std::move(plan_);
+}
+
+absl::Status Planner::RouteTensors() {
   const PiecesByTensor src_by_tensor(src_), dst_by_tensor(dst_);
   for (size_t t = 0; t < dst_.tensors.size(); ++t) {
     const LogicalTensor& dt = dst_.tensors[t];
@@ -256,33 +381,167 @@ absl::StatusOr<Plan> Planner::Run() {
       continue;
     }
     if (dst_by_tensor.of(static_cast<int32_t>(t)).empty()) continue;
-    REFIT_RETURN_IF_ERROR(PlanTensor(static_cast<int32_t>(t), src_by_tensor, dst_by_tensor));
+    REFIT_RETURN_IF_ERROR(
+        PlanTensor(static_cast<int32_t>(t), in_source->second, src_by_tensor, dst_by_tensor));
     ++plan_.stats.tensors;
   }
-  for (const ScratchBuffer& b : plan_.scratch) plan_.stats.scratch_bytes += b.NumBytes();
-  plan_.stats.pieces = static_cast<int64_t>(src_.pieces.size() + dst_.pieces.size());
-  BuildMessages();
-  ComputeCost();
-  plan_.stats.planning_seconds =
-      std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-  return std::move(plan_);
+  return absl::OkStatus();
 }
 
-absl::Status Planner::PlanTensor(int32_t dst_tensor, const PiecesByTensor& src_by_tensor,
+absl::Status Planner::PlanTensor(int32_t dst_tensor, int32_t src_tensor,
+                                 const PiecesByTensor& src_by_tensor,
                                  const PiecesByTensor& dst_by_tensor) {
   const LogicalTensor& dt = dst_.tensors[dst_tensor];
-  const int32_t src_tensor = src_.tensor_index.at(dt.name);
   source_elem_bytes_ = DTypeSize(src_.tensors[src_tensor].dtype);
   wire_elem_bytes_ = std::min<int64_t>(DTypeSize(dt.dtype), source_elem_bytes_);
   mode_ = CopyOp::kCopy;
 
-  // Match: index the source regions of this tensor.
-  items_.clear();
-  for (int32_t p : src_by_tensor.of(src_tensor)) items_.push_back({src_.tensor_box(src_.pieces[p]), p});
-  IndexSources();
-  REFIT_RETURN_IF_ERROR(PlanNeeds(dst_tensor, dst_by_tensor.of(dst_tensor), nullptr));
-  CountUniqueOut();
+  const std::span<const int32_t> src_pieces = src_by_tensor.of(src_tensor);
+  const std::span<const int32_t> dst_pieces = dst_by_tensor.of(dst_tensor);
+  REFIT_ASSIGN_OR_RETURN(const TensorMatch* match, MatchOf(dst_tensor, src_pieces, dst_pieces));
+  RouteMatch(*match, src_pieces, dst_pieces);
   return absl::OkStatus();
+}
+
+absl::StatusOr<const TensorMatch*> Planner::MatchOf(int32_t dst_tensor,
+                                                    std::span<const int32_t> src_pieces,
+                                                    std::span<const int32_t> dst_pieces) {
+  match_key_.clear();
+  match_key_.push_back(static_cast<int32_t>(src_pieces.size()));
+  for (int32_t p : src_pieces) match_key_.push_back(src_.pieces[p].tensor_box);
+  for (int32_t p : dst_pieces) {
+    match_key_.push_back(dst_.pieces[p].tensor_box);
+    match_key_.push_back(gpu_node_[DstGpu(p)]);
+  }
+  for (const TensorMatch& m : matches_) {
+    if (m.key == match_key_) return &m;
+  }
+  TensorMatch& m = matches_[next_match_++ % matches_.size()];
+  m.key.clear();  // unusable until built
+  REFIT_RETURN_IF_ERROR(BuildMatch(dst_tensor, src_pieces, dst_pieces, m));
+  m.key = match_key_;
+  return &m;
+}
+
+absl::Status Planner::BuildMatch(int32_t dst_tensor, std::span<const int32_t> src_pieces,
+                                 std::span<const int32_t> dst_pieces, TensorMatch& match) {
+  items_.clear();
+  for (size_t k = 0; k < src_pieces.size(); ++k) {
+    items_.push_back({src_.tensor_box(src_.pieces[src_pieces[k]]), static_cast<int32_t>(k)});
+  }
+  src_regions_.Build(items_);
+  match.region_owner_begin.assign(1, 0);
+  match.region_owners.clear();
+  for (size_t s = 0; s < src_regions_.size(); ++s) {
+    for (int32_t k : src_regions_.owners(s)) match.region_owners.push_back(k);
+    match.region_owner_begin.push_back(static_cast<int32_t>(match.region_owners.size()));
+  }
+  match.needers.clear();
+  match.steps.clear();
+  box_ids_.clear();
+  // Destination pieces node by node (usually so already: pieces come worker by worker).
+  by_node_.resize(dst_pieces.size());
+  std::iota(by_node_.begin(), by_node_.end(), 0);
+  auto node_of = [&](int32_t k) { return gpu_node_[DstGpu(dst_pieces[k])]; };
+  auto node_less = [&](int32_t a, int32_t b) { return node_of(a) < node_of(b); };
+  if (!std::is_sorted(by_node_.begin(), by_node_.end(), node_less)) {
+    std::stable_sort(by_node_.begin(), by_node_.end(), node_less);
+  }
+  for (size_t i = 0; i < by_node_.size();) {
+    const int32_t node = node_of(by_node_[i]);
+    items_.clear();
+    for (; i < by_node_.size() && node_of(by_node_[i]) == node; ++i) {
+      items_.push_back({dst_.tensor_box(dst_.pieces[dst_pieces[by_node_[i]]]), by_node_[i]});
+    }
+    need_regions_.Build(items_);
+    for (size_t r = 0; r < need_regions_.size(); ++r) {
+      const Box& need = need_regions_.box(r);
+      const int32_t needers_begin = static_cast<int32_t>(match.needers.size());
+      for (int32_t k : need_regions_.owners(r)) match.needers.push_back(k);
+      const int32_t needers_end = static_cast<int32_t>(match.needers.size());
+      int64_t covered = 0;
+      src_regions_.ForEachIntersecting(need, [&](size_t s) {
+        const Box x = Intersect(need, src_regions_.box(s));
+        covered += x.NumElements();
+        match.steps.push_back(
+            {x, BoxId(x), node, static_cast<int32_t>(s), needers_begin, needers_end});
+      });
+      if (covered != need.NumElements()) {
+        return CoverageError(dst_tensor, need, dst_pieces[need_regions_.owners(r)[0]], covered);
+      }
+    }
+  }
+  match.distinct_boxes = static_cast<int32_t>(box_ids_.size());
+  const size_t regions = src_regions_.size();
+  match.region_step_begin.assign(regions + 1, 0);
+  for (const TensorMatch::Step& step : match.steps) ++match.region_step_begin[step.region + 1];
+  std::partial_sum(match.region_step_begin.begin(), match.region_step_begin.end(),
+                   match.region_step_begin.begin());
+  match.region_steps.resize(match.steps.size());
+  {
+    std::vector<int32_t> next(match.region_step_begin.begin(), match.region_step_begin.end() - 1);
+    for (size_t i = 0; i < match.steps.size(); ++i) {
+      match.region_steps[next[match.steps[i].region]++] = static_cast<int32_t>(i);
+    }
+  }
+  match.needed_volume.assign(regions, 0);
+  match.needed_nodes.resize(regions);
+  for (size_t s = 0; s < regions; ++s) {
+    elsewhere_.clear();
+    std::vector<int32_t>& nodes = match.needed_nodes[s];
+    nodes.clear();
+    for (int32_t i = match.region_step_begin[s]; i < match.region_step_begin[s + 1]; ++i) {
+      const TensorMatch::Step& step = match.steps[match.region_steps[i]];
+      elsewhere_.push_back(step.x);
+      nodes.push_back(step.node);
+    }
+    std::sort(nodes.begin(), nodes.end());
+    nodes.erase(std::unique(nodes.begin(), nodes.end()), nodes.end());
+    match.needed_volume[s] = UnionVolume(elsewhere_);
+  }
+  return absl::OkStatus();
+}
+
+void Planner::RouteMatch(const TensorMatch& match, std::span<const int32_t> src_pieces,
+                         std::span<const int32_t> dst_pieces) {
+  const size_t regions = match.region_owner_begin.size() - 1;
+  holder_ids_.clear();
+  for (int32_t k : match.region_owners) holder_ids_.push_back(src_pieces[k]);
+  needer_ids_.clear();
+  for (int32_t k : match.needers) needer_ids_.push_back(dst_pieces[k]);
+  region_single_node_.assign(regions, 1);
+  region_node_.assign(regions, -1);
+  for (size_t s = 0; s < regions; ++s) {
+    for (int32_t i = match.region_owner_begin[s]; i < match.region_owner_begin[s + 1]; ++i) {
+      const int32_t node = gpu_node_[SrcGpu(holder_ids_[i])];
+      if (region_node_[s] == -1) region_node_[s] = node;
+      if (region_node_[s] != node) region_single_node_[s] = 0;
+    }
+  }
+  landings_.Clear(match.distinct_boxes);
+  for (const TensorMatch::Step& step : match.steps) {
+    const int32_t* holders = holder_ids_.data() + match.region_owner_begin[step.region];
+    Route(step.x, step.x_id,
+          {needer_ids_.data() + step.needers_begin, needer_ids_.data() + step.needers_end},
+          {holders, holder_ids_.data() + match.region_owner_begin[step.region + 1]}, step.node);
+  }
+  // Lower bound: what only one node holds and other nodes need, each element once.
+  for (size_t s = 0; s < regions; ++s) {
+    if (!region_single_node_[s]) continue;
+    const int32_t home = region_node_[s];
+    const std::vector<int32_t>& nodes = match.needed_nodes[s];
+    if (!std::binary_search(nodes.begin(), nodes.end(), home)) {
+      node_unique_out_[home] += match.needed_volume[s] * wire_elem_bytes_;
+      continue;
+    }
+    elsewhere_.clear();
+    for (int32_t i = match.region_step_begin[s]; i < match.region_step_begin[s + 1]; ++i) {
+      const TensorMatch::Step& step = match.steps[match.region_steps[i]];
+      if (step.node != home) elsewhere_.push_back(step.x);
+    }
+    if (!elsewhere_.empty())
+      node_unique_out_[home] += union_volumes_.Volume(elsewhere_) * wire_elem_bytes_;
+  }
 }
 
 void Planner::IndexSources() {
@@ -306,19 +565,23 @@ void Planner::CountUniqueOut() {
   for (size_t s = 0; s < src_regions_.size(); ++s) {
     if (!region_single_node_[s] || region_needed_elsewhere_[s].empty()) continue;
     node_unique_out_[region_node_[s]] +=
-        UnionVolume(region_needed_elsewhere_[s]) * wire_elem_bytes_;
+        union_volumes_.Volume(region_needed_elsewhere_[s]) * wire_elem_bytes_;
   }
 }
 
 absl::Status Planner::PlanNeeds(int32_t dst_tensor, std::span<const int32_t> dst_pieces,
                                 std::vector<Missing>* missing) {
-  landing_of_box_.clear();
-  landings_.clear();
+  landings_.Clear(0);
+  box_ids_.clear();
   // Destination pieces of this tensor, node by node.
   by_node_.assign(dst_pieces.begin(), dst_pieces.end());
-  std::stable_sort(by_node_.begin(), by_node_.end(), [&](int32_t a, int32_t b) {
+  auto node_less = [&](int32_t a, int32_t b) {
     return gpu_node_[DstGpu(a)] < gpu_node_[DstGpu(b)];
-  });
+  };
+  // Pieces usually come worker by worker, already in node order.
+  if (!std::is_sorted(by_node_.begin(), by_node_.end(), node_less)) {
+    std::stable_sort(by_node_.begin(), by_node_.end(), node_less);
+  }
   for (size_t i = 0; i < by_node_.size();) {
     const int32_t node = gpu_node_[DstGpu(by_node_[i])];
     size_t j = i;
@@ -334,12 +597,11 @@ absl::Status Planner::PlanNeeds(int32_t dst_tensor, std::span<const int32_t> dst
       src_regions_.ForEachIntersecting(need, [&](size_t s) {
         const Box x = Intersect(need, src_regions_.box(s));
         covered += x.NumElements();
-        Route(x, need_regions_.owners(r), src_regions_.owners(s), node);
+        Route(x, BoxId(x), need_regions_.owners(r), src_regions_.owners(s), node);
         if (region_single_node_[s] && region_node_[s] != node) {
           region_needed_elsewhere_[s].push_back(x);
         }
       });
-      REFIT_RETURN_IF_ERROR(lower_status_);
       if (covered == need.NumElements()) continue;
       if (missing == nullptr) return CoverageError(dst_tensor, need, need_regions_.owners(r)[0], covered);
       std::vector<Box> rest = {need};
@@ -441,6 +703,8 @@ absl::Status Planner::PlanQuantized(int32_t w, const PiecesByTensor& src_by_tens
 
 absl::Status Planner::GatherAndQuantize(int32_t w, std::span<const int32_t> src_pieces,
                                         const std::vector<Missing>& missing) {
+  // What follows lowers here, after what the lowerer holds.
+  REFIT_RETURN_IF_ERROR(lowerer_->Drain());
   const LogicalTensor& wt = dst_.tensors[w];
   const DType src_dtype = src_.tensors[src_.tensor_index.at(wt.name)].dtype;
   // Every source element, for the gathering.
@@ -582,9 +846,11 @@ int32_t Planner::LeastSendingSource(std::span<const int32_t> holders, LinkClass 
   return best;
 }
 
-void Planner::Route(const Box& x, std::span<const int32_t> needers,
+void Planner::Route(const Box& x, int32_t x_id, std::span<const int32_t> needers,
                     std::span<const int32_t> holders, int32_t node) {
   const int64_t bytes = x.NumElements() * wire_elem_bytes_;
+  lowerer_->SubmitIfFull();
+  const int32_t x_box = lowerer_->AddBox(x);
   holder_gpus_.clear();
   bool node_has_it = false;
   for (int32_t c : holders) {
@@ -614,7 +880,7 @@ void Planner::Route(const Box& x, std::span<const int32_t> needers,
       seen_gpus_.push_back(g);
     }
     if (local >= 0) {
-      Emit(x, local, false, h, 0);
+      Emit(x, x_box, local, false, h, 0);
     } else {
       remaining_.push_back(h);
     }
@@ -627,13 +893,13 @@ void Planner::Route(const Box& x, std::span<const int32_t> needers,
       if (gpu_node_[SrcGpu(c)] == node) same_node_.push_back(c);
     }
     for (int32_t h : remaining_) {
-      Emit(x, LeastSendingSource(same_node_, LinkClass::kNvlink), false, h, 0);
+      Emit(x, x_box, LeastSendingSource(same_node_, LinkClass::kNvlink), false, h, 0);
     }
     return;
   }
   if (!opt_.routing) {
     for (int32_t h : remaining_) {
-      Emit(x, LeastSendingSource(holders, LinkClass::kNetwork), false, h, 0);
+      Emit(x, x_box, LeastSendingSource(holders, LinkClass::kNetwork), false, h, 0);
     }
     return;
   }
@@ -646,61 +912,38 @@ void Planner::Route(const Box& x, std::span<const int32_t> needers,
   const int32_t source = LeastSendingSource(holders, LinkClass::kNetwork);
   int64_t best_load = nic_send_[gpu_nic_[SrcGpu(source)]];
   int32_t relay = -1;
-  auto found = landing_of_box_.find(x);
-  if (found != landing_of_box_.end()) {
-    for (int32_t l = found->second; l >= 0; l = landings_[l].next) {
-      const Landing& candidate = landings_[l];
-      if (candidate.node == node || candidate.stage >= opt_.max_relay_depth) continue;
-      // A relay adds a stage, whose pipeline fill costs about one message: take it only when
-      // it saves more than that on the busier NIC.
-      const int64_t load = nic_send_[gpu_nic_[DstGpu(candidate.piece)]] + opt_.max_message_bytes;
-      if (load < best_load) best_load = load, relay = l;
-    }
+  for (int32_t l = landings_.Latest(x_id); l >= 0; l = landings_[l].next) {
+    const Landings::Landing& candidate = landings_[l];
+    if (candidate.node == node || candidate.stage >= opt_.max_relay_depth) continue;
+    // A relay adds a stage, whose pipeline fill costs about one message: take it only when
+    // it saves more than that on the busier NIC.
+    const int64_t load = nic_send_[gpu_nic_[DstGpu(candidate.piece)]] + opt_.max_message_bytes;
+    if (load < best_load) best_load = load, relay = l;
   }
   uint8_t landed_stage = 0;
   if (relay >= 0) {
     landed_stage = landings_[relay].stage + 1;
-    Emit(x, landings_[relay].piece, true, landing, landed_stage);
+    Emit(x, x_box, landings_[relay].piece, true, landing, landed_stage);
   } else {
-    Emit(x, source, false, landing, 0);
+    Emit(x, x_box, source, false, landing, 0);
   }
-  const int32_t head = found != landing_of_box_.end() ? found->second : -1;
-  landings_.push_back({landing, node, landed_stage, head});
-  landing_of_box_[x] = static_cast<int32_t>(landings_.size() - 1);
+  landings_.Add(x_id, landing, node, landed_stage);
   for (int32_t h : remaining_) {
-    if (h != landing) Emit(x, landing, true, h, landed_stage + 1);
+    if (h != landing) Emit(x, x_box, landing, true, h, landed_stage + 1);
   }
 }
 
-void Planner::Emit(const Box& x, int32_t from_piece, bool from_destination, int32_t to_piece,
-                   uint8_t stage) {
-  const Layout& from_layout = from_destination ? dst_ : src_;
-  const Piece& from = from_layout.pieces[from_piece];
-  const Piece& to = dst_.pieces[to_piece];
-  const int32_t from_gpu =
-      from_destination ? DstGpu(from_piece) : SrcGpu(from_piece);
-  const int32_t to_gpu = DstGpu(to_piece);
+void Planner::Emit(const Box& x, int32_t x_box, int32_t from_piece, bool from_destination,
+                   int32_t to_piece, uint8_t stage) {
+  const int32_t from_gpu = from_destination ? DstGpu(from_piece) : SrcGpu(from_piece);
   const int64_t bytes = x.NumElements() * wire_elem_bytes_;
   const int64_t before = mode_ == CopyOp::kScale ? 0 : x.NumElements() * source_elem_bytes_;
-  const int32_t group = Account(from_gpu, to_gpu, bytes, before, stage);
-
-  const Buffer& from_buffer = from_layout.buffers[from.buffer];
-  const Buffer& to_buffer = dst_.buffers[to.buffer];
-  const CopyEnd from_end{&from_layout.tensor_box(from), ViewOfPiece(from_layout, from_piece, 0),
-                         from.buffer, from_buffer.dtype};
-  const CopyEnd to_end{&dst_.tensor_box(to), ViewOfPiece(dst_, to_piece, 1), to.buffer,
-                       to_buffer.dtype};
-  lowered_.clear();
-  if (mode_ == CopyOp::kCopy || from_destination) {
-    // Forwarding copies what an earlier stage landed: codes and scales are already made.
-    LowerCopy(x, from_end, to_end, from_destination, lowered_);
-  } else {
-    const Box region = mode_ == CopyOp::kScale ? ToElements(x) : x;
-    auto lowered = LowerQuantize(mode_, region, *quant_, from_end, to_end, false,
-                                 opt_.max_message_bytes, lowered_);
-    if (!lowered.ok() && lower_status_.ok()) lower_status_ = lowered;
+  const int32_t group = Account(from_gpu, DstGpu(to_piece), bytes, before, stage);
+  RoutedTransfer t{x_box, from_piece, to_piece, group, mode_, from_destination, quant_};
+  if (mode_ == CopyOp::kScale && !from_destination) {
+    t.box = lowerer_->AddBox(ToElements(x));  // a sender reads the blocks' elements
   }
-  Append(group);
+  lowerer_->Add(t);
 }
 
 int32_t Planner::Account(int32_t from_gpu, int32_t to_gpu, int64_t bytes, int64_t before_bytes,
@@ -752,6 +995,15 @@ void Planner::Append(int32_t group) {
   }
 }
 
+void Planner::ForRanges(size_t n, const std::function<void(size_t, size_t)>& fn) const {
+  const size_t ranges = std::clamp<size_t>(threads_, 1, 1 + n / (size_t{1} << 16));
+  std::vector<std::thread> helpers;
+  for (size_t k = 1; k < ranges; ++k)
+    helpers.emplace_back(fn, n * k / ranges, n * (k + 1) / ranges);
+  fn(0, n / ranges);
+  for (std::thread& t : helpers) t.join();
+}
+
 void Planner::BuildMessages() {
   // Groups in execution order: stage, then sending GPU, then receiving GPU.
   const size_t G = groups_.size();
@@ -762,17 +1014,26 @@ void Planner::BuildMessages() {
            std::tie(groups_[b].stage, groups_[b].src_gpu, groups_[b].dst_gpu);
   });
   for (size_t r = 0; r < G; ++r) rank[order[r]] = static_cast<int32_t>(r);
-  // Counting sort of descriptor indices by group rank: one sequential pass, no copy of the
-  // descriptors themselves.
+  // The descriptors are hundreds of MB: read once (on every thread) into 12 bytes each, worked
+  // on there, and written once, rather than visited in message order.
   std::vector<CopyDescriptor>& desc = plan_.descriptors;
+  std::vector<int32_t> group_rank(desc.size());  // then each descriptor's message
+  std::vector<int64_t> wire_bytes(desc.size());
+  ForRanges(desc.size(), [&](size_t from, size_t to) {
+    for (size_t i = from; i < to; ++i) {
+      group_rank[i] = rank[desc[i].message];
+      wire_bytes[i] = desc[i].WireBytes();
+    }
+  });
+  // Counting sort of descriptor indices by group rank: no copy of the descriptors themselves.
   std::vector<int64_t> begin(G + 1, 0);
-  for (const CopyDescriptor& d : desc) ++begin[rank[d.message] + 1];
+  for (int32_t r : group_rank) ++begin[r + 1];
   std::partial_sum(begin.begin(), begin.end(), begin.begin());
   std::vector<int64_t>& index = plan_.message_descriptors;
   index.resize(desc.size());
   {
     std::vector<int64_t> next(begin.begin(), begin.end() - 1);
-    for (size_t i = 0; i < desc.size(); ++i) index[next[rank[desc[i].message]]++] = static_cast<int64_t>(i);
+    for (size_t i = 0; i < desc.size(); ++i) index[next[group_rank[i]]++] = static_cast<int64_t>(i);
   }
   // Cut each group into messages of at most max_message_bytes.
   for (size_t r = 0; r < G; ++r) {
@@ -788,15 +1049,17 @@ void Planner::BuildMessages() {
       m.bytes = 0;
     };
     for (int64_t i = begin[r]; i < begin[r + 1]; ++i) {
-      CopyDescriptor& d = desc[index[i]];
-      const int64_t bytes = d.WireBytes();
+      const int64_t bytes = wire_bytes[index[i]];
       if (m.bytes + bytes > opt_.max_message_bytes) close();
-      d.message = static_cast<int32_t>(plan_.messages.size());
+      group_rank[index[i]] = static_cast<int32_t>(plan_.messages.size());
       m.bytes += bytes;
       ++m.num_descriptors;
     }
     close();
   }
+  ForRanges(desc.size(), [&](size_t from, size_t to) {
+    for (size_t i = from; i < to; ++i) desc[i].message = group_rank[i];
+  });
   plan_.stats.descriptors = static_cast<int64_t>(desc.size());
   plan_.stats.messages = static_cast<int64_t>(plan_.messages.size());
 }

@@ -34,6 +34,9 @@ struct PlanOptions {
   // Longest chain of network relays between destination nodes (0: every region crosses the
   // network from a source). Stages are 0 .. max_relay_depth + 1.
   int32_t max_relay_depth = 3;
+  // Threads planning may use (0: as many as the machine has). With two or more, descriptors are
+  // lowered on a second thread while the first routes. The plan is the same whatever the count.
+  int32_t threads = 0;
 };
 
 // Plans the refit of `destination` from `source`. Both layouts must have passed ValidateLayout;

@@ -8,6 +8,7 @@
 #include "absl/strings/str_cat.h"
 #include "plan/flat_range.h"
 #include "plan/planner.h"
+#include "plan/test_layouts.h"
 #include "plan/validate.h"
 #include "plan/verify.h"
 
@@ -210,9 +211,15 @@ TEST_CASE("random layout pairs: every destination element written exactly once, 
     options.routing = gen.Coin(0.7);
     options.max_relay_depth = static_cast<int32_t>(gen.Uniform(0, 3));
     options.max_message_bytes = gen.Coin(0.5) ? gen.Uniform(1, 64) : int64_t{1} << 20;
+    options.threads = 1;
     auto plan = MakePlan(src, dst, options);
     INFO(plan.status().message());
     REQUIRE(plan.ok());
+    // Lowering on a thread of its own changes nothing.
+    options.threads = 2;
+    auto threaded = MakePlan(src, dst, options);
+    REQUIRE(threaded.ok());
+    REQUIRE(testing::PlanDifference(*plan, *threaded) == "");
     auto verified = VerifyOnHost(*plan, src, dst, seed, int64_t{1} << 30);
     INFO(verified.status().message());
     REQUIRE(verified.ok());

@@ -131,6 +131,42 @@ TEST_CASE("sources are balanced across replicas' NICs") {
   CHECK(plan.stats.predicted_seconds <= 1.05 * plan.stats.lower_bound_seconds);
 }
 
+TEST_CASE(
+    "experts split alike: each routed by the loads it meets, the same plan on any thread count") {
+  // 1024 experts, each whole on one of 32 trainer GPUs (4 nodes); two engine replicas, each TP16
+  // over two nodes: every engine GPU needs a slice of every expert, 32768 transfers, more than
+  // one of the lowering's batches.
+  Layout src, dst;
+  std::vector<Placement> replica0, replica1;
+  for (int g = 0; g < 16; ++g) {
+    replica0.push_back({4 + g / 8, g % 8});
+    replica1.push_back({6 + g / 8, g % 8});
+  }
+  for (int e = 0; e < 1024; ++e) {
+    const std::string name = absl::StrCat("expert", e);
+    const int trainer = e % 32;
+    AddSplitTensor(src, name, Dims{64, 16}, DType::kBF16, 0, {0, 64}, {{trainer / 8, trainer % 8}},
+                   absl::StrCat("trainer", trainer, "_"));
+    AddSplitTensor(dst, name, Dims{64, 16}, DType::kBF16, 0, EvenSplit(64, 16), replica0, "r0_");
+    AddSplitTensor(dst, name, Dims{64, 16}, DType::kBF16, 0, EvenSplit(64, 16), replica1, "r1_");
+  }
+  PlanOptions options;
+  options.max_message_bytes = 4096;
+  options.threads = 1;
+  const Plan one = PlanAndVerify(src, dst, options);
+  CHECK(one.stats.transfers == 1024 * 32);
+  // Each replica's slices cross the network once (from the owner, or relayed from the other).
+  CHECK(one.stats.bytes_network == 2 * 1024 * 64 * 16 * 2);
+  CHECK(one.stats.predicted_seconds <= 1.05 * one.stats.lower_bound_seconds);
+  for (int32_t threads : {2, 3}) {
+    options.threads = threads;
+    auto other = MakePlan(src, dst, options);
+    REQUIRE(other.ok());
+    INFO("threads " << threads);
+    CHECK(testing::PlanDifference(one, *other) == "");
+  }
+}
+
 TEST_CASE("a destination element with no source is refused, saying how much is missing") {
   Layout src, dst;
   AddSplitTensor(src, "w", Dims{8, 4}, DType::kBF16, 0, {0, 3, 6}, {{0, 0}, {0, 1}}, "trainer");

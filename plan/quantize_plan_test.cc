@@ -20,6 +20,7 @@ using testing::AddQuantized;
 using testing::AddSplitTensor;
 using testing::EvenSplit;
 using testing::Placement;
+using testing::PlanDifference;
 
 constexpr int64_t kGiB = int64_t{1} << 30;
 
@@ -180,7 +181,13 @@ TEST_CASE("fp8: random shapes, blocks, splits and placements verify") {
     }
     PlanOptions options;
     options.max_message_bytes = uniform(0, 1) ? 64 : int64_t{1} << 20;
-    PlanAndVerify(src, dst, options);
+    options.threads = 1;
+    const Plan plan = PlanAndVerify(src, dst, options);
+    // Gathering into scratch lowers on the routing thread, after what the lowering thread holds.
+    options.threads = 2;
+    auto threaded = MakePlan(src, dst, options);
+    REQUIRE(threaded.ok());
+    REQUIRE(PlanDifference(plan, *threaded) == "");
   }
 }
 

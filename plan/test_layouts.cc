@@ -1,6 +1,7 @@
 #include "plan/test_layouts.h"
 
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
 #include "plan/flat_range.h"
 
 namespace refit::testing {
@@ -86,6 +87,63 @@ void AddFlatShard(Layout& layout, int32_t tensor, int32_t worker, int64_t begin,
     layout.AddPiece(tensor, b, buffer, Box::FromDims(Dims{at}, Dims{b.NumElements()}));
     at += b.NumElements();
   }
+}
+
+namespace {
+
+std::string DescriptorFields(const CopyDescriptor& d) {
+  return absl::StrCat(
+      d.src_buffer, " ", d.dst_buffer, " ", d.src_offset, " ", d.dst_offset, " ", d.inner, " ",
+      absl::StrJoin(d.count, ","), " ", absl::StrJoin(d.src_stride, ","), " ",
+      absl::StrJoin(d.dst_stride, ","), " ", d.outer_rank, " ", static_cast<int>(d.src_dtype), " ",
+      static_cast<int>(d.dst_dtype), " ", d.src_is_destination, " ", static_cast<int>(d.op), " ",
+      d.quant_format, " ", d.block_rows, " ", d.block_cols, " ", d.message);
+}
+
+std::string MessageFields(const Message& m) {
+  return absl::StrCat(m.src_gpu, " ", m.dst_gpu, " ", m.stage, " ", static_cast<int>(m.link), " ",
+                      m.bytes, " ", m.first_descriptor, " ", m.num_descriptors);
+}
+
+std::string StatsFields(const PlanStats& s) {
+  return absl::StrCat(s.tensors, " ", s.pieces, " ", s.transfers, " ", s.descriptors, " ",
+                      s.messages, " ", s.bytes_total, " ", s.bytes_network, " ", s.bytes_nvlink,
+                      " ", s.bytes_local, " ", s.bytes_forwarded, " ", s.bytes_before_conversion,
+                      " ", s.bytes_gathered, " ", s.scratch_bytes, " ", s.stages, " ",
+                      s.max_nic_bytes, " ", s.predicted_seconds, " ", s.lower_bound_seconds);
+}
+
+}  // namespace
+
+std::string PlanDifference(const Plan& a, const Plan& b) {
+  if (a.descriptors.size() != b.descriptors.size()) {
+    return absl::StrCat(a.descriptors.size(), " descriptors against ", b.descriptors.size());
+  }
+  for (size_t i = 0; i < a.descriptors.size(); ++i) {
+    const std::string x = DescriptorFields(a.descriptors[i]),
+                      y = DescriptorFields(b.descriptors[i]);
+    if (x != y) return absl::StrCat("descriptor ", i, ": ", x, " against ", y);
+  }
+  if (a.message_descriptors != b.message_descriptors)
+    return "the messages' descriptor index differs";
+  if (a.messages.size() != b.messages.size()) {
+    return absl::StrCat(a.messages.size(), " messages against ", b.messages.size());
+  }
+  for (size_t i = 0; i < a.messages.size(); ++i) {
+    const std::string x = MessageFields(a.messages[i]), y = MessageFields(b.messages[i]);
+    if (x != y) return absl::StrCat("message ", i, ": ", x, " against ", y);
+  }
+  if (a.scratch.size() != b.scratch.size()) return "the scratch buffers differ";
+  for (size_t i = 0; i < a.scratch.size(); ++i) {
+    const ScratchBuffer &x = a.scratch[i], &y = b.scratch[i];
+    if (x.gpu != y.gpu || x.worker != y.worker || x.dtype != y.dtype || x.elements != y.elements) {
+      return absl::StrCat("scratch buffer ", i, " differs");
+    }
+  }
+  if (StatsFields(a.stats) != StatsFields(b.stats)) {
+    return absl::StrCat("statistics ", StatsFields(a.stats), " against ", StatsFields(b.stats));
+  }
+  return "";
 }
 
 }  // namespace refit::testing

@@ -5,6 +5,7 @@
 #include <vector>
 
 #include "plan/layout.h"
+#include "plan/plan.h"
 
 namespace refit::testing {
 
@@ -34,5 +35,9 @@ void AddQuantized(Layout& layout, const std::string& name, Dims shape, QuantForm
 // An FSDP flat shard: tensor elements [begin, end) in row-major order, in one flat buffer of
 // worker `worker`.
 void AddFlatShard(Layout& layout, int32_t tensor, int32_t worker, int64_t begin, int64_t end);
+
+// "" when the plans are the same (descriptors in the same order, messages, scratch, statistics
+// other than the planning time), else the first difference.
+std::string PlanDifference(const Plan& a, const Plan& b);
 
 }  // namespace refit::testing

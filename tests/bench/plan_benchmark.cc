@@ -1,11 +1,14 @@
-// Planning benchmark: frontier-scale layout pairs generated in memory, validated and planned on
-// one core. Prints one JSON object per case (machine-readable) and a table for people.
+// Planning benchmark: frontier-scale layout pairs generated in memory, validated and planned (on
+// the machine's cores, or --planner-threads; `taskset -c 0` for one core). Prints one JSON object
+// per case; --digest adds a hash of the whole plan, to check that a change leaves plans as they were.
 //
 //   bazel run -c opt //tests/bench:plan_benchmark -- --repeat 5 [--case deepseek-v3] [--configs DIR]
 #include <sys/resource.h>
+#include <time.h>
 
 #include <algorithm>
 #include <chrono>
+#include <cmath>
 #include <cstdio>
 #include <map>
 #include <set>
@@ -16,11 +19,11 @@
 #include "client/cli_flags.h"
 #include "client/fp8_layout.h"
 #include "client/layout_generator.h"
-#include "tests/bench/frontier_cases.h"
 #include "kernels/network_schedule.h"
 #include "plan/planner.h"
 #include "plan/validate.h"
 #include "proto/layout_codec.h"
+#include "tests/bench/frontier_cases.h"
 
 namespace refit {
 namespace {
@@ -28,6 +31,59 @@ namespace {
 using Case = FrontierCase;
 
 double Now() { return SteadySeconds(); }
+
+// A digest of everything a plan holds except its timing: two plans with the same digest have the
+// same descriptors in the same order, the same messages and the same statistics. FNV-1a over
+// each field (not the structs' bytes, whose padding is unspecified).
+class PlanHasher {
+ public:
+  void Add(std::initializer_list<int64_t> values) {
+    for (int64_t v : values) {
+      for (int i = 0; i < 8; ++i) {
+        h_ = (h_ ^ ((static_cast<uint64_t>(v) >> (8 * i)) & 0xff)) * 0x100000001b3ull;
+      }
+    }
+  }
+  void Add(double v) { Add({static_cast<int64_t>(std::llround(v * 1e12))}); }
+  uint64_t value() const { return h_; }
+
+ private:
+  uint64_t h_ = 0xcbf29ce484222325ull;
+};
+
+uint64_t PlanDigest(const Plan& plan) {
+  PlanHasher h;
+  for (const PlanGpu& g : plan.gpus) h.Add({g.node, g.gpu});
+  for (const ScratchBuffer& b : plan.scratch) {
+    h.Add({b.gpu, b.worker, static_cast<int64_t>(b.dtype), b.elements});
+  }
+  h.Add({plan.first_scratch_buffer});
+  for (const CopyDescriptor& d : plan.descriptors) {
+    h.Add({d.src_buffer, d.dst_buffer, d.src_offset, d.dst_offset, d.inner});
+    for (int i = 0; i < kMaxOuterDims; ++i) h.Add({d.count[i], d.src_stride[i], d.dst_stride[i]});
+    h.Add({d.outer_rank, static_cast<int64_t>(d.src_dtype), static_cast<int64_t>(d.dst_dtype),
+           d.src_is_destination, static_cast<int64_t>(d.op), d.quant_format, d.block_rows,
+           d.block_cols, d.message});
+  }
+  for (int64_t i : plan.message_descriptors) h.Add({i});
+  for (const Message& m : plan.messages) {
+    h.Add({m.src_gpu, m.dst_gpu, m.stage, static_cast<int64_t>(m.link), m.bytes, m.first_descriptor,
+           m.num_descriptors});
+  }
+  const PlanStats& s = plan.stats;
+  h.Add({s.tensors, s.pieces, s.transfers, s.descriptors, s.messages, s.bytes_total,
+         s.bytes_network, s.bytes_nvlink, s.bytes_local, s.bytes_forwarded,
+         s.bytes_before_conversion, s.bytes_gathered, s.scratch_bytes, s.stages, s.max_nic_bytes});
+  h.Add(s.predicted_seconds);
+  h.Add(s.lower_bound_seconds);
+  return h.value();
+}
+
+double ProcessCpuSeconds() {
+  timespec t;
+  clock_gettime(CLOCK_PROCESS_CPUTIME_ID, &t);
+  return t.tv_sec + t.tv_nsec * 1e-9;
+}
 
 double PeakRssGiB() {
   rusage u;
@@ -68,6 +124,14 @@ int main(int argc, char** argv) {
   bool expert_parallel_engines = false;
   flags.Bool("expert-parallel-engines", &expert_parallel_engines,
              "engines split the routed experts whole over their ranks (vLLM --enable-expert-parallel)");
+  int64_t planner_threads = 0;
+  flags.Int("planner-threads", &planner_threads,
+            "threads the planner may use (0: as many as the machine has; the plan is the same "
+            "whatever the count)");
+  bool digest = false;
+  flags.Bool("digest", &digest,
+             "print a digest of the plan (descriptors, messages, statistics; not the timing): "
+             "equal digests, equal plans");
   flags.Parse(argc, argv);
   if (repeat < 1) flags.Fail("--repeat must be >= 1");
   if (inference_dtype != "bf16" && inference_dtype != "fp8-block") flags.Fail("--inference-dtype must be bf16 or fp8-block");
@@ -105,6 +169,7 @@ int main(int argc, char** argv) {
     options.routing = routing;
     options.max_message_bytes = max_message_bytes;
     options.max_relay_depth = static_cast<int32_t>(max_relay_depth);
+    options.threads = static_cast<int32_t>(planner_threads);
     options.topology.gpus_per_node = per_node;
     options.topology.nics_per_node = per_node;
     options.topology.nic_gbps = nic_gbps;
@@ -127,14 +192,23 @@ int main(int argc, char** argv) {
     const double broadcast_network_bytes = model_bytes * inference_nodes;
     const double broadcast_seconds =
         std::max(model_bytes / (fewest * nic_gbps * 1e9), model_bytes / (nvlink_gbps * 1e9));
-    std::vector<double> seconds;
+    std::vector<double> seconds, cpu_seconds;
     PlanStats stats;
+    uint64_t plan_digest = 0;
     double executor_seconds = 0, executor_seconds_no_ops = 0;
     for (int64_t r = 0; r < repeat; ++r) {
+      const double cpu0 = ProcessCpuSeconds();
       auto plan = MakePlan(*src, *dst, options);
       if (!plan.ok()) flags.Fail(std::string(plan.status().message()));
+      cpu_seconds.push_back(ProcessCpuSeconds() - cpu0);
       seconds.push_back(plan->stats.planning_seconds);
       stats = plan->stats;
+      if (digest) {  // every run must make the same plan
+        const uint64_t d = PlanDigest(*plan);
+        if (r > 0 && d != plan_digest)
+          flags.Fail(absl::StrCat(c.name, ": run ", r, " made a different plan"));
+        plan_digest = d;
+      }
       if (!executor || r + 1 < repeat) continue;
       // Every node as refitd --backend cuda lays it out; the slowest node's network time.
       std::set<int32_t> nodes;
@@ -161,26 +235,34 @@ int main(int argc, char** argv) {
     }
     std::sort(seconds.begin(), seconds.end());
     const double median = seconds[seconds.size() / 2];
+    std::sort(cpu_seconds.begin(), cpu_seconds.end());
     std::printf(
         "{\"case\":\"%s\",\"trainer_gpus\":%d,\"inference_gpus\":%d,\"tensors\":%lld,"
         "\"pieces\":%lld,\"transfers\":%lld,\"messages\":%lld,\"bytes_total\":%lld,"
         "\"bytes_network\":%lld,\"bytes_nvlink\":%lld,\"max_nic_bytes\":%lld,"
         "\"predicted_seconds\":%.6f,\"lower_bound_seconds\":%.6f,\"ratio\":%.4f,"
         "\"generate_seconds\":%.3f,\"validate_seconds\":%.3f,\"planning_seconds_median\":%.3f,"
-        "\"planning_seconds_min\":%.3f,\"planning_seconds_max\":%.3f,\"runs\":%lld,"
-        "\"peak_rss_gib\":%.3f,\"routing\":%s,\"gpus_per_node\":%d,\"nic_gbps\":%.1f,\"nvlink_gbps\":%.1f,"
+        "\"planning_seconds_min\":%.3f,\"planning_seconds_max\":%.3f,\"planning_cpu_seconds_"
+        "median\":%.3f,\"runs\":%lld,"
+        "\"peak_rss_gib\":%.3f,\"routing\":%s,\"gpus_per_node\":%d,\"nic_gbps\":%.1f,\"nvlink_"
+        "gbps\":%.1f,"
         "\"model_bytes\":%.0f,\"broadcast_network_bytes\":%.0f,\"broadcast_seconds_bound\":%.4f,"
-        "\"max_relay_depth\":%lld,\"executor_predicted_seconds\":%.4f,\"executor_seconds_without_operation_cost\":%.4f,"
-        "\"inference_dtype\":\"%s\",\"expert_parallel_engines\":%s,\"bytes_before_conversion\":%lld,\"bytes_gathered\":%lld}\n",
+        "\"max_relay_depth\":%lld,\"planner_threads\":%lld,\"executor_predicted_seconds\":%.4f,"
+        "\"executor_seconds_without_operation_cost\":%.4f,"
+        "\"inference_dtype\":\"%s\",\"expert_parallel_engines\":%s,\"bytes_before_conversion\":%"
+        "lld,\"bytes_gathered\":%lld%s}\n",
         c.name.c_str(), c.trainer.World(), c.inference.World(), (long long)stats.tensors,
         (long long)stats.pieces, (long long)stats.transfers, (long long)stats.messages,
         (long long)stats.bytes_total, (long long)stats.bytes_network, (long long)stats.bytes_nvlink,
         (long long)stats.max_nic_bytes, stats.predicted_seconds, stats.lower_bound_seconds,
         stats.predicted_seconds / stats.lower_bound_seconds, t1 - t0, validate_seconds, median,
-        seconds.front(), seconds.back(), (long long)repeat, PeakRssGiB(), routing ? "true" : "false", per_node,
-        nic_gbps, nvlink_gbps, model_bytes, broadcast_network_bytes, broadcast_seconds, (long long)max_relay_depth, executor_seconds,
-        executor_seconds_no_ops, inference_dtype.c_str(), c.inference.expert_parallel ? "true" : "false",
-        (long long)stats.bytes_before_conversion, (long long)stats.bytes_gathered);
+        seconds.front(), seconds.back(), cpu_seconds[cpu_seconds.size() / 2], (long long)repeat,
+        PeakRssGiB(), routing ? "true" : "false", per_node, nic_gbps, nvlink_gbps, model_bytes,
+        broadcast_network_bytes, broadcast_seconds, (long long)max_relay_depth,
+        (long long)planner_threads, executor_seconds, executor_seconds_no_ops,
+        inference_dtype.c_str(), c.inference.expert_parallel ? "true" : "false",
+        (long long)stats.bytes_before_conversion, (long long)stats.bytes_gathered,
+        digest ? absl::StrFormat(",\"plan_digest\":\"%016x\"", plan_digest).c_str() : "");
     std::fflush(stdout);
   }
   return 0;

@@ -1,0 +1,90 @@
+// Lowering routed transfers into copy descriptors, apart from routing them, so that the two can run
+// on two threads: routing is a sequential greedy walk (each choice depends on the bytes every
+// earlier one put on each link), lowering depends on nothing but the transfer itself. Batches
+// are lowered in the order they were made, so the descriptors (and the plan) are the same whether
+// the lowering runs on a thread of its own or on the caller's.
+#pragma once
+
+#include <cstdint>
+#include <deque>
+#include <thread>
+#include <vector>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/status/status.h"
+#include "absl/synchronization/mutex.h"
+#include "plan/layout.h"
+#include "plan/lower.h"
+#include "plan/plan.h"
+
+namespace refit {
+
+// "Copy box `box` from piece `from_piece` to destination piece `to_piece`", as routing chose it.
+struct RoutedTransfer {
+  int32_t box = 0;         // index into its batch's boxes: a fan-out shares one
+  int32_t from_piece = 0;  // of the source layout, or of the destination layout (from_destination)
+  int32_t to_piece = 0;    // of the destination layout
+  int32_t group = 0;  // the (stage, sending GPU, receiving GPU) group: the descriptors' `message`
+  CopyOp op = CopyOp::kCopy;  // kQuantize, kScale: quantized in the sender's pack step
+  bool from_destination = false;
+  const Quantization* quant = nullptr;  // op != kCopy
+};
+
+class TransferLowerer {
+ public:
+  // Appends to `out`, which the caller must not touch until Drain() returns. `threaded`: lower on
+  // a thread of its own (else on the caller's, as batches fill).
+  TransferLowerer(const Layout& source, const Layout& destination, int64_t max_message_bytes,
+                  std::vector<CopyDescriptor>& out, bool threaded);
+  ~TransferLowerer();  // drains
+  TransferLowerer(const TransferLowerer&) = delete;
+  TransferLowerer& operator=(const TransferLowerer&) = delete;
+
+  // Hands the batch being filled over when it is full. Box indices are a batch's own: call it
+  // only where no index from AddBox is still to be used.
+  void SubmitIfFull();
+  // The index by which transfers of the current batch name `box`.
+  int32_t AddBox(const Box& box) {
+    filling_.boxes.push_back(box);
+    return static_cast<int32_t>(filling_.boxes.size() - 1);
+  }
+  void Add(const RoutedTransfer& transfer) { filling_.transfers.push_back(transfer); }
+
+  // Returns once every transfer added so far is in `out`: the first lowering error, if any.
+  absl::Status Drain();
+
+ private:
+  struct Batch {
+    std::vector<Box> boxes;
+    std::vector<RoutedTransfer> transfers;
+  };
+  void Submit();
+  void Lower(const Batch& batch);  // on one thread at a time: the worker, or the caller
+  void Work();
+  const PieceView& ViewOfPiece(const Layout& layout, int32_t piece, int side);
+
+  const Layout& src_;
+  const Layout& dst_;
+  const int64_t max_message_bytes_;
+  std::vector<CopyDescriptor>& out_;
+
+  Batch filling_;  // the caller's
+  // Lowering state: the worker's while it runs, else the caller's.
+  absl::Status status_;
+  std::vector<CopyDescriptor> lowered_;
+  struct CachedView {
+    const Layout* layout = nullptr;
+    int32_t piece = -1;
+    PieceView view;
+  };
+  CachedView view_cache_[2];
+
+  absl::Mutex mu_;
+  std::deque<Batch> queue_ ABSL_GUARDED_BY(mu_);
+  std::vector<Batch> spare_ ABSL_GUARDED_BY(mu_);  // emptied batches, their storage reused
+  bool busy_ ABSL_GUARDED_BY(mu_) = false;         // the worker holds a batch
+  bool closing_ ABSL_GUARDED_BY(mu_) = false;
+  std::thread worker_;
+};
+
+}  // namespace refit

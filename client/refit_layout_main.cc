@@ -20,7 +20,7 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/strings/str_cat.h"
-#include "client/cli_flags.h"
+#include "common/cli_flags.h"
 #include "client/fp8_layout.h"
 #include "client/layout_generator.h"
 #include "proto/layout_codec.h"

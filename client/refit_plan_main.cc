@@ -13,7 +13,7 @@
 #include "absl/status/statusor.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
-#include "client/cli_flags.h"
+#include "common/cli_flags.h"
 #include "kernels/network_schedule.h"
 #include "plan/planner.h"
 #include "plan/validate.h"

@@ -27,7 +27,7 @@
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
 #include "client/callback_thread.h"
-#include "client/shared_memory.h"
+#include "common/shared_memory.h"
 #include "plan/layout.h"
 #include "proto/refit.grpc.pb.h"
 

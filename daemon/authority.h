@@ -25,7 +25,7 @@
 #include "absl/status/status.h"
 #include "absl/strings/string_view.h"
 #include "daemon/loopback_owner.h"
-#include "daemon/tls_config.h"
+#include "common/tls_config.h"
 
 namespace refit {
 

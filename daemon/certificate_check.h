@@ -9,7 +9,7 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
-#include "daemon/tls_config.h"
+#include "common/tls_config.h"
 
 namespace refit {
 

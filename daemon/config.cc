@@ -8,7 +8,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
-#include "client/cli_flags.h"
+#include "common/cli_flags.h"
 #include "daemon/certificate_check.h"
 #include "google/protobuf/struct.pb.h"
 #include "google/protobuf/util/json_util.h"

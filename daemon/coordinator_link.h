@@ -39,7 +39,7 @@
 #include "absl/time/time.h"
 #include "daemon/authority.h"
 #include "daemon/grpc_status.h"
-#include "daemon/grpc_tls.h"
+#include "daemon/grpc_caller.h"
 #include "proto/refit.grpc.pb.h"
 
 namespace refit {

@@ -33,7 +33,7 @@
 #include "daemon/authority.h"
 #include "daemon/backend.h"
 #include "daemon/config.h"
-#include "daemon/grpc_tls.h"
+#include "common/grpc_tls.h"
 #include "daemon/loopback_owner.h"
 #include "daemon/services.h"
 

@@ -27,7 +27,7 @@
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
 #include "daemon/socket.h"
-#include "daemon/tls_config.h"
+#include "common/tls_config.h"
 
 namespace refit {
 

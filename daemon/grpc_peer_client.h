@@ -16,7 +16,7 @@
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
 #include "daemon/executor.h"
-#include "daemon/grpc_tls.h"
+#include "daemon/grpc_caller.h"
 #include "daemon/peer_client.h"
 #include "proto/refit.grpc.pb.h"
 

@@ -19,7 +19,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
-#include "client/shared_memory.h"
+#include "common/shared_memory.h"
 #include "daemon/culprit.h"
 #include "daemon/data_frame.h"
 #include "daemon/logging.h"
@@ -40,6 +40,9 @@ constexpr absl::Duration kLogInterval = absl::Seconds(10);  // LogLimiter's
 // reached it. A sender writes within microseconds of checking the connection, so a frame later
 // than this is not one that raced.
 constexpr absl::Duration kIdleCloseGrace = absl::Seconds(2);
+// Connections kept per destination node: one per round sending to it at once (a group's round
+// sends each message on one connection at a time; several groups' rounds may overlap).
+constexpr size_t kMaxCachedPerPeer = 8;
 
 class ShmBuffer : public MappedBuffer {
  public:
@@ -287,7 +290,8 @@ HostConnectionStats HostBackend::connection_stats() const {
     s = counters_;
     s.reader_threads = static_cast<int64_t>(connections_.size());
     for (const auto& [id, c] : connections_) s.in_frame += c->in_frame;
-    s.cached_outgoing = static_cast<int64_t>(outgoing_.size());
+    for (const auto& [address, streams] : outgoing_)
+      s.cached_outgoing += static_cast<int64_t>(streams.size());
   }
   if (tls_ != nullptr) s.tls_reloads = tls_->reloads();  // its own lock, never held with mu_
   return s;
@@ -855,8 +859,9 @@ DataStream HostBackend::TakeCached(const std::string& address) {
     absl::MutexLock lock(&mu_);
     auto it = outgoing_.find(address);
     if (it == outgoing_.end()) return stream;
-    stream = std::move(it->second);
-    outgoing_.erase(it);
+    stream = std::move(it->second.back());
+    it->second.pop_back();
+    if (it->second.empty()) outgoing_.erase(it);
   }
   // The peer never writes on a data connection (after TLS's handshake and its one byte, which
   // ConnectTls consumed): anything to read is its close or an error (it restarted, or dropped
@@ -941,7 +946,12 @@ absl::Status HostBackend::Send(Job& job, const Message& m, int64_t index,
     if (!job.EndFrame(fd)) return job.status();
     if (s.ok()) {
       absl::MutexLock lock(&mu_);
-      if (!stopping_) outgoing_[addr->second] = std::move(stream);
+      if (!stopping_) {
+        std::vector<DataStream>& cached = outgoing_[addr->second];
+        cached.push_back(std::move(stream));
+        // The oldest goes: it carried its last frame before every other one here.
+        if (cached.size() > kMaxCachedPerPeer) cached.erase(cached.begin());
+      }
       return absl::OkStatus();
     }
     if (attempt == 1 || absl::IsDeadlineExceeded(s)) return blame(s);  // it goes: it may hold half a frame

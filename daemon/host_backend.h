@@ -56,12 +56,12 @@
 
 #include "absl/base/thread_annotations.h"
 #include "absl/synchronization/mutex.h"
-#include "client/shared_memory.h"
+#include "common/shared_memory.h"
+#include "common/tls_config.h"
 #include "daemon/backend.h"
 #include "daemon/data_stream.h"
 #include "daemon/loopback_owner.h"
 #include "daemon/socket.h"
-#include "daemon/tls_config.h"
 
 namespace refit {
 
@@ -225,7 +225,11 @@ class HostBackend : public DataBackend {
   std::vector<int64_t> finished_ ABSL_GUARDED_BY(mu_);
   int64_t next_connection_ ABSL_GUARDED_BY(mu_) = 0;
   HostConnectionStats counters_ ABSL_GUARDED_BY(mu_);
-  absl::flat_hash_map<std::string, DataStream> outgoing_ ABSL_GUARDED_BY(mu_);  // cached, by address
+  // Cached connections by address, the last used at the back. Several rounds (of several groups)
+  // may send to one node at once, each on its own connection: every one is kept, up to
+  // kMaxCachedPerPeer, since closing a connection just written to can lose its frame (without
+  // TLS the receiver checks the sender's uid, which only an open connection still has).
+  absl::flat_hash_map<std::string, std::vector<DataStream>> outgoing_ ABSL_GUARDED_BY(mu_);
 
   // The bounds of MapBuffers (options_'s, resolved), and the bytes mapped now: shared with each
   // mapping's deleter, which may run after this backend is gone.

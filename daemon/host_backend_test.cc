@@ -8,18 +8,18 @@
 #include <sys/socket.h>
 #include <unistd.h>
 
-#include <catch2/catch.hpp>
 #include <algorithm>
+#include <atomic>
+#include <catch2/catch.hpp>
 #include <cstdio>
 #include <cstdlib>
-#include <atomic>
 #include <cstring>
 #include <functional>
 #include <map>
 #include <thread>
 
 #include "absl/strings/str_cat.h"
-#include "client/shared_memory.h"
+#include "common/shared_memory.h"
 #include "daemon/data_frame.h"
 #include "plan/planner.h"
 #include "plan/test_layouts.h"
@@ -140,6 +140,66 @@ TEST_CASE("three daemons' host backends execute one plan byte for byte, round af
     INFO(checked.status().message());
     REQUIRE(checked.ok());
   }
+}
+
+TEST_CASE(
+    "two groups' rounds at once, senders' users checked: every frame lands, round after round") {
+  // Each group's round sends to the same nodes on connections of its own; every connection the
+  // senders cached stays open (one closed right after its frame was written would fail the
+  // receiver's check of its user, and its frame would be lost).
+  const Fixture policy, reward(4, 32, 40, 2048);
+  std::vector<std::unique_ptr<HostBackend>> nodes;
+  for (int n = 0; n < 3; ++n) {
+    auto b = HostBackend::Start(
+        "127.0.0.1:0", HostBackendOptions{.local_users = std::make_shared<LoopbackUsers>(false)});
+    REQUIRE(b.ok());
+    nodes.push_back(*std::move(b));
+  }
+  struct Group {
+    std::string name;
+    const Fixture* f;
+    Memory src, dst;
+  };
+  Group groups[] = {{"policy", &policy, Memory(policy.src), Memory(policy.dst)},
+                    {"reward", &reward, Memory(reward.src), Memory(reward.dst)}};
+  for (uint64_t round = 1; round <= 20; ++round) {
+    FillSpec specs[2];
+    for (int g = 0; g < 2; ++g) {
+      specs[g] = MakeFillSpec(groups[g].f->src, groups[g].f->dst, round + 100 * g);
+      FillSources(groups[g].f->src, specs[g], groups[g].src.all);
+      PoisonDestinations(groups[g].dst.all);
+    }
+    std::vector<absl::Status> results(6, absl::UnknownError("not run"));
+    std::vector<std::thread> threads;
+    for (int g = 0; g < 2; ++g) {
+      for (int n = 0; n < 3; ++n) {
+        threads.emplace_back([&, g, n] {
+          TransferJob job;
+          job.group = groups[g].name;
+          job.round_id = static_cast<int64_t>(round);
+          job.node = n;
+          job.plan = groups[g].f->plan;
+          job.src = groups[g].src.OnNode(groups[g].f->src, n);
+          job.dst = groups[g].dst.OnNode(groups[g].f->dst, n);
+          for (int k = 0; k < 3; ++k) job.data_addresses[k] = nodes[k]->data_address();
+          job.deadline = absl::Now() + absl::Seconds(20);
+          results[3 * g + n] = nodes[n]->Transfer(job).status();
+        });
+      }
+    }
+    for (auto& t : threads) t.join();
+    for (const absl::Status& r : results) {
+      INFO("round " << round << ": " << r.message());
+      REQUIRE(r.ok());
+    }
+    for (int g = 0; g < 2; ++g) {
+      auto checked =
+          CheckDestinations(groups[g].f->src, groups[g].f->dst, specs[g], groups[g].dst.all);
+      INFO(checked.status().message());
+      REQUIRE(checked.ok());
+    }
+  }
+  for (const auto& node : nodes) CHECK(node->connection_stats().user_refused == 0);
 }
 
 TEST_CASE("a daemon that never sends: the receiver's transfer ends at its deadline naming it") {

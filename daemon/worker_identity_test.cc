@@ -21,7 +21,7 @@
 
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
-#include "client/shared_memory.h"
+#include "common/shared_memory.h"
 #include "client/worker_client.h"
 #include "daemon/daemon.h"
 #include "daemon/test_registrations.h"

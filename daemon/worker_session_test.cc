@@ -10,7 +10,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
-#include "client/shared_memory.h"
+#include "common/shared_memory.h"
 #include "client/worker_client.h"
 #include "daemon/daemon.h"
 #include "daemon/host_backend.h"

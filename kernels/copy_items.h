@@ -85,10 +85,12 @@ static_assert(sizeof(CopyItem) == 128, "CopyItem is shared with the kernels: kee
 
 // QuantFormat::kMxfp8 (plan/layout.h, which the kernels do not include).
 inline constexpr uint8_t kCopyItemMxfp8 = 2;
-// MXFP8 blocks of one row per work unit (a warp: 4 lanes a 32-element bf16 block). One block a
-// unit left 28 of 32 lanes idle and made a unit of 64 bytes: a quarter-size Llama-3-8B bf16 ->
-// MXFP8 refit took 17.5 ms on an H200, against 2.5 ms to block fp8 (session 18).
-inline constexpr int kMxfp8RowsPerUnit = 8;
+// MXFP8 blocks of one row per work unit (a warp: 4 lanes a 32-element bf16 block, eight rows at
+// once, eight such groups). One block a unit left 28 of 32 lanes idle and made a unit of 64 bytes:
+// a quarter-size Llama-3-8B bf16 -> MXFP8 refit took 17.5 ms on an H200, against 2.5 ms to block
+// fp8; eight rows (512 bytes) still made each unit's resolving cost more than its bytes (the
+// whole model 40.6 ms in the copy kernel). 64 rows, 4 KB a unit: 11.7 ms.
+inline constexpr int kMxfp8RowsPerUnit = 64;
 
 inline int64_t CopyItem::RowsPerUnit() const {
   return quant_format == kCopyItemMxfp8 && block_rows == 1 ? kMxfp8RowsPerUnit : block_rows;

@@ -2,8 +2,8 @@
 // odd sizes and odd staging alignments): every staging byte of every message and every
 // destination byte must match. And the quantizing units (fp8 on the way: kQuantize, kScale;
 // block fp8 and MXFP8; bf16, fp16 and fp32 sources) against the host twin, RunCopyWorkOnHost,
-// bit for bit, on adversarial and random blocks (tests tagged [fp8]). Skips, passing, where no
-// GPU is present.
+// bit for bit, on adversarial and random blocks (tests tagged [fp8]). Fails where no GPU is
+// present (tagged "gpu": CI leaves it out).
 #include "kernels/copy_kernels.h"
 
 #include <catch2/catch.hpp>
@@ -26,6 +26,7 @@
 #include "plan/test_layouts.h"
 #include "plan/validate.h"
 #include "plan/verify.h"
+#include "tests/gpu/needs_gpu.h"
 
 namespace refit {
 namespace {
@@ -81,10 +82,7 @@ void Run(const CopyWork& w, cudaStream_t stream) {
 }
 
 TEST_CASE("GPU pack and unpack match the CPU reference byte for byte") {
-  if (GpuCount() == 0) {
-    WARN("no GPU here: skipped");
-    return;
-  }
+  if (GpuCount() == 0) FAIL(kNeedsGpu);
   cudaStream_t stream;
   REFIT_CUDA_CHECK(cudaStreamCreate(&stream));
   int64_t messages = 0, bytes = 0;
@@ -129,10 +127,7 @@ TEST_CASE("GPU pack and unpack match the CPU reference byte for byte") {
 // so here every message of many plans is packed, then unpacked, in one launch each, one element
 // per unit: hundreds of thousands of units, the last batch partial.
 TEST_CASE("one launch of hundreds of thousands of units matches the CPU reference") {
-  if (GpuCount() == 0) {
-    WARN("no GPU here: skipped");
-    return;
-  }
+  if (GpuCount() == 0) FAIL(kNeedsGpu);
   cudaStream_t stream;
   REFIT_CUDA_CHECK(cudaStreamCreate(&stream));
   std::vector<std::unique_ptr<TestRun>> runs;
@@ -245,10 +240,7 @@ std::vector<std::byte> Download(uint64_t at, size_t bytes) {
 // kernel's bytes against a plain element loop and the host twin, destinations poisoned, every
 // byte (gaps and neighbours included). Each case in its own launch, then all in one.
 TEST_CASE("GPU tiled and run items match a plain loop byte for byte") {
-  if (GpuCount() == 0) {
-    WARN("no GPU here: skipped");
-    return;
-  }
+  if (GpuCount() == 0) FAIL(kNeedsGpu);
   cudaStream_t stream;
   REFIT_CUDA_CHECK(cudaStreamCreate(&stream));
   const std::vector<ItemCase> cases = MakeItemCases(400, 7);
@@ -306,10 +298,7 @@ TEST_CASE("GPU tiled and run items match a plain loop byte for byte") {
 }
 
 TEST_CASE("GPU quantizing units match the host twin bit for bit on adversarial plans", "[fp8]") {
-  if (GpuCount() == 0) {
-    WARN("no GPU here: skipped");
-    return;
-  }
+  if (GpuCount() == 0) FAIL(kNeedsGpu);
   cudaStream_t stream;
   REFIT_CUDA_CHECK(cudaStreamCreate(&stream));
   int64_t messages = 0, quantizing = 0;
@@ -377,10 +366,7 @@ TEST_CASE("GPU quantizing units match the host twin bit for bit on adversarial p
 // Quantizing units mixed with copy units in one launch, hundreds of thousands of units (batches
 // of 32 per warp, the last partial): every message's staging against the host twin's.
 TEST_CASE("one launch mixing quantizing and copy units matches the host twin", "[fp8]") {
-  if (GpuCount() == 0) {
-    WARN("no GPU here: skipped");
-    return;
-  }
+  if (GpuCount() == 0) FAIL(kNeedsGpu);
   cudaStream_t stream;
   REFIT_CUDA_CHECK(cudaStreamCreate(&stream));
   std::vector<QuantCase> cases = QuantCases(20);
@@ -431,7 +417,8 @@ TEST_CASE("one launch mixing quantizing and copy units matches the host twin", "
     AppendWork(PackWork(*plan, *m, s.dsrc->addresses(), s.ddst->addresses(), staging.address() + at, 2), device);
     offset += m->bytes + 16;
   }
-  int64_t quantizing_units = 0, quantizing_rows = 0;  // rows of units: MXFP8 units stack 8 one-row blocks
+  int64_t quantizing_units = 0,
+          quantizing_rows = 0;  // rows of units: MXFP8 units stack kMxfp8RowsPerUnit one-row blocks
   for (size_t i = 0; i < device.items.size(); ++i) {
     const CopyItem& it = device.items[i];
     if (!it.Quantizes()) continue;
@@ -440,7 +427,7 @@ TEST_CASE("one launch mixing quantizing and copy units matches the host twin", "
   }
   INFO(device.unit_begin.back() << " units, " << quantizing_units << " quantizing (" << quantizing_rows << " rows)");
   REQUIRE(device.unit_begin.back() > 32 * 8192);
-  REQUIRE(quantizing_units > 2000);
+  REQUIRE(quantizing_units > 1000);
   REQUIRE(quantizing_rows > 10000);
   RunCopyWorkOnHost(host);
   for (int mode : {0, 1}) {  // the copy kernel's quantizing units, then the quantizing kernel's
@@ -457,10 +444,7 @@ TEST_CASE("one launch mixing quantizing and copy units matches the host twin", "
 // The quantizing kernel converts finite quotients with the hardware's instruction: it must be
 // the port of FloatToE4M3 (which the sweep below checks against the CPU's) for every one.
 TEST_CASE("GPU hardware e4m3 conversion is FloatToE4M3 for every finite fp32", "[fp8]") {
-  if (GpuCount() == 0) {
-    WARN("no GPU here: skipped");
-    return;
-  }
+  if (GpuCount() == 0) FAIL(kNeedsGpu);
   DeviceBuffer counters(16);
   const uint32_t init[4] = {0, 0, 0xFFFFFFFFu, 0};
   REFIT_CUDA_CHECK(cudaMemcpy(counters.get(), init, sizeof(init), cudaMemcpyHostToDevice));
@@ -551,10 +535,7 @@ std::vector<std::byte> AsBytes(const std::vector<float>& v) {
 }
 
 TEST_CASE("GPU codes are FloatToE4M3 itself across e4m3's range, ties and saturation included", "[fp8]") {
-  if (GpuCount() == 0) {
-    WARN("no GPU here: skipped");
-    return;
-  }
+  if (GpuCount() == 0) FAIL(kNeedsGpu);
   cudaStream_t stream;
   REFIT_CUDA_CHECK(cudaStreamCreate(&stream));
   for (bool mx : {true, false}) {
@@ -591,10 +572,7 @@ TEST_CASE("GPU codes are FloatToE4M3 itself across e4m3's range, ties and satura
 // quotients, scales at the FLT_MIN floor, huge ones), and bf16 / fp16 patterns: the IEEE division
 // and the scale rules on the GPU against the host twin.
 TEST_CASE("GPU quantization of random blocks of every exponent matches the host twin", "[fp8]") {
-  if (GpuCount() == 0) {
-    WARN("no GPU here: skipped");
-    return;
-  }
+  if (GpuCount() == 0) FAIL(kNeedsGpu);
   cudaStream_t stream;
   REFIT_CUDA_CHECK(cudaStreamCreate(&stream));
   std::mt19937_64 rng(99);
@@ -628,10 +606,7 @@ TEST_CASE("GPU quantization of random blocks of every exponent matches the host 
 // A block far larger than any engine uses (4096 x 4096, uint16's range allows it): one warp's
 // unit, the same bytes.
 TEST_CASE("GPU quantization of one 4096 x 4096 block matches the host twin", "[fp8]") {
-  if (GpuCount() == 0) {
-    WARN("no GPU here: skipped");
-    return;
-  }
+  if (GpuCount() == 0) FAIL(kNeedsGpu);
   cudaStream_t stream;
   REFIT_CUDA_CHECK(cudaStreamCreate(&stream));
   const int64_t n = 4096;
@@ -659,10 +634,7 @@ std::optional<ItemCase> FindItemCase(const std::string& name) {
 // The aligned kernel (what the backend launches for AlignedOnly work) and the general one give
 // the same bytes on the same aligned work: each through both, in both unit orders.
 TEST_CASE("the aligned kernel and the general one agree on aligned work") {
-  if (GpuCount() == 0) {
-    WARN("no GPU here: skipped");
-    return;
-  }
+  if (GpuCount() == 0) FAIL(kNeedsGpu);
   cudaStream_t stream;
   REFIT_CUDA_CHECK(cudaStreamCreate(&stream));
   const std::optional<ItemCase> c = FindItemCase("long aligned runs");
@@ -687,10 +659,7 @@ TEST_CASE("the aligned kernel and the general one agree on aligned work") {
 // word says go, and writes nothing when it says the round was called off (go + 1) or holds an
 // older round's go; both kernels, gated the same; the gate reports what it decided.
 TEST_CASE("gated copies copy only when their host word says go") {
-  if (GpuCount() == 0) {
-    WARN("no GPU here: skipped");
-    return;
-  }
+  if (GpuCount() == 0) FAIL(kNeedsGpu);
   cudaStream_t stream;
   REFIT_CUDA_CHECK(cudaStreamCreate(&stream));
   const std::optional<ItemCase> c = FindItemCase("long aligned runs");

@@ -104,7 +104,14 @@ int Run(const std::string& src_path, const std::string& dst_path, const Options&
   }
   std::vector<std::unique_ptr<DeviceBuffer>> owners;
   BufferAddresses sa, da;
-  for (const Buffer& b : src->buffers) owners.push_back(std::make_unique<DeviceBuffer>(b.NumBytes())), sa.push_back(owners.back()->address());
+  for (const Buffer& b : src->buffers) {
+    owners.push_back(std::make_unique<DeviceBuffer>(b.NumBytes()));
+    sa.push_back(owners.back()->address());
+    // Weight-like values: quantizing's cost depends on them (zeros, what a fresh allocation
+    // holds, would time a case no refit meets).
+    REFIT_CUDA_CHECK(FillBf16Weights(owners.back()->get(), b.NumBytes(), sa.size(), nullptr));
+  }
+  REFIT_CUDA_CHECK(cudaDeviceSynchronize());
   for (const Buffer& b : dst->buffers) owners.push_back(std::make_unique<DeviceBuffer>(b.NumBytes())), da.push_back(owners.back()->address());
   for (const ScratchBuffer& b : plan->scratch) owners.push_back(std::make_unique<DeviceBuffer>(b.NumBytes())), da.push_back(owners.back()->address());
   int64_t bytes = plan->stats.bytes_total;

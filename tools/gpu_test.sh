@@ -13,7 +13,7 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 tools=(daemon/refitd client/refit-layout client/refitctl tests/workers/sim-worker tests/workers/sim-worker-cuda
-       kernels/local_copy_bench)
+      )
 if [ "${1:-}" = "--bundle" ]; then
   mapfile -t gpu_tests < <(bazel query 'attr(tags, "\bgpu\b", tests(//...))' 2>/dev/null | sort)
   [ ${#gpu_tests[@]} -gt 0 ] || { echo "gpu_test: no test tagged \"gpu\" found" >&2; exit 1; }

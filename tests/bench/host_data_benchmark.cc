@@ -14,7 +14,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
-#include "client/cli_flags.h"
+#include "common/cli_flags.h"
 #include "daemon/host_backend.h"
 #include "plan/planner.h"
 #include "plan/test_layouts.h"

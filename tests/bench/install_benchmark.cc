@@ -16,7 +16,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
-#include "client/cli_flags.h"
+#include "common/cli_flags.h"
 #include "client/layout_generator.h"
 #include "tests/bench/frontier_cases.h"
 #include "daemon/node_agent.h"

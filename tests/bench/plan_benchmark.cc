@@ -16,7 +16,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
-#include "client/cli_flags.h"
+#include "common/cli_flags.h"
 #include "client/fp8_layout.h"
 #include "client/layout_generator.h"
 #include "kernels/network_schedule.h"

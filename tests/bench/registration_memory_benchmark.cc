@@ -15,7 +15,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
-#include "client/cli_flags.h"
+#include "common/cli_flags.h"
 #include "tests/bench/registration_memory.h"
 
 namespace refit {

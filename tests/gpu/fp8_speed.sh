@@ -3,9 +3,11 @@
 # quantizing kernels bit for bit against the host twin (kernels/copy_kernels_test "[fp8]": the
 # copy kernel's units and the quantizing kernel's, every finite fp32 through the hardware's e4m3
 # conversion), then kernels/local_copy_bench on the colocated refit's layouts (Llama-3-8B, trainer
-# FSDP=2 -> engine TP=2, every rank on GPU 0): bf16 -> block fp8 (128 x 128) and bf16 -> MXFP8,
-# each through the quantizing kernel (quantizing auto, both register plans) and through the copy
-# kernel as before (quantizing 0), beside bf16 -> bf16 and many-small-moe; each line against the
+# FSDP=2 -> engine TP=2, every rank on GPU 0; the sources filled with weight-like bf16 values):
+# bf16 -> block fp8 (128 x 128) and bf16 -> MXFP8, each as LaunchCopyItems runs it with
+# quantizing = HasQuantizing (auto: block fp8 through the quantizing kernel, both register plans;
+# MXFP8's one-row blocks stay in the copy kernel either way) and through the copy kernel alone
+# (quantizing 0), beside bf16 -> bf16 and many-small-moe; each line against the
 # device-to-device copy of the same run (kernel_vs_memcpy) and the memory bound at its rate
 # (of_traffic_bound: bytes read plus bytes written at the copy's rate, over the kernel's time).
 #   here:   bash tests/gpu/fp8_speed.sh --bundle     (builds into .device/fp8speed; /.device is ignored)

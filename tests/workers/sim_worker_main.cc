@@ -26,7 +26,7 @@
 #include <optional>
 
 #include "absl/strings/str_cat.h"
-#include "client/cli_flags.h"
+#include "common/cli_flags.h"
 #include "client/worker_client.h"
 #include "plan/validate.h"
 #include "plan/verify.h"

@@ -15,7 +15,7 @@ import grpc
 from refit.errors import InvalidArgument
 
 # Every daemon's certificate carries this DNS name; daemons are reached by IP address, so the
-# name checked is the role (daemon/tls_config.h).
+# name checked is the role (common/tls_config.h).
 SERVER_NAME = "refitd"
 
 

@@ -1,4 +1,4 @@
-#include "client/cli_flags.h"
+#include "common/cli_flags.h"
 
 #include <algorithm>
 #include <cstdio>

@@ -1,4 +1,4 @@
-// An inference layout in fp8 (issue 17): which of an engine's tensors it loads quantized, and
+// An inference layout in fp8: which of an engine's tensors it loads quantized, and
 // where their scales sit, in the conventions engines load (docs/LAYOUTS.md, "fp8 engines").
 //
 // Quantized: the 2-D weights of linear layers, named "...proj.weight" or "...proj_with_mqa.weight"

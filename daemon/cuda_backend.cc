@@ -605,7 +605,7 @@ absl::Status ListDirectWork(CudaBackend::Prepared::OnGpu& on, int32_t gpu, int s
                             std::deque<CopyWork>& parts) {
   on.direct.resize(kMaxStages);
   // Mixed work in two launches: on one H200, a real 1 GB model's (Qwen2.5-0.5B) 0.555 -> 0.529
-  // ms, 98,883 small tensors 2.063 -> 2.031 ms (session 16, local_copy_bench --split).
+  // ms, 98,883 small tensors 2.063 -> 2.031 ms (local_copy_bench --split).
   CopyWork& aligned = parts.emplace_back();
   CopyWork& general = parts.emplace_back();
   if (aligned_copy_kernel && !AlignedOnly(w)) SplitAligned(w, aligned, general);

@@ -61,9 +61,9 @@ class NodeCommunicator;
 // GPU lets the GPU switch back to the workers' contexts, and being let go costs a switch again:
 // on one H200, colocated 1 GB, 0.673 -> 0.746 ms armed without MPS. With MPS the transfer phase
 // fell 0.628 -> 0.584 ms (0.80-0.85 of the copy ceiling over four calls), but armed before the
-// PREPARE answer the launches grew PREPARE by 0.03-0.28 ms (docs/BENCHMARKS.md, session 17). Made
+// PREPARE answer the launches grew PREPARE by 0.03-0.28 ms (docs/BENCHMARKS.md). Made
 // on a thread of their own while the workers prepare, both phases are shorter armed than not
-// under MPS (session 18): kAuto is refitd's default.
+// under MPS (docs/BENCHMARKS.md): kAuto is refitd's default.
 enum class ArmRounds { kAuto, kAlways, kNever };
 
 class CudaBackend : public DataBackend {

@@ -68,7 +68,7 @@ void LogNetworkTimeline(const TransferJob& job, const CudaBackend::Prepared& p) 
 // GPU's copies within the node were done (their events read now: the next round reuses them).
 // One line, made by the log's writer thread: on the thread that answers TRANSFER, after a round's
 // sleep, each line logged cost microseconds of cold caches (a 1 GB colocated round spent 17-23 us
-// on the three lines before this one, session 19).
+// on the three lines before this one).
 void LogRound(const TransferJob& job, const CudaBackend::Prepared& p, const HostTimes& host, TransferStats* stats) {
   stats->data_plane_ms = absl::ToDoubleMilliseconds(absl::Now() - host.started);
   const bool from_request = job.requested != absl::InfinitePast();  // not so in tests and tools

@@ -552,7 +552,7 @@ absl::Status Daemon::Register(const v1::RegisterWorkerRequest& request, WorkerTr
   auto registered = registry_->Register(request, transport);
   if (!registered.ok()) return registered.status();
   const std::shared_ptr<LocalWorker>& worker = registered->worker;
-  // The coordinator's own membership keeps the pieces; a node's sync sends its snapshot (issue 15.5).
+  // The coordinator's own membership keeps the pieces; a node's sync sends its snapshot.
   if (auto s = SyncAdded(membership_ != nullptr ? worker->Full() : worker->request); !s.ok()) {
     registry_->Drop(worker->id);
     if (s.code() == absl::StatusCode::kAlreadyExists || s.code() == absl::StatusCode::kResourceExhausted) {

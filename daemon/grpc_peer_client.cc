@@ -98,7 +98,7 @@ void GrpcPeerClient::RunPhase(int32_t node, const v1::PhaseRequest& request, abs
     // TRANSFER on the caller's thread: the round driver calls its own node last, after every
     // peer's call went out, and waits for them all anyway. The two thread hand-offs (to the
     // executor and back) took 0.08-0.13 ms of a colocated refit's transfer phase on a GPU
-    // machine's VM, 0.02 ms without them (docs/BENCHMARKS.md, session 15). The phase is bounded by
+    // machine's VM, 0.02 ms without them (docs/BENCHMARKS.md). The phase is bounded by
     // its own deadline, and an ABORT (run at once, above) cancels it from another thread.
     if (request.phase() == v1::PhaseRequest::TRANSFER) {
       done(WithCulpritIfNone(options_.local_phase(request, response),

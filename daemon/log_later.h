@@ -1,7 +1,7 @@
 // Log lines written by a thread of their own, for the data plane's hot path. A round's report
 // (how long it moved, where the time went on each GPU) is worth a line each round, but writing
 // the lines to stderr before the node answered TRANSFER cost a colocated refit 0.06-0.09 ms of a
-// 0.4 ms transfer phase (session 15, one H200). LogLater keeps everything a line says as it was
+// 0.4 ms transfer phase (one H200). LogLater keeps everything a line says as it was
 // when logged (its arguments, its time, the thread's LogContext: the group and round in JSON logs)
 // and leaves formatting and writing to the writer thread, which writes what waits every 20 ms (a
 // line does not wake it: that cost the logging thread more than writing). So a data plane's lines

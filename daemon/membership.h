@@ -160,7 +160,7 @@ class Membership {
   MembershipCounts Counts() const;
 
  private:
-  // A worker as the coordinator keeps it (issue 15.5): the registration without its pieces as a
+  // A worker as the coordinator keeps it: the registration without its pieces as a
   // message, for everything but planning, and the whole of it (memory handles left out) as the
   // bytes it travels in, which the planner decodes when it plans. A piece costs about 500 bytes
   // as a message and 40 on the wire: a registration of 10^6 pieces held as a message cost the

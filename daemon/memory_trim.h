@@ -1,4 +1,4 @@
-// Gives freed heap memory back to the system soon after something large was freed (issue 15.5).
+// Gives freed heap memory back to the system soon after something large was freed.
 // A registration of 10^6 pieces goes through transient messages of hundreds of MB (the request
 // gRPC decoded, a node's snapshot for its sync, the coordinator's decoded sync), freed in many
 // small chunks that glibc keeps: the daemon's resident memory stayed at every peak it reached.

@@ -1,5 +1,5 @@
 // What a registration may hold, checked before anything of it is decoded, validated or mapped
-// (issue 15, "bounded input"): a worker is a local process, but not necessarily ours, and one
+// (docs/SECURITY.md, bounded input): a worker is a local process, but not necessarily ours, and one
 // registration of 10^6 pieces used to cost the node 2 GB and the coordinator 1.6 GB.
 //
 // Limits per registration (flags, daemon/config.cc; defaults far above any real model's rank:

@@ -1,4 +1,4 @@
-// Who may register a worker, and who may act for a registered one (issue 15, parts 3 and 4).
+// Who may register a worker, and who may act for a registered one.
 //
 // Admission: a registration that reaches the daemon on its unix socket must come with a handle
 // delivery (RegisterWorkerRequest.fd_token, zero descriptors allowed): the delivering

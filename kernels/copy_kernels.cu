@@ -122,7 +122,7 @@ __device__ __forceinline__ void SetElement(uint32_t* w, int i, uint32_t bits) {
 
 // Aligned 16-byte copy of n vectors: four loads in flight per lane before their stores. One at
 // a time (the compiler cannot move a load above the previous store, which might alias it) kept a
-// colocated 16 GB refit at 0.34 of the copy engine (issue 17).
+// colocated 16 GB refit at 0.34 of the copy engine.
 __device__ __forceinline__ void WarpCopy16Inline(const uint4* s4, uint4* d4, int64_t n, int lane) {
   constexpr int kInFlight = 4;
   int64_t i = lane;
@@ -588,7 +588,7 @@ __device__ __forceinline__ void QuantizeOneBlock(const unsigned char* s, unsigne
   const int size = Size(sdt);
   // bf16 blocks of whole 16-byte rows (128 x 128 blocks of row-major weights): 8 elements per
   // 16-byte load and 8 codes per 8-byte store, four loads in flight per lane. 2-byte loads one at
-  // a time made a 16 GB bf16 -> fp8 refit 4x slower than the bf16 copy (issue 17).
+  // a time made a 16 GB bf16 -> fp8 refit 4x slower than the bf16 copy.
   const bool vector = sdt == static_cast<uint8_t>(DType::kBF16) && nc % 8 == 0 &&
                       ((reinterpret_cast<uint64_t>(s) | static_cast<uint64_t>(ss * 2)) & 15) == 0 &&
                       (op != static_cast<uint8_t>(CopyOp::kQuantize) ||
@@ -1052,7 +1052,7 @@ __device__ __forceinline__ void CopyAlignedUnit(const unsigned char* s, unsigned
 // one unit each at once (the item searches and loads overlap instead of running one after another
 // per unit), then the whole warp copies them one by one. Tens of thousands of 2-8 KB units then
 // need fewer, shorter-lived blocks: beside NCCL's kernels, the 99k-tensor refit on 2 x H200 ran
-// 2.2x faster (docs/BENCHMARKS.md, session 10).
+// 2.2x faster (docs/BENCHMARKS.md).
 // 80 registers a thread (3 blocks of 256 an SM), as before tiles. Every access loop is a
 // separate __noinline__ function so that each is allocated on its own: inlined together (tiles
 // of five widths, casts, shifted spans, fp8 blocks) ptxas gave the kernel 210 registers, or
@@ -1311,7 +1311,7 @@ CopyLaunchShape DefaultCopyLaunchShape(bool aligned_only) {
   CopyLaunchShape shape;
   // The aligned kernel's units are long runs (segments up to 16 KiB): batches of 8 end the warps'
   // work evenly, where batches of 21 (a 1 GB model's 174k units) left the last wave's warps
-  // copying 120 KB each. One H200, local_copy_bench, same call (session 19): 1 GB 0.5229 ->
+  // copying 120 KB each. One H200, local_copy_bench, same call: 1 GB 0.5229 ->
   // 0.5098 ms, a 1 GB Qwen2.5-0.5B 0.5302 -> 0.5164, 16 GB 7.997 -> 7.968; the general kernel's
   // tiles of short runs want the lanes' resolving spread wide (many-small-moe 2.07 -> 2.09 ms at
   // 8, 2.25 at 1): 32 there.

@@ -81,7 +81,7 @@ cudaError_t LaunchGate(const uint32_t* host_word, uint32_t go, uint32_t* gate, u
 // a kernel that runs while the workers prepare is one running when refitd is killed, and under
 // MPS killing a client whose kernel runs is a fatal error for every client of the GPU: the
 // trainers' and engines' contexts torn down, the GPU reset (tests/gpu/armed_faults.sh case 5,
-// session 19). A stream wait is not a running kernel.
+// docs/BENCHMARKS.md). A stream wait is not a running kernel.
 cudaError_t LaunchWaitingGate(const uint32_t* host_word, uint32_t go, uint32_t* gate, uint32_t* decided,
                               unsigned sleep_ns, cudaStream_t stream);
 

@@ -1,4 +1,4 @@
-// How soon work launched ahead runs once the host lets it go (issue 17: an armed colocated
+// How soon work launched ahead runs once the host lets it go (an armed colocated
 // round). Per mode, one copy of --bytes through LaunchCopyItems, launched ahead behind a gate,
 // then, after --idle-us, let go by the host's store into mapped host memory; the host spins on
 // the copy's end event. Reports, medians of --repeat after 3 warm-up runs: from the store to the

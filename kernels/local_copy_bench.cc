@@ -1,4 +1,4 @@
-// The colocated refit's copy kernel alone, on the layouts a refit runs (issue 17): where the
+// The colocated refit's copy kernel alone, on the layouts a refit runs: where the
 // transfer phase's time goes when every message stays on one GPU. Plans --src into --dst (every
 // worker on GPU 0), allocates every buffer with cudaMalloc, builds the direct work of each stage
 // as the cuda backend does (DirectWork), and times one launch per stage, warm (medians of

@@ -1,4 +1,4 @@
-// Block-scaled fp8 quantization, the CPU reference (issue 17): bf16 or fp32 weights to OCP
+// Block-scaled fp8 quantization, the CPU reference: bf16 or fp32 weights to OCP
 // float8_e4m3fn with one scale per block, in the two layouts engines load.
 //
 // e4m3fn: 1 sign, 4 exponent bits (bias 7), 3 mantissa bits; no infinities; S.1111.111 (0x7f,

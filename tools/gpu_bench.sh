@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Issue 5, part 1: every benchmark of the 2-GPU machine in one run, machine-readable.
+# Every benchmark of the 2-GPU machine in one run, machine-readable.
 #   here:   bash tools/gpu_run.sh --bundle          (builds, bundles into .device/)
 #   there:  bash tools/gpu_bench.sh                 (results under $OUT, default out/bench)
 # Writes: machine.txt, ceilings.jsonl (peer_bench: copy engine, NCCL, local copy), baselines.jsonl
@@ -32,13 +32,13 @@ dis-s2 disaggregated llama3-8b 2 0 $((64 * M)) $((2 * G))
 dis-l16 disaggregated llama3-8b 1 16 $((64 * M)) $((2 * G))
 dis-small8k disaggregated many-small-moe 2 0 $((64 * M)) $((2 * G))
 dis-30b disaggregated qwen3-30b-a3b 1 0 $((64 * M)) $((2 * G))"
-# Issue 6, on a 4-GPU machine (SET=four): routing on and off with the daemons' NCCL on sockets,
+# On a 4-GPU machine (SET=four): routing on and off with the daemons' NCCL on sockets,
 # and the 2-GPU cases with 2 GPUs per daemon.
 four_gpu_cases="rep4-routing replicas4 llama3-8b 4 0 $((64 * M)) $((256 * M)) 1
 rep4-norouting replicas4 llama3-8b 4 0 $((64 * M)) $((256 * M)) 0
 dis4-8b disaggregated4 llama3-8b 1 0 $((64 * M)) $((2 * G)) 1
 col4-8b colocated4 llama3-8b 1 0 $((64 * M)) $((2 * G)) 1"
-# SET=next (measured in session 10): NCCL's stream at the GPU's highest priority against the same
+# SET=next: NCCL's stream at the GPU's highest priority against the same
 # run without, and the smaller sizes with the 8-step minimum.
 next_cases="dis-8b disaggregated llama3-8b 1 0 $((64 * M)) $((2 * G)) 1
 dis-8b-prio disaggregated llama3-8b 1 0 $((64 * M)) $((2 * G)) 1 $((16 * M)) 0 PRIORITY=1

@@ -107,7 +107,7 @@ def scaling(out, ceilings, baselines, refit_files):
     ax.set_ylim(0, 450)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=7, loc="lower right")
-    ax.set_title("Disaggregated refit on 2 × H200 (two daemons, NCCL), session 10")
+    ax.set_title("Disaggregated refit on 2 × H200 (two daemons, NCCL)")
     fig.tight_layout()
     fig.savefig(out, dpi=110)
 

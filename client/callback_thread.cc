@@ -30,7 +30,8 @@ void CallbackThread::Run() {
     {
       absl::MutexLock lock(&mu_);
       mu_.Await(absl::Condition(
-          +[](CallbackThread* t) ABSL_EXCLUSIVE_LOCKS_REQUIRED(t->mu_) { return t->stopping_ || !t->tasks_.empty(); },
+          +[](CallbackThread* t)
+               ABSL_EXCLUSIVE_LOCKS_REQUIRED(t->mu_) { return t->stopping_ || !t->tasks_.empty(); },
           this));
       if (tasks_.empty()) return;  // stopping, and everything queued ran
       task = std::move(tasks_.front());

@@ -1,9 +1,8 @@
 #include "client/callback_thread.h"
 
 #include <atomic>
-#include <vector>
-
 #include <catch2/catch.hpp>
+#include <vector>
 
 #include "absl/synchronization/notification.h"
 #include "absl/time/clock.h"

@@ -1,15 +1,17 @@
 // Exporting GPU buffers: an interior pointer of a cudaMalloc allocation exports as an IPC handle
 // with its offset; CUDA VMM memory made shareable as POSIX file descriptors exports as ranges of
 // physical allocations (each exported once, adjacent ones in one range); VMM memory that is not
-// shareable is refused, saying what to do. Fails where no GPU is present (tagged "gpu": CI leaves it out).
+// shareable is refused, saying what to do. Fails where no GPU is present (tagged "gpu": CI leaves
+// it out).
 #include "client/cuda_export.h"
-#include "tests/gpu/needs_gpu.h"
 
 #include <cuda.h>
 #include <cuda_runtime.h>
 #include <fcntl.h>
 
 #include <catch2/catch.hpp>
+
+#include "tests/gpu/needs_gpu.h"
 
 namespace refit {
 namespace {

@@ -33,6 +33,7 @@ bool QuantizedByEngines(absl::string_view name, const Fp8LayoutOptions& options)
 // their scale tensors. INVALID_ARGUMENT naming the tensor when a buffer mixes quantized and
 // plain tensors or a piece cuts a block (an engine could not load it: vLLM refuses the same
 // tensor-parallel sizes).
-absl::StatusOr<Layout> QuantizeInferenceLayout(const Layout& layout, const Fp8LayoutOptions& options);
+absl::StatusOr<Layout> QuantizeInferenceLayout(const Layout& layout,
+                                               const Fp8LayoutOptions& options);
 
 }  // namespace refit

@@ -25,8 +25,9 @@ ModelConfig Small(const std::string& name, int64_t factor, int64_t layers) {
   return ScaleDown(*c, factor, layers);
 }
 
-PlanStats PlanAndVerify(const ModelConfig& m, const TrainerParallelism& tp, const InferenceParallelism& ip,
-                        const Fp8LayoutOptions& fp8, bool colocated = false) {
+PlanStats PlanAndVerify(const ModelConfig& m, const TrainerParallelism& tp,
+                        const InferenceParallelism& ip, const Fp8LayoutOptions& fp8,
+                        bool colocated = false) {
   auto src = MakeTrainerLayout(m, tp, {4, 0}, DType::kBF16);
   INFO(src.status().message());
   REQUIRE(src.ok());
@@ -75,7 +76,8 @@ Fp8LayoutOptions Block(int64_t rows, int64_t cols) {
   return o;
 }
 
-TEST_CASE("Llama-3: Megatron TP2 holds whole blocks of the MLP; fused qkv head groups are gathered") {
+TEST_CASE(
+    "Llama-3: Megatron TP2 holds whole blocks of the MLP; fused qkv head groups are gathered") {
   const ModelConfig m = Small("llama3-8b.json", 16, 2);
   TrainerParallelism tp;
   tp.tp = 2;
@@ -198,7 +200,8 @@ TEST_CASE("a config's quantization_config is read") {
   CHECK(c->fp8.block_rows == 64);
   CHECK(c->fp8.block_cols == 32);
   CHECK(c->fp8.modules_to_not_convert == std::vector<std::string>{"lm_head"});
-  auto per_tensor = ParseModelConfig(R"({"model_type":"llama","hidden_size":64,"num_attention_heads":4,
+  auto per_tensor =
+      ParseModelConfig(R"({"model_type":"llama","hidden_size":64,"num_attention_heads":4,
     "num_hidden_layers":1,"vocab_size":32,"quantization_config":{"quant_method":"fp8"}})");
   REQUIRE(!per_tensor.ok());
   CHECK_THAT(std::string(per_tensor.status().message()), Catch::Contains("per-tensor fp8"));

@@ -7,7 +7,6 @@
 // modeling_deepseek.py for Kimi-K2); the offsets, paddings and shard sizes from
 // torch/distributed/fsdp/_flat_param.py and _fully_shard/_fsdp_param.py.
 #include <catch2/catch.hpp>
-
 #include <map>
 #include <string>
 #include <vector>
@@ -74,20 +73,19 @@ std::vector<std::string> Prefixed(const std::string& prefix, std::vector<std::st
   return names;
 }
 
-const std::vector<std::string> kAttention = {
-    "self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight",
-    "self_attn.o_proj.weight"};
-const std::vector<std::string> kAttentionBias = {
-    "self_attn.q_proj.weight", "self_attn.q_proj.bias", "self_attn.k_proj.weight",
-    "self_attn.k_proj.bias",   "self_attn.v_proj.weight", "self_attn.v_proj.bias",
-    "self_attn.o_proj.weight"};
+const std::vector<std::string> kAttention = {"self_attn.q_proj.weight", "self_attn.k_proj.weight",
+                                             "self_attn.v_proj.weight", "self_attn.o_proj.weight"};
+const std::vector<std::string> kAttentionBias = {"self_attn.q_proj.weight", "self_attn.q_proj.bias",
+                                                 "self_attn.k_proj.weight", "self_attn.k_proj.bias",
+                                                 "self_attn.v_proj.weight", "self_attn.v_proj.bias",
+                                                 "self_attn.o_proj.weight"};
 const std::vector<std::string> kQwen3Attention = {
     "self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight",
     "self_attn.o_proj.weight", "self_attn.q_norm.weight", "self_attn.k_norm.weight"};
 const std::vector<std::string> kLatentAttention = {
-    "self_attn.q_a_proj.weight",          "self_attn.q_a_layernorm.weight",
-    "self_attn.q_b_proj.weight",          "self_attn.kv_a_proj_with_mqa.weight",
-    "self_attn.kv_a_layernorm.weight",    "self_attn.kv_b_proj.weight",
+    "self_attn.q_a_proj.weight",       "self_attn.q_a_layernorm.weight",
+    "self_attn.q_b_proj.weight",       "self_attn.kv_a_proj_with_mqa.weight",
+    "self_attn.kv_a_layernorm.weight", "self_attn.kv_b_proj.weight",
     "self_attn.o_proj.weight"};
 const std::vector<std::string> kMlp = {"mlp.gate_proj.weight", "mlp.up_proj.weight",
                                        "mlp.down_proj.weight"};
@@ -112,7 +110,8 @@ std::vector<std::string> Experts(const std::string& group, int n) {
 
 // The tensors of one buffer of one worker, in piece order, each once (an FSDP1 shard holds up
 // to three pieces of a tensor, consecutively).
-std::vector<std::string> TensorsOf(const Layout& l, const std::string& worker, const std::string& buffer) {
+std::vector<std::string> TensorsOf(const Layout& l, const std::string& worker,
+                                   const std::string& buffer) {
   std::vector<std::string> out;
   for (const Piece& p : l.pieces) {
     const Buffer& b = l.buffers[p.buffer];
@@ -210,35 +209,58 @@ TEST_CASE("FSDP1 flattens each unit's parameters in Hugging Face registration or
   const std::vector<OrderCase> cases = {
       {"llama", kLlama, root, Prefixed(l1, Concat({kAttention, kMlp, kNorms})), {}, {1, 2, false}},
       // Tied: lm_head.weight is model.embed_tokens.weight, yielded once.
-      {"qwen2 (q/k/v biases, tied embeddings)", kQwen2Tied,
+      {"qwen2 (q/k/v biases, tied embeddings)",
+       kQwen2Tied,
        {"model.embed_tokens.weight", "model.norm.weight"},
-       Prefixed(l1, Concat({kAttentionBias, kMlp, kNorms})), {}},
-      {"qwen3 (q_norm, k_norm after o_proj)", kQwen3, root,
-       Prefixed(l1, Concat({kQwen3Attention, kMlp, kNorms})), {}},
+       Prefixed(l1, Concat({kAttentionBias, kMlp, kNorms})),
+       {}},
+      {"qwen3 (q_norm, k_norm after o_proj)",
+       kQwen3,
+       root,
+       Prefixed(l1, Concat({kQwen3Attention, kMlp, kNorms})),
+       {}},
       // Qwen3MoeSparseMoeBlock: gate, then experts.
-      {"qwen3_moe", kQwen3Moe, root,
-       Prefixed(l1, Concat({kQwen3Attention, {"mlp.gate.weight"}, Experts("mlp.experts", 2), kNorms})), {}},
+      {"qwen3_moe",
+       kQwen3Moe,
+       root,
+       Prefixed(l1,
+                Concat({kQwen3Attention, {"mlp.gate.weight"}, Experts("mlp.experts", 2), kNorms})),
+       {}},
       // Qwen2MoeSparseMoeBlock: gate, experts, shared_expert, shared_expert_gate.
-      {"qwen2_moe", kQwen2Moe, root,
-       Prefixed(l1, Concat({kAttentionBias, {"mlp.gate.weight"}, Experts("mlp.experts", 2),
-                            {"mlp.shared_expert.gate_proj.weight", "mlp.shared_expert.up_proj.weight",
-                             "mlp.shared_expert.down_proj.weight", "mlp.shared_expert_gate.weight"},
-                            kNorms})),
+      {"qwen2_moe",
+       kQwen2Moe,
+       root,
+       Prefixed(l1,
+                Concat({kAttentionBias,
+                        {"mlp.gate.weight"},
+                        Experts("mlp.experts", 2),
+                        {"mlp.shared_expert.gate_proj.weight", "mlp.shared_expert.up_proj.weight",
+                         "mlp.shared_expert.down_proj.weight", "mlp.shared_expert_gate.weight"},
+                        kNorms})),
        {}},
       // DeepseekV3MoE: experts, gate (its e_score_correction_bias a registered buffer), shared.
-      {"deepseek_v3", kDeepSeek, root,
-       Prefixed(l1, Concat({kLatentAttention, Experts("mlp.experts", 2), {"mlp.gate.weight"},
-                            {"mlp.shared_experts.gate_proj.weight", "mlp.shared_experts.up_proj.weight",
-                             "mlp.shared_experts.down_proj.weight"},
-                            kNorms})),
+      {"deepseek_v3",
+       kDeepSeek,
+       root,
+       Prefixed(l1,
+                Concat({kLatentAttention,
+                        Experts("mlp.experts", 2),
+                        {"mlp.gate.weight"},
+                        {"mlp.shared_experts.gate_proj.weight", "mlp.shared_experts.up_proj.weight",
+                         "mlp.shared_experts.down_proj.weight"},
+                        kNorms})),
        {"model.layers.1.mlp.gate.e_score_correction_bias"}},
       // Kimi-K2 runs DeepSeek's remote code, whose MoEGate makes the bias an nn.Parameter.
-      {"kimi_k2", Kimi(), root,
-       Prefixed(l1, Concat({kLatentAttention, Experts("mlp.experts", 2),
-                            {"mlp.gate.weight", "mlp.gate.e_score_correction_bias"},
-                            {"mlp.shared_experts.gate_proj.weight", "mlp.shared_experts.up_proj.weight",
-                             "mlp.shared_experts.down_proj.weight"},
-                            kNorms})),
+      {"kimi_k2",
+       Kimi(),
+       root,
+       Prefixed(l1,
+                Concat({kLatentAttention,
+                        Experts("mlp.experts", 2),
+                        {"mlp.gate.weight", "mlp.gate.e_score_correction_bias"},
+                        {"mlp.shared_experts.gate_proj.weight", "mlp.shared_experts.up_proj.weight",
+                         "mlp.shared_experts.down_proj.weight"},
+                        kNorms})),
        {}},
   };
   for (const OrderCase& c : cases) {
@@ -303,39 +325,67 @@ TEST_CASE("FSDP1 padding: at the end only, or aligned per parameter with use_ori
   // numels: q 36, k 18, v 18, o 36, gate 30, up 30, down 30, norms 6 + 6 (210); embed 42,
   // norm 6, lm_head 42 (90).
   const std::vector<Case> cases = {
-      {"use_orig_params=False: concatenated, right-padded to 4 * ceil(numel / 4)", Fsdp1(4),
-       DType::kBF16, 53, 23,
-       {{p + "self_attn.q_proj.weight", 0}, {p + "self_attn.k_proj.weight", 36},
-        {p + "self_attn.v_proj.weight", 54}, {p + "self_attn.o_proj.weight", 72},
-        {p + "mlp.gate_proj.weight", 108}, {p + "mlp.up_proj.weight", 138},
-        {p + "mlp.down_proj.weight", 168}, {p + "input_layernorm.weight", 198},
+      {"use_orig_params=False: concatenated, right-padded to 4 * ceil(numel / 4)",
+       Fsdp1(4),
+       DType::kBF16,
+       53,
+       23,
+       {{p + "self_attn.q_proj.weight", 0},
+        {p + "self_attn.k_proj.weight", 36},
+        {p + "self_attn.v_proj.weight", 54},
+        {p + "self_attn.o_proj.weight", 72},
+        {p + "mlp.gate_proj.weight", 108},
+        {p + "mlp.up_proj.weight", 138},
+        {p + "mlp.down_proj.weight", 168},
+        {p + "input_layernorm.weight", 198},
         {p + "post_attention_layernorm.weight", 204}},
        {{"model.embed_tokens.weight", 0}, {"model.norm.weight", 42}, {"lm_head.weight", 48}}},
       // bf16: 16 bytes = 8 elements; 238 -> 240 for 4 ranks.
-      {"use_orig_params=True, bf16: each parameter at a multiple of 8", Fsdp1(4, 1, true),
-       DType::kBF16, 60, 25,
-       {{p + "self_attn.q_proj.weight", 0}, {p + "self_attn.k_proj.weight", 40},
-        {p + "self_attn.v_proj.weight", 64}, {p + "self_attn.o_proj.weight", 88},
-        {p + "mlp.gate_proj.weight", 128}, {p + "mlp.up_proj.weight", 160},
-        {p + "mlp.down_proj.weight", 192}, {p + "input_layernorm.weight", 224},
+      {"use_orig_params=True, bf16: each parameter at a multiple of 8",
+       Fsdp1(4, 1, true),
+       DType::kBF16,
+       60,
+       25,
+       {{p + "self_attn.q_proj.weight", 0},
+        {p + "self_attn.k_proj.weight", 40},
+        {p + "self_attn.v_proj.weight", 64},
+        {p + "self_attn.o_proj.weight", 88},
+        {p + "mlp.gate_proj.weight", 128},
+        {p + "mlp.up_proj.weight", 160},
+        {p + "mlp.down_proj.weight", 192},
+        {p + "input_layernorm.weight", 224},
         {p + "post_attention_layernorm.weight", 232}},
        {{"model.embed_tokens.weight", 0}, {"model.norm.weight", 48}, {"lm_head.weight", 56}}},
       // fp32 without mixed precision: 4 elements; 222 -> 224.
-      {"use_orig_params=True, fp32: each parameter at a multiple of 4", Fsdp1(4, 1, true),
-       DType::kF32, 56, 24,
-       {{p + "self_attn.q_proj.weight", 0}, {p + "self_attn.k_proj.weight", 36},
-        {p + "self_attn.v_proj.weight", 56}, {p + "self_attn.o_proj.weight", 76},
-        {p + "mlp.gate_proj.weight", 112}, {p + "mlp.up_proj.weight", 144},
-        {p + "mlp.down_proj.weight", 176}, {p + "input_layernorm.weight", 208},
+      {"use_orig_params=True, fp32: each parameter at a multiple of 4",
+       Fsdp1(4, 1, true),
+       DType::kF32,
+       56,
+       24,
+       {{p + "self_attn.q_proj.weight", 0},
+        {p + "self_attn.k_proj.weight", 36},
+        {p + "self_attn.v_proj.weight", 56},
+        {p + "self_attn.o_proj.weight", 76},
+        {p + "mlp.gate_proj.weight", 112},
+        {p + "mlp.up_proj.weight", 144},
+        {p + "mlp.down_proj.weight", 176},
+        {p + "input_layernorm.weight", 208},
         {p + "post_attention_layernorm.weight", 216}},
        {{"model.embed_tokens.weight", 0}, {"model.norm.weight", 44}, {"lm_head.weight", 52}}},
       // fp32 weights, MixedPrecision(param_dtype=bf16): the forward dtype aligns, as in bf16.
-      {"use_orig_params=True, fp32 with bf16 mixed precision: aligned as bf16", orig_bf16_params,
-       DType::kF32, 60, 25,
-       {{p + "self_attn.q_proj.weight", 0}, {p + "self_attn.k_proj.weight", 40},
-        {p + "self_attn.v_proj.weight", 64}, {p + "self_attn.o_proj.weight", 88},
-        {p + "mlp.gate_proj.weight", 128}, {p + "mlp.up_proj.weight", 160},
-        {p + "mlp.down_proj.weight", 192}, {p + "input_layernorm.weight", 224},
+      {"use_orig_params=True, fp32 with bf16 mixed precision: aligned as bf16",
+       orig_bf16_params,
+       DType::kF32,
+       60,
+       25,
+       {{p + "self_attn.q_proj.weight", 0},
+        {p + "self_attn.k_proj.weight", 40},
+        {p + "self_attn.v_proj.weight", 64},
+        {p + "self_attn.o_proj.weight", 88},
+        {p + "mlp.gate_proj.weight", 128},
+        {p + "mlp.up_proj.weight", 160},
+        {p + "mlp.down_proj.weight", 192},
+        {p + "input_layernorm.weight", 224},
         {p + "post_attention_layernorm.weight", 232}},
        {{"model.embed_tokens.weight", 0}, {"model.norm.weight", 48}, {"lm_head.weight", 56}}},
   };
@@ -363,10 +413,15 @@ TEST_CASE("FSDP1 on real models: shards start mid-tensor; HSDP replicas; all pla
   };
   const std::vector<Case> cases = {
       {"Llama-3-8B FSDP8 -> TP4", Real("llama3-8b.json", 32, 2), Fsdp1(8), {4, 1, false}},
-      {"Llama-3-8B HSDP 4 x 2 use_orig_params -> TP2 DP2", Real("llama3-8b.json", 32, 2),
-       Fsdp1(4, 2, true), {2, 2, false}},
+      {"Llama-3-8B HSDP 4 x 2 use_orig_params -> TP2 DP2",
+       Real("llama3-8b.json", 32, 2),
+       Fsdp1(4, 2, true),
+       {2, 2, false}},
       {"Qwen2.5-7B FSDP6 -> TP4", Real("qwen2.5-7b.json", 28, 2), Fsdp1(6), {4, 1, false}},
-      {"Qwen3-30B-A3B FSDP4 -> TP2 and EP", Real("qwen3-30b-a3b.json", 16, 2), Fsdp1(4), {2, 2, true}},
+      {"Qwen3-30B-A3B FSDP4 -> TP2 and EP",
+       Real("qwen3-30b-a3b.json", 16, 2),
+       Fsdp1(4),
+       {2, 2, true}},
       {"DeepSeek-V3 FSDP8 -> TP8", Real("deepseek-v3.json", 64, 4), Fsdp1(8), {8, 1, false}},
       {"Kimi-K2 FSDP4 -> TP4", Real("kimi-k2.json", 64, 2), Fsdp1(4, 1, true), {4, 1, false}},
   };
@@ -422,7 +477,7 @@ TEST_CASE("FSDP2 shards every parameter on dim 0 as torch.chunk: uneven and empt
     std::vector<int64_t> rows;
   };
   const std::vector<Case> cases = {
-      {"model.embed_tokens.weight", 4, {2, 2, 1, 0}},                         // chunk 2
+      {"model.embed_tokens.weight", 4, {2, 2, 1, 0}},                           // chunk 2
       {"model.layers.0.self_attn.k_proj.weight", 8, {1, 1, 1, 0, 0, 0, 0, 0}},  // chunk 1
       {"model.layers.0.self_attn.q_proj.weight", 4, {2, 2, 2, 0}},  // 6 rows: chunk 2, not 2,2,1,1
       {"model.layers.1.mlp.down_proj.weight", 3, {3, 3, 2}},        // 8 rows: chunk 3
@@ -461,7 +516,8 @@ TEST_CASE("FSDP2 ranks that hold nothing at all: still workers, validated and pl
   for (int r = 0; r < 8; ++r) {
     CHECK(BufferNames(l, absl::StrCat("fsdp-rank", r)).empty() == (r >= 3));
   }
-  CHECK(RowsPerRank(l, "model.embed_tokens.weight", 8) == std::vector<int64_t>{1, 1, 1, 0, 0, 0, 0, 0});
+  CHECK(RowsPerRank(l, "model.embed_tokens.weight", 8) ==
+        std::vector<int64_t>{1, 1, 1, 0, 0, 0, 0, 0});
   PlanAndVerify(l, m, {2, 1, false});
   PlanAndVerify(l, m, {1, 4, false});
 }
@@ -473,12 +529,14 @@ TEST_CASE("FSDP2 buffers are the parameters, by name, in named_parameters() orde
   for (const TensorDef& t : ModelTensors(m)) expected.push_back(t.name);
   CHECK(BufferNames(l, "fsdp-rank0") == expected);
   // The router's e_score_correction_bias is a module buffer: whole on every rank.
-  const Buffer* bias = FindBuffer(l, "fsdp-rank1", "model.layers.1.mlp.gate.e_score_correction_bias");
+  const Buffer* bias =
+      FindBuffer(l, "fsdp-rank1", "model.layers.1.mlp.gate.e_score_correction_bias");
   REQUIRE(bias != nullptr);
   CHECK(bias->shape == Dims{2});
   // Kimi-K2's is a parameter, sharded like the others.
   const Layout kimi = Trainer(Parse(Kimi()), Fsdp2(2));
-  CHECK(FindBuffer(kimi, "fsdp-rank1", "model.layers.1.mlp.gate.e_score_correction_bias")->shape == Dims{1});
+  CHECK(FindBuffer(kimi, "fsdp-rank1", "model.layers.1.mlp.gate.e_score_correction_bias")->shape ==
+        Dims{1});
   // Tied embeddings: one parameter, model.embed_tokens.weight; no lm_head.
   const Layout tied = Trainer(Parse(kQwen2Tied), Fsdp2(2));
   CHECK(FindBuffer(tied, "fsdp-rank0", "model.embed_tokens.weight") != nullptr);
@@ -497,9 +555,21 @@ TEST_CASE("FSDP2 on real models, HSDP included, planned byte-exact; ranks with e
       {"Llama-3-8B FSDP2 x8 -> TP4", Real("llama3-8b.json", 32, 2), Fsdp2(8), {4, 1, false}, 8},
       // 8 kv heads * 4 = 32 rows of k_proj over 48 ranks: chunk 1, ranks 32.. empty.
       {"Llama-3-8B FSDP2 x48 -> TP8", Real("llama3-8b.json", 32, 1), Fsdp2(48), {8, 1, false}, 8},
-      {"Qwen2.5-7B HSDP 3 x 2 -> TP2 DP2", Real("qwen2.5-7b.json", 28, 2), Fsdp2(3, 2), {2, 2, false}, 4},
-      {"Qwen3-30B-A3B FSDP2 x6 -> EP", Real("qwen3-30b-a3b.json", 16, 2), Fsdp2(6), {2, 2, true}, 8},
-      {"DeepSeek-V3 FSDP2 x16 -> TP8", Real("deepseek-v3.json", 64, 4), Fsdp2(16), {8, 1, false}, 8},
+      {"Qwen2.5-7B HSDP 3 x 2 -> TP2 DP2",
+       Real("qwen2.5-7b.json", 28, 2),
+       Fsdp2(3, 2),
+       {2, 2, false},
+       4},
+      {"Qwen3-30B-A3B FSDP2 x6 -> EP",
+       Real("qwen3-30b-a3b.json", 16, 2),
+       Fsdp2(6),
+       {2, 2, true},
+       8},
+      {"DeepSeek-V3 FSDP2 x16 -> TP8",
+       Real("deepseek-v3.json", 64, 4),
+       Fsdp2(16),
+       {8, 1, false},
+       8},
       {"Kimi-K2 HSDP 4 x 2 -> TP4", Real("kimi-k2.json", 64, 2), Fsdp2(4, 2), {4, 1, false}, 8},
   };
   for (const Case& c : cases) {
@@ -546,49 +616,107 @@ TrainerParallelism Megatron(int32_t tp, int32_t ep = 1, int32_t dp = 1) {
 }
 
 TEST_CASE("parallelisms that Megatron or vLLM refuse are refused, naming the setting") {
-  const std::string llama8b = *ReadFile("tests/configs/llama3-8b.json");    // 32 heads, 8 kv
+  const std::string llama8b = *ReadFile("tests/configs/llama3-8b.json");       // 32 heads, 8 kv
   const std::string qwen3moe = *ReadFile("tests/configs/qwen3-30b-a3b.json");  // 128 experts
   // 12 heads, 4 kv heads, intermediate 12, 4 experts of 6.
-  const std::string odd = R"({"model_type": "qwen3_moe", "hidden_size": 24, "num_attention_heads": 12,
+  const std::string odd =
+      R"({"model_type": "qwen3_moe", "hidden_size": 24, "num_attention_heads": 12,
       "head_dim": 2, "num_key_value_heads": 4, "intermediate_size": 12, "num_hidden_layers": 2,
       "vocab_size": 64, "num_experts": 4, "moe_intermediate_size": 6, "mlp_only_layers": [0]})";
   // 8 heads, 8 kv heads, intermediate 12, 4 experts of 8.
-  const std::string few = R"({"model_type": "qwen3_moe", "hidden_size": 16, "num_attention_heads": 8,
+  const std::string few =
+      R"({"model_type": "qwen3_moe", "hidden_size": 16, "num_attention_heads": 8,
       "head_dim": 2, "num_key_value_heads": 8, "intermediate_size": 12, "num_hidden_layers": 2,
       "vocab_size": 64, "num_experts": 4, "moe_intermediate_size": 8, "mlp_only_layers": [0]})";
   std::string wide = few;  // intermediate 16: only the experts' count stands in TP8's way
   wide.replace(wide.find("\"intermediate_size\": 12"), 23, "\"intermediate_size\": 16");
   const std::vector<Refusal> cases = {
-      {"vLLM TP3 on 32 heads", llama8b, "vLLM needs tp (3) to divide num_attention_heads (32)", false, {},
+      {"vLLM TP3 on 32 heads",
+       llama8b,
+       "vLLM needs tp (3) to divide num_attention_heads (32)",
+       false,
+       {},
        {3, 1, false}},
-      {"vLLM TP6 on 4 kv heads", odd,
-       "vLLM needs tp (6) and num_key_value_heads (4) to divide one another", false, {}, {6, 1, false}},
-      {"vLLM TP4 on moe_intermediate_size 6", odd, "vLLM needs tp (4) to divide moe_intermediate_size (6)",
-       false, {}, {4, 1, false}},
-      // FusedMoE flattens tp over dp (FusedMoEParallelConfig.make): the experts' width over dp * tp.
-      {"vLLM TP2 DP2 on moe_intermediate_size 6", odd,
-       "vLLM needs dp * tp (4) to divide moe_intermediate_size (6)", false, {}, {2, 2, false}},
-      {"vLLM TP1 DP4 on moe_intermediate_size 6", odd,
-       "vLLM needs dp * tp (4) to divide moe_intermediate_size (6)", false, {}, {1, 4, false}},
-      {"vLLM TP4 DP4 on moe_intermediate_size 8", few,
-       "vLLM needs dp * tp (16) to divide moe_intermediate_size (8)", false, {}, {4, 4, false}},
-      {"vLLM TP8 on intermediate_size 12", few, "vLLM needs tp (8) to divide intermediate_size (12)", false,
-       {}, {8, 1, false}},
-      {"vLLM TP8 on 4 experts", wide,
-       "vLLM refuses tp (8) greater than the number of experts (4)", false, {},
+      {"vLLM TP6 on 4 kv heads",
+       odd,
+       "vLLM needs tp (6) and num_key_value_heads (4) to divide one another",
+       false,
+       {},
+       {6, 1, false}},
+      {"vLLM TP4 on moe_intermediate_size 6",
+       odd,
+       "vLLM needs tp (4) to divide moe_intermediate_size (6)",
+       false,
+       {},
+       {4, 1, false}},
+      // FusedMoE flattens tp over dp (FusedMoEParallelConfig.make): the experts' width over dp *
+      // tp.
+      {"vLLM TP2 DP2 on moe_intermediate_size 6",
+       odd,
+       "vLLM needs dp * tp (4) to divide moe_intermediate_size (6)",
+       false,
+       {},
+       {2, 2, false}},
+      {"vLLM TP1 DP4 on moe_intermediate_size 6",
+       odd,
+       "vLLM needs dp * tp (4) to divide moe_intermediate_size (6)",
+       false,
+       {},
+       {1, 4, false}},
+      {"vLLM TP4 DP4 on moe_intermediate_size 8",
+       few,
+       "vLLM needs dp * tp (16) to divide moe_intermediate_size (8)",
+       false,
+       {},
+       {4, 4, false}},
+      {"vLLM TP8 on intermediate_size 12",
+       few,
+       "vLLM needs tp (8) to divide intermediate_size (12)",
+       false,
+       {},
        {8, 1, false}},
-      {"vLLM expert parallelism over more ranks than experts", odd,
-       "expert parallelism over 8 ranks exceeds the number of experts (4)", false, {}, {2, 4, true}},
-      {"Megatron TP3 on 32 heads", llama8b, "Megatron needs tp (3) to divide num_attention_heads (32)", true,
-       Megatron(3), {}},
-      {"Megatron TP16 on 8 kv heads", llama8b, "Megatron needs tp (16) to divide num_key_value_heads (8)",
-       true, Megatron(16), {}},
-      {"Megatron TP8 on intermediate_size 12", few, "Megatron needs tp (8) to divide intermediate_size (12)",
-       true, Megatron(8), {}},
-      {"Megatron TP4 on moe_intermediate_size 6", odd,
-       "Megatron needs tp (4) to divide moe_intermediate_size (6)", true, Megatron(4), {}},
-      {"Megatron EP3 on 128 experts", qwen3moe, "Megatron needs ep (3) to divide the number of experts (128)",
-       true, Megatron(1, 3, 3), {}},
+      {"vLLM TP8 on 4 experts",
+       wide,
+       "vLLM refuses tp (8) greater than the number of experts (4)",
+       false,
+       {},
+       {8, 1, false}},
+      {"vLLM expert parallelism over more ranks than experts",
+       odd,
+       "expert parallelism over 8 ranks exceeds the number of experts (4)",
+       false,
+       {},
+       {2, 4, true}},
+      {"Megatron TP3 on 32 heads",
+       llama8b,
+       "Megatron needs tp (3) to divide num_attention_heads (32)",
+       true,
+       Megatron(3),
+       {}},
+      {"Megatron TP16 on 8 kv heads",
+       llama8b,
+       "Megatron needs tp (16) to divide num_key_value_heads (8)",
+       true,
+       Megatron(16),
+       {}},
+      {"Megatron TP8 on intermediate_size 12",
+       few,
+       "Megatron needs tp (8) to divide intermediate_size (12)",
+       true,
+       Megatron(8),
+       {}},
+      {"Megatron TP4 on moe_intermediate_size 6",
+       odd,
+       "Megatron needs tp (4) to divide moe_intermediate_size (6)",
+       true,
+       Megatron(4),
+       {}},
+      {"Megatron EP3 on 128 experts",
+       qwen3moe,
+       "Megatron needs ep (3) to divide the number of experts (128)",
+       true,
+       Megatron(1, 3, 3),
+       {}},
   };
   for (const Refusal& c : cases) {
     SECTION(c.name) {
@@ -605,7 +733,8 @@ TEST_CASE("parallelisms that Megatron or vLLM refuse are refused, naming the set
 
 TEST_CASE("the divisible neighbours of those refusals are accepted") {
   const ModelConfig llama = Real("llama3-8b.json", 32, 1);
-  CHECK(MakeInferenceLayout(llama, {16, 1, false}, {8, 0}, DType::kBF16).ok());  // kv 8 replicated 2x
+  CHECK(
+      MakeInferenceLayout(llama, {16, 1, false}, {8, 0}, DType::kBF16).ok());  // kv 8 replicated 2x
   CHECK(MakeInferenceLayout(llama, {4, 1, false}, {8, 0}, DType::kBF16).ok());
   const ModelConfig odd = Parse(R"({"model_type": "qwen3_moe", "hidden_size": 24,
       "num_attention_heads": 12, "head_dim": 2, "num_key_value_heads": 4, "intermediate_size": 12,

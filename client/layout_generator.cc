@@ -136,7 +136,7 @@ absl::Status AddMegatronRank(Builder& b, const ModelConfig& m, const TrainerPara
   auto [layer0, layer1] = Part(L, p.pp, stage);
   const int64_t tp = p.tp;
   for (const TensorDef& def : b.defs()) {
-    const bool in_stage = def.layer < 0   ? stage == 0
+    const bool in_stage = def.layer < 0    ? stage == 0
                           : def.layer >= L ? stage == p.pp - 1
                                            : def.layer >= layer0 && def.layer < layer1;
     if (!in_stage) continue;
@@ -152,11 +152,13 @@ absl::Status AddMegatronRank(Builder& b, const ModelConfig& m, const TrainerPara
       case Role::kEmbedding:
       case Role::kLmHead: {
         const int64_t per = RoundUp(def.shape[0], 128 * tp) / tp;
-        const int32_t buf = b.Buffer(worker, def.role == Role::kEmbedding
-                                                 ? "embedding.word_embeddings.weight"
-                                                 : "output_layer.weight",
-                                     Dims{per, def.shape[1]});
-        const int64_t r0 = std::min(t * per, def.shape[0]), r1 = std::min((t + 1) * per, def.shape[0]);
+        const int32_t buf =
+            b.Buffer(worker,
+                     def.role == Role::kEmbedding ? "embedding.word_embeddings.weight"
+                                                  : "output_layer.weight",
+                     Dims{per, def.shape[1]});
+        const int64_t r0 = std::min(t * per, def.shape[0]),
+                      r1 = std::min((t + 1) * per, def.shape[0]);
         b.Put(ti, RowsOf(def.shape, r0, r1), buf, Dims{0, 0});
         break;
       }
@@ -237,7 +239,8 @@ absl::Status AddMegatronRank(Builder& b, const ModelConfig& m, const TrainerPara
 // Trainer, FSDP1 and FSDP2 (see the header for the conventions and the sources they follow).
 
 // Workers of an FSDP (or HSDP) trainer, by rank = replica * shards + shard.
-std::vector<int32_t> FsdpWorkers(Builder& b, const TrainerParallelism& p, const PlacementOptions& where) {
+std::vector<int32_t> FsdpWorkers(Builder& b, const TrainerParallelism& p,
+                                 const PlacementOptions& where) {
   std::vector<int32_t> workers;
   for (int64_t r = 0; r < p.World(); ++r) {
     workers.push_back(b.Worker(absl::StrCat("fsdp-rank", r), static_cast<int32_t>(r), where));
@@ -326,7 +329,8 @@ absl::StatusOr<Layout> MakeFsdp2Layout(const ModelConfig& m, const TrainerParall
       }
       const int64_t rows = def.shape[0], chunk = (rows + shards - 1) / shards;
       const int64_t r0 = std::min(s * chunk, rows), r1 = std::min((s + 1) * chunk, rows);
-      b.Own(workers[r], def.name, static_cast<int32_t>(i), RowsOf(def.shape, r0, r1));  // none if empty
+      b.Own(workers[r], def.name, static_cast<int32_t>(i),
+            RowsOf(def.shape, r0, r1));  // none if empty
     }
   }
   return b.Take();
@@ -375,7 +379,8 @@ void AddVllmRank(Builder& b, const ModelConfig& m, const InferenceParallelism& p
         const int64_t padded = RoundUp(def.shape[0], 64);
         const int64_t per = (padded + tp - 1) / tp;
         const int32_t buf = b.Buffer(worker, def.name, Dims{per, def.shape[1]});
-        const int64_t r0 = std::min(t * per, def.shape[0]), r1 = std::min((t + 1) * per, def.shape[0]);
+        const int64_t r0 = std::min(t * per, def.shape[0]),
+                      r1 = std::min((t + 1) * per, def.shape[0]);
         b.Put(ti, RowsOf(def.shape, r0, r1), buf, Dims{0, 0});
         break;
       }
@@ -474,8 +479,8 @@ absl::Status CheckPositive(std::initializer_list<std::pair<const char*, int32_t>
 absl::Status CheckDivides(const char* framework, const char* what, int64_t tp, const char* field,
                           int64_t value) {
   if (value % tp == 0) return absl::OkStatus();
-  return absl::InvalidArgumentError(absl::StrCat(framework, " needs ", what, " (", tp,
-                                                 ") to divide ", field, " (", value, ")"));
+  return absl::InvalidArgumentError(
+      absl::StrCat(framework, " needs ", what, " (", tp, ") to divide ", field, " (", value, ")"));
 }
 
 bool AnyDenseLayer(const ModelConfig& m) {
@@ -500,7 +505,8 @@ bool AnyMoeLayer(const ModelConfig& m) {
 absl::Status CheckTensorParallel(const char* framework, const ModelConfig& m, int64_t tp,
                                  int64_t experts_tp, const char* experts_tp_name,
                                  bool kv_replicable) {
-  if (auto s = CheckDivides(framework, "tp", tp, "num_attention_heads", m.num_attention_heads); !s.ok()) {
+  if (auto s = CheckDivides(framework, "tp", tp, "num_attention_heads", m.num_attention_heads);
+      !s.ok()) {
     return s;
   }
   const int64_t kv = m.num_key_value_heads;
@@ -513,7 +519,8 @@ absl::Status CheckTensorParallel(const char* framework, const ModelConfig& m, in
     }
   }
   if (AnyDenseLayer(m)) {
-    if (auto s = CheckDivides(framework, "tp", tp, "intermediate_size", m.intermediate_size); !s.ok()) {
+    if (auto s = CheckDivides(framework, "tp", tp, "intermediate_size", m.intermediate_size);
+        !s.ok()) {
       return s;
     }
   }
@@ -565,24 +572,26 @@ absl::StatusOr<Layout> MakeTrainerLayout(const ModelConfig& m, const TrainerPara
     return p.fsdp > 0 ? MakeFsdp1Layout(m, p, where, dtype) : MakeFsdp2Layout(m, p, where, dtype);
   }
   if (p.fsdp < 0 || p.fsdp2 < 0) {
-    return absl::InvalidArgumentError(absl::StrCat("fsdp (", p.fsdp, ") and fsdp2 (", p.fsdp2,
-                                                   ") must be >= 0"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("fsdp (", p.fsdp, ") and fsdp2 (", p.fsdp2, ") must be >= 0"));
   }
-  if (auto s = CheckPositive({{"tp", p.tp}, {"pp", p.pp}, {"ep", p.ep}, {"dp", p.dp}, {"cp", p.cp}});
+  if (auto s =
+          CheckPositive({{"tp", p.tp}, {"pp", p.pp}, {"ep", p.ep}, {"dp", p.dp}, {"cp", p.cp}});
       !s.ok()) {
     return s;
   }
   if ((p.dp * p.cp) % p.ep != 0) {
     return absl::InvalidArgumentError(absl::StrCat("ep (", p.ep, ") must divide dp * cp (",
-                                                   p.dp * p.cp, "): Megatron carves expert groups out of them"));
+                                                   p.dp * p.cp,
+                                                   "): Megatron carves expert groups out of them"));
   }
   if (p.pp > m.num_hidden_layers) {
-    return absl::InvalidArgumentError(absl::StrCat("pp (", p.pp, ") exceeds the number of layers (",
-                                                   m.num_hidden_layers, ")"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("pp (", p.pp, ") exceeds the number of layers (", m.num_hidden_layers, ")"));
   }
   if (m.num_experts > 0 && p.ep > m.num_experts) {
-    return absl::InvalidArgumentError(absl::StrCat("ep (", p.ep, ") exceeds the number of experts (",
-                                                   m.num_experts, ")"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("ep (", p.ep, ") exceeds the number of experts (", m.num_experts, ")"));
   }
   // Megatron-LM: TransformerConfig needs num_attention_heads and num_query_groups divisible by
   // the tensor-parallel size, the parallel linears divide their widths (ensure_divisibility),
@@ -593,7 +602,8 @@ absl::StatusOr<Layout> MakeTrainerLayout(const ModelConfig& m, const TrainerPara
     return s;
   }
   if (AnyMoeLayer(m)) {
-    if (auto s = CheckDivides("Megatron", "ep", p.ep, "the number of experts", m.num_experts); !s.ok()) {
+    if (auto s = CheckDivides("Megatron", "ep", p.ep, "the number of experts", m.num_experts);
+        !s.ok()) {
       return s;
     }
   }
@@ -604,7 +614,8 @@ absl::StatusOr<Layout> MakeTrainerLayout(const ModelConfig& m, const TrainerPara
       for (int64_t c = 0; c < p.cp; ++c) {
         for (int64_t t = 0; t < p.tp; ++t) {
           const int64_t rank = t + p.tp * (c + p.cp * (d + p.dp * stage));
-          const int32_t w = b.Worker(absl::StrCat("trainer-rank", rank), static_cast<int32_t>(rank), where);
+          const int32_t w =
+              b.Worker(absl::StrCat("trainer-rank", rank), static_cast<int32_t>(rank), where);
           const int64_t ep_rank = (d * p.cp + c) % p.ep;
           if (auto s = AddMegatronRank(b, m, p, w, t, ep_rank, stage); !s.ok()) return s;
         }
@@ -622,7 +633,8 @@ absl::StatusOr<Layout> MakeInferenceLayout(const ModelConfig& m, const Inference
   }
   if (p.expert_parallel && m.num_experts > 0 && p.World() > m.num_experts) {
     return absl::InvalidArgumentError(absl::StrCat("expert parallelism over ", p.World(),
-                                                   " ranks exceeds the number of experts (", m.num_experts, ")"));
+                                                   " ranks exceeds the number of experts (",
+                                                   m.num_experts, ")"));
   }
   // vLLM: ModelConfig.verify_with_parallel_config needs num_attention_heads divisible by tp;
   // QKVParallelLinear divides the kv heads by tp or replicates them tp / kv times (divide() both
@@ -637,16 +649,16 @@ absl::StatusOr<Layout> MakeInferenceLayout(const ModelConfig& m, const Inference
     return s;
   }
   if (AnyMoeLayer(m) && p.tp > m.num_experts) {
-    return absl::InvalidArgumentError(absl::StrCat("vLLM refuses tp (", p.tp,
-                                                   ") greater than the number of experts (",
-                                                   m.num_experts, ")"));
+    return absl::InvalidArgumentError(absl::StrCat(
+        "vLLM refuses tp (", p.tp, ") greater than the number of experts (", m.num_experts, ")"));
   }
   // DeepseekV2MoE creates gate.e_score_correction_bias as an fp32 parameter.
   Builder b(m, dtype, RouterBias::kF32);
   for (int64_t d = 0; d < p.dp; ++d) {
     for (int64_t t = 0; t < p.tp; ++t) {
       const int64_t rank = d * p.tp + t;
-      const int32_t w = b.Worker(absl::StrCat("vllm-dp", d, "-tp", t), static_cast<int32_t>(rank), where);
+      const int32_t w =
+          b.Worker(absl::StrCat("vllm-dp", d, "-tp", t), static_cast<int32_t>(rank), where);
       // The engine replica this rank belongs to (docs/LAYOUTS.md): a dense model's DP replicas are
       // engines of their own ("dp<d>", its tp ranks); a MoE model's experts are split over all
       // dp * tp ranks, so that whole world is one replica ("engine").

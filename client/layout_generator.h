@@ -12,9 +12,9 @@
 //   out of dp * cp, and tensor-parallel inside (expert TP = TP); dp and cp ranks are replicas.
 //   DeepSeek's gate.e_score_correction_bias (the router's expert_bias) is fp32 whatever the
 //   weights' dtype: TopKRouter registers it fp32 and keeps it so (_maintain_float32_expert_bias,
-//   megatron/core/transformer/moe/router.py). Refused as Megatron refuses them: tp not dividing num_attention_heads, num_key_value_heads
-//   (query groups), intermediate_size, moe_intermediate_size or the shared experts' size; ep not
-//   dividing the number of experts.
+//   megatron/core/transformer/moe/router.py). Refused as Megatron refuses them: tp not dividing
+//   num_attention_heads, num_key_value_heads (query groups), intermediate_size,
+//   moe_intermediate_size or the shared experts' size; ep not dividing the number of experts.
 // Trainer, FSDP1 (FullyShardedDataParallel with FlatParameters; --fsdp N), as verl and TRL
 //   (accelerate) wrap a Hugging Face model: the auto-wrap policy
 //   (transformer_auto_wrap_policy with the decoder layer class, _no_split_modules) wraps each
@@ -48,8 +48,9 @@
 // Inference (vLLM conventions):
 //   rank = d * tp + t; each worker declares its engine replica (Worker.replica, replica_rank,
 //   replica_size): a dense model's DP replica d is "dp<d>", ranks t of tp; a MoE model's experts
-//   are split over all dp * tp ranks, so the whole world is one replica "engine", ranks d * tp + t; each DP replica is tensor-parallel over its tp ranks: per rank a fused
-//   qkv_proj ([q_t; k_t; v_t], k/v heads replicated when tp > kv heads), gate_up_proj
+//   are split over all dp * tp ranks, so the whole world is one replica "engine", ranks d * tp + t;
+//   each DP replica is tensor-parallel over its tp ranks: per rank a fused qkv_proj ([q_t; k_t;
+//   v_t], k/v heads replicated when tp > kv heads), gate_up_proj
 //   ([gate_t; up_t]; dense MLPs and shared experts alike), row-parallel o_proj and down_proj,
 //   vocabulary padded to a multiple of 64 and split evenly; routers (gate, shared_expert_gate)
 //   replicated; MLA's q_a and kv_a fused into fused_qkv_a_proj. The routed experts are stacked in
@@ -87,7 +88,7 @@ struct TrainerParallelism {
   // > 0: FSDP1 (flat parameters) sharded over this many ranks, dp replicas of them (HSDP); then
   // tp, pp, ep and cp must be 1.
   int32_t fsdp = 0;
-  int32_t fsdp2 = 0;  // > 0: FSDP2 (fully_shard) over this many ranks, likewise
+  int32_t fsdp2 = 0;                  // > 0: FSDP2 (fully_shard) over this many ranks, likewise
   bool fsdp_use_orig_params = false;  // FSDP1: use_orig_params=True aligns each parameter
   // FSDP1: MixedPrecision(param_dtype=...), which decides the alignment; default: the weights'.
   std::optional<DType> fsdp_param_dtype;
@@ -103,8 +104,7 @@ struct InferenceParallelism {
 
 absl::StatusOr<Layout> MakeTrainerLayout(const ModelConfig& model, const TrainerParallelism& p,
                                          const PlacementOptions& placement, DType dtype);
-absl::StatusOr<Layout> MakeInferenceLayout(const ModelConfig& model,
-                                           const InferenceParallelism& p,
+absl::StatusOr<Layout> MakeInferenceLayout(const ModelConfig& model, const InferenceParallelism& p,
                                            const PlacementOptions& placement, DType dtype);
 
 }  // namespace refit

@@ -27,7 +27,8 @@ PlanStats PlanAndVerify(const ModelConfig& m, const TrainerParallelism& tp,
   INFO(src.status().message());
   REQUIRE(src.ok());
   const int32_t trainer_nodes = (tp.World() + gpus_per_node - 1) / gpus_per_node;
-  auto dst = MakeInferenceLayout(m, ip, {gpus_per_node, colocated ? 0 : trainer_nodes}, inference_dtype);
+  auto dst =
+      MakeInferenceLayout(m, ip, {gpus_per_node, colocated ? 0 : trainer_nodes}, inference_dtype);
   INFO(dst.status().message());
   REQUIRE(dst.ok());
   auto sv = ValidateLayout(*src, "source");
@@ -65,7 +66,8 @@ TEST_CASE("Llama-3-8B: TP2 PP2 DP2 CP2 trainer to vLLM TP4 DP2 on nodes of 4") {
 }
 
 TEST_CASE("Llama-3-8B: FSDP over 8 ranks, shards starting mid-tensor, colocated with TP8") {
-  const PlanStats s = PlanAndVerify(Small("llama3-8b.json", 32, 3), {1, 1, 1, 1, 1, 8}, {8, 1, false}, 8, true);
+  const PlanStats s =
+      PlanAndVerify(Small("llama3-8b.json", 32, 3), {1, 1, 1, 1, 1, 8}, {8, 1, false}, 8, true);
   CHECK(s.bytes_network == 0);
 }
 
@@ -90,7 +92,8 @@ TEST_CASE("DeepSeek-V3 structure (MLA, shared experts, dense first layers): PP4 
 }
 
 TEST_CASE("bf16 trained, fp32 served: cast on the way") {
-  PlanAndVerify(Small("llama3-8b.json", 64, 2), {2, 1, 1, 1, 1, 0}, {2, 1, false}, 8, false, DType::kF32);
+  PlanAndVerify(Small("llama3-8b.json", 64, 2), {2, 1, 1, 1, 1, 0}, {2, 1, false}, 8, false,
+                DType::kF32);
 }
 
 TEST_CASE("impossible parallelism is refused with the reason") {
@@ -100,7 +103,8 @@ TEST_CASE("impossible parallelism is refused with the reason") {
   CHECK(std::string(a.status().message()).find("divide num_key_value_heads") != std::string::npos);
   auto b = MakeTrainerLayout(m, {1, 1, 3, 2, 1, 0}, {8, 0}, DType::kBF16);
   REQUIRE_FALSE(b.ok());
-  CHECK(std::string(b.status().message()).find("ep (3) must divide dp * cp (2)") != std::string::npos);
+  CHECK(std::string(b.status().message()).find("ep (3) must divide dp * cp (2)") !=
+        std::string::npos);
   auto c = MakeTrainerLayout(m, {1, 3, 1, 1, 1, 0}, {8, 0}, DType::kBF16);
   REQUIRE_FALSE(c.ok());
   CHECK(std::string(c.status().message()).find("pp (3) exceeds") != std::string::npos);
@@ -147,7 +151,9 @@ std::vector<const Piece*> PiecesOf(const Layout& l, int32_t buffer, const std::s
   return out;
 }
 
-int32_t BufferIndex(const Layout& l, const Buffer* b) { return static_cast<int32_t>(b - l.buffers.data()); }
+int32_t BufferIndex(const Layout& l, const Buffer* b) {
+  return static_cast<int32_t>(b - l.buffers.data());
+}
 
 // One expected slice: rows [begin, begin + rows) of `tensor` (dim 0; dim 1 for down/o projections)
 // at row (or column) `at` of the buffer, behind `lead` leading dims (the stacked expert index).
@@ -261,7 +267,8 @@ TEST_CASE("vLLM without expert parallelism: routed experts over dp * tp ranks, t
             const int64_t shared =
                 m.n_shared_experts * m.moe_intermediate_size + m.shared_expert_intermediate_size;
             if (shared > 0) {
-              const std::string sp = lp + (m.n_shared_experts > 0 ? "shared_experts." : "shared_expert.");
+              const std::string sp =
+                  lp + (m.n_shared_experts > 0 ? "shared_experts." : "shared_expert.");
               const int64_t s = shared / c.tp;
               const Buffer* gate_up = FindBuffer(*l, w, sp + "gate_up_proj.weight");
               REQUIRE(gate_up != nullptr);
@@ -376,8 +383,8 @@ TEST_CASE("the router bias's dtype is the framework's") {
       {"Megatron Kimi-K2 bf16", "kimi-k2.json", kMegatron, DType::kBF16, DType::kF32},
       {"FSDP1 DeepSeek-V3 bf16 (transformers 4.x buffer)", "deepseek-v3.json", kFsdp1, DType::kBF16,
        DType::kBF16},
-      {"FSDP1 Kimi-K2 bf16 (remote-code parameter, flattened)", "kimi-k2.json", kFsdp1, DType::kBF16,
-       DType::kBF16},
+      {"FSDP1 Kimi-K2 bf16 (remote-code parameter, flattened)", "kimi-k2.json", kFsdp1,
+       DType::kBF16, DType::kBF16},
       {"FSDP2 DeepSeek-V3 bf16", "deepseek-v3.json", kFsdp2, DType::kBF16, DType::kBF16},
       {"FSDP2 Kimi-K2 fp32", "kimi-k2.json", kFsdp2, DType::kF32, DType::kF32},
   };

@@ -116,11 +116,11 @@ absl::Status ParseQuantization(const Struct& qc, ModelConfig& c) {
   return absl::OkStatus();
 }
 
-#define ASSIGN_INT(field, key, required, fallback)                 \
-  do {                                                             \
-    auto v = Int(s, key, required, fallback);                      \
-    if (!v.ok()) return v.status();                                \
-    c.field = *v;                                                  \
+#define ASSIGN_INT(field, key, required, fallback) \
+  do {                                             \
+    auto v = Int(s, key, required, fallback);      \
+    if (!v.ok()) return v.status();                \
+    c.field = *v;                                  \
   } while (0)
 
 // The steps of ParseModelConfig, in order: each reads its fields into `c`, or refuses them.
@@ -176,9 +176,9 @@ absl::Status ReadBiasesAndNorms(const Struct& s, ModelConfig& c) {
   if (qwen2_family) {
     c.attention_bias = Bool(s, "qkv_bias", true);
   } else if (Bool(s, "attention_bias", false)) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "config.json: \"attention_bias\": true is not supported for model_type \"", c.model_type,
-        "\" (its o_proj bias is not modeled)"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("config.json: \"attention_bias\": true is not supported for model_type \"",
+                     c.model_type, "\" (its o_proj bias is not modeled)"));
   }
   if (Bool(s, "mlp_bias", false)) {
     return absl::InvalidArgumentError(
@@ -280,9 +280,9 @@ absl::Status ReadExperts(const Struct& s, ModelConfig& c) {
   ASSIGN_INT(moe_layer_freq, "moe_layer_freq", false, 1);
   if (c.DeepSeekStyle() && c.moe_layer_freq != 1) {
     // transformers' DeepseekV3DecoderLayer ignores moe_layer_freq; vLLM's honors it.
-    return absl::InvalidArgumentError(absl::StrCat(
-        "config.json: \"moe_layer_freq\": ", c.moe_layer_freq,
-        " is not supported (transformers and vLLM disagree on which layers are MoE)"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("config.json: \"moe_layer_freq\": ", c.moe_layer_freq,
+                     " is not supported (transformers and vLLM disagree on which layers are MoE)"));
   }
   return absl::OkStatus();
 }
@@ -336,9 +336,9 @@ absl::Status CheckConsistent(const Struct&, ModelConfig& c) {
     return absl::InvalidArgumentError("config.json: missing \"intermediate_size\"");
   }
   if (c.num_key_value_heads == 0 || c.num_attention_heads % c.num_key_value_heads != 0) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "config.json: num_attention_heads (", c.num_attention_heads,
-        ") must be a multiple of num_key_value_heads (", c.num_key_value_heads, ")"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("config.json: num_attention_heads (", c.num_attention_heads,
+                     ") must be a multiple of num_key_value_heads (", c.num_key_value_heads, ")"));
   }
   if (c.kv_lora_rank > 0 && (c.qk_rope_head_dim == 0 || c.v_head_dim == 0)) {
     return absl::InvalidArgumentError(

@@ -47,12 +47,12 @@ struct ModelConfig {
   int64_t num_experts =
       0;  // n_routed_experts (DeepSeek), num_experts (Qwen), num_local_experts (Mixtral)
   int64_t moe_intermediate_size = 0;  // Mixtral: its intermediate_size (every layer is MoE)
-  int64_t n_shared_experts = 0;                 // DeepSeek: shared_experts of n x moe size
+  int64_t n_shared_experts = 0;       // DeepSeek: shared_experts of n x moe size
   int64_t shared_expert_intermediate_size = 0;  // Qwen2-MoE: one shared_expert + its gate
   int64_t first_k_dense_replace = 0;            // DeepSeek: the first k layers are dense
   int64_t moe_layer_freq = 1;
-  int64_t decoder_sparse_step = 1;              // Qwen-MoE: layer l is sparse iff (l + 1) % step == 0
-  std::vector<int64_t> mlp_only_layers;         // Qwen-MoE: these layers are dense
+  int64_t decoder_sparse_step = 1;       // Qwen-MoE: layer l is sparse iff (l + 1) % step == 0
+  std::vector<int64_t> mlp_only_layers;  // Qwen-MoE: these layers are dense
   bool router_bias = false;  // DeepSeek-V3 (topk_method noaux_tc): gate.e_score_correction_bias
   // Whether gate.e_score_correction_bias is a module buffer (transformers' DeepseekV3TopkRouter
   // registers it so) rather than a parameter (DeepSeek's remote modeling_deepseek.py, which

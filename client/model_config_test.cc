@@ -163,18 +163,28 @@ TEST_CASE("the fields decide the tensors") {
 }
 
 TEST_CASE("bad configs name the field") {
-  CHECK(std::string(ParseModelConfig("{").status().message()).find("not valid JSON") != std::string::npos);
-  CHECK(std::string(ParseModelConfig(R"({"model_type": "llama", "hidden_size": 8})").status().message())
+  CHECK(std::string(ParseModelConfig("{").status().message()).find("not valid JSON") !=
+        std::string::npos);
+  CHECK(std::string(
+            ParseModelConfig(R"({"model_type": "llama", "hidden_size": 8})").status().message())
             .find("\"num_attention_heads\"") != std::string::npos);
-  CHECK(std::string(ParseModelConfig(R"({"model_type": "llama", "hidden_size": 8, "num_attention_heads": 4,
-      "num_hidden_layers": 2, "vocab_size": 10, "intermediate_size": 1.5})").status().message())
+  CHECK(std::string(
+            ParseModelConfig(R"({"model_type": "llama", "hidden_size": 8, "num_attention_heads": 4,
+      "num_hidden_layers": 2, "vocab_size": 10, "intermediate_size": 1.5})")
+                .status()
+                .message())
             .find("intermediate_size") != std::string::npos);
-  CHECK(std::string(ParseModelConfig(R"({"model_type": "llama", "hidden_size": 8, "num_attention_heads": 4,
+  CHECK(std::string(
+            ParseModelConfig(R"({"model_type": "llama", "hidden_size": 8, "num_attention_heads": 4,
       "num_key_value_heads": 3, "num_hidden_layers": 2, "vocab_size": 10, "intermediate_size": 4})")
-                        .status().message())
+                .status()
+                .message())
             .find("multiple of num_key_value_heads") != std::string::npos);
-  CHECK(std::string(ParseModelConfig(R"({"model_type": "qwen3_moe", "hidden_size": 8, "num_attention_heads": 4,
-      "num_hidden_layers": 2, "vocab_size": 10, "num_experts": 4})").status().message())
+  CHECK(std::string(ParseModelConfig(
+                        R"({"model_type": "qwen3_moe", "hidden_size": 8, "num_attention_heads": 4,
+      "num_hidden_layers": 2, "vocab_size": 10, "num_experts": 4})")
+                        .status()
+                        .message())
             .find("moe_intermediate_size") != std::string::npos);
 }
 
@@ -198,21 +208,27 @@ TEST_CASE("model types not modeled faithfully are refused by name, listing the s
     SECTION(type) {
       const std::string m =
           Message(absl::StrCat(R"({"model_type": ")", type, R"(", )", kLlamaFields, "}"));
-      CHECK(m.find(absl::StrCat("model_type \"", type, "\" is not supported")) != std::string::npos);
+      CHECK(m.find(absl::StrCat("model_type \"", type, "\" is not supported")) !=
+            std::string::npos);
       CHECK(m.find(kSupportedModelTypes) != std::string::npos);
     }
   }
-  CHECK(Message(absl::StrCat("{", kLlamaFields, "}")).find("missing \"model_type\"") != std::string::npos);
+  CHECK(Message(absl::StrCat("{", kLlamaFields, "}")).find("missing \"model_type\"") !=
+        std::string::npos);
   // Every supported type parses.
   for (const char* type : {"llama", "qwen2", "qwen3"}) {
-    CHECK(ParseModelConfig(absl::StrCat(R"({"model_type": ")", type, R"(", )", kLlamaFields, "}")).ok());
+    CHECK(ParseModelConfig(absl::StrCat(R"({"model_type": ")", type, R"(", )", kLlamaFields, "}"))
+              .ok());
   }
 }
 
 TEST_CASE("settings of a supported type that are not modeled are refused") {
-  CHECK(Message(absl::StrCat(R"({"model_type": "llama", "attention_bias": true, )", kLlamaFields, "}"))
-            .find("\"attention_bias\": true is not supported for model_type \"llama\"") != std::string::npos);
-  CHECK(Message(absl::StrCat(R"({"model_type": "qwen3", "attention_bias": true, )", kLlamaFields, "}"))
+  CHECK(Message(
+            absl::StrCat(R"({"model_type": "llama", "attention_bias": true, )", kLlamaFields, "}"))
+            .find("\"attention_bias\": true is not supported for model_type \"llama\"") !=
+        std::string::npos);
+  CHECK(Message(
+            absl::StrCat(R"({"model_type": "qwen3", "attention_bias": true, )", kLlamaFields, "}"))
             .find("attention_bias") != std::string::npos);
   CHECK(Message(absl::StrCat(R"({"model_type": "llama", "mlp_bias": true, )", kLlamaFields, "}"))
             .find("mlp_bias") != std::string::npos);
@@ -312,7 +328,8 @@ TEST_CASE("quantization_config: block fp8 is read; other schemes are refused by 
 }
 
 TEST_CASE("Qwen2 always has q/k/v biases and no o_proj bias, whatever attention_bias says") {
-  auto c = ParseModelConfig(absl::StrCat(R"({"model_type": "qwen2", "attention_bias": false, )", kLlamaFields, "}"));
+  auto c = ParseModelConfig(
+      absl::StrCat(R"({"model_type": "qwen2", "attention_bias": false, )", kLlamaFields, "}"));
   REQUIRE(c.ok());
   CHECK(c->attention_bias);
   bool q_bias = false, o_bias = false;
@@ -325,7 +342,8 @@ TEST_CASE("Qwen2 always has q/k/v biases and no o_proj bias, whatever attention_
 }
 
 TEST_CASE("Qwen-MoE layers: decoder_sparse_step and mlp_only_layers decide which are sparse") {
-  auto c = ParseModelConfig(R"({"model_type": "qwen3_moe", "hidden_size": 8, "num_attention_heads": 4,
+  auto c =
+      ParseModelConfig(R"({"model_type": "qwen3_moe", "hidden_size": 8, "num_attention_heads": 4,
       "num_hidden_layers": 6, "vocab_size": 10, "intermediate_size": 4, "num_experts": 4,
       "moe_intermediate_size": 2, "decoder_sparse_step": 2, "mlp_only_layers": [3]})");
   INFO(c.status().message());
@@ -334,10 +352,12 @@ TEST_CASE("Qwen-MoE layers: decoder_sparse_step and mlp_only_layers decide which
   for (int64_t l = 0; l < 6; ++l) CHECK(c->IsMoeLayer(l) == (l == 1 || l == 5));
   // All-sparse without intermediate_size is fine; a dense layer needs it.
   CHECK(ParseModelConfig(R"({"model_type": "qwen3_moe", "hidden_size": 8, "num_attention_heads": 4,
-      "num_hidden_layers": 2, "vocab_size": 10, "num_experts": 4, "moe_intermediate_size": 2})").ok());
+      "num_hidden_layers": 2, "vocab_size": 10, "num_experts": 4, "moe_intermediate_size": 2})")
+            .ok());
   CHECK(Message(R"({"model_type": "qwen3_moe", "hidden_size": 8, "num_attention_heads": 4,
       "num_hidden_layers": 2, "vocab_size": 10, "num_experts": 4, "moe_intermediate_size": 2,
-      "mlp_only_layers": [1]})").find("intermediate_size") != std::string::npos);
+      "mlp_only_layers": [1]})")
+            .find("intermediate_size") != std::string::npos);
 }
 
 TEST_CASE("DeepSeek-V3's router bias is a module buffer; Kimi-K2's (remote code) a parameter") {

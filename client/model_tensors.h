@@ -31,28 +31,31 @@
 namespace refit {
 
 enum class Role {
-  kReplicated,   // norms, routers, latent down-projections: every rank holds all of it
-  kEmbedding,    // [vocab, hidden], vocabulary-parallel on dim 0
-  kLmHead,       // [vocab, hidden], vocabulary-parallel on dim 0
-  kQ, kK, kV,    // [heads * head_dim, hidden] (or biases [heads * head_dim]), split by heads
-  kO,            // [hidden, heads * head_dim], split by heads on dim 1
-  kGate, kUp,    // [inter, hidden], split on dim 0
-  kDown,         // [hidden, inter], split on dim 1
-  kLatentQB,     // MLA q_b_proj [heads * (nope + rope), q_lora], split by heads
-  kLatentKVB,    // MLA kv_b_proj [heads * (nope + v), kv_lora], split by heads
-  kLatentQA,     // MLA q_a_proj [q_lora, hidden]: replicated, fused by vLLM with kKVA
-  kLatentKVA,    // MLA kv_a_proj_with_mqa [kv_lora + rope, hidden]
+  kReplicated,  // norms, routers, latent down-projections: every rank holds all of it
+  kEmbedding,   // [vocab, hidden], vocabulary-parallel on dim 0
+  kLmHead,      // [vocab, hidden], vocabulary-parallel on dim 0
+  kQ,
+  kK,
+  kV,  // [heads * head_dim, hidden] (or biases [heads * head_dim]), split by heads
+  kO,  // [hidden, heads * head_dim], split by heads on dim 1
+  kGate,
+  kUp,         // [inter, hidden], split on dim 0
+  kDown,       // [hidden, inter], split on dim 1
+  kLatentQB,   // MLA q_b_proj [heads * (nope + rope), q_lora], split by heads
+  kLatentKVB,  // MLA kv_b_proj [heads * (nope + v), kv_lora], split by heads
+  kLatentQA,   // MLA q_a_proj [q_lora, hidden]: replicated, fused by vLLM with kKVA
+  kLatentKVA,  // MLA kv_a_proj_with_mqa [kv_lora + rope, hidden]
 };
 
 struct TensorDef {
   std::string name;
   Dims shape;
   Role role = Role::kReplicated;
-  int64_t layer = -1;    // -1: before the layers (embedding); num_layers: after them
-  int64_t expert = -1;   // routed expert index, or -1
-  bool shared = false;   // a shared expert's MLP (MoE layers), sharded like a dense MLP
-  int64_t head_unit = 0; // rows (or columns) per head for head-split roles
-  bool buffer = false;   // a module buffer, not a parameter: FSDP leaves it whole on every rank
+  int64_t layer = -1;     // -1: before the layers (embedding); num_layers: after them
+  int64_t expert = -1;    // routed expert index, or -1
+  bool shared = false;    // a shared expert's MLP (MoE layers), sharded like a dense MLP
+  int64_t head_unit = 0;  // rows (or columns) per head for head-split roles
+  bool buffer = false;    // a module buffer, not a parameter: FSDP leaves it whole on every rank
   // DeepSeek's gate.e_score_correction_bias, which some frameworks hold in fp32 whatever the
   // weights' dtype (vLLM, Megatron); the generators decide its dtype (client/layout_generator.h).
   bool router_bias = false;

@@ -20,9 +20,9 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/strings/str_cat.h"
-#include "common/cli_flags.h"
 #include "client/fp8_layout.h"
 #include "client/layout_generator.h"
+#include "common/cli_flags.h"
 #include "proto/layout_codec.h"
 
 namespace refit {

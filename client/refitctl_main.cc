@@ -56,10 +56,23 @@ std::string Json(const google::protobuf::Message& m) {
 constexpr int kExitRefused = 1, kExitUnreachable = 3, kExitTimedOut = 4;
 
 const char* CodeName(grpc::StatusCode c) {
-  static const char* names[] = {"OK", "CANCELLED", "UNKNOWN", "INVALID_ARGUMENT", "DEADLINE_EXCEEDED",
-                                "NOT_FOUND", "ALREADY_EXISTS", "PERMISSION_DENIED", "RESOURCE_EXHAUSTED",
-                                "FAILED_PRECONDITION", "ABORTED", "OUT_OF_RANGE", "UNIMPLEMENTED",
-                                "INTERNAL", "UNAVAILABLE", "DATA_LOSS", "UNAUTHENTICATED"};
+  static const char* names[] = {"OK",
+                                "CANCELLED",
+                                "UNKNOWN",
+                                "INVALID_ARGUMENT",
+                                "DEADLINE_EXCEEDED",
+                                "NOT_FOUND",
+                                "ALREADY_EXISTS",
+                                "PERMISSION_DENIED",
+                                "RESOURCE_EXHAUSTED",
+                                "FAILED_PRECONDITION",
+                                "ABORTED",
+                                "OUT_OF_RANGE",
+                                "UNIMPLEMENTED",
+                                "INTERNAL",
+                                "UNAVAILABLE",
+                                "DATA_LOSS",
+                                "UNAUTHENTICATED"};
   const int code = static_cast<int>(c);
   return code >= 0 && code <= 16 ? names[code] : "?";
 }
@@ -86,7 +99,8 @@ class Endpoints {
         tls_enabled_(tls.enabled()) {}
 
   template <typename Request, typename Response, typename Method>
-  grpc::Status Call(Method method, const Request& request, Response* response, bool deadline = true) {
+  grpc::Status Call(Method method, const Request& request, Response* response,
+                    bool deadline = true) {
     grpc::Status last;
     for (const std::string& a : addresses_) {
       grpc::ClientContext ctx;
@@ -95,7 +109,9 @@ class Endpoints {
       last = (stub.get()->*method)(&ctx, request, response);
       if (last.error_code() != grpc::StatusCode::UNAVAILABLE) return last;
       last = ExplainClosed(a, last);
-      if (addresses_.size() > 1) std::fprintf(stderr, "refitctl: %s unreachable: %s\n", a.c_str(), last.error_message().c_str());
+      if (addresses_.size() > 1)
+        std::fprintf(stderr, "refitctl: %s unreachable: %s\n", a.c_str(),
+                     last.error_message().c_str());
     }
     return last;
   }
@@ -118,11 +134,13 @@ class Endpoints {
   const std::vector<std::string>& addresses() const { return addresses_; }
   // TLS to TCP addresses when configured; the unix socket is local (its file mode guards it).
   std::shared_ptr<grpc::Channel> Channel(const std::string& a) const {
-    if (absl::StartsWith(a, "unix:")) return grpc::CreateChannel(a, grpc::InsecureChannelCredentials());
+    if (absl::StartsWith(a, "unix:"))
+      return grpc::CreateChannel(a, grpc::InsecureChannelCredentials());
     return tls_.Channel(a, grpc::ChannelArguments());
   }
   std::chrono::system_clock::time_point Deadline() const {
-    return std::chrono::system_clock::now() + std::chrono::milliseconds(static_cast<int64_t>(timeout_s_ * 1000));
+    return std::chrono::system_clock::now() +
+           std::chrono::milliseconds(static_cast<int64_t>(timeout_s_ * 1000));
   }
 
  private:
@@ -142,20 +160,29 @@ std::string Human(int64_t b) {
 
 const char* StateName(v1::RoundStats::State s) {
   switch (s) {
-    case v1::RoundStats::PREPARING: return "preparing";
-    case v1::RoundStats::TRANSFERRING: return "transferring";
-    case v1::RoundStats::COMMITTED: return "committed";
-    case v1::RoundStats::ABORTED: return "aborted";
-    default: return "?";
+    case v1::RoundStats::PREPARING:
+      return "preparing";
+    case v1::RoundStats::TRANSFERRING:
+      return "transferring";
+    case v1::RoundStats::COMMITTED:
+      return "committed";
+    case v1::RoundStats::ABORTED:
+      return "aborted";
+    default:
+      return "?";
   }
 }
 
 std::string CulpritText(const v1::Culprit& c) {
   switch (c.kind()) {
-    case v1::Culprit::WORKER: return absl::StrCat("worker ", c.worker_id());
-    case v1::Culprit::NODE: return absl::StrCat("node ", c.node());
-    case v1::Culprit::COORDINATOR: return absl::StrCat("coordinator (node ", c.node(), ")");
-    default: return "-";
+    case v1::Culprit::WORKER:
+      return absl::StrCat("worker ", c.worker_id());
+    case v1::Culprit::NODE:
+      return absl::StrCat("node ", c.node());
+    case v1::Culprit::COORDINATOR:
+      return absl::StrCat("coordinator (node ", c.node(), ")");
+    default:
+      return "-";
   }
 }
 
@@ -169,21 +196,23 @@ void PrintRound(const v1::RoundStats& r, Output out, bool header) {
   const bool wide = out == Output::kWide;
   // SECONDS is the whole round (workers' prepare and commit included); GB/S is over the transfer.
   if (header) {
-    std::printf("%-10s %-6s %-8s %-12s %-10s %-8s %-8s %-8s %-8s %-7s ", "GROUP", "ROUND", "VERSION", "STATE",
-                "BYTES", "SECONDS", "PREPARE", "TRANSFER", "COMMIT", "GB/S");
+    std::printf("%-10s %-6s %-8s %-12s %-10s %-8s %-8s %-8s %-8s %-7s ", "GROUP", "ROUND",
+                "VERSION", "STATE", "BYTES", "SECONDS", "PREPARE", "TRANSFER", "COMMIT", "GB/S");
     if (wide) std::printf("%-24s %-28s ", "REPLICAS", "CULPRIT");
     std::printf("%s\n", "REASON");
   }
-  std::printf("%-10s %-6lld %-8lld %-12s %-10s %-8.3f %-8.3f %-8.3f %-8.3f %-7.2f ", r.group().c_str(),
-              (long long)r.round_id(), (long long)r.version(), StateName(r.state()), Human(r.bytes()).c_str(),
-              r.seconds(), r.prepare_seconds(), r.transfer_seconds(), r.commit_seconds(),
+  std::printf("%-10s %-6lld %-8lld %-12s %-10s %-8.3f %-8.3f %-8.3f %-8.3f %-7.2f ",
+              r.group().c_str(), (long long)r.round_id(), (long long)r.version(),
+              StateName(r.state()), Human(r.bytes()).c_str(), r.seconds(), r.prepare_seconds(),
+              r.transfer_seconds(), r.commit_seconds(),
               r.transfer_seconds() > 0 ? r.bytes() / r.transfer_seconds() / 1e9 : 0.0);
   if (wide) {
     std::vector<std::string> replicas(r.replicas().begin(), r.replicas().end());
     const std::string list = replicas.empty() ? "-" : absl::StrJoin(replicas, ",");
     std::printf("%-24s %-28s ", list.c_str(), CulpritText(r.culprit()).c_str());
   }
-  std::printf("%s\n", r.state() == v1::RoundStats::COMMITTED ? r.commit_note().c_str() : r.reason().c_str());
+  std::printf("%s\n", r.state() == v1::RoundStats::COMMITTED ? r.commit_note().c_str()
+                                                             : r.reason().c_str());
 }
 
 // Output formatting, one function per answer.

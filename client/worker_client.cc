@@ -242,11 +242,13 @@ absl::StatusOr<std::unique_ptr<WorkerClient>> WorkerClient::Connect(
   *request.mutable_worker() = proto.workers(0);
   WorkerMemory& memory = options.memory;
   std::vector<int> fds = memory.fds;
-  const std::string handles = options.handle_socket.empty() ? HandleSocketPath(daemon) : options.handle_socket;
+  const std::string handles =
+      options.handle_socket.empty() ? HandleSocketPath(daemon) : options.handle_socket;
   if (handles.empty()) {
     return absl::InvalidArgumentError(absl::StrCat(
         "a worker registers through the daemon's handle socket, which a TCP address (", daemon,
-        ") does not name: connect through its unix socket, \"unix:/tmp/refitd-<node>.sock\", or give "
+        ") does not name: connect through its unix socket, \"unix:/tmp/refitd-<node>.sock\", or "
+        "give "
         "ConnectOptions::handle_socket"));
   }
   if (!memory.memory.empty()) {
@@ -268,8 +270,10 @@ absl::StatusOr<std::unique_ptr<WorkerClient>> WorkerClient::Connect(
       total += (b.NumBytes() + kAlign - 1) / kAlign * kAlign;
     }
     const size_t bytes = static_cast<size_t>(std::max<int64_t>(total, 1));
-    // Sealed against shrinking and growing: the daemon maps it, and a shrinking object would kill it.
-    auto shm = SharedMemory::CreateAnonymous(absl::StrCat(getpid(), "-", layout.workers[0].name), bytes);
+    // Sealed against shrinking and growing: the daemon maps it, and a shrinking object would kill
+    // it.
+    auto shm =
+        SharedMemory::CreateAnonymous(absl::StrCat(getpid(), "-", layout.workers[0].name), bytes);
     if (!shm.ok()) return shm.status();
     c->arena_ = *std::move(shm);
     fds.push_back(c->arena_.fd());
@@ -405,7 +409,8 @@ void WorkerClient::HandleEvent(Session& session, const v1::RoundEvent& e) {
       if (session.Ended()) return;
       open_round_ = e.round_id();
       if (role_ == v1::INFERENCE) version_ = 0;  // the buffers are about to change
-      absl::Status s = callbacks_.on_prepare ? callbacks_.on_prepare(e.version()) : absl::OkStatus();
+      absl::Status s =
+          callbacks_.on_prepare ? callbacks_.on_prepare(e.version()) : absl::OkStatus();
       if (!s.ok()) {  // the round cannot happen: say so, and the daemon aborts it at once
         v1::Refusal* refused = reply.mutable_refused();
         refused->set_round_id(e.round_id());

@@ -8,8 +8,8 @@
 // (daemon/README.md); every registration makes such a delivery, even of no descriptor (CUDA IPC
 // memory), because it is how the daemon learns which process (uid) registers. Register answers a
 // session key, which the session's hello and Unregister present: nobody else can end or take
-// over this worker's registration. The session is watched by gRPC keepalive: a daemon that dies or freezes is
-// noticed within about two seconds (connected() turns false, on_disconnected is called).
+// over this worker's registration. The session is watched by gRPC keepalive: a daemon that dies or
+// freezes is noticed within about two seconds (connected() turns false, on_disconnected is called).
 #pragma once
 
 #include <grpcpp/grpcpp.h>

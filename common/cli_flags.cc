@@ -31,8 +31,7 @@ void CliFlags::Double(const std::string& name, double* value, const std::string&
 }
 
 void CliFlags::Bool(const std::string& name, bool* value, const std::string& help) {
-  flags_.push_back({name, "", help, *value ? "true" : "false", true,
-                    [value](const std::string& v) {
+  flags_.push_back({name, "", help, *value ? "true" : "false", true, [value](const std::string& v) {
                       if (v == "true" || v == "1" || v.empty()) return *value = true, true;
                       if (v == "false" || v == "0") return *value = false, true;
                       return false;

@@ -25,7 +25,8 @@ class CliFlags {
   std::vector<std::string> Parse(int argc, char** argv);
 
   [[noreturn]] void Fail(const std::string& message) const;
-  // Errors from now on begin with `context` (e.g. the config file the values came from); "" ends it.
+  // Errors from now on begin with `context` (e.g. the config file the values came from); "" ends
+  // it.
   void SetErrorContext(std::string context) { context_ = std::move(context); }
   // Whether `name` (without "--") is one of the flags.
   bool Has(const std::string& name) const { return Find(name) != nullptr; }

@@ -1,16 +1,18 @@
 #include "common/grpc_tls.h"
 
+#include <grpcpp/security/tls_credentials_options.h>
+
 #include <algorithm>
 #include <cmath>
-
-#include <grpcpp/security/tls_credentials_options.h>
 
 namespace refit {
 
 GrpcTls::GrpcTls(const TlsConfig& tls) {
   if (!tls.enabled()) return;
-  const auto seconds = static_cast<unsigned int>(std::max(1.0, std::ceil(absl::ToDoubleSeconds(tls.reload))));
-  provider_ = std::make_shared<grpc::experimental::FileWatcherCertificateProvider>(tls.key, tls.cert, tls.ca, seconds);
+  const auto seconds =
+      static_cast<unsigned int>(std::max(1.0, std::ceil(absl::ToDoubleSeconds(tls.reload))));
+  provider_ = std::make_shared<grpc::experimental::FileWatcherCertificateProvider>(
+      tls.key, tls.cert, tls.ca, seconds);
 }
 
 std::shared_ptr<grpc::ServerCredentials> GrpcTls::ServerCredentials() const {
@@ -29,7 +31,8 @@ std::shared_ptr<grpc::ChannelCredentials> GrpcTls::ChannelCredentials() const {
   options.watch_root_certs();
   options.watch_identity_key_cert_pairs();
   options.set_verify_server_certs(true);
-  options.set_certificate_verifier(std::make_shared<grpc::experimental::HostNameCertificateVerifier>());
+  options.set_certificate_verifier(
+      std::make_shared<grpc::experimental::HostNameCertificateVerifier>());
   return grpc::experimental::TlsCredentials(options);
 }
 
@@ -37,7 +40,8 @@ void GrpcTls::AddChannelArgs(grpc::ChannelArguments* args) const {
   if (enabled()) args->SetSslTargetNameOverride(kTlsServerName);
 }
 
-std::shared_ptr<grpc::Channel> GrpcTls::Channel(const std::string& target, grpc::ChannelArguments args) const {
+std::shared_ptr<grpc::Channel> GrpcTls::Channel(const std::string& target,
+                                                grpc::ChannelArguments args) const {
   AddChannelArgs(&args);
   return grpc::CreateCustomChannel(target, ChannelCredentials(), args);
 }

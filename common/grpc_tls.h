@@ -8,11 +8,11 @@
 // checked is the role, not the host; which daemon it is, the daemon's authority checks).
 #pragma once
 
-#include <memory>
-#include <string>
-
 #include <grpcpp/grpcpp.h>
 #include <grpcpp/security/tls_certificate_provider.h>
+
+#include <memory>
+#include <string>
 
 #include "common/tls_config.h"
 
@@ -29,7 +29,8 @@ class GrpcTls {
   // Adds what a channel needs besides its credentials (the server name checked).
   void AddChannelArgs(grpc::ChannelArguments* args) const;
   // A channel to `target` with these credentials and `args` (AddChannelArgs applied).
-  std::shared_ptr<grpc::Channel> Channel(const std::string& target, grpc::ChannelArguments args) const;
+  std::shared_ptr<grpc::Channel> Channel(const std::string& target,
+                                         grpc::ChannelArguments args) const;
 
  private:
   std::shared_ptr<grpc::experimental::FileWatcherCertificateProvider> provider_;

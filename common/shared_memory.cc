@@ -63,8 +63,8 @@ absl::StatusOr<SharedMemory> SharedMemory::Open(const std::string& name, size_t 
   }
   if (static_cast<size_t>(st.st_size) < bytes || st.st_size == 0) {
     close(fd);
-    return absl::InvalidArgumentError(absl::StrCat("shared memory \"", name, "\" has ",
-                                                   st.st_size, " bytes; ", bytes, " are needed"));
+    return absl::InvalidArgumentError(absl::StrCat("shared memory \"", name, "\" has ", st.st_size,
+                                                   " bytes; ", bytes, " are needed"));
   }
   void* data = mmap(nullptr, st.st_size, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
   close(fd);
@@ -81,9 +81,10 @@ absl::StatusOr<SharedMemory> SharedMemory::CreateAnonymous(const std::string& ta
   if (fd < 0) return Errno(absl::StrCat("memfd_create(\"", tag, "\")"));
   SharedMemory m;
   m.name_ = absl::StrCat("memfd:refit-", tag);
-  m.fd_ = fd;  // owned from here on: every failure below closes it
+  m.fd_ = fd;                                  // owned from here on: every failure below closes it
   const size_t size = bytes == 0 ? 1 : bytes;  // mmap refuses 0 bytes
-  if (ftruncate(fd, static_cast<off_t>(size)) != 0) return Errno(absl::StrCat("ftruncate(", m.name_, ", ", size, ")"));
+  if (ftruncate(fd, static_cast<off_t>(size)) != 0)
+    return Errno(absl::StrCat("ftruncate(", m.name_, ", ", size, ")"));
   if (fcntl(fd, F_ADD_SEALS, F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_SEAL) != 0) {
     return Errno(absl::StrCat("sealing ", m.name_));
   }
@@ -99,24 +100,27 @@ absl::StatusOr<SharedMemory> SharedMemory::MapDescriptor(int fd, const std::stri
   return MapDescriptor(fd, what, SIZE_MAX);
 }
 
-absl::StatusOr<SharedMemory> SharedMemory::MapDescriptor(int fd, const std::string& what, size_t max_bytes) {
+absl::StatusOr<SharedMemory> SharedMemory::MapDescriptor(int fd, const std::string& what,
+                                                         size_t max_bytes) {
   struct stat st;
   if (fstat(fd, &st) != 0) return Errno(absl::StrCat("fstat(", what, ")"));
   if (!S_ISREG(st.st_mode)) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        what, " is not a shared-memory object or memfd (a socket, pipe or device?)"));
+    return absl::InvalidArgumentError(
+        absl::StrCat(what, " is not a shared-memory object or memfd (a socket, pipe or device?)"));
   }
   if (st.st_size <= 0) return absl::InvalidArgumentError(absl::StrCat(what, " is empty"));
   if (static_cast<uint64_t>(st.st_size) > max_bytes) {
-    return absl::InvalidArgumentError(
-        absl::StrCat(what, " has ", st.st_size, " bytes, more than the ", max_bytes, " it may have here"));
+    return absl::InvalidArgumentError(absl::StrCat(
+        what, " has ", st.st_size, " bytes, more than the ", max_bytes, " it may have here"));
   }
   const int flags = fcntl(fd, F_GETFL);
   if (flags < 0) return Errno(absl::StrCat("fcntl(", what, ")"));
   if ((flags & O_ACCMODE) != O_RDWR) {
-    return absl::InvalidArgumentError(absl::StrCat(what, " is not open for reading and writing (O_RDWR)"));
+    return absl::InvalidArgumentError(
+        absl::StrCat(what, " is not open for reading and writing (O_RDWR)"));
   }
-  void* data = mmap(nullptr, static_cast<size_t>(st.st_size), PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+  void* data =
+      mmap(nullptr, static_cast<size_t>(st.st_size), PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
   if (data == MAP_FAILED) return Errno(absl::StrCat("mmap(", what, ")"));
   SharedMemory m;
   m.name_ = what;
@@ -128,32 +132,39 @@ absl::StatusOr<SharedMemory> SharedMemory::MapDescriptor(int fd, const std::stri
 }
 
 absl::Status SharedMemory::SealAgainstShrinking(int fd, const std::string& what) {
-  constexpr absl::string_view kWhy = ": a truncate by its owner would crash the daemon (SIGBUS); hand over a memfd "
-                                     "made with MFD_ALLOW_SEALING (or sealed with F_SEAL_SHRINK)";
+  constexpr absl::string_view kWhy =
+      ": a truncate by its owner would crash the daemon (SIGBUS); hand over a memfd "
+      "made with MFD_ALLOW_SEALING (or sealed with F_SEAL_SHRINK)";
   struct stat st;
   if (fstat(fd, &st) != 0) return Errno(absl::StrCat("fstat(", what, ")"));
   if (!S_ISREG(st.st_mode)) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        what, " is not a shared-memory object or memfd (a socket, pipe or device?)"));
+    return absl::InvalidArgumentError(
+        absl::StrCat(what, " is not a shared-memory object or memfd (a socket, pipe or device?)"));
   }
   const int seals = fcntl(fd, F_GET_SEALS);
   if (seals < 0) {
     // EINVAL: the file system has no seals (ordinary files).
-    return absl::InvalidArgumentError(absl::StrCat(what, " cannot be sealed against shrinking (its file system "
-                                                   "has no seals: not a memfd)", kWhy));
+    return absl::InvalidArgumentError(
+        absl::StrCat(what,
+                     " cannot be sealed against shrinking (its file system "
+                     "has no seals: not a memfd)",
+                     kWhy));
   }
   if (seals & F_SEAL_SHRINK) return absl::OkStatus();
   if (seals & F_SEAL_SEAL) {
     // Linux gives shm_open's /dev/shm objects F_SEAL_SEAL from the start, as it does memfds made
     // without MFD_ALLOW_SEALING: the two cannot be told apart, and neither can be sealed.
-    return absl::InvalidArgumentError(absl::StrCat(what, " cannot be sealed against shrinking (F_SEAL_SEAL without "
-                                                   "F_SEAL_SHRINK: a shm_open object, or a memfd made without "
-                                                   "MFD_ALLOW_SEALING)", kWhy));
+    return absl::InvalidArgumentError(
+        absl::StrCat(what,
+                     " cannot be sealed against shrinking (F_SEAL_SEAL without "
+                     "F_SEAL_SHRINK: a shm_open object, or a memfd made without "
+                     "MFD_ALLOW_SEALING)",
+                     kWhy));
   }
   if (fcntl(fd, F_ADD_SEALS, F_SEAL_SHRINK) != 0) {
     const int e = errno;  // EPERM: not open for writing
-    return absl::InvalidArgumentError(absl::StrCat(what, ": sealing it against shrinking failed (",
-                                                   std::strerror(e), ")", kWhy));
+    return absl::InvalidArgumentError(
+        absl::StrCat(what, ": sealing it against shrinking failed (", std::strerror(e), ")", kWhy));
   }
   return absl::OkStatus();
 }

@@ -28,7 +28,8 @@ class SharedMemory {
   // in errors.
   static absl::StatusOr<SharedMemory> MapDescriptor(int fd, const std::string& what);
   // The same, but INVALID_ARGUMENT (nothing mapped) for an object larger than `max_bytes`.
-  static absl::StatusOr<SharedMemory> MapDescriptor(int fd, const std::string& what, size_t max_bytes);
+  static absl::StatusOr<SharedMemory> MapDescriptor(int fd, const std::string& what,
+                                                    size_t max_bytes);
   // Makes sure the object behind `fd` can never shrink: a process mapping it would die of SIGBUS
   // touching pages a truncate took away. Adds F_SEAL_SHRINK to a memfd that allows sealing;
   // INVALID_ARGUMENT, saying why, for one that cannot be sealed (a shm_open object or other file;

@@ -32,7 +32,8 @@ inline bool ParseNodeIdentity(absl::string_view identity, int32_t* node) {
   if (identity.substr(0, sizeof(kNodeIdentityPrefix) - 1) != kNodeIdentityPrefix) return false;
   identity.remove_prefix(sizeof(kNodeIdentityPrefix) - 1);
   if (identity.empty() || identity.size() > 9) return false;  // fits an int32
-  if (identity.size() > 1 && identity[0] == '0') return false;  // one spelling per node: "refit-node-00" is none
+  if (identity.size() > 1 && identity[0] == '0')
+    return false;  // one spelling per node: "refit-node-00" is none
   for (char c : identity) {
     if (!absl::ascii_isdigit(static_cast<unsigned char>(c))) return false;
   }
@@ -56,11 +57,12 @@ struct TlsConfig {
   std::string cert;  // PEM certificate chain (--tls-cert)
   std::string key;   // PEM private key (--tls-key)
   std::string ca;    // PEM CA bundle that signs the cluster's certificates (--tls-ca)
-  absl::Duration reload = absl::Seconds(10);  // how often the files are checked (--tls-reload-interval)
+  absl::Duration reload =
+      absl::Seconds(10);  // how often the files are checked (--tls-reload-interval)
   std::vector<std::string> operators = {"refit-operator"};  // --tls-operators a,b
   std::vector<std::string> viewers = {"refit-viewer"};      // --tls-viewers a,b
   // Names that may register workers over --worker-listen (TCP); the unix socket needs none.
-  std::vector<std::string> workers = {"refit-worker"};      // --tls-workers a,b
+  std::vector<std::string> workers = {"refit-worker"};  // --tls-workers a,b
 
   bool enabled() const { return !cert.empty(); }
 };

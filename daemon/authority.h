@@ -24,8 +24,8 @@
 
 #include "absl/status/status.h"
 #include "absl/strings/string_view.h"
-#include "daemon/loopback_owner.h"
 #include "common/tls_config.h"
+#include "daemon/loopback_owner.h"
 
 namespace refit {
 
@@ -43,7 +43,7 @@ enum class Access { kView, kOperate };
 
 // What the coordinator is, as this node learned it when it last joined.
 struct KnownCoordinator {
-  int32_t node = -1;        // -1: not joined yet
+  int32_t node = -1;  // -1: not joined yet
   int64_t incarnation = 0;
 };
 
@@ -62,8 +62,8 @@ class Authority {
   // Join and SyncWorkers claiming to be node `node`.
   absl::Status CheckNode(const Caller& caller, int32_t node, absl::string_view method) const;
   // InstallPlan and RunPhase, stamped with `incarnation`.
-  absl::Status CheckCoordinator(const Caller& caller, const KnownCoordinator& coordinator, int64_t incarnation,
-                                absl::string_view method) const;
+  absl::Status CheckCoordinator(const Caller& caller, const KnownCoordinator& coordinator,
+                                int64_t incarnation, absl::string_view method) const;
 
  private:
   bool Named(const Caller& caller, const std::vector<std::string>& names) const;

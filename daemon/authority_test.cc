@@ -54,16 +54,19 @@ TEST_CASE("Control: operators steer, viewers look, the unix socket only looks") 
   CHECK(viewer.code() == absl::StatusCode::kPermissionDenied);
   CHECK(viewer.message().find("refit-viewer") != absl::string_view::npos);
   CHECK(viewer.message().find("--tls-operators") != absl::string_view::npos);
-  CHECK(a.CheckControl(Cert({"intruder"}), Access::kView, "Status").code() == absl::StatusCode::kPermissionDenied);
+  CHECK(a.CheckControl(Cert({"intruder"}), Access::kView, "Status").code() ==
+        absl::StatusCode::kPermissionDenied);
   // Daemons forward their callers' calls.
   CHECK(a.CheckControl(Cert({"refit-node-2"}), Access::kOperate, "Refit").ok());
   Caller local;
   local.unix_socket = true;
   CHECK(a.CheckControl(local, Access::kView, "Status").ok());
-  CHECK(a.CheckControl(local, Access::kOperate, "Refit").code() == absl::StatusCode::kPermissionDenied);
+  CHECK(a.CheckControl(local, Access::kOperate, "Refit").code() ==
+        absl::StatusCode::kPermissionDenied);
   Caller anonymous;
   anonymous.peer = "ipv4:10.0.0.9:1";
-  CHECK(a.CheckControl(anonymous, Access::kView, "Status").code() == absl::StatusCode::kPermissionDenied);
+  CHECK(a.CheckControl(anonymous, Access::kView, "Status").code() ==
+        absl::StatusCode::kPermissionDenied);
 }
 
 TEST_CASE("Control: the role lists come from the configuration") {
@@ -73,8 +76,10 @@ TEST_CASE("Control: the role lists come from the configuration") {
   tls.viewers = {};
   const Authority a(tls);
   CHECK(a.CheckControl(Cert({"rl-controller"}), Access::kOperate, "Refit").ok());
-  CHECK(a.CheckControl(Cert({"refit-operator"}), Access::kOperate, "Refit").code() == absl::StatusCode::kPermissionDenied);
-  CHECK(a.CheckControl(Cert({"refit-viewer"}), Access::kView, "Status").code() == absl::StatusCode::kPermissionDenied);
+  CHECK(a.CheckControl(Cert({"refit-operator"}), Access::kOperate, "Refit").code() ==
+        absl::StatusCode::kPermissionDenied);
+  CHECK(a.CheckControl(Cert({"refit-viewer"}), Access::kView, "Status").code() ==
+        absl::StatusCode::kPermissionDenied);
 }
 
 TEST_CASE("Workers over TCP: only --tls-workers names register; the unix socket is the uid's") {
@@ -96,14 +101,16 @@ TEST_CASE("Join and SyncWorkers: only a node's own certificate speaks for it") {
   const absl::Status forged = a.CheckNode(Cert({"refit-node-2"}), 1, "Join");
   CHECK(forged.code() == absl::StatusCode::kPermissionDenied);
   CHECK(forged.message().find("node 1") != absl::string_view::npos);
-  CHECK(a.CheckNode(Cert({"refit-operator"}), 1, "SyncWorkers").code() == absl::StatusCode::kPermissionDenied);
+  CHECK(a.CheckNode(Cert({"refit-operator"}), 1, "SyncWorkers").code() ==
+        absl::StatusCode::kPermissionDenied);
 }
 
 TEST_CASE("Phases and plans: only the coordinator this node joined, at its incarnation") {
   const Authority a = Enforcing();
   const KnownCoordinator joined{0, 777};
   CHECK(a.CheckCoordinator(Cert({"refit-node-0"}), joined, 777, "RunPhase").ok());
-  CHECK(a.CheckCoordinator(Cert({"refit-node-2"}), joined, 777, "RunPhase").code() == absl::StatusCode::kPermissionDenied);
+  CHECK(a.CheckCoordinator(Cert({"refit-node-2"}), joined, 777, "RunPhase").code() ==
+        absl::StatusCode::kPermissionDenied);
   CHECK(a.CheckCoordinator(Cert({"refit-operator"}), joined, 777, "InstallPlan").code() ==
         absl::StatusCode::kPermissionDenied);
   CHECK(a.CheckCoordinator(Cert({"refit-node-0"}), joined, 776, "RunPhase").code() ==

@@ -43,7 +43,7 @@ struct TransferJob {
   std::string nccl_id;     // cuda backend: the communicator's ncclUniqueId for this epoch
   int64_t step_bytes = 0;  // cuda backend: one network step's bytes, the same on every node
   int64_t zero_copy_min_bytes = 0;  // cuda backend: smallest zero-copy descriptor (0: default)
-  bool nccl_register = false;       // cuda backend: staging registered with NCCL, on every node alike
+  bool nccl_register = false;  // cuda backend: staging registered with NCCL, on every node alike
   std::shared_ptr<const void> holds;  // keeps src and dst mapped where the job outlives its call
                                       // (RoundPreparing): the node's workers
   absl::Time requested = absl::InfinitePast();  // when the phase request reached this node (logged:
@@ -54,9 +54,9 @@ struct TransferStats {
   int64_t bytes_sent = 0;
   int64_t bytes_received = 0;  // over the network or NVLink
   int64_t bytes_local = 0;
-  int64_t bytes_nvlink = 0;    // of bytes_received: from another GPU of this node
-  // Set by LogMoved (the cuda backend: LogRound): the data plane's own time, and when it began after
-  // the request arrived.
+  int64_t bytes_nvlink = 0;  // of bytes_received: from another GPU of this node
+  // Set by LogMoved (the cuda backend: LogRound): the data plane's own time, and when it began
+  // after the request arrived.
   double data_plane_ms = 0;
   double started_after_request_ms = -1;  // -1: not from a phase request
 };
@@ -83,12 +83,14 @@ class DataBackend {
   // Errors name the buffer or range at fault. Default: Map() each buffer, and refuse memory
   // handed over as descriptors.
   virtual absl::StatusOr<std::vector<std::unique_ptr<MappedBuffer>>> MapBuffers(
-      const v1::RegisterWorkerRequest& request, std::span<const int64_t> buffer_bytes, std::span<const Fd> fds);
+      const v1::RegisterWorkerRequest& request, std::span<const int64_t> buffer_bytes,
+      std::span<const Fd> fds);
   // Memory for one of the plan's scratch buffers (Plan::scratch: where the block rule gathers
   // the parts of fp8 blocks no source holds whole) on the GPU of destination worker `worker`,
   // reachable like that worker's buffers. No default: a backend (or a wrapper) that forgot it
   // would hand out memory its data plane cannot reach.
-  virtual absl::StatusOr<std::unique_ptr<MappedBuffer>> AllocateScratch(const Worker& worker, int64_t bytes) = 0;
+  virtual absl::StatusOr<std::unique_ptr<MappedBuffer>> AllocateScratch(const Worker& worker,
+                                                                        int64_t bytes) = 0;
   // This daemon's index of the GPU named `name`, a UUID or PCI bus id (daemon/gpu_ids.h).
   virtual absl::StatusOr<int32_t> GpuIndex(const std::string& name) = 0;
   // Runs this node's messages, in stage order, until every message into this node has landed or
@@ -108,7 +110,9 @@ class DataBackend {
   // its abort. The cuda backend has the GPU switch to its context now, while the coordinator
   // gathers the other nodes' answers (an empty kernel: 0.15 ms on an H200 after another
   // process's GPU work), where it armed nothing for the round.
-  virtual void WorkersPrepared(const std::string& group, int64_t round_id) { (void)group, (void)round_id; }
+  virtual void WorkersPrepared(const std::string& group, int64_t round_id) {
+    (void)group, (void)round_id;
+  }
   // Ends a running Transfer of that round early with ABORTED(reason); work made ready for it by
   // RoundPreparing does nothing.
   virtual void Cancel(const std::string& group, int64_t round_id, const std::string& reason) = 0;

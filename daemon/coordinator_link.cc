@@ -74,8 +74,10 @@ void CoordinatorLink::Refresh() {
 CoordinatorLink::~CoordinatorLink() { Stop(); }
 
 std::shared_ptr<grpc::Channel> CoordinatorLink::NewChannel() {
-  if (options_.tls != nullptr) return options_.tls->Channel(target_, ChannelArgs(options_.max_rpc_bytes));
-  return grpc::CreateCustomChannel(target_, grpc::InsecureChannelCredentials(), ChannelArgs(options_.max_rpc_bytes));
+  if (options_.tls != nullptr)
+    return options_.tls->Channel(target_, ChannelArgs(options_.max_rpc_bytes));
+  return grpc::CreateCustomChannel(target_, grpc::InsecureChannelCredentials(),
+                                   ChannelArgs(options_.max_rpc_bytes));
 }
 
 KnownCoordinator CoordinatorLink::Coordinator() {
@@ -83,24 +85,27 @@ KnownCoordinator CoordinatorLink::Coordinator() {
   return coordinator_;
 }
 
-absl::Status CoordinatorLink::Answered(const grpc::ClientContext& ctx, const v1::JoinResponse& out) {
+absl::Status CoordinatorLink::Answered(const grpc::ClientContext& ctx,
+                                       const v1::JoinResponse& out) {
   // With --coordinator-node, only that node's certificate is obeyed as the coordinator; without
   // it, the answer's own certificate must be the node the answer names.
   if (options_.coordinator_node >= 0 && out.coordinator_node() != options_.coordinator_node) {
-    return absl::PermissionDeniedError(absl::StrCat("the daemon at ", Target(), " answers as coordinator node ",
-                                                    out.coordinator_node(), "; --coordinator-node is ",
-                                                    options_.coordinator_node));
+    return absl::PermissionDeniedError(absl::StrCat(
+        "the daemon at ", Target(), " answers as coordinator node ", out.coordinator_node(),
+        "; --coordinator-node is ", options_.coordinator_node));
   }
   if (options_.tls != nullptr) {
     if (auto s = CheckServerNode(*options_.tls, ctx, out.coordinator_node()); !s.ok()) {
-      return absl::PermissionDeniedError(absl::StrCat("the coordinator at ", Target(), ": ", s.message()));
+      return absl::PermissionDeniedError(
+          absl::StrCat("the coordinator at ", Target(), ": ", s.message()));
     }
   }
   absl::MutexLock lock(&mu_);
   if (coordinator_.incarnation != out.coordinator_incarnation() && coordinator_.node >= 0) {
-    Logger("rpc")->info("the coordinator is node {} incarnation {} now (was node {} incarnation {})",
-                        out.coordinator_node(), out.coordinator_incarnation(), coordinator_.node,
-                        coordinator_.incarnation);
+    Logger("rpc")->info(
+        "the coordinator is node {} incarnation {} now (was node {} incarnation {})",
+        out.coordinator_node(), out.coordinator_incarnation(), coordinator_.node,
+        coordinator_.incarnation);
   }
   coordinator_ = KnownCoordinator{out.coordinator_node(), out.coordinator_incarnation()};
   if (out.resync()) ++resyncs_seen_;
@@ -110,8 +115,7 @@ absl::Status CoordinatorLink::Answered(const grpc::ClientContext& ctx, const v1:
 std::shared_ptr<v1::RefitPeer::Stub> CoordinatorLink::Peer() {
   absl::MutexLock lock(&mu_);
   if (!peer_) {
-    peer_ = v1::RefitPeer::NewStub(
-        NewChannel());
+    peer_ = v1::RefitPeer::NewStub(NewChannel());
   }
   return peer_;
 }
@@ -119,8 +123,7 @@ std::shared_ptr<v1::RefitPeer::Stub> CoordinatorLink::Peer() {
 std::shared_ptr<v1::RefitControl::Stub> CoordinatorLink::Control() {
   absl::MutexLock lock(&mu_);
   if (!control_) {
-    control_ = v1::RefitControl::NewStub(
-        NewChannel());
+    control_ = v1::RefitControl::NewStub(NewChannel());
   }
   return control_;
 }
@@ -132,7 +135,8 @@ v1::JoinRequest CoordinatorLink::JoinRequestNow() {
   return out;
 }
 
-absl::Status CoordinatorLink::Join(const std::string& control_address, const std::string& data_address) {
+absl::Status CoordinatorLink::Join(const std::string& control_address,
+                                   const std::string& data_address) {
   join_.set_node(options_.node);
   join_.set_control_address(control_address);
   join_.set_data_address(data_address);
@@ -155,14 +159,17 @@ absl::Status CoordinatorLink::Join(const std::string& control_address, const std
             : FromGrpc(Peer()->Join(&ctx, JoinRequestNow(), &out));
     if (joined.ok()) joined = Answered(ctx, out);
     if (joined.ok()) {
-      if (attempt > 1) Logger("rpc")->info("joined the coordinator at {} after {} attempts", Target(), attempt);
+      if (attempt > 1)
+        Logger("rpc")->info("joined the coordinator at {} after {} attempts", Target(), attempt);
       break;
     }
-    if (options_.join_timeout > absl::ZeroDuration() && absl::Now() - start >= options_.join_timeout) break;
+    if (options_.join_timeout > absl::ZeroDuration() &&
+        absl::Now() - start >= options_.join_timeout)
+      break;
     if (absl::Now() - logged >= absl::Seconds(10)) {
       Logger("rpc")->warn("waiting for the coordinator at {} (attempt {}, next in {}): {}",
-                          Target().empty() ? options_.coordinator : Target(), attempt, absl::FormatDuration(backoff),
-                          std::string(joined.message()));
+                          Target().empty() ? options_.coordinator : Target(), attempt,
+                          absl::FormatDuration(backoff), std::string(joined.message()));
       logged = absl::Now();
     }
     {
@@ -174,9 +181,9 @@ absl::Status CoordinatorLink::Join(const std::string& control_address, const std
     Refresh();
   }
   if (!joined.ok()) {
-    return absl::UnavailableError(absl::StrCat("cannot join the coordinator at ", options_.coordinator,
-                                               Target() != options_.coordinator ? " (" + Target() + ")" : "", ": ",
-                                               joined.message()));
+    return absl::UnavailableError(absl::StrCat(
+        "cannot join the coordinator at ", options_.coordinator,
+        Target() != options_.coordinator ? " (" + Target() + ")" : "", ": ", joined.message()));
   }
   heartbeat_ = std::thread([this] { HeartbeatLoop(); });
   return absl::OkStatus();
@@ -304,9 +311,9 @@ void CoordinatorLink::Stop() {
   if (heartbeat_.joinable()) heartbeat_.join();
 }
 
-absl::Status CoordinatorLink::ForwardWatch(const v1::WatchRoundsRequest& request,
-                                           const std::function<bool()>& cancelled,
-                                           const std::function<bool(const v1::RoundStats&)>& write) {
+absl::Status CoordinatorLink::ForwardWatch(
+    const v1::WatchRoundsRequest& request, const std::function<bool()>& cancelled,
+    const std::function<bool(const v1::RoundStats&)>& write) {
   grpc::ClientContext ctx;
   std::shared_ptr<v1::RefitControl::Stub> stub = Control();  // outlives the stream
   auto reader = stub->WatchRounds(&ctx, request);

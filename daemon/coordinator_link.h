@@ -38,8 +38,8 @@
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
 #include "daemon/authority.h"
-#include "daemon/grpc_status.h"
 #include "daemon/grpc_caller.h"
+#include "daemon/grpc_status.h"
 #include "proto/refit.grpc.pb.h"
 
 namespace refit {
@@ -88,7 +88,8 @@ class CoordinatorLink {
 
   // Forwards a unary operator call to the coordinator within `timeout`.
   template <typename Request, typename Response, typename Method>
-  absl::Status Forward(Method method, const Request& request, Response* response, absl::Duration timeout) {
+  absl::Status Forward(Method method, const Request& request, Response* response,
+                       absl::Duration timeout) {
     grpc::ClientContext ctx;
     ctx.set_deadline(std::chrono::system_clock::now() + absl::ToChronoNanoseconds(timeout));
     std::shared_ptr<v1::RefitControl::Stub> stub = Control();
@@ -96,7 +97,8 @@ class CoordinatorLink {
   }
   // Relays the coordinator's WatchRounds stream until `write` fails or `cancelled()`.
   // Its status: the coordinator's, when the coordinator ended the stream (e.g. refused it).
-  absl::Status ForwardWatch(const v1::WatchRoundsRequest& request, const std::function<bool()>& cancelled,
+  absl::Status ForwardWatch(const v1::WatchRoundsRequest& request,
+                            const std::function<bool()>& cancelled,
                             const std::function<bool(const v1::RoundStats&)>& write);
 
  private:

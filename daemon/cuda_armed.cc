@@ -46,11 +46,13 @@ void CudaBackend::DisarmLoop() {
       if (a->until <= now) {
         a->CallOff();
         LogLater("data", spdlog::level::warn,
-                 "group \"{}\" round {}: armed at PREPARE and not let go {}: called off (its TRANSFER, if it comes, "
+                 "group \"{}\" round {}: armed at PREPARE and not let go {}: called off (its "
+                 "TRANSFER, if it comes, "
                  "launches the round itself)",
                  group, a->round,
                  a->prepared == a->round
-                     ? absl::StrCat("within ", absl::ToInt64Milliseconds(kArmedAtMost), " ms of its workers' answer")
+                     ? absl::StrCat("within ", absl::ToInt64Milliseconds(kArmedAtMost),
+                                    " ms of its workers' answer")
                      : std::string("by its PREPARE's deadline"));
       } else {
         next = std::min(next, a->until);
@@ -106,13 +108,15 @@ CudaBackend::ArmsHeldOff::~ArmsHeldOff() {
 void CudaBackend::RoundPreparing(TransferJob job) {
   if (!arm_rounds_) return;
   const std::string group = job.group;
-  std::optional<TransferJob> replaced;  // dropped after the lock: it may hold workers' last references
+  std::optional<TransferJob>
+      replaced;  // dropped after the lock: it may hold workers' last references
   absl::MutexLock lock(&armed_mu_);
   if (stopping_) return;
   std::unique_ptr<ArmGate>& slot = armed_[group];
   if (slot == nullptr) slot = std::make_unique<ArmGate>();
   slot->pending = job.round_id;
-  slot->prepared = -1;  // its workers answer after this (WorkersPrepared): not an older round's answer
+  slot->prepared =
+      -1;  // its workers answer after this (WorkersPrepared): not an older round's answer
   if (auto it = to_arm_.find(group); it != to_arm_.end()) {
     replaced = std::exchange(it->second, std::move(job));
   } else {
@@ -138,11 +142,13 @@ void CudaBackend::ArmLoop() {
   left.swap(to_arm_);
 }
 
-std::unique_ptr<CudaBackend::Group> CudaBackend::TakeToWarm(const std::string& group, uint64_t* released) {
+std::unique_ptr<CudaBackend::Group> CudaBackend::TakeToWarm(const std::string& group,
+                                                            uint64_t* released) {
   absl::MutexLock lock(&mu_);
   if (released != nullptr) *released = released_;
   auto it = groups_.find(group);
-  if (leased_.contains(group) || it == groups_.end() || it->second == nullptr || it->second->prepared == nullptr) {
+  if (leased_.contains(group) || it == groups_.end() || it->second == nullptr ||
+      it->second->prepared == nullptr) {
     return nullptr;
   }
   leased_.insert(group);
@@ -167,15 +173,17 @@ void CudaBackend::ArmAhead(const TransferJob& job) {
   CallOff(job.group, std::nullopt);  // armed for an earlier round that never transferred
   const Prepared& p = *g->prepared;
   absl::Status armed = absl::CancelledError("its schedule is not armable");
-  if (p.plan == job.plan && p.released == released && ArmableStage(p.schedule) >= 0 && p.src == AddressesOf(job.src) &&
-      p.dst == AddressesOf(job.dst)) {
+  if (p.plan == job.plan && p.released == released && ArmableStage(p.schedule) >= 0 &&
+      p.src == AddressesOf(job.src) && p.dst == AddressesOf(job.dst)) {
     armed = Arm(*g, job);
   }
   if (!armed.ok()) {
-    CallOff(job.group, job.round_id);  // what was launched does nothing; Transfer launches the round
+    CallOff(job.group,
+            job.round_id);  // what was launched does nothing; Transfer launches the round
     if (!absl::IsCancelled(armed)) {
-      Logger("data")->warn("group \"{}\" round {}: not made ready at PREPARE ({}); launched at TRANSFER instead",
-                           job.group, job.round_id, std::string(armed.message()));
+      Logger("data")->warn(
+          "group \"{}\" round {}: not made ready at PREPARE ({}); launched at TRANSFER instead",
+          job.group, job.round_id, std::string(armed.message()));
     }
   }
   GiveBackWarmed(job.group, std::move(g));
@@ -271,24 +279,28 @@ absl::Status CudaBackend::Arm(Group& g, const TransferJob& job) {
     const cudaStream_t stream = g.streams.at(gpu).direct.get();
     REFIT_RETURN_IF_ERROR(guard.Set(gpu));
     REFIT_RETURN_IF_ERROR(driver.value()->Check(
-        driver.value()->StreamWaitValue32(stream, reinterpret_cast<CUdeviceptr>(a->word.device()), go,
-                                          CU_STREAM_WAIT_VALUE_GEQ),
+        driver.value()->StreamWaitValue32(stream, reinterpret_cast<CUdeviceptr>(a->word.device()),
+                                          go, CU_STREAM_WAIT_VALUE_GEQ),
         "cuStreamWaitValue32"));
     a->decided.at(gpu).Store(0);
-    REFIT_CUDA_RETURN_IF_ERROR(LaunchGate(a->word.device(), go, gate, a->decided.at(gpu).device(), stream),
-                               "the armed round's gate");
+    REFIT_CUDA_RETURN_IF_ERROR(
+        LaunchGate(a->word.device(), go, gate, a->decided.at(gpu).device(), stream),
+        "the armed round's gate");
     // The round's first work on this GPU: when it was let go.
     REFIT_CUDA_RETURN_IF_ERROR(cudaEventRecord(on.start.get(), stream), "cudaEventRecord");
     for (const auto& d : on.direct[stage]) {
-      REFIT_CUDA_RETURN_IF_ERROR(LaunchCopyItems(d.items, d.units, d.n, d.total_units, stream, d.spread, d.aligned, gate, go),
+      REFIT_CUDA_RETURN_IF_ERROR(LaunchCopyItems(d.items, d.units, d.n, d.total_units, stream,
+                                                 d.spread, d.aligned, gate, go),
                                  "copy (armed)");
     }
-    REFIT_CUDA_RETURN_IF_ERROR(cudaEventRecord(on.direct_done[stage].get(), stream), "cudaEventRecord");
+    REFIT_CUDA_RETURN_IF_ERROR(cudaEventRecord(on.direct_done[stage].get(), stream),
+                               "cudaEventRecord");
   }
   return absl::OkStatus();
 }
 
-std::string CudaBackend::GatesMissed(const std::string& group, const std::set<int32_t>& gpus, uint32_t go) {
+std::string CudaBackend::GatesMissed(const std::string& group, const std::set<int32_t>& gpus,
+                                     uint32_t go) {
   ArmGate* a = nullptr;
   {
     absl::MutexLock lock(&armed_mu_);
@@ -300,7 +312,8 @@ std::string CudaBackend::GatesMissed(const std::string& group, const std::set<in
   std::string missed;
   for (int32_t gpu : gpus) {
     auto d = a->decided.find(gpu);
-    if (d == a->decided.end() || d->second.Load() != go) absl::StrAppend(&missed, missed.empty() ? "" : ", ", gpu);
+    if (d == a->decided.end() || d->second.Load() != go)
+      absl::StrAppend(&missed, missed.empty() ? "" : ", ", gpu);
   }
   return missed;
 }

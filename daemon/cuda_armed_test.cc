@@ -6,7 +6,8 @@
 // round's TRANSFER, which copies; workers slower to prepare than the bound find their round still
 // armed; memory released while armed waits for nothing; a backend destroyed while armed does not
 // hang. Buffers are the backend's own device memory (AllocateScratch), destinations poisoned
-// before every round and checked byte for byte after. Fails where no GPU is present (tagged "gpu": CI leaves it out).
+// before every round and checked byte for byte after. Fails where no GPU is present (tagged "gpu":
+// CI leaves it out).
 #include <cuda_runtime.h>
 
 #include <catch2/catch.hpp>
@@ -46,8 +47,8 @@ struct Setup {
     // Trainer: two row halves; engine: two column halves (TP row-parallel), all on GPU 0.
     testing::AddSplitTensor(source, "w", Dims{kRows, kCols}, DType::kBF16, 0, {0, kRows / 2, kRows},
                             {{0, 0}, {0, 0}}, "fsdp");
-    testing::AddSplitTensor(destination, "w", Dims{kRows, kCols}, DType::kBF16, 1, {0, kCols / 2, kCols},
-                            {{0, 0}, {0, 0}}, "tp");
+    testing::AddSplitTensor(destination, "w", Dims{kRows, kCols}, DType::kBF16, 1,
+                            {0, kCols / 2, kCols}, {{0, 0}, {0, 0}}, "tp");
     REQUIRE(ValidateLayout(source, "trainer").ok());
     REQUIRE(ValidateLayout(destination, "inference").ok());
     auto p = MakePlan(source, destination, PlanOptions{});
@@ -55,7 +56,8 @@ struct Setup {
     REQUIRE(p.ok());
     plan = std::make_shared<const Plan>(*std::move(p));
     values.resize(kRows * kCols * 2);
-    for (size_t i = 0; i < values.size(); ++i) values[i] = static_cast<std::byte>((i * 2654435761u) >> 13);
+    for (size_t i = 0; i < values.size(); ++i)
+      values[i] = static_cast<std::byte>((i * 2654435761u) >> 13);
     for (auto [layout, out] : {std::pair{&source, &src}, std::pair{&destination, &dst}}) {
       for (const Buffer& buffer : layout->buffers) {
         auto m = backend->AllocateScratch(layout->workers[buffer.worker], buffer.NumBytes());
@@ -66,7 +68,8 @@ struct Setup {
     // Source shard k: rows [k * kRows / 2, ...), contiguous in the tensor.
     const size_t half = values.size() / 2;
     for (int k = 0; k < 2; ++k) {
-      REQUIRE(cudaMemcpy(src[k]->bytes().data(), values.data() + k * half, half, cudaMemcpyHostToDevice) == cudaSuccess);
+      REQUIRE(cudaMemcpy(src[k]->bytes().data(), values.data() + k * half, half,
+                         cudaMemcpyHostToDevice) == cudaSuccess);
     }
   }
 
@@ -93,7 +96,8 @@ struct Setup {
   }
 
   void Poison() {
-    for (const auto& m : dst) REQUIRE(cudaMemset(m->bytes().data(), kPoisonByte, m->bytes().size()) == cudaSuccess);
+    for (const auto& m : dst)
+      REQUIRE(cudaMemset(m->bytes().data(), kPoisonByte, m->bytes().size()) == cudaSuccess);
     REQUIRE(cudaDeviceSynchronize() == cudaSuccess);
   }
 
@@ -102,10 +106,13 @@ struct Setup {
     const size_t row_bytes = kCols * 2, half_row = row_bytes / 2;
     for (int k = 0; k < 2; ++k) {
       std::vector<std::byte> got(dst[k]->bytes().size());
-      if (cudaMemcpy(got.data(), dst[k]->bytes().data(), got.size(), cudaMemcpyDeviceToHost) != cudaSuccess) return false;
+      if (cudaMemcpy(got.data(), dst[k]->bytes().data(), got.size(), cudaMemcpyDeviceToHost) !=
+          cudaSuccess)
+        return false;
       for (int64_t r = 0; r < kRows; ++r) {
         for (size_t c = 0; c < half_row; ++c) {
-          const std::byte want = copied ? values[r * row_bytes + k * half_row + c] : static_cast<std::byte>(kPoisonByte);
+          const std::byte want = copied ? values[r * row_bytes + k * half_row + c]
+                                        : static_cast<std::byte>(kPoisonByte);
           if (got[r * half_row + c] != want) return false;
         }
       }

@@ -1,15 +1,13 @@
 #include "daemon/cuda_backend.h"
 
-#include <sys/prctl.h>
-
-#include <functional>
-
 #include <cuda_runtime.h>
 #include <nccl.h>
+#include <sys/prctl.h>
 
 #include <algorithm>
 #include <cstring>
 #include <deque>
+#include <functional>
 #include <optional>
 #include <set>
 #include <span>
@@ -39,7 +37,8 @@
 
 namespace refit {
 
-// The page size legacy CUDA IPC imports are mapped with when the allocation is a whole number of them.
+// The page size legacy CUDA IPC imports are mapped with when the allocation is a whole number of
+// them.
 constexpr int64_t kIpcPageBytes = int64_t{2} << 20;
 
 // An IPC allocation, opened in the context of its own GPU and, when another GPU's kernels read or
@@ -71,17 +70,22 @@ struct CudaBackend::VmmMapping {
 // Transfer of the group holds it), given back, and the round forgotten, when the lease ends.
 class CudaBackend::GroupLease {
  public:
-  static absl::StatusOr<GroupLease> Take(CudaBackend* b, const TransferJob& job) ABSL_LOCKS_EXCLUDED(b->mu_) {
+  static absl::StatusOr<GroupLease> Take(CudaBackend* b, const TransferJob& job)
+      ABSL_LOCKS_EXCLUDED(b->mu_) {
     absl::MutexLock lock(&b->mu_);
     // A round's TRANSFER may meet its own arming (ArmAhead) or WorkersPrepared's launch, or those
     // of another round (a new coordinator's, while the old one's PREPARE still ends here).
-    auto warm = [b, &job]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(b->mu_) { return !b->warming_.contains(job.group); };
+    auto warm = [b, &job]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(b->mu_) {
+      return !b->warming_.contains(job.group);
+    };
     if (!b->mu_.AwaitWithTimeout(absl::Condition(&warm), absl::Seconds(1))) {
-      return absl::UnavailableError(absl::StrCat("round ", job.round_id, ": group \"", job.group,
-                                                 "\" is still being made ready for its transfer on this node (1 s)"));
+      return absl::UnavailableError(
+          absl::StrCat("round ", job.round_id, ": group \"", job.group,
+                       "\" is still being made ready for its transfer on this node (1 s)"));
     }
     if (b->leased_.contains(job.group)) {
-      return absl::FailedPreconditionError(absl::StrCat("round ", job.round_id, ": a transfer of group \"", job.group,
+      return absl::FailedPreconditionError(absl::StrCat("round ", job.round_id,
+                                                        ": a transfer of group \"", job.group,
                                                         "\" is still running on this node"));
     }
     std::unique_ptr<Group>& slot = b->groups_[job.group];
@@ -91,7 +95,10 @@ class CudaBackend::GroupLease {
     return GroupLease(b, job, std::move(g));
   }
   GroupLease(GroupLease&& other) noexcept
-      : b_(std::exchange(other.b_, nullptr)), group_(std::move(other.group_)), round_(other.round_), g_(std::move(other.g_)) {}
+      : b_(std::exchange(other.b_, nullptr)),
+        group_(std::move(other.group_)),
+        round_(other.round_),
+        g_(std::move(other.g_)) {}
   GroupLease(const GroupLease&) = delete;
   GroupLease& operator=(const GroupLease&) = delete;
   GroupLease& operator=(GroupLease&&) = delete;
@@ -118,7 +125,8 @@ CudaBackend::~CudaBackend() {
   {
     absl::MutexLock lock(&armed_mu_);
     stopping_ = true;
-    for (auto& [group, a] : armed_) a->CallOff();  // before the groups' fences wait for their streams
+    for (auto& [group, a] : armed_)
+      a->CallOff();  // before the groups' fences wait for their streams
     armed_changed_.SignalAll();
     arm_queued_.SignalAll();
   }
@@ -140,8 +148,9 @@ void CudaBackend::DropCommunicator(const std::string& group, Group& g) {
   const absl::Time t0 = absl::Now();
   g.comm->Abort();
   ++comms_aborted_;
-  Logger("data")->warn("group \"{}\": NCCL communicator aborted in {:.0f} ms; the next round builds a new one", group,
-                       absl::ToDoubleMilliseconds(absl::Now() - t0));
+  Logger("data")->warn(
+      "group \"{}\": NCCL communicator aborted in {:.0f} ms; the next round builds a new one",
+      group, absl::ToDoubleMilliseconds(absl::Now() - t0));
   g.comm.reset();
 }
 
@@ -161,8 +170,9 @@ absl::Status CudaBackend::CommunicatorFor(Group& g, const TransferJob& job) {
   auto c = NodeCommunicator::Start(job.nccl_id, nranks, local);
   if (!c.ok()) return c.status();  // the ranks begun are aborted with it
   g.comm = *std::move(c);
-  if (auto s = g.comm->WaitReady([&] { return Interrupted(job); },
-                                 absl::StrCat("round ", job.round_id, ": NCCL communicator of ", nranks, " ranks"));
+  if (auto s = g.comm->WaitReady(
+          [&] { return Interrupted(job); },
+          absl::StrCat("round ", job.round_id, ": NCCL communicator of ", nranks, " ranks"));
       !s.ok()) {
     DropCommunicator(job.group, g);
     return s;
@@ -176,8 +186,10 @@ void CudaBackend::Forget(const std::string& handle, uint64_t base) {
   ++released_;
   // Only entries that died: the same handle may have been opened again meanwhile (the driver
   // counts opens in one context, so a new import of it has the same base).
-  if (auto it = opened_.find(handle); it != opened_.end() && it->second.expired()) opened_.erase(it);
-  if (auto it = by_base_.find(base); it != by_base_.end() && it->second.expired()) by_base_.erase(it);
+  if (auto it = opened_.find(handle); it != opened_.end() && it->second.expired())
+    opened_.erase(it);
+  if (auto it = by_base_.find(base); it != by_base_.end() && it->second.expired())
+    by_base_.erase(it);
 }
 
 namespace {
@@ -197,11 +209,14 @@ class DeviceScratch : public MappedBuffer {
 };
 }  // namespace
 
-absl::StatusOr<std::unique_ptr<MappedBuffer>> CudaBackend::AllocateScratch(const Worker& worker, int64_t bytes) {
+absl::StatusOr<std::unique_ptr<MappedBuffer>> CudaBackend::AllocateScratch(const Worker& worker,
+                                                                           int64_t bytes) {
   if (!Serves(worker.gpu)) {
-    return absl::FailedPreconditionError(absl::StrCat("GPU ", worker.gpu, " of worker \"", worker.name, "\" is not served here"));
+    return absl::FailedPreconditionError(
+        absl::StrCat("GPU ", worker.gpu, " of worker \"", worker.name, "\" is not served here"));
   }
-  auto memory = DeviceMemory::Allocate(worker.gpu, static_cast<size_t>(std::max<int64_t>(bytes, 1)));
+  auto memory =
+      DeviceMemory::Allocate(worker.gpu, static_cast<size_t>(std::max<int64_t>(bytes, 1)));
   if (!memory.ok()) return memory.status();
   const uint64_t base = reinterpret_cast<uint64_t>(memory->get());
   {
@@ -260,15 +275,18 @@ absl::StatusOr<uint64_t> CudaBackend::AddressOn(int32_t gpu, uint64_t address) {
   }
   // Opened outside the lock; should another thread have opened it meanwhile, its import is kept
   // and this one closed (outside the lock too).
-  auto opened = IpcImport::Open(gpu, a->handle, absl::StrCat("opening GPU ", a->device, "'s buffer on GPU ", gpu));
+  auto opened = IpcImport::Open(gpu, a->handle,
+                                absl::StrCat("opening GPU ", a->device, "'s buffer on GPU ", gpu));
   if (!opened.ok()) return opened.status();
   IpcImport spare;
   uint64_t at = 0;
   {
     absl::MutexLock lock(&a->mu);
     auto [it, inserted] = a->on_device.try_emplace(gpu);
-    if (inserted) it->second = *std::move(opened);
-    else spare = *std::move(opened);
+    if (inserted)
+      it->second = *std::move(opened);
+    else
+      spare = *std::move(opened);
     at = reinterpret_cast<uint64_t>(it->second.get());
   }
   return at + (address - base);
@@ -305,9 +323,11 @@ class VmmBuffer : public MappedBuffer {
 
 }  // namespace
 
-absl::StatusOr<std::unique_ptr<CudaBackend>> CudaBackend::Start(const std::vector<int32_t>& gpus, int64_t staging_bytes,
-                                                               bool nccl_stream_priority, bool aligned_copy_kernel,
-                                                               ArmRounds arm_rounds) {
+absl::StatusOr<std::unique_ptr<CudaBackend>> CudaBackend::Start(const std::vector<int32_t>& gpus,
+                                                                int64_t staging_bytes,
+                                                                bool nccl_stream_priority,
+                                                                bool aligned_copy_kernel,
+                                                                ArmRounds arm_rounds) {
   int count = 0;
   REFIT_CUDA_RETURN_IF_ERROR(cudaGetDeviceCount(&count), "no usable GPU for --backend=cuda");
   std::unique_ptr<CudaBackend> b(new CudaBackend());
@@ -321,7 +341,9 @@ absl::StatusOr<std::unique_ptr<CudaBackend>> CudaBackend::Start(const std::vecto
   bool mps = true;
   for (int32_t g : b->gpus_) {
     int shared = 0;
-    if (g < 0 || g >= count || cudaDeviceGetAttribute(&shared, cudaDevAttrMpsEnabled, g) != cudaSuccess) shared = 0;
+    if (g < 0 || g >= count ||
+        cudaDeviceGetAttribute(&shared, cudaDevAttrMpsEnabled, g) != cudaSuccess)
+      shared = 0;
     mps = mps && shared != 0;
   }
   cudaGetLastError();
@@ -330,29 +352,37 @@ absl::StatusOr<std::unique_ptr<CudaBackend>> CudaBackend::Start(const std::vecto
     b->disarmer_ = std::thread([p = b.get()] { p->DisarmLoop(); });
     b->armer_ = std::thread([p = b.get()] { p->ArmLoop(); });
   }
-  Logger("data")->info("cuda: rounds copied within the node {} (--arm-rounds; MPS {})",
-                       b->arm_rounds_ ? "armed at PREPARE, let go at TRANSFER" : "launched at TRANSFER",
-                       mps ? "shares these GPUs" : "off");
+  Logger("data")->info(
+      "cuda: rounds copied within the node {} (--arm-rounds; MPS {})",
+      b->arm_rounds_ ? "armed at PREPARE, let go at TRANSFER" : "launched at TRANSFER",
+      mps ? "shares these GPUs" : "off");
   DeviceGuard guard;
   for (int32_t g : b->gpus_) {
-    if (g < 0 || g >= count) return absl::InvalidArgumentError(absl::StrCat("--gpus names GPU ", g, "; this node has ", count));
+    if (g < 0 || g >= count)
+      return absl::InvalidArgumentError(
+          absl::StrCat("--gpus names GPU ", g, "; this node has ", count));
     REFIT_RETURN_IF_ERROR(Annotate(guard.Set(g), absl::StrCat("GPU ", g)));
     // Its names, for workers that name their GPU (their CUDA index is not this daemon's).
     cudaDeviceProp prop;
-    REFIT_CUDA_RETURN_IF_ERROR(cudaGetDeviceProperties(&prop, g), absl::StrCat("the properties of GPU ", g));
+    REFIT_CUDA_RETURN_IF_ERROR(cudaGetDeviceProperties(&prop, g),
+                               absl::StrCat("the properties of GPU ", g));
     char pci[64] = {};
-    REFIT_CUDA_RETURN_IF_ERROR(cudaDeviceGetPCIBusId(pci, sizeof pci, g), absl::StrCat("the PCI bus id of GPU ", g));
-    b->names_.push_back({g, FormatGpuUuid(std::span<const unsigned char, 16>(
-                                reinterpret_cast<const unsigned char*>(prop.uuid.bytes), 16)),
+    REFIT_CUDA_RETURN_IF_ERROR(cudaDeviceGetPCIBusId(pci, sizeof pci, g),
+                               absl::StrCat("the PCI bus id of GPU ", g));
+    b->names_.push_back({g,
+                         FormatGpuUuid(std::span<const unsigned char, 16>(
+                             reinterpret_cast<const unsigned char*>(prop.uuid.bytes), 16)),
                          pci});
     int least = 0, greatest = 0;
-    REFIT_CUDA_RETURN_IF_ERROR(cudaDeviceGetStreamPriorityRange(&least, &greatest), "stream priorities");
+    REFIT_CUDA_RETURN_IF_ERROR(cudaDeviceGetStreamPriorityRange(&least, &greatest),
+                               "stream priorities");
     // Loaded now: CUDA loads a kernel at its first launch, which may wait for the GPU's other
     // work (armed rounds of other groups included), and WorkersPrepared and ArmAhead launch them
     // holding the group. Not fatal: loaded at first use then.
     if (const cudaError_t e = LoadKernels(); e != cudaSuccess) {
-      Logger("data")->warn("GPU {}: the copy kernels not loaded ahead ({}); they load at their first launch", g,
-                           cudaGetErrorString(e));
+      Logger("data")->warn(
+          "GPU {}: the copy kernels not loaded ahead ({}); they load at their first launch", g,
+          cudaGetErrorString(e));
       cudaGetLastError();
     }
     b->priorities_[g] = {least, greatest};
@@ -360,27 +390,37 @@ absl::StatusOr<std::unique_ptr<CudaBackend>> CudaBackend::Start(const std::vecto
       if (peer == g) continue;
       int can = 0;
       cudaDeviceCanAccessPeer(&can, g, peer);
-      if (!can) return absl::FailedPreconditionError(absl::StrCat("GPU ", g, " cannot access GPU ", peer, " (no peer access)"));
+      if (!can)
+        return absl::FailedPreconditionError(
+            absl::StrCat("GPU ", g, " cannot access GPU ", peer, " (no peer access)"));
       const cudaError_t e = cudaDeviceEnablePeerAccess(peer, 0);
-      if (e != cudaSuccess && e != cudaErrorPeerAccessAlreadyEnabled) return CudaError(e, "enabling peer access");
+      if (e != cudaSuccess && e != cudaErrorPeerAccessAlreadyEnabled)
+        return CudaError(e, "enabling peer access");
       cudaGetLastError();
     }
   }
   std::vector<std::string> names;
-  for (const GpuName& n : b->names_) names.push_back(absl::StrCat(n.index, ": ", n.uuid, " (", n.pci_bus_id, ")"));
+  for (const GpuName& n : b->names_)
+    names.push_back(absl::StrCat(n.index, ": ", n.uuid, " (", n.pci_bus_id, ")"));
   Logger("data")->info("cuda backend on GPUs {}", absl::StrJoin(names, ", "));
   if (auto driver = CudaDriver::Get(); !driver.ok()) {
     // IPC memory still works; VMM registrations will be refused with this reason.
-    Logger("data")->warn("CUDA VMM memory cannot be registered here: {}", std::string(driver.status().message()));
+    Logger("data")->warn("CUDA VMM memory cannot be registered here: {}",
+                         std::string(driver.status().message()));
   }
   return b;
 }
 
-absl::StatusOr<int32_t> CudaBackend::GpuIndex(const std::string& name) { return FindGpu(names_, name); }
+absl::StatusOr<int32_t> CudaBackend::GpuIndex(const std::string& name) {
+  return FindGpu(names_, name);
+}
 
-bool CudaBackend::Serves(int32_t gpu) const { return std::find(gpus_.begin(), gpus_.end(), gpu) != gpus_.end(); }
+bool CudaBackend::Serves(int32_t gpu) const {
+  return std::find(gpus_.begin(), gpus_.end(), gpu) != gpus_.end();
+}
 
-absl::StatusOr<std::unique_ptr<MappedBuffer>> CudaBackend::Map(const v1::BufferMemory& memory, int64_t bytes) {
+absl::StatusOr<std::unique_ptr<MappedBuffer>> CudaBackend::Map(const v1::BufferMemory& memory,
+                                                               int64_t bytes) {
   if (!memory.has_cuda_ipc()) {
     return absl::InvalidArgumentError(
         "the cuda backend reaches buffers through CUDA IPC handles (BufferMemory.cuda_ipc); this "
@@ -388,8 +428,8 @@ absl::StatusOr<std::unique_ptr<MappedBuffer>> CudaBackend::Map(const v1::BufferM
   }
   const v1::CudaIpc& ipc = memory.cuda_ipc();
   if (ipc.handle().size() != sizeof(cudaIpcMemHandle_t)) {
-    return absl::InvalidArgumentError(absl::StrCat("a CUDA IPC handle has ", sizeof(cudaIpcMemHandle_t),
-                                                   " bytes, not ", ipc.handle().size()));
+    return absl::InvalidArgumentError(absl::StrCat(
+        "a CUDA IPC handle has ", sizeof(cudaIpcMemHandle_t), " bytes, not ", ipc.handle().size()));
   }
   int32_t device = ipc.device();
   if (!ipc.gpu_uuid().empty()) {
@@ -398,11 +438,13 @@ absl::StatusOr<std::unique_ptr<MappedBuffer>> CudaBackend::Map(const v1::BufferM
     device = *found;
   }
   if (!Serves(device)) {
-    return absl::InvalidArgumentError(absl::StrCat("buffer on GPU ", device, ", which this daemon does not serve"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("buffer on GPU ", device, ", which this daemon does not serve"));
   }
   if (ipc.offset() < 0 || bytes < 0 || ipc.offset() > ipc.size() - bytes) {
-    return absl::InvalidArgumentError(absl::StrCat("a buffer of ", bytes, " bytes at offset ", ipc.offset(),
-                                                   " does not fit its allocation of ", ipc.size(), " bytes"));
+    return absl::InvalidArgumentError(absl::StrCat("a buffer of ", bytes, " bytes at offset ",
+                                                   ipc.offset(), " does not fit its allocation of ",
+                                                   ipc.size(), " bytes"));
   }
   // Each allocation opened once, however many buffers it holds. Opened outside the lock: should
   // another registration of the same handle win the race, its import is used and this one closed.
@@ -412,23 +454,26 @@ absl::StatusOr<std::unique_ptr<MappedBuffer>> CudaBackend::Map(const v1::BufferM
     if (auto it = opened_.find(ipc.handle()); it != opened_.end()) a = it->second.lock();
   }
   if (a != nullptr) return std::unique_ptr<MappedBuffer>(new IpcBuffer(a, ipc.offset(), bytes));
-  auto home = IpcImport::Open(device, ipc.handle(), "cudaIpcOpenMemHandle (is the worker alive, and on this node?)");
+  auto home = IpcImport::Open(device, ipc.handle(),
+                              "cudaIpcOpenMemHandle (is the worker alive, and on this node?)");
   if (!home.ok()) return home.status();
   if (ipc.size() % kIpcPageBytes != 0) {
     // Measured on an H200 (tests/bench/ipc_copy_bench, docs/BENCHMARKS.md): such an import is
     // mapped with small pages, and copy kernels walking it ran at 0.37 of the copy engine,
     // against 0.84 for the same allocation rounded up to 2 MiB.
-    Logger("data")->warn("a CUDA IPC allocation of {} bytes on GPU {} is not a whole number of 2 MiB: imported into "
-                         "this process it is mapped with small pages and refits through it run up to 3x slower; "
-                         "allocate multiples of 2 MiB (PyTorch's caching allocator does) or CUDA VMM memory",
-                         ipc.size(), device);
+    Logger("data")->warn(
+        "a CUDA IPC allocation of {} bytes on GPU {} is not a whole number of 2 MiB: imported into "
+        "this process it is mapped with small pages and refits through it run up to 3x slower; "
+        "allocate multiples of 2 MiB (PyTorch's caching allocator does) or CUDA VMM memory",
+        ipc.size(), device);
   }
   const uint64_t base = reinterpret_cast<uint64_t>(home->get());
-  std::shared_ptr<Allocation> fresh(new Allocation(), [this, handle = ipc.handle(), base](Allocation* dead) {
-    ArmsHeldOff off(this);
-    Forget(handle, base);  // no new transfer finds it, then its imports close
-    delete dead;
-  });
+  std::shared_ptr<Allocation> fresh(
+      new Allocation(), [this, handle = ipc.handle(), base](Allocation* dead) {
+        ArmsHeldOff off(this);
+        Forget(handle, base);  // no new transfer finds it, then its imports close
+        delete dead;
+      });
   fresh->handle = ipc.handle();
   fresh->size = ipc.size();
   fresh->device = device;
@@ -460,58 +505,69 @@ absl::StatusOr<std::shared_ptr<CudaBackend::VmmMapping>> CudaBackend::MapVmmRang
     device = *found;
   }
   if (!Serves(device)) {
-    return absl::InvalidArgumentError(absl::StrCat(what, " is on GPU ", device, ", which this daemon does not serve"));
+    return absl::InvalidArgumentError(
+        absl::StrCat(what, " is on GPU ", device, ", which this daemon does not serve"));
   }
   // Driver calls act on the current context: make GPU `device`'s primary context current.
   DeviceGuard guard(device);
   REFIT_RETURN_IF_ERROR(Annotate(guard.status(), what));
-  REFIT_CUDA_RETURN_IF_ERROR(cudaFree(nullptr), absl::StrCat(what, ": the primary context of GPU ", device));
+  REFIT_CUDA_RETURN_IF_ERROR(cudaFree(nullptr),
+                             absl::StrCat(what, ": the primary context of GPU ", device));
 
   // The imported handles, released on every way out (declared before the mapping, so released
   // after it is made or abandoned): from cuMemMap on, the mappings hold the memory.
   std::vector<VmmHandle> handles;
   size_t alignment = 1;
   const int chunks = range.chunk_bytes_size();
-  auto chunk_name = [&](int c) { return absl::StrCat(what, " chunk ", c, " (descriptor ", range.first_fd() + c, ")"); };
+  auto chunk_name = [&](int c) {
+    return absl::StrCat(what, " chunk ", c, " (descriptor ", range.first_fd() + c, ")");
+  };
   for (int c = 0; c < chunks; ++c) {
     const Fd& fd = fds[static_cast<size_t>(range.first_fd() + c)];
-    auto h = VmmHandle::Import(driver, device, fd.get(),
-                               absl::StrCat(chunk_name(c), ": cuMemImportFromShareableHandle (is it a CUDA allocation exported with "
-                                                           "cuMemExportToShareableHandle as a POSIX file descriptor, on this node?)"));
+    auto h = VmmHandle::Import(
+        driver, device, fd.get(),
+        absl::StrCat(chunk_name(c),
+                     ": cuMemImportFromShareableHandle (is it a CUDA allocation exported with "
+                     "cuMemExportToShareableHandle as a POSIX file descriptor, on this node?)"));
     if (!h.ok()) return h.status();
     handles.push_back(*std::move(h));
     CUmemAllocationProp prop{};
-    REFIT_RETURN_IF_ERROR(driver.Check(driver.MemGetAllocationPropertiesFromHandle(&prop, handles.back().get()),
-                                       absl::StrCat(chunk_name(c), ": cuMemGetAllocationPropertiesFromHandle")));
+    REFIT_RETURN_IF_ERROR(
+        driver.Check(driver.MemGetAllocationPropertiesFromHandle(&prop, handles.back().get()),
+                     absl::StrCat(chunk_name(c), ": cuMemGetAllocationPropertiesFromHandle")));
     if (prop.location.type != CU_MEM_LOCATION_TYPE_DEVICE || prop.location.id != device) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          chunk_name(c), " lives ",
-          prop.location.type == CU_MEM_LOCATION_TYPE_DEVICE ? absl::StrCat("on GPU ", prop.location.id)
-                                                            : std::string("off the GPUs (host or another location)"),
-          ", not on GPU ", device, " (the range's gpu_uuid, else the worker's GPU)"));
+      return absl::InvalidArgumentError(
+          absl::StrCat(chunk_name(c), " lives ",
+                       prop.location.type == CU_MEM_LOCATION_TYPE_DEVICE
+                           ? absl::StrCat("on GPU ", prop.location.id)
+                           : std::string("off the GPUs (host or another location)"),
+                       ", not on GPU ", device, " (the range's gpu_uuid, else the worker's GPU)"));
     }
     size_t granularity = 0;
     REFIT_RETURN_IF_ERROR(driver.Check(
         driver.MemGetAllocationGranularity(&granularity, &prop, CU_MEM_ALLOC_GRANULARITY_MINIMUM),
         absl::StrCat(chunk_name(c), ": cuMemGetAllocationGranularity")));
     if (granularity == 0 || range.chunk_bytes(c) % static_cast<int64_t>(granularity) != 0) {
-      return absl::InvalidArgumentError(absl::StrCat(chunk_name(c), ": ", range.chunk_bytes(c),
-                                                     " bytes, not a multiple of the allocation granularity (",
-                                                     granularity, " bytes): not a whole allocation"));
+      return absl::InvalidArgumentError(
+          absl::StrCat(chunk_name(c), ": ", range.chunk_bytes(c),
+                       " bytes, not a multiple of the allocation granularity (", granularity,
+                       " bytes): not a whole allocation"));
     }
     alignment = std::max(alignment, granularity);
   }
   const size_t total = static_cast<size_t>(VmmRangeBytes(range));
   auto mapping = std::make_unique<VmmMapping>();
-  auto reserved = VmmReservation::Reserve(driver, device, total, alignment,
-                                          absl::StrCat(what, ": cuMemAddressReserve of ", total, " bytes"));
+  auto reserved =
+      VmmReservation::Reserve(driver, device, total, alignment,
+                              absl::StrCat(what, ": cuMemAddressReserve of ", total, " bytes"));
   if (!reserved.ok()) return reserved.status();
   mapping->reserved = *std::move(reserved);
   size_t offset = 0;
   for (int c = 0; c < chunks; ++c) {
     const size_t bytes = static_cast<size_t>(range.chunk_bytes(c));
     auto mapped = VmmMap::Map(driver, device, mapping->base() + offset, bytes, handles[c],
-                              absl::StrCat(chunk_name(c), ": cuMemMap of ", bytes, " bytes (is the allocation that large?)"));
+                              absl::StrCat(chunk_name(c), ": cuMemMap of ", bytes,
+                                           " bytes (is the allocation that large?)"));
     if (!mapped.ok()) return mapped.status();
     mapping->mapped.push_back(*std::move(mapped));
     offset += bytes;
@@ -524,9 +580,10 @@ absl::StatusOr<std::shared_ptr<CudaBackend::VmmMapping>> CudaBackend::MapVmmRang
     a.flags = CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
     access.push_back(a);
   }
-  REFIT_RETURN_IF_ERROR(driver.Check(driver.MemSetAccess(mapping->base(), total, access.data(), access.size()),
-                                     absl::StrCat(what, ": cuMemSetAccess (read and write for GPUs ",
-                                                  absl::StrJoin(gpus_, ", "), ")")));
+  REFIT_RETURN_IF_ERROR(
+      driver.Check(driver.MemSetAccess(mapping->base(), total, access.data(), access.size()),
+                   absl::StrCat(what, ": cuMemSetAccess (read and write for GPUs ",
+                                absl::StrJoin(gpus_, ", "), ")")));
   const uint64_t base = static_cast<uint64_t>(mapping->base());
   std::shared_ptr<VmmMapping> m(mapping.release(), [this, base](VmmMapping* dead) {
     ArmsHeldOff off(this);
@@ -539,7 +596,8 @@ absl::StatusOr<std::shared_ptr<CudaBackend::VmmMapping>> CudaBackend::MapVmmRang
 }
 
 absl::StatusOr<std::vector<std::unique_ptr<MappedBuffer>>> CudaBackend::MapBuffers(
-    const v1::RegisterWorkerRequest& request, std::span<const int64_t> buffer_bytes, std::span<const Fd> fds) {
+    const v1::RegisterWorkerRequest& request, std::span<const int64_t> buffer_bytes,
+    std::span<const Fd> fds) {
   std::vector<std::unique_ptr<MappedBuffer>> out;
   std::vector<std::shared_ptr<VmmMapping>> ranges(static_cast<size_t>(request.vmm_ranges_size()));
   for (int b = 0; b < request.memory_size(); ++b) {
@@ -552,12 +610,15 @@ absl::StatusOr<std::vector<std::unique_ptr<MappedBuffer>>> CudaBackend::MapBuffe
         if (!mapped.ok()) return Annotate(mapped.status(), what);
         range = *std::move(mapped);
       }
-      out.push_back(std::unique_ptr<MappedBuffer>(new VmmBuffer(range, m.cuda_vmm().offset(), buffer_bytes[b])));
+      out.push_back(std::unique_ptr<MappedBuffer>(
+          new VmmBuffer(range, m.cuda_vmm().offset(), buffer_bytes[b])));
       continue;
     }
     if (m.has_shm()) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          what, ": host shared memory needs --backend host; this daemon runs --backend cuda (CUDA IPC or VMM)"));
+      return absl::InvalidArgumentError(
+          absl::StrCat(what,
+                       ": host shared memory needs --backend host; this daemon runs --backend cuda "
+                       "(CUDA IPC or VMM)"));
     }
     auto mapped = Map(m, buffer_bytes[b]);
     if (!mapped.ok()) return Annotate(mapped.status(), what);
@@ -571,7 +632,8 @@ absl::Status CudaBackend::EnsureStreams(Group& g) {
     if (g.streams.contains(gpu)) continue;
     const auto [least, greatest] = priorities_.at(gpu);
     Group::Streams s;
-    for (auto [stream, priority] : {std::pair{&s.compute, least}, std::pair{&s.comm, nccl_stream_priority_ ? greatest : least},
+    for (auto [stream, priority] : {std::pair{&s.compute, least},
+                                    std::pair{&s.comm, nccl_stream_priority_ ? greatest : least},
                                     std::pair{&s.direct, least}}) {
       auto made = Stream::Create(gpu, priority);
       if (!made.ok()) return made.status();
@@ -729,7 +791,8 @@ void LogPrepared(const TransferJob& job, const NodeSchedule& schedule) {
 
 }  // namespace
 
-absl::StatusOr<CudaBackend::Prepared*> CudaBackend::PreparedFor(Group& g, const TransferJob& job, const BufferAddresses& src,
+absl::StatusOr<CudaBackend::Prepared*> CudaBackend::PreparedFor(Group& g, const TransferJob& job,
+                                                                const BufferAddresses& src,
                                                                 const BufferAddresses& dst) {
   uint64_t released = 0;
   {
@@ -738,8 +801,8 @@ absl::StatusOr<CudaBackend::Prepared*> CudaBackend::PreparedFor(Group& g, const 
   }
   // The same home addresses are not enough once memory was released: a new import may sit at an
   // old one's home address while the other GPUs' imports the schedule holds are gone.
-  if (g.prepared != nullptr && g.prepared->plan == job.plan && g.prepared->src == src && g.prepared->dst == dst &&
-      g.prepared->released == released) {
+  if (g.prepared != nullptr && g.prepared->plan == job.plan && g.prepared->src == src &&
+      g.prepared->dst == dst && g.prepared->released == released) {
     return g.prepared.get();
   }
   DropPrepared(g);
@@ -824,7 +887,8 @@ absl::StatusOr<TransferStats> CudaBackend::Transfer(const TransferJob& job) {
   bool fired = arm_rounds_ && Fire(job.group, job.round_id, &go);
   const uint64_t armed_with = g.generation;
   const BufferAddresses src = AddressesOf(job.src), dst = AddressesOf(job.dst);
-  DeviceGuard guard;  // the caller's device again when done; declared after the lease: restored first
+  DeviceGuard
+      guard;  // the caller's device again when done; declared after the lease: restored first
   // Whichever way the transfer fails: abort NCCL (its kernels may wait on a dead peer), let the
   // streams drain, and rebuild everything for the next round. Runs before the lease gives the
   // group back.
@@ -1070,7 +1134,8 @@ absl::Status CudaBackend::UnpackAndPackNext(const Group& g, const Prepared& p, i
   return absl::OkStatus();
 }
 
-absl::Status CudaBackend::WaitForStage(const TransferJob& job, const Group& g, const std::set<int32_t>& busy, int stage,
+absl::Status CudaBackend::WaitForStage(const TransferJob& job, const Group& g,
+                                       const std::set<int32_t>& busy, int stage,
                                        NodeCommunicator* comm) {
   // Polls rather than blocking in the driver: a deadline, a Cancel and an NCCL error (a dead peer
   // on the socket transport) must be able to end the wait. The first kSpin without sleeping: a
@@ -1087,11 +1152,16 @@ absl::Status CudaBackend::WaitForStage(const TransferJob& job, const Group& g, c
       while (true) {
         const cudaError_t q = cudaStreamQuery(stream->get());
         if (q == cudaSuccess) break;
-        if (q != cudaErrorNotReady) return CudaError(q, absl::StrCat("round ", job.round_id, " on GPU ", gpu));
-        if (comm != nullptr) REFIT_RETURN_IF_ERROR(comm->Errors(absl::StrCat("round ", job.round_id, " stage ", stage)));
+        if (q != cudaErrorNotReady)
+          return CudaError(q, absl::StrCat("round ", job.round_id, " on GPU ", gpu));
+        if (comm != nullptr)
+          REFIT_RETURN_IF_ERROR(
+              comm->Errors(absl::StrCat("round ", job.round_id, " stage ", stage)));
         if (auto s = Interrupted(job); !s.ok()) {
-          return absl::Status(s.code(), absl::StrCat("round ", job.round_id, ": GPU ", gpu, " did not finish stage ", stage,
-                                                     comm != nullptr ? " (NCCL aborted)" : "", ": ", s.message()));
+          return absl::Status(
+              s.code(),
+              absl::StrCat("round ", job.round_id, ": GPU ", gpu, " did not finish stage ", stage,
+                           comm != nullptr ? " (NCCL aborted)" : "", ": ", s.message()));
         }
         if (absl::Now() > spin_until) absl::SleepFor(kPoll);
       }
@@ -1106,7 +1176,8 @@ absl::Status CudaBackend::Interrupted(const TransferJob& job) {
     auto c = cancelled_.find({job.group, job.round_id});
     if (c != cancelled_.end()) return absl::AbortedError(c->second);
   }
-  if (absl::Now() > job.deadline) return absl::DeadlineExceededError("the transfer deadline passed");
+  if (absl::Now() > job.deadline)
+    return absl::DeadlineExceededError("the transfer deadline passed");
   return absl::OkStatus();
 }
 

@@ -73,10 +73,9 @@ class CudaBackend : public DataBackend {
   // `nccl_stream_priority`: NCCL's stream gets the GPU's highest priority, so that its kernels'
   // blocks are scheduled ahead of pending pack and unpack blocks (which slow NCCL by 17% while
   // they run beside it, docs/BENCHMARKS.md). Not yet measured end to end.
-  static absl::StatusOr<std::unique_ptr<CudaBackend>> Start(const std::vector<int32_t>& gpus,
-                                                          int64_t staging_bytes, bool nccl_stream_priority = false,
-                                                          bool aligned_copy_kernel = true,
-                                                          ArmRounds arm_rounds = ArmRounds::kNever);
+  static absl::StatusOr<std::unique_ptr<CudaBackend>> Start(
+      const std::vector<int32_t>& gpus, int64_t staging_bytes, bool nccl_stream_priority = false,
+      bool aligned_copy_kernel = true, ArmRounds arm_rounds = ArmRounds::kNever);
   // Every MappedBuffer it returned must be gone first, and no Transfer running.
   ~CudaBackend() override;
 
@@ -91,7 +90,8 @@ class CudaBackend : public DataBackend {
       std::span<const Fd> fds) override;
   // Device memory on the worker's GPU, reachable by that GPU's kernels only (the block rule
   // gathers into and quantizes from it on that GPU alone).
-  absl::StatusOr<std::unique_ptr<MappedBuffer>> AllocateScratch(const Worker& worker, int64_t bytes) override;
+  absl::StatusOr<std::unique_ptr<MappedBuffer>> AllocateScratch(const Worker& worker,
+                                                                int64_t bytes) override;
   absl::StatusOr<int32_t> GpuIndex(const std::string& name) override;
   absl::StatusOr<TransferStats> Transfer(const TransferJob& job) override;
   void RoundPreparing(TransferJob job) override;
@@ -101,7 +101,9 @@ class CudaBackend : public DataBackend {
   bool Armed(const std::string& group, int64_t round) ABSL_LOCKS_EXCLUDED(armed_mu_);
   void Cancel(const std::string& group, int64_t round_id, const std::string& reason) override;
   absl::StatusOr<std::string> NewCommunicatorId() override;
-  CommunicatorCounts Communicators() const override { return {comms_built_.load(), comms_aborted_.load()}; }
+  CommunicatorCounts Communicators() const override {
+    return {comms_built_.load(), comms_aborted_.load()};
+  }
 
   struct Allocation;  // an opened IPC handle, with its imports on other GPUs
   struct VmmMapping;  // an imported and mapped VMM range
@@ -133,8 +135,9 @@ class CudaBackend : public DataBackend {
    private:
     CudaBackend* b_;
   };
-  absl::StatusOr<std::shared_ptr<VmmMapping>> MapVmmRange(const v1::RegisterWorkerRequest& request, int range,
-                                                          std::span<const Fd> fds) ABSL_LOCKS_EXCLUDED(mu_);
+  absl::StatusOr<std::shared_ptr<VmmMapping>> MapVmmRange(const v1::RegisterWorkerRequest& request,
+                                                          int range, std::span<const Fd> fds)
+      ABSL_LOCKS_EXCLUDED(mu_);
   bool Serves(int32_t gpu) const;
   // The group's streams on every GPU served, made at its first transfer.
   absl::Status EnsureStreams(Group& g);
@@ -151,7 +154,8 @@ class CudaBackend : public DataBackend {
   // The group's state for ArmAhead or WorkersPrepared to launch on (leased, and warming_: its
   // Transfer waits for it), or null before its first round (no streams, no schedule yet) or while
   // a transfer of it runs. `released`: released_ as it was then. GiveBackWarmed returns it.
-  std::unique_ptr<Group> TakeToWarm(const std::string& group, uint64_t* released = nullptr) ABSL_LOCKS_EXCLUDED(mu_);
+  std::unique_ptr<Group> TakeToWarm(const std::string& group, uint64_t* released = nullptr)
+      ABSL_LOCKS_EXCLUDED(mu_);
   void GiveBackWarmed(const std::string& group, std::unique_ptr<Group> g) ABSL_LOCKS_EXCLUDED(mu_);
   // Arms the rounds RoundPreparing queued, one at a time, until the backend goes.
   void ArmLoop() ABSL_LOCKS_EXCLUDED(armed_mu_);
@@ -159,14 +163,15 @@ class CudaBackend : public DataBackend {
   // round where its prepared schedule fits it; the group is given back either way.
   void ArmAhead(const TransferJob& job) ABSL_LOCKS_EXCLUDED(mu_, armed_mu_);
   // Launches the group's prepared round (ArmableStage) for `job`'s round behind a wait for the
-  // group's host word (its ArmGate): Fire lets it go; CallOff, DisarmAll and DisarmLoop call it off.
-  // CANCELLED where the round was called off before it was armed.
+  // group's host word (its ArmGate): Fire lets it go; CallOff, DisarmAll and DisarmLoop call it
+  // off. CANCELLED where the round was called off before it was armed.
   absl::Status Arm(Group& g, const TransferJob& job) ABSL_LOCKS_EXCLUDED(armed_mu_);
   // Lets `group`'s work armed for `round` go (true), or finds none armed for it (false).
   bool Fire(const std::string& group, int64_t round, uint32_t* go) ABSL_LOCKS_EXCLUDED(armed_mu_);
   // Calls off `group`'s armed work (of `round` only, when given); given a round, also its arm still
   // queued or under way (it then arms nothing).
-  void CallOff(const std::string& group, std::optional<int64_t> round) ABSL_LOCKS_EXCLUDED(armed_mu_);
+  void CallOff(const std::string& group, std::optional<int64_t> round)
+      ABSL_LOCKS_EXCLUDED(armed_mu_);
   // The GPUs among `gpus` whose gate did not let `group`'s work go (go): "" when all did.
   std::string GatesMissed(const std::string& group, const std::set<int32_t>& gpus, uint32_t go)
       ABSL_LOCKS_EXCLUDED(armed_mu_);
@@ -219,14 +224,14 @@ class CudaBackend : public DataBackend {
                                  DeviceGuard& guard);
   // Until every stream `busy` GPUs ran the stage on is idle, or the round is interrupted (the
   // deadline, Cancel, an NCCL error).
-  absl::Status WaitForStage(const TransferJob& job, const Group& g, const std::set<int32_t>& busy, int stage,
-                            NodeCommunicator* comm) ABSL_LOCKS_EXCLUDED(mu_);
+  absl::Status WaitForStage(const TransferJob& job, const Group& g, const std::set<int32_t>& busy,
+                            int stage, NodeCommunicator* comm) ABSL_LOCKS_EXCLUDED(mu_);
   // ABORTED once the round is cancelled, DEADLINE_EXCEEDED past its deadline, else OK.
   absl::Status Interrupted(const TransferJob& job) ABSL_LOCKS_EXCLUDED(mu_);
 
   // Set by Start, read-only afterwards (no lock).
   std::vector<int32_t> gpus_;
-  std::vector<GpuName> names_;  // of gpus_, for GpuIndex
+  std::vector<GpuName> names_;                         // of gpus_, for GpuIndex
   std::map<int32_t, std::pair<int, int>> priorities_;  // GPU -> (least, greatest) stream priority
   bool nccl_stream_priority_ = false;
   bool aligned_copy_kernel_ = true;
@@ -236,7 +241,8 @@ class CudaBackend : public DataBackend {
   std::atomic<int64_t> comms_built_{0}, comms_aborted_{0};  // for Communicators()
   absl::Mutex mu_;
   std::map<std::string, std::weak_ptr<Allocation>> opened_ ABSL_GUARDED_BY(mu_);  // by handle bytes
-  std::map<uint64_t, std::weak_ptr<Allocation>> by_base_ ABSL_GUARDED_BY(mu_);    // owner-context base
+  std::map<uint64_t, std::weak_ptr<Allocation>> by_base_
+      ABSL_GUARDED_BY(mu_);                                        // owner-context base
   std::map<uint64_t, uint64_t> vmm_by_base_ ABSL_GUARDED_BY(mu_);  // VMM range base -> its bytes
   // Plan scratch: base -> (bytes, GPU). Other GPUs get address 0 for it (no descriptor of theirs
   // names it).
@@ -246,7 +252,8 @@ class CudaBackend : public DataBackend {
   // may hold another GPU's import of memory that is gone, at a home address now someone else's
   // (Prepared::released).
   uint64_t released_ ABSL_GUARDED_BY(mu_) = 0;
-  std::set<std::pair<std::string, int64_t>> active_ ABSL_GUARDED_BY(mu_);  // rounds transferring now
+  std::set<std::pair<std::string, int64_t>> active_
+      ABSL_GUARDED_BY(mu_);  // rounds transferring now
   std::map<std::pair<std::string, int64_t>, std::string> cancelled_ ABSL_GUARDED_BY(mu_);
   std::set<std::string> leased_ ABSL_GUARDED_BY(mu_);  // groups whose state a Transfer holds
   // Groups whose state ArmAhead or WorkersPrepared holds while it launches (also in leased_): a

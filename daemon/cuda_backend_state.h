@@ -34,11 +34,11 @@ struct CudaBackend::Prepared {
     const int64_t* units = nullptr;
     int n = 0;
     int64_t total_units = 0;
-    bool spread = false;  // LaunchCopyItems' unit order (direct work only: measured there)
+    bool spread = false;   // LaunchCopyItems' unit order (direct work only: measured there)
     bool aligned = false;  // AlignedOnly: the aligned kernel runs it
   };
   struct OnGpu {
-    DeviceMemory arrays;   // every item of this GPU, one allocation
+    DeviceMemory arrays;    // every item of this GPU, one allocation
     StagingBuffer staging;  // registered with NCCL by the group's communicator where asked
     // Per stage: one launch, or two where some items suit the aligned kernel and some do not
     // (the aligned ones through it, the rest through the general kernel: SplitAligned).
@@ -68,12 +68,13 @@ struct CudaBackend::Group {
   };
   std::map<int32_t, Streams> streams;  // by GPU
   std::unique_ptr<Prepared> prepared;
-  uint64_t generation = 0;  // schedules prepared so far (PreparedFor): what an armed round was made on
+  uint64_t generation =
+      0;  // schedules prepared so far (PreparedFor): what an armed round was made on
   std::unique_ptr<NodeCommunicator> comm;
 };
 
-// A group's armed round (RoundPreparing, ArmAhead): its copies launched at PREPARE behind a stream wait
-// for `word`; its TRANSFER stores `go` (Fire), anything else go + 1 (CallOff: the gated copies
+// A group's armed round (RoundPreparing, ArmAhead): its copies launched at PREPARE behind a stream
+// wait for `word`; its TRANSFER stores `go` (Fire), anything else go + 1 (CallOff: the gated copies
 // then do nothing); the next arm's go is go + 2. Kept in armed_, apart from the group's lease, so
 // that any thread can call it off; created at a group's first arm, kept until the backend goes
 // (a few words per group and GPU).

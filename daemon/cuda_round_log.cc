@@ -24,7 +24,8 @@ void LogNetworkTimeline(const TransferJob& job, const CudaBackend::Prepared& p) 
   // cost the node's work after its data plane microseconds).
   for (const auto& [gpu, on] : p.gpus) {
     if (!on.start) continue;
-    auto at = [&, start = on.start.get()](const Event& e) {  // clang 14 cannot capture a structured binding
+    auto at = [&, start = on.start.get()](
+                  const Event& e) {  // clang 14 cannot capture a structured binding
       float ms = 0;
       return cudaEventElapsedTime(&ms, start, e.get()) == cudaSuccess ? double{ms} : -1.0;
     };
@@ -48,18 +49,25 @@ void LogNetworkTimeline(const TransferJob& job, const CudaBackend::Prepared& p) 
         if (first < 0) first = begin;
         last = std::max(last, unpacked);
         if (end > begin) rates.push_back(step_bytes / 1e6 / (end - begin));
-        LogLater("data", spdlog::level::debug, "round {} GPU {} stage {} step {}: {} bytes in {} operations; packed at {:.3f} ms, on the "
+        LogLater("data", spdlog::level::debug,
+                 "round {} GPU {} stage {} step {}: {} bytes in {} operations; packed at {:.3f} "
+                 "ms, on the "
                  "wire {:.3f}-{:.3f} ms, unpacked at {:.3f} ms",
-                 job.round_id, gpu, stage, k, step_bytes, it->second[k].ops.size(), packed, begin, end, unpacked);
+                 job.round_id, gpu, stage, k, step_bytes, it->second[k].ops.size(), packed, begin,
+                 end, unpacked);
       }
     }
     if (steps == 0) continue;
     std::sort(rates.begin(), rates.end());
-    LogLater("data", spdlog::level::info, "group \"{}\" round {} GPU {} timeline: {} steps, {} bytes; on the wire {:.3f} ms ({:.1f} GB/s; "
-             "steps {:.0f}-{:.0f} GB/s), wire idle between steps {:.3f} ms, first step on the wire at {:.3f} ms, "
+    LogLater("data", spdlog::level::info,
+             "group \"{}\" round {} GPU {} timeline: {} steps, {} bytes; on the wire {:.3f} ms "
+             "({:.1f} GB/s; "
+             "steps {:.0f}-{:.0f} GB/s), wire idle between steps {:.3f} ms, first step on the wire "
+             "at {:.3f} ms, "
              "last unpacked at {:.3f} ms",
              job.group, job.round_id, gpu, steps, bytes, wire, wire > 0 ? bytes / 1e6 / wire : 0.0,
-             rates.empty() ? 0.0 : rates.front(), rates.empty() ? 0.0 : rates.back(), idle, first, last);
+             rates.empty() ? 0.0 : rates.front(), rates.empty() ? 0.0 : rates.back(), idle, first,
+             last);
   }
 }
 
@@ -69,10 +77,12 @@ void LogNetworkTimeline(const TransferJob& job, const CudaBackend::Prepared& p) 
 // One line, made by the log's writer thread: on the thread that answers TRANSFER, after a round's
 // sleep, each line logged cost microseconds of cold caches (a 1 GB colocated round spent 17-23 us
 // on the three lines before this one).
-void LogRound(const TransferJob& job, const CudaBackend::Prepared& p, const HostTimes& host, TransferStats* stats) {
+void LogRound(const TransferJob& job, const CudaBackend::Prepared& p, const HostTimes& host,
+              TransferStats* stats) {
   stats->data_plane_ms = absl::ToDoubleMilliseconds(absl::Now() - host.started);
   const bool from_request = job.requested != absl::InfinitePast();  // not so in tests and tools
-  if (from_request) stats->started_after_request_ms = absl::ToDoubleMilliseconds(host.started - job.requested);
+  if (from_request)
+    stats->started_after_request_ms = absl::ToDoubleMilliseconds(host.started - job.requested);
   if (!LogLaterEnabled("data", spdlog::level::info)) return;
   struct Direct {
     int32_t gpu;
@@ -88,33 +98,44 @@ void LogRound(const TransferJob& job, const CudaBackend::Prepared& p, const Host
       for (const auto& d : on.direct[stage]) units += d.total_units;
       if (units == 0) continue;
       float ms = 0;
-      const bool read = cudaEventElapsedTime(&ms, on.start.get(), on.direct_done[stage].get()) == cudaSuccess;
+      const bool read =
+          cudaEventElapsedTime(&ms, on.start.get(), on.direct_done[stage].get()) == cudaSuccess;
       direct.push_back({gpu, static_cast<int>(stage), units, read ? double{ms} : -1.0});
     }
   }
-  LogLaterMade("data", spdlog::level::info,
-               [group = job.group, round = job.round_id, host, stats = *stats, from_request,
-                requested = job.requested, direct = std::move(direct)] {
-                 std::string line = fmt::format("group \"{}\" round {}: ", group, round);
-                 const double done = absl::ToDoubleMilliseconds(host.done - host.started);
-                 if (host.armed) {
-                   absl::StrAppend(&line, fmt::format("host let go the work launched at PREPARE, saw it done at {:.3f} ms", done));
-                 } else {
-                   absl::StrAppend(&line, fmt::format("host launched the work {:.3f} ms after starting, saw it done at {:.3f} ms",
-                                                      absl::ToDoubleMilliseconds(host.launched - host.started), done));
-                 }
-                 absl::StrAppend(&line, fmt::format("; moved in {:.3f} ms", stats.data_plane_ms));
-                 if (from_request) {
-                   absl::StrAppend(&line, fmt::format(", started {:.3f} ms after the request arrived at {}",
-                                                      stats.started_after_request_ms, UtcTimeOfDay(requested)));
-                 }
-                 for (const Direct& d : direct) {
-                   absl::StrAppend(&line, fmt::format("; GPU {} stage {}: direct copies of {} units done {:.3f} ms after the "
-                                                      "round's first work", d.gpu, d.stage, d.units, d.ms));
-                 }
-                 return line;
-               });
+  LogLaterMade(
+      "data", spdlog::level::info,
+      [group = job.group, round = job.round_id, host, stats = *stats, from_request,
+       requested = job.requested, direct = std::move(direct)] {
+        std::string line = fmt::format("group \"{}\" round {}: ", group, round);
+        const double done = absl::ToDoubleMilliseconds(host.done - host.started);
+        if (host.armed) {
+          absl::StrAppend(
+              &line,
+              fmt::format("host let go the work launched at PREPARE, saw it done at {:.3f} ms",
+                          done));
+        } else {
+          absl::StrAppend(
+              &line,
+              fmt::format(
+                  "host launched the work {:.3f} ms after starting, saw it done at {:.3f} ms",
+                  absl::ToDoubleMilliseconds(host.launched - host.started), done));
+        }
+        absl::StrAppend(&line, fmt::format("; moved in {:.3f} ms", stats.data_plane_ms));
+        if (from_request) {
+          absl::StrAppend(&line,
+                          fmt::format(", started {:.3f} ms after the request arrived at {}",
+                                      stats.started_after_request_ms, UtcTimeOfDay(requested)));
+        }
+        for (const Direct& d : direct) {
+          absl::StrAppend(
+              &line,
+              fmt::format("; GPU {} stage {}: direct copies of {} units done {:.3f} ms after the "
+                          "round's first work",
+                          d.gpu, d.stage, d.units, d.ms));
+        }
+        return line;
+      });
 }
-
 
 }  // namespace refit

@@ -18,7 +18,8 @@ struct HostTimes {
 
 // Sets stats->data_plane_ms (from host.started to now) and started_after_request_ms, and logs the
 // round's line.
-void LogRound(const TransferJob& job, const CudaBackend::Prepared& p, const HostTimes& host, TransferStats* stats);
+void LogRound(const TransferJob& job, const CudaBackend::Prepared& p, const HostTimes& host,
+              TransferStats* stats);
 // One info line per GPU that used the network (one debug line per step).
 void LogNetworkTimeline(const TransferJob& job, const CudaBackend::Prepared& p);
 

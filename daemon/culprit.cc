@@ -49,7 +49,8 @@ v1::Culprit CoordinatorCulprit(int32_t node, const std::string& phase) {
 
 absl::Status Rewrap(const absl::Status& status, absl::StatusCode code, const std::string& message) {
   absl::Status out(code, message);
-  status.ForEachPayload([&](absl::string_view url, const absl::Cord& payload) { out.SetPayload(url, payload); });
+  status.ForEachPayload(
+      [&](absl::string_view url, const absl::Cord& payload) { out.SetPayload(url, payload); });
   return out;
 }
 

@@ -12,8 +12,10 @@ namespace {
 TEST_CASE("culprit: set, kept by wrappers, replaced only on purpose") {
   CHECK(!CulpritOf(absl::AbortedError("x")).has_value());
   CHECK(WithCulprit(absl::OkStatus(), NodeCulprit(1, "a:1", "PREPARE")).ok());
-  absl::Status s = WithCulprit(absl::DeadlineExceededError("late"), WorkerCulprit(2, "policy/e0", "PREPARE"));
-  s = WithCulpritIfNone(s, NodeCulprit(2, "10.0.0.2:7070", "PREPARE"));  // the worker stays the culprit
+  absl::Status s =
+      WithCulprit(absl::DeadlineExceededError("late"), WorkerCulprit(2, "policy/e0", "PREPARE"));
+  s = WithCulpritIfNone(
+      s, NodeCulprit(2, "10.0.0.2:7070", "PREPARE"));  // the worker stays the culprit
   auto c = CulpritOf(s);
   REQUIRE(c.has_value());
   CHECK(c->kind() == v1::Culprit::WORKER);
@@ -24,11 +26,13 @@ TEST_CASE("culprit: set, kept by wrappers, replaced only on purpose") {
   CHECK(wrapped.message() == "round 3 aborted: late");
   REQUIRE(CulpritOf(wrapped).has_value());
   CHECK(CulpritOf(wrapped)->worker_id() == "policy/e0");
-  CHECK(CulpritOf(WithCulprit(s, CoordinatorCulprit(0, "TRANSFER")))->kind() == v1::Culprit::COORDINATOR);
+  CHECK(CulpritOf(WithCulprit(s, CoordinatorCulprit(0, "TRANSFER")))->kind() ==
+        v1::Culprit::COORDINATOR);
 }
 
 TEST_CASE("culprit: crosses gRPC in the status details, as a google.rpc.Status") {
-  const absl::Status s = WithCulprit(absl::UnavailableError("node 3 died"), NodeCulprit(3, "10.0.0.3:7070", "TRANSFER"));
+  const absl::Status s = WithCulprit(absl::UnavailableError("node 3 died"),
+                                     NodeCulprit(3, "10.0.0.3:7070", "TRANSFER"));
   const grpc::Status wire = ToGrpc(s);
   CHECK(wire.error_code() == grpc::StatusCode::UNAVAILABLE);
   CHECK(wire.error_message() == "node 3 died");
@@ -49,7 +53,8 @@ TEST_CASE("culprit: crosses gRPC in the status details, as a google.rpc.Status")
 
   // Without payloads: no details at all. Details that are not ours are ignored, not trusted.
   CHECK(ToGrpc(absl::NotFoundError("x")).error_details().empty());
-  const absl::Status foreign = FromGrpc(grpc::Status(grpc::StatusCode::INTERNAL, "y", "\xff\xff garbage"));
+  const absl::Status foreign =
+      FromGrpc(grpc::Status(grpc::StatusCode::INTERNAL, "y", "\xff\xff garbage"));
   CHECK(foreign.code() == absl::StatusCode::kInternal);
   CHECK(!CulpritOf(foreign).has_value());
 }

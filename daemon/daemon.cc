@@ -32,7 +32,9 @@
 namespace refit {
 namespace {
 
-std::string RoleName(v1::Role r) { return r == v1::TRAINER ? "trainer" : r == v1::INFERENCE ? "inference" : "?"; }
+std::string RoleName(v1::Role r) {
+  return r == v1::TRAINER ? "trainer" : r == v1::INFERENCE ? "inference" : "?";
+}
 
 // What /metrics reads of the coordinator's groups at scrape time: the same calls Status makes
 // (the planner's cached plan of the current epoch, planned now if the membership changed).
@@ -76,13 +78,15 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(const DaemonConfig& config
     d->local_users_ = std::make_shared<LoopbackUsers>(/*admit_remote=*/config.insecure_listen);
   d->authority_ = std::make_unique<Authority>(config.tls, d->local_users_);
   if (config.tls.enabled()) {
-    Logger("rpc")->info("TLS: certificate {}, CA {} (read again every {}); operators {}, viewers {}", config.tls.cert,
-                        config.tls.ca, absl::FormatDuration(config.tls.reload), absl::StrJoin(config.tls.operators, ","),
-                        absl::StrJoin(config.tls.viewers, ","));
+    Logger("rpc")->info(
+        "TLS: certificate {}, CA {} (read again every {}); operators {}, viewers {}",
+        config.tls.cert, config.tls.ca, absl::FormatDuration(config.tls.reload),
+        absl::StrJoin(config.tls.operators, ","), absl::StrJoin(config.tls.viewers, ","));
   } else if (config.insecure_listen) {
-    Logger("rpc")->warn("no TLS and --insecure-listen: anyone who reaches {} can start refits and read every "
-                        "daemon's state; its peers' phases are obeyed unauthenticated (docs/SECURITY.md)",
-                        config.listen);
+    Logger("rpc")->warn(
+        "no TLS and --insecure-listen: anyone who reaches {} can start refits and read every "
+        "daemon's state; its peers' phases are obeyed unauthenticated (docs/SECURITY.md)",
+        config.listen);
   } else {
     Logger("rpc")->info("no TLS: listening on loopback only, for {} (docs/SECURITY.md)",
                         d->local_users_->Describe());
@@ -91,8 +95,8 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(const DaemonConfig& config
     const ArmRounds arm = config.arm_rounds == "always" ? ArmRounds::kAlways
                           : config.arm_rounds == "auto" ? ArmRounds::kAuto
                                                         : ArmRounds::kNever;
-    auto backend = CudaBackend::Start(config.gpus, config.staging_bytes, config.nccl_stream_priority,
-                                      config.aligned_copy_kernel, arm);
+    auto backend = CudaBackend::Start(config.gpus, config.staging_bytes,
+                                      config.nccl_stream_priority, config.aligned_copy_kernel, arm);
     if (!backend.ok()) return backend.status();
     d->backend_ = *std::move(backend);
   } else {
@@ -108,7 +112,8 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(const DaemonConfig& config
     auto metrics = Metrics::Start(config.metrics_listen);
     if (!metrics.ok()) return metrics.status();
     d->metrics_ = *std::move(metrics);
-    // Every transfer through the backend is reported: the agent and the backends know nothing of it.
+    // Every transfer through the backend is reported: the agent and the backends know nothing of
+    // it.
     d->backend_ = MeterBackend(std::move(d->backend_), d->metrics_.get());
     Logger("rpc")->info("metrics at http://{}/metrics", d->metrics_->address());
   }
@@ -127,7 +132,8 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(const DaemonConfig& config
     if (!inbox.ok()) return Annotate(inbox.status(), "the handle socket");
     d->handles_ = *std::move(inbox);
   }
-  d->registry_ = std::make_unique<WorkerRegistry>(config.node, config.gpus, d->backend_.get(), d->handles_.get());
+  d->registry_ = std::make_unique<WorkerRegistry>(config.node, config.gpus, d->backend_.get(),
+                                                  d->handles_.get());
   d->registry_->SetLimits(config.limits);
   d->registry_->SetAdmission(WorkerAdmission(config.worker_uids, geteuid()));
   // Ticked every 100 ms by TickLoop (and MonitorLoop): a gap of half a second is a pause of this
@@ -135,22 +141,26 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(const DaemonConfig& config
   d->pause_ = std::make_unique<PauseDetector>(Clock::Real(), absl::Milliseconds(500));
   NodeAgentLease lease;
   if (!config.is_coordinator()) {
-    lease.lease = config.heartbeat * config.heartbeats_missed;  // the verdict the coordinator applies to nodes
+    lease.lease = config.heartbeat *
+                  config.heartbeats_missed;  // the verdict the coordinator applies to nodes
     lease.coordinator = config.coordinator;
   }
-  d->agent_ = std::make_unique<NodeAgent>(config.node, d->registry_.get(), d->backend_.get(), lease);
+  d->agent_ =
+      std::make_unique<NodeAgent>(config.node, d->registry_.get(), d->backend_.get(), lease);
   Daemon* self = d.get();
   if (config.is_coordinator()) {
     if (config.state_file.empty()) {
-      Logger("rpc")->warn("no --state-file: round ids and committed versions are kept in memory only; a restarted "
-                          "coordinator would accept versions already committed");
+      Logger("rpc")->warn(
+          "no --state-file: round ids and committed versions are kept in memory only; a restarted "
+          "coordinator would accept versions already committed");
     }
     auto state = StateStore::Open(config.state_file);
     if (!state.ok()) return state.status();
     d->state_ = *std::move(state);
     if (!config.state_file.empty()) {
-      Logger("rpc")->info("state file {}: next round id {}, {} groups' committed versions", config.state_file,
-                          d->state_->NextRoundId(), d->state_->Versions().size());
+      Logger("rpc")->info("state file {}: next round id {}, {} groups' committed versions",
+                          config.state_file, d->state_->NextRoundId(),
+                          d->state_->Versions().size());
     }
     // Kept (versions never go back), but such a group has no next version to refit to.
     for (const auto& [group, version] : d->state_->Versions()) {
@@ -161,7 +171,8 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(const DaemonConfig& config
           "committed)",
           group, version, config.state_file, kVersionLimit);
     }
-    d->membership_ = std::make_unique<Membership>(config.node, config.heartbeat, config.heartbeats_missed, Clock::Real());
+    d->membership_ = std::make_unique<Membership>(config.node, config.heartbeat,
+                                                  config.heartbeats_missed, Clock::Real());
     d->membership_->SetLimits(config.group_limits);
     d->membership_->SetNodeLimits(
         {.max_nodes = config.max_nodes, .forget_dead_after = config.forget_dead_after});
@@ -217,8 +228,8 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(const DaemonConfig& config
     rounds.state = d->state_.get();
     rounds.pause = d->pause_.get();
     rounds.blame_pause = config.heartbeat * config.heartbeats_missed;
-    d->driver_ = std::make_unique<RoundDriver>(rounds, d->membership_.get(), d->planner_.get(), d->peers_.get(),
-                                               d->round_log_.get(), Clock::Real());
+    d->driver_ = std::make_unique<RoundDriver>(rounds, d->membership_.get(), d->planner_.get(),
+                                               d->peers_.get(), d->round_log_.get(), Clock::Real());
   } else {
     CoordinatorLinkOptions link;
     link.coordinator = config.coordinator;
@@ -238,8 +249,9 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(const DaemonConfig& config
         self->agent_->RenewLeases(answer.lists_running_rounds() ? &running : nullptr);
         return;
       }
-      self->agent_->AbortOpenRounds(absl::StrCat("the coordinator (", self->config_.coordinator,
-                                                 ") no longer knows this node: it restarted, or declared it dead"));
+      self->agent_->AbortOpenRounds(
+          absl::StrCat("the coordinator (", self->config_.coordinator,
+                       ") no longer knows this node: it restarted, or declared it dead"));
     };
     d->link_ = std::make_unique<CoordinatorLink>(std::move(link));
     if (d->metrics_ != nullptr) {
@@ -256,10 +268,11 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(const DaemonConfig& config
   for (const std::string& path : {config.worker_socket, d->handles_->path()}) {
     if (auto s = GrantSocketAccess(path, config.worker_uids); !s.ok()) return s;
   }
-  Logger("rpc")->info("node {} serving on {} and unix:{} (handles: {}), data plane {} ({}), {}", config.node,
-                      d->address_, config.worker_socket, d->handles_->path(), d->backend_->data_address(),
-                      d->backend_->name(),
-                      config.is_coordinator() ? "coordinator" : "coordinator at " + config.coordinator);
+  Logger("rpc")->info(
+      "node {} serving on {} and unix:{} (handles: {}), data plane {} ({}), {}", config.node,
+      d->address_, config.worker_socket, d->handles_->path(), d->backend_->data_address(),
+      d->backend_->name(),
+      config.is_coordinator() ? "coordinator" : "coordinator at " + config.coordinator);
   d->ticker_ = std::thread([self] { self->TickLoop(); });
   d->monitor_ = std::thread([self] { self->MonitorLoop(); });
   if (config.is_coordinator()) {
@@ -278,7 +291,8 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(const DaemonConfig& config
 // gRPC's standard health service (grpc.health.v1): each refit service SERVING once the backend
 // is up and the node has joined its coordinator (readiness), "" once the server runs (liveness);
 // all NOT_SERVING while it drains. Kubernetes' grpc probes ask it (docs/KUBERNETES.md).
-constexpr const char* kHealthServices[] = {"", "refit.v1.RefitControl", "refit.v1.RefitPeer", "refit.v1.RefitWorker"};
+constexpr const char* kHealthServices[] = {"", "refit.v1.RefitControl", "refit.v1.RefitPeer",
+                                           "refit.v1.RefitWorker"};
 
 std::vector<grpc::Server*> Daemon::Servers() const {
   std::vector<grpc::Server*> out;
@@ -345,8 +359,12 @@ absl::Status Daemon::Serve() {
   parts_.driver = driver_.get();
   parts_.log = round_log_.get();
   parts_.register_worker = [this](const v1::RegisterWorkerRequest& r, WorkerTransport transport,
-                                  v1::RegisterWorkerResponse* out) { return Register(r, transport, out); };
-  parts_.drop_worker = [this](const std::string& id, const std::string& reason) { DropWorker(id, reason); };
+                                  v1::RegisterWorkerResponse* out) {
+    return Register(r, transport, out);
+  };
+  parts_.drop_worker = [this](const std::string& id, const std::string& reason) {
+    DropWorker(id, reason);
+  };
   // Peers and operators: TLS when configured (every caller then presents a certificate).
   grpc::ServerBuilder builder;
   ConfigureServer(config_, builder);
@@ -357,7 +375,8 @@ absl::Status Daemon::Serve() {
   builder.RegisterService(services_[services_.size() - 2].get());
   builder.RegisterService(services_.back().get());
   server_ = builder.BuildAndStart();
-  if (server_ == nullptr || port == 0) return absl::UnavailableError(absl::StrCat("cannot listen on ", config_.listen));
+  if (server_ == nullptr || port == 0)
+    return absl::UnavailableError(absl::StrCat("cannot listen on ", config_.listen));
   if (local_users_ != nullptr) AddLoopbackListeners(config_.listen, port, *local_users_);
   // Workers: the unix socket (its file mode says who may connect; the handle socket's
   // credentials say who registers), and TCP only when asked. RefitControl is here too, for local
@@ -378,12 +397,14 @@ absl::Status Daemon::Serve() {
   if (local_users_ != nullptr && worker_port != 0)
     AddLoopbackListeners(config_.worker_listen, worker_port, *local_users_);
   if (worker_server_ == nullptr || (!config_.worker_listen.empty() && worker_port == 0)) {
-    return absl::UnavailableError(absl::StrCat("cannot listen on unix:", config_.worker_socket,
-                                               config_.worker_listen.empty() ? "" : " and " + config_.worker_listen));
+    return absl::UnavailableError(
+        absl::StrCat("cannot listen on unix:", config_.worker_socket,
+                     config_.worker_listen.empty() ? "" : " and " + config_.worker_listen));
   }
   if (!config_.worker_listen.empty()) {
     const std::string host = config_.worker_listen.substr(0, config_.worker_listen.rfind(':'));
-    Logger("rpc")->warn("workers are also served over TCP at {}:{} (not identified by uid{})", host, worker_port,
+    Logger("rpc")->warn("workers are also served over TCP at {}:{} (not identified by uid{})", host,
+                        worker_port,
                         config_.tls.enabled() ? "; only --tls-workers certificates register" : "");
   }
   if (!config_.health_listen.empty()) {
@@ -398,10 +419,13 @@ absl::Status Daemon::Serve() {
     health.RegisterService(services_.back().get());
     health_server_ = health.BuildAndStart();
     if (health_server_ == nullptr || health_port == 0) {
-      return absl::UnavailableError(absl::StrCat("cannot listen on --health-listen ", config_.health_listen));
+      return absl::UnavailableError(
+          absl::StrCat("cannot listen on --health-listen ", config_.health_listen));
     }
-    const std::string health_host = config_.health_listen.substr(0, config_.health_listen.rfind(':'));
-    Logger("rpc")->info("health (plaintext, grpc.health.v1 only) at {}:{}", health_host, health_port);
+    const std::string health_host =
+        config_.health_listen.substr(0, config_.health_listen.rfind(':'));
+    Logger("rpc")->info("health (plaintext, grpc.health.v1 only) at {}:{}", health_host,
+                        health_port);
   }
   SetServing(false);  // until joined
   SetAlive();
@@ -445,9 +469,10 @@ void Daemon::Shutdown() {
     }
   }
   if (agent_) {
-    const int aborted = agent_->Drain(config_.drain_timeout,
-                                      absl::StrCat("node ", config_.node, " is shutting down (drained)"));
-    if (aborted > 0) Logger("round")->warn("draining: aborted {} round(s) open on this node", aborted);
+    const int aborted = agent_->Drain(
+        config_.drain_timeout, absl::StrCat("node ", config_.node, " is shutting down (drained)"));
+    if (aborted > 0)
+      Logger("round")->warn("draining: aborted {} round(s) open on this node", aborted);
   }
   {
     absl::MutexLock lock(&mu_);
@@ -473,7 +498,8 @@ void Daemon::Wait() {
 namespace {
 void LogPause(const std::optional<PauseDetector::Pause>& paused) {
   if (!paused.has_value()) return;
-  Logger("rpc")->warn("this daemon did not run for {} (stopped or starved)", absl::FormatDuration(paused->length()));
+  Logger("rpc")->warn("this daemon did not run for {} (stopped or starved)",
+                      absl::FormatDuration(paused->length()));
 }
 }  // namespace
 
@@ -491,7 +517,8 @@ void Daemon::MonitorLoop() {
   const absl::Duration silence = config_.heartbeat * config_.heartbeats_missed;
   absl::Time checked = absl::Now();  // the pauses that ended since: this loop's to act on
   while (SleepUnlessStopping(absl::Milliseconds(100))) {
-    LogPause(pause_->Tick());  // a pause that ended just now counts here, before the ticker's next tick
+    LogPause(
+        pause_->Tick());  // a pause that ended just now counts here, before the ticker's next tick
     const std::optional<PauseDetector::Pause> last = pause_->LastPause();
     const bool paused = last.has_value() && last->ended > checked;
     checked = absl::Now();
@@ -524,7 +551,8 @@ void Daemon::MonitorLoop() {
 }
 
 absl::Status Daemon::SyncAdded(const v1::RegisterWorkerRequest& added) {
-  if (membership_ != nullptr) return membership_->AddLocal(added);  // ALREADY_EXISTS: held elsewhere
+  if (membership_ != nullptr)
+    return membership_->AddLocal(added);  // ALREADY_EXISTS: held elsewhere
   std::vector<v1::WorkerRefusal> refused;
   REFIT_RETURN_IF_ERROR(link_->Sync(&refused));
   const std::string id = absl::StrCat(added.group(), "/", added.worker().name());
@@ -555,18 +583,21 @@ absl::Status Daemon::Register(const v1::RegisterWorkerRequest& request, WorkerTr
   // The coordinator's own membership keeps the pieces; a node's sync sends its snapshot.
   if (auto s = SyncAdded(membership_ != nullptr ? worker->Full() : worker->request); !s.ok()) {
     registry_->Drop(worker->id);
-    if (s.code() == absl::StatusCode::kAlreadyExists || s.code() == absl::StatusCode::kResourceExhausted) {
+    if (s.code() == absl::StatusCode::kAlreadyExists ||
+        s.code() == absl::StatusCode::kResourceExhausted) {
       return absl::Status(s.code(), absl::StrCat("register: ", s.message()));
     }
-    return absl::UnavailableError(absl::StrCat("register: the coordinator did not take the worker: ", s.message()));
+    return absl::UnavailableError(
+        absl::StrCat("register: the coordinator did not take the worker: ", s.message()));
   }
   const v1::Worker& w = worker->request.worker();
-  Logger("worker")->info("registered {} ({}, GPU {}, {} buffers, {} pieces total in layout{})", worker->id,
-                         RoleName(worker->request.role()), w.gpu(), w.buffers_size(), registered->pieces,
-                         request.fd_token().empty()
-                             ? std::string()
-                             : absl::StrCat("; ", registered->descriptors, " descriptors handed over by pid ",
-                                            registered->pid, " uid ", registered->uid));
+  Logger("worker")->info(
+      "registered {} ({}, GPU {}, {} buffers, {} pieces total in layout{})", worker->id,
+      RoleName(worker->request.role()), w.gpu(), w.buffers_size(), registered->pieces,
+      request.fd_token().empty()
+          ? std::string()
+          : absl::StrCat("; ", registered->descriptors, " descriptors handed over by pid ",
+                         registered->pid, " uid ", registered->uid));
   response->set_worker_id(worker->id);
   response->set_node(config_.node);
   response->set_version(0);

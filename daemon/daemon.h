@@ -30,10 +30,10 @@
 #include "absl/base/thread_annotations.h"
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
+#include "common/grpc_tls.h"
 #include "daemon/authority.h"
 #include "daemon/backend.h"
 #include "daemon/config.h"
-#include "common/grpc_tls.h"
 #include "daemon/loopback_owner.h"
 #include "daemon/services.h"
 
@@ -57,7 +57,7 @@ class Daemon {
   static absl::StatusOr<std::unique_ptr<Daemon>> Start(const DaemonConfig& config);
   ~Daemon();
 
-  void Wait();      // until Shutdown()
+  void Wait();  // until Shutdown()
   // Drains, then stops: NOT_SERVING to health checks, no new round, running ones given
   // --drain-timeout, what is left aborted (workers told). Safe from a signal-handling thread; a
   // second call waits for the first to finish.
@@ -128,7 +128,7 @@ class Daemon {
 
   absl::Mutex mu_;
   absl::CondVar stopped_;
-  bool stopping_ ABSL_GUARDED_BY(mu_) = false;        // drained: Wait() returns, the monitor ends
+  bool stopping_ ABSL_GUARDED_BY(mu_) = false;  // drained: Wait() returns, the monitor ends
   bool shutdown_started_ ABSL_GUARDED_BY(mu_) = false;
   bool shutdown_done_ ABSL_GUARDED_BY(mu_) = false;
 };

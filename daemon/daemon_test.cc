@@ -9,9 +9,8 @@
 #include <unistd.h>
 
 #include <atomic>
-#include <thread>
-
 #include <catch2/catch.hpp>
+#include <thread>
 
 #include "absl/strings/str_cat.h"
 #include "client/worker_client.h"
@@ -46,7 +45,8 @@ struct Cluster {
     socket = "unix:" + c.worker_socket;
     auto channel = grpc::CreateChannel(daemon->address(), grpc::InsecureChannelCredentials());
     // Workers on the unix socket, where they belong (and are uid-checked).
-    workers = v1::RefitWorker::NewStub(grpc::CreateChannel(socket, grpc::InsecureChannelCredentials()));
+    workers =
+        v1::RefitWorker::NewStub(grpc::CreateChannel(socket, grpc::InsecureChannelCredentials()));
     control = v1::RefitControl::NewStub(channel);
   }
 };
@@ -98,13 +98,15 @@ TEST_CASE("bad registrations get clear errors and the daemon keeps serving") {
   }
   SECTION("a piece outside its tensor") {
     auto r = Request("t0", v1::TRAINER, 0, 8);
-    r.mutable_worker()->mutable_buffers(0)->mutable_pieces(0)->mutable_tensor_box()->set_origin(0, 6);
+    r.mutable_worker()->mutable_buffers(0)->mutable_pieces(0)->mutable_tensor_box()->set_origin(0,
+                                                                                                6);
     CHECK(Says(Register(c, r), grpc::StatusCode::INVALID_ARGUMENT, "lies outside the tensor"));
   }
   SECTION("memory handles do not match the buffers") {
     auto r = Request("t0", v1::TRAINER, 0, 8);
     r.clear_memory();
-    CHECK(Says(Register(c, r), grpc::StatusCode::INVALID_ARGUMENT, "1 buffers but 0 memory handles"));
+    CHECK(
+        Says(Register(c, r), grpc::StatusCode::INVALID_ARGUMENT, "1 buffers but 0 memory handles"));
   }
   SECTION("memory by name") {
     auto r = Request("t0", v1::TRAINER, 0, 8);
@@ -120,7 +122,8 @@ TEST_CASE("bad registrations get clear errors and the daemon keeps serving") {
   SECTION("a GPU this daemon does not serve") {
     auto r = Request("t0", v1::TRAINER, 0, 8);
     r.mutable_worker()->set_gpu(5);
-    CHECK(Says(Register(c, r), grpc::StatusCode::INVALID_ARGUMENT, "GPU 5, which node 0's daemon does not serve"));
+    CHECK(Says(Register(c, r), grpc::StatusCode::INVALID_ARGUMENT,
+               "GPU 5, which node 0's daemon does not serve"));
   }
   SECTION("unknown worker") {
     grpc::ClientContext ctx;
@@ -135,7 +138,9 @@ TEST_CASE("bad registrations get clear errors and the daemon keeps serving") {
   CHECK(c.control->Status(&ctx, v1::StatusRequest(), &status).ok());
 }
 
-TEST_CASE("rounds: unknown group, not ready, a real round, stale and repeated versions, double registration") {
+TEST_CASE(
+    "rounds: unknown group, not ready, a real round, stale and repeated versions, double "
+    "registration") {
   Cluster c;
   auto refit = [&](const std::string& group, int64_t version) {
     grpc::ClientContext ctx;
@@ -195,7 +200,8 @@ TEST_CASE("rounds: unknown group, not ready, a real round, stale and repeated ve
     r.set_group("policy");
     r.set_version(2);
     v1::StartRefitResponse started;
-    CHECK(Says(c.control->StartRefit(&ctx, r, &started), grpc::StatusCode::FAILED_PRECONDITION, "not newer"));
+    CHECK(Says(c.control->StartRefit(&ctx, r, &started), grpc::StatusCode::FAILED_PRECONDITION,
+               "not newer"));
   }
   {
     grpc::ClientContext ctx;
@@ -249,13 +255,16 @@ int OpenFds() {
 }
 
 int Memfd(size_t bytes) {
-  const int fd = memfd_create("refit-daemon-test", MFD_CLOEXEC | MFD_ALLOW_SEALING);  // the daemon seals it
+  const int fd =
+      memfd_create("refit-daemon-test", MFD_CLOEXEC | MFD_ALLOW_SEALING);  // the daemon seals it
   REQUIRE(fd >= 0);
   REQUIRE(ftruncate(fd, static_cast<off_t>(bytes)) == 0);
   return fd;
 }
 
-TEST_CASE("registration with descriptors: each wrong reference is named; descriptors are claimed once and closed") {
+TEST_CASE(
+    "registration with descriptors: each wrong reference is named; descriptors are claimed once "
+    "and closed") {
   Cluster c;
   const std::string handles = HandleSocketPath(c.socket);
   const int fd = Memfd(4096);
@@ -294,17 +303,20 @@ TEST_CASE("registration with descriptors: each wrong reference is named; descrip
   SECTION("a malformed token") {
     auto r = by_fd(1, 4096);
     r.set_fd_token("../../etc");
-    CHECK(Says(Register(c, r), grpc::StatusCode::INVALID_ARGUMENT, "fd_token must be 32 lowercase hex digits"));
+    CHECK(Says(Register(c, r), grpc::StatusCode::INVALID_ARGUMENT,
+               "fd_token must be 32 lowercase hex digits"));
   }
   SECTION("a descriptor index out of range; the delivery is gone with the failed registration") {
     auto r = by_fd(2, 4096);
     r.set_fd_token(deliver());
     CHECK(Says(Register(c, r), grpc::StatusCode::INVALID_ARGUMENT,
-               "worker \"t0\": buffer \"w\": its shared memory is descriptor 2 (1-based), but only 1 were handed over"));
+               "worker \"t0\": buffer \"w\": its shared memory is descriptor 2 (1-based), but only "
+               "1 were handed over"));
     r.mutable_memory(0)->mutable_shm()->set_fd(1);
     CHECK(Says(Register(c, r), grpc::StatusCode::NOT_FOUND, "no handles were delivered"));
   }
-  SECTION("descriptors referenced without a token: no delivery, no registration on the unix socket") {
+  SECTION(
+      "descriptors referenced without a token: no delivery, no registration on the unix socket") {
     grpc::ClientContext ctx;
     v1::RegisterWorkerResponse out;
     CHECK(Says(c.workers->Register(&ctx, by_fd(1, 4096), &out), grpc::StatusCode::INVALID_ARGUMENT,
@@ -314,7 +326,8 @@ TEST_CASE("registration with descriptors: each wrong reference is named; descrip
     auto r = by_fd(1, 8192);
     r.set_fd_token(deliver());
     CHECK(Says(Register(c, r), grpc::StatusCode::INVALID_ARGUMENT,
-               "buffer \"w\": its shared memory claims 8192 bytes but descriptor 1 (its shared memory) has 4096"));
+               "buffer \"w\": its shared memory claims 8192 bytes but descriptor 1 (its shared "
+               "memory) has 4096"));
   }
   SECTION("a buffer larger than its object") {
     const int small = Memfd(64);
@@ -323,13 +336,15 @@ TEST_CASE("registration with descriptors: each wrong reference is named; descrip
     REQUIRE(token.ok());
     auto r = by_fd(1, 64);
     r.set_fd_token(*token);
-    CHECK(Says(Register(c, r), grpc::StatusCode::INVALID_ARGUMENT, "128 bytes at offset 0 do not fit descriptor 1"));
+    CHECK(Says(Register(c, r), grpc::StatusCode::INVALID_ARGUMENT,
+               "128 bytes at offset 0 do not fit descriptor 1"));
     close(small);
   }
   SECTION("a GPU UUID on the host backend") {
     auto r = Request("t0", v1::TRAINER, 0, 8);
     r.set_gpu_uuid("GPU-1b2c3d4e-0000-1111-2222-333344445555");
-    CHECK(Says(Register(c, r), grpc::StatusCode::INVALID_ARGUMENT, "given but this daemon runs --backend host"));
+    CHECK(Says(Register(c, r), grpc::StatusCode::INVALID_ARGUMENT,
+               "given but this daemon runs --backend host"));
   }
   SECTION("VMM memory on the host backend") {
     auto r = Request("t0", v1::TRAINER, 0, 8);
@@ -349,7 +364,9 @@ TEST_CASE("registration with descriptors: each wrong reference is named; descrip
   close(fd);
 }
 
-TEST_CASE("a worker that refuses PREPARE aborts the round at once, with its reason; the next round commits") {
+TEST_CASE(
+    "a worker that refuses PREPARE aborts the round at once, with its reason; the next round "
+    "commits") {
   Cluster c;
   Layout trainer, engine;
   AddSplitTensor(trainer, "w", Dims{8, 4}, DType::kF32, 0, {0, 8}, {{0, 0}}, "trainer");
@@ -392,14 +409,17 @@ TEST_CASE("a worker that refuses PREPARE aborts the round at once, with its reas
   const grpc::Status refused = refit(1);
   const absl::Duration took = absl::Now() - t0;
   CHECK(Says(refused, grpc::StatusCode::ABORTED,
-             "worker \"policy/trainer0\" on node 0 refused PREPARE of round 1: NaN in the loss at step 41"));
+             "worker \"policy/trainer0\" on node 0 refused PREPARE of round 1: NaN in the loss at "
+             "step 41"));
   CHECK(took < absl::Seconds(1));
   v1::RoundStats stats;
   while (watch->Read(&stats) && stats.state() != v1::RoundStats::ABORTED) {
   }
   CHECK(stats.state() == v1::RoundStats::ABORTED);
   CHECK(stats.round_id() == 1);
-  CHECK(stats.reason() == "worker \"policy/trainer0\" on node 0 refused PREPARE of round 1: NaN in the loss at step 41");
+  CHECK(stats.reason() ==
+        "worker \"policy/trainer0\" on node 0 refused PREPARE of round 1: NaN in the loss at step "
+        "41");
   CHECK((*e)->version() == 0);
   const absl::Time until = absl::Now() + absl::Seconds(2);
   while (aborts == 0 && absl::Now() < until) absl::SleepFor(absl::Milliseconds(10));
@@ -429,7 +449,8 @@ TEST_CASE("host memory by descriptor carries a round; by name it is refused") {
     FillSources(trainer, FillSpec{static_cast<uint64_t>(v), {false}}, m);
     return absl::OkStatus();
   };
-  auto tc = WorkerClient::Connect(c.socket, "policy", v1::TRAINER, trainer, trainer_cb, ConnectOptions());
+  auto tc =
+      WorkerClient::Connect(c.socket, "policy", v1::TRAINER, trainer, trainer_cb, ConnectOptions());
   REQUIRE(tc.ok());
   t = *std::move(tc);
   auto e = WorkerClient::Connect(c.socket, "policy", v1::INFERENCE, engine, {}, ConnectOptions());
@@ -444,7 +465,8 @@ TEST_CASE("host memory by descriptor carries a round; by name it is refused") {
   CHECK(CheckDestinations(trainer, engine, FillSpec{1, {false}}, m).ok());
 }
 
-TEST_CASE("a refusal on another node aborts the round at once, while a worker elsewhere still prepares") {
+TEST_CASE(
+    "a refusal on another node aborts the round at once, while a worker elsewhere still prepares") {
   Cluster c;  // node 0, the coordinator
   DaemonConfig n1;
   n1.node = 1;
@@ -466,10 +488,13 @@ TEST_CASE("a refusal on another node aborts the round at once, while a worker el
     return absl::OkStatus();
   };
   WorkerCallbacks refusing;
-  refusing.on_prepare = [](int64_t) { return absl::UnavailableError("the engine is sleeping (weights offloaded)"); };
+  refusing.on_prepare = [](int64_t) {
+    return absl::UnavailableError("the engine is sleeping (weights offloaded)");
+  };
   auto t = WorkerClient::Connect(c.socket, "policy", v1::TRAINER, trainer, slow);
   REQUIRE(t.ok());
-  auto e = WorkerClient::Connect("unix:" + n1.worker_socket, "policy", v1::INFERENCE, engine, refusing);
+  auto e =
+      WorkerClient::Connect("unix:" + n1.worker_socket, "policy", v1::INFERENCE, engine, refusing);
   INFO(e.status().message());
   REQUIRE(e.ok());
   grpc::ClientContext ctx;
@@ -480,13 +505,14 @@ TEST_CASE("a refusal on another node aborts the round at once, while a worker el
   const absl::Time t0 = absl::Now();
   const grpc::Status s = c.control->Refit(&ctx, r, &out);
   CHECK(absl::Now() - t0 < absl::Seconds(1));
-  CHECK(Says(s, grpc::StatusCode::ABORTED,
-             "worker \"policy/engine0\" on node 1 refused PREPARE of round 1: the engine is sleeping"));
+  CHECK(Says(
+      s, grpc::StatusCode::ABORTED,
+      "worker \"policy/engine0\" on node 1 refused PREPARE of round 1: the engine is sleeping"));
 }
 
 // One engine rank: rows [r0, r1) of "w", rank `rank` of replica `replica` of `size` ranks.
-Layout EngineRank(const std::string& name, const std::string& replica, int32_t rank, int32_t size, int64_t r0,
-                  int64_t r1) {
+Layout EngineRank(const std::string& name, const std::string& replica, int32_t rank, int32_t size,
+                  int64_t r0, int64_t r1) {
   Layout l;
   AddSplitTensor(l, "w", Dims{8, 4}, DType::kF32, 0, {r0, r1}, {{0, 0}}, name);
   l.workers[0].name = name;
@@ -503,7 +529,8 @@ v1::StatusResponse StatusOf(Cluster& c) {
   return out;
 }
 
-const v1::ReplicaStatus* ReplicaIn(const v1::StatusResponse& s, const std::string& group, const std::string& name) {
+const v1::ReplicaStatus* ReplicaIn(const v1::StatusResponse& s, const std::string& group,
+                                   const std::string& name) {
   for (const auto& g : s.groups()) {
     if (g.name() != group) continue;
     for (const auto& r : g.replicas()) {
@@ -514,7 +541,9 @@ const v1::ReplicaStatus* ReplicaIn(const v1::StatusResponse& s, const std::strin
 }
 
 // docs/ROUNDS.md, "Replicas and commit".
-TEST_CASE("an engine lost during COMMIT: the round is committed, nobody is sent ABORT, its replica no longer counts") {
+TEST_CASE(
+    "an engine lost during COMMIT: the round is committed, nobody is sent ABORT, its replica no "
+    "longer counts") {
   Cluster c;
   Layout trainer;
   AddSplitTensor(trainer, "w", Dims{8, 4}, DType::kF32, 0, {0, 8}, {{0, 0}}, "trainer");
@@ -551,7 +580,8 @@ TEST_CASE("an engine lost during COMMIT: the round is committed, nobody is sent 
     ++d.commits;
     d_in_commit = true;
     const absl::Time until = absl::Now() + absl::Seconds(2);
-    while (!d_gone && absl::Now() < until) absl::SleepFor(absl::Milliseconds(5));  // lost before it confirms
+    while (!d_gone && absl::Now() < until)
+      absl::SleepFor(absl::Milliseconds(5));  // lost before it confirms
   };
   connect(d, EngineRank("d", "dp1", 1, 2, 4, 8), dcb);
 
@@ -598,7 +628,8 @@ TEST_CASE("an engine lost during COMMIT: the round is committed, nobody is sent 
   REQUIRE(ReplicaIn(s, "policy", "dp1") != nullptr);
   CHECK_FALSE(ReplicaIn(s, "policy", "dp1")->complete());
   CHECK(std::vector<int32_t>(ReplicaIn(s, "policy", "dp1")->missing_ranks().begin(),
-                             ReplicaIn(s, "policy", "dp1")->missing_ranks().end()) == std::vector<int32_t>{1});
+                             ReplicaIn(s, "policy", "dp1")->missing_ranks().end()) ==
+        std::vector<int32_t>{1});
   CHECK(ReplicaIn(s, "policy", "dp1")->problem().find("missing rank 1") != std::string::npos);
   CHECK(ReplicaIn(s, "policy", "dp0")->version() == 1);
   CHECK(s.groups(0).ready());
@@ -609,7 +640,8 @@ TEST_CASE("an engine lost during COMMIT: the round is committed, nobody is sent 
   REQUIRE(refit(2, &second).ok());
   CHECK(std::vector<std::string>(second.replicas().begin(), second.replicas().end()) ==
         std::vector<std::string>{"dp0"});
-  CHECK(std::vector<std::string>(second.incomplete_replicas().begin(), second.incomplete_replicas().end()) ==
+  CHECK(std::vector<std::string>(second.incomplete_replicas().begin(),
+                                 second.incomplete_replicas().end()) ==
         std::vector<std::string>{"dp1"});
   absl::SleepFor(absl::Milliseconds(200));
   CHECK(a.client->version() == 2);
@@ -633,7 +665,9 @@ TEST_CASE("an engine lost during COMMIT: the round is committed, nobody is sent 
   CHECK(d2.client->version() == 3);
 }
 
-TEST_CASE("a worker name held on another node is refused at registration; a group without workers is forgotten") {
+TEST_CASE(
+    "a worker name held on another node is refused at registration; a group without workers is "
+    "forgotten") {
   Cluster c;  // node 0, the coordinator
   DaemonConfig n1;
   n1.node = 1;
@@ -654,17 +688,18 @@ TEST_CASE("a worker name held on another node is refused at registration; a grou
   auto dup = WorkerClient::Connect(c.socket, "policy", v1::TRAINER, one, {}, o);
   REQUIRE_FALSE(dup.ok());
   CHECK(absl::IsAlreadyExists(dup.status()));
-  CHECK(std::string(dup.status().message()).find("worker \"policy/x\" is already registered on node 1") !=
-        std::string::npos);
+  CHECK(std::string(dup.status().message())
+            .find("worker \"policy/x\" is already registered on node 1") != std::string::npos);
   // And the other way: held on the coordinator's node, refused on node 1 (learnt from SyncWorkers).
   one.workers[0].name = "y";
   auto y = WorkerClient::Connect(c.socket, "policy", v1::INFERENCE, one, {}, o);
   REQUIRE(y.ok());
-  auto dup_y = WorkerClient::Connect("unix:" + n1.worker_socket, "policy", v1::INFERENCE, one, {}, o);
+  auto dup_y =
+      WorkerClient::Connect("unix:" + n1.worker_socket, "policy", v1::INFERENCE, one, {}, o);
   REQUIRE_FALSE(dup_y.ok());
   CHECK(absl::IsAlreadyExists(dup_y.status()));
-  CHECK(std::string(dup_y.status().message()).find("worker \"policy/y\" is already registered on node 0") !=
-        std::string::npos);
+  CHECK(std::string(dup_y.status().message())
+            .find("worker \"policy/y\" is already registered on node 0") != std::string::npos);
   // The group works with the holders: one of each, ready.
   v1::StatusResponse s = StatusOf(c);
   REQUIRE(s.groups_size() == 1);
@@ -675,14 +710,16 @@ TEST_CASE("a worker name held on another node is refused at registration; a grou
   REQUIRE((*held)->Unregister().ok());
   REQUIRE((*y)->Unregister().ok());
   const absl::Time until = absl::Now() + absl::Seconds(5);
-  while (StatusOf(c).groups_size() != 0 && absl::Now() < until) absl::SleepFor(absl::Milliseconds(20));
+  while (StatusOf(c).groups_size() != 0 && absl::Now() < until)
+    absl::SleepFor(absl::Milliseconds(20));
   CHECK(StatusOf(c).groups_size() == 0);
   grpc::ClientContext ctx;
   v1::RefitRequest r;
   r.set_group("policy");
   r.set_version(1);
   v1::RoundStats out;
-  CHECK(Says(c.control->Refit(&ctx, r, &out), grpc::StatusCode::NOT_FOUND, "no model group \"policy\""));
+  CHECK(Says(c.control->Refit(&ctx, r, &out), grpc::StatusCode::NOT_FOUND,
+             "no model group \"policy\""));
 }
 
 }  // namespace

@@ -36,14 +36,17 @@ absl::StatusOr<FrameHeader> ParseFrameHeader(std::span<const std::byte, kFrameHe
   h.message = Load<int64_t>(p + 16);
   h.bytes = Load<int64_t>(p + 24);
   if (h.magic != kFrameMagic) {
-    return absl::InvalidArgumentError(absl::StrCat("not a frame header (magic 0x", absl::Hex(h.magic), ")"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("not a frame header (magic 0x", absl::Hex(h.magic), ")"));
   }
   if (h.group_bytes > kMaxGroupBytes) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("frame header: a group name of ", h.group_bytes, " bytes (at most ", kMaxGroupBytes, ")"));
+    return absl::InvalidArgumentError(absl::StrCat("frame header: a group name of ", h.group_bytes,
+                                                   " bytes (at most ", kMaxGroupBytes, ")"));
   }
-  if (h.bytes < 0) return absl::InvalidArgumentError(absl::StrCat("frame header: ", h.bytes, " bytes"));
-  if (h.message < 0) return absl::InvalidArgumentError(absl::StrCat("frame header: message ", h.message));
+  if (h.bytes < 0)
+    return absl::InvalidArgumentError(absl::StrCat("frame header: ", h.bytes, " bytes"));
+  if (h.message < 0)
+    return absl::InvalidArgumentError(absl::StrCat("frame header: message ", h.message));
   return h;
 }
 
@@ -59,8 +62,9 @@ std::array<std::byte, kFrameHeaderBytes> EncodeFrameHeader(const FrameHeader& h)
 
 absl::Status CheckFrameForPlan(const FrameHeader& h, const Plan& plan, int32_t node) {
   const auto unexpected = [&] {
-    return absl::DataLossError(absl::StrCat("round ", h.round_id, ": a peer sent message ", h.message, " of ",
-                                            h.bytes, " bytes, which this node does not expect"));
+    return absl::DataLossError(absl::StrCat("round ", h.round_id, ": a peer sent message ",
+                                            h.message, " of ", h.bytes,
+                                            " bytes, which this node does not expect"));
   };
   if (h.message < 0 || h.message >= static_cast<int64_t>(plan.messages.size())) return unexpected();
   const Message& m = plan.messages[static_cast<size_t>(h.message)];

@@ -47,8 +47,8 @@ TEST_CASE("a malformed frame header is refused, naming what is wrong") {
   group.group_bytes = kMaxGroupBytes + 1;
   bytes.bytes = -1;
   message.message = -1;
-  for (const auto& [what, h] : {Case{"magic", magic}, Case{"group name", group}, Case{"bytes", bytes},
-                                Case{"message", message}}) {
+  for (const auto& [what, h] : {Case{"magic", magic}, Case{"group name", group},
+                                Case{"bytes", bytes}, Case{"message", message}}) {
     INFO(what);
     auto parsed = Parse(EncodeFrameHeader(h));
     REQUIRE(absl::IsInvalidArgument(parsed.status()));

@@ -13,10 +13,10 @@
 #include "absl/strings/ascii.h"
 #include "absl/strings/escaping.h"
 #include "absl/strings/match.h"
-#include "absl/strings/strip.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "absl/strings/strip.h"
 #include "daemon/logging.h"
 #include "plan/status_macros.h"
 
@@ -85,9 +85,11 @@ struct OpensslStringDeleter {
 std::vector<std::string> Identities(X509* cert) {
   std::vector<std::string> out;
   X509_NAME* subject = X509_get_subject_name(cert);
-  for (int i = -1; subject != nullptr && (i = X509_NAME_get_index_by_NID(subject, NID_commonName, i)) >= 0;) {
+  for (int i = -1;
+       subject != nullptr && (i = X509_NAME_get_index_by_NID(subject, NID_commonName, i)) >= 0;) {
     unsigned char* raw = nullptr;
-    const int n = ASN1_STRING_to_UTF8(&raw, X509_NAME_ENTRY_get_data(X509_NAME_get_entry(subject, i)));
+    const int n =
+        ASN1_STRING_to_UTF8(&raw, X509_NAME_ENTRY_get_data(X509_NAME_get_entry(subject, i)));
     std::unique_ptr<unsigned char, OpensslStringDeleter> utf8(raw);
     if (n >= 0) out.emplace_back(reinterpret_cast<const char*>(utf8.get()), static_cast<size_t>(n));
   }
@@ -104,18 +106,19 @@ std::vector<std::string> Identities(X509* cert) {
 
 // Who the other end of one handshake must be; the verify callback finds it in the SSL's app data.
 struct PeerRule {
-  bool accepting = false;  // any node (the client of a data connection)
-  int32_t node = -1;       // connecting: exactly this node
-  std::string identity;    // the name that satisfied the rule
+  bool accepting = false;      // any node (the client of a data connection)
+  int32_t node = -1;           // connecting: exactly this node
+  std::string identity;        // the name that satisfied the rule
   std::vector<int32_t> nodes;  // accepting: every node the certificate names
-  std::string refused;     // why the certificate's names did not
+  std::string refused;         // why the certificate's names did not
 };
 
 // Chain verification is OpenSSL's (against the CA file); at the leaf this adds the identity rule,
 // inside the handshake, so that a refused peer gets an alert rather than a silent close.
 int VerifyPeer(int preverify_ok, X509_STORE_CTX* store) {
   if (preverify_ok != 1 || X509_STORE_CTX_get_error_depth(store) != 0) return preverify_ok;
-  SSL* ssl = static_cast<SSL*>(X509_STORE_CTX_get_ex_data(store, SSL_get_ex_data_X509_STORE_CTX_idx()));
+  SSL* ssl =
+      static_cast<SSL*>(X509_STORE_CTX_get_ex_data(store, SSL_get_ex_data_X509_STORE_CTX_idx()));
   auto* rule = ssl == nullptr ? nullptr : static_cast<PeerRule*>(SSL_get_app_data(ssl));
   X509* cert = X509_STORE_CTX_get_current_cert(store);
   if (rule == nullptr || cert == nullptr) return 0;
@@ -130,15 +133,15 @@ int VerifyPeer(int preverify_ok, X509_STORE_CTX* store) {
   }
   std::vector<std::string> shown;
   for (const std::string& name : names) shown.push_back(absl::CHexEscape(name));
-  rule->refused = absl::StrCat("its certificate names ", shown.empty() ? "nobody" : absl::StrJoin(shown, ", "),
-                               rule->accepting ? absl::StrCat(", not one node (", kNodeIdentityPrefix, "<N>)")
-                                               : absl::StrCat(", not ", wanted));
+  rule->refused =
+      absl::StrCat("its certificate names ", shown.empty() ? "nobody" : absl::StrJoin(shown, ", "),
+                   rule->accepting ? absl::StrCat(", not one node (", kNodeIdentityPrefix, "<N>)")
+                                   : absl::StrCat(", not ", wanted));
   X509_STORE_CTX_set_error(store, X509_V_ERR_APPLICATION_VERIFICATION);
   return 0;
 }
 
 }  // namespace
-
 
 absl::StatusOr<SslCtxPtr> MakeDataTlsContext(const TlsConfig& config) {
   ERR_clear_error();
@@ -154,8 +157,9 @@ absl::StatusOr<SslCtxPtr> MakeDataTlsContext(const TlsConfig& config) {
     return absl::InvalidArgumentError(absl::StrCat("--tls-key ", config.key, ": ", SslErrors()));
   }
   if (SSL_CTX_check_private_key(ctx.get()) != 1) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("--tls-key ", config.key, " is not the key of --tls-cert ", config.cert, ": ", SslErrors()));
+    return absl::InvalidArgumentError(absl::StrCat("--tls-key ", config.key,
+                                                   " is not the key of --tls-cert ", config.cert,
+                                                   ": ", SslErrors()));
   }
   if (SSL_CTX_load_verify_locations(ctx.get(), config.ca.c_str(), nullptr) != 1) {
     return absl::InvalidArgumentError(absl::StrCat("--tls-ca ", config.ca, ": ", SslErrors()));
@@ -176,14 +180,17 @@ absl::StatusOr<SslCtxPtr> MakeDataTlsContext(const TlsConfig& config) {
   SSL_CTX_set_default_read_buffer_len(ctx.get(), 256 << 10);
   // TLS 1.3's mandatory suite first: AES-128-GCM runs at 1.6x AES-256-GCM's rate on these
   // machines (openssl speed, AES-NI), at 128-bit security; the others stay acceptable.
-  if (SSL_CTX_set_ciphersuites(ctx.get(), "TLS_AES_128_GCM_SHA256:TLS_AES_256_GCM_SHA384:TLS_CHACHA20_POLY1305_SHA256") != 1) {
+  if (SSL_CTX_set_ciphersuites(
+          ctx.get(),
+          "TLS_AES_128_GCM_SHA256:TLS_AES_256_GCM_SHA384:TLS_CHACHA20_POLY1305_SHA256") != 1) {
     return absl::InternalError(absl::StrCat("TLS 1.3 cipher suites: ", SslErrors()));
   }
   return ctx;
 }
 
 bool TlsContext::Stamp::operator==(const Stamp& o) const {
-  return mtime.tv_sec == o.mtime.tv_sec && mtime.tv_nsec == o.mtime.tv_nsec && size == o.size && inode == o.inode;
+  return mtime.tv_sec == o.mtime.tv_sec && mtime.tv_nsec == o.mtime.tv_nsec && size == o.size &&
+         inode == o.inode;
 }
 
 TlsContext::Stamps TlsContext::Read() const {
@@ -220,15 +227,18 @@ void TlsContext::MaybeReload() {
   auto ctx = MakeDataTlsContext(config_);
   if (!ctx.ok()) {
     failed_ = stamps;  // logged once, until the files change again
-    Logger("xfer")->error("data plane TLS: the certificate files changed but do not load, so new connections "
-                          "keep the previous ones: {}", std::string(ctx.status().message()));
+    Logger("xfer")->error(
+        "data plane TLS: the certificate files changed but do not load, so new connections "
+        "keep the previous ones: {}",
+        std::string(ctx.status().message()));
     return;
   }
   ctx_ = *std::move(ctx);  // connections made on the old context keep it alive
   loaded_ = stamps;
   failed_ = Stamps();
   ++reloads_;
-  Logger("xfer")->info("data plane TLS: reloaded {}, {} and {}", config_.cert, config_.key, config_.ca);
+  Logger("xfer")->info("data plane TLS: reloaded {}, {} and {}", config_.cert, config_.key,
+                       config_.ca);
 }
 
 absl::StatusOr<SslPtr> TlsContext::NewSsl() {
@@ -249,8 +259,8 @@ namespace {
 
 // After an SSL call on `ssl` returned `r` (errno then was `err`): waits for what it wants, or
 // says why the connection is over.
-absl::Status AwaitSsl(SSL* ssl, int r, int err, const Fd& fd, absl::Time deadline, absl::string_view what,
-                      const std::string& peer) {
+absl::Status AwaitSsl(SSL* ssl, int r, int err, const Fd& fd, absl::Time deadline,
+                      absl::string_view what, const std::string& peer) {
   switch (SSL_get_error(ssl, r)) {
     case SSL_ERROR_WANT_READ:
       return WaitReady(fd.get(), POLLIN, deadline, absl::StrCat(what, " ", peer));
@@ -273,7 +283,8 @@ absl::Status AwaitSsl(SSL* ssl, int r, int err, const Fd& fd, absl::Time deadlin
 
 }  // namespace
 
-absl::Status DataStream::Handshake(TlsContext& tls, bool accepting, int32_t node, absl::Time deadline) {
+absl::Status DataStream::Handshake(TlsContext& tls, bool accepting, int32_t node,
+                                   absl::Time deadline) {
   REFIT_ASSIGN_OR_RETURN(SslPtr ssl, tls.NewSsl());
   const BIO_METHOD* method = SocketBioMethod();
   BIO* bio = method == nullptr ? nullptr : BIO_new(method);
@@ -313,8 +324,8 @@ absl::Status DataStream::Handshake(TlsContext& tls, bool accepting, int32_t node
     const long verified = SSL_get_verify_result(ssl.get());
     if (verified != X509_V_OK) {
       ERR_clear_error();
-      return absl::UnavailableError(
-          absl::StrCat(with, " failed: its certificate: ", X509_verify_cert_error_string(verified)));
+      return absl::UnavailableError(absl::StrCat(
+          with, " failed: its certificate: ", X509_verify_cert_error_string(verified)));
     }
     absl::Status s = AwaitSsl(ssl.get(), r, err, fd_, deadline, "TLS handshake with", peer_);
     if (absl::StrContains(s.message(), "closed the connection")) {
@@ -325,9 +336,11 @@ absl::Status DataStream::Handshake(TlsContext& tls, bool accepting, int32_t node
   SSL_set_app_data(ssl.get(), nullptr);  // `rule` ends here
   // The callback ran at the leaf and passed (it alone sets rule.identity); checked again from the
   // outcome so that no path through OpenSSL skips it.
-  if (SSL_get_verify_result(ssl.get()) != X509_V_OK || SSL_get0_peer_certificate(ssl.get()) == nullptr ||
-      rule.identity.empty() || SSL_version(ssl.get()) < TLS1_3_VERSION) {
-    return absl::PermissionDeniedError(absl::StrCat(with, ": the peer's certificate was not verified"));
+  if (SSL_get_verify_result(ssl.get()) != X509_V_OK ||
+      SSL_get0_peer_certificate(ssl.get()) == nullptr || rule.identity.empty() ||
+      SSL_version(ssl.get()) < TLS1_3_VERSION) {
+    return absl::PermissionDeniedError(
+        absl::StrCat(with, ": the peer's certificate was not verified"));
   }
   ssl_ = std::move(ssl);
   identity_ = rule.identity;
@@ -339,7 +352,8 @@ absl::Status DataStream::Handshake(TlsContext& tls, bool accepting, int32_t node
   std::byte answer{};
   if (absl::Status s = RecvAll({&answer, 1}, deadline); !s.ok()) {
     ssl_.reset();
-    return absl::Status(s.code(), absl::StrCat(peer_, " did not accept this node's certificate: ", s.message()));
+    return absl::Status(
+        s.code(), absl::StrCat(peer_, " did not accept this node's certificate: ", s.message()));
   }
   if (answer != kTlsAccepted) {
     ssl_.reset();

@@ -26,8 +26,8 @@
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
-#include "daemon/socket.h"
 #include "common/tls_config.h"
+#include "daemon/socket.h"
 
 namespace refit {
 

@@ -51,7 +51,8 @@ void GroupPlanner::Forget(const std::string& group) {
   if (it->second.planning_epoch == -1) {
     cache_.erase(it);
   } else {
-    it->second.latest = nullptr;  // a planning in flight puts its result back; a later Forget drops it
+    it->second.latest =
+        nullptr;  // a planning in flight puts its result back; a later Forget drops it
   }
 }
 

@@ -30,12 +30,12 @@ namespace refit {
 // A group's plan at one membership epoch, or why there is none.
 struct GroupPlan {
   int64_t epoch = -1;
-  absl::Status status;                // FAILED_PRECONDITION with the reason when not ready
+  absl::Status status;  // FAILED_PRECONDITION with the reason when not ready
   // Both layouts in compact form (CompactLayoutToProto: replicas described once, runs of pieces),
   // which LayoutFromProto expands to the very layouts planned here: what the plan's digest is
   // computed from. Compacted once per epoch.
   v1::Layout src, dst;
-  std::shared_ptr<const Plan> plan;   // set when status is OK
+  std::shared_ptr<const Plan> plan;  // set when status is OK
   // What determines the plan (PlanInputsDigest: both compact layouts and the options): its
   // identity on every node, and the key of the plans kept for a membership that comes back.
   std::string digest;
@@ -44,8 +44,8 @@ struct GroupPlan {
   bool reused = false;  // the plan of an earlier epoch with the same digest: not planned again
   // Decoding, validating and planning here (wall time).
   absl::Duration planning_time = absl::ZeroDuration();
-  std::vector<int32_t> nodes;         // nodes with workers in the plan
-  int trainers = 0, inference = 0;    // registered
+  std::vector<int32_t> nodes;       // nodes with workers in the plan
+  int trainers = 0, inference = 0;  // registered
   // The inference side by replica (versions as of the epoch; Membership has the live ones). Only
   // complete replicas are planned: `planned` names them, `incomplete` the rest.
   std::vector<ReplicaView> replicas;
@@ -57,7 +57,9 @@ struct GroupPlannerOptions {
   bool routing = true;
   int32_t max_relay_depth = 0;
   // The planner (tests replace it).
-  std::function<absl::StatusOr<Plan>(const Layout& src, const Layout& dst, const PlanOptions& options)> make_plan;
+  std::function<absl::StatusOr<Plan>(const Layout& src, const Layout& dst,
+                                     const PlanOptions& options)>
+      make_plan;
 };
 
 class GroupPlanner {
@@ -73,7 +75,8 @@ class GroupPlanner {
   void Forget(const std::string& group);
 
  private:
-  std::shared_ptr<const GroupPlan> Compute(const std::string& group, const GroupMembers& members) const;
+  std::shared_ptr<const GroupPlan> Compute(const std::string& group,
+                                           const GroupMembers& members) const;
   // The steps of Compute once both sides have workers: `g`'s layouts compacted, its digest, and
   // its plan, a kept one where the digest matches, else made here (and kept).
   absl::Status PlanLayouts(const std::string& group, GroupPlan& g) const ABSL_LOCKS_EXCLUDED(mu_);

@@ -1,9 +1,9 @@
 #include "daemon/grpc_caller.h"
 
+#include <grpcpp/security/tls_credentials_options.h>
+
 #include <algorithm>
 #include <cmath>
-
-#include <grpcpp/security/tls_credentials_options.h>
 
 #include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
@@ -18,7 +18,8 @@ namespace {
 std::vector<std::string> Names(const grpc::AuthContext& auth) {
   std::vector<std::string> names;
   for (const char* property : {GRPC_X509_CN_PROPERTY_NAME, GRPC_PEER_DNS_PROPERTY_NAME}) {
-    for (const grpc::string_ref& v : auth.FindPropertyValues(property)) names.emplace_back(v.data(), v.size());
+    for (const grpc::string_ref& v : auth.FindPropertyValues(property))
+      names.emplace_back(v.data(), v.size());
   }
   return names;
 }
@@ -28,12 +29,14 @@ std::vector<std::string> Names(const grpc::AuthContext& auth) {
 absl::Status CheckServerNode(const GrpcTls& tls, const grpc::ClientContext& context, int32_t node) {
   if (!tls.enabled()) return absl::OkStatus();
   const std::shared_ptr<const grpc::AuthContext> auth = context.auth_context();
-  const std::vector<std::string> names = auth != nullptr ? Names(*auth) : std::vector<std::string>();
+  const std::vector<std::string> names =
+      auth != nullptr ? Names(*auth) : std::vector<std::string>();
   if (NodeOfNames(names) == node) return absl::OkStatus();
-  return absl::PermissionDeniedError(absl::StrCat(
-      "the daemon that answered for node ", node, " presented ",
-      names.empty() ? std::string("no certificate names") : absl::StrCat("certificate \"", names.front(), "\""),
-      ", not ", kNodeIdentityPrefix, node, "'s"));
+  return absl::PermissionDeniedError(
+      absl::StrCat("the daemon that answered for node ", node, " presented ",
+                   names.empty() ? std::string("no certificate names")
+                                 : absl::StrCat("certificate \"", names.front(), "\""),
+                   ", not ", kNodeIdentityPrefix, node, "'s"));
 }
 
 Caller CallerOf(const grpc::ServerContextBase& context) {

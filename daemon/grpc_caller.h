@@ -3,17 +3,15 @@
 // may do).
 #pragma once
 
+#include <grpcpp/grpcpp.h>
+
 #include <memory>
 #include <string>
 
-#include <grpcpp/grpcpp.h>
-
-#include "daemon/authority.h"
 #include "common/grpc_tls.h"
+#include "daemon/authority.h"
 
 namespace refit {
-
-
 
 // After a call on a channel of these credentials: OK when TLS is off, or the server's verified
 // certificate is node `node`'s (refit-node-<node>, and no other node); PERMISSION_DENIED naming

@@ -1,7 +1,7 @@
 #include "daemon/grpc_peer_client.h"
 
-#include "absl/strings/str_cat.h"
 #include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
 #include "daemon/culprit.h"
 #include "daemon/grpc_status.h"
 #include "daemon/log_later.h"
@@ -49,14 +49,16 @@ v1::RefitPeer::Stub* GrpcPeerClient::Stub(const std::string& address) {
     args.SetInt(GRPC_ARG_INITIAL_RECONNECT_BACKOFF_MS, 100);
     args.SetInt(GRPC_ARG_MIN_RECONNECT_BACKOFF_MS, 100);
     args.SetInt(GRPC_ARG_MAX_RECONNECT_BACKOFF_MS, 1000);
-    stub = v1::RefitPeer::NewStub(options_.tls != nullptr
-                                      ? options_.tls->Channel(address, args)
-                                      : grpc::CreateCustomChannel(address, grpc::InsecureChannelCredentials(), args));
+    stub = v1::RefitPeer::NewStub(
+        options_.tls != nullptr
+            ? options_.tls->Channel(address, args)
+            : grpc::CreateCustomChannel(address, grpc::InsecureChannelCredentials(), args));
   }
   return stub.get();
 }
 
-GrpcPeerClient::Call* GrpcPeerClient::Begin(int32_t node, absl::Duration deadline, bool wait_for_ready) {
+GrpcPeerClient::Call* GrpcPeerClient::Begin(int32_t node, absl::Duration deadline,
+                                            bool wait_for_ready) {
   auto* call = new Call;
   call->node = node;
   call->context.set_deadline(Deadline(deadline));
@@ -83,7 +85,8 @@ void GrpcPeerClient::End(Call* call) {
 
 void GrpcPeerClient::CancelNode(int32_t node) {
   absl::MutexLock lock(&mu_);
-  for (auto [call, end] = in_flight_.equal_range(node); call != end; ++call) call->second->context.TryCancel();
+  for (auto [call, end] = in_flight_.equal_range(node); call != end; ++call)
+    call->second->context.TryCancel();
 }
 
 void GrpcPeerClient::RunPhase(int32_t node, const v1::PhaseRequest& request, absl::Duration timeout,
@@ -124,38 +127,42 @@ void GrpcPeerClient::RunPhase(int32_t node, const v1::PhaseRequest& request, abs
   if (request.phase() == v1::PhaseRequest::TRANSFER) {  // to compare with the peer's arrival time
     // Written later, in UTC like the peer's "request arrived at" (the round waits on this call:
     // the local zone took 16 us, writing the line more).
-    LogLater("round", spdlog::level::info, "group \"{}\" round {}: TRANSFER sent to node {} at {}", request.group(),
-             request.round_id(), node, UtcTimeOfDay(absl::Now()));
+    LogLater("round", spdlog::level::info, "group \"{}\" round {}: TRANSFER sent to node {} at {}",
+             request.group(), request.round_id(), node, UtcTimeOfDay(absl::Now()));
   }
-  stub->async()->RunPhase(&call->context, &call->phase, response,
-                          [this, call, node, address = *address, done](grpc::Status status) {
-                            absl::Status s = FromGrpc(status);
-                            // The answer counts only from node `node`'s own certificate.
-                            if (s.ok() && options_.tls != nullptr) s = CheckServerNode(*options_.tls, call->context, node);
-                            const v1::PhaseRequest::Phase phase = call->phase.phase();
-                            if (!s.ok()) {
-                              const v1::Culprit blamed = NodeCulprit(node, address, PhaseName(phase));
-                              if (auto why = options_.death_reason(node); why.has_value()) {
-                                // Died: the node is the culprit, whatever its call said.
-                                s = WithCulprit(absl::UnavailableError(absl::StrCat("node ", node, " (", address,
-                                                                                    ") died during ", PhaseName(phase),
-                                                                                    ": ", *why)),
-                                                blamed);
-                              } else {
-                                // The node's own failure may name a culprit of its (a worker): kept.
-                                if (!absl::StartsWith(s.message(), absl::StrCat("node ", node))) {  // wording only
-                                  s = Rewrap(s, s.code(), absl::StrCat("node ", node, " (", address, ") failed ",
-                                                                       PhaseName(phase), ": ", s.message()));
-                                }
-                                s = WithCulpritIfNone(std::move(s), blamed);
-                              }
-                            }
-                            done(s);
-                            End(call);  // after `done`: the destructor waits for it
-                          });
+  stub->async()->RunPhase(
+      &call->context, &call->phase, response,
+      [this, call, node, address = *address, done](grpc::Status status) {
+        absl::Status s = FromGrpc(status);
+        // The answer counts only from node `node`'s own certificate.
+        if (s.ok() && options_.tls != nullptr)
+          s = CheckServerNode(*options_.tls, call->context, node);
+        const v1::PhaseRequest::Phase phase = call->phase.phase();
+        if (!s.ok()) {
+          const v1::Culprit blamed = NodeCulprit(node, address, PhaseName(phase));
+          if (auto why = options_.death_reason(node); why.has_value()) {
+            // Died: the node is the culprit, whatever its call said.
+            s = WithCulprit(
+                absl::UnavailableError(absl::StrCat("node ", node, " (", address, ") died during ",
+                                                    PhaseName(phase), ": ", *why)),
+                blamed);
+          } else {
+            // The node's own failure may name a culprit of its (a worker): kept.
+            if (!absl::StartsWith(s.message(), absl::StrCat("node ", node))) {  // wording only
+              s = Rewrap(s, s.code(),
+                         absl::StrCat("node ", node, " (", address, ") failed ", PhaseName(phase),
+                                      ": ", s.message()));
+            }
+            s = WithCulpritIfNone(std::move(s), blamed);
+          }
+        }
+        done(s);
+        End(call);  // after `done`: the destructor waits for it
+      });
 }
 
-void GrpcPeerClient::InstallPlan(int32_t node, std::shared_ptr<const v1::InstallPlanRequest> request,
+void GrpcPeerClient::InstallPlan(int32_t node,
+                                 std::shared_ptr<const v1::InstallPlanRequest> request,
                                  absl::Duration timeout, Done done) {
   if (node == options_.self) {
     auto run = [this, request, done] { done(options_.local_install(*request)); };
@@ -174,21 +181,22 @@ void GrpcPeerClient::InstallPlan(int32_t node, std::shared_ptr<const v1::Install
   // call (CancelNode). Phases fail fast: an ABORT must not wait for a dead node.
   Call* call = Begin(node, timeout, /*wait_for_ready=*/true);
   call->install = std::move(request);
-  stub->async()->InstallPlan(&call->context, call->install.get(), &call->install_out,
-                             [this, call, node, address = *address, done](grpc::Status status) {
-                               absl::Status s = FromGrpc(status);
-                               if (s.ok() && options_.tls != nullptr) {
-                                 s = CheckServerNode(*options_.tls, call->context, node);
-                               }
-                               if (!s.ok()) {
-                                 s = WithCulpritIfNone(
-                                     Rewrap(s, s.code(), absl::StrCat("node ", node, " (", address,
-                                                                      ") could not install the plan: ", s.message())),
-                                     NodeCulprit(node, address, "INSTALL"));
-                               }
-                               done(s);
-                               End(call);
-                             });
+  stub->async()->InstallPlan(
+      &call->context, call->install.get(), &call->install_out,
+      [this, call, node, address = *address, done](grpc::Status status) {
+        absl::Status s = FromGrpc(status);
+        if (s.ok() && options_.tls != nullptr) {
+          s = CheckServerNode(*options_.tls, call->context, node);
+        }
+        if (!s.ok()) {
+          s = WithCulpritIfNone(Rewrap(s, s.code(),
+                                       absl::StrCat("node ", node, " (", address,
+                                                    ") could not install the plan: ", s.message())),
+                                NodeCulprit(node, address, "INSTALL"));
+        }
+        done(s);
+        End(call);
+      });
 }
 
 }  // namespace refit

@@ -47,8 +47,8 @@ class GrpcPeerClient : public PeerClient {
 
   void RunPhase(int32_t node, const v1::PhaseRequest& request, absl::Duration timeout,
                 v1::PhaseResponse* response, Done done) override;
-  void InstallPlan(int32_t node, std::shared_ptr<const v1::InstallPlanRequest> request, absl::Duration timeout,
-                   Done done) override;
+  void InstallPlan(int32_t node, std::shared_ptr<const v1::InstallPlanRequest> request,
+                   absl::Duration timeout, Done done) override;
   // Cancels every call in flight to `node` (it was declared dead).
   void CancelNode(int32_t node);
 

@@ -75,7 +75,8 @@ absl::Status FromGrpc(const grpc::Status& s) {
   v1::RpcStatus details;
   // Details from a peer that is not refitd may be anything: taken only when they parse.
   if (!s.error_details().empty() && details.ParseFromString(s.error_details())) {
-    for (const google::protobuf::Any& any : details.details()) out.SetPayload(any.type_url(), absl::Cord(any.value()));
+    for (const google::protobuf::Any& any : details.details())
+      out.SetPayload(any.type_url(), absl::Cord(any.value()));
   }
   return out;
 }

@@ -3,9 +3,9 @@
 // RpcStatus in gRPC's error details (the grpc-status-details-bin trailer).
 #pragma once
 
-#include <functional>
-
 #include <grpcpp/grpcpp.h>
+
+#include <functional>
 
 #include "absl/status/status.h"
 

@@ -430,7 +430,8 @@ TEST_CASE("the socket path is checked and a stale socket is replaced") {
   CHECK(stat(o.path.c_str(), &st) != 0);
 }
 
-TEST_CASE("a connection of a uid not admitted is answered at once, naming its uid, and nothing is kept") {
+TEST_CASE(
+    "a connection of a uid not admitted is answered at once, naming its uid, and nothing is kept") {
   const int before = OpenFds();
   {
     HandleInboxOptions o;
@@ -478,7 +479,8 @@ TEST_CASE("an admitted uid delivers; one uid's pending deliveries are bounded") 
     REQUIRE(Deliver(inbox->path(), Token(2), {}).ok);
     const Answer third = Deliver(inbox->path(), Token(3), one);
     CHECK_FALSE(third.ok);
-    CHECK(Contains(third.message, absl::StrCat("2 deliveries of uid ", getuid(), " are already waiting")));
+    CHECK(Contains(third.message,
+                   absl::StrCat("2 deliveries of uid ", getuid(), " are already waiting")));
     CHECK(inbox->counts().deliveries == 2);
     auto taken = inbox->Take(Token(1));
     REQUIRE(taken.ok());

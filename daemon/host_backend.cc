@@ -80,7 +80,8 @@ bool StartSmallThread(std::function<void()> body, pthread_t* thread) {
 }
 
 // Reads and discards `bytes` of a frame's payload, so that the connection stays in step.
-absl::Status Drain(DataStream& stream, int64_t bytes, std::vector<std::byte>& scratch, absl::Time deadline) {
+absl::Status Drain(DataStream& stream, int64_t bytes, std::vector<std::byte>& scratch,
+                   absl::Time deadline) {
   scratch.resize(static_cast<size_t>(std::min<int64_t>(bytes, kDrainChunkBytes)));
   while (bytes > 0) {
     const size_t n = static_cast<size_t>(std::min<int64_t>(bytes, kDrainChunkBytes));
@@ -200,7 +201,9 @@ bool HostBackend::LogLimiter::Allow(std::string* suffix) {
     return false;
   }
   last_ = now;
-  *suffix = unlogged_ > 0 ? absl::StrCat(" (and ", unlogged_, " more like it since the last such line)") : "";
+  *suffix = unlogged_ > 0
+                ? absl::StrCat(" (and ", unlogged_, " more like it since the last such line)")
+                : "";
   unlogged_ = 0;
   return true;
 }
@@ -345,8 +348,8 @@ void HostBackend::AcceptLoop() {
         // shortly. Never give up: a node that stops accepting cannot take part in any round.
         const int err = errno;
         if (accept_errors_log_.Allow(&more)) {
-          log->error("data plane {}: accept failed: {}; retrying every {} ms{}", address_, std::strerror(err),
-                     absl::ToInt64Milliseconds(options_.accept_backoff), more);
+          log->error("data plane {}: accept failed: {}; retrying every {} ms{}", address_,
+                     std::strerror(err), absl::ToInt64Milliseconds(options_.accept_backoff), more);
         }
         absl::MutexLock lock(&mu_);
         ++counters_.accept_errors;
@@ -412,7 +415,7 @@ void HostBackend::AcceptLoop() {
         // Anyone can open connections that never handshake: at most max_handshaking of them at
         // once, the oldest cut off for the newest (a node's handshake takes milliseconds).
         const int64_t most = options_.max_handshaking > 0 ? options_.max_handshaking
-                                                           : std::max(1, options_.max_incoming / 2);
+                                                          : std::max(1, options_.max_incoming / 2);
         if (counters_.handshaking >= most) {
           Connection* oldest = nullptr;
           for (auto& [id, other] : connections_) {
@@ -546,8 +549,8 @@ void HostBackend::ReadLoop(Connection* c) {
   if (tls_ != nullptr) {
     // Here, not in the acceptor: a peer that stalls its handshake holds only this thread, and
     // only for handshake_timeout (or until newer handshakes cut it off).
-    absl::Status s =
-        stream.AcceptTls(*tls_, absl::Now() + std::min(options_.frame_wait, options_.handshake_timeout));
+    absl::Status s = stream.AcceptTls(
+        *tls_, absl::Now() + std::min(options_.frame_wait, options_.handshake_timeout));
     bool stopping, cut, evicted;
     {
       absl::MutexLock lock(&mu_);
@@ -565,7 +568,8 @@ void HostBackend::ReadLoop(Connection* c) {
     if (cut) {
       s = absl::UnavailableError(absl::StrCat(
           "the TLS handshake of ", peer, " was cut off: it was the oldest of more than ",
-          options_.max_handshaking > 0 ? options_.max_handshaking : std::max(1, options_.max_incoming / 2),
+          options_.max_handshaking > 0 ? options_.max_handshaking
+                                       : std::max(1, options_.max_incoming / 2),
           " connections in their handshake at once"));
     }
     if (evicted) {
@@ -573,7 +577,9 @@ void HostBackend::ReadLoop(Connection* c) {
       return;
     }
     if (!s.ok()) {
-      if (!stopping && drops_log_.Allow(&more)) log->warn("data plane {}: refused a data connection: {}{}", address_, std::string(s.message()), more);
+      if (!stopping && drops_log_.Allow(&more))
+        log->warn("data plane {}: refused a data connection: {}{}", address_,
+                  std::string(s.message()), more);
       EndReader(c);
       return;
     }
@@ -601,22 +607,27 @@ void HostBackend::ReadLoop(Connection* c) {
     const absl::Time deadline = absl::Now() + options_.frame_wait;
     if (auto s = stream.RecvAll(std::span(wire).subspan(1), deadline); !s.ok()) {
       if (drops_log_.Allow(&more)) {
-        log->warn("dropping {}: a frame header broke off: {}{}", peer, std::string(s.message()), more);
+        log->warn("dropping {}: a frame header broke off: {}{}", peer, std::string(s.message()),
+                  more);
       }
       break;
     }
     const absl::StatusOr<FrameHeader> parsed = ParseFrameHeader(wire);
     if (!parsed.ok()) {
       if (drops_log_.Allow(&more)) {
-        log->error("dropping {}: malformed frame header: {}{}", peer, std::string(parsed.status().message()), more);
+        log->error("dropping {}: malformed frame header: {}{}", peer,
+                   std::string(parsed.status().message()), more);
       }
       break;
     }
     const FrameHeader& h = *parsed;
     group.resize(h.group_bytes);
-    if (auto s = stream.RecvAll({reinterpret_cast<std::byte*>(group.data()), group.size()}, deadline); !s.ok()) {
+    if (auto s =
+            stream.RecvAll({reinterpret_cast<std::byte*>(group.data()), group.size()}, deadline);
+        !s.ok()) {
       if (drops_log_.Allow(&more)) {
-        log->warn("dropping {}: a frame header broke off: {}{}", peer, std::string(s.message()), more);
+        log->warn("dropping {}: a frame header broke off: {}{}", peer, std::string(s.message()),
+                  more);
       }
       break;
     }
@@ -624,23 +635,25 @@ void HostBackend::ReadLoop(Connection* c) {
     const FrameFate fate = FindJob({group, h.round_id}, deadline, &job);
     if (fate == FrameFate::kGiveUp) {
       if (absl::Now() >= deadline && drops_log_.Allow(&more)) {
-        log->warn("dropping {}: round {} of group \"{}\" did not begin here within {}{}", peer, h.round_id,
-                  group, absl::FormatDuration(options_.frame_wait), more);
+        log->warn("dropping {}: round {} of group \"{}\" did not begin here within {}{}", peer,
+                  h.round_id, group, absl::FormatDuration(options_.frame_wait), more);
       }
       break;
     }
     if (fate == FrameFate::kDeliver) {
       const Plan& plan = *job->job.plan;
-      const bool in_range = h.message >= 0 && h.message < static_cast<int64_t>(plan.messages.size()) &&
-                            plan.messages[h.message].src_gpu >= 0 &&
-                            plan.messages[h.message].src_gpu < static_cast<int32_t>(plan.gpus.size());
+      const bool in_range =
+          h.message >= 0 && h.message < static_cast<int64_t>(plan.messages.size()) &&
+          plan.messages[h.message].src_gpu >= 0 &&
+          plan.messages[h.message].src_gpu < static_cast<int32_t>(plan.gpus.size());
       // With TLS the sender is known (its certificate's node): only the node the plan has send the
       // message may fail the round with a bad frame of it. Anyone else's frame (another node's
       // message, one that does not exist, for a round it has not begun yet) is dropped with its
       // connection, so that no certificate holder can abort rounds it takes no part in.
       const int32_t sender = in_range ? plan.gpus[plan.messages[h.message].src_gpu].node : -1;
-      if (stream.tls() && (sender < 0 || std::find(stream.peer_nodes().begin(), stream.peer_nodes().end(),
-                                                   sender) == stream.peer_nodes().end())) {
+      if (stream.tls() &&
+          (sender < 0 || std::find(stream.peer_nodes().begin(), stream.peer_nodes().end(),
+                                   sender) == stream.peer_nodes().end())) {
         // Not the round's failure: the true sender's frame still comes on its own connection.
         {
           absl::MutexLock lock(&mu_);
@@ -648,18 +661,24 @@ void HostBackend::ReadLoop(Connection* c) {
         }
         if (drops_log_.Allow(&more)) {
           if (sender < 0) {
-            log->error("dropping {}: its certificate is {}'s, and it sent message {} of round {} of group \"{}\", "
-                       "which that round does not have{}", peer, stream.identity(), h.message, h.round_id, group,
-                       more);
+            log->error(
+                "dropping {}: its certificate is {}'s, and it sent message {} of round {} of group "
+                "\"{}\", "
+                "which that round does not have{}",
+                peer, stream.identity(), h.message, h.round_id, group, more);
           } else {
-            log->error("dropping {}: its certificate is {}'s, but it sent message {} of round {} of group \"{}\", "
-                       "which node {} sends{}", peer, stream.identity(), h.message, h.round_id, group, sender, more);
+            log->error(
+                "dropping {}: its certificate is {}'s, but it sent message {} of round {} of group "
+                "\"{}\", "
+                "which node {} sends{}",
+                peer, stream.identity(), h.message, h.round_id, group, sender, more);
           }
         }
         break;
       }
       if (absl::Status s = CheckFrameForPlan(h, plan, job->job.node); !s.ok()) {
-        // Plain TCP (no identities), or the message's own sender: a broken peer, the round's failure.
+        // Plain TCP (no identities), or the message's own sender: a broken peer, the round's
+        // failure.
         job->Fail(std::move(s));
         break;
       }
@@ -673,9 +692,10 @@ void HostBackend::ReadLoop(Connection* c) {
           // daemon is found gone, and that, not this symptom, is the round's reason. Failing
           // here would race that report and blame the wrong node.
           if (drops_log_.Allow(&more)) {
-            log->warn("dropping {}: message {} of round {} of group \"{}\" from node {} broke off: {}{}", peer,
-                      h.message, h.round_id, group, plan.gpus[plan.messages[h.message].src_gpu].node,
-                      std::string(s.message()), more);
+            log->warn(
+                "dropping {}: message {} of round {} of group \"{}\" from node {} broke off: {}{}",
+                peer, h.message, h.round_id, group,
+                plan.gpus[plan.messages[h.message].src_gpu].node, std::string(s.message()), more);
           }
           break;
         }
@@ -687,8 +707,8 @@ void HostBackend::ReadLoop(Connection* c) {
     }
     if (auto s = Drain(stream, h.bytes, staging, absl::Now() + options_.frame_wait); !s.ok()) {
       if (drops_log_.Allow(&more)) {
-        log->warn("dropping {}: a late frame of round {} of group \"{}\" broke off: {}{}", peer, h.round_id,
-                  group, std::string(s.message()), more);
+        log->warn("dropping {}: a late frame of round {} of group \"{}\" broke off: {}{}", peer,
+                  h.round_id, group, std::string(s.message()), more);
       }
       break;
     }
@@ -697,8 +717,10 @@ void HostBackend::ReadLoop(Connection* c) {
       ++counters_.stale_frames;
     }
     if (stale_log_.Allow(&more)) {
-      log->info("dropped a late frame ({} bytes) of round {} of group \"{}\" from {}: that round is over here{}",
-                h.bytes, h.round_id, group, peer, more);
+      log->info(
+          "dropped a late frame ({} bytes) of round {} of group \"{}\" from {}: that round is over "
+          "here{}",
+          h.bytes, h.round_id, group, peer, more);
     }
     next_frame();
   }
@@ -720,11 +742,14 @@ class HostScratch : public MappedBuffer {
  public:
   static absl::StatusOr<std::unique_ptr<HostScratch>> Allocate(int64_t bytes) {
     if (bytes == 0) return std::unique_ptr<HostScratch>(new HostScratch(nullptr, 0));
-    void* p = mmap(nullptr, static_cast<size_t>(bytes), PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    void* p = mmap(nullptr, static_cast<size_t>(bytes), PROT_READ | PROT_WRITE,
+                   MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
     if (p == MAP_FAILED) {
-      return absl::ResourceExhaustedError(absl::StrCat("mapping ", bytes, " bytes of scratch: ", std::strerror(errno)));
+      return absl::ResourceExhaustedError(
+          absl::StrCat("mapping ", bytes, " bytes of scratch: ", std::strerror(errno)));
     }
-    return std::unique_ptr<HostScratch>(new HostScratch(static_cast<std::byte*>(p), static_cast<size_t>(bytes)));
+    return std::unique_ptr<HostScratch>(
+        new HostScratch(static_cast<std::byte*>(p), static_cast<size_t>(bytes)));
   }
   ~HostScratch() override {
     if (data_ != nullptr) munmap(data_, size_);
@@ -740,7 +765,8 @@ class HostScratch : public MappedBuffer {
 };
 }  // namespace
 
-absl::StatusOr<std::unique_ptr<MappedBuffer>> HostBackend::AllocateScratch(const Worker&, int64_t bytes) {
+absl::StatusOr<std::unique_ptr<MappedBuffer>> HostBackend::AllocateScratch(const Worker&,
+                                                                           int64_t bytes) {
   if (bytes < 0) return absl::InvalidArgumentError("scratch of negative size");
   auto scratch = HostScratch::Allocate(bytes);
   if (!scratch.ok()) return scratch.status();
@@ -760,12 +786,14 @@ absl::StatusOr<std::unique_ptr<MappedBuffer>> HostBackend::Map(const v1::BufferM
   (void)bytes;
   return absl::InvalidArgumentError(absl::StrCat(
       "shared memory by name (\"", memory.shm().name(),
-      "\") is refused: the daemon opens no path a worker names; hand the object (a sealed memfd) over "
+      "\") is refused: the daemon opens no path a worker names; hand the object (a sealed memfd) "
+      "over "
       "the handle socket and give its index (SharedMemory.fd, RegisterWorkerRequest.fd_token)"));
 }
 
 absl::StatusOr<std::vector<std::unique_ptr<MappedBuffer>>> HostBackend::MapBuffers(
-    const v1::RegisterWorkerRequest& request, std::span<const int64_t> buffer_bytes, std::span<const Fd> fds) {
+    const v1::RegisterWorkerRequest& request, std::span<const int64_t> buffer_bytes,
+    std::span<const Fd> fds) {
   std::vector<std::unique_ptr<MappedBuffer>> out;
   std::vector<std::shared_ptr<SharedMemory>> by_fd(fds.size());  // this registration's, by index
   for (int b = 0; b < request.memory_size(); ++b) {
@@ -774,7 +802,8 @@ absl::StatusOr<std::vector<std::unique_ptr<MappedBuffer>>> HostBackend::MapBuffe
     const int64_t bytes = buffer_bytes[b];
     if (m.has_cuda_vmm() || m.has_cuda_ipc()) {
       return absl::InvalidArgumentError(absl::StrCat(
-          what, ": GPU memory (CUDA IPC or VMM) needs --backend cuda; this daemon runs --backend host"));
+          what,
+          ": GPU memory (CUDA IPC or VMM) needs --backend cuda; this daemon runs --backend host"));
     }
     if (!m.has_shm() || m.shm().fd() == 0) {  // by name, or nothing: refused
       return Annotate(Map(m, bytes).status(), what);
@@ -791,7 +820,8 @@ absl::StatusOr<std::vector<std::unique_ptr<MappedBuffer>>> HostBackend::MapBuffe
       }
       struct stat st;
       if (fstat(fds[index].get(), &st) != 0) {
-        return absl::InternalError(absl::StrCat(what, ": fstat of ", object, ": ", std::strerror(errno)));
+        return absl::InternalError(
+            absl::StrCat(what, ": fstat of ", object, ": ", std::strerror(errno)));
       }
       absl::MutexLock lock(&segments_mu_);
       std::weak_ptr<SharedMemory>& cached = fd_segments_[{st.st_dev, st.st_ino}];
@@ -801,31 +831,34 @@ absl::StatusOr<std::vector<std::unique_ptr<MappedBuffer>>> HostBackend::MapBuffe
         // as much address space as it claims (terabytes would leave no room for threads).
         const int64_t size = static_cast<int64_t>(st.st_size);
         if (size > max_object_bytes_) {
-          return absl::InvalidArgumentError(absl::StrCat(
-              what, ": ", object, " has ", size, " bytes, more than this machine's physical memory (",
-              max_object_bytes_, " bytes): refused (the buffer needs ", bytes, ")"));
+          return absl::InvalidArgumentError(
+              absl::StrCat(what, ": ", object, " has ", size,
+                           " bytes, more than this machine's physical memory (", max_object_bytes_,
+                           " bytes): refused (the buffer needs ", bytes, ")"));
         }
         int64_t now = mapped_bytes_->load();
         do {
           if (size > 0 && now > max_mapped_bytes_ - size) {
-            return absl::ResourceExhaustedError(absl::StrCat(
-                what, ": ", object, " has ", size, " bytes, and this daemon maps ", now,
-                " bytes of shared memory already: more than max_mapped_bytes (", max_mapped_bytes_,
-                " bytes) would be mapped at once"));
+            return absl::ResourceExhaustedError(
+                absl::StrCat(what, ": ", object, " has ", size, " bytes, and this daemon maps ",
+                             now, " bytes of shared memory already: more than max_mapped_bytes (",
+                             max_mapped_bytes_, " bytes) would be mapped at once"));
           }
         } while (!mapped_bytes_->compare_exchange_weak(now, now + std::max<int64_t>(size, 0)));
         const int64_t reserved = std::max<int64_t>(size, 0);
         // At most the size measured (and reserved): an object grown since is refused.
-        auto mapped = SharedMemory::MapDescriptor(fds[index].get(), object, static_cast<size_t>(reserved));
+        auto mapped =
+            SharedMemory::MapDescriptor(fds[index].get(), object, static_cast<size_t>(reserved));
         if (!mapped.ok()) {
           mapped_bytes_->fetch_sub(reserved);
           return Annotate(mapped.status(), what);
         }
-        segment = std::shared_ptr<SharedMemory>(
-            new SharedMemory(*std::move(mapped)), [counter = mapped_bytes_, reserved](SharedMemory* m) {
-              delete m;  // unmapped: its bytes no longer count
-              counter->fetch_sub(reserved);
-            });
+        segment =
+            std::shared_ptr<SharedMemory>(new SharedMemory(*std::move(mapped)),
+                                          [counter = mapped_bytes_, reserved](SharedMemory* m) {
+                                            delete m;  // unmapped: its bytes no longer count
+                                            counter->fetch_sub(reserved);
+                                          });
         cached = segment;
         if (++fd_maps_since_prune_ >= fd_segments_.size()) {
           fd_maps_since_prune_ = 0;
@@ -837,12 +870,13 @@ absl::StatusOr<std::vector<std::unique_ptr<MappedBuffer>>> HostBackend::MapBuffe
     // disagrees is a confused worker, refused before its buffers are used.
     const int64_t size = static_cast<int64_t>(segment->bytes().size());
     if (shm.size() != size) {
-      return absl::InvalidArgumentError(absl::StrCat(what, ": its shared memory claims ", shm.size(), " bytes but ",
-                                                     object, " has ", size));
+      return absl::InvalidArgumentError(absl::StrCat(
+          what, ": its shared memory claims ", shm.size(), " bytes but ", object, " has ", size));
     }
     if (shm.offset() < 0 || bytes < 0 || shm.offset() > size - bytes) {
-      return absl::InvalidArgumentError(absl::StrCat(what, ": ", bytes, " bytes at offset ", shm.offset(),
-                                                     " do not fit ", object, " of ", size, " bytes"));
+      return absl::InvalidArgumentError(absl::StrCat(what, ": ", bytes, " bytes at offset ",
+                                                     shm.offset(), " do not fit ", object, " of ",
+                                                     size, " bytes"));
     }
     out.push_back(std::unique_ptr<MappedBuffer>(new ShmBuffer(segment, shm.offset(), bytes)));
   }
@@ -850,7 +884,8 @@ absl::StatusOr<std::vector<std::unique_ptr<MappedBuffer>>> HostBackend::MapBuffe
 }
 
 absl::StatusOr<int32_t> HostBackend::GpuIndex(const std::string& name) {
-  return absl::InvalidArgumentError(absl::StrCat("gpu_uuid \"", name, "\" given but this daemon runs --backend host"));
+  return absl::InvalidArgumentError(
+      absl::StrCat("gpu_uuid \"", name, "\" given but this daemon runs --backend host"));
 }
 
 DataStream HostBackend::TakeCached(const std::string& address) {
@@ -882,7 +917,8 @@ void HostBackend::RememberEnded(const RoundKey& key) {
   ended_order_.emplace_back(key, e.seq);
   while (ended_order_.size() > static_cast<size_t>(std::max(options_.ended_rounds, 1))) {
     const auto& [oldest, seq] = ended_order_.front();
-    if (auto it = ended_.find(oldest); it != ended_.end() && it->second.seq == seq) ended_.erase(it);
+    if (auto it = ended_.find(oldest); it != ended_.end() && it->second.seq == seq)
+      ended_.erase(it);
     ended_order_.pop_front();
   }
 }
@@ -898,7 +934,9 @@ absl::Status HostBackend::Send(Job& job, const Message& m, int64_t index,
   const std::string peer = absl::StrCat("node ", node, " (", addr->second, ")");
   // A destination that cannot be reached, fails the handshake or drops the stream is the culprit,
   // not this (sending) node, which the coordinator would otherwise blame for its own TRANSFER.
-  auto blame = [&](absl::Status s) { return WithCulprit(std::move(s), NodeCulprit(node, addr->second, "TRANSFER")); };
+  auto blame = [&](absl::Status s) {
+    return WithCulprit(std::move(s), NodeCulprit(node, addr->second, "TRANSFER"));
+  };
   PackMessage(plan, m, job.job.src, job.job.dst, staging);
   FrameHeader h;
   h.group_bytes = static_cast<uint32_t>(job.job.group.size());
@@ -916,7 +954,9 @@ absl::Status HostBackend::Send(Job& job, const Message& m, int64_t index,
     const bool fresh = !stream.valid();
     if (fresh) {
       auto c = TcpConnect(addr->second, job.job.deadline);
-      if (!c.ok()) return blame(absl::UnavailableError(absl::StrCat("cannot reach ", peer, ": ", c.status().message())));
+      if (!c.ok())
+        return blame(absl::UnavailableError(
+            absl::StrCat("cannot reach ", peer, ": ", c.status().message())));
       if (options_.local_users != nullptr) {
         // The listener must be a daemon's: a process of another user that took a dead node's
         // port would otherwise receive the weights.
@@ -937,7 +977,8 @@ absl::Status HostBackend::Send(Job& job, const Message& m, int64_t index,
       s = stream.ConnectTls(*tls_, node, job.job.deadline);
       if (!s.ok()) {
         if (!job.EndFrame(fd)) return job.status();
-        return blame(absl::Status(s.code(), absl::StrCat("cannot reach ", peer, ": ", s.message())));
+        return blame(
+            absl::Status(s.code(), absl::StrCat("cannot reach ", peer, ": ", s.message())));
       }
     }
     s = stream.SendAll(prefix, job.job.deadline);
@@ -954,7 +995,8 @@ absl::Status HostBackend::Send(Job& job, const Message& m, int64_t index,
       }
       return absl::OkStatus();
     }
-    if (attempt == 1 || absl::IsDeadlineExceeded(s)) return blame(s);  // it goes: it may hold half a frame
+    if (attempt == 1 || absl::IsDeadlineExceeded(s))
+      return blame(s);  // it goes: it may hold half a frame
   }
   return absl::InternalError("unreachable");
 }
@@ -981,7 +1023,8 @@ absl::StatusOr<TransferStats> HostBackend::Transfer(const TransferJob& request) 
   {
     absl::MutexLock lock(&mu_);
     if (jobs_.contains(key)) {
-      return absl::AlreadyExistsError(absl::StrCat("round ", request.round_id, " is already running"));
+      return absl::AlreadyExistsError(
+          absl::StrCat("round ", request.round_id, " is already running"));
     }
     if (auto e = ended_.find(key); e != ended_.end()) {
       // Over here already: cancelled before it began (the cancel is honoured once), or an
@@ -1017,9 +1060,9 @@ absl::StatusOr<TransferStats> HostBackend::Transfer(const TransferJob& request) 
             if (std::find(owing.begin(), owing.end(), who) == owing.end()) owing.push_back(who);
           }
         }
-        return absl::DeadlineExceededError(absl::StrCat(
-            "round ", request.round_id, ": node ", request.node, " still waits for messages from ",
-            absl::StrJoin(owing, ", ")));
+        return absl::DeadlineExceededError(
+            absl::StrCat("round ", request.round_id, ": node ", request.node,
+                         " still waits for messages from ", absl::StrJoin(owing, ", ")));
       }
       job.changed.WaitWithDeadline(&job.mu, request.deadline);
     }

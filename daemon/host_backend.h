@@ -105,12 +105,12 @@ struct HostBackendOptions {
 
 // Counters of the data connections, for tests and logs.
 struct HostConnectionStats {
-  int64_t open_incoming = 0;   // accepted and being read now (one thread each)
-  int64_t reader_threads = 0;  // reader threads not yet joined (open_incoming + ending ones)
-  int64_t in_frame = 0;        // connections inside a frame now (never evicted)
-  int64_t accepted = 0;        // since start
-  int64_t refused = 0;         // over max_incoming, every connection inside a frame
-  int64_t evicted = 0;         // closed, idle, for a newer connection over max_incoming
+  int64_t open_incoming = 0;        // accepted and being read now (one thread each)
+  int64_t reader_threads = 0;       // reader threads not yet joined (open_incoming + ending ones)
+  int64_t in_frame = 0;             // connections inside a frame now (never evicted)
+  int64_t accepted = 0;             // since start
+  int64_t refused = 0;              // over max_incoming, every connection inside a frame
+  int64_t evicted = 0;              // closed, idle, for a newer connection over max_incoming
   int64_t first_byte_timeouts = 0;  // closed: no frame began within first_byte_timeout
   int64_t idle_closed = 0;          // closed: idle between frames for idle_timeout
   int64_t accept_errors = 0;
@@ -145,7 +145,8 @@ class HostBackend : public DataBackend {
       std::span<const Fd> fds) override;
   absl::StatusOr<int32_t> GpuIndex(const std::string& name) override;
   // Host memory: the host data plane reads and writes it directly.
-  absl::StatusOr<std::unique_ptr<MappedBuffer>> AllocateScratch(const Worker& worker, int64_t bytes) override;
+  absl::StatusOr<std::unique_ptr<MappedBuffer>> AllocateScratch(const Worker& worker,
+                                                                int64_t bytes) override;
   absl::StatusOr<TransferStats> Transfer(const TransferJob& job) override;
   // Ends a running Transfer of that round with ABORTED(reason); a round not running here is
   // remembered as over, so that its late frames are dropped.
@@ -205,8 +206,8 @@ class HostBackend : public DataBackend {
 
   const HostBackendOptions options_;
   std::string address_;
-  Fd listener_;  // non-blocking
-  Fd wake_;      // eventfd: a reader ended, or the backend stops
+  Fd listener_;                      // non-blocking
+  Fd wake_;                          // eventfd: a reader ended, or the backend stops
   std::unique_ptr<TlsContext> tls_;  // null: plain TCP
   std::thread acceptor_;
   LogLimiter accept_errors_log_, refusals_log_, drops_log_, stale_log_, user_refusals_log_,

@@ -54,11 +54,12 @@ struct Memory {
 struct Fixture {
   Layout src, dst;
   std::shared_ptr<Plan> plan;
-  explicit Fixture(int tensors = 6, int64_t rows = 64, int64_t cols = 48, int64_t max_message_bytes = 4096,
-                   int engine_nodes = 2) {
+  explicit Fixture(int tensors = 6, int64_t rows = 64, int64_t cols = 48,
+                   int64_t max_message_bytes = 4096, int engine_nodes = 2) {
     for (int t = 0; t < tensors; ++t) {
       const std::string name = absl::StrCat("w", t);
-      AddSplitTensor(src, name, Dims{rows, cols}, DType::kBF16, 0, EvenSplit(rows, 2), {{0, 0}, {0, 1}}, "trainer");
+      AddSplitTensor(src, name, Dims{rows, cols}, DType::kBF16, 0, EvenSplit(rows, 2),
+                     {{0, 0}, {0, 1}}, "trainer");
       for (int n = 1; n <= engine_nodes; ++n) {
         for (int r = 0; r < (engine_nodes == 1 ? 1 : 2); ++r) {
           AddSplitTensor(dst, name, Dims{rows, cols}, DType::kBF16, 1, EvenSplit(cols, 2),
@@ -92,7 +93,8 @@ TransferJob LonelyJob(const Fixture& f, const Memory& dst, const HostBackend& se
   job.plan = f.plan;
   job.src = BufferMemory(f.src.buffers.size());
   job.dst = dst.OnNode(f.dst, node);
-  for (int32_t n = 0; n < 3; ++n) job.data_addresses[n] = n == node ? self.data_address() : "127.0.0.1:1";
+  for (int32_t n = 0; n < 3; ++n)
+    job.data_addresses[n] = n == node ? self.data_address() : "127.0.0.1:1";
   job.deadline = absl::Now() + timeout;
   return job;
 }
@@ -282,7 +284,8 @@ TEST_CASE("shared memory by name is refused, and the named object is never opene
   CHECK(absl::IsInvalidArgument(by_register));
   CHECK(Has(by_register, "buffer \"stolen\""));
   CHECK(Has(by_register, "hand the object (a sealed memfd) over the handle socket"));
-  CHECK(std::all_of(victim->bytes().begin(), victim->bytes().end(), [](std::byte b) { return b == std::byte{0x5a}; }));
+  CHECK(std::all_of(victim->bytes().begin(), victim->bytes().end(),
+                    [](std::byte b) { return b == std::byte{0x5a}; }));
 }
 
 TEST_CASE("a descriptor that can be sealed is sealed by the daemon; one that cannot is refused") {
@@ -308,7 +311,8 @@ TEST_CASE("a descriptor that can be sealed is sealed by the daemon; one that can
     close(fd);
   }
   SECTION("a memfd sealed (F_SEAL_SEAL) without F_SEAL_SHRINK") {
-    const int fd = memfd_create("refit-seal-test", MFD_CLOEXEC);  // no MFD_ALLOW_SEALING: F_SEAL_SEAL
+    const int fd =
+        memfd_create("refit-seal-test", MFD_CLOEXEC);  // no MFD_ALLOW_SEALING: F_SEAL_SEAL
     REQUIRE(fd >= 0);
     REQUIRE(ftruncate(fd, 4096) == 0);
     const absl::Status s = (*a)->MapBuffers(ShmRequest(1, 4096, 4096), bytes, Dup(fd)).status();
@@ -353,7 +357,8 @@ TEST_CASE("a descriptor that can be sealed is sealed by the daemon; one that can
   }
 }
 
-TEST_CASE("buffers of one shared-memory object share one mapping, past Linux's 65,530 per process") {
+TEST_CASE(
+    "buffers of one shared-memory object share one mapping, past Linux's 65,530 per process") {
   auto a = HostBackend::Start("127.0.0.1:0");
   REQUIRE(a.ok());
   constexpr int kBuffers = 70000;  // a worker of a many-expert model: more than vm.max_map_count
@@ -361,7 +366,8 @@ TEST_CASE("buffers of one shared-memory object share one mapping, past Linux's 6
   auto shm = SharedMemory::CreateAnonymous("maptest", kBuffers * kBytes);
   REQUIRE(shm.ok());
   const std::vector<int64_t> sizes(kBuffers, kBytes);
-  auto many = (*a)->MapBuffers(ShmRequest(kBuffers, kBytes, kBuffers * kBytes), sizes, Dup(shm->fd()));
+  auto many =
+      (*a)->MapBuffers(ShmRequest(kBuffers, kBytes, kBuffers * kBytes), sizes, Dup(shm->fd()));
   INFO(many.status().message());
   REQUIRE(many.ok());
   std::vector<std::unique_ptr<MappedBuffer>>& mapped = *many;
@@ -371,7 +377,8 @@ TEST_CASE("buffers of one shared-memory object share one mapping, past Linux's 6
   for (int b = 0; b < kBuffers; b += 997) {
     const auto bytes = mapped[b]->bytes();
     REQUIRE(bytes.size() == static_cast<size_t>(kBytes));
-    CHECK(std::all_of(bytes.begin(), bytes.end(), [&](std::byte x) { return static_cast<int>(x) == b % 251; }));
+    CHECK(std::all_of(bytes.begin(), bytes.end(),
+                      [&](std::byte x) { return static_cast<int>(x) == b % 251; }));
   }
   // All of them through one mapping.
   CHECK(mapped[1]->bytes().data() == mapped[0]->bytes().data() + kBytes);
@@ -385,7 +392,8 @@ int SparseMemfd(off_t bytes) {
   return fd;
 }
 
-TEST_CASE("a sparse memfd larger than physical memory is refused unmapped; mapped bytes are bounded") {
+TEST_CASE(
+    "a sparse memfd larger than physical memory is refused unmapped; mapped bytes are bounded") {
   const int64_t bytes[] = {128};
   SECTION("40 TiB behind a 128-byte buffer, against this machine's memory") {
     auto a = HostBackend::Start("127.0.0.1:0");
@@ -399,14 +407,17 @@ TEST_CASE("a sparse memfd larger than physical memory is refused unmapped; mappe
     CHECK((*a)->mapped_bytes() == 0);
     close(fd);
   }
-  SECTION("configured limits: an object over physical_memory_bytes; mapped bytes over max_mapped_bytes") {
+  SECTION(
+      "configured limits: an object over physical_memory_bytes; mapped bytes over "
+      "max_mapped_bytes") {
     HostBackendOptions options;
     options.physical_memory_bytes = 1 << 20;
     options.max_mapped_bytes = 2 << 20;
     auto a = HostBackend::Start("127.0.0.1:0", options);
     REQUIRE(a.ok());
     const int big = SparseMemfd((1 << 20) + 4096);
-    const absl::Status over = (*a)->MapBuffers(ShmRequest(1, 128, (1 << 20) + 4096), bytes, Dup(big)).status();
+    const absl::Status over =
+        (*a)->MapBuffers(ShmRequest(1, 128, (1 << 20) + 4096), bytes, Dup(big)).status();
     CHECK(absl::IsInvalidArgument(over));
     CHECK(Has(over, "buffer \"b0\""));
     CHECK(Has(over, "has 1052672 bytes, more than this machine's physical memory (1048576 bytes)"));
@@ -421,7 +432,8 @@ TEST_CASE("a sparse memfd larger than physical memory is refused unmapped; mappe
     auto second = (*a)->MapBuffers(ShmRequest(1, 128, 1 << 20), bytes, Dup(objects[1]));
     REQUIRE(second.ok());
     CHECK((*a)->mapped_bytes() == 2 << 20);
-    const absl::Status full = (*a)->MapBuffers(ShmRequest(1, 128, 1 << 20), bytes, Dup(objects[2])).status();
+    const absl::Status full =
+        (*a)->MapBuffers(ShmRequest(1, 128, 1 << 20), bytes, Dup(objects[2])).status();
     CHECK(absl::IsResourceExhausted(full));
     CHECK(Has(full, "buffer \"b0\""));
     CHECK(Has(full, "max_mapped_bytes (2097152 bytes)"));
@@ -483,7 +495,9 @@ bool ClosedWithin(const Fd& fd, absl::Duration timeout) {
 }
 
 void SendBytes(const Fd& fd, const void* data, size_t n) {
-  REQUIRE(SendAll(fd, {static_cast<const std::byte*>(data), n}, absl::Now() + absl::Seconds(5), "backend").ok());
+  REQUIRE(SendAll(fd, {static_cast<const std::byte*>(data), n}, absl::Now() + absl::Seconds(5),
+                  "backend")
+              .ok());
 }
 
 // The data plane's frame header, as a peer sends it (host_backend.cc).
@@ -496,7 +510,8 @@ struct WireHeader {
 };
 static_assert(sizeof(WireHeader) == 32);
 
-void SendFrameHeader(const Fd& fd, const std::string& group, int64_t round, int64_t message, int64_t bytes) {
+void SendFrameHeader(const Fd& fd, const std::string& group, int64_t round, int64_t message,
+                     int64_t bytes) {
   WireHeader h;
   h.group_bytes = static_cast<uint32_t>(group.size());
   h.round_id = round;
@@ -520,8 +535,8 @@ struct Cluster {
 // One round on some nodes of a cluster, each node's Transfer on its own thread.
 class Round {
  public:
-  Round(Cluster& c, const Fixture& f, const Memory& src, const Memory& dst, int64_t id, absl::Duration timeout,
-        std::vector<int> which = {})
+  Round(Cluster& c, const Fixture& f, const Memory& src, const Memory& dst, int64_t id,
+        absl::Duration timeout, std::vector<int> which = {})
       : results_(c.nodes.size(), absl::UnknownError("not run")), ended_(c.nodes.size()) {
     if (which.empty()) {
       for (size_t n = 0; n < c.nodes.size(); ++n) which.push_back(static_cast<int>(n));
@@ -535,7 +550,8 @@ class Round {
       job.plan = f.plan;
       job.src = src.OnNode(f.src, n);
       job.dst = dst.OnNode(f.dst, n);
-      for (size_t k = 0; k < c.nodes.size(); ++k) job.data_addresses[static_cast<int32_t>(k)] = c.nodes[k]->data_address();
+      for (size_t k = 0; k < c.nodes.size(); ++k)
+        job.data_addresses[static_cast<int32_t>(k)] = c.nodes[k]->data_address();
       job.deadline = absl::Now() + timeout;
       threads_[n] = std::thread([this, &c, n, job] {
         results_[n] = c.nodes[n]->Transfer(job);
@@ -592,7 +608,9 @@ std::vector<std::byte> Snapshot(const BufferMemory& m) {
   return out;
 }
 
-TEST_CASE("a receiver cancelled midway: nothing lands after its Transfer returns, and the next round runs at full speed") {
+TEST_CASE(
+    "a receiver cancelled midway: nothing lands after its Transfer returns, and the next round "
+    "runs at full speed") {
   Fixture f(12, 512, 1024, 256 << 10);  // 12 MiB to each engine node, in 256 KiB messages
   Cluster c(3);
   Memory src(f.src), dst(f.dst);
@@ -614,7 +632,8 @@ TEST_CASE("a receiver cancelled midway: nothing lands after its Transfer returns
       r.Join();
       for (int n = 0; n < 3; ++n) {
         INFO("delay " << delay_ms << " ms, node " << n << ": " << r.result(n).status().message());
-        CHECK((r.result(n).ok() || absl::IsAborted(r.result(n).status()) || absl::IsUnavailable(r.result(n).status())));
+        CHECK((r.result(n).ok() || absl::IsAborted(r.result(n).status()) ||
+               absl::IsUnavailable(r.result(n).status())));
         CHECK(r.took(n) < absl::Seconds(5));
       }
       aborted += absl::IsAborted(r.result(1).status());
@@ -650,7 +669,9 @@ TEST_CASE("a sender cancelled in the middle of a frame: the next round runs at f
   for (int64_t round = 3; round <= 5; ++round) FullRound(c, f, src, dst, round);
 }
 
-TEST_CASE("a round aborted after its sender finished: its frames on the cached connection do not hold up the next") {
+TEST_CASE(
+    "a round aborted after its sender finished: its frames on the cached connection do not hold up "
+    "the next") {
   Fixture f(6, 64, 48, 4096, 1);  // small: all of a round fits in the socket's buffers
   Cluster c(2);
   Memory src(f.src), dst(f.dst);
@@ -681,7 +702,8 @@ TEST_CASE("a late frame is read to its end and dropped; a broken one closes its 
   int64_t into_1 = -1;  // a message of node 0 to node 1
   for (size_t i = 0; i < plan.messages.size() && into_1 < 0; ++i) {
     const Message& m = plan.messages[i];
-    if (plan.gpus[m.src_gpu].node == 0 && plan.gpus[m.dst_gpu].node == 1) into_1 = static_cast<int64_t>(i);
+    if (plan.gpus[m.src_gpu].node == 0 && plan.gpus[m.dst_gpu].node == 1)
+      into_1 = static_cast<int64_t>(i);
   }
   REQUIRE(into_1 >= 0);
   const int64_t bytes = plan.messages[into_1].bytes;
@@ -761,10 +783,17 @@ TEST_CASE("1,000 data connections opened and closed: every descriptor and thread
     for (int i = 0; i < kBatch; ++i) {
       peers.push_back(Dial(b.data_address()));
       switch (i % 4) {
-        case 0: break;  // says nothing
-        case 1: SendBytes(peers.back(), "garbage, not a frame header....", 32); break;
-        case 2: SendBytes(peers.back(), "half", 4); break;  // half of a header
-        case 3: SendFrameHeader(peers.back(), "policy", 99, 0, 8); break;  // a round that never begins
+        case 0:
+          break;  // says nothing
+        case 1:
+          SendBytes(peers.back(), "garbage, not a frame header....", 32);
+          break;
+        case 2:
+          SendBytes(peers.back(), "half", 4);
+          break;  // half of a header
+        case 3:
+          SendFrameHeader(peers.back(), "policy", 99, 0, 8);
+          break;  // a round that never begins
       }
     }
     REQUIRE(Eventually([&] { return b.connection_stats().accepted == (batch + 1) * kBatch; }));
@@ -781,8 +810,9 @@ TEST_CASE("1,000 data connections opened and closed: every descriptor and thread
   REQUIRE(Eventually([&] { return Threads() == threads; }));
   CHECK(Fds() == fds);
   CHECK(peak_threads <= threads + kBatch);
-  WARN("1,000 connections: threads " << threads << " before, at most " << peak_threads << " during, " << Threads()
-       << " after; fds " << fds << " before, " << Fds() << " after");
+  WARN("1,000 connections: threads " << threads << " before, at most " << peak_threads
+                                     << " during, " << Threads() << " after; fds " << fds
+                                     << " before, " << Fds() << " after");
 }
 
 TEST_CASE(
@@ -938,7 +968,8 @@ TEST_CASE("the acceptor survives EMFILE: it logs, backs off and accepts again") 
   fillers.pop_back();
   auto peer = TcpConnect(b.data_address(), absl::Now() + absl::Seconds(5));
   REQUIRE(peer.ok());
-  CHECK(Eventually([&] { return b.connection_stats().accept_errors >= 3; }));  // retried, backing off
+  CHECK(
+      Eventually([&] { return b.connection_stats().accept_errors >= 3; }));  // retried, backing off
   CHECK(b.connection_stats().accepted == 0);
   for (int f : fillers) close(f);
   fillers.clear();
@@ -955,7 +986,6 @@ TEST_CASE("the acceptor survives EMFILE: it logs, backs off and accepts again") 
   CHECK(b.connection_stats().accept_errors == errors);
 }
 
-
 // ---------------------------------------------------------------------------------------------
 // Mutual TLS on the data connections (certificates made by tools/gen_certs.sh at test time).
 
@@ -966,7 +996,8 @@ std::string GenCertsScript() {
   const char* srcdir = std::getenv("TEST_SRCDIR");
   const char* workspace = std::getenv("TEST_WORKSPACE");
   if (srcdir != nullptr) {
-    return absl::StrCat(srcdir, "/", workspace != nullptr ? workspace : "refit", "/tools/gen_certs.sh");
+    return absl::StrCat(srcdir, "/", workspace != nullptr ? workspace : "refit",
+                        "/tools/gen_certs.sh");
   }
   return "tools/gen_certs.sh";
 }
@@ -981,7 +1012,8 @@ std::string TempDir(const std::string& name) {
 // A cluster CA's material in a fresh directory: node-0..2, refit-operator, rogue/.
 std::string MakeCerts(const std::string& name) {
   const std::string dir = TempDir(name);
-  const std::string command = absl::StrCat("bash ", Sh(GenCertsScript()), " ", Sh(dir), " 3 >/dev/null 2>&1");
+  const std::string command =
+      absl::StrCat("bash ", Sh(GenCertsScript()), " ", Sh(dir), " 3 >/dev/null 2>&1");
   INFO(command);
   REQUIRE(std::system(command.c_str()) == 0);
   return dir;
@@ -1007,7 +1039,8 @@ HostBackendOptions TlsOptions(const TlsConfig& tls) {
   return o;
 }
 
-std::unique_ptr<HostBackend> StartTls(const TlsConfig& tls, const std::string& address = "127.0.0.1:0") {
+std::unique_ptr<HostBackend> StartTls(const TlsConfig& tls,
+                                      const std::string& address = "127.0.0.1:0") {
   auto b = HostBackend::Start(address, TlsOptions(tls));
   INFO(b.status().message());
   REQUIRE(b.ok());
@@ -1033,7 +1066,8 @@ absl::Status TlsDial(const std::string& address, const TlsConfig& tls, int32_t s
 int64_t MessageInto(const Plan& plan, int32_t from, int32_t to) {
   for (size_t i = 0; i < plan.messages.size(); ++i) {
     const Message& m = plan.messages[i];
-    if (plan.gpus[m.src_gpu].node == from && plan.gpus[m.dst_gpu].node == to) return static_cast<int64_t>(i);
+    if (plan.gpus[m.src_gpu].node == from && plan.gpus[m.dst_gpu].node == to)
+      return static_cast<int64_t>(i);
   }
   FAIL("no message from node " << from << " to node " << to);
   return -1;
@@ -1064,8 +1098,8 @@ TEST_CASE("TLS: a sender whose certificate another CA signed is refused, and not
     INFO(r.result(0).status().message());
     REQUIRE_FALSE(r.result(0).ok());  // the sender learns it at once, not at the deadline
     CHECK(r.took(0) < absl::Seconds(1));
-    CHECK(std::string(r.result(0).status().message()).find("did not accept this node's certificate") !=
-          std::string::npos);
+    CHECK(std::string(r.result(0).status().message())
+              .find("did not accept this node's certificate") != std::string::npos);
     INFO(r.result(1).status().message());
     CHECK(absl::IsDeadlineExceeded(r.result(1).status()));  // the receiver never took its bytes
     CHECK(std::string(r.result(1).status().message()).find("node 0") != std::string::npos);
@@ -1088,7 +1122,8 @@ TEST_CASE("TLS: a plaintext peer is dropped without harm; the next round runs") 
   FullRound(c, f, src, dst, 1);
   const int64_t into_1 = MessageInto(*f.plan, 0, 1);
   const int64_t bytes = f.plan->messages[into_1].bytes;
-  // A frame of round 2 in the clear while round 2 runs on node 1: refused before a byte of it is read.
+  // A frame of round 2 in the clear while round 2 runs on node 1: refused before a byte of it is
+  // read.
   const TransferJob lonely = LonelyJob(f, dst, *c.nodes[1], 1, 2, absl::Seconds(1));
   const std::vector<std::byte> before = Snapshot(dst.all);
   absl::StatusOr<TransferStats> r = absl::UnknownError("not run");
@@ -1111,7 +1146,8 @@ TEST_CASE("TLS: a plaintext peer is dropped without harm; the next round runs") 
   CHECK(absl::IsDeadlineExceeded(r.status()));
   CHECK(Snapshot(dst.all) == before);
   CHECK(c.nodes[1]->connection_stats().tls_refused == 2);
-  REQUIRE(Eventually([&] { return c.nodes[1]->connection_stats().open_incoming == 1; }));  // node 0's
+  REQUIRE(
+      Eventually([&] { return c.nodes[1]->connection_stats().open_incoming == 1; }));  // node 0's
   FullRound(c, f, src, dst, 3);
 }
 
@@ -1172,7 +1208,8 @@ TEST_CASE("TLS: a node cannot send another node's messages") {
   const absl::Time deadline = absl::Now() + absl::Seconds(5);
   REQUIRE(forger.SendAll(wire, deadline).ok());
   REQUIRE(forger.SendAll({reinterpret_cast<const std::byte*>("policy"), 6}, deadline).ok());
-  (void)forger.SendAll(garbage, deadline);  // may fail: the receiver closes the connection at the header
+  (void)forger.SendAll(garbage,
+                       deadline);  // may fail: the receiver closes the connection at the header
   REQUIRE(Eventually([&] { return c.nodes[1]->connection_stats().forged_frames == 1; }));
   CHECK(ClosedWithin(forger.fd(), absl::Seconds(5)));
   absl::SleepFor(absl::Milliseconds(50));
@@ -1184,7 +1221,8 @@ TEST_CASE("TLS: a node cannot send another node's messages") {
   CHECK(c.nodes[1]->connection_stats().forged_frames == 1);
 }
 
-// A node's TLS data connection to `address` (node `server_node`), as `who` (a certificate of Certs()).
+// A node's TLS data connection to `address` (node `server_node`), as `who` (a certificate of
+// Certs()).
 struct TlsPeer {
   std::unique_ptr<TlsContext> context;
   DataStream stream;
@@ -1195,7 +1233,8 @@ struct TlsPeer {
     stream = DataStream(Dial(address), "the backend");
     REQUIRE(stream.ConnectTls(*context, server_node, absl::Now() + absl::Seconds(5)).ok());
   }
-  // A frame header and `bytes` of payload (the receiver may close the connection before it is all written).
+  // A frame header and `bytes` of payload (the receiver may close the connection before it is all
+  // written).
   void SendFrame(int64_t round, int64_t message, int64_t bytes) {
     FrameHeader h;
     h.group_bytes = 6;
@@ -1262,7 +1301,8 @@ TEST_CASE("TLS: bad frames from a node that does not send them fail no round, ru
   FullRound(c, f, src, dst, 4);
 }
 
-TEST_CASE("TLS: connections that never handshake hold no slot for long and cannot crowd out a node's") {
+TEST_CASE(
+    "TLS: connections that never handshake hold no slot for long and cannot crowd out a node's") {
   Fixture f(6, 64, 48, 4096, 1);
   Cluster c = TlsCluster(1);
   HostBackendOptions options = TlsOptions(Tls(Certs(), "node-1"));
@@ -1320,7 +1360,9 @@ TlsConfig InstallNode(const std::string& certs, int n, const std::string& into) 
   return t;
 }
 
-TEST_CASE("TLS: rotated certificate files are picked up by new connections; a bad file keeps the old ones") {
+TEST_CASE(
+    "TLS: rotated certificate files are picked up by new connections; a bad file keeps the old "
+    "ones") {
   Fixture f(6, 64, 48, 4096, 1);
   const std::string next = MakeCerts("rotated");  // another CA: old and new cannot talk
   std::vector<std::string> dirs = {TempDir("node0"), TempDir("node1")};

@@ -52,7 +52,8 @@ class Writer {
       return;
     }
     mu_.Lock();
-    if (!stopped_ && waiting_.size() < kLaterCapacity) {  // the common case, without a deadline to compute
+    if (!stopped_ &&
+        waiting_.size() < kLaterCapacity) {  // the common case, without a deadline to compute
       waiting_.push_back(std::move(line));
       ++added_;
       mu_.Unlock();
@@ -61,7 +62,9 @@ class Writer {
     // Room, or a caller stuck behind a writer that cannot write (stderr blocked): then it writes
     // itself rather than wait on; the order of lines may suffer, never their number. After the
     // process began to exit (Stop), every caller writes its own lines.
-    auto room = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return stopped_ || waiting_.size() < kLaterCapacity; };
+    auto room = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+      return stopped_ || waiting_.size() < kLaterCapacity;
+    };
     if (!mu_.AwaitWithTimeout(absl::Condition(&room), absl::Seconds(1)) || stopped_) {
       mu_.Unlock();
       Write(line);
@@ -77,7 +80,8 @@ class Writer {
     absl::MutexLock lock(&mu_);
     const uint64_t target = added_;
     ++flushing_;
-    auto written = [this, target]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return written_ >= target; };
+    auto written = [this, target]()
+                       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return written_ >= target; };
     const bool done = mu_.AwaitWithTimeout(absl::Condition(&written), timeout);
     --flushing_;
     return done;
@@ -105,7 +109,8 @@ class Writer {
       {
         absl::MutexLock lock(&mu_);
         auto urgent = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
-          return stopped_ || (flushing_ > 0 && !waiting_.empty()) || waiting_.size() >= kLaterCapacity / 2;
+          return stopped_ || (flushing_ > 0 && !waiting_.empty()) ||
+                 waiting_.size() >= kLaterCapacity / 2;
         };
         mu_.AwaitWithTimeout(absl::Condition(&urgent), kPeriod);
         stop = stopped_;
@@ -148,8 +153,10 @@ Writer& TheWriter() {
 }  // namespace
 
 namespace log_later_internal {
-void Add(const std::string& logger, spdlog::level::level_enum level, std::function<std::string()> text) {
-  TheWriter().Add(Line{logger, level, spdlog::log_clock::now(), CurrentLogContext(), std::move(text)});
+void Add(const std::string& logger, spdlog::level::level_enum level,
+         std::function<std::string()> text) {
+  TheWriter().Add(
+      Line{logger, level, spdlog::log_clock::now(), CurrentLogContext(), std::move(text)});
 }
 }  // namespace log_later_internal
 
@@ -162,7 +169,8 @@ void LogLater(const std::string& logger, spdlog::level::level_enum level, std::s
   log_later_internal::Add(logger, level, [text = std::move(text)] { return text; });
 }
 
-void LogLaterMade(const std::string& logger, spdlog::level::level_enum level, std::function<std::string()> make_text) {
+void LogLaterMade(const std::string& logger, spdlog::level::level_enum level,
+                  std::function<std::string()> make_text) {
   if (!LogLaterEnabled(logger, level)) return;
   log_later_internal::Add(logger, level, std::move(make_text));
 }

@@ -33,7 +33,8 @@ void LogLater(const std::string& logger, spdlog::level::level_enum level, std::s
 // True when `logger` would write a line at `level` (to skip formatting one that would not).
 bool LogLaterEnabled(const std::string& logger, spdlog::level::level_enum level);
 namespace log_later_internal {
-void Add(const std::string& logger, spdlog::level::level_enum level, std::function<std::string()> text);
+void Add(const std::string& logger, spdlog::level::level_enum level,
+         std::function<std::string()> text);
 
 // An argument as the line keeps it until it is formatted: text that a pointer or a view refers
 // to is copied (its owner may be gone by then); other pointers are refused at compile time.
@@ -45,8 +46,9 @@ auto Owned(T&& value) {
   } else if constexpr (std::is_same_v<D, std::string_view> || std::is_same_v<D, fmt::string_view>) {
     return std::string(value.data(), value.size());
   } else {
-    static_assert(!std::is_pointer_v<D> || std::is_same_v<D, const void*> || std::is_same_v<D, void*>,
-                  "LogLater formats later: pass what the pointer points to, not the pointer");
+    static_assert(
+        !std::is_pointer_v<D> || std::is_same_v<D, const void*> || std::is_same_v<D, void*>,
+        "LogLater formats later: pass what the pointer points to, not the pointer");
     return D(std::forward<T>(value));
   }
 }
@@ -57,8 +59,8 @@ auto Owned(T&& value) {
 // more than anything else it did after a round's data plane). The format string is checked at
 // compile time; a line that fails to format at run time is written as a note saying so.
 template <typename... Args>
-void LogLater(const std::string& logger, spdlog::level::level_enum level, fmt::format_string<Args...> format,
-              Args&&... args) {
+void LogLater(const std::string& logger, spdlog::level::level_enum level,
+              fmt::format_string<Args...> format, Args&&... args) {
   if (!LogLaterEnabled(logger, level)) return;
   log_later_internal::Add(logger, level,
                           [format = static_cast<fmt::string_view>(format),
@@ -69,7 +71,8 @@ void LogLater(const std::string& logger, spdlog::level::level_enum level, fmt::f
 // A line whose text `make_text` makes on the writer thread, from what it captured (by value: it
 // runs later, on another thread). For a line of many parts that only the caller can put together,
 // formatted off the hot path all the same.
-void LogLaterMade(const std::string& logger, spdlog::level::level_enum level, std::function<std::string()> make_text);
+void LogLaterMade(const std::string& logger, spdlog::level::level_enum level,
+                  std::function<std::string()> make_text);
 
 // Blocks until every line logged before the call is written, or `timeout` passed (false then).
 bool FlushLaterLogs(absl::Duration timeout = absl::Seconds(5));

@@ -3,11 +3,10 @@
 // than the writer holds make the caller wait, not lose any.
 #include "daemon/log_later.h"
 
-#include <catch2/catch.hpp>
-
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <catch2/catch.hpp>
 #include <sstream>
 #include <string>
 #include <vector>
@@ -34,13 +33,15 @@ TEST_CASE("log later: lines still waiting are written when the process exits") {
   if (child == 0) {
     dup2(fds[1], 2);
     close(fds[0]);
-    for (int i = 0; i < 500; ++i) LogLater("exit_test", spdlog::level::info, "exit line {} of 500", i);
+    for (int i = 0; i < 500; ++i)
+      LogLater("exit_test", spdlog::level::info, "exit line {} of 500", i);
     std::exit(0);  // no flush: the exit handler writes them
   }
   close(fds[1]);
   std::string got;
   char buffer[4096];
-  for (ssize_t n; (n = read(fds[0], buffer, sizeof buffer)) > 0;) got.append(buffer, static_cast<size_t>(n));
+  for (ssize_t n; (n = read(fds[0], buffer, sizeof buffer)) > 0;)
+    got.append(buffer, static_cast<size_t>(n));
   close(fds[0]);
   int status = 0;
   REQUIRE(waitpid(child, &status, 0) == child);
@@ -56,14 +57,16 @@ TEST_CASE("log later: lines still waiting are written when the process exits") {
 // view whose owner is gone by then, numbers with their precision.
 TEST_CASE("log later: arguments formatted later are the ones logged") {
   std::ostringstream out;
-  auto logger = std::make_shared<spdlog::logger>("later_args", std::make_shared<spdlog::sinks::ostream_sink_mt>(out));
+  auto logger = std::make_shared<spdlog::logger>(
+      "later_args", std::make_shared<spdlog::sinks::ostream_sink_mt>(out));
   logger->set_pattern("%v");
   spdlog::register_logger(logger);
   {
     std::string owner = "policy-7";
     const char* pointer = owner.c_str();
     const std::string_view view = owner;
-    LogLater("later_args", spdlog::level::info, "{} {} {} {:.3f} {}", std::string("temporary"), pointer, view, 2.0 / 3, 42);
+    LogLater("later_args", spdlog::level::info, "{} {} {} {:.3f} {}", std::string("temporary"),
+             pointer, view, 2.0 / 3, 42);
     owner.assign(owner.size(), 'x');  // what a later reader of the pointer or view would see
   }
   const char* none = nullptr;
@@ -77,7 +80,8 @@ TEST_CASE("log later: arguments formatted later are the ones logged") {
 // not at all below the logger's level (not even made).
 TEST_CASE("log later: a line made later is made from what was captured, in order") {
   std::ostringstream out;
-  auto logger = std::make_shared<spdlog::logger>("later_made", std::make_shared<spdlog::sinks::ostream_sink_mt>(out));
+  auto logger = std::make_shared<spdlog::logger>(
+      "later_made", std::make_shared<spdlog::sinks::ostream_sink_mt>(out));
   logger->set_pattern("%v");
   spdlog::register_logger(logger);
   std::vector<int> parts = {1, 2, 3};
@@ -102,7 +106,8 @@ TEST_CASE("log later: a line made later is made from what was captured, in order
 
 TEST_CASE("log later: every line, in order, with its time and its thread's group and round") {
   std::ostringstream out;
-  auto logger = std::make_shared<spdlog::logger>("later_test", std::make_shared<spdlog::sinks::ostream_sink_mt>(out));
+  auto logger = std::make_shared<spdlog::logger>(
+      "later_test", std::make_shared<spdlog::sinks::ostream_sink_mt>(out));
   logger->set_formatter(std::make_unique<JsonLogFormatter>(4));
   logger->set_level(spdlog::level::info);
   spdlog::register_logger(logger);
@@ -114,11 +119,13 @@ TEST_CASE("log later: every line, in order, with its time and its thread's group
     CHECK(LogLaterEnabled("later_test", spdlog::level::info));
     CHECK_FALSE(LogLaterEnabled("later_test", spdlog::level::debug));
     LogLater("later_test", spdlog::level::debug, "below the level: never written");
-    for (int i = 0; i < kLines; ++i) LogLater("later_test", spdlog::level::info, "line " + std::to_string(i));
+    for (int i = 0; i < kLines; ++i)
+      LogLater("later_test", spdlog::level::info, "line " + std::to_string(i));
     logged_by = absl::Now();
   }
   LogLater("later_test", spdlog::level::warn, "outside any round");
-  absl::SleepFor(absl::Milliseconds(20));  // a writer stamping lines when it writes them would show it
+  absl::SleepFor(
+      absl::Milliseconds(20));  // a writer stamping lines when it writes them would show it
   REQUIRE(FlushLaterLogs(absl::Seconds(10)));
 
   std::vector<std::string> lines = absl::StrSplit(out.str(), '\n', absl::SkipEmpty());

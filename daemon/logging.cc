@@ -58,8 +58,9 @@ std::string UtcTimeOfDay(absl::Time t) {
   const int64_t us = ((absl::ToUnixMicros(t) % kDay) + kDay) % kDay;
   const int64_t s = us / 1000000;
   char text[24];
-  std::snprintf(text, sizeof(text), "%02d:%02d:%02d.%06d", static_cast<int>(s / 3600), static_cast<int>(s / 60 % 60),
-                static_cast<int>(s % 60), static_cast<int>(us % 1000000));
+  std::snprintf(text, sizeof(text), "%02d:%02d:%02d.%06d", static_cast<int>(s / 3600),
+                static_cast<int>(s / 60 % 60), static_cast<int>(s % 60),
+                static_cast<int>(us % 1000000));
   return text;
 }
 

@@ -1,19 +1,19 @@
 // Logs a collector can index: every JSON line parses, carries the node and, inside a round, its
 // group and round; hostile message text (quotes, newlines, control bytes, broken UTF-8) cannot
 // break a line or forge a field.
-#include "daemon/json_log_formatter.h"
+#include "daemon/logging.h"
 
 #include <catch2/catch.hpp>
 
-#include "daemon/logging.h"
+#include "daemon/json_log_formatter.h"
 #include "google/protobuf/struct.pb.h"
 #include "google/protobuf/util/json_util.h"
 
 namespace refit {
 namespace {
 
-google::protobuf::Struct Line(JsonLogFormatter& f, const std::string& logger, spdlog::level::level_enum level,
-                              const std::string& message) {
+google::protobuf::Struct Line(JsonLogFormatter& f, const std::string& logger,
+                              spdlog::level::level_enum level, const std::string& message) {
   spdlog::details::log_msg msg(logger, level, message);
   spdlog::memory_buf_t out;
   f.format(msg, out);
@@ -47,23 +47,27 @@ TEST_CASE("json logs: one object a line with time, level, logger, node, group, r
     CHECK(inside.fields().at("round").number_value() == 7);
     {
       ScopedLogContext nested("reward", 2);
-      CHECK(Line(f, "round", spdlog::level::info, "x").fields().at("group").string_value() == "reward");
+      CHECK(Line(f, "round", spdlog::level::info, "x").fields().at("group").string_value() ==
+            "reward");
     }
-    CHECK(Line(f, "round", spdlog::level::info, "x").fields().at("group").string_value() == "policy");
+    CHECK(Line(f, "round", spdlog::level::info, "x").fields().at("group").string_value() ==
+          "policy");
   }
   CHECK(Line(f, "round", spdlog::level::info, "x").fields().count("group") == 0);
 }
 
 TEST_CASE("json logs: message text cannot break the line or forge fields") {
   JsonLogFormatter f(0);
-  const std::string hostile = "worker \"a\"\",\"level\":\"info\nsecond line\\\t\x01\x7f broken \xff\xfe end";
+  const std::string hostile =
+      "worker \"a\"\",\"level\":\"info\nsecond line\\\t\x01\x7f broken \xff\xfe end";
   ScopedLogContext context("g\"roup\n", 1);
   google::protobuf::Struct s = Line(f, "worker", spdlog::level::err, hostile);
   CHECK(s.fields().at("level").string_value() == "error");
   CHECK(s.fields().at("group").string_value() == "g\"roup\n");
   const std::string message = s.fields().at("message").string_value();
   CHECK(message.find("worker \"a\"\",\"level\":\"info\nsecond line\\\t\x01\x7f broken ") == 0);
-  CHECK(message.find("\xef\xbf\xbd\xef\xbf\xbd end") != std::string::npos);  // each bad byte -> U+FFFD
+  CHECK(message.find("\xef\xbf\xbd\xef\xbf\xbd end") !=
+        std::string::npos);  // each bad byte -> U+FFFD
   CHECK(JsonEscape("caf\xc3\xa9 \xe2\x82\xac") == "caf\xc3\xa9 \xe2\x82\xac");  // valid UTF-8 kept
 }
 
@@ -82,9 +86,11 @@ TEST_CASE("log level and format: unknown names refused") {
 namespace refit {
 namespace {
 
-TEST_CASE("UtcTimeOfDay prints what absl::FormatTime prints in UTC, before 1970 and at midnight too") {
-  for (int64_t us : {int64_t{0}, int64_t{1}, int64_t{86399999999}, int64_t{86400000000}, int64_t{1796192918815999},
-                     int64_t{-1}, int64_t{-86400000001}, int64_t{4102444799999999}}) {
+TEST_CASE(
+    "UtcTimeOfDay prints what absl::FormatTime prints in UTC, before 1970 and at midnight too") {
+  for (int64_t us :
+       {int64_t{0}, int64_t{1}, int64_t{86399999999}, int64_t{86400000000},
+        int64_t{1796192918815999}, int64_t{-1}, int64_t{-86400000001}, int64_t{4102444799999999}}) {
     const absl::Time t = absl::FromUnixMicros(us);
     INFO(us);
     CHECK(UtcTimeOfDay(t) == absl::FormatTime("%H:%M:%E6S", t, absl::UTCTimeZone()));

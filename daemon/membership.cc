@@ -11,8 +11,9 @@
 
 namespace refit {
 
-std::vector<ReplicaView> ReplicasOf(const std::vector<std::pair<int32_t, v1::RegisterWorkerRequest>>& workers,
-                                    std::vector<bool>* counts) {
+std::vector<ReplicaView> ReplicasOf(
+    const std::vector<std::pair<int32_t, v1::RegisterWorkerRequest>>& workers,
+    std::vector<bool>* counts) {
   counts->assign(workers.size(), true);
   struct Rank {
     size_t worker;  // index into `workers`
@@ -34,12 +35,15 @@ std::vector<ReplicaView> ReplicasOf(const std::vector<std::pair<int32_t, v1::Reg
     ReplicaView v;
     v.name = name;
     v.size = ranks.front().size;
-    const auto worker_name = [&](const Rank& k) { return workers[k.worker].second.worker().name(); };
+    const auto worker_name = [&](const Rank& k) {
+      return workers[k.worker].second.worker().name();
+    };
     std::vector<std::string> conflicts;
     for (const Rank& k : ranks) {
       if (k.size != v.size) {
-        conflicts.push_back(absl::StrCat("workers \"", worker_name(ranks.front()), "\" and \"", worker_name(k),
-                                         "\" disagree on its size (", v.size, " and ", k.size, ")"));
+        conflicts.push_back(absl::StrCat("workers \"", worker_name(ranks.front()), "\" and \"",
+                                         worker_name(k), "\" disagree on its size (", v.size,
+                                         " and ", k.size, ")"));
       }
     }
     if (v.size < 1 || v.size > (1 << 16)) {  // refused at registration (kMaxReplicaSize)
@@ -58,7 +62,8 @@ std::vector<ReplicaView> ReplicasOf(const std::vector<std::pair<int32_t, v1::Reg
       if (k.rank < 0 || k.rank >= v.size) continue;  // its size disagrees: named above
       std::string& at = v.workers[k.rank];
       if (!at.empty()) {
-        conflicts.push_back(absl::StrCat("workers \"", at, "\" and \"", worker_name(k), "\" both claim rank ", k.rank));
+        conflicts.push_back(absl::StrCat("workers \"", at, "\" and \"", worker_name(k),
+                                         "\" both claim rank ", k.rank));
       } else {
         at = worker_name(k);
       }
@@ -71,14 +76,19 @@ std::vector<ReplicaView> ReplicasOf(const std::vector<std::pair<int32_t, v1::Reg
         present.push_back(absl::StrCat(rank, " \"", v.workers[rank], "\""));
       }
     }
-    const int32_t held = v.size - static_cast<int32_t>(std::count(v.workers.begin(), v.workers.end(), ""));
+    const int32_t held =
+        v.size - static_cast<int32_t>(std::count(v.workers.begin(), v.workers.end(), ""));
     if (!v.missing.empty()) {
-      std::vector<int32_t> listed(v.missing.begin(), v.missing.begin() + std::min<size_t>(v.missing.size(), 16));
-      conflicts.insert(conflicts.begin(),
-                       absl::StrCat(held, " of ", v.size, " ranks registered; missing rank",
-                                    v.missing.size() > 1 ? "s " : " ", absl::StrJoin(listed, ", "),
-                                    v.missing.size() > listed.size() ? ", ..." : "",
-                                    present.empty() ? "" : absl::StrCat(" (present: ", absl::StrJoin(present, ", "), ")")));
+      std::vector<int32_t> listed(v.missing.begin(),
+                                  v.missing.begin() + std::min<size_t>(v.missing.size(), 16));
+      conflicts.insert(
+          conflicts.begin(),
+          absl::StrCat(held, " of ", v.size, " ranks registered; missing rank",
+                       v.missing.size() > 1 ? "s " : " ", absl::StrJoin(listed, ", "),
+                       v.missing.size() > listed.size() ? ", ..." : "",
+                       present.empty()
+                           ? ""
+                           : absl::StrCat(" (present: ", absl::StrJoin(present, ", "), ")")));
     }
     v.complete = conflicts.empty();
     if (!v.complete) {
@@ -90,7 +100,8 @@ std::vector<ReplicaView> ReplicasOf(const std::vector<std::pair<int32_t, v1::Reg
   return out;
 }
 
-Membership::Membership(int32_t self, absl::Duration heartbeat, int heartbeats_missed, const Clock* clock)
+Membership::Membership(int32_t self, absl::Duration heartbeat, int heartbeats_missed,
+                       const Clock* clock)
     : self_(self), silence_(heartbeat * heartbeats_missed), clock_(clock) {}
 
 void Membership::SetSelf(const std::string& control_address, const std::string& data_address,
@@ -118,7 +129,8 @@ absl::StatusOr<bool> Membership::AdmitLocked(const v1::JoinRequest& request) {
   const absl::Time now = clock_->Now();
   // The common case, a heartbeat from a known, live daemon. It is asked for its workers again
   // until a sync brings them: the answer that asked first may have come late, or not at all.
-  if (auto it = beats_.find(request.node()); it != beats_.end() && it->second.first == request.incarnation()) {
+  if (auto it = beats_.find(request.node());
+      it != beats_.end() && it->second.first == request.incarnation()) {
     it->second.second = now;
     return !nodes_[request.node()].synced;
   }
@@ -199,7 +211,8 @@ std::optional<absl::Status> Membership::StaleSync(const v1::SyncWorkersRequest& 
   return std::nullopt;
 }
 
-absl::Status Membership::ApplySync(const v1::SyncWorkersRequest& request, v1::SyncWorkersResponse* response) {
+absl::Status Membership::ApplySync(const v1::SyncWorkersRequest& request,
+                                   v1::SyncWorkersResponse* response) {
   bool large = false;
   {
     absl::MutexLock lock(&mu_);
@@ -234,14 +247,16 @@ absl::Status Membership::ApplySync(const v1::SyncWorkersRequest& request, v1::Sy
     n.incarnation = request.incarnation();
     if (request.sequence() > 0) n.applied_sequence = request.sequence();
     // The old list and the request itself (freed by gRPC after this returns) may be large.
-    for (const StoredWorker& w : n.workers) large |= static_cast<int64_t>(w.wire.size()) >= kTrimAfterBytes;
+    for (const StoredWorker& w : n.workers)
+      large |= static_cast<int64_t>(w.wire.size()) >= kTrimAfterBytes;
     large |= static_cast<int64_t>(request.ByteSizeLong()) >= kTrimAfterBytes;
     n.workers.clear();
     n.workers.reserve(static_cast<size_t>(request.workers_size()));
     std::map<std::string, GroupLoad> load = LoadExcept(request.node());
     for (const v1::RegisterWorkerRequest& w : request.workers()) {
       // A name another live node holds stays with it: this one is refused, never admitted.
-      std::optional<v1::WorkerRefusal> refused = Refusal(absl::StrCat(w.group(), "/", w.worker().name()), request.node());
+      std::optional<v1::WorkerRefusal> refused =
+          Refusal(absl::StrCat(w.group(), "/", w.worker().name()), request.node());
       StoredWorker stored;
       if (!refused) {
         stored = Store(w);
@@ -272,11 +287,13 @@ absl::Status Membership::AddLocal(const v1::RegisterWorkerRequest& worker) {
     return absl::AlreadyExistsError(refused->reason());
   }
   StoredWorker stored = Store(worker);  // handles stay on this node
-  if (auto over = OverLimit(stored, LoadExcept(-1)[worker.group()])) return absl::ResourceExhaustedError(over->reason());
+  if (auto over = OverLimit(stored, LoadExcept(-1)[worker.group()]))
+    return absl::ResourceExhaustedError(over->reason());
   nodes_[self_].workers.push_back(std::move(stored));
   groups_[worker.group()];
   RecomputeEpochs();
-  if (static_cast<int64_t>(nodes_[self_].workers.back().wire.size()) >= kTrimAfterBytes) RequestTrim();
+  if (static_cast<int64_t>(nodes_[self_].workers.back().wire.size()) >= kTrimAfterBytes)
+    RequestTrim();
   return absl::OkStatus();  // adding forgets no group
 }
 
@@ -302,14 +319,16 @@ std::map<std::string, Membership::GroupLoad> Membership::LoadExcept(int32_t exce
   return out;
 }
 
-std::optional<v1::WorkerRefusal> Membership::OverLimit(const StoredWorker& w, const GroupLoad& load) const {
+std::optional<v1::WorkerRefusal> Membership::OverLimit(const StoredWorker& w,
+                                                       const GroupLoad& load) const {
   auto over = [&](absl::string_view what, int64_t now, int64_t limit, absl::string_view flag) {
     v1::WorkerRefusal r;
     r.set_worker_id(absl::StrCat(w.group(), "/", w.worker().name()));
     r.set_holder_node(-1);
     r.set_code(static_cast<int32_t>(absl::StatusCode::kResourceExhausted));
-    r.set_reason(absl::StrCat("group \"", w.group(), "\" would hold ", now, " ", what, " with worker \"",
-                              w.worker().name(), "\", more than ", limit, " (--", flag, ")"));
+    r.set_reason(absl::StrCat("group \"", w.group(), "\" would hold ", now, " ", what,
+                              " with worker \"", w.worker().name(), "\", more than ", limit, " (--",
+                              flag, ")"));
     return r;
   };
   if (load.workers + 1 > limits_.max_workers) {
@@ -326,7 +345,8 @@ std::optional<v1::WorkerRefusal> Membership::OverLimit(const StoredWorker& w, co
     return over("pieces", load.pieces + w.pieces, limits_.max_pieces, "max-group-pieces");
   }
   const int64_t bytes = load.bytes + static_cast<int64_t>(w.wire.size());
-  if (bytes > limits_.max_bytes) return over("registration bytes", bytes, limits_.max_bytes, "max-group-bytes");
+  if (bytes > limits_.max_bytes)
+    return over("registration bytes", bytes, limits_.max_bytes, "max-group-bytes");
   return std::nullopt;
 }
 
@@ -365,8 +385,8 @@ void Membership::TellForgotten() {
   }
 }
 
-void Membership::RecordCommit(const std::string& group, int64_t epoch, const std::vector<std::string>& replicas,
-                              int64_t version) {
+void Membership::RecordCommit(const std::string& group, int64_t epoch,
+                              const std::vector<std::string>& replicas, int64_t version) {
   absl::MutexLock lock(&mu_);
   auto g = groups_.find(group);
   if (g == groups_.end()) return;
@@ -374,7 +394,8 @@ void Membership::RecordCommit(const std::string& group, int64_t epoch, const std
     auto r = g->second.replicas.find(name);
     // A replica that changed since the round was planned (a rank left, or came back) is a
     // different one: it did not receive this version whole.
-    if (r != g->second.replicas.end() && r->second.since_epoch <= epoch) r->second.version = version;
+    if (r != g->second.replicas.end() && r->second.since_epoch <= epoch)
+      r->second.version = version;
   }
 }
 
@@ -396,8 +417,8 @@ void Membership::RecomputeEpochs() {
     if (!info.alive) continue;
     for (const auto& w : info.workers) {
       const v1::Worker& k = w.worker();
-      std::string f = absl::StrCat(node, ":", info.incarnation, ":", k.name(), ":", w.role(), ":", k.replica(), ":",
-                                   k.replica_rank(), ":", k.replica_size());
+      std::string f = absl::StrCat(node, ":", info.incarnation, ":", k.name(), ":", w.role(), ":",
+                                   k.replica(), ":", k.replica_rank(), ":", k.replica_size());
       if (w.role() == v1::INFERENCE) {
         replicas[w.group()][k.replica_size() > 0 ? k.replica() : k.name()].push_back(f);
       }
@@ -427,7 +448,8 @@ void Membership::RecomputeEpochs() {
       ReplicaRecord r;
       r.fingerprint = absl::StrJoin(fs, ",");
       r.since_epoch = g.epoch;
-      if (auto old = g.replicas.find(replica); old != g.replicas.end() && old->second.fingerprint == r.fingerprint) {
+      if (auto old = g.replicas.find(replica);
+          old != g.replicas.end() && old->second.fingerprint == r.fingerprint) {
         r = old->second;  // unchanged: it keeps what it was committed
       }
       now.emplace(replica, std::move(r));
@@ -444,7 +466,7 @@ bool Membership::MarkDeadLocked(int32_t node, const std::string& why) {
   it->second.synced = false;
   it->second.dead_since = clock_->Now();
   it->second.workers.clear();
-  RequestTrim();  // rare, and its workers may have been large
+  RequestTrim();       // rare, and its workers may have been large
   beats_.erase(node);  // its next heartbeat takes the slow path and resyncs
   Logger("rpc")->warn("node {} ({}) is dead: {}", node, it->second.control_address, why);
   dead_because_[node] = why;
@@ -583,7 +605,8 @@ GroupMembers Membership::Group(const std::string& group, bool with_pieces) const
     for (const auto& w : info.workers) {
       if (w.group() != group) continue;
       if (with_pieces) {
-        v1::RegisterWorkerRequest& full = out.workers.emplace_back(node, v1::RegisterWorkerRequest()).second;
+        v1::RegisterWorkerRequest& full =
+            out.workers.emplace_back(node, v1::RegisterWorkerRequest()).second;
         if (!full.ParseFromString(w.wire)) full = w.header;  // cannot happen: Store wrote it
       } else {
         out.workers.emplace_back(node, w.header);
@@ -630,7 +653,8 @@ MembershipCounts Membership::Counts() const {
   return counts_;
 }
 
-void Membership::ListWorkers(const v1::ListWorkersRequest& request, v1::ListWorkersResponse* response) const {
+void Membership::ListWorkers(const v1::ListWorkersRequest& request,
+                             v1::ListWorkersResponse* response) const {
   absl::MutexLock lock(&mu_);
   for (const auto& [node, info] : nodes_) {
     if (!info.alive) continue;

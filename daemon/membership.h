@@ -50,8 +50,8 @@ struct ReplicaView {
   std::vector<int32_t> missing;      // ranks no worker holds (at most kMaxListedRanks listed)
   std::vector<int32_t> nodes;        // the nodes of its workers, ascending
   bool complete = false;
-  std::string problem;               // why it does not count; empty when complete
-  int64_t version = 0;               // last committed to it whole (0: none since it changed)
+  std::string problem;  // why it does not count; empty when complete
+  int64_t version = 0;  // last committed to it whole (0: none since it changed)
 };
 inline constexpr int kMaxListedRanks = 1024;
 
@@ -71,8 +71,9 @@ struct GroupMembers {
 
 // The replicas of a group's inference workers (pure; Group() fills GroupMembers with it).
 // `counts[i]` says whether workers[i] is planned.
-std::vector<ReplicaView> ReplicasOf(const std::vector<std::pair<int32_t, v1::RegisterWorkerRequest>>& workers,
-                                    std::vector<bool>* counts);
+std::vector<ReplicaView> ReplicasOf(
+    const std::vector<std::pair<int32_t, v1::RegisterWorkerRequest>>& workers,
+    std::vector<bool>* counts);
 
 struct DeadNode {
   int32_t node;
@@ -107,7 +108,8 @@ class Membership {
   }
 
   // This node (the coordinator): alive from the start, never judged by heartbeats.
-  void SetSelf(const std::string& control_address, const std::string& data_address, int64_t incarnation);
+  void SetSelf(const std::string& control_address, const std::string& data_address,
+               int64_t incarnation);
   // A join or heartbeat; true when the node must send its whole worker list: it is new,
   // restarted or declared dead since, and no sync of its has been applied since then. Every
   // heartbeat says so until one is (an answer that said it may have been lost, or a sync).
@@ -121,7 +123,8 @@ class Membership {
   // from a node not joined at this incarnation (unknown, restarted, or declared dead since), or
   // for a list taken before the node heard of its latest admission (resyncs_seen). A list older
   // than the last applied (sequence) is ignored: OK, nothing changes.
-  absl::Status ApplySync(const v1::SyncWorkersRequest& request, v1::SyncWorkersResponse* response = nullptr);
+  absl::Status ApplySync(const v1::SyncWorkersRequest& request,
+                         v1::SyncWorkersResponse* response = nullptr);
   // The coordinator's own workers, one at a time (a snapshot per registration would make
   // registering n workers O(n^2)). ALREADY_EXISTS, naming the holder, when another live node
   // holds the name.
@@ -133,8 +136,8 @@ class Membership {
   void OnGroupForgotten(std::function<void(const std::string& group)> hook);
   // A round planned at `epoch` committed `version` to these replicas of `group`: each that has
   // not changed since that epoch now holds it.
-  void RecordCommit(const std::string& group, int64_t epoch, const std::vector<std::string>& replicas,
-                    int64_t version);
+  void RecordCommit(const std::string& group, int64_t epoch,
+                    const std::vector<std::string>& replicas, int64_t version);
   // Replica -> the last version committed to it whole, of the group's current replicas.
   std::map<std::string, int64_t> ReplicaVersions(const std::string& group) const;
 
@@ -237,7 +240,8 @@ class Membership {
     }
   };
   // Each group's workers, pieces and encoded bytes on every node but `except` (-1: none).
-  std::map<std::string, GroupLoad> LoadExcept(int32_t except) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  std::map<std::string, GroupLoad> LoadExcept(int32_t except) const
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // A refusal when adding `w` to `load` would pass a limit (the caller adds it otherwise).
   std::optional<v1::WorkerRefusal> OverLimit(const StoredWorker& w, const GroupLoad& load) const
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);  // a group exists once a worker names it

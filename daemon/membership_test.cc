@@ -83,9 +83,11 @@ TEST_CASE("membership: a node declared dead is not revived by a sync; its heartb
   clock.Advance(absl::Seconds(3));
   REQUIRE(m.CheckLiveness().size() == 1);
 
-  const absl::Status revived = m.ApplySync(SyncOf(1, 11, {Registration("i0", v1::INFERENCE, 0, 8, 1)}));
+  const absl::Status revived =
+      m.ApplySync(SyncOf(1, 11, {Registration("i0", v1::INFERENCE, 0, 8, 1)}));
   CHECK(revived.code() == absl::StatusCode::kFailedPrecondition);
-  CHECK_THAT(std::string(revived.message()), Catch::Contains("declared dead (no heartbeat for 2s)"));
+  CHECK_THAT(std::string(revived.message()),
+             Catch::Contains("declared dead (no heartbeat for 2s)"));
   CHECK(m.Group("policy").inference == 0);  // nothing of the refused sync was taken
   CHECK(m.DeathReason(1).has_value());
   CHECK(m.Join(JoinOf(1, 11)));  // the heartbeat's answer: resync (the node aborts its rounds)
@@ -148,7 +150,10 @@ TEST_CASE("membership: a new incarnation is a restarted node; its old workers ar
   Membership m(0, absl::Milliseconds(500), 4, &clock);
   m.SetSelf("a", "b", 1);
   CHECK(m.Join(JoinOf(2, 100)));
-  REQUIRE(m.ApplySync(SyncOf(2, 100, {Registration("t0", v1::TRAINER, 0, 8, 2), Registration("i0", v1::INFERENCE, 0, 8, 2)})).ok());
+  REQUIRE(m.ApplySync(SyncOf(2, 100,
+                             {Registration("t0", v1::TRAINER, 0, 8, 2),
+                              Registration("i0", v1::INFERENCE, 0, 8, 2)}))
+              .ok());
   const GroupMembers before = m.Group("policy");
   CHECK(before.trainers == 1);
   CHECK(before.inference == 1);
@@ -190,8 +195,8 @@ TEST_CASE("membership: the coordinator's own workers come and go one at a time")
 }
 
 // An engine rank: rows [r0, r1) of "w", rank `rank` of replica `replica` of `size` ranks.
-v1::RegisterWorkerRequest Rank(const std::string& name, const std::string& replica, int32_t rank, int32_t size,
-                               int64_t r0, int64_t r1, int32_t node) {
+v1::RegisterWorkerRequest Rank(const std::string& name, const std::string& replica, int32_t rank,
+                               int32_t size, int64_t r0, int64_t r1, int32_t node) {
   v1::RegisterWorkerRequest r = Registration(name, v1::INFERENCE, r0, r1, node);
   r.mutable_worker()->set_replica(replica);
   r.mutable_worker()->set_replica_rank(rank);
@@ -227,7 +232,8 @@ TEST_CASE("membership: replicas count only when complete; the missing ranks are 
   REQUIRE(dp1 != nullptr);
   CHECK_FALSE(dp1->complete);
   CHECK(dp1->missing == std::vector<int32_t>{0});
-  CHECK(dp1->problem == "replica \"dp1\": 1 of 2 ranks registered; missing rank 0 (present: 1 \"vllm-dp1-tp1\")");
+  CHECK(dp1->problem ==
+        "replica \"dp1\": 1 of 2 ranks registered; missing rank 0 (present: 1 \"vllm-dp1-tp1\")");
   // The trainer, dp0's ranks and solo count; dp1's rank does not.
   CHECK(g.counts == std::vector<bool>{true, true, true, false, true});
 
@@ -242,9 +248,11 @@ TEST_CASE("membership: replicas count only when complete; the missing ranks are 
   m.AddLocal(Rank("y1", "dp3", 1, 4, 4, 8, 0));
   g = m.Group("policy");
   CHECK(Find(g, "dp2")->problem ==
-        "replica \"dp2\": 1 of 2 ranks registered; missing rank 1 (present: 0 \"x0\"); workers \"x0\" and \"x1\" both "
+        "replica \"dp2\": 1 of 2 ranks registered; missing rank 1 (present: 0 \"x0\"); workers "
+        "\"x0\" and \"x1\" both "
         "claim rank 0");
-  CHECK(Find(g, "dp3")->problem == "replica \"dp3\": workers \"y0\" and \"y1\" disagree on its size (2 and 4)");
+  CHECK(Find(g, "dp3")->problem ==
+        "replica \"dp3\": workers \"y0\" and \"y1\" disagree on its size (2 and 4)");
   CHECK_FALSE(Find(g, "dp3")->complete);
 }
 
@@ -254,21 +262,32 @@ TEST_CASE("membership: a replica's version: recorded when committed whole, reset
   m.SetSelf("a", "b", 1);
   m.AddLocal(Registration("t0", v1::TRAINER, 0, 8, 0));
   CHECK(m.Join(JoinOf(1, 7)));
-  REQUIRE(m.ApplySync(SyncOf(1, 7, {Rank("vllm-dp0-tp0", "dp0", 0, 2, 0, 4, 1), Rank("vllm-dp0-tp1", "dp0", 1, 2, 4, 8, 1),
-                            Rank("vllm-dp1-tp0", "dp1", 0, 2, 0, 4, 1), Rank("vllm-dp1-tp1", "dp1", 1, 2, 4, 8, 1)})).ok());
+  REQUIRE(m.ApplySync(SyncOf(1, 7,
+                             {Rank("vllm-dp0-tp0", "dp0", 0, 2, 0, 4, 1),
+                              Rank("vllm-dp0-tp1", "dp0", 1, 2, 4, 8, 1),
+                              Rank("vllm-dp1-tp0", "dp1", 0, 2, 0, 4, 1),
+                              Rank("vllm-dp1-tp1", "dp1", 1, 2, 4, 8, 1)}))
+              .ok());
   const int64_t epoch = m.Group("policy").epoch;
   m.RecordCommit("policy", epoch, {"dp0", "dp1"}, 5);
   CHECK(m.ReplicaVersions("policy") == std::map<std::string, int64_t>{{"dp0", 5}, {"dp1", 5}});
   // dp1 loses a rank (its node syncs without it): it no longer holds a version it can vouch for,
   // and a round planned before the change does not give it one.
-  REQUIRE(m.ApplySync(SyncOf(1, 7, {Rank("vllm-dp0-tp0", "dp0", 0, 2, 0, 4, 1), Rank("vllm-dp0-tp1", "dp0", 1, 2, 4, 8, 1),
-                            Rank("vllm-dp1-tp1", "dp1", 1, 2, 4, 8, 1)})).ok());
+  REQUIRE(m.ApplySync(SyncOf(1, 7,
+                             {Rank("vllm-dp0-tp0", "dp0", 0, 2, 0, 4, 1),
+                              Rank("vllm-dp0-tp1", "dp0", 1, 2, 4, 8, 1),
+                              Rank("vllm-dp1-tp1", "dp1", 1, 2, 4, 8, 1)}))
+              .ok());
   CHECK(m.ReplicaVersions("policy") == std::map<std::string, int64_t>{{"dp0", 5}, {"dp1", 0}});
   m.RecordCommit("policy", epoch, {"dp0", "dp1"}, 6);
   CHECK(m.ReplicaVersions("policy") == std::map<std::string, int64_t>{{"dp0", 6}, {"dp1", 0}});
   // It comes back whole: still 0 (it missed versions) until a round refits it.
-  REQUIRE(m.ApplySync(SyncOf(1, 7, {Rank("vllm-dp0-tp0", "dp0", 0, 2, 0, 4, 1), Rank("vllm-dp0-tp1", "dp0", 1, 2, 4, 8, 1),
-                            Rank("vllm-dp1-tp0", "dp1", 0, 2, 0, 4, 1), Rank("vllm-dp1-tp1", "dp1", 1, 2, 4, 8, 1)})).ok());
+  REQUIRE(m.ApplySync(SyncOf(1, 7,
+                             {Rank("vllm-dp0-tp0", "dp0", 0, 2, 0, 4, 1),
+                              Rank("vllm-dp0-tp1", "dp0", 1, 2, 4, 8, 1),
+                              Rank("vllm-dp1-tp0", "dp1", 0, 2, 0, 4, 1),
+                              Rank("vllm-dp1-tp1", "dp1", 1, 2, 4, 8, 1)}))
+              .ok());
   const GroupMembers back = m.Group("policy");
   CHECK(Find(back, "dp1")->complete);
   CHECK(Find(back, "dp1")->version == 0);
@@ -277,7 +296,8 @@ TEST_CASE("membership: a replica's version: recorded when committed whole, reset
   CHECK(m.ReplicaVersions("policy") == std::map<std::string, int64_t>{{"dp0", 7}, {"dp1", 7}});
 }
 
-TEST_CASE("membership: a worker name is held by one node; another node's registration of it is refused") {
+TEST_CASE(
+    "membership: a worker name is held by one node; another node's registration of it is refused") {
   FakeClock clock;
   Membership m(0, absl::Milliseconds(500), 4, &clock);
   m.SetSelf("10.0.0.0:7070", "b", 1);
@@ -286,13 +306,17 @@ TEST_CASE("membership: a worker name is held by one node; another node's registr
   REQUIRE(m.ApplySync(SyncOf(1, 11, {Registration("i0", v1::INFERENCE, 0, 8, 1)})).ok());
   // Node 2 syncs a worker of the same name (and one of its own): i0 is refused, naming node 1.
   v1::SyncWorkersResponse answer;
-  REQUIRE(m.ApplySync(SyncOf(2, 22, {Registration("i0", v1::INFERENCE, 0, 8, 2), Registration("i1", v1::INFERENCE, 0, 8, 2)}),
-              &answer).ok());
+  REQUIRE(m.ApplySync(SyncOf(2, 22,
+                             {Registration("i0", v1::INFERENCE, 0, 8, 2),
+                              Registration("i1", v1::INFERENCE, 0, 8, 2)}),
+                      &answer)
+              .ok());
   REQUIRE(answer.refused_size() == 1);
   CHECK(answer.refused(0).worker_id() == "policy/i0");
   CHECK(answer.refused(0).holder_node() == 1);
   CHECK(answer.refused(0).reason() ==
-        "worker \"policy/i0\" is already registered on node 1 (10.0.0.1:7070); unregister it there first, or "
+        "worker \"policy/i0\" is already registered on node 1 (10.0.0.1:7070); unregister it there "
+        "first, or "
         "choose another name");
   v1::ListWorkersResponse listed;
   m.ListWorkers(v1::ListWorkersRequest(), &listed);
@@ -314,7 +338,8 @@ TEST_CASE("membership: a worker name is held by one node; another node's registr
   CHECK(m.AddLocal(Registration("i0", v1::INFERENCE, 0, 8, 0)).ok());
 }
 
-TEST_CASE("membership: a group is forgotten when its last worker leaves; its epochs are never reused") {
+TEST_CASE(
+    "membership: a group is forgotten when its last worker leaves; its epochs are never reused") {
   FakeClock clock;
   Membership m(0, absl::Milliseconds(500), 4, &clock);
   m.SetSelf("a", "b", 1);
@@ -363,13 +388,17 @@ TEST_CASE("membership: a group's limits (--max-group-*) refuse the worker that w
   REQUIRE(m.ApplySync(SyncOf(1, 11, {Registration("i0", v1::INFERENCE, 0, 4, 1)})).ok());
   // Node 2 brings two more: the third worker of the group fits, the fourth is refused.
   v1::SyncWorkersResponse answer;
-  REQUIRE(m.ApplySync(SyncOf(2, 22, {Registration("i1", v1::INFERENCE, 4, 8, 2), Registration("i2", v1::INFERENCE, 4, 8, 2)}),
-                      &answer).ok());
+  REQUIRE(m.ApplySync(SyncOf(2, 22,
+                             {Registration("i1", v1::INFERENCE, 4, 8, 2),
+                              Registration("i2", v1::INFERENCE, 4, 8, 2)}),
+                      &answer)
+              .ok());
   REQUIRE(answer.refused_size() == 1);
   CHECK(answer.refused(0).worker_id() == "policy/i2");
   CHECK(answer.refused(0).code() == static_cast<int32_t>(absl::StatusCode::kResourceExhausted));
   CHECK(answer.refused(0).reason() ==
-        "group \"policy\" would hold 4 workers with worker \"i2\", more than 3 (--max-group-workers)");
+        "group \"policy\" would hold 4 workers with worker \"i2\", more than 3 "
+        "(--max-group-workers)");
   CHECK(m.Group("policy").inference == 2);
   // A node re-syncing the same list is not counted twice against itself.
   v1::SyncWorkersResponse again;
@@ -393,8 +422,9 @@ TEST_CASE("membership: a group's limits (--max-group-*) refuse the worker that w
   const absl::Status more = p.AddLocal(Registration("t1", v1::TRAINER, 0, 8, 0));
   CHECK(more.code() == absl::StatusCode::kResourceExhausted);
   CHECK(std::string(more.message()).find("--max-group-pieces") != std::string::npos);
-  for (auto [field, flag] : {std::pair<int64_t GroupLimits::*, const char*>{&GroupLimits::max_buffers, "--max-group-buffers"},
-                              {&GroupLimits::max_tensors, "--max-group-tensors"}}) {
+  for (auto [field, flag] : {std::pair<int64_t GroupLimits::*, const char*>{
+                                 &GroupLimits::max_buffers, "--max-group-buffers"},
+                             {&GroupLimits::max_tensors, "--max-group-tensors"}}) {
     Membership g(0, absl::Milliseconds(500), 4, &clock);
     g.SetSelf("10.0.0.0:7070", "b", 1);
     GroupLimits one;

@@ -25,7 +25,8 @@ class MeteredBackend : public DataBackend {
     return inner_->GpuIndex(name);
   }
   // The inner backend's memory (device memory for cuda): the default would be host memory.
-  absl::StatusOr<std::unique_ptr<MappedBuffer>> AllocateScratch(const Worker& worker, int64_t bytes) override {
+  absl::StatusOr<std::unique_ptr<MappedBuffer>> AllocateScratch(const Worker& worker,
+                                                                int64_t bytes) override {
     return inner_->AllocateScratch(worker, bytes);
   }
   absl::StatusOr<TransferStats> Transfer(const TransferJob& job) override {
@@ -46,7 +47,9 @@ class MeteredBackend : public DataBackend {
     return stats;
   }
   void RoundPreparing(TransferJob job) override { inner_->RoundPreparing(std::move(job)); }
-  void WorkersPrepared(const std::string& group, int64_t round_id) override { inner_->WorkersPrepared(group, round_id); }
+  void WorkersPrepared(const std::string& group, int64_t round_id) override {
+    inner_->WorkersPrepared(group, round_id);
+  }
   bool ArmsRounds() const override { return inner_->ArmsRounds(); }
   void Cancel(const std::string& group, int64_t round_id, const std::string& reason) override {
     inner_->Cancel(group, round_id, reason);

@@ -199,14 +199,15 @@ Metrics::Metrics()
                         "the group's last "
                         "successful transfer that used the network.")
                     .Register(*registry_);
-  transfer_bytes_ =
-      &BuildCounter()
-           .Name("refit_transfer_bytes_total")
-           .Help(
-               "Bytes this node's successful transfers moved, by group, link (network, nvlink, local) "
-               "and direction (sent, received; nvlink: received from another GPU of this node; local: "
-               "copied).")
-           .Register(*registry_);
+  transfer_bytes_ = &BuildCounter()
+                         .Name("refit_transfer_bytes_total")
+                         .Help(
+                             "Bytes this node's successful transfers moved, by group, link "
+                             "(network, nvlink, local) "
+                             "and direction (sent, received; nvlink: received from another GPU of "
+                             "this node; local: "
+                             "copied).")
+                         .Register(*registry_);
   nodes_dead_ =
       &BuildCounter()
            .Name("refit_nodes_declared_dead_total")
@@ -217,11 +218,13 @@ Metrics::Metrics()
                      .Name("refit_rpc_errors_total")
                      .Help("Failures this daemon's services answered, by gRPC status code.")
                      .Register(*registry_);
-  communicators_ = &BuildCounter()
-                        .Name("refit_nccl_communicators_total")
-                        .Help("NCCL communicators this node brought up (event=built) and aborted (event=aborted); "
-                              "cuda backend.")
-                        .Register(*registry_);
+  communicators_ =
+      &BuildCounter()
+           .Name("refit_nccl_communicators_total")
+           .Help(
+               "NCCL communicators this node brought up (event=built) and aborted (event=aborted); "
+               "cuda backend.")
+           .Register(*registry_);
   communicators_->Add({{"event", "built"}});
   communicators_->Add({{"event", "aborted"}});
 }
@@ -229,10 +232,12 @@ Metrics::Metrics()
 void Metrics::Communicators(const DataBackend::CommunicatorCounts& counts) {
   absl::MutexLock lock(&counts_mu_);
   if (counts.built > counted_.built) {
-    communicators_->Add({{"event", "built"}}).Increment(static_cast<double>(counts.built - counted_.built));
+    communicators_->Add({{"event", "built"}})
+        .Increment(static_cast<double>(counts.built - counted_.built));
   }
   if (counts.aborted > counted_.aborted) {
-    communicators_->Add({{"event", "aborted"}}).Increment(static_cast<double>(counts.aborted - counted_.aborted));
+    communicators_->Add({{"event", "aborted"}})
+        .Increment(static_cast<double>(counts.aborted - counted_.aborted));
   }
   counted_.built = std::max(counted_.built, counts.built);
   counted_.aborted = std::max(counted_.aborted, counts.aborted);

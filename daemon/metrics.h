@@ -122,7 +122,8 @@ class Metrics {
   prometheus::Family<prometheus::Counter>* rpc_errors_;
   prometheus::Family<prometheus::Counter>* communicators_;
   absl::Mutex counts_mu_;
-  DataBackend::CommunicatorCounts counted_ ABSL_GUARDED_BY(counts_mu_);  // already in communicators_
+  DataBackend::CommunicatorCounts counted_
+      ABSL_GUARDED_BY(counts_mu_);  // already in communicators_
 };
 
 // Histogram buckets for durations from 1 ms to 120 s (seconds).

@@ -58,12 +58,14 @@ class FakeBackend : public DataBackend {
       return absl::AbortedError("cancelled");
     }
     ++counts_.built;
-    return TransferStats{.bytes_sent = 1000, .bytes_received = 3000, .bytes_local = 500, .bytes_nvlink = 1000};
+    return TransferStats{
+        .bytes_sent = 1000, .bytes_received = 3000, .bytes_local = 500, .bytes_nvlink = 1000};
   }
   void Cancel(const std::string&, int64_t, const std::string&) override {}
   CommunicatorCounts Communicators() const override { return counts_; }
   absl::StatusOr<std::unique_ptr<MappedBuffer>> AllocateScratch(const Worker&, int64_t) override {
-    return absl::UnimplementedError("fake scratch");  // tells the wrapper's forwarding from the default
+    return absl::UnimplementedError(
+        "fake scratch");  // tells the wrapper's forwarding from the default
   }
 
  private:
@@ -174,7 +176,9 @@ TEST_CASE("metrics: the metered backend reports each transfer, bytes by link cla
       Value(text,
             R"(refit_transfer_bytes_total{direction="received",group="policy",link="network"})") ==
       4000);
-  CHECK(Value(text, R"(refit_transfer_bytes_total{direction="received",group="policy",link="nvlink"})") == 2000);
+  CHECK(Value(text,
+              R"(refit_transfer_bytes_total{direction="received",group="policy",link="nvlink"})") ==
+        2000);
   // NCCL communicators, as the backend counts them (by what grew since the last transfer).
   CHECK(Value(text, R"(refit_nccl_communicators_total{event="built"})") == 2);
   CHECK(Value(text, R"(refit_nccl_communicators_total{event="aborted"})") == 1);

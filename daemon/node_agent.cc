@@ -53,15 +53,21 @@ PlanOptions PlanOptionsFor(const v1::InstallPlanRequest& request) {
 
 const char* PhaseName(v1::PhaseRequest::Phase p) {
   switch (p) {
-    case v1::PhaseRequest::PREPARE: return "PREPARE";
-    case v1::PhaseRequest::TRANSFER: return "TRANSFER";
-    case v1::PhaseRequest::COMMIT: return "COMMIT";
-    case v1::PhaseRequest::ABORT: return "ABORT";
-    default: return "?";
+    case v1::PhaseRequest::PREPARE:
+      return "PREPARE";
+    case v1::PhaseRequest::TRANSFER:
+      return "TRANSFER";
+    case v1::PhaseRequest::COMMIT:
+      return "COMMIT";
+    case v1::PhaseRequest::ABORT:
+      return "ABORT";
+    default:
+      return "?";
   }
 }
 
-NodeAgent::NodeAgent(int32_t node, WorkerRegistry* registry, DataBackend* backend, NodeAgentLease lease)
+NodeAgent::NodeAgent(int32_t node, WorkerRegistry* registry, DataBackend* backend,
+                     NodeAgentLease lease)
     : node_(node), registry_(registry), backend_(backend), lease_(std::move(lease)) {}
 
 absl::Time NodeAgent::LeaseFromNow() const {
@@ -93,8 +99,9 @@ int NodeAgent::ExpireLeases() {
   }
   for (const auto& [group, active] : ended) {
     const std::string reason = absl::StrCat(
-        "the coordinator (", lease_.coordinator, ") was lost: its lease on round ", active.round, " of group \"",
-        group, "\" ended (no phase call or heartbeat answer for ", absl::FormatDuration(lease_.lease), ")");
+        "the coordinator (", lease_.coordinator, ") was lost: its lease on round ", active.round,
+        " of group \"", group, "\" ended (no phase call or heartbeat answer for ",
+        absl::FormatDuration(lease_.lease), ")");
     Logger("round")->warn("{}; aborting it here", reason);
     Abort(group, active.round, active.version, reason, /*only_if_open=*/true);
   }
@@ -120,15 +127,16 @@ int NodeAgent::AbortOpenRounds(const std::string& why) {
     }
   }
   for (const auto& [group, active] : open) {
-    const std::string reason = absl::StrCat("round ", active.round, " of group \"", group, "\" ended: ", why);
+    const std::string reason =
+        absl::StrCat("round ", active.round, " of group \"", group, "\" ended: ", why);
     Logger("round")->warn("{}", reason);
     Abort(group, active.round, active.version, reason, /*only_if_open=*/true);
   }
   return static_cast<int>(open.size());
 }
 
-void NodeAgent::Abort(const std::string& group, int64_t round, int64_t version, const std::string& reason,
-                      bool only_if_open) {
+void NodeAgent::Abort(const std::string& group, int64_t round, int64_t version,
+                      const std::string& reason, bool only_if_open) {
   {
     absl::MutexLock lock(&mu_);
     auto it = active_rounds_.find(group);
@@ -157,14 +165,17 @@ void NodeAgent::Abort(const std::string& group, int64_t round, int64_t version, 
     if (auto it = installed_.find(group); it != installed_.end()) installed = it->second;
   }
   if (installed != nullptr) {
-    registry_->Send(LocalIds(group, *installed), e, /*reset_prepared=*/false, /*reset_resumed=*/false).IgnoreError();
+    registry_
+        ->Send(LocalIds(group, *installed), e, /*reset_prepared=*/false, /*reset_resumed=*/false)
+        .IgnoreError();
   } else {
     registry_->SendToGroup(group, e);  // no plan here: every worker of the group may be in it
   }
   ForgetIfGone(group);  // the round that held the group here is over
 }
 
-std::vector<std::string> NodeAgent::LocalIds(const std::string& group, const InstalledPlan& installed) const {
+std::vector<std::string> NodeAgent::LocalIds(const std::string& group,
+                                             const InstalledPlan& installed) const {
   std::vector<std::string> ids;
   for (const Layout* l : {&installed.src, &installed.dst}) {
     for (const Worker& w : l->workers) {
@@ -226,7 +237,8 @@ absl::Status NodeAgent::InstallPlan(const v1::InstallPlanRequest& request) {
     if (!plan.ok()) return plan.status();
     installed->plan = std::make_shared<const Plan>(*std::move(plan));
   }
-  for (const v1::NodeAddress& n : request.nodes()) installed->data_addresses[n.node()] = n.data_address();
+  for (const v1::NodeAddress& n : request.nodes())
+    installed->data_addresses[n.node()] = n.data_address();
   installed->nccl_id = request.nccl_id();
   installed->step_bytes = request.step_bytes();
   installed->zero_copy_min_bytes = request.zero_copy_min_bytes();
@@ -251,7 +263,8 @@ std::shared_ptr<std::atomic<int64_t>> NodeAgent::AbortedRound(const std::string&
   return a;
 }
 
-void NodeAgent::WorkerLost(const std::string& group, const std::string& id, const std::string& reason) {
+void NodeAgent::WorkerLost(const std::string& group, const std::string& id,
+                           const std::string& reason) {
   int64_t round = -1;
   const std::string why = absl::StrCat("worker \"", id, "\" on node ", node_, " left: ", reason);
   {
@@ -291,16 +304,20 @@ void NodeAgent::ForgetIfGone(const std::string& group) {
   std::shared_ptr<const Resolved> dropped_resolved;
   absl::MutexLock lock(&mu_);
   if (active_rounds_.contains(group)) return;  // a round began meanwhile
-  if (auto it = installed_.find(group); it != installed_.end() && it->second != installed) return;  // reinstalled
-  if (auto it = installed_.find(group); it != installed_.end()) dropped_plan = std::move(it->second);
-  if (auto it = resolved_.find(group); it != resolved_.end()) dropped_resolved = std::move(it->second);
+  if (auto it = installed_.find(group); it != installed_.end() && it->second != installed)
+    return;  // reinstalled
+  if (auto it = installed_.find(group); it != installed_.end())
+    dropped_plan = std::move(it->second);
+  if (auto it = resolved_.find(group); it != resolved_.end())
+    dropped_resolved = std::move(it->second);
   installed_.erase(group);
   resolved_.erase(group);
   abort_reasons_.erase(group);
   aborted_rounds_.erase(group);
   lost_workers_.erase(group);
   early_aborts_.erase(group);
-  Logger("plan")->info("group \"{}\": no worker of it left on node {}; its plan is dropped here", group, node_);
+  Logger("plan")->info("group \"{}\": no worker of it left on node {}; its plan is dropped here",
+                       group, node_);
 }
 
 size_t NodeAgent::GroupsKept() const {
@@ -322,7 +339,8 @@ absl::Status NodeAgent::RunPhase(const v1::PhaseRequest& request, v1::PhaseRespo
     Abort(group, request.round_id(), request.version(), request.reason(), /*only_if_open=*/false);
     return absl::OkStatus();
   }
-  if (request.phase() == v1::PhaseRequest::TRANSFER || request.phase() == v1::PhaseRequest::COMMIT) {
+  if (request.phase() == v1::PhaseRequest::TRANSFER ||
+      request.phase() == v1::PhaseRequest::COMMIT) {
     REFIT_RETURN_IF_ERROR(RenewOpenRound(request));
   }
   REFIT_ASSIGN_OR_RETURN(std::shared_ptr<const InstalledPlan> installed, InstalledFor(request));
@@ -367,8 +385,9 @@ absl::StatusOr<std::shared_ptr<const NodeAgent::InstalledPlan>> NodeAgent::Insta
     if (it != installed_.end()) installed = it->second;
   }
   if (installed == nullptr || installed->epoch != request.epoch()) {
-    return absl::FailedPreconditionError(absl::StrCat(
-        "node ", node_, " has no plan of group \"", group, "\" for membership epoch ", request.epoch()));
+    return absl::FailedPreconditionError(absl::StrCat("node ", node_, " has no plan of group \"",
+                                                      group, "\" for membership epoch ",
+                                                      request.epoch()));
   }
   if (!request.plan_digest().empty() && request.plan_digest() != installed->digest) {
     return absl::FailedPreconditionError(absl::StrCat(
@@ -520,7 +539,8 @@ absl::StatusOr<TransferJob> NodeAgent::JobFor(const std::string& group,
     absl::MutexLock lock(&mu_);
     if (auto it = resolved_.find(group); it != resolved_.end()) cached = it->second;
   }
-  bool same = cached != nullptr && cached->plan.lock() == installed && cached->workers.size() == workers.size();
+  bool same = cached != nullptr && cached->plan.lock() == installed &&
+              cached->workers.size() == workers.size();
   for (size_t i = 0; same && i < workers.size(); ++i) {
     same = workers[i] != nullptr && cached->workers[i].lock() == workers[i];
   }
@@ -544,8 +564,9 @@ absl::StatusOr<TransferJob> NodeAgent::JobFor(const std::string& group,
           const std::string id = absl::StrCat(group, "/", w.name);
           auto local = registry_->Find(id);
           if (local == nullptr) {
-            return WithCulprit(absl::AbortedError(absl::StrCat("worker \"", id, "\" left node ", node_)),
-                               WorkerCulprit(node_, id, "TRANSFER"));
+            return WithCulprit(
+                absl::AbortedError(absl::StrCat("worker \"", id, "\" left node ", node_)),
+                WorkerCulprit(node_, id, "TRANSFER"));
           }
           by_worker[wi] = local.get();
           hold.push_back(std::move(local));
@@ -579,9 +600,9 @@ absl::StatusOr<TransferJob> NodeAgent::JobFor(const std::string& group,
       }
       auto memory = backend_->AllocateScratch(w, b.NumBytes());
       if (!memory.ok()) {
-        return absl::ResourceExhaustedError(absl::StrCat("scratch of ", b.NumBytes(), " bytes for worker \"", w.name,
-                                                         "\" (fp8 blocks no source holds whole): ",
-                                                         memory.status().message()));
+        return absl::ResourceExhaustedError(
+            absl::StrCat("scratch of ", b.NumBytes(), " bytes for worker \"", w.name,
+                         "\" (fp8 blocks no source holds whole): ", memory.status().message()));
       }
       job.dst.push_back((*memory)->bytes());
       fresh->scratch->push_back(*std::move(memory));
@@ -599,14 +620,16 @@ absl::StatusOr<TransferJob> NodeAgent::JobFor(const std::string& group,
   return job;
 }
 
-std::optional<NodeAgent::LostWorker> NodeAgent::LostIn(const std::string& group, int64_t round) const {
+std::optional<NodeAgent::LostWorker> NodeAgent::LostIn(const std::string& group,
+                                                       int64_t round) const {
   absl::MutexLock lock(&mu_);
   auto lost = lost_workers_.find(group);
   if (lost == lost_workers_.end() || lost->second.round != round) return std::nullopt;
   return lost->second;
 }
 
-absl::Status NodeAgent::Transfer(const std::string& group, const std::shared_ptr<const InstalledPlan>& installed,
+absl::Status NodeAgent::Transfer(const std::string& group,
+                                 const std::shared_ptr<const InstalledPlan>& installed,
                                  const v1::PhaseRequest& request, v1::PhaseResponse* response) {
   std::vector<std::shared_ptr<LocalWorker>> workers;
   auto job = JobFor(group, installed, request, workers);
@@ -614,7 +637,8 @@ absl::Status NodeAgent::Transfer(const std::string& group, const std::shared_ptr
     // A worker missing from the registry: the first one lost in this round, if one was (not
     // whichever of several comes first in the layouts).
     if (auto lost = LostIn(group, request.round_id())) {
-      return WithCulprit(absl::AbortedError(lost->reason), WorkerCulprit(node_, lost->id, "TRANSFER"));
+      return WithCulprit(absl::AbortedError(lost->reason),
+                         WorkerCulprit(node_, lost->id, "TRANSFER"));
     }
     return job.status();
   }

@@ -49,7 +49,8 @@ struct NodeAgentLease {
 
 class NodeAgent {
  public:
-  NodeAgent(int32_t node, WorkerRegistry* registry, DataBackend* backend, NodeAgentLease lease = {});
+  NodeAgent(int32_t node, WorkerRegistry* registry, DataBackend* backend,
+            NodeAgentLease lease = {});
 
   // The coordinator answered a heartbeat: the lease of every open round it still runs
   // (`running`: group -> round id; null: every open round) runs on from now. A round it no longer
@@ -90,7 +91,8 @@ class NodeAgent {
 
   // What the coordinator's ABORT does: the transfer cancelled, the PREPARE wait ended, ABORT to
   // the group's workers. `only_if_open`: unless the round is no longer open here (raced).
-  void Abort(const std::string& group, int64_t round, int64_t version, const std::string& reason, bool only_if_open);
+  void Abort(const std::string& group, int64_t round, int64_t version, const std::string& reason,
+             bool only_if_open);
   absl::Time LeaseFromNow() const;
 
   // The steps of RunPhase.
@@ -117,9 +119,12 @@ class NodeAgent {
   // The round's job on this node (its buffers found in the workers' registrations, cached while
   // the same workers stay registered); `workers` holds them (their mappings) while it is used.
   // Failures name the worker that left or the buffer it lacks.
-  absl::StatusOr<TransferJob> JobFor(const std::string& group, const std::shared_ptr<const InstalledPlan>& installed,
-                                     const v1::PhaseRequest& request, std::vector<std::shared_ptr<LocalWorker>>& workers);
-  absl::Status Transfer(const std::string& group, const std::shared_ptr<const InstalledPlan>& installed,
+  absl::StatusOr<TransferJob> JobFor(const std::string& group,
+                                     const std::shared_ptr<const InstalledPlan>& installed,
+                                     const v1::PhaseRequest& request,
+                                     std::vector<std::shared_ptr<LocalWorker>>& workers);
+  absl::Status Transfer(const std::string& group,
+                        const std::shared_ptr<const InstalledPlan>& installed,
                         const v1::PhaseRequest& request, v1::PhaseResponse* response);
   // "group/name" of each worker the plan places on this node.
   std::vector<std::string> LocalIds(const std::string& group, const InstalledPlan& installed) const;
@@ -127,7 +132,8 @@ class NodeAgent {
   // and no round of it is open here.
   void ForgetIfGone(const std::string& group);
   // The group's latest aborted round id, read without a lock by a wait for PREPARE.
-  std::shared_ptr<std::atomic<int64_t>> AbortedRound(const std::string& group) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  std::shared_ptr<std::atomic<int64_t>> AbortedRound(const std::string& group)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   const int32_t node_;
   WorkerRegistry* const registry_;
@@ -144,11 +150,13 @@ class NodeAgent {
   };
   std::map<std::string, LostWorker> lost_workers_ ABSL_GUARDED_BY(mu_);
   // The worker whose loss cancelled `round` of `group` here, if one did.
-  std::optional<LostWorker> LostIn(const std::string& group, int64_t round) const ABSL_LOCKS_EXCLUDED(mu_);
+  std::optional<LostWorker> LostIn(const std::string& group, int64_t round) const
+      ABSL_LOCKS_EXCLUDED(mu_);
   // The buffers of a group's last transfer, reused while the same local workers stay registered
   // (a model of 100k tensors would otherwise cost tens of milliseconds of lookups every round).
   std::map<std::string, std::shared_ptr<const Resolved>> resolved_ ABSL_GUARDED_BY(mu_);
-  std::map<std::string, ActiveRound> active_rounds_ ABSL_GUARDED_BY(mu_);  // group -> round open here
+  std::map<std::string, ActiveRound> active_rounds_
+      ABSL_GUARDED_BY(mu_);  // group -> round open here
   bool draining_ ABSL_GUARDED_BY(mu_) = false;
   struct EarlyAbort {
     int64_t round = -1;

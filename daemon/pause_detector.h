@@ -26,7 +26,8 @@ class PauseDetector {
   };
 
   // A gap of more than `threshold` between two ticks is a pause.
-  PauseDetector(const Clock* clock, absl::Duration threshold) : clock_(clock), threshold_(threshold) {}
+  PauseDetector(const Clock* clock, absl::Duration threshold)
+      : clock_(clock), threshold_(threshold) {}
 
   // Called by a loop at least every threshold / 2 (from any thread); returns the pause that
   // ended now, if this tick is the first after one.

@@ -33,7 +33,8 @@ int main(int argc, char** argv) {
   // the soft limit (often 1,024) would cut deliveries off long before the hard one.
   if (rlimit nofile; getrlimit(RLIMIT_NOFILE, &nofile) == 0 && nofile.rlim_cur < nofile.rlim_max &&
                      nofile.rlim_cur < (rlim_t{1} << 20)) {
-    nofile.rlim_cur = std::min<rlim_t>(nofile.rlim_max, rlim_t{1} << 20);  // the kernel's usual nr_open
+    nofile.rlim_cur =
+        std::min<rlim_t>(nofile.rlim_max, rlim_t{1} << 20);  // the kernel's usual nr_open
     setrlimit(RLIMIT_NOFILE, &nofile);
   }
   // Buffers of 1 MiB and more (data-plane staging, plan scratch, transient registration

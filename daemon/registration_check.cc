@@ -17,7 +17,9 @@ namespace {
 
 using google::protobuf::internal::WireFormatLite;
 
-std::string RoleName(v1::Role r) { return r == v1::TRAINER ? "trainer" : r == v1::INFERENCE ? "inference" : "?"; }
+std::string RoleName(v1::Role r) {
+  return r == v1::TRAINER ? "trainer" : r == v1::INFERENCE ? "inference" : "?";
+}
 
 // `request`'s tensors and worker lent to a v1::Layout for as long as this lives, not copied (the
 // decoder only reads them); taken back before the layout goes, so that it never frees them.
@@ -138,8 +140,9 @@ absl::Status CheckRegistrationFields(const v1::RegisterWorkerRequest& request) {
     return absl::InvalidArgumentError("register: the worker needs a name without '/'");
   }
   if (request.memory_size() != w.buffers_size()) {
-    return absl::InvalidArgumentError(absl::StrCat("register: worker \"", w.name(), "\" has ", w.buffers_size(),
-                                                   " buffers but ", request.memory_size(), " memory handles"));
+    return absl::InvalidArgumentError(absl::StrCat("register: worker \"", w.name(), "\" has ",
+                                                   w.buffers_size(), " buffers but ",
+                                                   request.memory_size(), " memory handles"));
   }
   return absl::OkStatus();
 }
@@ -153,7 +156,8 @@ absl::StatusOr<CheckedLayout> CheckRegistrationLayout(const v1::RegisterWorkerRe
     const BorrowedLayout mine(request);
     return LayoutFromProto(mine.get());
   }();
-  if (!layout.ok()) return absl::InvalidArgumentError(absl::StrCat("register: ", layout.status().message()));
+  if (!layout.ok())
+    return absl::InvalidArgumentError(absl::StrCat("register: ", layout.status().message()));
   layout->workers[0].node = node;
   if (gpu.has_value()) layout->workers[0].gpu = *gpu;
   if (auto s = ValidateLayout(*layout, RoleName(request.role())); !s.ok()) {
@@ -163,7 +167,8 @@ absl::StatusOr<CheckedLayout> CheckRegistrationLayout(const v1::RegisterWorkerRe
   out.buffer_bytes.reserve(layout->buffers.size());
   for (const Buffer& b : layout->buffers) out.buffer_bytes.push_back(b.NumBytes());
   if (auto s = CheckMemoryRefs(request, out.buffer_bytes, fds); !s.ok()) {
-    return absl::InvalidArgumentError(absl::StrCat("register: worker \"", w.name(), "\": ", s.message()));
+    return absl::InvalidArgumentError(
+        absl::StrCat("register: worker \"", w.name(), "\": ", s.message()));
   }
   out.layout = *std::move(layout);
   return out;

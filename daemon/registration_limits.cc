@@ -23,45 +23,51 @@ std::string Shown(absl::string_view name) {
 }
 
 absl::Status Exhausted(absl::string_view what, int64_t n, int64_t limit, absl::string_view flag) {
-  return absl::ResourceExhaustedError(absl::StrCat("register: ", n, " ", what, " in one registration, more than ",
-                                                   limit, " (--", flag, ")"));
+  return absl::ResourceExhaustedError(absl::StrCat(
+      "register: ", n, " ", what, " in one registration, more than ", limit, " (--", flag, ")"));
 }
 
 }  // namespace
 
 absl::Status CheckName(absl::string_view what, absl::string_view name) {
-  if (name.empty()) return absl::InvalidArgumentError(absl::StrCat("register: \"", what, "\" is empty"));
+  if (name.empty())
+    return absl::InvalidArgumentError(absl::StrCat("register: \"", what, "\" is empty"));
   if (name.size() > kMaxNameBytes) {
-    return absl::InvalidArgumentError(absl::StrCat("register: ", what, " name \"", Shown(name), "\" is ", name.size(),
-                                                   " bytes, more than ", kMaxNameBytes));
+    return absl::InvalidArgumentError(absl::StrCat("register: ", what, " name \"", Shown(name),
+                                                   "\" is ", name.size(), " bytes, more than ",
+                                                   kMaxNameBytes));
   }
   for (size_t i = 0; i < name.size();) {
     const auto c = static_cast<unsigned char>(name[i]);
     const size_t n = Utf8SequenceLength(name, i);
     if (n == 0 || c < 0x20 || c == 0x7f) {
-      return absl::InvalidArgumentError(absl::StrCat("register: ", what, " name \"", Shown(name), "\" holds byte ",
-                                                     absl::StrFormat("0x%02x", c), " at ", i,
-                                                     " (names are printable UTF-8, no control characters)"));
+      return absl::InvalidArgumentError(
+          absl::StrCat("register: ", what, " name \"", Shown(name), "\" holds byte ",
+                       absl::StrFormat("0x%02x", c), " at ", i,
+                       " (names are printable UTF-8, no control characters)"));
     }
     i += n;
   }
   return absl::OkStatus();
 }
 
-absl::Status CheckRegistration(const v1::RegisterWorkerRequest& request, const RegistrationLimits& limits) {
+absl::Status CheckRegistration(const v1::RegisterWorkerRequest& request,
+                               const RegistrationLimits& limits) {
   const v1::Worker& w = request.worker();
   if (const auto bytes = static_cast<int64_t>(request.ByteSizeLong()); bytes > limits.max_bytes) {
     return Exhausted("bytes", bytes, limits.max_bytes, "max-registration-bytes");
   }
   if (request.tensors_size() > limits.max_tensors) {
-    return Exhausted("tensors", request.tensors_size(), limits.max_tensors, "max-registration-tensors");
+    return Exhausted("tensors", request.tensors_size(), limits.max_tensors,
+                     "max-registration-tensors");
   }
   if (w.buffers_size() > limits.max_buffers) {
     return Exhausted("buffers", w.buffers_size(), limits.max_buffers, "max-registration-buffers");
   }
   int64_t pieces = 0;
   for (const v1::Buffer& b : w.buffers()) pieces += b.pieces_size();
-  if (pieces > limits.max_pieces) return Exhausted("pieces", pieces, limits.max_pieces, "max-registration-pieces");
+  if (pieces > limits.max_pieces)
+    return Exhausted("pieces", pieces, limits.max_pieces, "max-registration-pieces");
   // Names, now that their number is bounded.
   if (auto s = CheckName("group", request.group()); !s.ok()) return s;
   if (auto s = CheckName("worker", w.name()); !s.ok()) return s;
@@ -69,9 +75,10 @@ absl::Status CheckRegistration(const v1::RegisterWorkerRequest& request, const R
     if (auto s = CheckName("replica", w.replica()); !s.ok()) return s;
   }
   if (!w.buffers_like().empty()) {
-    return absl::InvalidArgumentError(absl::StrCat("register: worker \"", Shown(w.name()),
-                                                   "\": buffers_like is the compact form of plans between daemons; "
-                                                   "a registration lists its buffers"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("register: worker \"", Shown(w.name()),
+                     "\": buffers_like is the compact form of plans between daemons; "
+                     "a registration lists its buffers"));
   }
   for (const v1::TensorSpec& t : request.tensors()) {
     if (auto s = CheckName("tensor", t.name()); !s.ok()) return s;
@@ -80,9 +87,10 @@ absl::Status CheckRegistration(const v1::RegisterWorkerRequest& request, const R
     if (auto s = CheckName("buffer", b.name()); !s.ok()) return s;
     for (const v1::Piece& p : b.pieces()) {
       if (p.repeat() != 0 || p.run_pieces() > 1) {
-        return absl::InvalidArgumentError(absl::StrCat("register: buffer \"", Shown(b.name()),
-                                                       "\": runs of pieces (repeat, run_pieces) are the compact form "
-                                                       "of plans between daemons; a registration lists its pieces"));
+        return absl::InvalidArgumentError(
+            absl::StrCat("register: buffer \"", Shown(b.name()),
+                         "\": runs of pieces (repeat, run_pieces) are the compact form "
+                         "of plans between daemons; a registration lists its pieces"));
       }
       if (!p.tensor().empty()) {
         if (auto s = CheckName("piece's tensor", p.tensor()); !s.ok()) return s;

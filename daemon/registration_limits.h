@@ -11,9 +11,9 @@
 #pragma once
 
 #include <cstdint>
-#include "absl/strings/string_view.h"
 
 #include "absl/status/status.h"
+#include "absl/strings/string_view.h"
 #include "proto/refit.pb.h"
 
 namespace refit {
@@ -31,14 +31,16 @@ struct RegistrationLimits {
 struct GroupLimits {
   int64_t max_workers = int64_t{1} << 16;  // --max-group-workers
   int64_t max_buffers = int64_t{1} << 24;  // --max-group-buffers
-  int64_t max_tensors = int64_t{1} << 26;  // --max-group-tensors (as the workers declare them, summed)
-  int64_t max_pieces = int64_t{1} << 27;   // --max-group-pieces
-  int64_t max_bytes = int64_t{8} << 30;    // --max-group-bytes: their registrations as encoded
+  int64_t max_tensors = int64_t{1}
+                        << 26;  // --max-group-tensors (as the workers declare them, summed)
+  int64_t max_pieces = int64_t{1} << 27;  // --max-group-pieces
+  int64_t max_bytes = int64_t{8} << 30;   // --max-group-bytes: their registrations as encoded
 };
 inline constexpr size_t kMaxNameBytes = 256;
 
 // OK when `name` may name a `what` (e.g. "buffer"): 1..kMaxNameBytes bytes of printable UTF-8.
 absl::Status CheckName(absl::string_view what, absl::string_view name);
-absl::Status CheckRegistration(const v1::RegisterWorkerRequest& request, const RegistrationLimits& limits);
+absl::Status CheckRegistration(const v1::RegisterWorkerRequest& request,
+                               const RegistrationLimits& limits);
 
 }  // namespace refit

@@ -4,9 +4,8 @@
 // compact layout form is refused from a worker.
 #include "daemon/registration_limits.h"
 
-#include <string>
-
 #include <catch2/catch.hpp>
+#include <string>
 
 namespace refit {
 namespace {
@@ -21,7 +20,8 @@ v1::RegisterWorkerRequest Request(int buffers, int pieces_each) {
   for (int b = 0; b < buffers; ++b) {
     v1::Buffer* buf = r.mutable_worker()->add_buffers();
     buf->set_name("buf" + std::to_string(b));
-    for (int p = 0; p < pieces_each; ++p) buf->add_pieces()->set_tensor("model.embed_tokens.weight");
+    for (int p = 0; p < pieces_each; ++p)
+      buf->add_pieces()->set_tensor("model.embed_tokens.weight");
   }
   return r;
 }
@@ -34,7 +34,8 @@ TEST_CASE("registration limits: counts over a limit are RESOURCE_EXHAUSTED namin
   CHECK(CheckRegistration(Request(10, 10), limits).ok());
   const absl::Status pieces = CheckRegistration(Request(10, 11), limits);
   CHECK(pieces.code() == absl::StatusCode::kResourceExhausted);
-  CHECK(pieces.message() == "register: 110 pieces in one registration, more than 100 (--max-registration-pieces)");
+  CHECK(pieces.message() ==
+        "register: 110 pieces in one registration, more than 100 (--max-registration-pieces)");
   const absl::Status buffers = CheckRegistration(Request(11, 1), limits);
   CHECK(buffers.code() == absl::StatusCode::kResourceExhausted);
   CHECK_THAT(std::string(buffers.message()), Catch::Contains("--max-registration-buffers"));
@@ -68,13 +69,15 @@ TEST_CASE("registration limits: names are 1..256 bytes of printable UTF-8") {
   CHECK(nul.code() == absl::StatusCode::kInvalidArgument);
   CHECK_THAT(std::string(nul.message()), Catch::Contains("byte 0x00 at 1"));
   CHECK_THAT(std::string(nul.message()), Catch::Contains("\"w\\x00x\""));  // shown escaped
-  for (const std::string bad : {"a\nb", "a\x1b[31m", "a\x7f", "\xff", "\xc0\xaf", "\xed\xa0\x80", "\xe2\x82"}) {
+  for (const std::string bad :
+       {"a\nb", "a\x1b[31m", "a\x7f", "\xff", "\xc0\xaf", "\xed\xa0\x80", "\xe2\x82"}) {
     INFO(bad);
     CHECK(CheckName("worker", bad).code() == absl::StatusCode::kInvalidArgument);
   }
 }
 
-TEST_CASE("registration limits: every name of a registration is checked; the compact form is refused") {
+TEST_CASE(
+    "registration limits: every name of a registration is checked; the compact form is refused") {
   const RegistrationLimits limits;
   v1::RegisterWorkerRequest r = Request(2, 2);
   CHECK(CheckRegistration(r, limits).ok());

@@ -22,7 +22,8 @@ namespace refit {
 // dangling.
 class RoundDriver::FanOut {
  public:
-  using Call = std::function<void(int32_t node, v1::PhaseResponse* response, PeerClient::Done done)>;
+  using Call =
+      std::function<void(int32_t node, v1::PhaseResponse* response, PeerClient::Done done)>;
 
   // The calls of `nodes`, pending until Run starts them.
   static std::shared_ptr<FanOut> Make(const std::vector<int32_t>& nodes,
@@ -58,9 +59,9 @@ class RoundDriver::FanOut {
     while (!pending_.empty() && absl::Now() < deadline) done_.WaitWithDeadline(&mu_, deadline);
     if (pending_.empty()) return first_;
     if (!first_.ok()) return first_;
-    return WithCulprit(absl::DeadlineExceededError(absl::StrCat("node", pending_.size() > 1 ? "s " : " ",
-                                                                absl::StrJoin(pending_, ", "), " did not answer ",
-                                                                what, " within ", absl::FormatDuration(timeout))),
+    return WithCulprit(absl::DeadlineExceededError(absl::StrCat(
+                           "node", pending_.size() > 1 ? "s " : " ", absl::StrJoin(pending_, ", "),
+                           " did not answer ", what, " within ", absl::FormatDuration(timeout))),
                        NodeCulprit(*pending_.begin(), "", what));
   }
 
@@ -167,10 +168,12 @@ std::vector<int32_t> RoundDriver::Order(const std::vector<int32_t>& nodes) const
 absl::Status RoundDriver::CheckVersion(const std::string& group, int64_t version) const {
   auto it = groups_.find(group);
   if (it == groups_.end()) return absl::OkStatus();
-  if (it->second.busy) return absl::AbortedError(absl::StrCat("group \"", group, "\" is already running a round"));
+  if (it->second.busy)
+    return absl::AbortedError(absl::StrCat("group \"", group, "\" is already running a round"));
   if (version <= it->second.version) {
-    return absl::FailedPreconditionError(absl::StrCat("version ", version, " is not newer than group \"", group,
-                                                      "\"'s committed version ", it->second.version));
+    return absl::FailedPreconditionError(
+        absl::StrCat("version ", version, " is not newer than group \"", group,
+                     "\"'s committed version ", it->second.version));
   }
   return absl::OkStatus();
 }
@@ -178,8 +181,9 @@ absl::Status RoundDriver::CheckVersion(const std::string& group, int64_t version
 absl::StatusOr<int64_t> RoundDriver::BeginRound(const v1::RefitRequest& request) {
   const std::vector<std::string> known = membership_->GroupNames();
   if (std::find(known.begin(), known.end(), request.group()) == known.end()) {
-    return absl::NotFoundError(absl::StrCat("no model group \"", request.group(), "\" (known: ",
-                                            known.empty() ? "none" : absl::StrJoin(known, ", "), ")"));
+    return absl::NotFoundError(
+        absl::StrCat("no model group \"", request.group(),
+                     "\" (known: ", known.empty() ? "none" : absl::StrJoin(known, ", "), ")"));
   }
   if (auto s = CheckVersionBound(request.version()); !s.ok()) return s;
   {
@@ -190,8 +194,10 @@ absl::StatusOr<int64_t> RoundDriver::BeginRound(const v1::RefitRequest& request)
   if (auto plan = planner_->Get(request.group()); !plan->status.ok()) return plan->status;
   {
     absl::MutexLock lock(&mu_);
-    if (draining_) return absl::UnavailableError("the coordinator is draining (shutting down): no new rounds");
-    if (auto s = CheckVersion(request.group(), request.version()); !s.ok()) return s;  // raced meanwhile
+    if (draining_)
+      return absl::UnavailableError("the coordinator is draining (shutting down): no new rounds");
+    if (auto s = CheckVersion(request.group(), request.version()); !s.ok())
+      return s;  // raced meanwhile
     groups_[request.group()].busy = true;
   }
   // Persisted before it is used (outside the lock: the store writes a file).
@@ -199,7 +205,8 @@ absl::StatusOr<int64_t> RoundDriver::BeginRound(const v1::RefitRequest& request)
   if (!id.ok()) {
     absl::MutexLock lock(&mu_);
     groups_[request.group()].busy = false;
-    return absl::UnavailableError(absl::StrCat("the coordinator cannot start a round: ", id.status().message()));
+    return absl::UnavailableError(
+        absl::StrCat("the coordinator cannot start a round: ", id.status().message()));
   }
   {
     absl::MutexLock lock(&mu_);
@@ -208,7 +215,8 @@ absl::StatusOr<int64_t> RoundDriver::BeginRound(const v1::RefitRequest& request)
   return *id;
 }
 
-absl::Status RoundDriver::FinishRound(const v1::RefitRequest& request, int64_t round_id, v1::RoundStats* stats) {
+absl::Status RoundDriver::FinishRound(const v1::RefitRequest& request, int64_t round_id,
+                                      v1::RoundStats* stats) {
   const absl::Status s = RunRound(request.group(), round_id, request.version(), stats);
   absl::MutexLock lock(&mu_);
   GroupRounds& g = groups_[request.group()];
@@ -245,14 +253,17 @@ absl::Status RoundDriver::BlamePause(const std::string& group, int64_t round_id,
   if (options_.pause == nullptr) return failure;
   options_.pause->Tick();  // this thread may be the first to run since the pause
   const std::optional<PauseDetector::Pause> pause = options_.pause->LastPause();
-  if (!pause.has_value() || pause->ended < start || pause->length() < options_.blame_pause) return failure;
-  Logger("round")->warn("group \"{}\" round {} failed after the coordinator itself did not run for {}: {}", group,
-                        round_id, absl::FormatDuration(pause->length()), std::string(failure.message()));
+  if (!pause.has_value() || pause->ended < start || pause->length() < options_.blame_pause)
+    return failure;
+  Logger("round")->warn(
+      "group \"{}\" round {} failed after the coordinator itself did not run for {}: {}", group,
+      round_id, absl::FormatDuration(pause->length()), std::string(failure.message()));
   const std::optional<v1::Culprit> named = CulpritOf(failure);
   return WithCulprit(
       absl::AbortedError(absl::StrCat(
           "node ", options_.self, " (the coordinator) did not run for ",
-          absl::FormatDuration(absl::Trunc(pause->length(), absl::Milliseconds(1))), " during round ", round_id,
+          absl::FormatDuration(absl::Trunc(pause->length(), absl::Milliseconds(1))),
+          " during round ", round_id,
           " (stopped or starved: its clock jumped); what failed meanwhile is its own fault")),
       CoordinatorCulprit(options_.self, named.has_value() ? named->phase() : ""));
 }

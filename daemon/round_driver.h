@@ -70,8 +70,8 @@ inline constexpr int64_t kMaxVersion = kVersionLimit - 1;
 
 class RoundDriver {
  public:
-  RoundDriver(RoundDriverOptions options, Membership* membership, GroupPlanner* planner, PeerClient* peers,
-              RoundLog* log, const Clock* clock);
+  RoundDriver(RoundDriverOptions options, Membership* membership, GroupPlanner* planner,
+              PeerClient* peers, RoundLog* log, const Clock* clock);
   ~RoundDriver();  // Stop()
 
   // Runs a round to its end.
@@ -104,9 +104,12 @@ class RoundDriver {
   class Round;
 
   absl::StatusOr<int64_t> BeginRound(const v1::RefitRequest& request);
-  absl::Status FinishRound(const v1::RefitRequest& request, int64_t round_id, v1::RoundStats* stats);
-  absl::Status RunRound(const std::string& group, int64_t round_id, int64_t version, v1::RoundStats* stats);
-  absl::Status CheckVersion(const std::string& group, int64_t version) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  absl::Status FinishRound(const v1::RefitRequest& request, int64_t round_id,
+                           v1::RoundStats* stats);
+  absl::Status RunRound(const std::string& group, int64_t round_id, int64_t version,
+                        v1::RoundStats* stats);
+  absl::Status CheckVersion(const std::string& group, int64_t version) const
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // `failure`, or the coordinator named as its culprit when it did not run meanwhile.
   absl::Status BlamePause(const std::string& group, int64_t round_id, absl::Time start,
                           const absl::Status& failure) const;

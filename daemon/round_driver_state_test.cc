@@ -29,7 +29,8 @@ class Peers : public PeerClient {
     }
     done(absl::OkStatus());
   }
-  void InstallPlan(int32_t, std::shared_ptr<const v1::InstallPlanRequest>, absl::Duration, Done done) override {
+  void InstallPlan(int32_t, std::shared_ptr<const v1::InstallPlanRequest>, absl::Duration,
+                   Done done) override {
     done(absl::OkStatus());
   }
 };
@@ -73,7 +74,8 @@ struct Coordinator {
 
 std::string TempPath(const std::string& tag) {
   const char* dir = std::getenv("TEST_TMPDIR");
-  const std::string path = absl::StrCat(dir != nullptr ? dir : "/tmp", "/refitd-driver-", tag, "-", getpid());
+  const std::string path =
+      absl::StrCat(dir != nullptr ? dir : "/tmp", "/refitd-driver-", tag, "-", getpid());
   unlink(path.c_str());
   return path;
 }
@@ -90,7 +92,8 @@ TEST_CASE("round driver: versions and round ids never go back across a restart")
   }
   Coordinator again(path);  // restarted with the same state file
   CHECK(again.driver->CommittedVersion("policy") == 9);
-  for (int64_t stale : {1, 5, 9}) CHECK(again.Refit(stale).status().code() == absl::StatusCode::kFailedPrecondition);
+  for (int64_t stale : {1, 5, 9})
+    CHECK(again.Refit(stale).status().code() == absl::StatusCode::kFailedPrecondition);
   auto r = again.Refit(10);
   REQUIRE(r.ok());
   CHECK(r->round_id() > last_id);
@@ -112,21 +115,26 @@ TEST_CASE("round driver: a round failing while the coordinator was stopped names
   // Frozen 5 s inside PREPARE: node 1's lease on the round ended meanwhile, and it says so.
   c.peers.on_prepare = [&] {
     c.clock.Advance(absl::Seconds(5));
-    return absl::AbortedError("node 1 (10.0.0.1:7070) failed PREPARE: the coordinator was lost: its lease ended");
+    return absl::AbortedError(
+        "node 1 (10.0.0.1:7070) failed PREPARE: the coordinator was lost: its lease ended");
   };
   auto r = c.Refit(1);
   CHECK(r.status().code() == absl::StatusCode::kAborted);
   INFO(r.status().message());
-  CHECK(r.status().message().find("node 0 (the coordinator) did not run for 5s") != std::string::npos);
+  CHECK(r.status().message().find("node 0 (the coordinator) did not run for 5s") !=
+        std::string::npos);
   CHECK(r.status().message().find("node 1") == std::string::npos);
   // A failure with no pause of the coordinator keeps its culprit.
-  c.peers.on_prepare = [] { return absl::AbortedError("node 1 (10.0.0.1:7070) failed PREPARE: boom"); };
+  c.peers.on_prepare = [] {
+    return absl::AbortedError("node 1 (10.0.0.1:7070) failed PREPARE: boom");
+  };
   c.clock.Advance(absl::Seconds(10));  // well after the pause: not during this round
-  c.pause.Tick();                       // (a gap: a pause, before the round starts)
+  c.pause.Tick();                      // (a gap: a pause, before the round starts)
   c.clock.Advance(absl::Milliseconds(100));
   c.pause.Tick();
   auto later = c.Refit(1);
-  CHECK(later.status().message().find("node 1 (10.0.0.1:7070) failed PREPARE: boom") != std::string::npos);
+  CHECK(later.status().message().find("node 1 (10.0.0.1:7070) failed PREPARE: boom") !=
+        std::string::npos);
 }
 
 }  // namespace

@@ -6,10 +6,9 @@
 
 #include <dirent.h>
 
+#include <catch2/catch.hpp>
 #include <set>
 #include <thread>
-
-#include <catch2/catch.hpp>
 
 #include "absl/strings/str_cat.h"
 #include "daemon/culprit.h"
@@ -31,8 +30,8 @@ class FakePeers : public PeerClient {
     std::string reason;
   };
 
-  void RunPhase(int32_t node, const v1::PhaseRequest& request, absl::Duration, v1::PhaseResponse* response,
-                Done done) override {
+  void RunPhase(int32_t node, const v1::PhaseRequest& request, absl::Duration,
+                v1::PhaseResponse* response, Done done) override {
     const std::string what = request.phase() == v1::PhaseRequest::PREPARE    ? "PREPARE"
                              : request.phase() == v1::PhaseRequest::TRANSFER ? "TRANSFER"
                              : request.phase() == v1::PhaseRequest::COMMIT   ? "COMMIT"
@@ -58,7 +57,8 @@ class FakePeers : public PeerClient {
     }
     done(s);
   }
-  void InstallPlan(int32_t node, std::shared_ptr<const v1::InstallPlanRequest>, absl::Duration, Done done) override {
+  void InstallPlan(int32_t node, std::shared_ptr<const v1::InstallPlanRequest>, absl::Duration,
+                   Done done) override {
     {
       absl::MutexLock lock(&mu_);
       calls_.push_back({node, "INSTALL", ""});
@@ -131,8 +131,9 @@ TEST_CASE("round driver: install once per membership, then PREPARE, TRANSFER, CO
   Fixture f;
   v1::RoundStats stats;
   REQUIRE(f.Refit(1, &stats).ok());
-  CHECK(Seq(f.peers.Take()) == std::vector<std::string>{"INSTALL@1", "INSTALL@0", "PREPARE@1", "PREPARE@0",
-                                                         "TRANSFER@1", "TRANSFER@0", "COMMIT@1", "COMMIT@0"});
+  CHECK(Seq(f.peers.Take()) == std::vector<std::string>{"INSTALL@1", "INSTALL@0", "PREPARE@1",
+                                                        "PREPARE@0", "TRANSFER@1", "TRANSFER@0",
+                                                        "COMMIT@1", "COMMIT@0"});
   CHECK(stats.state() == v1::RoundStats::COMMITTED);
   CHECK(stats.bytes() == 200);
   // Each node's TRANSFER as it reported it, with when the coordinator called it.
@@ -152,8 +153,8 @@ TEST_CASE("round driver: install once per membership, then PREPARE, TRANSFER, CO
   CHECK(f.membership.ReplicaVersions("policy") == std::map<std::string, int64_t>{{"i0", 1}});
   // Same membership: no install.
   REQUIRE(f.Refit(2).ok());
-  CHECK(Seq(f.peers.Take()) == std::vector<std::string>{"PREPARE@1", "PREPARE@0", "TRANSFER@1", "TRANSFER@0",
-                                                         "COMMIT@1", "COMMIT@0"});
+  CHECK(Seq(f.peers.Take()) == std::vector<std::string>{"PREPARE@1", "PREPARE@0", "TRANSFER@1",
+                                                        "TRANSFER@0", "COMMIT@1", "COMMIT@0"});
   // Stale, repeated and non-positive versions; an unknown group.
   CHECK(f.Refit(2).code() == absl::StatusCode::kFailedPrecondition);
   CHECK(f.Refit(0).code() == absl::StatusCode::kInvalidArgument);
@@ -165,7 +166,8 @@ TEST_CASE("round driver: install once per membership, then PREPARE, TRANSFER, CO
   CHECK(f.peers.Take().empty());
 }
 
-TEST_CASE("round driver: the first failure aborts every node, the culprit's message is the reason") {
+TEST_CASE(
+    "round driver: the first failure aborts every node, the culprit's message is the reason") {
   Fixture f;
   const std::string culprit = "node 1 (10.0.0.1:7070) failed TRANSFER: boom";
   SECTION("in TRANSFER") {
@@ -202,7 +204,8 @@ TEST_CASE("round driver: the first failure aborts every node, the culprit's mess
   SECTION("in PREPARE, on the coordinator's own node") {
     f.peers.FailAt(0, "PREPARE");
     const absl::Status s = f.Refit(1);
-    CHECK(std::string(s.message()).find("node 0 (10.0.0.0:7070) failed PREPARE: boom") != std::string::npos);
+    CHECK(std::string(s.message()).find("node 0 (10.0.0.0:7070) failed PREPARE: boom") !=
+          std::string::npos);
     const auto calls = f.peers.Take();
     int aborts = 0;
     for (const auto& c : calls) {
@@ -271,7 +274,8 @@ TEST_CASE("round driver: 1,000 StartRefit rounds leave no thread behind") {
   r.set_group("policy");
   r.set_version(1);
   REQUIRE(f.driver->StartRefit(r).ok());
-  while (f.driver->CommittedVersion("policy") < 1) std::this_thread::sleep_for(std::chrono::microseconds(100));
+  while (f.driver->CommittedVersion("policy") < 1)
+    std::this_thread::sleep_for(std::chrono::microseconds(100));
   const int threads = Threads();
   for (int64_t v = 2; v <= 1000; ++v) {
     r.set_version(v);
@@ -283,11 +287,13 @@ TEST_CASE("round driver: 1,000 StartRefit rounds leave no thread behind") {
     }
     CHECK(*id == v);
   }
-  while (f.driver->CommittedVersion("policy") < 1000) std::this_thread::sleep_for(std::chrono::microseconds(100));
+  while (f.driver->CommittedVersion("policy") < 1000)
+    std::this_thread::sleep_for(std::chrono::microseconds(100));
   CHECK(Threads() <= threads + 1);  // the executor may have started its second thread
   f.driver->Stop();
   // A thread that just exited may still be listed for a moment under load: wait a little.
-  for (int i = 0; i < 100 && Threads() >= threads; ++i) std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  for (int i = 0; i < 100 && Threads() >= threads; ++i)
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
   CHECK(Threads() < threads);
   f.peers.Take();
 }
@@ -325,7 +331,8 @@ class SlowInstallPeers : public FakePeers {
   const absl::Duration delay_;
   absl::Mutex mu_;
   std::vector<std::thread> threads_ ABSL_GUARDED_BY(mu_);
-  std::vector<absl::Duration> timeouts_ ABSL_GUARDED_BY(mu_);  // the remote installs' call deadlines
+  std::vector<absl::Duration> timeouts_
+      ABSL_GUARDED_BY(mu_);  // the remote installs' call deadlines
   std::map<int32_t, std::shared_ptr<const v1::InstallPlanRequest>> requests_ ABSL_GUARDED_BY(mu_);
 };
 

@@ -73,7 +73,8 @@ std::vector<v1::RoundStats> RoundLog::Recent(const std::string& group, size_t li
       rounds[it->second] = s;
     }
   }
-  if (rounds.size() > limit) rounds.erase(rounds.begin(), rounds.end() - static_cast<std::ptrdiff_t>(limit));
+  if (rounds.size() > limit)
+    rounds.erase(rounds.begin(), rounds.end() - static_cast<std::ptrdiff_t>(limit));
   return rounds;
 }
 

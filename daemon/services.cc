@@ -1,15 +1,15 @@
 #include "daemon/services.h"
 
 #include "absl/strings/str_cat.h"
+#include "common/version.h"
 #include "daemon/coordinator_link.h"
 #include "daemon/executor.h"
-#include "daemon/grpc_status.h"
-#include "daemon/grpc_caller.h"
-#include "daemon/registration_limits.h"
-#include "common/version.h"
 #include "daemon/group_planner.h"
+#include "daemon/grpc_caller.h"
+#include "daemon/grpc_status.h"
 #include "daemon/membership.h"
 #include "daemon/node_agent.h"
+#include "daemon/registration_limits.h"
 #include "daemon/round_driver.h"
 #include "daemon/round_log.h"
 #include "daemon/worker_registry.h"
@@ -30,9 +30,11 @@ class WorkerService : public v1::RefitWorker::CallbackService {
   explicit WorkerService(const ServiceParts* p)
       : p_(p), sessions_(p->registry, [this](const std::string& id, const std::string& reason) {
           // Dropped inline only once the service is going (the executor stopped).
-          if (!blocking_.Submit([this, id, reason] { p_->drop_worker(id, reason); })) p_->drop_worker(id, reason);
+          if (!blocking_.Submit([this, id, reason] { p_->drop_worker(id, reason); }))
+            p_->drop_worker(id, reason);
         }) {}
-  grpc::ServerUnaryReactor* Register(grpc::CallbackServerContext* c, const v1::RegisterWorkerRequest* r,
+  grpc::ServerUnaryReactor* Register(grpc::CallbackServerContext* c,
+                                     const v1::RegisterWorkerRequest* r,
                                      v1::RegisterWorkerResponse* out) override {
     grpc::ServerUnaryReactor* reactor = c->DefaultReactor();
     // "unix:..." or, with --worker-listen, "ipv4:..."/"ipv6:...": only the unix socket's
@@ -50,10 +52,12 @@ class WorkerService : public v1::RefitWorker::CallbackService {
     }
     return reactor;
   }
-  grpc::ServerBidiReactor<v1::WorkerMessage, v1::RoundEvent>* Session(grpc::CallbackServerContext* c) override {
+  grpc::ServerBidiReactor<v1::WorkerMessage, v1::RoundEvent>* Session(
+      grpc::CallbackServerContext* c) override {
     return sessions_.Start(c);
   }
-  grpc::ServerUnaryReactor* Unregister(grpc::CallbackServerContext* c, const v1::UnregisterWorkerRequest* r,
+  grpc::ServerUnaryReactor* Unregister(grpc::CallbackServerContext* c,
+                                       const v1::UnregisterWorkerRequest* r,
                                        v1::UnregisterWorkerResponse*) override {
     grpc::ServerUnaryReactor* reactor = c->DefaultReactor();
     // Only its registration may unregister a worker (NOT_FOUND, PERMISSION_DENIED: it stays).
@@ -82,7 +86,8 @@ class ControlService : public v1::RefitControl::Service {
  public:
   explicit ControlService(const ServiceParts* p) : p_(p) {}
 
-  grpc::Status Refit(grpc::ServerContext* context, const v1::RefitRequest* r, v1::RoundStats* out) override {
+  grpc::Status Refit(grpc::ServerContext* context, const v1::RefitRequest* r,
+                     v1::RoundStats* out) override {
     if (auto s = Check(context, Access::kOperate, "Refit"); !s.ok()) return s;
     if (p_->link != nullptr) {
       const DaemonConfig& c = *p_->config;
@@ -92,10 +97,12 @@ class ControlService : public v1::RefitControl::Service {
     }
     return ToGrpc(p_->driver->Refit(*r, out));
   }
-  grpc::Status StartRefit(grpc::ServerContext* c, const v1::RefitRequest* r, v1::StartRefitResponse* out) override {
+  grpc::Status StartRefit(grpc::ServerContext* c, const v1::RefitRequest* r,
+                          v1::StartRefitResponse* out) override {
     if (auto s = Check(c, Access::kOperate, "StartRefit"); !s.ok()) return s;
     if (p_->link != nullptr) {
-      return ToGrpc(p_->link->Forward(&v1::RefitControl::Stub::StartRefit, *r, out, p_->config->peer_timeout));
+      return ToGrpc(p_->link->Forward(&v1::RefitControl::Stub::StartRefit, *r, out,
+                                      p_->config->peer_timeout));
     }
     auto id = p_->driver->StartRefit(*r);
     if (!id.ok()) return ToGrpc(id.status());
@@ -117,10 +124,12 @@ class ControlService : public v1::RefitControl::Service {
     }
     return grpc::Status::OK;
   }
-  grpc::Status Status(grpc::ServerContext* c, const v1::StatusRequest* r, v1::StatusResponse* out) override {
+  grpc::Status Status(grpc::ServerContext* c, const v1::StatusRequest* r,
+                      v1::StatusResponse* out) override {
     if (auto s = Check(c, Access::kView, "Status"); !s.ok()) return s;
     if (p_->link != nullptr) {
-      return ToGrpc(p_->link->Forward(&v1::RefitControl::Stub::Status, *r, out, p_->config->peer_timeout));
+      return ToGrpc(
+          p_->link->Forward(&v1::RefitControl::Stub::Status, *r, out, p_->config->peer_timeout));
     }
     out->set_coordinator(p_->address);
     out->set_version(kRefitVersion);
@@ -152,8 +161,9 @@ class ControlService : public v1::RefitControl::Service {
         out->set_version(v != versions.end() ? v->second : r.version);
         if (r.complete && out->version() < g->version()) {
           out->set_problem(absl::StrCat("replica \"", r.name, "\" holds ",
-                                        out->version() == 0 ? std::string("no version")
-                                                            : absl::StrCat("version ", out->version()),
+                                        out->version() == 0
+                                            ? std::string("no version")
+                                            : absl::StrCat("version ", out->version()),
                                         ", the group is at ", g->version(),
                                         ": it missed versions; the next round refits it"));
         }
@@ -167,7 +177,8 @@ class ControlService : public v1::RefitControl::Service {
                            v1::ListWorkersResponse* out) override {
     if (auto s = Check(c, Access::kView, "ListWorkers"); !s.ok()) return s;
     if (p_->link != nullptr) {
-      return ToGrpc(p_->link->Forward(&v1::RefitControl::Stub::ListWorkers, *r, out, p_->config->peer_timeout));
+      return ToGrpc(p_->link->Forward(&v1::RefitControl::Stub::ListWorkers, *r, out,
+                                      p_->config->peer_timeout));
     }
     p_->membership->ListWorkers(*r, out);
     return grpc::Status::OK;
@@ -176,18 +187,22 @@ class ControlService : public v1::RefitControl::Service {
                           v1::ListRoundsResponse* out) override {
     if (auto s = Check(c, Access::kView, "ListRounds"); !s.ok()) return s;
     if (p_->link != nullptr) {
-      return ToGrpc(p_->link->Forward(&v1::RefitControl::Stub::ListRounds, *r, out, p_->config->peer_timeout));
+      return ToGrpc(p_->link->Forward(&v1::RefitControl::Stub::ListRounds, *r, out,
+                                      p_->config->peer_timeout));
     }
     if (r->limit() < 0) return ToGrpc(absl::InvalidArgumentError("ListRounds: limit must be >= 0"));
-    for (v1::RoundStats& s : p_->log->Recent(r->group(), r->limit() == 0 ? 100 : static_cast<size_t>(r->limit()))) {
+    for (v1::RoundStats& s :
+         p_->log->Recent(r->group(), r->limit() == 0 ? 100 : static_cast<size_t>(r->limit()))) {
       *out->add_rounds() = std::move(s);
     }
     return grpc::Status::OK;
   }
-  grpc::Status GetPlan(grpc::ServerContext* c, const v1::GetPlanRequest* r, v1::PlanSummary* out) override {
+  grpc::Status GetPlan(grpc::ServerContext* c, const v1::GetPlanRequest* r,
+                       v1::PlanSummary* out) override {
     if (auto s = Check(c, Access::kView, "GetPlan"); !s.ok()) return s;
     if (p_->link != nullptr) {
-      return ToGrpc(p_->link->Forward(&v1::RefitControl::Stub::GetPlan, *r, out, p_->config->peer_timeout));
+      return ToGrpc(
+          p_->link->Forward(&v1::RefitControl::Stub::GetPlan, *r, out, p_->config->peer_timeout));
     }
     const std::vector<std::string> known = p_->membership->GroupNames();
     if (std::find(known.begin(), known.end(), r->group()) == known.end()) {
@@ -209,15 +224,18 @@ class ControlService : public v1::RefitControl::Service {
 class PeerService : public v1::RefitPeer::Service {
  public:
   explicit PeerService(const ServiceParts* p) : p_(p) {}
-  grpc::Status Join(grpc::ServerContext* context, const v1::JoinRequest* r, v1::JoinResponse* out) override {
+  grpc::Status Join(grpc::ServerContext* context, const v1::JoinRequest* r,
+                    v1::JoinResponse* out) override {
     const DaemonConfig& c = *p_->config;
-    if (auto s = p_->authority->CheckNode(CallerOf(*context), r->node(), "Join"); !s.ok()) return ToGrpc(s);
+    if (auto s = p_->authority->CheckNode(CallerOf(*context), r->node(), "Join"); !s.ok())
+      return ToGrpc(s);
     if (p_->membership == nullptr) {
       return ToGrpc(absl::FailedPreconditionError(
           absl::StrCat("node ", c.node, " is not the coordinator; it is ", c.coordinator)));
     }
     if (r->node() == c.node) {
-      return ToGrpc(absl::AlreadyExistsError(absl::StrCat("node ", r->node(), " is the coordinator's own index")));
+      return ToGrpc(absl::AlreadyExistsError(
+          absl::StrCat("node ", r->node(), " is the coordinator's own index")));
     }
     if (!c.tls.enabled() && !c.insecure_listen) {
       // Without TLS every daemon listens on loopback: a node naming another address is not one.
@@ -244,28 +262,33 @@ class PeerService : public v1::RefitPeer::Service {
   }
   grpc::Status SyncWorkers(grpc::ServerContext* context, const v1::SyncWorkersRequest* r,
                            v1::SyncWorkersResponse* out) override {
-    if (auto s = p_->authority->CheckNode(CallerOf(*context), r->node(), "SyncWorkers"); !s.ok()) return ToGrpc(s);
+    if (auto s = p_->authority->CheckNode(CallerOf(*context), r->node(), "SyncWorkers"); !s.ok())
+      return ToGrpc(s);
     // What a node says of its workers is checked as a registration is: each on that node, within
     // the limits, its names printable (a node's bug, or a node's stolen key, stops here).
     for (const v1::RegisterWorkerRequest& w : r->workers()) {
       if (w.worker().node() != r->node()) {
-        return ToGrpc(absl::InvalidArgumentError(absl::StrCat("SyncWorkers from node ", r->node(), ": worker \"",
-                                                               w.worker().name(), "\" says it is on node ",
-                                                               w.worker().node())));
+        return ToGrpc(absl::InvalidArgumentError(
+            absl::StrCat("SyncWorkers from node ", r->node(), ": worker \"", w.worker().name(),
+                         "\" says it is on node ", w.worker().node())));
       }
       if (auto s = CheckRegistration(w, p_->config->limits); !s.ok()) {
-        return ToGrpc(absl::Status(s.code(), absl::StrCat("SyncWorkers from node ", r->node(), ": ", s.message())));
+        return ToGrpc(absl::Status(
+            s.code(), absl::StrCat("SyncWorkers from node ", r->node(), ": ", s.message())));
       }
     }
-    if (p_->membership == nullptr) return ToGrpc(absl::FailedPreconditionError("not the coordinator"));
+    if (p_->membership == nullptr)
+      return ToGrpc(absl::FailedPreconditionError("not the coordinator"));
     // Names another node holds are refused, listed in `out`; a node not joined is refused whole.
     return ToGrpc(p_->membership->ApplySync(*r, out));
   }
-  grpc::Status InstallPlan(grpc::ServerContext* c, const v1::InstallPlanRequest* r, v1::InstallPlanResponse*) override {
+  grpc::Status InstallPlan(grpc::ServerContext* c, const v1::InstallPlanRequest* r,
+                           v1::InstallPlanResponse*) override {
     if (auto s = FromCoordinator(c, "InstallPlan"); !s.ok()) return s;
     return ToGrpc(p_->agent->InstallPlan(*r));
   }
-  grpc::Status RunPhase(grpc::ServerContext* c, const v1::PhaseRequest* r, v1::PhaseResponse* out) override {
+  grpc::Status RunPhase(grpc::ServerContext* c, const v1::PhaseRequest* r,
+                        v1::PhaseResponse* out) override {
     if (auto s = FromCoordinator(c, "RunPhase"); !s.ok()) return s;
     return ToGrpc(p_->agent->RunPhase(*r, out));
   }
@@ -274,8 +297,10 @@ class PeerService : public v1::RefitPeer::Service {
   // Phases and plans only from the coordinator this node joined (the coordinator runs its own
   // node's part in process, so over gRPC it takes none).
   grpc::Status FromCoordinator(grpc::ServerContext* c, absl::string_view method) const {
-    const KnownCoordinator coordinator = p_->link != nullptr ? p_->link->Coordinator() : KnownCoordinator{};
-    return ToGrpc(p_->authority->CheckCoordinator(CallerOf(*c), coordinator, CoordinatorIncarnationOf(*c), method));
+    const KnownCoordinator coordinator =
+        p_->link != nullptr ? p_->link->Coordinator() : KnownCoordinator{};
+    return ToGrpc(p_->authority->CheckCoordinator(CallerOf(*c), coordinator,
+                                                  CoordinatorIncarnationOf(*c), method));
   }
   const ServiceParts* const p_;
 };

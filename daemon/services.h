@@ -37,7 +37,7 @@ inline constexpr int kMaxWatchesPerCaller = 8;
 struct ServiceParts {
   const DaemonConfig* config = nullptr;
   const Authority* authority = nullptr;  // who may call what (docs/SECURITY.md)
-  int64_t incarnation = 0;               // this daemon's (the coordinator's answers to Join name it)
+  int64_t incarnation = 0;  // this daemon's (the coordinator's answers to Join name it)
   // WatchRounds streams open on this daemon, in all and per caller.
   mutable WatchSlots watch_slots{kMaxWatches, kMaxWatchesPerCaller};
   std::string address;  // this daemon's control address, once serving

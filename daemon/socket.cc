@@ -27,8 +27,7 @@ absl::StatusOr<sockaddr_in> Resolve(const std::string& address) {
   int port = 0;
   if (colon == std::string::npos || !absl::SimpleAtoi(address.substr(colon + 1), &port) ||
       port < 0 || port > 65535) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("\"", address, "\" is not a host:port address"));
+    return absl::InvalidArgumentError(absl::StrCat("\"", address, "\" is not a host:port address"));
   }
   std::string host = address.substr(0, colon);
   if (host.empty() || host == "localhost") host = "127.0.0.1";
@@ -127,7 +126,8 @@ absl::StatusOr<Fd> TcpConnect(const std::string& address, absl::Time deadline) {
   if (!fd.valid()) return Errno("socket");
   if (connect(fd.get(), reinterpret_cast<sockaddr*>(&*sa), sizeof *sa) != 0) {
     if (errno != EINPROGRESS) return Errno(absl::StrCat("connect to ", address));
-    if (auto s = WaitReady(fd.get(), POLLOUT, deadline, absl::StrCat("connect to ", address)); !s.ok()) {
+    if (auto s = WaitReady(fd.get(), POLLOUT, deadline, absl::StrCat("connect to ", address));
+        !s.ok()) {
       return s;
     }
     int err = 0;
@@ -147,14 +147,15 @@ absl::Status SendAll(const Fd& fd, std::span<const std::byte> data, absl::Time d
                      const std::string& peer) {
   size_t done = 0;
   while (done < data.size()) {
-    const ssize_t n = send(fd.get(), data.data() + done, data.size() - done,
-                           MSG_NOSIGNAL | MSG_DONTWAIT);
+    const ssize_t n =
+        send(fd.get(), data.data() + done, data.size() - done, MSG_NOSIGNAL | MSG_DONTWAIT);
     if (n > 0) {
       done += static_cast<size_t>(n);
       continue;
     }
     if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR)) {
-      if (auto s = WaitReady(fd.get(), POLLOUT, deadline, absl::StrCat("sending to ", peer)); !s.ok()) {
+      if (auto s = WaitReady(fd.get(), POLLOUT, deadline, absl::StrCat("sending to ", peer));
+          !s.ok()) {
         return s;
       }
       continue;
@@ -177,7 +178,8 @@ absl::Status RecvAll(const Fd& fd, std::span<std::byte> data, absl::Time deadlin
       return absl::UnavailableError(absl::StrCat(peer, " closed the connection"));
     }
     if (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR) {
-      if (auto s = WaitReady(fd.get(), POLLIN, deadline, absl::StrCat("receiving from ", peer)); !s.ok()) {
+      if (auto s = WaitReady(fd.get(), POLLIN, deadline, absl::StrCat("receiving from ", peer));
+          !s.ok()) {
         return s;
       }
       continue;

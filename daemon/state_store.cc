@@ -87,8 +87,10 @@ std::unique_ptr<StateFileWriter> AtomicFileWriter() {
 
 std::string FormatState(int64_t next_round, const std::map<std::string, int64_t>& versions) {
   std::string out = absl::StrCat(kHeader, "\nnext_round_id ", next_round, "\n");
-  for (const auto& [group, v] : versions) absl::StrAppend(&out, "version ", v, " \"", absl::CEscape(group), "\"\n");
-  absl::StrAppend(&out, "end ", versions.size(), "\n");  // a file cut short is told from a whole one
+  for (const auto& [group, v] : versions)
+    absl::StrAppend(&out, "version ", v, " \"", absl::CEscape(group), "\"\n");
+  absl::StrAppend(&out, "end ", versions.size(),
+                  "\n");  // a file cut short is told from a whole one
   return out;
 }
 
@@ -96,10 +98,12 @@ absl::Status ParseState(const std::string& text, const std::string& path, int64_
                         std::map<std::string, int64_t>* versions) {
   std::vector<std::string> lines = absl::StrSplit(text, '\n');
   auto corrupt = [&](size_t line, const std::string& why) {
-    return absl::DataLossError(absl::StrCat("the state file ", path, " is corrupt (line ", line + 1, ": ", why,
-                                            "); move it away only if versions and round ids may start again"));
+    return absl::DataLossError(
+        absl::StrCat("the state file ", path, " is corrupt (line ", line + 1, ": ", why,
+                     "); move it away only if versions and round ids may start again"));
   };
-  if (lines.empty() || lines[0] != kHeader) return corrupt(0, absl::StrCat("not \"", kHeader, "\""));
+  if (lines.empty() || lines[0] != kHeader)
+    return corrupt(0, absl::StrCat("not \"", kHeader, "\""));
   *next_round = 0;
   versions->clear();
   bool ended = false;
@@ -151,7 +155,8 @@ absl::StatusOr<std::unique_ptr<StateStore>> StateStore::Open(
   }
   std::stringstream text;
   text << in.rdbuf();
-  if (auto s = ParseState(text.str(), path, &store->next_round_, &store->versions_); !s.ok()) return s;
+  if (auto s = ParseState(text.str(), path, &store->next_round_, &store->versions_); !s.ok())
+    return s;
   return store;
 }
 
@@ -167,7 +172,8 @@ absl::Status StateStore::WriteLocked(int64_t next_round,
 
 absl::StatusOr<int64_t> StateStore::ReserveRoundId() {
   absl::MutexLock lock(&mu_);
-  if (next_round_ == std::numeric_limits<int64_t>::max()) return absl::ResourceExhaustedError("no round ids left");
+  if (next_round_ == std::numeric_limits<int64_t>::max())
+    return absl::ResourceExhaustedError("no round ids left");
   const int64_t id = next_round_;
   if (auto s = WriteLocked(id + 1, versions_); !s.ok()) {
     return absl::Status(s.code(), absl::StrCat("cannot reserve round id ", id, ": ", s.message()));

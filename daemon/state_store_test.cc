@@ -19,7 +19,8 @@ namespace {
 
 std::string TempPath(const std::string& tag) {
   const char* dir = std::getenv("TEST_TMPDIR");
-  const std::string path = absl::StrCat(dir != nullptr ? dir : "/tmp", "/refitd-state-", tag, "-", getpid());
+  const std::string path =
+      absl::StrCat(dir != nullptr ? dir : "/tmp", "/refitd-state-", tag, "-", getpid());
   unlink(path.c_str());
   return path;
 }
@@ -77,10 +78,11 @@ TEST_CASE("state store: replaced atomically; a leftover temporary file is ignore
 
 TEST_CASE("state store: a corrupt file is an error naming it") {
   const std::string path = TempPath("corrupt");
-  for (const std::string& text : {std::string("garbage"), std::string("refitd-state 1\nnext_round_id 4\n"),
-                                  std::string("refitd-state 1\nnext_round_id x\nend 0\n"),
-                                  std::string("refitd-state 1\nnext_round_id 4\nversion 3 \"policy\"\nend 2\n"),
-                                  std::string("")}) {
+  for (const std::string& text :
+       {std::string("garbage"), std::string("refitd-state 1\nnext_round_id 4\n"),
+        std::string("refitd-state 1\nnext_round_id x\nend 0\n"),
+        std::string("refitd-state 1\nnext_round_id 4\nversion 3 \"policy\"\nend 2\n"),
+        std::string("")}) {
     std::ofstream(path, std::ios::trunc) << text;
     auto store = StateStore::Open(path);
     INFO(text);

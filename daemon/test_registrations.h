@@ -10,8 +10,9 @@
 
 namespace refit::testing {
 
-inline v1::RegisterWorkerRequest Registration(const std::string& name, v1::Role role, int64_t r0, int64_t r1,
-                                              int32_t node, const std::string& group = "policy") {
+inline v1::RegisterWorkerRequest Registration(const std::string& name, v1::Role role, int64_t r0,
+                                              int64_t r1, int32_t node,
+                                              const std::string& group = "policy") {
   Layout l;
   AddSplitTensor(l, "w", Dims{8, 4}, DType::kF32, 0, {r0, r1}, {{0, 0}}, name);
   l.workers[0].name = name;

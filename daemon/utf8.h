@@ -13,7 +13,11 @@ namespace refit {
 inline size_t Utf8SequenceLength(absl::string_view s, size_t i) {
   const auto b = [&](size_t k) { return static_cast<unsigned char>(s[i + k]); };
   const unsigned char c = b(0);
-  const size_t n = c < 0x80 ? 1 : c >= 0xc2 && c <= 0xdf ? 2 : c >= 0xe0 && c <= 0xef ? 3 : c >= 0xf0 && c <= 0xf4 ? 4 : 0;
+  const size_t n = c < 0x80                 ? 1
+                   : c >= 0xc2 && c <= 0xdf ? 2
+                   : c >= 0xe0 && c <= 0xef ? 3
+                   : c >= 0xf0 && c <= 0xf4 ? 4
+                                            : 0;
   if (n == 0 || i + n > s.size()) return 0;
   for (size_t k = 1; k < n; ++k) {
     if ((b(k) & 0xc0) != 0x80) return 0;

@@ -1,7 +1,6 @@
 #include "daemon/watch_slots.h"
 
 #include <grpcpp/grpcpp.h>
-
 #include <unistd.h>
 
 #include <catch2/catch.hpp>

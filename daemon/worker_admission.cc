@@ -14,7 +14,8 @@
 namespace refit {
 
 WorkerTransport TransportOfPeer(absl::string_view peer) {
-  if (absl::StartsWith(peer, "ipv4:") || absl::StartsWith(peer, "ipv6:")) return WorkerTransport::kNetwork;
+  if (absl::StartsWith(peer, "ipv4:") || absl::StartsWith(peer, "ipv6:"))
+    return WorkerTransport::kNetwork;
   return WorkerTransport::kUnix;
 }
 
@@ -27,8 +28,8 @@ WorkerAdmission::WorkerAdmission(std::vector<uint32_t> uids, uid_t self) : uids_
 
 WorkerAdmission::WorkerAdmission() : WorkerAdmission({}, geteuid()) {}
 
-absl::Status WorkerAdmission::Admit(const v1::RegisterWorkerRequest& request, WorkerTransport transport,
-                                    bool delivered, uid_t uid) const {
+absl::Status WorkerAdmission::Admit(const v1::RegisterWorkerRequest& request,
+                                    WorkerTransport transport, bool delivered, uid_t uid) const {
   const std::string& name = request.worker().name();
   if (transport == WorkerTransport::kInProcess) return absl::OkStatus();
   if (!delivered) {
@@ -36,14 +37,16 @@ absl::Status WorkerAdmission::Admit(const v1::RegisterWorkerRequest& request, Wo
       return absl::InvalidArgumentError(absl::StrCat(
           "register: worker \"", name,
           "\" named no handle delivery (fd_token): on the unix socket every registration hands its "
-          "descriptors (zero are fine) over the handle socket first, which identifies its process"));
+          "descriptors (zero are fine) over the handle socket first, which identifies its "
+          "process"));
     }
     for (const v1::BufferMemory& m : request.memory()) {
       if (m.has_cuda_ipc()) {
         return absl::InvalidArgumentError(absl::StrCat(
             "register: worker \"", name,
             "\" registers CUDA IPC memory without a handle delivery (fd_token): IPC handles are "
-            "accepted only from a process identified over the handle socket (zero descriptors are fine)"));
+            "accepted only from a process identified over the handle socket (zero descriptors are "
+            "fine)"));
       }
     }
     return absl::OkStatus();
@@ -52,9 +55,9 @@ absl::Status WorkerAdmission::Admit(const v1::RegisterWorkerRequest& request, Wo
   // and whoever sends it could have had any local process make the delivery.
   if (transport == WorkerTransport::kNetwork) return absl::OkStatus();
   if (std::find(uids_.begin(), uids_.end(), static_cast<uint32_t>(uid)) == uids_.end()) {
-    return absl::PermissionDeniedError(absl::StrCat("register: worker \"", name, "\": its process runs as uid ", uid,
-                                                    ", which may not register workers here (--worker-uids ",
-                                                    absl::StrJoin(uids_, ","), ")"));
+    return absl::PermissionDeniedError(absl::StrCat(
+        "register: worker \"", name, "\": its process runs as uid ", uid,
+        ", which may not register workers here (--worker-uids ", absl::StrJoin(uids_, ","), ")"));
   }
   return absl::OkStatus();
 }

@@ -52,8 +52,8 @@ class WorkerAdmission {
   // OK to go on with registering `request`; `delivered`: it named a handle delivery (claimed
   // already), made by a process of `uid`. PERMISSION_DENIED naming the uid and --worker-uids, or
   // INVALID_ARGUMENT for a missing delivery (what the worker must do differently).
-  absl::Status Admit(const v1::RegisterWorkerRequest& request, WorkerTransport transport, bool delivered,
-                     uid_t uid) const;
+  absl::Status Admit(const v1::RegisterWorkerRequest& request, WorkerTransport transport,
+                     bool delivered, uid_t uid) const;
 
   const std::vector<uint32_t>& uids() const { return uids_; }
 

@@ -39,7 +39,8 @@ TEST_CASE("the unix socket: a delivery is required and its uid must be listed") 
   CHECK(std::string(other.message()).find("uid 1000") != std::string::npos);
   CHECK(std::string(other.message()).find("--worker-uids 1234,5678") != std::string::npos);
   CHECK(std::string(other.message()).find("\"t0\"") != std::string::npos);
-  CHECK(absl::IsPermissionDenied(a.Admit(r, WorkerTransport::kUnix, true, 0)));  // root is not implied
+  CHECK(absl::IsPermissionDenied(
+      a.Admit(r, WorkerTransport::kUnix, true, 0)));  // root is not implied
   const absl::Status none = a.Admit(r, WorkerTransport::kUnix, false, 1234);
   CHECK(absl::IsInvalidArgument(none));
   CHECK(std::string(none.message()).find("handle socket") != std::string::npos);

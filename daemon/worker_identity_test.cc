@@ -21,8 +21,8 @@
 
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
-#include "common/shared_memory.h"
 #include "client/worker_client.h"
+#include "common/shared_memory.h"
 #include "daemon/daemon.h"
 #include "daemon/test_registrations.h"
 #include "plan/test_layouts.h"
@@ -57,8 +57,10 @@ struct Node {
     REQUIRE(d.ok());
     daemon = *std::move(d);
     socket = "unix:" + c.worker_socket;
-    workers = v1::RefitWorker::NewStub(grpc::CreateChannel(socket, grpc::InsecureChannelCredentials()));
-    control = v1::RefitControl::NewStub(grpc::CreateChannel(daemon->address(), grpc::InsecureChannelCredentials()));
+    workers =
+        v1::RefitWorker::NewStub(grpc::CreateChannel(socket, grpc::InsecureChannelCredentials()));
+    control = v1::RefitControl::NewStub(
+        grpc::CreateChannel(daemon->address(), grpc::InsecureChannelCredentials()));
   }
 
   std::string Deliver(std::vector<int> fds) {
@@ -92,7 +94,8 @@ struct Node {
 };
 
 // A trainer holding all of "w" [8, 4] f32 in descriptor 1 of `token`'s delivery, of `bytes`.
-v1::RegisterWorkerRequest Trainer(const std::string& name, const std::string& token, int64_t bytes = 128) {
+v1::RegisterWorkerRequest Trainer(const std::string& name, const std::string& token,
+                                  int64_t bytes = 128) {
   v1::RegisterWorkerRequest r = testing::Registration(name, v1::TRAINER, 0, 8, 0);
   v1::SharedMemory* m = r.add_memory()->mutable_shm();
   m->set_fd(1);
@@ -150,7 +153,8 @@ bool Contains(const std::vector<std::string>& v, const std::string& x) {
   return std::find(v.begin(), v.end(), x) != v.end();
 }
 
-TEST_CASE("a name belongs to its registration: its key, its session; free again once the session died") {
+TEST_CASE(
+    "a name belongs to its registration: its key, its session; free again once the session died") {
   Node n;
   auto shm = SharedMemory::CreateAnonymous("identity", 128);
   REQUIRE(shm.ok());
@@ -165,27 +169,32 @@ TEST_CASE("a name belongs to its registration: its key, its session; free again 
   absl::SleepFor(absl::Seconds(2));
   // Attached: a second session of its own is refused too (checked before it could be taken).
   REQUIRE(Eventually([&] {
-    return SessionEnd(n, first.worker_id(), first.session_key()).error_code() == grpc::StatusCode::ALREADY_EXISTS;
+    return SessionEnd(n, first.worker_id(), first.session_key()).error_code() ==
+           grpc::StatusCode::ALREADY_EXISTS;
   }));
 
   SECTION("another process registering its name: ALREADY_EXISTS") {
     auto other = SharedMemory::CreateAnonymous("impostor", 128);
     REQUIRE(other.ok());
     v1::RegisterWorkerResponse out;
-    CHECK(Says(n.Register(Trainer("t0", n.Deliver({other->fd()})), &out), grpc::StatusCode::ALREADY_EXISTS,
-               "\"policy/t0\" is already registered"));
+    CHECK(Says(n.Register(Trainer("t0", n.Deliver({other->fd()})), &out),
+               grpc::StatusCode::ALREADY_EXISTS, "\"policy/t0\" is already registered"));
     CHECK(out.session_key().empty());
   }
   SECTION("Unregister without its key, or with a wrong one: PERMISSION_DENIED, and it stays") {
-    CHECK(Says(n.Unregister(first.worker_id(), ""), grpc::StatusCode::PERMISSION_DENIED, "no session key given"));
+    CHECK(Says(n.Unregister(first.worker_id(), ""), grpc::StatusCode::PERMISSION_DENIED,
+               "no session key given"));
     std::string wrong = first.session_key();
     wrong[0] = wrong[0] == 'a' ? 'b' : 'a';
-    CHECK(Says(n.Unregister(first.worker_id(), wrong), grpc::StatusCode::PERMISSION_DENIED, "wrong session key"));
-    CHECK(Says(n.Unregister(first.worker_id(), "x"), grpc::StatusCode::PERMISSION_DENIED, "wrong session key"));
+    CHECK(Says(n.Unregister(first.worker_id(), wrong), grpc::StatusCode::PERMISSION_DENIED,
+               "wrong session key"));
+    CHECK(Says(n.Unregister(first.worker_id(), "x"), grpc::StatusCode::PERMISSION_DENIED,
+               "wrong session key"));
     absl::SleepFor(absl::Milliseconds(200));  // a drop would go through the executor
     CHECK(Contains(n.Listed(), "policy/t0"));
     // Its session is still the one attached: a hello with a wrong key is refused, not taken.
-    CHECK(SessionEnd(n, first.worker_id(), wrong).error_code() == grpc::StatusCode::PERMISSION_DENIED);
+    CHECK(SessionEnd(n, first.worker_id(), wrong).error_code() ==
+          grpc::StatusCode::PERMISSION_DENIED);
     CHECK(SessionEnd(n, first.worker_id(), "").error_code() == grpc::StatusCode::PERMISSION_DENIED);
     // Its own key unregisters it; its session then ends cleanly.
     CHECK(n.Unregister(first.worker_id(), first.session_key()).ok());
@@ -205,19 +214,23 @@ TEST_CASE("a name belongs to its registration: its key, its session; free again 
     CHECK(again.session_key().size() == 32);
     CHECK(again.session_key() != first.session_key());
     // The old key is worth nothing now.
-    CHECK(Says(n.Unregister(again.worker_id(), first.session_key()), grpc::StatusCode::PERMISSION_DENIED,
-               "wrong session key"));
-    CHECK(SessionEnd(n, again.worker_id(), first.session_key()).error_code() == grpc::StatusCode::PERMISSION_DENIED);
+    CHECK(Says(n.Unregister(again.worker_id(), first.session_key()),
+               grpc::StatusCode::PERMISSION_DENIED, "wrong session key"));
+    CHECK(SessionEnd(n, again.worker_id(), first.session_key()).error_code() ==
+          grpc::StatusCode::PERMISSION_DENIED);
     std::unique_ptr<Session> second = Open(n, again.worker_id(), again.session_key());
     absl::SleepFor(absl::Seconds(2));  // `second`'s hello first, as `live`'s above (it flaked too)
     CHECK(Eventually([&] {
-      return SessionEnd(n, again.worker_id(), again.session_key()).error_code() == grpc::StatusCode::ALREADY_EXISTS;
+      return SessionEnd(n, again.worker_id(), again.session_key()).error_code() ==
+             grpc::StatusCode::ALREADY_EXISTS;
     }));
     CHECK(n.Unregister(again.worker_id(), again.session_key()).ok());
   }
 }
 
-TEST_CASE("the C++ worker keeps its key: its session attaches, it unregisters, and it re-registers after a loss") {
+TEST_CASE(
+    "the C++ worker keeps its key: its session attaches, it unregisters, and it re-registers after "
+    "a loss") {
   Node n;
   Layout trainer;
   AddSplitTensor(trainer, "w", Dims{8, 4}, DType::kF32, 0, {0, 8}, {{0, 0}}, "trainer");
@@ -231,7 +244,8 @@ TEST_CASE("the C++ worker keeps its key: its session attaches, it unregisters, a
   REQUIRE(Eventually([&] { return (*t)->connected(); }));
   const std::string key = (*t)->session_key();
   CHECK(key.size() == 32);
-  // The daemon drops it (an operator, with its key): its session ends, it registers anew, a new key.
+  // The daemon drops it (an operator, with its key): its session ends, it registers anew, a new
+  // key.
   REQUIRE(n.Unregister((*t)->worker_id(), key).ok());
   REQUIRE(Eventually([&] { return reconnected.load() == 1; }));
   CHECK((*t)->session_key() != key);
@@ -249,10 +263,12 @@ TEST_CASE("--worker-uids: a process whose uid is not listed may not register") {
     // Its handle delivery is refused already, naming its uid: nothing of it is kept (a uid that
     // may not register cannot fill the handle socket's queue either).
     const int fd = shm->fd();
-    auto token = DeliverHandles(HandleSocketPath(n.socket), std::span<const int>(&fd, 1), absl::Now() + absl::Seconds(10));
+    auto token = DeliverHandles(HandleSocketPath(n.socket), std::span<const int>(&fd, 1),
+                                absl::Now() + absl::Seconds(10));
     REQUIRE_FALSE(token.ok());
     INFO(token.status().message());
-    CHECK(absl::StrContains(token.status().message(), absl::StrCat("uid ", me, " may not hand descriptors")));
+    CHECK(absl::StrContains(token.status().message(),
+                            absl::StrCat("uid ", me, " may not hand descriptors")));
     // A registration naming some token (none was kept under it) is refused too.
     v1::RegisterWorkerResponse out;
     const grpc::Status s = n.Register(Trainer("t0", std::string(32, 'a')), &out);
@@ -261,7 +277,8 @@ TEST_CASE("--worker-uids: a process whose uid is not listed may not register") {
     CHECK(n.Listed().empty());
     // Without a delivery there is no uid to check: refused as well, saying what to do.
     v1::RegisterWorkerRequest bare = Trainer("t0", "");
-    CHECK(Says(n.Register(bare, &out), grpc::StatusCode::INVALID_ARGUMENT, "named no handle delivery"));
+    CHECK(Says(n.Register(bare, &out), grpc::StatusCode::INVALID_ARGUMENT,
+               "named no handle delivery"));
   }
   {
     Node n({me + 1, me}, "-listed");
@@ -323,7 +340,9 @@ TEST_CASE("--worker-uids: the listed users can connect to the sockets, no other 
   CHECK_FALSE(CanConnect(65533, plain.socket.substr(std::string("unix:").size())));
 }
 
-TEST_CASE("a registration whose session never opens is dropped after --worker-attach-timeout; its name registers again") {
+TEST_CASE(
+    "a registration whose session never opens is dropped after --worker-attach-timeout; its name "
+    "registers again") {
   const absl::Duration timeout = absl::Milliseconds(500);
   Node n({}, "-attach", timeout);
   auto shm = SharedMemory::CreateAnonymous("attach", 128);
@@ -334,9 +353,11 @@ TEST_CASE("a registration whose session never opens is dropped after --worker-at
   v1::RegisterWorkerResponse attached;
   REQUIRE(n.Register(other, &attached).ok());
   std::unique_ptr<Session> live = Open(n, attached.worker_id(), attached.session_key());
-  absl::SleepFor(absl::Milliseconds(300));  // its hello first: a probe attaching before it would take the session
+  absl::SleepFor(absl::Milliseconds(
+      300));  // its hello first: a probe attaching before it would take the session
   REQUIRE(Eventually([&] {
-    return SessionEnd(n, attached.worker_id(), attached.session_key()).error_code() == grpc::StatusCode::ALREADY_EXISTS;
+    return SessionEnd(n, attached.worker_id(), attached.session_key()).error_code() ==
+           grpc::StatusCode::ALREADY_EXISTS;
   }));
   // One that never opens its session (crashed between Register and its hello).
   const absl::Time registered = absl::Now();
@@ -344,21 +365,24 @@ TEST_CASE("a registration whose session never opens is dropped after --worker-at
   REQUIRE(n.Register(Trainer("t0", n.Deliver({shm->fd()})), &parked).ok());
   CHECK(Contains(n.Listed(), "policy/t0"));
   v1::RegisterWorkerResponse refused;
-  CHECK(Says(n.Register(Trainer("t0", n.Deliver({shm->fd()})), &refused), grpc::StatusCode::ALREADY_EXISTS,
-             "already registered"));
+  CHECK(Says(n.Register(Trainer("t0", n.Deliver({shm->fd()})), &refused),
+             grpc::StatusCode::ALREADY_EXISTS, "already registered"));
   REQUIRE(Eventually([&] { return !Contains(n.Listed(), "policy/t0"); }, absl::Seconds(5)));
   CHECK(absl::Now() - registered >= timeout);
   // Its key opens no session now.
-  CHECK(SessionEnd(n, parked.worker_id(), parked.session_key()).error_code() == grpc::StatusCode::NOT_FOUND);
+  CHECK(SessionEnd(n, parked.worker_id(), parked.session_key()).error_code() ==
+        grpc::StatusCode::NOT_FOUND);
   // The name registers again; attached, it stays, as does the other one.
   v1::RegisterWorkerResponse again;
   const grpc::Status s = n.Register(Trainer("t0", n.Deliver({shm->fd()})), &again);
   INFO(s.error_message());
   REQUIRE(s.ok());
   std::unique_ptr<Session> second = Open(n, again.worker_id(), again.session_key());
-  absl::SleepFor(absl::Milliseconds(300));  // its hello first: a probe attaching before it would take the session
+  absl::SleepFor(absl::Milliseconds(
+      300));  // its hello first: a probe attaching before it would take the session
   REQUIRE(Eventually([&] {
-    return SessionEnd(n, again.worker_id(), again.session_key()).error_code() == grpc::StatusCode::ALREADY_EXISTS;
+    return SessionEnd(n, again.worker_id(), again.session_key()).error_code() ==
+           grpc::StatusCode::ALREADY_EXISTS;
   }));
   absl::SleepFor(4 * timeout);
   CHECK(Contains(n.Listed(), "policy/t0"));
@@ -367,7 +391,9 @@ TEST_CASE("a registration whose session never opens is dropped after --worker-at
   CHECK(n.Unregister(attached.worker_id(), attached.session_key()).ok());
 }
 
-TEST_CASE("memory by descriptor only: by name refused (the object untouched), unsealed memfds sealed, shm_open refused") {
+TEST_CASE(
+    "memory by descriptor only: by name refused (the object untouched), unsealed memfds sealed, "
+    "shm_open refused") {
   Node n;
   SECTION("by name") {
     auto victim = SharedMemory::Create(UniqueShmName("victim"), 128);
@@ -380,7 +406,8 @@ TEST_CASE("memory by descriptor only: by name refused (the object untouched), un
     const grpc::Status s = n.Register(r, &out);
     CHECK(Says(s, grpc::StatusCode::INVALID_ARGUMENT, "shared memory by name"));
     CHECK(Says(s, grpc::StatusCode::INVALID_ARGUMENT, "handle socket"));
-    CHECK(std::all_of(victim->bytes().begin(), victim->bytes().end(), [](std::byte b) { return b == std::byte{0x5a}; }));
+    CHECK(std::all_of(victim->bytes().begin(), victim->bytes().end(),
+                      [](std::byte b) { return b == std::byte{0x5a}; }));
     CHECK(n.Listed().empty());
   }
   SECTION("a shm_open descriptor cannot be sealed: refused") {

@@ -25,15 +25,15 @@ struct Refitd {
   pid_t pid = -1;
   std::string socket;
   std::string address;
-  explicit Refitd(int n) : Refitd(absl::StrCat("/tmp/refitd-keepalive-", getpid(), "-", n, ".sock")) {}
+  explicit Refitd(int n)
+      : Refitd(absl::StrCat("/tmp/refitd-keepalive-", getpid(), "-", n, ".sock")) {}
   explicit Refitd(const std::string& path) {
     socket = path;
     const std::string addr_file = socket + ".addr";
     unlink(addr_file.c_str());
-    std::vector<std::string> args = {"daemon/refitd",   "--node",      "0",
-                                     "--worker-socket", socket,        "--address-file",
-                                     addr_file,         "--log-level", "warn",
-                                     "--state-file="};
+    std::vector<std::string> args = {
+        "daemon/refitd", "--node",      "0",    "--worker-socket", socket, "--address-file",
+        addr_file,       "--log-level", "warn", "--state-file="};
     std::vector<char*> argv;
     for (auto& a : args) argv.push_back(a.data());
     argv.push_back(nullptr);
@@ -143,7 +143,8 @@ TEST_CASE("a worker registers again by itself when its daemon restarts, with the
     CHECK(absl::Now() - t0 < absl::Seconds(3));
     CHECK((*client)->connected());
     // The new daemon knows the worker, with its memory (handed over again as its descriptor).
-    auto stub = v1::RefitControl::NewStub(grpc::CreateChannel(daemon->address, grpc::InsecureChannelCredentials()));
+    auto stub = v1::RefitControl::NewStub(
+        grpc::CreateChannel(daemon->address, grpc::InsecureChannelCredentials()));
     grpc::ClientContext ctx;
     ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(5));
     v1::ListWorkersResponse workers;

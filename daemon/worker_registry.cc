@@ -23,22 +23,26 @@ absl::StatusOr<Registration> WorkerRegistry::Register(const v1::RegisterWorkerRe
   HandleDelivery delivery;
   if (!original.fd_token().empty()) {
     const std::string& token = original.fd_token();
-    if (token.size() != kHandleTokenChars ||
-        !std::all_of(token.begin(), token.end(), [](char c) { return (c >= '0' && c <= '9') || (c >= 'a' && c <= 'f'); })) {
-      return absl::InvalidArgumentError(absl::StrCat("register: worker \"", original.worker().name(),
-                                                     "\": fd_token must be ", kHandleTokenChars, " lowercase hex digits"));
+    if (token.size() != kHandleTokenChars || !std::all_of(token.begin(), token.end(), [](char c) {
+          return (c >= '0' && c <= '9') || (c >= 'a' && c <= 'f');
+        })) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("register: worker \"", original.worker().name(), "\": fd_token must be ",
+                       kHandleTokenChars, " lowercase hex digits"));
     }
     auto taken = handles_->Take(token);
     if (!taken.ok()) {
-      return absl::Status(taken.status().code(), absl::StrCat("register: worker \"", original.worker().name(),
-                                                              "\": ", taken.status().message()));
+      return absl::Status(taken.status().code(),
+                          absl::StrCat("register: worker \"", original.worker().name(),
+                                       "\": ", taken.status().message()));
     }
     delivery = *std::move(taken);
   }
   // Who registers, before anything of the request is looked at further.
-  if (auto s = admission_.Admit(original, transport, !original.fd_token().empty(), delivery.uid); !s.ok()) {
-    Logger("worker")->warn("refused a registration of \"{}/{}\": {}", original.group(), original.worker().name(),
-                           std::string(s.message()));
+  if (auto s = admission_.Admit(original, transport, !original.fd_token().empty(), delivery.uid);
+      !s.ok()) {
+    Logger("worker")->warn("refused a registration of \"{}/{}\": {}", original.group(),
+                           original.worker().name(), std::string(s.message()));
     return s;
   }
   // Its size and names, before anything of it is decoded or mapped.
@@ -77,8 +81,8 @@ absl::StatusOr<Registration> WorkerRegistry::Register(const v1::RegisterWorkerRe
   worker->wire = std::move(kept->wire);
   auto mapped = backend_->MapBuffers(worker->request, checked->buffer_bytes, delivery.fds);
   if (!mapped.ok()) {
-    return absl::Status(mapped.status().code(),
-                        absl::StrCat("register: worker \"", w.name(), "\": ", mapped.status().message()));
+    return absl::Status(mapped.status().code(), absl::StrCat("register: worker \"", w.name(),
+                                                             "\": ", mapped.status().message()));
   }
   worker->buffers = *std::move(mapped);
   worker->session_key = NewSessionKey();
@@ -165,7 +169,8 @@ std::shared_ptr<LocalWorker> WorkerRegistry::Drop(const std::string& id) {
   }
   NotifySession(*w);
   Changed();
-  if (static_cast<int64_t>(w->wire.size()) >= kTrimAfterBytes) RequestTrim();  // once the caller let it go
+  if (static_cast<int64_t>(w->wire.size()) >= kTrimAfterBytes)
+    RequestTrim();  // once the caller let it go
   return w;
 }
 
@@ -205,22 +210,27 @@ absl::Status KeyStatus(const LocalWorker& w, absl::string_view key) {
 
 absl::Status WorkerRegistry::CheckKey(const std::string& id, absl::string_view key) const {
   std::shared_ptr<LocalWorker> w = Find(id);
-  if (w == nullptr) return absl::NotFoundError(absl::StrCat("no worker \"", id, "\" on node ", node_));
+  if (w == nullptr)
+    return absl::NotFoundError(absl::StrCat("no worker \"", id, "\" on node ", node_));
   return KeyStatus(*w, key);
 }
 
-absl::StatusOr<std::shared_ptr<LocalWorker>> WorkerRegistry::Attach(const std::string& id, absl::string_view key,
+absl::StatusOr<std::shared_ptr<LocalWorker>> WorkerRegistry::Attach(const std::string& id,
+                                                                    absl::string_view key,
                                                                     std::function<void()> notify) {
   std::shared_ptr<LocalWorker> w = Find(id);
-  if (w == nullptr) return absl::NotFoundError(absl::StrCat("no worker \"", id, "\" on node ", node_));
+  if (w == nullptr)
+    return absl::NotFoundError(absl::StrCat("no worker \"", id, "\" on node ", node_));
   if (auto s = KeyStatus(*w, key); !s.ok()) return s;  // this registration's key, not a later one's
   absl::MutexLock lock(&w->mu);
   if (w->attach_expired || w->gone) {
     // Being dropped (ExpireUnattached) or already dropped: its name is free again soon.
-    return absl::NotFoundError(absl::StrCat("worker \"", w->id, "\" is no longer registered on node ", node_,
+    return absl::NotFoundError(absl::StrCat("worker \"", w->id,
+                                            "\" is no longer registered on node ", node_,
                                             " (its session did not open in time); register again"));
   }
-  if (w->has_session) return absl::AlreadyExistsError(absl::StrCat("worker \"", w->id, "\" already has a session"));
+  if (w->has_session)
+    return absl::AlreadyExistsError(absl::StrCat("worker \"", w->id, "\" already has a session"));
   w->has_session = true;
   w->notify = std::move(notify);
   // Registering is over, its sync too: what they decoded and copied is freed (memory_trim.h).
@@ -247,7 +257,8 @@ std::vector<std::string> WorkerRegistry::ExpireUnattached(absl::Duration timeout
 }
 
 void WorkerRegistry::Detach(LocalWorker& w) {
-  std::function<void()> old;  // destroyed outside the lock: it may hold the session's last reference
+  std::function<void()>
+      old;  // destroyed outside the lock: it may hold the session's last reference
   absl::MutexLock lock(&w.mu);
   old = std::move(w.notify);
   w.notify = nullptr;
@@ -285,7 +296,8 @@ void WorkerRegistry::Record(LocalWorker& w, const v1::WorkerMessage& m) {
     if (m.kind_case() == v1::WorkerMessage::kRefused) {
       w.refused_round = m.refused().round_id();
       w.refused_reason = m.refused().reason().substr(0, 4096);  // it reaches operators: bounded
-      Logger("worker")->warn("worker {} refused round {}: {}", w.id, w.refused_round, w.refused_reason);
+      Logger("worker")->warn("worker {} refused round {}: {}", w.id, w.refused_round,
+                             w.refused_reason);
     }
   }
   Changed();
@@ -305,9 +317,10 @@ absl::Status WorkerRegistry::Send(const std::vector<std::string>& ids, const v1:
       // The others get theirs all the same: a COMMIT reaches every worker still here (a replica's
       // ranks on this node learn the version together), whoever left.
       if (missing.ok()) {
-        missing = absl::AbortedError(event.kind() == v1::RoundEvent::COMMIT
-                                         ? absl::StrCat("worker \"", id, "\" left node ", node_, " before the commit")
-                                         : absl::StrCat("worker \"", id, "\" is no longer on node ", node_));
+        missing = absl::AbortedError(
+            event.kind() == v1::RoundEvent::COMMIT
+                ? absl::StrCat("worker \"", id, "\" left node ", node_, " before the commit")
+                : absl::StrCat("worker \"", id, "\" is no longer on node ", node_));
       }
       continue;
     }
@@ -342,9 +355,10 @@ void WorkerRegistry::SendToGroup(const std::string& group, const v1::RoundEvent&
   }
 }
 
-absl::Status WorkerRegistry::AwaitWorkers(const std::string& group, const std::vector<std::string>& ids,
-                                          int64_t round_id, bool resumed, absl::Duration timeout,
-                                          const char* phase, const std::atomic<int64_t>* aborted) {
+absl::Status WorkerRegistry::AwaitWorkers(const std::string& group,
+                                          const std::vector<std::string>& ids, int64_t round_id,
+                                          bool resumed, absl::Duration timeout, const char* phase,
+                                          const std::atomic<int64_t>* aborted) {
   const absl::Time deadline = absl::Now() + timeout;
   while (true) {
     int64_t seen_changes;
@@ -356,13 +370,15 @@ absl::Status WorkerRegistry::AwaitWorkers(const std::string& group, const std::v
     for (const std::string& id : ids) {
       std::shared_ptr<LocalWorker> w = Find(id);
       if (w == nullptr) {
-        return WithCulprit(absl::AbortedError(absl::StrCat("worker \"", id, "\" on node ", node_, " left during ", phase)),
+        return WithCulprit(absl::AbortedError(absl::StrCat("worker \"", id, "\" on node ", node_,
+                                                           " left during ", phase)),
                            WorkerCulprit(node_, id, phase));
       }
       absl::MutexLock lock(&w->mu);
       if (!resumed && w->refused_round == round_id) {  // the round cannot happen: end it now
-        return WithCulprit(absl::AbortedError(absl::StrCat("worker \"", id, "\" on node ", node_, " refused ", phase,
-                                                           " of round ", round_id, ": ", w->refused_reason)),
+        return WithCulprit(absl::AbortedError(absl::StrCat("worker \"", id, "\" on node ", node_,
+                                                           " refused ", phase, " of round ",
+                                                           round_id, ": ", w->refused_reason)),
                            WorkerCulprit(node_, id, phase));
       }
       const int64_t seen = resumed ? w->resumed_round : w->prepared_round;
@@ -370,18 +386,21 @@ absl::Status WorkerRegistry::AwaitWorkers(const std::string& group, const std::v
     }
     if (waiting.empty()) return absl::OkStatus();
     if (aborted != nullptr && aborted->load() == round_id) {
-      return absl::AbortedError(absl::StrCat("node ", node_, ": round ", round_id, " of group \"", group,
-                                             "\" was aborted during ", phase));
+      return absl::AbortedError(absl::StrCat("node ", node_, ": round ", round_id, " of group \"",
+                                             group, "\" was aborted during ", phase));
     }
     if (stopping()) return absl::UnavailableError("daemon shutting down");
     if (absl::Now() >= deadline) {
       // The first of them is named the culprit (all are listed).
-      return WithCulprit(
-          absl::DeadlineExceededError(absl::StrCat(
-              "node ", node_, ": worker", waiting.size() > 1 ? "s " : " ",
-              absl::StrJoin(waiting, ", ", [](std::string* out, const std::string& id) { absl::StrAppend(out, "\"", id, "\""); }),
-              " did not confirm ", phase, " of group \"", group, "\" within ", absl::FormatDuration(timeout))),
-          WorkerCulprit(node_, waiting.front(), phase));
+      return WithCulprit(absl::DeadlineExceededError(absl::StrCat(
+                             "node ", node_, ": worker", waiting.size() > 1 ? "s " : " ",
+                             absl::StrJoin(waiting, ", ",
+                                           [](std::string* out, const std::string& id) {
+                                             absl::StrAppend(out, "\"", id, "\"");
+                                           }),
+                             " did not confirm ", phase, " of group \"", group, "\" within ",
+                             absl::FormatDuration(timeout))),
+                         WorkerCulprit(node_, waiting.front(), phase));
     }
     absl::MutexLock lock(&mu_);
     if (changes_ == seen_changes) changed_.WaitWithTimeout(&mu_, absl::Milliseconds(50));

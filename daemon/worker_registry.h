@@ -83,7 +83,8 @@ class WorkerRegistry {
  public:
   // `backend` maps memory; `handles` holds descriptors handed over before registration; `gpus`:
   // the GPUs this daemon serves (empty: any). All outlive the registry.
-  WorkerRegistry(int32_t node, std::vector<int32_t> gpus, DataBackend* backend, HandleInbox* handles);
+  WorkerRegistry(int32_t node, std::vector<int32_t> gpus, DataBackend* backend,
+                 HandleInbox* handles);
   // What one registration may hold (daemon/registration_limits.h); set before serving.
   void SetLimits(const RegistrationLimits& limits) { limits_ = limits; }
   // Who may register (daemon/worker_admission.h); set before serving. Default: this process'
@@ -97,7 +98,8 @@ class WorkerRegistry {
   // side registered here before it (shape, dtype, quantization) is refused, FAILED_PRECONDITION
   // naming both (CheckSameTensors): the first keeps the group, which could not be planned with
   // both; nothing of the refused one is kept, its memory is not mapped.
-  absl::StatusOr<Registration> Register(const v1::RegisterWorkerRequest& request, WorkerTransport transport);
+  absl::StatusOr<Registration> Register(const v1::RegisterWorkerRequest& request,
+                                        WorkerTransport transport);
   std::shared_ptr<LocalWorker> Find(const std::string& id) const;
   // Removes a worker and wakes its session; returns it (nullptr: there was none).
   std::shared_ptr<LocalWorker> Drop(const std::string& id);
@@ -108,9 +110,9 @@ class WorkerRegistry {
   // OK when `key` is worker `id`'s session key (NOT_FOUND, PERMISSION_DENIED).
   absl::Status CheckKey(const std::string& id, absl::string_view key) const;
 
-  // Sessions. Attach checks `key` (CheckKey), marks the worker's one session (ALREADY_EXISTS) and keeps
-  // `notify`, called (no registry lock held, on the caller's thread, possibly concurrently) when
-  // an event is queued for it, it is dropped, or the registry stops; the session then asks
+  // Sessions. Attach checks `key` (CheckKey), marks the worker's one session (ALREADY_EXISTS) and
+  // keeps `notify`, called (no registry lock held, on the caller's thread, possibly concurrently)
+  // when an event is queued for it, it is dropped, or the registry stops; the session then asks
   // NextForSession. Detach forgets `notify` (a call already started may still be running).
   absl::StatusOr<std::shared_ptr<LocalWorker>> Attach(const std::string& id, absl::string_view key,
                                                       std::function<void()> notify);
@@ -124,7 +126,7 @@ class WorkerRegistry {
   std::vector<std::string> ExpireUnattached(absl::Duration timeout, absl::Time now = absl::Now());
   struct SessionNext {
     std::optional<v1::RoundEvent> event;  // the oldest queued, taken off the outbox
-    bool end = false;                      // the worker is gone or the registry stopping
+    bool end = false;                     // the worker is gone or the registry stopping
   };
   // Never blocks; takes only the worker's lock.
   SessionNext NextForSession(LocalWorker& w);
@@ -132,17 +134,17 @@ class WorkerRegistry {
   bool Gone(LocalWorker& w);
 
   // Round events. Queues `event` for each of `ids` that is here (ABORTED naming the first that is
-  // not; every other one got its event). `reset_prepared` / `reset_resumed` forget answers to an earlier
-  // round of the same id first.
-  absl::Status Send(const std::vector<std::string>& ids, const v1::RoundEvent& event, bool reset_prepared,
-                    bool reset_resumed);
+  // not; every other one got its event). `reset_prepared` / `reset_resumed` forget answers to an
+  // earlier round of the same id first.
+  absl::Status Send(const std::vector<std::string>& ids, const v1::RoundEvent& event,
+                    bool reset_prepared, bool reset_resumed);
   // Queues `event` for every worker of `group`.
   void SendToGroup(const std::string& group, const v1::RoundEvent& event);
   // Until each of `ids` answered `round_id` (resumed: COMMIT, else PREPARE), or one left or
   // refused, or `*aborted` (may be null) equals round_id, or the deadline. Errors name the workers.
-  absl::Status AwaitWorkers(const std::string& group, const std::vector<std::string>& ids, int64_t round_id,
-                            bool resumed, absl::Duration timeout, const char* phase,
-                            const std::atomic<int64_t>* aborted);
+  absl::Status AwaitWorkers(const std::string& group, const std::vector<std::string>& ids,
+                            int64_t round_id, bool resumed, absl::Duration timeout,
+                            const char* phase, const std::atomic<int64_t>* aborted);
   // Something an AwaitWorkers may be waiting for changed elsewhere (an abort).
   void Notify();
   // Tells every session to end (they end asynchronously; the gRPC server's shutdown waits).

@@ -20,7 +20,8 @@ namespace {
 
 class SessionReactor final : public grpc::ServerBidiReactor<v1::WorkerMessage, v1::RoundEvent> {
  public:
-  explicit SessionReactor(std::shared_ptr<WorkerSessions::Shared> shared) : shared_(std::move(shared)) {}
+  explicit SessionReactor(std::shared_ptr<WorkerSessions::Shared> shared)
+      : shared_(std::move(shared)) {}
 
   // `self` owns this reactor until OnDone; the registry's notify holds only a weak reference, so
   // a notify racing OnDone finds either a live reactor (that ignores it) or nothing.
@@ -31,8 +32,9 @@ class SessionReactor final : public grpc::ServerBidiReactor<v1::WorkerMessage, v
 
   void OnReadDone(bool ok) override {
     if (!ok) {  // half-closed, or the call is over
-      End(attached() ? grpc::Status::OK
-                     : ToGrpc(absl::InvalidArgumentError("a session starts with hello(worker_id)")));
+      End(attached()
+              ? grpc::Status::OK
+              : ToGrpc(absl::InvalidArgumentError("a session starts with hello(worker_id)")));
       return;
     }
     std::shared_ptr<LocalWorker> w = worker();
@@ -62,12 +64,15 @@ class SessionReactor final : public grpc::ServerBidiReactor<v1::WorkerMessage, v
     {
       absl::MutexLock lock(&mu_);
       writing_ = false;
-      if (!ok) EndLocked(grpc::Status::OK);  // the stream is broken: nothing more reaches the worker
+      if (!ok)
+        EndLocked(grpc::Status::OK);  // the stream is broken: nothing more reaches the worker
     }
     Step();
   }
 
-  void OnCancel() override { End(grpc::Status(grpc::StatusCode::CANCELLED, "the session was cancelled")); }
+  void OnCancel() override {
+    End(grpc::Status(grpc::StatusCode::CANCELLED, "the session was cancelled"));
+  }
 
   void OnDone() override {
     std::shared_ptr<LocalWorker> w;
@@ -79,7 +84,8 @@ class SessionReactor final : public grpc::ServerBidiReactor<v1::WorkerMessage, v
     WorkerRegistry& registry = *shared_->registry;
     if (w != nullptr) {
       registry.Detach(*w);
-      if (!registry.Gone(*w)) shared_->lost(w->id, "its session ended (process exited or connection lost)");
+      if (!registry.Gone(*w))
+        shared_->lost(w->id, "its session ended (process exited or connection lost)");
     }
     w.reset();  // before the count drops: the last reference unmaps through the backend
     std::shared_ptr<WorkerSessions::Shared> shared = shared_;
@@ -175,7 +181,8 @@ class SessionReactor final : public grpc::ServerBidiReactor<v1::WorkerMessage, v
 
 }  // namespace
 
-WorkerSessions::WorkerSessions(WorkerRegistry* registry, WorkerLostFn lost) : shared_(std::make_shared<Shared>()) {
+WorkerSessions::WorkerSessions(WorkerRegistry* registry, WorkerLostFn lost)
+    : shared_(std::make_shared<Shared>()) {
   shared_->registry = registry;
   shared_->lost = std::move(lost);
 }
@@ -188,7 +195,8 @@ WorkerSessions::~WorkerSessions() {
   }
 }
 
-grpc::ServerBidiReactor<v1::WorkerMessage, v1::RoundEvent>* WorkerSessions::Start(grpc::CallbackServerContext*) {
+grpc::ServerBidiReactor<v1::WorkerMessage, v1::RoundEvent>* WorkerSessions::Start(
+    grpc::CallbackServerContext*) {
   {
     absl::MutexLock lock(&shared_->mu);
     ++shared_->live;
@@ -206,7 +214,8 @@ int WorkerSessions::live() const {
 
 bool WorkerSessions::WaitIdle(absl::Duration timeout) const {
   absl::MutexLock lock(&shared_->mu);
-  return shared_->mu.AwaitWithTimeout(absl::Condition(+[](int* live) { return *live == 0; }, &shared_->live),
+  return shared_->mu.AwaitWithTimeout(absl::Condition(
+                                          +[](int* live) { return *live == 0; }, &shared_->live),
                                       timeout);
 }
 

@@ -20,11 +20,11 @@
 // drop notifies it) or block.
 #pragma once
 
+#include <grpcpp/grpcpp.h>
+
 #include <functional>
 #include <memory>
 #include <string>
-
-#include <grpcpp/grpcpp.h>
 
 #include "absl/base/thread_annotations.h"
 #include "absl/synchronization/mutex.h"
@@ -49,7 +49,8 @@ class WorkerSessions {
   WorkerSessions& operator=(const WorkerSessions&) = delete;
 
   // The reactor for one Session call; it deletes itself once gRPC is done with it.
-  grpc::ServerBidiReactor<v1::WorkerMessage, v1::RoundEvent>* Start(grpc::CallbackServerContext* context);
+  grpc::ServerBidiReactor<v1::WorkerMessage, v1::RoundEvent>* Start(
+      grpc::CallbackServerContext* context);
   // Sessions whose OnDone has not finished.
   int live() const;
   // Until none is live, at most `timeout`; false if some still are.

@@ -2,6 +2,8 @@
 // daemon, threads counted in /proc/self/task), and sessions end cleanly: `lost` once per worker
 // that vanished (cancelled, half-closed, the daemon stopping), never for one that unregistered;
 // events pushed by the registry arrive in order, answers are recorded.
+#include "daemon/worker_session.h"
+
 #include <dirent.h>
 #include <unistd.h>
 
@@ -10,13 +12,12 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
-#include "common/shared_memory.h"
 #include "client/worker_client.h"
+#include "common/shared_memory.h"
 #include "daemon/daemon.h"
 #include "daemon/host_backend.h"
 #include "daemon/test_registrations.h"
 #include "daemon/worker_registry.h"
-#include "daemon/worker_session.h"
 
 namespace refit {
 namespace {
@@ -34,7 +35,8 @@ int Threads() {
 
 // A trainer holding all of "w" [8, 4] f32, its buffer in the memfd `shm`, handed over to the
 // handle socket at `handles` under a fresh token.
-v1::RegisterWorkerRequest Trainer(const std::string& name, const SharedMemory& shm, const std::string& handles) {
+v1::RegisterWorkerRequest Trainer(const std::string& name, const SharedMemory& shm,
+                                  const std::string& handles) {
   v1::RegisterWorkerRequest r = testing::Registration(name, v1::TRAINER, 0, 8, 0);
   v1::SharedMemory* m = r.add_memory()->mutable_shm();
   m->set_fd(1);
@@ -52,7 +54,8 @@ struct Session {
   std::unique_ptr<Stream> stream;
 };
 
-std::unique_ptr<Session> Open(v1::RefitWorker::Stub& stub, const std::string& id, const std::string& key) {
+std::unique_ptr<Session> Open(v1::RefitWorker::Stub& stub, const std::string& id,
+                              const std::string& key) {
   auto s = std::make_unique<Session>();
   s->stream = stub.Session(&s->ctx);
   v1::WorkerMessage hello;
@@ -88,7 +91,9 @@ bool Eventually(F f, absl::Duration within = absl::Seconds(10)) {
   return true;
 }
 
-TEST_CASE("200 live sessions on an in-process daemon add no threads; they end when their workers vanish") {
+TEST_CASE(
+    "200 live sessions on an in-process daemon add no threads; they end when their workers "
+    "vanish") {
   constexpr int kSessions = 200;
   DaemonConfig c;
   c.node = 0;
@@ -116,7 +121,8 @@ TEST_CASE("200 live sessions on an in-process daemon add no threads; they end wh
   for (int i = 0; i <= kSessions; ++i) {
     grpc::ClientContext ctx;
     v1::RegisterWorkerResponse out;
-    const grpc::Status s = workers->Register(&ctx, Trainer(absl::StrCat("t", i), *shm, handles), &out);
+    const grpc::Status s =
+        workers->Register(&ctx, Trainer(absl::StrCat("t", i), *shm, handles), &out);
     INFO(s.error_message());
     REQUIRE(s.ok());
     ids.push_back(out.worker_id());
@@ -135,7 +141,8 @@ TEST_CASE("200 live sessions on an in-process daemon add no threads; they end wh
   const int after = Threads();
   // Every one attached: a second session for it is refused.
   for (int i : {1, kSessions / 2, kSessions}) {
-    CHECK(Duplicate(*workers, ids[i], keys[ids[i]]).error_code() == grpc::StatusCode::ALREADY_EXISTS);
+    CHECK(Duplicate(*workers, ids[i], keys[ids[i]]).error_code() ==
+          grpc::StatusCode::ALREADY_EXISTS);
   }
   WARN("threads with 1 session: " << before << ", with " << kSessions + 1 << ": " << after);
   CHECK(after <= before + 2);  // the sync API took two per session: +400
@@ -155,7 +162,8 @@ TEST_CASE("200 live sessions on an in-process daemon add no threads; they end wh
 class SessionOnly : public v1::RefitWorker::CallbackService {
  public:
   explicit SessionOnly(WorkerSessions* sessions) : sessions_(sessions) {}
-  grpc::ServerBidiReactor<v1::WorkerMessage, v1::RoundEvent>* Session(grpc::CallbackServerContext* c) override {
+  grpc::ServerBidiReactor<v1::WorkerMessage, v1::RoundEvent>* Session(
+      grpc::CallbackServerContext* c) override {
     return sessions_->Start(c);
   }
 
@@ -173,13 +181,14 @@ TEST_CASE("sessions end cleanly: lost once per vanished worker, never for one th
   WorkerRegistry registry(0, {}, backend->get(), inbox->get());
   absl::Mutex mu;
   std::map<std::string, int> lost;
-  auto sessions = std::make_unique<WorkerSessions>(&registry, [&](const std::string& id, const std::string&) {
-    {
-      absl::MutexLock lock(&mu);
-      ++lost[id];
-    }
-    registry.Drop(id);  // as the daemon's DropWorker does: it notifies no session any more
-  });
+  auto sessions =
+      std::make_unique<WorkerSessions>(&registry, [&](const std::string& id, const std::string&) {
+        {
+          absl::MutexLock lock(&mu);
+          ++lost[id];
+        }
+        registry.Drop(id);  // as the daemon's DropWorker does: it notifies no session any more
+      });
   SessionOnly service(sessions.get());
   grpc::ServerBuilder builder;
   int port = 0;
@@ -195,13 +204,15 @@ TEST_CASE("sessions end cleanly: lost once per vanished worker, never for one th
   std::vector<std::string> ids;
   std::map<std::string, std::string> keys;
   for (const char* name : {"cancelled", "half_closed", "unregistered", "kept", "broken"}) {
-    auto r = registry.Register(Trainer(name, *shm, inbox_options.path), WorkerTransport::kInProcess);
+    auto r =
+        registry.Register(Trainer(name, *shm, inbox_options.path), WorkerTransport::kInProcess);
     INFO(r.status().message());
     REQUIRE(r.ok());
     ids.push_back(r->worker->id);
     keys[r->worker->id] = r->worker->session_key;
   }
-  const std::string &cancelled = ids[0], &half_closed = ids[1], &unregistered = ids[2], &kept = ids[3];
+  const std::string &cancelled = ids[0], &half_closed = ids[1], &unregistered = ids[2],
+                    &kept = ids[3];
 
   {  // a session must start with a hello naming a registered worker
     Session bad;
@@ -212,11 +223,13 @@ TEST_CASE("sessions end cleanly: lost once per vanished worker, never for one th
     v1::RoundEvent e;
     CHECK_FALSE(bad.stream->Read(&e));
     CHECK(bad.stream->Finish().error_code() == grpc::StatusCode::INVALID_ARGUMENT);
-    CHECK(Duplicate(*stub, "policy/nobody", keys[ids[0]]).error_code() == grpc::StatusCode::NOT_FOUND);
+    CHECK(Duplicate(*stub, "policy/nobody", keys[ids[0]]).error_code() ==
+          grpc::StatusCode::NOT_FOUND);
     // A hello without its registration's key, or with another's, is refused; the worker is not
     // taken (its own session attaches below).
     CHECK(Duplicate(*stub, ids[0], "").error_code() == grpc::StatusCode::PERMISSION_DENIED);
-    CHECK(Duplicate(*stub, ids[0], keys[ids[1]]).error_code() == grpc::StatusCode::PERMISSION_DENIED);
+    CHECK(Duplicate(*stub, ids[0], keys[ids[1]]).error_code() ==
+          grpc::StatusCode::PERMISSION_DENIED);
   }
 
   std::map<std::string, std::unique_ptr<Session>> open;
@@ -229,7 +242,8 @@ TEST_CASE("sessions end cleanly: lost once per vanished worker, never for one th
   for (const std::string& id : ids) REQUIRE(Eventually([&] { return attached(id); }));
   for (const std::string& id : ids) {
     CHECK(Duplicate(*stub, id, keys[id]).error_code() == grpc::StatusCode::ALREADY_EXISTS);
-    CHECK(Duplicate(*stub, id, "0123456789abcdef0123456789abcdef").error_code() == grpc::StatusCode::PERMISSION_DENIED);
+    CHECK(Duplicate(*stub, id, "0123456789abcdef0123456789abcdef").error_code() ==
+          grpc::StatusCode::PERMISSION_DENIED);
   }
   // The refused second sessions are done soon after their client heard so.
   CHECK(Eventually([&] { return sessions->live() == static_cast<int>(ids.size()); }));
@@ -250,7 +264,9 @@ TEST_CASE("sessions end cleanly: lost once per vanished worker, never for one th
   v1::WorkerMessage prepared;
   prepared.set_prepared(kEvents);
   REQUIRE(open[kept]->stream->Write(prepared));
-  CHECK(registry.AwaitWorkers("policy", {kept}, kEvents, false, absl::Seconds(5), "PREPARE", nullptr).ok());
+  CHECK(
+      registry.AwaitWorkers("policy", {kept}, kEvents, false, absl::Seconds(5), "PREPARE", nullptr)
+          .ok());
 
   open[cancelled]->ctx.TryCancel();
   open[half_closed]->stream->WritesDone();
@@ -280,7 +296,8 @@ TEST_CASE("sessions end cleanly: lost once per vanished worker, never for one th
     CHECK(open[kept]->stream->Finish().error_code() == grpc::StatusCode::UNAVAILABLE);
   }
   absl::MutexLock lock(&mu);
-  CHECK(lost == std::map<std::string, int>{{cancelled, 1}, {half_closed, 1}, {kept, 1}, {ids[4], 1}});
+  CHECK(lost ==
+        std::map<std::string, int>{{cancelled, 1}, {half_closed, 1}, {kept, 1}, {ids[4], 1}});
   CHECK(registry.Find(unregistered) == nullptr);
 }
 

@@ -46,8 +46,10 @@ float Median(std::vector<float> v) {
 void TensorParallelLayouts(int split_dim, DType dst_dtype, Layout& src, Layout& dst) {
   for (int t = 0; t < 16; ++t) {
     const std::string tn = absl::StrCat("w", t);
-    testing::AddSplitTensor(src, tn, Dims{4096, 4096}, DType::kBF16, 0, {0, 4096}, {{0, 0}}, "trainer");
-    testing::AddSplitTensor(dst, tn, Dims{4096, 4096}, dst_dtype, split_dim, {0, 512}, {{1, 0}}, "engine");
+    testing::AddSplitTensor(src, tn, Dims{4096, 4096}, DType::kBF16, 0, {0, 4096}, {{0, 0}},
+                            "trainer");
+    testing::AddSplitTensor(dst, tn, Dims{4096, 4096}, dst_dtype, split_dim, {0, 512}, {{1, 0}},
+                            "engine");
   }
 }
 
@@ -71,14 +73,18 @@ void Case(const std::string& name, Layout src, Layout dst, int repeat, cudaStrea
   const Message& m = plan.messages[0];
   std::vector<std::unique_ptr<DeviceBuffer>> sb, db;
   BufferAddresses sa, da;
-  for (const Buffer& b : src.buffers) sb.push_back(std::make_unique<DeviceBuffer>(b.NumBytes())), sa.push_back(sb.back()->address());
-  for (const Buffer& b : dst.buffers) db.push_back(std::make_unique<DeviceBuffer>(b.NumBytes())), da.push_back(db.back()->address());
+  for (const Buffer& b : src.buffers)
+    sb.push_back(std::make_unique<DeviceBuffer>(b.NumBytes())), sa.push_back(sb.back()->address());
+  for (const Buffer& b : dst.buffers)
+    db.push_back(std::make_unique<DeviceBuffer>(b.NumBytes())), da.push_back(db.back()->address());
   DeviceBuffer staging(m.bytes), copy_dst(m.bytes);
   auto upload = [](const CopyWork& w) {
     auto items = std::make_unique<DeviceBuffer>(w.items.size() * sizeof(CopyItem));
     auto begin = std::make_unique<DeviceBuffer>(w.unit_begin.size() * sizeof(int64_t));
-    REFIT_CUDA_CHECK(cudaMemcpy(items->get(), w.items.data(), items->size(), cudaMemcpyHostToDevice));
-    REFIT_CUDA_CHECK(cudaMemcpy(begin->get(), w.unit_begin.data(), begin->size(), cudaMemcpyHostToDevice));
+    REFIT_CUDA_CHECK(
+        cudaMemcpy(items->get(), w.items.data(), items->size(), cudaMemcpyHostToDevice));
+    REFIT_CUDA_CHECK(
+        cudaMemcpy(begin->get(), w.unit_begin.data(), begin->size(), cudaMemcpyHostToDevice));
     return std::make_pair(std::move(items), std::move(begin));
   };
   const CopyWork pack = PackWork(plan, m, sa, da, staging.address());
@@ -88,26 +94,30 @@ void Case(const std::string& name, Layout src, Layout dst, int repeat, cudaStrea
   std::vector<float> tp, tu, tc;
   for (int r = 0; r < repeat + 3; ++r) {
     const float p = TimeMs(stream, [&] {
-      REFIT_CUDA_CHECK(LaunchCopyItems(static_cast<CopyItem*>(pi->get()), static_cast<int64_t*>(pb->get()),
-                                       static_cast<int>(pack.items.size()), pack.unit_begin.back(), stream));
+      REFIT_CUDA_CHECK(
+          LaunchCopyItems(static_cast<CopyItem*>(pi->get()), static_cast<int64_t*>(pb->get()),
+                          static_cast<int>(pack.items.size()), pack.unit_begin.back(), stream));
     });
     const float u = TimeMs(stream, [&] {
-      REFIT_CUDA_CHECK(LaunchCopyItems(static_cast<CopyItem*>(ui->get()), static_cast<int64_t*>(ub->get()),
-                                       static_cast<int>(unpack.items.size()), unpack.unit_begin.back(), stream));
+      REFIT_CUDA_CHECK(
+          LaunchCopyItems(static_cast<CopyItem*>(ui->get()), static_cast<int64_t*>(ub->get()),
+                          static_cast<int>(unpack.items.size()), unpack.unit_begin.back(), stream));
     });
     const float c = TimeMs(stream, [&] {
-      REFIT_CUDA_CHECK(cudaMemcpyAsync(copy_dst.get(), staging.get(), m.bytes, cudaMemcpyDeviceToDevice, stream));
+      REFIT_CUDA_CHECK(cudaMemcpyAsync(copy_dst.get(), staging.get(), m.bytes,
+                                       cudaMemcpyDeviceToDevice, stream));
     });
     if (r >= 3) tp.push_back(p), tu.push_back(u), tc.push_back(c);  // 3 warm-up runs
   }
   const double gb = m.bytes / 1e9;
-  std::printf("{\"case\":\"%s\",\"messages\":%zu,\"message_bytes\":%lld,\"descriptors\":%lld,\"runs\":%d,"
-              "\"pack_ms\":%.4f,\"unpack_ms\":%.4f,\"memcpy_d2d_ms\":%.4f,"
-              "\"pack_gbps\":%.1f,\"unpack_gbps\":%.1f,\"memcpy_d2d_gbps\":%.1f,"
-              "\"pack_vs_memcpy\":%.3f,\"unpack_vs_memcpy\":%.3f}\n",
-              name.c_str(), plan.messages.size(), (long long)m.bytes, (long long)m.num_descriptors, repeat, Median(tp), Median(tu),
-              Median(tc), gb / (Median(tp) / 1e3), gb / (Median(tu) / 1e3), gb / (Median(tc) / 1e3),
-              Median(tc) / Median(tp), Median(tc) / Median(tu));
+  std::printf(
+      "{\"case\":\"%s\",\"messages\":%zu,\"message_bytes\":%lld,\"descriptors\":%lld,\"runs\":%d,"
+      "\"pack_ms\":%.4f,\"unpack_ms\":%.4f,\"memcpy_d2d_ms\":%.4f,"
+      "\"pack_gbps\":%.1f,\"unpack_gbps\":%.1f,\"memcpy_d2d_gbps\":%.1f,"
+      "\"pack_vs_memcpy\":%.3f,\"unpack_vs_memcpy\":%.3f}\n",
+      name.c_str(), plan.messages.size(), (long long)m.bytes, (long long)m.num_descriptors, repeat,
+      Median(tp), Median(tu), Median(tc), gb / (Median(tp) / 1e3), gb / (Median(tu) / 1e3),
+      gb / (Median(tc) / 1e3), Median(tc) / Median(tp), Median(tc) / Median(tu));
   std::fflush(stdout);
 }
 

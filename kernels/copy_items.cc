@@ -47,7 +47,9 @@ CopyItem QuantizeItemFor(const CopyDescriptor& d, uint64_t src, uint64_t dst, in
 }
 
 // The scale grid of a kScale descriptor: [block rows, block cols] of its region.
-int64_t GridRows(const CopyDescriptor& d) { return CeilDiv(d.outer_rank > 0 ? d.count[0] : 1, d.block_rows); }
+int64_t GridRows(const CopyDescriptor& d) {
+  return CeilDiv(d.outer_rank > 0 ? d.count[0] : 1, d.block_rows);
+}
 int64_t GridCols(const CopyDescriptor& d) { return CeilDiv(d.inner, d.block_cols); }
 
 // Contiguous strides for the staging side: runs packed one after another.
@@ -57,7 +59,8 @@ void Packed(CopyItem& it, int64_t (&stride)[kMaxOuterDims]) {
   stride[0] = it.inner * it.count[2] * it.count[1];
 }
 
-uint64_t SourceAddress(const CopyDescriptor& d, const BufferAddresses& src, const BufferAddresses& dst) {
+uint64_t SourceAddress(const CopyDescriptor& d, const BufferAddresses& src,
+                       const BufferAddresses& dst) {
   const BufferAddresses& from = d.src_is_destination ? dst : src;
   return from[d.src_buffer] + static_cast<uint64_t>(d.src_offset * DTypeSize(d.src_dtype));
 }
@@ -89,7 +92,8 @@ void Append(CopyWork& w, const CopyItem& it) {
 }
 
 void CutIntoUnits(CopyItem& it, int64_t segment_bytes, int64_t tile_run_bytes) {
-  const int ss = DTypeSize(static_cast<DType>(it.src_dtype)), ds = DTypeSize(static_cast<DType>(it.dst_dtype));
+  const int ss = DTypeSize(static_cast<DType>(it.src_dtype)),
+            ds = DTypeSize(static_cast<DType>(it.dst_dtype));
   const int64_t widest = std::max(ss, ds);
   it.segment = std::max<int64_t>(1, segment_bytes / widest);
   it.tiled = it.inner * widest < tile_run_bytes && it.inner > 0;
@@ -104,7 +108,8 @@ void CutIntoUnits(CopyItem& it, int64_t segment_bytes, int64_t tile_run_bytes) {
   // stride that is stepped (count > 1); tiles then start at multiples of V too (segment rounded).
   uint64_t elems = static_cast<uint64_t>(it.inner);  // element counts that must be multiples of E
   for (int k = 0; k < kMaxOuterDims; ++k) {
-    if (it.count[k] > 1) elems |= static_cast<uint64_t>(it.src_stride[k]) | static_cast<uint64_t>(it.dst_stride[k]);
+    if (it.count[k] > 1)
+      elems |= static_cast<uint64_t>(it.src_stride[k]) | static_cast<uint64_t>(it.dst_stride[k]);
   }
   if (it.src_dtype == it.dst_dtype) {
     // Bytes: src, dst and every element offset times the size. (By dtype, not size, as the
@@ -112,8 +117,10 @@ void CutIntoUnits(CopyItem& it, int64_t segment_bytes, int64_t tile_run_bytes) {
     // a converting tile read 2-byte elements at odd staging addresses, a GPU fault.)
     int64_t v = WidestDividing(it.src | it.dst | (elems * static_cast<uint64_t>(ss)), 16);
     while (v > ss && it.segment % (v / ss) != 0) {
-      if (it.segment >= v / ss) it.segment -= it.segment % (v / ss);
-      else v /= 2;
+      if (it.segment >= v / ss)
+        it.segment -= it.segment % (v / ss);
+      else
+        v /= 2;
     }
     it.vector = static_cast<uint8_t>(v);
     return;
@@ -122,12 +129,15 @@ void CutIntoUnits(CopyItem& it, int64_t segment_bytes, int64_t tile_run_bytes) {
   // 0: element by element in bytes, at addresses that are not multiples of the element size and
   // for pairs the kernel has no vector code for (conversions are among bf16, fp16 and fp32).
   const bool pair = (ss == 2 || ss == 4) && (ds == 2 || ds == 4);
-  if (!pair || it.src % static_cast<uint64_t>(ss) != 0 || it.dst % static_cast<uint64_t>(ds) != 0) return;
+  if (!pair || it.src % static_cast<uint64_t>(ss) != 0 || it.dst % static_cast<uint64_t>(ds) != 0)
+    return;
   int64_t e = 16 / widest;
   while (e > 1 && ((it.src / ss) % e != 0 || (it.dst / ds) % e != 0 || elems % e != 0)) e /= 2;
   while (e > 1 && it.segment % e != 0) {
-    if (it.segment >= e) it.segment -= it.segment % e;
-    else e /= 2;
+    if (it.segment >= e)
+      it.segment -= it.segment % e;
+    else
+      e /= 2;
   }
   it.vector = static_cast<uint8_t>(e);
 }
@@ -137,7 +147,8 @@ void AppendPackItem(const CopyDescriptor& d, const BufferAddresses& src, const B
   const uint64_t at = staging + static_cast<uint64_t>(w.bytes);
   if (d.Quantizes()) {
     // Codes with their rows packed, or the packed scale grid.
-    Append(w, QuantizeItemFor(d, SourceAddress(d, src, dst), at, d.op == CopyOp::kQuantize ? d.inner : GridCols(d)));
+    Append(w, QuantizeItemFor(d, SourceAddress(d, src, dst), at,
+                              d.op == CopyOp::kQuantize ? d.inner : GridCols(d)));
     w.bytes += d.WireBytes();
     return;
   }
@@ -207,11 +218,14 @@ CopyWork UnpackWork(const Plan& plan, const Message& m, uint64_t staging,
 bool AlignedItem(const CopyItem& it) {
   if (it.Quantizes()) return true;  // fp8 blocks: the same code in both kernels
   if (it.tiled) return false;
-  const int ss = DTypeSize(static_cast<DType>(it.src_dtype)), ds = DTypeSize(static_cast<DType>(it.dst_dtype));
+  const int ss = DTypeSize(static_cast<DType>(it.src_dtype)),
+            ds = DTypeSize(static_cast<DType>(it.dst_dtype));
   // Every unit starts at a run's start plus a whole number of segments: aligned when the bases,
   // the strides stepped and the segment are (the last segment of a run: when the run is).
-  uint64_t s_bytes = it.src | static_cast<uint64_t>(it.segment * ss) | static_cast<uint64_t>(it.inner * ss);
-  uint64_t d_bytes = it.dst | static_cast<uint64_t>(it.segment * ds) | static_cast<uint64_t>(it.inner * ds);
+  uint64_t s_bytes =
+      it.src | static_cast<uint64_t>(it.segment * ss) | static_cast<uint64_t>(it.inner * ss);
+  uint64_t d_bytes =
+      it.dst | static_cast<uint64_t>(it.segment * ds) | static_cast<uint64_t>(it.inner * ds);
   for (int k = 0; k < kMaxOuterDims; ++k) {
     if (it.count[k] <= 1) continue;
     s_bytes |= static_cast<uint64_t>(it.src_stride[k] * ss);
@@ -241,7 +255,8 @@ CopyWork DirectWork(const Plan& plan, const Message& m, const BufferAddresses& s
     if (d.Quantizes()) {
       // Straight into the destination: codes into the weight's rows, scales into the scale
       // tensor's, both dst_stride[0] apart.
-      Append(w, QuantizeItemFor(d, SourceAddress(d, src, dst), DestinationAddress(d, dst), d.dst_stride[0]));
+      Append(w, QuantizeItemFor(d, SourceAddress(d, src, dst), DestinationAddress(d, dst),
+                                d.dst_stride[0]));
       continue;
     }
     CopyItem it = ItemFor(d);
@@ -274,14 +289,14 @@ void QuantizeUnitOnHost(const CopyItem& it, int64_t u) {
   block.count[0] = std::min<int64_t>(it.RowsPerUnit(), it.count[2] - r0);  // whole blocks
   block.inner = std::min<int64_t>(it.block_cols, it.inner - c0);
   block.src_stride[0] = it.src_stride[2];
-  const std::byte* src =
-      reinterpret_cast<const std::byte*>(it.src) + (r0 * it.src_stride[2] + c0) * DTypeSize(block.src_dtype);
+  const std::byte* src = reinterpret_cast<const std::byte*>(it.src) +
+                         (r0 * it.src_stride[2] + c0) * DTypeSize(block.src_dtype);
   if (block.op == CopyOp::kQuantize) {
     uint8_t* codes = reinterpret_cast<uint8_t*>(it.dst) + r0 * it.dst_stride[2] + c0;
     QuantizeRegion(block, src, codes, it.dst_stride[2], nullptr, 0);
   } else {
-    std::byte* scale =
-        reinterpret_cast<std::byte*>(it.dst) + (r0 / it.block_rows * it.dst_stride[2] + bj) * DTypeSize(block.dst_dtype);
+    std::byte* scale = reinterpret_cast<std::byte*>(it.dst) +
+                       (r0 / it.block_rows * it.dst_stride[2] + bj) * DTypeSize(block.dst_dtype);
     QuantizeRegion(block, src, nullptr, 0, scale, it.dst_stride[2]);
   }
 }
@@ -306,8 +321,9 @@ void RunCopyWorkOnHost(const CopyWork& work) {
       const int64_t a = run / it.count[1];
       const int64_t so = a * it.src_stride[0] + b * it.src_stride[1] + c * it.src_stride[2] + col;
       const int64_t dof = a * it.dst_stride[0] + b * it.dst_stride[1] + c * it.dst_stride[2] + col;
-      ConvertElements(reinterpret_cast<const std::byte*>(it.src) + so * ss, static_cast<DType>(it.src_dtype),
-                      reinterpret_cast<std::byte*>(it.dst) + dof * ds, static_cast<DType>(it.dst_dtype), n);
+      ConvertElements(
+          reinterpret_cast<const std::byte*>(it.src) + so * ss, static_cast<DType>(it.src_dtype),
+          reinterpret_cast<std::byte*>(it.dst) + dof * ds, static_cast<DType>(it.dst_dtype), n);
     };
     if (it.tiled) {
       // Tile u: elements [u * segment, ...) of the flattened index space, run by run.

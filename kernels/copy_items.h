@@ -45,8 +45,8 @@ inline constexpr int64_t kTileRunBytes = 512;
 struct CopyItem {
   uint64_t src = 0;  // address of the first element (device or host)
   uint64_t dst = 0;
-  int64_t inner = 0;  // elements per run
-  int64_t count[kMaxOuterDims] = {1, 1, 1};  // loops, outermost first (padded with 1)
+  int64_t inner = 0;                              // elements per run
+  int64_t count[kMaxOuterDims] = {1, 1, 1};       // loops, outermost first (padded with 1)
   int64_t src_stride[kMaxOuterDims] = {0, 0, 0};  // in elements
   int64_t dst_stride[kMaxOuterDims] = {0, 0, 0};
   // Elements per work unit: within a run, or (tiled) of the flattened index space; quantizing:

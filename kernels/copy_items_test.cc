@@ -59,7 +59,8 @@ TEST_CASE("direct items (no staging) give the CPU reference's destinations") {
     ExecuteOnHost(t.plan, src.memory, ref.memory);
     for (int stage = 0; stage < kMaxStages; ++stage) {
       for (const Message& m : t.plan.messages) {
-        if (m.stage == stage) RunCopyWorkOnHost(DirectWork(t.plan, m, src.addresses(), got.addresses(), 128));
+        if (m.stage == stage)
+          RunCopyWorkOnHost(DirectWork(t.plan, m, src.addresses(), got.addresses(), 128));
       }
     }
     for (size_t b = 0; b < t.dst.buffers.size(); ++b) REQUIRE(ref.storage[b] == got.storage[b]);
@@ -74,7 +75,9 @@ struct DestinationMemory {
     scratch = AllocateScratch(plan, buffers.memory);
     PoisonDestinations(buffers.memory);
   }
-  bool operator==(const DestinationMemory& o) const { return buffers.storage == o.buffers.storage && scratch == o.scratch; }
+  bool operator==(const DestinationMemory& o) const {
+    return buffers.storage == o.buffers.storage && scratch == o.scratch;
+  }
 };
 
 // The units of quantizing items: one per block (MXFP8's one-row blocks: kMxfp8RowsPerUnit stacked
@@ -86,9 +89,10 @@ void CheckQuantizingUnits(const Plan& plan, const Message& m, const CopyWork& w)
     const CopyItem& it = w.items[item++];
     CHECK(it.Quantizes() == d.Quantizes());
     if (!d.Quantizes()) continue;
-    const int64_t rows = d.quant_format == static_cast<uint8_t>(QuantFormat::kMxfp8) && d.block_rows == 1
-                             ? kMxfp8RowsPerUnit
-                             : d.block_rows;
+    const int64_t rows =
+        d.quant_format == static_cast<uint8_t>(QuantFormat::kMxfp8) && d.block_rows == 1
+            ? kMxfp8RowsPerUnit
+            : d.block_rows;
     CHECK(it.RowsPerUnit() == rows);
     CHECK(it.Units() == CeilDiv(d.count[0], rows) * CeilDiv(d.inner, d.block_cols));
     CHECK(it.block_rows == d.block_rows);
@@ -106,8 +110,10 @@ TEST_CASE("quantizing items pack, unpack and copy directly exactly like the CPU 
       // Fill 1: the verifier's values (so the whole-tensor reference checks the result too);
       // then adversarial blocks.
       const FillSpec spec = MakeFillSpec(qc.src, qc.dst, seed);
-      if (seed == 1) FillSources(qc.src, spec, src.memory);
-      else FillAdversarial(qc.src, qc.dst, src.memory, seed, qc.block_rows, qc.block_cols);
+      if (seed == 1)
+        FillSources(qc.src, spec, src.memory);
+      else
+        FillAdversarial(qc.src, qc.dst, src.memory, seed, qc.block_rows, qc.block_cols);
       // Staged: pack, then unpack, stage by stage.
       DestinationMemory ref(qc.dst, qc.plan), got(qc.dst, qc.plan);
       for (int stage = 0; stage < kMaxStages; ++stage) {
@@ -115,14 +121,17 @@ TEST_CASE("quantizing items pack, unpack and copy directly exactly like the CPU 
           if (m.stage != stage) continue;
           std::vector<std::byte> want, staging(static_cast<size_t>(m.bytes) + 16, kPoison);
           PackMessage(qc.plan, m, src.memory, ref.buffers.memory, want);
-          const uint64_t at = reinterpret_cast<uint64_t>(staging.data()) + (seed % 3);  // odd addresses
+          const uint64_t at =
+              reinterpret_cast<uint64_t>(staging.data()) + (seed % 3);  // odd addresses
           const int64_t segment = seed % 2 ? 64 : 16384;
-          CopyWork pack = PackWork(qc.plan, m, src.addresses(), got.buffers.addresses(), at, segment);
+          CopyWork pack =
+              PackWork(qc.plan, m, src.addresses(), got.buffers.addresses(), at, segment);
           REQUIRE(pack.bytes == m.bytes);
           CheckQuantizingUnits(qc.plan, m, pack);
           RunCopyWorkOnHost(pack);
           REQUIRE(std::memcmp(want.data(), reinterpret_cast<const void*>(at), want.size()) == 0);
-          REQUIRE(staging[static_cast<size_t>(m.bytes) + (seed % 3)] == kPoison);  // nothing past the message
+          REQUIRE(staging[static_cast<size_t>(m.bytes) + (seed % 3)] ==
+                  kPoison);  // nothing past the message
           UnpackMessage(qc.plan, m, want, ref.buffers.memory);
           CopyWork unpack = UnpackWork(qc.plan, m, at, got.buffers.addresses(), segment);
           REQUIRE(unpack.bytes == m.bytes);
@@ -130,7 +139,8 @@ TEST_CASE("quantizing items pack, unpack and copy directly exactly like the CPU 
           ++messages;
           for (int64_t k = 0; k < m.num_descriptors; ++k) {
             const CopyDescriptor& d = qc.plan.descriptor(m, k);
-            quantizing += d.Quantizes(), scales += d.op == CopyOp::kScale, from_scratch += d.Quantizes() && d.src_is_destination;
+            quantizing += d.Quantizes(), scales += d.op == CopyOp::kScale,
+                from_scratch += d.Quantizes() && d.src_is_destination;
           }
         }
       }
@@ -145,7 +155,9 @@ TEST_CASE("quantizing items pack, unpack and copy directly exactly like the CPU 
       ExecuteOnHost(qc.plan, src.memory, ref2.buffers.memory);
       for (int stage = 0; stage < kMaxStages; ++stage) {
         for (const Message& m : qc.plan.messages) {
-          if (m.stage == stage) RunCopyWorkOnHost(DirectWork(qc.plan, m, src.addresses(), got2.buffers.addresses(), 128));
+          if (m.stage == stage)
+            RunCopyWorkOnHost(
+                DirectWork(qc.plan, m, src.addresses(), got2.buffers.addresses(), 128));
         }
       }
       REQUIRE(ref2 == got2);
@@ -156,8 +168,8 @@ TEST_CASE("quantizing items pack, unpack and copy directly exactly like the CPU 
   CHECK(quantizing > scales);
   CHECK(scales > 0);
   CHECK(from_scratch > 0);
-  WARN(messages << " messages, " << quantizing << " quantizing descriptors (" << scales << " of scales, "
-                << from_scratch << " from scratch)");
+  WARN(messages << " messages, " << quantizing << " quantizing descriptors (" << scales
+                << " of scales, " << from_scratch << " from scratch)");
 }
 
 // One MXFP8 item of 1x32 blocks whose first element is 256 (so X = 1 while every |x| < 512):
@@ -177,7 +189,8 @@ CopyItem SweepItem(const std::vector<float>& rows, std::vector<uint8_t>& codes) 
   d.dst_stride[0] = 32;
   codes.assign(rows.size(), 0);
   CopyWork w;
-  AppendPackItem(d, {reinterpret_cast<uint64_t>(rows.data())}, {}, reinterpret_cast<uint64_t>(codes.data()), 16384, w);
+  AppendPackItem(d, {reinterpret_cast<uint64_t>(rows.data())}, {},
+                 reinterpret_cast<uint64_t>(codes.data()), 16384, w);
   return w.items[0];
 }
 
@@ -193,14 +206,18 @@ std::vector<float> SweepValues(uint32_t stride) {
   };
   for (uint32_t sign : {0u, 0x80000000u}) {
     for (int k = 0; k < 0x7F; ++k) {
-      const float lo = E4M3ToFloat(static_cast<uint8_t>(k)), hi = k == 0x7E ? 464.0f : E4M3ToFloat(static_cast<uint8_t>(k + 1));
+      const float lo = E4M3ToFloat(static_cast<uint8_t>(k)),
+                  hi = k == 0x7E ? 464.0f : E4M3ToFloat(static_cast<uint8_t>(k + 1));
       uint32_t mid;
       const float m = (lo + hi) / 2;
       std::memcpy(&mid, &m, 4);
-      for (int32_t delta = -8; delta <= 8; ++delta) add(sign | static_cast<uint32_t>(static_cast<int32_t>(mid) + delta));
+      for (int32_t delta = -8; delta <= 8; ++delta)
+        add(sign | static_cast<uint32_t>(static_cast<int32_t>(mid) + delta));
     }
     for (uint32_t bits = 0; bits < 0x44000000u; bits += stride) add(sign | bits);  // up to 512
-    for (uint32_t bits : {0x7F800000u, 0x7FC00000u, 0x7F800001u, 0x7FFFFFFFu, 0x00000001u, 0x007FFFFFu}) add(sign | bits);
+    for (uint32_t bits :
+         {0x7F800000u, 0x7FC00000u, 0x7F800001u, 0x7FFFFFFFu, 0x00000001u, 0x007FFFFFu})
+      add(sign | bits);
   }
   while (v.size() % 32 != 0) v.push_back(-0.0f);
   return v;
@@ -214,7 +231,8 @@ TEST_CASE("the host twin's codes are FloatToE4M3 itself across e4m3's range") {
   const CopyItem it = SweepItem(values, codes);
   w.items = {it};
   w.unit_begin.push_back(it.Units());
-  REQUIRE(it.Units() == static_cast<int64_t>(CeilDiv(values.size() / 32, kMxfp8RowsPerUnit)));  // rows of 32
+  REQUIRE(it.Units() ==
+          static_cast<int64_t>(CeilDiv(values.size() / 32, kMxfp8RowsPerUnit)));  // rows of 32
   RunCopyWorkOnHost(w);
   size_t wrong = 0, first = 0;
   for (size_t i = 0; i < values.size(); ++i) {
@@ -224,7 +242,9 @@ TEST_CASE("the host twin's codes are FloatToE4M3 itself across e4m3's range") {
   REQUIRE(wrong == 0);
 }
 
-TEST_CASE("a quantizing descriptor's pack item writes its wire bytes, not its elements at the wire size") {
+TEST_CASE(
+    "a quantizing descriptor's pack item writes its wire bytes, not its elements at the wire "
+    "size") {
   CopyDescriptor d;
   d.op = CopyOp::kScale;
   d.quant_format = static_cast<uint8_t>(QuantFormat::kBlockFp8);
@@ -257,7 +277,8 @@ TEST_CASE("a quantizing descriptor's pack item writes its wire bytes, not its el
 
 // Hand-built items (kernels/test_plans.h): the host twin, unit by unit as the kernel cuts them,
 // against a plain element loop over poisoned destinations: every byte, gaps and neighbours too.
-TEST_CASE("tiled and run items give a plain loop's bytes (odd widths, offsets, strides, tiny items)") {
+TEST_CASE(
+    "tiled and run items give a plain loop's bytes (odd widths, offsets, strides, tiny items)") {
   int64_t tiled = 0, runs = 0, vectors[17] = {};
   for (const ItemCase& c : MakeItemCases(300)) {
     INFO(c.name << ", segment bytes " << c.segment_bytes);
@@ -288,7 +309,8 @@ TEST_CASE("tiled and run items give a plain loop's bytes (odd widths, offsets, s
   WARN(tiled << " tiled items, " << runs << " of runs");
 }
 
-CopyItem Item(DType from, DType to, uint64_t src, uint64_t dst, int64_t inner, int64_t rows, int64_t src_row, int64_t dst_row) {
+CopyItem Item(DType from, DType to, uint64_t src, uint64_t dst, int64_t inner, int64_t rows,
+              int64_t src_row, int64_t dst_row) {
   CopyItem it;
   it.src = src, it.dst = dst, it.inner = inner;
   it.count[2] = rows;
@@ -361,7 +383,6 @@ TEST_CASE("99k small tensors' items become far fewer units") {
   CHECK(it.Units() == 4);
 }
 
-
 // What the GPU faults on and the CPU twin does not: every access a tiled item's kernel makes is
 // `vector` bytes (same dtype) or `vector` elements at each end (converting), so the item's base
 // addresses and every element offset it steps by must be multiples of them. Checked on the random
@@ -374,17 +395,22 @@ TEST_CASE("tiled items' accesses are aligned to the width they were given") {
     for (const Message& m : t.plan.messages) {
       for (int64_t segment : {int64_t{64}, int64_t{16384}}) {
         const uint64_t at = 0x10000 + seed % 7;
-        for (const CopyWork& w : {PackWork(t.plan, m, run.src.addresses(), run.got.addresses(), at, segment),
-                                  UnpackWork(t.plan, m, at, run.got.addresses(), segment)}) {
+        for (const CopyWork& w :
+             {PackWork(t.plan, m, run.src.addresses(), run.got.addresses(), at, segment),
+              UnpackWork(t.plan, m, at, run.got.addresses(), segment)}) {
           for (const CopyItem& it : w.items) {
             if (!it.tiled) continue;
             ++tiled;
-            const int ss = DTypeSize(static_cast<DType>(it.src_dtype)), ds = DTypeSize(static_cast<DType>(it.dst_dtype));
-            const uint64_t sv = it.src_dtype == it.dst_dtype ? it.vector : static_cast<uint64_t>(it.vector) * ss;
-            const uint64_t dv = it.src_dtype == it.dst_dtype ? it.vector : static_cast<uint64_t>(it.vector) * ds;
+            const int ss = DTypeSize(static_cast<DType>(it.src_dtype)),
+                      ds = DTypeSize(static_cast<DType>(it.dst_dtype));
+            const uint64_t sv =
+                it.src_dtype == it.dst_dtype ? it.vector : static_cast<uint64_t>(it.vector) * ss;
+            const uint64_t dv =
+                it.src_dtype == it.dst_dtype ? it.vector : static_cast<uint64_t>(it.vector) * ds;
             if (sv == 0) continue;  // converting element by element in bytes
-            INFO("seed " << seed << " item src " << it.src << " dst " << it.dst << " inner " << it.inner << " vector "
-                         << int(it.vector) << " dtypes " << int(it.src_dtype) << "->" << int(it.dst_dtype));
+            INFO("seed " << seed << " item src " << it.src << " dst " << it.dst << " inner "
+                         << it.inner << " vector " << int(it.vector) << " dtypes "
+                         << int(it.src_dtype) << "->" << int(it.dst_dtype));
             CHECK(it.src % sv == 0);
             CHECK(it.dst % dv == 0);
             CHECK((it.inner * ss) % sv == 0);
@@ -424,10 +450,12 @@ TEST_CASE("AlignedOnly accepts aligned long runs and nothing else") {
   CHECK_FALSE(changed([](CopyItem& it) { it.dst += 2; }));
   CHECK_FALSE(changed([](CopyItem& it) { it.src_stride[2] += 1; }));
   CHECK_FALSE(changed([](CopyItem& it) { it.dst_stride[1] += 1; }));
-  CHECK_FALSE(changed([](CopyItem& it) { it.segment -= 4; }));   // 8 elements a unit, no more
-  CHECK_FALSE(changed([](CopyItem& it) { it.inner -= 4; }));     // the last unit of a run
+  CHECK_FALSE(changed([](CopyItem& it) { it.segment -= 4; }));  // 8 elements a unit, no more
+  CHECK_FALSE(changed([](CopyItem& it) { it.inner -= 4; }));    // the last unit of a run
   CHECK_FALSE(changed([](CopyItem& it) { it.tiled = 1; }));
-  CHECK(changed([](CopyItem& it) { it.count[0] = 1, it.src_stride[0] = 3; }));  // a loop of 1 is never stepped
+  CHECK(changed([](CopyItem& it) {
+    it.count[0] = 1, it.src_stride[0] = 3;
+  }));  // a loop of 1 is never stepped
   // The odd-width and tiny cases are never aligned work.
   for (const ItemCase& k : cases) {
     if (k.name == "long aligned runs") continue;

@@ -1,9 +1,8 @@
-#include "kernels/copy_kernels.h"
-
 #include <cuda_fp16.h>
 
 #include <algorithm>
 
+#include "kernels/copy_kernels.h"
 #include "kernels/e4m3_quotient.h"
 #include "plan/dtype.h"
 
@@ -13,7 +12,8 @@ namespace {
 // Element bits from any address (staging may sit at any byte offset).
 __device__ __forceinline__ uint32_t LoadBits(const unsigned char* p, int size) {
   if ((reinterpret_cast<uint64_t>(p) & (size - 1)) == 0) {
-    return size == 2 ? *reinterpret_cast<const uint16_t*>(p) : *reinterpret_cast<const uint32_t*>(p);
+    return size == 2 ? *reinterpret_cast<const uint16_t*>(p)
+                     : *reinterpret_cast<const uint32_t*>(p);
   }
   uint32_t u = 0;
   for (int i = 0; i < size; ++i) u |= static_cast<uint32_t>(p[i]) << (8 * i);
@@ -22,8 +22,10 @@ __device__ __forceinline__ uint32_t LoadBits(const unsigned char* p, int size) {
 
 __device__ __forceinline__ void StoreBits(uint32_t u, unsigned char* p, int size) {
   if ((reinterpret_cast<uint64_t>(p) & (size - 1)) == 0) {
-    if (size == 2) *reinterpret_cast<uint16_t*>(p) = static_cast<uint16_t>(u);
-    else *reinterpret_cast<uint32_t*>(p) = u;
+    if (size == 2)
+      *reinterpret_cast<uint16_t*>(p) = static_cast<uint16_t>(u);
+    else
+      *reinterpret_cast<uint32_t*>(p) = u;
     return;
   }
   for (int i = 0; i < size; ++i) p[i] = static_cast<unsigned char>(u >> (8 * i));
@@ -31,9 +33,12 @@ __device__ __forceinline__ void StoreBits(uint32_t u, unsigned char* p, int size
 
 __device__ __forceinline__ float BitsToFloat(uint32_t u, uint8_t dtype) {
   switch (static_cast<DType>(dtype)) {
-    case DType::kBF16: return __uint_as_float(u << 16);
-    case DType::kF16: return __half2float(__ushort_as_half(static_cast<unsigned short>(u)));
-    default: return __uint_as_float(u);
+    case DType::kBF16:
+      return __uint_as_float(u << 16);
+    case DType::kF16:
+      return __half2float(__ushort_as_half(static_cast<unsigned short>(u)));
+    default:
+      return __uint_as_float(u);
   }
 }
 
@@ -46,14 +51,16 @@ __device__ __forceinline__ uint32_t FloatToBits(float v, uint8_t dtype) {
       u += 0x7FFFu + ((u >> 16) & 1u);
       return u >> 16;
     }
-    case DType::kF16: return __half_as_ushort(__float2half_rn(v));
-    default: return __float_as_uint(v);
+    case DType::kF16:
+      return __half_as_ushort(__float2half_rn(v));
+    default:
+      return __float_as_uint(v);
   }
 }
 
 // 8 elements per lane with 16-byte accesses: both ends 16-byte aligned, n a multiple of 8.
 __device__ __noinline__ void WarpConvertVector(const unsigned char* s, unsigned char* d, int64_t n,
-                                                  uint8_t sdt, uint8_t ddt, int ss, int ds, int lane) {
+                                               uint8_t sdt, uint8_t ddt, int ss, int ds, int lane) {
   for (int64_t chunk = lane; chunk < n / 8; chunk += 32) {
     uint32_t in[8], out[8];
     const uint4* s4 = reinterpret_cast<const uint4*>(s + chunk * 8 * ss);
@@ -63,12 +70,14 @@ __device__ __noinline__ void WarpConvertVector(const unsigned char* s, unsigned 
       for (int i = 0; i < 4; ++i) in[2 * i] = words[i] & 0xFFFF, in[2 * i + 1] = words[i] >> 16;
     } else {
       const uint4 a = s4[0], b = s4[1];
-      in[0] = a.x, in[1] = a.y, in[2] = a.z, in[3] = a.w, in[4] = b.x, in[5] = b.y, in[6] = b.z, in[7] = b.w;
+      in[0] = a.x, in[1] = a.y, in[2] = a.z, in[3] = a.w, in[4] = b.x, in[5] = b.y, in[6] = b.z,
+      in[7] = b.w;
     }
     for (int i = 0; i < 8; ++i) out[i] = FloatToBits(BitsToFloat(in[i], sdt), ddt);
     uint4* d4 = reinterpret_cast<uint4*>(d + chunk * 8 * ds);
     if (ds == 2) {
-      d4[0] = make_uint4(out[0] | (out[1] << 16), out[2] | (out[3] << 16), out[4] | (out[5] << 16), out[6] | (out[7] << 16));
+      d4[0] = make_uint4(out[0] | (out[1] << 16), out[2] | (out[3] << 16), out[4] | (out[5] << 16),
+                         out[6] | (out[7] << 16));
     } else {
       d4[0] = make_uint4(out[0], out[1], out[2], out[3]);
       d4[1] = make_uint4(out[4], out[5], out[6], out[7]);
@@ -78,44 +87,73 @@ __device__ __noinline__ void WarpConvertVector(const unsigned char* s, unsigned 
 
 __device__ __forceinline__ int Size(uint8_t dtype) {
   const DType d = static_cast<DType>(dtype);
-  return d == DType::kBF16 || d == DType::kF16 ? 2 : d == DType::kF32 || d == DType::kI32 ? 4
-         : d == DType::kI64 ? 8 : 1;
+  return d == DType::kBF16 || d == DType::kF16  ? 2
+         : d == DType::kF32 || d == DType::kI32 ? 4
+         : d == DType::kI64                     ? 8
+                                                : 1;
 }
 
 // Accesses of B bytes: the register type, and its 32-bit words (B < 4: one, zero-extended).
-template <int B> struct Access;
-template <> struct Access<16> { using T = uint4; };
-template <> struct Access<8> { using T = uint2; };
-template <> struct Access<4> { using T = uint32_t; };
-template <> struct Access<2> { using T = uint16_t; };
-template <> struct Access<1> { using T = uint8_t; };
+template <int B>
+struct Access;
+template <>
+struct Access<16> {
+  using T = uint4;
+};
+template <>
+struct Access<8> {
+  using T = uint2;
+};
+template <>
+struct Access<4> {
+  using T = uint32_t;
+};
+template <>
+struct Access<2> {
+  using T = uint16_t;
+};
+template <>
+struct Access<1> {
+  using T = uint8_t;
+};
 
 template <int B>
 __device__ __forceinline__ void ToWords(const typename Access<B>::T& v, uint32_t* w) {
-  if constexpr (B == 16) w[0] = v.x, w[1] = v.y, w[2] = v.z, w[3] = v.w;
-  else if constexpr (B == 8) w[0] = v.x, w[1] = v.y;
-  else w[0] = v;
+  if constexpr (B == 16)
+    w[0] = v.x, w[1] = v.y, w[2] = v.z, w[3] = v.w;
+  else if constexpr (B == 8)
+    w[0] = v.x, w[1] = v.y;
+  else
+    w[0] = v;
 }
 
 template <int B>
 __device__ __forceinline__ typename Access<B>::T FromWords(const uint32_t* w) {
-  if constexpr (B == 16) return make_uint4(w[0], w[1], w[2], w[3]);
-  else if constexpr (B == 8) return make_uint2(w[0], w[1]);
-  else return static_cast<typename Access<B>::T>(w[0]);
+  if constexpr (B == 16)
+    return make_uint4(w[0], w[1], w[2], w[3]);
+  else if constexpr (B == 8)
+    return make_uint2(w[0], w[1]);
+  else
+    return static_cast<typename Access<B>::T>(w[0]);
 }
 
 // Element i (of S bytes, 2 or 4) of words w, and back.
 template <int S>
 __device__ __forceinline__ uint32_t Element(const uint32_t* w, int i) {
-  if constexpr (S == 4) return w[i];
-  else return (w[i / 2] >> (16 * (i & 1))) & 0xFFFFu;
+  if constexpr (S == 4)
+    return w[i];
+  else
+    return (w[i / 2] >> (16 * (i & 1))) & 0xFFFFu;
 }
 
 template <int S>
 __device__ __forceinline__ void SetElement(uint32_t* w, int i, uint32_t bits) {
-  if constexpr (S == 4) w[i] = bits;
-  else if (i & 1) w[i / 2] |= bits << 16;
-  else w[i / 2] = bits;
+  if constexpr (S == 4)
+    w[i] = bits;
+  else if (i & 1)
+    w[i / 2] |= bits << 16;
+  else
+    w[i / 2] = bits;
 }
 
 // ---- Spans: one contiguous run (or a segment of one). ----
@@ -155,7 +193,8 @@ __device__ __forceinline__ uint4 Shifted(const uint4& lo, const uint4& hi, int r
 // Without this, a run whose ends differ in alignment fell to byte accesses (1- and 2-byte:
 // FSDP shards start at any element).
 template <int Q>
-__device__ __noinline__ void WarpCopyShifted(const uint4* base, uint4* d4, int64_t n, int r, int lane) {
+__device__ __noinline__ void WarpCopyShifted(const uint4* base, uint4* d4, int64_t n, int r,
+                                             int lane) {
   constexpr int kInFlight = 4;
   for (int64_t i0 = lane; i0 < n; i0 += kInFlight * 32) {
     uint4 lo[kInFlight], hi[kInFlight];
@@ -174,8 +213,11 @@ __device__ __noinline__ void WarpCopyShifted(const uint4* base, uint4* d4, int64
 // long aligned case, unchanged); else single bytes up to d's next 16-byte boundary and after
 // its last one, and the body between in aligned 16-byte stores, from aligned 16-byte loads
 // (shifted where s's misalignment differs from d's).
-__device__ __forceinline__ void WarpCopyBytes(const unsigned char* s, unsigned char* d, int64_t bytes, int lane) {
-  if (((reinterpret_cast<uint64_t>(s) | reinterpret_cast<uint64_t>(d) | static_cast<uint64_t>(bytes)) & 15) == 0) {
+__device__ __forceinline__ void WarpCopyBytes(const unsigned char* s, unsigned char* d,
+                                              int64_t bytes, int lane) {
+  if (((reinterpret_cast<uint64_t>(s) | reinterpret_cast<uint64_t>(d) |
+        static_cast<uint64_t>(bytes)) &
+       15) == 0) {
     WarpCopy16(reinterpret_cast<const uint4*>(s), reinterpret_cast<uint4*>(d), bytes / 16, lane);
     return;
   }
@@ -194,12 +236,20 @@ __device__ __forceinline__ void WarpCopyBytes(const unsigned char* s, unsigned c
   const int r = (k & 3) * 8;
   switch (k >> 2) {
     case 0:
-      if (k == 0) WarpCopy16(base, d4, body / 16, lane);
-      else WarpCopyShifted<0>(base, d4, body / 16, r, lane);
+      if (k == 0)
+        WarpCopy16(base, d4, body / 16, lane);
+      else
+        WarpCopyShifted<0>(base, d4, body / 16, r, lane);
       break;
-    case 1: WarpCopyShifted<1>(base, d4, body / 16, r, lane); break;
-    case 2: WarpCopyShifted<2>(base, d4, body / 16, r, lane); break;
-    default: WarpCopyShifted<3>(base, d4, body / 16, r, lane); break;
+    case 1:
+      WarpCopyShifted<1>(base, d4, body / 16, r, lane);
+      break;
+    case 2:
+      WarpCopyShifted<2>(base, d4, body / 16, r, lane);
+      break;
+    default:
+      WarpCopyShifted<3>(base, d4, body / 16, r, lane);
+      break;
   }
 }
 
@@ -255,7 +305,8 @@ struct TileView {
 struct TileWalk {
   uint64_t row;
   uint32_t col, inner_v, step_rows, step_cols;
-  __device__ __forceinline__ TileWalk(uint64_t row0, uint32_t col0, uint32_t inner, int lane) : inner_v(inner) {
+  __device__ __forceinline__ TileWalk(uint64_t row0, uint32_t col0, uint32_t inner, int lane)
+      : inner_v(inner) {
     const uint32_t c = col0 + static_cast<uint32_t>(lane), extra = c / inner;
     row = row0 + extra;
     col = c - extra * inner;
@@ -272,7 +323,8 @@ struct TileWalk {
 // Same dtype: nv accesses of V bytes, K loads in flight per lane before their stores (more for
 // narrow accesses, so that a warp keeps as many bytes in flight).
 template <int V, int K>
-__device__ __noinline__ void TileCopy(const TileView t, uint64_t row0, uint32_t col0, int64_t nv, int lane) {
+__device__ __noinline__ void TileCopy(const TileView t, uint64_t row0, uint32_t col0, int64_t nv,
+                                      int lane) {
   using T = typename Access<V>::T;
   TileWalk w(row0, col0, t.inner_v, lane);
   for (int64_t i = lane; i < nv; i += 32 * K) {
@@ -282,13 +334,17 @@ __device__ __noinline__ void TileCopy(const TileView t, uint64_t row0, uint32_t 
     const TileWalk at = w;
 #pragma unroll
     for (int k = 0; k < K; ++k) {
-      if (i + 32 * k < nv) r[k] = *reinterpret_cast<const T*>(t.s + t.SourceOffset(w.row) + static_cast<int64_t>(w.col) * V);
+      if (i + 32 * k < nv)
+        r[k] = *reinterpret_cast<const T*>(t.s + t.SourceOffset(w.row) +
+                                           static_cast<int64_t>(w.col) * V);
       w.Next();
     }
     w = at;
 #pragma unroll
     for (int k = 0; k < K; ++k) {
-      if (i + 32 * k < nv) *reinterpret_cast<T*>(t.d + t.DestinationOffset(w.row) + static_cast<int64_t>(w.col) * V) = r[k];
+      if (i + 32 * k < nv)
+        *reinterpret_cast<T*>(t.d + t.DestinationOffset(w.row) + static_cast<int64_t>(w.col) * V) =
+            r[k];
       w.Next();
     }
   }
@@ -296,8 +352,8 @@ __device__ __noinline__ void TileCopy(const TileView t, uint64_t row0, uint32_t 
 
 // Converting: nv accesses of E elements (E * SS bytes read, E * DS written).
 template <int SS, int DS, int E, int K>
-__device__ __noinline__ void TileConvert(const TileView t, uint64_t row0, uint32_t col0, int64_t nv, uint8_t sdt,
-                                            uint8_t ddt, int lane) {
+__device__ __noinline__ void TileConvert(const TileView t, uint64_t row0, uint32_t col0, int64_t nv,
+                                         uint8_t sdt, uint8_t ddt, int lane) {
   using TS = typename Access<E * SS>::T;
   using TD = typename Access<E * DS>::T;
   TileWalk w(row0, col0, t.inner_v, lane);
@@ -307,7 +363,8 @@ __device__ __noinline__ void TileConvert(const TileView t, uint64_t row0, uint32
 #pragma unroll
     for (int k = 0; k < K; ++k) {
       if (i + 32 * k < nv) {
-        r[k] = *reinterpret_cast<const TS*>(t.s + t.SourceOffset(w.row) + static_cast<int64_t>(w.col) * (E * SS));
+        r[k] = *reinterpret_cast<const TS*>(t.s + t.SourceOffset(w.row) +
+                                            static_cast<int64_t>(w.col) * (E * SS));
       }
       w.Next();
     }
@@ -318,9 +375,10 @@ __device__ __noinline__ void TileConvert(const TileView t, uint64_t row0, uint32
         uint32_t in[(E * SS + 3) / 4], out[(E * DS + 3) / 4];
         ToWords<E * SS>(r[k], in);
 #pragma unroll
-        for (int e = 0; e < E; ++e) SetElement<DS>(out, e, FloatToBits(BitsToFloat(Element<SS>(in, e), sdt), ddt));
-        *reinterpret_cast<TD*>(t.d + t.DestinationOffset(w.row) + static_cast<int64_t>(w.col) * (E * DS)) =
-            FromWords<E * DS>(out);
+        for (int e = 0; e < E; ++e)
+          SetElement<DS>(out, e, FloatToBits(BitsToFloat(Element<SS>(in, e), sdt), ddt));
+        *reinterpret_cast<TD*>(t.d + t.DestinationOffset(w.row) +
+                               static_cast<int64_t>(w.col) * (E * DS)) = FromWords<E * DS>(out);
       }
       w.Next();
     }
@@ -328,35 +386,46 @@ __device__ __noinline__ void TileConvert(const TileView t, uint64_t row0, uint32
 }
 
 // Converting at addresses that are not multiples of the element size: element by element, bytes.
-__device__ __noinline__ void TileConvertBytes(const TileView t, uint64_t row0, uint32_t col0, int64_t nv, uint8_t sdt,
-                                                 uint8_t ddt, int lane) {
+__device__ __noinline__ void TileConvertBytes(const TileView t, uint64_t row0, uint32_t col0,
+                                              int64_t nv, uint8_t sdt, uint8_t ddt, int lane) {
   const int ss = Size(sdt), ds = Size(ddt);
   TileWalk w(row0, col0, t.inner_v, lane);
   for (int64_t i = lane; i < nv; i += 32) {
-    const uint32_t bits = LoadBits(t.s + t.SourceOffset(w.row) + static_cast<int64_t>(w.col) * ss, ss);
-    StoreBits(FloatToBits(BitsToFloat(bits, sdt), ddt), t.d + t.DestinationOffset(w.row) + static_cast<int64_t>(w.col) * ds, ds);
+    const uint32_t bits =
+        LoadBits(t.s + t.SourceOffset(w.row) + static_cast<int64_t>(w.col) * ss, ss);
+    StoreBits(FloatToBits(BitsToFloat(bits, sdt), ddt),
+              t.d + t.DestinationOffset(w.row) + static_cast<int64_t>(w.col) * ds, ds);
     w.Next();
   }
 }
 
 template <int SS, int DS>
-__device__ __forceinline__ void TileConvertE(const TileView t, uint64_t row0, uint32_t col0, int64_t nv, int e,
-                                             uint8_t sdt, uint8_t ddt, int lane) {
+__device__ __forceinline__ void TileConvertE(const TileView t, uint64_t row0, uint32_t col0,
+                                             int64_t nv, int e, uint8_t sdt, uint8_t ddt,
+                                             int lane) {
   constexpr int kMaxE = 16 / (SS > DS ? SS : DS);
-  if (e >= 8 && kMaxE >= 8) TileConvert<SS, DS, (kMaxE >= 8 ? 8 : 1), 4>(t, row0, col0, nv, sdt, ddt, lane);
-  else if (e >= 4) TileConvert<SS, DS, 4, 4>(t, row0, col0, nv, sdt, ddt, lane);
-  else if (e == 2) TileConvert<SS, DS, 2, 8>(t, row0, col0, nv, sdt, ddt, lane);
-  else TileConvert<SS, DS, 1, 8>(t, row0, col0, nv, sdt, ddt, lane);
+  if (e >= 8 && kMaxE >= 8)
+    TileConvert<SS, DS, (kMaxE >= 8 ? 8 : 1), 4>(t, row0, col0, nv, sdt, ddt, lane);
+  else if (e >= 4)
+    TileConvert<SS, DS, 4, 4>(t, row0, col0, nv, sdt, ddt, lane);
+  else if (e == 2)
+    TileConvert<SS, DS, 2, 8>(t, row0, col0, nv, sdt, ddt, lane);
+  else
+    TileConvert<SS, DS, 1, 8>(t, row0, col0, nv, sdt, ddt, lane);
 }
 
 // e elements per access (0: bytes, at any address; CutIntoUnits sets 0 for pairs other than these).
-__device__ __forceinline__ void ConvertTile(const TileView t, uint64_t row0, uint32_t col0, int64_t nv, int e,
-                                            uint8_t sdt, uint8_t ddt, int lane) {
+__device__ __forceinline__ void ConvertTile(const TileView t, uint64_t row0, uint32_t col0,
+                                            int64_t nv, int e, uint8_t sdt, uint8_t ddt, int lane) {
   const int ss = Size(sdt), ds = Size(ddt);
-  if (e == 0) TileConvertBytes(t, row0, col0, nv, sdt, ddt, lane);
-  else if (ss == 2 && ds == 4) TileConvertE<2, 4>(t, row0, col0, nv, e, sdt, ddt, lane);
-  else if (ss == 4 && ds == 2) TileConvertE<4, 2>(t, row0, col0, nv, e, sdt, ddt, lane);
-  else TileConvertE<2, 2>(t, row0, col0, nv, e, sdt, ddt, lane);
+  if (e == 0)
+    TileConvertBytes(t, row0, col0, nv, sdt, ddt, lane);
+  else if (ss == 2 && ds == 4)
+    TileConvertE<2, 4>(t, row0, col0, nv, e, sdt, ddt, lane);
+  else if (ss == 4 && ds == 2)
+    TileConvertE<4, 2>(t, row0, col0, nv, e, sdt, ddt, lane);
+  else
+    TileConvertE<2, 2>(t, row0, col0, nv, e, sdt, ddt, lane);
 }
 
 // Bytes per access at the source end of a tiled item, and the item's view.
@@ -381,16 +450,27 @@ __device__ __forceinline__ TileView ViewOf(const CopyItem& it) {
 }
 
 // A warp runs nv accesses of a tiled item from position (row0, col0).
-__device__ __forceinline__ void CopyTile(const CopyItem& it, uint64_t row0, uint32_t col0, int64_t nv, int lane) {
+__device__ __forceinline__ void CopyTile(const CopyItem& it, uint64_t row0, uint32_t col0,
+                                         int64_t nv, int lane) {
   const TileView t = ViewOf(it);
   const uint8_t sdt = it.src_dtype, ddt = it.dst_dtype;
   if (sdt == ddt) {
     switch (t.sg) {
-      case 16: TileCopy<16, 4>(t, row0, col0, nv, lane); return;
-      case 8: TileCopy<8, 8>(t, row0, col0, nv, lane); return;
-      case 4: TileCopy<4, 8>(t, row0, col0, nv, lane); return;
-      case 2: TileCopy<2, 8>(t, row0, col0, nv, lane); return;
-      default: TileCopy<1, 8>(t, row0, col0, nv, lane); return;
+      case 16:
+        TileCopy<16, 4>(t, row0, col0, nv, lane);
+        return;
+      case 8:
+        TileCopy<8, 8>(t, row0, col0, nv, lane);
+        return;
+      case 4:
+        TileCopy<4, 8>(t, row0, col0, nv, lane);
+        return;
+      case 2:
+        TileCopy<2, 8>(t, row0, col0, nv, lane);
+        return;
+      default:
+        TileCopy<1, 8>(t, row0, col0, nv, lane);
+        return;
     }
   }
   ConvertTile(t, row0, col0, nv, it.vector, sdt, ddt, lane);
@@ -457,19 +537,26 @@ __device__ __forceinline__ uint8_t Mxfp8ScaleCode(float amax) {
 
 // E8M0ToFloat for the codes Mxfp8ScaleCode makes (0..254): 2^(code - 127), 2^-127 a subnormal.
 __device__ __forceinline__ float E8M0ToFloat(uint8_t code) {
-  return code == 0 ? __uint_as_float(0x00400000u) : __uint_as_float(static_cast<uint32_t>(code) << 23);
+  return code == 0 ? __uint_as_float(0x00400000u)
+                   : __uint_as_float(static_cast<uint32_t>(code) << 23);
 }
 
-// Whether element bits of a float dtype (bf16, fp16, fp32) are a NaN; SignBit: their sign as e4m3's.
+// Whether element bits of a float dtype (bf16, fp16, fp32) are a NaN; SignBit: their sign as
+// e4m3's.
 __device__ __forceinline__ bool IsNanBits(uint32_t u, uint8_t dtype) {
   switch (static_cast<DType>(dtype)) {
-    case DType::kBF16: return (u & 0x7FFFu) > 0x7F80u;
-    case DType::kF16: return (u & 0x7FFFu) > 0x7C00u;
-    default: return (u & 0x7FFFFFFFu) > 0x7F800000u;
+    case DType::kBF16:
+      return (u & 0x7FFFu) > 0x7F80u;
+    case DType::kF16:
+      return (u & 0x7FFFu) > 0x7C00u;
+    default:
+      return (u & 0x7FFFFFFFu) > 0x7F800000u;
   }
 }
 
-__device__ __forceinline__ uint8_t SignBit(uint32_t u, int size) { return (u >> (8 * size - 1)) & 1 ? 0x80 : 0; }
+__device__ __forceinline__ uint8_t SignBit(uint32_t u, int size) {
+  return (u >> (8 * size - 1)) & 1 ? 0x80 : 0;
+}
 
 // The max of `amax` and the finite |x| of eight bf16 (a 16-byte chunk).
 __device__ __forceinline__ float Bf16ChunkAmax(const uint4& v, float amax) {
@@ -499,7 +586,9 @@ __device__ __forceinline__ uint2 Bf16ChunkCodes(const uint4& v, float scale) {
 
 // Bf16ChunkCodes out of line, for the rare chunk that holds an inf or a NaN (its port of
 // FloatToE4M3 inlined at every call site took registers and code).
-__device__ __noinline__ uint2 Bf16ChunkCodesDivided(uint4 v, float scale) { return Bf16ChunkCodes(v, scale); }
+__device__ __noinline__ uint2 Bf16ChunkCodesDivided(uint4 v, float scale) {
+  return Bf16ChunkCodes(v, scale);
+}
 
 // Two finite fp32 values as e4m3 codes, lo in the low byte: the hardware's round to nearest even,
 // saturating to +-448. For finite input this is FloatToE4M3 bit for bit: both round the exact
@@ -563,7 +652,8 @@ __device__ __forceinline__ uint2 Bf16ChunkCodesFast(const uint4& v, const Diviso
   if (q.power_of_two) {
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
-      pair[i] = E4M3x2(__fmul_rn(__uint_as_float(w[i] << 16), q.inverse), __fmul_rn(__uint_as_float(w[i] & 0xFFFF0000u), q.inverse));
+      pair[i] = E4M3x2(__fmul_rn(__uint_as_float(w[i] << 16), q.inverse),
+                       __fmul_rn(__uint_as_float(w[i] & 0xFFFF0000u), q.inverse));
     }
   } else {
 #pragma unroll
@@ -583,8 +673,9 @@ constexpr uint8_t kRowsMode = 0x80;
 // over its finite elements, reduced across the lanes (max is exact and order-free), the block's
 // scale, then kQuantize: the codes e4m3(x / scale) at d (rows ds bytes apart), a NaN encoded from
 // its own bits (sign kept), not divided; kScale: the scale at d (fp32 bits, or an e8m0 byte).
-__device__ __forceinline__ void QuantizeOneBlock(const unsigned char* s, unsigned char* d, int nr, int nc, int64_t ss,
-                                                 int64_t ds, uint8_t sdt, uint8_t op, uint8_t format, int lane) {
+__device__ __forceinline__ void QuantizeOneBlock(const unsigned char* s, unsigned char* d, int nr,
+                                                 int nc, int64_t ss, int64_t ds, uint8_t sdt,
+                                                 uint8_t op, uint8_t format, int lane) {
   const int size = Size(sdt);
   // bf16 blocks of whole 16-byte rows (128 x 128 blocks of row-major weights): 8 elements per
   // 16-byte load and 8 codes per 8-byte store, four loads in flight per lane. 2-byte loads one at
@@ -595,7 +686,8 @@ __device__ __forceinline__ void QuantizeOneBlock(const unsigned char* s, unsigne
                        ((reinterpret_cast<uint64_t>(d) | static_cast<uint64_t>(ds)) & 7) == 0);
   const int chunks_per_row = nc / 8, chunks = nr * chunks_per_row;
   auto chunk_at = [&](int k) {
-    return reinterpret_cast<const uint4*>(s + (static_cast<int64_t>(k / chunks_per_row) * ss + (k % chunks_per_row) * 8) * 2);
+    return reinterpret_cast<const uint4*>(
+        s + (static_cast<int64_t>(k / chunks_per_row) * ss + (k % chunks_per_row) * 8) * 2);
   };
   float amax = 0.0f;
   if (vector) {
@@ -626,15 +718,17 @@ __device__ __forceinline__ void QuantizeOneBlock(const unsigned char* s, unsigne
   const float scale = mx ? E8M0ToFloat(code) : BlockFp8Scale(amax);
   if (op == static_cast<uint8_t>(CopyOp::kScale)) {
     if (lane == 0) {
-      if (mx) *d = code;
-      else StoreBits(__float_as_uint(scale), d, 4);
+      if (mx)
+        *d = code;
+      else
+        StoreBits(__float_as_uint(scale), d, 4);
     }
     return;
   }
   if (vector) {
     for (int k = lane; k < chunks; k += 32) {
-      *reinterpret_cast<uint2*>(d + static_cast<int64_t>(k / chunks_per_row) * ds + (k % chunks_per_row) * 8) =
-          Bf16ChunkCodes(*chunk_at(k), scale);
+      *reinterpret_cast<uint2*>(d + static_cast<int64_t>(k / chunks_per_row) * ds +
+                                (k % chunks_per_row) * 8) = Bf16ChunkCodes(*chunk_at(k), scale);
     }
     return;
   }
@@ -657,15 +751,19 @@ __device__ __forceinline__ void QuantizeOneBlock(const unsigned char* s, unsigne
 // codes apart). Other rows: one block after another, as QuantizeOneBlock does them.
 constexpr int kRowGroupsInFlight = 4;
 
-__device__ __forceinline__ void QuantizeRows(const unsigned char* s, unsigned char* d, int nr, int nc, int64_t ss,
-                                             int64_t ds, uint8_t sdt, uint8_t op, uint8_t format, int lane) {
+__device__ __forceinline__ void QuantizeRows(const unsigned char* s, unsigned char* d, int nr,
+                                             int nc, int64_t ss, int64_t ds, uint8_t sdt,
+                                             uint8_t op, uint8_t format, int lane) {
   const bool quantize = op == static_cast<uint8_t>(CopyOp::kQuantize);
-  const bool vector = sdt == static_cast<uint8_t>(DType::kBF16) && nc % 8 == 0 && nc <= 32 && nr <= kMxfp8RowsPerUnit &&
-                      ((reinterpret_cast<uint64_t>(s) | static_cast<uint64_t>(ss * 2)) & 15) == 0 &&
-                      (!quantize || ((reinterpret_cast<uint64_t>(d) | static_cast<uint64_t>(ds)) & 7) == 0);
+  const bool vector =
+      sdt == static_cast<uint8_t>(DType::kBF16) && nc % 8 == 0 && nc <= 32 &&
+      nr <= kMxfp8RowsPerUnit &&
+      ((reinterpret_cast<uint64_t>(s) | static_cast<uint64_t>(ss * 2)) & 15) == 0 &&
+      (!quantize || ((reinterpret_cast<uint64_t>(d) | static_cast<uint64_t>(ds)) & 7) == 0);
   if (!vector) {
     const int size = Size(sdt);
-    for (int r = 0; r < nr; ++r) QuantizeOneBlock(s + r * ss * size, d + r * ds, 1, nc, ss, ds, sdt, op, format, lane);
+    for (int r = 0; r < nr; ++r)
+      QuantizeOneBlock(s + r * ss * size, d + r * ds, 1, nc, ss, ds, sdt, op, format, lane);
     return;
   }
   const int chunk = lane & 3;
@@ -675,7 +773,9 @@ __device__ __forceinline__ void QuantizeRows(const unsigned char* s, unsigned ch
     for (int g = 0; g < kRowGroupsInFlight; ++g) {
       const int row = r0 + 8 * g;
       v[g] = make_uint4(0, 0, 0, 0);
-      if (row < nr && chunk < nc / 8) v[g] = *reinterpret_cast<const uint4*>(s + (static_cast<int64_t>(row) * ss + chunk * 8) * 2);
+      if (row < nr && chunk < nc / 8)
+        v[g] =
+            *reinterpret_cast<const uint4*>(s + (static_cast<int64_t>(row) * ss + chunk * 8) * 2);
     }
 #pragma unroll
     for (int g = 0; g < kRowGroupsInFlight; ++g) {
@@ -690,14 +790,16 @@ __device__ __forceinline__ void QuantizeRows(const unsigned char* s, unsigned ch
       if (!quantize) {
         if (on && chunk == 0) d[row * ds] = code;
       } else if (on) {
-        *reinterpret_cast<uint2*>(d + row * ds + chunk * 8) = Bf16ChunkCodesFast(v[g], div, m < 0x7F80u);
+        *reinterpret_cast<uint2*>(d + row * ds + chunk * 8) =
+            Bf16ChunkCodesFast(v[g], div, m < 0x7F80u);
       }
     }
   }
 }
 
-__device__ __forceinline__ void QuantizeBlock(const unsigned char* s, unsigned char* d, int nr, int nc, int64_t ss,
-                                              int64_t ds, uint8_t sdt, uint8_t op, uint8_t format, int lane) {
+__device__ __forceinline__ void QuantizeBlock(const unsigned char* s, unsigned char* d, int nr,
+                                              int nc, int64_t ss, int64_t ds, uint8_t sdt,
+                                              uint8_t op, uint8_t format, int lane) {
   if (format & kRowsMode) {
     QuantizeRows(s, d, nr, nc, ss, ds, sdt, op, static_cast<uint8_t>(format & ~kRowsMode), lane);
   } else {
@@ -708,28 +810,34 @@ __device__ __forceinline__ void QuantizeBlock(const unsigned char* s, unsigned c
 // The general kernel calls it (its own registers: inlined there, with tiles, it spilled); the
 // aligned kernel inlines it, as before tiles (no spills: a 16 GB bf16 -> fp8 refit 27.7 ms,
 // against 35.3 through the call).
-__device__ __noinline__ void QuantizeUnit(const unsigned char* s, unsigned char* d, int nr, int nc, int64_t ss,
-                                          int64_t ds, uint8_t sdt, uint8_t op, uint8_t format, int lane) {
+__device__ __noinline__ void QuantizeUnit(const unsigned char* s, unsigned char* d, int nr, int nc,
+                                          int64_t ss, int64_t ds, uint8_t sdt, uint8_t op,
+                                          uint8_t format, int lane) {
   QuantizeBlock(s, d, nr, nc, ss, ds, sdt, op, format, lane);
 }
 
-// ---- The quantizing kernel (LaunchCopyItems' `quantizing`): a thread block per block fp8 block. ----
+// ---- The quantizing kernel (LaunchCopyItems' `quantizing`): a thread block per block fp8 block.
+// ----
 
 // A kQuantize item and the kScale item of the same region (same source, block and format): the
 // quantizing kernel writes the scales with the codes, from one read, and skips the kScale item's
-// units (the planner lists a weight's codes, then its scales, kTwinWindow is how far apart it looks).
+// units (the planner lists a weight's codes, then its scales, kTwinWindow is how far apart it
+// looks).
 constexpr int kTwinWindow = 8;
 
 __device__ __forceinline__ bool Twins(const CopyItem& q, const CopyItem& s) {
-  return (q.op == static_cast<uint8_t>(CopyOp::kQuantize)) & (s.op == static_cast<uint8_t>(CopyOp::kScale)) &
-         (q.src == s.src) & (q.src_dtype == s.src_dtype) & (q.inner == s.inner) & (q.count[0] == s.count[0]) &
-         (q.count[1] == s.count[1]) & (q.count[2] == s.count[2]) & (q.src_stride[2] == s.src_stride[2]) &
-         (q.block_rows == s.block_rows) & (q.block_cols == s.block_cols) & (q.quant_format == s.quant_format) &
+  return (q.op == static_cast<uint8_t>(CopyOp::kQuantize)) &
+         (s.op == static_cast<uint8_t>(CopyOp::kScale)) & (q.src == s.src) &
+         (q.src_dtype == s.src_dtype) & (q.inner == s.inner) & (q.count[0] == s.count[0]) &
+         (q.count[1] == s.count[1]) & (q.count[2] == s.count[2]) &
+         (q.src_stride[2] == s.src_stride[2]) & (q.block_rows == s.block_rows) &
+         (q.block_cols == s.block_cols) & (q.quant_format == s.quant_format) &
          (q.segments == s.segments);
 }
 
 // Of item i: kQuantize, bit k set when items[i + 1 + k] is its twin (it writes their scales);
-// kScale, 1 when some kQuantize item of the kTwinWindow before it is its twin (its units do nothing).
+// kScale, 1 when some kQuantize item of the kTwinWindow before it is its twin (its units do
+// nothing).
 __device__ __noinline__ uint32_t TwinMask(const CopyItem* items, int n_items, int i) {
   const CopyItem& it = items[i];
   uint32_t mask = 0;
@@ -748,8 +856,10 @@ __device__ __noinline__ uint32_t TwinMask(const CopyItem* items, int n_items, in
 }
 
 // The scale of block row `block_row` (of the item's grid), block column bj, in twin scale item t.
-__device__ __forceinline__ unsigned char* TwinScaleAt(const CopyItem& t, int64_t block_row, int64_t bj) {
-  return reinterpret_cast<unsigned char*>(t.dst) + (block_row * t.dst_stride[2] + bj) * Size(t.dst_dtype);
+__device__ __forceinline__ unsigned char* TwinScaleAt(const CopyItem& t, int64_t block_row,
+                                                      int64_t bj) {
+  return reinterpret_cast<unsigned char*>(t.dst) +
+         (block_row * t.dst_stride[2] + bj) * Size(t.dst_dtype);
 }
 
 // A quantizing unit as the quantizing kernel sees it: Resolve's fields, its item, the item's twins.
@@ -760,12 +870,17 @@ struct QuantUnit {
   __device__ __forceinline__ int nr() const { return static_cast<int>(u.n >> 32); }
   __device__ __forceinline__ int nc() const { return static_cast<int>(u.n & 0xFFFFFFFF); }
   __device__ __forceinline__ uint8_t sdt() const { return static_cast<uint8_t>(u.dtypes & 0xFF); }
-  __device__ __forceinline__ uint8_t op() const { return static_cast<uint8_t>((u.dtypes >> 16) & 0xFF); }
+  __device__ __forceinline__ uint8_t op() const {
+    return static_cast<uint8_t>((u.dtypes >> 16) & 0xFF);
+  }
   __device__ __forceinline__ uint8_t format() const { return static_cast<uint8_t>(u.dtypes >> 24); }
-  __device__ __forceinline__ bool quantize() const { return op() == static_cast<uint8_t>(CopyOp::kQuantize); }
+  __device__ __forceinline__ bool quantize() const {
+    return op() == static_cast<uint8_t>(CopyOp::kQuantize);
+  }
   // bf16 in whole 16-byte chunks, 16-byte aligned rows; codes (if any) in 8-byte aligned rows.
   __device__ __forceinline__ bool Vector() const {
-    return sdt() == static_cast<uint8_t>(DType::kBF16) && nc() % 8 == 0 && ((u.s | static_cast<uint64_t>(u.ss * 2)) & 15) == 0 &&
+    return sdt() == static_cast<uint8_t>(DType::kBF16) && nc() % 8 == 0 &&
+           ((u.s | static_cast<uint64_t>(u.ss * 2)) & 15) == 0 &&
            (!quantize() || ((u.d | static_cast<uint64_t>(u.ds)) & 7) == 0);
   }
 };
@@ -784,7 +899,8 @@ __device__ __forceinline__ QuantUnit ShflQuantUnit(const QuantUnit& q, int j) {
 }
 
 // The unit's block coordinates in its item: block row (of the scale grid) and block column.
-__device__ __forceinline__ void BlockOf(const CopyItem& it, int64_t local, int64_t* first_row, int64_t* bj) {
+__device__ __forceinline__ void BlockOf(const CopyItem& it, int64_t local, int64_t* first_row,
+                                        int64_t* bj) {
   const bool rows = it.quant_format == kCopyItemMxfp8 && it.block_rows == 1;
   *first_row = local / it.segments * (rows ? kMxfp8RowsPerUnit : it.block_rows);
   *bj = local % it.segments;
@@ -811,22 +927,34 @@ constexpr int kStagedBytes = kStages * kChunksPerThread * kQuantThreads * 16;
 // address), without passing through registers; visible to this thread after WaitStaged.
 __device__ __forceinline__ void Stage16(uint4* dst, const void* src, bool on) {
   const uint32_t at = static_cast<uint32_t>(__cvta_generic_to_shared(dst));
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(at), "l"(src), "r"(on ? 16 : 0) : "memory");
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(at), "l"(src),
+               "r"(on ? 16 : 0)
+               : "memory");
 }
-__device__ __forceinline__ void CommitStaged() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
-// Waits for this thread's groups but the kStages - 2 committed last (one group a tile, empty past the last).
-__device__ __forceinline__ void WaitStaged() { asm volatile("cp.async.wait_group %0;\n" ::"n"(kStages - 2) : "memory"); }
+__device__ __forceinline__ void CommitStaged() {
+  asm volatile("cp.async.commit_group;\n" ::: "memory");
+}
+// Waits for this thread's groups but the kStages - 2 committed last (one group a tile, empty past
+// the last).
+__device__ __forceinline__ void WaitStaged() {
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(kStages - 2) : "memory");
+}
 
 // MXFP8 units of one-row blocks: the copy kernel's, in both kernels' launches (LaunchCopyItems).
-__device__ __forceinline__ bool RowsMode(const QuantUnit& q) { return q.item >= 0 && (q.format() & kRowsMode); }
+__device__ __forceinline__ bool RowsMode(const QuantUnit& q) {
+  return q.item >= 0 && (q.format() & kRowsMode);
+}
 
 __device__ __forceinline__ bool TileFits(const QuantUnit& q) {
-  return !(q.format() & kRowsMode) && q.Vector() && static_cast<int64_t>(q.nr()) * (q.nc() / 8) <= kTileChunks;
+  return !(q.format() & kRowsMode) && q.Vector() &&
+         static_cast<int64_t>(q.nr()) * (q.nc() / 8) <= kTileChunks;
 }
 
 // Whether the kernel runs a resolved unit: not a copy unit or an MXFP8 row unit, and not a kScale
 // unit whose twin writes its scales.
-__device__ __forceinline__ bool Runs(const QuantUnit& q) { return q.item >= 0 && !RowsMode(q) && (q.quantize() || q.twins == 0); }
+__device__ __forceinline__ bool Runs(const QuantUnit& q) {
+  return q.item >= 0 && !RowsMode(q) && (q.quantize() || q.twins == 0);
+}
 
 // Where chunk i of this thread lies in a tile of `cpr` chunks a row: chunk t + kQuantThreads * i
 // in row-major order. Rows of a power-of-two count of chunks up to kQuantThreads (128 columns: 16)
@@ -864,14 +992,15 @@ __device__ __forceinline__ void StageTile(const QuantUnit& q, uint4* staged, con
     int row, c;
     walk.At(i, &row, &c);
     const bool in = row < q.nr();
-    Stage16(staged + i * kQuantThreads + threadIdx.x, in ? s + (static_cast<int64_t>(row) * q.u.ss + c * 8) * 2 : fallback, in);
+    Stage16(staged + i * kQuantThreads + threadIdx.x,
+            in ? s + (static_cast<int64_t>(row) * q.u.ss + c * 8) * 2 : fallback, in);
   }
 }
 
 // A tile's codes (and its twins' scales) or its scale, from its chunks in v (StageTile), the amax
 // reduced across the thread block through `partial` (one __syncthreads).
-__device__ __forceinline__ void FinishTile(const QuantUnit& q, const CopyItem* items, int64_t local, float* partial,
-                                           const uint4 (&v)[kChunksPerThread]) {
+__device__ __forceinline__ void FinishTile(const QuantUnit& q, const CopyItem* items, int64_t local,
+                                           float* partial, const uint4 (&v)[kChunksPerThread]) {
   const int t = threadIdx.x, lane = t & 31, warp = t >> 5;
   uint32_t m = 0;
 #pragma unroll
@@ -894,8 +1023,10 @@ __device__ __forceinline__ void FinishTile(const QuantUnit& q, const CopyItem* i
   const Divisor div = BlockDivisor(amax, mx, &code);
   if (t == 0) {
     auto put = [&](unsigned char* at) {
-      if (mx) *at = code;
-      else StoreBits(__float_as_uint(div.scale), at, 4);
+      if (mx)
+        *at = code;
+      else
+        StoreBits(__float_as_uint(div.scale), at, 4);
     };
     if (!q.quantize()) {
       put(reinterpret_cast<unsigned char*>(q.u.d));
@@ -904,7 +1035,8 @@ __device__ __forceinline__ void FinishTile(const QuantUnit& q, const CopyItem* i
       int64_t first_row, bj;
       BlockOf(it, local, &first_row, &bj);
       for (int k = 0; k < kTwinWindow; ++k) {
-        if (q.twins >> k & 1) put(TwinScaleAt(items[q.item + 1 + k], first_row / it.block_rows, bj));
+        if (q.twins >> k & 1)
+          put(TwinScaleAt(items[q.item + 1 + k], first_row / it.block_rows, bj));
       }
     }
   }
@@ -915,16 +1047,20 @@ __device__ __forceinline__ void FinishTile(const QuantUnit& q, const CopyItem* i
   for (int i = 0; i < kChunksPerThread; ++i) {
     int row, c;
     walk.At(i, &row, &c);
-    if (row < q.nr()) *reinterpret_cast<uint2*>(d + static_cast<int64_t>(row) * q.u.ds + c * 8) = Bf16ChunkCodesFast(v[i], div, finite);
+    if (row < q.nr())
+      *reinterpret_cast<uint2*>(d + static_cast<int64_t>(row) * q.u.ds + c * 8) =
+          Bf16ChunkCodesFast(v[i], div, finite);
   }
 }
 
 // Any other quantizing unit, one warp: the copy kernel's code (QuantizeBlock), then each twin's
 // scales by the same code (a second read; these shapes are rare: fp16 and fp32 sources, unaligned
 // rows, blocks over 128 x 128).
-__device__ __noinline__ void QuantizeUnitWithTwins(const QuantUnit& q, const CopyItem* items, int64_t local, int lane) {
+__device__ __noinline__ void QuantizeUnitWithTwins(const QuantUnit& q, const CopyItem* items,
+                                                   int64_t local, int lane) {
   const unsigned char* s = reinterpret_cast<const unsigned char*>(q.u.s);
-  QuantizeBlock(s, reinterpret_cast<unsigned char*>(q.u.d), q.nr(), q.nc(), q.u.ss, q.u.ds, q.sdt(), q.op(), q.format(), lane);
+  QuantizeBlock(s, reinterpret_cast<unsigned char*>(q.u.d), q.nr(), q.nc(), q.u.ss, q.u.ds, q.sdt(),
+                q.op(), q.format(), lane);
   if (!q.quantize() || q.twins == 0) return;
   const CopyItem& it = items[q.item];
   int64_t first_row, bj;
@@ -932,8 +1068,9 @@ __device__ __noinline__ void QuantizeUnitWithTwins(const QuantUnit& q, const Cop
   for (int k = 0; k < kTwinWindow; ++k) {
     if (!(q.twins >> k & 1)) continue;
     const CopyItem& twin = items[q.item + 1 + k];
-    QuantizeBlock(s, TwinScaleAt(twin, first_row / it.block_rows, bj), q.nr(), q.nc(), q.u.ss, twin.dst_stride[2], q.sdt(),
-                  static_cast<uint8_t>(CopyOp::kScale), q.format(), lane);
+    QuantizeBlock(s, TwinScaleAt(twin, first_row / it.block_rows, bj), q.nr(), q.nc(), q.u.ss,
+                  twin.dst_stride[2], q.sdt(), static_cast<uint8_t>(CopyOp::kScale), q.format(),
+                  lane);
   }
 }
 
@@ -955,7 +1092,8 @@ __device__ __forceinline__ Unit ResolveQuantizing(const CopyItem& it, int64_t lo
                : it.dst + (r0 / it.block_rows * it.dst_stride[2] + bj) * Size(it.dst_dtype);
   unit.ss = it.src_stride[2];
   unit.ds = it.dst_stride[2];
-  unit.dtypes = it.src_dtype | (static_cast<uint32_t>(it.dst_dtype) << 8) | (static_cast<uint32_t>(it.op) << 16) |
+  unit.dtypes = it.src_dtype | (static_cast<uint32_t>(it.dst_dtype) << 8) |
+                (static_cast<uint32_t>(it.op) << 16) |
                 (static_cast<uint32_t>(it.quant_format | (rows ? kRowsMode : 0)) << 24);
   return unit;
 }
@@ -965,13 +1103,17 @@ __device__ __forceinline__ int ItemOf(const int64_t* unit_begin, int n_items, in
   int lo = 0, hi = n_items - 1;
   while (lo < hi) {
     const int mid = (lo + hi + 1) / 2;
-    if (unit_begin[mid] <= u) lo = mid; else hi = mid - 1;
+    if (unit_begin[mid] <= u)
+      lo = mid;
+    else
+      hi = mid - 1;
   }
   return lo;
 }
 
 template <bool kTiles>
-__device__ __forceinline__ Unit Resolve(const CopyItem* items, const int64_t* unit_begin, int n_items, int64_t u) {
+__device__ __forceinline__ Unit Resolve(const CopyItem* items, const int64_t* unit_begin,
+                                        int n_items, int64_t u) {
   const int lo = ItemOf(unit_begin, n_items, u);
   const CopyItem& it = items[lo];
   const int64_t local = u - unit_begin[lo];
@@ -1001,15 +1143,17 @@ __device__ __forceinline__ Unit Resolve(const CopyItem* items, const int64_t* un
   const int ss = Size(it.src_dtype), ds = Size(it.dst_dtype);
   Unit unit;
   unit.n = min(it.segment, it.inner - first);
-  unit.s = it.src + (a * it.src_stride[0] + b * it.src_stride[1] + c * it.src_stride[2] + first) * ss;
-  unit.d = it.dst + (a * it.dst_stride[0] + b * it.dst_stride[1] + c * it.dst_stride[2] + first) * ds;
+  unit.s =
+      it.src + (a * it.src_stride[0] + b * it.src_stride[1] + c * it.src_stride[2] + first) * ss;
+  unit.d =
+      it.dst + (a * it.dst_stride[0] + b * it.dst_stride[1] + c * it.dst_stride[2] + first) * ds;
   unit.dtypes = it.src_dtype | (static_cast<uint32_t>(it.dst_dtype) << 8);
   return unit;
 }
 
 // A warp copies one run (or a segment of one) of n elements.
-__device__ __forceinline__ void CopyUnit(const unsigned char* s, unsigned char* d, int64_t n, uint8_t sdt, uint8_t ddt,
-                                         int lane) {
+__device__ __forceinline__ void CopyUnit(const unsigned char* s, unsigned char* d, int64_t n,
+                                         uint8_t sdt, uint8_t ddt, int lane) {
   const int ss = Size(sdt), ds = Size(ddt);
   if (sdt == ddt) {
     WarpCopyBytes(s, d, n * ss, lane);
@@ -1035,17 +1179,21 @@ __device__ __forceinline__ void CopyUnit(const unsigned char* s, unsigned char* 
   }
   t.sg = e == 0 ? ss : e * ss;
   const int64_t nv = e == 0 ? n : n / e;
-  t.inner_v = static_cast<uint32_t>(min(nv, static_cast<int64_t>(0x7FFFFFFF)));  // a segment: far below
+  t.inner_v =
+      static_cast<uint32_t>(min(nv, static_cast<int64_t>(0x7FFFFFFF)));  // a segment: far below
   ConvertTile(t, 0, 0, nv, e, sdt, ddt, lane);
 }
 
 // A unit of the aligned kernel: both ends 16-byte aligned, n a multiple of 16 bytes (same dtype)
 // or of 8 elements (converting), as AlignedOnly checked on the host.
-__device__ __forceinline__ void CopyAlignedUnit(const unsigned char* s, unsigned char* d, int64_t n, uint8_t sdt,
-                                                uint8_t ddt, int lane) {
+__device__ __forceinline__ void CopyAlignedUnit(const unsigned char* s, unsigned char* d, int64_t n,
+                                                uint8_t sdt, uint8_t ddt, int lane) {
   const int ss = Size(sdt), ds = Size(ddt);
-  if (sdt == ddt) WarpCopy16Inline(reinterpret_cast<const uint4*>(s), reinterpret_cast<uint4*>(d), n * ss / 16, lane);
-  else WarpConvertVector(s, d, n, sdt, ddt, ss, ds, lane);
+  if (sdt == ddt)
+    WarpCopy16Inline(reinterpret_cast<const uint4*>(s), reinterpret_cast<uint4*>(d), n * ss / 16,
+                     lane);
+  else
+    WarpConvertVector(s, d, n, sdt, ddt, ss, ds, lane);
 }
 
 // Each warp takes batches of `batch` consecutive units in turn. Its first `batch` lanes resolve
@@ -1061,12 +1209,13 @@ __device__ __forceinline__ void CopyAlignedUnit(const unsigned char* s, unsigned
 // kernel: every copy unit 16-byte aligned at both ends (AlignedOnly), so its copies are the
 // 16-byte loop and the vector conversion, inlined with the fp8 blocks into 80 registers without
 // spills, as before tiles existed (the general kernel spills a few hundred bytes per thread and
-// calls its loops: the 16 GB aligned refit 8.34 -> 8.77 ms, bf16 -> fp8 27.7 -> 35.3 ms through it).
-// skip_quantizing: quantizing units are QuantizeItemsKernel's, launched beside it.
+// calls its loops: the 16 GB aligned refit 8.34 -> 8.77 ms, bf16 -> fp8 27.7 -> 35.3 ms through
+// it). skip_quantizing: quantizing units are QuantizeItemsKernel's, launched beside it.
 template <bool kTiles>
-__global__ void __launch_bounds__(256, 3) CopyItemsKernel(const CopyItem* items, const int64_t* unit_begin, int n_items,
-                                int64_t total_units, int batch, bool spread, bool skip_quantizing, const uint32_t* gate,
-                                uint32_t go) {
+__global__ void __launch_bounds__(256, 3)
+    CopyItemsKernel(const CopyItem* items, const int64_t* unit_begin, int n_items,
+                    int64_t total_units, int batch, bool spread, bool skip_quantizing,
+                    const uint32_t* gate, uint32_t go) {
   // Launched ahead and not let go (the round was called off): nothing. Every thread reads the
   // same word, written by LaunchGate's kernel before this one began.
   if (gate != nullptr && *reinterpret_cast<const volatile uint32_t*>(gate) != go) return;
@@ -1078,7 +1227,8 @@ __global__ void __launch_bounds__(256, 3) CopyItemsKernel(const CopyItem* items,
   const int64_t step = spread ? warps : 1, warp_step = spread ? 1 : batch;
   for (int64_t r = 0; r + warp * warp_step < total_units; r += warps * batch) {
     const int64_t first = r + warp * warp_step;
-    const int count = static_cast<int>(min(static_cast<int64_t>(batch), (total_units - 1 - first) / step + 1));
+    const int count =
+        static_cast<int>(min(static_cast<int64_t>(batch), (total_units - 1 - first) / step + 1));
     Unit mine;
     if (lane < count) mine = Resolve<kTiles>(items, unit_begin, n_items, first + lane * step);
     for (int j = 0; j < count; ++j) {
@@ -1094,21 +1244,24 @@ __global__ void __launch_bounds__(256, 3) CopyItemsKernel(const CopyItem* items,
       const uint64_t d = __shfl_sync(0xFFFFFFFFu, static_cast<unsigned long long>(mine.d), j);
       const int64_t n = __shfl_sync(0xFFFFFFFFu, static_cast<long long>(mine.n), j);
       const uint32_t dtypes = __shfl_sync(0xFFFFFFFFu, mine.dtypes, j);
-      if (((dtypes >> 16) & 0xFF) != 0) {  // a quantizing unit (op != kCopy): one block, this warp alone
+      if (((dtypes >> 16) & 0xFF) !=
+          0) {  // a quantizing unit (op != kCopy): one block, this warp alone
         // The quantizing kernel's unit, unless an MXFP8 row unit (the one kind it leaves here).
         if (skip_quantizing && !((dtypes >> 24) & kRowsMode)) continue;
         const int64_t ss = __shfl_sync(0xFFFFFFFFu, static_cast<long long>(mine.ss), j);
         const int64_t ds = __shfl_sync(0xFFFFFFFFu, static_cast<long long>(mine.ds), j);
         if constexpr (kTiles) {
-          QuantizeUnit(reinterpret_cast<const unsigned char*>(s), reinterpret_cast<unsigned char*>(d),
-                     static_cast<int>(n >> 32), static_cast<int>(n & 0xFFFFFFFF), ss, ds,
-                     static_cast<uint8_t>(dtypes & 0xFF), static_cast<uint8_t>((dtypes >> 16) & 0xFF),
-                     static_cast<uint8_t>(dtypes >> 24), lane);
+          QuantizeUnit(
+              reinterpret_cast<const unsigned char*>(s), reinterpret_cast<unsigned char*>(d),
+              static_cast<int>(n >> 32), static_cast<int>(n & 0xFFFFFFFF), ss, ds,
+              static_cast<uint8_t>(dtypes & 0xFF), static_cast<uint8_t>((dtypes >> 16) & 0xFF),
+              static_cast<uint8_t>(dtypes >> 24), lane);
         } else {
-          QuantizeBlock(reinterpret_cast<const unsigned char*>(s), reinterpret_cast<unsigned char*>(d),
-                     static_cast<int>(n >> 32), static_cast<int>(n & 0xFFFFFFFF), ss, ds,
-                     static_cast<uint8_t>(dtypes & 0xFF), static_cast<uint8_t>((dtypes >> 16) & 0xFF),
-                     static_cast<uint8_t>(dtypes >> 24), lane);
+          QuantizeBlock(
+              reinterpret_cast<const unsigned char*>(s), reinterpret_cast<unsigned char*>(d),
+              static_cast<int>(n >> 32), static_cast<int>(n & 0xFFFFFFFF), ss, ds,
+              static_cast<uint8_t>(dtypes & 0xFF), static_cast<uint8_t>((dtypes >> 16) & 0xFF),
+              static_cast<uint8_t>(dtypes >> 24), lane);
         }
         continue;
       }
@@ -1116,8 +1269,9 @@ __global__ void __launch_bounds__(256, 3) CopyItemsKernel(const CopyItem* items,
         CopyUnit(reinterpret_cast<const unsigned char*>(s), reinterpret_cast<unsigned char*>(d), n,
                  static_cast<uint8_t>(dtypes & 0xFF), static_cast<uint8_t>(dtypes >> 8), lane);
       } else {
-        CopyAlignedUnit(reinterpret_cast<const unsigned char*>(s), reinterpret_cast<unsigned char*>(d), n,
-                        static_cast<uint8_t>(dtypes & 0xFF), static_cast<uint8_t>(dtypes >> 8), lane);
+        CopyAlignedUnit(reinterpret_cast<const unsigned char*>(s),
+                        reinterpret_cast<unsigned char*>(d), n, static_cast<uint8_t>(dtypes & 0xFF),
+                        static_cast<uint8_t>(dtypes >> 8), lane);
       }
     }
   }
@@ -1132,12 +1286,14 @@ __global__ void __launch_bounds__(256, 3) CopyItemsKernel(const CopyItem* items,
 // each taking every gridDim.x-th task, so that no late wave of blocks runs alone.
 // kMinBlocks: the thread blocks an SM holds that ptxas plans registers for (2: up to 128 a thread).
 template <int kMinBlocks>
-__global__ void __launch_bounds__(kQuantThreads, kMinBlocks) QuantizeItemsKernel(const CopyItem* items, const int64_t* unit_begin,
-                                                                         int n_items, int64_t total_units,
-                                                                         const uint32_t* gate, uint32_t go) {
+__global__ void __launch_bounds__(kQuantThreads, kMinBlocks)
+    QuantizeItemsKernel(const CopyItem* items, const int64_t* unit_begin, int n_items,
+                        int64_t total_units, const uint32_t* gate, uint32_t go) {
   if (gate != nullptr && *reinterpret_cast<const volatile uint32_t*>(gate) != go) return;
-  __shared__ float partial[2][kQuantWarps];  // by turns: a tile's reads end before the next but one writes
-  extern __shared__ uint4 staged[];          // kStagedBytes: kStages tiles of kChunksPerThread * kQuantThreads
+  __shared__ float
+      partial[2][kQuantWarps];  // by turns: a tile's reads end before the next but one writes
+  extern __shared__ uint4
+      staged[];  // kStagedBytes: kStages tiles of kChunksPerThread * kQuantThreads
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   int turn = 0, stage = 0;
   const int64_t tasks = (total_units + 31) / 32;
@@ -1163,14 +1319,17 @@ __global__ void __launch_bounds__(kQuantThreads, kMinBlocks) QuantizeItemsKernel
       const int j = __ffs(rest) - 1;
       if (j % kQuantWarps != warp) continue;  // uniform across the warp
       const QuantUnit q = ShflQuantUnit(mine, j);
-      QuantizeUnitWithTwins(q, items, __shfl_sync(0xFFFFFFFFu, static_cast<long long>(my_local), j), lane);
+      QuantizeUnitWithTwins(q, items, __shfl_sync(0xFFFFFFFFu, static_cast<long long>(my_local), j),
+                            lane);
     }
     // The task's tiles in lane order, kStages - 1 staged ahead of the one converting: `staging`
     // holds the lanes of the tiles not yet staged, `todo` those not yet converted.
     uint32_t todo = __ballot_sync(0xFFFFFFFFu, runs && tile_fits), staging = todo;
     if (todo == 0) continue;
     auto stage_next = [&](int at) {  // one group a tile, empty past the task's last
-      if (staging != 0) StageTile(ShflQuantUnit(mine, __ffs(staging) - 1), staged + at * kChunksPerThread * kQuantThreads, items);
+      if (staging != 0)
+        StageTile(ShflQuantUnit(mine, __ffs(staging) - 1),
+                  staged + at * kChunksPerThread * kQuantThreads, items);
       staging &= staging - 1;
       CommitStaged();
     };
@@ -1181,15 +1340,18 @@ __global__ void __launch_bounds__(kQuantThreads, kMinBlocks) QuantizeItemsKernel
       WaitStaged();
       uint4 v[kChunksPerThread];
 #pragma unroll
-      for (int i = 0; i < kChunksPerThread; ++i) v[i] = staged[(stage * kChunksPerThread + i) * kQuantThreads + threadIdx.x];
-      // The stage before this one was read (and its values used) by the tile before: free to refill.
+      for (int i = 0; i < kChunksPerThread; ++i)
+        v[i] = staged[(stage * kChunksPerThread + i) * kQuantThreads + threadIdx.x];
+      // The stage before this one was read (and its values used) by the tile before: free to
+      // refill.
       stage_next((stage + kStages - 1) % kStages);
       const int64_t local = __shfl_sync(0xFFFFFFFFu, static_cast<long long>(my_local), j);
       FinishTile(ShflQuantUnit(mine, j), items, local, partial[turn], v);
       turn ^= 1;
       stage = (stage + 1) % kStages;
     }
-    // Groups staged past the task's last tile are empty; waiting for the next task's first drains them.
+    // Groups staged past the task's last tile are empty; waiting for the next task's first drains
+    // them.
   }
 }
 
@@ -1198,7 +1360,8 @@ __global__ void __launch_bounds__(kQuantThreads, kMinBlocks) QuantizeItemsKernel
 bool SpreadPays(const CopyWork& work) {
   int64_t bytes = 0;
   for (const CopyItem& it : work.items) {
-    const int widest = std::max(DTypeSize(static_cast<DType>(it.src_dtype)), DTypeSize(static_cast<DType>(it.dst_dtype)));
+    const int widest = std::max(DTypeSize(static_cast<DType>(it.src_dtype)),
+                                DTypeSize(static_cast<DType>(it.dst_dtype)));
     bytes += it.inner * it.count[0] * it.count[1] * it.count[2] * widest;
   }
   const int64_t units = work.unit_begin.empty() ? 0 : work.unit_begin.back();
@@ -1207,7 +1370,8 @@ bool SpreadPays(const CopyWork& work) {
 
 __global__ void NothingKernel() {}
 
-__global__ void GateKernel(const uint32_t* host_word, uint32_t go, uint32_t* gate, uint32_t* decided) {
+__global__ void GateKernel(const uint32_t* host_word, uint32_t go, uint32_t* gate,
+                           uint32_t* decided) {
   uint32_t word;
   // Acquire, system scope: the host's store, as the stream's wait saw it (not an older copy).
   asm volatile("ld.acquire.sys.u32 %0, [%1];" : "=r"(word) : "l"(host_word) : "memory");
@@ -1217,10 +1381,10 @@ __global__ void GateKernel(const uint32_t* host_word, uint32_t go, uint32_t* gat
 }
 
 // LaunchWaitingGate's kernel: GateKernel that waits for the word itself (no stream wait before
-// it), reading it every `sleep_ns` (0: back to back). Reaching go or past it is cuStreamWaitValue32's
-// GEQ, wrapping: the signed difference not negative.
-__global__ void WaitingGateKernel(const uint32_t* host_word, uint32_t go, uint32_t* gate, uint32_t* decided,
-                                  unsigned sleep_ns) {
+// it), reading it every `sleep_ns` (0: back to back). Reaching go or past it is
+// cuStreamWaitValue32's GEQ, wrapping: the signed difference not negative.
+__global__ void WaitingGateKernel(const uint32_t* host_word, uint32_t go, uint32_t* gate,
+                                  uint32_t* decided, unsigned sleep_ns) {
   uint32_t word;
   while (true) {
     asm volatile("ld.acquire.sys.u32 %0, [%1];" : "=r"(word) : "l"(host_word) : "memory");
@@ -1232,19 +1396,20 @@ __global__ void WaitingGateKernel(const uint32_t* host_word, uint32_t go, uint32
   if (decided != nullptr) *reinterpret_cast<volatile uint32_t*>(decided) = g;
 }
 
-cudaError_t LaunchWaitingGate(const uint32_t* host_word, uint32_t go, uint32_t* gate, uint32_t* decided,
-                              unsigned sleep_ns, cudaStream_t stream) {
+cudaError_t LaunchWaitingGate(const uint32_t* host_word, uint32_t go, uint32_t* gate,
+                              uint32_t* decided, unsigned sleep_ns, cudaStream_t stream) {
   WaitingGateKernel<<<1, 1, 0, stream>>>(host_word, go, gate, decided, sleep_ns);
   return cudaGetLastError();
 }
 
 cudaError_t LoadKernels() {
   cudaFuncAttributes attributes;
-  for (const void* f : {reinterpret_cast<const void*>(NothingKernel), reinterpret_cast<const void*>(GateKernel),
-                        reinterpret_cast<const void*>(CopyItemsKernel<true>),
-                        reinterpret_cast<const void*>(CopyItemsKernel<false>),
-                        reinterpret_cast<const void*>(QuantizeItemsKernel<2>),
-                        reinterpret_cast<const void*>(QuantizeItemsKernel<3>)}) {
+  for (const void* f :
+       {reinterpret_cast<const void*>(NothingKernel), reinterpret_cast<const void*>(GateKernel),
+        reinterpret_cast<const void*>(CopyItemsKernel<true>),
+        reinterpret_cast<const void*>(CopyItemsKernel<false>),
+        reinterpret_cast<const void*>(QuantizeItemsKernel<2>),
+        reinterpret_cast<const void*>(QuantizeItemsKernel<3>)}) {
     if (const cudaError_t e = cudaFuncGetAttributes(&attributes, f); e != cudaSuccess) return e;
   }
   return cudaSuccess;
@@ -1253,7 +1418,8 @@ cudaError_t LoadKernels() {
 // Every finite fp32 pattern through E4M3x2 (both halves) against the port of FloatToE4M3.
 __global__ void E4M3CheckKernel(unsigned long long* mismatches, uint32_t* first) {
   const uint64_t threads = static_cast<uint64_t>(gridDim.x) * blockDim.x;
-  for (uint64_t b = static_cast<uint64_t>(blockIdx.x) * blockDim.x + threadIdx.x; b <= 0xFFFFFFFFull; b += threads) {
+  for (uint64_t b = static_cast<uint64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+       b <= 0xFFFFFFFFull; b += threads) {
     const uint32_t u = static_cast<uint32_t>(b);
     if ((u & 0x7F800000u) == 0x7F800000u) continue;
     const float v = __uint_as_float(u);
@@ -1266,19 +1432,23 @@ __global__ void E4M3CheckKernel(unsigned long long* mismatches, uint32_t* first)
   }
 }
 
-cudaError_t CheckE4M3Conversion(unsigned long long* mismatches, uint32_t* first, cudaStream_t stream) {
+cudaError_t CheckE4M3Conversion(unsigned long long* mismatches, uint32_t* first,
+                                cudaStream_t stream) {
   E4M3CheckKernel<<<4096, 256, 0, stream>>>(mismatches, first);
   return cudaGetLastError();
 }
 
 // Weight-like bf16 values for the benchmarks: random signs and mantissas, exponents in [-14, -5].
 __global__ void FillBf16WeightsKernel(uint32_t* words, size_t n, uint64_t seed) {
-  for (size_t i = static_cast<size_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < n; i += static_cast<size_t>(gridDim.x) * blockDim.x) {
+  for (size_t i = static_cast<size_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < n;
+       i += static_cast<size_t>(gridDim.x) * blockDim.x) {
     uint64_t h = (i + 1) * 0x9E3779B97F4A7C15ull ^ seed;
     h ^= h >> 31;
     h *= 0xBF58476D1CE4E5B9ull;
     h ^= h >> 29;
-    auto bf16 = [](uint32_t r) { return (r & 0x8000u) | ((127u - 14u + (r >> 8) % 10u) << 7) | (r & 0x7Fu); };
+    auto bf16 = [](uint32_t r) {
+      return (r & 0x8000u) | ((127u - 14u + (r >> 8) % 10u) << 7) | (r & 0x7Fu);
+    };
     words[i] = bf16(static_cast<uint32_t>(h)) | (bf16(static_cast<uint32_t>(h >> 32)) << 16);
   }
 }
@@ -1295,10 +1465,11 @@ cudaError_t LaunchNothing(cudaStream_t stream) {
 }
 
 cudaError_t LaunchCopyItems(const CopyItem* items, const int64_t* unit_begin, int n_items,
-                            int64_t total_units, cudaStream_t stream, bool spread, bool aligned_only,
-                            const uint32_t* gate, uint32_t go, bool quantizing) {
-  return LaunchCopyItemsShaped(items, unit_begin, n_items, total_units, stream, spread, aligned_only,
-                               DefaultCopyLaunchShape(aligned_only), gate, go, quantizing);
+                            int64_t total_units, cudaStream_t stream, bool spread,
+                            bool aligned_only, const uint32_t* gate, uint32_t go, bool quantizing) {
+  return LaunchCopyItemsShaped(items, unit_begin, n_items, total_units, stream, spread,
+                               aligned_only, DefaultCopyLaunchShape(aligned_only), gate, go,
+                               quantizing);
 }
 
 bool HasQuantizing(const CopyWork& work) {
@@ -1319,24 +1490,26 @@ CopyLaunchShape DefaultCopyLaunchShape(bool aligned_only) {
   return shape;
 }
 
-cudaError_t LaunchCopyItemsShaped(const CopyItem* items, const int64_t* unit_begin, int n_items, int64_t total_units,
-                                  cudaStream_t stream, bool spread, bool aligned_only, const CopyLaunchShape& shape,
+cudaError_t LaunchCopyItemsShaped(const CopyItem* items, const int64_t* unit_begin, int n_items,
+                                  int64_t total_units, cudaStream_t stream, bool spread,
+                                  bool aligned_only, const CopyLaunchShape& shape,
                                   const uint32_t* gate, uint32_t go, bool quantizing) {
   if (n_items == 0 || total_units == 0) return cudaSuccess;
   constexpr int kThreads = 256;  // 8 warps
   // Units per batch: 1 while there are fewer units than warps to fill the GPU (large runs keep
   // every warp busy), up to max_batch (32: a lane per unit) for tens of thousands of small ones.
-  const int batch = static_cast<int>(
-      std::clamp<int64_t>(total_units / std::max<int64_t>(shape.warps_to_fill, 1), 1, std::clamp(shape.max_batch, 1, 32)));
+  const int batch =
+      static_cast<int>(std::clamp<int64_t>(total_units / std::max<int64_t>(shape.warps_to_fill, 1),
+                                           1, std::clamp(shape.max_batch, 1, 32)));
   const int64_t batches = (total_units + batch - 1) / batch;
   const int64_t wanted = (batches + 7) / 8;
   const int blocks = static_cast<int>(std::min<int64_t>(wanted, std::max(shape.max_blocks, 1)));
   if (!aligned_only) {
-    CopyItemsKernel<true><<<blocks, kThreads, 0, stream>>>(items, unit_begin, n_items, total_units, batch, spread,
-                                                           quantizing, gate, go);
+    CopyItemsKernel<true><<<blocks, kThreads, 0, stream>>>(items, unit_begin, n_items, total_units,
+                                                           batch, spread, quantizing, gate, go);
   } else {
-    CopyItemsKernel<false><<<blocks, kThreads, 0, stream>>>(items, unit_begin, n_items, total_units, batch, spread,
-                                                            quantizing, gate, go);
+    CopyItemsKernel<false><<<blocks, kThreads, 0, stream>>>(items, unit_begin, n_items, total_units,
+                                                            batch, spread, quantizing, gate, go);
   }
   if (quantizing) {
     if (const cudaError_t e = cudaGetLastError(); e != cudaSuccess) return e;
@@ -1345,30 +1518,36 @@ cudaError_t LaunchCopyItemsShaped(const CopyItem* items, const int64_t* unit_beg
                                : reinterpret_cast<const void*>(QuantizeItemsKernel<2>);
     int device = 0, sms = 0, per_sm = 0;
     if (const cudaError_t e = cudaGetDevice(&device); e != cudaSuccess) return e;
-    if (const cudaError_t e = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device); e != cudaSuccess) return e;
-    if (const cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kStagedBytes);
+    if (const cudaError_t e = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
+        e != cudaSuccess)
+      return e;
+    if (const cudaError_t e =
+            cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kStagedBytes);
         e != cudaSuccess) {
       return e;
     }
-    if (const cudaError_t e = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kQuantThreads, kStagedBytes);
+    if (const cudaError_t e = cudaOccupancyMaxActiveBlocksPerMultiprocessor(
+            &per_sm, kernel, kQuantThreads, kStagedBytes);
         e != cudaSuccess) {
       return e;
     }
     const int64_t tasks = (total_units + 31) / 32;
-    const int quant_blocks = static_cast<int>(
-        std::min({tasks, static_cast<int64_t>(std::max(shape.max_blocks, 1)), std::max<int64_t>(int64_t{sms} * per_sm, 1)}));
+    const int quant_blocks =
+        static_cast<int>(std::min({tasks, static_cast<int64_t>(std::max(shape.max_blocks, 1)),
+                                   std::max<int64_t>(int64_t{sms} * per_sm, 1)}));
     if (three) {
-      QuantizeItemsKernel<3><<<quant_blocks, kQuantThreads, kStagedBytes, stream>>>(items, unit_begin, n_items, total_units, gate,
-                                                                                  go);
+      QuantizeItemsKernel<3><<<quant_blocks, kQuantThreads, kStagedBytes, stream>>>(
+          items, unit_begin, n_items, total_units, gate, go);
     } else {
-      QuantizeItemsKernel<2><<<quant_blocks, kQuantThreads, kStagedBytes, stream>>>(items, unit_begin, n_items, total_units, gate,
-                                                                                  go);
+      QuantizeItemsKernel<2><<<quant_blocks, kQuantThreads, kStagedBytes, stream>>>(
+          items, unit_begin, n_items, total_units, gate, go);
     }
   }
   return cudaGetLastError();
 }
 
-cudaError_t LaunchGate(const uint32_t* host_word, uint32_t go, uint32_t* gate, uint32_t* decided, cudaStream_t stream) {
+cudaError_t LaunchGate(const uint32_t* host_word, uint32_t go, uint32_t* gate, uint32_t* decided,
+                       cudaStream_t stream) {
   GateKernel<<<1, 1, 0, stream>>>(host_word, go, gate, decided);
   return cudaGetLastError();
 }

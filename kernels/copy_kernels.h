@@ -73,7 +73,8 @@ cudaError_t LaunchCopyItemsShaped(const CopyItem* items, const int64_t* unit_beg
 // called off). Copies launched after it with (gate, go) copy only when let go. `decided`
 // (mapped host memory, optional) gets what the gate was set to, for the host to check after the
 // stream ran: go, or the round's work did nothing.
-cudaError_t LaunchGate(const uint32_t* host_word, uint32_t go, uint32_t* gate, uint32_t* decided, cudaStream_t stream);
+cudaError_t LaunchGate(const uint32_t* host_word, uint32_t go, uint32_t* gate, uint32_t* decided,
+                       cudaStream_t stream);
 
 // LaunchGate without the stream's wait before it: one thread reads `host_word` until it reaches
 // go (or what follows it), sleeping `sleep_ns` between reads, then sets the gate as LaunchGate
@@ -82,8 +83,8 @@ cudaError_t LaunchGate(const uint32_t* host_word, uint32_t go, uint32_t* gate, u
 // MPS killing a client whose kernel runs is a fatal error for every client of the GPU: the
 // trainers' and engines' contexts torn down, the GPU reset (tests/gpu/armed_faults.sh case 5,
 // docs/BENCHMARKS.md). A stream wait is not a running kernel.
-cudaError_t LaunchWaitingGate(const uint32_t* host_word, uint32_t go, uint32_t* gate, uint32_t* decided,
-                              unsigned sleep_ns, cudaStream_t stream);
+cudaError_t LaunchWaitingGate(const uint32_t* host_word, uint32_t go, uint32_t* gate,
+                              uint32_t* decided, unsigned sleep_ns, cudaStream_t stream);
 
 // A kernel that does nothing: launched only for the GPU to switch to this process's context
 // (daemon/cuda_backend.cc, WorkersPrepared).

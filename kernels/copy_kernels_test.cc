@@ -34,7 +34,8 @@ namespace {
 struct DeviceLayout {
   std::vector<std::unique_ptr<DeviceBuffer>> buffers;
   explicit DeviceLayout(const Layout& l) {
-    for (const Buffer& b : l.buffers) buffers.push_back(std::make_unique<DeviceBuffer>(static_cast<size_t>(b.NumBytes())));
+    for (const Buffer& b : l.buffers)
+      buffers.push_back(std::make_unique<DeviceBuffer>(static_cast<size_t>(b.NumBytes())));
   }
   BufferAddresses addresses() const {
     BufferAddresses a;
@@ -43,26 +44,30 @@ struct DeviceLayout {
   }
   void Upload(const HostBuffers& h) {
     for (size_t i = 0; i < buffers.size(); ++i) {
-      REFIT_CUDA_CHECK(cudaMemcpy(buffers[i]->get(), h.storage[i].data(), h.storage[i].size(), cudaMemcpyHostToDevice));
+      REFIT_CUDA_CHECK(cudaMemcpy(buffers[i]->get(), h.storage[i].data(), h.storage[i].size(),
+                                  cudaMemcpyHostToDevice));
     }
   }
   void Download(HostBuffers& h) const {
     for (size_t i = 0; i < buffers.size(); ++i) {
-      REFIT_CUDA_CHECK(cudaMemcpy(h.storage[i].data(), buffers[i]->get(), h.storage[i].size(), cudaMemcpyDeviceToHost));
+      REFIT_CUDA_CHECK(cudaMemcpy(h.storage[i].data(), buffers[i]->get(), h.storage[i].size(),
+                                  cudaMemcpyDeviceToHost));
     }
   }
 };
 
-int aligned_launches = 0;  // launches through the aligned kernel (AlignedOnly)
+int aligned_launches = 0;     // launches through the aligned kernel (AlignedOnly)
 int quantizing_launches = 0;  // launches with the quantizing kernel (LaunchCopyItems' `quantizing`)
 // Whether work with quantizing items runs them in the quantizing kernel: -1 every other
 // pair of launches of such work (both must give the same bytes), 0 never, 1 always.
 int quantizing_mode = -1;
 
 void Run(const CopyWork& w, cudaStream_t stream) {
-  DeviceBuffer items(w.items.size() * sizeof(CopyItem)), begin(w.unit_begin.size() * sizeof(int64_t));
+  DeviceBuffer items(w.items.size() * sizeof(CopyItem)),
+      begin(w.unit_begin.size() * sizeof(int64_t));
   REFIT_CUDA_CHECK(cudaMemcpy(items.get(), w.items.data(), items.size(), cudaMemcpyHostToDevice));
-  REFIT_CUDA_CHECK(cudaMemcpy(begin.get(), w.unit_begin.data(), begin.size(), cudaMemcpyHostToDevice));
+  REFIT_CUDA_CHECK(
+      cudaMemcpy(begin.get(), w.unit_begin.data(), begin.size(), cudaMemcpyHostToDevice));
   // Every other launch in the spread unit order: both orders must give the same bytes.
   static int launches = 0;
   // And, of works the aligned kernel can run (AlignedOnly: the backend launches it for them), every
@@ -102,7 +107,8 @@ TEST_CASE("GPU pack and unpack match the CPU reference byte for byte") {
         const int64_t segment = seed % 2 ? 64 : 16384;
         Run(PackWork(t.plan, m, dsrc.addresses(), ddst.addresses(), at, segment), stream);
         std::vector<std::byte> packed(want.size());
-        REFIT_CUDA_CHECK(cudaMemcpy(packed.data(), reinterpret_cast<void*>(at), packed.size(), cudaMemcpyDeviceToHost));
+        REFIT_CUDA_CHECK(cudaMemcpy(packed.data(), reinterpret_cast<void*>(at), packed.size(),
+                                    cudaMemcpyDeviceToHost));
         INFO("seed " << seed << " message of " << m.bytes << " bytes");
         REQUIRE(packed == want);
         UnpackMessage(t.plan, m, want, ref.memory);
@@ -118,7 +124,7 @@ TEST_CASE("GPU pack and unpack match the CPU reference byte for byte") {
     REQUIRE(checked.ok());
   }
   WARN("checked " << messages << " messages, " << bytes << " bytes on the GPU; " << aligned_launches
-                   << " launches so far through the aligned kernel");
+                  << " launches so far through the aligned kernel");
   cudaStreamDestroy(stream);
 }
 
@@ -146,7 +152,8 @@ TEST_CASE("one launch of hundreds of thousands of units matches the CPU referenc
     runs.push_back(std::make_unique<TestRun>(seed));
     const TestRun& run = *runs.back();
     for (const Message& m : run.t.plan.messages) {
-      packed.push_back({&run, &m, staging_bytes + static_cast<int64_t>(seed % 7)});  // odd alignments
+      packed.push_back(
+          {&run, &m, staging_bytes + static_cast<int64_t>(seed % 7)});  // odd alignments
       staging_bytes += m.bytes + 16;
     }
   }
@@ -166,7 +173,8 @@ TEST_CASE("one launch of hundreds of thousands of units matches the CPU referenc
   for (const Packed& p : packed) {
     const size_t r = run_index(p.run);
     const uint64_t at = staging.address() + static_cast<uint64_t>(p.offset);
-    AppendWork(PackWork(p.run->t.plan, *p.m, dsrc[r]->addresses(), ddst[r]->addresses(), at, 2), pack);
+    AppendWork(PackWork(p.run->t.plan, *p.m, dsrc[r]->addresses(), ddst[r]->addresses(), at, 2),
+               pack);
     AppendWork(UnpackWork(p.run->t.plan, *p.m, at, ddst[r]->addresses(), 2), unpack);
   }
   INFO(pack.unit_begin.back() << " units to pack, " << unpack.unit_begin.back() << " to unpack");
@@ -180,17 +188,19 @@ TEST_CASE("one launch of hundreds of thousands of units matches the CPU referenc
     const Packed& p = packed[i];
     PackMessage(p.run->t.plan, *p.m, p.run->src.memory, p.run->ref.memory, wants[i]);
     std::vector<std::byte> got(wants[i].size());
-    REFIT_CUDA_CHECK(cudaMemcpy(got.data(), reinterpret_cast<void*>(staging.address() + p.offset), got.size(),
-                                cudaMemcpyDeviceToHost));
+    REFIT_CUDA_CHECK(cudaMemcpy(got.data(), reinterpret_cast<void*>(staging.address() + p.offset),
+                                got.size(), cudaMemcpyDeviceToHost));
     REQUIRE(got == wants[i]);
   }
   Run(unpack, stream);
   for (size_t i = 0; i < packed.size(); ++i) {
-    UnpackMessage(packed[i].run->t.plan, *packed[i].m, wants[i], runs[run_index(packed[i].run)]->ref.memory);
+    UnpackMessage(packed[i].run->t.plan, *packed[i].m, wants[i],
+                  runs[run_index(packed[i].run)]->ref.memory);
   }
   for (size_t r = 0; r < runs.size(); ++r) {
     ddst[r]->Download(runs[r]->got);
-    for (size_t b = 0; b < runs[r]->t.dst.buffers.size(); ++b) REQUIRE(runs[r]->ref.storage[b] == runs[r]->got.storage[b]);
+    for (size_t b = 0; b < runs[r]->t.dst.buffers.size(); ++b)
+      REQUIRE(runs[r]->ref.storage[b] == runs[r]->got.storage[b]);
   }
   cudaStreamDestroy(stream);
 }
@@ -208,12 +218,14 @@ struct DeviceMemory {
   }
   void Upload(const BufferMemory& h) {
     for (size_t i = 0; i < buffers.size(); ++i) {
-      REFIT_CUDA_CHECK(cudaMemcpy(buffers[i]->get(), h[i].data(), h[i].size(), cudaMemcpyHostToDevice));
+      REFIT_CUDA_CHECK(
+          cudaMemcpy(buffers[i]->get(), h[i].data(), h[i].size(), cudaMemcpyHostToDevice));
     }
   }
   void Download(const BufferMemory& h) const {
     for (size_t i = 0; i < buffers.size(); ++i) {
-      REFIT_CUDA_CHECK(cudaMemcpy(h[i].data(), buffers[i]->get(), h[i].size(), cudaMemcpyDeviceToHost));
+      REFIT_CUDA_CHECK(
+          cudaMemcpy(h[i].data(), buffers[i]->get(), h[i].size(), cudaMemcpyDeviceToHost));
     }
   }
 };
@@ -225,12 +237,15 @@ struct DestinationMemory {
     scratch = AllocateScratch(plan, buffers.memory);
     PoisonDestinations(buffers.memory);
   }
-  bool operator==(const DestinationMemory& o) const { return buffers.storage == o.buffers.storage && scratch == o.scratch; }
+  bool operator==(const DestinationMemory& o) const {
+    return buffers.storage == o.buffers.storage && scratch == o.scratch;
+  }
 };
 
 std::vector<std::byte> Download(uint64_t at, size_t bytes) {
   std::vector<std::byte> out(bytes);
-  REFIT_CUDA_CHECK(cudaMemcpy(out.data(), reinterpret_cast<const void*>(at), bytes, cudaMemcpyDeviceToHost));
+  REFIT_CUDA_CHECK(
+      cudaMemcpy(out.data(), reinterpret_cast<const void*>(at), bytes, cudaMemcpyDeviceToHost));
   return out;
 }
 
@@ -253,7 +268,8 @@ TEST_CASE("GPU tiled and run items match a plain loop byte for byte") {
     if (!on[i].src) {
       on[i].src = std::make_unique<DeviceBuffer>(c.src.size());
       on[i].dst = std::make_unique<DeviceBuffer>(static_cast<size_t>(c.dst_bytes));
-      REFIT_CUDA_CHECK(cudaMemcpy(on[i].src->get(), c.src.data(), c.src.size(), cudaMemcpyHostToDevice));
+      REFIT_CUDA_CHECK(
+          cudaMemcpy(on[i].src->get(), c.src.data(), c.src.size(), cudaMemcpyHostToDevice));
     }
     REFIT_CUDA_CHECK(cudaMemset(on[i].dst->get(), static_cast<int>(kPoison), on[i].dst->size()));
   };
@@ -293,7 +309,8 @@ TEST_CASE("GPU tiled and run items match a plain loop byte for byte") {
     INFO(cases[i].name << " in the one launch");
     REQUIRE(Download(on[i].dst->address(), wants[i].size()) == wants[i]);
   }
-  WARN("checked " << cases.size() << " cases, " << units << " units, " << bytes << " destination bytes on the GPU");
+  WARN("checked " << cases.size() << " cases, " << units << " units, " << bytes
+                  << " destination bytes on the GPU");
   cudaStreamDestroy(stream);
 }
 
@@ -307,8 +324,10 @@ TEST_CASE("GPU quantizing units match the host twin bit for bit on adversarial p
       INFO(qc.name << ", fill " << seed);
       HostBuffers src(qc.src);
       const FillSpec spec = MakeFillSpec(qc.src, qc.dst, seed);
-      if (seed == 1) FillSources(qc.src, spec, src.memory);
-      else FillAdversarial(qc.src, qc.dst, src.memory, seed, qc.block_rows, qc.block_cols);
+      if (seed == 1)
+        FillSources(qc.src, spec, src.memory);
+      else
+        FillAdversarial(qc.src, qc.dst, src.memory, seed, qc.block_rows, qc.block_cols);
       DeviceMemory dsrc(src.memory);
       dsrc.Upload(src.memory);
       // Staged: the host twin on host memory, the kernel on the GPU, the same work.
@@ -321,16 +340,19 @@ TEST_CASE("GPU quantizing units match the host twin bit for bit on adversarial p
           const int64_t segment = seed % 2 ? 64 : 16384;
           std::vector<std::byte> staging(static_cast<size_t>(m.bytes) + 16, kPoison);
           const uint64_t at = reinterpret_cast<uint64_t>(staging.data()) + seed % 7;
-          RunCopyWorkOnHost(PackWork(qc.plan, m, src.addresses(), host.buffers.addresses(), at, segment));
+          RunCopyWorkOnHost(
+              PackWork(qc.plan, m, src.addresses(), host.buffers.addresses(), at, segment));
           DeviceBuffer dstaging(static_cast<size_t>(m.bytes) + 16);
           const uint64_t dat = dstaging.address() + seed % 7;  // odd alignments too
           Run(PackWork(qc.plan, m, dsrc.addresses(), ddst.addresses(), dat, segment), stream);
           REQUIRE(Download(dat, static_cast<size_t>(m.bytes)) ==
-                  std::vector<std::byte>(staging.begin() + seed % 7, staging.begin() + seed % 7 + m.bytes));
+                  std::vector<std::byte>(staging.begin() + seed % 7,
+                                         staging.begin() + seed % 7 + m.bytes));
           RunCopyWorkOnHost(UnpackWork(qc.plan, m, at, host.buffers.addresses(), segment));
           Run(UnpackWork(qc.plan, m, dat, ddst.addresses(), segment), stream);
           ++messages;
-          for (int64_t k = 0; k < m.num_descriptors; ++k) quantizing += qc.plan.descriptor(m, k).Quantizes();
+          for (int64_t k = 0; k < m.num_descriptors; ++k)
+            quantizing += qc.plan.descriptor(m, k).Quantizes();
         }
       }
       ddst.Download(got.buffers.memory);
@@ -347,7 +369,8 @@ TEST_CASE("GPU quantizing units match the host twin bit for bit on adversarial p
       for (int stage = 0; stage < kMaxStages; ++stage) {
         for (const Message& m : qc.plan.messages) {
           if (m.stage != stage) continue;
-          RunCopyWorkOnHost(DirectWork(qc.plan, m, src.addresses(), host2.buffers.addresses(), 128));
+          RunCopyWorkOnHost(
+              DirectWork(qc.plan, m, src.addresses(), host2.buffers.addresses(), 128));
           Run(DirectWork(qc.plan, m, dsrc.addresses(), ddst2.addresses(), 128), stream);
         }
       }
@@ -395,9 +418,13 @@ TEST_CASE("one launch mixing quantizing and copy units matches the host twin", "
     }
   };
   for (QuantCase& qc : cases) {
-    add(qc.src, qc.dst, qc.plan, [&](HostBuffers& h) { FillAdversarial(qc.src, qc.dst, h.memory, 5, qc.block_rows, qc.block_cols); });
+    add(qc.src, qc.dst, qc.plan, [&](HostBuffers& h) {
+      FillAdversarial(qc.src, qc.dst, h.memory, 5, qc.block_rows, qc.block_cols);
+    });
   }
-  for (auto& run : runs) add(run->t.src, run->t.dst, run->t.plan, [&](HostBuffers& h) { FillSources(run->t.src, run->spec, h.memory); });
+  for (auto& run : runs)
+    add(run->t.src, run->t.dst, run->t.plan,
+        [&](HostBuffers& h) { FillSources(run->t.src, run->spec, h.memory); });
   std::vector<std::byte> host_staging(static_cast<size_t>(staging_bytes), kPoison);
   DeviceBuffer staging(static_cast<size_t>(staging_bytes));
   REFIT_CUDA_CHECK(cudaMemset(staging.get(), 0xA5, staging.size()));
@@ -413,8 +440,11 @@ TEST_CASE("one launch mixing quantizing and copy units matches the host twin", "
     const Side& s = sides[side];
     const int64_t at = offset + (static_cast<int64_t>(in_side++) % 7);
     AppendWork(PackWork(*plan, *m, s.src->addresses(), s.dst->buffers.addresses(),
-                        reinterpret_cast<uint64_t>(host_staging.data()) + at, 2), host);
-    AppendWork(PackWork(*plan, *m, s.dsrc->addresses(), s.ddst->addresses(), staging.address() + at, 2), device);
+                        reinterpret_cast<uint64_t>(host_staging.data()) + at, 2),
+               host);
+    AppendWork(
+        PackWork(*plan, *m, s.dsrc->addresses(), s.ddst->addresses(), staging.address() + at, 2),
+        device);
     offset += m->bytes + 16;
   }
   int64_t quantizing_units = 0,
@@ -425,7 +455,8 @@ TEST_CASE("one launch mixing quantizing and copy units matches the host twin", "
     quantizing_units += it.Units();
     quantizing_rows += it.Units() * it.RowsPerUnit();
   }
-  INFO(device.unit_begin.back() << " units, " << quantizing_units << " quantizing (" << quantizing_rows << " rows)");
+  INFO(device.unit_begin.back() << " units, " << quantizing_units << " quantizing ("
+                                << quantizing_rows << " rows)");
   REQUIRE(device.unit_begin.back() > 32 * 8192);
   REQUIRE(quantizing_units > 1000);
   REQUIRE(quantizing_rows > 10000);
@@ -474,20 +505,25 @@ std::vector<float> SweepValues(uint32_t stride, float lead, float limit) {
   };
   for (uint32_t sign : {0u, 0x80000000u}) {
     for (int k = 0; k < 0x7F; ++k) {
-      const float lo = E4M3ToFloat(static_cast<uint8_t>(k)), hi = k == 0x7E ? 464.0f : E4M3ToFloat(static_cast<uint8_t>(k + 1));
+      const float lo = E4M3ToFloat(static_cast<uint8_t>(k)),
+                  hi = k == 0x7E ? 464.0f : E4M3ToFloat(static_cast<uint8_t>(k + 1));
       for (float m : {(lo + hi) / 2, lo}) {
         uint32_t mid;
         std::memcpy(&mid, &m, 4);
-        for (int32_t delta = -8; delta <= 8; ++delta) add(sign | static_cast<uint32_t>(static_cast<int32_t>(mid) + delta));
+        for (int32_t delta = -8; delta <= 8; ++delta)
+          add(sign | static_cast<uint32_t>(static_cast<int32_t>(mid) + delta));
       }
     }
     for (float f : {464.0f, 480.0f, 496.0f, 511.99f}) {
       uint32_t b;
       std::memcpy(&b, &f, 4);
-      for (int32_t delta = -8; delta <= 8; ++delta) add(sign | static_cast<uint32_t>(static_cast<int32_t>(b) + delta));
+      for (int32_t delta = -8; delta <= 8; ++delta)
+        add(sign | static_cast<uint32_t>(static_cast<int32_t>(b) + delta));
     }
     for (uint32_t bits = 0; bits < 0x44000000u; bits += stride) add(sign | bits);  // up to 512
-    for (uint32_t bits : {0x7F800000u, 0x7FC00000u, 0x7F800001u, 0x7FFFFFFFu, 0x00000001u, 0x007FFFFFu}) add(sign | bits);
+    for (uint32_t bits :
+         {0x7F800000u, 0x7FC00000u, 0x7F800001u, 0x7FFFFFFFu, 0x00000001u, 0x007FFFFFu})
+      add(sign | bits);
   }
   while (v.size() % 32 != 0) v.push_back(-0.0f);
   return v;
@@ -495,14 +531,17 @@ std::vector<float> SweepValues(uint32_t stride, float lead, float limit) {
 
 // One item over `rows` x `cols` fp32 values in device memory `src` (rows packed), writing codes or
 // scales at `dst`, with its host twin at the host addresses.
-CopyDescriptor Region(CopyOp op, QuantFormat format, int64_t br, int64_t bc, int64_t rows, int64_t cols, DType from) {
+CopyDescriptor Region(CopyOp op, QuantFormat format, int64_t br, int64_t bc, int64_t rows,
+                      int64_t cols, DType from) {
   CopyDescriptor d;
   d.op = op;
   d.quant_format = static_cast<uint8_t>(format);
   d.block_rows = static_cast<uint16_t>(br);
   d.block_cols = static_cast<uint16_t>(bc);
   d.src_dtype = from;
-  d.dst_dtype = op == CopyOp::kQuantize ? DType::kF8E4M3 : format == QuantFormat::kMxfp8 ? DType::kE8M0 : DType::kF32;
+  d.dst_dtype = op == CopyOp::kQuantize         ? DType::kF8E4M3
+                : format == QuantFormat::kMxfp8 ? DType::kE8M0
+                                                : DType::kF32;
   d.outer_rank = 1;
   d.count[0] = rows;
   d.inner = cols;
@@ -513,13 +552,16 @@ CopyDescriptor Region(CopyOp op, QuantFormat format, int64_t br, int64_t bc, int
 
 // Packs `d` from `values` (host bytes of d.src_dtype) on the host twin and on the GPU; the two
 // outputs must be equal. Returns the output.
-std::vector<std::byte> PackBoth(const CopyDescriptor& d, const std::vector<std::byte>& values, cudaStream_t stream) {
+std::vector<std::byte> PackBoth(const CopyDescriptor& d, const std::vector<std::byte>& values,
+                                cudaStream_t stream) {
   DeviceBuffer dsrc(values.size()), dout(static_cast<size_t>(d.WireBytes()) + 8);
   REFIT_CUDA_CHECK(cudaMemcpy(dsrc.get(), values.data(), values.size(), cudaMemcpyHostToDevice));
   std::vector<std::byte> out(static_cast<size_t>(d.WireBytes()) + 8, kPoison);
   CopyWork host, device;
-  AppendPackItem(d, {reinterpret_cast<uint64_t>(values.data())}, {}, reinterpret_cast<uint64_t>(out.data()) + 1, 16384, host);
-  AppendPackItem(d, {dsrc.address()}, {}, dout.address() + 1, 16384, device);  // odd: scales unaligned
+  AppendPackItem(d, {reinterpret_cast<uint64_t>(values.data())}, {},
+                 reinterpret_cast<uint64_t>(out.data()) + 1, 16384, host);
+  AppendPackItem(d, {dsrc.address()}, {}, dout.address() + 1, 16384,
+                 device);  // odd: scales unaligned
   RunCopyWorkOnHost(host);
   REFIT_CUDA_CHECK(cudaMemset(dout.get(), 0xA5, dout.size()));
   Run(device, stream);
@@ -534,27 +576,32 @@ std::vector<std::byte> AsBytes(const std::vector<float>& v) {
   return b;
 }
 
-TEST_CASE("GPU codes are FloatToE4M3 itself across e4m3's range, ties and saturation included", "[fp8]") {
+TEST_CASE("GPU codes are FloatToE4M3 itself across e4m3's range, ties and saturation included",
+          "[fp8]") {
   if (GpuCount() == 0) FAIL(kNeedsGpu);
   cudaStream_t stream;
   REFIT_CUDA_CHECK(cudaStreamCreate(&stream));
   for (bool mx : {true, false}) {
-    const std::vector<float> values = mx ? SweepValues(257, 256.0f, 511.99f) : SweepValues(257, 448.0f, 448.0f);
+    const std::vector<float> values =
+        mx ? SweepValues(257, 256.0f, 511.99f) : SweepValues(257, 448.0f, 448.0f);
     const int64_t rows = static_cast<int64_t>(values.size() / 32);
     INFO((mx ? "mxfp8" : "block fp8") << ", " << values.size() << " values");
-    const auto codes = PackBoth(Region(CopyOp::kQuantize, mx ? QuantFormat::kMxfp8 : QuantFormat::kBlockFp8, 1, 32, rows, 32,
-                                       DType::kF32),
-                                AsBytes(values), stream);
+    const auto codes =
+        PackBoth(Region(CopyOp::kQuantize, mx ? QuantFormat::kMxfp8 : QuantFormat::kBlockFp8, 1, 32,
+                        rows, 32, DType::kF32),
+                 AsBytes(values), stream);
     size_t wrong = 0, first = 0;
     for (size_t i = 0; i < values.size(); ++i) {
       if (static_cast<uint8_t>(codes[i + 1]) != FloatToE4M3(values[i]) && wrong++ == 0) first = i;
     }
-    INFO(wrong << " wrong, the first " << values[first] << " (index " << first << "): "
-               << int{static_cast<uint8_t>(codes[first + 1])} << " for " << int{FloatToE4M3(values[first])});
+    INFO(wrong << " wrong, the first " << values[first] << " (index " << first
+               << "): " << int{static_cast<uint8_t>(codes[first + 1])} << " for "
+               << int{FloatToE4M3(values[first])});
     REQUIRE(wrong == 0);
-    const auto scales = PackBoth(Region(CopyOp::kScale, mx ? QuantFormat::kMxfp8 : QuantFormat::kBlockFp8, 1, 32, rows, 32,
-                                        DType::kF32),
-                                 AsBytes(values), stream);
+    const auto scales =
+        PackBoth(Region(CopyOp::kScale, mx ? QuantFormat::kMxfp8 : QuantFormat::kBlockFp8, 1, 32,
+                        rows, 32, DType::kF32),
+                 AsBytes(values), stream);
     if (mx) {
       for (int64_t r = 0; r < rows; ++r) REQUIRE(static_cast<uint8_t>(scales[r + 1]) == 127);
     } else {
@@ -577,26 +624,33 @@ TEST_CASE("GPU quantization of random blocks of every exponent matches the host 
   REFIT_CUDA_CHECK(cudaStreamCreate(&stream));
   std::mt19937_64 rng(99);
   for (DType from : {DType::kF32, DType::kBF16, DType::kF16}) {
-    const int64_t rows = 4096, cols = 1024;  // block fp8: 32 x 8 blocks of 128; MXFP8: 131072 blocks
+    const int64_t rows = 4096,
+                  cols = 1024;  // block fp8: 32 x 8 blocks of 128; MXFP8: 131072 blocks
     const int size = DTypeSize(from);
     std::vector<std::byte> values(static_cast<size_t>(rows * cols * size));
     for (int64_t r = 0; r < rows; ++r) {
       // Each row keeps to a band of exponents, so that its blocks' amaxes span all of them.
-      const int hi = static_cast<int>(rng() % 270) - 140;  // Normal() below: exponents in [hi - 30, hi], clamped
+      const int hi = static_cast<int>(rng() % 270) -
+                     140;  // Normal() below: exponents in [hi - 30, hi], clamped
       for (int64_t c = 0; c < cols; ++c) {
         const uint64_t h = rng();
         uint32_t bits;
-        if (h % 97 == 0) bits = AdversarialBits(from, static_cast<int>((h >> 8) % kBlockClasses), h >> 12, false);
-        else bits = BitsOf(Normal(h, std::max(hi - 30, -149), std::min(hi, 127)), from);
+        if (h % 97 == 0)
+          bits = AdversarialBits(from, static_cast<int>((h >> 8) % kBlockClasses), h >> 12, false);
+        else
+          bits = BitsOf(Normal(h, std::max(hi - 30, -149), std::min(hi, 127)), from);
         std::memcpy(values.data() + (r * cols + c) * size, &bits, static_cast<size_t>(size));
       }
     }
     for (QuantFormat format : {QuantFormat::kBlockFp8, QuantFormat::kMxfp8}) {
       const bool mx = format == QuantFormat::kMxfp8;
       for (CopyOp op : {CopyOp::kQuantize, CopyOp::kScale}) {
-        INFO(DTypeName(from) << " " << (mx ? "mxfp8" : "block fp8") << (op == CopyOp::kScale ? " scales" : " codes"));
+        INFO(DTypeName(from) << " " << (mx ? "mxfp8" : "block fp8")
+                             << (op == CopyOp::kScale ? " scales" : " codes"));
         PackBoth(Region(op, format, mx ? 1 : 128, mx ? 32 : 128, rows, cols, from), values, stream);
-        if (!mx) PackBoth(Region(op, format, 1, 32, rows, cols, from), values, stream);  // small block fp8 blocks
+        if (!mx)
+          PackBoth(Region(op, format, 1, 32, rows, cols, from), values,
+                   stream);  // small block fp8 blocks
       }
     }
   }
@@ -669,29 +723,37 @@ TEST_CASE("gated copies copy only when their host word says go") {
   REFIT_CUDA_CHECK(cudaMemcpy(src.get(), c->src.data(), c->src.size(), cudaMemcpyHostToDevice));
   const CopyWork w = ItemCaseWork(*c, src.address(), dst.address());
   REQUIRE(AlignedOnly(w));
-  DeviceBuffer d_items(w.items.size() * sizeof(CopyItem)), d_begin(w.unit_begin.size() * sizeof(int64_t));
-  REFIT_CUDA_CHECK(cudaMemcpy(d_items.get(), w.items.data(), d_items.size(), cudaMemcpyHostToDevice));
-  REFIT_CUDA_CHECK(cudaMemcpy(d_begin.get(), w.unit_begin.data(), d_begin.size(), cudaMemcpyHostToDevice));
+  DeviceBuffer d_items(w.items.size() * sizeof(CopyItem)),
+      d_begin(w.unit_begin.size() * sizeof(int64_t));
+  REFIT_CUDA_CHECK(
+      cudaMemcpy(d_items.get(), w.items.data(), d_items.size(), cudaMemcpyHostToDevice));
+  REFIT_CUDA_CHECK(
+      cudaMemcpy(d_begin.get(), w.unit_begin.data(), d_begin.size(), cudaMemcpyHostToDevice));
   uint32_t* word = nullptr;
-  REFIT_CUDA_CHECK(cudaHostAlloc(reinterpret_cast<void**>(&word), sizeof(uint32_t), cudaHostAllocMapped));
+  REFIT_CUDA_CHECK(
+      cudaHostAlloc(reinterpret_cast<void**>(&word), sizeof(uint32_t), cudaHostAllocMapped));
   uint32_t* word_on_gpu = nullptr;
   REFIT_CUDA_CHECK(cudaHostGetDevicePointer(reinterpret_cast<void**>(&word_on_gpu), word, 0));
   uint32_t* decided = nullptr;
-  REFIT_CUDA_CHECK(cudaHostAlloc(reinterpret_cast<void**>(&decided), sizeof(uint32_t), cudaHostAllocMapped));
+  REFIT_CUDA_CHECK(
+      cudaHostAlloc(reinterpret_cast<void**>(&decided), sizeof(uint32_t), cudaHostAllocMapped));
   uint32_t* decided_on_gpu = nullptr;
   REFIT_CUDA_CHECK(cudaHostGetDevicePointer(reinterpret_cast<void**>(&decided_on_gpu), decided, 0));
   const std::vector<std::byte> poisoned(want.size(), static_cast<std::byte>(kPoison));
   // (word, go, copies?): go; called off; an older round's go; a word past go (a later round's).
-  const std::tuple<uint32_t, uint32_t, bool> runs[] = {{6, 6, true}, {7, 6, false}, {4, 6, false}, {9, 8, false}};
+  const std::tuple<uint32_t, uint32_t, bool> runs[] = {
+      {6, 6, true}, {7, 6, false}, {4, 6, false}, {9, 8, false}};
   for (const auto& [value, go, copies] : runs) {
     for (bool aligned : {true, false}) {
       REFIT_CUDA_CHECK(cudaMemset(dst.get(), static_cast<int>(kPoison), dst.size()));
       *reinterpret_cast<volatile uint32_t*>(word) = value;
       *reinterpret_cast<volatile uint32_t*>(decided) = 12345;
-      REFIT_CUDA_CHECK(LaunchGate(word_on_gpu, go, static_cast<uint32_t*>(gate.get()), decided_on_gpu, stream));
-      REFIT_CUDA_CHECK(LaunchCopyItems(static_cast<const CopyItem*>(d_items.get()), static_cast<const int64_t*>(d_begin.get()),
-                                       static_cast<int>(w.items.size()), w.unit_begin.back(), stream, false, aligned,
-                                       static_cast<const uint32_t*>(gate.get()), go));
+      REFIT_CUDA_CHECK(
+          LaunchGate(word_on_gpu, go, static_cast<uint32_t*>(gate.get()), decided_on_gpu, stream));
+      REFIT_CUDA_CHECK(LaunchCopyItems(
+          static_cast<const CopyItem*>(d_items.get()), static_cast<const int64_t*>(d_begin.get()),
+          static_cast<int>(w.items.size()), w.unit_begin.back(), stream, false, aligned,
+          static_cast<const uint32_t*>(gate.get()), go));
       REFIT_CUDA_CHECK(cudaStreamSynchronize(stream));
       INFO("word " << value << " go " << go << " aligned kernel " << aligned);
       CHECK(Download(dst.address(), want.size()) == (copies ? want : poisoned));

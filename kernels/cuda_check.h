@@ -7,14 +7,14 @@
 #include <cstdio>
 #include <cstdlib>
 
-#define REFIT_CUDA_CHECK(call)                                                              \
-  do {                                                                                      \
-    const cudaError_t refit_err_ = (call);                                                  \
-    if (refit_err_ != cudaSuccess) {                                                        \
-      std::fprintf(stderr, "%s:%d: %s: %s\n", __FILE__, __LINE__, #call,                     \
-                   cudaGetErrorString(refit_err_));                                          \
-      std::abort();                                                                         \
-    }                                                                                       \
+#define REFIT_CUDA_CHECK(call)                                           \
+  do {                                                                   \
+    const cudaError_t refit_err_ = (call);                               \
+    if (refit_err_ != cudaSuccess) {                                     \
+      std::fprintf(stderr, "%s:%d: %s: %s\n", __FILE__, __LINE__, #call, \
+                   cudaGetErrorString(refit_err_));                      \
+      std::abort();                                                      \
+    }                                                                    \
   } while (0)
 
 namespace refit {

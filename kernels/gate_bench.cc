@@ -38,13 +38,16 @@ double Median(std::vector<double> v) {
 }
 
 double NowUs() {
-  return std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now().time_since_epoch()).count();
+  return std::chrono::duration<double, std::micro>(
+             std::chrono::steady_clock::now().time_since_epoch())
+      .count();
 }
 
 struct Copy {
   DeviceBuffer src, dst, items, units;
   int64_t total_units = 0;
-  explicit Copy(size_t bytes) : src(bytes), dst(bytes), items(sizeof(CopyItem)), units(2 * sizeof(int64_t)) {
+  explicit Copy(size_t bytes)
+      : src(bytes), dst(bytes), items(sizeof(CopyItem)), units(2 * sizeof(int64_t)) {
     CopyItem it;
     it.src = src.address();
     it.dst = dst.address();
@@ -59,15 +62,18 @@ struct Copy {
     REFIT_CUDA_CHECK(cudaMemset(src.get(), 1, bytes));
   }
   void Launch(cudaStream_t s, const uint32_t* gate, uint32_t go) const {
-    REFIT_CUDA_CHECK(LaunchCopyItems(static_cast<CopyItem*>(items.get()), static_cast<int64_t*>(units.get()), 1,
-                                     total_units, s, true, true, gate, go));
+    REFIT_CUDA_CHECK(LaunchCopyItems(static_cast<CopyItem*>(items.get()),
+                                     static_cast<int64_t*>(units.get()), 1, total_units, s, true,
+                                     true, gate, go));
   }
 };
 
-int Run(const std::vector<int64_t>& sizes, int repeat, int idle_us, const std::vector<int64_t>& sleeps) {
+int Run(const std::vector<int64_t>& sizes, int repeat, int idle_us,
+        const std::vector<int64_t>& sleeps) {
   void* fn = nullptr;
   cudaDriverEntryPointQueryResult found;
-  REFIT_CUDA_CHECK(cudaGetDriverEntryPointByVersion("cuStreamWaitValue32", &fn, 11070, cudaEnableDefault, &found));
+  REFIT_CUDA_CHECK(cudaGetDriverEntryPointByVersion("cuStreamWaitValue32", &fn, 11070,
+                                                    cudaEnableDefault, &found));
   if (fn == nullptr || found != cudaDriverEntryPointSuccess) {
     std::fprintf(stderr, "gate_bench: no cuStreamWaitValue32\n");
     return 1;
@@ -86,7 +92,8 @@ int Run(const std::vector<int64_t>& sizes, int repeat, int idle_us, const std::v
   REFIT_CUDA_CHECK(cudaEventCreate(&start));
   REFIT_CUDA_CHECK(cudaEventCreate(&end));
   auto wait = [&](uint32_t value) {
-    if (wait_value(s, reinterpret_cast<CUdeviceptr>(word_d), value, CU_STREAM_WAIT_VALUE_GEQ) != CUDA_SUCCESS) {
+    if (wait_value(s, reinterpret_cast<CUdeviceptr>(word_d), value, CU_STREAM_WAIT_VALUE_GEQ) !=
+        CUDA_SUCCESS) {
       std::fprintf(stderr, "gate_bench: cuStreamWaitValue32 failed\n");
       std::abort();
     }
@@ -108,7 +115,8 @@ int Run(const std::vector<int64_t>& sizes, int repeat, int idle_us, const std::v
           REFIT_CUDA_CHECK(cudaMemcpyAsync(gate_d, &go, sizeof go, cudaMemcpyHostToDevice, s));
           wait(go);
         } else if (armed) {
-          const unsigned ns = static_cast<unsigned>(std::atoll(mode.c_str() + std::string("spin_gate_").size()));
+          const unsigned ns =
+              static_cast<unsigned>(std::atoll(mode.c_str() + std::string("spin_gate_").size()));
           REFIT_CUDA_CHECK(LaunchWaitingGate(word_d, go, gate_d, decided_d, ns, s));
         }
         if (armed) {
@@ -139,9 +147,11 @@ int Run(const std::vector<int64_t>& sizes, int repeat, int idle_us, const std::v
       }
       std::vector<double> over;
       for (size_t i = 0; i < total.size(); ++i) over.push_back(total[i] - gpu[i]);
-      std::printf("{\"bench\":\"gate\",\"mode\":\"%s\",\"bytes\":%lld,\"runs\":%d,\"idle_us\":%d,"
-                  "\"let_go_to_done_us\":%.2f,\"copy_us\":%.2f,\"overhead_us\":%.2f}\n",
-                  mode.c_str(), static_cast<long long>(bytes), repeat, idle_us, Median(total), Median(gpu), Median(over));
+      std::printf(
+          "{\"bench\":\"gate\",\"mode\":\"%s\",\"bytes\":%lld,\"runs\":%d,\"idle_us\":%d,"
+          "\"let_go_to_done_us\":%.2f,\"copy_us\":%.2f,\"overhead_us\":%.2f}\n",
+          mode.c_str(), static_cast<long long>(bytes), repeat, idle_us, Median(total), Median(gpu),
+          Median(over));
       std::fflush(stdout);
     }
   }
@@ -164,10 +174,14 @@ int main(int argc, char** argv) {
   };
   for (int i = 1; i + 1 < argc; i += 2) {
     const std::string flag = argv[i];
-    if (flag == "--bytes") sizes = list(argv[i + 1]);
-    else if (flag == "--sleep-ns") sleeps = list(argv[i + 1]);
-    else if (flag == "--repeat") repeat = std::max(1, std::atoi(argv[i + 1]));
-    else if (flag == "--idle-us") idle_us = std::max(0, std::atoi(argv[i + 1]));
+    if (flag == "--bytes")
+      sizes = list(argv[i + 1]);
+    else if (flag == "--sleep-ns")
+      sleeps = list(argv[i + 1]);
+    else if (flag == "--repeat")
+      repeat = std::max(1, std::atoi(argv[i + 1]));
+    else if (flag == "--idle-us")
+      idle_us = std::max(0, std::atoi(argv[i + 1]));
     else {
       std::fprintf(stderr, "gate_bench: unknown flag %s\n", flag.c_str());
       return 2;

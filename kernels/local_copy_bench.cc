@@ -92,7 +92,8 @@ int Run(const std::string& src_path, const std::string& dst_path, const Options&
   auto src = ReadLayoutFile(src_path, "source");
   auto dst = ReadLayoutFile(dst_path, "destination");
   if (!src.ok() || !dst.ok()) {
-    std::fprintf(stderr, "%s\n", std::string((src.ok() ? dst.status() : src.status()).message()).c_str());
+    std::fprintf(stderr, "%s\n",
+                 std::string((src.ok() ? dst.status() : src.status()).message()).c_str());
     return 2;
   }
   PlanOptions options;
@@ -112,8 +113,12 @@ int Run(const std::string& src_path, const std::string& dst_path, const Options&
     REFIT_CUDA_CHECK(FillBf16Weights(owners.back()->get(), b.NumBytes(), sa.size(), nullptr));
   }
   REFIT_CUDA_CHECK(cudaDeviceSynchronize());
-  for (const Buffer& b : dst->buffers) owners.push_back(std::make_unique<DeviceBuffer>(b.NumBytes())), da.push_back(owners.back()->address());
-  for (const ScratchBuffer& b : plan->scratch) owners.push_back(std::make_unique<DeviceBuffer>(b.NumBytes())), da.push_back(owners.back()->address());
+  for (const Buffer& b : dst->buffers)
+    owners.push_back(std::make_unique<DeviceBuffer>(b.NumBytes())),
+        da.push_back(owners.back()->address());
+  for (const ScratchBuffer& b : plan->scratch)
+    owners.push_back(std::make_unique<DeviceBuffer>(b.NumBytes())),
+        da.push_back(owners.back()->address());
   int64_t bytes = plan->stats.bytes_total;
   DeviceBuffer a(static_cast<size_t>(bytes)), b(static_cast<size_t>(bytes));
   cudaStream_t stream;
@@ -121,118 +126,132 @@ int Run(const std::string& src_path, const std::string& dst_path, const Options&
   int sms = 0;
   REFIT_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
   for (int64_t segment : o.segments) {
-   for (int spread : o.spreads) {
-    for (int64_t tile_run : o.tile_run_bytes) {
-     for (int split : o.splits) {
-    // One work list per stage, every message of it (all local here); with --split 1, a stage's
-    // aligned items in one launch of the aligned kernel and the rest in one of the general.
-    struct Launch {
-      std::unique_ptr<DeviceBuffer> items, begin;
-      int n = 0;
-      int64_t units = 0, tiled_units = 0;
-      bool spread = false;  // as the cuda backend launches it (SpreadPays), unless --spread
-      bool aligned = false;  // AlignedOnly: the aligned kernel, as the cuda backend launches it
-      bool has_quantizing = false;
-    };
-    int64_t read_bytes = 0, written_bytes = 0;
-    std::vector<Launch> launches;
-    auto add = [&](const CopyWork& w) {
-      if (w.items.empty()) return;
-      Launch& st = launches.emplace_back();
-      st.items = std::make_unique<DeviceBuffer>(w.items.size() * sizeof(CopyItem));
-      st.begin = std::make_unique<DeviceBuffer>(w.unit_begin.size() * sizeof(int64_t));
-      REFIT_CUDA_CHECK(cudaMemcpy(st.items->get(), w.items.data(), st.items->size(), cudaMemcpyHostToDevice));
-      REFIT_CUDA_CHECK(cudaMemcpy(st.begin->get(), w.unit_begin.data(), st.begin->size(), cudaMemcpyHostToDevice));
-      st.n = static_cast<int>(w.items.size());
-      st.units = w.unit_begin.back();
-      st.spread = spread < 0 ? SpreadPays(w) : spread == 1;
-      st.aligned = o.aligned_kernel && AlignedOnly(w);
-      st.has_quantizing = HasQuantizing(w);
-      for (const CopyItem& it : w.items) {
-        st.tiled_units += it.tiled ? it.Units() : 0;
-        ItemTraffic(it, &read_bytes, &written_bytes);
-      }
-    };
-    for (int s = 0; s < kMaxStages; ++s) {
-      CopyWork w;
-      w.unit_begin.push_back(0);
-      for (const Message& m : plan->messages) {
-        if (m.stage == s) AppendWork(DirectWork(*plan, m, sa, da, segment, tile_run), w);
-      }
-      if (split == 0) {
-        add(w);
-        continue;
-      }
-      CopyWork aligned, general;
-      SplitAligned(w, aligned, general);
-      add(aligned);
-      add(general);
-    }
-    int64_t units = 0, items = 0, tiled_units = 0;
-    bool spread_used = false, aligned_used = false;
-    for (const Launch& st : launches) units += st.units, items += st.n, tiled_units += st.tiled_units, spread_used |= st.spread, aligned_used |= st.aligned;
-    for (int64_t batch_cap : o.batch_caps) {
-     for (int64_t fill : o.fill_warps) {
-      for (int64_t per_sm : o.blocks_per_sm) {
-        for (int quantizing : o.quantizing) {
-          for (int64_t quant_min_blocks : o.quant_min_blocks) {
-            auto shape_of = [&](const Launch& st) {
-              CopyLaunchShape shape = DefaultCopyLaunchShape(st.aligned);
-              if (batch_cap > 0) shape.max_batch = static_cast<int>(batch_cap);
-              shape.warps_to_fill = fill;
-              if (per_sm > 0) shape.max_blocks = static_cast<int>(per_sm * sms);
-              shape.quant_min_blocks = static_cast<int>(quant_min_blocks);
-              return shape;
-            };
-            std::vector<float> tk, tc;
-            float bound_ms = 0;
-            for (int r = 0; r < o.repeat + 3; ++r) {
-              const float k = TimeMs(stream, [&] {
-                for (const Launch& st : launches) {
-                  REFIT_CUDA_CHECK(LaunchCopyItemsShaped(
-                      static_cast<CopyItem*>(st.items->get()),
-                      static_cast<int64_t*>(st.begin->get()), st.n, st.units, stream, st.spread,
-                      st.aligned, shape_of(st), nullptr, 0, quantizing != 0 && st.has_quantizing));
-                }
-              });
-              const float c = TimeMs(stream, [&] {
-                REFIT_CUDA_CHECK(cudaMemcpyAsync(b.get(), a.get(), static_cast<size_t>(bytes),
-                                                 cudaMemcpyDeviceToDevice, stream));
-              });
-              if (r >= 3) tk.push_back(k), tc.push_back(c);
+    for (int spread : o.spreads) {
+      for (int64_t tile_run : o.tile_run_bytes) {
+        for (int split : o.splits) {
+          // One work list per stage, every message of it (all local here); with --split 1, a
+          // stage's aligned items in one launch of the aligned kernel and the rest in one of the
+          // general.
+          struct Launch {
+            std::unique_ptr<DeviceBuffer> items, begin;
+            int n = 0;
+            int64_t units = 0, tiled_units = 0;
+            bool spread = false;  // as the cuda backend launches it (SpreadPays), unless --spread
+            bool aligned =
+                false;  // AlignedOnly: the aligned kernel, as the cuda backend launches it
+            bool has_quantizing = false;
+          };
+          int64_t read_bytes = 0, written_bytes = 0;
+          std::vector<Launch> launches;
+          auto add = [&](const CopyWork& w) {
+            if (w.items.empty()) return;
+            Launch& st = launches.emplace_back();
+            st.items = std::make_unique<DeviceBuffer>(w.items.size() * sizeof(CopyItem));
+            st.begin = std::make_unique<DeviceBuffer>(w.unit_begin.size() * sizeof(int64_t));
+            REFIT_CUDA_CHECK(cudaMemcpy(st.items->get(), w.items.data(), st.items->size(),
+                                        cudaMemcpyHostToDevice));
+            REFIT_CUDA_CHECK(cudaMemcpy(st.begin->get(), w.unit_begin.data(), st.begin->size(),
+                                        cudaMemcpyHostToDevice));
+            st.n = static_cast<int>(w.items.size());
+            st.units = w.unit_begin.back();
+            st.spread = spread < 0 ? SpreadPays(w) : spread == 1;
+            st.aligned = o.aligned_kernel && AlignedOnly(w);
+            st.has_quantizing = HasQuantizing(w);
+            for (const CopyItem& it : w.items) {
+              st.tiled_units += it.tiled ? it.Units() : 0;
+              ItemTraffic(it, &read_bytes, &written_bytes);
             }
-            // The copy read and wrote `bytes` in Median(tc): the same rate for the launches'
-            // traffic.
-            bound_ms = static_cast<float>(static_cast<double>(read_bytes + written_bytes) /
-                                          (2.0 * bytes) * Median(tc));
-            std::printf(
-                "{\"bench\":\"local_copy_kernel\",\"src\":\"%s\",\"bytes\":%lld,\"items\":%lld,"
-                "\"units\":%lld,"
-                "\"tiled_units\":%lld,\"segment_bytes\":%lld,\"tile_run_bytes\":%lld,\"split\":%d,"
-                "\"launches\":%zu,"
-                "\"spread\":\"%s\",\"aligned_kernel\":%s,\"batch_cap\":%lld,\"fill_warps\":%lld,"
-                "\"blocks_per_sm\":%lld,\"quantizing\":\"%s\",\"quant_min_blocks\":%lld,\"runs\":%"
-                "d,\"kernel_ms\":%.4f,"
-                "\"memcpy_d2d_ms\":%.4f,\"kernel_vs_memcpy\":%.3f,\"read_bytes\":%lld,\"written_"
-                "bytes\":%lld,"
-                "\"traffic_bound_ms\":%.4f,\"of_traffic_bound\":%.3f}\n",
-                src_path.c_str(), (long long)bytes, (long long)items, (long long)units,
-                (long long)tiled_units, (long long)segment, (long long)tile_run, split,
-                launches.size(),
-                spread < 0 ? (spread_used ? "auto:1" : "auto:0") : (spread ? "1" : "0"),
-                aligned_used ? "true" : "false", (long long)batch_cap, (long long)fill,
-                (long long)per_sm, quantizing != 0 ? "auto" : "0", (long long)quant_min_blocks,
-                o.repeat, Median(tk), Median(tc), Median(tc) / Median(tk), (long long)read_bytes,
-                (long long)written_bytes, bound_ms, bound_ms / Median(tk));
-            std::fflush(stdout);
+          };
+          for (int s = 0; s < kMaxStages; ++s) {
+            CopyWork w;
+            w.unit_begin.push_back(0);
+            for (const Message& m : plan->messages) {
+              if (m.stage == s) AppendWork(DirectWork(*plan, m, sa, da, segment, tile_run), w);
+            }
+            if (split == 0) {
+              add(w);
+              continue;
+            }
+            CopyWork aligned, general;
+            SplitAligned(w, aligned, general);
+            add(aligned);
+            add(general);
+          }
+          int64_t units = 0, items = 0, tiled_units = 0;
+          bool spread_used = false, aligned_used = false;
+          for (const Launch& st : launches)
+            units += st.units, items += st.n, tiled_units += st.tiled_units,
+                spread_used |= st.spread, aligned_used |= st.aligned;
+          for (int64_t batch_cap : o.batch_caps) {
+            for (int64_t fill : o.fill_warps) {
+              for (int64_t per_sm : o.blocks_per_sm) {
+                for (int quantizing : o.quantizing) {
+                  for (int64_t quant_min_blocks : o.quant_min_blocks) {
+                    auto shape_of = [&](const Launch& st) {
+                      CopyLaunchShape shape = DefaultCopyLaunchShape(st.aligned);
+                      if (batch_cap > 0) shape.max_batch = static_cast<int>(batch_cap);
+                      shape.warps_to_fill = fill;
+                      if (per_sm > 0) shape.max_blocks = static_cast<int>(per_sm * sms);
+                      shape.quant_min_blocks = static_cast<int>(quant_min_blocks);
+                      return shape;
+                    };
+                    std::vector<float> tk, tc;
+                    float bound_ms = 0;
+                    for (int r = 0; r < o.repeat + 3; ++r) {
+                      const float k = TimeMs(stream, [&] {
+                        for (const Launch& st : launches) {
+                          REFIT_CUDA_CHECK(LaunchCopyItemsShaped(
+                              static_cast<CopyItem*>(st.items->get()),
+                              static_cast<int64_t*>(st.begin->get()), st.n, st.units, stream,
+                              st.spread, st.aligned, shape_of(st), nullptr, 0,
+                              quantizing != 0 && st.has_quantizing));
+                        }
+                      });
+                      const float c = TimeMs(stream, [&] {
+                        REFIT_CUDA_CHECK(cudaMemcpyAsync(b.get(), a.get(),
+                                                         static_cast<size_t>(bytes),
+                                                         cudaMemcpyDeviceToDevice, stream));
+                      });
+                      if (r >= 3) tk.push_back(k), tc.push_back(c);
+                    }
+                    // The copy read and wrote `bytes` in Median(tc): the same rate for the
+                    // launches' traffic.
+                    bound_ms = static_cast<float>(static_cast<double>(read_bytes + written_bytes) /
+                                                  (2.0 * bytes) * Median(tc));
+                    std::printf(
+                        "{\"bench\":\"local_copy_kernel\",\"src\":\"%s\",\"bytes\":%lld,\"items\":%"
+                        "lld,"
+                        "\"units\":%lld,"
+                        "\"tiled_units\":%lld,\"segment_bytes\":%lld,\"tile_run_bytes\":%lld,"
+                        "\"split\":%d,"
+                        "\"launches\":%zu,"
+                        "\"spread\":\"%s\",\"aligned_kernel\":%s,\"batch_cap\":%lld,\"fill_warps\":"
+                        "%lld,"
+                        "\"blocks_per_sm\":%lld,\"quantizing\":\"%s\",\"quant_min_blocks\":%lld,"
+                        "\"runs\":%"
+                        "d,\"kernel_ms\":%.4f,"
+                        "\"memcpy_d2d_ms\":%.4f,\"kernel_vs_memcpy\":%.3f,\"read_bytes\":%lld,"
+                        "\"written_"
+                        "bytes\":%lld,"
+                        "\"traffic_bound_ms\":%.4f,\"of_traffic_bound\":%.3f}\n",
+                        src_path.c_str(), (long long)bytes, (long long)items, (long long)units,
+                        (long long)tiled_units, (long long)segment, (long long)tile_run, split,
+                        launches.size(),
+                        spread < 0 ? (spread_used ? "auto:1" : "auto:0") : (spread ? "1" : "0"),
+                        aligned_used ? "true" : "false", (long long)batch_cap, (long long)fill,
+                        (long long)per_sm, quantizing != 0 ? "auto" : "0",
+                        (long long)quant_min_blocks, o.repeat, Median(tk), Median(tc),
+                        Median(tc) / Median(tk), (long long)read_bytes, (long long)written_bytes,
+                        bound_ms, bound_ms / Median(tk));
+                    std::fflush(stdout);
+                  }
+                }
+              }
+            }
           }
         }
       }
-     }
     }
-     }
-    }
-   }
   }
   return 0;
 }
@@ -253,14 +272,22 @@ int main(int argc, char** argv) {
   };
   for (int i = 1; i + 1 < argc; i += 2) {
     const std::string flag = argv[i], value = argv[i + 1];
-    if (flag == "--src") src = value;
-    else if (flag == "--dst") dst = value;
-    else if (flag == "--repeat") o.repeat = std::max(1, std::atoi(value.c_str()));
-    else if (flag == "--segments") o.segments = list(value);
-    else if (flag == "--tile-run-bytes") o.tile_run_bytes = list(value);
-    else if (flag == "--batch-caps") o.batch_caps = list(value);
-    else if (flag == "--fill-warps") o.fill_warps = list(value);
-    else if (flag == "--blocks-per-sm") o.blocks_per_sm = list(value);
+    if (flag == "--src")
+      src = value;
+    else if (flag == "--dst")
+      dst = value;
+    else if (flag == "--repeat")
+      o.repeat = std::max(1, std::atoi(value.c_str()));
+    else if (flag == "--segments")
+      o.segments = list(value);
+    else if (flag == "--tile-run-bytes")
+      o.tile_run_bytes = list(value);
+    else if (flag == "--batch-caps")
+      o.batch_caps = list(value);
+    else if (flag == "--fill-warps")
+      o.fill_warps = list(value);
+    else if (flag == "--blocks-per-sm")
+      o.blocks_per_sm = list(value);
     else if (flag == "--quant-min-blocks")
       o.quant_min_blocks = list(value);
     else if (flag == "--quantizing") {
@@ -274,7 +301,8 @@ int main(int argc, char** argv) {
       o.aligned_kernel = value == "1";
     } else if (flag == "--spread") {
       o.spreads.clear();
-      for (absl::string_view s : absl::StrSplit(value, ',')) o.spreads.push_back(s == "auto" ? -1 : s == "1" ? 1 : 0);
+      for (absl::string_view s : absl::StrSplit(value, ','))
+        o.spreads.push_back(s == "auto" ? -1 : s == "1" ? 1 : 0);
     }
   }
   if (src.empty() || dst.empty() || o.segments.empty() || o.spreads.empty() ||

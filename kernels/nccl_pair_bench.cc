@@ -6,6 +6,7 @@
 // priority?). Process 1 (the receiver) prints one JSON line of
 // medians over --repeat runs after 3 warm-up runs; a received buffer is checked byte for byte.
 //   nccl_pair_bench [--bytes 1073741824] [--repeat 10]
+#include <nccl.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -15,8 +16,6 @@
 #include <functional>
 #include <string>
 #include <vector>
-
-#include <nccl.h>
 
 #include "absl/time/clock.h"
 #include "kernels/copy_kernels.h"
@@ -38,11 +37,13 @@ double Median(std::vector<double> v) {
 }
 
 // One rank's side: `bytes` from rank 0 to rank 1, cut into `op_bytes` operations in one group.
-void Move(int rank, ncclComm_t comm, char* buffer, int64_t bytes, int64_t op_bytes, cudaStream_t s) {
+void Move(int rank, ncclComm_t comm, char* buffer, int64_t bytes, int64_t op_bytes,
+          cudaStream_t s) {
   Check(ncclGroupStart(), "ncclGroupStart");
   for (int64_t at = 0; at < bytes; at += op_bytes) {
     const size_t n = static_cast<size_t>(std::min(op_bytes, bytes - at));
-    Check(rank == 0 ? ncclSend(buffer + at, n, ncclUint8, 1, comm, s) : ncclRecv(buffer + at, n, ncclUint8, 0, comm, s),
+    Check(rank == 0 ? ncclSend(buffer + at, n, ncclUint8, 1, comm, s)
+                    : ncclRecv(buffer + at, n, ncclUint8, 0, comm, s),
           "send/recv");
   }
   Check(ncclGroupEnd(), "ncclGroupEnd");
@@ -81,7 +82,10 @@ int Run(int rank, int fd, int64_t bytes, int repeat) {
   REFIT_CUDA_CHECK(cudaMemset(plain.get(), rank == 0 ? 7 : 0, bytes));
   auto* buffer = static_cast<char*>(plain.get());
   auto sync = [&] { REFIT_CUDA_CHECK(cudaStreamSynchronize(s)); };
-  const double one = Rate(repeat, bytes, [&] { Move(rank, comm, buffer, bytes, bytes, s); sync(); });
+  const double one = Rate(repeat, bytes, [&] {
+    Move(rank, comm, buffer, bytes, bytes, s);
+    sync();
+  });
   // Every byte of the plain buffer arrived (it was poisoned with 0, sent as 7).
   bool exact = true;
   if (rank == 1) {
@@ -89,7 +93,10 @@ int Run(int rank, int fd, int64_t bytes, int repeat) {
     REFIT_CUDA_CHECK(cudaMemcpy(host.data(), buffer, bytes, cudaMemcpyDeviceToHost));
     exact = std::all_of(host.begin(), host.end(), [](char c) { return c == 7; });
   }
-  const double ops64 = Rate(repeat, bytes, [&] { Move(rank, comm, buffer, bytes, int64_t{64} << 20, s); sync(); });
+  const double ops64 = Rate(repeat, bytes, [&] {
+    Move(rank, comm, buffer, bytes, int64_t{64} << 20, s);
+    sync();
+  });
   // With our copy kernel moving 1 GiB inside the same GPU on another stream at the same time.
   DeviceBuffer from(bytes), to(bytes);
   CopyItem it;
@@ -104,7 +111,8 @@ int Run(int rank, int fd, int64_t bytes, int repeat) {
   REFIT_CUDA_CHECK(cudaMemcpy(items.get(), &it, sizeof it, cudaMemcpyHostToDevice));
   REFIT_CUDA_CHECK(cudaMemcpy(units.get(), begin, sizeof begin, cudaMemcpyHostToDevice));
   const double with_copy = Rate(repeat, bytes, [&] {
-    REFIT_CUDA_CHECK(LaunchCopyItems(static_cast<CopyItem*>(items.get()), static_cast<int64_t*>(units.get()), 1, it.Units(), side));
+    REFIT_CUDA_CHECK(LaunchCopyItems(static_cast<CopyItem*>(items.get()),
+                                     static_cast<int64_t*>(units.get()), 1, it.Units(), side));
     Move(rank, comm, buffer, bytes, bytes, s);
     sync();
     REFIT_CUDA_CHECK(cudaStreamSynchronize(side));
@@ -112,7 +120,8 @@ int Run(int rank, int fd, int64_t bytes, int repeat) {
   // The same, NCCL on a stream of the GPU's highest priority (refitd --nccl-stream-priority): are
   // its blocks then scheduled ahead of the copy kernel's?
   const double with_copy_priority = Rate(repeat, bytes, [&] {
-    REFIT_CUDA_CHECK(LaunchCopyItems(static_cast<CopyItem*>(items.get()), static_cast<int64_t*>(units.get()), 1, it.Units(), side));
+    REFIT_CUDA_CHECK(LaunchCopyItems(static_cast<CopyItem*>(items.get()),
+                                     static_cast<int64_t*>(units.get()), 1, it.Units(), side));
     Move(rank, comm, buffer, bytes, bytes, urgent);
     REFIT_CUDA_CHECK(cudaStreamSynchronize(urgent));
     REFIT_CUDA_CHECK(cudaStreamSynchronize(side));
@@ -123,7 +132,10 @@ int Run(int rank, int fd, int64_t bytes, int repeat) {
   Check(ncclMemAlloc(&reg, static_cast<size_t>(bytes)), "ncclMemAlloc");
   REFIT_CUDA_CHECK(cudaMemset(reg, rank == 0 ? 7 : 0, bytes));
   Check(ncclCommRegister(comm, reg, static_cast<size_t>(bytes), &handle), "ncclCommRegister");
-  const double registered = Rate(repeat, bytes, [&] { Move(rank, comm, static_cast<char*>(reg), bytes, bytes, s); sync(); });
+  const double registered = Rate(repeat, bytes, [&] {
+    Move(rank, comm, static_cast<char*>(reg), bytes, bytes, s);
+    sync();
+  });
   if (rank == 1) {
     std::vector<char> host(static_cast<size_t>(bytes));
     REFIT_CUDA_CHECK(cudaMemcpy(host.data(), reg, bytes, cudaMemcpyDeviceToHost));
@@ -133,10 +145,12 @@ int Run(int rank, int fd, int64_t bytes, int repeat) {
   ncclMemFree(reg);
   ncclCommDestroy(comm);
   if (rank == 1) {
-    std::printf("{\"bytes\":%lld,\"runs\":%d,\"processes\":2,\"nccl_gbps\":%.1f,\"nccl_64m_ops_gbps\":%.1f,"
-                "\"nccl_with_copy_kernel_gbps\":%.1f,\"nccl_with_copy_kernel_priority_gbps\":%.1f,"
-                "\"nccl_registered_gbps\":%.1f,\"exact\":%s}\n",
-                (long long)bytes, repeat, one, ops64, with_copy, with_copy_priority, registered, exact ? "true" : "false");
+    std::printf(
+        "{\"bytes\":%lld,\"runs\":%d,\"processes\":2,\"nccl_gbps\":%.1f,\"nccl_64m_ops_gbps\":%.1f,"
+        "\"nccl_with_copy_kernel_gbps\":%.1f,\"nccl_with_copy_kernel_priority_gbps\":%.1f,"
+        "\"nccl_registered_gbps\":%.1f,\"exact\":%s}\n",
+        (long long)bytes, repeat, one, ops64, with_copy, with_copy_priority, registered,
+        exact ? "true" : "false");
   }
   return exact ? 0 : 1;
 }

@@ -45,14 +45,15 @@ struct PairKey {
 // step computes, not its source's bytes, even where the dtypes match (an fp32 source's fp32
 // scales) and both ends look contiguous (a one-row region).
 bool IsZeroCopy(const CopyDescriptor& d, int64_t min_bytes) {
-  return !d.Quantizes() && d.src_dtype == d.dst_dtype && d.WireBytes() >= min_bytes && Contiguous(d, d.src_stride) &&
-         Contiguous(d, d.dst_stride);
+  return !d.Quantizes() && d.src_dtype == d.dst_dtype && d.WireBytes() >= min_bytes &&
+         Contiguous(d, d.src_stride) && Contiguous(d, d.dst_stride);
 }
 
 double PredictNetworkSeconds(const NodeSchedule& schedule, const ExecutorModel& model) {
   if (!schedule.uses_network) return 0;
   auto copy = [&](const CopyWork& w) {
-    return static_cast<double>(w.bytes) / (model.pack_gbps * 1e9) + static_cast<double>(w.items.size()) * model.per_item_ns * 1e-9;
+    return static_cast<double>(w.bytes) / (model.pack_gbps * 1e9) +
+           static_cast<double>(w.items.size()) * model.per_item_ns * 1e-9;
   };
   double total = model.fixed_us * 1e-6;
   for (const StageSchedule& stage : schedule.stages) {
@@ -61,11 +62,14 @@ double PredictNetworkSeconds(const NodeSchedule& schedule, const ExecutorModel& 
       if (steps.empty()) continue;
       double sent = 0, received = 0, ops = 0, pack = 0, unpack = 0;
       for (const NetworkStep& step : steps) {
-        for (const NetworkOp& op : step.ops) (op.send ? sent : received) += static_cast<double>(op.bytes), ++ops;
+        for (const NetworkOp& op : step.ops)
+          (op.send ? sent : received) += static_cast<double>(op.bytes), ++ops;
         pack += copy(step.pack), unpack += copy(step.unpack);
       }
-      const double wire = std::max(sent, received) / (model.wire_gbps * 1e9) + ops * model.per_op_us * 1e-6;
-      const double seconds = std::max({wire, pack, unpack}) + copy(steps.front().pack) + copy(steps.back().unpack);
+      const double wire =
+          std::max(sent, received) / (model.wire_gbps * 1e9) + ops * model.per_op_us * 1e-6;
+      const double seconds =
+          std::max({wire, pack, unpack}) + copy(steps.front().pack) + copy(steps.back().unpack);
       slowest = std::max(slowest, seconds);
     }
     total += slowest;
@@ -80,7 +84,8 @@ int64_t NodeSchedule::StagingBytes(int32_t gpu) const {
 }
 
 absl::StatusOr<NodeSchedule> BuildNodeSchedule(const Plan& plan, const ScheduleOptions& options,
-                                               const AddressesOn& addresses_on, const StagingOn& staging_on) {
+                                               const AddressesOn& addresses_on,
+                                               const StagingOn& staging_on) {
   NodeSchedule out;
   out.stages.resize(kMaxStages);
   const int32_t node = options.node;
@@ -111,7 +116,8 @@ absl::StatusOr<NodeSchedule> BuildNodeSchedule(const Plan& plan, const ScheduleO
       }
     }
     staged.bytes = m.bytes - zero_copy_bytes;
-    if (staged.bytes > 0) list.insert(list.begin() + static_cast<std::ptrdiff_t>(first_zero), std::move(staged));
+    if (staged.bytes > 0)
+      list.insert(list.begin() + static_cast<std::ptrdiff_t>(first_zero), std::move(staged));
   }
   // Pass 2: steps. Pairs in rank order, each pair's units in order, every unit into the first
   // step (not before its predecessor's) where neither end already carries step_bytes (at least
@@ -126,13 +132,16 @@ absl::StatusOr<NodeSchedule> BuildNodeSchedule(const Plan& plan, const ScheduleO
   for (int stage = 0; stage < kMaxStages; ++stage) {
     std::map<int32_t, int64_t> rank_bytes;  // sent + received by each rank in this stage
     for (const auto& [pair, list] : units[stage]) {
-      for (const Unit& u : list) rank_bytes[pair.first] += u.bytes, rank_bytes[pair.second] += u.bytes;
+      for (const Unit& u : list)
+        rank_bytes[pair.first] += u.bytes, rank_bytes[pair.second] += u.bytes;
     }
     int64_t busiest = 0;
     for (const auto& [rank, bytes] : rank_bytes) busiest = std::max(busiest, bytes);
     const int64_t step_target = std::max(
-        largest_message, std::min(std::max<int64_t>(1, options.step_bytes), (busiest + kMinSteps - 1) / kMinSteps));
-    std::map<int32_t, std::vector<std::pair<int64_t, size_t>>> load;  // rank -> per step (bytes, operations)
+        largest_message,
+        std::min(std::max<int64_t>(1, options.step_bytes), (busiest + kMinSteps - 1) / kMinSteps));
+    std::map<int32_t, std::vector<std::pair<int64_t, size_t>>>
+        load;  // rank -> per step (bytes, operations)
     auto at = [&](int32_t rank, size_t k) -> std::pair<int64_t, size_t>& {
       auto& v = load[rank];
       if (v.size() <= k) v.resize(k + 1, {0, 0});
@@ -147,8 +156,9 @@ absl::StatusOr<NodeSchedule> BuildNodeSchedule(const Plan& plan, const ScheduleO
           auto& la = at(a, k);
           auto& lb = at(b, k);
           const bool empty = la.first == 0 && lb.first == 0;
-          const bool fits = la.first + u.bytes <= step_target && lb.first + u.bytes <= step_target &&
-                            la.second < kMaxOpsPerStep && lb.second < kMaxOpsPerStep;
+          const bool fits = la.first + u.bytes <= step_target &&
+                            lb.first + u.bytes <= step_target && la.second < kMaxOpsPerStep &&
+                            lb.second < kMaxOpsPerStep;
           if (empty || fits) break;
           ++k;
         }
@@ -179,8 +189,8 @@ absl::StatusOr<NodeSchedule> BuildNodeSchedule(const Plan& plan, const ScheduleO
         }
         if (region > options.staging_budget) {
           return absl::FailedPreconditionError(absl::StrCat(
-              "GPU ", gpu, " needs ", region, " bytes of staging for one step of stage ", stage, " (", slots,
-              " messages at once); the staging budget is ", options.staging_budget,
+              "GPU ", gpu, " needs ", region, " bytes of staging for one step of stage ", stage,
+              " (", slots, " messages at once); the staging budget is ", options.staging_budget,
               " bytes per GPU: raise --staging-bytes or lower --max-message-bytes"));
         }
         out.region_bytes[gpu] = std::max(out.region_bytes[gpu], region);
@@ -192,14 +202,16 @@ absl::StatusOr<NodeSchedule> BuildNodeSchedule(const Plan& plan, const ScheduleO
   std::map<int32_t, int64_t> most_steps;
   for (int stage = 0; stage < kMaxStages; ++stage) {
     for (const auto& [gpu, lists] : grouped[stage]) {
-      for (const auto& [key, list] : lists) most_steps[gpu] = std::max<int64_t>(most_steps[gpu], list.size());
+      for (const auto& [key, list] : lists)
+        most_steps[gpu] = std::max<int64_t>(most_steps[gpu], list.size());
     }
   }
   std::map<int32_t, uint64_t> staging;
   for (const auto& [gpu, region] : out.region_bytes) {
     if (region == 0) continue;
     const int64_t cap = std::min<int64_t>(options.max_depth, std::max<int64_t>(1, most_steps[gpu]));
-    const int32_t depth = static_cast<int32_t>(std::clamp<int64_t>(options.staging_budget / region, 1, cap));
+    const int32_t depth =
+        static_cast<int32_t>(std::clamp<int64_t>(options.staging_budget / region, 1, cap));
     out.depth[gpu] = depth;
     auto at = staging_on(gpu, region * depth);
     if (!at.ok()) return at.status();
@@ -207,7 +219,8 @@ absl::StatusOr<NodeSchedule> BuildNodeSchedule(const Plan& plan, const ScheduleO
   }
   // Pass 3: addresses, items and operations.
   std::map<int32_t, std::pair<BufferAddresses, BufferAddresses>> addresses;
-  auto addresses_of = [&](int32_t gpu) -> absl::StatusOr<const std::pair<BufferAddresses, BufferAddresses>*> {
+  auto addresses_of =
+      [&](int32_t gpu) -> absl::StatusOr<const std::pair<BufferAddresses, BufferAddresses>*> {
     auto it = addresses.find(gpu);
     if (it == addresses.end()) {
       auto a = addresses_on(gpu);
@@ -222,7 +235,8 @@ absl::StatusOr<NodeSchedule> BuildNodeSchedule(const Plan& plan, const ScheduleO
     if (to.node != node || from.node != node) continue;
     auto a = addresses_of(to.gpu);
     if (!a.ok()) return a.status();
-    AppendWork(DirectWork(plan, m, (*a)->first, (*a)->second, options.segment_bytes), out.stages[m.stage].direct[to.gpu]);
+    AppendWork(DirectWork(plan, m, (*a)->first, (*a)->second, options.segment_bytes),
+               out.stages[m.stage].direct[to.gpu]);
     (from.gpu == to.gpu ? out.bytes_local : out.bytes_peer) += m.bytes;
   }
   for (int stage = 0; stage < kMaxStages; ++stage) {
@@ -235,7 +249,8 @@ absl::StatusOr<NodeSchedule> BuildNodeSchedule(const Plan& plan, const ScheduleO
       std::vector<NetworkStep>& steps = s.steps[gpu];
       for (const auto& [key, list] : lists) steps.resize(std::max(steps.size(), list.size()));
       for (size_t k = 0; k < steps.size(); ++k) {
-        const uint64_t region = staging[gpu] + (k % std::max(1, out.depth[gpu])) * out.region_bytes[gpu];
+        const uint64_t region =
+            staging[gpu] + (k % std::max(1, out.depth[gpu])) * out.region_bytes[gpu];
         int64_t used = 0;
         NetworkStep& step = steps[k];
         for (const auto& [key, list] : lists) {
@@ -245,7 +260,8 @@ absl::StatusOr<NodeSchedule> BuildNodeSchedule(const Plan& plan, const ScheduleO
             if (u.zero_copy) {
               const CopyDescriptor& d = plan.descriptor(*u.message, u.descriptors[0]);
               const int size = DTypeSize(d.dst_dtype);
-              op.buffer = key.send ? (d.src_is_destination ? dst : src)[d.src_buffer] + static_cast<uint64_t>(d.src_offset * size)
+              op.buffer = key.send ? (d.src_is_destination ? dst : src)[d.src_buffer] +
+                                         static_cast<uint64_t>(d.src_offset * size)
                                    : dst[d.dst_buffer] + static_cast<uint64_t>(d.dst_offset * size);
               out.bytes_zero_copy += u.bytes;
             } else {

@@ -28,11 +28,11 @@
 namespace refit {
 
 struct NetworkOp {
-  int32_t peer = 0;       // the other end's rank: its index in Plan::gpus
+  int32_t peer = 0;  // the other end's rank: its index in Plan::gpus
   bool send = false;
   bool zero_copy = false;  // `buffer` is the tensor's own memory, not staging
   int64_t bytes = 0;
-  uint64_t buffer = 0;    // as the local GPU addresses it
+  uint64_t buffer = 0;  // as the local GPU addresses it
 };
 
 struct NetworkStep {
@@ -42,16 +42,16 @@ struct NetworkStep {
 };
 
 struct StageSchedule {
-  std::map<int32_t, CopyWork> direct;                    // local GPU -> copies it receives by NVLink or locally
-  std::map<int32_t, std::vector<NetworkStep>> steps;     // local GPU -> its network steps
-  int32_t num_steps = 0;                                 // most steps of any local GPU
+  std::map<int32_t, CopyWork> direct;  // local GPU -> copies it receives by NVLink or locally
+  std::map<int32_t, std::vector<NetworkStep>> steps;  // local GPU -> its network steps
+  int32_t num_steps = 0;                              // most steps of any local GPU
 };
 
 struct NodeSchedule {
-  std::vector<StageSchedule> stages;       // kMaxStages
+  std::vector<StageSchedule> stages;        // kMaxStages
   std::map<int32_t, int64_t> region_bytes;  // local GPU -> one step's staging
-  std::map<int32_t, int32_t> depth;         // local GPU -> steps in flight (staging = depth * region)
-  bool uses_network = false;                // some message between this node and another
+  std::map<int32_t, int32_t> depth;  // local GPU -> steps in flight (staging = depth * region)
+  bool uses_network = false;         // some message between this node and another
   int64_t bytes_sent = 0, bytes_received = 0, bytes_local = 0, bytes_peer = 0;
   int64_t bytes_zero_copy = 0;  // of sent + received, moved without staging
   int64_t network_ops = 0;      // sends and receives issued
@@ -73,14 +73,16 @@ struct ScheduleOptions {
 };
 
 // Addresses of the plan's source and destination buffers as `gpu` addresses them.
-using AddressesOn = std::function<absl::StatusOr<std::pair<BufferAddresses, BufferAddresses>>(int32_t gpu)>;
+using AddressesOn =
+    std::function<absl::StatusOr<std::pair<BufferAddresses, BufferAddresses>>(int32_t gpu)>;
 // Staging of `bytes` on `gpu` (called once per GPU that needs any): its address.
 using StagingOn = std::function<absl::StatusOr<uint64_t>(int32_t gpu, int64_t bytes)>;
 
 // FAILED_PRECONDITION when one step of a GPU needs more staging than the budget, naming the GPU,
 // the stage and what to change.
 absl::StatusOr<NodeSchedule> BuildNodeSchedule(const Plan& plan, const ScheduleOptions& options,
-                                               const AddressesOn& addresses_on, const StagingOn& staging_on);
+                                               const AddressesOn& addresses_on,
+                                               const StagingOn& staging_on);
 
 // What the cuda executor takes for a schedule's network part, from rates measured on hardware
 // (defaults fitted on 2 x H200, docs/BENCHMARKS.md "The executor model": the wire on the 61 GB

@@ -82,12 +82,14 @@ void Execute(const Plan& plan, Cluster& c) {
     }
     auto each_gpu = [&](auto&& f) {
       for (size_t node = 0; node < c.nodes.size(); ++node) {
-        for (auto& [gpu, list] : c.nodes[node].stages[stage].steps) f(static_cast<int32_t>(node), gpu, list);
+        for (auto& [gpu, list] : c.nodes[node].stages[stage].steps)
+          f(static_cast<int32_t>(node), gpu, list);
       }
     };
     each_gpu([&](int32_t node, int32_t gpu, std::vector<NetworkStep>& list) {
       const int32_t depth = c.nodes[node].depth[gpu];
-      for (int32_t j = 0; j < depth && j < static_cast<int32_t>(list.size()); ++j) RunCopyWorkOnHost(list[j].pack);
+      for (int32_t j = 0; j < depth && j < static_cast<int32_t>(list.size()); ++j)
+        RunCopyWorkOnHost(list[j].pack);
     });
     for (int32_t k = 0; k < steps; ++k) {
       // NCCL matches a pair's sends and receives of one group in the order they were posted.
@@ -110,7 +112,8 @@ void Execute(const Plan& plan, Cluster& c) {
           const size_t i = next[pair]++;
           REQUIRE(i < in_order.size());  // a receive without its send in the same step would hang
           REQUIRE(in_order[i]->bytes == op.bytes);
-          std::memcpy(reinterpret_cast<void*>(op.buffer), reinterpret_cast<const void*>(in_order[i]->buffer),
+          std::memcpy(reinterpret_cast<void*>(op.buffer),
+                      reinterpret_cast<const void*>(in_order[i]->buffer),
                       static_cast<size_t>(op.bytes));
           ++matched;
         }
@@ -152,11 +155,13 @@ TEST_CASE("every node's schedule together lands every byte, at every depth, with
         ExecuteOnHost(run.t.plan, run.src.memory, run.ref.memory);
         INFO("seed " << seed << " zero-copy from " << zero_copy_min << " depth " << depth
                      << " sliced " << sliced);
-        for (size_t b = 0; b < run.t.dst.buffers.size(); ++b) REQUIRE(run.ref.storage[b] == run.got.storage[b]);
+        for (size_t b = 0; b < run.t.dst.buffers.size(); ++b)
+          REQUIRE(run.ref.storage[b] == run.got.storage[b]);
         auto checked = CheckDestinations(run.t.src, run.t.dst, run.spec, run.got.memory);
         INFO(checked.status().message());
         REQUIRE(checked.ok());
-        for (const auto& n : c->nodes) zero_copied += n.bytes_zero_copy, staged += n.bytes_sent + n.bytes_received;
+        for (const auto& n : c->nodes)
+          zero_copied += n.bytes_zero_copy, staged += n.bytes_sent + n.bytes_received;
         // No GPU carries more than a step's bytes in one step, however many peers it has (a unit
         // larger than that travels alone).
         int64_t target = std::max<int64_t>(1, step_bytes);
@@ -170,7 +175,8 @@ TEST_CASE("every node's schedule together lands every byte, at every depth, with
                 INFO("GPU " << gpu << " step of " << step.ops.size() << " operations");
                 CHECK((step.ops.size() <= 1 || (sent <= target && received <= target)));
               }
-              if (step_bytes == int64_t{1} << 30) most_steps_of_1g_target = std::max(most_steps_of_1g_target, steps.size());
+              if (step_bytes == int64_t{1} << 30)
+                most_steps_of_1g_target = std::max(most_steps_of_1g_target, steps.size());
             }
           }
         }
@@ -198,7 +204,9 @@ TEST_CASE("a staging budget below one step is refused with what to change") {
   CHECK_THAT(std::string(c.status().message()), Catch::Contains("--staging-bytes"));
 }
 
-TEST_CASE("a quantizing descriptor is never zero-copy, though its dtypes match and its ends are contiguous") {
+TEST_CASE(
+    "a quantizing descriptor is never zero-copy, though its dtypes match and its ends are "
+    "contiguous") {
   CopyDescriptor d;  // the scales of a one-row fp32 region: fp32 to fp32, contiguous at both ends
   d.op = CopyOp::kScale;
   d.quant_format = static_cast<uint8_t>(QuantFormat::kBlockFp8);
@@ -222,7 +230,8 @@ TEST_CASE("a quantizing descriptor is never zero-copy, though its dtypes match a
 TEST_CASE("fp8 destinations across nodes: quantizing descriptors are packed, the rest zero-copy") {
   Layout src, dst;
   testing::AddSplitTensor(src, "row", Dims{1, 4096}, DType::kF32, 1, {0, 4096}, {{0, 0}}, "t");
-  testing::AddSplitTensor(src, "w", Dims{256, 1024}, DType::kF32, 0, {0, 128, 256}, {{0, 0}, {0, 1}}, "t");
+  testing::AddSplitTensor(src, "w", Dims{256, 1024}, DType::kF32, 0, {0, 128, 256},
+                          {{0, 0}, {0, 1}}, "t");
   testing::AddSplitTensor(src, "b", Dims{64, 512}, DType::kF32, 0, {0, 64}, {{0, 1}}, "t");
   for (const std::string name : {"row", "w"}) {
     const Quantization q = Quantization::Of(QuantFormat::kBlockFp8, name);
@@ -306,7 +315,8 @@ TEST_CASE("the executor model: the slowest of wire, packs and unpacks, plus the 
   s.uses_network = true;
   auto& steps = s.stages[0].steps[0];
   steps.resize(2);
-  steps[0].ops = {NetworkOp{1, true, false, 1000, 0}, NetworkOp{1, true, true, 3000, 0}};  // staged, zero-copy
+  steps[0].ops = {NetworkOp{1, true, false, 1000, 0},
+                  NetworkOp{1, true, true, 3000, 0}};  // staged, zero-copy
   steps[0].pack.bytes = 1000;
   steps[0].pack.items.resize(1);
   steps[1].ops = {NetworkOp{1, true, false, 2000, 0}, NetworkOp{1, false, false, 500, 0}};

@@ -7,14 +7,14 @@
 // 1 MiB .. --bytes in one group (what the executor issues: many operations per step). Medians
 // of --repeat runs after 3 warm-up runs; one JSON line.
 //   peer_bench [--bytes 1073741824] [--repeat 10]
+#include <nccl.h>
+
 #include <algorithm>
 #include <cstdio>
 #include <cstdlib>
 #include <functional>
 #include <string>
 #include <vector>
-
-#include <nccl.h>
 
 #include "absl/time/clock.h"
 #include "kernels/copy_kernels.h"
@@ -64,8 +64,8 @@ void NcclCheck(ncclResult_t r) {
 }
 
 // GPU0 -> GPU1 by NCCL: `bytes` cut into operations of `op_bytes`, all in one group.
-std::vector<float> NcclSendRecv(int repeat, ncclComm_t comms[2], void* from, void* to, int64_t bytes, int64_t op_bytes,
-                                cudaStream_t s0, cudaStream_t s1) {
+std::vector<float> NcclSendRecv(int repeat, ncclComm_t comms[2], void* from, void* to,
+                                int64_t bytes, int64_t op_bytes, cudaStream_t s0, cudaStream_t s1) {
   return WallTime(repeat, [&] {
     NcclCheck(ncclGroupStart());
     for (int64_t at = 0; at < bytes; at += op_bytes) {
@@ -119,11 +119,16 @@ int main(int argc, char** argv) {
   DeviceBuffer items(sizeof it), units(sizeof begin);
   REFIT_CUDA_CHECK(cudaMemcpy(items.get(), &it, sizeof it, cudaMemcpyHostToDevice));
   REFIT_CUDA_CHECK(cudaMemcpy(units.get(), begin, sizeof begin, cudaMemcpyHostToDevice));
-  const auto peer = Time(repeat, s, [&] { REFIT_CUDA_CHECK(cudaMemcpyPeerAsync(on1.get(), 1, on0.get(), 0, bytes, s)); });
-  const auto kernel = Time(repeat, s, [&] {
-    REFIT_CUDA_CHECK(LaunchCopyItems(static_cast<CopyItem*>(items.get()), static_cast<int64_t*>(units.get()), 1, it.Units(), s));
+  const auto peer = Time(repeat, s, [&] {
+    REFIT_CUDA_CHECK(cudaMemcpyPeerAsync(on1.get(), 1, on0.get(), 0, bytes, s));
   });
-  const auto local = Time(repeat, s, [&] { REFIT_CUDA_CHECK(cudaMemcpyAsync(other1.get(), on1.get(), bytes, cudaMemcpyDeviceToDevice, s)); });
+  const auto kernel = Time(repeat, s, [&] {
+    REFIT_CUDA_CHECK(LaunchCopyItems(static_cast<CopyItem*>(items.get()),
+                                     static_cast<int64_t*>(units.get()), 1, it.Units(), s));
+  });
+  const auto local = Time(repeat, s, [&] {
+    REFIT_CUDA_CHECK(cudaMemcpyAsync(other1.get(), on1.get(), bytes, cudaMemcpyDeviceToDevice, s));
+  });
   // Both directions at once (the colocated case moves data both ways).
   REFIT_CUDA_CHECK(cudaSetDevice(0));
   cudaError_t e0 = cudaDeviceEnablePeerAccess(1, 0);
@@ -145,9 +150,10 @@ int main(int argc, char** argv) {
   const auto nccl = NcclSendRecv(repeat, comms, on0.get(), on1.get(), bytes, bytes, s0, s);
   std::string by_op_size;
   for (int64_t op = int64_t{1} << 20; op < bytes; op *= 4) {
-    const auto t = NcclSendRecv(std::max(3, repeat / 2), comms, on0.get(), on1.get(), bytes, op, s0, s);
-    by_op_size += (by_op_size.empty() ? "" : ",") + std::string("\"") + std::to_string(op) + "\":" +
-                  std::to_string(bytes / 1e9 / (Median(t) / 1e3));
+    const auto t =
+        NcclSendRecv(std::max(3, repeat / 2), comms, on0.get(), on1.get(), bytes, op, s0, s);
+    by_op_size += (by_op_size.empty() ? "" : ",") + std::string("\"") + std::to_string(op) +
+                  "\":" + std::to_string(bytes / 1e9 / (Median(t) / 1e3));
   }
   // The same with both buffers allocated by NCCL and registered with the communicators.
   void* reg0 = nullptr;
@@ -159,28 +165,35 @@ int main(int argc, char** argv) {
   NcclCheck(ncclCommRegister(comms[0], reg0, static_cast<size_t>(bytes), &handles[0]));
   REFIT_CUDA_CHECK(cudaSetDevice(1));
   NcclCheck(ncclMemAlloc(&reg1, static_cast<size_t>(bytes)));
-  REFIT_CUDA_CHECK(cudaMemset(reg1, 0, bytes));  // poisoned: the check below must see every byte arrive
+  REFIT_CUDA_CHECK(
+      cudaMemset(reg1, 0, bytes));  // poisoned: the check below must see every byte arrive
   NcclCheck(ncclCommRegister(comms[1], reg1, static_cast<size_t>(bytes), &handles[1]));
   const auto registered = NcclSendRecv(repeat, comms, reg0, reg1, bytes, bytes, s0, s);
-  const auto registered_64m = NcclSendRecv(repeat, comms, reg0, reg1, bytes, std::min<int64_t>(bytes, 64 << 20), s0, s);
+  const auto registered_64m =
+      NcclSendRecv(repeat, comms, reg0, reg1, bytes, std::min<int64_t>(bytes, 64 << 20), s0, s);
   // Registered buffers must arrive intact (a broken registration would not fail otherwise).
   std::vector<unsigned char> check(static_cast<size_t>(bytes));
   REFIT_CUDA_CHECK(cudaMemcpy(check.data(), reg1, bytes, cudaMemcpyDeviceToHost));
-  const bool registered_exact = std::all_of(check.begin(), check.end(), [](unsigned char c) { return c == 1; });
+  const bool registered_exact =
+      std::all_of(check.begin(), check.end(), [](unsigned char c) { return c == 1; });
   ncclCommDeregister(comms[0], handles[0]);
   ncclCommDeregister(comms[1], handles[1]);
   ncclMemFree(reg0);
   ncclMemFree(reg1);
   for (ncclComm_t c : comms) ncclCommDestroy(c);
   const double gb = bytes / 1e9;
-  std::printf("{\"bytes\":%lld,\"runs\":%d,\"peer_copy_engine_ms\":%.3f,\"peer_copy_engine_gbps\":%.1f,"
-              "\"peer_kernel_ms\":%.3f,\"peer_kernel_gbps\":%.1f,\"kernel_vs_copy_engine\":%.3f,"
-              "\"local_d2d_ms\":%.3f,\"local_d2d_gbps\":%.1f,\"bidirectional_copy_engine_gbps_each_way\":%.1f,"
-              "\"nccl_send_recv_ms\":%.3f,\"nccl_send_recv_gbps\":%.1f,\"nccl_gbps_by_op_bytes\":{%s},"
-              "\"nccl_registered_gbps\":%.1f,\"nccl_registered_64m_ops_gbps\":%.1f,\"nccl_registered_exact\":%s}\n",
-              (long long)bytes, repeat, Median(peer), gb / (Median(peer) / 1e3), Median(kernel),
-              gb / (Median(kernel) / 1e3), Median(peer) / Median(kernel), Median(local), gb / (Median(local) / 1e3),
-              gb / (Median(bidir) / 1e3), Median(nccl), gb / (Median(nccl) / 1e3), by_op_size.c_str(),
-              gb / (Median(registered) / 1e3), gb / (Median(registered_64m) / 1e3), registered_exact ? "true" : "false");
+  std::printf(
+      "{\"bytes\":%lld,\"runs\":%d,\"peer_copy_engine_ms\":%.3f,\"peer_copy_engine_gbps\":%.1f,"
+      "\"peer_kernel_ms\":%.3f,\"peer_kernel_gbps\":%.1f,\"kernel_vs_copy_engine\":%.3f,"
+      "\"local_d2d_ms\":%.3f,\"local_d2d_gbps\":%.1f,\"bidirectional_copy_engine_gbps_each_way\":%."
+      "1f,"
+      "\"nccl_send_recv_ms\":%.3f,\"nccl_send_recv_gbps\":%.1f,\"nccl_gbps_by_op_bytes\":{%s},"
+      "\"nccl_registered_gbps\":%.1f,\"nccl_registered_64m_ops_gbps\":%.1f,\"nccl_registered_"
+      "exact\":%s}\n",
+      (long long)bytes, repeat, Median(peer), gb / (Median(peer) / 1e3), Median(kernel),
+      gb / (Median(kernel) / 1e3), Median(peer) / Median(kernel), Median(local),
+      gb / (Median(local) / 1e3), gb / (Median(bidir) / 1e3), Median(nccl),
+      gb / (Median(nccl) / 1e3), by_op_size.c_str(), gb / (Median(registered) / 1e3),
+      gb / (Median(registered_64m) / 1e3), registered_exact ? "true" : "false");
   return registered_exact ? 0 : 1;
 }

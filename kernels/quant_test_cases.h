@@ -23,7 +23,8 @@ struct QuantCase {
 };
 
 // Validates, plans (8 GPUs per node, messages of at most `max_message_bytes`) and names a case.
-QuantCase Finish(std::string name, Layout src, Layout dst, int64_t br, int64_t bc, int64_t max_message_bytes);
+QuantCase Finish(std::string name, Layout src, Layout dst, int64_t br, int64_t bc,
+                 int64_t max_message_bytes);
 
 // Fixed cases (both ops, both formats, bf16 / fp16 / fp32 sources, whole blocks quantized in the
 // pack step, cut blocks gathered into scratch and quantized from there in stage 1, partial edge
@@ -48,7 +49,7 @@ uint32_t AdversarialBits(DType dt, int cls, uint64_t h, bool origin);
 
 // Fills every source piece: tensors the destination quantizes get a block class per block of
 // br x bc (seeded), the others normals (exponents -8..8: exact casts both ways).
-void FillAdversarial(const Layout& src, const Layout& dst, const BufferMemory& memory, uint64_t seed, int64_t br,
-                     int64_t bc);
+void FillAdversarial(const Layout& src, const Layout& dst, const BufferMemory& memory,
+                     uint64_t seed, int64_t br, int64_t bc);
 
 }  // namespace refit

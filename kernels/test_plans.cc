@@ -15,7 +15,9 @@ namespace refit {
 
 TestPlan MakeTestPlan(uint64_t seed) {
   std::mt19937_64 rng(seed);
-  auto uniform = [&](int64_t lo, int64_t hi) { return lo + static_cast<int64_t>(rng() % (hi - lo + 1)); };
+  auto uniform = [&](int64_t lo, int64_t hi) {
+    return lo + static_cast<int64_t>(rng() % (hi - lo + 1));
+  };
   TestPlan t;
   const DType floats[] = {DType::kBF16, DType::kF16, DType::kF32};
   const int tensors = static_cast<int>(uniform(1, 6));
@@ -25,15 +27,20 @@ TestPlan MakeTestPlan(uint64_t seed) {
     shape.rank = static_cast<int>(uniform(1, 4));
     for (int d = 0; d < shape.rank; ++d) shape[d] = uniform(1, shape.rank > 2 ? 9 : 300);
     const DType sd = floats[uniform(0, 2)], dd = floats[uniform(0, 2)];
-    const int sdim = static_cast<int>(uniform(0, shape.rank - 1)), ddim = static_cast<int>(uniform(0, shape.rank - 1));
+    const int sdim = static_cast<int>(uniform(0, shape.rank - 1)),
+              ddim = static_cast<int>(uniform(0, shape.rank - 1));
     const int sparts = static_cast<int>(std::min<int64_t>(uniform(1, 4), shape[sdim]));
     const int dparts = static_cast<int>(std::min<int64_t>(uniform(1, 3), shape[ddim]));
     std::vector<testing::Placement> sp, dp1, dp2;
     for (int k = 0; k < sparts; ++k) sp.push_back({0, k});
-    for (int k = 0; k < dparts; ++k) dp1.push_back({1, k}), dp2.push_back({1 + static_cast<int>(uniform(0, 1)), k + 4});
-    testing::AddSplitTensor(t.src, name, shape, sd, sdim, testing::EvenSplit(shape[sdim], sparts), sp, "trainer");
-    testing::AddSplitTensor(t.dst, name, shape, dd, ddim, testing::EvenSplit(shape[ddim], dparts), dp1, "engineA");
-    testing::AddSplitTensor(t.dst, name, shape, dd, ddim, testing::EvenSplit(shape[ddim], dparts), dp2, "engineB");
+    for (int k = 0; k < dparts; ++k)
+      dp1.push_back({1, k}), dp2.push_back({1 + static_cast<int>(uniform(0, 1)), k + 4});
+    testing::AddSplitTensor(t.src, name, shape, sd, sdim, testing::EvenSplit(shape[sdim], sparts),
+                            sp, "trainer");
+    testing::AddSplitTensor(t.dst, name, shape, dd, ddim, testing::EvenSplit(shape[ddim], dparts),
+                            dp1, "engineA");
+    testing::AddSplitTensor(t.dst, name, shape, dd, ddim, testing::EvenSplit(shape[ddim], dparts),
+                            dp2, "engineB");
   }
   ValidateLayout(t.src, "source").IgnoreError();
   ValidateLayout(t.dst, "destination").IgnoreError();
@@ -56,7 +63,11 @@ BufferAddresses HostBuffers::addresses() const { return AddressesOf(memory); }
 namespace refit {
 
 TestRun::TestRun(uint64_t seed)
-    : t(MakeTestPlan(seed)), src(t.src), ref(t.dst), got(t.dst), spec(MakeFillSpec(t.src, t.dst, seed)) {
+    : t(MakeTestPlan(seed)),
+      src(t.src),
+      ref(t.dst),
+      got(t.dst),
+      spec(MakeFillSpec(t.src, t.dst, seed)) {
   FillSources(t.src, spec, src.memory);
   PoisonDestinations(ref.memory);
   PoisonDestinations(got.memory);
@@ -86,7 +97,8 @@ bool IsFloat(DType d) { return d == DType::kBF16 || d == DType::kF16 || d == DTy
 // one after another with gaps of 0-3 bytes (0: the next item's first byte right after), and
 // fills the sources with finite values of their dtype.
 // Without odd offsets, every item starts `src_mis` and `dst_mis` bytes past a multiple of 16.
-void Finish(ItemCase& c, std::mt19937_64& rng, bool odd_offsets, int64_t src_mis = 0, int64_t dst_mis = 0) {
+void Finish(ItemCase& c, std::mt19937_64& rng, bool odd_offsets, int64_t src_mis = 0,
+            int64_t dst_mis = 0) {
   int64_t src_at = 0, dst_at = 0;
   for (ItemSpec& s : c.items) {
     const int ss = DTypeSize(s.src_dtype), ds = DTypeSize(s.dst_dtype);
@@ -109,7 +121,8 @@ void Finish(ItemCase& c, std::mt19937_64& rng, bool odd_offsets, int64_t src_mis
         continue;
       }
       // Values over fp16's range, small and subnormal ones too, both signs.
-      const float mag = std::ldexp(static_cast<float>(h % 100000) / 100000.0f, static_cast<int>((h >> 20) % 40) - 28);
+      const float mag = std::ldexp(static_cast<float>(h % 100000) / 100000.0f,
+                                   static_cast<int>((h >> 20) % 40) - 28);
       const float v = (h >> 63) ? -mag : mag;
       if (s.src_dtype == DType::kF32) {
         std::memcpy(p, &v, 4);
@@ -148,7 +161,9 @@ AlignedBytes::AlignedBytes(size_t n, std::byte fill) : storage(n + 256, fill) {
 
 std::vector<ItemCase> MakeItemCases(int random, uint64_t seed) {
   std::mt19937_64 rng(seed);
-  auto uniform = [&](int64_t lo, int64_t hi) { return lo + static_cast<int64_t>(rng() % (hi - lo + 1)); };
+  auto uniform = [&](int64_t lo, int64_t hi) {
+    return lo + static_cast<int64_t>(rng() % (hi - lo + 1));
+  };
   std::vector<ItemCase> cases;
   auto item = [](DType from, DType to, int64_t inner, int64_t c0, int64_t c1, int64_t c2) {
     ItemSpec s;
@@ -210,8 +225,9 @@ std::vector<ItemCase> MakeItemCases(int random, uint64_t seed) {
   }
   {
     ItemCase c{"conversions of short rows"};
-    const std::pair<DType, DType> pairs[] = {{DType::kBF16, DType::kF32}, {DType::kF32, DType::kBF16}, {DType::kF16, DType::kF32},
-                                             {DType::kF32, DType::kF16},  {DType::kBF16, DType::kF16}, {DType::kF16, DType::kBF16}};
+    const std::pair<DType, DType> pairs[] = {
+        {DType::kBF16, DType::kF32}, {DType::kF32, DType::kBF16}, {DType::kF16, DType::kF32},
+        {DType::kF32, DType::kF16},  {DType::kBF16, DType::kF16}, {DType::kF16, DType::kBF16}};
     for (const auto& [from, to] : pairs) {
       for (int64_t w : {1, 3, 8, 24, 100, 341, 1000}) {
         ItemSpec s = item(from, to, w, 1, 1, uniform(1, 40));
@@ -231,7 +247,8 @@ std::vector<ItemCase> MakeItemCases(int random, uint64_t seed) {
     c.segment_bytes = 200;
     for (int i = 0; i < 40; ++i) {
       const DType d = i % 4 == 0 ? DType::kF32 : i % 4 == 1 ? DType::kF8E4M3 : DType::kBF16;
-      ItemSpec s = item(d, i % 4 == 3 ? DType::kF32 : d, uniform(1, 60), uniform(1, 4), uniform(1, 5), uniform(1, 6));
+      ItemSpec s = item(d, i % 4 == 3 ? DType::kF32 : d, uniform(1, 60), uniform(1, 4),
+                        uniform(1, 5), uniform(1, 6));
       Strides(s, rng, i % 2 == 0);
       c.items.push_back(s);
     }
@@ -274,10 +291,16 @@ std::vector<ItemCase> MakeItemCases(int random, uint64_t seed) {
     const int n = static_cast<int>(uniform(1, 12));
     for (int i = 0; i < n; ++i) {
       ItemSpec s;
-      if (rng() % 3 == 0) s.src_dtype = floats[rng() % 3], s.dst_dtype = floats[rng() % 3];
-      else s.src_dtype = s.dst_dtype = same[rng() % 5];
-      const int kind = static_cast<int>(rng() % 4);  // tiny, short (across kTileRunBytes), medium, long
-      s.inner = kind == 0 ? uniform(1, 8) : kind == 1 ? uniform(9, 700) : kind == 2 ? uniform(900, 2200) : uniform(2200, 9000);
+      if (rng() % 3 == 0)
+        s.src_dtype = floats[rng() % 3], s.dst_dtype = floats[rng() % 3];
+      else
+        s.src_dtype = s.dst_dtype = same[rng() % 5];
+      const int kind =
+          static_cast<int>(rng() % 4);  // tiny, short (across kTileRunBytes), medium, long
+      s.inner = kind == 0   ? uniform(1, 8)
+                : kind == 1 ? uniform(9, 700)
+                : kind == 2 ? uniform(900, 2200)
+                            : uniform(2200, 9000);
       if (rng() % 2 == 0) s.inner = (s.inner + 7) / 8 * 8;  // aligned widths too
       const int dims = static_cast<int>(uniform(0, 3));
       for (int k = 3 - dims; k < 3; ++k) s.count[k] = uniform(1, kind >= 2 ? 4 : k == 2 ? 40 : 5);
@@ -299,7 +322,8 @@ CopyWork ItemCaseWork(const ItemCase& c, uint64_t src, uint64_t dst) {
     it.dst = dst + static_cast<uint64_t>(s.dst_offset);
     it.inner = s.inner;
     for (int k = 0; k < kMaxOuterDims; ++k) {
-      it.count[k] = s.count[k], it.src_stride[k] = s.src_stride[k], it.dst_stride[k] = s.dst_stride[k];
+      it.count[k] = s.count[k], it.src_stride[k] = s.src_stride[k],
+      it.dst_stride[k] = s.dst_stride[k];
     }
     it.src_dtype = static_cast<uint8_t>(s.src_dtype);
     it.dst_dtype = static_cast<uint8_t>(s.dst_dtype);
@@ -317,10 +341,11 @@ std::vector<std::byte> ReferenceCopy(const ItemCase& c) {
       for (int64_t b = 0; b < s.count[1]; ++b) {
         for (int64_t r = 0; r < s.count[2]; ++r) {
           for (int64_t i = 0; i < s.inner; ++i) {
-            const int64_t from = a * s.src_stride[0] + b * s.src_stride[1] + r * s.src_stride[2] + i;
+            const int64_t from =
+                a * s.src_stride[0] + b * s.src_stride[1] + r * s.src_stride[2] + i;
             const int64_t to = a * s.dst_stride[0] + b * s.dst_stride[1] + r * s.dst_stride[2] + i;
-            ConvertElements(c.src.data() + s.src_offset + from * ss, s.src_dtype, dst.data() + s.dst_offset + to * ds,
-                            s.dst_dtype, 1);
+            ConvertElements(c.src.data() + s.src_offset + from * ss, s.src_dtype,
+                            dst.data() + s.dst_offset + to * ds, s.dst_dtype, 1);
           }
         }
       }

@@ -28,15 +28,24 @@ int DTypeSize(DType dtype) {
 
 absl::string_view DTypeName(DType dtype) {
   switch (dtype) {
-    case DType::kBF16: return "bf16";
-    case DType::kF16: return "fp16";
-    case DType::kF32: return "fp32";
-    case DType::kF8E4M3: return "fp8_e4m3";
-    case DType::kF8E5M2: return "fp8_e5m2";
-    case DType::kI8: return "int8";
-    case DType::kI32: return "int32";
-    case DType::kI64: return "int64";
-    case DType::kE8M0: return "e8m0";
+    case DType::kBF16:
+      return "bf16";
+    case DType::kF16:
+      return "fp16";
+    case DType::kF32:
+      return "fp32";
+    case DType::kF8E4M3:
+      return "fp8_e4m3";
+    case DType::kF8E5M2:
+      return "fp8_e5m2";
+    case DType::kI8:
+      return "int8";
+    case DType::kI32:
+      return "int32";
+    case DType::kI64:
+      return "int64";
+    case DType::kE8M0:
+      return "e8m0";
   }
   return "?";
 }

@@ -2,9 +2,9 @@
 #pragma once
 
 #include <cstdint>
-#include "absl/strings/string_view.h"
 
 #include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
 
 namespace refit {
 
@@ -26,8 +26,8 @@ inline constexpr int kNumDTypes = 9;
 // Bytes per element.
 int DTypeSize(DType dtype);
 
-// Canonical lower-case name: "bf16", "fp16", "fp32", "fp8_e4m3", "fp8_e5m2", "int8", "int32", "int64",
-// "e8m0".
+// Canonical lower-case name: "bf16", "fp16", "fp32", "fp8_e4m3", "fp8_e5m2", "int8", "int32",
+// "int64", "e8m0".
 absl::string_view DTypeName(DType dtype);
 
 // Accepts the canonical names and the spellings found in configs and PyTorch

@@ -225,7 +225,8 @@ float QuantizeOneBlockFp8(const float* values, int64_t rows, int64_t cols, uint8
   const float scale = BlockFp8Scale(FiniteAmax(in, cols, 0, rows, 0, cols));
   if (codes != nullptr) {
     for (int64_t r = 0; r < rows; ++r) {
-      for (int64_t c = 0; c < cols; ++c) codes[r * code_stride + c] = QuantizeElement(in[r * cols + c], scale);
+      for (int64_t c = 0; c < cols; ++c)
+        codes[r * code_stride + c] = QuantizeElement(in[r * cols + c], scale);
     }
   }
   return scale;

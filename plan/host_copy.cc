@@ -79,12 +79,13 @@ void QuantizeRegion(const CopyDescriptor& d, const std::byte* src, uint8_t* code
     for (int64_t c0 = 0; c0 < cols; c0 += bc) {
       const int64_t nc = std::min(bc, cols - c0);
       for (int64_t r = 0; r < nr; ++r) {
-        LoadFloats(src + ((r0 + r) * d.src_stride[0] + c0) * ssize, d.src_dtype, nc, block.data() + r * nc);
+        LoadFloats(src + ((r0 + r) * d.src_stride[0] + c0) * ssize, d.src_dtype, nc,
+                   block.data() + r * nc);
       }
       uint8_t* out = codes == nullptr ? nullptr : codes + r0 * code_stride + c0;
-      std::byte* scale = scales == nullptr
-                             ? nullptr
-                             : scales + ((r0 / br) * scale_stride + c0 / bc) * DTypeSize(d.dst_dtype);
+      std::byte* scale = scales == nullptr ? nullptr
+                                           : scales + ((r0 / br) * scale_stride + c0 / bc) *
+                                                          DTypeSize(d.dst_dtype);
       if (mx) {
         const uint8_t code = QuantizeOneBlockMxfp8(block.data(), nc, out);
         if (scale != nullptr) *scale = std::byte{code};
@@ -106,12 +107,14 @@ void PackMessage(const Plan& plan, const Message& m, const BufferMemory& src,
     const int64_t ssize = DTypeSize(d.src_dtype), wsize = DTypeSize(wire);
     std::byte* base = SourceOf(d, src, dst).data();
     if (d.op == CopyOp::kQuantize) {
-      QuantizeRegion(d, base + d.src_offset * ssize, reinterpret_cast<uint8_t*>(out), d.inner, nullptr, 0);
+      QuantizeRegion(d, base + d.src_offset * ssize, reinterpret_cast<uint8_t*>(out), d.inner,
+                     nullptr, 0);
       out += d.WireBytes();
       continue;
     }
     if (d.op == CopyOp::kScale) {
-      QuantizeRegion(d, base + d.src_offset * ssize, nullptr, 0, out, (d.inner + d.block_cols - 1) / d.block_cols);
+      QuantizeRegion(d, base + d.src_offset * ssize, nullptr, 0, out,
+                     (d.inner + d.block_cols - 1) / d.block_cols);
       out += d.WireBytes();
       continue;
     }
@@ -132,7 +135,8 @@ void UnpackMessage(const Plan& plan, const Message& m, std::span<const std::byte
     std::byte* base = dst[d.dst_buffer].data();
     if (d.op == CopyOp::kScale) {
       // The packed [block rows, block cols] grid into the scale tensor's rows.
-      const int64_t grid_rows = ((d.outer_rank > 0 ? d.count[0] : 1) + d.block_rows - 1) / d.block_rows;
+      const int64_t grid_rows =
+          ((d.outer_rank > 0 ? d.count[0] : 1) + d.block_rows - 1) / d.block_rows;
       const int64_t grid_cols = (d.inner + d.block_cols - 1) / d.block_cols;
       for (int64_t r = 0; r < grid_rows; ++r) {
         std::memcpy(base + (d.dst_offset + r * d.dst_stride[0]) * dsize, in, grid_cols * dsize);
@@ -152,22 +156,26 @@ absl::Status CheckDescriptorBounds(const Plan& plan, const BufferMemory& src,
   for (size_t i = 0; i < plan.descriptors.size(); ++i) {
     const CopyDescriptor& d = plan.descriptors[i];
     const BufferMemory& from = d.src_is_destination ? dst : src;
-    if (d.src_buffer < 0 || d.src_buffer >= static_cast<int32_t>(from.size()) ||
-        d.dst_buffer < 0 || d.dst_buffer >= static_cast<int32_t>(dst.size())) {
-      return absl::OutOfRangeError(absl::StrCat("descriptor ", i, " names a buffer that does not exist"));
+    if (d.src_buffer < 0 || d.src_buffer >= static_cast<int32_t>(from.size()) || d.dst_buffer < 0 ||
+        d.dst_buffer >= static_cast<int32_t>(dst.size())) {
+      return absl::OutOfRangeError(
+          absl::StrCat("descriptor ", i, " names a buffer that does not exist"));
     }
     const int64_t src_end = EndOffset(d.src_offset, d.inner, d, true) * DTypeSize(d.src_dtype);
     int64_t dst_end = EndOffset(d.dst_offset, d.inner, d, false) * DTypeSize(d.dst_dtype);
     if (d.Quantizes()) {
-      if (d.block_rows == 0 || d.block_cols == 0 || d.outer_rank != 1 || (d.op == CopyOp::kQuantize && d.dst_dtype != DType::kF8E4M3) ||
+      if (d.block_rows == 0 || d.block_cols == 0 || d.outer_rank != 1 ||
+          (d.op == CopyOp::kQuantize && d.dst_dtype != DType::kF8E4M3) ||
           !CanQuantizeFrom(d.src_dtype)) {
-        return absl::OutOfRangeError(absl::StrCat("descriptor ", i, " quantizes with a malformed block or dtype"));
+        return absl::OutOfRangeError(
+            absl::StrCat("descriptor ", i, " quantizes with a malformed block or dtype"));
       }
     }
     if (d.op == CopyOp::kScale) {
       const int64_t grid_rows = (d.count[0] + d.block_rows - 1) / d.block_rows;
       const int64_t grid_cols = (d.inner + d.block_cols - 1) / d.block_cols;
-      dst_end = (d.dst_offset + (grid_rows - 1) * d.dst_stride[0] + grid_cols) * DTypeSize(d.dst_dtype);
+      dst_end =
+          (d.dst_offset + (grid_rows - 1) * d.dst_stride[0] + grid_cols) * DTypeSize(d.dst_dtype);
     }
     if (d.src_offset < 0 || d.dst_offset < 0 ||
         src_end > static_cast<int64_t>(from[d.src_buffer].size()) ||

@@ -8,9 +8,12 @@ namespace refit {
 
 absl::string_view QuantFormatName(QuantFormat format) {
   switch (format) {
-    case QuantFormat::kNone: return "none";
-    case QuantFormat::kBlockFp8: return "block_fp8";
-    case QuantFormat::kMxfp8: return "mxfp8";
+    case QuantFormat::kNone:
+      return "none";
+    case QuantFormat::kBlockFp8:
+      return "block_fp8";
+    case QuantFormat::kMxfp8:
+      return "mxfp8";
   }
   return "?";
 }
@@ -30,7 +33,6 @@ Quantization Quantization::Of(QuantFormat format, absl::string_view name, int64_
   }
   return q;
 }
-
 
 int32_t Layout::AddTensor(std::string name, Dims shape, DType dtype) {
   tensors.push_back({std::move(name), shape, dtype});
@@ -76,7 +78,8 @@ Layout WorkerLayout(const Layout& layout, int32_t worker) {
   std::vector<int32_t> buffer_map(layout.buffers.size(), -1);
   for (size_t b = 0; b < layout.buffers.size(); ++b) {
     const Buffer& buffer = layout.buffers[b];
-    if (buffer.worker == worker) buffer_map[b] = out.AddBuffer(0, buffer.name, buffer.dtype, buffer.shape);
+    if (buffer.worker == worker)
+      buffer_map[b] = out.AddBuffer(0, buffer.name, buffer.dtype, buffer.shape);
   }
   for (const Piece& p : layout.pieces) {
     if (buffer_map[p.buffer] >= 0) {
@@ -142,9 +145,9 @@ absl::StatusOr<PieceView> ViewOf(const Box& tensor_box, const Box& buffer_box,
   // Remaining tensor dimensions must all be of extent 1.
   while (view_d >= 0) {
     if (tensor_box.shape[view_d] != 1) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "tensor box ", tensor_box.ToString(), " cannot be laid out by strides in buffer box ",
-          old.ToString()));
+      return absl::InvalidArgumentError(
+          absl::StrCat("tensor box ", tensor_box.ToString(),
+                       " cannot be laid out by strides in buffer box ", old.ToString()));
     }
     view.strides[view_d] = 1;
     --view_d;

@@ -86,8 +86,8 @@ TEST_CASE("a scalar in a rank-1 buffer of one element, and rank 6") {
   auto scalar = ViewOf(Box(), B({5}, {1}), Dims{8});
   REQUIRE(scalar.ok());
   CHECK(scalar->offset == 5);
-  auto six = ViewOf(B({0, 0, 0, 0, 0, 1}, {2, 1, 2, 1, 2, 1}), B({0, 0, 0, 0, 0, 0}, {2, 1, 2, 1, 2, 1}),
-                    Dims{2, 1, 2, 1, 2, 1});
+  auto six = ViewOf(B({0, 0, 0, 0, 0, 1}, {2, 1, 2, 1, 2, 1}),
+                    B({0, 0, 0, 0, 0, 0}, {2, 1, 2, 1, 2, 1}), Dims{2, 1, 2, 1, 2, 1});
   REQUIRE(six.ok());
   CHECK(six->strides[0] == 4);
 }

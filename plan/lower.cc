@@ -6,9 +6,12 @@ namespace refit {
 
 const char* LinkClassName(LinkClass link) {
   switch (link) {
-    case LinkClass::kLocal: return "local";
-    case LinkClass::kNvlink: return "nvlink";
-    case LinkClass::kNetwork: return "network";
+    case LinkClass::kLocal:
+      return "local";
+    case LinkClass::kNvlink:
+      return "nvlink";
+    case LinkClass::kNetwork:
+      return "network";
   }
   return "?";
 }
@@ -112,12 +115,14 @@ absl::Status LowerQuantize(CopyOp op, const Box& region, const Quantization& q, 
   }
   auto offset = [](const Box& r, const CopyEnd& end) {
     int64_t o = end.view.offset;
-    for (int d = 0; d < 2; ++d) o += (r.origin[d] - end.tensor_box->origin[d]) * end.view.strides[d];
+    for (int d = 0; d < 2; ++d)
+      o += (r.origin[d] - end.tensor_box->origin[d]) * end.view.strides[d];
     return o;
   };
   if ((cols > 1 && src.view.strides[1] != 1) || (to.shape[1] > 1 && dst.view.strides[1] != 1)) {
     return absl::InvalidArgumentError(
-        "a quantized tensor's piece whose columns are not contiguous in its buffer cannot be quantized");
+        "a quantized tensor's piece whose columns are not contiguous in its buffer cannot be "
+        "quantized");
   }
   CopyDescriptor base;
   base.op = op;
@@ -149,12 +154,14 @@ absl::Status LowerQuantize(CopyOp op, const Box& region, const Quantization& q, 
       CopyDescriptor d = base;
       d.count[0] = std::min(rows_per_part, rows - r);
       d.inner = std::min(cols_per_part, cols - c);
-      d.src_offset = src_origin + r * src.view.strides[0] + c * (cols > 1 ? src.view.strides[1] : 0);
+      d.src_offset =
+          src_origin + r * src.view.strides[0] + c * (cols > 1 ? src.view.strides[1] : 0);
       if (op == CopyOp::kScale) {
         d.dst_offset = dst_origin + (r / br) * dst.view.strides[0] +
                        (c / bc) * (to.shape[1] > 1 ? dst.view.strides[1] : 0);
       } else {
-        d.dst_offset = dst_origin + r * dst.view.strides[0] + c * (cols > 1 ? dst.view.strides[1] : 0);
+        d.dst_offset =
+            dst_origin + r * dst.view.strides[0] + c * (cols > 1 ? dst.view.strides[1] : 0);
       }
       out.push_back(d);
     }

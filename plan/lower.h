@@ -6,7 +6,6 @@
 #include <vector>
 
 #include "absl/status/status.h"
-
 #include "plan/layout.h"
 #include "plan/plan.h"
 

@@ -18,8 +18,8 @@ CopyEnd End(const Box& box, int64_t offset, Dims strides) {
 TEST_CASE("whole rows contiguous on both sides merge into one run") {
   std::vector<CopyDescriptor> out;
   const Box whole = B({0, 0}, {8, 16});
-  LowerCopy(B({2, 0}, {4, 16}), End(whole, 0, Dims{16, 1}), End(B({2, 0}, {4, 16}), 100, Dims{16, 1}),
-            false, out);
+  LowerCopy(B({2, 0}, {4, 16}), End(whole, 0, Dims{16, 1}),
+            End(B({2, 0}, {4, 16}), 100, Dims{16, 1}), false, out);
   REQUIRE(out.size() == 1);
   CHECK(out[0].outer_rank == 0);
   CHECK(out[0].inner == 64);

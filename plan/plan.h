@@ -87,9 +87,9 @@ struct Message {
 };
 
 struct PlanStats {
-  int64_t tensors = 0;      // logical tensors moved
-  int64_t pieces = 0;       // source pieces + destination pieces
-  int64_t transfers = 0;    // (region, source piece, destination piece) copies before lowering
+  int64_t tensors = 0;    // logical tensors moved
+  int64_t pieces = 0;     // source pieces + destination pieces
+  int64_t transfers = 0;  // (region, source piece, destination piece) copies before lowering
   int64_t descriptors = 0;
   int64_t messages = 0;
   int64_t bytes_total = 0;  // bytes moved on all links
@@ -103,8 +103,8 @@ struct PlanStats {
   int64_t bytes_before_conversion = 0;
   int64_t bytes_gathered = 0;
   int64_t scratch_bytes = 0;  // Plan::scratch, all GPUs
-  int32_t stages = 0;           // number of stages with messages
-  int64_t max_nic_bytes = 0;    // the busiest NIC's bytes in its busier direction
+  int32_t stages = 0;         // number of stages with messages
+  int64_t max_nic_bytes = 0;  // the busiest NIC's bytes in its busier direction
   double predicted_seconds = 0;
   double lower_bound_seconds = 0;
   double planning_seconds = 0;
@@ -125,7 +125,7 @@ struct ScratchBuffer {
 struct Plan {
   std::vector<PlanGpu> gpus;
   std::vector<ScratchBuffer> scratch;
-  int32_t first_scratch_buffer = 0;  // the destination layout's buffer count
+  int32_t first_scratch_buffer = 0;         // the destination layout's buffer count
   std::vector<CopyDescriptor> descriptors;  // in the order the planner made them
   // Message m's descriptors are descriptors[message_descriptors[m.first_descriptor + k]] for
   // k < m.num_descriptors. An index rather than a sorted copy: the descriptors of a frontier

@@ -190,7 +190,8 @@ class Planner {
   void Emit(const Box& x, int32_t x_box, int32_t from_piece, bool from_destination,
             int32_t to_piece, uint8_t stage);
   // Counts `bytes` on the link from_gpu -> to_gpu and returns the descriptors' group.
-  int32_t Account(int32_t from_gpu, int32_t to_gpu, int64_t bytes, int64_t before_bytes, uint8_t stage);
+  int32_t Account(int32_t from_gpu, int32_t to_gpu, int64_t bytes, int64_t before_bytes,
+                  uint8_t stage);
   // lowered_ into plan_.descriptors, cut to fit messages: for what is lowered here, not by the
   // lowerer (which must be drained first, to keep the descriptors in order).
   void Append(int32_t group);
@@ -229,7 +230,7 @@ class Planner {
     LinkClass link;
   };
   absl::flat_hash_map<uint64_t, int32_t> group_of_;  // when there are too many GPUs for the table
-  std::vector<int32_t> group_table_;                  // [stage][src gpu][dst gpu] -> group
+  std::vector<int32_t> group_table_;                 // [stage][src gpu][dst gpu] -> group
   std::vector<Group> groups_;
   std::vector<CopyDescriptor> lowered_;
 
@@ -372,7 +373,8 @@ absl::Status Planner::RouteTensors() {
     const LogicalTensor& dt = dst_.tensors[t];
     auto in_source = src_.tensor_index.find(dt.name);
     if (in_source == src_.tensor_index.end()) continue;  // a scale the data plane computes
-    if (dt.quant.format != QuantFormat::kNone && CanQuantizeFrom(src_.tensors[in_source->second].dtype)) {
+    if (dt.quant.format != QuantFormat::kNone &&
+        CanQuantizeFrom(src_.tensors[in_source->second].dtype)) {
       const bool needed = !dst_by_tensor.of(static_cast<int32_t>(t)).empty() ||
                           !dst_by_tensor.of(dst_.tensor_index.at(dt.quant.scale)).empty();
       if (!needed) continue;
@@ -603,7 +605,8 @@ absl::Status Planner::PlanNeeds(int32_t dst_tensor, std::span<const int32_t> dst
         }
       });
       if (covered == need.NumElements()) continue;
-      if (missing == nullptr) return CoverageError(dst_tensor, need, need_regions_.owners(r)[0], covered);
+      if (missing == nullptr)
+        return CoverageError(dst_tensor, need, need_regions_.owners(r)[0], covered);
       std::vector<Box> rest = {need};
       src_regions_.ForEachIntersecting(need, [&](size_t s) {
         std::vector<Box> next;
@@ -626,7 +629,8 @@ Box Planner::ToElements(const Box& blocks) const {
   const int64_t block[2] = {quant_->block_rows, quant_->block_cols};
   for (int d = 0; d < 2; ++d) {
     e.origin[d] = blocks.origin[d] * block[d];
-    e.shape[d] = std::min((blocks.origin[d] + blocks.shape[d]) * block[d], quant_shape_[d]) - e.origin[d];
+    e.shape[d] =
+        std::min((blocks.origin[d] + blocks.shape[d]) * block[d], quant_shape_[d]) - e.origin[d];
   }
   return e;
 }
@@ -750,9 +754,11 @@ absl::Status Planner::GatherAndQuantize(int32_t w, std::span<const int32_t> src_
             if (dst_.pieces[h].tensor != w) scale_piece = h;
           }
           return absl::InvalidArgumentError(absl::StrCat(
-              "destination ", DescribePiece(dst_, scale_piece), " holds the scales of blocks ", rest[0].ToString(),
-              " of quantized tensor \"", wt.name, "\" without their codes, and no source holds those blocks whole: ",
-              "their scales would need each whole block gathered on that GPU; keep a weight's scales with its codes ",
+              "destination ", DescribePiece(dst_, scale_piece), " holds the scales of blocks ",
+              rest[0].ToString(), " of quantized tensor \"", wt.name,
+              "\" without their codes, and no source holds those blocks whole: ",
+              "their scales would need each whole block gathered on that GPU; keep a weight's "
+              "scales with its codes ",
               "(as engines do)"));
         }
       }
@@ -760,7 +766,8 @@ absl::Status Planner::GatherAndQuantize(int32_t w, std::span<const int32_t> src_
     const std::vector<Box> disjoint = Disjoint(boxes);
     const int32_t worker = dst_.buffers[dst_.pieces[pieces[0]].buffer].worker;
     for (const Box& u : disjoint) {
-      const int32_t buffer = plan_.first_scratch_buffer + static_cast<int32_t>(plan_.scratch.size());
+      const int32_t buffer =
+          plan_.first_scratch_buffer + static_cast<int32_t>(plan_.scratch.size());
       plan_.scratch.push_back({g, worker, src_dtype, u.NumElements()});
       PieceView row_major{0, Dims{u.shape[1], 1}};
       const CopyEnd scratch{&u, row_major, buffer, src_dtype};
@@ -793,22 +800,26 @@ absl::Status Planner::GatherAndQuantize(int32_t w, std::span<const int32_t> src_
       if (covered != u.NumElements()) {
         return absl::InvalidArgumentError(absl::StrCat(
             "destination ", DescribePiece(dst_, pieces[0]), ": ", u.NumElements() - covered, " of ",
-            u.NumElements(), " elements of blocks ", u.ToString(), " of quantized tensor \"", wt.name,
-            "\" have no source in the source layout"));
+            u.NumElements(), " elements of blocks ", u.ToString(), " of quantized tensor \"",
+            wt.name, "\" have no source in the source layout"));
       }
       // Stage 1, on this GPU: the codes and scales of every piece here that needs them.
       for (int32_t h : pieces) {
         const Piece& hp = dst_.pieces[h];
         const bool codes = hp.tensor == w;
-        const Box x = codes ? Intersect(u, dst_.tensor_box(hp)) : Intersect(u, ToElements(dst_.tensor_box(hp)));
+        const Box x = codes ? Intersect(u, dst_.tensor_box(hp))
+                            : Intersect(u, ToElements(dst_.tensor_box(hp)));
         if (x.IsEmpty()) continue;
-        const int64_t wire = codes ? x.NumElements() : ToBlocks(x).NumElements() * DTypeSize(wt.quant.ScaleDType());
+        const int64_t wire =
+            codes ? x.NumElements() : ToBlocks(x).NumElements() * DTypeSize(wt.quant.ScaleDType());
         // The gathering counted these elements at the source dtype already.
         const int32_t group = Account(g, g, wire, 0, 1);
-        const CopyEnd to_end{&dst_.tensor_box(hp), ViewOfPiece(dst_, h, 1), hp.buffer, dst_.buffers[hp.buffer].dtype};
+        const CopyEnd to_end{&dst_.tensor_box(hp), ViewOfPiece(dst_, h, 1), hp.buffer,
+                             dst_.buffers[hp.buffer].dtype};
         lowered_.clear();
-        REFIT_RETURN_IF_ERROR(LowerQuantize(codes ? CopyOp::kQuantize : CopyOp::kScale, x, wt.quant, scratch,
-                                            to_end, true, opt_.max_message_bytes, lowered_));
+        REFIT_RETURN_IF_ERROR(LowerQuantize(codes ? CopyOp::kQuantize : CopyOp::kScale, x, wt.quant,
+                                            scratch, to_end, true, opt_.max_message_bytes,
+                                            lowered_));
         Append(group);
       }
     }
@@ -968,8 +979,8 @@ int32_t Planner::Account(int32_t from_gpu, int32_t to_gpu, int64_t bytes, int64_
   plan_.stats.bytes_before_conversion += before_bytes;
   ++plan_.stats.transfers;
 
-  const uint64_t key = (uint64_t{stage} << 62) | (uint64_t(uint32_t(from_gpu)) << 31) |
-                       uint64_t(uint32_t(to_gpu));
+  const uint64_t key =
+      (uint64_t{stage} << 62) | (uint64_t(uint32_t(from_gpu)) << 31) | uint64_t(uint32_t(to_gpu));
   if (!group_table_.empty()) {  // dense table: no hashing on the hot path
     int32_t& slot =
         group_table_[(size_t{stage} * plan_.gpus.size() + from_gpu) * plan_.gpus.size() + to_gpu];

@@ -169,7 +169,8 @@ class Generator {
 // Counts, for every destination element, how many descriptors write it.
 std::vector<std::vector<int>> WriteCounts(const Plan& plan, const Layout& dst) {
   std::vector<std::vector<int>> counts(dst.buffers.size());
-  for (size_t b = 0; b < dst.buffers.size(); ++b) counts[b].assign(dst.buffers[b].shape.NumElements(), 0);
+  for (size_t b = 0; b < dst.buffers.size(); ++b)
+    counts[b].assign(dst.buffers[b].shape.NumElements(), 0);
   for (const CopyDescriptor& d : plan.descriptors) {
     std::array<int64_t, kMaxOuterDims> i{};
     const int64_t runs = d.NumElements() / std::max<int64_t>(d.inner, 1);
@@ -193,13 +194,21 @@ TEST_CASE("random layout pairs: every destination element written exactly once, 
     const std::vector<Spec> specs = gen.Tensors();
     std::vector<Spec> dst_specs = specs;
     for (Spec& s : dst_specs) {
-      const bool is_float = s.dtype == DType::kBF16 || s.dtype == DType::kF16 || s.dtype == DType::kF32;
+      const bool is_float =
+          s.dtype == DType::kBF16 || s.dtype == DType::kF16 || s.dtype == DType::kF32;
       if (is_float && gen.Coin(0.25)) s.dtype = static_cast<DType>(gen.Uniform(0, 2));
     }
-    const int nodes = static_cast<int>(gen.Uniform(1, 3)), gpus = static_cast<int>(gen.Uniform(1, 4));
+    const int nodes = static_cast<int>(gen.Uniform(1, 3)),
+              gpus = static_cast<int>(gen.Uniform(1, 4));
     Layout src, dst;
-    if (gen.Coin(0.35)) gen.FlatSide(src, specs, nodes, gpus); else gen.GridSide(src, specs, nodes, gpus);
-    if (gen.Coin(0.2)) gen.FlatSide(dst, dst_specs, nodes, gpus); else gen.GridSide(dst, dst_specs, nodes, gpus);
+    if (gen.Coin(0.35))
+      gen.FlatSide(src, specs, nodes, gpus);
+    else
+      gen.GridSide(src, specs, nodes, gpus);
+    if (gen.Coin(0.2))
+      gen.FlatSide(dst, dst_specs, nodes, gpus);
+    else
+      gen.GridSide(dst, dst_specs, nodes, gpus);
     INFO("seed " << seed);
     REQUIRE(ValidateLayout(src, "source").ok());
     auto dst_ok = ValidateLayout(dst, "destination");

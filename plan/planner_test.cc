@@ -106,7 +106,7 @@ TEST_CASE("a source that holds the only copy is relieved by relays between desti
   PlanOptions relayed = direct;
   relayed.max_relay_depth = 3;
   const Plan with = PlanAndVerify(src, dst, relayed);
-  CHECK(with.stats.bytes_network == 4 * total);     // still one copy into each node
+  CHECK(with.stats.bytes_network == 4 * total);  // still one copy into each node
   CHECK(with.stats.max_nic_bytes <= 2 * total);
   CHECK(with.stats.stages > 1);
   CHECK(with.stats.predicted_seconds < without.stats.predicted_seconds);
@@ -118,8 +118,8 @@ TEST_CASE("sources are balanced across replicas' NICs") {
   for (int t = 0; t < 8; ++t) {
     const std::string name = absl::StrCat("layer", t);
     for (int r = 0; r < 4; ++r) {
-      AddSplitTensor(src, name, Dims{256, 256}, DType::kBF16, 0, {0, 256},
-                     {{0, r}}, absl::StrCat("dp", r, "_"));
+      AddSplitTensor(src, name, Dims{256, 256}, DType::kBF16, 0, {0, 256}, {{0, r}},
+                     absl::StrCat("dp", r, "_"));
     }
     AddSplitTensor(dst, name, Dims{256, 256}, DType::kBF16, 1, EvenSplit(256, 4),
                    {{1, 0}, {1, 1}, {1, 2}, {1, 3}}, "tp");
@@ -187,8 +187,10 @@ TEST_CASE("bf16 trained, fp32 and fp16 served: cast on the way, checked exactly"
   Layout src, dst;
   AddSplitTensor(src, "a", Dims{6, 6}, DType::kBF16, 0, EvenSplit(6, 2), {{0, 0}, {0, 1}}, "t");
   AddSplitTensor(src, "b", Dims{6, 6}, DType::kF32, 0, EvenSplit(6, 2), {{0, 0}, {0, 1}}, "t");
-  AddSplitTensor(dst, "a", Dims{6, 6}, DType::kF32, 1, EvenSplit(6, 3), {{1, 0}, {1, 1}, {1, 2}}, "e");
-  AddSplitTensor(dst, "b", Dims{6, 6}, DType::kF16, 1, EvenSplit(6, 3), {{1, 0}, {1, 1}, {1, 2}}, "e");
+  AddSplitTensor(dst, "a", Dims{6, 6}, DType::kF32, 1, EvenSplit(6, 3), {{1, 0}, {1, 1}, {1, 2}},
+                 "e");
+  AddSplitTensor(dst, "b", Dims{6, 6}, DType::kF16, 1, EvenSplit(6, 3), {{1, 0}, {1, 1}, {1, 2}},
+                 "e");
   const Plan plan = PlanAndVerify(src, dst);
   CHECK(plan.stats.bytes_network == 36 * 2 + 36 * 2);  // the narrower dtype travels
 }
@@ -220,9 +222,11 @@ TEST_CASE("many small tensors travel in few messages; messages respect their bou
   for (int i = 0; i < 1000; ++i) {
     const std::string name = absl::StrCat("t", i);
     const int32_t st = src.AddTensor(name, Dims{100}, DType::kBF16);
-    src.AddPiece(st, B({0}, {100}), src.AddBuffer(sw, name, DType::kBF16, Dims{100}), B({0}, {100}));
+    src.AddPiece(st, B({0}, {100}), src.AddBuffer(sw, name, DType::kBF16, Dims{100}),
+                 B({0}, {100}));
     const int32_t dt = dst.AddTensor(name, Dims{100}, DType::kBF16);
-    dst.AddPiece(dt, B({0}, {100}), dst.AddBuffer(dw, name, DType::kBF16, Dims{100}), B({0}, {100}));
+    dst.AddPiece(dt, B({0}, {100}), dst.AddBuffer(dw, name, DType::kBF16, Dims{100}),
+                 B({0}, {100}));
   }
   const Plan one = PlanAndVerify(src, dst);
   CHECK(one.stats.messages == 1);

@@ -2,9 +2,8 @@
 // and every code and scale compared with the CPU reference quantizing the whole tensor
 // (VerifyOnHost); the destination is poisoned first, so a code or scale written twice, misplaced
 // or left out shows.
-#include <random>
-
 #include <catch2/catch.hpp>
+#include <random>
 
 #include "absl/strings/str_cat.h"
 #include "plan/flat_range.h"
@@ -45,7 +44,8 @@ Plan PlanAndVerify(Layout& src, Layout& dst, PlanOptions options = {}) {
 
 TEST_CASE("fp8: trainers holding whole blocks quantize in the pack step; fp8 on the wire") {
   Layout src, dst;
-  AddSplitTensor(src, "w", Dims{256, 384}, DType::kBF16, 0, {0, 128, 256}, {{0, 0}, {0, 1}}, "trainer");
+  AddSplitTensor(src, "w", Dims{256, 384}, DType::kBF16, 0, {0, 128, 256}, {{0, 0}, {0, 1}},
+                 "trainer");
   AddQuantized(dst, "w", Dims{256, 384}, QuantFormat::kBlockFp8, 128, 128, 1, {0, 256, 384},
                {{1, 0}, {1, 1}}, "engine");
   const Plan plan = PlanAndVerify(src, dst);
@@ -94,7 +94,8 @@ TEST_CASE("fp8: FSDP flat ranges mix whole and cut blocks") {
     const int32_t worker = src.AddWorker(absl::StrCat("fsdp", r), 0, static_cast<int32_t>(r));
     AddFlatShard(src, t, worker, cuts[r], cuts[r + 1]);
   }
-  AddQuantized(dst, "w", shape, QuantFormat::kBlockFp8, 128, 128, 1, {0, 128, 256}, {{1, 0}, {1, 1}}, "tp");
+  AddQuantized(dst, "w", shape, QuantFormat::kBlockFp8, 128, 128, 1, {0, 128, 256},
+               {{1, 0}, {1, 1}}, "tp");
   const Plan plan = PlanAndVerify(src, dst);
   CHECK(plan.stats.bytes_gathered > 0);
   CHECK(plan.stats.bytes_gathered < 384 * 256 * 2);
@@ -103,8 +104,10 @@ TEST_CASE("fp8: FSDP flat ranges mix whole and cut blocks") {
 TEST_CASE("fp8: replicas on one node get the codes over the network once, then NVLink") {
   Layout src, dst;
   AddSplitTensor(src, "w", Dims{256, 256}, DType::kBF16, 0, {0, 256}, {{0, 0}}, "t");
-  AddQuantized(dst, "w", Dims{256, 256}, QuantFormat::kBlockFp8, 128, 128, 0, {0, 256}, {{1, 0}}, "a");
-  AddQuantized(dst, "w", Dims{256, 256}, QuantFormat::kBlockFp8, 128, 128, 0, {0, 256}, {{1, 1}}, "b");
+  AddQuantized(dst, "w", Dims{256, 256}, QuantFormat::kBlockFp8, 128, 128, 0, {0, 256}, {{1, 0}},
+               "a");
+  AddQuantized(dst, "w", Dims{256, 256}, QuantFormat::kBlockFp8, 128, 128, 0, {0, 256}, {{1, 1}},
+               "b");
   const Plan plan = PlanAndVerify(src, dst);
   CHECK(plan.stats.bytes_network == 256 * 256 + 4 * 4);
   CHECK(plan.stats.bytes_nvlink == 256 * 256 + 4 * 4);
@@ -123,7 +126,8 @@ TEST_CASE("fp8: colocated on one GPU, the pack step quantizes locally") {
 TEST_CASE("MXFP8: 1x32 blocks, a column split inside a block, small messages") {
   Layout src, dst;
   AddSplitTensor(src, "w", Dims{64, 100}, DType::kBF16, 1, {0, 50, 100}, {{0, 0}, {0, 1}}, "t");
-  AddQuantized(dst, "w", Dims{64, 100}, QuantFormat::kMxfp8, 1, 32, 1, {0, 64, 100}, {{1, 0}, {1, 1}}, "e");
+  AddQuantized(dst, "w", Dims{64, 100}, QuantFormat::kMxfp8, 1, 32, 1, {0, 64, 100},
+               {{1, 0}, {1, 1}}, "e");
   PlanOptions options;
   options.max_message_bytes = 300;  // cut at block boundaries into many parts
   const Plan plan = PlanAndVerify(src, dst, options);
@@ -132,15 +136,19 @@ TEST_CASE("MXFP8: 1x32 blocks, a column split inside a block, small messages") {
 
 TEST_CASE("fp8: a source already fp8 with its scales is copied, not quantized again") {
   Layout src, dst;
-  AddQuantized(src, "w", Dims{256, 128}, QuantFormat::kBlockFp8, 128, 128, 0, {0, 128, 256}, {{0, 0}, {0, 1}}, "t");
-  AddQuantized(dst, "w", Dims{256, 128}, QuantFormat::kBlockFp8, 128, 128, 0, {0, 256}, {{1, 0}}, "e");
+  AddQuantized(src, "w", Dims{256, 128}, QuantFormat::kBlockFp8, 128, 128, 0, {0, 128, 256},
+               {{0, 0}, {0, 1}}, "t");
+  AddQuantized(dst, "w", Dims{256, 128}, QuantFormat::kBlockFp8, 128, 128, 0, {0, 256}, {{1, 0}},
+               "e");
   const Plan plan = PlanAndVerify(src, dst);
   for (const CopyDescriptor& d : plan.descriptors) CHECK(d.op == CopyOp::kCopy);
 }
 
 TEST_CASE("fp8: random shapes, blocks, splits and placements verify") {
   std::mt19937_64 rng(17);
-  auto uniform = [&](int64_t lo, int64_t hi) { return std::uniform_int_distribution<int64_t>(lo, hi)(rng); };
+  auto uniform = [&](int64_t lo, int64_t hi) {
+    return std::uniform_int_distribution<int64_t>(lo, hi)(rng);
+  };
   for (int trial = 0; trial < 120; ++trial) {
     const bool mx = uniform(0, 3) == 0;
     const int64_t br = mx ? 1 : uniform(1, 3) * 4, bc = mx ? 32 : uniform(1, 3) * 4;
@@ -157,8 +165,9 @@ TEST_CASE("fp8: random shapes, blocks, splits and placements verify") {
       std::sort(cuts.begin(), cuts.end());
       for (size_t k = 0; k + 1 < cuts.size(); ++k) {
         if (cuts[k] == cuts[k + 1]) continue;
-        const int32_t worker = src.AddWorker(absl::StrCat("r", replica, "_", k), static_cast<int32_t>(uniform(0, 2)),
-                                             static_cast<int32_t>(uniform(0, 3)));
+        const int32_t worker =
+            src.AddWorker(absl::StrCat("r", replica, "_", k), static_cast<int32_t>(uniform(0, 2)),
+                          static_cast<int32_t>(uniform(0, 3)));
         AddFlatShard(src, t, worker, cuts[k], cuts[k + 1]);
       }
     }
@@ -176,8 +185,8 @@ TEST_CASE("fp8: random shapes, blocks, splits and placements verify") {
       for (size_t k = 0; k + 1 < b.size(); ++k) {
         at.push_back({static_cast<int32_t>(uniform(0, 2)), static_cast<int32_t>(uniform(0, 3))});
       }
-      AddQuantized(dst, "w", shape, mx ? QuantFormat::kMxfp8 : QuantFormat::kBlockFp8, br, bc, dim, b, at,
-                   absl::StrCat("e", replica, "_"));
+      AddQuantized(dst, "w", shape, mx ? QuantFormat::kMxfp8 : QuantFormat::kBlockFp8, br, bc, dim,
+                   b, at, absl::StrCat("e", replica, "_"));
     }
     PlanOptions options;
     options.max_message_bytes = uniform(0, 1) ? 64 : int64_t{1} << 20;
@@ -202,18 +211,21 @@ TEST_CASE("fp8 layouts: what is refused, and how it is named") {
   };
   SECTION("a piece that cuts a block") {
     Layout dst;
-    AddQuantized(dst, "w", Dims{256, 256}, QuantFormat::kBlockFp8, 128, 128, 0, {0, 100, 256}, {{0, 0}, {0, 1}}, "e");
+    AddQuantized(dst, "w", Dims{256, 256}, QuantFormat::kBlockFp8, 128, 128, 0, {0, 100, 256},
+                 {{0, 0}, {0, 1}}, "e");
     CHECK_THAT(refusal(dst), Catch::Contains("cuts a 128x128 block") && Catch::Contains("\"w\""));
   }
   SECTION("no scale tensor") {
     Layout dst;
-    AddQuantized(dst, "w", Dims{256, 256}, QuantFormat::kBlockFp8, 128, 128, 0, {0, 256}, {{0, 0}}, "e");
+    AddQuantized(dst, "w", Dims{256, 256}, QuantFormat::kBlockFp8, 128, 128, 0, {0, 256}, {{0, 0}},
+                 "e");
     dst.tensors[0].quant.scale = "w_scales";
     CHECK_THAT(refusal(dst), Catch::Contains("\"w_scales\", which the layout does not declare"));
   }
   SECTION("a scale tensor of the wrong shape") {
     Layout dst;
-    AddQuantized(dst, "w", Dims{256, 256}, QuantFormat::kBlockFp8, 128, 128, 0, {0, 256}, {{0, 0}}, "e");
+    AddQuantized(dst, "w", Dims{256, 256}, QuantFormat::kBlockFp8, 128, 128, 0, {0, 256}, {{0, 0}},
+                 "e");
     dst.tensors[0].quant.block_rows = 64;
     CHECK_THAT(refusal(dst), Catch::Contains("expected fp32 [4, 2]"));
   }
@@ -227,30 +239,35 @@ TEST_CASE("fp8 layouts: what is refused, and how it is named") {
     Layout src, dst;
     AddSplitTensor(src, "w", Dims{256, 256}, DType::kBF16, 0, {0, 64}, {{0, 0}}, "t");
     AddSplitTensor(src, "w", Dims{256, 256}, DType::kBF16, 0, {100, 256}, {{0, 1}}, "u");
-    AddQuantized(dst, "w", Dims{256, 256}, QuantFormat::kBlockFp8, 128, 128, 0, {0, 256}, {{1, 0}}, "e");
+    AddQuantized(dst, "w", Dims{256, 256}, QuantFormat::kBlockFp8, 128, 128, 0, {0, 256}, {{1, 0}},
+                 "e");
     REQUIRE(ValidateLayout(src, "source").ok());
     REQUIRE(ValidateLayout(dst, "destination").ok());
     auto plan = MakePlan(src, dst, {});
     REQUIRE(!plan.ok());
-    CHECK_THAT(std::string(plan.status().message()), Catch::Contains("have no source") && Catch::Contains("\"w\""));
+    CHECK_THAT(std::string(plan.status().message()),
+               Catch::Contains("have no source") && Catch::Contains("\"w\""));
   }
   SECTION("two weights sharing one scale tensor") {
     Layout src, dst;
     AddSplitTensor(src, "w", Dims{256, 256}, DType::kBF16, 0, {0, 256}, {{0, 0}}, "t");
     AddSplitTensor(src, "v", Dims{256, 256}, DType::kBF16, 0, {0, 256}, {{0, 0}}, "t");
-    AddQuantized(dst, "w", Dims{256, 256}, QuantFormat::kBlockFp8, 128, 128, 0, {0, 256}, {{1, 0}}, "e");
+    AddQuantized(dst, "w", Dims{256, 256}, QuantFormat::kBlockFp8, 128, 128, 0, {0, 256}, {{1, 0}},
+                 "e");
     const int32_t v = dst.AddTensor("v", Dims{256, 256}, DType::kF8E4M3);
     dst.tensors[v].quant = Quantization::Of(QuantFormat::kBlockFp8, "w");  // w's scale
     const int32_t b = dst.AddBuffer(0, "v", DType::kF8E4M3, Dims{256, 256});
     dst.AddPiece(v, Box::Whole(Dims{256, 256}), b, Box::Whole(Dims{256, 256}));
     auto s = ValidateLayout(dst, "destination");
     REQUIRE(!s.ok());
-    CHECK_THAT(std::string(s.message()), Catch::Contains("name the same scale tensor \"w_scale_inv\""));
+    CHECK_THAT(std::string(s.message()),
+               Catch::Contains("name the same scale tensor \"w_scale_inv\""));
   }
   SECTION("scales without their codes, of blocks cut between sources") {
     Layout src, dst;
     AddSplitTensor(src, "w", Dims{256, 256}, DType::kBF16, 0, {0, 64, 256}, {{0, 0}, {0, 1}}, "t");
-    AddQuantized(dst, "w", Dims{256, 256}, QuantFormat::kBlockFp8, 128, 128, 0, {0, 256}, {{1, 0}}, "e");
+    AddQuantized(dst, "w", Dims{256, 256}, QuantFormat::kBlockFp8, 128, 128, 0, {0, 256}, {{1, 0}},
+                 "e");
     // Another worker, on another GPU, holds only the scale of block (0, 0).
     const int32_t worker = dst.AddWorker("scales-only", 1, 1);
     const int32_t b = dst.AddBuffer(worker, "s", DType::kF32, Dims{1, 1});

@@ -19,10 +19,10 @@ inline absl::Status Annotate(const absl::Status& status, absl::string_view conte
 #define REFIT_CONCAT_INNER_(a, b) a##b
 #define REFIT_CONCAT_(a, b) REFIT_CONCAT_INNER_(a, b)
 
-#define REFIT_RETURN_IF_ERROR(expr)                 \
-  do {                                              \
-    ::absl::Status refit_status_ = (expr);          \
-    if (!refit_status_.ok()) return refit_status_;  \
+#define REFIT_RETURN_IF_ERROR(expr)                \
+  do {                                             \
+    ::absl::Status refit_status_ = (expr);         \
+    if (!refit_status_.ok()) return refit_status_; \
   } while (0)
 
 #define REFIT_ASSIGN_OR_RETURN_IMPL_(tmp, lhs, expr) \

@@ -17,8 +17,8 @@ std::vector<int64_t> EvenSplit(int64_t extent, int parts) {
 }
 
 void AddSplitTensor(Layout& layout, const std::string& tensor, Dims shape, DType dtype, int dim,
-                    const std::vector<int64_t>& boundaries,
-                    const std::vector<Placement>& placement, const std::string& worker_prefix) {
+                    const std::vector<int64_t>& boundaries, const std::vector<Placement>& placement,
+                    const std::string& worker_prefix) {
   int32_t t = -1;
   for (size_t i = 0; i < layout.tensors.size(); ++i) {
     if (layout.tensors[i].name == tensor) t = static_cast<int32_t>(i);
@@ -43,9 +43,10 @@ namespace {
 int64_t TestCeilDiv(int64_t a, int64_t b) { return (a + b - 1) / b; }
 }  // namespace
 
-void AddQuantized(Layout& layout, const std::string& name, Dims shape, QuantFormat format, int64_t block_rows,
-                  int64_t block_cols, int dim, const std::vector<int64_t>& boundaries,
-                  const std::vector<Placement>& placement, const std::string& prefix) {
+void AddQuantized(Layout& layout, const std::string& name, Dims shape, QuantFormat format,
+                  int64_t block_rows, int64_t block_cols, int dim,
+                  const std::vector<int64_t>& boundaries, const std::vector<Placement>& placement,
+                  const std::string& prefix) {
   const Quantization q = Quantization::Of(format, name, block_rows, block_cols);
   int32_t w = -1, s = -1;
   for (size_t i = 0; i < layout.tensors.size(); ++i) {
@@ -81,7 +82,8 @@ void AddQuantized(Layout& layout, const std::string& name, Dims shape, QuantForm
 
 void AddFlatShard(Layout& layout, int32_t tensor, int32_t worker, int64_t begin, int64_t end) {
   const LogicalTensor& t = layout.tensors[tensor];
-  const int32_t buffer = layout.AddBuffer(worker, absl::StrCat(t.name, "@", begin), t.dtype, Dims{end - begin});
+  const int32_t buffer =
+      layout.AddBuffer(worker, absl::StrCat(t.name, "@", begin), t.dtype, Dims{end - begin});
   int64_t at = 0;
   for (const Box& b : FlatRangeToBoxes(t.shape, begin, end)) {
     layout.AddPiece(tensor, b, buffer, Box::FromDims(Dims{at}, Dims{b.NumElements()}));

@@ -22,15 +22,16 @@ struct Placement {
   int32_t gpu;
 };
 void AddSplitTensor(Layout& layout, const std::string& tensor, Dims shape, DType dtype, int dim,
-                    const std::vector<int64_t>& boundaries,
-                    const std::vector<Placement>& placement, const std::string& worker_prefix);
+                    const std::vector<int64_t>& boundaries, const std::vector<Placement>& placement,
+                    const std::string& worker_prefix);
 
 // A quantized destination tensor (LogicalTensor::quant) split along `dim` at `boundaries` (block
 // multiples): part i on worker prefix+i holds its codes and the scales of its blocks, each in a
 // buffer of its own, as engines keep them.
-void AddQuantized(Layout& layout, const std::string& name, Dims shape, QuantFormat format, int64_t block_rows,
-                  int64_t block_cols, int dim, const std::vector<int64_t>& boundaries,
-                  const std::vector<Placement>& placement, const std::string& prefix);
+void AddQuantized(Layout& layout, const std::string& name, Dims shape, QuantFormat format,
+                  int64_t block_rows, int64_t block_cols, int dim,
+                  const std::vector<int64_t>& boundaries, const std::vector<Placement>& placement,
+                  const std::string& prefix);
 
 // An FSDP flat shard: tensor elements [begin, end) in row-major order, in one flat buffer of
 // worker `worker`.

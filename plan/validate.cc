@@ -54,9 +54,9 @@ absl::Status CheckNoOverlap(const Layout& layout, absl::string_view side,
     // A scalar buffer holds one element: two non-empty pieces in it overlap.
     std::erase_if(pieces, [&](int32_t p) { return box(p).IsEmpty(); });
     if (pieces.size() < 2) return absl::OkStatus();
-    return Invalid(side, absl::StrCat("pieces ", DescribePiece(layout, pieces[0]), " and ",
-                                      DescribePiece(layout, pieces[1]),
-                                      " overlap in scalar buffer"));
+    return Invalid(side,
+                   absl::StrCat("pieces ", DescribePiece(layout, pieces[0]), " and ",
+                                DescribePiece(layout, pieces[1]), " overlap in scalar buffer"));
   }
   std::sort(pieces.begin(), pieces.end(),
             [&](int32_t a, int32_t b) { return box(a).origin[sweep] < box(b).origin[sweep]; });
@@ -104,9 +104,11 @@ absl::Status CheckQuantization(const Layout& layout, absl::string_view side) {
                                         " name the same scale tensor ", Quote(q.scale),
                                         "; each quantized tensor has its own"));
     }
-    const std::string what = absl::StrCat("tensor ", Quote(t.name), " (", QuantFormatName(q.format), ")");
+    const std::string what =
+        absl::StrCat("tensor ", Quote(t.name), " (", QuantFormatName(q.format), ")");
     if (t.dtype != DType::kF8E4M3) {
-      return Invalid(side, absl::StrCat(what, " is ", DTypeName(t.dtype), "; a quantized tensor is fp8_e4m3"));
+      return Invalid(
+          side, absl::StrCat(what, " is ", DTypeName(t.dtype), "; a quantized tensor is fp8_e4m3"));
     }
     if (t.shape.rank != 2) {
       return Invalid(side, absl::StrCat(what, " has shape ", t.shape.ToString(),
@@ -126,11 +128,13 @@ absl::Status CheckQuantization(const Layout& layout, absl::string_view side) {
                                         ", which the layout does not declare"));
     }
     const LogicalTensor& s = layout.tensors[it->second];
-    const Dims grid{(t.shape[0] + q.block_rows - 1) / q.block_rows, (t.shape[1] + q.block_cols - 1) / q.block_cols};
+    const Dims grid{(t.shape[0] + q.block_rows - 1) / q.block_rows,
+                    (t.shape[1] + q.block_cols - 1) / q.block_cols};
     if (s.quant.format != QuantFormat::kNone || s.dtype != q.ScaleDType() || !(s.shape == grid)) {
-      return Invalid(side, absl::StrCat(what, ": its scale tensor ", Quote(s.name), " is ", DTypeName(s.dtype), " ",
-                                        s.shape.ToString(), "; expected ", DTypeName(q.ScaleDType()), " ",
-                                        grid.ToString(), ", not quantized itself"));
+      return Invalid(
+          side, absl::StrCat(what, ": its scale tensor ", Quote(s.name), " is ", DTypeName(s.dtype),
+                             " ", s.shape.ToString(), "; expected ", DTypeName(q.ScaleDType()), " ",
+                             grid.ToString(), ", not quantized itself"));
     }
   }
   for (size_t i = 0; i < layout.pieces.size(); ++i) {
@@ -142,10 +146,11 @@ absl::Status CheckQuantization(const Layout& layout, absl::string_view side) {
     for (int d = 0; d < 2; ++d) {
       const int64_t end = b.origin[d] + b.shape[d];
       if (b.origin[d] % block[d] != 0 || (end % block[d] != 0 && end != t.shape[d])) {
-        return Invalid(side, absl::StrCat("piece ", DescribePiece(layout, static_cast<int32_t>(i)),
-                                          " cuts a ", block[0], "x", block[1], " block of quantized tensor ",
-                                          Quote(t.name), " (dimension ", d, " spans ", b.origin[d], ":", end,
-                                          "); pieces of a quantized tensor hold whole blocks"));
+        return Invalid(
+            side, absl::StrCat("piece ", DescribePiece(layout, static_cast<int32_t>(i)), " cuts a ",
+                               block[0], "x", block[1], " block of quantized tensor ",
+                               Quote(t.name), " (dimension ", d, " spans ", b.origin[d], ":", end,
+                               "); pieces of a quantized tensor hold whole blocks"));
       }
     }
   }
@@ -159,8 +164,8 @@ absl::Status ValidateLayout(Layout& layout, absl::string_view side) {
     const LogicalTensor& t = layout.tensors[i];
     if (t.name.empty()) return Invalid(side, absl::StrCat("tensor #", i, " has no name"));
     if (HasNegative(t.shape)) {
-      return Invalid(side, absl::StrCat("tensor ", Quote(t.name), " has a negative extent in shape ",
-                                        t.shape.ToString()));
+      return Invalid(side, absl::StrCat("tensor ", Quote(t.name),
+                                        " has a negative extent in shape ", t.shape.ToString()));
     }
     if (TooLarge(t.shape, DTypeSize(t.dtype))) {
       return Invalid(side, absl::StrCat("tensor ", Quote(t.name), " of shape ", t.shape.ToString(),
@@ -197,9 +202,9 @@ absl::Status ValidateLayout(Layout& layout, absl::string_view side) {
                                         " has a negative extent in shape ", b.shape.ToString()));
     }
     if (TooLarge(b.shape, DTypeSize(b.dtype))) {
-      return Invalid(side, absl::StrCat("worker ", Quote(wname), " buffer ", Quote(b.name),
-                                        " of shape ", b.shape.ToString(),
-                                        " is too large (over 2^60 bytes)"));
+      return Invalid(side,
+                     absl::StrCat("worker ", Quote(wname), " buffer ", Quote(b.name), " of shape ",
+                                  b.shape.ToString(), " is too large (over 2^60 bytes)"));
     }
     if (!buffer_names.emplace(b.worker, b.name).second) {
       return Invalid(side, absl::StrCat("worker ", Quote(wname), " declares buffer ", Quote(b.name),
@@ -246,11 +251,11 @@ absl::Status ValidateLayout(Layout& layout, absl::string_view side) {
                                         " of rank ", buffer_box.rank, " but the buffer has shape ",
                                         buffer.shape.ToString()));
     }
-    if (!Contains(Box::Whole(buffer.shape), buffer_box) ||
-        HasNegative(buffer_box.shape_dims()) || HasNegative(buffer_box.origin_dims())) {
-      return Invalid(side, absl::StrCat(what, " buffer box ", buffer_box.ToString(),
-                                        " lies outside the buffer's shape ",
-                                        buffer.shape.ToString()));
+    if (!Contains(Box::Whole(buffer.shape), buffer_box) || HasNegative(buffer_box.shape_dims()) ||
+        HasNegative(buffer_box.origin_dims())) {
+      return Invalid(side,
+                     absl::StrCat(what, " buffer box ", buffer_box.ToString(),
+                                  " lies outside the buffer's shape ", buffer.shape.ToString()));
     }
     if (buffer.dtype != t.dtype) {
       return Invalid(side, absl::StrCat(what, ": the buffer holds ", DTypeName(buffer.dtype),
@@ -299,10 +304,12 @@ absl::Status ValidatePair(const Layout& source, const Layout& destination) {
     }
     if (d.quant.format != QuantFormat::kNone && CanQuantizeFrom(s.dtype)) continue;
     if (d.quant.format != QuantFormat::kNone && !(s.quant == d.quant)) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "tensor ", Quote(d.name), " is ", QuantFormatName(d.quant.format), " in the destination layout; the source's ",
-          DTypeName(s.dtype), " ", QuantFormatName(s.quant.format),
-          " tensor can be neither quantized (only bf16, fp16 and fp32 are) nor copied (its quantization differs)"));
+      return absl::InvalidArgumentError(
+          absl::StrCat("tensor ", Quote(d.name), " is ", QuantFormatName(d.quant.format),
+                       " in the destination layout; the source's ", DTypeName(s.dtype), " ",
+                       QuantFormatName(s.quant.format),
+                       " tensor can be neither quantized (only bf16, fp16 and fp32 are) nor copied "
+                       "(its quantization differs)"));
     }
     if (!CanConvert(s.dtype, d.dtype)) {
       const bool to_fp8 = d.dtype == DType::kF8E4M3 && CanQuantizeFrom(s.dtype);

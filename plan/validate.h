@@ -6,9 +6,8 @@
 // index that answers it exists anyway.
 #pragma once
 
-#include "absl/strings/string_view.h"
-
 #include "absl/status/status.h"
+#include "absl/strings/string_view.h"
 #include "plan/layout.h"
 
 namespace refit {

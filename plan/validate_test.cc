@@ -25,8 +25,10 @@ Layout TwoShards() {
   const int32_t t = l.AddTensor("w", Dims{8, 4}, DType::kBF16);
   const int32_t a = l.AddWorker("rank0", 0, 0);
   const int32_t b = l.AddWorker("rank1", 0, 1);
-  l.AddPiece(t, B({0, 0}, {4, 4}), l.AddBuffer(a, "w", DType::kBF16, Dims{4, 4}), B({0, 0}, {4, 4}));
-  l.AddPiece(t, B({4, 0}, {4, 4}), l.AddBuffer(b, "w", DType::kBF16, Dims{4, 4}), B({0, 0}, {4, 4}));
+  l.AddPiece(t, B({0, 0}, {4, 4}), l.AddBuffer(a, "w", DType::kBF16, Dims{4, 4}),
+             B({0, 0}, {4, 4}));
+  l.AddPiece(t, B({4, 0}, {4, 4}), l.AddBuffer(b, "w", DType::kBF16, Dims{4, 4}),
+             B({0, 0}, {4, 4}));
   return l;
 }
 

@@ -30,7 +30,8 @@ uint64_t SplitMix64(uint64_t x) {
 // cost a few nanoseconds per element.
 inline uint64_t RawValue(uint64_t name_hash, int64_t linear, uint64_t seed, int size) {
   const uint64_t mask = size >= 8 ? ~uint64_t{0} : (uint64_t{1} << (8 * size)) - 1;
-  const uint64_t value = SplitMix64(name_hash ^ SplitMix64(seed + static_cast<uint64_t>(linear))) & mask;
+  const uint64_t value =
+      SplitMix64(name_hash ^ SplitMix64(seed + static_cast<uint64_t>(linear))) & mask;
   const uint64_t poison = 0xA5A5A5A5A5A5A5A5ull & mask;
   return value == poison ? value ^ 1 : value;
 }
@@ -40,10 +41,14 @@ inline uint64_t RawValue(uint64_t name_hash, int64_t linear, uint64_t seed, int 
 template <typename Fn>
 void WithElementSize(int size, Fn&& fn) {
   switch (size) {
-    case 1: return fn(std::integral_constant<int, 1>{});
-    case 2: return fn(std::integral_constant<int, 2>{});
-    case 4: return fn(std::integral_constant<int, 4>{});
-    default: return fn(std::integral_constant<int, 8>{});
+    case 1:
+      return fn(std::integral_constant<int, 1>{});
+    case 2:
+      return fn(std::integral_constant<int, 2>{});
+    case 4:
+      return fn(std::integral_constant<int, 4>{});
+    default:
+      return fn(std::integral_constant<int, 8>{});
   }
 }
 
@@ -101,9 +106,10 @@ void ForEachChunkOfPieces(const Layout& layout, Fn&& fn) {
   int64_t first = 0;
   for (int c = 0; c < chunks; ++c) {
     const int64_t target = before[n] / chunks * (c + 1);
-    int64_t last = c + 1 == chunks
-                       ? n
-                       : std::lower_bound(before.begin() + first, before.end(), target) - before.begin();
+    int64_t last =
+        c + 1 == chunks
+            ? n
+            : std::lower_bound(before.begin() + first, before.end(), target) - before.begin();
     last = std::min(std::max(last, first), n);
     threads.emplace_back([&fn, first, last, c] { fn(first, last, c); });
     first = last;
@@ -134,7 +140,9 @@ class CoveredBits {
   bool Covered(int64_t e) const {
     return (bits_[e / 64].load(std::memory_order_relaxed) >> (e % 64)) & 1;
   }
-  bool WordFull(int64_t w) const { return bits_[w].load(std::memory_order_relaxed) == ~uint64_t{0}; }
+  bool WordFull(int64_t w) const {
+    return bits_[w].load(std::memory_order_relaxed) == ~uint64_t{0};
+  }
 
  private:
   // Sets n bits (n <= 64 - offset % 64) from bit `offset`.
@@ -189,9 +197,10 @@ FillSpec MakeFillSpec(const Layout& source, const Layout& destination, uint64_t 
 float QuantSourceValue(uint64_t name_hash, int64_t linear, const QuantFill& fill, uint64_t seed) {
   const int64_t r = linear / fill.cols, c = linear % fill.cols;
   const int64_t grid_cols = (fill.cols + fill.block_cols - 1) / fill.block_cols;
-  const uint64_t block = static_cast<uint64_t>((r / fill.block_rows) * grid_cols + c / fill.block_cols);
+  const uint64_t block =
+      static_cast<uint64_t>((r / fill.block_rows) * grid_cols + c / fill.block_cols);
   const uint64_t bh = SplitMix64(name_hash ^ SplitMix64(seed * 0x9E3779B97F4A7C15ull + block));
-  if (bh % 11 == 0) return 0.0f;  // a block of zeros: scale 1
+  if (bh % 11 == 0) return 0.0f;                              // a block of zeros: scale 1
   const int exponent = static_cast<int>((bh >> 8) % 17) - 8;  // fp16's range holds 100 * 2^8
   const uint64_t h = SplitMix64(name_hash ^ SplitMix64(seed + static_cast<uint64_t>(linear)));
   return std::ldexp(static_cast<float>(static_cast<int>(h % 201) - 100), exponent);
@@ -219,7 +228,8 @@ void FillSources(const Layout& source, const FillSpec& spec, const BufferMemory&
       const int size = DTypeSize(t.dtype);
       std::byte* base = memory[p.buffer].data();
       const bool numeric = spec.numeric[p.tensor];
-      const QuantFill* quant = spec.quant.empty() || spec.quant[p.tensor].cols == 0 ? nullptr : &spec.quant[p.tensor];
+      const QuantFill* quant =
+          spec.quant.empty() || spec.quant[p.tensor].cols == 0 ? nullptr : &spec.quant[p.tensor];
       ForEachRun(source, p, [&](int64_t linear, int64_t offset, int64_t count, int64_t stride) {
         if (quant != nullptr) {
           for (int64_t k = 0; k < count; ++k) {
@@ -268,7 +278,8 @@ absl::StatusOr<CheckReport> CheckDestinations(const Layout& source, const Layout
   for (size_t i = 0; i < destination.tensors.size(); ++i) {
     const LogicalTensor& t = destination.tensors[i];
     auto it = source.tensor_index.find(t.name);
-    if (it == source.tensor_index.end() || spec.quant.empty() || spec.quant[it->second].cols == 0) continue;
+    if (it == source.tensor_index.end() || spec.quant.empty() || spec.quant[it->second].cols == 0)
+      continue;
     if (!has_pieces[i] && !has_pieces[destination.tensor_index.at(t.quant.scale)]) continue;
     todo.push_back(static_cast<int32_t>(i));
   }
@@ -284,7 +295,8 @@ absl::StatusOr<CheckReport> CheckDestinations(const Layout& source, const Layout
       const uint64_t name_hash = HashName(t.name);
       const int64_t rows = t.shape[0], cols = t.shape[1];
       std::vector<float> values(static_cast<size_t>(rows * cols));
-      for (int64_t e = 0; e < rows * cols; ++e) values[e] = QuantSourceValue(name_hash, e, fill, spec.seed);
+      for (int64_t e = 0; e < rows * cols; ++e)
+        values[e] = QuantSourceValue(name_hash, e, fill, spec.seed);
       auto ref = std::make_shared<Reference>();
       ref->codes.resize(values.size());
       absl::Status done;
@@ -309,7 +321,8 @@ absl::StatusOr<CheckReport> CheckDestinations(const Layout& source, const Layout
     }
   };
   {
-    const size_t n = std::min<size_t>(todo.size(), std::max(1u, std::thread::hardware_concurrency()));
+    const size_t n =
+        std::min<size_t>(todo.size(), std::max(1u, std::thread::hardware_concurrency()));
     std::vector<std::thread> threads;
     for (size_t k = 1; k < n; ++k) threads.emplace_back(work);
     work();
@@ -347,50 +360,53 @@ absl::StatusOr<CheckReport> CheckDestinations(const Layout& source, const Layout
       const uint64_t name_hash = HashName(t.name);
       const int size = DTypeSize(t.dtype);
       const std::byte* base = memory[p.buffer].data();
-      ForEachRun(destination, p, [&](int64_t linear, int64_t offset, int64_t count, int64_t stride) {
-        covered[p.buffer].Mark(offset, count, stride);
-        tally.checked += count;
-        auto report_wrong = [&](int64_t k, const std::byte* expected, const std::byte* found) {
-          if (tally.wrong++ > 0) return;
-          const Buffer& buffer = destination.buffers[p.buffer];
-          tally.first_wrong = absl::StrCat(
-              "tensor \"", t.name, "\" element ", IndexOf(linear + k, t.shape), " in worker \"",
-              destination.workers[buffer.worker].name, "\" buffer \"", buffer.name, "\" element ",
-              offset + k * stride, ": expected ", Hex(expected, size), ", found ", Hex(found, size));
-        };
-        if (ref != nullptr) {
-          // Codes of the weight, or scales of the scale tensor, as the reference made them.
-          const std::byte* want = t.quant.format != QuantFormat::kNone
-                                      ? reinterpret_cast<const std::byte*>(ref->codes.data())
-                                      : ref->scales.data();
-          for (int64_t k = 0; k < count; ++k) {
-            const std::byte* expected = want + (linear + k) * size;
-            const std::byte* found = base + (offset + k * stride) * size;
-            if (std::memcmp(expected, found, size) != 0) report_wrong(k, expected, found);
-          }
-          return;
-        }
-        if (numeric) {
-          for (int64_t k = 0; k < count; ++k) {
-            // The value as the source holds it, then converted as the data plane converts it.
-            std::byte at_source[8], expected[8];
-            ExpectedElement(name_hash, linear + k, src_dtype, true, spec.seed, at_source);
-            ConvertElements(at_source, src_dtype, expected, t.dtype, 1);
-            const std::byte* found = base + (offset + k * stride) * size;
-            if (std::memcmp(expected, found, size) != 0) report_wrong(k, expected, found);
-          }
-          return;
-        }
-        WithElementSize(size, [&](auto kSize) {
-          for (int64_t k = 0; k < count; ++k) {
-            const uint64_t expected = RawValue(name_hash, linear + k, spec.seed, kSize);
-            const std::byte* at = base + (offset + k * stride) * kSize;
-            uint64_t found = 0;
-            std::memcpy(&found, at, kSize);
-            if (found != expected) report_wrong(k, reinterpret_cast<const std::byte*>(&expected), at);
-          }
-        });
-      });
+      ForEachRun(
+          destination, p, [&](int64_t linear, int64_t offset, int64_t count, int64_t stride) {
+            covered[p.buffer].Mark(offset, count, stride);
+            tally.checked += count;
+            auto report_wrong = [&](int64_t k, const std::byte* expected, const std::byte* found) {
+              if (tally.wrong++ > 0) return;
+              const Buffer& buffer = destination.buffers[p.buffer];
+              tally.first_wrong =
+                  absl::StrCat("tensor \"", t.name, "\" element ", IndexOf(linear + k, t.shape),
+                               " in worker \"", destination.workers[buffer.worker].name,
+                               "\" buffer \"", buffer.name, "\" element ", offset + k * stride,
+                               ": expected ", Hex(expected, size), ", found ", Hex(found, size));
+            };
+            if (ref != nullptr) {
+              // Codes of the weight, or scales of the scale tensor, as the reference made them.
+              const std::byte* want = t.quant.format != QuantFormat::kNone
+                                          ? reinterpret_cast<const std::byte*>(ref->codes.data())
+                                          : ref->scales.data();
+              for (int64_t k = 0; k < count; ++k) {
+                const std::byte* expected = want + (linear + k) * size;
+                const std::byte* found = base + (offset + k * stride) * size;
+                if (std::memcmp(expected, found, size) != 0) report_wrong(k, expected, found);
+              }
+              return;
+            }
+            if (numeric) {
+              for (int64_t k = 0; k < count; ++k) {
+                // The value as the source holds it, then converted as the data plane converts it.
+                std::byte at_source[8], expected[8];
+                ExpectedElement(name_hash, linear + k, src_dtype, true, spec.seed, at_source);
+                ConvertElements(at_source, src_dtype, expected, t.dtype, 1);
+                const std::byte* found = base + (offset + k * stride) * size;
+                if (std::memcmp(expected, found, size) != 0) report_wrong(k, expected, found);
+              }
+              return;
+            }
+            WithElementSize(size, [&](auto kSize) {
+              for (int64_t k = 0; k < count; ++k) {
+                const uint64_t expected = RawValue(name_hash, linear + k, spec.seed, kSize);
+                const std::byte* at = base + (offset + k * stride) * kSize;
+                uint64_t found = 0;
+                std::memcpy(&found, at, kSize);
+                if (found != expected)
+                  report_wrong(k, reinterpret_cast<const std::byte*>(&expected), at);
+              }
+            });
+          });
     }
   });
   CheckReport report;
@@ -416,9 +432,9 @@ absl::StatusOr<CheckReport> CheckDestinations(const Layout& source, const Layout
         ++report.padding_bytes_checked;
         if (memory[b][e * size + k] != kPoison) {
           if (wrong++ == 0) {
-            first_wrong = absl::StrCat("worker \"", destination.workers[buffer.worker].name,
-                                       "\" buffer \"", buffer.name, "\" element ", e,
-                                       ", which no piece covers, was written");
+            first_wrong =
+                absl::StrCat("worker \"", destination.workers[buffer.worker].name, "\" buffer \"",
+                             buffer.name, "\" element ", e, ", which no piece covers, was written");
           }
           break;
         }
@@ -426,8 +442,8 @@ absl::StatusOr<CheckReport> CheckDestinations(const Layout& source, const Layout
     }
   }
   if (wrong > 0) {
-    return absl::DataLossError(absl::StrCat(wrong, " destination elements are wrong; first: ",
-                                            first_wrong));
+    return absl::DataLossError(
+        absl::StrCat(wrong, " destination elements are wrong; first: ", first_wrong));
   }
   return report;
 }
@@ -440,9 +456,10 @@ absl::StatusOr<VerifyReport> VerifyOnHost(const Plan& plan, const Layout& source
   report.bytes_allocated = source.TotalBufferBytes() + destination.TotalBufferBytes();
   for (const ScratchBuffer& b : plan.scratch) report.bytes_allocated += b.NumBytes();
   if (report.bytes_allocated > max_bytes) {
-    return absl::ResourceExhaustedError(absl::StrCat(
-        "verifying on the host needs ", report.bytes_allocated, " bytes for both layouts' buffers and the plan's scratch;",
-        " the limit is ", max_bytes, " (raise it with --verify-max-bytes, or scale the model down)"));
+    return absl::ResourceExhaustedError(
+        absl::StrCat("verifying on the host needs ", report.bytes_allocated,
+                     " bytes for both layouts' buffers and the plan's scratch;", " the limit is ",
+                     max_bytes, " (raise it with --verify-max-bytes, or scale the model down)"));
   }
   auto allocate = [](const Layout& layout, std::vector<std::unique_ptr<std::byte[]>>& owners) {
     BufferMemory memory;

@@ -39,8 +39,8 @@ struct FillSpec {
 FillSpec MakeFillSpec(const Layout& source, const Layout& destination, uint64_t seed);
 
 // Writes the value of element `linear` of tensor `name` as `dtype` into `out`.
-void ExpectedElement(uint64_t name_hash, int64_t linear, DType dtype, bool numeric,
-                     uint64_t seed, std::byte* out);
+void ExpectedElement(uint64_t name_hash, int64_t linear, DType dtype, bool numeric, uint64_t seed,
+                     std::byte* out);
 uint64_t HashName(absl::string_view name);
 // Element `linear` of a quantized tensor's source, as fp32 (exact in bf16, fp16 and fp32).
 float QuantSourceValue(uint64_t name_hash, int64_t linear, const QuantFill& fill, uint64_t seed);

@@ -71,7 +71,9 @@ TEST_CASE("a wrong element is named by tensor index, worker and buffer") {
   REQUIRE(checked.status().code() == absl::StatusCode::kDataLoss);
   const std::string message(checked.status().message());
   CHECK_THAT(message, Catch::Contains("1 destination elements are wrong"));
-  CHECK_THAT(message, Catch::Contains("tensor \"w\" element [3, 4] in worker \"engine0\" buffer \"padded\" element 37"));
+  CHECK_THAT(message,
+             Catch::Contains(
+                 "tensor \"w\" element [3, 4] in worker \"engine0\" buffer \"padded\" element 37"));
 }
 
 TEST_CASE("padding that was written is caught") {
@@ -96,8 +98,9 @@ TEST_CASE("an element never written (still poison) is caught") {
   }
   auto checked = CheckDestinations(src, dst, run.spec, run.dst.memory);
   REQUIRE(checked.status().code() == absl::StatusCode::kDataLoss);
-  CHECK_THAT(std::string(checked.status().message()),
-             Catch::Contains("6 destination elements are wrong; first: tensor \"w\" element [9, 0]"));
+  CHECK_THAT(
+      std::string(checked.status().message()),
+      Catch::Contains("6 destination elements are wrong; first: tensor \"w\" element [9, 0]"));
 }
 
 TEST_CASE("a destination tensor the source lacks is refused") {
@@ -136,7 +139,9 @@ TEST_CASE("a large layout checked on several threads reports the same as one wou
   auto wrong = CheckDestinations(src, dst, run.spec, run.dst.memory);
   REQUIRE(wrong.status().code() == absl::StatusCode::kDataLoss);
   const std::string message(wrong.status().message());
-  CHECK_THAT(message, Catch::Contains("2 destination elements are wrong; first: tensor \"layers.1.w\" element [0, 0]"));
+  CHECK_THAT(message,
+             Catch::Contains(
+                 "2 destination elements are wrong; first: tensor \"layers.1.w\" element [0, 0]"));
 }
 
 }  // namespace

@@ -3,15 +3,15 @@
 #include <algorithm>
 #include <array>
 #include <fstream>
-#include <tuple>
 #include <sstream>
+#include <tuple>
 
 #include "absl/container/flat_hash_map.h"
 #include "absl/hash/hash.h"
-#include "absl/types/span.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
+#include "absl/types/span.h"
 #include "google/protobuf/util/json_util.h"
 #include "plan/status_macros.h"
 #include "plan/validate.h"
@@ -48,9 +48,15 @@ std::string JsonString(absl::string_view s) {
   std::string out = "\"";
   for (char c : s) {
     switch (c) {
-      case '"': out += "\\\""; break;
-      case '\\': out += "\\\\"; break;
-      case '\n': out += "\\n"; break;
+      case '"':
+        out += "\\\"";
+        break;
+      case '\\':
+        out += "\\\\";
+        break;
+      case '\n':
+        out += "\\n";
+        break;
       default:
         if (static_cast<unsigned char>(c) < 0x20) {
           absl::StrAppend(&out, "\\u00", absl::Hex(static_cast<unsigned char>(c), absl::kZeroPad2));
@@ -62,11 +68,13 @@ std::string JsonString(absl::string_view s) {
   return out + "\"";
 }
 
-std::string JsonArray(const Dims& d) { return absl::StrCat("[", absl::StrJoin(d.span(), ","), "]"); }
+std::string JsonArray(const Dims& d) {
+  return absl::StrCat("[", absl::StrJoin(d.span(), ","), "]");
+}
 
 std::string JsonBox(const Box& b) {
-  return absl::StrCat("{\"origin\":", JsonArray(b.origin_dims()), ",\"shape\":",
-                      JsonArray(b.shape_dims()), "}");
+  return absl::StrCat("{\"origin\":", JsonArray(b.origin_dims()),
+                      ",\"shape\":", JsonArray(b.shape_dims()), "}");
 }
 
 void DimsTo(const Dims& d, google::protobuf::RepeatedField<int64_t>* out) {
@@ -104,8 +112,8 @@ absl::StatusOr<Quantization> QuantizationFrom(const v1::Quantization& q, absl::s
                                                    "\" is unknown (expected block_fp8 or mxfp8)"));
   }
   if (q.block_size() != 0 && q.block_size() != 2) {
-    return absl::InvalidArgumentError(absl::StrCat(what, ": quantization block has ", q.block_size(),
-                                                   " entries; expected [rows, cols]"));
+    return absl::InvalidArgumentError(absl::StrCat(
+        what, ": quantization block has ", q.block_size(), " entries; expected [rows, cols]"));
   }
   Quantization out = q.block_size() == 2 ? Quantization::Of(format, name, q.block(0), q.block(1))
                                          : Quantization::Of(format, name);
@@ -128,8 +136,9 @@ void QuantizationTo(const Quantization& q, v1::TensorSpec* spec) {
 
 std::string QuantizationJson(const Quantization& q) {
   if (q.format == QuantFormat::kNone) return "";
-  return absl::StrCat(",\"quantization\":{\"format\":\"", QuantFormatName(q.format), "\",\"block\":[",
-                      q.block_rows, ",", q.block_cols, "],\"scale\":", JsonString(q.scale), "}");
+  return absl::StrCat(",\"quantization\":{\"format\":\"", QuantFormatName(q.format),
+                      "\",\"block\":[", q.block_rows, ",", q.block_cols,
+                      "],\"scale\":", JsonString(q.scale), "}");
 }
 
 }  // namespace
@@ -144,7 +153,8 @@ absl::StatusOr<Layout> LayoutFromProto(const v1::Layout& proto, int64_t max_piec
     if (!dtype.ok()) return Annotate(dtype.status(), what);
     const int32_t index = layout.AddTensor(t.name(), shape, *dtype);
     if (t.has_quantization()) {
-      REFIT_ASSIGN_OR_RETURN(layout.tensors[index].quant, QuantizationFrom(t.quantization(), t.name(), what));
+      REFIT_ASSIGN_OR_RETURN(layout.tensors[index].quant,
+                             QuantizationFrom(t.quantization(), t.name(), what));
     }
     if (!tensor_of.emplace(t.name(), index).second) {
       return absl::InvalidArgumentError(absl::StrCat(what, " is declared twice"));
@@ -161,17 +171,19 @@ absl::StatusOr<Layout> LayoutFromProto(const v1::Layout& proto, int64_t max_piec
   absl::flat_hash_map<std::string, int32_t> worker_of;  // the first worker of each name
   auto too_many = [&](absl::string_view where, int64_t more) -> absl::Status {
     if (static_cast<int64_t>(layout.pieces.size()) + more <= max_pieces) return absl::OkStatus();
-    return absl::InvalidArgumentError(absl::StrCat(where, ": the layout expands to more than ", max_pieces,
-                                                   " pieces"));
+    return absl::InvalidArgumentError(
+        absl::StrCat(where, ": the layout expands to more than ", max_pieces, " pieces"));
   };
   for (const v1::Worker& w : proto.workers()) {
     if (w.replica_size() < 0 || w.replica_size() > kMaxReplicaSize ||
         (w.replica_size() == 0 ? !w.replica().empty() || w.replica_rank() != 0
-                               : w.replica().empty() || w.replica_rank() < 0 || w.replica_rank() >= w.replica_size())) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "worker \"", w.name(), "\": replica \"", w.replica(), "\" rank ", w.replica_rank(), " of size ",
-          w.replica_size(), " is not a rank of a replica (a name, 0 <= rank < size <= ", kMaxReplicaSize,
-          "; or none of the three)"));
+                               : w.replica().empty() || w.replica_rank() < 0 ||
+                                     w.replica_rank() >= w.replica_size())) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("worker \"", w.name(), "\": replica \"", w.replica(), "\" rank ",
+                       w.replica_rank(), " of size ", w.replica_size(),
+                       " is not a rank of a replica (a name, 0 <= rank < size <= ", kMaxReplicaSize,
+                       "; or none of the three)"));
     }
     const int32_t worker = layout.AddWorker(w.name(), w.node(), w.gpu());
     layout.workers[worker].replica = w.replica();
@@ -181,16 +193,18 @@ absl::StatusOr<Layout> LayoutFromProto(const v1::Layout& proto, int64_t max_piec
     if (!w.buffers_like().empty()) {
       const std::string where = absl::StrCat("worker \"", w.name(), "\"");
       if (w.buffers_size() > 0) {
-        return absl::InvalidArgumentError(absl::StrCat(where, " has both buffers_like (\"", w.buffers_like(),
-                                                       "\") and buffers of its own"));
+        return absl::InvalidArgumentError(absl::StrCat(
+            where, " has both buffers_like (\"", w.buffers_like(), "\") and buffers of its own"));
       }
       auto it = worker_of.find(w.buffers_like());
       if (it == worker_of.end()) {
-        return absl::InvalidArgumentError(absl::StrCat(where, ": buffers_like names \"", w.buffers_like(),
-                                                       "\", which is not an earlier worker of this layout"));
+        return absl::InvalidArgumentError(
+            absl::StrCat(where, ": buffers_like names \"", w.buffers_like(),
+                         "\", which is not an earlier worker of this layout"));
       }
       const Ranges& like = ranges[it->second];
-      REFIT_RETURN_IF_ERROR(too_many(where, static_cast<int64_t>(like.piece_end - like.piece_begin)));
+      REFIT_RETURN_IF_ERROR(
+          too_many(where, static_cast<int64_t>(like.piece_end - like.piece_begin)));
       for (int32_t b = like.buffer_begin; b < like.buffer_end; ++b) {
         const Buffer copy = layout.buffers[b];
         layout.AddBuffer(worker, copy.name, copy.dtype, copy.shape);
@@ -217,62 +231,71 @@ absl::StatusOr<Layout> LayoutFromProto(const v1::Layout& proto, int64_t max_piec
         Entry e;
         if (p.tensor_index() != 0) {
           if (p.tensor_index() < 1 || p.tensor_index() > num_tensors) {
-            return absl::InvalidArgumentError(absl::StrCat(
-                where, " piece ", k, ": tensor_index ", p.tensor_index(), " is out of range (1-based; the layout "
-                "declares ", num_tensors, " tensors)"));
+            return absl::InvalidArgumentError(absl::StrCat(where, " piece ", k, ": tensor_index ",
+                                                           p.tensor_index(),
+                                                           " is out of range (1-based; the layout "
+                                                           "declares ",
+                                                           num_tensors, " tensors)"));
           }
           e.tensor = p.tensor_index() - 1;
           if (!p.tensor().empty() && p.tensor() != layout.tensors[e.tensor].name) {
             return absl::InvalidArgumentError(absl::StrCat(
-                where, " piece ", k, ": tensor \"", p.tensor(), "\" and tensor_index ", p.tensor_index(), " (\"",
-                layout.tensors[e.tensor].name, "\") disagree"));
+                where, " piece ", k, ": tensor \"", p.tensor(), "\" and tensor_index ",
+                p.tensor_index(), " (\"", layout.tensors[e.tensor].name, "\") disagree"));
           }
         } else {
           auto it = tensor_of.find(p.tensor());
           if (it == tensor_of.end()) {
-            return absl::InvalidArgumentError(absl::StrCat(
-                where, ": a piece names tensor \"", p.tensor(),
-                "\", which the layout does not declare in \"tensors\""));
+            return absl::InvalidArgumentError(
+                absl::StrCat(where, ": a piece names tensor \"", p.tensor(),
+                             "\", which the layout does not declare in \"tensors\""));
           }
           e.tensor = it->second;
         }
         const std::string what =
             absl::StrCat(where, " piece ", k, " (tensor \"", layout.tensors[e.tensor].name, "\")");
-        REFIT_ASSIGN_OR_RETURN(e.tensor_box,
-                               BoxFrom(p, true, layout.tensors[e.tensor].shape, absl::StrCat(what, " tensor_box")));
-        REFIT_ASSIGN_OR_RETURN(e.buffer_box, BoxFrom(p, false, shape, absl::StrCat(what, " buffer_box")));
+        REFIT_ASSIGN_OR_RETURN(e.tensor_box, BoxFrom(p, true, layout.tensors[e.tensor].shape,
+                                                     absl::StrCat(what, " tensor_box")));
+        REFIT_ASSIGN_OR_RETURN(e.buffer_box,
+                               BoxFrom(p, false, shape, absl::StrCat(what, " buffer_box")));
         return e;
       };
       auto has_run_fields = [](const v1::Piece& p) {
-        return p.repeat() != 0 || p.run_pieces() != 0 || p.tensor_index_step() != 0 || p.tensor_box_step_size() != 0 ||
-               p.buffer_box_step_size() != 0;
+        return p.repeat() != 0 || p.run_pieces() != 0 || p.tensor_index_step() != 0 ||
+               p.tensor_box_step_size() != 0 || p.buffer_box_step_size() != 0;
       };
       for (int k = 0; k < b.pieces_size();) {
         const v1::Piece& p = b.pieces(k);
         REFIT_ASSIGN_OR_RETURN(Entry first, decode(k));
         auto what = [&](int j) {
-          return absl::StrCat(where, " piece ", j, " (tensor \"", layout.tensors[first.tensor].name, "\")");
+          return absl::StrCat(where, " piece ", j, " (tensor \"", layout.tensors[first.tensor].name,
+                              "\")");
         };
         if (p.repeat() == 0) {
-          if (has_run_fields(p)) return absl::InvalidArgumentError(absl::StrCat(what(k), ": run fields without a repeat"));
+          if (has_run_fields(p))
+            return absl::InvalidArgumentError(
+                absl::StrCat(what(k), ": run fields without a repeat"));
           REFIT_RETURN_IF_ERROR(too_many(where, 1));
           layout.AddPiece(first.tensor, first.tensor_box, buffer, first.buffer_box);
           ++k;
           continue;
         }
         // A run (Piece.repeat): checked whole before any of it is added.
-        if (p.repeat() < 0) return absl::InvalidArgumentError(absl::StrCat(what(k), ": repeat ", p.repeat(), " < 0"));
+        if (p.repeat() < 0)
+          return absl::InvalidArgumentError(absl::StrCat(what(k), ": repeat ", p.repeat(), " < 0"));
         const int group = p.run_pieces() == 0 ? 1 : p.run_pieces();
         if (group < 1 || group > b.pieces_size() - k) {
-          return absl::InvalidArgumentError(absl::StrCat(what(k), ": run_pieces ", p.run_pieces(), ", but the buffer has ",
+          return absl::InvalidArgumentError(absl::StrCat(what(k), ": run_pieces ", p.run_pieces(),
+                                                         ", but the buffer has ",
                                                          b.pieces_size() - k, " pieces from here"));
         }
         REFIT_RETURN_IF_ERROR(too_many(where, (int64_t{p.repeat()} + 1) * group));
         std::vector<Entry> members = {first};
         for (int j = 1; j < group; ++j) {
           if (has_run_fields(b.pieces(k + j))) {
-            return absl::InvalidArgumentError(absl::StrCat(where, " piece ", k + j, ": one of the run of piece ", k,
-                                                           " (run_pieces ", group, "), it may carry no run fields"));
+            return absl::InvalidArgumentError(
+                absl::StrCat(where, " piece ", k + j, ": one of the run of piece ", k,
+                             " (run_pieces ", group, "), it may carry no run fields"));
           }
           REFIT_ASSIGN_OR_RETURN(Entry m, decode(k + j));
           members.push_back(m);
@@ -281,32 +304,38 @@ absl::StatusOr<Layout> LayoutFromProto(const v1::Layout& proto, int64_t max_piec
           const v1::Piece& q = b.pieces(k + j);
           const Entry& m = members[j];
           if (p.tensor_index_step() != 0 && q.tensor_index() == 0) {
-            return absl::InvalidArgumentError(
-                absl::StrCat(what(k + j), ": tensor_index_step needs tensor_index (a run names tensors by index)"));
-          }
-          const int64_t last_tensor = int64_t{m.tensor} + int64_t{p.repeat()} * p.tensor_index_step();
-          if (last_tensor < 0 || last_tensor >= num_tensors) {
             return absl::InvalidArgumentError(absl::StrCat(
-                what(k + j), ": a run of ", p.repeat() + 1, " with tensor_index_step ", p.tensor_index_step(),
-                " reaches tensor_index ", last_tensor + 1, ", out of range (the layout declares ", num_tensors,
-                " tensors)"));
+                what(k + j),
+                ": tensor_index_step needs tensor_index (a run names tensors by index)"));
+          }
+          const int64_t last_tensor =
+              int64_t{m.tensor} + int64_t{p.repeat()} * p.tensor_index_step();
+          if (last_tensor < 0 || last_tensor >= num_tensors) {
+            return absl::InvalidArgumentError(
+                absl::StrCat(what(k + j), ": a run of ", p.repeat() + 1, " with tensor_index_step ",
+                             p.tensor_index_step(), " reaches tensor_index ", last_tensor + 1,
+                             ", out of range (the layout declares ", num_tensors, " tensors)"));
           }
           for (const auto& [step, box, has, side] :
-               {std::make_tuple(&p.tensor_box_step(), &m.tensor_box, q.has_tensor_box(), "tensor_box"),
-                std::make_tuple(&p.buffer_box_step(), &m.buffer_box, q.has_buffer_box(), "buffer_box")}) {
+               {std::make_tuple(&p.tensor_box_step(), &m.tensor_box, q.has_tensor_box(),
+                                "tensor_box"),
+                std::make_tuple(&p.buffer_box_step(), &m.buffer_box, q.has_buffer_box(),
+                                "buffer_box")}) {
             if (step->empty()) continue;
             if (!has || step->size() != box->rank) {
-              return absl::InvalidArgumentError(absl::StrCat(what(k + j), ": ", side, "_step has ", step->size(),
-                                                             " dimensions; it needs an explicit ", side,
-                                                             " of as many (", has ? box->rank : 0, ")"));
+              return absl::InvalidArgumentError(
+                  absl::StrCat(what(k + j), ": ", side, "_step has ", step->size(),
+                               " dimensions; it needs an explicit ", side, " of as many (",
+                               has ? box->rank : 0, ")"));
             }
             for (int d = 0; d < box->rank; ++d) {
               int64_t moved = 0, end = 0;
               if (__builtin_mul_overflow((*step)[d], int64_t{p.repeat()}, &moved) ||
                   __builtin_add_overflow(box->origin[d], moved, &moved) ||
                   __builtin_add_overflow(moved, box->shape[d], &end)) {
-                return absl::InvalidArgumentError(
-                    absl::StrCat(what(k + j), ": ", side, "_step overflows int64 over ", p.repeat(), " repeats"));
+                return absl::InvalidArgumentError(absl::StrCat(what(k + j), ": ", side,
+                                                               "_step overflows int64 over ",
+                                                               p.repeat(), " repeats"));
               }
             }
           }
@@ -314,9 +343,12 @@ absl::StatusOr<Layout> LayoutFromProto(const v1::Layout& proto, int64_t max_piec
         for (int64_t i = 0; i <= p.repeat(); ++i) {
           for (const Entry& m : members) {
             Box t = m.tensor_box, u = m.buffer_box;
-            for (int d = 0; d < p.tensor_box_step_size(); ++d) t.origin[d] += i * p.tensor_box_step(d);
-            for (int d = 0; d < p.buffer_box_step_size(); ++d) u.origin[d] += i * p.buffer_box_step(d);
-            layout.AddPiece(static_cast<int32_t>(m.tensor + i * p.tensor_index_step()), t, buffer, u);
+            for (int d = 0; d < p.tensor_box_step_size(); ++d)
+              t.origin[d] += i * p.tensor_box_step(d);
+            for (int d = 0; d < p.buffer_box_step_size(); ++d)
+              u.origin[d] += i * p.buffer_box_step(d);
+            layout.AddPiece(static_cast<int32_t>(m.tensor + i * p.tensor_index_step()), t, buffer,
+                            u);
           }
         }
         k += group;
@@ -369,7 +401,8 @@ v1::Layout LayoutToProto(const Layout& layout, absl::string_view model) {
   return proto;
 }
 
-v1::Layout CompactLayoutToProto(const Layout& layout, absl::string_view model, const CompactOptions& options) {
+v1::Layout CompactLayoutToProto(const Layout& layout, absl::string_view model,
+                                const CompactOptions& options) {
   v1::Layout proto;
   proto.set_model(std::string(model));
   for (const LogicalTensor& t : layout.tensors) {
@@ -398,7 +431,9 @@ v1::Layout CompactLayoutToProto(const Layout& layout, absl::string_view model, c
       if (pieces_of[x].size() != pieces_of[y].size()) return false;
       for (size_t k = 0; k < pieces_of[x].size(); ++k) {
         const Piece &px = layout.pieces[pieces_of[x][k]], &py = layout.pieces[pieces_of[y][k]];
-        if (px.tensor != py.tensor || px.tensor_box != py.tensor_box || px.buffer_box != py.buffer_box) return false;
+        if (px.tensor != py.tensor || px.tensor_box != py.tensor_box ||
+            px.buffer_box != py.buffer_box)
+          return false;
       }
     }
     return true;
@@ -407,8 +442,9 @@ v1::Layout CompactLayoutToProto(const Layout& layout, absl::string_view model, c
     size_t h = absl::HashOf(buffers_of[w].size());
     for (int32_t b : buffers_of[w]) {
       const Buffer& buffer = layout.buffers[b];
-      h = absl::HashOf(h, buffer.name, static_cast<int>(buffer.dtype), absl::Span<const int64_t>(buffer.shape.v.data(), buffer.shape.rank),
-                     pieces_of[b].size());
+      h = absl::HashOf(h, buffer.name, static_cast<int>(buffer.dtype),
+                       absl::Span<const int64_t>(buffer.shape.v.data(), buffer.shape.rank),
+                       pieces_of[b].size());
       for (int32_t p : pieces_of[b]) {
         const Piece& piece = layout.pieces[p];
         h = absl::HashOf(h, piece.tensor, piece.tensor_box, piece.buffer_box);
@@ -458,7 +494,9 @@ v1::Layout CompactLayoutToProto(const Layout& layout, absl::string_view model, c
         const Piece &a = layout.pieces[pa], &b = layout.pieces[pb];
         const Box &ta = layout.tensor_box(a), &tb = layout.tensor_box(b);
         const Box &ua = layout.buffer_box(a), &ub = layout.buffer_box(b);
-        if (ta.rank != tb.rank || ua.rank != ub.rank || ta.shape != tb.shape || ua.shape != ub.shape) return false;
+        if (ta.rank != tb.rank || ua.rank != ub.rank || ta.shape != tb.shape ||
+            ua.shape != ub.shape)
+          return false;
         if (!options.tensor_index && a.tensor != b.tensor) return false;
         *out = Steps{};
         out->tensor = int64_t{b.tensor} - a.tensor;
@@ -473,15 +511,19 @@ v1::Layout CompactLayoutToProto(const Layout& layout, absl::string_view model, c
         // at [e, ...], then e + 1).
         size_t best_period = 1, best_repeat = 0;
         Steps best;
-        for (size_t period = 1; options.runs && period <= kMaxRunPieces && k + 2 * period <= n; ++period) {
+        for (size_t period = 1; options.runs && period <= kMaxRunPieces && k + 2 * period <= n;
+             ++period) {
           Steps first;
           if (!steps(pieces[k], pieces[k + period], &first)) continue;
           size_t repeat = 0;
-          while (k + (repeat + 2) * period <= n && repeat + 1 <= static_cast<size_t>(kMaxPieceRepeat)) {
+          while (k + (repeat + 2) * period <= n &&
+                 repeat + 1 <= static_cast<size_t>(kMaxPieceRepeat)) {
             bool same = true;
             for (size_t j = 0; j < period && same; ++j) {
               Steps s;
-              same = steps(pieces[k + repeat * period + j], pieces[k + (repeat + 1) * period + j], &s) && s == first;
+              same = steps(pieces[k + repeat * period + j], pieces[k + (repeat + 1) * period + j],
+                           &s) &&
+                     s == first;
             }
             if (!same) break;
             ++repeat;
@@ -492,8 +534,10 @@ v1::Layout CompactLayoutToProto(const Layout& layout, absl::string_view model, c
             best = first;
           }
         }
-        const bool tmoves = std::any_of(best.t.begin(), best.t.end(), [](int64_t v) { return v != 0; });
-        const bool bmoves = std::any_of(best.u.begin(), best.u.end(), [](int64_t v) { return v != 0; });
+        const bool tmoves =
+            std::any_of(best.t.begin(), best.t.end(), [](int64_t v) { return v != 0; });
+        const bool bmoves =
+            std::any_of(best.u.begin(), best.u.end(), [](int64_t v) { return v != 0; });
         const size_t group = best_repeat > 0 ? best_period : 1;
         for (size_t j = 0; j < group; ++j) {
           const Piece& piece = layout.pieces[pieces[k + j]];
@@ -506,16 +550,20 @@ v1::Layout CompactLayoutToProto(const Layout& layout, absl::string_view model, c
             op->set_tensor(layout.tensors[piece.tensor].name);
           }
           // An omitted box is the whole: left out unless the run moves it.
-          if (!options.omit_whole_boxes || tmoves || !(tbox == Box::Whole(layout.tensors[piece.tensor].shape))) {
+          if (!options.omit_whole_boxes || tmoves ||
+              !(tbox == Box::Whole(layout.tensors[piece.tensor].shape))) {
             BoxTo(tbox, op->mutable_tensor_box());
           }
-          if (!options.omit_whole_boxes || bmoves || !(bbox == whole_buffer)) BoxTo(bbox, op->mutable_buffer_box());
+          if (!options.omit_whole_boxes || bmoves || !(bbox == whole_buffer))
+            BoxTo(bbox, op->mutable_buffer_box());
           if (j > 0 || best_repeat == 0) continue;
           op->set_repeat(static_cast<int32_t>(best_repeat));
           if (group > 1) op->set_run_pieces(static_cast<int32_t>(group));
           op->set_tensor_index_step(static_cast<int32_t>(best.tensor));
-          if (tmoves) for (int d = 0; d < tbox.rank; ++d) op->add_tensor_box_step(best.t[d]);
-          if (bmoves) for (int d = 0; d < bbox.rank; ++d) op->add_buffer_box_step(best.u[d]);
+          if (tmoves)
+            for (int d = 0; d < tbox.rank; ++d) op->add_tensor_box_step(best.t[d]);
+          if (bmoves)
+            for (int d = 0; d < bbox.rank; ++d) op->add_buffer_box_step(best.u[d]);
         }
         k += (best_repeat + 1) * group;
       }
@@ -561,22 +609,23 @@ std::string LayoutToJson(const Layout& layout, absl::string_view model) {
     absl::StrAppend(&out, w ? ",\n" : "\n", "{\"name\":", JsonString(worker.name),
                     ",\"node\":", worker.node, ",\"gpu\":", worker.gpu);
     if (!worker.replica.empty() || worker.replica_size != 0) {
-      absl::StrAppend(&out, ",\"replica\":", JsonString(worker.replica), ",\"replicaRank\":",
-                      worker.replica_rank, ",\"replicaSize\":", worker.replica_size);
+      absl::StrAppend(&out, ",\"replica\":", JsonString(worker.replica),
+                      ",\"replicaRank\":", worker.replica_rank,
+                      ",\"replicaSize\":", worker.replica_size);
     }
     out += ",\"buffers\":[";
     for (size_t i = 0; i < buffers_of[w].size(); ++i) {
       const int32_t b = buffers_of[w][i];
       const Buffer& buffer = layout.buffers[b];
       absl::StrAppend(&out, i ? ",\n " : "\n ", "{\"name\":", JsonString(buffer.name),
-                      ",\"dtype\":\"", DTypeName(buffer.dtype), "\",\"shape\":",
-                      JsonArray(buffer.shape), ",\"pieces\":[");
+                      ",\"dtype\":\"", DTypeName(buffer.dtype),
+                      "\",\"shape\":", JsonArray(buffer.shape), ",\"pieces\":[");
       for (size_t k = 0; k < pieces_of[b].size(); ++k) {
         const Piece& p = layout.pieces[pieces_of[b][k]];
-        absl::StrAppend(&out, k ? ",\n  " : "\n  ", "{\"tensor\":",
-                        JsonString(layout.tensors[p.tensor].name), ",\"tensorBox\":",
-                        JsonBox(layout.tensor_box(p)), ",\"bufferBox\":", JsonBox(layout.buffer_box(p)),
-                        "}");
+        absl::StrAppend(&out, k ? ",\n  " : "\n  ",
+                        "{\"tensor\":", JsonString(layout.tensors[p.tensor].name),
+                        ",\"tensorBox\":", JsonBox(layout.tensor_box(p)),
+                        ",\"bufferBox\":", JsonBox(layout.buffer_box(p)), "}");
       }
       out += "]}";
     }
@@ -645,8 +694,9 @@ std::string SummaryToJson(const PlanStats& s, bool verified) {
       ",\"bytes_total\":", s.bytes_total, ",\"bytes_network\":", s.bytes_network,
       ",\"bytes_nvlink\":", s.bytes_nvlink, ",\"bytes_local\":", s.bytes_local,
       ",\"bytes_forwarded\":", s.bytes_forwarded,
-      ",\"bytes_before_conversion\":", s.bytes_before_conversion, ",\"bytes_gathered\":", s.bytes_gathered,
-      ",\"scratch_bytes\":", s.scratch_bytes, ",\"max_nic_bytes\":", s.max_nic_bytes,
+      ",\"bytes_before_conversion\":", s.bytes_before_conversion,
+      ",\"bytes_gathered\":", s.bytes_gathered, ",\"scratch_bytes\":", s.scratch_bytes,
+      ",\"max_nic_bytes\":", s.max_nic_bytes,
       ",\"predicted_seconds\":", absl::StrFormat("%.9g", s.predicted_seconds),
       ",\"lower_bound_seconds\":", absl::StrFormat("%.9g", s.lower_bound_seconds),
       ",\"planning_seconds\":", absl::StrFormat("%.6g", s.planning_seconds),

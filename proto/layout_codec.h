@@ -29,7 +29,8 @@ inline constexpr size_t kMaxRunPieces = 8;
 // references to earlier workers, runs); ValidateLayout checks the rest. `max_pieces`: the most
 // pieces it may expand to, checked before a run or buffers_like is expanded (a caller with a
 // tighter budget than kMaxLayoutPieces passes it).
-absl::StatusOr<Layout> LayoutFromProto(const v1::Layout& proto, int64_t max_pieces = kMaxLayoutPieces);
+absl::StatusOr<Layout> LayoutFromProto(const v1::Layout& proto,
+                                       int64_t max_pieces = kMaxLayoutPieces);
 // Every worker, buffer and piece spelled out (tensors by name, boxes explicit).
 v1::Layout LayoutToProto(const Layout& layout, absl::string_view model = "");
 
@@ -48,7 +49,8 @@ v1::Layout CompactLayoutToProto(const Layout& layout, absl::string_view model = 
                                 const CompactOptions& options = {});
 
 // JSON in the proto3 mapping. Unknown fields are errors: a typo must not silently drop data.
-absl::StatusOr<Layout> ParseLayoutJson(absl::string_view json, int64_t max_pieces = kMaxLayoutPieces);
+absl::StatusOr<Layout> ParseLayoutJson(absl::string_view json,
+                                       int64_t max_pieces = kMaxLayoutPieces);
 std::string LayoutToJson(const Layout& layout, absl::string_view model = "");
 
 absl::StatusOr<Topology> TopologyFromProto(const v1::Topology& proto);

@@ -1,8 +1,7 @@
 #include "proto/layout_codec.h"
 
-#include <tuple>
-
 #include <catch2/catch.hpp>
+#include <tuple>
 
 #include "client/layout_generator.h"
 #include "client/model_config.h"
@@ -51,14 +50,17 @@ TEST_CASE("a quantized tensor's format, block and scale survive JSON, proto and 
   const int32_t xs = a.AddTensor("n.weight_scale", Dims{4, 2}, DType::kE8M0);
   const int32_t worker = a.AddWorker("e0", 0, 0);
   for (int32_t t : {w, s, x, xs}) {
-    const int32_t b = a.AddBuffer(worker, a.tensors[t].name, a.tensors[t].dtype, a.tensors[t].shape);
+    const int32_t b =
+        a.AddBuffer(worker, a.tensors[t].name, a.tensors[t].dtype, a.tensors[t].shape);
     a.AddPiece(t, Box::Whole(a.tensors[t].shape), b, Box::Whole(a.tensors[t].shape));
   }
   REQUIRE(ValidateLayout(a, "destination").ok());
   const std::string json = LayoutToJson(a, "fp8");
   INFO(json);
-  CHECK(json.find(R"("quantization":{"format":"block_fp8","block":[128,64],"scale":"m.weight_scale_inv"})") !=
-        std::string::npos);
+  CHECK(
+      json.find(
+          R"("quantization":{"format":"block_fp8","block":[128,64],"scale":"m.weight_scale_inv"})") !=
+      std::string::npos);
   for (auto b : {ParseLayoutJson(json), LayoutFromProto(LayoutToProto(a, "fp8")),
                  LayoutFromProto(CompactLayoutToProto(a, "fp8", {}))}) {
     REQUIRE(b.ok());
@@ -101,20 +103,24 @@ TEST_CASE("bad files get one clear error") {
             .find("unknown dtype \"float13\"") != std::string::npos);
   CHECK(error(R"({"tensors":[{"name":"w","shape":[1,1,1,1,1,1,1],"dtype":"bf16"}]})")
             .find("rank 7 exceeds") != std::string::npos);
-  CHECK(error(R"({"tensors":[{"name":"w","shape":[-1],"dtype":"bf16"}]})")
-            .find("negative extent") != std::string::npos);
+  CHECK(
+      error(R"({"tensors":[{"name":"w","shape":[-1],"dtype":"bf16"}]})").find("negative extent") !=
+      std::string::npos);
   CHECK(error(R"({"tensors":[],"workers":[{"name":"r","buffers":[{"name":"b","dtype":"bf16",
       "shape":[1],"pieces":[{"tensor":"ghost"}]}]}]})")
-            .find("names tensor \"ghost\", which the layout does not declare") != std::string::npos);
+            .find("names tensor \"ghost\", which the layout does not declare") !=
+        std::string::npos);
   CHECK(error(R"({"tensors":[{"name":"w","shape":[2],"dtype":"bf16"}],"workers":[{"name":"r",
       "buffers":[{"name":"b","dtype":"bf16","shape":[2],"pieces":[{"tensor":"w",
       "tensorBox":{"origin":[0],"shape":[1,1]}}]}]}]})")
             .find("rank") != std::string::npos);
   CHECK(error(R"({"tensors":[{"name":"w","shape":[2],"dtype":"bf16"},
-      {"name":"w","shape":[2],"dtype":"bf16"}]})").find("declared twice") != std::string::npos);
+      {"name":"w","shape":[2],"dtype":"bf16"}]})")
+            .find("declared twice") != std::string::npos);
 }
 
-TEST_CASE("a worker's engine replica: kept through JSON and proto, absent when undeclared, checked") {
+TEST_CASE(
+    "a worker's engine replica: kept through JSON and proto, absent when undeclared, checked") {
   Layout a = Sample();
   a.workers[0].replica = "dp1";
   a.workers[0].replica_rank = 1;
@@ -135,8 +141,11 @@ TEST_CASE("a worker's engine replica: kept through JSON and proto, absent when u
   REQUIRE(old.ok());
   CHECK(old->workers[0].replica_size == 0);
   // A rank outside its replica, a size without a name, a name without a size: refused by name.
-  for (auto [replica, rank, size] : {std::tuple<const char*, int, int>{"dp1", 2, 2}, {"", 0, 2}, {"dp1", 0, 0},
-                                     {"dp1", -1, 2}, {"dp1", 0, -2}}) {
+  for (auto [replica, rank, size] : {std::tuple<const char*, int, int>{"dp1", 2, 2},
+                                     {"", 0, 2},
+                                     {"dp1", 0, 0},
+                                     {"dp1", -1, 2},
+                                     {"dp1", 0, -2}}) {
     Layout bad = Sample();
     bad.workers[0].replica = replica;
     bad.workers[0].replica_rank = rank;
@@ -206,7 +215,8 @@ void CheckCompactRoundTrip(const Layout& layout) {
   }
   // The proto3 JSON of the compact form reads back alike (hand-written files may use the fields).
   std::string json;
-  REQUIRE(google::protobuf::util::MessageToJsonString(CompactLayoutToProto(layout, "m"), &json).ok());
+  REQUIRE(
+      google::protobuf::util::MessageToJsonString(CompactLayoutToProto(layout, "m"), &json).ok());
   auto parsed = ParseLayoutJson(json);
   REQUIRE(parsed.ok());
   RequireSameLayout(*full, *parsed);
@@ -246,7 +256,8 @@ TEST_CASE("compact layouts expand to the full layout: generated MoE trainer and 
   CHECK(compact.ByteSizeLong() * 3 < LayoutToProto(*dst, "m").ByteSizeLong());
 }
 
-TEST_CASE("compact layouts expand to the full layout: a dense engine's replicas are described once") {
+TEST_CASE(
+    "compact layouts expand to the full layout: a dense engine's replicas are described once") {
   const ModelConfig m = Model("llama3-8b.json", 8, 3);
   auto src = MakeTrainerLayout(m, {2, 1, 1, 2, 1, 0}, {8, 0}, DType::kBF16);
   REQUIRE(src.ok());
@@ -267,7 +278,8 @@ TEST_CASE("compact layouts expand to the full layout: a dense engine's replicas 
   CheckCompactRoundTrip(Sample());
 }
 
-TEST_CASE("compact references that do not resolve are INVALID_ARGUMENT naming worker, buffer and piece") {
+TEST_CASE(
+    "compact references that do not resolve are INVALID_ARGUMENT naming worker, buffer and piece") {
   auto error = [](const std::string& workers) {
     const std::string json = R"({"tensors":[{"name":"w","shape":[8,2],"dtype":"bf16"},)"
                              R"({"name":"v","shape":[8,2],"dtype":"bf16"}],"workers":[)" +
@@ -278,58 +290,81 @@ TEST_CASE("compact references that do not resolve are INVALID_ARGUMENT naming wo
     CHECK(l.status().code() == absl::StatusCode::kInvalidArgument);
     return std::string(l.status().message());
   };
-  const std::string a = R"({"name":"a","node":0,"gpu":0,"buffers":[{"name":"b","dtype":"bf16","shape":[8,2],)"
-                        R"("pieces":[{"tensor":"w"}]}]})";
+  const std::string a =
+      R"({"name":"a","node":0,"gpu":0,"buffers":[{"name":"b","dtype":"bf16","shape":[8,2],)"
+      R"("pieces":[{"tensor":"w"}]}]})";
   auto with_piece = [&](const std::string& piece) {
-    return error(R"({"name":"a","node":0,"gpu":0,"buffers":[{"name":"b","dtype":"bf16","shape":[8,2],"pieces":[)" +
-                 piece + "]}]}");
+    return error(
+        R"({"name":"a","node":0,"gpu":0,"buffers":[{"name":"b","dtype":"bf16","shape":[8,2],"pieces":[)" +
+        piece + "]}]}");
   };
   using Catch::Matchers::Contains;
   // buffers_like: unknown, later, itself, or with buffers of its own.
-  CHECK_THAT(error(a + R"(,{"name":"x","buffersLike":"nobody"})"),
-             Contains("worker \"x\": buffers_like names \"nobody\", which is not an earlier worker"));
+  CHECK_THAT(
+      error(a + R"(,{"name":"x","buffersLike":"nobody"})"),
+      Contains("worker \"x\": buffers_like names \"nobody\", which is not an earlier worker"));
   CHECK_THAT(error(R"({"name":"x","buffersLike":"a"},)" + a),
              Contains("worker \"x\": buffers_like names \"a\", which is not an earlier worker"));
   CHECK_THAT(error(a + R"(,{"name":"x","buffersLike":"x"})"),
              Contains("worker \"x\": buffers_like names \"x\", which is not an earlier worker"));
-  CHECK_THAT(error(a + R"(,{"name":"x","buffersLike":"a","buffers":[{"name":"c","dtype":"bf16","shape":[1]}]})"),
-             Contains("worker \"x\" has both buffers_like (\"a\") and buffers of its own"));
+  CHECK_THAT(
+      error(
+          a +
+          R"(,{"name":"x","buffersLike":"a","buffers":[{"name":"c","dtype":"bf16","shape":[1]}]})"),
+      Contains("worker \"x\" has both buffers_like (\"a\") and buffers of its own"));
   // tensor_index: out of range either way; disagreeing with the name.
-  CHECK_THAT(with_piece(R"({"tensorIndex":3})"),
-             Contains("worker \"a\" buffer \"b\" piece 0: tensor_index 3 is out of range (1-based; the layout "
-                      "declares 2 tensors)"));
+  CHECK_THAT(
+      with_piece(R"({"tensorIndex":3})"),
+      Contains(
+          "worker \"a\" buffer \"b\" piece 0: tensor_index 3 is out of range (1-based; the layout "
+          "declares 2 tensors)"));
   CHECK_THAT(with_piece(R"({"tensor":"w"},{"tensorIndex":-1})"),
              Contains("worker \"a\" buffer \"b\" piece 1: tensor_index -1 is out of range"));
-  CHECK_THAT(with_piece(R"({"tensor":"w","tensorIndex":2})"),
-             Contains("worker \"a\" buffer \"b\" piece 0: tensor \"w\" and tensor_index 2 (\"v\") disagree"));
+  CHECK_THAT(
+      with_piece(R"({"tensor":"w","tensorIndex":2})"),
+      Contains(
+          "worker \"a\" buffer \"b\" piece 0: tensor \"w\" and tensor_index 2 (\"v\") disagree"));
   // Runs: steps need a repeat, an index and explicit boxes of their rank; the run stays in range.
-  CHECK_THAT(with_piece(R"({"tensorIndex":1,"tensorIndexStep":1})"),
-             Contains("worker \"a\" buffer \"b\" piece 0 (tensor \"w\"): run fields without a repeat"));
-  CHECK_THAT(with_piece(R"({"tensorIndex":1,"repeat":-2})"), Contains("piece 0 (tensor \"w\"): repeat -2 < 0"));
+  CHECK_THAT(
+      with_piece(R"({"tensorIndex":1,"tensorIndexStep":1})"),
+      Contains("worker \"a\" buffer \"b\" piece 0 (tensor \"w\"): run fields without a repeat"));
+  CHECK_THAT(with_piece(R"({"tensorIndex":1,"repeat":-2})"),
+             Contains("piece 0 (tensor \"w\"): repeat -2 < 0"));
   CHECK_THAT(with_piece(R"({"tensor":"w","repeat":1,"tensorIndexStep":1})"),
              Contains("piece 0 (tensor \"w\"): tensor_index_step needs tensor_index"));
-  CHECK_THAT(with_piece(R"({"tensorIndex":1,"repeat":2,"tensorIndexStep":1})"),
-             Contains("piece 0 (tensor \"w\"): a run of 3 with tensor_index_step 1 reaches tensor_index 3, "
-                      "out of range"));
+  CHECK_THAT(
+      with_piece(R"({"tensorIndex":1,"repeat":2,"tensorIndexStep":1})"),
+      Contains(
+          "piece 0 (tensor \"w\"): a run of 3 with tensor_index_step 1 reaches tensor_index 3, "
+          "out of range"));
   CHECK_THAT(with_piece(R"({"tensorIndex":1,"repeat":1,"bufferBoxStep":[4,0]})"),
-             Contains("piece 0 (tensor \"w\"): buffer_box_step has 2 dimensions; it needs an explicit buffer_box"));
-  CHECK_THAT(with_piece(R"({"tensorIndex":1,"repeat":1,"tensorBox":{"origin":[0,0],"shape":[4,2]},)"
-                        R"("tensorBoxStep":[4]})"),
-             Contains("tensor_box_step has 1 dimensions; it needs an explicit tensor_box of as many (2)"));
+             Contains("piece 0 (tensor \"w\"): buffer_box_step has 2 dimensions; it needs an "
+                      "explicit buffer_box"));
+  CHECK_THAT(
+      with_piece(R"({"tensorIndex":1,"repeat":1,"tensorBox":{"origin":[0,0],"shape":[4,2]},)"
+                 R"("tensorBoxStep":[4]})"),
+      Contains("tensor_box_step has 1 dimensions; it needs an explicit tensor_box of as many (2)"));
   CHECK_THAT(with_piece(R"({"tensorIndex":1,"repeat":4,"tensorBox":{"origin":[0,0],"shape":[4,2]},)"
                         R"("tensorBoxStep":[4611686018427387904,0]})"),
              Contains("piece 0 (tensor \"w\"): tensor_box_step overflows int64 over 4 repeats"));
-  CHECK_THAT(with_piece(R"({"tensorIndex":1,"runPieces":2})"), Contains("piece 0 (tensor \"w\"): run fields without a repeat"));
-  CHECK_THAT(with_piece(R"({"tensorIndex":1,"repeat":1,"runPieces":2})"),
-             Contains("piece 0 (tensor \"w\"): run_pieces 2, but the buffer has 1 pieces from here"));
-  CHECK_THAT(with_piece(R"({"tensorIndex":1,"repeat":1,"runPieces":2},{"tensorIndex":2,"repeat":1})"),
-             Contains("worker \"a\" buffer \"b\" piece 1: one of the run of piece 0 (run_pieces 2), it may carry no "
-                      "run fields"));
-  CHECK_THAT(with_piece(R"({"tensorIndex":1,"repeat":1,"runPieces":2,"tensorIndexStep":1},{"tensor":"v"})"),
-             Contains("piece 1 (tensor \"w\"): tensor_index_step needs tensor_index"));
+  CHECK_THAT(with_piece(R"({"tensorIndex":1,"runPieces":2})"),
+             Contains("piece 0 (tensor \"w\"): run fields without a repeat"));
+  CHECK_THAT(
+      with_piece(R"({"tensorIndex":1,"repeat":1,"runPieces":2})"),
+      Contains("piece 0 (tensor \"w\"): run_pieces 2, but the buffer has 1 pieces from here"));
+  CHECK_THAT(
+      with_piece(R"({"tensorIndex":1,"repeat":1,"runPieces":2},{"tensorIndex":2,"repeat":1})"),
+      Contains("worker \"a\" buffer \"b\" piece 1: one of the run of piece 0 (run_pieces 2), it "
+               "may carry no "
+               "run fields"));
+  CHECK_THAT(
+      with_piece(
+          R"({"tensorIndex":1,"repeat":1,"runPieces":2,"tensorIndexStep":1},{"tensor":"v"})"),
+      Contains("piece 1 (tensor \"w\"): tensor_index_step needs tensor_index"));
   // Every size is bounded: a run may not expand past kMaxLayoutPieces (checked before any of it).
-  CHECK_THAT(with_piece(R"({"tensorIndex":1,"repeat":2000000000})"),
-             Contains("worker \"a\" buffer \"b\": the layout expands to more than 67108864 pieces"));
+  CHECK_THAT(
+      with_piece(R"({"tensorIndex":1,"repeat":2000000000})"),
+      Contains("worker \"a\" buffer \"b\": the layout expands to more than 67108864 pieces"));
   // A group run: (w, v) at rows [0:8] and [8:16] of slab 0, then the same at slab 1.
   auto group = ParseLayoutJson(
       R"({"tensors":[{"name":"w","shape":[8,2],"dtype":"bf16"},{"name":"v","shape":[8,2],"dtype":"bf16"}],)"
@@ -373,10 +408,10 @@ TEST_CASE("the summary is one JSON object with every field") {
   PlanStats s;
   s.bytes_total = 1234567890123;
   const std::string json = SummaryToJson(s, true);
-  for (const char* key : {"tensors", "pieces", "transfers", "messages", "bytes_total",
-                          "bytes_network", "bytes_nvlink", "bytes_local", "max_nic_bytes",
-                          "predicted_seconds", "lower_bound_seconds", "planning_seconds",
-                          "verified"}) {
+  for (const char* key :
+       {"tensors", "pieces", "transfers", "messages", "bytes_total", "bytes_network",
+        "bytes_nvlink", "bytes_local", "max_nic_bytes", "predicted_seconds", "lower_bound_seconds",
+        "planning_seconds", "verified"}) {
     CHECK(json.find(std::string("\"") + key + "\":") != std::string::npos);
   }
   CHECK(json.find("\"bytes_total\":1234567890123") != std::string::npos);

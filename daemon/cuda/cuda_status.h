@@ -28,8 +28,8 @@ inline absl::Status NcclError(ncclResult_t r, const std::string& what) {
 
 }  // namespace refit
 
-#define REFIT_CUDA_RETURN_IF_ERROR(call, what)                                   \
-  do {                                                                           \
+#define REFIT_CUDA_RETURN_IF_ERROR(call, what)                                        \
+  do {                                                                                \
     if (auto refit_cuda_s_ = ::refit::CudaError((call), (what)); !refit_cuda_s_.ok()) \
-      return refit_cuda_s_;                                                      \
+      return refit_cuda_s_;                                                           \
   } while (0)

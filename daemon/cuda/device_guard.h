@@ -5,8 +5,8 @@
 // rather than "restored" to device 0, which would create a context (and spend GPU memory) on a GPU
 // this daemon may not serve. A guard that never switched costs nothing: an armed round's transfer
 // makes no CUDA call before it lets the work go, and the first calls after an idle spell took
-// 3-18 us each on an H200 host's VM (docs/BENCHMARKS.md). Otherwise two driver queries at the first Set,
-// one cudaSetDevice when gone; the hot path makes one guard per call and switches with Set().
+// 3-18 us each on an H200 host's VM (docs/BENCHMARKS.md). Otherwise two driver queries at the first
+// Set, one cudaSetDevice when gone; the hot path makes one guard per call and switches with Set().
 #pragma once
 
 #include <cstdint>

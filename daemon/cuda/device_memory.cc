@@ -10,7 +10,8 @@ absl::StatusOr<DeviceMemory> DeviceMemory::Allocate(int32_t gpu, size_t bytes) {
   DeviceGuard guard(gpu);
   if (!guard.status().ok()) return guard.status();
   DeviceMemory m;
-  REFIT_CUDA_RETURN_IF_ERROR(cudaMalloc(&m.ptr_, bytes), absl::StrCat("cudaMalloc of ", bytes, " bytes on GPU ", gpu));
+  REFIT_CUDA_RETURN_IF_ERROR(cudaMalloc(&m.ptr_, bytes),
+                             absl::StrCat("cudaMalloc of ", bytes, " bytes on GPU ", gpu));
   m.bytes_ = bytes;
   m.gpu_ = gpu;
   return m;
@@ -25,7 +26,8 @@ void DeviceMemory::Reset() {
 
 DeviceMemory::~DeviceMemory() { Reset(); }
 
-DeviceMemory::DeviceMemory(DeviceMemory&& other) noexcept : ptr_(other.ptr_), bytes_(other.bytes_), gpu_(other.gpu_) {
+DeviceMemory::DeviceMemory(DeviceMemory&& other) noexcept
+    : ptr_(other.ptr_), bytes_(other.bytes_), gpu_(other.gpu_) {
   other.ptr_ = nullptr;
 }
 

@@ -10,7 +10,8 @@ absl::StatusOr<Event> Event::Create(int32_t gpu) {
   DeviceGuard guard(gpu);
   if (!guard.status().ok()) return guard.status();
   Event e;
-  REFIT_CUDA_RETURN_IF_ERROR(cudaEventCreate(&e.event_), absl::StrCat("cudaEventCreate on GPU ", gpu));
+  REFIT_CUDA_RETURN_IF_ERROR(cudaEventCreate(&e.event_),
+                             absl::StrCat("cudaEventCreate on GPU ", gpu));
   e.gpu_ = gpu;
   return e;
 }
@@ -24,7 +25,9 @@ void Event::Reset() {
 
 Event::~Event() { Reset(); }
 
-Event::Event(Event&& other) noexcept : event_(other.event_), gpu_(other.gpu_) { other.event_ = nullptr; }
+Event::Event(Event&& other) noexcept : event_(other.event_), gpu_(other.gpu_) {
+  other.event_ = nullptr;
+}
 
 Event& Event::operator=(Event&& other) noexcept {
   if (this != &other) {

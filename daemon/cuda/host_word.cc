@@ -15,8 +15,9 @@ absl::StatusOr<HostWord> HostWord::Create(int32_t gpu) {
   if (!guard.status().ok()) return guard.status();
   HostWord w;
   void* host = nullptr;
-  REFIT_CUDA_RETURN_IF_ERROR(cudaHostAlloc(&host, sizeof(uint32_t), cudaHostAllocMapped | cudaHostAllocPortable),
-                             absl::StrCat("a mapped host word for GPU ", gpu));
+  REFIT_CUDA_RETURN_IF_ERROR(
+      cudaHostAlloc(&host, sizeof(uint32_t), cudaHostAllocMapped | cudaHostAllocPortable),
+      absl::StrCat("a mapped host word for GPU ", gpu));
   w.host_ = static_cast<uint32_t*>(host);
   *w.host_ = 0;
   void* device = nullptr;

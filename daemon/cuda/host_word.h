@@ -23,8 +23,12 @@ class HostWord {
   HostWord& operator=(const HostWord&) = delete;
 
   // Released: what the GPU reads after seeing this value was written before it.
-  void Store(uint32_t value) { std::atomic_ref<uint32_t>(*host_).store(value, std::memory_order_release); }
-  uint32_t Load() const { return std::atomic_ref<uint32_t>(*host_).load(std::memory_order_acquire); }
+  void Store(uint32_t value) {
+    std::atomic_ref<uint32_t>(*host_).store(value, std::memory_order_release);
+  }
+  uint32_t Load() const {
+    return std::atomic_ref<uint32_t>(*host_).load(std::memory_order_acquire);
+  }
   // Where the GPU reads it.
   uint32_t* device() const { return device_; }
   explicit operator bool() const { return host_ != nullptr; }

@@ -9,16 +9,19 @@
 
 namespace refit {
 
-absl::StatusOr<IpcImport> IpcImport::Open(int32_t gpu, const std::string& handle, const std::string& what) {
+absl::StatusOr<IpcImport> IpcImport::Open(int32_t gpu, const std::string& handle,
+                                          const std::string& what) {
   if (handle.size() != sizeof(cudaIpcMemHandle_t)) {
-    return absl::InvalidArgumentError(absl::StrCat("a CUDA IPC handle has ", sizeof(cudaIpcMemHandle_t), " bytes, not ", handle.size()));
+    return absl::InvalidArgumentError(absl::StrCat(
+        "a CUDA IPC handle has ", sizeof(cudaIpcMemHandle_t), " bytes, not ", handle.size()));
   }
   DeviceGuard guard(gpu);
   if (!guard.status().ok()) return guard.status();
   cudaIpcMemHandle_t h;
   std::memcpy(&h, handle.data(), sizeof h);
   IpcImport i;
-  REFIT_CUDA_RETURN_IF_ERROR(cudaIpcOpenMemHandle(&i.ptr_, h, cudaIpcMemLazyEnablePeerAccess), what);
+  REFIT_CUDA_RETURN_IF_ERROR(cudaIpcOpenMemHandle(&i.ptr_, h, cudaIpcMemLazyEnablePeerAccess),
+                             what);
   i.gpu_ = gpu;
   return i;
 }
@@ -32,7 +35,9 @@ void IpcImport::Reset() {
 
 IpcImport::~IpcImport() { Reset(); }
 
-IpcImport::IpcImport(IpcImport&& other) noexcept : ptr_(other.ptr_), gpu_(other.gpu_) { other.ptr_ = nullptr; }
+IpcImport::IpcImport(IpcImport&& other) noexcept : ptr_(other.ptr_), gpu_(other.gpu_) {
+  other.ptr_ = nullptr;
+}
 
 IpcImport& IpcImport::operator=(IpcImport&& other) noexcept {
   if (this != &other) {

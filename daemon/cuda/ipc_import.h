@@ -17,7 +17,8 @@ class IpcImport {
  public:
   IpcImport() = default;
   // `handle`: a cudaIpcMemHandle_t's bytes (the caller checked the size). `what` prefixes errors.
-  static absl::StatusOr<IpcImport> Open(int32_t gpu, const std::string& handle, const std::string& what);
+  static absl::StatusOr<IpcImport> Open(int32_t gpu, const std::string& handle,
+                                        const std::string& what);
   ~IpcImport();
   IpcImport(IpcImport&& other) noexcept;
   IpcImport& operator=(IpcImport&& other) noexcept;

@@ -6,15 +6,16 @@
 
 namespace refit {
 
-absl::StatusOr<NcclComm> NcclComm::InitRank(int32_t gpu, int nranks, const ncclUniqueId& id, int rank,
-                                            ncclConfig_t config) {
+absl::StatusOr<NcclComm> NcclComm::InitRank(int32_t gpu, int nranks, const ncclUniqueId& id,
+                                            int rank, ncclConfig_t config) {
   DeviceGuard guard(gpu);
   if (!guard.status().ok()) return guard.status();
   NcclComm c;
   const ncclResult_t r = ncclCommInitRankConfig(&c.comm_, nranks, id, rank, &config);
   if (r != ncclSuccess && r != ncclInProgress) {
     c.comm_ = nullptr;  // NCCL released what it made
-    return NcclError(r, absl::StrCat("ncclCommInitRankConfig (rank ", rank, " of ", nranks, " on GPU ", gpu, ")"));
+    return NcclError(r, absl::StrCat("ncclCommInitRankConfig (rank ", rank, " of ", nranks,
+                                     " on GPU ", gpu, ")"));
   }
   c.gpu_ = gpu;
   return c;
@@ -44,7 +45,8 @@ ncclResult_t NcclComm::AsyncError() const {
 
 NcclComm::~NcclComm() { Release(); }
 
-NcclComm::NcclComm(NcclComm&& other) noexcept : comm_(other.comm_), gpu_(other.gpu_), ready_(other.ready_) {
+NcclComm::NcclComm(NcclComm&& other) noexcept
+    : comm_(other.comm_), gpu_(other.gpu_), ready_(other.ready_) {
   other.comm_ = nullptr;
 }
 
@@ -59,14 +61,16 @@ NcclComm& NcclComm::operator=(NcclComm&& other) noexcept {
   return *this;
 }
 
-absl::StatusOr<NcclRegistration> NcclRegistration::Register(const NcclComm& comm, void* buffer, size_t bytes) {
+absl::StatusOr<NcclRegistration> NcclRegistration::Register(const NcclComm& comm, void* buffer,
+                                                            size_t bytes) {
   DeviceGuard guard(comm.gpu());
   if (!guard.status().ok()) return guard.status();
   NcclRegistration reg;
   void* handle = nullptr;
   const ncclResult_t r = ncclCommRegister(comm.get(), buffer, bytes, &handle);
   if (r != ncclSuccess && r != ncclInProgress) {
-    return NcclError(r, absl::StrCat("ncclCommRegister of ", bytes, " bytes of staging on GPU ", comm.gpu()));
+    return NcclError(
+        r, absl::StrCat("ncclCommRegister of ", bytes, " bytes of staging on GPU ", comm.gpu()));
   }
   reg.comm_ = comm.get();
   reg.gpu_ = comm.gpu();

@@ -22,8 +22,8 @@ class NcclComm {
   NcclComm() = default;
   // ncclCommInitRankConfig on GPU `gpu` (inside the caller's ncclGroupStart/End when several
   // local ranks come up together); nonblocking communicators return before init is done.
-  static absl::StatusOr<NcclComm> InitRank(int32_t gpu, int nranks, const ncclUniqueId& id, int rank,
-                                           ncclConfig_t config);
+  static absl::StatusOr<NcclComm> InitRank(int32_t gpu, int nranks, const ncclUniqueId& id,
+                                           int rank, ncclConfig_t config);
   ~NcclComm();
   NcclComm(NcclComm&& other) noexcept;
   NcclComm& operator=(NcclComm&& other) noexcept;
@@ -51,7 +51,8 @@ class NcclRegistration {
   NcclRegistration() = default;
   // ncclCommRegister of `bytes` at `buffer` with `comm`; in progress until the rank's AsyncError
   // is no longer ncclInProgress.
-  static absl::StatusOr<NcclRegistration> Register(const NcclComm& comm, void* buffer, size_t bytes);
+  static absl::StatusOr<NcclRegistration> Register(const NcclComm& comm, void* buffer,
+                                                   size_t bytes);
   ~NcclRegistration();
   NcclRegistration(NcclRegistration&& other) noexcept;
   NcclRegistration& operator=(NcclRegistration&& other) noexcept;

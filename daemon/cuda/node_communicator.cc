@@ -61,11 +61,14 @@ absl::Status NodeCommunicator::Wait(const Interrupted& interrupted, const std::s
     bool pending = false;
     for (const auto& [gpu, rank] : ranks_) {
       const ncclResult_t state = rank.AsyncError();
-      if (state == ncclInProgress) pending = true;
-      else if (state != ncclSuccess) return NcclError(state, what);
+      if (state == ncclInProgress)
+        pending = true;
+      else if (state != ncclSuccess)
+        return NcclError(state, what);
     }
     if (!pending) return absl::OkStatus();
-    if (auto s = interrupted(); !s.ok()) return absl::Status(s.code(), absl::StrCat(what, ": ", s.message()));
+    if (auto s = interrupted(); !s.ok())
+      return absl::Status(s.code(), absl::StrCat(what, ": ", s.message()));
     // Spin at first: between the steps of a round the host must stay ahead of the GPU, and a
     // sleep costs tens of microseconds; an init that takes long is polled gently.
     if (absl::Now() > spin_until) absl::SleepFor(absl::Microseconds(50));

@@ -27,8 +27,8 @@ class NodeCommunicator {
 
   // `id`: an ncclUniqueId's bytes. `local`: (GPU, rank) of each of this node's ranks. Starts
   // their init and returns: WaitReady before use.
-  static absl::StatusOr<std::unique_ptr<NodeCommunicator>> Start(const std::string& id, int nranks,
-                                                                 const std::vector<std::pair<int32_t, int>>& local);
+  static absl::StatusOr<std::unique_ptr<NodeCommunicator>> Start(
+      const std::string& id, int nranks, const std::vector<std::pair<int32_t, int>>& local);
   // Waits (Wait) until every rank is up; from then on the ranks are destroyed, not aborted, when
   // dropped. `what` names the communicator in errors.
   absl::Status WaitReady(const Interrupted& interrupted, const std::string& what);

@@ -12,14 +12,18 @@ absl::StatusOr<StagingBuffer> StagingBuffer::Allocate(int32_t gpu, size_t bytes,
   s.gpu_ = gpu;
   if (!nccl_memory) {
     auto m = DeviceMemory::Allocate(gpu, bytes);
-    if (!m.ok()) return absl::Status(m.status().code(), absl::StrCat("staging of ", bytes, " bytes on GPU ", gpu, ": ", m.status().message()));
+    if (!m.ok())
+      return absl::Status(m.status().code(), absl::StrCat("staging of ", bytes, " bytes on GPU ",
+                                                          gpu, ": ", m.status().message()));
     s.cuda_ = *std::move(m);
     return s;
   }
   DeviceGuard guard(gpu);
   if (!guard.status().ok()) return guard.status();
   void* p = nullptr;
-  if (auto e = NcclError(ncclMemAlloc(&p, bytes), absl::StrCat("ncclMemAlloc of ", bytes, " bytes of staging on GPU ", gpu)); !e.ok()) {
+  if (auto e = NcclError(ncclMemAlloc(&p, bytes),
+                         absl::StrCat("ncclMemAlloc of ", bytes, " bytes of staging on GPU ", gpu));
+      !e.ok()) {
     return e;
   }
   s.nccl_ptr_ = p;
@@ -38,7 +42,10 @@ void StagingBuffer::Reset() {
 StagingBuffer::~StagingBuffer() { Reset(); }
 
 StagingBuffer::StagingBuffer(StagingBuffer&& other) noexcept
-    : cuda_(std::move(other.cuda_)), nccl_ptr_(other.nccl_ptr_), bytes_(other.bytes_), gpu_(other.gpu_) {
+    : cuda_(std::move(other.cuda_)),
+      nccl_ptr_(other.nccl_ptr_),
+      bytes_(other.bytes_),
+      gpu_(other.gpu_) {
   other.nccl_ptr_ = nullptr;
 }
 

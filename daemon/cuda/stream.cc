@@ -10,8 +10,9 @@ absl::StatusOr<Stream> Stream::Create(int32_t gpu, int priority) {
   DeviceGuard guard(gpu);
   if (!guard.status().ok()) return guard.status();
   Stream s;
-  REFIT_CUDA_RETURN_IF_ERROR(cudaStreamCreateWithPriority(&s.stream_, cudaStreamNonBlocking, priority),
-                             absl::StrCat("a stream on GPU ", gpu));
+  REFIT_CUDA_RETURN_IF_ERROR(
+      cudaStreamCreateWithPriority(&s.stream_, cudaStreamNonBlocking, priority),
+      absl::StrCat("a stream on GPU ", gpu));
   s.gpu_ = gpu;
   return s;
 }
@@ -25,7 +26,9 @@ void Stream::Reset() {
 
 Stream::~Stream() { Reset(); }
 
-Stream::Stream(Stream&& other) noexcept : stream_(other.stream_), gpu_(other.gpu_) { other.stream_ = nullptr; }
+Stream::Stream(Stream&& other) noexcept : stream_(other.stream_), gpu_(other.gpu_) {
+  other.stream_ = nullptr;
+}
 
 Stream& Stream::operator=(Stream&& other) noexcept {
   if (this != &other) {

@@ -7,12 +7,14 @@
 
 namespace refit {
 
-absl::StatusOr<VmmHandle> VmmHandle::Import(const CudaDriver& driver, int32_t gpu, int fd, const std::string& what) {
+absl::StatusOr<VmmHandle> VmmHandle::Import(const CudaDriver& driver, int32_t gpu, int fd,
+                                            const std::string& what) {
   DeviceGuard guard(gpu);
   if (!guard.status().ok()) return guard.status();
   VmmHandle h;
-  if (auto s = driver.Check(driver.MemImportFromShareableHandle(&h.handle_, reinterpret_cast<void*>(static_cast<uintptr_t>(fd)),
-                                                                CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR),
+  if (auto s = driver.Check(driver.MemImportFromShareableHandle(
+                                &h.handle_, reinterpret_cast<void*>(static_cast<uintptr_t>(fd)),
+                                CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR),
                             what, absl::StatusCode::kInvalidArgument);
       !s.ok()) {
     return s;
@@ -33,7 +35,10 @@ void VmmHandle::Reset() {
 VmmHandle::~VmmHandle() { Reset(); }
 
 VmmHandle::VmmHandle(VmmHandle&& other) noexcept
-    : driver_(other.driver_), gpu_(other.gpu_), handle_(other.handle_), held_(std::exchange(other.held_, false)) {}
+    : driver_(other.driver_),
+      gpu_(other.gpu_),
+      handle_(other.handle_),
+      held_(std::exchange(other.held_, false)) {}
 
 VmmHandle& VmmHandle::operator=(VmmHandle&& other) noexcept {
   if (this != &other) {
@@ -46,12 +51,15 @@ VmmHandle& VmmHandle::operator=(VmmHandle&& other) noexcept {
   return *this;
 }
 
-absl::StatusOr<VmmReservation> VmmReservation::Reserve(const CudaDriver& driver, int32_t gpu, size_t bytes, size_t alignment,
+absl::StatusOr<VmmReservation> VmmReservation::Reserve(const CudaDriver& driver, int32_t gpu,
+                                                       size_t bytes, size_t alignment,
                                                        const std::string& what) {
   DeviceGuard guard(gpu);
   if (!guard.status().ok()) return guard.status();
   VmmReservation r;
-  if (auto s = driver.Check(driver.MemAddressReserve(&r.base_, bytes, alignment, 0, 0), what); !s.ok()) return s;
+  if (auto s = driver.Check(driver.MemAddressReserve(&r.base_, bytes, alignment, 0, 0), what);
+      !s.ok())
+    return s;
   r.driver_ = &driver;
   r.gpu_ = gpu;
   r.bytes_ = bytes;
@@ -68,7 +76,10 @@ void VmmReservation::Reset() {
 VmmReservation::~VmmReservation() { Reset(); }
 
 VmmReservation::VmmReservation(VmmReservation&& other) noexcept
-    : driver_(other.driver_), gpu_(other.gpu_), base_(other.base_), bytes_(std::exchange(other.bytes_, 0)) {}
+    : driver_(other.driver_),
+      gpu_(other.gpu_),
+      base_(other.base_),
+      bytes_(std::exchange(other.bytes_, 0)) {}
 
 VmmReservation& VmmReservation::operator=(VmmReservation&& other) noexcept {
   if (this != &other) {
@@ -81,8 +92,8 @@ VmmReservation& VmmReservation::operator=(VmmReservation&& other) noexcept {
   return *this;
 }
 
-absl::StatusOr<VmmMap> VmmMap::Map(const CudaDriver& driver, int32_t gpu, CUdeviceptr at, size_t bytes,
-                                   const VmmHandle& handle, const std::string& what) {
+absl::StatusOr<VmmMap> VmmMap::Map(const CudaDriver& driver, int32_t gpu, CUdeviceptr at,
+                                   size_t bytes, const VmmHandle& handle, const std::string& what) {
   DeviceGuard guard(gpu);
   if (!guard.status().ok()) return guard.status();
   if (auto s = driver.Check(driver.MemMap(at, bytes, 0, handle.get(), 0), what); !s.ok()) return s;
@@ -104,7 +115,10 @@ void VmmMap::Reset() {
 VmmMap::~VmmMap() { Reset(); }
 
 VmmMap::VmmMap(VmmMap&& other) noexcept
-    : driver_(other.driver_), gpu_(other.gpu_), at_(other.at_), bytes_(std::exchange(other.bytes_, 0)) {}
+    : driver_(other.driver_),
+      gpu_(other.gpu_),
+      at_(other.at_),
+      bytes_(std::exchange(other.bytes_, 0)) {}
 
 VmmMap& VmmMap::operator=(VmmMap&& other) noexcept {
   if (this != &other) {

@@ -23,7 +23,8 @@ class VmmHandle {
   VmmHandle() = default;
   // cuMemImportFromShareableHandle of a POSIX file descriptor; errors are INVALID_ARGUMENT (the
   // descriptor is the caller's), prefixed by `what`.
-  static absl::StatusOr<VmmHandle> Import(const CudaDriver& driver, int32_t gpu, int fd, const std::string& what);
+  static absl::StatusOr<VmmHandle> Import(const CudaDriver& driver, int32_t gpu, int fd,
+                                          const std::string& what);
   ~VmmHandle();
   VmmHandle(VmmHandle&& other) noexcept;
   VmmHandle& operator=(VmmHandle&& other) noexcept;
@@ -43,8 +44,8 @@ class VmmHandle {
 class VmmReservation {
  public:
   VmmReservation() = default;
-  static absl::StatusOr<VmmReservation> Reserve(const CudaDriver& driver, int32_t gpu, size_t bytes, size_t alignment,
-                                                const std::string& what);
+  static absl::StatusOr<VmmReservation> Reserve(const CudaDriver& driver, int32_t gpu, size_t bytes,
+                                                size_t alignment, const std::string& what);
   ~VmmReservation();
   VmmReservation(VmmReservation&& other) noexcept;
   VmmReservation& operator=(VmmReservation&& other) noexcept;
@@ -65,8 +66,8 @@ class VmmReservation {
 class VmmMap {
  public:
   VmmMap() = default;
-  static absl::StatusOr<VmmMap> Map(const CudaDriver& driver, int32_t gpu, CUdeviceptr at, size_t bytes,
-                                    const VmmHandle& handle, const std::string& what);
+  static absl::StatusOr<VmmMap> Map(const CudaDriver& driver, int32_t gpu, CUdeviceptr at,
+                                    size_t bytes, const VmmHandle& handle, const std::string& what);
   ~VmmMap();
   VmmMap(VmmMap&& other) noexcept;
   VmmMap& operator=(VmmMap&& other) noexcept;

@@ -27,7 +27,8 @@ int Run(int argc, char** argv) {
   int64_t bytes = int64_t{256} << 20, message_bytes = int64_t{16} << 20, rounds = 7, warmup = 2;
   bool tls = false;
   std::string certs;
-  CliFlags flags("host_data_benchmark", "the host data plane's throughput, plain TCP or mutual TLS");
+  CliFlags flags("host_data_benchmark",
+                 "the host data plane's throughput, plain TCP or mutual TLS");
   flags.Int("bytes", &bytes, "bytes moved from node 0 to node 1 per round (a multiple of 4096)");
   flags.Int("message-bytes", &message_bytes, "the plan's max_message_bytes (one frame each)");
   flags.Int("rounds", &rounds, "timed rounds");
@@ -41,11 +42,12 @@ int Run(int argc, char** argv) {
   // One bf16 tensor of `bytes`, whole on node 0 and whole on node 1: every byte crosses once.
   const int64_t cols = 2048, rows = bytes / (2 * cols);
   Layout src, dst;
-  testing::AddSplitTensor(src, "w", Dims{rows, cols}, DType::kBF16, 0, testing::EvenSplit(rows, 1), {{0, 0}},
-                          "trainer");
-  testing::AddSplitTensor(dst, "w", Dims{rows, cols}, DType::kBF16, 0, testing::EvenSplit(rows, 1), {{1, 0}},
-                          "engine");
-  if (!ValidateLayout(src, "source").ok() || !ValidateLayout(dst, "destination").ok()) flags.Fail("bad layouts");
+  testing::AddSplitTensor(src, "w", Dims{rows, cols}, DType::kBF16, 0, testing::EvenSplit(rows, 1),
+                          {{0, 0}}, "trainer");
+  testing::AddSplitTensor(dst, "w", Dims{rows, cols}, DType::kBF16, 0, testing::EvenSplit(rows, 1),
+                          {{1, 0}}, "engine");
+  if (!ValidateLayout(src, "source").ok() || !ValidateLayout(dst, "destination").ok())
+    flags.Fail("bad layouts");
   PlanOptions options;
   options.max_message_bytes = message_bytes;
   auto planned = MakePlan(src, dst, options);
@@ -66,7 +68,8 @@ int Run(int argc, char** argv) {
   }
   std::vector<std::byte> from(static_cast<size_t>(src.buffers[0].NumBytes()), std::byte{1});
   std::vector<std::byte> to(static_cast<size_t>(dst.buffers[0].NumBytes()), std::byte{0});
-  const BufferMemory src_memory = {std::span<std::byte>(from)}, dst_memory = {std::span<std::byte>(to)};
+  const BufferMemory src_memory = {std::span<std::byte>(from)},
+                     dst_memory = {std::span<std::byte>(to)};
 
   std::vector<double> seconds;
   for (int64_t round = 1; round <= warmup + rounds; ++round) {
@@ -94,17 +97,19 @@ int Run(int argc, char** argv) {
     }
     if (round <= warmup) continue;
     seconds.push_back(s);
-    std::printf("{\"tls\": %s, \"round\": %lld, \"bytes\": %lld, \"seconds\": %.6f, \"gb_per_s\": %.3f}\n",
-                tls ? "true" : "false", static_cast<long long>(round - warmup),
-                static_cast<long long>(plan->stats.bytes_network), s, plan->stats.bytes_network / s / 1e9);
+    std::printf(
+        "{\"tls\": %s, \"round\": %lld, \"bytes\": %lld, \"seconds\": %.6f, \"gb_per_s\": %.3f}\n",
+        tls ? "true" : "false", static_cast<long long>(round - warmup),
+        static_cast<long long>(plan->stats.bytes_network), s, plan->stats.bytes_network / s / 1e9);
   }
   std::sort(seconds.begin(), seconds.end());
   const double median = seconds[seconds.size() / 2];
-  std::printf("{\"tls\": %s, \"summary\": true, \"bytes\": %lld, \"message_bytes\": %lld, \"rounds\": %zu, "
-              "\"median_seconds\": %.6f, \"median_gb_per_s\": %.3f}\n",
-              tls ? "true" : "false", static_cast<long long>(plan->stats.bytes_network),
-              static_cast<long long>(message_bytes), seconds.size(), median,
-              plan->stats.bytes_network / median / 1e9);
+  std::printf(
+      "{\"tls\": %s, \"summary\": true, \"bytes\": %lld, \"message_bytes\": %lld, \"rounds\": %zu, "
+      "\"median_seconds\": %.6f, \"median_gb_per_s\": %.3f}\n",
+      tls ? "true" : "false", static_cast<long long>(plan->stats.bytes_network),
+      static_cast<long long>(message_bytes), seconds.size(), median,
+      plan->stats.bytes_network / median / 1e9);
   return 0;
 }
 

@@ -16,15 +16,15 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
-#include "common/cli_flags.h"
 #include "client/layout_generator.h"
-#include "tests/bench/frontier_cases.h"
+#include "common/cli_flags.h"
 #include "daemon/node_agent.h"
 #include "google/protobuf/util/json_util.h"
 #include "plan/planner.h"
 #include "plan/validate.h"
 #include "proto/layout_codec.h"
 #include "proto/refit.pb.h"
+#include "tests/bench/frontier_cases.h"
 
 namespace refit {
 namespace {
@@ -39,8 +39,8 @@ double Median(std::vector<double> v) {
 }
 
 // The request RoundDriver forms (daemon/round_driver.cc), with these layouts.
-v1::InstallPlanRequest Request(v1::Layout src, v1::Layout dst, int32_t nodes, int64_t max_message_bytes,
-                               int32_t max_relay_depth) {
+v1::InstallPlanRequest Request(v1::Layout src, v1::Layout dst, int32_t nodes,
+                               int64_t max_message_bytes, int32_t max_relay_depth) {
   v1::InstallPlanRequest r;
   r.set_group("policy");
   r.set_epoch(7);
@@ -101,27 +101,34 @@ int main(int argc, char** argv) {
   bool install = true, install_full = true, plan_generated = false;
   CliFlags flags("install_benchmark", "[--case NAME] [--repeat N] [--configs DIR]");
   flags.String("case", &only, "run only this case (deepseek-v3, kimi-k2)");
-  flags.Int("repeat", &repeat, "timed runs of each measurement after one warm-up; the median is reported");
+  flags.Int("repeat", &repeat,
+            "timed runs of each measurement after one warm-up; the median is reported");
   flags.String("configs", &configs, "folder with the models' config.json files");
   flags.Int("gpus-per-node", &gpus_per_node, "GPUs per node");
-  flags.Int("max-message-bytes", &max_message_bytes, "the coordinator's --max-message-bytes (shipped in the request)");
-  flags.Int("max-relay-depth", &max_relay_depth, "the coordinator's --max-relay-depth (shipped in the request)");
-  flags.Bool("plan-generated", &plan_generated, "also plan the generated layouts once with the request's options "
-                                                "(pieces in the generator's order, not grouped by buffer)");
-  flags.String("show-buffer", &show_buffer, "print (stderr) the compact JSON of the first engine buffer whose name "
-                                           "contains this");
+  flags.Int("max-message-bytes", &max_message_bytes,
+            "the coordinator's --max-message-bytes (shipped in the request)");
+  flags.Int("max-relay-depth", &max_relay_depth,
+            "the coordinator's --max-relay-depth (shipped in the request)");
+  flags.Bool("plan-generated", &plan_generated,
+             "also plan the generated layouts once with the request's options "
+             "(pieces in the generator's order, not grouped by buffer)");
+  flags.String("show-buffer", &show_buffer,
+               "print (stderr) the compact JSON of the first engine buffer whose name "
+               "contains this");
   flags.Bool("install", &install, "time a node's install (--noinstall: sizes and encoding only)");
-  flags.Bool("install-full", &install_full, "also time a node's install from the full form (--noinstall-full: not)");
+  flags.Bool("install-full", &install_full,
+             "also time a node's install from the full form (--noinstall-full: not)");
   flags.Parse(argc, argv);
   if (repeat < 1) flags.Fail("--repeat must be >= 1");
 
   // The shapes of docs/BENCHMARKS.md, "Planning at frontier scale".
   std::vector<Case> cases;
   for (Case& c : FrontierCases()) {
-    if (c.name == "deepseek-v3" || c.name == "kimi-k2") cases.push_back(std::move(c));  // issue 13.8's two
+    if (c.name == "deepseek-v3" || c.name == "kimi-k2")
+      cases.push_back(std::move(c));  // issue 13.8's two
   }
-  constexpr double kGrpcCap = 2147483647.0;              // gRPC's largest message (INT32_MAX)
-  constexpr double kDaemonCap = 256.0 * 1024 * 1024;     // refitd's --max-rpc-bytes default
+  constexpr double kGrpcCap = 2147483647.0;           // gRPC's largest message (INT32_MAX)
+  constexpr double kDaemonCap = 256.0 * 1024 * 1024;  // refitd's --max-rpc-bytes default
   for (const Case& c : cases) {
     if (!only.empty() && c.name != only) continue;
     auto text = ReadFile(absl::StrCat(configs, "/", c.config));
@@ -138,7 +145,8 @@ int main(int argc, char** argv) {
     const int32_t nodes = trainer_nodes + inference_nodes;
 
     // What the coordinator holds today: every registered worker's pieces spelled out.
-    v1::Layout full_src = LayoutToProto(*src, "trainers"), full_dst = LayoutToProto(*dst, "inference");
+    v1::Layout full_src = LayoutToProto(*src, "trainers"),
+               full_dst = LayoutToProto(*dst, "inference");
     // Its own decode (GroupPlanner plans from it), then the compaction it adds once per epoch.
     std::vector<double> coordinator_decode, compact_seconds;
     v1::Layout compact_src, compact_dst;
@@ -165,13 +173,15 @@ int main(int argc, char** argv) {
         *fields[i] = true;
         const int64_t s = CompactLayoutToProto(*src, "trainers", o).ByteSizeLong();
         const int64_t d = CompactLayoutToProto(*dst, "inference", o).ByteSizeLong();
-        steps.push_back(absl::StrCat("\"+", names[i], "\":{\"source\":", s, ",\"destination\":", d, "}"));
+        steps.push_back(
+            absl::StrCat("\"+", names[i], "\":{\"source\":", s, ",\"destination\":", d, "}"));
       }
     }
     if (!show_buffer.empty()) {
       for (const v1::Worker& w : compact_dst.workers()) {
-        auto it = std::find_if(w.buffers().begin(), w.buffers().end(),
-                               [&](const v1::Buffer& b) { return b.name().find(show_buffer) != std::string::npos; });
+        auto it = std::find_if(w.buffers().begin(), w.buffers().end(), [&](const v1::Buffer& b) {
+          return b.name().find(show_buffer) != std::string::npos;
+        });
         if (it == w.buffers().end()) continue;
         std::string json;
         (void)google::protobuf::util::MessageToJsonString(*it, &json);
@@ -187,10 +197,12 @@ int main(int argc, char** argv) {
       *tensors_only.mutable_tensors() = l->tensors();
       tensor_table_bytes += tensors_only.ByteSizeLong();
     }
-    const v1::InstallPlanRequest full = Request(std::move(full_src), std::move(full_dst), nodes, max_message_bytes,
-                                                       static_cast<int32_t>(max_relay_depth));
-    const v1::InstallPlanRequest compact = Request(std::move(compact_src), std::move(compact_dst), nodes, max_message_bytes,
-                                                       static_cast<int32_t>(max_relay_depth));
+    const v1::InstallPlanRequest full =
+        Request(std::move(full_src), std::move(full_dst), nodes, max_message_bytes,
+                static_cast<int32_t>(max_relay_depth));
+    const v1::InstallPlanRequest compact =
+        Request(std::move(compact_src), std::move(compact_dst), nodes, max_message_bytes,
+                static_cast<int32_t>(max_relay_depth));
     const double full_bytes = full.ByteSizeLong(), compact_bytes = compact.ByteSizeLong();
 
     // Encode: what gRPC's serializer does once per node called.
@@ -217,11 +229,13 @@ int main(int argc, char** argv) {
         if (!t.ok()) flags.Fail(absl::StrCat(c.name, ": ", t.status().message()));
         if (r > 0) runs.push_back(*t);
       }
-      std::sort(runs.begin(), runs.end(), [](const Install& a, const Install& b) { return a.total() < b.total(); });
+      std::sort(runs.begin(), runs.end(),
+                [](const Install& a, const Install& b) { return a.total() < b.total(); });
       *median = runs[runs.size() / 2];
       std::vector<double> totals;
       for (const Install& i : runs) totals.push_back(i.total());
-      return absl::StrJoin(totals, ",", [](std::string* out, double s) { absl::StrAppend(out, Seconds(s)); });
+      return absl::StrJoin(totals, ",",
+                           [](std::string* out, double s) { absl::StrAppend(out, Seconds(s)); });
     };
     std::string generated;
     if (plan_generated) {
@@ -244,24 +258,30 @@ int main(int argc, char** argv) {
                           ",\"total_s\":", Seconds(i.total()), ",\"runs_s\":[", runs, "]}");
     };
     std::printf(
-        "{\"case\":\"%s\",\"trainer_gpus\":%d,\"engine_gpus\":%d,\"nodes\":%d,\"source_pieces\":%zu,"
+        "{\"case\":\"%s\",\"trainer_gpus\":%d,\"engine_gpus\":%d,\"nodes\":%d,\"source_pieces\":%"
+        "zu,"
         "\"destination_pieces\":%zu,\"source_workers\":%zu,\"destination_workers\":%zu,"
         "\"request_bytes_full\":%.0f,\"request_bytes_compact\":%.0f,\"ratio\":%.1f,"
         "\"full_of_grpc_cap\":%.3f,\"compact_of_grpc_cap\":%.5f,\"full_of_max_rpc_bytes\":%.3f,"
-        "\"compact_of_max_rpc_bytes\":%.4f,\"layout_bytes_full\":{\"source\":%zu,\"destination\":%zu},"
-        "\"layout_bytes_by_step\":{%s},\"compact_tensor_tables_bytes\":%zu,\"coordinator_decode_s\":%s,\"compact_s\":%s,\"encode_full_s\":%s,"
+        "\"compact_of_max_rpc_bytes\":%.4f,\"layout_bytes_full\":{\"source\":%zu,\"destination\":%"
+        "zu},"
+        "\"layout_bytes_by_step\":{%s},\"compact_tensor_tables_bytes\":%zu,\"coordinator_decode_"
+        "s\":%s,\"compact_s\":%s,\"encode_full_s\":%s,"
         "\"encode_compact_s\":%s%s%s%s%s%s,\"max_message_bytes\":%lld,\"max_relay_depth\":%lld,"
         "\"repeat\":%lld}\n",
-        c.name.c_str(), c.trainer.World(), c.inference.World(), nodes, src->pieces.size(), dst->pieces.size(),
-        src->workers.size(), dst->workers.size(), full_bytes, compact_bytes, full_bytes / compact_bytes,
-        full_bytes / kGrpcCap, compact_bytes / kGrpcCap, full_bytes / kDaemonCap, compact_bytes / kDaemonCap,
-        full_src_bytes, full_dst_bytes, absl::StrJoin(steps, ",").c_str(), tensor_table_bytes,
+        c.name.c_str(), c.trainer.World(), c.inference.World(), nodes, src->pieces.size(),
+        dst->pieces.size(), src->workers.size(), dst->workers.size(), full_bytes, compact_bytes,
+        full_bytes / compact_bytes, full_bytes / kGrpcCap, compact_bytes / kGrpcCap,
+        full_bytes / kDaemonCap, compact_bytes / kDaemonCap, full_src_bytes, full_dst_bytes,
+        absl::StrJoin(steps, ",").c_str(), tensor_table_bytes,
         Seconds(Median(coordinator_decode)).c_str(), Seconds(Median(compact_seconds)).c_str(),
         Seconds(Median(encode_full)).c_str(), Seconds(Median(encode_compact)).c_str(),
-        install ? ",\"install_compact\":" : "", install ? install_json(compact_install, compact_runs).c_str() : "",
+        install ? ",\"install_compact\":" : "",
+        install ? install_json(compact_install, compact_runs).c_str() : "",
         install_full ? ",\"install_full\":" : "",
         install_full ? install_json(full_install, full_runs).c_str() : "", generated.c_str(),
-        static_cast<long long>(max_message_bytes), static_cast<long long>(max_relay_depth), static_cast<long long>(repeat));
+        static_cast<long long>(max_message_bytes), static_cast<long long>(max_relay_depth),
+        static_cast<long long>(repeat));
     std::fflush(stdout);
   }
   return 0;

@@ -16,7 +16,8 @@
 // finished it, by cudaStreamQuery in a loop, cudaEventQuery, cudaStreamSynchronize, and a flag
 // the GPU writes into mapped host memory; and how soon the GPU sees a word the host writes into
 // mapped host memory (host_word: what lets an armed round go).
-//   ipc_copy_bench [--max-mib 8192] [--sizes-mib 64,1024,8192] [--repeat 7] [--src T.json --dst I.json]
+//   ipc_copy_bench [--max-mib 8192] [--sizes-mib 64,1024,8192] [--repeat 7] [--src T.json --dst
+//   I.json]
 #include <cuda.h>
 #include <cuda_runtime.h>
 #include <sys/socket.h>
@@ -24,7 +25,6 @@
 #include <unistd.h>
 
 #include <algorithm>
-#include <thread>
 #include <atomic>
 #include <chrono>
 #include <cstdio>
@@ -32,6 +32,7 @@
 #include <cstring>
 #include <functional>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "absl/strings/numbers.h"
@@ -43,21 +44,22 @@
 
 namespace {
 
-#define CHECK_CUDA(x)                                                                   \
-  do {                                                                                  \
-    const cudaError_t e_ = (x);                                                         \
-    if (e_ != cudaSuccess) {                                                            \
+#define CHECK_CUDA(x)                                                                         \
+  do {                                                                                        \
+    const cudaError_t e_ = (x);                                                               \
+    if (e_ != cudaSuccess) {                                                                  \
       std::fprintf(stderr, "%s:%d %s: %s\n", __FILE__, __LINE__, #x, cudaGetErrorString(e_)); \
-      std::exit(1);                                                                     \
-    }                                                                                   \
+      std::exit(1);                                                                           \
+    }                                                                                         \
   } while (0)
-#define CHECK_CU(x)                                                        \
-  do {                                                                     \
-    const CUresult r_ = (x);                                               \
-    if (r_ != CUDA_SUCCESS) {                                              \
-      std::fprintf(stderr, "%s:%d %s: CUresult %d\n", __FILE__, __LINE__, #x, static_cast<int>(r_)); \
-      std::exit(1);                                                        \
-    }                                                                      \
+#define CHECK_CU(x)                                                           \
+  do {                                                                        \
+    const CUresult r_ = (x);                                                  \
+    if (r_ != CUDA_SUCCESS) {                                                 \
+      std::fprintf(stderr, "%s:%d %s: CUresult %d\n", __FILE__, __LINE__, #x, \
+                   static_cast<int>(r_));                                     \
+      std::exit(1);                                                           \
+    }                                                                         \
   } while (0)
 
 // What the child hands over: two IPC handles (source, destination) and two VMM descriptors.
@@ -76,9 +78,10 @@ struct ExportedWorkers {
 
 // One allocation per worker: its buffers back to back, each 256-byte aligned (sim-worker-cuda's).
 struct WorkerBytes {
-  std::vector<int64_t> total;                 // per worker (src workers first, then dst)
-  std::vector<std::vector<int64_t>> offsets;  // per layout, per buffer: its offset in its worker's allocation
-  std::vector<std::vector<int>> owner;        // per layout, per buffer: index into total
+  std::vector<int64_t> total;  // per worker (src workers first, then dst)
+  std::vector<std::vector<int64_t>>
+      offsets;  // per layout, per buffer: its offset in its worker's allocation
+  std::vector<std::vector<int>> owner;  // per layout, per buffer: index into total
 };
 
 WorkerBytes Allocations(const refit::Layout& src, const refit::Layout& dst) {
@@ -250,10 +253,13 @@ float Median(std::vector<float> v) {
 
 // Refit's direct work for one set of worker allocations: one launch per stage, as the cuda
 // backend runs a colocated plan.
-float TimeDirectWork(const LayoutCase& c, const std::vector<uint64_t>& bases, cudaStream_t stream, int repeat) {
+float TimeDirectWork(const LayoutCase& c, const std::vector<uint64_t>& bases, cudaStream_t stream,
+                     int repeat) {
   refit::BufferAddresses sa, da;
-  for (size_t b = 0; b < c.src.buffers.size(); ++b) sa.push_back(bases[c.workers.owner[0][b]] + c.workers.offsets[0][b]);
-  for (size_t b = 0; b < c.dst.buffers.size(); ++b) da.push_back(bases[c.workers.owner[1][b]] + c.workers.offsets[1][b]);
+  for (size_t b = 0; b < c.src.buffers.size(); ++b)
+    sa.push_back(bases[c.workers.owner[0][b]] + c.workers.offsets[0][b]);
+  for (size_t b = 0; b < c.dst.buffers.size(); ++b)
+    da.push_back(bases[c.workers.owner[1][b]] + c.workers.offsets[1][b]);
   struct Stage {
     refit::CopyItem* items = nullptr;
     int64_t* begin = nullptr;
@@ -273,8 +279,10 @@ float TimeDirectWork(const LayoutCase& c, const std::vector<uint64_t>& bases, cu
     Stage st;
     CHECK_CUDA(cudaMalloc(&st.items, w.items.size() * sizeof(refit::CopyItem)));
     CHECK_CUDA(cudaMalloc(&st.begin, w.unit_begin.size() * sizeof(int64_t)));
-    CHECK_CUDA(cudaMemcpy(st.items, w.items.data(), w.items.size() * sizeof(refit::CopyItem), cudaMemcpyHostToDevice));
-    CHECK_CUDA(cudaMemcpy(st.begin, w.unit_begin.data(), w.unit_begin.size() * sizeof(int64_t), cudaMemcpyHostToDevice));
+    CHECK_CUDA(cudaMemcpy(st.items, w.items.data(), w.items.size() * sizeof(refit::CopyItem),
+                          cudaMemcpyHostToDevice));
+    CHECK_CUDA(cudaMemcpy(st.begin, w.unit_begin.data(), w.unit_begin.size() * sizeof(int64_t),
+                          cudaMemcpyHostToDevice));
     st.n = static_cast<int>(w.items.size());
     st.units = w.unit_begin.back();
     st.spread = refit::SpreadPays(w);
@@ -284,7 +292,9 @@ float TimeDirectWork(const LayoutCase& c, const std::vector<uint64_t>& bases, cu
   std::vector<float> t;
   for (int r = 0; r < repeat + 3; ++r) {
     const float k = TimeMs(stream, [&] {
-      for (const Stage& st : stages) CHECK_CUDA(refit::LaunchCopyItems(st.items, st.begin, st.n, st.units, stream, st.spread, st.aligned));
+      for (const Stage& st : stages)
+        CHECK_CUDA(refit::LaunchCopyItems(st.items, st.begin, st.n, st.units, stream, st.spread,
+                                          st.aligned));
     });
     if (r >= 3) t.push_back(k);
   }
@@ -310,20 +320,26 @@ void TimeLayouts(const LayoutCase& c, const ExportedWorkers& x, cudaStream_t str
   std::vector<float> tc;
   for (int r = 0; r < repeat + 3; ++r) {
     const float ms = TimeMs(stream, [&] {
-      CHECK_CUDA(cudaMemcpyAsync(reinterpret_cast<void*>(own2m[n - 1]), reinterpret_cast<void*>(own2m[0]),
-                                 static_cast<size_t>(std::min<int64_t>(bytes, std::min(c.workers.total[0], c.workers.total[n - 1]))),
+      CHECK_CUDA(cudaMemcpyAsync(reinterpret_cast<void*>(own2m[n - 1]),
+                                 reinterpret_cast<void*>(own2m[0]),
+                                 static_cast<size_t>(std::min<int64_t>(
+                                     bytes, std::min(c.workers.total[0], c.workers.total[n - 1]))),
                                  cudaMemcpyDeviceToDevice, stream));
     });
     if (r >= 3) tc.push_back(ms);
   }
-  const int64_t memcpy_bytes = std::min<int64_t>(bytes, std::min(c.workers.total[0], c.workers.total[n - 1]));
-  const double ceiling_ms = Median(tc) * static_cast<double>(bytes) / static_cast<double>(memcpy_bytes);
-  for (auto [name, bases] : {std::pair{"own", &own}, std::pair{"own_2mib", &own2m}, std::pair{"ipc", &ipc},
-                             std::pair{"ipc_2mib", &ipc2m}}) {
+  const int64_t memcpy_bytes =
+      std::min<int64_t>(bytes, std::min(c.workers.total[0], c.workers.total[n - 1]));
+  const double ceiling_ms =
+      Median(tc) * static_cast<double>(bytes) / static_cast<double>(memcpy_bytes);
+  for (auto [name, bases] : {std::pair{"own", &own}, std::pair{"own_2mib", &own2m},
+                             std::pair{"ipc", &ipc}, std::pair{"ipc_2mib", &ipc2m}}) {
     const float ms = TimeDirectWork(c, *bases, stream, repeat);
-    std::printf("{\"bench\":\"ipc_copy_layout\",\"bytes\":%lld,\"memory\":\"%s\",\"runs\":%d,\"kernel_ms\":%.4f,"
-                "\"ceiling_ms\":%.4f,\"of_ceiling\":%.3f}\n",
-                static_cast<long long>(bytes), name, repeat, ms, ceiling_ms, ceiling_ms / ms);
+    std::printf(
+        "{\"bench\":\"ipc_copy_layout\",\"bytes\":%lld,\"memory\":\"%s\",\"runs\":%d,\"kernel_ms\":"
+        "%.4f,"
+        "\"ceiling_ms\":%.4f,\"of_ceiling\":%.3f}\n",
+        static_cast<long long>(bytes), name, repeat, ms, ceiling_ms, ceiling_ms / ms);
     std::fflush(stdout);
   }
 }
@@ -347,8 +363,12 @@ void TimeSync(int sock, uint64_t a, uint64_t b, size_t bytes, cudaStream_t strea
   // the same with the copy engine instead of the kernel (does it switch as slowly?); and with a
   // small kernel of this process's own run to completion first (the switch taken before the copy,
   // as refitd could while it waits for TRANSFER).
-  const char* methods[] = {"stream_query_spin", "event_query_spin", "stream_synchronize", "mapped_flag_spin",
-                           "stream_query_after_other_process", "memcpy_after_other_process",
+  const char* methods[] = {"stream_query_spin",
+                           "event_query_spin",
+                           "stream_synchronize",
+                           "mapped_flag_spin",
+                           "stream_query_after_other_process",
+                           "memcpy_after_other_process",
                            "after_other_process_and_a_small_kernel"};
   KernelWork small = OneItem(a, b, 4096);
   for (int m = 0; m < 7; ++m) {
@@ -367,14 +387,15 @@ void TimeSync(int sock, uint64_t a, uint64_t b, size_t bytes, cudaStream_t strea
       const auto t0 = Clock::now();
       CHECK_CUDA(cudaEventRecord(e0, stream));
       if (m == 5) {
-        CHECK_CUDA(cudaMemcpyAsync(reinterpret_cast<void*>(b), reinterpret_cast<void*>(a), bytes, cudaMemcpyDeviceToDevice,
-                                   stream));
+        CHECK_CUDA(cudaMemcpyAsync(reinterpret_cast<void*>(b), reinterpret_cast<void*>(a), bytes,
+                                   cudaMemcpyDeviceToDevice, stream));
       } else {
         CHECK_CUDA(refit::LaunchCopyItems(w.items, w.begin, 1, w.units, stream));
       }
       CHECK_CUDA(cudaEventRecord(e1, stream));
       if (m == 3) {
-        CHECK_CU(cuStreamWriteValue32(stream, reinterpret_cast<CUdeviceptr>(device_flag), static_cast<cuuint32_t>(r + 1),
+        CHECK_CU(cuStreamWriteValue32(stream, reinterpret_cast<CUdeviceptr>(device_flag),
+                                      static_cast<cuuint32_t>(r + 1),
                                       CU_STREAM_WRITE_VALUE_DEFAULT));
       }
       const auto t1 = Clock::now();
@@ -398,9 +419,11 @@ void TimeSync(int sock, uint64_t a, uint64_t b, size_t bytes, cudaStream_t strea
         query.push_back(polls > 0 ? static_cast<float>(us(t2 - t1) / polls) : 0.0f);
       }
     }
-    std::printf("{\"bench\":\"host_sees_done\",\"method\":\"%s\",\"bytes\":%zu,\"runs\":%d,\"host_minus_gpu_us\":%.1f,"
-                "\"launch_us\":%.1f,\"us_per_poll\":%.2f}\n",
-                methods[m], bytes, repeat, Median(late), Median(launch), Median(query));
+    std::printf(
+        "{\"bench\":\"host_sees_done\",\"method\":\"%s\",\"bytes\":%zu,\"runs\":%d,\"host_minus_"
+        "gpu_us\":%.1f,"
+        "\"launch_us\":%.1f,\"us_per_poll\":%.2f}\n",
+        methods[m], bytes, repeat, Median(late), Median(launch), Median(query));
     std::fflush(stdout);
   }
   cudaFreeHost(flag);
@@ -414,7 +437,8 @@ void TimeSync(int sock, uint64_t a, uint64_t b, size_t bytes, cudaStream_t strea
 // kernel (the armed round's gate); the host writes the first and spins on the second. The round
 // trip, less mapped_flag_spin's GPU-to-host part, is the host-to-GPU latency. Medians, in us.
 void TimeHostWord(cudaStream_t stream, int repeat) {
-  uint32_t *word = nullptr, *back = nullptr, *word_dev = nullptr, *back_dev = nullptr, *gate = nullptr;
+  uint32_t *word = nullptr, *back = nullptr, *word_dev = nullptr, *back_dev = nullptr,
+           *gate = nullptr;
   CHECK_CUDA(cudaHostAlloc(reinterpret_cast<void**>(&word), sizeof(uint32_t), cudaHostAllocMapped));
   CHECK_CUDA(cudaHostAlloc(reinterpret_cast<void**>(&back), sizeof(uint32_t), cudaHostAllocMapped));
   CHECK_CUDA(cudaHostGetDevicePointer(reinterpret_cast<void**>(&word_dev), word, 0));
@@ -428,20 +452,25 @@ void TimeHostWord(cudaStream_t stream, int repeat) {
     std::vector<float> trip;
     for (int r = 0; r < repeat + 3; ++r) {
       ++value;
-      CHECK_CU(cuStreamWaitValue32(stream, reinterpret_cast<CUdeviceptr>(word_dev), value, CU_STREAM_WAIT_VALUE_GEQ));
+      CHECK_CU(cuStreamWaitValue32(stream, reinterpret_cast<CUdeviceptr>(word_dev), value,
+                                   CU_STREAM_WAIT_VALUE_GEQ));
       if (with_gate) CHECK_CUDA(refit::LaunchGate(word_dev, value, gate, nullptr, stream));
-      CHECK_CU(cuStreamWriteValue32(stream, reinterpret_cast<CUdeviceptr>(back_dev), value, CU_STREAM_WRITE_VALUE_DEFAULT));
+      CHECK_CU(cuStreamWriteValue32(stream, reinterpret_cast<CUdeviceptr>(back_dev), value,
+                                    CU_STREAM_WRITE_VALUE_DEFAULT));
       std::this_thread::sleep_for(std::chrono::milliseconds(2));  // the wait in place, the GPU idle
       const auto t0 = Clock::now();
       std::atomic_ref<uint32_t>(*word).store(value, std::memory_order_release);
       while (*const_cast<volatile uint32_t*>(back) != value) {
       }
       const auto t1 = Clock::now();
-      if (r >= 3) trip.push_back(static_cast<float>(std::chrono::duration<double, std::micro>(t1 - t0).count()));
+      if (r >= 3)
+        trip.push_back(
+            static_cast<float>(std::chrono::duration<double, std::micro>(t1 - t0).count()));
       CHECK_CUDA(cudaStreamSynchronize(stream));
     }
     std::printf("{\"bench\":\"host_word\",\"method\":\"%s\",\"runs\":%d,\"round_trip_us\":%.1f}\n",
-                with_gate ? "wait_gate_kernel_write_back" : "wait_write_back", repeat, Median(trip));
+                with_gate ? "wait_gate_kernel_write_back" : "wait_write_back", repeat,
+                Median(trip));
     std::fflush(stdout);
   }
   cudaFreeHost(word);
@@ -449,11 +478,13 @@ void TimeHostWord(cudaStream_t stream, int repeat) {
   cudaFree(gate);
 }
 
-int Parent(int sock, size_t max_bytes, const std::vector<size_t>& sizes, int repeat, const LayoutCase* layouts) {
+int Parent(int sock, size_t max_bytes, const std::vector<size_t>& sizes, int repeat,
+           const LayoutCase* layouts) {
   CHECK_CUDA(cudaSetDevice(0));
   CHECK_CUDA(cudaFree(nullptr));
   ExportedWorkers workers;
-  if (layouts != nullptr && recv(sock, &workers, sizeof workers, MSG_WAITALL) != static_cast<ssize_t>(sizeof workers)) {
+  if (layouts != nullptr &&
+      recv(sock, &workers, sizeof workers, MSG_WAITALL) != static_cast<ssize_t>(sizeof workers)) {
     std::fprintf(stderr, "the exporting child died\n");
     return 1;
   }
@@ -467,11 +498,13 @@ int Parent(int sock, size_t max_bytes, const std::vector<size_t>& sizes, int rep
   void* own[2];
   for (void*& p : own) CHECK_CUDA(cudaMalloc(&p, max_bytes));
   void* ipc[2];
-  for (int i = 0; i < 2; ++i) CHECK_CUDA(cudaIpcOpenMemHandle(&ipc[i], e.ipc[i], cudaIpcMemLazyEnablePeerAccess));
+  for (int i = 0; i < 2; ++i)
+    CHECK_CUDA(cudaIpcOpenMemHandle(&ipc[i], e.ipc[i], cudaIpcMemLazyEnablePeerAccess));
   CUdeviceptr vmm[2];
   for (int i = 0; i < 2; ++i) {
     CUmemGenericAllocationHandle h;
-    CHECK_CU(cuMemImportFromShareableHandle(&h, reinterpret_cast<void*>(static_cast<uintptr_t>(fds[i])),
+    CHECK_CU(cuMemImportFromShareableHandle(&h,
+                                            reinterpret_cast<void*>(static_cast<uintptr_t>(fds[i])),
                                             CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR));
     CHECK_CU(cuMemAddressReserve(&vmm[i], e.vmm_bytes, 0, 0, 0));
     CHECK_CU(cuMemMap(vmm[i], e.vmm_bytes, 0, h, 0));
@@ -484,9 +517,12 @@ int Parent(int sock, size_t max_bytes, const std::vector<size_t>& sizes, int rep
   }
   auto u = [](const void* p) { return reinterpret_cast<uint64_t>(p); };
   const std::vector<Pair> pairs = {
-      {"own", u(own[0]), u(own[1])},          {"ipc", u(ipc[0]), u(ipc[1])},
-      {"vmm", vmm[0], vmm[1]},                {"ipc_to_own", u(ipc[0]), u(own[1])},
-      {"own_to_ipc", u(own[0]), u(ipc[1])},   {"vmm_to_own", vmm[0], u(own[1])},
+      {"own", u(own[0]), u(own[1])},
+      {"ipc", u(ipc[0]), u(ipc[1])},
+      {"vmm", vmm[0], vmm[1]},
+      {"ipc_to_own", u(ipc[0]), u(own[1])},
+      {"own_to_ipc", u(own[0]), u(ipc[1])},
+      {"vmm_to_own", vmm[0], u(own[1])},
   };
   cudaStream_t stream;
   CHECK_CUDA(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
@@ -496,24 +532,29 @@ int Parent(int sock, size_t max_bytes, const std::vector<size_t>& sizes, int rep
       std::vector<float> tk, tc;
       for (int r = 0; r < repeat + 3; ++r) {
         const float c = TimeMs(stream, [&] {
-          CHECK_CUDA(cudaMemcpyAsync(reinterpret_cast<void*>(p.dst), reinterpret_cast<void*>(p.src), bytes,
-                                     cudaMemcpyDeviceToDevice, stream));
+          CHECK_CUDA(cudaMemcpyAsync(reinterpret_cast<void*>(p.dst), reinterpret_cast<void*>(p.src),
+                                     bytes, cudaMemcpyDeviceToDevice, stream));
         });
-        const float k = TimeMs(stream, [&] { CHECK_CUDA(refit::LaunchCopyItems(w.items, w.begin, 1, w.units, stream)); });
+        const float k = TimeMs(stream, [&] {
+          CHECK_CUDA(refit::LaunchCopyItems(w.items, w.begin, 1, w.units, stream));
+        });
         if (r >= 3) tc.push_back(c), tk.push_back(k);
       }
       cudaFree(w.items);
       cudaFree(w.begin);
-      for (auto [method, ms] : {std::pair{"memcpy", Median(tc)}, std::pair{"copy_kernel", Median(tk)}}) {
-        std::printf("{\"bench\":\"ipc_copy\",\"bytes\":%zu,\"memory\":\"%s\",\"method\":\"%s\",\"runs\":%d,"
-                    "\"median_ms\":%.4f,\"gbps\":%.1f}\n",
-                    bytes, p.name, method, repeat, ms, bytes / 1e6 / ms);
+      for (auto [method, ms] :
+           {std::pair{"memcpy", Median(tc)}, std::pair{"copy_kernel", Median(tk)}}) {
+        std::printf(
+            "{\"bench\":\"ipc_copy\",\"bytes\":%zu,\"memory\":\"%s\",\"method\":\"%s\",\"runs\":%d,"
+            "\"median_ms\":%.4f,\"gbps\":%.1f}\n",
+            bytes, p.name, method, repeat, ms, bytes / 1e6 / ms);
       }
       std::fflush(stdout);
     }
   }
   if (layouts != nullptr) TimeLayouts(*layouts, workers, stream, repeat);
-  TimeSync(sock, u(own[0]), u(own[1]), std::min<size_t>(max_bytes, size_t{1} << 30), stream, repeat);
+  TimeSync(sock, u(own[0]), u(own[1]), std::min<size_t>(max_bytes, size_t{1} << 30), stream,
+           repeat);
   TimeHostWord(stream, repeat);
   const char done = 'd';
   (void)!write(sock, &done, 1);
@@ -529,19 +570,26 @@ int main(int argc, char** argv) {
   std::string sizes_flag = "64,1024,8192", src_path, dst_path;
   for (int i = 1; i + 1 < argc; i += 2) {
     const std::string flag = argv[i], value = argv[i + 1];
-    if (flag == "--max-mib") max_mib = std::atoll(value.c_str());
-    else if (flag == "--sizes-mib") sizes_flag = value;
-    else if (flag == "--repeat") repeat = std::max(1, std::atoi(value.c_str()));
-    else if (flag == "--src") src_path = value;
-    else if (flag == "--dst") dst_path = value;
+    if (flag == "--max-mib")
+      max_mib = std::atoll(value.c_str());
+    else if (flag == "--sizes-mib")
+      sizes_flag = value;
+    else if (flag == "--repeat")
+      repeat = std::max(1, std::atoi(value.c_str()));
+    else if (flag == "--src")
+      src_path = value;
+    else if (flag == "--dst")
+      dst_path = value;
     else {
-      std::fprintf(stderr, "usage: ipc_copy_bench [--max-mib N] [--sizes-mib A,B,...] [--repeat N]\n");
+      std::fprintf(stderr,
+                   "usage: ipc_copy_bench [--max-mib N] [--sizes-mib A,B,...] [--repeat N]\n");
       return 2;
     }
   }
   for (absl::string_view s : absl::StrSplit(sizes_flag, ',')) {
     int64_t v = 0;
-    if (absl::SimpleAtoi(s, &v) && v > 0) sizes.push_back(static_cast<size_t>(std::min(v, max_mib)) << 20);
+    if (absl::SimpleAtoi(s, &v) && v > 0)
+      sizes.push_back(static_cast<size_t>(std::min(v, max_mib)) << 20);
   }
   if (sizes.empty() || max_mib <= 0) return 2;
   const size_t max_bytes = static_cast<size_t>(max_mib) << 20;
@@ -550,7 +598,8 @@ int main(int argc, char** argv) {
     auto src = refit::ReadLayoutFile(src_path, "source");
     auto dst = refit::ReadLayoutFile(dst_path, "destination");
     if (!src.ok() || !dst.ok()) {
-      std::fprintf(stderr, "%s\n", std::string((src.ok() ? dst.status() : src.status()).message()).c_str());
+      std::fprintf(stderr, "%s\n",
+                   std::string((src.ok() ? dst.status() : src.status()).message()).c_str());
       return 2;
     }
     refit::PlanOptions options;

@@ -1,8 +1,10 @@
 // Planning benchmark: frontier-scale layout pairs generated in memory, validated and planned (on
 // the machine's cores, or --planner-threads; `taskset -c 0` for one core). Prints one JSON object
-// per case; --digest adds a hash of the whole plan, to check that a change leaves plans as they were.
+// per case; --digest adds a hash of the whole plan, to check that a change leaves plans as they
+// were.
 //
-//   bazel run -c opt //tests/bench:plan_benchmark -- --repeat 5 [--case deepseek-v3] [--configs DIR]
+//   bazel run -c opt //tests/bench:plan_benchmark -- --repeat 5 [--case deepseek-v3] [--configs
+//   DIR]
 #include <sys/resource.h>
 #include <time.h>
 
@@ -16,9 +18,9 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
-#include "common/cli_flags.h"
 #include "client/fp8_layout.h"
 #include "client/layout_generator.h"
+#include "common/cli_flags.h"
 #include "kernels/network_schedule.h"
 #include "plan/planner.h"
 #include "plan/validate.h"
@@ -104,26 +106,31 @@ int main(int argc, char** argv) {
   bool executor = false;
   int64_t staging_bytes = int64_t{2} << 30, max_message_bytes = int64_t{64} << 20;
   CliFlags flags("plan_benchmark", "[--case NAME] [--repeat N] [--configs DIR] [topology flags]");
-  flags.Int("gpus-per-node", &gpus_per_node, "GPUs per node (one NVLink domain); 72 for GB200 NVL72");
+  flags.Int("gpus-per-node", &gpus_per_node,
+            "GPUs per node (one NVLink domain); 72 for GB200 NVL72");
   flags.Double("nic-gbps", &nic_gbps, "GB/s per NIC, one NIC per GPU (50 = 400 Gb/s)");
   flags.Double("nvlink-gbps", &nvlink_gbps, "NVLink GB/s per GPU, each way");
-  flags.Bool("executor", &executor, "also predict with the cuda executor's model (kernels/network_schedule.h), the "
-                                    "wire at --nic-gbps, its other rates as calibrated on 2 x H200");
+  flags.Bool("executor", &executor,
+             "also predict with the cuda executor's model (kernels/network_schedule.h), the "
+             "wire at --nic-gbps, its other rates as calibrated on 2 x H200");
   flags.Int("staging-bytes", &staging_bytes, "--executor: refitd's --staging-bytes");
   flags.Int("max-message-bytes", &max_message_bytes, "the planner's bound on one message");
   int64_t max_relay_depth = PlanOptions().max_relay_depth;
-  flags.Int("max-relay-depth", &max_relay_depth, "the planner's longest chain of relays between engine nodes (0: none)");
+  flags.Int("max-relay-depth", &max_relay_depth,
+            "the planner's longest chain of relays between engine nodes (0: none)");
   flags.String("case", &only, "run only this case (deepseek-v3, kimi-k2, qwen3-235b)");
   flags.Int("repeat", &repeat, "planning runs per case; the median is reported");
   flags.String("configs", &configs, "folder with the models' config.json files");
   flags.Bool("routing", &routing, "topology routing on (--norouting: off)");
   std::string inference_dtype = "bf16";
-  flags.String("inference-dtype", &inference_dtype,
-               "bf16, or fp8-block: engines load block fp8 (128x128, or the config's weight_block_size), "
-               "quantized on the way (issue 17)");
+  flags.String(
+      "inference-dtype", &inference_dtype,
+      "bf16, or fp8-block: engines load block fp8 (128x128, or the config's weight_block_size), "
+      "quantized on the way (issue 17)");
   bool expert_parallel_engines = false;
-  flags.Bool("expert-parallel-engines", &expert_parallel_engines,
-             "engines split the routed experts whole over their ranks (vLLM --enable-expert-parallel)");
+  flags.Bool(
+      "expert-parallel-engines", &expert_parallel_engines,
+      "engines split the routed experts whole over their ranks (vLLM --enable-expert-parallel)");
   int64_t planner_threads = 0;
   flags.Int("planner-threads", &planner_threads,
             "threads the planner may use (0: as many as the machine has; the plan is the same "
@@ -134,7 +141,8 @@ int main(int argc, char** argv) {
              "equal digests, equal plans");
   flags.Parse(argc, argv);
   if (repeat < 1) flags.Fail("--repeat must be >= 1");
-  if (inference_dtype != "bf16" && inference_dtype != "fp8-block") flags.Fail("--inference-dtype must be bf16 or fp8-block");
+  if (inference_dtype != "bf16" && inference_dtype != "fp8-block")
+    flags.Fail("--inference-dtype must be bf16 or fp8-block");
 
   // The anchors' configurations (ANCHORS.md): NCCL M2N's NeMo-RL DeepSeek-V3 run, Perplexity's
   // Kimi-K2 256 -> 128 GPUs, and Qwen3-235B as issue 5 names it.
@@ -156,7 +164,8 @@ int main(int argc, char** argv) {
     if (!dst.ok()) flags.Fail(std::string(dst.status().message()));
     if (inference_dtype == "fp8-block") {
       Fp8LayoutOptions fp8;
-      if (model->fp8.present) fp8.block_rows = model->fp8.block_rows, fp8.block_cols = model->fp8.block_cols;
+      if (model->fp8.present)
+        fp8.block_rows = model->fp8.block_rows, fp8.block_cols = model->fp8.block_cols;
       fp8.modules_to_not_convert = model->fp8.modules_to_not_convert;
       dst = QuantizeInferenceLayout(*dst, fp8);
       if (!dst.ok()) flags.Fail(std::string(dst.status().message()));
@@ -179,7 +188,8 @@ int main(int argc, char** argv) {
     // (at best over all its engine GPUs' NICs at once), and so does every engine GPU (over
     // NVLink). The gather is left out: a bound in broadcast's favour.
     double model_bytes = 0;
-    for (const LogicalTensor& t : src->tensors) model_bytes += static_cast<double>(t.shape.NumElements()) * DTypeSize(t.dtype);
+    for (const LogicalTensor& t : src->tensors)
+      model_bytes += static_cast<double>(t.shape.NumElements()) * DTypeSize(t.dtype);
     std::map<int32_t, int32_t> engine_gpus_on;  // node -> inference GPUs there
     {
       std::set<std::pair<int32_t, int32_t>> seen;
@@ -223,14 +233,17 @@ int main(int argc, char** argv) {
         auto schedule = BuildNodeSchedule(
             *plan, o,
             [&](int32_t) -> absl::StatusOr<std::pair<BufferAddresses, BufferAddresses>> {
-              return std::make_pair(BufferAddresses(src->buffers.size(), 0), BufferAddresses(dst->buffers.size(), 0));
+              return std::make_pair(BufferAddresses(src->buffers.size(), 0),
+                                    BufferAddresses(dst->buffers.size(), 0));
             },
             [](int32_t, int64_t) -> absl::StatusOr<uint64_t> { return 0; });
-        if (!schedule.ok()) flags.Fail(absl::StrCat(c.name, " node ", node, ": ", schedule.status().message()));
+        if (!schedule.ok())
+          flags.Fail(absl::StrCat(c.name, " node ", node, ": ", schedule.status().message()));
         executor_seconds = std::max(executor_seconds, PredictNetworkSeconds(*schedule, model));
         ExecutorModel free_ops = model;  // what the per-operation cost adds
         free_ops.per_op_us = 0;
-        executor_seconds_no_ops = std::max(executor_seconds_no_ops, PredictNetworkSeconds(*schedule, free_ops));
+        executor_seconds_no_ops =
+            std::max(executor_seconds_no_ops, PredictNetworkSeconds(*schedule, free_ops));
       }
     }
     std::sort(seconds.begin(), seconds.end());

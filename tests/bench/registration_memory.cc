@@ -39,15 +39,16 @@ Rss ReadRss(pid_t pid) {
 // A refitd process, stopped (SIGTERM, waited for) when this goes.
 class Daemon {
  public:
-  static absl::StatusOr<std::unique_ptr<Daemon>> Start(const std::string& binary, const std::string& tag,
+  static absl::StatusOr<std::unique_ptr<Daemon>> Start(const std::string& binary,
+                                                       const std::string& tag,
                                                        std::vector<std::string> flags) {
     auto d = std::unique_ptr<Daemon>(new Daemon);
     const std::string base = absl::StrCat("/tmp/refit-regmem-", getpid(), "-", tag);
     d->socket_ = base + ".sock";
     d->addr_file_ = base + ".addr";
     unlink(d->addr_file_.c_str());
-    std::vector<std::string> args = {binary, "--worker-socket", d->socket_, "--address-file", d->addr_file_,
-                                     "--log-level", "warn"};
+    std::vector<std::string> args = {binary,        "--worker-socket", d->socket_, "--address-file",
+                                     d->addr_file_, "--log-level",     "warn"};
     args.insert(args.end(), flags.begin(), flags.end());
     std::vector<char*> argv;
     for (auto& a : args) argv.push_back(a.data());
@@ -59,7 +60,8 @@ class Daemon {
       std::ifstream(d->addr_file_) >> d->address_;
       if (d->address_.empty()) std::this_thread::sleep_for(std::chrono::milliseconds(50));
     }
-    if (d->address_.empty()) return absl::DeadlineExceededError(absl::StrCat("refitd ", tag, " did not start"));
+    if (d->address_.empty())
+      return absl::DeadlineExceededError(absl::StrCat("refitd ", tag, " did not start"));
     return d;
   }
   ~Daemon() {
@@ -93,10 +95,12 @@ Layout RegistrationLayout(const RegistrationMemoryOptions& o, const std::string&
   for (int64_t t = 0; t < tensors; ++t) {
     const int64_t n = std::min(rows, left);
     left -= n;
-    const int32_t tensor = l.AddTensor(absl::StrCat("model.layers.", t, ".weight"), Dims{n, 4}, DType::kF32);
+    const int32_t tensor =
+        l.AddTensor(absl::StrCat("model.layers.", t, ".weight"), Dims{n, 4}, DType::kF32);
     const int32_t buffer = l.AddBuffer(worker, absl::StrCat("flat.", t), DType::kF32, Dims{n * 4});
     for (int64_t r = 0; r < n; ++r) {
-      l.AddPiece(tensor, Box::FromDims(Dims{r, 0}, Dims{1, 4}), buffer, Box::FromDims(Dims{r * 4}, Dims{4}));
+      l.AddPiece(tensor, Box::FromDims(Dims{r, 0}, Dims{1, 4}), buffer,
+                 Box::FromDims(Dims{r * 4}, Dims{4}));
     }
   }
   return l;
@@ -133,13 +137,12 @@ absl::StatusOr<RegistrationMemory> MeasureRegistration(const RegistrationMemoryO
     out.wire_bytes = static_cast<int64_t>(r.ByteSizeLong());
   }
   const std::string limit = absl::StrCat(std::max<int64_t>(out.pieces, 1 << 20));
-  const std::vector<std::string> limits = {"--max-registration-pieces", limit, "--max-registration-buffers", limit,
-                                           "--max-registration-tensors", limit, "--max-rpc-bytes",
-                                           absl::StrCat((int64_t{1} << 31) - 1),
-                                           // Patient, so that a loaded machine (2 shared cores) slows
-                                           // the registration down but does not fail it.
-                                           "--peer-timeout", "120", "--heartbeat", "1", "--heartbeats-missed",
-                                           "60"};
+  const std::vector<std::string> limits = {
+      "--max-registration-pieces", limit, "--max-registration-buffers", limit,
+      "--max-registration-tensors", limit, "--max-rpc-bytes", absl::StrCat((int64_t{1} << 31) - 1),
+      // Patient, so that a loaded machine (2 shared cores) slows
+      // the registration down but does not fail it.
+      "--peer-timeout", "120", "--heartbeat", "1", "--heartbeats-missed", "60"};
   std::vector<std::string> flags = {"--node", "0"};
   flags.insert(flags.end(), limits.begin(), limits.end());
   auto coordinator = Daemon::Start(o.refitd, "coordinator", flags);
@@ -153,7 +156,8 @@ absl::StatusOr<RegistrationMemory> MeasureRegistration(const RegistrationMemoryO
   // registering).
   auto read = [&](int64_t DaemonMemory::*rss, int64_t DaemonMemory::*anon, bool peak = false) {
     Settle(o.settle_seconds);
-    for (auto [d, m] : {std::pair{node->get(), &out.node}, std::pair{coordinator->get(), &out.coordinator}}) {
+    for (auto [d, m] :
+         {std::pair{node->get(), &out.node}, std::pair{coordinator->get(), &out.coordinator}}) {
       const Rss r = ReadRss(d->pid());
       m->*rss = r.rss;
       m->*anon = r.anon;
@@ -176,7 +180,8 @@ absl::StatusOr<RegistrationMemory> MeasureRegistration(const RegistrationMemoryO
   for (const auto& w : workers) {
     if (!w.ok()) return w.status();
   }
-  out.register_seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  out.register_seconds =
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   read(&DaemonMemory::rss_registered, &DaemonMemory::anon_registered, /*peak=*/true);
   for (auto& w : workers) {
     if (auto s = (*w)->Unregister(); !s.ok()) return s;

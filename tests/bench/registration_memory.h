@@ -20,12 +20,12 @@ struct RegistrationMemoryOptions {
   std::string refitd = "daemon/refitd";  // the binary
   int64_t pieces = 1000000;              // per worker
   int64_t workers = 1;                   // registering at once
-  int64_t rows_per_tensor = 1000;  // pieces per tensor (and per buffer): one row each
-  double settle_seconds = 3.0;     // before each reading (daemon/memory_trim.h trims every second)
+  int64_t rows_per_tensor = 1000;        // pieces per tensor (and per buffer): one row each
+  double settle_seconds = 3.0;  // before each reading (daemon/memory_trim.h trims every second)
 };
 
 struct DaemonMemory {
-  int64_t rss_before = 0, rss_registered = 0, rss_unregistered = 0;  // bytes, VmRSS
+  int64_t rss_before = 0, rss_registered = 0, rss_unregistered = 0;     // bytes, VmRSS
   int64_t anon_before = 0, anon_registered = 0, anon_unregistered = 0;  // bytes, RssAnon
   int64_t hwm_registered = 0;  // bytes, VmHWM once registered: the peak while registering
   int64_t growth() const { return rss_registered - rss_before; }

@@ -17,8 +17,8 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
-#include "common/cli_flags.h"
 #include "client/layout_generator.h"
+#include "common/cli_flags.h"
 #include "plan/plan_slice.h"
 #include "plan/planner.h"
 #include "plan/validate.h"

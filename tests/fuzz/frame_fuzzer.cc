@@ -49,7 +49,8 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
       return 0;  // a malformed header closes the connection
     }
     // What passed the checks holds them, and encodes back to the very bytes it came from.
-    if (h->magic != kFrameMagic || h->group_bytes > kMaxGroupBytes || h->bytes < 0 || h->message < 0) {
+    if (h->magic != kFrameMagic || h->group_bytes > kMaxGroupBytes || h->bytes < 0 ||
+        h->message < 0) {
       __builtin_trap();
     }
     const auto again = EncodeFrameHeader(*h);
@@ -66,7 +67,8 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
       if (s.ok()) {
         // Accepted: then indexing the plan with it is safe, and it is an expected message.
         const Message& m = plan.messages.at(static_cast<size_t>(h->message));
-        if (m.bytes != h->bytes || plan.gpus.at(m.dst_gpu).node != 1 || plan.gpus.at(m.src_gpu).node == 1) {
+        if (m.bytes != h->bytes || plan.gpus.at(m.dst_gpu).node != 1 ||
+            plan.gpus.at(m.src_gpu).node == 1) {
           __builtin_trap();
         }
       } else if (s.code() != absl::StatusCode::kDataLoss) {

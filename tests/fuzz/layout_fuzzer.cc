@@ -9,12 +9,11 @@
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
-
-#include "google/protobuf/stubs/logging.h"
 #include <string>
 
 #include "google/protobuf/io/coded_stream.h"
 #include "google/protobuf/io/zero_copy_stream_impl_lite.h"
+#include "google/protobuf/stubs/logging.h"
 #include "plan/planner.h"
 #include "plan/validate.h"
 #include "plan/verify.h"
@@ -90,7 +89,8 @@ extern "C" int LLVMFuzzerInitialize(int*, char***) {
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   const uint8_t flags = static_cast<uint8_t>(size == 0 ? 0xf : data[size / 2] ^ size);
   // Layout files: proto3 JSON.
-  auto layout = ParseLayoutJson(absl::string_view(reinterpret_cast<const char*>(data), size), kFuzzMaxPieces);
+  auto layout =
+      ParseLayoutJson(absl::string_view(reinterpret_cast<const char*>(data), size), kFuzzMaxPieces);
   if (layout.ok()) Check(*layout, flags, "json");
   // Plans between daemons: binary protobuf, usually compact.
   v1::Layout proto;

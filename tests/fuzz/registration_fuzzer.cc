@@ -11,11 +11,10 @@
 #include <cstdio>
 #include <cstdlib>
 
-#include "google/protobuf/stubs/logging.h"
-
 #include "daemon/memory_refs.h"
 #include "daemon/registration_check.h"
 #include "daemon/registration_limits.h"
+#include "google/protobuf/stubs/logging.h"
 
 namespace {
 
@@ -25,7 +24,8 @@ using namespace refit;
 void CheckAccepted(const v1::RegisterWorkerRequest& r, const CheckedLayout& c, size_t fds,
                    const RegistrationLimits& limits) {
   const v1::Worker& w = r.worker();
-  if (c.layout.workers.size() != 1 || c.layout.buffers.size() != static_cast<size_t>(w.buffers_size()) ||
+  if (c.layout.workers.size() != 1 ||
+      c.layout.buffers.size() != static_cast<size_t>(w.buffers_size()) ||
       c.buffer_bytes.size() != c.layout.buffers.size() || r.memory_size() != w.buffers_size() ||
       static_cast<int64_t>(c.layout.pieces.size()) > limits.max_pieces) {
     __builtin_trap();
@@ -33,14 +33,16 @@ void CheckAccepted(const v1::RegisterWorkerRequest& r, const CheckedLayout& c, s
   for (int b = 0; b < r.memory_size(); ++b) {
     const v1::BufferMemory& m = r.memory(b);
     if (c.buffer_bytes[b] < 0) __builtin_trap();
-    if (m.has_shm() && m.shm().fd() != 0 && (m.shm().fd() < 0 || static_cast<size_t>(m.shm().fd()) > fds)) {
+    if (m.has_shm() && m.shm().fd() != 0 &&
+        (m.shm().fd() < 0 || static_cast<size_t>(m.shm().fd()) > fds)) {
       __builtin_trap();
     }
     if (m.has_cuda_vmm()) {
       const v1::CudaVmm& v = m.cuda_vmm();
       if (v.range() < 0 || v.range() >= r.vmm_ranges_size()) __builtin_trap();
       const v1::VmmRange& range = r.vmm_ranges(v.range());
-      if (range.first_fd() < 0 || range.first_fd() + range.chunk_bytes_size() > static_cast<int64_t>(fds)) {
+      if (range.first_fd() < 0 ||
+          range.first_fd() + range.chunk_bytes_size() > static_cast<int64_t>(fds)) {
         __builtin_trap();
       }
       if (v.offset() < 0 || v.offset() + c.buffer_bytes[b] > VmmRangeBytes(range)) __builtin_trap();
@@ -68,7 +70,8 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   if (!request.ParseFromArray(data, static_cast<int>(size))) return 0;
   // How many descriptors the handle inbox delivered under the fd_token (none without one): its
   // last character's value mod 16, so that mutations reach both sides of every bound.
-  const size_t fds = request.fd_token().empty() ? 0 : static_cast<unsigned char>(request.fd_token().back()) % 16;
+  const size_t fds =
+      request.fd_token().empty() ? 0 : static_cast<unsigned char>(request.fd_token().back()) % 16;
   // Small limits, so that inputs stay fast and the limits themselves are reached.
   RegistrationLimits limits;
   limits.max_pieces = 2048;

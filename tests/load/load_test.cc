@@ -7,17 +7,16 @@
 // (/proc/.../maps lines), address space and resident memory stay flat over 1,000 data
 // connections opened and closed against a HostBackend, over hundreds of transfers between
 // HostBackends (a quarter of them aborted midway), and over 1,000 StartRefit rounds of a daemon.
+#include <dirent.h>
 #include <malloc.h>
 #include <signal.h>
 #include <spawn.h>
 #include <sys/wait.h>
 
 #include <catch2/catch.hpp>
-#include <dirent.h>
 #include <cstring>
 #include <fstream>
 #include <functional>
-
 #include <thread>
 
 #include "absl/strings/str_cat.h"
@@ -63,7 +62,8 @@ ProcStats Read(pid_t pid) {
   int64_t size_kib = 0;
   while (std::getline(smaps, line)) {
     if (line.rfind("Size:", 0) == 0) size_kib = std::stoll(line.substr(5));
-    if (line.rfind("Rss:", 0) == 0 && size_kib == 8192) s.stack_rss_kib += std::stoll(line.substr(4));
+    if (line.rfind("Rss:", 0) == 0 && size_kib == 8192)
+      s.stack_rss_kib += std::stoll(line.substr(4));
   }
   std::ifstream maps(absl::StrCat("/proc/", pid, "/maps"));
   while (std::getline(maps, line)) ++s.maps;
@@ -74,20 +74,23 @@ ProcStats Read(pid_t pid) {
 }
 
 std::string Describe(const ProcStats& s) {
-  return absl::StrCat(s.threads, " threads, ", s.fds, " fds, ", s.maps, " mappings, ", s.vm_kib, " KiB address space, ",
-                      s.rss_kib, " KiB resident");
+  return absl::StrCat(s.threads, " threads, ", s.fds, " fds, ", s.maps, " mappings, ", s.vm_kib,
+                      " KiB address space, ", s.rss_kib, " KiB resident");
 }
 
 // Worker w of a side holds tensors; trainer w holds tensors [w*100, w*100+100); inference worker
 // w holds a shifted block, so every round moves data between different workers.
-Layout SideWorker(bool trainer, int w, int workers = kWorkersPerSide, int pieces = kPiecesPerWorker) {
+Layout SideWorker(bool trainer, int w, int workers = kWorkersPerSide,
+                  int pieces = kPiecesPerWorker) {
   Layout l;
   const int32_t worker = l.AddWorker(absl::StrCat(trainer ? "t" : "i", w), 0, w % 8);
   const int32_t buffer = l.AddBuffer(worker, "flat", DType::kF32, Dims{pieces * kElements});
   for (int k = 0; k < pieces; ++k) {
     const int owner = trainer ? w : (w + 7) % workers;
-    const int32_t t = l.AddTensor(absl::StrCat("tensor", owner * pieces + k), Dims{kElements}, DType::kF32);
-    l.AddPiece(t, Box::Whole(Dims{kElements}), buffer, Box::FromDims(Dims{k * kElements}, Dims{kElements}));
+    const int32_t t =
+        l.AddTensor(absl::StrCat("tensor", owner * pieces + k), Dims{kElements}, DType::kF32);
+    l.AddPiece(t, Box::Whole(Dims{kElements}), buffer,
+               Box::FromDims(Dims{k * kElements}, Dims{kElements}));
   }
   return l;
 }
@@ -99,9 +102,19 @@ struct Refitd {
   explicit Refitd(const std::string& tag) {
     socket = absl::StrCat("/tmp/refitd-", tag, "-", getpid(), ".sock");
     const std::string addr_file = absl::StrCat("/tmp/refitd-", tag, "-", getpid(), ".addr");
-    std::vector<std::string> args = {"daemon/refitd", "--node", "0", "--worker-socket", socket,
-                                     "--address-file", addr_file, "--log-level", "warn",
-                                     "--prepare-timeout", "60", "--commit-timeout", "60"};
+    std::vector<std::string> args = {"daemon/refitd",
+                                     "--node",
+                                     "0",
+                                     "--worker-socket",
+                                     socket,
+                                     "--address-file",
+                                     addr_file,
+                                     "--log-level",
+                                     "warn",
+                                     "--prepare-timeout",
+                                     "60",
+                                     "--commit-timeout",
+                                     "60"};
     std::vector<char*> argv;
     for (auto& a : args) argv.push_back(a.data());
     argv.push_back(nullptr);
@@ -147,18 +160,22 @@ TEST_CASE("1,000 workers, 100k pieces, 100 rounds: no growth of memory, descript
         const size_t index = trainers.size();
         cb.on_prepare = [&, index](int64_t v) {
           BufferMemory m = {trainers[index]->buffer(0)};
-          FillSources(layouts[index], FillSpec{static_cast<uint64_t>(v), std::vector<bool>(kPiecesPerWorker, false)}, m);
+          FillSources(
+              layouts[index],
+              FillSpec{static_cast<uint64_t>(v), std::vector<bool>(kPiecesPerWorker, false)}, m);
           return absl::OkStatus();
         };
       }
-      auto c = WorkerClient::Connect("unix:" + socket, "load", side == 0 ? v1::TRAINER : v1::INFERENCE, mine, cb,
-                                     absl::Seconds(30));
+      auto c =
+          WorkerClient::Connect("unix:" + socket, "load", side == 0 ? v1::TRAINER : v1::INFERENCE,
+                                mine, cb, absl::Seconds(30));
       INFO(c.status().message());
       REQUIRE(c.ok());
       (side == 0 ? trainers : engines).push_back(*std::move(c));
     }
   }
-  auto control = v1::RefitControl::NewStub(grpc::CreateChannel(address, grpc::InsecureChannelCredentials()));
+  auto control =
+      v1::RefitControl::NewStub(grpc::CreateChannel(address, grpc::InsecureChannelCredentials()));
   auto refit = [&](int64_t v) {
     grpc::ClientContext ctx;
     ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(120));
@@ -185,7 +202,9 @@ TEST_CASE("1,000 workers, 100k pieces, 100 rounds: no growth of memory, descript
       REQUIRE(engines[w]->version() == v);
       BufferMemory m = {engines[w]->buffer(0)};
       const Layout& mine = layouts[kWorkersPerSide + w];
-      auto checked = CheckDestinations(mine, mine, FillSpec{static_cast<uint64_t>(v), std::vector<bool>(kPiecesPerWorker, false)}, m);
+      auto checked = CheckDestinations(
+          mine, mine,
+          FillSpec{static_cast<uint64_t>(v), std::vector<bool>(kPiecesPerWorker, false)}, m);
       INFO(checked.status().message());
       REQUIRE(checked.ok());
     }
@@ -205,10 +224,12 @@ TEST_CASE("1,000 workers, 100k pieces, 100 rounds: no growth of memory, descript
   check(105);
   const ProcStats after = Read(pid);
   WARN("daemon after warm-up: " << before.rss_kib << " KiB resident (" << before.heap_rss_kib()
-       << " outside thread stacks), " << before.threads << " threads, " << before.fds
-       << " fds; after 50 rounds: " << middle.rss_kib << " KiB (" << middle.heap_rss_kib()
-       << "); after 100 rounds: " << after.rss_kib << " KiB (" << after.heap_rss_kib() << "), "
-       << after.threads << " threads, " << after.fds << " fds; " << seconds / 100 << " s per round");
+                                << " outside thread stacks), " << before.threads << " threads, "
+                                << before.fds << " fds; after 50 rounds: " << middle.rss_kib
+                                << " KiB (" << middle.heap_rss_kib()
+                                << "); after 100 rounds: " << after.rss_kib << " KiB ("
+                                << after.heap_rss_kib() << "), " << after.threads << " threads, "
+                                << after.fds << " fds; " << seconds / 100 << " s per round");
   CHECK(after.fds == before.fds);
   CHECK(after.threads <= before.threads + 2);  // gRPC's pollers may come and go
   // A leak grows with every round; the allocator grows in rare steps (a new arena, a raised mmap
@@ -252,7 +273,9 @@ void CheckFlat(const ProcStats& before, const ProcStats& after, const std::strin
   CHECK(after.rss_kib <= before.rss_kib + kRssSlackKib);
 }
 
-TEST_CASE("1,000 data connections opened and closed against a HostBackend: threads, fds, mappings, memory flat") {
+TEST_CASE(
+    "1,000 data connections opened and closed against a HostBackend: threads, fds, mappings, "
+    "memory flat") {
   mallopt(M_ARENA_MAX, 2);  // as in the daemon's test: glibc's per-thread arenas come in steps
   HostBackendOptions options;
   options.frame_wait = absl::Milliseconds(50);
@@ -270,15 +293,19 @@ TEST_CASE("1,000 data connections opened and closed against a HostBackend: threa
         REQUIRE(c.ok());
         const absl::Time deadline = absl::Now() + absl::Seconds(5);
         char bytes[64] = "not a frame header";
-        const uint32_t header[8] = {0x31544652, 6, 99, 0, 0, 0, 8, 0};  // magic, "policy", round 99, message 0, 8 bytes
+        const uint32_t header[8] = {
+            0x31544652, 6, 99, 0, 0, 0, 8, 0};  // magic, "policy", round 99, message 0, 8 bytes
         std::memcpy(bytes, header, sizeof header);
         std::memcpy(bytes + sizeof header, "policy", 6);
         const size_t send[4] = {0, 32, 5, sizeof header + 6};
         if (i % 4 == 3) {
-          REQUIRE(SendAll(*c, {reinterpret_cast<std::byte*>(bytes), send[3]}, deadline, "backend").ok());
+          REQUIRE(SendAll(*c, {reinterpret_cast<std::byte*>(bytes), send[3]}, deadline, "backend")
+                      .ok());
         } else if (send[i % 4] > 0) {
           char junk[32] = "not a frame header";
-          REQUIRE(SendAll(*c, {reinterpret_cast<std::byte*>(junk), send[i % 4]}, deadline, "backend").ok());
+          REQUIRE(
+              SendAll(*c, {reinterpret_cast<std::byte*>(junk), send[i % 4]}, deadline, "backend")
+                  .ok());
         }
         peers.push_back(*std::move(c));
       }
@@ -322,11 +349,12 @@ struct ThreeNodes {
   ThreeNodes() {
     for (int t = 0; t < 8; ++t) {
       const std::string name = absl::StrCat("w", t);
-      AddSplitTensor(src, name, Dims{256, 512}, DType::kBF16, 0, EvenSplit(256, 2), {{0, 0}, {0, 1}}, "trainer");
+      AddSplitTensor(src, name, Dims{256, 512}, DType::kBF16, 0, EvenSplit(256, 2),
+                     {{0, 0}, {0, 1}}, "trainer");
       for (int n = 1; n <= 2; ++n) {
         for (int r = 0; r < 2; ++r) {
-          AddSplitTensor(dst, name, Dims{256, 512}, DType::kBF16, 1, EvenSplit(512, 2), {{n, 2 * r}, {n, 2 * r + 1}},
-                         absl::StrCat("engine", n, r, "_"));
+          AddSplitTensor(dst, name, Dims{256, 512}, DType::kBF16, 1, EvenSplit(512, 2),
+                         {{n, 2 * r}, {n, 2 * r + 1}}, absl::StrCat("engine", n, r, "_"));
         }
       }
     }
@@ -357,7 +385,9 @@ struct HostMemory {
   }
 };
 
-TEST_CASE("200 transfers between HostBackends, a quarter aborted midway: threads, fds, mappings, memory flat") {
+TEST_CASE(
+    "200 transfers between HostBackends, a quarter aborted midway: threads, fds, mappings, memory "
+    "flat") {
   mallopt(M_ARENA_MAX, 2);
   ThreeNodes f;
   std::vector<std::unique_ptr<HostBackend>> nodes;
@@ -432,12 +462,15 @@ TEST_CASE("200 transfers between HostBackends, a quarter aborted midway: threads
   const absl::Time t0 = absl::Now();
   rounds(200);
   const absl::Duration took = absl::Now() - t0;
-  WARN("200 rounds (50 aborted, " << aborted << " of them cut off on node 1 before it completed) in "
-       << absl::FormatDuration(took) << "; slowest round after an aborted one: "
-       << absl::FormatDuration(slowest_after_abort));
+  WARN("200 rounds (50 aborted, " << aborted
+                                  << " of them cut off on node 1 before it completed) in "
+                                  << absl::FormatDuration(took)
+                                  << "; slowest round after an aborted one: "
+                                  << absl::FormatDuration(slowest_after_abort));
   CHECK(aborted >= 12);
   CHECK(slowest_after_abort < absl::Seconds(3));  // not a deadline: nothing stale in the way
-  const int64_t stale = nodes[1]->connection_stats().stale_frames + nodes[2]->connection_stats().stale_frames;
+  const int64_t stale =
+      nodes[1]->connection_stats().stale_frames + nodes[2]->connection_stats().stale_frames;
   WARN("late frames dropped by nodes 1 and 2: " << stale);
   absl::SleepFor(absl::Milliseconds(100));
   Eventually([&] { return Read(getpid()).threads == before.threads; }, absl::Seconds(5));
@@ -465,18 +498,21 @@ TEST_CASE("1,000 StartRefit rounds of a daemon: threads, fds, mappings, memory f
         const size_t index = trainers.size();
         cb.on_prepare = [&, index](int64_t v) {
           BufferMemory m = {trainers[index]->buffer(0)};
-          FillSources(layouts[index], FillSpec{static_cast<uint64_t>(v), std::vector<bool>(kPieces, false)}, m);
+          FillSources(layouts[index],
+                      FillSpec{static_cast<uint64_t>(v), std::vector<bool>(kPieces, false)}, m);
           return absl::OkStatus();
         };
       }
-      auto c = WorkerClient::Connect("unix:" + daemon.socket, "rounds", side == 0 ? v1::TRAINER : v1::INFERENCE,
-                                     layouts.back(), cb, absl::Seconds(30));
+      auto c = WorkerClient::Connect("unix:" + daemon.socket, "rounds",
+                                     side == 0 ? v1::TRAINER : v1::INFERENCE, layouts.back(), cb,
+                                     absl::Seconds(30));
       INFO(c.status().message());
       REQUIRE(c.ok());
       (side == 0 ? trainers : engines).push_back(*std::move(c));
     }
   }
-  auto control = v1::RefitControl::NewStub(grpc::CreateChannel(daemon.address, grpc::InsecureChannelCredentials()));
+  auto control = v1::RefitControl::NewStub(
+      grpc::CreateChannel(daemon.address, grpc::InsecureChannelCredentials()));
   // Starts round v (again while the previous one is still finishing) and waits until every
   // engine holds v.
   auto round = [&](int64_t v) {
@@ -491,7 +527,8 @@ TEST_CASE("1,000 StartRefit rounds of a daemon: threads, fds, mappings, memory f
       const grpc::Status s = control->StartRefit(&ctx, r, &started);
       if (s.ok()) break;
       INFO(s.error_message());
-      REQUIRE(s.error_code() == grpc::StatusCode::ABORTED);  // the previous round is still finishing
+      REQUIRE(s.error_code() ==
+              grpc::StatusCode::ABORTED);  // the previous round is still finishing
       REQUIRE(absl::Now() < until);
       absl::SleepFor(absl::Microseconds(200));
     }
@@ -506,7 +543,8 @@ TEST_CASE("1,000 StartRefit rounds of a daemon: threads, fds, mappings, memory f
     for (int w = 0; w < kWorkers; ++w) {
       BufferMemory m = {engines[w]->buffer(0)};
       const Layout& mine = layouts[kWorkers + w];
-      auto checked = CheckDestinations(mine, mine, FillSpec{static_cast<uint64_t>(v), std::vector<bool>(kPieces, false)}, m);
+      auto checked = CheckDestinations(
+          mine, mine, FillSpec{static_cast<uint64_t>(v), std::vector<bool>(kPieces, false)}, m);
       INFO(checked.status().message());
       REQUIRE(checked.ok());
     }
@@ -524,8 +562,8 @@ TEST_CASE("1,000 StartRefit rounds of a daemon: threads, fds, mappings, memory f
   check(1050);
   absl::SleepFor(absl::Milliseconds(100));  // the last round's thread ends
   const ProcStats after = Read(daemon.pid);
-  WARN("1,000 StartRefit rounds in " << absl::FormatDuration(took) << "; daemon before " << Describe(before)
-       << "; after " << Describe(after));
+  WARN("1,000 StartRefit rounds in " << absl::FormatDuration(took) << "; daemon before "
+                                     << Describe(before) << "; after " << Describe(after));
   CHECK(after.threads <= before.threads + 2);  // gRPC's pollers may come and go
   CHECK(after.fds == before.fds);
   CHECK(after.maps <= before.maps + kMapsSlack);

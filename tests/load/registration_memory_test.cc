@@ -4,9 +4,9 @@
 // most 5x the wire size plus 24 MB of slack while it is registered (measured: 1.2x and 1.05x;
 // before issue 15.5's fix, 34x and 23x) and keep at most 2x plus 24 MB after it left (before:
 // all of it). Memory, not time: nothing here is timed.
-#include <catch2/catch.hpp>
-
 #include "tests/bench/registration_memory.h"
+
+#include <catch2/catch.hpp>
 
 namespace refit {
 namespace {
@@ -18,8 +18,9 @@ TEST_CASE("a registration's memory is bounded by its wire size, and given back")
   auto m = MeasureRegistration(o);
   REQUIRE(m.ok());
   const int64_t slack = int64_t{24} << 20;
-  INFO("wire " << m->wire_bytes << " B; node +" << m->node.growth() << " (retained " << m->node.retained()
-               << "), coordinator +" << m->coordinator.growth() << " (retained " << m->coordinator.retained() << ")");
+  INFO("wire " << m->wire_bytes << " B; node +" << m->node.growth() << " (retained "
+               << m->node.retained() << "), coordinator +" << m->coordinator.growth()
+               << " (retained " << m->coordinator.retained() << ")");
   CHECK(m->wire_bytes > (int64_t{8} << 20));
   for (const DaemonMemory* d : {&m->node, &m->coordinator}) {
     CHECK(d->growth() <= 5 * m->wire_bytes + slack);

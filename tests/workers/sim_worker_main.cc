@@ -18,16 +18,16 @@
 //   sim-worker --daemon unix:/tmp/refitd-2.sock --group policy --role inference
 //              --layout engine.json --worker vllm-dp0-tp1 --report /tmp/w.log
 #include <csignal>
+#include <cstdio>
 #include <cstdlib>
 #include <cstring>
-#include <cstdio>
 #include <fstream>
 #include <mutex>
 #include <optional>
 
 #include "absl/strings/str_cat.h"
-#include "common/cli_flags.h"
 #include "client/worker_client.h"
+#include "common/cli_flags.h"
 #include "plan/validate.h"
 #include "plan/verify.h"
 #include "proto/layout_codec.h"
@@ -58,7 +58,8 @@ int main(int argc, char** argv) {
 #ifdef REFIT_SIM_WORKER_CUDA
   // The environment sets the default, so that the GPU cluster scripts run on VMM memory as they
   // are: SIM_WORKER_VMM=1 bash tests/gpu/colocated.sh.
-  bool vmm = std::getenv("SIM_WORKER_VMM") != nullptr && std::string(std::getenv("SIM_WORKER_VMM")) == "1";
+  bool vmm =
+      std::getenv("SIM_WORKER_VMM") != nullptr && std::string(std::getenv("SIM_WORKER_VMM")) == "1";
 #else
   bool vmm = false;
 #endif
@@ -70,25 +71,35 @@ int main(int argc, char** argv) {
   flags.String("layout", &layout_path, "the side's layout JSON (from refit-layout)");
   flags.String("worker", &worker_name, "which worker of the layout this process is");
   flags.String("report", &report_path, "append one line per round event here");
-  flags.Int("prepare-delay-ms", &prepare_delay_ms, "wait this long before confirming PREPARE (tests)");
-  flags.Double("register-timeout", &register_timeout_s, "seconds to wait for the daemon to accept the registration");
-  flags.String("peer-layout", &peer_layout_path,
-               "the other side's layout JSON: values and checks follow the conversions between the two (fp8 "
-               "destinations are checked against the CPU reference quantizing each weight whole); without it both "
-               "sides must share dtypes");
-  flags.Bool("same-data", &same_data, "every round carries version 1's values (fill once, compare to a verified copy)");
-  flags.Bool("vmm", &vmm, "sim-worker-cuda: buffers in CUDA VMM memory (cuMemCreate), handed over as file descriptors");
-  flags.Int("vmm-chunk-mb", &vmm_chunk_mb, "with --vmm: MiB per physical allocation (rounded up to the granularity)");
+  flags.Int("prepare-delay-ms", &prepare_delay_ms,
+            "wait this long before confirming PREPARE (tests)");
+  flags.Double("register-timeout", &register_timeout_s,
+               "seconds to wait for the daemon to accept the registration");
+  flags.String(
+      "peer-layout", &peer_layout_path,
+      "the other side's layout JSON: values and checks follow the conversions between the two (fp8 "
+      "destinations are checked against the CPU reference quantizing each weight whole); without "
+      "it both "
+      "sides must share dtypes");
+  flags.Bool("same-data", &same_data,
+             "every round carries version 1's values (fill once, compare to a verified copy)");
+  flags.Bool(
+      "vmm", &vmm,
+      "sim-worker-cuda: buffers in CUDA VMM memory (cuMemCreate), handed over as file descriptors");
+  flags.Int("vmm-chunk-mb", &vmm_chunk_mb,
+            "with --vmm: MiB per physical allocation (rounded up to the granularity)");
   flags.Parse(argc, argv);
   if (daemon.empty() || layout_path.empty() || worker_name.empty()) {
     flags.Fail("--daemon, --layout and --worker are required");
   }
-  if (role_name != "trainer" && role_name != "inference") flags.Fail("--role must be trainer or inference");
+  if (role_name != "trainer" && role_name != "inference")
+    flags.Fail("--role must be trainer or inference");
   const v1::Role role = role_name == "trainer" ? v1::TRAINER : v1::INFERENCE;
   auto side = ReadLayoutFile(layout_path, role_name);
   if (!side.ok()) flags.Fail(std::string(side.status().message()));
   auto found = side->worker_index.find(worker_name);
-  if (found == side->worker_index.end()) flags.Fail(absl::StrCat("no worker \"", worker_name, "\" in ", layout_path));
+  if (found == side->worker_index.end())
+    flags.Fail(absl::StrCat("no worker \"", worker_name, "\" in ", layout_path));
   Layout mine = WorkerLayout(*side, found->second);
   if (auto s = ValidateLayout(mine, role_name); !s.ok()) flags.Fail(std::string(s.message()));
   std::optional<Layout> peer;
@@ -125,7 +136,8 @@ int main(int argc, char** argv) {
   if (!vmm) {
     // A whole number of 2 MiB pages, as PyTorch's caching allocator sizes its segments: another
     // process imports an allocation of any other size through CUDA IPC with small pages, and a
-    // colocated refit's copy kernel ran at a third of its speed on it (docs/BENCHMARKS.md, session 15).
+    // colocated refit's copy kernel ran at a third of its speed on it (docs/BENCHMARKS.md, session
+    // 15).
     total = (total + (int64_t{2} << 20) - 1) / (int64_t{2} << 20) * (int64_t{2} << 20);
     if (cudaMalloc(&device, total) != cudaSuccess) flags.Fail("cudaMalloc failed");
   } else {
@@ -138,14 +150,17 @@ int main(int argc, char** argv) {
     prop.location.id = gpu;
     prop.requestedHandleTypes = CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR;
     size_t granularity = 0;
-    if (cuMemGetAllocationGranularity(&granularity, &prop, CU_MEM_ALLOC_GRANULARITY_MINIMUM) != CUDA_SUCCESS) {
+    if (cuMemGetAllocationGranularity(&granularity, &prop, CU_MEM_ALLOC_GRANULARITY_MINIMUM) !=
+        CUDA_SUCCESS) {
       flags.Fail("cuMemGetAllocationGranularity failed");
     }
-    const size_t chunk = (static_cast<size_t>(std::max<int64_t>(vmm_chunk_mb, 1)) * (1 << 20) + granularity - 1) /
-                         granularity * granularity;
+    const size_t chunk =
+        (static_cast<size_t>(std::max<int64_t>(vmm_chunk_mb, 1)) * (1 << 20) + granularity - 1) /
+        granularity * granularity;
     const size_t chunks = (static_cast<size_t>(total) + chunk - 1) / chunk;
     CUdeviceptr base = 0;
-    if (cuMemAddressReserve(&base, chunks * chunk, 0, 0, 0) != CUDA_SUCCESS) flags.Fail("cuMemAddressReserve failed");
+    if (cuMemAddressReserve(&base, chunks * chunk, 0, 0, 0) != CUDA_SUCCESS)
+      flags.Fail("cuMemAddressReserve failed");
     for (size_t c = 0; c < chunks; ++c) {
       CUmemGenericAllocationHandle h;
       if (cuMemCreate(&h, chunk, &prop, 0) != CUDA_SUCCESS) flags.Fail("cuMemCreate failed");
@@ -155,7 +170,8 @@ int main(int argc, char** argv) {
     CUmemAccessDesc access = {};
     access.location = prop.location;
     access.flags = CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
-    if (cuMemSetAccess(base, chunks * chunk, &access, 1) != CUDA_SUCCESS) flags.Fail("cuMemSetAccess failed");
+    if (cuMemSetAccess(base, chunks * chunk, &access, 1) != CUDA_SUCCESS)
+      flags.Fail("cuMemSetAccess failed");
     device = reinterpret_cast<char*>(base);
     Report(absl::StrCat("vmm: ", chunks, " allocations of ", chunk, " bytes"));
   }
@@ -175,10 +191,12 @@ int main(int argc, char** argv) {
   options.memory.fds = exported_cuda.fds;
   options.memory.gpu_uuid = exported_cuda.gpu_uuid;
   auto to_device = [&] {
-    for (size_t b = 0; b < host.size(); ++b) cudaMemcpy(device + offsets[b], host[b].data(), host[b].size(), cudaMemcpyHostToDevice);
+    for (size_t b = 0; b < host.size(); ++b)
+      cudaMemcpy(device + offsets[b], host[b].data(), host[b].size(), cudaMemcpyHostToDevice);
   };
   auto to_host = [&] {
-    for (size_t b = 0; b < host.size(); ++b) cudaMemcpy(host[b].data(), device + offsets[b], host[b].size(), cudaMemcpyDeviceToHost);
+    for (size_t b = 0; b < host.size(); ++b)
+      cudaMemcpy(host[b].data(), device + offsets[b], host[b].size(), cudaMemcpyDeviceToHost);
   };
   auto poison = [&] {
     cudaMemset(device, static_cast<int>(kPoison), total);
@@ -195,7 +213,9 @@ int main(int argc, char** argv) {
 #endif
   auto spec_for = [&](int64_t version) {
     const uint64_t seed = static_cast<uint64_t>(same_data ? 1 : version);
-    if (peer) return role_name == "trainer" ? MakeFillSpec(mine, *peer, seed) : MakeFillSpec(*peer, mine, seed);
+    if (peer)
+      return role_name == "trainer" ? MakeFillSpec(mine, *peer, seed)
+                                    : MakeFillSpec(*peer, mine, seed);
     FillSpec spec;
     spec.seed = seed;
     spec.numeric.assign(mine.tensors.size(), false);  // both sides share dtypes in this cluster
@@ -225,7 +245,8 @@ int main(int argc, char** argv) {
       int64_t bytes = 0;
       for (size_t b = 0; b < memory.size(); ++b) {
         if (std::memcmp(memory[b].data(), verified[b].data(), memory[b].size()) != 0) {
-          Report(absl::StrCat("commit ", version, " FAIL buffer ", mine.buffers[b].name, " differs from the verified round"));
+          Report(absl::StrCat("commit ", version, " FAIL buffer ", mine.buffers[b].name,
+                              " differs from the verified round"));
           return;
         }
         bytes += static_cast<int64_t>(memory[b].size());
@@ -248,9 +269,13 @@ int main(int argc, char** argv) {
     Report(absl::StrCat("abort round ", round, ": ", reason));
   };
   options.timeout = absl::Seconds(register_timeout_s);
-  callbacks.on_disconnected = [&](const std::string& why) { Report(absl::StrCat("disconnected: ", why)); };
+  callbacks.on_disconnected = [&](const std::string& why) {
+    Report(absl::StrCat("disconnected: ", why));
+  };
   // The library registers again by itself once the daemon is back.
-  callbacks.on_reconnected = [&](const std::string& id) { Report(absl::StrCat("registered ", id)); };
+  callbacks.on_reconnected = [&](const std::string& id) {
+    Report(absl::StrCat("registered ", id));
+  };
   auto connected = WorkerClient::Connect(daemon, group, role, mine, callbacks, std::move(options));
   if (!connected.ok()) {
     std::fprintf(stderr, "sim-worker: %s\n", std::string(connected.status().message()).c_str());

@@ -14,7 +14,9 @@ if [ ${#targets[@]} -eq 0 ]; then
   # own output directory, so neither build evicts the other; about 70 s cold on 2 cores, seconds
   # when only daemon/ changed).
   bazel build --config=tsa //daemon/... || exit 1
-  # The daemon and the clients depend on neither's internals (common/ holds what both use).
+  # The daemon and the clients depend on neither's internals (common/ holds what both use), and
+  # every C++ and CUDA file is as clang-format makes it (bash tools/check_format.sh --fix).
   bash tools/check_deps.sh || exit 1
+  bash tools/check_format.sh || exit 1
 fi
 exec bazel test "${targets[@]}"

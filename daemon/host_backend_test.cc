@@ -99,6 +99,23 @@ TransferJob LonelyJob(const Fixture& f, const Memory& dst, const HostBackend& se
   return job;
 }
 
+// Node `node`'s part of round `round` of the fixture's plan, every node's data address known.
+TransferJob RoundJob(const Fixture& f, const Memory& src, const Memory& dst,
+                     const std::vector<std::unique_ptr<HostBackend>>& nodes,
+                     const std::string& group, uint64_t round, int32_t node) {
+  TransferJob job;
+  job.group = group;
+  job.round_id = static_cast<int64_t>(round);
+  job.node = node;
+  job.plan = f.plan;
+  job.src = src.OnNode(f.src, node);
+  job.dst = dst.OnNode(f.dst, node);
+  for (int32_t k = 0; k < static_cast<int32_t>(nodes.size()); ++k)
+    job.data_addresses[k] = nodes[k]->data_address();
+  job.deadline = absl::Now() + absl::Seconds(20);
+  return job;
+}
+
 TEST_CASE("three daemons' host backends execute one plan byte for byte, round after round") {
   Fixture f;
   std::vector<std::unique_ptr<HostBackend>> nodes;
@@ -116,16 +133,7 @@ TEST_CASE("three daemons' host backends execute one plan byte for byte, round af
     std::vector<std::thread> threads;
     for (int n = 0; n < 3; ++n) {
       threads.emplace_back([&, n] {
-        TransferJob job;
-        job.group = "policy";
-        job.round_id = static_cast<int64_t>(round);
-        job.node = n;
-        job.plan = f.plan;
-        job.src = src.OnNode(f.src, n);
-        job.dst = dst.OnNode(f.dst, n);
-        for (int k = 0; k < 3; ++k) job.data_addresses[k] = nodes[k]->data_address();
-        job.deadline = absl::Now() + absl::Seconds(20);
-        results[n] = nodes[n]->Transfer(job);
+        results[n] = nodes[n]->Transfer(RoundJob(f, src, dst, nodes, "policy", round, n));
       });
     }
     for (auto& t : threads) t.join();
@@ -176,16 +184,11 @@ TEST_CASE(
     for (int g = 0; g < 2; ++g) {
       for (int n = 0; n < 3; ++n) {
         threads.emplace_back([&, g, n] {
-          TransferJob job;
-          job.group = groups[g].name;
-          job.round_id = static_cast<int64_t>(round);
-          job.node = n;
-          job.plan = groups[g].f->plan;
-          job.src = groups[g].src.OnNode(groups[g].f->src, n);
-          job.dst = groups[g].dst.OnNode(groups[g].f->dst, n);
-          for (int k = 0; k < 3; ++k) job.data_addresses[k] = nodes[k]->data_address();
-          job.deadline = absl::Now() + absl::Seconds(20);
-          results[3 * g + n] = nodes[n]->Transfer(job).status();
+          const Group& in = groups[g];
+          results[3 * g + n] =
+              nodes[n]
+                  ->Transfer(RoundJob(*in.f, in.src, in.dst, nodes, in.name, round, n))
+                  .status();
         });
       }
     }

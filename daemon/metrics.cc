@@ -41,20 +41,20 @@ prometheus::ClientMetric Sample(double value, prometheus::Labels labels, bool co
   return m;
 }
 
-prometheus::MetricFamily CounterFamily(std::string name, std::string help) {
+prometheus::MetricFamily Family(std::string name, std::string help, prometheus::MetricType type) {
   prometheus::MetricFamily f;
   f.name = std::move(name);
   f.help = std::move(help);
-  f.type = prometheus::MetricType::Counter;
+  f.type = type;
   return f;
 }
 
 prometheus::MetricFamily GaugeFamily(std::string name, std::string help) {
-  prometheus::MetricFamily f;
-  f.name = std::move(name);
-  f.help = std::move(help);
-  f.type = prometheus::MetricType::Gauge;
-  return f;
+  return Family(std::move(name), std::move(help), prometheus::MetricType::Gauge);
+}
+
+prometheus::MetricFamily CounterFamily(std::string name, std::string help) {
+  return Family(std::move(name), std::move(help), prometheus::MetricType::Counter);
 }
 
 }  // namespace

@@ -290,7 +290,7 @@ absl::Status CudaBackend::Arm(Group& g, const TransferJob& job) {
     REFIT_CUDA_RETURN_IF_ERROR(cudaEventRecord(on.start.get(), stream), "cudaEventRecord");
     for (const auto& d : on.direct[stage]) {
       REFIT_CUDA_RETURN_IF_ERROR(LaunchCopyItems(d.items, d.units, d.n, d.total_units, stream,
-                                                 d.spread, d.aligned, gate, go),
+                                                 d.spread, d.aligned, gate, go, d.quantizing),
                                  "copy (armed)");
     }
     REFIT_CUDA_RETURN_IF_ERROR(cudaEventRecord(on.direct_done[stage].get(), stream),

@@ -767,6 +767,7 @@ absl::Status UploadWork(CudaBackend::Prepared& p, bool aligned_copy_kernel, Work
       d->total_units = w->unit_begin.empty() ? 0 : w->unit_begin.back();
       // The aligned kernel where it applies (--aligned-copy-kernel=false: the general one always).
       d->aligned = aligned_copy_kernel && AlignedOnly(*w);
+      d->quantizing = HasQuantizing(*w);
     }
   }
   return absl::OkStatus();
@@ -1025,8 +1026,9 @@ absl::Status CudaBackend::PackFirstSteps(const Group& g, const Prepared& p, int 
     for (int32_t k = 0; k < depth && k < static_cast<int32_t>(steps.size()); ++k) {
       const auto& w = on.pack[stage][k];
       REFIT_RETURN_IF_ERROR(guard.Set(gpu));
-      REFIT_CUDA_RETURN_IF_ERROR(
-          LaunchCopyItems(w.items, w.units, w.n, w.total_units, compute, false, w.aligned), "pack");
+      REFIT_CUDA_RETURN_IF_ERROR(LaunchCopyItems(w.items, w.units, w.n, w.total_units, compute,
+                                                 false, w.aligned, nullptr, 0, w.quantizing),
+                                 "pack");
       REFIT_CUDA_RETURN_IF_ERROR(cudaEventRecord(on.packed[stage][k].get(), compute),
                                  "cudaEventRecord");
     }
@@ -1043,7 +1045,7 @@ absl::Status CudaBackend::LaunchDirectCopies(const Group& g, const Prepared& p, 
     for (const auto& d : p.gpus.at(gpu).direct[stage]) {
       REFIT_CUDA_RETURN_IF_ERROR(
           LaunchCopyItems(d.items, d.units, d.n, d.total_units, g.streams.at(gpu).direct.get(),
-                          d.spread, d.aligned),
+                          d.spread, d.aligned, nullptr, 0, d.quantizing),
           "copy");
     }
     REFIT_CUDA_RETURN_IF_ERROR(
@@ -1118,15 +1120,17 @@ absl::Status CudaBackend::UnpackAndPackNext(const Group& g, const Prepared& p, i
     REFIT_CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(compute, on.moved[stage][k].get(), 0),
                                "cudaStreamWaitEvent");
     const auto& u = on.unpack[stage][k];
-    REFIT_CUDA_RETURN_IF_ERROR(
-        LaunchCopyItems(u.items, u.units, u.n, u.total_units, compute, false, u.aligned), "unpack");
+    REFIT_CUDA_RETURN_IF_ERROR(LaunchCopyItems(u.items, u.units, u.n, u.total_units, compute, false,
+                                               u.aligned, nullptr, 0, u.quantizing),
+                               "unpack");
     REFIT_CUDA_RETURN_IF_ERROR(cudaEventRecord(on.unpacked[stage][k].get(), compute),
                                "cudaEventRecord");
     const int32_t next = k + std::max(1, schedule.depth.count(gpu) ? schedule.depth.at(gpu) : 1);
     if (next < static_cast<int32_t>(steps.size())) {
       const auto& w = on.pack[stage][next];
-      REFIT_CUDA_RETURN_IF_ERROR(
-          LaunchCopyItems(w.items, w.units, w.n, w.total_units, compute, false, w.aligned), "pack");
+      REFIT_CUDA_RETURN_IF_ERROR(LaunchCopyItems(w.items, w.units, w.n, w.total_units, compute,
+                                                 false, w.aligned, nullptr, 0, w.quantizing),
+                                 "pack");
       REFIT_CUDA_RETURN_IF_ERROR(cudaEventRecord(on.packed[stage][next].get(), compute),
                                  "cudaEventRecord");
     }

@@ -64,6 +64,18 @@ wait_registered() {
   done
 }
 
+# wait_report PATTERN KEY...: until one of the workers KEY... reported a line matching PATTERN
+# (an extended regex; 10 s at most).
+wait_report() {
+  local pattern=$1; shift
+  for _ in $(seq 200); do
+    for key in "$@"; do grep -Eq "$pattern" "$RUN/$key.report" 2>/dev/null && return 0; done
+    sleep 0.05
+  done
+  echo "no worker of $* reported \"$pattern\""
+  return 1
+}
+
 ctl() { "$BIN/refitctl" --daemon "$CTL_ADDR" "$@"; }
 
 # workers_of LAYOUT: the worker names in a layout file, and their nodes ("name node" lines).

@@ -84,6 +84,13 @@ echo "$out" | grep -q "FAILED_PRECONDITION" || fail "stale version: $out"
 out=$(ctl refit nosuchgroup 9 2>&1) && fail "unknown group accepted: $out"
 echo "$out" | grep -q "NOT_FOUND" || fail "unknown group: $out"
 
+# node3_workers GROUP: the keys of GROUP's workers on node 3.
+node3_workers() {
+  for key in "${!NODE_OF[@]}"; do
+    [ "${NODE_OF[$key]}" -eq 3 ] && [[ $key == "$1"-* ]] && echo "$key"
+  done
+}
+
 # kill_mid_round GROUP VERSION VICTIM_KEY: restart VICTIM with a slow PREPARE, start a round,
 # kill the victim while the round waits for it; the round must abort within 5 s naming it.
 kill_mid_round() {
@@ -96,7 +103,7 @@ kill_mid_round() {
   wait_registered "$key" || fail "re-registration of $key"
   ctl refit "$group" "$v" >"$RUN/abort-$v.out" 2>&1 &
   local p=$!
-  sleep 0.7
+  wait_report "^preparing $v\$" "$key" || fail "round $v of $group never reached $key"
   local t0=$(date +%s.%N)
   kill -9 "${WORKER_PID[$key]}"
   wait $p && fail "round $v of $group committed although $key was killed"
@@ -129,7 +136,7 @@ for key in "${!NODE_OF[@]}"; do
 done
 ctl refit policy 7 >"$RUN/abort-7.out" 2>&1 &
 p=$!
-sleep 0.7
+wait_report "^preparing 7$" $(node3_workers policy) || fail "round 7 never reached node 3"
 t0=$(date +%s.%N)
 kill -9 "${DAEMON_PID[3]}"
 wait $p && fail "round 7 committed although node 3 died"
@@ -174,7 +181,7 @@ echo "== a non-coordinator daemon frozen mid-round"
 restart_node3 0 --prepare-delay-ms 3000
 ctl refit policy 9 >"$RUN/abort-9.out" 2>&1 &
 p=$!
-sleep 0.5
+wait_report "^preparing 9$" $(node3_workers policy) || fail "round 9 never reached node 3"
 t0=$(date +%s.%N)
 kill -STOP "${DAEMON_PID[3]}"
 wait $p && fail "round 9 committed although node 3 was frozen"
@@ -218,10 +225,13 @@ echo "== SIGTERM drains a node: its running round finishes, health says NOT_SERV
 restart_node3 0 --prepare-delay-ms 2000
 ctl refit policy 12 >"$RUN/drain-12.out" 2>&1 &
 p=$!
-sleep 0.5
+wait_report "^preparing 12$" $(node3_workers policy) || fail "round 12 never reached node 3"
 kill -TERM "${DAEMON_PID[3]}"
-sleep 0.3
-out=$("$BIN/refitctl" --daemon "unix:$RUN/refitd-3.sock" health 2>&1); rc=$?
+for _ in $(seq 50); do  # the signal is handled on the daemon's own time: 5 s at most
+  out=$("$BIN/refitctl" --daemon "unix:$RUN/refitd-3.sock" health 2>&1); rc=$?
+  [ "$rc" -eq 1 ] && break
+  sleep 0.1
+done
 echo "$out"
 [ "$rc" -eq 1 ] && echo "$out" | grep -q "NOT_SERVING" || fail "node 3 draining: health exit $rc: $out"
 wait $p || fail "the round running while node 3 drained did not commit: $(cat "$RUN/drain-12.out")"

@@ -169,12 +169,11 @@ class Fp8FaultMatrix(fm.FaultMatrixBase):
     trainer_victim, engine_victim = TRAINER, ENGINE
 
     def wait_inside(self, group, slow, phase, v, marks, rnd):
-        """sim-worker says nothing when PREPARE arrives, only once it confirmed it: a worker that is
-        not slow reporting "prepare v" shows that PREPARE is out; `slow` then sits in its delay."""
+        """sim-worker reports "preparing v" when PREPARE arrives, before its delay, and "prepare v"
+        once it confirmed: `slow` is in its delay from the first line until the second."""
         assert phase == "PREPARE", phase
-        others = [w for w in self.f.group(group) if w is not slow]
         deadline = time.monotonic() + 20
-        while not any(l == f"prepare {v}" for w in others for l in w.lines()[marks[w.key]:]):
+        while not any(l == f"preparing {v}" for l in slow.lines()[marks[slow.key]:]):
             if time.monotonic() > deadline:
                 self.fail(f"round {v} never reached PREPARE: {rnd.describe()}\n{self.f.cluster.logs()}")
             time.sleep(0.02)

@@ -225,6 +225,8 @@ int main(int argc, char** argv) {
   std::vector<std::vector<std::byte>> verified;  // --same-data: the first checked commit's bytes
   WorkerCallbacks callbacks;
   callbacks.on_prepare = [&](int64_t version) {
+    // Tests strike while a round waits in PREPARE: this line says it has begun waiting.
+    Report(absl::StrCat("preparing ", version));
     if (prepare_delay_ms > 0) absl::SleepFor(absl::Milliseconds(prepare_delay_ms));
     if (role == v1::TRAINER && !(same_data && filled)) {
       FillSources(mine, spec_for(version), memory);  // "the optimizer step"

@@ -491,38 +491,23 @@ absl::StatusOr<std::unique_ptr<MappedBuffer>> CudaBackend::Map(const v1::BufferM
   return std::unique_ptr<MappedBuffer>(new IpcBuffer(a, ipc.offset(), bytes));
 }
 
-absl::StatusOr<std::shared_ptr<CudaBackend::VmmMapping>> CudaBackend::MapVmmRange(
-    const v1::RegisterWorkerRequest& request, int r, std::span<const Fd> fds) {
-  const v1::VmmRange& range = request.vmm_ranges(r);
-  const std::string what = absl::StrCat("VMM range ", r);
-  auto driver_or = CudaDriver::Get();
-  if (!driver_or.ok()) return Annotate(driver_or.status(), what);
-  const CudaDriver& driver = **driver_or;
-  int32_t device = request.worker().gpu();  // the worker's GPU (Register resolved its gpu_uuid)
-  if (!range.gpu_uuid().empty()) {
-    auto found = GpuIndex(range.gpu_uuid());
-    if (!found.ok()) return Annotate(found.status(), what);
-    device = *found;
-  }
-  if (!Serves(device)) {
-    return absl::InvalidArgumentError(
-        absl::StrCat(what, " is on GPU ", device, ", which this daemon does not serve"));
-  }
-  // Driver calls act on the current context: make GPU `device`'s primary context current.
-  DeviceGuard guard(device);
-  REFIT_RETURN_IF_ERROR(Annotate(guard.status(), what));
-  REFIT_CUDA_RETURN_IF_ERROR(cudaFree(nullptr),
-                             absl::StrCat(what, ": the primary context of GPU ", device));
+namespace {
 
-  // The imported handles, released on every way out (declared before the mapping, so released
-  // after it is made or abandoned): from cuMemMap on, the mappings hold the memory.
-  std::vector<VmmHandle> handles;
+// A VMM range's chunks imported on `device`, each checked to be a whole allocation on that GPU;
+// and the largest granularity among them (the reservation's alignment).
+struct ImportedChunks {
+  std::vector<VmmHandle> handles;  // released on every way out; from cuMemMap on, the maps hold
   size_t alignment = 1;
-  const int chunks = range.chunk_bytes_size();
+};
+
+absl::StatusOr<ImportedChunks> ImportVmmChunks(const CudaDriver& driver, int32_t device,
+                                               const v1::VmmRange& range, std::span<const Fd> fds,
+                                               const std::string& what) {
+  ImportedChunks out;
   auto chunk_name = [&](int c) {
     return absl::StrCat(what, " chunk ", c, " (descriptor ", range.first_fd() + c, ")");
   };
-  for (int c = 0; c < chunks; ++c) {
+  for (int c = 0; c < range.chunk_bytes_size(); ++c) {
     const Fd& fd = fds[static_cast<size_t>(range.first_fd() + c)];
     auto h = VmmHandle::Import(
         driver, device, fd.get(),
@@ -530,10 +515,10 @@ absl::StatusOr<std::shared_ptr<CudaBackend::VmmMapping>> CudaBackend::MapVmmRang
                      ": cuMemImportFromShareableHandle (is it a CUDA allocation exported with "
                      "cuMemExportToShareableHandle as a POSIX file descriptor, on this node?)"));
     if (!h.ok()) return h.status();
-    handles.push_back(*std::move(h));
+    out.handles.push_back(*std::move(h));
     CUmemAllocationProp prop{};
     REFIT_RETURN_IF_ERROR(
-        driver.Check(driver.MemGetAllocationPropertiesFromHandle(&prop, handles.back().get()),
+        driver.Check(driver.MemGetAllocationPropertiesFromHandle(&prop, out.handles.back().get()),
                      absl::StrCat(chunk_name(c), ": cuMemGetAllocationPropertiesFromHandle")));
     if (prop.location.type != CU_MEM_LOCATION_TYPE_DEVICE || prop.location.id != device) {
       return absl::InvalidArgumentError(
@@ -553,8 +538,32 @@ absl::StatusOr<std::shared_ptr<CudaBackend::VmmMapping>> CudaBackend::MapVmmRang
                        " bytes, not a multiple of the allocation granularity (", granularity,
                        " bytes): not a whole allocation"));
     }
-    alignment = std::max(alignment, granularity);
+    out.alignment = std::max(out.alignment, granularity);
   }
+  return out;
+}
+
+}  // namespace
+
+absl::StatusOr<int32_t> CudaBackend::VmmRangeDevice(const v1::RegisterWorkerRequest& request,
+                                                    const v1::VmmRange& range,
+                                                    const std::string& what) {
+  int32_t device = request.worker().gpu();  // the worker's GPU (Register resolved its gpu_uuid)
+  if (!range.gpu_uuid().empty()) {
+    auto found = GpuIndex(range.gpu_uuid());
+    if (!found.ok()) return Annotate(found.status(), what);
+    device = *found;
+  }
+  if (!Serves(device)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(what, " is on GPU ", device, ", which this daemon does not serve"));
+  }
+  return device;
+}
+
+absl::StatusOr<std::unique_ptr<CudaBackend::VmmMapping>> CudaBackend::ReserveAndMap(
+    const CudaDriver& driver, int32_t device, const v1::VmmRange& range,
+    const std::vector<VmmHandle>& handles, size_t alignment, const std::string& what) const {
   const size_t total = static_cast<size_t>(VmmRangeBytes(range));
   auto mapping = std::make_unique<VmmMapping>();
   auto reserved =
@@ -563,15 +572,17 @@ absl::StatusOr<std::shared_ptr<CudaBackend::VmmMapping>> CudaBackend::MapVmmRang
   if (!reserved.ok()) return reserved.status();
   mapping->reserved = *std::move(reserved);
   size_t offset = 0;
-  for (int c = 0; c < chunks; ++c) {
+  for (int c = 0; c < range.chunk_bytes_size(); ++c) {
     const size_t bytes = static_cast<size_t>(range.chunk_bytes(c));
-    auto mapped = VmmMap::Map(driver, device, mapping->base() + offset, bytes, handles[c],
-                              absl::StrCat(chunk_name(c), ": cuMemMap of ", bytes,
-                                           " bytes (is the allocation that large?)"));
+    auto mapped = VmmMap::Map(
+        driver, device, mapping->base() + offset, bytes, handles[c],
+        absl::StrCat(what, " chunk ", c, " (descriptor ", range.first_fd() + c, "): cuMemMap of ",
+                     bytes, " bytes (is the allocation that large?)"));
     if (!mapped.ok()) return mapped.status();
     mapping->mapped.push_back(*std::move(mapped));
     offset += bytes;
   }
+  // Every GPU this daemon serves reads and writes the range (peers copy into it directly).
   std::vector<CUmemAccessDesc> access;
   for (int32_t g : gpus_) {
     CUmemAccessDesc a{};
@@ -584,8 +595,32 @@ absl::StatusOr<std::shared_ptr<CudaBackend::VmmMapping>> CudaBackend::MapVmmRang
       driver.Check(driver.MemSetAccess(mapping->base(), total, access.data(), access.size()),
                    absl::StrCat(what, ": cuMemSetAccess (read and write for GPUs ",
                                 absl::StrJoin(gpus_, ", "), ")")));
-  const uint64_t base = static_cast<uint64_t>(mapping->base());
-  std::shared_ptr<VmmMapping> m(mapping.release(), [this, base](VmmMapping* dead) {
+  return mapping;
+}
+
+absl::StatusOr<std::shared_ptr<CudaBackend::VmmMapping>> CudaBackend::MapVmmRange(
+    const v1::RegisterWorkerRequest& request, int r, std::span<const Fd> fds) {
+  const v1::VmmRange& range = request.vmm_ranges(r);
+  const std::string what = absl::StrCat("VMM range ", r);
+  auto driver_or = CudaDriver::Get();
+  if (!driver_or.ok()) return Annotate(driver_or.status(), what);
+  const CudaDriver& driver = **driver_or;
+  auto device = VmmRangeDevice(request, range, what);
+  if (!device.ok()) return device.status();
+  // Driver calls act on the current context: make GPU `device`'s primary context current.
+  DeviceGuard guard(*device);
+  REFIT_RETURN_IF_ERROR(Annotate(guard.status(), what));
+  REFIT_CUDA_RETURN_IF_ERROR(cudaFree(nullptr),
+                             absl::StrCat(what, ": the primary context of GPU ", *device));
+  // Declared before the mapping: the imported handles are released after it is made or abandoned.
+  auto imported = ImportVmmChunks(driver, *device, range, fds, what);
+  if (!imported.ok()) return imported.status();
+  auto mapping =
+      ReserveAndMap(driver, *device, range, imported->handles, imported->alignment, what);
+  if (!mapping.ok()) return mapping.status();
+  const uint64_t base = static_cast<uint64_t>((*mapping)->base());
+  const size_t total = static_cast<size_t>(VmmRangeBytes(range));
+  std::shared_ptr<VmmMapping> m(mapping->release(), [this, base](VmmMapping* dead) {
     ArmsHeldOff off(this);
     ForgetVmm(base);  // no new kernel is given these addresses, then unmapped and freed
     delete dead;

@@ -53,8 +53,10 @@
 
 namespace refit {
 
+class CudaDriver;
 class DeviceGuard;
 class NodeCommunicator;
+class VmmHandle;
 
 // Whether rounds copied within the node are armed (RoundPreparing): kAuto when every GPU served
 // is shared through MPS (one context for all processes). Without MPS, armed work waiting on the
@@ -135,9 +137,18 @@ class CudaBackend : public DataBackend {
    private:
     CudaBackend* b_;
   };
+  // A registration's VMM range `range` imported, mapped at one address readable and writable by
+  // every GPU served, and recorded (vmm_by_base_) until its last buffer is gone.
   absl::StatusOr<std::shared_ptr<VmmMapping>> MapVmmRange(const v1::RegisterWorkerRequest& request,
                                                           int range, std::span<const Fd> fds)
       ABSL_LOCKS_EXCLUDED(mu_);
+  // The GPU a VMM range lives on: its own gpu_uuid, else the worker's; one this daemon serves.
+  absl::StatusOr<int32_t> VmmRangeDevice(const v1::RegisterWorkerRequest& request,
+                                         const v1::VmmRange& range, const std::string& what);
+  // An address range reserved for the imported chunks, each mapped in order, access granted.
+  absl::StatusOr<std::unique_ptr<VmmMapping>> ReserveAndMap(
+      const CudaDriver& driver, int32_t device, const v1::VmmRange& range,
+      const std::vector<VmmHandle>& handles, size_t alignment, const std::string& what) const;
   bool Serves(int32_t gpu) const;
   // The group's streams on every GPU served, made at its first transfer.
   absl::Status EnsureStreams(Group& g);

@@ -21,12 +21,6 @@ absl::StatusOr<Dims> Dims::FromSpan(std::span<const int64_t> values) {
   return d;
 }
 
-int64_t Dims::NumElements() const {
-  int64_t n = 1;
-  for (int d = 0; d < rank; ++d) n *= v[d];
-  return n;
-}
-
 std::string Dims::ToString() const { return absl::StrCat("[", absl::StrJoin(span(), ", "), "]"); }
 
 bool operator==(const Dims& a, const Dims& b) {
@@ -100,12 +94,6 @@ Dims Box::shape_dims() const {
   d.rank = rank;
   d.v = shape;
   return d;
-}
-
-int64_t Box::NumElements() const {
-  int64_t n = 1;
-  for (int d = 0; d < rank; ++d) n *= shape[d];
-  return n;
 }
 
 std::string Box::ToString() const {

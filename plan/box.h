@@ -29,7 +29,12 @@ struct Dims {
 
   int64_t operator[](int d) const { return v[d]; }
   int64_t& operator[](int d) { return v[d]; }
-  int64_t NumElements() const;  // product; 1 for rank 0
+  // Product; 1 for rank 0. Inline: the planner asks it per transfer, millions of times.
+  int64_t NumElements() const {
+    int64_t n = 1;
+    for (int d = 0; d < rank; ++d) n *= v[d];
+    return n;
+  }
   std::span<const int64_t> span() const { return {v.data(), static_cast<size_t>(rank)}; }
   std::string ToString() const;  // "[4096, 128]"
   friend bool operator==(const Dims& a, const Dims& b);
@@ -54,7 +59,11 @@ struct Box {
   int64_t end(int d) const { return origin[d] + shape[d]; }
   Dims origin_dims() const;
   Dims shape_dims() const;
-  int64_t NumElements() const;
+  int64_t NumElements() const {  // inline: asked per transfer, millions of times
+    int64_t n = 1;
+    for (int d = 0; d < rank; ++d) n *= shape[d];
+    return n;
+  }
   bool IsEmpty() const { return NumElements() == 0; }
   std::string ToString() const;  // "[0:4096, 128:256]" (half-open per dimension)
   friend bool operator==(const Box& a, const Box& b);

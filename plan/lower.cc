@@ -36,7 +36,7 @@ DType CopyDescriptor::WireDType() const {
 int64_t CopyDescriptor::WireBytes() const { return WireElements() * DTypeSize(WireDType()); }
 
 void LowerCopy(const Box& region, const CopyEnd& src, const CopyEnd& dst, bool src_is_destination,
-               std::vector<CopyDescriptor>& out) {
+               std::vector<CopyDescriptor>& out, int32_t message) {
   if (region.IsEmpty()) return;
   int64_t src_offset = src.view.offset;
   int64_t dst_offset = dst.view.offset;
@@ -60,26 +60,38 @@ void LowerCopy(const Box& region, const CopyEnd& src, const CopyEnd& dst, bool s
     ds[n] = dst.view.strides[d];
     ++n;
   }
-  CopyDescriptor base;
-  base.src_buffer = src.buffer;
-  base.dst_buffer = dst.buffer;
-  base.src_dtype = src.dtype;
-  base.dst_dtype = dst.dtype;
-  base.src_is_destination = src_is_destination;
-  base.inner = 1;
+  int64_t inner = 1;
   if (n > 0 && ss[n - 1] == 1 && ds[n - 1] == 1) {
-    base.inner = count[n - 1];
+    inner = count[n - 1];
     --n;
   }
   // Keep the innermost kMaxOuterDims loops in the descriptor; enumerate the rest.
   const int kept = std::min(n, kMaxOuterDims);
   const int extra = n - kept;
-  base.outer_rank = static_cast<uint8_t>(kept);
-  for (int i = 0; i < kept; ++i) {
-    base.count[i] = count[extra + i];
-    base.src_stride[i] = ss[extra + i];
-    base.dst_stride[i] = ds[extra + i];
+  auto fill = [&](CopyDescriptor& d) {
+    d.src_buffer = src.buffer;
+    d.dst_buffer = dst.buffer;
+    d.src_dtype = src.dtype;
+    d.dst_dtype = dst.dtype;
+    d.src_is_destination = src_is_destination;
+    d.message = message;
+    d.inner = inner;
+    d.outer_rank = static_cast<uint8_t>(kept);
+    for (int i = 0; i < kept; ++i) {
+      d.count[i] = count[extra + i];
+      d.src_stride[i] = ss[extra + i];
+      d.dst_stride[i] = ds[extra + i];
+    }
+  };
+  if (extra == 0) {  // the common case: one descriptor, written once where it stays
+    CopyDescriptor& d = out.emplace_back();
+    fill(d);
+    d.src_offset = src_offset;
+    d.dst_offset = dst_offset;
+    return;
   }
+  CopyDescriptor base;
+  fill(base);
   std::array<int64_t, kMaxRank> index{};
   while (true) {
     CopyDescriptor d = base;

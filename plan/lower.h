@@ -21,9 +21,10 @@ struct CopyEnd {
 
 // Appends the descriptors that copy `region` (in tensor coordinates, inside both ends' tensor
 // boxes) from `src` to `dst`. Dimensions of extent 1 vanish, dimensions contiguous on both sides
-// merge; a copy with more than kMaxOuterDims + 1 dimensions left becomes several descriptors.
+// merge; a copy with more than kMaxOuterDims + 1 dimensions left becomes several descriptors,
+// each carried by `message`.
 void LowerCopy(const Box& region, const CopyEnd& src, const CopyEnd& dst, bool src_is_destination,
-               std::vector<CopyDescriptor>& out);
+               std::vector<CopyDescriptor>& out, int32_t message = 0);
 
 // Appends the descriptors of a quantizing op (kQuantize or kScale) for `region`, whole blocks of
 // block_rows x block_cols of a 2-D tensor quantized as `q` (origin on a block corner, end on a

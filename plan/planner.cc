@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <chrono>
 #include <functional>
+#include <memory>
 #include <numeric>
 #include <optional>
 #include <thread>
@@ -370,6 +371,13 @@ absl::StatusOr<Plan> Planner::Run() {
 absl::Status Planner::RouteTensors() {
   const PiecesByTensor src_by_tensor(src_), dst_by_tensor(dst_);
   for (size_t t = 0; t < dst_.tensors.size(); ++t) {
+    // A tensor's destination pieces lie far apart (each worker's pieces are together), a cache
+    // miss each: fetch the next tensor's while this one is planned.
+    if (t + 1 < dst_.tensors.size()) {
+      for (int32_t p : dst_by_tensor.of(static_cast<int32_t>(t + 1))) {
+        __builtin_prefetch(&dst_.pieces[p]);
+      }
+    }
     const LogicalTensor& dt = dst_.tensors[t];
     auto in_source = src_.tensor_index.find(dt.name);
     if (in_source == src_.tensor_index.end()) continue;  // a scale the data plane computes
@@ -1028,8 +1036,9 @@ void Planner::BuildMessages() {
   // The descriptors are hundreds of MB: read once (on every thread) into 12 bytes each, worked
   // on there, and written once, rather than visited in message order.
   std::vector<CopyDescriptor>& desc = plan_.descriptors;
-  std::vector<int32_t> group_rank(desc.size());  // then each descriptor's message
-  std::vector<int64_t> wire_bytes(desc.size());
+  // Left uninitialized: their pages are first touched on every thread below, not zeroed on one.
+  const std::unique_ptr<int32_t[]> group_rank(new int32_t[desc.size()]);  // then each message
+  const std::unique_ptr<int64_t[]> wire_bytes(new int64_t[desc.size()]);
   ForRanges(desc.size(), [&](size_t from, size_t to) {
     for (size_t i = from; i < to; ++i) {
       group_rank[i] = rank[desc[i].message];
@@ -1038,7 +1047,7 @@ void Planner::BuildMessages() {
   });
   // Counting sort of descriptor indices by group rank: no copy of the descriptors themselves.
   std::vector<int64_t> begin(G + 1, 0);
-  for (int32_t r : group_rank) ++begin[r + 1];
+  for (size_t i = 0; i < desc.size(); ++i) ++begin[group_rank[i] + 1];
   std::partial_sum(begin.begin(), begin.end(), begin.begin());
   std::vector<int64_t>& index = plan_.message_descriptors;
   index.resize(desc.size());

@@ -167,6 +167,31 @@ TEST_CASE(
   }
 }
 
+// Lowering on a second thread, with many more descriptors than the planner reserves (each
+// destination row block gathers eight column blocks): the vector moves while the threads work
+// (and the router stops faulting in its pages ahead of the lowering), and the plan must not change.
+TEST_CASE("threads make the same plan when the descriptors outgrow their reserve") {
+  Layout src, dst;
+  std::vector<Placement> trainers, engines;
+  for (int g = 0; g < 8; ++g) {
+    trainers.push_back({0, g});
+    engines.push_back({1 + g / 4, g % 4});
+  }
+  for (int t = 0; t < 4096; ++t) {
+    const std::string name = absl::StrCat("w", t);
+    AddSplitTensor(src, name, Dims{64, 64}, DType::kBF16, 1, EvenSplit(64, 8), trainers, "trainer");
+    AddSplitTensor(dst, name, Dims{64, 64}, DType::kBF16, 0, EvenSplit(64, 8), engines, "engine");
+  }
+  PlanOptions options;
+  options.threads = 1;
+  const Plan one = PlanAndVerify(src, dst, options);
+  REQUIRE(one.stats.descriptors > 4 * static_cast<int64_t>(dst.pieces.size()));
+  options.threads = 2;
+  auto two = MakePlan(src, dst, options);
+  REQUIRE(two.ok());
+  CHECK(testing::PlanDifference(one, *two) == "");
+}
+
 TEST_CASE("a destination element with no source is refused, saying how much is missing") {
   Layout src, dst;
   AddSplitTensor(src, "w", Dims{8, 4}, DType::kBF16, 0, {0, 3, 6}, {{0, 0}, {0, 1}}, "trainer");

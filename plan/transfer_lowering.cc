@@ -1,5 +1,9 @@
 #include "plan/transfer_lowering.h"
 
+#include <sys/mman.h>
+#include <unistd.h>
+
+#include <algorithm>
 #include <utility>
 
 namespace refit {
@@ -10,6 +14,11 @@ namespace {
 constexpr size_t kBatchTransfers = 16384;
 // Batches queued before the router waits for the worker: bounds the memory in flight.
 constexpr size_t kMaxQueuedBatches = 8;
+// Pre-faulted at a time: a fraction of a millisecond, so the caller sees a batch's room soon.
+constexpr uintptr_t kPrefaultBytes = uintptr_t{1} << 20;
+// Room left in the descriptors' reserve, in descriptors, below which pre-faulting stops: the
+// lowering may then move them, and pre-faulting must touch only their memory.
+constexpr size_t kPrefaultMargin = 4096;
 
 // ViewOf's common case, inline: a non-empty piece whose tensor box has the shape of its buffer box
 // (less leading dimensions of extent 1: an expert's matrix in a stacked [experts, rows, cols]
@@ -45,7 +54,22 @@ TransferLowerer::TransferLowerer(const Layout& source, const Layout& destination
                                  int64_t max_message_bytes, std::vector<CopyDescriptor>& out,
                                  bool threaded)
     : src_(source), dst_(destination), max_message_bytes_(max_message_bytes), out_(out) {
-  if (threaded) worker_ = std::thread([this] { Work(); });
+  if (threaded) {
+    ArmPrefaulting();
+    worker_ = std::thread([this] { Work(); });
+  }
+}
+
+void TransferLowerer::ArmPrefaulting() {
+  const uintptr_t page = static_cast<uintptr_t>(sysconf(_SC_PAGESIZE));
+  out_storage_ = reinterpret_cast<uintptr_t>(out_.data());
+  routed_ = out_.size();
+  lowered_size_.store(out_.size(), std::memory_order_relaxed);
+  prefault_next_ = (out_storage_ + out_.size() * sizeof(CopyDescriptor) + page - 1) & ~(page - 1);
+  prefault_end_ = (out_storage_ + out_.capacity() * sizeof(CopyDescriptor)) & ~(page - 1);
+  prefault_stopping_ = false;
+  absl::MutexLock lock(&prefault_mu_);
+  prefault_stopped_ = false;
 }
 
 TransferLowerer::~TransferLowerer() {
@@ -74,13 +98,19 @@ void TransferLowerer::Submit() {
     filling_.transfers.clear();
     return;
   }
-  absl::MutexLock lock(&mu_);
+  // The worker is idle since Drain(), after which the caller may have added to `out_` itself.
+  if (drained_) ArmPrefaulting();
+  drained_ = false;
   // Waits only when the worker has fallen behind by several batches: bounds the memory in flight.
   // No deadline here or below: both sides are this planner's own threads doing CPU work on
   // batches of bounded size, with no I/O and no other process, so each wait ends when the other
   // side finishes its batch.
-  mu_.Await(absl::Condition(
-      +[](std::deque<Batch>* q) { return q->size() < kMaxQueuedBatches; }, &queue_));
+  WaitPrefaulting(+[](TransferLowerer* self) ABSL_EXCLUSIVE_LOCKS_REQUIRED(self->mu_) {
+    return self->queue_.size() < kMaxQueuedBatches;
+  });
+  // Each transfer is at least one descriptor: their pages will be written.
+  routed_ += filling_.transfers.size();
+  absl::MutexLock lock(&mu_);
   queue_.push_back(std::move(filling_));
   if (!spare_.empty()) {
     filling_ = std::move(spare_.back());
@@ -93,14 +123,48 @@ void TransferLowerer::Submit() {
 absl::Status TransferLowerer::Drain() {
   Submit();
   if (worker_.joinable()) {
-    absl::MutexLock lock(&mu_);
-    mu_.Await(absl::Condition(
-        +[](TransferLowerer* self) ABSL_EXCLUSIVE_LOCKS_REQUIRED(self->mu_) {
-          return self->queue_.empty() && !self->busy_;
-        },
-        this));
+    WaitPrefaulting(+[](TransferLowerer* self) ABSL_EXCLUSIVE_LOCKS_REQUIRED(self->mu_) {
+      return self->queue_.empty() && !self->busy_;
+    });
+    drained_ = true;
   }
   return status_;
+}
+
+void TransferLowerer::WaitPrefaulting(bool (*done)(TransferLowerer*)) {
+  while (true) {
+    {
+      absl::MutexLock lock(&mu_);
+      if (done(this)) return;
+    }
+    if (!PrefaultAhead()) break;
+  }
+  absl::MutexLock lock(&mu_);
+  mu_.Await(absl::Condition(done, this));
+}
+
+void TransferLowerer::StopPrefaulting() {
+  prefault_stopping_ = true;
+  absl::MutexLock lock(&prefault_mu_);  // waits out a pre-fault in progress
+  prefault_stopped_ = true;
+}
+
+bool TransferLowerer::PrefaultAhead() {
+  absl::MutexLock lock(&prefault_mu_);
+  if (prefault_stopped_) return false;
+  const uintptr_t lowered =
+      out_storage_ + lowered_size_.load(std::memory_order_acquire) * sizeof(CopyDescriptor);
+  const uintptr_t routed = std::min(prefault_end_, out_storage_ + routed_ * sizeof(CopyDescriptor));
+  // Pages below the worker's last batch are written already.
+  while (prefault_next_ + kPrefaultBytes <= lowered) prefault_next_ += kPrefaultBytes;
+  if (prefault_next_ >= routed) return false;
+  const uintptr_t length = std::min(kPrefaultBytes, routed - prefault_next_);
+  if (madvise(reinterpret_cast<void*>(prefault_next_), length, MADV_POPULATE_WRITE) != 0) {
+    prefault_end_ = 0;  // not supported here: the worker faults its pages itself
+    return false;
+  }
+  prefault_next_ += length;
+  return true;
 }
 
 void TransferLowerer::Work() {
@@ -119,6 +183,7 @@ void TransferLowerer::Work() {
       busy_ = true;
     }
     Lower(batch);
+    lowered_size_.store(out_.size(), std::memory_order_release);
     batch.boxes.clear();
     batch.transfers.clear();
     absl::MutexLock lock(&mu_);
@@ -146,6 +211,9 @@ const PieceView& TransferLowerer::ViewOfPiece(const Layout& layout, int32_t piec
 
 void TransferLowerer::Lower(const Batch& batch) {
   for (const RoutedTransfer& t : batch.transfers) {
+    // A transfer is one descriptor or a few; many more only for a copy of more than
+    // kMaxOuterDims + 1 dimensions or larger than kPrefaultMargin messages.
+    if (!prefault_stopping_ && out_.capacity() - out_.size() < kPrefaultMargin) StopPrefaulting();
     const Box& box = batch.boxes[t.box];
     const Layout& from_layout = t.from_destination ? dst_ : src_;
     const Piece& from = from_layout.pieces[t.from_piece];
@@ -158,11 +226,15 @@ void TransferLowerer::Lower(const Batch& batch) {
       // Forwarding copies what an earlier stage landed: codes and scales are already made.
       // Lowered in place: a descriptor too large for a message is rare, and cut afterwards.
       const size_t first = out_.size();
-      LowerCopy(box, from_end, to_end, t.from_destination, out_);
+      LowerCopy(box, from_end, to_end, t.from_destination, out_, t.group);
+      // No descriptor carries more than the whole box: only a box too large for one message
+      // needs its descriptors looked at.
+      const int64_t wire_size = std::min(DTypeSize(from_end.dtype), DTypeSize(to_end.dtype));
       bool too_large = false;
-      for (size_t i = first; i < out_.size(); ++i) {
-        out_[i].message = t.group;
-        too_large |= out_[i].WireBytes() > max_message_bytes_;
+      if (box.NumElements() * wire_size > max_message_bytes_) {
+        for (size_t i = first; i < out_.size(); ++i) {
+          too_large |= out_[i].WireBytes() > max_message_bytes_;
+        }
       }
       if (too_large) {
         lowered_.assign(out_.begin() + static_cast<ptrdiff_t>(first), out_.end());

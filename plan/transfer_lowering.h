@@ -5,6 +5,7 @@
 // the lowering runs on a thread of its own or on the caller's.
 #pragma once
 
+#include <atomic>
 #include <cstdint>
 #include <deque>
 #include <thread>
@@ -59,6 +60,10 @@ class TransferLowerer {
     std::vector<RoutedTransfer> transfers;
   };
   void Submit();
+  // Until `done` (under mu_) holds, pre-faults the pages the worker will write next; blocks once
+  // there are none. The caller's, threaded only.
+  void WaitPrefaulting(bool (*done)(TransferLowerer*));
+  bool PrefaultAhead();
   void Lower(const Batch& batch);  // on one thread at a time: the worker, or the caller
   void Work();
   const PieceView& ViewOfPiece(const Layout& layout, int32_t piece, int side);
@@ -78,6 +83,21 @@ class TransferLowerer {
     PieceView view;
   };
   CachedView view_cache_[2];
+
+  // Writing the descriptors into fresh memory costs a page fault per 4 KiB, about half of the
+  // worker's time. While the caller would wait for the worker, it faults in the pages of the
+  // descriptors already routed (MADV_POPULATE_WRITE: the kernel's work; contents unchanged).
+  // Only inside `out_`'s reserve: the worker stops it before `out_` could outgrow the reserve.
+  void ArmPrefaulting();       // the caller's, while the worker is idle
+  void StopPrefaulting();      // the worker's
+  bool drained_ = false;       // the caller's: Drain() returned, no batch handed over since
+  uintptr_t out_storage_ = 0;  // out_.data() when made
+  uintptr_t prefault_next_ = 0, prefault_end_ = 0;  // the caller's: next page, the reserve's end
+  size_t routed_ = 0;                    // the caller's: out_.size() + transfers handed over
+  std::atomic<size_t> lowered_size_{0};  // out_.size() after the worker's last batch
+  absl::Mutex prefault_mu_;              // held while pre-faulting
+  bool prefault_stopped_ ABSL_GUARDED_BY(prefault_mu_) = false;
+  bool prefault_stopping_ = false;  // the worker's copy
 
   absl::Mutex mu_;
   std::deque<Batch> queue_ ABSL_GUARDED_BY(mu_);

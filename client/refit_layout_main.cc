@@ -16,78 +16,108 @@
 #include <fstream>
 #include <optional>
 #include <string>
+#include <utility>
 
+#include "absl/flags/flag.h"
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/strings/str_cat.h"
 #include "client/fp8_layout.h"
 #include "client/layout_generator.h"
 #include "common/cli_flags.h"
+#include "plan/status_macros.h"
 #include "proto/layout_codec.h"
+
+// refit-layout's flags, in the order --help lists them.
+ABSL_FLAG(std::string, config, "", "the model's Hugging Face config.json");
+ABSL_FLAG(std::string, side, "", "trainer (Megatron or FSDP style) or inference (vLLM style)");
+ABSL_FLAG(int64_t, tp, 1, "tensor parallel size");
+ABSL_FLAG(int64_t, pp, 1, "pipeline parallel size (trainer)");
+ABSL_FLAG(int64_t, ep, 1, "expert parallel size (trainer; carved out of dp * cp)");
+ABSL_FLAG(bool, expert_parallel, false, "inference: experts split over all tp * dp ranks");
+ABSL_FLAG(int64_t, dp, 1, "data parallel size (replicas)");
+ABSL_FLAG(int64_t, cp, 1, "context parallel size (trainer; replicas of the weights)");
+ABSL_FLAG(int64_t, fsdp, 0,
+          "trainer: FSDP1 (flat parameters, a unit per decoder layer) over this many ranks "
+          "instead of Megatron parallelism; with --dp R, HSDP of R replicas");
+ABSL_FLAG(int64_t, fsdp2, 0,
+          "trainer: FSDP2 (fully_shard, each parameter sharded on dim 0) over this many ranks; "
+          "with --dp R, HSDP of R replicas");
+ABSL_FLAG(bool, fsdp_use_orig_params, false,
+          "trainer, --fsdp: use_orig_params=True (each parameter aligned to 16 bytes in the flat "
+          "parameter)");
+ABSL_FLAG(std::string, fsdp_param_dtype, "",
+          "trainer, --fsdp-use-orig-params: MixedPrecision param_dtype, which sets the alignment "
+          "(default: the weights' dtype)");
+ABSL_FLAG(int64_t, gpus_per_node, 8, "GPUs per node: rank r sits on node first + r / G");
+ABSL_FLAG(int64_t, first_node, 0, "index of this side's first node");
+ABSL_FLAG(int64_t, scale_down, 1, "divide every width by this factor (same structure, smaller)");
+ABSL_FLAG(int64_t, layers, 0, "keep at most this many layers (0: all)");
+ABSL_FLAG(std::string, dtype, "",
+          "dtype of the weights (default: the config's torch_dtype; for the inference side of a "
+          "config with an fp8 quantization_config, fp8-block); inference only: fp8-block (block "
+          "fp8 with the config's quantization_config weight_block_size and "
+          "modules_to_not_convert, else 128x128) or mxfp8: linear weights in float8_e4m3fn with "
+          "their scale tensors (docs/LAYOUTS.md); bf16 (or another dtype) overrides the config's "
+          "quantization_config");
+ABSL_FLAG(std::string, output, "", "output file (default: stdout)");
 
 namespace refit {
 namespace {
 
-// Whether argv names flag `name` (as --name, -name, --name=..., -name=...; CliFlags accepts all).
-bool Given(int argc, char** argv, const std::string& name) {
-  for (int i = 1; i < argc; ++i) {
-    std::string arg = argv[i];
-    if (arg.size() < 2 || arg[0] != '-') continue;
-    arg = arg.substr(arg[1] == '-' ? 2 : 1);
-    if (arg == name || arg.rfind(name + "=", 0) == 0) return true;
-  }
-  return false;
+const FlagSet& LayoutFlagSet() {
+  static FlagSet* const flags = [] {
+    auto* set = new FlagSet(
+        "refit-layout", "--config CONFIG.json --side trainer|inference [parallelism] [-o OUT.json]",
+        FLAGS_config, FLAGS_side, FLAGS_tp, FLAGS_pp, FLAGS_ep, FLAGS_expert_parallel, FLAGS_dp,
+        FLAGS_cp, FLAGS_fsdp, FLAGS_fsdp2, FLAGS_fsdp_use_orig_params, FLAGS_fsdp_param_dtype,
+        FLAGS_gpus_per_node, FLAGS_first_node, FLAGS_scale_down, FLAGS_layers, FLAGS_dtype,
+        FLAGS_output);
+    set->Alias("o", "output");
+    return set;
+  }();
+  return *flags;
 }
 
-// The flags as given.
+// The flags' values, and which of them the command line named.
 struct LayoutFlags {
   std::string config_path, side, output, dtype_name, fsdp_param_dtype;
   int64_t tp = 1, pp = 1, ep = 1, dp = 1, cp = 1, fsdp = 0, fsdp2 = 0, gpus_per_node = 8,
           first_node = 0, scale_down = 1, layers = 0;
   bool expert_parallel = false, use_orig_params = false;
+  CommandLine given;
+
+  bool Given(absl::string_view name) const { return given.Given(name); }
 };
 
-void RegisterFlags(CliFlags& flags, LayoutFlags& f) {
-  flags.String("config", &f.config_path, "the model's Hugging Face config.json");
-  flags.String("side", &f.side, "trainer (Megatron or FSDP style) or inference (vLLM style)");
-  flags.Int("tp", &f.tp, "tensor parallel size");
-  flags.Int("pp", &f.pp, "pipeline parallel size (trainer)");
-  flags.Int("ep", &f.ep, "expert parallel size (trainer; carved out of dp * cp)");
-  flags.Bool("expert-parallel", &f.expert_parallel,
-             "inference: experts split over all tp * dp ranks");
-  flags.Int("dp", &f.dp, "data parallel size (replicas)");
-  flags.Int("cp", &f.cp, "context parallel size (trainer; replicas of the weights)");
-  flags.Int("fsdp", &f.fsdp,
-            "trainer: FSDP1 (flat parameters, a unit per decoder layer) over this many ranks "
-            "instead of Megatron parallelism; with --dp R, HSDP of R replicas");
-  flags.Int("fsdp2", &f.fsdp2,
-            "trainer: FSDP2 (fully_shard, each parameter sharded on dim 0) over this many "
-            "ranks; with --dp R, HSDP of R replicas");
-  flags.Bool("fsdp-use-orig-params", &f.use_orig_params,
-             "trainer, --fsdp: use_orig_params=True (each parameter aligned to 16 bytes in the "
-             "flat parameter)");
-  flags.String("fsdp-param-dtype", &f.fsdp_param_dtype,
-               "trainer, --fsdp-use-orig-params: MixedPrecision param_dtype, which sets the "
-               "alignment (default: the weights' dtype)");
-  flags.Int("gpus-per-node", &f.gpus_per_node, "GPUs per node: rank r sits on node first + r / G");
-  flags.Int("first-node", &f.first_node, "index of this side's first node");
-  flags.Int("scale-down", &f.scale_down,
-            "divide every width by this factor (same structure, smaller)");
-  flags.Int("layers", &f.layers, "keep at most this many layers (0: all)");
-  flags.String("dtype", &f.dtype_name,
-               "dtype of the weights (default: the config's torch_dtype; for the inference side "
-               "of a config with an fp8 quantization_config, fp8-block); inference only: "
-               "fp8-block (block fp8 with the config's quantization_config weight_block_size and "
-               "modules_to_not_convert, else 128x128) or mxfp8: linear weights in float8_e4m3fn "
-               "with their scale tensors (docs/LAYOUTS.md); bf16 (or another dtype) overrides the "
-               "config's quantization_config");
-  flags.String("output", &f.output, "output file (default: stdout)", "o");
+LayoutFlags ReadLayoutFlags(CommandLine given) {
+  LayoutFlags f;
+  f.config_path = absl::GetFlag(FLAGS_config);
+  f.side = absl::GetFlag(FLAGS_side);
+  f.output = absl::GetFlag(FLAGS_output);
+  f.dtype_name = absl::GetFlag(FLAGS_dtype);
+  f.fsdp_param_dtype = absl::GetFlag(FLAGS_fsdp_param_dtype);
+  f.tp = absl::GetFlag(FLAGS_tp);
+  f.pp = absl::GetFlag(FLAGS_pp);
+  f.ep = absl::GetFlag(FLAGS_ep);
+  f.dp = absl::GetFlag(FLAGS_dp);
+  f.cp = absl::GetFlag(FLAGS_cp);
+  f.fsdp = absl::GetFlag(FLAGS_fsdp);
+  f.fsdp2 = absl::GetFlag(FLAGS_fsdp2);
+  f.gpus_per_node = absl::GetFlag(FLAGS_gpus_per_node);
+  f.first_node = absl::GetFlag(FLAGS_first_node);
+  f.scale_down = absl::GetFlag(FLAGS_scale_down);
+  f.layers = absl::GetFlag(FLAGS_layers);
+  f.expert_parallel = absl::GetFlag(FLAGS_expert_parallel);
+  f.use_orig_params = absl::GetFlag(FLAGS_fsdp_use_orig_params);
+  f.given = std::move(given);
+  return f;
 }
 
 // Each side takes only its framework's settings: the other side's flags are refused by name.
-absl::Status CheckInferenceFlags(int argc, char** argv) {
+absl::Status CheckInferenceFlags(const LayoutFlags& f) {
   for (const char* name : {"pp", "ep", "cp"}) {
-    if (Given(argc, argv, name)) {
+    if (f.Given(name)) {
       return absl::InvalidArgumentError(
           absl::StrCat("--", name,
                        " is a trainer flag: the inference side (vLLM) takes --tp, --dp and "
@@ -95,7 +125,7 @@ absl::Status CheckInferenceFlags(int argc, char** argv) {
     }
   }
   for (const char* name : {"fsdp", "fsdp2", "fsdp-use-orig-params", "fsdp-param-dtype"}) {
-    if (Given(argc, argv, name)) {
+    if (f.Given(name)) {
       return absl::InvalidArgumentError(absl::StrCat(
           "--", name,
           " is a trainer flag: the inference side (vLLM) takes --tp, --dp and --expert-parallel"));
@@ -104,14 +134,14 @@ absl::Status CheckInferenceFlags(int argc, char** argv) {
   return absl::OkStatus();
 }
 
-absl::Status CheckTrainerFlags(const LayoutFlags& f, int argc, char** argv) {
-  if (Given(argc, argv, "expert-parallel")) {
+absl::Status CheckTrainerFlags(const LayoutFlags& f) {
+  if (f.Given("expert-parallel")) {
     return absl::InvalidArgumentError(
         "--expert-parallel is an inference flag: a Megatron trainer takes --ep N");
   }
   if (f.fsdp != 0 || f.fsdp2 != 0) {
     for (const char* name : {"tp", "pp", "ep", "cp"}) {
-      if (Given(argc, argv, name)) {
+      if (f.Given(name)) {
         return absl::InvalidArgumentError(
             absl::StrCat("--", name,
                          " is a Megatron flag: an FSDP trainer shards everything over its ranks "
@@ -121,26 +151,26 @@ absl::Status CheckTrainerFlags(const LayoutFlags& f, int argc, char** argv) {
   }
   if (f.fsdp <= 0) {
     for (const char* name : {"fsdp-use-orig-params", "fsdp-param-dtype"}) {
-      if (Given(argc, argv, name)) {
+      if (f.Given(name)) {
         return absl::InvalidArgumentError(
             absl::StrCat("--", name, " is an FSDP1 flag: it needs --fsdp N"));
       }
     }
   }
-  if (Given(argc, argv, "fsdp-param-dtype") && !f.use_orig_params) {
+  if (f.Given("fsdp-param-dtype") && !f.use_orig_params) {
     return absl::InvalidArgumentError(
         "--fsdp-param-dtype only sets the alignment of --fsdp-use-orig-params: give both");
   }
   return absl::OkStatus();
 }
 
-absl::Status CheckFlags(const LayoutFlags& f, int argc, char** argv) {
+absl::Status CheckFlags(const LayoutFlags& f) {
   if (f.config_path.empty()) return absl::InvalidArgumentError("--config is required");
   if (f.side != "trainer" && f.side != "inference") {
     return absl::InvalidArgumentError("--side must be trainer or inference");
   }
   if (f.scale_down < 1) return absl::InvalidArgumentError("--scale-down must be >= 1");
-  return f.side == "inference" ? CheckInferenceFlags(argc, argv) : CheckTrainerFlags(f, argc, argv);
+  return f.side == "inference" ? CheckInferenceFlags(f) : CheckTrainerFlags(f);
 }
 
 // The model of --config, scaled down as the flags ask.
@@ -263,19 +293,39 @@ absl::Status WriteLayout(const std::string& json, const std::string& output) {
   return absl::OkStatus();
 }
 
+// Sets the flags from the command line; nullopt after --help (printed).
+absl::StatusOr<std::optional<LayoutFlags>> ParseLayoutFlags(int argc, char** argv) {
+  const FlagSet& flags = LayoutFlagSet();
+  REFIT_ASSIGN_OR_RETURN(CommandLine line, flags.Split(argc, argv));
+  REFIT_RETURN_IF_ERROR(flags.ResetToDefaults());
+  REFIT_RETURN_IF_ERROR(flags.Apply(line.flags));
+  if (line.help) {
+    std::fputs(flags.Help().c_str(), stdout);
+    return std::nullopt;
+  }
+  if (!line.positional.empty()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("unexpected argument \"", line.positional[0], "\""));
+  }
+  LayoutFlags f = ReadLayoutFlags(std::move(line));
+  REFIT_RETURN_IF_ERROR(CheckFlags(f));
+  return f;
+}
+
+absl::Status Run(int argc, char** argv) {
+  REFIT_ASSIGN_OR_RETURN(const std::optional<LayoutFlags> flags, ParseLayoutFlags(argc, argv));
+  if (!flags.has_value()) return absl::OkStatus();
+  REFIT_ASSIGN_OR_RETURN(const std::string json, GenerateLayoutJson(*flags));
+  return WriteLayout(json, flags->output);
+}
+
 }  // namespace
 }  // namespace refit
 
 int main(int argc, char** argv) {
-  using namespace refit;
-  CliFlags flags("refit-layout",
-                 "--config CONFIG.json --side trainer|inference [parallelism] [-o OUT.json]");
-  LayoutFlags f;
-  RegisterFlags(flags, f);
-  flags.Parse(argc, argv);
-  if (absl::Status s = CheckFlags(f, argc, argv); !s.ok()) flags.Fail(std::string(s.message()));
-  const absl::StatusOr<std::string> json = GenerateLayoutJson(f);
-  if (!json.ok()) flags.Fail(std::string(json.status().message()));
-  if (absl::Status s = WriteLayout(*json, f.output); !s.ok()) flags.Fail(std::string(s.message()));
+  if (const absl::Status s = refit::Run(argc, argv); !s.ok()) {
+    std::fprintf(stderr, "%s\n", refit::ErrorLine("refit-layout", s.message()).c_str());
+    return 2;
+  }
   return 0;
 }

@@ -4,10 +4,160 @@
 #include <cstdio>
 #include <cstdlib>
 
+#include "absl/flags/reflection.h"
+#include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_replace.h"
 
 namespace refit {
+namespace {
+
+bool IsHelp(absl::string_view arg) { return arg == "-h" || arg == "--help"; }
+
+// A flag's value: after "=" in the same argument, else the next argument; a bare boolean is
+// "true". Advances `i` past a value taken from the next argument.
+absl::StatusOr<std::string> FlagValue(const KnownFlag& flag,
+                                      std::optional<std::string> inline_value, int argc,
+                                      const char* const* argv, int& i) {
+  if (inline_value.has_value()) return *std::move(inline_value);
+  if (flag.is_bool) return std::string("true");
+  if (i + 1 >= argc) {
+    return absl::InvalidArgumentError(absl::StrCat("flag --", flag.name, " needs a value"));
+  }
+  return std::string(argv[++i]);
+}
+
+// One line of --help: the flag, its alias, its help text and its default.
+std::string HelpEntry(absl::string_view name, absl::string_view alias, absl::string_view help,
+                      absl::string_view default_text) {
+  return absl::StrCat("  --", name, alias.empty() ? "" : ", -", alias, "\n      ", help,
+                      " (default: ", default_text.empty() ? "\"\"" : default_text, ")\n");
+}
+
+std::string CannotUse(absl::string_view name, absl::string_view value) {
+  return absl::StrCat("flag --", name, ": cannot use \"", value, "\"");
+}
+
+}  // namespace
+
+bool CommandLine::Given(absl::string_view name) const {
+  return std::any_of(flags.begin(), flags.end(),
+                     [name](const GivenFlag& f) { return f.name == name; });
+}
+
+absl::StatusOr<CommandLine> SplitCommandLine(int argc, const char* const* argv,
+                                             const FindFlagFn& find) {
+  CommandLine out;
+  for (int i = 1; i < argc; ++i) {
+    const std::string arg = argv[i];
+    if (IsHelp(arg)) {
+      out.help = true;
+      break;
+    }
+    if (arg.size() < 2 || arg[0] != '-') {
+      out.positional.push_back(arg);
+      continue;
+    }
+    std::string name = arg.substr(arg[1] == '-' ? 2 : 1);
+    std::optional<std::string> inline_value;
+    if (const size_t eq = name.find('='); eq != std::string::npos) {
+      inline_value = name.substr(eq + 1);
+      name.resize(eq);
+    }
+    std::optional<KnownFlag> flag = find(name);
+    if (!flag.has_value() && !inline_value.has_value() && absl::StartsWith(name, "no")) {
+      if (std::optional<KnownFlag> negated = find(name.substr(2)); negated && negated->is_bool) {
+        out.flags.push_back({negated->name, "false"});
+        continue;
+      }
+    }
+    if (!flag.has_value()) {
+      return absl::InvalidArgumentError(absl::StrCat("unknown flag \"", arg, "\" (see --help)"));
+    }
+    absl::StatusOr<std::string> value = FlagValue(*flag, std::move(inline_value), argc, argv, i);
+    if (!value.ok()) return value.status();
+    out.flags.push_back({flag->name, *std::move(value)});
+  }
+  return out;
+}
+
+std::string ErrorLine(absl::string_view program, absl::string_view message) {
+  return absl::StrCat(program, ": ", absl::StrReplaceAll(message, {{"\n", " "}}));
+}
+
+std::string CommandLineName(const absl::CommandLineFlag& flag) {
+  return absl::StrReplaceAll(flag.Name(), {{"_", "-"}});
+}
+
+// FlagSet
+
+FlagSet::FlagSet(std::string program, std::string usage,
+                 const std::vector<const absl::CommandLineFlag*>& flags)
+    : program_(std::move(program)), usage_(std::move(usage)) {
+  for (const absl::CommandLineFlag* handle : flags) {
+    // The registry hands out the flag it can set; the handle of an absl::Flag is read-only.
+    absl::CommandLineFlag* flag = absl::FindCommandLineFlag(handle->Name());
+    entries_.push_back({CommandLineName(*flag), "", flag});
+  }
+}
+
+void FlagSet::Alias(std::string short_name, std::string name) {
+  for (Entry& e : entries_) {
+    if (e.name == name) e.alias = std::move(short_name);
+  }
+}
+
+const FlagSet::Entry* FlagSet::Find(absl::string_view name) const {
+  for (const Entry& e : entries_) {
+    if (e.name == name || (!e.alias.empty() && e.alias == name)) return &e;
+  }
+  return nullptr;
+}
+
+bool FlagSet::Has(absl::string_view name) const { return Find(name) != nullptr; }
+
+absl::StatusOr<CommandLine> FlagSet::Split(int argc, const char* const* argv) const {
+  return SplitCommandLine(argc, argv, [this](absl::string_view name) -> std::optional<KnownFlag> {
+    const Entry* e = Find(name);
+    if (e == nullptr) return std::nullopt;
+    return KnownFlag{e->name, e->flag->IsOfType<bool>()};
+  });
+}
+
+absl::Status FlagSet::ResetToDefaults() const {
+  for (const Entry& e : entries_) {
+    std::string error;
+    if (!e.flag->ParseFrom(e.flag->DefaultValue(), &error)) {
+      return absl::InternalError(absl::StrCat("flag --", e.name, ": default: ", error));
+    }
+  }
+  return absl::OkStatus();
+}
+
+absl::Status FlagSet::Apply(const std::vector<GivenFlag>& flags) const {
+  for (const GivenFlag& given : flags) {
+    const Entry* e = Find(given.name);
+    if (e == nullptr) {
+      return absl::InvalidArgumentError(absl::StrCat("unknown flag \"--", given.name, "\""));
+    }
+    std::string error;
+    if (!e->flag->ParseFrom(given.value, &error)) {
+      return absl::InvalidArgumentError(CannotUse(e->name, given.value));
+    }
+  }
+  return absl::OkStatus();
+}
+
+std::string FlagSet::Help() const {
+  std::string out = absl::StrCat("usage: ", program_, " ", usage_, "\n\nflags:\n");
+  for (const Entry& e : entries_) {
+    absl::StrAppend(&out, HelpEntry(e.name, e.alias, e.flag->Help(), e.flag->DefaultValue()));
+  }
+  return out;
+}
+
+// CliFlags
 
 CliFlags::CliFlags(std::string program, std::string usage)
     : program_(std::move(program)), usage_(std::move(usage)) {}
@@ -38,7 +188,7 @@ void CliFlags::Bool(const std::string& name, bool* value, const std::string& hel
                     }});
 }
 
-const CliFlags::Flag* CliFlags::Find(const std::string& name) const {
+const CliFlags::Flag* CliFlags::Find(absl::string_view name) const {
   for (const Flag& f : flags_) {
     if (f.name == name || (!f.alias.empty() && f.alias == name)) return &f;
   }
@@ -46,54 +196,31 @@ const CliFlags::Flag* CliFlags::Find(const std::string& name) const {
 }
 
 void CliFlags::Fail(const std::string& message) const {
-  std::string line = context_.empty() ? message : context_ + ": " + message;
-  std::replace(line.begin(), line.end(), '\n', ' ');
-  std::fprintf(stderr, "%s: %s\n", program_.c_str(), line.c_str());
+  const std::string line =
+      ErrorLine(program_, context_.empty() ? message : context_ + ": " + message);
+  std::fprintf(stderr, "%s\n", line.c_str());
   std::exit(2);
 }
 
 std::vector<std::string> CliFlags::Parse(int argc, char** argv) {
-  std::vector<std::string> positional;
-  for (int i = 1; i < argc; ++i) {
-    std::string arg = argv[i];
-    if (arg == "-h" || arg == "--help") {
-      std::printf("usage: %s %s\n\nflags:\n", program_.c_str(), usage_.c_str());
-      for (const Flag& f : flags_) {
-        std::printf("  --%s%s%s\n      %s (default: %s)\n", f.name.c_str(),
-                    f.alias.empty() ? "" : ", -", f.alias.c_str(), f.help.c_str(),
-                    f.default_text.empty() ? "\"\"" : f.default_text.c_str());
-      }
-      std::exit(0);
-    }
-    if (arg.size() < 2 || arg[0] != '-') {
-      positional.push_back(arg);
-      continue;
-    }
-    std::string name = arg.substr(arg[1] == '-' ? 2 : 1), value;
-    bool has_value = false;
-    if (auto eq = name.find('='); eq != std::string::npos) {
-      value = name.substr(eq + 1);
-      name = name.substr(0, eq);
-      has_value = true;
-    }
-    const Flag* flag = Find(name);
-    if (flag == nullptr && name.rfind("no", 0) == 0 && !has_value) {
-      const Flag* negated = Find(name.substr(2));
-      if (negated != nullptr && negated->is_bool) {
-        negated->set("false");
-        continue;
-      }
-    }
-    if (flag == nullptr) Fail(absl::StrCat("unknown flag \"", arg, "\" (see --help)"));
-    if (!has_value && !flag->is_bool) {
-      if (i + 1 >= argc) Fail(absl::StrCat("flag --", flag->name, " needs a value"));
-      value = argv[++i];
-    }
-    if (!flag->set(value)) {
-      Fail(absl::StrCat("flag --", flag->name, ": cannot use \"", value, "\""));
-    }
+  absl::StatusOr<CommandLine> line =
+      SplitCommandLine(argc, argv, [this](absl::string_view name) -> std::optional<KnownFlag> {
+        const Flag* f = Find(name);
+        if (f == nullptr) return std::nullopt;
+        return KnownFlag{f->name, f->is_bool};
+      });
+  if (!line.ok()) Fail(std::string(line.status().message()));
+  for (const GivenFlag& given : line->flags) {
+    if (!Find(given.name)->set(given.value)) Fail(CannotUse(given.name, given.value));
   }
-  return positional;
+  if (line->help) {
+    std::printf("usage: %s %s\n\nflags:\n", program_.c_str(), usage_.c_str());
+    for (const Flag& f : flags_) {
+      std::fputs(HelpEntry(f.name, f.alias, f.help, f.default_text).c_str(), stdout);
+    }
+    std::exit(0);
+  }
+  return line->positional;
 }
 
 }  // namespace refit

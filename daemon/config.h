@@ -95,7 +95,24 @@ struct DaemonConfig {
 // "127.0.0.1:7070", "[::1]:0", "localhost:1": reachable from this host only.
 bool IsLoopbackAddress(const std::string& address);
 
-// Parses argv (and --config FILE). Exits 2 with one line on bad input; 0 on --help.
-DaemonConfig ParseDaemonFlags(int argc, char** argv);
+// What refitd's command line asks for.
+struct DaemonInvocation {
+  enum class Action { kRun, kPrintHelp, kCheckConfig };
+  Action action = Action::kRun;
+  DaemonConfig config;  // checked, for kRun and kCheckConfig
+};
+
+// Parses argv: --config FILE's values first, the command line's over them, in order up to --help;
+// then checks the configuration as refitd would at start (TLS files and certificate, listeners).
+// An error names the flag, or the file and key, at fault: INVALID_ARGUMENT, or ReadFile's error
+// for a config file that cannot be read. The flags are absl
+// flags, which are process-wide: one parse at a time.
+absl::StatusOr<DaemonInvocation> ParseDaemonFlags(int argc, const char* const* argv);
+
+// --help's text: the usage line and every flag with its help text and default.
+std::string DaemonFlagsHelp();
+
+// --check-config's line: what would run.
+std::string DescribeConfig(const DaemonConfig& config);
 
 }  // namespace refit

@@ -7,15 +7,46 @@
 #include <csignal>
 #include <cstdio>
 #include <thread>
+#include <utility>
+#include <variant>
 
+#include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
+#include "common/cli_flags.h"
 #include "daemon/config.h"
 #include "daemon/daemon.h"
 #include "daemon/log_later.h"
 #include "daemon/logging.h"
 
+namespace {
+
+// The configuration to run with, or the exit code when the command line asks for no daemon:
+// 0 after --help or --check-config, 2 after one line naming what is wrong.
+std::variant<refit::DaemonConfig, int> ConfigFromFlags(int argc, char** argv) {
+  absl::StatusOr<refit::DaemonInvocation> invocation = refit::ParseDaemonFlags(argc, argv);
+  if (!invocation.ok()) {
+    std::fprintf(stderr, "%s\n", refit::ErrorLine("refitd", invocation.status().message()).c_str());
+    return 2;
+  }
+  switch (invocation->action) {
+    case refit::DaemonInvocation::Action::kPrintHelp:
+      std::fputs(refit::DaemonFlagsHelp().c_str(), stdout);
+      return 0;
+    case refit::DaemonInvocation::Action::kCheckConfig:
+      std::printf("%s\n", refit::DescribeConfig(invocation->config).c_str());
+      return 0;
+    case refit::DaemonInvocation::Action::kRun:
+      break;
+  }
+  return std::move(invocation->config);
+}
+
+}  // namespace
+
 int main(int argc, char** argv) {
-  const refit::DaemonConfig config = refit::ParseDaemonFlags(argc, argv);
+  std::variant<refit::DaemonConfig, int> flags = ConfigFromFlags(argc, argv);
+  if (const int* exit_code = std::get_if<int>(&flags)) return *exit_code;
+  const refit::DaemonConfig config = std::get<refit::DaemonConfig>(std::move(flags));
 #ifdef NDEBUG
   // Debian's Abseil is built with its mutex deadlock detection on: every Lock updates a graph of
   // lock orders (3% of the coordinator's CPU in a round of 64 nodes). Debug builds and the tests

@@ -238,8 +238,21 @@ absl::StatusOr<std::unique_ptr<WorkerClient>> WorkerClient::Connect(
   v1::RegisterWorkerRequest request;
   request.set_group(group);
   request.set_role(role);
+  if (options.trainer_world_size != 0) {
+    if (role != v1::TRAINER || options.trainer_world_size < 0 || options.trainer_rank < 0 ||
+        options.trainer_rank >= options.trainer_world_size) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "trainer_rank ", options.trainer_rank, " of trainer_world_size ",
+          options.trainer_world_size,
+          ": a trainer declares a rank in [0, trainer_world_size) (an inference worker declares "
+          "its replica in its layout instead)"));
+    }
+    request.set_trainer_rank(options.trainer_rank);
+    request.set_trainer_world_size(options.trainer_world_size);
+  }
   *request.mutable_tensors() = proto.tensors();
-  *request.mutable_worker() = proto.workers(0);
+  // Encoded: the daemon then receives one string, not a message per piece (10x its size there).
+  request.set_worker_encoded(proto.workers(0).SerializeAsString());
   WorkerMemory& memory = options.memory;
   std::vector<int> fds = memory.fds;
   const std::string handles =

@@ -75,6 +75,11 @@ struct ConnectOptions {
   // Register again after the session is lost (a daemon restarted, or frozen and woken), with the
   // same memory: its descriptors stay open for that (the library's own and the caller's).
   bool reconnect = true;
+  // A trainer whose ranks each register: its rank, 0 .. trainer_world_size - 1, and how many
+  // there are (0: undeclared). The coordinator then names a rank that is not registered
+  // (RegisterWorkerRequest.trainer_rank).
+  int32_t trainer_rank = 0;
+  int32_t trainer_world_size = 0;
 };
 
 class WorkerClient {

@@ -290,7 +290,10 @@ void CoordinatorLink::HeartbeatLoop() {
       continue;
     }
     if (absl::Now() < not_before || !(answered || retry_between_beats)) continue;
-    if (const absl::Status s = Sync(); !s.ok()) {
+    std::vector<v1::WorkerRefusal> refused;
+    const absl::Status s = Sync(&refused);
+    if (!refused.empty() && options_.on_refused) options_.on_refused(refused);
+    if (!s.ok()) {
       Logger("rpc")->warn(
           "sending this node's workers to the coordinator at {} failed (again in {} at the "
           "earliest): {}",

@@ -60,6 +60,11 @@ struct CoordinatorLinkOptions {
   // this node dead), so no round of its is open here any more; else the rounds it still runs
   // (`running_rounds`) have their leases renewed.
   std::function<void(const v1::JoinResponse& answer)> on_answer;
+  // Workers the coordinator refused in a list the link sent of its own accord (a resync after a
+  // rejoin: e.g. a tensor declared otherwise, or the name taken, on another node meanwhile).
+  // Called with no lock held; the daemon drops them, as it would have refused them at
+  // registration, rather than keep workers registered here that their group does not count.
+  std::function<void(const std::vector<v1::WorkerRefusal>& refused)> on_refused;
   // Channel credentials (TLS or not); null: insecure. Outlives the link.
   const GrpcTls* tls = nullptr;
   // The coordinator's node index (--coordinator-node); -1: whichever node answers, as long as its

@@ -242,6 +242,11 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(const DaemonConfig& config
     link.max_rpc_bytes = config.max_rpc_bytes;
     link.join_timeout = config.join_timeout;
     link.snapshot = [self] { return self->registry_->Snapshot(); };
+    link.on_refused = [self](const std::vector<v1::WorkerRefusal>& refused) {
+      for (const v1::WorkerRefusal& r : refused) {
+        self->DropWorker(r.worker_id(), absl::StrCat("the coordinator refused it: ", r.reason()));
+      }
+    };
     link.on_answer = [self](const v1::JoinResponse& answer) {
       if (!answer.resync()) {
         const std::map<std::string, int64_t> running(answer.running_rounds().begin(),
@@ -552,17 +557,28 @@ void Daemon::MonitorLoop() {
 
 absl::Status Daemon::SyncAdded(const v1::RegisterWorkerRequest& added) {
   if (membership_ != nullptr)
-    return membership_->AddLocal(added);  // ALREADY_EXISTS: held elsewhere
+    return membership_->AddLocal(added);  // ALREADY_EXISTS, RESOURCE_EXHAUSTED, FAILED_PRECONDITION
   std::vector<v1::WorkerRefusal> refused;
-  REFIT_RETURN_IF_ERROR(link_->Sync(&refused));
+  const absl::Status sent = link_->Sync(&refused);
+  // Not applied (this node not joined yet): a retry may succeed, unlike a refused worker.
+  if (sent.code() == absl::StatusCode::kFailedPrecondition)
+    return absl::UnavailableError(sent.message());
+  REFIT_RETURN_IF_ERROR(sent);
   const std::string id = absl::StrCat(added.group(), "/", added.worker().name());
   for (const v1::WorkerRefusal& r : refused) {
-    if (r.worker_id() != id) continue;
-    // Over a group limit, or its name held on another node.
-    if (r.code() == static_cast<int32_t>(absl::StatusCode::kResourceExhausted)) {
-      return absl::ResourceExhaustedError(r.reason());
+    if (r.worker_id() != id) {  // refused since it registered (e.g. after a resync)
+      DropWorker(r.worker_id(), absl::StrCat("the coordinator refused it: ", r.reason()));
+      continue;
     }
-    return absl::AlreadyExistsError(r.reason());
+    // Over a group limit, a tensor declared otherwise on another node, or its name held there.
+    switch (static_cast<absl::StatusCode>(r.code())) {
+      case absl::StatusCode::kResourceExhausted:
+        return absl::ResourceExhaustedError(r.reason());
+      case absl::StatusCode::kFailedPrecondition:
+        return absl::FailedPreconditionError(r.reason());
+      default:
+        return absl::AlreadyExistsError(r.reason());
+    }
   }
   return absl::OkStatus();
 }
@@ -584,7 +600,8 @@ absl::Status Daemon::Register(const v1::RegisterWorkerRequest& request, WorkerTr
   if (auto s = SyncAdded(membership_ != nullptr ? worker->Full() : worker->request); !s.ok()) {
     registry_->Drop(worker->id);
     if (s.code() == absl::StatusCode::kAlreadyExists ||
-        s.code() == absl::StatusCode::kResourceExhausted) {
+        s.code() == absl::StatusCode::kResourceExhausted ||
+        s.code() == absl::StatusCode::kFailedPrecondition) {
       return absl::Status(s.code(), absl::StrCat("register: ", s.message()));
     }
     return absl::UnavailableError(

@@ -166,7 +166,15 @@ std::shared_ptr<const GroupPlan> GroupPlanner::Compute(const std::string& group,
   g->trainers = members.trainers;
   g->inference = members.inference;
   g->replicas = members.replicas;
+  g->trainer_ranks = members.trainer_ranks;
   const std::vector<std::string> problems = SortReplicas(members, *g);
+  // A declared trainer rank missing, or ranks in conflict: not ready, whatever the others cover
+  // (the rank is named; coverage alone cannot name the last one).
+  if (!members.trainer_ranks.complete()) {
+    g->status = absl::FailedPreconditionError(
+        absl::StrCat("group \"", group, "\" is not ready: ", members.trainer_ranks.problem));
+    return g;
+  }
   if (absl::Status s = GatherLayouts(group, members, *g); !s.ok()) {
     g->status = std::move(s);
     return g;

@@ -50,6 +50,8 @@ struct GroupPlan {
   // complete replicas are planned: `planned` names them, `incomplete` the rest.
   std::vector<ReplicaView> replicas;
   std::vector<std::string> planned, incomplete;
+  // The trainer side by declared rank (RegisterWorkerRequest.trainer_rank), as of the epoch.
+  TrainerRanksView trainer_ranks;
 };
 
 struct GroupPlannerOptions {

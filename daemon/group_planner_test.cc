@@ -92,19 +92,21 @@ TEST_CASE(
   CHECK(planner.reused() == 2);
 }
 
-TEST_CASE("group planner: workers that disagree on a tensor are named") {
+TEST_CASE("group planner: a worker that disagrees on a tensor is refused, the rest is planned") {
   FakeClock clock;
   Membership m(0, absl::Milliseconds(500), 4, &clock);
   m.SetSelf("a", "b", 1);
   GroupPlanner planner(GroupPlannerOptions{}, &m);
-  m.AddLocal(Registration("t0", v1::TRAINER, 0, 8, 0));
+  REQUIRE(m.AddLocal(Registration("t0", v1::TRAINER, 0, 8, 0)).ok());
   v1::RegisterWorkerRequest odd = Registration("t1", v1::TRAINER, 0, 8, 0);
   odd.mutable_tensors(0)->set_dtype("bf16");
-  m.AddLocal(odd);
-  m.AddLocal(Registration("i0", v1::INFERENCE, 0, 8, 0));
+  const absl::Status refused = m.AddLocal(odd);
+  CHECK(refused.code() == absl::StatusCode::kFailedPrecondition);
+  CHECK(std::string(refused.message()).find("\"policy/t0\"") != std::string::npos);
+  REQUIRE(m.AddLocal(Registration("i0", v1::INFERENCE, 0, 8, 0)).ok());
   auto plan = planner.Get("policy");
-  CHECK(std::string(plan->status.message())
-            .find("workers \"t0\" and \"t1\" disagree on tensor \"w\"") != std::string::npos);
+  CHECK(plan->status.ok());
+  CHECK(plan->trainers == 1);
 }
 
 TEST_CASE(
@@ -204,6 +206,30 @@ TEST_CASE("group planner: only complete replicas are planned, never part of one"
         "every rank "
         "registered): replica \"dp0\": 1 of 2 ranks registered; missing rank 0 (present: 1 "
         "\"vllm-dp0-tp1\")");
+}
+
+TEST_CASE("group planner: a declared trainer rank missing: not ready, the rank named") {
+  FakeClock clock;
+  Membership m(0, absl::Milliseconds(500), 4, &clock);
+  m.SetSelf("a", "b", 1);
+  GroupPlanner planner(GroupPlannerOptions{}, &m);
+  // Rank 0 of 2 holds the whole tensor: it covers the engine, yet rank 1 is missing.
+  auto trainer = [](const std::string& name, int32_t rank) {
+    v1::RegisterWorkerRequest r = Registration(name, v1::TRAINER, 0, 8, 0);
+    r.set_trainer_rank(rank);
+    r.set_trainer_world_size(2);
+    return r;
+  };
+  REQUIRE(m.AddLocal(trainer("t0", 0)).ok());
+  REQUIRE(m.AddLocal(Registration("e0", v1::INFERENCE, 0, 8, 0)).ok());
+  auto plan = planner.Get("policy");
+  CHECK(plan->status.code() == absl::StatusCode::kFailedPrecondition);
+  CHECK(std::string(plan->status.message()) ==
+        "group \"policy\" is not ready: trainer rank 1 of 2 is not registered");
+  CHECK(plan->trainer_ranks.missing == std::vector<int32_t>{1});
+  // It comes: ready.
+  REQUIRE(m.AddLocal(trainer("t1", 1)).ok());
+  CHECK(planner.Get("policy")->status.ok());
 }
 
 TEST_CASE("group planner: a complete replica must still be covered by the trainers") {

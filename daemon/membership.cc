@@ -100,6 +100,99 @@ std::vector<ReplicaView> ReplicasOf(
   return out;
 }
 
+namespace {
+
+// A trainer as its rank declaration needs it.
+struct TrainerRank {
+  const std::string* name;
+  int32_t rank, world_size;  // world_size 0: undeclared
+};
+
+// "rank 3 of 4 is", "ranks 1, 3 of 4 are", "ranks 0, 1, ..., 15 and 40 more of 64 are".
+std::string MissingRanksText(const std::vector<int32_t>& listed, int32_t missing, int32_t of) {
+  constexpr size_t kNamed = 16;
+  std::vector<int32_t> named(listed.begin(), listed.begin() + std::min(listed.size(), kNamed));
+  const int32_t more = missing - static_cast<int32_t>(named.size());
+  return absl::StrCat(missing > 1 ? "ranks " : "rank ", absl::StrJoin(named, ", "),
+                      more > 0 ? absl::StrCat(" and ", more, " more") : "", " of ", of,
+                      missing > 1 ? " are" : " is");
+}
+
+// The trainer side by declared rank: like a replica's ranks, with every declaring trainer one of
+// the same world. Trainers that declare nothing count only where none declares (coverage alone).
+TrainerRanksView TrainerRanksFrom(const std::vector<TrainerRank>& trainers) {
+  TrainerRanksView v;
+  const TrainerRank* first = nullptr;
+  for (const TrainerRank& t : trainers) {
+    if (t.world_size != 0) {
+      first = &t;
+      break;
+    }
+  }
+  if (first == nullptr) return v;
+  v.world_size = first->world_size;
+  if (v.world_size < 1 || v.world_size > kMaxTrainerWorldSize) {
+    v.problem = absl::StrCat("trainer \"", *first->name, "\" declares world size ", v.world_size,
+                             ", not between 1 and ", kMaxTrainerWorldSize);
+    return v;
+  }
+  v.workers.assign(v.world_size, "");
+  std::vector<std::string> conflicts;
+  int64_t more_conflicts = 0;
+  const auto conflict = [&](std::string text) {
+    if (conflicts.size() < 8) {
+      conflicts.push_back(std::move(text));
+    } else {
+      ++more_conflicts;
+    }
+  };
+  for (const TrainerRank& t : trainers) {
+    if (t.world_size == 0) {
+      conflict(absl::StrCat("trainer \"", *t.name, "\" declares no rank, while \"", *first->name,
+                            "\" declares world size ", v.world_size,
+                            " (declare a rank and world size on every trainer, or on none)"));
+    } else if (t.world_size != v.world_size) {
+      conflict(absl::StrCat("trainers \"", *first->name, "\" and \"", *t.name,
+                            "\" disagree on the trainer world size (", v.world_size, " and ",
+                            t.world_size, ")"));
+    } else if (t.rank < 0 || t.rank >= v.world_size) {
+      conflict(
+          absl::StrCat("trainer \"", *t.name, "\" declares rank ", t.rank, " of ", v.world_size));
+    } else if (std::string& at = v.workers[t.rank]; !at.empty()) {
+      conflict(absl::StrCat("trainers \"", at, "\" and \"", *t.name, "\" both claim trainer rank ",
+                            t.rank));
+    } else {
+      at = *t.name;
+    }
+  }
+  int32_t missing = 0;
+  for (int32_t rank = 0; rank < v.world_size; ++rank) {
+    if (!v.workers[rank].empty()) continue;
+    ++missing;
+    if (v.missing.size() < static_cast<size_t>(kMaxListedRanks)) v.missing.push_back(rank);
+  }
+  if (missing > 0) {
+    conflicts.insert(conflicts.begin(),
+                     absl::StrCat("trainer ", MissingRanksText(v.missing, missing, v.world_size),
+                                  " not registered"));
+  }
+  if (more_conflicts > 0) conflicts.push_back(absl::StrCat("and ", more_conflicts, " more"));
+  v.problem = absl::StrJoin(conflicts, "; ");
+  return v;
+}
+
+}  // namespace
+
+TrainerRanksView TrainerRanksOf(
+    const std::vector<std::pair<int32_t, v1::RegisterWorkerRequest>>& workers) {
+  std::vector<TrainerRank> trainers;
+  for (const auto& [node, r] : workers) {
+    if (r.role() != v1::TRAINER) continue;
+    trainers.push_back({&r.worker().name(), r.trainer_rank(), r.trainer_world_size()});
+  }
+  return TrainerRanksFrom(trainers);
+}
+
 Membership::Membership(int32_t self, absl::Duration heartbeat, int heartbeats_missed,
                        const Clock* clock)
     : self_(self), silence_(heartbeat * heartbeats_missed), clock_(clock) {}
@@ -142,7 +235,7 @@ absl::StatusOr<bool> Membership::AdmitLocked(const v1::JoinRequest& request) {
       Logger("rpc")->warn("node {} restarted; its old workers are gone", request.node());
     }
     if (n.incarnation != request.incarnation()) n.applied_sequence = 0;  // it numbers anew
-    n.workers.clear();
+    ClearWorkersLocked(n);
     n.incarnation = request.incarnation();
     n.synced = false;
   }
@@ -250,7 +343,7 @@ absl::Status Membership::ApplySync(const v1::SyncWorkersRequest& request,
     for (const StoredWorker& w : n.workers)
       large |= static_cast<int64_t>(w.wire.size()) >= kTrimAfterBytes;
     large |= static_cast<int64_t>(request.ByteSizeLong()) >= kTrimAfterBytes;
-    n.workers.clear();
+    ClearWorkersLocked(n);  // its new list is checked against the other nodes' declarations
     n.workers.reserve(static_cast<size_t>(request.workers_size()));
     std::map<std::string, GroupLoad> load = LoadExcept(request.node());
     for (const v1::RegisterWorkerRequest& w : request.workers()) {
@@ -262,6 +355,7 @@ absl::Status Membership::ApplySync(const v1::SyncWorkersRequest& request,
         stored = Store(w);
         refused = OverLimit(stored, load[w.group()]);
       }
+      if (!refused) refused = Declare(stored.header, request.node());
       if (refused) {
         Logger("rpc")->warn("node {}: {}", request.node(), refused->reason());
         if (response != nullptr) *response->add_refused() = *std::move(refused);
@@ -289,6 +383,8 @@ absl::Status Membership::AddLocal(const v1::RegisterWorkerRequest& worker) {
   StoredWorker stored = Store(worker);  // handles stay on this node
   if (auto over = OverLimit(stored, LoadExcept(-1)[worker.group()]))
     return absl::ResourceExhaustedError(over->reason());
+  if (auto conflict = Declare(stored.header, self_))
+    return absl::FailedPreconditionError(conflict->reason());
   nodes_[self_].workers.push_back(std::move(stored));
   groups_[worker.group()];
   RecomputeEpochs();
@@ -300,6 +396,9 @@ absl::Status Membership::AddLocal(const v1::RegisterWorkerRequest& worker) {
 void Membership::RemoveLocal(const std::string& id) {
   {
     absl::MutexLock lock(&mu_);
+    for (const StoredWorker& r : nodes_[self_].workers) {
+      if (absl::StrCat(r.group(), "/", r.worker().name()) == id) Undeclare(r.header);
+    }
     std::erase_if(nodes_[self_].workers, [&](const StoredWorker& r) {
       const bool gone = absl::StrCat(r.group(), "/", r.worker().name()) == id;
       if (gone && static_cast<int64_t>(r.wire.size()) >= kTrimAfterBytes) RequestTrim();
@@ -365,6 +464,133 @@ std::optional<v1::WorkerRefusal> Membership::Refusal(const std::string& id, int3
   return r;
 }
 
+namespace {
+
+// The planner pairs trainers with trainers and inference workers with inference workers.
+int SideOf(v1::Role role) { return role == v1::TRAINER ? 0 : 1; }
+
+// A declaration without its tensor's name, encoded: two agree when these are equal, as the
+// planner compares them (the whole TensorSpec, encoded).
+std::string SpecKey(const v1::TensorSpec& t) {
+  v1::TensorSpec spec = t;
+  spec.clear_name();
+  return spec.SerializeAsString();
+}
+
+// "[8, 4] fp32", and its quantization: how an operator reads a declaration.
+std::string Describe(const v1::TensorSpec& t) {
+  std::string out = absl::StrCat("[", absl::StrJoin(t.shape(), ", "), "] ",
+                                 t.dtype().empty() ? "(no dtype)" : t.dtype());
+  if (t.has_quantization()) {
+    const v1::Quantization& q = t.quantization();
+    absl::StrAppend(&out, " quantized ", q.format(), " [", absl::StrJoin(q.block(), ", "), "]",
+                    q.scale().empty() ? "" : absl::StrCat(" scale \"", q.scale(), "\""));
+  }
+  return out;
+}
+
+}  // namespace
+
+std::optional<v1::WorkerRefusal> Membership::Declare(const v1::RegisterWorkerRequest& w,
+                                                     int32_t node) {
+  const int side = SideOf(w.role());
+  GroupDeclarations& group = declared_[w.group()];
+  auto& index = group.by_tensor[side];
+  std::vector<std::string> keys;
+  keys.reserve(static_cast<size_t>(w.tensors_size()));
+  // All checked before any is counted: a refused worker leaves the index as it was.
+  for (const v1::TensorSpec& t : w.tensors()) {
+    std::string& key = keys.emplace_back(SpecKey(t));
+    auto it = index.find(t.name());
+    if (it == index.end() || it->second.spec == key) continue;
+    Declared& held = it->second;
+    if (held.holder.empty()) FindHolder(w.group(), side, t.name(), held);
+    v1::TensorSpec theirs;
+    theirs.ParseFromString(held.spec);  // encoded here, from a parsed TensorSpec
+    auto holder = nodes_.find(held.holder_node);
+    const std::string role = side == 0 ? "trainer" : "inference worker";
+    const std::string roles = side == 0 ? "trainers" : "inference workers";
+    v1::WorkerRefusal r;
+    r.set_worker_id(absl::StrCat(w.group(), "/", w.worker().name()));
+    r.set_holder_node(held.holder_node);
+    r.set_code(static_cast<int32_t>(absl::StatusCode::kFailedPrecondition));
+    r.set_reason(absl::StrCat(
+        "worker \"", r.worker_id(), "\" (node ", node, ") declares tensor \"", t.name(), "\" as ",
+        Describe(t), ", but ", role, " \"", held.holder, "\" on node ", held.holder_node,
+        holder != nodes_.end() && !holder->second.control_address.empty()
+            ? absl::StrCat(" (", holder->second.control_address, ")")
+            : std::string(),
+        ", registered earlier, declares it as ", Describe(theirs),
+        held.declarers > 1 ? absl::StrCat(" (as do ", held.declarers - 1, " more)") : std::string(),
+        ": the ", roles,
+        " of a group must agree on each tensor's shape, dtype and quantization (refused so that "
+        "the group stays usable; to change the model, unregister ",
+        held.declarers > 1 ? absl::StrCat("the ", held.declarers, " ", roles, " declaring it")
+                           : absl::StrCat("\"", held.holder, "\""),
+        " first)"));
+    return r;
+  }
+  const std::string id = absl::StrCat(w.group(), "/", w.worker().name());
+  for (int i = 0; i < w.tensors_size(); ++i) {
+    Declared& d = index[w.tensors(i).name()];
+    if (d.declarers++ == 0) d.spec = std::move(keys[static_cast<size_t>(i)]);
+    if (d.holder.empty()) {  // the first declarer, or one since the last named left
+      d.holder = id;
+      d.holder_node = node;
+    }
+  }
+  if (group.by_tensor[0].empty() && group.by_tensor[1].empty()) declared_.erase(w.group());
+  return std::nullopt;
+}
+
+void Membership::Undeclare(const v1::RegisterWorkerRequest& w) {
+  auto group = declared_.find(w.group());
+  if (group == declared_.end()) return;
+  auto& index = group->second.by_tensor[SideOf(w.role())];
+  const std::string id = absl::StrCat(w.group(), "/", w.worker().name());
+  for (const v1::TensorSpec& t : w.tensors()) {
+    auto it = index.find(t.name());
+    if (it == index.end()) continue;
+    // The declaration stays with the workers that still declare it; the last takes it along.
+    if (--it->second.declarers <= 0) {
+      index.erase(it);
+    } else if (it->second.holder == id) {
+      it->second.holder.clear();
+      it->second.holder_node = -1;
+    }
+  }
+  if (group->second.by_tensor[0].empty() && group->second.by_tensor[1].empty())
+    declared_.erase(group);
+}
+
+void Membership::FindHolder(const std::string& group, int side, const std::string& tensor,
+                            Declared& held) const {
+  for (const auto& [node, info] : nodes_) {
+    if (!info.alive) continue;
+    for (const StoredWorker& w : info.workers) {
+      if (w.group() != group || SideOf(w.role()) != side) continue;
+      for (const v1::TensorSpec& t : w.header.tensors()) {
+        if (t.name() != tensor) continue;
+        held.holder = absl::StrCat(group, "/", w.worker().name());
+        held.holder_node = node;
+        return;
+      }
+    }
+  }
+}
+
+void Membership::ClearWorkersLocked(NodeInfo& n) {
+  for (const StoredWorker& w : n.workers) Undeclare(w.header);
+  n.workers.clear();
+}
+
+int64_t Membership::IndexedDeclarations() const {
+  absl::MutexLock lock(&mu_);
+  int64_t out = 0;
+  for (const auto& [name, g] : declared_) out += g.by_tensor[0].size() + g.by_tensor[1].size();
+  return out;
+}
+
 void Membership::OnGroupForgotten(std::function<void(const std::string& group)> hook) {
   absl::MutexLock lock(&mu_);
   forgotten_hooks_.push_back(std::move(hook));
@@ -408,6 +634,20 @@ std::map<std::string, int64_t> Membership::ReplicaVersions(const std::string& gr
   return out;
 }
 
+TrainerRanksView Membership::TrainerRanks(const std::string& group) const {
+  absl::MutexLock lock(&mu_);
+  std::vector<TrainerRank> trainers;
+  for (const auto& [node, info] : nodes_) {
+    if (!info.alive) continue;
+    for (const StoredWorker& w : info.workers) {
+      if (w.group() != group || w.role() != v1::TRAINER) continue;
+      trainers.push_back(
+          {&w.worker().name(), w.header.trainer_rank(), w.header.trainer_world_size()});
+    }
+  }
+  return TrainerRanksFrom(trainers);
+}
+
 void Membership::RecomputeEpochs() {
   std::map<std::string, std::vector<std::string>> members;
   // group -> replica -> its workers' fingerprints
@@ -418,7 +658,8 @@ void Membership::RecomputeEpochs() {
     for (const auto& w : info.workers) {
       const v1::Worker& k = w.worker();
       std::string f = absl::StrCat(node, ":", info.incarnation, ":", k.name(), ":", w.role(), ":",
-                                   k.replica(), ":", k.replica_rank(), ":", k.replica_size());
+                                   k.replica(), ":", k.replica_rank(), ":", k.replica_size(), ":",
+                                   w.header.trainer_rank(), ":", w.header.trainer_world_size());
       if (w.role() == v1::INFERENCE) {
         replicas[w.group()][k.replica_size() > 0 ? k.replica() : k.name()].push_back(f);
       }
@@ -465,7 +706,7 @@ bool Membership::MarkDeadLocked(int32_t node, const std::string& why) {
   it->second.alive = false;
   it->second.synced = false;
   it->second.dead_since = clock_->Now();
-  it->second.workers.clear();
+  ClearWorkersLocked(it->second);
   RequestTrim();       // rare, and its workers may have been large
   beats_.erase(node);  // its next heartbeat takes the slow path and resyncs
   Logger("rpc")->warn("node {} ({}) is dead: {}", node, it->second.control_address, why);
@@ -556,6 +797,8 @@ Membership::StoredWorker Membership::Store(const v1::RegisterWorkerRequest& requ
   h.set_role(request.role());
   *h.mutable_tensors() = request.tensors();
   h.set_gpu_uuid(request.gpu_uuid());
+  h.set_trainer_rank(request.trainer_rank());
+  h.set_trainer_world_size(request.trainer_world_size());
   const v1::Worker& w = request.worker();
   v1::Worker* hw = h.mutable_worker();
   hw->set_name(w.name());
@@ -578,6 +821,8 @@ Membership::StoredWorker Membership::Store(const v1::RegisterWorkerRequest& requ
   top.set_group(request.group());
   top.set_role(request.role());
   top.set_gpu_uuid(request.gpu_uuid());
+  top.set_trainer_rank(request.trainer_rank());
+  top.set_trainer_world_size(request.trainer_world_size());
   out.wire = top.SerializeAsString();
   auto append = [&](uint32_t field, const google::protobuf::MessageLite& m) {
     const std::string bytes = m.SerializeAsString();
@@ -617,6 +862,7 @@ GroupMembers Membership::Group(const std::string& group, bool with_pieces) const
     if (here) out.nodes.push_back(node);
   }
   out.replicas = ReplicasOf(out.workers, &out.counts);
+  out.trainer_ranks = TrainerRanksOf(out.workers);
   for (ReplicaView& r : out.replicas) {
     auto record = g->second.replicas.find(r.name);
     if (record != g->second.replicas.end()) r.version = record->second.version;

@@ -12,9 +12,16 @@
 // admission: SyncWorkersRequest.sequence and .resyncs_seen (ApplySync).
 //
 // Also, per group, its inference replicas (Worker.replica: docs/ROUNDS.md, "Replicas and
-// commit"): complete or not, the missing ranks, and the last version committed to each whole.
+// commit"): complete or not, the missing ranks, and the last version committed to each whole;
+// and its trainer side by declared rank (RegisterWorkerRequest.trainer_rank), the same way.
 // A worker name is held by one node at a time: a sync or local registration naming a worker that
-// another live node holds is refused (ALREADY_EXISTS naming the holder). A group is forgotten
+// another live node holds is refused (ALREADY_EXISTS naming the holder). So is a worker that
+// declares a tensor otherwise (shape, dtype, quantization: the TensorSpec as the planner compares
+// it) than the live workers of its group and side already do (FAILED_PRECONDITION naming both):
+// the group's declarations are indexed as workers come and go (`declared_`), so a sync costs its
+// own workers' declarations, not the group's. A declaration lasts while any worker declares it:
+// the first declarer leaving changes nothing while others remain; the last leaving frees the
+// tensor for any declaration. A group is forgotten
 // when its last worker leaves (the OnGroupForgotten hooks are told). Epochs are one counter for
 // every group, so a group forgotten and registered again never reuses an epoch.
 //
@@ -32,6 +39,7 @@
 #include <vector>
 
 #include "absl/base/thread_annotations.h"
+#include "absl/container/flat_hash_map.h"
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
@@ -55,6 +63,20 @@ struct ReplicaView {
 };
 inline constexpr int kMaxListedRanks = 1024;
 
+// A group's trainer side by the ranks its trainers declare (RegisterWorkerRequest.trainer_rank,
+// trainer_world_size). `world_size` 0: no trainer declares one, and only coverage tells whether a
+// trainer is missing (as before trainers declared ranks).
+struct TrainerRanksView {
+  int32_t world_size = 0;            // the first declaring trainer's, where they disagree
+  std::vector<std::string> workers;  // by rank; "" where no trainer holds it
+  std::vector<int32_t> missing;      // ranks no trainer holds (at most kMaxListedRanks listed)
+  // Why the trainer side is not whole, e.g. "trainer rank 3 of 4 is not registered"; empty when
+  // every declared rank is held once, or none is declared.
+  std::string problem;
+  bool complete() const { return problem.empty(); }
+};
+inline constexpr int32_t kMaxTrainerWorldSize = 1 << 20;
+
 // One group's members at one epoch, as the planner needs them.
 struct GroupMembers {
   bool exists = false;
@@ -67,6 +89,7 @@ struct GroupMembers {
   // Per entry of `workers`: a trainer, or an inference worker of a complete replica (planned).
   std::vector<bool> counts;
   std::vector<ReplicaView> replicas;  // by name
+  TrainerRanksView trainer_ranks;
 };
 
 // The replicas of a group's inference workers (pure; Group() fills GroupMembers with it).
@@ -74,6 +97,9 @@ struct GroupMembers {
 std::vector<ReplicaView> ReplicasOf(
     const std::vector<std::pair<int32_t, v1::RegisterWorkerRequest>>& workers,
     std::vector<bool>* counts);
+// The trainer side of a group's workers by declared rank (pure; Group() fills GroupMembers).
+TrainerRanksView TrainerRanksOf(
+    const std::vector<std::pair<int32_t, v1::RegisterWorkerRequest>>& workers);
 
 struct DeadNode {
   int32_t node;
@@ -140,6 +166,8 @@ class Membership {
                     const std::vector<std::string>& replicas, int64_t version);
   // Replica -> the last version committed to it whole, of the group's current replicas.
   std::map<std::string, int64_t> ReplicaVersions(const std::string& group) const;
+  // The group's trainer side by declared rank, now (no registration copied).
+  TrainerRanksView TrainerRanks(const std::string& group) const;
 
   // The failure detector: declares dead every node silent too long, and returns them; forgets
   // those dead for forget_dead_after.
@@ -161,6 +189,8 @@ class Membership {
   void NodeStatuses(v1::StatusResponse* response) const;
   void ListWorkers(const v1::ListWorkersRequest& request, v1::ListWorkersResponse* response) const;
   MembershipCounts Counts() const;
+  // Entries of the declaration index, every group and side: what its memory grows with.
+  int64_t IndexedDeclarations() const;
 
  private:
   // A worker as the coordinator keeps it: the registration without its pieces as a
@@ -218,6 +248,31 @@ class Membership {
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   bool MarkDeadLocked(int32_t node, const std::string& why) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
+  // One tensor as the live workers of a group's side declare it.
+  struct Declared {
+    std::string spec;       // its TensorSpec without the name, encoded: what the planner compares
+    int64_t declarers = 0;  // live workers declaring it; the entry goes with the last
+    std::string holder;     // one of them, for errors ("" once it left: found again when needed)
+    int32_t holder_node = -1;
+  };
+  // Per side (trainers, inference): tensor name -> its declaration.
+  struct GroupDeclarations {
+    absl::flat_hash_map<std::string, Declared> by_tensor[2];
+  };
+  // Counts `w`'s declarations (it joins from `node`) into the index, or, when one is a tensor it
+  // declares otherwise than its group's side, nothing: the refusal (FAILED_PRECONDITION naming
+  // the tensor, both declarations and a worker holding the group's). Costs `w`'s tensors.
+  std::optional<v1::WorkerRefusal> Declare(const v1::RegisterWorkerRequest& w, int32_t node)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Counts a leaving worker's declarations out of the index.
+  void Undeclare(const v1::RegisterWorkerRequest& w) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // A live worker of `group`'s `side` declaring `tensor`, made `held`'s holder: a scan of the
+  // group, only when a refusal must name a holder and the indexed one left.
+  void FindHolder(const std::string& group, int side, const std::string& tensor,
+                  Declared& held) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Empties a node's worker list, its declarations out of the index.
+  void ClearWorkersLocked(NodeInfo& n) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+
   const int32_t self_;
   const absl::Duration silence_;
   const Clock* const clock_;
@@ -251,7 +306,9 @@ class Membership {
   std::map<int32_t, std::string> dead_because_ ABSL_GUARDED_BY(mu_);
   int64_t last_epoch_ ABSL_GUARDED_BY(mu_) = 0;                  // every group's epochs
   std::map<std::string, int32_t> holders_ ABSL_GUARDED_BY(mu_);  // worker id -> its live node
-  std::vector<std::string> forgotten_ ABSL_GUARDED_BY(mu_);      // not yet told to the hooks
+  // Group -> the tensors its live workers declare; a group without any has no entry.
+  std::map<std::string, GroupDeclarations> declared_ ABSL_GUARDED_BY(mu_);
+  std::vector<std::string> forgotten_ ABSL_GUARDED_BY(mu_);  // not yet told to the hooks
   std::vector<std::function<void(const std::string&)>> forgotten_hooks_ ABSL_GUARDED_BY(mu_);
 };
 

@@ -12,6 +12,7 @@ namespace {
 using testing::JoinOf;
 using testing::Registration;
 using testing::SyncOf;
+using testing::WholeTensor;
 
 TEST_CASE("membership: failure detection on the injected clock") {
   FakeClock clock;
@@ -254,6 +255,94 @@ TEST_CASE("membership: replicas count only when complete; the missing ranks are 
   CHECK(Find(g, "dp3")->problem ==
         "replica \"dp3\": workers \"y0\" and \"y1\" disagree on its size (2 and 4)");
   CHECK_FALSE(Find(g, "dp3")->complete);
+}
+
+// A trainer holding rows [r0, r1) that declares itself rank `rank` of `world_size`.
+v1::RegisterWorkerRequest TrainerRank(const std::string& name, int32_t rank, int32_t world_size,
+                                      int64_t r0, int64_t r1, int32_t node) {
+  v1::RegisterWorkerRequest r = Registration(name, v1::TRAINER, r0, r1, node);
+  r.set_trainer_rank(rank);
+  r.set_trainer_world_size(world_size);
+  return r;
+}
+
+TEST_CASE("membership: the trainer side's declared ranks; the last one missing is named") {
+  FakeClock clock;
+  Membership m(0, absl::Milliseconds(500), 4, &clock);
+  m.SetSelf("a", "b", 1);
+  m.AddLocal(Registration("i0", v1::INFERENCE, 0, 8, 0));
+  // Ranks 0..2 of 4 hold rows 0..6 of 8 between them; rank 3 (rows 6..8) never registers.
+  for (int32_t rank = 0; rank < 3; ++rank) {
+    REQUIRE(
+        m.AddLocal(TrainerRank("rank" + std::to_string(rank), rank, 4, 2 * rank, 2 * rank + 2, 0))
+            .ok());
+  }
+  const int64_t epoch = m.Epoch("policy");
+  TrainerRanksView t = m.Group("policy").trainer_ranks;
+  CHECK(t.world_size == 4);
+  CHECK(t.workers == std::vector<std::string>{"rank0", "rank1", "rank2", ""});
+  CHECK(t.missing == std::vector<int32_t>{3});
+  CHECK_FALSE(t.complete());
+  CHECK(t.problem == "trainer rank 3 of 4 is not registered");
+  // The cheap form Status reads says the same.
+  CHECK(m.TrainerRanks("policy").problem == t.problem);
+  CHECK(m.TrainerRanks("policy").missing == t.missing);
+
+  // It comes: the side is whole, and the group's membership changed.
+  REQUIRE(m.AddLocal(TrainerRank("rank3", 3, 4, 6, 8, 0)).ok());
+  t = m.Group("policy").trainer_ranks;
+  CHECK(t.complete());
+  CHECK(t.missing.empty());
+  CHECK(m.Epoch("policy") > epoch);
+
+  // Two gone: both named, in order.
+  m.RemoveLocal("policy/rank1");
+  m.RemoveLocal("policy/rank3");
+  CHECK(m.TrainerRanks("policy").problem == "trainer ranks 1, 3 of 4 are not registered");
+}
+
+TEST_CASE("membership: trainers that declare no rank are judged by coverage alone, as before") {
+  std::vector<std::pair<int32_t, v1::RegisterWorkerRequest>> workers = {
+      {0, Registration("t0", v1::TRAINER, 0, 4, 0)},
+      {0, Registration("i0", v1::INFERENCE, 0, 8, 0)},
+  };
+  const TrainerRanksView t = TrainerRanksOf(workers);
+  CHECK(t.world_size == 0);
+  CHECK(t.complete());
+  CHECK(t.missing.empty());
+}
+
+TEST_CASE("membership: trainers that disagree on their ranks or world size are named") {
+  using Workers = std::vector<std::pair<int32_t, v1::RegisterWorkerRequest>>;
+  // Another world size: rank 1 says 4, so ranks 2 and 3 of the first one's 2 cannot exist.
+  TrainerRanksView t = TrainerRanksOf(
+      Workers{{0, TrainerRank("a", 0, 2, 0, 4, 0)}, {1, TrainerRank("b", 1, 4, 4, 8, 1)}});
+  CHECK(t.world_size == 2);
+  CHECK(t.missing == std::vector<int32_t>{1});
+  CHECK(t.problem ==
+        "trainer rank 1 of 2 is not registered; trainers \"a\" and \"b\" disagree on the trainer "
+        "world size (2 and 4)");
+
+  // One rank claimed twice, a rank out of range, a trainer declaring nothing.
+  t = TrainerRanksOf(Workers{{0, TrainerRank("a", 0, 2, 0, 4, 0)},
+                             {0, TrainerRank("b", 0, 2, 4, 8, 0)},
+                             {0, TrainerRank("c", 2, 2, 4, 8, 0)},
+                             {0, Registration("d", v1::TRAINER, 4, 8, 0)}});
+  CHECK(t.workers == std::vector<std::string>{"a", ""});
+  CHECK(t.problem ==
+        "trainer rank 1 of 2 is not registered; trainers \"a\" and \"b\" both claim trainer rank "
+        "0; trainer \"c\" declares rank 2 of 2; trainer \"d\" declares no rank, while \"a\" "
+        "declares world size 2 (declare a rank and world size on every trainer, or on none)");
+
+  // A size no world has; many missing ranks are counted, a few named, the list bounded.
+  CHECK(TrainerRanksOf(Workers{{0, TrainerRank("a", 0, -1, 0, 8, 0)}}).problem ==
+        "trainer \"a\" declares world size -1, not between 1 and 1048576");
+  t = TrainerRanksOf(Workers{{0, TrainerRank("a", 0, 4096, 0, 8, 0)}});
+  CHECK(t.missing.size() == static_cast<size_t>(kMaxListedRanks));
+  CHECK(t.missing.front() == 1);
+  CHECK(t.problem ==
+        "trainer ranks 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16 and 4079 more of 4096 "
+        "are not registered");
 }
 
 TEST_CASE("membership: a replica's version: recorded when committed whole, reset when it changes") {
@@ -619,6 +708,139 @@ TEST_CASE(
   CHECK(m.Counts().forgotten_nodes == 1);
   // Node 2 comes back to a full table of live nodes: refused until one dies.
   CHECK(m.Admit(JoinOf(2, 22)).status().code() == absl::StatusCode::kResourceExhausted);
+}
+
+bool Contains(absl::string_view text, absl::string_view part) {
+  return text.find(part) != absl::string_view::npos;
+}
+
+// A trainer on node 0 declares "w" [8, 4] fp32; one on node 1 that believes it [8, 8] would make
+// every plan of the group fail for as long as it lived: it is refused at its node's sync, naming
+// the tensor, both declarations and the worker holding the group's, and the rest stays ready.
+TEST_CASE("membership: a tensor declared otherwise on another node is refused, naming both") {
+  FakeClock clock;
+  Membership m(0, absl::Milliseconds(500), 4, &clock);
+  m.SetSelf("10.0.0.0:7070", "b", 1);
+  REQUIRE(m.AddLocal(Registration("t0", v1::TRAINER, 0, 4, 0)).ok());
+  CHECK(m.Join(JoinOf(1, 11)));
+  v1::SyncWorkersResponse answer;
+  REQUIRE(m.ApplySync(SyncOf(1, 11,
+                             {WholeTensor("wide", v1::TRAINER, "w", Dims{8, 8}, DType::kF32, 1),
+                              Registration("t1", v1::TRAINER, 4, 8, 1),
+                              // The other side may declare it otherwise (cast on the way).
+                              WholeTensor("i0", v1::INFERENCE, "w", Dims{8, 4}, DType::kBF16, 1)}),
+                      &answer)
+              .ok());
+  REQUIRE(answer.refused_size() == 1);
+  const v1::WorkerRefusal& r = answer.refused(0);
+  CHECK(r.worker_id() == "policy/wide");
+  CHECK(r.code() == static_cast<int32_t>(absl::StatusCode::kFailedPrecondition));
+  CHECK(r.holder_node() == 0);
+  CHECK(
+      Contains(r.reason(), "worker \"policy/wide\" (node 1) declares tensor \"w\" as [8, 8] fp32"));
+  CHECK(Contains(r.reason(),
+                 "trainer \"policy/t0\" on node 0 (10.0.0.0:7070), registered earlier, "
+                 "declares it as [8, 4] fp32"));
+  const GroupMembers g = m.Group("policy");
+  CHECK(g.trainers == 2);
+  CHECK(g.inference == 1);
+  for (const auto& [node, w] : g.workers) CHECK(w.worker().name() != "wide");
+
+  // The coordinator's own worker, against a node's: FAILED_PRECONDITION naming that one.
+  const absl::Status mine =
+      m.AddLocal(WholeTensor("i9", v1::INFERENCE, "w", Dims{8, 4}, DType::kF32, 0));
+  CHECK(mine.code() == absl::StatusCode::kFailedPrecondition);
+  CHECK(Contains(mine.message(), "declares tensor \"w\" as [8, 4] fp32"));
+  CHECK(Contains(mine.message(), "inference worker \"policy/i0\" on node 1"));
+  CHECK(Contains(mine.message(), "declares it as [8, 4] bf16"));
+  // Another group's "w" is its own.
+  CHECK(m.AddLocal(WholeTensor("t0", v1::TRAINER, "w", Dims{8, 8}, DType::kF32, 0, "critic")).ok());
+  // Two declarers: the refusal says so.
+  CHECK(m.Join(JoinOf(2, 22)));
+  v1::SyncWorkersResponse both;
+  REQUIRE(m.ApplySync(SyncOf(2, 22, {WholeTensor("t2", v1::TRAINER, "w", Dims{4}, DType::kF32, 2)}),
+                      &both)
+              .ok());
+  REQUIRE(both.refused_size() == 1);
+  CHECK(Contains(both.refused(0).reason(), "declares it as [8, 4] fp32 (as do 1 more)"));
+  CHECK(Contains(both.refused(0).reason(), "unregister the 2 trainers declaring it first"));
+}
+
+TEST_CASE("membership: a declaration follows its remaining declarers; the last takes it along") {
+  FakeClock clock;
+  Membership m(0, absl::Milliseconds(500), 4, &clock);
+  m.SetSelf("10.0.0.0:7070", "b", 1);
+  const auto wide = [](int32_t node) {
+    return WholeTensor("wide", v1::TRAINER, "w", Dims{8, 8}, DType::kF32, node);
+  };
+  REQUIRE(m.AddLocal(Registration("t0", v1::TRAINER, 0, 4, 0)).ok());
+  CHECK(m.Join(JoinOf(1, 11)));
+  REQUIRE(m.ApplySync(SyncOf(1, 11, {Registration("t1", v1::TRAINER, 4, 8, 1)})).ok());
+  CHECK(m.IndexedDeclarations() == 1);
+
+  // The first declarer leaves: node 1's still declares "w" [8, 4], and is named.
+  m.RemoveLocal("policy/t0");
+  CHECK(m.IndexedDeclarations() == 1);
+  CHECK(m.Join(JoinOf(2, 22)));
+  v1::SyncWorkersResponse answer;
+  REQUIRE(m.ApplySync(SyncOf(2, 22, {wide(2)}), &answer).ok());
+  REQUIRE(answer.refused_size() == 1);
+  CHECK(answer.refused(0).holder_node() == 1);
+  CHECK(Contains(answer.refused(0).reason(), "trainer \"policy/t1\" on node 1"));
+
+  // The last declarer leaves (its node's list is empty now): any declaration may come.
+  REQUIRE(m.ApplySync(SyncOf(1, 11, {})).ok());
+  CHECK(m.IndexedDeclarations() == 0);
+  v1::SyncWorkersResponse now;
+  REQUIRE(m.ApplySync(SyncOf(2, 22, {wide(2)}), &now).ok());
+  CHECK(now.refused_size() == 0);
+  CHECK(m.Group("policy").trainers == 1);
+
+  // A node declared dead takes its declarations along; back, its old worker is refused against
+  // the one that declared "w" since.
+  clock.Advance(absl::Seconds(3));
+  CHECK_FALSE(m.Join(JoinOf(1, 11)));  // node 1 keeps beating; node 2 goes silent
+  REQUIRE(m.CheckLiveness().size() == 1);
+  CHECK(m.IndexedDeclarations() == 0);
+  REQUIRE(m.AddLocal(Registration("t0", v1::TRAINER, 0, 4, 0)).ok());
+  CHECK(m.Join(JoinOf(2, 22)));
+  v1::SyncWorkersResponse back;
+  REQUIRE(m.ApplySync(SyncOf(2, 22, {wide(2)}), &back).ok());
+  REQUIRE(back.refused_size() == 1);
+  CHECK(Contains(back.refused(0).reason(), "trainer \"policy/t0\" on node 0"));
+  // A node re-sending the list it holds is not refused against itself.
+  v1::SyncWorkersResponse same;
+  REQUIRE(m.ApplySync(SyncOf(1, 11, {Registration("t1", v1::TRAINER, 4, 8, 1)}), &same).ok());
+  REQUIRE(m.ApplySync(SyncOf(1, 11, {Registration("t1", v1::TRAINER, 4, 8, 1)}), &same).ok());
+  CHECK(same.refused_size() == 0);
+  CHECK(m.Group("policy").trainers == 2);
+}
+
+TEST_CASE("membership: the declaration index does not grow over many joins and leaves") {
+  FakeClock clock;
+  Membership m(0, absl::Milliseconds(500), 4, &clock);
+  m.SetSelf("10.0.0.0:7070", "b", 1);
+  REQUIRE(m.AddLocal(Registration("t0", v1::TRAINER, 0, 8, 0)).ok());
+  for (int i = 0; i < 1000; ++i) {
+    const int32_t node = 1 + i % 5;
+    const int64_t incarnation = 100 + i;  // a restart: its old workers leave
+    const std::string group = "g" + std::to_string(i % 7);
+    const std::string tensor = "t" + std::to_string(i);  // a name never declared before
+    CHECK(m.Join(JoinOf(node, incarnation)));
+    REQUIRE(
+        m.ApplySync(
+             SyncOf(node, incarnation,
+                    {WholeTensor("a", v1::TRAINER, tensor, Dims{4}, DType::kF32, node, group),
+                     WholeTensor("b", v1::INFERENCE, tensor, Dims{4}, DType::kF32, node, group)}))
+            .ok());
+    // Each of the five nodes holds its last two declarations, plus node 0's one.
+    REQUIRE(m.IndexedDeclarations() <= 1 + 5 * 2);
+    if (i % 3 == 0) m.MarkDead(node, "test");
+  }
+  for (int32_t node = 1; node <= 5; ++node) m.MarkDead(node, "test");
+  CHECK(m.IndexedDeclarations() == 1);
+  m.RemoveLocal("policy/t0");
+  CHECK(m.IndexedDeclarations() == 0);
 }
 
 }  // namespace

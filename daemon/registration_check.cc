@@ -3,12 +3,13 @@
 #include <algorithm>
 #include <initializer_list>
 
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "absl/types/span.h"
 #include "daemon/memory_refs.h"
-#include "google/protobuf/io/coded_stream.h"
 #include "google/protobuf/wire_format_lite.h"
+#include "plan/status_macros.h"
 #include "plan/validate.h"
 #include "proto/layout_codec.h"
 
@@ -19,71 +20,6 @@ using google::protobuf::internal::WireFormatLite;
 
 std::string RoleName(v1::Role r) {
   return r == v1::TRAINER ? "trainer" : r == v1::INFERENCE ? "inference" : "?";
-}
-
-// `request`'s tensors and worker lent to a v1::Layout for as long as this lives, not copied (the
-// decoder only reads them); taken back before the layout goes, so that it never frees them.
-class BorrowedLayout {
- public:
-  explicit BorrowedLayout(const v1::RegisterWorkerRequest& request) {
-    layout_.mutable_tensors()->Reserve(request.tensors_size());
-    for (const v1::TensorSpec& t : request.tensors()) {
-      layout_.mutable_tensors()->UnsafeArenaAddAllocated(const_cast<v1::TensorSpec*>(&t));
-    }
-    layout_.mutable_workers()->UnsafeArenaAddAllocated(const_cast<v1::Worker*>(&request.worker()));
-  }
-  ~BorrowedLayout() {
-    while (!layout_.tensors().empty()) layout_.mutable_tensors()->UnsafeArenaReleaseLast();
-    while (!layout_.workers().empty()) layout_.mutable_workers()->UnsafeArenaReleaseLast();
-  }
-  BorrowedLayout(const BorrowedLayout&) = delete;
-  BorrowedLayout& operator=(const BorrowedLayout&) = delete;
-  const v1::Layout& get() const { return layout_; }
-
- private:
-  v1::Layout layout_;
-};
-
-void AppendVarint(uint64_t value, std::string* out) {
-  while (value >= 0x80) {
-    out->push_back(static_cast<char>(value | 0x80));
-    value >>= 7;
-  }
-  out->push_back(static_cast<char>(value));
-}
-
-// Appends to `out` the encoded message `bytes` without the fields `drop` at the end of `path`: a
-// field numbered path[0] is rewritten with the rest of the path applied to its payload (a
-// message), every other field is copied as it is. False if `bytes` is not a valid encoding.
-bool AppendWithout(absl::string_view bytes, absl::Span<const int> path,
-                   std::initializer_list<int> drop, std::string* out) {
-  google::protobuf::io::CodedInputStream in(reinterpret_cast<const uint8_t*>(bytes.data()),
-                                            static_cast<int>(bytes.size()));
-  while (true) {
-    const int start = in.CurrentPosition();
-    const uint32_t tag = in.ReadTag();
-    if (tag == 0) return in.CurrentPosition() == static_cast<int>(bytes.size());
-    const int number = WireFormatLite::GetTagFieldNumber(tag);
-    if (!path.empty() && number == path[0] &&
-        WireFormatLite::GetTagWireType(tag) == WireFormatLite::WIRETYPE_LENGTH_DELIMITED) {
-      const int tag_end = in.CurrentPosition();
-      uint32_t length = 0;
-      if (!in.ReadVarint32(&length)) return false;
-      const int payload = in.CurrentPosition();
-      if (!in.Skip(static_cast<int>(length))) return false;
-      std::string inner;
-      if (!AppendWithout(bytes.substr(payload, length), path.subspan(1), drop, &inner)) {
-        return false;
-      }
-      out->append(bytes.data() + start, tag_end - start);
-      AppendVarint(inner.size(), out);
-      out->append(inner);
-      continue;
-    }
-    if (!WireFormatLite::SkipField(&in, tag)) return false;
-    const bool dropped = path.empty() && std::find(drop.begin(), drop.end(), number) != drop.end();
-    if (!dropped) out->append(bytes.data() + start, in.CurrentPosition() - start);
-  }
 }
 
 // The encoding of {worker: {node: node, gpu: gpu}}: appended to a registration's encoding, it
@@ -147,17 +83,18 @@ absl::Status CheckRegistrationFields(const v1::RegisterWorkerRequest& request) {
   return absl::OkStatus();
 }
 
-absl::StatusOr<CheckedLayout> CheckRegistrationLayout(const v1::RegisterWorkerRequest& request,
+absl::StatusOr<CheckedLayout> CheckRegistrationLayout(const SplitRegistration& registration,
                                                       int32_t node, size_t fds,
                                                       std::optional<int32_t> gpu) {
+  const v1::RegisterWorkerRequest& request = registration.header();
   const v1::Worker& w = request.worker();
   // The worker's own part of the layout must be well formed before it joins a group.
-  absl::StatusOr<Layout> layout = [&] {
-    const BorrowedLayout mine(request);
-    return LayoutFromProto(mine.get());
-  }();
-  if (!layout.ok())
-    return absl::InvalidArgumentError(absl::StrCat("register: ", layout.status().message()));
+  absl::StatusOr<Layout> layout = DecodeWorkerLayout(registration, kMaxLayoutPieces);
+  if (!layout.ok()) {
+    const absl::string_view m = layout.status().message();
+    return absl::InvalidArgumentError(
+        absl::StartsWith(m, "register: ") ? std::string(m) : absl::StrCat("register: ", m));
+  }
   layout->workers[0].node = node;
   if (gpu.has_value()) layout->workers[0].gpu = *gpu;
   if (auto s = ValidateLayout(*layout, RoleName(request.role())); !s.ok()) {
@@ -174,29 +111,44 @@ absl::StatusOr<CheckedLayout> CheckRegistrationLayout(const v1::RegisterWorkerRe
   return out;
 }
 
-absl::StatusOr<KeptRegistration> KeepRegistration(const v1::RegisterWorkerRequest& request,
+absl::StatusOr<CheckedLayout> CheckRegistrationLayout(const v1::RegisterWorkerRequest& request,
+                                                      int32_t node, size_t fds,
+                                                      std::optional<int32_t> gpu) {
+  REFIT_ASSIGN_OR_RETURN(const SplitRegistration split, SplitRegistration::Of(request));
+  return CheckRegistrationLayout(split, node, fds, gpu);
+}
+
+absl::StatusOr<KeptRegistration> KeepRegistration(const SplitRegistration& registration,
                                                   int32_t node, int32_t gpu) {
-  // Both made from one encoding of `request` (1x its size), never from a copy as messages (12x).
-  const std::string whole = request.SerializeAsString();
   KeptRegistration out;
-  out.wire.reserve(whole.size() + 32);  // appended to: grown by doubling, it would keep up to 2x
-  std::string header;
-  const int path[] = {v1::RegisterWorkerRequest::kWorkerFieldNumber,
-                      v1::Worker::kBuffersFieldNumber};
-  const bool ok = AppendWithout(whole, path, {v1::Buffer::kPiecesFieldNumber}, &header) &&
-                  out.header.ParseFromString(header) &&
-                  AppendWithout(whole, {},
-                                {v1::RegisterWorkerRequest::kMemoryFieldNumber,
-                                 v1::RegisterWorkerRequest::kFdTokenFieldNumber,
-                                 v1::RegisterWorkerRequest::kVmmRangesFieldNumber},
-                                &out.wire);
-  if (!ok) {  // our own encoding of a message that parsed: not expected
-    return absl::InternalError(absl::StrCat("register: worker \"", request.worker().name(),
-                                            "\": its registration could not be re-encoded"));
-  }
+  out.header = registration.header();  // no pieces: small
   out.header.mutable_worker()->set_node(node);
   out.header.mutable_worker()->set_gpu(gpu);
-  out.wire += WorkerPlacement(node, gpu);
+  // What the coordinator is sent: the registration as one request that spells the worker out
+  // (field `worker`), made from its encoding (1x its size), never from a copy as messages (12x).
+  std::string rest;
+  const bool ok = AppendWithout(registration.header().SerializeAsString(), {},
+                                {v1::RegisterWorkerRequest::kWorkerFieldNumber,
+                                 v1::RegisterWorkerRequest::kWorkerEncodedFieldNumber,
+                                 v1::RegisterWorkerRequest::kMemoryFieldNumber,
+                                 v1::RegisterWorkerRequest::kFdTokenFieldNumber,
+                                 v1::RegisterWorkerRequest::kVmmRangesFieldNumber},
+                                &rest);
+  if (!ok) {  // our own encoding of a message: not expected
+    return absl::InternalError(absl::StrCat("register: worker \"", out.header.worker().name(),
+                                            "\": its registration could not be re-encoded"));
+  }
+  const absl::string_view worker = registration.worker();
+  const std::string placement = WorkerPlacement(node, gpu);
+  // Reserved whole: grown by doubling, it would keep up to 2x.
+  out.wire.reserve(rest.size() + worker.size() + placement.size() + 16);
+  out.wire.append(rest);
+  AppendVarint(WireFormatLite::MakeTag(v1::RegisterWorkerRequest::kWorkerFieldNumber,
+                                       WireFormatLite::WIRETYPE_LENGTH_DELIMITED),
+               &out.wire);
+  AppendVarint(worker.size(), &out.wire);
+  out.wire.append(worker.data(), worker.size());
+  out.wire += placement;
   return out;
 }
 

@@ -14,6 +14,7 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
+#include "daemon/registration_decoder.h"
 #include "plan/layout.h"
 #include "proto/refit.pb.h"
 
@@ -31,23 +32,30 @@ struct CheckedLayout {
 // The worker's part of the layout, decoded on node `node` (on GPU `gpu`: the worker's own
 // worker.gpu when not given) and validated as its role's side, then what its memory handles refer
 // to (memory_refs.h) against `fds` descriptors handed over. INVALID_ARGUMENT starting "register: ".
-// Nothing of `request` is copied: its pieces as messages cost 12x their size on the wire.
+// Its pieces are decoded from the worker's encoding one at a time (registration_decoder.h): as
+// messages they cost 12x their size on the wire.
+absl::StatusOr<CheckedLayout> CheckRegistrationLayout(const SplitRegistration& registration,
+                                                      int32_t node, size_t fds,
+                                                      std::optional<int32_t> gpu = std::nullopt);
+// The same for a request as it came (split here).
 absl::StatusOr<CheckedLayout> CheckRegistrationLayout(const v1::RegisterWorkerRequest& request,
                                                       int32_t node, size_t fds,
                                                       std::optional<int32_t> gpu = std::nullopt);
 
-// What a node keeps of a registration it took, made from one encoding of it, never from a copy as
-// messages (a piece costs about 500 bytes as a message, 47 on the wire).
+// What a node keeps of a registration it took, made from the worker's encoding, never from a copy
+// as messages (a piece costs about 500 bytes as a message, 47 on the wire).
 struct KeptRegistration {
   // The registration without its buffers' pieces, everything else as it came (memory handles
-  // included: the backends and sessions read them), worker.node and worker.gpu set.
+  // included: the backends and sessions read them), worker.node and worker.gpu set,
+  // worker_encoded empty.
   v1::RegisterWorkerRequest header;
-  // The whole registration encoded without its memory handles (memory, fd_token, vmm_ranges):
-  // what the coordinator is sent. worker.node and worker.gpu are set by a second occurrence of
-  // field `worker` at the end, which a parser merges into the first.
+  // The whole registration encoded without its memory handles (memory, fd_token, vmm_ranges), the
+  // worker as field `worker` whichever field it came in: what the coordinator is sent.
+  // worker.node and worker.gpu are set by a second occurrence of field `worker` at the end, which
+  // a parser merges into the first.
   std::string wire;
 };
-absl::StatusOr<KeptRegistration> KeepRegistration(const v1::RegisterWorkerRequest& request,
+absl::StatusOr<KeptRegistration> KeepRegistration(const SplitRegistration& registration,
                                                   int32_t node, int32_t gpu);
 
 // A registration's tensors by name (views into the request, which must outlive it).

@@ -51,24 +51,25 @@ absl::Status CheckName(absl::string_view what, absl::string_view name) {
   return absl::OkStatus();
 }
 
-absl::Status CheckRegistration(const v1::RegisterWorkerRequest& request,
-                               const RegistrationLimits& limits) {
-  const v1::Worker& w = request.worker();
-  if (const auto bytes = static_cast<int64_t>(request.ByteSizeLong()); bytes > limits.max_bytes) {
+namespace {
+
+// The limits on counts: bytes, tensors, buffers, pieces (RESOURCE_EXHAUSTED naming the flag).
+absl::Status CheckCounts(int64_t bytes, int64_t tensors, int64_t buffers, int64_t pieces,
+                         const RegistrationLimits& limits) {
+  if (bytes > limits.max_bytes)
     return Exhausted("bytes", bytes, limits.max_bytes, "max-registration-bytes");
-  }
-  if (request.tensors_size() > limits.max_tensors) {
-    return Exhausted("tensors", request.tensors_size(), limits.max_tensors,
-                     "max-registration-tensors");
-  }
-  if (w.buffers_size() > limits.max_buffers) {
-    return Exhausted("buffers", w.buffers_size(), limits.max_buffers, "max-registration-buffers");
-  }
-  int64_t pieces = 0;
-  for (const v1::Buffer& b : w.buffers()) pieces += b.pieces_size();
+  if (tensors > limits.max_tensors)
+    return Exhausted("tensors", tensors, limits.max_tensors, "max-registration-tensors");
+  if (buffers > limits.max_buffers)
+    return Exhausted("buffers", buffers, limits.max_buffers, "max-registration-buffers");
   if (pieces > limits.max_pieces)
     return Exhausted("pieces", pieces, limits.max_pieces, "max-registration-pieces");
-  // Names, now that their number is bounded.
+  return absl::OkStatus();
+}
+
+// Every name but the pieces', of a request whose worker's buffers are listed (pieces or not).
+absl::Status CheckNames(const v1::RegisterWorkerRequest& request) {
+  const v1::Worker& w = request.worker();
   if (auto s = CheckName("group", request.group()); !s.ok()) return s;
   if (auto s = CheckName("worker", w.name()); !s.ok()) return s;
   if (!w.replica().empty()) {
@@ -85,19 +86,58 @@ absl::Status CheckRegistration(const v1::RegisterWorkerRequest& request,
   }
   for (const v1::Buffer& b : w.buffers()) {
     if (auto s = CheckName("buffer", b.name()); !s.ok()) return s;
+  }
+  return absl::OkStatus();
+}
+
+absl::Status CheckPiece(const v1::Buffer& b, const v1::Piece& p) {
+  if (p.repeat() != 0 || p.run_pieces() > 1) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("register: buffer \"", Shown(b.name()),
+                     "\": runs of pieces (repeat, run_pieces) are the compact form "
+                     "of plans between daemons; a registration lists its pieces"));
+  }
+  if (!p.tensor().empty()) return CheckName("piece's tensor", p.tensor());
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+absl::Status CheckRegistration(const v1::RegisterWorkerRequest& request,
+                               const RegistrationLimits& limits) {
+  const v1::Worker& w = request.worker();
+  int64_t pieces = 0;
+  for (const v1::Buffer& b : w.buffers()) pieces += b.pieces_size();
+  if (auto s = CheckCounts(static_cast<int64_t>(request.ByteSizeLong()), request.tensors_size(),
+                           w.buffers_size(), pieces, limits);
+      !s.ok()) {
+    return s;
+  }
+  // Names, now that their number is bounded.
+  if (auto s = CheckNames(request); !s.ok()) return s;
+  for (const v1::Buffer& b : w.buffers()) {
     for (const v1::Piece& p : b.pieces()) {
-      if (p.repeat() != 0 || p.run_pieces() > 1) {
-        return absl::InvalidArgumentError(
-            absl::StrCat("register: buffer \"", Shown(b.name()),
-                         "\": runs of pieces (repeat, run_pieces) are the compact form "
-                         "of plans between daemons; a registration lists its pieces"));
-      }
-      if (!p.tensor().empty()) {
-        if (auto s = CheckName("piece's tensor", p.tensor()); !s.ok()) return s;
-      }
+      if (auto s = CheckPiece(b, p); !s.ok()) return s;
     }
   }
   return absl::OkStatus();
+}
+
+absl::Status CheckRegistration(const SplitRegistration& registration,
+                               const RegistrationLimits& limits) {
+  const v1::RegisterWorkerRequest& header = registration.header();
+  const int64_t pieces = CountPieces(registration.worker());  // none decoded
+  if (pieces < 0)
+    return absl::InvalidArgumentError("register: the worker's encoding is not a valid Worker");
+  if (auto s = CheckCounts(registration.request_bytes(), header.tensors_size(),
+                           header.worker().buffers_size(), pieces, limits);
+      !s.ok()) {
+    return s;
+  }
+  if (auto s = CheckNames(header); !s.ok()) return s;
+  return ForEachPiece(registration.worker(), [&](int buffer, int, const v1::Piece& p) {
+    return CheckPiece(header.worker().buffers(buffer), p);
+  });
 }
 
 }  // namespace refit

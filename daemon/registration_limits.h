@@ -14,6 +14,7 @@
 
 #include "absl/status/status.h"
 #include "absl/strings/string_view.h"
+#include "daemon/registration_decoder.h"
 #include "proto/refit.pb.h"
 
 namespace refit {
@@ -41,6 +42,10 @@ inline constexpr size_t kMaxNameBytes = 256;
 // OK when `name` may name a `what` (e.g. "buffer"): 1..kMaxNameBytes bytes of printable UTF-8.
 absl::Status CheckName(absl::string_view what, absl::string_view name);
 absl::Status CheckRegistration(const v1::RegisterWorkerRequest& request,
+                               const RegistrationLimits& limits);
+// The same for a registration split by SplitRegistration::Of (what a node checks): its pieces
+// counted in the encoding before any is decoded, then decoded one at a time.
+absl::Status CheckRegistration(const SplitRegistration& registration,
                                const RegistrationLimits& limits);
 
 }  // namespace refit

@@ -112,3 +112,43 @@ TEST_CASE(
 
 }  // namespace
 }  // namespace refit
+
+namespace refit {
+namespace {
+
+// As the worker libraries send it: the worker encoded, checked without a message per piece.
+absl::Status CheckEncoded(v1::RegisterWorkerRequest r, const RegistrationLimits& limits) {
+  r.set_worker_encoded(r.worker().SerializeAsString());
+  r.clear_worker();
+  auto split = SplitRegistration::Of(r);
+  if (!split.ok()) return split.status();
+  return CheckRegistration(*split, limits);
+}
+
+TEST_CASE("registration limits: a worker sent encoded is held to the same limits and names") {
+  RegistrationLimits limits;
+  limits.max_pieces = 100;
+  limits.max_buffers = 10;
+  CHECK(CheckEncoded(Request(10, 10), limits).ok());
+  const absl::Status pieces = CheckEncoded(Request(10, 11), limits);
+  CHECK(pieces.code() == absl::StatusCode::kResourceExhausted);
+  CHECK(pieces.message() ==
+        "register: 110 pieces in one registration, more than 100 (--max-registration-pieces)");
+  CHECK(CheckEncoded(Request(11, 1), limits).code() == absl::StatusCode::kResourceExhausted);
+
+  v1::RegisterWorkerRequest bad_piece = Request(3, 3);
+  bad_piece.mutable_worker()->mutable_buffers(2)->mutable_pieces(1)->set_tensor(
+      std::string("w\0", 2));
+  const absl::Status name = CheckEncoded(bad_piece, limits);
+  CHECK(name.code() == absl::StatusCode::kInvalidArgument);
+  CHECK_THAT(std::string(name.message()), Catch::Contains("piece's tensor"));
+  CHECK(name.message() == CheckRegistration(bad_piece, limits).message());
+
+  v1::RegisterWorkerRequest run = Request(2, 2);
+  run.mutable_worker()->mutable_buffers(1)->mutable_pieces(0)->set_repeat(3);
+  CHECK_THAT(std::string(CheckEncoded(run, limits).message()),
+             Catch::Contains("a registration lists its pieces"));
+}
+
+}  // namespace
+}  // namespace refit

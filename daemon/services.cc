@@ -44,7 +44,11 @@ class WorkerService : public v1::RefitWorker::CallbackService {
       reactor->Finish(ToGrpc(s));
       return reactor;
     }
-    // `r` and `out` live until Finish.
+    // `r` and `out` live until Finish. Workers send their worker encoded (worker_encoded), so `r`
+    // holds it as one string, its size, rather than a message per piece (10x); the registry reads
+    // the pieces from it one at a time (registration_decoder.h). A field rather than a raw
+    // ByteBuffer handler: gRPC keeps checking sizes and parsing everything else, and requests
+    // written by hand (JSON, `worker`) take the same path.
     if (!blocking_.Submit([this, reactor, r, out, transport] {
           reactor->Finish(ToGrpc(p_->register_worker(*r, transport, out)));
         })) {
@@ -170,6 +174,15 @@ class ControlService : public v1::RefitControl::Service {
         complete += r.complete;
       }
       g->set_complete_replicas(complete);
+      // The trainer side by declared rank, as it is now (absent when no trainer declares one).
+      if (const TrainerRanksView t = p_->membership->TrainerRanks(name); t.world_size != 0) {
+        v1::TrainerRanksStatus* out = g->mutable_trainer_ranks();
+        out->set_world_size(t.world_size);
+        for (const std::string& w : t.workers) out->add_workers(w);
+        for (int32_t m : t.missing) out->add_missing_ranks(m);
+        out->set_complete(t.complete());
+        out->set_problem(t.problem);
+      }
     }
     return grpc::Status::OK;
   }

@@ -1,5 +1,7 @@
 #include "daemon/worker_registry.h"
 
+#include <malloc.h>
+
 #include <algorithm>
 
 #include "absl/strings/str_cat.h"
@@ -17,6 +19,11 @@ WorkerRegistry::WorkerRegistry(int32_t node, std::vector<int32_t> gpus, DataBack
 
 absl::StatusOr<Registration> WorkerRegistry::Register(const v1::RegisterWorkerRequest& original,
                                                       WorkerTransport transport) {
+  // The worker as its encoding, everything else as messages (registration_decoder.h): nothing
+  // below decodes its pieces as messages. Cut, not decoded: its pieces are looked at only once
+  // the caller is admitted.
+  absl::StatusOr<SplitRegistration> split = SplitRegistration::Of(original);
+  const std::string& name = split.ok() ? split->header().worker().name() : original.worker().name();
   // The descriptors handed over under the token are claimed first, whatever happens next: they
   // are closed when this returns (mapped memory stays mapped), so a registration that fails
   // leaves nothing behind; the worker hands them over again under a new token.
@@ -26,33 +33,38 @@ absl::StatusOr<Registration> WorkerRegistry::Register(const v1::RegisterWorkerRe
     if (token.size() != kHandleTokenChars || !std::all_of(token.begin(), token.end(), [](char c) {
           return (c >= '0' && c <= '9') || (c >= 'a' && c <= 'f');
         })) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("register: worker \"", original.worker().name(), "\": fd_token must be ",
-                       kHandleTokenChars, " lowercase hex digits"));
+      return absl::InvalidArgumentError(absl::StrCat("register: worker \"", name,
+                                                     "\": fd_token must be ", kHandleTokenChars,
+                                                     " lowercase hex digits"));
     }
     auto taken = handles_->Take(token);
     if (!taken.ok()) {
-      return absl::Status(taken.status().code(),
-                          absl::StrCat("register: worker \"", original.worker().name(),
-                                       "\": ", taken.status().message()));
+      return absl::Status(taken.status().code(), absl::StrCat("register: worker \"", name,
+                                                              "\": ", taken.status().message()));
     }
     delivery = *std::move(taken);
   }
+  if (!split.ok()) return split.status();
+  const v1::RegisterWorkerRequest& request = split->header();
   // Who registers, before anything of the request is looked at further.
-  if (auto s = admission_.Admit(original, transport, !original.fd_token().empty(), delivery.uid);
+  if (auto s = admission_.Admit(request, transport, !request.fd_token().empty(), delivery.uid);
       !s.ok()) {
-    Logger("worker")->warn("refused a registration of \"{}/{}\": {}", original.group(),
-                           original.worker().name(), std::string(s.message()));
+    Logger("worker")->warn("refused a registration of \"{}/{}\": {}", request.group(),
+                           request.worker().name(), std::string(s.message()));
     return s;
   }
   // Its size and names, before anything of it is decoded or mapped.
-  if (auto s = CheckRegistration(original, limits_); !s.ok()) return s;
-  if (auto s = CheckRegistrationFields(original); !s.ok()) return s;
-  const v1::Worker& w = original.worker();
+  if (auto s = CheckRegistration(*split, limits_); !s.ok()) return s;
+  // gRPC freed the request's receive buffers (its size, in small chunks) in its own threads'
+  // arenas, which this thread's copies below cannot reuse: given back first, they do not add to
+  // the peak. Quick now that nothing as large is decoded as messages (memory_trim.h).
+  if (split->request_bytes() >= kTrimAfterBytes) malloc_trim(0);
+  if (auto s = CheckRegistrationFields(request); !s.ok()) return s;
+  const v1::Worker& w = request.worker();
   int32_t gpu = w.gpu();
-  if (!original.gpu_uuid().empty()) {
+  if (!request.gpu_uuid().empty()) {
     // The worker's CUDA index is its own (CUDA_VISIBLE_DEVICES); the UUID is everyone's.
-    auto index = backend_->GpuIndex(original.gpu_uuid());
+    auto index = backend_->GpuIndex(request.gpu_uuid());
     if (!index.ok()) {
       return absl::InvalidArgumentError(
           absl::StrCat("register: worker \"", w.name(), "\": ", index.status().message()));
@@ -65,17 +77,17 @@ absl::StatusOr<Registration> WorkerRegistry::Register(const v1::RegisterWorkerRe
                      "'s daemon does not serve (--gpus ", absl::StrJoin(gpus_, ","), ")"));
   }
   auto checked =
-      CheckRegistrationLayout(original, node_, delivery.fds.size(), gpu);  // registration_check.h
+      CheckRegistrationLayout(*split, node_, delivery.fds.size(), gpu);  // registration_check.h
   if (!checked.ok()) return checked.status();
   const size_t pieces = checked->layout.pieces.size();
   checked->layout = Layout();  // checked: what it holds is not needed any more
   // Before its memory is mapped: a worker that cannot join its group is refused with nothing kept.
-  const TensorsByName tensors = IndexTensors(original);
+  const TensorsByName tensors = IndexTensors(request);
   int64_t checked_up_to = 0;
-  if (auto s = CheckAgainstGroup(original, tensors, 0, &checked_up_to); !s.ok()) return s;
+  if (auto s = CheckAgainstGroup(request, tensors, 0, &checked_up_to); !s.ok()) return s;
   auto worker = std::make_shared<LocalWorker>();
-  worker->id = absl::StrCat(original.group(), "/", w.name());
-  auto kept = KeepRegistration(original, node_, gpu);
+  worker->id = absl::StrCat(request.group(), "/", w.name());
+  auto kept = KeepRegistration(*split, node_, gpu);
   if (!kept.ok()) return kept.status();
   worker->request = std::move(kept->header);
   worker->wire = std::move(kept->wire);
@@ -95,7 +107,7 @@ absl::StatusOr<Registration> WorkerRegistry::Register(const v1::RegisterWorkerRe
                                                    "; unregister it first"));
     }
     // Only the workers added since the check above: whoever was first keeps the group.
-    if (auto s = CheckAgainstGroupLocked(original, tensors, checked_up_to); !s.ok()) return s;
+    if (auto s = CheckAgainstGroupLocked(request, tensors, checked_up_to); !s.ok()) return s;
     worker->registered_at = absl::Now();
     worker->added = ++added_;
     workers_[worker->id] = worker;

@@ -216,6 +216,17 @@ TEST_CASE(
   CHECK(w.request.worker().node() == 1);
   CHECK(w.request.worker().buffers(2).name() == "flat.2");
 
+  // Sent encoded (as the worker libraries send it), it is kept the same.
+  v1::RegisterWorkerRequest encoded = r;
+  encoded.set_worker_encoded(r.worker().SerializeAsString());
+  encoded.clear_worker();
+  Node other;
+  auto again = other.registry.Register(encoded, WorkerTransport::kInProcess);
+  REQUIRE(again.ok());
+  CHECK(again->worker->wire == w.wire);
+  CHECK(again->worker->request.SerializeAsString() == w.request.SerializeAsString());
+  CHECK(again->pieces == registered->pieces);
+
   // A sync sends it as it is kept: the coordinator decodes the same registration.
   v1::SyncWorkersRequest sync;
   for (v1::RegisterWorkerRequest& each : node.registry.Snapshot())
@@ -254,6 +265,32 @@ TEST_CASE("registering costs a few times the registration's size, not a copy of 
   // Nothing stays once it is gone.
   REQUIRE(node.registry.Drop("regmem/t0") != nullptr);
   CHECK(g_live.load() - before < wire / 100);
+}
+
+TEST_CASE("a worker sent encoded costs the daemon about its size, and registering it a few times") {
+  v1::RegisterWorkerRequest r = RowsTrainer("t0", 20, 1000);
+  const auto wire = static_cast<int64_t>(r.ByteSizeLong());
+  // What gRPC decodes the request into: one string for the worker, not a message per piece.
+  const std::string sent = [&] {
+    v1::RegisterWorkerRequest e = r;
+    e.set_worker_encoded(e.worker().SerializeAsString());
+    e.clear_worker();
+    return e.SerializeAsString();
+  }();
+  v1::RegisterWorkerRequest received;
+  const int64_t decoding = PeakWhile([&] { REQUIRE(received.ParseFromString(sent)); });
+  INFO("wire " << wire << " bytes; the request as gRPC decodes it " << decoding);
+  CHECK(decoding <= 6 * wire / 5);
+
+  Node node;
+  const int64_t before = g_live.load();
+  const int64_t registering = PeakWhile(
+      [&] { REQUIRE(node.registry.Register(received, WorkerTransport::kInProcess).ok()); });
+  const int64_t kept = g_live.load() - before;
+  INFO("registering: peak " << registering << " bytes above the request; kept " << kept);
+  // The request, what registering adds at its peak: within 4x the wire size in all.
+  CHECK(decoding + registering <= 4 * wire);
+  CHECK(kept <= 3 * wire / 2);
 }
 
 }  // namespace

@@ -19,9 +19,9 @@ import grpc
 
 from refit import _rpc
 from refit._proto import refit_pb2
-from refit.controller import (MAX_RECEIVE, NO_SOURCE, NOT_READY, RoundResult, as_dict, error_from,
+from refit.controller import (MAX_RECEIVE, NOT_READY, RoundResult, as_dict, error_from,
                               explain_not_ready, group_of, ready_wait_error, refit_request, trainer_names,
-                              version_of)
+                              version_of, wants_trainer_names)
 from refit.errors import InvalidArgument, RefitError
 from refit.tls import TlsFiles, aio_channel
 
@@ -51,7 +51,7 @@ class Controller:
     async def _explain(self, group: str, reason: str,
                        status: Optional[Dict[str, Any]]) -> Tuple[str, Optional[str]]:
         trainers = None
-        if NO_SOURCE in reason:
+        if wants_trainer_names(reason, status):
             try:
                 trainers = trainer_names(await self.workers(group), group)
             except RefitError:  # the explanation is a bonus: the daemon's own reason stands
@@ -66,7 +66,7 @@ class Controller:
         except RefitError:
             return e
         reason, culprit = await self._explain(group, e.reason, status)
-        return e if reason == e.reason else RefitError(e.code, reason, None, culprit)
+        return e if reason == e.reason and culprit is None else RefitError(e.code, reason, None, culprit or e.culprit)
 
     async def refit(self, group: str, version: int, timeout: float = 120.0) -> RoundResult:
         """Runs one round of `group` to `version`; returns the committed round's RoundResult,

@@ -23,7 +23,7 @@ from refit.errors import InvalidArgument, InvalidRequest, RefitError, RefitTimeo
 from refit.tls import TlsFiles
 from refit.tls import channel as tls_channel
 
-__all__ = ["Controller", "RefitError", "RoundResult"]
+__all__ = ["Controller", "RefitError", "RoundResult", "RoundWatch"]
 
 ROUND_STATES: Dict[int, str] = {v: k for k, v in refit_pb2.RoundStats.State.items()}
 
@@ -91,10 +91,11 @@ def error_from(e: grpc.RpcError) -> RefitError:
 
 
 # ----------------------------------------------------------------------------------------------
-# Why a group is not ready, by rank. The daemon names an inference replica's missing ranks; the
-# trainer side has no declared size, so a missing trainer shows up in the daemon's words only as
-# a destination piece with no source. These functions name the missing rank on either side from
-# the group's status and its registered workers.
+# Why a group is not ready, by rank. The daemon names an inference replica's missing ranks, and
+# the trainer side's when its trainers declare their rank and world size (GroupStatus.trainer_ranks).
+# Trainers that declare none show up in the daemon's words only as a destination piece with no
+# source: for them the missing rank is guessed from the registered workers' names. These functions
+# name the missing rank on either side from the group's status and its registered workers.
 
 NO_SOURCE = "have no source in the source layout"
 _NUMBERED = re.compile(r"^(.*?)(\d+)$")
@@ -114,6 +115,24 @@ def missing_trainer(names: Sequence[str]) -> Optional[str]:
     return f"{prefix}{first_missing}"
 
 
+def missing_trainer_named(ranks: Dict[str, Any]) -> Optional[str]:
+    """The name of the first missing declared trainer rank (GroupStatus.trainer_ranks), when every
+    registered rank's worker is named `<prefix><its rank>` ("trainer-rank3"); else None."""
+    missing = ranks.get("missing_ranks", [])
+    held = [(rank, name) for rank, name in enumerate(ranks.get("workers", [])) if name]
+    numbered = [(rank, _NUMBERED.match(name)) for rank, name in held]
+    prefixes = {m.group(1) for _, m in numbered if m}
+    if not missing or not held or len(prefixes) != 1 or not all(m and int(m.group(2)) == r for r, m in numbered):
+        return None
+    return f"{prefixes.pop()}{missing[0]}"
+
+
+def wants_trainer_names(reason: str, status: Optional[Dict[str, Any]]) -> bool:
+    """Whether explain_not_ready needs the registered trainers' names: only to guess a missing
+    trainer among trainers that declare no rank."""
+    return NO_SOURCE in reason and not (status or {}).get("trainer_ranks")
+
+
 def explain_not_ready(group: str, reason: str, status: Optional[Dict[str, Any]],
                       trainers: Optional[Sequence[str]]) -> Tuple[str, Optional[str]]:
     """(what is missing, culprit) for a group that is not ready: `reason` the daemon's words,
@@ -124,7 +143,15 @@ def explain_not_ready(group: str, reason: str, status: Optional[Dict[str, Any]],
     for r in (status or {}).get("replicas", []):
         for rank in r.get("missing_ranks", []):
             found.append(f'inference replica "{r.get("name", "")}" rank {rank} is not registered')
-    if NO_SOURCE in reason and trainers is not None:
+    declared = (status or {}).get("trainer_ranks")
+    if declared:
+        problem = declared.get("problem", "")
+        if problem and problem not in reason:  # the daemon's reason may name it already
+            found.append(problem)
+        named = missing_trainer_named(declared)
+        if named is not None:
+            culprit = f'worker "{group}/{named}"'
+    elif NO_SOURCE in reason and trainers is not None:
         registered = ", ".join(sorted(trainers)) or "none"
         guess = missing_trainer(trainers)
         if guess is not None:
@@ -136,7 +163,7 @@ def explain_not_ready(group: str, reason: str, status: Optional[Dict[str, Any]],
             found.append("a trainer is not registered, or the trainers' layout does not cover the model "
                          f"(registered trainers: {registered})")
     if not found:
-        return reason, None
+        return reason, culprit
     return "; ".join(found) + f". The daemon says: {reason}", culprit
 
 
@@ -213,6 +240,32 @@ def ready_wait_error(group: str, timeout: float, last: str) -> RefitTimeout:
     return RefitTimeout(f"group {group!r} not ready after {timeout} s: {last}")
 
 
+class RoundWatch:
+    """A WatchRounds stream already requested (Controller.open_watch): iterating yields a
+    RoundResult per round state change and stops at the stream's deadline; close() ends it."""
+
+    def __init__(self, call: Any) -> None:
+        self._call = call
+
+    def __iter__(self) -> Iterator[RoundResult]:
+        try:
+            for stats in self._call:
+                yield RoundResult(stats)
+        except grpc.RpcError as e:
+            if e.code() in (grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED):
+                return
+            raise error_from(e) from None
+
+    def close(self) -> None:
+        self._call.cancel()
+
+    def __enter__(self) -> "RoundWatch":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
 _T = TypeVar("_T")
 
 MAX_RECEIVE = [("grpc.max_receive_message_length", 256 << 20)]
@@ -236,7 +289,7 @@ class Controller:
     def _explain(self, group: str, reason: str, status: Optional[Dict[str, Any]]) -> Tuple[str, Optional[str]]:
         """explain_not_ready with the group's registered trainers, when a missing trainer may be why."""
         trainers = None
-        if NO_SOURCE in reason:
+        if wants_trainer_names(reason, status):
             try:
                 trainers = trainer_names(self.workers(group), group)
             except RefitError:  # the explanation is a bonus: the daemon's own reason stands
@@ -252,9 +305,9 @@ class Controller:
         except RefitError:
             return e
         reason, culprit = self._explain(group, e.reason, status)
-        if reason == e.reason:
+        if reason == e.reason and culprit is None:
             return e
-        return RefitError(e.code, reason, None, culprit)
+        return RefitError(e.code, reason, None, culprit or e.culprit)
 
     def refit(self, group: str, version: int, timeout: float = 120.0) -> RoundResult:
         """Runs one round of `group` to `version` and waits for its end. Returns a RoundResult
@@ -278,18 +331,17 @@ class Controller:
         """Yields a RoundResult for every round state change (PREPARING, TRANSFERRING, COMMITTED,
         ABORTED) of `group` (empty: all) published once the daemon opened the stream: nothing is
         replayed, so a round that ended before is not reported, and one already running shows
-        only its later states. Open watch() before starting the rounds it must see, or read
-        rounds() for the history. Ends after `timeout` seconds if given."""
-        call = self._stub.WatchRounds(refit_pb2.WatchRoundsRequest(group=group), timeout=timeout)
-        try:
-            for stats in call:
-                yield RoundResult(stats)
-        except grpc.RpcError as e:
-            if e.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
-                return
-            raise error_from(e) from None
-        finally:
-            call.cancel()
+        only its later states. The stream is opened at the first iteration; open_watch() opens it
+        at once. Ends after `timeout` seconds if given."""
+        with self.open_watch(group, timeout) as stream:
+            yield from stream
+
+    def open_watch(self, group: str = "", timeout: Optional[float] = None) -> "RoundWatch":
+        """watch(), with the stream requested now rather than at the first iteration: open it
+        before starting the rounds it must see, then read rounds() for what may have ended before
+        the daemon had the stream open (neither replays nor orders the two). Iterate it, and
+        close it (or use it as a context manager) when done."""
+        return RoundWatch(self._stub.WatchRounds(refit_pb2.WatchRoundsRequest(group=group), timeout=timeout))
 
     def rounds(self, group: str = "", limit: int = 100) -> List[RoundResult]:
         """The most recent rounds of `group` (empty: all), oldest first, each in its last state

@@ -36,7 +36,8 @@ import grpc
 
 from refit import _rpc, dtypes, export, handles, layout_io
 from refit._proto import refit_pb2
-from refit.errors import HandoverError, RegistrationError, RegistrationTimeout, StateError, StorageReplaced
+from refit.errors import (HandoverError, InvalidArgument, RegistrationError, RegistrationTimeout, StateError,
+                          StorageReplaced)
 from refit.role import Role, RoleLike
 
 __all__ = ["Round", "Worker", "Role"]
@@ -44,6 +45,9 @@ __all__ = ["Round", "Worker", "Role"]
 log = logging.getLogger("refit.worker")
 
 _WIRE_ROLES = {Role.TRAINER: refit_pb2.TRAINER, Role.INFERENCE: refit_pb2.INFERENCE}
+
+# The largest trainer world size the coordinator accepts (daemon/membership.h).
+MAX_TRAINER_WORLD_SIZE = 1 << 20
 
 # A worker still waiting for its daemon after this long says so (once), then keeps waiting.
 WAITING_LOG_AFTER_S = 1.0
@@ -156,6 +160,28 @@ def _check_no_overlap(worker_name: str, pairs: List[Tuple[str, Any]]) -> None:
                                     "(register each byte once)")
 
 
+def trainer_rank(role: Role, rank: Optional[int], world_size: Optional[int]) -> Optional[Tuple[int, int]]:
+    """(rank, world_size) a trainer declares, checked; None when it declares neither. Raises
+    InvalidArgument naming the field that is wrong."""
+    if rank is None and world_size is None:
+        return None
+    if role is not Role.TRAINER:
+        raise InvalidArgument("rank= and world_size= are a trainer's; an inference worker declares its engine "
+                              "replica's ranks in its layout (replica, replicaRank, replicaSize)")
+    if rank is None or world_size is None:
+        given, absent = ("rank", "world_size") if world_size is None else ("world_size", "rank")
+        raise InvalidArgument(f"{given}= was given without {absent}=: a trainer declares both "
+                              "(e.g. torch.distributed's get_rank() and get_world_size()), or neither")
+    for field, value in (("rank", rank), ("world_size", world_size)):
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise InvalidArgument(f"{field} must be an int, not {value!r}")
+    if not 1 <= world_size <= MAX_TRAINER_WORLD_SIZE:
+        raise InvalidArgument(f"world_size must be between 1 and {MAX_TRAINER_WORLD_SIZE}, not {world_size}")
+    if not 0 <= rank < world_size:
+        raise InvalidArgument(f"rank must be in [0, world_size) = [0, {world_size}), not {rank}")
+    return rank, world_size
+
+
 def _warn_if_a_rank_without_replica(layout: Any, worker: Any) -> None:
     """An engine worker that holds part of the model and declares no replica is a replica of its
     own to the daemons: a round may commit to it while its peers (the other TP ranks) are not
@@ -195,7 +221,8 @@ class Worker:
     def __init__(self, daemon: str, group: str, role: RoleLike, layout: Any, tensors: Mapping[str, Any], *,
                  name: Optional[str] = None, on_prepare: Callback = None, on_commit: Callback = None,
                  on_abort: Callback = None, on_disconnect: Callback = None, on_reconnect: Callback = None,
-                 blocking: bool = False, register_timeout: float = 30.0, reconnect: bool = True) -> None:
+                 blocking: bool = False, register_timeout: float = 30.0, reconnect: bool = True,
+                 rank: Optional[int] = None, world_size: Optional[int] = None) -> None:
         """Registers `tensors` (buffer name -> live tensor, e.g. dict(model.named_parameters()))
         as worker `name` of `layout` (a dict, JSON or refit.v1.Layout; `name` may be omitted when
         it holds one worker) in model group `group` with the daemon at `daemon`
@@ -203,8 +230,18 @@ class Worker:
         "trainer", "inference", "engine"). Waits up to `register_timeout` seconds for a daemon
         that is starting or busy, logging a warning after a second of waiting; raises
         RegistrationError (naming every mismatched parameter), or RegistrationTimeout when no
-        daemon took the registration in time."""
+        daemon took the registration in time.
+
+        A trainer whose ranks each register (e.g. FSDP shards) declares `rank` and `world_size`
+        (torch.distributed's get_rank() and get_world_size()): the group is then not ready while
+        any rank 0..world_size-1 is missing, and the error names it ("trainer rank 3 of 4 is not
+        registered"). Every trainer rank of the group declares the same world size, or none does;
+        the daemons name ranks that disagree. InvalidArgument for a bad value, or for an
+        inference worker (its ranks are its engine replica's, declared in its layout)."""
         self.role: Role = Role.of(role)
+        declared = trainer_rank(self.role, rank, world_size)
+        self.rank: Optional[int] = declared[0] if declared else None
+        self.world_size: Optional[int] = declared[1] if declared else None
         self.daemon, self.group = daemon, group
         self._role = _WIRE_ROLES[self.role]
         self._inference = self.role is Role.INFERENCE
@@ -338,11 +375,15 @@ class Worker:
         exported = export.export_buffers(self._pairs)
         try:
             request = refit_pb2.RegisterWorkerRequest(group=self.group, role=self._role)
-            request.worker.CopyFrom(self._worker)
+            # Encoded: the daemon then receives one string, not a message per piece (10x its
+            # size in the daemon's memory).
+            request.worker_encoded = self._worker.SerializeToString()
             request.tensors.extend(self._specs)
             request.memory.extend(exported.memory)
             request.vmm_ranges.extend(exported.vmm_ranges)
             request.gpu_uuid = exported.gpu_uuid
+            if self.world_size is not None:
+                request.trainer_rank, request.trainer_world_size = self.rank, self.world_size
             # Always, even with no descriptor (CUDA IPC memory): the delivery is how the daemon
             # learns which process (uid) registers; it refuses registrations without one.
             path = handles.handle_socket_path(self.daemon)

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import threading
 import time
-from typing import Any, Callable, Dict, Iterable, List, Mapping, Optional, Tuple
+from typing import Any, Callable, Dict, Iterable, Iterator, List, Mapping, Optional, Tuple
 
 try:  # the package's exception root (older trees: plain RuntimeError)
     from refit.errors import Error as _RefitRoot
@@ -139,28 +140,149 @@ def group_version(controller: Any, group: str) -> int:
     return int(g.get("version", 0)) if g else 0
 
 
+def open_watch(controller: Any, group: str, timeout: float) -> Any:
+    """A round stream requested now (Controller.open_watch); a controller without it (an older
+    client, a test's fake) gets its lazy watch()."""
+    opener = getattr(controller, "open_watch", None)
+    if callable(opener):
+        return opener(group, timeout=timeout)
+    return _LazyWatch(controller.watch(group, timeout=timeout))
+
+
+class _LazyWatch:
+    def __init__(self, events: Iterable[Any]) -> None:
+        self._events = events
+
+    def __iter__(self) -> Iterator[Any]:
+        return iter(self._events)
+
+    def close(self) -> None:
+        closer = getattr(self._events, "close", None)
+        if callable(closer):
+            closer()
+
+
 def wait_group_version_above(controller: Any, group: str, floor: int, timeout: float,
                              recheck_s: float = 0.5) -> int:
     """Waits until `group` has committed a version above `floor`; returns it. Woken by the
     round's COMMITTED event on the coordinator's watch stream, not by polling (a 50 ms poll added
-    25 ms to every sync on average); the version is read again every `recheck_s`, since a watch
-    replays nothing and a commit can land before the stream is open."""
+    25 ms to every sync on average). A watch replays nothing, so the stream is opened first and
+    the version read after it: a commit that landed before the stream was open is seen at once.
+    The version is read again every `recheck_s` all the same, since the daemon may take the
+    stream after the read."""
     deadline = time.monotonic() + timeout
     while True:
-        v = group_version(controller, group)
-        if v > floor:
-            return v
         left = deadline - time.monotonic()
-        if left <= 0:
-            raise IntegrationError(f"group {group!r} committed no version above {floor} within {timeout:g} s")
+        stream = None
         try:
-            for event in controller.watch(group, timeout=min(recheck_s, left)):
+            stream = open_watch(controller, group, max(0.01, min(recheck_s, left)))
+            v = group_version(controller, group)
+            if v > floor:
+                return v
+            if left <= 0:
+                raise IntegrationError(f"group {group!r} committed no version above {floor} within {timeout:g} s")
+            for event in stream:
                 if event.committed and event.version > floor:
-                    return event.version
+                    return int(event.version)
+        except IntegrationError:
+            raise
         except _RefitRoot:
             # The daemon refused the stream (its watch slots are capped, per caller and in all):
             # read the version again shortly instead.
             time.sleep(min(0.05, max(0.0, deadline - time.monotonic())))
+        finally:
+            if stream is not None:
+                stream.close()
+
+
+# Words of the daemons' not-ready reasons that waiting does not change: two registered workers
+# that contradict each other (a tensor's shape or dtype, a declared rank or world size) stay
+# so until one of them leaves and registers again.
+_CONFLICT_WORDS = ("disagree on", "both claim", "declares no rank, while", "in the source layout but")
+_CONFLICT_RANK = re.compile(r"declares rank -?\d+ of \d+")
+# How long such a reason must last before a wait gives up on it: a worker whose process died
+# still counts until its daemon notices (about two seconds), and its successor may conflict
+# with it meanwhile.
+CONFLICT_SETTLE_S = 5.0
+WAITING_LOG_AFTER_S = 2.0
+
+
+def cannot_resolve_by_waiting(reason: str) -> bool:
+    """Whether a group's not-ready reason names a conflict between registered workers."""
+    return any(w in reason for w in _CONFLICT_WORDS) or _CONFLICT_RANK.search(reason) is not None
+
+
+def wait_ready(controller: Any, group: str, timeout: float, settle_s: float = CONFLICT_SETTLE_S) -> Any:
+    """controller.wait_ready(group, timeout), except that a reason waiting cannot resolve (two
+    registered workers in conflict: cannot_resolve_by_waiting) ends the wait once it lasted
+    `settle_s`, with an IntegrationError quoting it, and that a wait still going after a couple
+    of seconds is logged with its reason."""
+    from refit.errors import RefitTimeout
+    started = time.monotonic()
+    deadline = started + timeout
+    conflict_since: Optional[float] = None
+    logged = False
+    while True:
+        left = deadline - time.monotonic()
+        try:
+            return controller.wait_ready(group, timeout=max(0.05, min(left, 0.5)))
+        except RefitTimeout as e:
+            now = time.monotonic()
+            reason = str(e).split(" s: ", 1)[-1]  # the daemon's words, without the slice's wait
+            if now >= deadline:
+                raise RefitTimeout(f"group {group!r} not ready after {timeout:g} s: {reason}") from None
+            if not cannot_resolve_by_waiting(reason):
+                conflict_since = None
+            elif conflict_since is None:
+                conflict_since = now
+            elif now - conflict_since >= settle_s:
+                raise IntegrationError(f"group {group!r} is not ready, and waiting will not make it so: "
+                                       f"{reason} (unchanged for {now - conflict_since:.0f} s; fix the "
+                                       "registration named and register again)") from None
+            if not logged and now - started >= WAITING_LOG_AFTER_S:
+                log.warning("waiting up to %.0f s more for group %r to be ready: %s", deadline - now, group, reason)
+                logged = True
+
+
+_ENDED = ("COMMITTED", "ABORTED")
+
+
+def _ended_in_log(controller: Any, group: str, round_id: int) -> Optional[Any]:
+    """The round's RoundResult from the coordinator's round log once it ended, else None."""
+    for r in controller.rounds(group, limit=16):
+        if r.round_id == round_id and r.state in _ENDED:
+            return r
+    return None
+
+
+def wait_round_end(controller: Any, group: str, round_id: int, timeout: float, stream: Any = None,
+                   recheck_s: float = 0.5) -> Any:
+    """Waits until round `round_id` of `group` ended (COMMITTED or ABORTED) and returns its
+    RoundResult. `stream`: a watch opened (Controller.open_watch) before the round started, so
+    that none of its events can be missed; the round log is read once the stream is open, for a
+    round that ended before. Raises IntegrationError when it did not end within `timeout` s."""
+    deadline = time.monotonic() + timeout
+    while True:
+        left = deadline - time.monotonic()
+        try:
+            if stream is None:
+                stream = open_watch(controller, group, max(0.01, min(recheck_s, left)))
+            ended = _ended_in_log(controller, group, round_id)
+            if ended is not None:
+                return ended
+            if left <= 0:
+                raise IntegrationError(f"round {round_id} of group {group!r} did not end within {timeout:g} s")
+            for event in stream:
+                if event.round_id == round_id and event.state in _ENDED:
+                    return event
+        except IntegrationError:
+            raise
+        except _RefitRoot:  # a refused stream, as in wait_group_version_above
+            time.sleep(min(0.05, max(0.0, deadline - time.monotonic())))
+        finally:
+            if stream is not None:
+                stream.close()
+                stream = None
 
 
 class StagedTrainer:
@@ -212,8 +334,9 @@ class StagedTrainer:
         from refit.layouts import dtensor
         assert self._buffers is not None
         layout = dtensor.trainer_worker(self._buffers, rank=0, node=self.node, worker_name=self.worker_name)
+        # The trainer side is this one worker: declared so, a stray second trainer is named.
         self._worker = refit.Worker(self.daemon, self.group, "trainer", layout, self._buffers,
-                                    register_timeout=self.register_timeout_s)
+                                    register_timeout=self.register_timeout_s, rank=0, world_size=1)
 
     def stage(self, weights: Iterable[Tuple[str, Any]]) -> int:
         """Copies the stream into the staging buffers (allocating and registering them the first

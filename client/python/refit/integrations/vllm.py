@@ -38,8 +38,8 @@ from dataclasses import dataclass, field
 from typing import Any, Dict, Iterator, List, Optional, Protocol, Tuple
 
 from refit.integrations._common import (EngineWindow, IntegrationError, RoundAborted, StagedTrainer,
-                                        UnsupportedModel, env_or, group_version,
-                                        wait_group_version_above)
+                                        UnsupportedModel, env_or, group_version, open_watch, wait_ready,
+                                        wait_round_end)
 
 log = logging.getLogger("refit.integrations.vllm")
 
@@ -102,9 +102,17 @@ class RefitTrainerInitInfo:
     group: str = "policy"
     node: int = -1               # this host's node id ($REFIT_NODE)
     engine: Dict[str, Any] = field(default_factory=dict)
+    # How long one send_weights() may take, in all: on rank 0 the wait for the group to be ready
+    # (both sides registered), then the round; on the other ranks the wait for rank 0's round to
+    # reach them and end.
     timeout_s: float = 120.0
     pause: bool = True           # pause_generation(mode="keep") / resume_generation() around a round
     rank: int = 0                # this trainer process's rank; rank 0 is the sender
+    # How many trainer ranks register (DTensor parameters: every rank); 0: torch.distributed's
+    # world size where it is initialized (a `layout=` gives its own: a worker per rank). Declared
+    # with `rank` at registration, so the daemons name a rank that is missing (docs/PYTHON.md,
+    # "Trainer ranks").
+    world_size: int = 0
     # The trainer worker's name in the refit group (format string with {rank}), as `refitctl
     # workers` and a round's culprit show it.
     worker_name: str = "trainer-rank{rank}"
@@ -247,6 +255,30 @@ def post_process_derived(model: Any, model_config: Any) -> int:
     return n
 
 
+# The hf_config fields the layout cannot do without; the others have defaults
+# (refit.layouts.vllm.EngineConfig.from_hf_config).
+_REQUIRED_HF_FIELDS = ("num_attention_heads",)
+_INTEGER_HF_FIELDS = ("num_attention_heads", "num_key_value_heads", "head_dim", "vocab_size", "intermediate_size",
+                      "moe_intermediate_size", "q_lora_rank", "kv_lora_rank")
+
+
+def _check_hf_config(hf_config: Any) -> None:
+    """Raises UnsupportedModel naming the hf_config fields that are missing or not integers."""
+    def get(key: str) -> Any:
+        return hf_config.get(key) if isinstance(hf_config, dict) else getattr(hf_config, key, None)
+
+    missing = [k for k in _REQUIRED_HF_FIELDS if get(k) is None]
+    if missing:
+        raise UnsupportedModel(f"vllm_config.model_config.hf_config lacks {', '.join(missing)}: refit derives the "
+                               "engine's layout from a vLLM model's config (num_attention_heads, num_key_value_heads, "
+                               "head_dim, vocab_size, intermediate_size, tie_word_embeddings: docs/INTEGRATIONS.md, "
+                               "\"What the engine's model must look like\")")
+    bad = [f"{k}={get(k)!r}" for k in _INTEGER_HF_FIELDS
+           if get(k) is not None and (isinstance(get(k), bool) or not isinstance(get(k), int))]
+    if bad:
+        raise UnsupportedModel(f"vllm_config.model_config.hf_config has non-integer {', '.join(bad)}")
+
+
 class _EngineImpl:
     """The body of RefitWeightTransferEngine (see the module's docstring)."""
 
@@ -299,6 +331,7 @@ class _EngineImpl:
         hf_config = getattr(self.model_config, "hf_config", None)
         if hf_config is None:
             raise IntegrationError("vllm_config.model_config has no hf_config to derive the layout from")
+        _check_hf_config(hf_config)
         cfg = EngineConfig.from_hf_config(hf_config, **ranks)
         params = dict(self.model.named_parameters())
         gpu = getattr(self.device, "index", None)
@@ -379,6 +412,21 @@ class _EngineImpl:
 # ------------------------------------------------------------------------------------------------
 # Trainer side.
 
+def _distributed_world_size() -> Optional[int]:
+    """torch.distributed's world size where it is initialized, else None."""
+    try:
+        import torch.distributed as dist
+    except ImportError:
+        return None
+    if dist.is_available() and dist.is_initialized():
+        return int(dist.get_world_size())
+    return None
+
+
+# How long trainer_init waits for an answer from the control address before blaming it.
+CONTROL_CHECK_S = 5.0
+
+
 class _TrainerImpl:
     init_info_cls = RefitTrainerInitInfo
     # Set by vLLM's TrainerWeightTransferEngine.__init__ (declared for the type checker only).
@@ -393,10 +441,9 @@ class _TrainerImpl:
         self.worker: Any = None
         self.staged: Optional[StagedTrainer] = None
         self.controller: Any = None
+        # The version of the last round this rank took part in (rank 0: the last it sent).
         self.last_version = 0
         self.last_seconds = 0.0
-        self._ended = threading.Condition()
-        self._round_end: Optional[Tuple[str, Any]] = None
 
     @classmethod
     def trainer_init(cls, config: Any, init_info: RefitTrainerInitInfo, *, client: Any, source: Any) -> Any:
@@ -412,21 +459,26 @@ class _TrainerImpl:
         engine = cls(config, client=client, source=source, is_sender=init_info.is_sender)
         engine.info = init_info
         control = init_info.control
-        if engine.is_sender and not control:
-            raise IntegrationError("RefitTrainerInitInfo.control is empty: the sender needs a refitd control address")
-        daemon = env_or(init_info.daemon, "REFIT_DAEMON")
-        node = int(env_or(init_info.node if init_info.node >= 0 else None, "REFIT_NODE", 0))
-        live = source.live_tensors() if hasattr(source, "live_tensors") else None
-        if live is not None:
-            engine._register_live(live, daemon, node)
-        elif engine.is_sender:
-            engine.staged = StagedTrainer(daemon, init_info.group, control, node=node,
-                                          timeout_s=init_info.timeout_s)
         if engine.is_sender:
-            engine.controller = refit.Controller(control)
-            engine_info = dict(init_info.engine)
-            engine_info.setdefault("group", init_info.group)
-            client.init_weight_transfer_engine(engine_info)
+            if not control:
+                raise IntegrationError("RefitTrainerInitInfo.control is empty: the sender needs a refitd control address")
+            engine.controller = _reach_control(control)
+        try:
+            daemon = env_or(init_info.daemon, "REFIT_DAEMON")
+            node = int(env_or(init_info.node if init_info.node >= 0 else None, "REFIT_NODE", 0))
+            live = source.live_tensors() if hasattr(source, "live_tensors") else None
+            if live is not None:
+                engine._register_live(live, daemon, node)
+            elif engine.is_sender:
+                engine.staged = StagedTrainer(daemon, init_info.group, control, node=node,
+                                              timeout_s=init_info.timeout_s)
+            if engine.is_sender:
+                engine_info = dict(init_info.engine)
+                engine_info.setdefault("group", init_info.group)
+                client.init_weight_transfer_engine(engine_info)
+        except BaseException:
+            engine.shutdown()
+            raise
         return engine
 
     def _register_live(self, params: Dict[str, Any], daemon: Optional[str], node: int) -> None:
@@ -449,92 +501,176 @@ class _TrainerImpl:
                 raise IntegrationError(f"worker {name!r} of the trainer layout has buffers that name no parameter "
                                        f"of the module: {', '.join(missing[:5])}")
             tensors = {b.name: params[b.name] for b in mine.buffers}
-        else:
+            world_size: Optional[int] = len(layout_io.to_proto(given).workers)  # a worker per rank
+        elif sharded:
             layout = dtensor.trainer_worker(params, rank=self.info.rank, node=node, worker_name=self.info.worker_name)
             tensors = dtensor.local_buffers(params)
+            world_size = self.info.world_size or _distributed_world_size()
+        else:  # rank 0's full replicas: the trainer side is this one worker
+            layout = dtensor.trainer_worker(params, rank=self.info.rank, node=node, worker_name=self.info.worker_name)
+            tensors = dtensor.local_buffers(params)
+            world_size = 1
+        # With the world size known, the daemons name a trainer rank that is not registered.
+        declared: Dict[str, Any] = dict(rank=self.info.rank, world_size=world_size) if world_size else {}
+        # Blocking: the worker answers a round only inside this rank's send_weights(), so no round
+        # reads a rank whose optimizer step has not finished; a rank that never gets there fails
+        # the round at the daemons' PREPARE deadline, named.
         self.worker = refit.Worker(daemon, self.info.group, "trainer", layout, tensors, name=name,
-                                   on_commit=self._on_end_commit, on_abort=self._on_end_abort)
-
-    def _on_end_commit(self, version: int) -> None:
-        with self._ended:
-            self._round_end = ("COMMIT", version)
-            self._ended.notify_all()
-
-    def _on_end_abort(self, reason: str) -> None:
-        with self._ended:
-            self._round_end = ("ABORT", reason)
-            self._ended.notify_all()
+                                   blocking=True, **declared)
 
     def send_weights(self) -> None:
         assert self.info is not None
-        if self.staged is not None or not self.is_sender:
-            if self.worker is None and self.staged is None:
-                _drain_source(self.source)  # the source's collectives run on every rank
-            elif self.staged is not None:
-                self.staged.stage(iter(self.source))
+        if self.staged is not None:
+            self.staged.stage(iter(self.source))
+        elif self.worker is None and not self.is_sender:
+            _drain_source(self.source)  # the source's collectives run on every rank
         if not self.is_sender:
             if self.worker is not None:
-                self._wait_round_end()
+                self._take_part()
             return
         self._run_round()
 
-    def _wait_round_end(self) -> None:
-        assert self.info is not None
-        deadline = time.monotonic() + self.info.timeout_s
-        with self._ended:
-            # A round that ended before this rank got here counts: the sender may be faster.
-            while self._round_end is None:
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    raise IntegrationError(f"no refit round ended on this trainer rank within {self.info.timeout_s:g} s")
-                self._ended.wait(left)
-            (kind, what), self._round_end = self._round_end, None
-            if kind == "ABORT":
-                raise RoundAborted(f"refit round aborted: {what}", what)
+    def _serve_until(self, deadline: float, first_round: int = 0) -> Any:
+        """This rank's worker serves the next round (from `first_round` on: earlier ones are
+        over) until it ends; returns its refit.Round, or None when none came by `deadline`."""
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return None
+            r = self.worker.serve(timeout=left, round_timeout=max(left, 1.0))
+            if r is None or r.round_id >= first_round:
+                return r
+
+    def _take_part(self) -> None:
+        """A rank other than 0: its part of the round rank 0 starts."""
+        info = self.info
+        assert info is not None
+        r = self._serve_until(time.monotonic() + info.timeout_s)
+        if r is None:
+            raise IntegrationError(f"no refit round reached trainer rank {info.rank} within {info.timeout_s:g} s "
+                                   "(rank 0 starts it in its send_weights(): did it get there? "
+                                   "RefitTrainerInitInfo.timeout_s sets this wait)")
+        if not r.committed:
+            raise RoundAborted(f"refit round of version {r.version} aborted: {r.reason}", r.reason)
+        self.last_version = r.version
 
     def _run_round(self) -> None:
         info, ctl, client = self.info, self.controller, self.client
         assert info is not None and ctl is not None
-        ctl.wait_ready(info.group, timeout=info.timeout_s)
+        deadline = time.monotonic() + info.timeout_s
+        wait_ready(ctl, info.group, info.timeout_s)
         version = max(group_version(ctl, info.group), self.last_version) + 1
         t0 = time.monotonic()
         if info.pause:
             client.pause_generation(mode="keep")
-        round_id = ctl.start_refit(info.group, version)
+        # Opened before the round starts, so that none of its events is missed.
+        stream = open_watch(ctl, info.group, max(0.01, deadline - time.monotonic()))
         try:
-            client.start_weight_update()
-            client.update_weights(dataclasses.asdict(RefitUpdateInfo(version)))
-            client.finish_weight_update()
-        except Exception as e:
-            # The engines keep vLLM from serving the partial weights; the generation stays paused
-            # until a later round succeeds.
-            raise IntegrationError(f"refit round of version {version} failed {self._where(round_id, e)}: {e}") from e
-        # The engines return at their COMMIT; the round ends once every worker acknowledged it.
-        wait_group_version_above(ctl, info.group, version - 1, info.timeout_s)
+            try:
+                round_id = self._start(version, deadline)
+            except BaseException:
+                if info.pause:  # no round started: the engines' weights are whole, let them serve
+                    client.resume_generation()
+                raise
+            own = _OwnPart(self, round_id, deadline) if self.worker is not None else None
+            step = "start_weight_update"
+            try:
+                client.start_weight_update()
+                step = "update_weights"
+                client.update_weights(dataclasses.asdict(RefitUpdateInfo(version)))
+                step = "finish_weight_update"
+                client.finish_weight_update()
+            except Exception as e:
+                # The round this call started must end before the next send_weights() can start one:
+                # waited out here (the engines' prepare_wait_s and the daemons' deadlines bound
+                # it). Refusing it from this rank would end it sooner, but could leave an engine
+                # worker's PREPARE of it pending into the next round. The engines keep vLLM from
+                # serving the partial weights.
+                ended = self._wait_out(round_id, stream, own, deadline)
+                raise IntegrationError(f"refit round of version {version} failed "
+                                       f"{self._where(round_id, e, ended)}; the engine client's {step} raised: {e}") from e
+            # The engines return at their COMMIT; the round ends once every worker acknowledged it.
+            result = wait_round_end(ctl, info.group, round_id, max(0.0, deadline - time.monotonic()), stream)
+            stream = None
+            mine = own.join(deadline) if own is not None else None
+        finally:
+            if stream is not None:
+                stream.close()
+        if not result.committed or (mine is not None and not mine.committed):
+            reason = result.reason or getattr(mine, "reason", "")
+            raise IntegrationError(f"refit round of version {version} aborted after the engines' update calls "
+                                   f"returned: {reason}")
+        self._await_status_version(version, deadline)
         client.reset_prefix_cache()  # KV computed with the old weights must not be reused
         if info.pause:
             client.resume_generation()
         self.last_version = version
         self.last_seconds = time.monotonic() - t0
 
-    def _where(self, round_id: int, error: Exception) -> str:
+    def _start(self, version: int, deadline: float) -> int:
+        """start_refit, after the round still running in the group (e.g. one a failed call
+        started, or one whose end the coordinator is recording) ended."""
+        from refit.errors import RefitError
+        assert self.info is not None
+        ctl, group = self.controller, self.info.group
+        while True:
+            try:
+                return int(ctl.start_refit(group, version))
+            except RefitError as e:
+                if "already running a round" not in e.reason or time.monotonic() >= deadline:
+                    raise
+                running = [r for r in ctl.rounds(group, limit=16) if r.state not in ("COMMITTED", "ABORTED")]
+                log.info("group %r is still running round %s; starting version %d after it", group,
+                         running[-1].round_id if running else "?", version)
+                if running:
+                    try:
+                        wait_round_end(ctl, group, running[-1].round_id, max(0.0, deadline - time.monotonic()))
+                    except IntegrationError:
+                        raise e from None
+                else:  # logged as ended, not yet released: a matter of microseconds
+                    time.sleep(0.005)
+
+    def _wait_out(self, round_id: int, stream: Any, own: Optional["_OwnPart"], deadline: float) -> Any:
+        """The failed round's end (its RoundResult), or None when it did not end by `deadline`."""
+        assert self.info is not None
+        try:
+            ended = wait_round_end(self.controller, self.info.group, round_id,
+                                   max(0.0, deadline - time.monotonic()), stream)
+        except Exception as e:  # noqa: BLE001 (the caller raises the client's error anyway)
+            log.warning("round %d did not end after the engine client's calls failed: %s", round_id, e)
+            ended = None
+        if own is not None:
+            own.join(deadline)
+        return ended
+
+    def _await_status_version(self, version: int, deadline: float) -> None:
+        """The group's status shows `version` a moment after the round's end is published."""
+        assert self.info is not None
+        while group_version(self.controller, self.info.group) < version and time.monotonic() < deadline:
+            time.sleep(0.005)
+
+    def _where(self, round_id: int, error: Exception, ended: Any = None) -> str:
         """Where a failed round failed, for its message: on the trainer's or the engines' side
         when the daemons named a worker (the round log's culprit, else the one the error's reason
         names), at a node, or in the engine client's calls when no culprit was named."""
         from refit.controller import parse_reason
         assert self.info is not None and self.controller is not None
         culprit = getattr(error, "culprit", None)
-        try:
-            for r in self.controller.rounds(self.info.group, limit=16):
-                if r.round_id == round_id and r.culprit:
-                    culprit = r.culprit
-        except Exception:  # noqa: BLE001 (a better message only, on a path that raises anyway)
-            pass
+        if ended is not None and ended.culprit:
+            culprit = ended.culprit
+        else:
+            try:
+                for r in self.controller.rounds(self.info.group, limit=16):
+                    if r.round_id == round_id and r.culprit:
+                        culprit = r.culprit
+            except Exception:  # noqa: BLE001 (a better message only, on a path that raises anyway)
+                pass
         reason = getattr(error, "reason", None)
         if culprit is None and reason:
             culprit = parse_reason(reason)[1]
         if culprit is None:
             return "in the engine client's calls (the daemons named no culprit)"
+        mine = self.worker is not None and culprit == f'worker "{self.info.group}/{self.worker.name}"'
         if not culprit.startswith('worker "'):
             return f"at {culprit}"
         worker_id = culprit[len('worker "'):-1]
@@ -542,7 +678,6 @@ class _TrainerImpl:
             roles = {w.get("worker_id"): w.get("role") for w in self.controller.workers(self.info.group)}
         except Exception:  # noqa: BLE001
             roles = {}
-        mine = self.worker is not None and worker_id == f"{self.info.group}/{self.worker.name}"
         if mine or roles.get(worker_id) == "TRAINER":
             return f"on the trainer's side ({culprit})"
         if roles.get(worker_id) == "INFERENCE":
@@ -554,6 +689,47 @@ class _TrainerImpl:
             if closer is not None:
                 closer.close()
         self.worker = self.staged = self.controller = None
+
+
+class _OwnPart:
+    """Rank 0's own trainer worker serving the round it started, on a thread of its own while
+    rank 0 drives the engine client's calls."""
+
+    def __init__(self, trainer: _TrainerImpl, round_id: int, deadline: float) -> None:
+        self.round: Any = None
+        self.error: Optional[BaseException] = None
+        self._thread = threading.Thread(target=self._serve, args=(trainer, round_id, deadline),
+                                        name=f"refit-trainer-round-{round_id}", daemon=True)
+        self._thread.start()
+
+    def _serve(self, trainer: _TrainerImpl, round_id: int, deadline: float) -> None:
+        try:
+            self.round = trainer._serve_until(deadline, first_round=round_id)
+        except BaseException as e:  # noqa: BLE001 (reported by join)
+            self.error = e
+
+    def join(self, deadline: float) -> Any:
+        """The refit.Round this rank served (None: none came by `deadline`)."""
+        self._thread.join(max(0.0, deadline - time.monotonic()) + 1.0)
+        if self.error is not None:
+            raise IntegrationError(f"the trainer's worker failed while serving the round: {self.error}") from self.error
+        return self.round
+
+
+def _reach_control(control: str) -> Any:
+    """A Controller of `control`, once it answered (within CONTROL_CHECK_S); an IntegrationError
+    naming the address when it does not."""
+    import refit
+    from refit.errors import Error
+    ctl = refit.Controller(control)
+    try:
+        ctl.status(timeout=CONTROL_CHECK_S)
+    except Error as e:
+        ctl.close()
+        raise IntegrationError(f"no refitd answers at the control address {control!r} (RefitTrainerInitInfo.control) "
+                               f"within {CONTROL_CHECK_S:g} s: {e}. Is refitd running there, listening on that "
+                               "address (its --listen)?") from None
+    return ctl
 
 
 def _drain_source(source: Any) -> None:

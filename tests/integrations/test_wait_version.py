@@ -1,5 +1,6 @@
-"""wait_group_version_above: woken by the round's COMMITTED event, not a poll; falls back to
-reading the version when the daemon refuses the watch; names the group when nothing came."""
+"""wait_group_version_above: woken by the round's COMMITTED event, not a poll; a commit that lands
+before the stream is open is seen at once; falls back to reading the version when the daemon
+refuses the watch; names the group when nothing came."""
 import threading
 import time
 import unittest
@@ -37,7 +38,47 @@ class FakeController:
         time.sleep(timeout or 0)
 
 
+class RacingController(FakeController):
+    """A round commits just as a watch stream is requested, before the daemon has it open: the
+    stream never reports it. watch() requests its stream at the first iteration, as
+    refit.Controller.watch does; open_watch() at once, as refit.Controller.open_watch does."""
+
+    def _requested(self):
+        with self.lock:
+            self.watches += 1
+            self.version = 5  # committed meanwhile; no event for it
+
+    def watch(self, group, timeout=None):
+        self._requested()
+        time.sleep(timeout or 0)  # the stream: nothing more happens until its deadline
+        yield from ()
+
+    def open_watch(self, group, timeout=None):
+        self._requested()
+        return _Stream(timeout)
+
+
+class _Stream:
+    def __init__(self, timeout):
+        self.timeout = timeout
+
+    def __iter__(self):
+        time.sleep(self.timeout or 0)
+        return iter(())
+
+    def close(self):
+        pass
+
+
 class WaitVersionTest(unittest.TestCase):
+    def test_a_commit_before_the_stream_is_open_is_seen_without_a_recheck(self):
+        c = RacingController()
+        t0 = time.monotonic()
+        self.assertEqual(wait_group_version_above(c, "policy", 4, timeout=20, recheck_s=10), 5)
+        self.assertLess(time.monotonic() - t0, 5)  # not after recheck_s (10 s)
+        self.assertEqual(c.watches, 1)
+
+
     def test_committed_event_returns_its_version(self):
         c = FakeController()
         c.events = [_Event(3, committed=False), _Event(4)]

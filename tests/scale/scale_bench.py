@@ -72,9 +72,16 @@ def log(msg):
 
 def find_binary(name, bin_dir):
     rel = BINARIES[name]
-    cands = []
     if bin_dir:
-        cands.append(os.path.join(bin_dir, os.path.basename(rel)))
+        # A flat folder, or a Bazel output tree (bazel-bin, or --symlink_prefix's DIR-bin). Never
+        # anything else: falling back to the workspace's bazel-bin would measure other binaries
+        # (the shared fastbuild ones) than the ones asked for.
+        cands = [os.path.join(bin_dir, os.path.basename(rel)), os.path.join(bin_dir, rel)]
+        for c in cands:
+            if os.path.exists(c):
+                return c
+        raise HarnessError(f"--bin {bin_dir}: no {name} (tried {cands})")
+    cands = []
     if os.environ.get("REFIT_BIN_DIR"):
         cands.append(os.path.join(os.environ["REFIT_BIN_DIR"], os.path.basename(rel)))
     if os.environ.get("TEST_SRCDIR"):
@@ -123,6 +130,19 @@ def proc_rss_mb(pid):
     except (OSError, IndexError, ValueError):
         return None, None
     return out.get("VmRSS"), out.get("RssAnon")
+
+
+def host_busy_jiffies():
+    """(busy, total) jiffies of the whole machine since boot (/proc/stat's first line)."""
+    with open("/proc/stat") as f:
+        v = [int(x) for x in f.readline().split()[1:]]
+    idle = v[3] + (v[4] if len(v) > 4 else 0)
+    return sum(v) - idle, sum(v)
+
+
+def load_average():
+    with open("/proc/loadavg") as f:
+        return [float(x) for x in f.read().split()[:3]]
 
 
 def med(xs):
@@ -499,6 +519,18 @@ class Run:
                 out[d.node] = {"cpu_s": proc_cpu_s(d.pid), "rss_mb": rss, "anon_mb": anon}
         return out
 
+    def cpu_snapshot(self):
+        """CPU seconds of every live daemon ("d", node) and worker ("w", name), with the wall time
+        and the machine's busy jiffies."""
+        cpu = {}
+        for d in self.daemons:
+            if d.alive():
+                cpu[("d", d.node)] = proc_cpu_s(d.pid)
+        for w in self.workers:
+            if w.alive():
+                cpu[("w", w.name)] = proc_cpu_s(w.proc.pid)
+        return {"t": time.time(), "cpu": cpu, "jiffies": host_busy_jiffies()}
+
     def close(self):
         for w in self.workers:
             if w.alive():
@@ -663,6 +695,44 @@ def fault_round(run, victim, sig, delay_worker, res_key, res):
     return out
 
 
+def round_cpu(idle0, idle1, cpu0, cpu1, rounds, n):
+    """Each process's CPU per round (ms), raw and net of its CPU at rest (idle0 -> idle1, scaled
+    to the rounds' wall time): the coordinator's, the median non-coordinator daemon's and the
+    median worker's; the machine's busy share over the rounds."""
+    rest_s = max(1e-9, idle1["t"] - idle0["t"])
+    wall = cpu1["t"] - cpu0["t"]
+    raw, net = {}, {}
+    for k, c1 in cpu1["cpu"].items():
+        c0 = cpu0["cpu"].get(k)
+        if c0 is None or c1 is None:
+            continue
+        i0, i1 = idle0["cpu"].get(k), idle1["cpu"].get(k)
+        rest_rate = (i1 - i0) / rest_s if i0 is not None and i1 is not None and idle1["t"] > idle0["t"] else 0.0
+        raw[k] = (c1 - c0) / max(1, rounds) * 1e3
+        net[k] = (c1 - c0 - rest_rate * wall) / max(1, rounds) * 1e3
+    daemons = [k for k in raw if k[0] == "d" and k[1] != 0]
+    workers = [k for k in raw if k[0] == "w"]
+    busy = cpu1["jiffies"][0] - cpu0["jiffies"][0]
+    total = cpu1["jiffies"][1] - cpu0["jiffies"][1]
+    rest_rates = {k: ((idle1["cpu"][k] - idle0["cpu"][k]) / rest_s * 1e3)
+                  for k in idle1["cpu"] if k in idle0["cpu"] and idle1["cpu"][k] is not None
+                  and idle0["cpu"][k] is not None} if idle1["t"] > idle0["t"] else {}
+    return {
+        "rounds": rounds, "wall_per_round_s": rnd(wall / max(1, rounds), 4),
+        "rest_window_s": rnd(idle1["t"] - idle0["t"], 2),
+        "coordinator_ms": rnd(raw.get(("d", 0)), 3), "coordinator_net_ms": rnd(net.get(("d", 0)), 3),
+        "coordinator_net_per_node_ms": rnd(net[("d", 0)] / n, 3) if ("d", 0) in net else None,
+        "daemon_median_ms": rnd(med(raw[k] for k in daemons), 3),
+        "daemon_net_median_ms": rnd(med(net[k] for k in daemons), 3),
+        "worker_median_ms": rnd(med(raw[k] for k in workers), 3),
+        "worker_net_median_ms": rnd(med(net[k] for k in workers), 3),
+        "rest_ms_per_s": {"coordinator": rnd(rest_rates.get(("d", 0)), 3),
+                          "daemon_median": rnd(med(v for k, v in rest_rates.items() if k[0] == "d" and k[1] != 0), 3),
+                          "worker_median": rnd(med(v for k, v in rest_rates.items() if k[0] == "w"), 3)},
+        "machine_busy": rnd(busy / total, 3) if total > 0 else None,
+    }
+
+
 def run_one(args, bins, n):
     res = {"nodes": n, "model": args.model, "errors": [], "load_before": os.getloadavg()}
     run = Run(args, bins, n, args.model)
@@ -771,7 +841,15 @@ def _run_one(run, res):
     log(f"  first round {first['state']} in {first['seconds']} s (wall {first['wall_s']}); installs max "
         f"{res['install']['max_s']} s; first commit {res['first_commit_after_last_registration_s']} s after the last registration")
 
+    # CPU at rest (heartbeats, keepalives, polls), so that the rounds' own CPU can be told apart.
+    idle0 = run.cpu_snapshot()
+    if a.idle_cpu_window > 0:
+        time.sleep(a.idle_cpu_window)  # a measuring window, not a wait for anything
+    idle1 = run.cpu_snapshot()
+
     # K rounds: control overhead and RSS growth.
+    load_before = load_average()
+    cpu0 = run.cpu_snapshot()
     snap0 = run.snapshot()
     rounds = []
     trace = []  # the coordinator's anonymous RSS after each round, MiB
@@ -788,7 +866,15 @@ def _run_one(run, res):
         if problems:
             res["errors"].append(f"version {run.version}: {problems[:3]}")
     snap1 = run.snapshot()
+    cpu1 = run.cpu_snapshot()
     ok = [r for r in rounds if r["state"] == "COMMITTED"]
+    res["round_cpu"] = round_cpu(idle0, idle1, cpu0, cpu1, len(rounds), n)
+    res["round_cpu"]["load_before"] = load_before
+    res["round_cpu"]["load_after"] = load_average()
+    log(f"  round CPU (net of rest): coordinator {res['round_cpu']['coordinator_net_ms']} ms "
+        f"({res['round_cpu']['coordinator_net_per_node_ms']} ms a node), a node daemon "
+        f"{res['round_cpu']['daemon_net_median_ms']} ms, a worker {res['round_cpu']['worker_net_median_ms']} ms; "
+        f"machine {res['round_cpu']['machine_busy']} busy, load {load_before}")
     growth = {nd: snap1[nd]["rss_mb"] - snap0[nd]["rss_mb"] for nd in snap1 if nd in snap0}
     agrowth = {nd: snap1[nd]["anon_mb"] - snap0[nd]["anon_mb"] for nd in snap1 if nd in snap0}
     res["rounds"] = {
@@ -962,9 +1048,13 @@ def parse_args(argv=None):
     p.add_argument("--poll", type=float, default=0.1, help="seconds between status polls")
     p.add_argument("--split-layouts", action=argparse.BooleanOptionalAction, default=True,
                    help="one layout file per worker (each sim-worker parses its own part only)")
-    p.add_argument("--bin", default="", help="folder with refitd, refitctl, refit-layout, sim-worker")
+    p.add_argument("--bin", default="", help="folder with refitd, refitctl, refit-layout, sim-worker, or a Bazel "
+                   "output tree holding them (daemon/refitd...); nothing else is looked at then")
     p.add_argument("--work-dir", default="", help="where run folders go (default: $TEST_TMPDIR or /tmp)")
     p.add_argument("--keep", action="store_true", help="keep each run's folder (logs, reports)")
+    p.add_argument("--idle-cpu-window", type=float, default=2.0,
+                   help="seconds of rest before the K rounds, to take each process's CPU at rest out of "
+                   "its CPU per round (0: not measured)")
     p.add_argument("--verbose-rounds", action="store_true", help="every round's record in the JSON")
     p.add_argument("--out", default="", help="JSON output (default: stdout)")
     a = p.parse_args(argv)

@@ -43,7 +43,7 @@ class ScaleCiTest(unittest.TestCase):
                 "--prepare-timeout", str(PREPARE_TIMEOUT), "--transfer-timeout", "60", "--commit-timeout", "60",
                 "--peer-timeout", "10", "--register-wait", "240", "--ready-timeout", "240",
                 "--round-timeout", "240", "--ctl-timeout", "120", "--status-timeout", "120",
-                "--verbose-rounds", "--out", cls.out_path]
+                "--idle-cpu-window", "0.5", "--verbose-rounds", "--out", cls.out_path]
         if os.environ.get("TEST_UNDECLARED_OUTPUTS_DIR"):
             argv.append("--keep")  # daemon logs and worker reports beside the JSON
         data = scale_bench.main(argv)
@@ -88,6 +88,44 @@ class ScaleCiTest(unittest.TestCase):
         self.assertEqual(j["round"]["state"], "COMMITTED", j["round"])
         self.assertTrue(j["round"].get("verified"), j["round"])
         self.assertEqual(j["nodes_installed"], NODES, "the new membership's plan was not installed everywhere")
+
+    def test_round_cpu_is_reported_for_every_kind_of_process(self):
+        c = self.r["round_cpu"]
+        self.assertEqual(c["rounds"], ROUNDS)
+        for key in ("coordinator_ms", "daemon_median_ms", "worker_median_ms"):
+            self.assertIsNotNone(c[key], c)
+        # The coordinator does work in every round (its phase calls): some CPU must show.
+        self.assertGreater(c["coordinator_ms"], 0, c)
+
+
+class HarnessPartsTest(unittest.TestCase):
+    def test_bin_dir_without_the_binary_is_refused_not_replaced(self):
+        # --bin must never fall back to the workspace's bazel-bin (other binaries than asked for).
+        empty = tempfile.mkdtemp(prefix="scale-empty-bin-")
+        with self.assertRaisesRegex(scale_bench.HarnessError, "--bin .*no refitd"):
+            scale_bench.find_binary("refitd", empty)
+
+    def test_bin_dir_may_be_a_bazel_output_tree(self):
+        tree = tempfile.mkdtemp(prefix="scale-tree-bin-")
+        os.makedirs(os.path.join(tree, "daemon"))
+        path = os.path.join(tree, "daemon", "refitd")
+        open(path, "w").close()
+        self.assertEqual(scale_bench.find_binary("refitd", tree), path)
+
+    def test_round_cpu_takes_the_cpu_at_rest_out(self):
+        # Rest: the coordinator burns 10 ms/s, a daemon 0; then 4 rounds over 2 s, in which the
+        # coordinator used 0.1 s (0.02 s of it at rest) and the daemon 0.04 s.
+        rest0 = {"t": 0.0, "cpu": {("d", 0): 1.0, ("d", 1): 1.0, ("w", "a"): 0.5}, "jiffies": (0, 0)}
+        rest1 = {"t": 1.0, "cpu": {("d", 0): 1.01, ("d", 1): 1.0, ("w", "a"): 0.5}, "jiffies": (0, 0)}
+        cpu0 = {"t": 10.0, "cpu": {("d", 0): 2.0, ("d", 1): 1.0, ("w", "a"): 0.5}, "jiffies": (100, 200)}
+        cpu1 = {"t": 12.0, "cpu": {("d", 0): 2.1, ("d", 1): 1.04, ("w", "a"): 0.504}, "jiffies": (250, 400)}
+        c = scale_bench.round_cpu(rest0, rest1, cpu0, cpu1, rounds=4, n=2)
+        self.assertAlmostEqual(c["coordinator_ms"], 25.0)
+        self.assertAlmostEqual(c["coordinator_net_ms"], 20.0)
+        self.assertAlmostEqual(c["coordinator_net_per_node_ms"], 10.0)
+        self.assertAlmostEqual(c["daemon_net_median_ms"], 10.0)
+        self.assertAlmostEqual(c["worker_net_median_ms"], 1.0)
+        self.assertAlmostEqual(c["machine_busy"], 0.75)
 
 
 if __name__ == "__main__":

@@ -15,7 +15,7 @@
 namespace refit {
 namespace {
 
-// The handle socket's wire format (daemon/handle_inbox.h, daemon/README.md).
+// The handle socket's wire format (daemon/worker/handle_inbox.h, daemon/README.md).
 constexpr char kMagic[4] = {'R', 'F', 'H', '1'};
 constexpr size_t kPacketBytes = 44;
 constexpr size_t kMaxFdsPerPacket = 250;

@@ -13,7 +13,7 @@
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
 #include "common/cli_flags.h"
-#include "daemon/certificate_check.h"
+#include "daemon/security/certificate_check.h"
 #include "google/protobuf/struct.pb.h"
 #include "google/protobuf/util/json_util.h"
 #include "plan/plan.h"

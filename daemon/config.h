@@ -9,7 +9,7 @@
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
 #include "common/tls_config.h"
-#include "daemon/registration_limits.h"
+#include "daemon/worker/registration_limits.h"
 
 namespace refit {
 

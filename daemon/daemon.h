@@ -31,10 +31,10 @@
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
 #include "common/grpc_tls.h"
-#include "daemon/authority.h"
-#include "daemon/backend.h"
 #include "daemon/config.h"
-#include "daemon/loopback_owner.h"
+#include "daemon/dataplane/backend.h"
+#include "daemon/security/authority.h"
+#include "daemon/security/loopback_owner.h"
 #include "daemon/services.h"
 
 namespace refit {

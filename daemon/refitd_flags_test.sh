@@ -38,7 +38,7 @@ expect_refusal "TLS file unreadable" "cannot read TLS file $tmp/none.pem" \
 expect_refusal "worker uid" '--worker-uids: "root" is not a uid' --worker-uids root
 out=$("$refitd" --check-config --listen 10.1.2.3:7070 --insecure-listen 2>&1) || fail "--insecure-listen: $out"
 echo "$out" | grep -q "no TLS, and --insecure-listen" || fail "--check-config: $out"
-# The certificate itself is checked: its names, its key, its CA (daemon/certificate_check.h).
+# The certificate itself is checked: its names, its key, its CA (daemon/security/certificate_check.h).
 bash tools/gen_certs.sh "$tmp/certs" 2 refit-node-5 >/dev/null 2>&1 || fail "tools/gen_certs.sh"
 c=$tmp/certs
 out=$("$refitd" --check-config --node 1 --listen 10.1.2.3:7070 --tls-cert "$c/node-1.pem" --tls-key "$c/node-1.key" \

@@ -13,10 +13,10 @@
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
 #include "common/cli_flags.h"
+#include "daemon/base/log_later.h"
+#include "daemon/base/logging.h"
 #include "daemon/config.h"
 #include "daemon/daemon.h"
-#include "daemon/log_later.h"
-#include "daemon/logging.h"
 
 namespace {
 
@@ -99,7 +99,7 @@ int main(int argc, char** argv) {
   running = daemon->get();
   if (signalled) (*daemon)->Shutdown();  // raced the signal: it saw no daemon, or this one did
   (*daemon)->Wait();
-  refit::FlushLaterLogs();  // the last rounds' reports (daemon/log_later.h)
+  refit::FlushLaterLogs();  // the last rounds' reports (daemon/base/log_later.h)
   daemon->reset();
   return 0;
 }

@@ -1,5 +1,5 @@
 // refitd's gRPC services, thin: each method checks where it runs (coordinator or not), calls
-// the component that does the work, and converts the status once (daemon/grpc_status.h).
+// the component that does the work, and converts the status once (daemon/base/grpc_status.h).
 #pragma once
 
 #include <grpcpp/grpcpp.h>
@@ -9,10 +9,10 @@
 #include <memory>
 #include <string>
 
-#include "daemon/authority.h"
 #include "daemon/config.h"
+#include "daemon/security/authority.h"
+#include "daemon/security/worker_admission.h"
 #include "daemon/watch_slots.h"
-#include "daemon/worker_admission.h"
 #include "proto/refit.grpc.pb.h"
 
 namespace refit {

@@ -5,7 +5,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
-#include "daemon/loopback_owner.h"
+#include "daemon/security/loopback_owner.h"
 
 namespace refit {
 

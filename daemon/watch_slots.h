@@ -11,7 +11,7 @@
 #include "absl/container/flat_hash_map.h"
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
-#include "daemon/authority.h"
+#include "daemon/security/authority.h"
 
 namespace refit {
 
@@ -27,7 +27,7 @@ struct WatchCaller {
 // The caller of a WatchRounds call:
 // - TLS: its certificate (a node's daemon is not capped);
 // - without TLS over loopback TCP: the daemon's own uid or root, the only users the authority
-//   admits there (daemon/loopback_owner.h), and daemons forwarding watches; not capped;
+//   admits there (daemon/security/loopback_owner.h), and daemons forwarding watches; not capped;
 // - without TLS from another host (--insecure-listen): that host's address;
 // - the worker socket: gRPC names no unix caller (its peer is "unix:" for all, its auth context
 //   says nothing of the uid), so its callers share one share.

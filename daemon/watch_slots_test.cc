@@ -12,7 +12,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
-#include "daemon/round_log.h"
+#include "daemon/coordinator/round_log.h"
 #include "daemon/services.h"
 #include "proto/refit.grpc.pb.h"
 

@@ -24,7 +24,7 @@
 #include "client/worker_client.h"
 #include "common/shared_memory.h"
 #include "daemon/daemon.h"
-#include "daemon/test_registrations.h"
+#include "daemon/testing/test_registrations.h"
 #include "plan/test_layouts.h"
 #include "plan/validate.h"
 #include "plan/verify.h"

@@ -2,7 +2,7 @@
 // daemon, threads counted in /proc/self/task), and sessions end cleanly: `lost` once per worker
 // that vanished (cancelled, half-closed, the daemon stopping), never for one that unregistered;
 // events pushed by the registry arrive in order, answers are recorded.
-#include "daemon/worker_session.h"
+#include "daemon/worker/worker_session.h"
 
 #include <dirent.h>
 #include <unistd.h>
@@ -15,9 +15,9 @@
 #include "client/worker_client.h"
 #include "common/shared_memory.h"
 #include "daemon/daemon.h"
-#include "daemon/host_backend.h"
-#include "daemon/test_registrations.h"
-#include "daemon/worker_registry.h"
+#include "daemon/dataplane/host/host_backend.h"
+#include "daemon/testing/test_registrations.h"
+#include "daemon/worker/worker_registry.h"
 
 namespace refit {
 namespace {

@@ -65,14 +65,14 @@ cudaError_t LaunchCopyItemsShaped(const CopyItem* items, const int64_t* unit_beg
                                   const uint32_t* gate = nullptr, uint32_t go = 0,
                                   bool quantizing = false);
 
-// Work launched ahead, at a round's PREPARE, and let go at its TRANSFER (daemon/cuda_backend.cc):
-// the caller makes the stream wait (cuStreamWaitValue32, the driver API, which this library does
-// not link) until the host-written word `host_word` (mapped host memory, at its device address)
-// reaches go, or what follows it; then LaunchGate's one thread reads it again (an acquire load at
-// system scope) and sets *gate = go if it is exactly go and 0 otherwise (go + 1: the round was
-// called off). Copies launched after it with (gate, go) copy only when let go. `decided`
-// (mapped host memory, optional) gets what the gate was set to, for the host to check after the
-// stream ran: go, or the round's work did nothing.
+// Work launched ahead, at a round's PREPARE, and let go at its TRANSFER
+// (daemon/dataplane/cuda/cuda_backend.cc): the caller makes the stream wait (cuStreamWaitValue32,
+// the driver API, which this library does not link) until the host-written word `host_word` (mapped
+// host memory, at its device address) reaches go, or what follows it; then LaunchGate's one thread
+// reads it again (an acquire load at system scope) and sets *gate = go if it is exactly go and 0
+// otherwise (go + 1: the round was called off). Copies launched after it with (gate, go) copy only
+// when let go. `decided` (mapped host memory, optional) gets what the gate was set to, for the host
+// to check after the stream ran: go, or the round's work did nothing.
 cudaError_t LaunchGate(const uint32_t* host_word, uint32_t go, uint32_t* gate, uint32_t* decided,
                        cudaStream_t stream);
 
@@ -87,7 +87,7 @@ cudaError_t LaunchWaitingGate(const uint32_t* host_word, uint32_t go, uint32_t* 
                               uint32_t* decided, unsigned sleep_ns, cudaStream_t stream);
 
 // A kernel that does nothing: launched only for the GPU to switch to this process's context
-// (daemon/cuda_backend.cc, WorkersPrepared).
+// (daemon/dataplane/cuda/cuda_backend.cc, WorkersPrepared).
 cudaError_t LaunchNothing(cudaStream_t stream);
 // Loads these kernels (the empty one, the gate, both copy kernels) into the current device's
 // context: lazy loading would at their first launch, which may wait for the GPU's other work.

@@ -49,7 +49,7 @@ if [ ! -f "$k8s_models/node_modules/kubernetes-models/package.json" ] && command
     echo "setup: note: npm could not install kubernetes-models; deploy/k8s schema validation will be skipped" >&2
 fi
 
-# daemon/metrics.h (--metrics-listen) links prometheus-cpp; tests/integration/metrics_test.py
+# daemon/ops/metrics.h (--metrics-listen) links prometheus-cpp; tests/integration/metrics_test.py
 # scrapes a live cluster with Prometheus' own server (Debian's prometheus).
 metrics_missing=()
 for p in prometheus-cpp-dev prometheus; do

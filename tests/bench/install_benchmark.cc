@@ -18,7 +18,7 @@
 #include "absl/strings/str_join.h"
 #include "client/layout_generator.h"
 #include "common/cli_flags.h"
-#include "daemon/node_agent.h"
+#include "daemon/node/node_agent.h"
 #include "google/protobuf/util/json_util.h"
 #include "plan/planner.h"
 #include "plan/validate.h"
@@ -38,7 +38,7 @@ double Median(std::vector<double> v) {
   return v.empty() ? 0 : v[v.size() / 2];
 }
 
-// The request RoundDriver forms (daemon/round_driver.cc), with these layouts.
+// The request RoundDriver forms (daemon/coordinator/round_driver.cc), with these layouts.
 v1::InstallPlanRequest Request(v1::Layout src, v1::Layout dst, int32_t nodes,
                                int64_t max_message_bytes, int32_t max_relay_depth) {
   v1::InstallPlanRequest r;
@@ -64,7 +64,7 @@ struct Install {
   double total() const { return decode + expand + validate + plan; }
 };
 
-// A daemon's InstallPlan (daemon/node_agent.cc) on the bytes it receives: gRPC's parse, then
+// A daemon's InstallPlan (daemon/node/node_agent.cc) on the bytes it receives: gRPC's parse, then
 // LayoutFromProto (which expands the compact form), ValidateLayout and MakePlan.
 absl::StatusOr<Install> InstallOnNode(const std::string& wire) {
   Install t;

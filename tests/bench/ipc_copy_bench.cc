@@ -432,10 +432,11 @@ void TimeSync(int sock, uint64_t a, uint64_t b, size_t bytes, cudaStream_t strea
 }
 
 // How soon the GPU sees a word the host writes into mapped host memory (what lets an armed
-// round's work go, daemon/cuda_backend.cc): the stream waits for the word (cuStreamWaitValue32),
-// then writes a second mapped word back (cuStreamWriteValue32), optionally after a one-thread
-// kernel (the armed round's gate); the host writes the first and spins on the second. The round
-// trip, less mapped_flag_spin's GPU-to-host part, is the host-to-GPU latency. Medians, in us.
+// round's work go, daemon/dataplane/cuda/cuda_backend.cc): the stream waits for the word
+// (cuStreamWaitValue32), then writes a second mapped word back (cuStreamWriteValue32), optionally
+// after a one-thread kernel (the armed round's gate); the host writes the first and spins on the
+// second. The round trip, less mapped_flag_spin's GPU-to-host part, is the host-to-GPU latency.
+// Medians, in us.
 void TimeHostWord(cudaStream_t stream, int repeat) {
   uint32_t *word = nullptr, *back = nullptr, *word_dev = nullptr, *back_dev = nullptr,
            *gate = nullptr;

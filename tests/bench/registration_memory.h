@@ -21,7 +21,7 @@ struct RegistrationMemoryOptions {
   int64_t pieces = 1000000;              // per worker
   int64_t workers = 1;                   // registering at once
   int64_t rows_per_tensor = 1000;        // pieces per tensor (and per buffer): one row each
-  double settle_seconds = 3.0;  // before each reading (daemon/memory_trim.h trims every second)
+  double settle_seconds = 3.0;  // before each reading (daemon/ops/memory_trim.h trims every second)
 };
 
 struct DaemonMemory {

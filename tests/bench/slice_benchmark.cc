@@ -106,7 +106,7 @@ int main(int argc, char** argv) {
     std::vector<double> slice_seconds, install_seconds, install_cpu, slice_bytes, slice_descriptors;
     double slice_total = 0;
     for (int32_t node : nodes) {
-      // The coordinator's part for this node (daemon/plan_slices.cc SliceRequest).
+      // The coordinator's part for this node (daemon/coordinator/plan_slices.cc SliceRequest).
       double s0 = Now();
       v1::InstallPlanRequest request;
       request.set_group("policy");
@@ -118,7 +118,7 @@ int main(int argc, char** argv) {
       slice_seconds.push_back(Now() - s0);
       slice_total += slice_seconds.back();
       slice_bytes.push_back(static_cast<double>(wire.size()));
-      // The node's install (daemon/node_agent.cc InstallPlan), median of `repeat`.
+      // The node's install (daemon/node/node_agent.cc InstallPlan), median of `repeat`.
       std::vector<double> wall, cpu;
       for (int64_t r = 0; r <= repeat; ++r) {
         const double w0 = Now(), c0 = CpuSeconds();

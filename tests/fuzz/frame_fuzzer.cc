@@ -1,9 +1,10 @@
 // libFuzzer target for what a data connection's bytes reach before any socket or memory is
-// involved (daemon/data_frame.h): a sequence of frames as a receiver reads them, each a header
-// (ParseFrameHeader), the group name, a check against the round's plan (CheckFrameForPlan), then
-// the payload skipped; the first malformed or cut-off frame ends the "connection", as it does in
-// HostBackend::ReadLoop. Any crash, sanitizer report or trap is a bug: bad bytes must only ever
-// be refused. Build: clang++ -fsanitize=fuzzer,... tests/fuzz/frame_fuzzer.cc daemon/data_frame.cc.
+// involved (daemon/dataplane/host/data_frame.h): a sequence of frames as a receiver reads them,
+// each a header (ParseFrameHeader), the group name, a check against the round's plan
+// (CheckFrameForPlan), then the payload skipped; the first malformed or cut-off frame ends the
+// "connection", as it does in HostBackend::ReadLoop. Any crash, sanitizer report or trap is a bug:
+// bad bytes must only ever be refused. Build: clang++ -fsanitize=fuzzer,...
+// tests/fuzz/frame_fuzzer.cc daemon/dataplane/host/data_frame.cc.
 #include <array>
 #include <cstddef>
 #include <cstdint>
@@ -11,7 +12,7 @@
 #include <span>
 #include <string>
 
-#include "daemon/data_frame.h"
+#include "daemon/dataplane/host/data_frame.h"
 
 namespace {
 

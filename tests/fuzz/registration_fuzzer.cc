@@ -11,9 +11,9 @@
 #include <cstdio>
 #include <cstdlib>
 
-#include "daemon/memory_refs.h"
-#include "daemon/registration_check.h"
-#include "daemon/registration_limits.h"
+#include "daemon/worker/memory_refs.h"
+#include "daemon/worker/registration_check.h"
+#include "daemon/worker/registration_limits.h"
 #include "google/protobuf/stubs/logging.h"
 
 namespace {

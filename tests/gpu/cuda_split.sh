@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # GPU machine, one call: everything GPU-related one GPU allows, after the cuda backend's split
-# into RAII owners (daemon/cuda/, issue 13), from a bundle made here.
-#   here:   REFITD_BEFORE=$(bash tests/gpu/build_before.sh | tail -n 1) bash tests/gpu/cuda_split.sh --bundle
+# into RAII owners (daemon/dataplane/cuda/), from a bundle made here.
+#   here:   [REFITD_BEFORE=FILE] bash tests/gpu/cuda_split.sh --bundle   (FILE: an older refitd to compare)
 #           (LOCAL_COPY_BENCH_BEFORE=FILE: an older local_copy_bench bundled as local_copy_bench-before)
 #   there:  OUT=DIR bash tests/gpu/cuda_split.sh          (logs packed into $OUT/cuda_split.tgz)
 # Runs: the kernels' GPU test; tests/gpu/python_cuda.sh (the VMM and export unit tests, the
@@ -11,11 +11,11 @@
 # BUDGET_S: start no benchmark run after this many seconds.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
-programs=(daemon/refitd client/refit-layout client/refitctl tests/workers/sim-worker-cuda daemon/cuda_vmm_test daemon/cuda_armed_test
+programs=(daemon/refitd client/refit-layout client/refitctl tests/workers/sim-worker-cuda daemon/dataplane/cuda/cuda_vmm_test daemon/dataplane/cuda/cuda_armed_test
           client/cuda_export_test kernels/copy_kernels_test kernels/local_copy_bench kernels/gate_bench tests/bench/ipc_copy_bench)
 if [ "${1:-}" = "--bundle" ]; then
   bazel build //daemon:refitd //client:refit-layout //client:refitctl //tests/workers:sim-worker-cuda \
-    //daemon:cuda_vmm_test //daemon:cuda_armed_test //client:cuda_export_test //kernels:copy_kernels_test //kernels:local_copy_bench //kernels:gate_bench //tests/bench:ipc_copy_bench 2>&1 | grep -E "ERROR|error:" && exit 1
+    //daemon/dataplane/cuda:cuda_vmm_test //daemon/dataplane/cuda:cuda_armed_test //client:cuda_export_test //kernels:copy_kernels_test //kernels:local_copy_bench //kernels:gate_bench //tests/bench:ipc_copy_bench 2>&1 | grep -E "ERROR|error:" && exit 1
   # Bazel's own output folder for these options: the bazel-bin link follows whichever build ran
   # last, and other builds (another config) may run in this workspace meanwhile.
   bin=$(bazel info bazel-bin 2>/dev/null) || exit 1

@@ -4,7 +4,7 @@ through the daemons' TCP ports either. Two daemons without TLS, a trainer and an
 pattern workers that check every destination byte at every commit); then a process running as
 uid 65534 (nobody) tries the control port (Status, Refit), the peer service (Join, RunPhase) and
 the data plane (a frame, and a listener on a dead node's data port is not tried here: the sender's
-check is covered by daemon/loopback_owner_test). Each is refused, naming the uid; the daemons log
+check is covered by daemon/security/loopback_owner_test). Each is refused, naming the uid; the daemons log
 it; the legitimate rounds keep committing byte-exact. Needs root (to become another uid)."""
 import json
 import os

@@ -20,17 +20,26 @@ has already ended (aborted while an earlier callback ran) is skipped. With block
 instead in the caller's thread, inside `serve()`, which a training loop calls between steps and
 at least once within the daemon's --prepare-timeout of a refit request.
 
+Which round: a callback with a parameter named `round_id` (`def on_abort(reason, round_id)`)
+is also passed the round's id; one without it is called as before. `round_is_open(round_id)`
+says whether that round is still in flight as this worker knows it, and `on_round_end(round_id)`
+is called the moment the worker learns a round ended (its ABORT or COMMIT received, a later
+round's PREPARE, the session lost, the worker closed), before on_commit/on_abort run in turn:
+an on_prepare that waits for something (an engine's update window) uses them to stop waiting
+for a round that is over, and an on_abort to tell a stale round's ABORT from the current one's.
+
 The session is watched by gRPC keepalive: a daemon that dies or freezes is noticed within about
 two seconds; the round in flight counts as aborted, and the worker registers again, by itself,
 as soon as the daemon is back (on_disconnect / on_reconnect report both).
 """
 import collections
+import inspect
 import logging
 import os
 import queue
 import threading
 import time
-from typing import Any, Callable, Deque, Iterator, List, Mapping, Optional, Tuple
+from typing import Any, Callable, Deque, Dict, Iterator, List, Mapping, Optional, Tuple
 
 import grpc
 
@@ -46,7 +55,7 @@ log = logging.getLogger("refit.worker")
 
 _WIRE_ROLES = {Role.TRAINER: refit_pb2.TRAINER, Role.INFERENCE: refit_pb2.INFERENCE}
 
-# The largest trainer world size the coordinator accepts (daemon/membership.h).
+# The largest trainer world size the coordinator accepts (daemon/coordinator/membership.h).
 MAX_TRAINER_WORLD_SIZE = 1 << 20
 
 # A worker still waiting for its daemon after this long says so (once), then keeps waiting.
@@ -217,12 +226,26 @@ class _Registered:
 Callback = Optional[Callable[..., Any]]
 
 
+def takes_round_id(fn: Callback) -> bool:
+    """Whether callback `fn` has a parameter named `round_id` (passed by keyword). A bare
+    **kwargs does not count: a callback that forwards its keywords elsewhere must not start
+    receiving one it never asked for."""
+    if fn is None:
+        return False
+    try:
+        p = inspect.signature(fn).parameters.get("round_id")
+    except (TypeError, ValueError):  # a builtin or extension callable without a signature
+        return False
+    return p is not None and p.kind in (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+
+
 class Worker:
     def __init__(self, daemon: str, group: str, role: RoleLike, layout: Any, tensors: Mapping[str, Any], *,
                  name: Optional[str] = None, on_prepare: Callback = None, on_commit: Callback = None,
                  on_abort: Callback = None, on_disconnect: Callback = None, on_reconnect: Callback = None,
                  blocking: bool = False, register_timeout: float = 30.0, reconnect: bool = True,
-                 rank: Optional[int] = None, world_size: Optional[int] = None) -> None:
+                 rank: Optional[int] = None, world_size: Optional[int] = None,
+                 on_round_end: Callback = None) -> None:
         """Registers `tensors` (buffer name -> live tensor, e.g. dict(model.named_parameters()))
         as worker `name` of `layout` (a dict, JSON or refit.v1.Layout; `name` may be omitted when
         it holds one worker) in model group `group` with the daemon at `daemon`
@@ -237,7 +260,13 @@ class Worker:
         any rank 0..world_size-1 is missing, and the error names it ("trainer rank 3 of 4 is not
         registered"). Every trainer rank of the group declares the same world size, or none does;
         the daemons name ranks that disagree. InvalidArgument for a bad value, or for an
-        inference worker (its ranks are its engine replica's, declared in its layout)."""
+        inference worker (its ranks are its engine replica's, declared in its layout).
+
+        on_prepare(version), on_commit(version) and on_abort(reason) are also passed
+        `round_id=` when they have a parameter of that name. `on_round_end(round_id)` runs on the
+        session thread (at close: the closing thread) as soon as the worker learns that a round
+        ended, before that round's on_commit/on_abort; it must return quickly (wake a waiter, note
+        the id), since the worker reads no further event until it returns."""
         self.role: Role = Role.of(role)
         declared = trainer_rank(self.role, rank, world_size)
         self.rank: Optional[int] = declared[0] if declared else None
@@ -255,6 +284,10 @@ class Worker:
         self._registered = [_Registered(n, given[n], t) for n, t in self._pairs]
         self._on_prepare, self._on_commit, self._on_abort = on_prepare, on_commit, on_abort
         self._on_disconnect, self._on_reconnect = on_disconnect, on_reconnect
+        self._on_round_end = on_round_end
+        # The callbacks that asked for the round's id (a parameter named round_id).
+        self._round_kw = {"prepare": takes_round_id(on_prepare), "commit": takes_round_id(on_commit),
+                          "abort": takes_round_id(on_abort)}
         self._blocking = blocking
         self._reconnect = reconnect
         self._mu = threading.Condition()
@@ -262,6 +295,9 @@ class Worker:
         self._connected = False
         self._closed = False
         self._in_round: Optional[int] = None  # round id between PREPARE and its end
+        # The round whose PREPARE came and whose end did not, as the session saw them: what
+        # round_is_open() answers (set and cleared on the session thread, unlike _in_round).
+        self._open_round: Optional[int] = None
         # (kind, round id, version, reason) for the dispatcher / serve()
         self._events: Deque[Tuple[str, int, int, str]] = collections.deque()
         self._outgoing: Optional["queue.Queue[Any]"] = None  # the live session's queue of WorkerMessages
@@ -299,6 +335,14 @@ class Worker:
     def connected(self) -> bool:
         with self._mu:
             return self._connected
+
+    def round_is_open(self, round_id: int) -> bool:
+        """Whether round `round_id` is in flight as this worker knows it: its PREPARE came, and
+        neither its ABORT or COMMIT, nor a later round's PREPARE, nor the loss of the session, nor
+        close() followed. A callback waiting on something of its own polls it to give up on a
+        round that is over (or takes on_round_end)."""
+        with self._mu:
+            return not self._closed and self._open_round == round_id
 
     def wait_version(self, version: int, timeout: float) -> bool:
         """Blocks until this worker holds `version` or a later one, committed; True then, False
@@ -420,6 +464,12 @@ class Worker:
             with self._mu:
                 if self._closed:
                     return
+                lost_open, self._open_round = self._open_round, None
+            if lost_open is not None:
+                self._round_ended(lost_open)
+            with self._mu:
+                if self._closed:
+                    return
                 self._connected = False
                 lost_round = self._in_round
                 self._in_round = None
@@ -483,6 +533,22 @@ class Worker:
 
     def _enqueue(self, e: Any) -> None:
         kinds = refit_pb2.RoundEvent
+        # The end of a round is known (round_is_open, on_round_end) before the event is queued, so
+        # that no callback of it, nor of a later round, can run before on_round_end told of it.
+        ended = None
+        with self._mu:
+            if e.kind == kinds.PREPARE:
+                if self._open_round not in (None, e.round_id):
+                    ended = self._open_round  # superseded by this round
+                self._open_round = e.round_id
+            elif e.kind in (kinds.COMMIT, kinds.ABORT):
+                ended = e.round_id
+                if self._open_round == e.round_id:
+                    self._open_round = None
+            if ended is not None:
+                self._mu.notify_all()
+        if ended is not None:
+            self._round_ended(ended)
         with self._mu:
             if e.kind == kinds.PREPARE:
                 self._in_round = e.round_id
@@ -501,6 +567,10 @@ class Worker:
                 self._drop_pending_prepare(e.round_id)
                 self._events.append(("ABORT", e.round_id, e.version, e.reason))
             self._mu.notify_all()
+
+    def _round_ended(self, round_id: int) -> None:
+        if self._on_round_end:
+            self._call_safely(self._on_round_end, round_id)
 
     def _drop_pending_prepare(self, round_id: int) -> None:  # _mu held
         kept = [x for x in self._events if not (x[0] == "PREPARE" and x[1] == round_id)]
@@ -585,15 +655,29 @@ class Worker:
                     return None
                 self._mu.wait(min(left, 1.0) if left is not None else 1.0)
 
+    def _round_kwargs(self, callback: str, round_id: int) -> Dict[str, int]:
+        return {"round_id": round_id} if self._round_kw[callback] else {}
+
     def _prepare(self, round_id: int, version: int) -> bool:
+        if not self.round_is_open(round_id):  # ended since it was queued: its end event follows
+            log.debug("worker %s skips the PREPARE of round %d: the round is over", self.name, round_id)
+            return False
         try:
             self.check_storage()  # a round over replaced memory would move stale weights
             if self._on_prepare:
-                self._on_prepare(version)
+                self._on_prepare(version, **self._round_kwargs("prepare", round_id))
         except BaseException as ex:  # the worker refuses the round; its reason reaches the operator
             reason = f"{type(ex).__name__}: {ex}" if str(ex) else type(ex).__name__
+            if not self.round_is_open(round_id):  # nobody waits for the answer to a round that is over
+                log.info("worker %s: round %d (version %d) ended while on_prepare ran: %s", self.name,
+                         round_id, version, reason)
+                return False
             log.warning("worker %s refuses round %d (version %d): %s", self.name, round_id, version, reason)
             self._send(refit_pb2.WorkerMessage(refused=refit_pb2.Refusal(round_id=round_id, reason=reason)))
+            return False
+        if not self.round_is_open(round_id):
+            log.info("worker %s: round %d (version %d) ended while on_prepare ran; not answering it",
+                     self.name, round_id, version)
             return False
         self._send(refit_pb2.WorkerMessage(prepared=round_id))
         return True
@@ -604,7 +688,7 @@ class Worker:
             self._in_round = None
             self._mu.notify_all()
         if self._on_commit:
-            self._call_safely(self._on_commit, version)
+            self._call_safely(self._on_commit, version, **self._round_kwargs("commit", round_id))
         self._send(refit_pb2.WorkerMessage(resumed=round_id))
 
     def _finish_abort(self, round_id: int, reason: str, acknowledge: bool) -> None:
@@ -615,13 +699,13 @@ class Worker:
                 self._in_round = None
             self._mu.notify_all()
         if self._on_abort:
-            self._call_safely(self._on_abort, reason)
+            self._call_safely(self._on_abort, reason, **self._round_kwargs("abort", round_id))
         if acknowledge:  # a lost session has nobody to acknowledge to
             self._send(refit_pb2.WorkerMessage(resumed=round_id))
 
-    def _call_safely(self, fn: Callable[..., Any], *args: Any) -> None:
+    def _call_safely(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> None:
         try:
-            fn(*args)
+            fn(*args, **kwargs)
         except BaseException:
             log.exception("worker %s: callback %s raised", self.name, getattr(fn, "__name__", fn))
 
@@ -635,7 +719,10 @@ class Worker:
                 return
             self._closed = True
             call, worker_id, key = self._call, self.worker_id, self._session_key
+            open_round, self._open_round = self._open_round, None
             self._mu.notify_all()
+        if open_round is not None:  # wakes an on_prepare still waiting for it
+            self._round_ended(open_round)
         if unregister and worker_id:
             try:
                 self._stub.Unregister(refit_pb2.UnregisterWorkerRequest(worker_id=worker_id, session_key=key),

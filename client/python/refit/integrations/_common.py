@@ -2,12 +2,13 @@
 (name, tensor) stream into registered buffers, and version bookkeeping against the controller."""
 from __future__ import annotations
 
+import collections
 import logging
 import os
 import re
 import threading
 import time
-from typing import Any, Callable, Dict, Iterable, Iterator, List, Mapping, Optional, Tuple
+from typing import Any, Callable, Dict, FrozenSet, Iterable, Iterator, List, Mapping, Optional, Tuple
 
 try:  # the package's exception root (older trees: plain RuntimeError)
     from refit.errors import Error as _RefitRoot
@@ -52,22 +53,57 @@ class EngineWindow:
     and `leave()`. PREPARE waits up to `prepare_wait_s` for the window and refuses the round
     otherwise, so a round can never write under a running forward pass. `always_open` serves
     stacks that stop generating before their sync step and have no "start update" call reaching
-    the engine: the window is then open whenever no caller closed it."""
+    the engine: the window is then open whenever no caller closed it.
+
+    Rounds are told apart by their ids: the worker passes `round_id` to the callbacks and calls
+    on_round_end as soon as it learns a round ended (`worker_callbacks()` wires all four). A
+    PREPARE waiting for the window stops waiting, refusing, once its round is over, so a round
+    that aborted while the window was closed is never taken by the next `enter()`. Which round
+    an update is for, the engine cannot know by itself: its round may have started, and even
+    aborted, before `enter()` (the trainer starts the round, then the update), or an older round
+    may have aborted just before. `wait_round(round_id, ...)` is the exact answer, for callers
+    that know the update's round id. Without it, the update's outcome is the end of the round
+    this window prepared, or, before one prepared it, of a round not yet over at `enter()`: an
+    older round's end never counts. Called without round ids (an older worker), every event
+    counts, as before."""
+
+    # How many rounds' ids and ends are remembered: their events arrive in order, within a few
+    # rounds of their end.
+    _REMEMBERED_ROUNDS = 64
 
     def __init__(self, prepare_wait_s: float, always_open: bool = False) -> None:
         self._cv = threading.Condition()
         self._open = always_open
         self._always_open = always_open
         self._prepare_wait_s = prepare_wait_s
-        self._prepared: Optional[int] = None
+        self._prepared: Optional[int] = None  # the version of the round prepared in this window
+        self._round: Optional[int] = None     # its id (None: not known, from an older worker)
         self._outcome: Optional[Tuple[str, Any]] = None  # ("COMMIT", version) | ("ABORT", reason)
+        # Rounds that can belong to no later update: over (as the worker learnt) or refused here.
+        self._over: "collections.OrderedDict[int, None]" = collections.OrderedDict()
+        # Each round's end: ("COMMIT", version) | ("ABORT", reason).
+        self._ends: "collections.OrderedDict[int, Tuple[str, Any]]" = collections.OrderedDict()
+        self._latest: Optional[int] = None  # the round this window heard of last
+        # When enter() was called: the rounds over then, and the round prepared in the window
+        # before (their ends are not this update's outcome); the round heard of last, if it was
+        # over (it may be this update's round, aborted before the window opened, or an older one).
+        self._stale: FrozenSet[int] = frozenset()
+        self._over_at_enter: Optional[int] = None
         self.committed_version = 0
+
+    def worker_callbacks(self) -> Dict[str, Callable[..., None]]:
+        """on_prepare, on_commit, on_abort and on_round_end, for refit.Worker(..., **these)."""
+        return dict(on_prepare=self.on_prepare, on_commit=self.on_commit, on_abort=self.on_abort,
+                    on_round_end=self.on_round_end)
 
     # The stack's thread.
     def enter(self) -> None:
         with self._cv:
             self._open = True
-            self._prepared, self._outcome = None, None
+            previous = () if self._round is None else (self._round,)
+            self._stale = frozenset(self._over).union(previous)
+            self._over_at_enter = self._latest if self._latest in self._over else None
+            self._prepared, self._round, self._outcome = None, None, None
             self._cv.notify_all()
 
     def leave(self) -> None:
@@ -75,18 +111,26 @@ class EngineWindow:
             self._open = self._always_open
             self._cv.notify_all()
 
-    def wait_prepared(self, timeout: float) -> int:
-        """The version of the round that PREPAREd this engine since `enter()`."""
+    def wait_prepared(self, timeout: float, unless_last_aborted: bool = False) -> Optional[int]:
+        """The version of the round that PREPAREd this engine since `enter()`. Raises
+        RoundAborted when a round not over at `enter()` aborted before it prepared this engine.
+        `unless_last_aborted`: returns None instead of waiting when the round heard of last had
+        already aborted at `enter()` and no other came since (whether that round was this
+        update's, only the caller can tell: wait_round)."""
         deadline = time.monotonic() + timeout
         with self._cv:
             while self._prepared is None:
                 if self._outcome is not None and self._outcome[0] == "ABORT":
                     raise RoundAborted(f"the refit round aborted before it prepared this engine: "
                                        f"{self._outcome[1]}", self._outcome[1])
+                last = self._over_at_enter
+                if last is not None and last == self._latest and last in self._ends:
+                    if self._ends[last][0] == "ABORT" and unless_last_aborted:
+                        return None
                 left = deadline - time.monotonic()
                 if left <= 0:
                     raise IntegrationError(f"no refit round prepared this engine within {timeout:g} s "
-                                           "(did the trainer start one? is the group ready?)")
+                                           f"(did the trainer start one? is the group ready?){self._last_abort()}")
                 self._cv.wait(left)
             return self._prepared
 
@@ -108,30 +152,98 @@ class EngineWindow:
                     raise IntegrationError(f"refit round of version {version} did not end within {timeout:g} s")
                 self._cv.wait(left)
 
-    # The refit worker's callbacks.
-    def on_prepare(self, version: int) -> None:
-        deadline = time.monotonic() + self._prepare_wait_s
+    def wait_round(self, round_id: int, version: int, timeout: float) -> None:
+        """Returns once round `round_id` COMMITted `version` here; raises RoundAborted when it
+        aborted, before or after it prepared this engine (even before `enter()`)."""
+        deadline = time.monotonic() + timeout
         with self._cv:
-            while not self._open:
+            while True:
+                end = self._ends.get(round_id)
+                if end is not None:
+                    kind, what = end
+                    if kind == "ABORT":
+                        raise RoundAborted(f"refit round {round_id} (version {version}) aborted: {what}", what)
+                    if what != version:
+                        raise IntegrationError(f"refit round {round_id} committed version {what}, but this "
+                                               f"update expected version {version}")
+                    return
                 left = deadline - time.monotonic()
                 if left <= 0:
+                    raise IntegrationError(f"refit round {round_id} (version {version}) did not end here within "
+                                           f"{timeout:g} s")
+                self._cv.wait(left)
+
+    # The refit worker's callbacks.
+    def on_prepare(self, version: int, round_id: Optional[int] = None) -> None:
+        deadline = time.monotonic() + self._prepare_wait_s
+        with self._cv:
+            if round_id is not None:
+                self._latest = round_id
+            while True:
+                if round_id is not None and round_id in self._over:
+                    # Raising refuses the round (the worker answers nothing to one that is over).
+                    raise RuntimeError(f"refit round {round_id} (version {version}) ended before the "
+                                       "engine's update window opened")
+                if self._open:
+                    break
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    if round_id is not None:
+                        self._remember(self._over, round_id, None)
                     # Raising refuses the round: its text reaches the operator.
                     raise RuntimeError("the engine is serving, not inside a weight update "
                                        f"(no start of an update within {self._prepare_wait_s:g} s)")
                 self._cv.wait(left)
-            self._prepared, self._outcome = version, None
+            self._prepared, self._round, self._outcome = version, round_id, None
             self._cv.notify_all()
 
-    def on_commit(self, version: int) -> None:
+    def on_commit(self, version: int, round_id: Optional[int] = None) -> None:
+        self._ended(("COMMIT", version), round_id)
+
+    def on_abort(self, reason: str, round_id: Optional[int] = None) -> None:
+        self._ended(("ABORT", reason), round_id)
+
+    def on_round_end(self, round_id: int) -> None:
+        """The worker learnt that round `round_id` ended: a PREPARE of it waiting for the window
+        gives up now."""
         with self._cv:
-            self._outcome = ("COMMIT", version)
-            self.committed_version = version
+            self._latest = round_id
+            self._remember(self._over, round_id, None)
             self._cv.notify_all()
 
-    def on_abort(self, reason: str) -> None:
+    def _ended(self, end: Tuple[str, Any], round_id: Optional[int]) -> None:
         with self._cv:
-            self._outcome = ("ABORT", reason)
+            if end[0] == "COMMIT":
+                self.committed_version = end[1]
+            if self._is_outcome(round_id):
+                self._outcome = end
+            else:
+                log.debug("refit round %s ended (%s %s), but this update is not its", round_id, *end)
+            if round_id is not None:
+                self._remember(self._over, round_id, None)
+                self._remember(self._ends, round_id, end)
             self._cv.notify_all()
+
+    def _is_outcome(self, round_id: Optional[int]) -> bool:  # _cv held
+        """Whether an end of round `round_id` ends the update in this window."""
+        if round_id is None or round_id == self._round:
+            return True
+        # Before a round prepared this engine, one that aborted at once (before its PREPARE got
+        # here) ends the update, unless it was over before the update began.
+        return self._prepared is None and self._open and round_id not in self._stale
+
+    def _last_abort(self) -> str:  # _cv held
+        last = self._over_at_enter
+        end = self._ends.get(last) if last is not None else None
+        if end is None or end[0] != "ABORT" or last != self._latest:
+            return ""
+        return f"; the last round here, {last}, had aborted before this update began: {end[1]}"
+
+    def _remember(self, table: "collections.OrderedDict[int, Any]", round_id: int, value: Any) -> None:
+        table[round_id] = value
+        table.move_to_end(round_id)
+        while len(table) > self._REMEMBERED_ROUNDS:
+            table.popitem(last=False)
 
 
 def group_version(controller: Any, group: str) -> int:

@@ -115,9 +115,16 @@ class EngineWorker:
         self._in_update, self._prepare_wait_s = in_update, prepare_wait_s
         self.worker = refit.Worker(daemon, group, "inference", layout, tensors, on_prepare=self._on_prepare)
 
-    def _on_prepare(self, version: int) -> None:
+    def _on_prepare(self, version: int, round_id: Optional[int] = None) -> None:
         deadline = time.monotonic() + self._prepare_wait_s
-        while not self._in_update():
+        while True:
+            # A round that ended meanwhile must not be taken by the next weight-update session.
+            worker = getattr(self, "worker", None)  # None while the constructor registers it
+            if round_id is not None and worker is not None and not worker.round_is_open(round_id):
+                raise RuntimeError(f"refit round {round_id} (version {version}) ended before SGLang's "
+                                   "weight-update session began")
+            if self._in_update():
+                return
             if time.monotonic() >= deadline:
                 raise RuntimeError("SGLang is not inside a weight-update session (begin_weight_update) "
                                    f"within {self._prepare_wait_s:g} s")

@@ -9,10 +9,13 @@ every worker with the live model):
   A draft/MTP model, pipeline parallelism, or a quantization refit does not write is refused
   with an ``UnsupportedModel`` naming it.
 * ``start_weight_update()`` opens the update window (no forward pass runs on this worker while
-  vLLM is inside the call) and returns once a refit round PREPAREd this worker.
-* ``receive_weights(RefitUpdateInfo(version))`` returns once the daemons COMMITted that version
-  into the live tensors; an aborted round raises ``RoundAborted`` (vLLM then keeps the engine
-  from serving mixed weights until a later update succeeds).
+  vLLM is inside the call) and returns once a refit round PREPAREd this worker (or at once when
+  the last round here had aborted before the window opened: update_weights sorts it out).
+* ``receive_weights(RefitUpdateInfo(version, round_id))`` returns once the daemons COMMITted
+  that version into the live tensors; an aborted round raises ``RoundAborted`` (vLLM then keeps
+  the engine from serving mixed weights until a later update succeeds). With ``round_id`` (the
+  trainer engine sends it) the engine waits for that round exactly; a round that aborted while
+  the window was closed never counts as a later update's.
 * ``finish_weight_update()`` re-derives what vLLM derives from loaded weights (attention layers'
   ``process_weights_after_loading``, e.g. MLA's absorbed matrices) and closes the window.
 
@@ -21,7 +24,7 @@ Trainer side, ``RefitTrainerWeightTransferEngine`` (vLLM's ``TrainerWeightTransf
 ``WeightSource`` is staged: copied each round into registered buffers) and initialises the
 engines through the client, a ``WeightSyncClient`` (its methods are checked first, before
 anything registers); ``send_weights()`` runs one refit round: pause (``keep``), start the round,
-``start_weight_update``, ``update_weights({"version": v})``, ``finish_weight_update``,
+``start_weight_update``, ``update_weights({"version": v, "round_id": r})``, ``finish_weight_update``,
 prefix-cache reset, resume.
 
 ``register()`` is the ``vllm.general_plugins`` entry point: it registers both classes under the
@@ -35,7 +38,7 @@ import logging
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any, Dict, Iterator, List, Optional, Protocol, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Optional, Protocol, Tuple
 
 from refit.integrations._common import (EngineWindow, IntegrationError, RoundAborted, StagedTrainer,
                                         UnsupportedModel, env_or, group_version, open_watch, wait_ready,
@@ -83,13 +86,19 @@ class RefitInitInfo:
 
 @dataclass
 class RefitUpdateInfo:
-    """One update (``update_weights``' dict): the refit version the trainer's round writes."""
+    """One update (``update_weights``' dict): the refit version the trainer's round writes, and
+    that round's id (``start_refit``'s answer; 0: not known). With the id, the engine waits for
+    exactly that round, even one that aborted before the engine's update window opened; without
+    it, for the round that PREPAREs the engine inside the window."""
 
     version: int
+    round_id: int = 0
 
     def __post_init__(self) -> None:
         if not isinstance(self.version, int) or self.version <= 0:
             raise ValueError(f"RefitUpdateInfo.version must be a positive integer, not {self.version!r}")
+        if isinstance(self.round_id, bool) or not isinstance(self.round_id, int) or self.round_id < 0:
+            raise ValueError(f"RefitUpdateInfo.round_id must be a round id (0: not known), not {self.round_id!r}")
 
 
 @dataclass
@@ -135,10 +144,12 @@ class WeightSyncClient(Protocol):
         with this dict (a ``RefitInitInfo``)."""
 
     def start_weight_update(self) -> None:
-        """Every engine worker's ``start_weight_update`` (returns once PREPAREd)."""
+        """Every engine worker's ``start_weight_update`` (returns once PREPAREd, or once its
+        window is open when the last round there had aborted before)."""
 
     def update_weights(self, update_info: Dict[str, Any]) -> None:
-        """Every engine worker's ``update_weights({"version": v})`` (returns once COMMITted)."""
+        """Every engine worker's ``update_weights({"version": v, "round_id": r})`` (returns once
+        round r COMMITted v)."""
 
     def finish_weight_update(self) -> None:
         """Every engine worker's ``finish_weight_update``."""
@@ -300,7 +311,9 @@ class _EngineImpl:
         self.worker: Any = None
         self.window: Optional[EngineWindow] = None
         self.info: Optional[RefitInitInfo] = None
-        self._prepared: Optional[int] = None
+        self._in_update = False               # between start_weight_update and its end
+        self._prepared: Optional[int] = None  # the version of the round prepared in the window
+        self._received: Optional[int] = None  # the version update_weights saw committed
         self.post_processed = 0
 
     # vLLM calls this to aim an update at its draft model.
@@ -340,13 +353,16 @@ class _EngineImpl:
         buffers = [b["name"] for w in layout["workers"] for b in w["buffers"]]
         tensors = {name: params[name] for name in buffers}
         self.window = EngineWindow(init_info.prepare_wait_s, always_open=init_info.window == "idle")
-        on_commit = self.window.on_commit
+        on_commit: Callable[..., None] = self.window.on_commit
         if init_info.window == "idle":
             on_commit = self._commit_while_idle
         self.info = init_info
+        # The window's callbacks take the round's id; on_round_end stops a PREPARE waiting for
+        # the window once its round is over.
         self.worker = refit.Worker(daemon, init_info.group, "inference", layout, tensors,
                                    on_prepare=self.window.on_prepare, on_commit=on_commit,
-                                   on_abort=self.window.on_abort, register_timeout=init_info.register_timeout_s)
+                                   on_abort=self.window.on_abort, on_round_end=self.window.on_round_end,
+                                   register_timeout=init_info.register_timeout_s)
         log.info("vLLM worker %s registered %d parameters with %s (group %s)", self.worker.name, len(tensors),
                  daemon, init_info.group)
 
@@ -355,48 +371,62 @@ class _EngineImpl:
             raise IntegrationError("refit weight transfer is not initialised: call init_weight_transfer_engine first")
         return self.worker, self.window, self.info
 
-    def _commit_while_idle(self, version: int) -> None:
+    def _commit_while_idle(self, version: int, round_id: Optional[int] = None) -> None:
         # No update call reaches the engine in this mode: what finish_weight_update does runs here.
         assert self.window is not None
         self.post_processed = post_process_derived(self.model, self.model_config)
-        self.window.on_commit(version)
+        self.window.on_commit(version, round_id=round_id)
 
     def start_weight_update(self) -> None:
         _, window, info = self._require()
         window.enter()
         try:
-            self._prepared = window.wait_prepared(info.timeout_s)
+            # Returns at once (None) when the last round here had aborted before the window
+            # opened: that round may be this update's (update_weights' round id tells), or an
+            # older one, the update's own PREPARE still to come.
+            self._prepared = window.wait_prepared(info.timeout_s, unless_last_aborted=True)
         except BaseException:
             window.leave()
             raise
+        self._in_update, self._received = True, None
+
+    def _end_update(self) -> None:
+        assert self.window is not None
+        self._in_update, self._prepared, self._received = False, None, None
+        self.window.leave()
 
     def receive_weights(self, update_info: RefitUpdateInfo) -> None:
         _, window, info = self._require()
+        version = update_info.version
         try:
-            if self._prepared is None:
-                raise IntegrationError("update_weights without start_weight_update: no refit round is prepared here")
-            if self._prepared != update_info.version:
-                raise IntegrationError(f"the refit round prepared here writes version {self._prepared}, "
-                                       f"but update_weights asked for version {update_info.version}")
-            window.wait_outcome(update_info.version, info.timeout_s)
+            if not self._in_update:
+                raise IntegrationError("update_weights without start_weight_update: no update window is open here")
+            if update_info.round_id:
+                window.wait_round(update_info.round_id, version, info.timeout_s)
+            else:
+                if self._prepared is None:
+                    self._prepared = window.wait_prepared(info.timeout_s)
+                if self._prepared != version:
+                    raise IntegrationError(f"the refit round prepared here writes version {self._prepared}, "
+                                           f"but update_weights asked for version {version}")
+                window.wait_outcome(version, info.timeout_s)
         except BaseException:
-            self._prepared = None
-            window.leave()
+            self._end_update()
             raise
+        self._received = version
 
     def update_weights(self, update_info: Dict[str, Any]) -> None:
         # As vLLM's base does, less its device synchronise: the daemon's copies finished before COMMIT.
         self.receive_weights(self.parse_update_info(update_info))  # type: ignore[attr-defined]
 
     def finish_weight_update(self) -> None:
-        _, window, _ = self._require()
+        self._require()
         try:
-            if self._prepared is None:
+            if self._received is None:
                 raise IntegrationError("finish_weight_update without a received refit round")
             self.post_processed = post_process_derived(self.model, self.model_config)
         finally:
-            self._prepared = None
-            window.leave()
+            self._end_update()
 
     def shutdown(self) -> None:
         if self.worker is not None:
@@ -577,7 +607,9 @@ class _TrainerImpl:
             try:
                 client.start_weight_update()
                 step = "update_weights"
-                client.update_weights(dataclasses.asdict(RefitUpdateInfo(version)))
+                # The round's id: the engines then wait for this round exactly, even where it
+                # aborted before their update window opened.
+                client.update_weights(dataclasses.asdict(RefitUpdateInfo(version, round_id=round_id)))
                 step = "finish_weight_update"
                 client.finish_weight_update()
             except Exception as e:

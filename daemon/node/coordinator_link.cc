@@ -1,0 +1,358 @@
+#include "daemon/node/coordinator_link.h"
+
+#include <fstream>
+#include <sstream>
+
+#include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/strip.h"
+#include "absl/synchronization/notification.h"
+#include "daemon/base/logging.h"
+
+namespace refit {
+namespace {
+
+std::chrono::system_clock::time_point Deadline(absl::Duration d) {
+  return std::chrono::system_clock::now() + absl::ToChronoNanoseconds(d);
+}
+
+// A coordinator that restarts is reached again within a second, not after gRPC's default
+// reconnect back-off (1 s doubling up to 120 s: peers took 6-25 s to rejoin).
+grpc::ChannelArguments ChannelArgs(int64_t max_rpc_bytes) {
+  grpc::ChannelArguments args;
+  args.SetMaxReceiveMessageSize(static_cast<int>(max_rpc_bytes));
+  args.SetMaxSendMessageSize(static_cast<int>(max_rpc_bytes));
+  args.SetInt(GRPC_ARG_INITIAL_RECONNECT_BACKOFF_MS, 100);
+  args.SetInt(GRPC_ARG_MIN_RECONNECT_BACKOFF_MS, 100);
+  args.SetInt(GRPC_ARG_MAX_RECONNECT_BACKOFF_MS, 1000);
+  return args;
+}
+
+constexpr absl::string_view kFilePrefix = "file:";
+
+// The target named in `path` (first line, trimmed); empty when it cannot be read or is empty.
+std::string ReadTarget(const std::string& path) {
+  std::ifstream in(path);
+  std::string line;
+  if (!in || !std::getline(in, line)) return "";
+  return std::string(absl::StripAsciiWhitespace(line));
+}
+
+}  // namespace
+
+CoordinatorLink::CoordinatorLink(CoordinatorLinkOptions options) : options_(std::move(options)) {
+  absl::string_view path = options_.coordinator;
+  if (absl::ConsumePrefix(&path, kFilePrefix)) {
+    target_ = ReadTarget(std::string(path));
+    if (target_.empty()) {
+      Logger("rpc")->warn("{} names no coordinator yet; joining waits for it", std::string(path));
+    }
+  } else {
+    target_ = options_.coordinator;
+  }
+}
+
+std::string CoordinatorLink::Target() {
+  absl::MutexLock lock(&mu_);
+  return target_;
+}
+
+void CoordinatorLink::Refresh() {
+  absl::string_view path = options_.coordinator;
+  if (!absl::ConsumePrefix(&path, kFilePrefix)) return;
+  const std::string now = ReadTarget(std::string(path));
+  if (now.empty()) return;  // a file being rewritten, or removed: keep the last target
+  absl::MutexLock lock(&mu_);
+  if (now == target_) return;
+  Logger("rpc")->info("{} now names the coordinator at {} (was {})", std::string(path), now,
+                      target_.empty() ? "none" : target_);
+  target_ = now;
+  peer_.reset();  // calls in flight keep their stubs (shared)
+  control_.reset();
+}
+
+CoordinatorLink::~CoordinatorLink() { Stop(); }
+
+std::shared_ptr<grpc::Channel> CoordinatorLink::NewChannel() {
+  if (options_.tls != nullptr)
+    return options_.tls->Channel(target_, ChannelArgs(options_.max_rpc_bytes));
+  return grpc::CreateCustomChannel(target_, grpc::InsecureChannelCredentials(),
+                                   ChannelArgs(options_.max_rpc_bytes));
+}
+
+KnownCoordinator CoordinatorLink::Coordinator() {
+  absl::MutexLock lock(&mu_);
+  return coordinator_;
+}
+
+absl::Status CoordinatorLink::Answered(const grpc::ClientContext& ctx,
+                                       const v1::JoinResponse& out) {
+  // With --coordinator-node, only that node's certificate is obeyed as the coordinator; without
+  // it, the answer's own certificate must be the node the answer names.
+  if (options_.coordinator_node >= 0 && out.coordinator_node() != options_.coordinator_node) {
+    return absl::PermissionDeniedError(absl::StrCat(
+        "the daemon at ", Target(), " answers as coordinator node ", out.coordinator_node(),
+        "; --coordinator-node is ", options_.coordinator_node));
+  }
+  if (options_.tls != nullptr) {
+    if (auto s = CheckServerNode(*options_.tls, ctx, out.coordinator_node()); !s.ok()) {
+      return absl::PermissionDeniedError(
+          absl::StrCat("the coordinator at ", Target(), ": ", s.message()));
+    }
+  }
+  absl::MutexLock lock(&mu_);
+  if (coordinator_.incarnation != out.coordinator_incarnation() && coordinator_.node >= 0) {
+    Logger("rpc")->info(
+        "the coordinator is node {} incarnation {} now (was node {} incarnation {})",
+        out.coordinator_node(), out.coordinator_incarnation(), coordinator_.node,
+        coordinator_.incarnation);
+  }
+  coordinator_ = KnownCoordinator{out.coordinator_node(), out.coordinator_incarnation()};
+  if (out.resync()) ++resyncs_seen_;
+  return absl::OkStatus();
+}
+
+std::shared_ptr<v1::RefitPeer::Stub> CoordinatorLink::Peer() {
+  absl::MutexLock lock(&mu_);
+  if (!peer_) {
+    peer_ = v1::RefitPeer::NewStub(NewChannel());
+  }
+  return peer_;
+}
+
+std::shared_ptr<v1::RefitControl::Stub> CoordinatorLink::Control() {
+  absl::MutexLock lock(&mu_);
+  if (!control_) {
+    control_ = v1::RefitControl::NewStub(NewChannel());
+  }
+  return control_;
+}
+
+v1::JoinRequest CoordinatorLink::JoinRequestNow() {
+  v1::JoinRequest out = join_;
+  absl::MutexLock lock(&mu_);
+  out.set_resyncs_seen(resyncs_seen_);
+  return out;
+}
+
+absl::Status CoordinatorLink::Join(const std::string& control_address,
+                                   const std::string& data_address) {
+  join_.set_node(options_.node);
+  join_.set_control_address(control_address);
+  join_.set_data_address(data_address);
+  join_.set_incarnation(options_.incarnation);
+  // A coordinator not up yet (started after this daemon, restarting, its DNS name not yet
+  // resolvable) is waited for, with a back-off of 200 ms doubling to 5 s, logged every 10 s:
+  // exiting would put a Kubernetes pod into CrashLoopBackOff. Bounded by options_.join_timeout
+  // when set; Stop() ends the wait.
+  absl::Status joined = absl::UnavailableError("not tried");
+  const absl::Time start = absl::Now();
+  absl::Time logged = absl::InfinitePast();
+  absl::Duration backoff = absl::Milliseconds(200);
+  for (int attempt = 1;; ++attempt) {
+    grpc::ClientContext ctx;
+    ctx.set_deadline(Deadline(options_.peer_timeout));
+    v1::JoinResponse out;
+    joined =
+        Target().empty()
+            ? absl::UnavailableError(absl::StrCat(options_.coordinator, " names no coordinator"))
+            : FromGrpc(Peer()->Join(&ctx, JoinRequestNow(), &out));
+    if (joined.ok()) joined = Answered(ctx, out);
+    if (joined.ok()) {
+      if (attempt > 1)
+        Logger("rpc")->info("joined the coordinator at {} after {} attempts", Target(), attempt);
+      break;
+    }
+    if (options_.join_timeout > absl::ZeroDuration() &&
+        absl::Now() - start >= options_.join_timeout)
+      break;
+    if (absl::Now() - logged >= absl::Seconds(10)) {
+      Logger("rpc")->warn("waiting for the coordinator at {} (attempt {}, next in {}): {}",
+                          Target().empty() ? options_.coordinator : Target(), attempt,
+                          absl::FormatDuration(backoff), std::string(joined.message()));
+      logged = absl::Now();
+    }
+    {
+      absl::MutexLock lock(&mu_);
+      if (!stopping_) stop_.WaitWithTimeout(&mu_, backoff);
+      if (stopping_) return absl::CancelledError("stopped while waiting for the coordinator");
+    }
+    backoff = std::min(backoff * 2, absl::Seconds(5));
+    Refresh();
+  }
+  if (!joined.ok()) {
+    return absl::UnavailableError(absl::StrCat(
+        "cannot join the coordinator at ", options_.coordinator,
+        Target() != options_.coordinator ? " (" + Target() + ")" : "", ": ", joined.message()));
+  }
+  heartbeat_ = std::thread([this] { HeartbeatLoop(); });
+  return absl::OkStatus();
+}
+
+absl::Status CoordinatorLink::Sync(std::vector<v1::WorkerRefusal>* refused) {
+  absl::MutexLock order(&sync_order_);
+  v1::SyncWorkersRequest sync;
+  sync.set_node(options_.node);
+  sync.set_incarnation(options_.incarnation);
+  sync.set_sequence(++last_sequence_);
+  {
+    absl::MutexLock lock(&mu_);
+    sync.set_resyncs_seen(resyncs_seen_);
+  }
+  for (v1::RegisterWorkerRequest& w : options_.snapshot()) *sync.add_workers() = std::move(w);
+  grpc::ClientContext ctx;
+  ctx.set_deadline(Deadline(options_.peer_timeout));
+  v1::SyncWorkersResponse out;
+  const absl::Status s = FromGrpc(Peer()->SyncWorkers(&ctx, sync, &out));  // stub kept for the call
+  for (const v1::WorkerRefusal& r : out.refused()) {
+    Logger("rpc")->warn("the coordinator did not admit {}: {}", r.worker_id(), r.reason());
+    if (refused != nullptr) refused->push_back(r);
+  }
+  {
+    // Under `sync_order_`: the last sync's outcome is what the coordinator holds. A failed one may
+    // still have been applied; sending the list again is harmless.
+    absl::MutexLock lock(&mu_);
+    sync_owed_ = !s.ok();
+  }
+  return s;
+}
+
+bool CoordinatorLink::SyncOwed() {
+  absl::MutexLock lock(&mu_);
+  return sync_owed_;
+}
+
+std::optional<v1::JoinResponse> CoordinatorLink::Heartbeat(bool* lost) {
+  grpc::ClientContext ctx;
+  // A moved coordinator is found within a heartbeat of its file naming it (one small read per
+  // heartbeat), and a heartbeat waits for a connection a second at most, not --peer-timeout:
+  // one to a coordinator that vanished would otherwise hold up the next look at the file.
+  Refresh();
+  ctx.set_deadline(Deadline(
+      std::min(options_.peer_timeout, std::max(options_.heartbeat * 2, absl::Seconds(1)))));
+  ctx.set_wait_for_ready(true);  // a coordinator coming back is joined as soon as it listens
+  v1::JoinResponse out;
+  absl::Status s = FromGrpc(Peer()->Join(&ctx, JoinRequestNow(), &out));
+  if (s.ok()) s = Answered(ctx, out);
+  if (!s.ok()) {
+    if (!*lost) {
+      Logger("rpc")->warn("heartbeat to the coordinator at {} failed: {}", Target(),
+                          std::string(s.message()));
+    }
+    *lost = true;
+    return std::nullopt;
+  }
+  if (*lost) Logger("rpc")->info("the coordinator at {} answers again", Target());
+  *lost = false;
+  return out;
+}
+
+void CoordinatorLink::HeartbeatLoop() {
+  bool lost = false;
+  absl::Time next_beat = absl::Now() + options_.heartbeat;
+  // A sync owed is sent after an answered heartbeat, and one that failed is tried again with a
+  // back-off (each attempt within --peer-timeout) between heartbeats, which go on meanwhile: a
+  // node that stopped heartbeating to resend a large list would be declared dead for it. One
+  // refused because the coordinator does not know this node waits for the heartbeat that
+  // rejoins it.
+  absl::Time not_before = absl::InfinitePast();
+  absl::Duration backoff = kFirstSyncRetry;
+  bool retry_between_beats = false;
+  while (true) {
+    {
+      absl::MutexLock lock(&mu_);
+      absl::Time wake = next_beat;
+      if (sync_owed_ && retry_between_beats) {
+        wake = std::min(wake, std::max(not_before, absl::Now()));
+      }
+      if (!stopping_) stop_.WaitWithDeadline(&mu_, wake);
+      if (stopping_) return;
+    }
+    bool answered = false;
+    if (absl::Now() >= next_beat) {
+      const std::optional<v1::JoinResponse> answer = Heartbeat(&lost);
+      next_beat = absl::Now() + options_.heartbeat;
+      // Unanswered: the next answer says whether the coordinator lacks this node's list.
+      if (!answer.has_value()) continue;
+      answered = true;
+      if (options_.on_answer) options_.on_answer(*answer);
+      // The coordinator restarted or declared this node dead, and no list of this incarnation
+      // reached it since: it asks in every answer until one does.
+      if (answer->resync()) {
+        absl::MutexLock lock(&mu_);
+        sync_owed_ = true;
+      }
+    }
+    if (!SyncOwed()) {  // sent, perhaps by a registration meanwhile
+      not_before = absl::InfinitePast();
+      backoff = kFirstSyncRetry;
+      retry_between_beats = false;
+      continue;
+    }
+    if (absl::Now() < not_before || !(answered || retry_between_beats)) continue;
+    std::vector<v1::WorkerRefusal> refused;
+    const absl::Status s = Sync(&refused);
+    if (!refused.empty() && options_.on_refused) options_.on_refused(refused);
+    if (!s.ok()) {
+      Logger("rpc")->warn(
+          "sending this node's workers to the coordinator at {} failed (again in {} at the "
+          "earliest): {}",
+          Target(), absl::FormatDuration(backoff), std::string(s.message()));
+      not_before = absl::Now() + backoff;
+      backoff = std::min(backoff * 2, kLastSyncRetry);
+      retry_between_beats = s.code() != absl::StatusCode::kFailedPrecondition;
+    }
+  }
+}
+
+void CoordinatorLink::Stop() {
+  {
+    absl::MutexLock lock(&mu_);
+    stopping_ = true;
+    stop_.SignalAll();
+  }
+  if (heartbeat_.joinable()) heartbeat_.join();
+}
+
+absl::Status CoordinatorLink::ForwardWatch(
+    const v1::WatchRoundsRequest& request, const std::function<bool()>& cancelled,
+    const std::function<bool(const v1::RoundStats&)>& write) {
+  grpc::ClientContext ctx;
+  std::shared_ptr<v1::RefitControl::Stub> stub = Control();  // outlives the stream
+  auto reader = stub->WatchRounds(&ctx, request);
+  // The upstream read blocks until the coordinator sends a round: a side thread cancels it as soon
+  // as the downstream caller is gone or the link stops, so that neither daemon keeps a thread
+  // (and a node can drain) for a watcher that left.
+  absl::Notification done;
+  std::thread watchdog([&] {
+    while (!done.WaitForNotificationWithTimeout(absl::Milliseconds(100))) {
+      bool stopping;
+      {
+        absl::MutexLock lock(&mu_);
+        stopping = stopping_;
+      }
+      if (stopping || cancelled()) {
+        ctx.TryCancel();
+        return;
+      }
+    }
+  });
+  v1::RoundStats s;
+  bool downstream_gone = false;
+  while (reader->Read(&s)) {
+    if (!write(s)) {
+      downstream_gone = true;
+      break;
+    }
+  }
+  const bool ended_by_coordinator = !downstream_gone && !cancelled();
+  ctx.TryCancel();
+  done.Notify();
+  watchdog.join();
+  const grpc::Status status = reader->Finish();
+  // The coordinator's own end of the stream (a refusal: too many watches, not allowed) is the
+  // caller's answer; one we cancelled because the caller left is nobody's.
+  return ended_by_coordinator ? FromGrpc(status) : absl::OkStatus();
+}
+
+}  // namespace refit

@@ -21,7 +21,7 @@
 
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
-#include "client/worker_client.h"
+#include "client/worker/worker_client.h"
 #include "common/shared_memory.h"
 #include "daemon/daemon.h"
 #include "daemon/testing/test_registrations.h"

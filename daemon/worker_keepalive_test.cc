@@ -12,7 +12,7 @@
 #include <mutex>
 
 #include "absl/strings/str_cat.h"
-#include "client/worker_client.h"
+#include "client/worker/worker_client.h"
 #include "plan/test_layouts.h"
 #include "plan/validate.h"
 

@@ -12,7 +12,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
-#include "client/worker_client.h"
+#include "client/worker/worker_client.h"
 #include "common/shared_memory.h"
 #include "daemon/daemon.h"
 #include "daemon/dataplane/host/host_backend.h"

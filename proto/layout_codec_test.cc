@@ -3,8 +3,8 @@
 #include <catch2/catch.hpp>
 #include <tuple>
 
-#include "client/layout_generator.h"
-#include "client/model_config.h"
+#include "client/models/layout_generator.h"
+#include "client/models/model_config.h"
 #include "google/protobuf/util/json_util.h"
 #include "plan/validate.h"
 

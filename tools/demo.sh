@@ -30,17 +30,17 @@ done
 gpus=$( (nvidia-smi -L 2>/dev/null || true) | grep -c "^GPU" || true)
 if [ "$cpu" -eq 0 ] && [ "$gpus" -ge 2 ]; then
   echo "== $gpus GPUs: the refit runs on GPUs 0 and 1 (--cpu for the CPU cluster)"
-  bazel build //daemon:refitd //client:refitctl //client:refit-layout //tests/workers:sim-worker-cuda 2>&1 |
+  bazel build //daemon:refitd //client/tools:refitctl //client/tools:refit-layout //tests/workers:sim-worker-cuda 2>&1 |
     grep -E "ERROR|error:" || true
   BIN=$(mktemp -d)
-  for p in daemon/refitd client/refitctl client/refit-layout tests/workers/sim-worker-cuda; do cp "bazel-bin/$p" "$BIN/"; done
+  for p in daemon/refitd client/tools/refitctl client/tools/refit-layout tests/workers/sim-worker-cuda; do cp "bazel-bin/$p" "$BIN/"; done
   BIN=$BIN SCALE=$((scale / 2 > 0 ? scale / 2 : 1)) exec bash tests/gpu/colocated.sh
 fi
 echo "== building"
-bazel build //daemon:refitd //client:refitctl //client:refit-layout //tests/workers:sim-worker 2>&1 |
+bazel build //daemon:refitd //client/tools:refitctl //client/tools:refit-layout //tests/workers:sim-worker 2>&1 |
   grep -E "ERROR|error:" || true
 BIN=$(mktemp -d)
-for p in daemon/refitd client/refitctl client/refit-layout tests/workers/sim-worker; do
+for p in daemon/refitd client/tools/refitctl client/tools/refit-layout tests/workers/sim-worker; do
   cp "bazel-bin/$p" "$BIN/"
 done
 RUN=$(mktemp -d)

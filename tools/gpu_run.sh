@@ -4,11 +4,11 @@
 #   there:  bash tools/gpu_run.sh                 (runs; logs under $OUT, default out/gpu)
 set -uo pipefail
 cd "$(dirname "$0")/.."
-programs=(client/cuda_export_test kernels/copy_kernels_test kernels/copy_bench kernels/peer_bench kernels/nccl_pair_bench daemon/refitd client/refitctl client/refit-layout
+programs=(client/worker/cuda_export_test kernels/copy_kernels_test kernels/copy_bench kernels/peer_bench kernels/nccl_pair_bench daemon/refitd client/tools/refitctl client/tools/refit-layout
           tests/workers/sim-worker-cuda)
 if [ "${1:-}" = "--bundle" ]; then
-  bazel build //client:cuda_export_test //kernels:copy_kernels_test //kernels:copy_bench //kernels:peer_bench //kernels:nccl_pair_bench //daemon:refitd //client:refitctl \
-    //client:refit-layout //tests/workers:sim-worker-cuda 2>&1 | grep -E "ERROR|error:" && exit 1
+  bazel build //client/worker:cuda_export_test //kernels:copy_kernels_test //kernels:copy_bench //kernels:peer_bench //kernels:nccl_pair_bench //daemon:refitd //client/tools:refitctl \
+    //client/tools:refit-layout //tests/workers:sim-worker-cuda 2>&1 | grep -E "ERROR|error:" && exit 1
   ../shared/device/bundle .device "${programs[@]/#/bazel-bin/}"
   exit $?
 fi

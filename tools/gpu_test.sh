@@ -12,7 +12,7 @@
 # benchmarks' widths (default 8).
 set -uo pipefail
 cd "$(dirname "$0")/.."
-tools=(daemon/refitd client/refit-layout client/refitctl tests/workers/sim-worker tests/workers/sim-worker-cuda
+tools=(daemon/refitd client/tools/refit-layout client/tools/refitctl tests/workers/sim-worker tests/workers/sim-worker-cuda
       )
 if [ "${1:-}" = "--bundle" ]; then
   mapfile -t gpu_tests < <(bazel query 'attr(tags, "\bgpu\b", tests(//...))' 2>/dev/null | sort)

@@ -6,7 +6,7 @@
 #include <string>
 #include <vector>
 
-#include "client/layout_generator.h"
+#include "client/models/layout_generator.h"
 
 namespace refit {
 

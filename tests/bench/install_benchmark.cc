@@ -1,6 +1,6 @@
 // Plan installation at frontier scale (issue 13.8): the InstallPlanRequest the coordinator sends
 // to every daemon, its size in full and compact form, and what a daemon spends installing it.
-// Layouts are generated as refit-layout writes them (client/layout_generator.h); the full form is
+// Layouts are generated as refit-layout writes them (client/models/layout_generator.h); the full form is
 // what the coordinator gathers from the workers' registrations (every piece spelled out), the
 // compact form what GroupPlanner caches and RoundDriver sends (proto/layout_codec.h). One JSON
 // object per case on stdout.
@@ -16,7 +16,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
-#include "client/layout_generator.h"
+#include "client/models/layout_generator.h"
 #include "common/cli_flags.h"
 #include "daemon/node/node_agent.h"
 #include "google/protobuf/util/json_util.h"

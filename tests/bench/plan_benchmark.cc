@@ -18,8 +18,8 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
-#include "client/fp8_layout.h"
-#include "client/layout_generator.h"
+#include "client/models/fp8_layout.h"
+#include "client/models/layout_generator.h"
 #include "common/cli_flags.h"
 #include "kernels/network_schedule.h"
 #include "plan/planner.h"

@@ -11,7 +11,7 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
-#include "client/worker_client.h"
+#include "client/worker/worker_client.h"
 #include "proto/layout_codec.h"
 
 extern char** environ;
@@ -117,7 +117,7 @@ absl::StatusOr<RegistrationMemory> MeasureRegistration(const RegistrationMemoryO
   out.tensors = static_cast<int64_t>(layout.tensors.size());
   out.buffers = static_cast<int64_t>(layout.buffers.size());
   {
-    // What the worker library sends (client/worker_client.cc): the layout's tensors and its one
+    // What the worker library sends (client/worker/worker_client.cc): the layout's tensors and its one
     // worker, one memory handle per buffer (a shared-memory descriptor and offset), a token.
     const v1::Layout proto = LayoutToProto(layout);
     v1::RegisterWorkerRequest r;

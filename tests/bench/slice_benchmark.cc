@@ -17,7 +17,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
-#include "client/layout_generator.h"
+#include "client/models/layout_generator.h"
 #include "common/cli_flags.h"
 #include "plan/plan_slice.h"
 #include "plan/planner.h"

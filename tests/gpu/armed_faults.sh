@@ -50,8 +50,8 @@
 #
 # Dry run on a CPU machine (host backend, sim-worker: nothing is armed there, so the "armed"
 # assertions are skipped, every fault case runs; about a minute on 2 cores):
-#   bazel build //daemon:refitd //client:refitctl //client:refit-layout //tests/workers:sim-worker
-#   mkdir -p /tmp/afbin && ln -sf $PWD/bazel-bin/{daemon/refitd,client/refitctl,client/refit-layout,tests/workers/sim-worker} /tmp/afbin/
+#   bazel build //daemon:refitd //client/tools:refitctl //client/tools:refit-layout //tests/workers:sim-worker
+#   mkdir -p /tmp/afbin && ln -sf $PWD/bazel-bin/{daemon/refitd,client/tools/refitctl,client/tools/refit-layout,tests/workers/sim-worker} /tmp/afbin/
 #   BIN=/tmp/afbin BACKEND=host bash tests/gpu/armed_faults.sh
 # On the GPU machine, from the bundle (.device/bin: refitd, refitctl, refit-layout, sim-worker-cuda):
 #   OUT=DIR bash tests/gpu/armed_faults.sh          # logs packed into DIR/armed_faults.tgz

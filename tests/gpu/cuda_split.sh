@@ -11,11 +11,11 @@
 # BUDGET_S: start no benchmark run after this many seconds.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
-programs=(daemon/refitd client/refit-layout client/refitctl tests/workers/sim-worker-cuda daemon/dataplane/cuda/cuda_vmm_test daemon/dataplane/cuda/cuda_armed_test
-          client/cuda_export_test kernels/copy_kernels_test kernels/local_copy_bench kernels/gate_bench tests/bench/ipc_copy_bench)
+programs=(daemon/refitd client/tools/refit-layout client/tools/refitctl tests/workers/sim-worker-cuda daemon/dataplane/cuda/cuda_vmm_test daemon/dataplane/cuda/cuda_armed_test
+          client/worker/cuda_export_test kernels/copy_kernels_test kernels/local_copy_bench kernels/gate_bench tests/bench/ipc_copy_bench)
 if [ "${1:-}" = "--bundle" ]; then
-  bazel build //daemon:refitd //client:refit-layout //client:refitctl //tests/workers:sim-worker-cuda \
-    //daemon/dataplane/cuda:cuda_vmm_test //daemon/dataplane/cuda:cuda_armed_test //client:cuda_export_test //kernels:copy_kernels_test //kernels:local_copy_bench //kernels:gate_bench //tests/bench:ipc_copy_bench 2>&1 | grep -E "ERROR|error:" && exit 1
+  bazel build //daemon:refitd //client/tools:refit-layout //client/tools:refitctl //tests/workers:sim-worker-cuda \
+    //daemon/dataplane/cuda:cuda_vmm_test //daemon/dataplane/cuda:cuda_armed_test //client/worker:cuda_export_test //kernels:copy_kernels_test //kernels:local_copy_bench //kernels:gate_bench //tests/bench:ipc_copy_bench 2>&1 | grep -E "ERROR|error:" && exit 1
   # Bazel's own output folder for these options: the bazel-bin link follows whichever build ran
   # last, and other builds (another config) may run in this workspace meanwhile.
   bin=$(bazel info bazel-bin 2>/dev/null) || exit 1

@@ -17,9 +17,9 @@ set -uo pipefail
 cd "$(dirname "$0")/../.."
 dest=.device/fp8speed
 if [ "${1:-}" = "--bundle" ]; then
-  bazel build //kernels:copy_kernels_test //kernels:local_copy_bench //client:refit-layout 2>&1 | grep -E "ERROR|error:" && exit 1
+  bazel build //kernels:copy_kernels_test //kernels:local_copy_bench //client/tools:refit-layout 2>&1 | grep -E "ERROR|error:" && exit 1
   bin=$(bazel info bazel-bin 2>/dev/null) || exit 1
-  ../shared/device/bundle "$dest" "$bin/kernels/copy_kernels_test" "$bin/kernels/local_copy_bench" "$bin/client/refit-layout" || exit 1
+  ../shared/device/bundle "$dest" "$bin/kernels/copy_kernels_test" "$bin/kernels/local_copy_bench" "$bin/client/tools/refit-layout" || exit 1
   git log -1 --format='%H %s' >"$dest/commit.txt"; git status --short >>"$dest/commit.txt"
   exit 0
 fi

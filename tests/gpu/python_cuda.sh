@@ -7,10 +7,10 @@
 # refitd --backend cuda; the C++ colocated round trip on IPC and on VMM memory; pip install.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
-programs=(daemon/refitd client/refit-layout client/refitctl tests/workers/sim-worker-cuda daemon/dataplane/cuda/cuda_vmm_test client/cuda_export_test)
+programs=(daemon/refitd client/tools/refit-layout client/tools/refitctl tests/workers/sim-worker-cuda daemon/dataplane/cuda/cuda_vmm_test client/worker/cuda_export_test)
 if [ "${1:-}" = "--bundle" ]; then
-  bazel build //daemon:refitd //client:refit-layout //client:refitctl //tests/workers:sim-worker-cuda \
-    //daemon/dataplane/cuda:cuda_vmm_test //client:cuda_export_test 2>&1 | grep -E "ERROR|error:" && exit 1
+  bazel build //daemon:refitd //client/tools:refit-layout //client/tools:refitctl //tests/workers:sim-worker-cuda \
+    //daemon/dataplane/cuda:cuda_vmm_test //client/worker:cuda_export_test 2>&1 | grep -E "ERROR|error:" && exit 1
   ../shared/device/bundle .device "${programs[@]/#/bazel-bin/}"
   exit $?
 fi

@@ -7,7 +7,7 @@
 # culprit, the daemons keep serving, and the next round after re-registration is byte-exact.
 set -uo pipefail
 BIN=$(mktemp -d)
-for p in daemon/refitd client/refitctl client/refit-layout tests/workers/sim-worker; do
+for p in daemon/refitd client/tools/refitctl client/tools/refit-layout tests/workers/sim-worker; do
   ln -s "$PWD/$p" "$BIN/"
 done
 RUN=$(mktemp -d)

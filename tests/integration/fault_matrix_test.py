@@ -827,7 +827,7 @@ class FaultMatrix(FaultMatrixBase):
 
     # Found here, beyond issue 13's list: the C++ WorkerClient's keepalive ended the session of a
     # worker whose callback ran 2 s or more (the callback blocked the only thread polling the
-    # channel); callbacks now run on a thread of their own (client/callback_thread.h).
+    # channel); callbacks now run on a thread of their own (client/worker/callback_thread.h).
     def test_cpp_worker_slow_to_confirm_within_the_deadline(self):
         """A C++ worker that takes 2 s (under the 3 s deadline) to confirm PREPARE is waited for:
         the round commits; it is not taken for gone."""

@@ -10,7 +10,7 @@
 # show the conversion (fewer bytes than at bf16) and, for FSDP, the gathering.
 set -uo pipefail
 BIN=$(mktemp -d)
-for p in daemon/refitd client/refitctl client/refit-layout client/refit-plan tests/workers/sim-worker; do
+for p in daemon/refitd client/tools/refitctl client/tools/refit-layout client/tools/refit-plan tests/workers/sim-worker; do
   ln -s "$PWD/$p" "$BIN/"
 done
 RUN=$(mktemp -d)

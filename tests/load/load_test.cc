@@ -21,7 +21,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
-#include "client/worker_client.h"
+#include "client/worker/worker_client.h"
 #include "daemon/dataplane/host/host_backend.h"
 #include "plan/planner.h"
 #include "plan/test_layouts.h"

@@ -17,7 +17,7 @@ machine). Per N it measures, as one JSON object:
   kill, the daemon restarted on its address with fresh workers: seconds to ready again and to the
   next committed round.
 
-    bazel build //daemon:refitd //client:refitctl //client:refit-layout //tests/workers:sim-worker
+    bazel build //daemon:refitd //client/tools:refitctl //client/tools:refit-layout //tests/workers:sim-worker
     /usr/bin/python3 tests/scale/scale_bench.py --nodes 4,8,16 --model small --rounds 5 --out /tmp/scale.json
     /usr/bin/python3 tests/scale/plot_scale.py /tmp/scale.json --out-dir docs/img
 
@@ -42,8 +42,8 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.abspath(os.path.join(HERE, "..", ".."))
 BINARIES = {
     "refitd": "daemon/refitd",
-    "refitctl": "client/refitctl",
-    "refit-layout": "client/refit-layout",
+    "refitctl": "client/tools/refitctl",
+    "refit-layout": "client/tools/refit-layout",
     "sim-worker": "tests/workers/sim-worker",
 }
 # --model: a config of tests/configs, its width divisor and layers kept (0: all).

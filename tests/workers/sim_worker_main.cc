@@ -26,7 +26,7 @@
 #include <optional>
 
 #include "absl/strings/str_cat.h"
-#include "client/worker_client.h"
+#include "client/worker/worker_client.h"
 #include "common/cli_flags.h"
 #include "plan/validate.h"
 #include "plan/verify.h"
@@ -35,7 +35,7 @@
 #include <cuda.h>
 #include <cuda_runtime.h>
 
-#include "client/cuda_export.h"
+#include "client/worker/cuda_export.h"
 #endif
 
 namespace {

@@ -13,9 +13,9 @@ REPO = os.path.abspath(os.path.join(HERE, "..", "..", ".."))
 
 BINARIES = {
     "refitd": "daemon/refitd",
-    "refit-layout": "client/refit-layout",
-    "refit-plan": "client/refit-plan",
-    "refitctl": "client/refitctl",
+    "refit-layout": "client/tools/refit-layout",
+    "refit-plan": "client/tools/refit-plan",
+    "refitctl": "client/tools/refitctl",
     "sim-worker": "tests/workers/sim-worker",
 }
 

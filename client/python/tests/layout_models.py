@@ -36,8 +36,8 @@ def tool(name: str) -> str:
         candidates.append(Path(os.environ["REFIT_BIN_DIR"]) / name)
     root = _runfiles_root()
     if root:
-        candidates.append(root / "client" / name)
-    candidates.append(_REPO / "bazel-bin" / "client" / name)
+        candidates.append(root / "client" / "tools" / name)
+    candidates.append(_REPO / "bazel-bin" / "client" / "tools" / name)
     for c in candidates:
         if c.is_file() and os.access(c, os.X_OK):
             return str(c)
@@ -95,7 +95,7 @@ def refit_layout_has_flag(flag: str) -> bool:
 
 
 # ------------------------------------------------------------------------------------------------
-# Model configs (the fields of client/model_config.cc, parsed again here).
+# Model configs (the fields of client/models/model_config.cc, parsed again here).
 
 @dataclass(frozen=True)
 class Model:

@@ -1,4 +1,4 @@
-"""refit.layouts against refit-layout (client/layout_generator.cc) on the real model configs.
+"""refit.layouts against refit-layout (client/models/layout_generator.cc) on the real model configs.
 
 For each config (scaled down), the parameters a real framework would hold are written out
 (layout_models: vLLM's modules, DTensor descriptions of FSDP2 and Megatron-style TP), the layout is

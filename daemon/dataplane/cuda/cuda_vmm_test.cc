@@ -1,5 +1,5 @@
 // The cuda backend on a GPU: GPUs found by UUID and PCI bus id; CUDA VMM memory exported as file
-// descriptors (client/cuda_export.h), imported and mapped once per range, readable and writable
+// descriptors (client/worker/cuda_export.h), imported and mapped once per range, readable and writable
 // at its new address and accessible from every GPU served, unmapped when its buffers go; and the
 // errors of wrong chunks, GPUs and descriptors, naming the range and the CUDA call. Fails
 // where no GPU is present (tagged "gpu": CI leaves it out).
@@ -11,7 +11,7 @@
 #include <catch2/catch.hpp>
 #include <cstring>
 
-#include "client/cuda_export.h"
+#include "client/worker/cuda_export.h"
 #include "daemon/dataplane/cuda/cuda_backend.h"
 #include "tests/gpu/needs_gpu.h"
 

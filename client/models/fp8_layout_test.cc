@@ -1,13 +1,13 @@
 // fp8 engine layouts from real model configs (issue 17): trainers in bf16 (FSDP1 flat ranges,
 // FSDP2, Megatron TP) into fp8 engines, planned and verified on the host against the CPU reference
 // quantizing every weight whole.
-#include "client/fp8_layout.h"
+#include "client/models/fp8_layout.h"
 
 #include <catch2/catch.hpp>
 
 #include "absl/strings/str_cat.h"
-#include "client/layout_generator.h"
-#include "client/model_config.h"
+#include "client/models/layout_generator.h"
+#include "client/models/model_config.h"
 #include "plan/planner.h"
 #include "plan/validate.h"
 #include "plan/verify.h"

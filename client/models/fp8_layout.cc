@@ -1,4 +1,4 @@
-#include "client/fp8_layout.h"
+#include "client/models/fp8_layout.h"
 
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"

@@ -20,7 +20,7 @@
 //   (transformer_auto_wrap_policy with the decoder layer class, _no_split_modules) wraps each
 //   decoder layer; the root unit holds the rest (model.embed_tokens, model.norm, lm_head unless
 //   tied). Each unit has one FlatParameter: its parameters in named_parameters() order (see
-//   client/model_tensors.h), flattened and concatenated; module buffers stay whole on every rank.
+//   client/models/model_tensors.h), flattened and concatenated; module buffers stay whole on every rank.
 //   Following torch/distributed/fsdp/_flat_param.py (FlatParamHandle._init_flat_param_and_metadata,
 //   flatten_tensors, _get_shard): with use_orig_params=False no padding goes between parameters;
 //   with use_orig_params=True each parameter starts at a multiple of _get_aligned_numel (16 bytes
@@ -73,7 +73,7 @@
 #include <optional>
 
 #include "absl/status/statusor.h"
-#include "client/model_config.h"
+#include "client/models/model_config.h"
 #include "plan/layout.h"
 
 namespace refit {

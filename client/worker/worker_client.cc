@@ -1,4 +1,4 @@
-#include "client/worker_client.h"
+#include "client/worker/worker_client.h"
 
 #include <sys/random.h>
 #include <sys/socket.h>

@@ -1,4 +1,4 @@
-#include "client/layout_generator.h"
+#include "client/models/layout_generator.h"
 
 #include <algorithm>
 #include <cstring>
@@ -7,7 +7,7 @@
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_replace.h"
-#include "client/model_tensors.h"
+#include "client/models/model_tensors.h"
 #include "plan/flat_range.h"
 
 namespace refit {

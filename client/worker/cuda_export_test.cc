@@ -3,7 +3,7 @@
 // physical allocations (each exported once, adjacent ones in one range); VMM memory that is not
 // shareable is refused, saying what to do. Fails where no GPU is present (tagged "gpu": CI leaves
 // it out).
-#include "client/cuda_export.h"
+#include "client/worker/cuda_export.h"
 
 #include <cuda.h>
 #include <cuda_runtime.h>

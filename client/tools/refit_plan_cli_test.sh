@@ -2,8 +2,8 @@
 # refit-layout and refit-plan as a user runs them: real configs in, JSON summary out, bad input
 # (and, for refit-layout, a parallelism or model no framework runs) gets one line and exit code 2.
 set -uo pipefail
-layout=client/refit-layout
-plan=client/refit-plan
+layout=client/tools/refit-layout
+plan=client/tools/refit-plan
 tmp=$(mktemp -d)
 trap 'rm -rf "$tmp"' EXIT
 fail() { echo "FAIL: $*"; exit 1; }

@@ -1,4 +1,4 @@
-#include "client/cuda_export.h"
+#include "client/worker/cuda_export.h"
 
 #include <cuda.h>
 #include <cuda_runtime.h>

@@ -13,8 +13,8 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
-#include "client/layout_generator.h"
-#include "client/model_tensors.h"
+#include "client/models/layout_generator.h"
+#include "client/models/model_tensors.h"
 #include "plan/planner.h"
 #include "plan/validate.h"
 #include "plan/verify.h"

@@ -1,9 +1,9 @@
-#include "client/model_config.h"
+#include "client/models/model_config.h"
 
 #include <catch2/catch.hpp>
 
 #include "absl/strings/str_cat.h"
-#include "client/model_tensors.h"
+#include "client/models/model_tensors.h"
 #include "proto/layout_codec.h"
 
 namespace refit {

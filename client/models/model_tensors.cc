@@ -1,4 +1,4 @@
-#include "client/model_tensors.h"
+#include "client/models/model_tensors.h"
 
 #include <tuple>
 

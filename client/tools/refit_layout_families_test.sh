@@ -4,8 +4,8 @@
 # fp8 checkpoint's engine layout is fp8 by default; configs whose tensors the tools cannot know are
 # refused in one line naming the field, exit code 2.
 set -uo pipefail
-layout=client/refit-layout
-plan=client/refit-plan
+layout=client/tools/refit-layout
+plan=client/tools/refit-plan
 configs=tests/configs
 tmp=$(mktemp -d)
 trap 'rm -rf "$tmp"' EXIT

@@ -1,5 +1,5 @@
 // Real-model layouts from the generators, planned and verified byte for byte on the host.
-#include "client/layout_generator.h"
+#include "client/models/layout_generator.h"
 
 #include <catch2/catch.hpp>
 

@@ -1,4 +1,4 @@
-#include "client/callback_thread.h"
+#include "client/worker/callback_thread.h"
 
 #include <atomic>
 #include <catch2/catch.hpp>

@@ -26,7 +26,7 @@
 
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
-#include "client/callback_thread.h"
+#include "client/worker/callback_thread.h"
 #include "common/shared_memory.h"
 #include "plan/layout.h"
 #include "proto/refit.grpc.pb.h"
@@ -55,7 +55,7 @@ struct WorkerCallbacks {
   std::function<void(const std::string& worker_id)> on_reconnected;
 };
 
-// Memory a worker exported itself (e.g. ExportCudaBuffers in client/cuda_export.h).
+// Memory a worker exported itself (e.g. ExportCudaBuffers in client/worker/cuda_export.h).
 struct WorkerMemory {
   std::vector<v1::BufferMemory> memory;  // one per buffer of the layout, in order
   std::vector<v1::VmmRange> vmm_ranges;  // what memory's cuda_vmm entries index

@@ -1,4 +1,4 @@
-#include "client/model_config.h"
+#include "client/models/model_config.h"
 
 #include <algorithm>
 

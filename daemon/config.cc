@@ -13,6 +13,7 @@
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
 #include "common/cli_flags.h"
+#include "daemon/backend_names.h"
 #include "daemon/security/certificate_check.h"
 #include "google/protobuf/struct.pb.h"
 #include "google/protobuf/util/json_util.h"
@@ -360,7 +361,7 @@ absl::Status ReadCudaSettings(DaemonConfig& c) {
 
 absl::Status ReadDataPlane(DaemonConfig& c) {
   c.backend = absl::GetFlag(FLAGS_backend);
-  if (c.backend != "host" && c.backend != "cuda") return Invalid("--backend must be host or cuda");
+  REFIT_RETURN_IF_ERROR(CheckBackendName(c.backend));
   c.max_message_bytes = absl::GetFlag(FLAGS_max_message_bytes);
   if (c.max_message_bytes < 4096 || c.max_message_bytes > (int64_t{1} << 31)) {
     return Invalid("--max-message-bytes must be in [4096, 2^31]");

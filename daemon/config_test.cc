@@ -135,7 +135,7 @@ TEST_CASE("every kind of bad value is refused by name") {
       {{"--max-rpc-bytes", "10"}, "--max-rpc-bytes must be in [1024, 2^31)"},
       {{"--staging-bytes", "1000"}, "--staging-bytes must be at least 1048576"},
       {{"--max-relay-depth", "99"}, "--max-relay-depth must be in [0, 6]"},
-      {{"--backend", "gpu"}, "--backend must be host or cuda"},
+      {{"--backend", "gpu"}, "--backend must be one of: cuda, host (got \"gpu\")"},
       {{"--arm-rounds", "sometimes"},
        "--arm-rounds must be never, auto or always, not \"sometimes\""},
       {{"--log-level", "verbose"}, "--log-level \"verbose\" is not one of"},

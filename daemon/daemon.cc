@@ -9,6 +9,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "daemon/backend_factory.h"
 #include "daemon/base/clock.h"
 #include "daemon/base/logging.h"
 #include "daemon/base/pause_detector.h"
@@ -18,8 +19,6 @@
 #include "daemon/coordinator/round_driver.h"
 #include "daemon/coordinator/round_log.h"
 #include "daemon/coordinator/state_store.h"
-#include "daemon/dataplane/cuda/cuda_backend.h"
-#include "daemon/dataplane/host/host_backend.h"
 #include "daemon/node/coordinator_link.h"
 #include "daemon/node/node_agent.h"
 #include "daemon/ops/metered_backend.h"
@@ -73,224 +72,270 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(const DaemonConfig& config
   SetLogLevel(config.log_level);
   SetLogFormat(config.log_format, config.node);
   std::unique_ptr<Daemon> d(new Daemon(config));
-  d->tls_ = std::make_unique<GrpcTls>(config.tls);
-  if (!config.tls.enabled())
-    d->local_users_ = std::make_shared<LoopbackUsers>(/*admit_remote=*/config.insecure_listen);
-  d->authority_ = std::make_unique<Authority>(config.tls, d->local_users_);
-  if (config.tls.enabled()) {
-    Logger("rpc")->info(
-        "TLS: certificate {}, CA {} (read again every {}); operators {}, viewers {}",
-        config.tls.cert, config.tls.ca, absl::FormatDuration(config.tls.reload),
-        absl::StrJoin(config.tls.operators, ","), absl::StrJoin(config.tls.viewers, ","));
-  } else if (config.insecure_listen) {
-    Logger("rpc")->warn(
-        "no TLS and --insecure-listen: anyone who reaches {} can start refits and read every "
-        "daemon's state; its peers' phases are obeyed unauthenticated (docs/SECURITY.md)",
-        config.listen);
-  } else {
-    Logger("rpc")->info("no TLS: listening on loopback only, for {} (docs/SECURITY.md)",
-                        d->local_users_->Describe());
-  }
-  if (config.backend == "cuda") {
-    const ArmRounds arm = config.arm_rounds == "always" ? ArmRounds::kAlways
-                          : config.arm_rounds == "auto" ? ArmRounds::kAuto
-                                                        : ArmRounds::kNever;
-    auto backend = CudaBackend::Start(config.gpus, config.staging_bytes,
-                                      config.nccl_stream_priority, config.aligned_copy_kernel, arm);
-    if (!backend.ok()) return backend.status();
-    d->backend_ = *std::move(backend);
-  } else {
-    auto backend = HostBackend::Start(
-        config.data_listen, HostBackendOptions{.first_byte_timeout = config.data_first_byte_timeout,
-                                               .idle_timeout = config.data_idle_timeout,
-                                               .tls = config.tls,
-                                               .local_users = d->local_users_});
-    if (!backend.ok()) return backend.status();
-    d->backend_ = *std::move(backend);
-  }
-  if (!config.metrics_listen.empty()) {
-    auto metrics = Metrics::Start(config.metrics_listen);
-    if (!metrics.ok()) return metrics.status();
-    d->metrics_ = *std::move(metrics);
-    // Every transfer through the backend is reported: the agent and the backends know nothing of
-    // it.
-    d->backend_ = MeterBackend(std::move(d->backend_), d->metrics_.get());
-    Logger("rpc")->info("metrics at http://{}/metrics", d->metrics_->address());
-  }
-  {
-    // Made before the gRPC server serves (a registration may name a token at once), by bind()
-    // under the same umask as gRPC's worker socket: both get the same permissions (re-checked
-    // once the worker socket exists).
-    HandleInboxOptions handles;
-    handles.path = config.worker_socket + ".handles";
-    // Only the uids that may register (--worker-uids, else this daemon's and root) may hand over
-    // descriptors: anyone else is refused before anything is kept (it cannot fill the inbox).
-    handles.admit_uid = [uids = WorkerAdmission(config.worker_uids, geteuid()).uids()](uid_t uid) {
-      return std::find(uids.begin(), uids.end(), static_cast<uint32_t>(uid)) != uids.end();
-    };
-    auto inbox = HandleInbox::Start(handles);
-    if (!inbox.ok()) return Annotate(inbox.status(), "the handle socket");
-    d->handles_ = *std::move(inbox);
-  }
-  d->registry_ = std::make_unique<WorkerRegistry>(config.node, config.gpus, d->backend_.get(),
-                                                  d->handles_.get());
-  d->registry_->SetLimits(config.limits);
-  d->registry_->SetAdmission(WorkerAdmission(config.worker_uids, geteuid()));
-  // Ticked every 100 ms by TickLoop (and MonitorLoop): a gap of half a second is a pause of this
-  // process.
-  d->pause_ = std::make_unique<PauseDetector>(Clock::Real(), absl::Milliseconds(500));
-  NodeAgentLease lease;
-  if (!config.is_coordinator()) {
-    lease.lease = config.heartbeat *
-                  config.heartbeats_missed;  // the verdict the coordinator applies to nodes
-    lease.coordinator = config.coordinator;
-  }
-  d->agent_ =
-      std::make_unique<NodeAgent>(config.node, d->registry_.get(), d->backend_.get(), lease);
-  Daemon* self = d.get();
-  if (config.is_coordinator()) {
-    if (config.state_file.empty()) {
-      Logger("rpc")->warn(
-          "no --state-file: round ids and committed versions are kept in memory only; a restarted "
-          "coordinator would accept versions already committed");
-    }
-    auto state = StateStore::Open(config.state_file);
-    if (!state.ok()) return state.status();
-    d->state_ = *std::move(state);
-    if (!config.state_file.empty()) {
-      Logger("rpc")->info("state file {}: next round id {}, {} groups' committed versions",
-                          config.state_file, d->state_->NextRoundId(),
-                          d->state_->Versions().size());
-    }
-    // Kept (versions never go back), but such a group has no next version to refit to.
-    for (const auto& [group, version] : d->state_->Versions()) {
-      if (version < kVersionLimit) continue;
-      Logger("rpc")->warn(
-          "group \"{}\" is at version {} in {}, at or above the limit {} (2^53): it cannot refit "
-          "again until its line there is lowered below the limit (and above every other version it "
-          "committed)",
-          group, version, config.state_file, kVersionLimit);
-    }
-    d->membership_ = std::make_unique<Membership>(config.node, config.heartbeat,
-                                                  config.heartbeats_missed, Clock::Real());
-    d->membership_->SetLimits(config.group_limits);
-    d->membership_->SetNodeLimits(
-        {.max_nodes = config.max_nodes, .forget_dead_after = config.forget_dead_after});
-    GroupPlannerOptions planning;
-    planning.max_message_bytes = config.max_message_bytes;
-    planning.routing = config.routing;
-    planning.max_relay_depth = config.max_relay_depth;
-    d->planner_ = std::make_unique<GroupPlanner>(planning, d->membership_.get());
-    // A group whose last worker left is forgotten by every component that kept something of it
-    // (the round log keeps its history). The planner and driver outlive the membership's callers.
-    d->membership_->OnGroupForgotten([self](const std::string& group) {
-      self->planner_->Forget(group);
-      if (self->driver_ != nullptr) self->driver_->ForgetGroup(group);
-    });
-    d->round_log_ = std::make_unique<RoundLog>();
-    if (d->metrics_ != nullptr) {
-      Metrics* metrics = d->metrics_.get();
-      d->round_log_->AddListener([metrics](const v1::RoundStats& s) { metrics->RoundEnded(s); });
-      metrics->SetClusterView([self] {
-        ClusterView view = ViewForMetrics(*self->membership_, *self->planner_);
-        view.data_connections = self->backend_->ConnectionEvents();
-        return view;
-      });
-    }
-    GrpcPeerClientOptions peers;
-    peers.self = config.node;
-    peers.incarnation = d->incarnation_;
-    peers.tls = d->tls_.get();
-    peers.peer_timeout = config.peer_timeout;
-    peers.max_rpc_bytes = config.max_rpc_bytes;
-    peers.address = [self](int32_t node) { return self->membership_->ControlAddress(node); };
-    peers.death_reason = [self](int32_t node) { return self->membership_->DeathReason(node); };
-    peers.local_phase = [self](const v1::PhaseRequest& r, v1::PhaseResponse* out) {
-      return self->agent_->RunPhase(r, out);
-    };
-    peers.local_install = [self](const v1::InstallPlanRequest& r) {
-      return self->agent_->InstallPlan(r);
-    };
-    d->peers_ = std::make_unique<GrpcPeerClient>(std::move(peers));
-    RoundDriverOptions rounds;
-    rounds.self = config.node;
-    rounds.prepare_timeout = config.prepare_timeout;
-    rounds.transfer_timeout = config.transfer_timeout;
-    rounds.commit_timeout = config.commit_timeout;
-    rounds.peer_timeout = config.peer_timeout;
-    rounds.max_message_bytes = config.max_message_bytes;
-    rounds.step_bytes = config.staging_bytes / 2;
-    rounds.routing = config.routing;
-    rounds.max_relay_depth = config.max_relay_depth;
-    rounds.zero_copy_min_bytes = config.zero_copy_min_bytes;
-    rounds.nccl_register = config.nccl_register;
-    rounds.new_communicator_id = [self] { return self->backend_->NewCommunicatorId(); };
-    rounds.state = d->state_.get();
-    rounds.pause = d->pause_.get();
-    rounds.blame_pause = config.heartbeat * config.heartbeats_missed;
-    d->driver_ = std::make_unique<RoundDriver>(rounds, d->membership_.get(), d->planner_.get(),
-                                               d->peers_.get(), d->round_log_.get(), Clock::Real());
-  } else {
-    CoordinatorLinkOptions link;
-    link.coordinator = config.coordinator;
-    link.node = config.node;
-    link.incarnation = d->incarnation_;
-    link.tls = d->tls_.get();
-    link.coordinator_node = config.coordinator_node;
-    link.heartbeat = config.heartbeat;
-    link.peer_timeout = config.peer_timeout;
-    link.max_rpc_bytes = config.max_rpc_bytes;
-    link.join_timeout = config.join_timeout;
-    link.snapshot = [self] { return self->registry_->Snapshot(); };
-    link.on_refused = [self](const std::vector<v1::WorkerRefusal>& refused) {
-      for (const v1::WorkerRefusal& r : refused) {
-        self->DropWorker(r.worker_id(), absl::StrCat("the coordinator refused it: ", r.reason()));
-      }
-    };
-    link.on_answer = [self](const v1::JoinResponse& answer) {
-      if (!answer.resync()) {
-        const std::map<std::string, int64_t> running(answer.running_rounds().begin(),
-                                                     answer.running_rounds().end());
-        self->agent_->RenewLeases(answer.lists_running_rounds() ? &running : nullptr);
-        return;
-      }
-      self->agent_->AbortOpenRounds(
-          absl::StrCat("the coordinator (", self->config_.coordinator,
-                       ") no longer knows this node: it restarted, or declared it dead"));
-    };
-    d->link_ = std::make_unique<CoordinatorLink>(std::move(link));
-    if (d->metrics_ != nullptr) {
-      d->metrics_->SetClusterView([self] {
-        ClusterView view;
-        view.data_connections = self->backend_->ConnectionEvents();
-        return view;
-      });
-    }
-  }
-  if (auto s = d->Serve(); !s.ok()) return s;
-  // The daemon's user, and the users --worker-uids names, may connect (a unix socket needs write
-  // permission); a registration is then admitted or refused by the handle socket's credentials.
-  for (const std::string& path : {config.worker_socket, d->handles_->path()}) {
-    if (auto s = GrantSocketAccess(path, config.worker_uids); !s.ok()) return s;
-  }
-  Logger("rpc")->info(
-      "node {} serving on {} and unix:{} (handles: {}), data plane {} ({}), {}", config.node,
-      d->address_, config.worker_socket, d->handles_->path(), d->backend_->data_address(),
-      d->backend_->name(),
-      config.is_coordinator() ? "coordinator" : "coordinator at " + config.coordinator);
-  d->ticker_ = std::thread([self] { self->TickLoop(); });
-  d->monitor_ = std::thread([self] { self->MonitorLoop(); });
-  if (config.is_coordinator()) {
-    d->membership_->SetSelf(d->address_, d->backend_->data_address(), d->incarnation_);
-  } else {
-    // Join before serving workers: a registration must reach the coordinator.
-    REFIT_RETURN_IF_ERROR(d->link_->Join(d->address_, d->backend_->data_address()));
-  }
+  d->MakeSecurity();
+  d->LogSecurityPosture();
+  REFIT_RETURN_IF_ERROR(d->StartBackend());
+  REFIT_RETURN_IF_ERROR(d->StartMetrics());
+  REFIT_RETURN_IF_ERROR(d->StartHandleInbox());
+  d->MakeNodeComponents();
+  REFIT_RETURN_IF_ERROR(d->StartCoordinatorOrFollower());
+  REFIT_RETURN_IF_ERROR(d->Serve());
+  REFIT_RETURN_IF_ERROR(d->GrantWorkerSockets());
+  d->LogServing();
+  REFIT_RETURN_IF_ERROR(d->StartLoopsAndJoin());
   d->SetServing(true);
   if (!config.address_file.empty()) {
     std::ofstream(config.address_file) << d->address_ << " " << config.worker_socket << "\n";
   }
   return d;
+}
+
+void Daemon::MakeSecurity() {
+  tls_ = std::make_unique<GrpcTls>(config_.tls);
+  if (!config_.tls.enabled())
+    local_users_ = std::make_shared<LoopbackUsers>(/*admit_remote=*/config_.insecure_listen);
+  authority_ = std::make_unique<Authority>(config_.tls, local_users_);
+}
+
+void Daemon::LogSecurityPosture() const {
+  if (config_.tls.enabled()) {
+    Logger("rpc")->info(
+        "TLS: certificate {}, CA {} (read again every {}); operators {}, viewers {}",
+        config_.tls.cert, config_.tls.ca, absl::FormatDuration(config_.tls.reload),
+        absl::StrJoin(config_.tls.operators, ","), absl::StrJoin(config_.tls.viewers, ","));
+  } else if (config_.insecure_listen) {
+    Logger("rpc")->warn(
+        "no TLS and --insecure-listen: anyone who reaches {} can start refits and read every "
+        "daemon's state; its peers' phases are obeyed unauthenticated (docs/SECURITY.md)",
+        config_.listen);
+  } else {
+    Logger("rpc")->info("no TLS: listening on loopback only, for {} (docs/SECURITY.md)",
+                        local_users_->Describe());
+  }
+}
+
+absl::Status Daemon::StartBackend() {
+  auto backend = MakeBackend(config_, BackendContext{.local_users = local_users_});
+  if (!backend.ok()) return backend.status();
+  backend_ = *std::move(backend);
+  return absl::OkStatus();
+}
+
+absl::Status Daemon::StartMetrics() {
+  if (config_.metrics_listen.empty()) return absl::OkStatus();
+  auto metrics = Metrics::Start(config_.metrics_listen);
+  if (!metrics.ok()) return metrics.status();
+  metrics_ = *std::move(metrics);
+  // Every transfer through the backend is reported: the agent and the backends know nothing of
+  // it.
+  backend_ = MeterBackend(std::move(backend_), metrics_.get());
+  Logger("rpc")->info("metrics at http://{}/metrics", metrics_->address());
+  return absl::OkStatus();
+}
+
+absl::Status Daemon::StartHandleInbox() {
+  // Made before the gRPC server serves (a registration may name a token at once), by bind()
+  // under the same umask as gRPC's worker socket: both get the same permissions (re-checked
+  // once the worker socket exists).
+  HandleInboxOptions handles;
+  handles.path = config_.worker_socket + ".handles";
+  // Only the uids that may register (--worker-uids, else this daemon's and root) may hand over
+  // descriptors: anyone else is refused before anything is kept (it cannot fill the inbox).
+  handles.admit_uid = [uids = WorkerAdmission(config_.worker_uids, geteuid()).uids()](uid_t uid) {
+    return std::find(uids.begin(), uids.end(), static_cast<uint32_t>(uid)) != uids.end();
+  };
+  auto inbox = HandleInbox::Start(handles);
+  if (!inbox.ok()) return Annotate(inbox.status(), "the handle socket");
+  handles_ = *std::move(inbox);
+  return absl::OkStatus();
+}
+
+void Daemon::MakeNodeComponents() {
+  registry_ =
+      std::make_unique<WorkerRegistry>(config_.node, config_.gpus, backend_.get(), handles_.get());
+  registry_->SetLimits(config_.limits);
+  registry_->SetAdmission(WorkerAdmission(config_.worker_uids, geteuid()));
+  // Ticked every 100 ms by TickLoop (and MonitorLoop): a gap of half a second is a pause of this
+  // process.
+  pause_ = std::make_unique<PauseDetector>(Clock::Real(), absl::Milliseconds(500));
+  NodeAgentLease lease;
+  if (!config_.is_coordinator()) {
+    lease.lease = config_.heartbeat *
+                  config_.heartbeats_missed;  // the verdict the coordinator applies to nodes
+    lease.coordinator = config_.coordinator;
+  }
+  agent_ = std::make_unique<NodeAgent>(config_.node, registry_.get(), backend_.get(), lease);
+}
+
+absl::Status Daemon::StartCoordinatorOrFollower() {
+  if (!config_.is_coordinator()) {
+    MakeCoordinatorLink();
+    return absl::OkStatus();
+  }
+  REFIT_RETURN_IF_ERROR(OpenStateStore());
+  MakeMembershipAndPlanner();
+  MakeRoundDriver();
+  return absl::OkStatus();
+}
+
+absl::Status Daemon::OpenStateStore() {
+  if (config_.state_file.empty()) {
+    Logger("rpc")->warn(
+        "no --state-file: round ids and committed versions are kept in memory only; a restarted "
+        "coordinator would accept versions already committed");
+  }
+  auto state = StateStore::Open(config_.state_file);
+  if (!state.ok()) return state.status();
+  state_ = *std::move(state);
+  if (!config_.state_file.empty()) {
+    Logger("rpc")->info("state file {}: next round id {}, {} groups' committed versions",
+                        config_.state_file, state_->NextRoundId(), state_->Versions().size());
+  }
+  // Kept (versions never go back), but such a group has no next version to refit to.
+  for (const auto& [group, version] : state_->Versions()) {
+    if (version < kVersionLimit) continue;
+    Logger("rpc")->warn(
+        "group \"{}\" is at version {} in {}, at or above the limit {} (2^53): it cannot refit "
+        "again until its line there is lowered below the limit (and above every other version it "
+        "committed)",
+        group, version, config_.state_file, kVersionLimit);
+  }
+  return absl::OkStatus();
+}
+
+void Daemon::MakeMembershipAndPlanner() {
+  Daemon* self = this;
+  membership_ = std::make_unique<Membership>(config_.node, config_.heartbeat,
+                                             config_.heartbeats_missed, Clock::Real());
+  membership_->SetLimits(config_.group_limits);
+  membership_->SetNodeLimits(
+      {.max_nodes = config_.max_nodes, .forget_dead_after = config_.forget_dead_after});
+  GroupPlannerOptions planning;
+  planning.max_message_bytes = config_.max_message_bytes;
+  planning.routing = config_.routing;
+  planning.max_relay_depth = config_.max_relay_depth;
+  planner_ = std::make_unique<GroupPlanner>(planning, membership_.get());
+  // A group whose last worker left is forgotten by every component that kept something of it
+  // (the round log keeps its history). The planner and driver outlive the membership's callers.
+  membership_->OnGroupForgotten([self](const std::string& group) {
+    self->planner_->Forget(group);
+    if (self->driver_ != nullptr) self->driver_->ForgetGroup(group);
+  });
+  round_log_ = std::make_unique<RoundLog>();
+  if (metrics_ != nullptr) {
+    Metrics* metrics = metrics_.get();
+    round_log_->AddListener([metrics](const v1::RoundStats& s) { metrics->RoundEnded(s); });
+    metrics->SetClusterView([self] {
+      ClusterView view = ViewForMetrics(*self->membership_, *self->planner_);
+      view.data_connections = self->backend_->ConnectionEvents();
+      return view;
+    });
+  }
+}
+
+void Daemon::MakeRoundDriver() {
+  Daemon* self = this;
+  GrpcPeerClientOptions peers;
+  peers.self = config_.node;
+  peers.incarnation = incarnation_;
+  peers.tls = tls_.get();
+  peers.peer_timeout = config_.peer_timeout;
+  peers.max_rpc_bytes = config_.max_rpc_bytes;
+  peers.address = [self](int32_t node) { return self->membership_->ControlAddress(node); };
+  peers.death_reason = [self](int32_t node) { return self->membership_->DeathReason(node); };
+  peers.local_phase = [self](const v1::PhaseRequest& r, v1::PhaseResponse* out) {
+    return self->agent_->RunPhase(r, out);
+  };
+  peers.local_install = [self](const v1::InstallPlanRequest& r) {
+    return self->agent_->InstallPlan(r);
+  };
+  peers_ = std::make_unique<GrpcPeerClient>(std::move(peers));
+  RoundDriverOptions rounds;
+  rounds.self = config_.node;
+  rounds.prepare_timeout = config_.prepare_timeout;
+  rounds.transfer_timeout = config_.transfer_timeout;
+  rounds.commit_timeout = config_.commit_timeout;
+  rounds.peer_timeout = config_.peer_timeout;
+  rounds.max_message_bytes = config_.max_message_bytes;
+  rounds.step_bytes = config_.staging_bytes / 2;
+  rounds.routing = config_.routing;
+  rounds.max_relay_depth = config_.max_relay_depth;
+  rounds.zero_copy_min_bytes = config_.zero_copy_min_bytes;
+  rounds.nccl_register = config_.nccl_register;
+  rounds.new_communicator_id = [self] { return self->backend_->NewCommunicatorId(); };
+  rounds.state = state_.get();
+  rounds.pause = pause_.get();
+  rounds.blame_pause = config_.heartbeat * config_.heartbeats_missed;
+  driver_ = std::make_unique<RoundDriver>(rounds, membership_.get(), planner_.get(), peers_.get(),
+                                          round_log_.get(), Clock::Real());
+}
+
+void Daemon::MakeCoordinatorLink() {
+  Daemon* self = this;
+  CoordinatorLinkOptions link;
+  link.coordinator = config_.coordinator;
+  link.node = config_.node;
+  link.incarnation = incarnation_;
+  link.tls = tls_.get();
+  link.coordinator_node = config_.coordinator_node;
+  link.heartbeat = config_.heartbeat;
+  link.peer_timeout = config_.peer_timeout;
+  link.max_rpc_bytes = config_.max_rpc_bytes;
+  link.join_timeout = config_.join_timeout;
+  link.snapshot = [self] { return self->registry_->Snapshot(); };
+  link.on_refused = [self](const std::vector<v1::WorkerRefusal>& refused) {
+    for (const v1::WorkerRefusal& r : refused) {
+      self->DropWorker(r.worker_id(), absl::StrCat("the coordinator refused it: ", r.reason()));
+    }
+  };
+  link.on_answer = [self](const v1::JoinResponse& answer) {
+    if (!answer.resync()) {
+      const std::map<std::string, int64_t> running(answer.running_rounds().begin(),
+                                                   answer.running_rounds().end());
+      self->agent_->RenewLeases(answer.lists_running_rounds() ? &running : nullptr);
+      return;
+    }
+    self->agent_->AbortOpenRounds(
+        absl::StrCat("the coordinator (", self->config_.coordinator,
+                     ") no longer knows this node: it restarted, or declared it dead"));
+  };
+  link_ = std::make_unique<CoordinatorLink>(std::move(link));
+  if (metrics_ != nullptr) {
+    metrics_->SetClusterView([self] {
+      ClusterView view;
+      view.data_connections = self->backend_->ConnectionEvents();
+      return view;
+    });
+  }
+}
+
+absl::Status Daemon::GrantWorkerSockets() {
+  // The daemon's user, and the users --worker-uids names, may connect (a unix socket needs write
+  // permission); a registration is then admitted or refused by the handle socket's credentials.
+  for (const std::string& path : {config_.worker_socket, handles_->path()}) {
+    if (auto s = GrantSocketAccess(path, config_.worker_uids); !s.ok()) return s;
+  }
+  return absl::OkStatus();
+}
+
+void Daemon::LogServing() const {
+  Logger("rpc")->info(
+      "node {} serving on {} and unix:{} (handles: {}), data plane {} ({}), {}", config_.node,
+      address_, config_.worker_socket, handles_->path(), backend_->data_address(), backend_->name(),
+      config_.is_coordinator() ? "coordinator" : "coordinator at " + config_.coordinator);
+}
+
+absl::Status Daemon::StartLoopsAndJoin() {
+  Daemon* self = this;
+  ticker_ = std::thread([self] { self->TickLoop(); });
+  monitor_ = std::thread([self] { self->MonitorLoop(); });
+  if (config_.is_coordinator()) {
+    membership_->SetSelf(address_, backend_->data_address(), incarnation_);
+  } else {
+    // Join before serving workers: a registration must reach the coordinator.
+    REFIT_RETURN_IF_ERROR(link_->Join(address_, backend_->data_address()));
+  }
+  return absl::OkStatus();
 }
 
 // gRPC's standard health service (grpc.health.v1): each refit service SERVING once the backend
@@ -353,6 +398,22 @@ void AddLoopbackListeners(const std::string& configured, int port, LoopbackUsers
 
 absl::Status Daemon::Serve() {
   grpc::EnableDefaultHealthCheckService(true);  // process-wide; before the servers are built
+  FillServiceParts();
+  auto port = StartControlServer();
+  if (!port.ok()) return port.status();
+  REFIT_RETURN_IF_ERROR(StartWorkerServer());
+  REFIT_RETURN_IF_ERROR(StartHealthServer());
+  SetServing(false);  // until joined
+  SetAlive();
+  const std::string host = config_.listen.substr(0, config_.listen.rfind(':'));
+  address_ = absl::StrCat(host, ":", *port);
+  // Read by Status only (set before any call can reach it in practice: the coordinator's own
+  // address is known to operators only from here on).
+  parts_.address = address_;
+  return absl::OkStatus();
+}
+
+void Daemon::FillServiceParts() {
   parts_.config = &config_;
   parts_.authority = authority_.get();
   parts_.incarnation = incarnation_;
@@ -370,6 +431,9 @@ absl::Status Daemon::Serve() {
   parts_.drop_worker = [this](const std::string& id, const std::string& reason) {
     DropWorker(id, reason);
   };
+}
+
+absl::StatusOr<int> Daemon::StartControlServer() {
   // Peers and operators: TLS when configured (every caller then presents a certificate).
   grpc::ServerBuilder builder;
   ConfigureServer(config_, builder);
@@ -383,6 +447,10 @@ absl::Status Daemon::Serve() {
   if (server_ == nullptr || port == 0)
     return absl::UnavailableError(absl::StrCat("cannot listen on ", config_.listen));
   if (local_users_ != nullptr) AddLoopbackListeners(config_.listen, port, *local_users_);
+  return port;
+}
+
+absl::Status Daemon::StartWorkerServer() {
   // Workers: the unix socket (its file mode says who may connect; the handle socket's
   // credentials say who registers), and TCP only when asked. RefitControl is here too, for local
   // tools (under TLS, read-only: steering needs an operator certificate). Never RefitPeer.
@@ -412,33 +480,27 @@ absl::Status Daemon::Serve() {
                         worker_port,
                         config_.tls.enabled() ? "; only --tls-workers certificates register" : "");
   }
-  if (!config_.health_listen.empty()) {
-    // Plaintext and health only: Kubernetes' grpc probes present no certificate. It tells
-    // whether the daemon runs and has joined, nothing else.
-    grpc::ServerBuilder health;
-    int health_port = 0;
-    health.AddListeningPort(config_.health_listen, grpc::InsecureServerCredentials(), &health_port);
-    // gRPC's default health service is a sync service, served only by a server that has one of
-    // its own; this one answers every RefitControl call UNIMPLEMENTED.
-    services_.push_back(std::make_unique<v1::RefitControl::Service>());
-    health.RegisterService(services_.back().get());
-    health_server_ = health.BuildAndStart();
-    if (health_server_ == nullptr || health_port == 0) {
-      return absl::UnavailableError(
-          absl::StrCat("cannot listen on --health-listen ", config_.health_listen));
-    }
-    const std::string health_host =
-        config_.health_listen.substr(0, config_.health_listen.rfind(':'));
-    Logger("rpc")->info("health (plaintext, grpc.health.v1 only) at {}:{}", health_host,
-                        health_port);
+  return absl::OkStatus();
+}
+
+absl::Status Daemon::StartHealthServer() {
+  if (config_.health_listen.empty()) return absl::OkStatus();
+  // Plaintext and health only: Kubernetes' grpc probes present no certificate. It tells
+  // whether the daemon runs and has joined, nothing else.
+  grpc::ServerBuilder health;
+  int health_port = 0;
+  health.AddListeningPort(config_.health_listen, grpc::InsecureServerCredentials(), &health_port);
+  // gRPC's default health service is a sync service, served only by a server that has one of
+  // its own; this one answers every RefitControl call UNIMPLEMENTED.
+  services_.push_back(std::make_unique<v1::RefitControl::Service>());
+  health.RegisterService(services_.back().get());
+  health_server_ = health.BuildAndStart();
+  if (health_server_ == nullptr || health_port == 0) {
+    return absl::UnavailableError(
+        absl::StrCat("cannot listen on --health-listen ", config_.health_listen));
   }
-  SetServing(false);  // until joined
-  SetAlive();
-  const std::string host = config_.listen.substr(0, config_.listen.rfind(':'));
-  address_ = absl::StrCat(host, ":", port);
-  // Read by Status only (set before any call can reach it in practice: the coordinator's own
-  // address is known to operators only from here on).
-  parts_.address = address_;
+  const std::string health_host = config_.health_listen.substr(0, config_.health_listen.rfind(':'));
+  Logger("rpc")->info("health (plaintext, grpc.health.v1 only) at {}:{}", health_host, health_port);
   return absl::OkStatus();
 }
 

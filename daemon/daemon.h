@@ -67,9 +67,29 @@ class Daemon {
 
  private:
   explicit Daemon(const DaemonConfig& config);
-  absl::Status Serve();
-  void SetServing(bool serving);  // the health service's status of every service
-  void SetAlive();                // "" SERVING: the process runs
+  // Start's steps, in their order.
+  void MakeSecurity();  // TLS credentials, the loopback users without TLS, the authority
+  void LogSecurityPosture() const;
+  absl::Status StartBackend();  // the data plane --backend names (backend_factory.h)
+  absl::Status StartMetrics();  // --metrics-listen, and the backend metered
+  absl::Status StartHandleInbox();
+  void MakeNodeComponents();  // the registry, the pause detector, the node agent
+  absl::Status StartCoordinatorOrFollower();
+  absl::Status OpenStateStore();      // the coordinator's
+  void MakeMembershipAndPlanner();    // "", with the round log
+  void MakeRoundDriver();             // "", with the peer client
+  void MakeCoordinatorLink();         // not on the coordinator
+  absl::Status Serve();               // the three listeners
+  absl::Status GrantWorkerSockets();  // the unix sockets' access (--worker-uids)
+  void LogServing() const;
+  absl::Status StartLoopsAndJoin();  // the ticker and the monitor; joins (not on the coordinator)
+  // Serve's steps.
+  void FillServiceParts();
+  absl::StatusOr<int> StartControlServer();  // --listen; its bound port
+  absl::Status StartWorkerServer();          // the unix socket, --worker-listen
+  absl::Status StartHealthServer();          // --health-listen
+  void SetServing(bool serving);             // the health service's status of every service
+  void SetAlive();                           // "" SERVING: the process runs
   std::vector<grpc::Server*> Servers() const;
   absl::Status Register(const v1::RegisterWorkerRequest& request, WorkerTransport transport,
                         v1::RegisterWorkerResponse* response);

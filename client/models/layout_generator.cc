@@ -130,107 +130,137 @@ std::pair<int64_t, int64_t> HeadRows(const TensorDef& def, int dim, int64_t tp, 
 // ---------------------------------------------------------------------------------------------
 // Trainer, Megatron style.
 
+// Where one Megatron rank sits: its worker, its rank t of the tp tensor-parallel ranks, and the
+// routed experts its expert-parallel rank holds, [e0, e1).
+struct MegatronRank {
+  int32_t worker;
+  int64_t tp, t;
+  int64_t e0, e1;
+};
+
+// Whether pipeline stage `stage` of `pp` holds `def`: the first stage also holds what comes before
+// the `layers` layers, the last what comes after them.
+bool InMegatronStage(const TensorDef& def, int64_t layers, int64_t pp, int64_t stage) {
+  auto [layer0, layer1] = Part(layers, pp, stage);
+  return def.layer < 0         ? stage == 0
+         : def.layer >= layers ? stage == pp - 1
+                               : def.layer >= layer0 && def.layer < layer1;
+}
+
+// A routed expert outside [e0, e1) is another expert-parallel rank's; everything else is held.
+bool HoldsExpert(const TensorDef& def, int64_t e0, int64_t e1) {
+  return def.expert < 0 || (def.expert >= e0 && def.expert < e1);
+}
+
+// The embedding or lm head: rows split evenly over tp, the vocabulary padded to 128 * tp.
+void AddMegatronVocab(Builder& b, const MegatronRank& r, const TensorDef& def, int32_t ti) {
+  const int64_t per = RoundUp(def.shape[0], 128 * r.tp) / r.tp;
+  const int32_t buf = b.Buffer(
+      r.worker,
+      def.role == Role::kEmbedding ? "embedding.word_embeddings.weight" : "output_layer.weight",
+      Dims{per, def.shape[1]});
+  const int64_t r0 = std::min(r.t * per, def.shape[0]),
+                r1 = std::min((r.t + 1) * per, def.shape[0]);
+  b.Put(ti, RowsOf(def.shape, r0, r1), buf, Dims{0, 0});
+}
+
+// linear_qkv: per query group g, [q heads of g; k_g; v_g].
+absl::Status AddMegatronQkv(Builder& b, const ModelConfig& m, const MegatronRank& r,
+                            const TensorDef& def, int32_t ti, const std::string& lp) {
+  const TensorDef& k = b.Def(Sibling(def.name, "q_proj", "k_proj"));
+  const int64_t hd = def.head_unit, groups = m.num_key_value_heads, tp = r.tp;
+  if (groups % tp != 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("Megatron needs tp (", tp, ") to divide num_key_value_heads (", groups, ")"));
+  }
+  const int64_t local = groups / tp, qpg = m.num_attention_heads / groups;
+  Dims shape = def.shape;
+  shape[0] = local * (qpg + 2) * hd;
+  const std::string suffix = def.shape.rank == 1 ? "bias" : "weight";
+  const int32_t buf = b.Buffer(r.worker, lp + "self_attention.linear_qkv." + suffix, shape);
+  auto at = [&](int64_t row) { return RowAt(shape.rank, row); };
+  const int32_t vi = b.Index(Sibling(def.name, "q_proj", "v_proj"));
+  for (int64_t g = 0; g < local; ++g) {
+    const int64_t G = r.t * local + g, row = g * (qpg + 2) * hd;
+    b.Put(ti, RowsOf(def.shape, G * qpg * hd, (G + 1) * qpg * hd), buf, at(row));
+    b.Put(b.Index(k.name), RowsOf(k.shape, G * hd, (G + 1) * hd), buf, at(row + qpg * hd));
+    b.Put(vi, RowsOf(k.shape, G * hd, (G + 1) * hd), buf, at(row + (qpg + 1) * hd));
+  }
+  return absl::OkStatus();
+}
+
+// Megatron's name of an MLP's `fc` ("linear_fc1", "linear_fc2"): a routed expert's is numbered
+// among the rank's local experts, which start at `e0`.
+std::string MegatronMlpName(const std::string& lp, const TensorDef& def, int64_t e0,
+                            absl::string_view fc) {
+  if (def.expert >= 0) return absl::StrCat(lp, "mlp.experts.", fc, ".weight", def.expert - e0);
+  return absl::StrCat(lp, def.shared ? "mlp.shared_experts." : "mlp.", fc, ".weight");
+}
+
+// linear_fc1: [gate_t; up_t], the rank's rows of both.
+void AddMegatronFc1(Builder& b, const MegatronRank& r, const TensorDef& def, int32_t ti,
+                    const std::string& lp) {
+  const int32_t up = b.Index(UpOf(def.name));
+  auto [r0, r1] = Part(def.shape[0], r.tp, r.t);
+  const int32_t buf = b.Buffer(r.worker, MegatronMlpName(lp, def, r.e0, "linear_fc1"),
+                               Dims{2 * (r1 - r0), def.shape[1]});
+  b.Put(ti, RowsOf(def.shape, r0, r1), buf, Dims{0, 0});
+  b.Put(up, RowsOf(def.shape, r0, r1), buf, Dims{r1 - r0, 0});
+}
+
+// One tensor of the rank's stage: its pieces, in buffers named as Megatron names them.
+absl::Status AddMegatronTensor(Builder& b, const ModelConfig& m, const MegatronRank& r,
+                               const TensorDef& def) {
+  const int32_t ti = b.Index(def.name);
+  const std::string lp = absl::StrCat("decoder.layers.", def.layer, ".");
+  switch (def.role) {
+    case Role::kReplicated:
+    case Role::kLatentQA:
+    case Role::kLatentKVA:
+      b.Own(r.worker, def.name, ti, Box::Whole(def.shape));
+      break;
+    case Role::kEmbedding:
+    case Role::kLmHead:
+      AddMegatronVocab(b, r, def, ti);
+      break;
+    case Role::kQ:
+      return AddMegatronQkv(b, m, r, def, ti, lp);
+    case Role::kK:
+    case Role::kV:
+    case Role::kUp:
+      break;  // fused with kQ / kGate
+    case Role::kGate:
+      if (HoldsExpert(def, r.e0, r.e1)) AddMegatronFc1(b, r, def, ti, lp);
+      break;
+    case Role::kDown: {
+      if (!HoldsExpert(def, r.e0, r.e1)) break;
+      auto [c0, c1] = Part(def.shape[1], r.tp, r.t);
+      b.Own(r.worker, MegatronMlpName(lp, def, r.e0, "linear_fc2"), ti,
+            RowsOf(def.shape, c0, c1, 1));
+      break;
+    }
+    case Role::kO: {
+      auto [c0, c1] = HeadRows(def, 1, r.tp, r.t);
+      b.Own(r.worker, lp + "self_attention.linear_proj.weight", ti, RowsOf(def.shape, c0, c1, 1));
+      break;
+    }
+    case Role::kLatentQB:
+    case Role::kLatentKVB: {
+      auto [r0, r1] = HeadRows(def, 0, r.tp, r.t);
+      b.Own(r.worker, def.name, ti, RowsOf(def.shape, r0, r1));
+      break;
+    }
+  }
+  return absl::OkStatus();
+}
+
 absl::Status AddMegatronRank(Builder& b, const ModelConfig& m, const TrainerParallelism& p,
                              int32_t worker, int64_t t, int64_t ep_rank, int64_t stage) {
-  const int64_t L = m.num_hidden_layers;
-  auto [layer0, layer1] = Part(L, p.pp, stage);
-  const int64_t tp = p.tp;
+  auto [e0, e1] = Part(m.num_experts, p.ep, ep_rank);
+  const MegatronRank r{worker, p.tp, t, e0, e1};
   for (const TensorDef& def : b.defs()) {
-    const bool in_stage = def.layer < 0    ? stage == 0
-                          : def.layer >= L ? stage == p.pp - 1
-                                           : def.layer >= layer0 && def.layer < layer1;
-    if (!in_stage) continue;
-    const int32_t ti = b.Index(def.name);
-    const std::string lp = absl::StrCat("decoder.layers.", def.layer, ".");
-    const std::string suffix = def.shape.rank == 1 ? "bias" : "weight";
-    switch (def.role) {
-      case Role::kReplicated:
-      case Role::kLatentQA:
-      case Role::kLatentKVA:
-        b.Own(worker, def.name, ti, Box::Whole(def.shape));
-        break;
-      case Role::kEmbedding:
-      case Role::kLmHead: {
-        const int64_t per = RoundUp(def.shape[0], 128 * tp) / tp;
-        const int32_t buf =
-            b.Buffer(worker,
-                     def.role == Role::kEmbedding ? "embedding.word_embeddings.weight"
-                                                  : "output_layer.weight",
-                     Dims{per, def.shape[1]});
-        const int64_t r0 = std::min(t * per, def.shape[0]),
-                      r1 = std::min((t + 1) * per, def.shape[0]);
-        b.Put(ti, RowsOf(def.shape, r0, r1), buf, Dims{0, 0});
-        break;
-      }
-      case Role::kQ: {
-        // linear_qkv: per query group g, [q heads of g; k_g; v_g].
-        const TensorDef& k = b.Def(Sibling(def.name, "q_proj", "k_proj"));
-        const int64_t hd = def.head_unit, groups = m.num_key_value_heads;
-        if (groups % tp != 0) {
-          return absl::InvalidArgumentError(absl::StrCat(
-              "Megatron needs tp (", tp, ") to divide num_key_value_heads (", groups, ")"));
-        }
-        const int64_t local = groups / tp, qpg = m.num_attention_heads / groups;
-        Dims shape = def.shape;
-        shape[0] = local * (qpg + 2) * hd;
-        const int32_t buf = b.Buffer(worker, lp + "self_attention.linear_qkv." + suffix, shape);
-        auto at = [&](int64_t row) { return RowAt(shape.rank, row); };
-        const int32_t vi = b.Index(Sibling(def.name, "q_proj", "v_proj"));
-        for (int64_t g = 0; g < local; ++g) {
-          const int64_t G = t * local + g, row = g * (qpg + 2) * hd;
-          b.Put(ti, RowsOf(def.shape, G * qpg * hd, (G + 1) * qpg * hd), buf, at(row));
-          b.Put(b.Index(k.name), RowsOf(k.shape, G * hd, (G + 1) * hd), buf, at(row + qpg * hd));
-          b.Put(vi, RowsOf(k.shape, G * hd, (G + 1) * hd), buf, at(row + (qpg + 1) * hd));
-        }
-        break;
-      }
-      case Role::kK:
-      case Role::kV:
-      case Role::kUp:
-        break;  // fused with kQ / kGate
-      case Role::kGate: {
-        if (def.expert >= 0) {
-          auto [e0, e1] = Part(m.num_experts, p.ep, ep_rank);
-          if (def.expert < e0 || def.expert >= e1) break;
-        }
-        const int32_t up = b.Index(UpOf(def.name));
-        auto [r0, r1] = Part(def.shape[0], tp, t);
-        const std::string name =
-            def.expert >= 0 ? absl::StrCat(lp, "mlp.experts.linear_fc1.weight",
-                                           def.expert - Part(m.num_experts, p.ep, ep_rank).first)
-            : def.shared    ? lp + "mlp.shared_experts.linear_fc1.weight"
-                            : lp + "mlp.linear_fc1.weight";
-        const int32_t buf = b.Buffer(worker, name, Dims{2 * (r1 - r0), def.shape[1]});
-        b.Put(ti, RowsOf(def.shape, r0, r1), buf, Dims{0, 0});
-        b.Put(up, RowsOf(def.shape, r0, r1), buf, Dims{r1 - r0, 0});
-        break;
-      }
-      case Role::kDown: {
-        if (def.expert >= 0) {
-          auto [e0, e1] = Part(m.num_experts, p.ep, ep_rank);
-          if (def.expert < e0 || def.expert >= e1) break;
-        }
-        auto [c0, c1] = Part(def.shape[1], tp, t);
-        const std::string name =
-            def.expert >= 0 ? absl::StrCat(lp, "mlp.experts.linear_fc2.weight",
-                                           def.expert - Part(m.num_experts, p.ep, ep_rank).first)
-            : def.shared    ? lp + "mlp.shared_experts.linear_fc2.weight"
-                            : lp + "mlp.linear_fc2.weight";
-        b.Own(worker, name, ti, RowsOf(def.shape, c0, c1, 1));
-        break;
-      }
-      case Role::kO: {
-        auto [c0, c1] = HeadRows(def, 1, tp, t);
-        b.Own(worker, lp + "self_attention.linear_proj.weight", ti, RowsOf(def.shape, c0, c1, 1));
-        break;
-      }
-      case Role::kLatentQB:
-      case Role::kLatentKVB: {
-        auto [r0, r1] = HeadRows(def, 0, tp, t);
-        b.Own(worker, def.name, ti, RowsOf(def.shape, r0, r1));
-        break;
-      }
-    }
+    if (!InMegatronStage(def, m.num_hidden_layers, p.pp, stage)) continue;
+    if (auto s = AddMegatronTensor(b, m, r, def); !s.ok()) return s;
   }
   return absl::OkStatus();
 }
@@ -339,133 +369,167 @@ absl::StatusOr<Layout> MakeFsdp2Layout(const ModelConfig& m, const TrainerParall
 // ---------------------------------------------------------------------------------------------
 // Inference, vLLM style.
 
-void AddVllmRank(Builder& b, const ModelConfig& m, const InferenceParallelism& p, int32_t worker,
-                 int64_t t, int64_t d) {
+// Where one vLLM rank sits: its worker, its rank t of its replica's tp tensor-parallel ranks, and
+// its share of the routed experts: experts [e0, e1), of each part `expert_part` of `expert_split`
+// along the intermediate size.
+struct VllmRank {
+  int32_t worker;
+  int64_t tp, t;
+  int64_t e0, e1, expert_split, expert_part;
+  // The stacked expert buffers of the layer being generated (experts come in order).
+  int32_t last_w13 = -1, last_w2 = -1;
+};
+
+// The routed experts (FusedMoEParallelConfig.make) flatten tp over dp: one group of dp * tp ranks,
+// rank d * tp + t. With expert parallelism it splits the experts, each whole; without, every rank
+// holds every expert, their intermediate rows split over the dp * tp ranks. Everything else
+// (attention, dense and shared-expert MLPs, the vocabulary) is tensor-parallel within the replica,
+// over tp; routers are replicated.
+VllmRank VllmRankOf(const ModelConfig& m, const InferenceParallelism& p, int32_t worker, int64_t t,
+                    int64_t d) {
   const int64_t tp = p.tp;
-  // The routed experts (FusedMoEParallelConfig.make) flatten tp over dp: one group of dp * tp
-  // ranks, rank d * tp + t. With expert parallelism it splits the experts, each whole; without,
-  // every rank holds every expert, their intermediate rows split over the dp * tp ranks.
-  // Everything else (attention, dense and shared-expert MLPs, the vocabulary) is tensor-parallel
-  // within the replica, over tp; routers are replicated.
   const int64_t flat = p.World(), flat_rank = d * tp + t;
   auto [e0, e1] = p.expert_parallel ? Part(m.num_experts, flat, flat_rank)
                                     : std::pair<int64_t, int64_t>{0, m.num_experts};
   const int64_t expert_split = p.expert_parallel ? 1 : flat;
   const int64_t expert_part = p.expert_parallel ? 0 : flat_rank;
-  // The stacked expert buffers of the layer being generated (experts come in order).
-  int32_t last_w13 = -1, last_w2 = -1;
-  for (const TensorDef& def : b.defs()) {
-    const int32_t ti = b.Index(def.name);
-    const std::string lp = absl::StrCat("model.layers.", def.layer, ".");
-    const std::string suffix = def.shape.rank == 1 ? "bias" : "weight";
-    switch (def.role) {
-      case Role::kReplicated:
-        b.Own(worker, def.name, ti, Box::Whole(def.shape));
-        break;
-      case Role::kLatentQA: {
-        // fused_qkv_a_proj = [q_a_proj; kv_a_proj_with_mqa], replicated.
-        const TensorDef& kva = b.Def(lp + "self_attn.kv_a_proj_with_mqa.weight");
-        const int32_t buf = b.Buffer(worker, lp + "self_attn.fused_qkv_a_proj.weight",
-                                     Dims{def.shape[0] + kva.shape[0], def.shape[1]});
-        b.Put(ti, Box::Whole(def.shape), buf, Dims{0, 0});
-        b.Put(b.Index(kva.name), Box::Whole(kva.shape), buf, Dims{def.shape[0], 0});
-        break;
-      }
-      case Role::kLatentKVA:
-        if (m.q_lora_rank == 0) b.Own(worker, def.name, ti, Box::Whole(def.shape));
-        break;  // else fused above
-      case Role::kEmbedding:
-      case Role::kLmHead: {
-        const int64_t padded = RoundUp(def.shape[0], 64);
-        const int64_t per = (padded + tp - 1) / tp;
-        const int32_t buf = b.Buffer(worker, def.name, Dims{per, def.shape[1]});
-        const int64_t r0 = std::min(t * per, def.shape[0]),
-                      r1 = std::min((t + 1) * per, def.shape[0]);
-        b.Put(ti, RowsOf(def.shape, r0, r1), buf, Dims{0, 0});
-        break;
-      }
-      case Role::kQ: {
-        const TensorDef& k = b.Def(Sibling(def.name, "q_proj", "k_proj"));
-        const int32_t vi = b.Index(Sibling(def.name, "q_proj", "v_proj"));
-        const int64_t hd = def.head_unit, kv = m.num_key_value_heads;
-        auto [q0, q1] = HeadRows(def, 0, tp, t);
-        int64_t k0, k1;
-        if (kv >= tp) {
-          std::tie(k0, k1) = HeadRows(k, 0, tp, t);
-        } else {  // fewer kv heads than ranks: each rank keeps a copy of its group's head
-          k0 = t * kv / tp * hd;
-          k1 = k0 + hd;
-        }
-        Dims shape = def.shape;
-        shape[0] = (q1 - q0) + 2 * (k1 - k0);
-        const int32_t buf = b.Buffer(worker, lp + "self_attn.qkv_proj." + suffix, shape);
-        auto at = [&](int64_t row) { return RowAt(shape.rank, row); };
-        b.Put(ti, RowsOf(def.shape, q0, q1), buf, at(0));
-        b.Put(b.Index(k.name), RowsOf(k.shape, k0, k1), buf, at(q1 - q0));
-        b.Put(vi, RowsOf(k.shape, k0, k1), buf, at(q1 - q0 + k1 - k0));
-        break;
-      }
-      case Role::kK:
-      case Role::kV:
-      case Role::kUp:
-        break;  // fused with kQ / kGate
-      case Role::kGate: {
-        const int32_t up = b.Index(UpOf(def.name));
-        if (def.expert >= 0) {
-          if (def.expert < e0 || def.expert >= e1) break;
-          // Stacked: w13_weight [E_local, 2 * inter_t, hidden].
-          auto [r0, r1] = Part(def.shape[0], expert_split, expert_part);
-          const std::string name = ExpertsModule(def.name) + ".w13_weight";
-          int32_t buf;
-          if (def.expert == e0) {
-            buf = b.Buffer(worker, name, Dims{e1 - e0, 2 * (r1 - r0), def.shape[1]});
-          } else {
-            buf = last_w13;
-          }
-          last_w13 = buf;
-          b.Put(ti, RowsOf(def.shape, r0, r1), buf, Dims{def.expert - e0, 0, 0});
-          b.Put(up, RowsOf(def.shape, r0, r1), buf, Dims{def.expert - e0, r1 - r0, 0});
-          break;
-        }
-        auto [r0, r1] = Part(def.shape[0], tp, t);
-        const std::string name = Sibling(def.name, "gate_proj", "gate_up_proj");
-        const int32_t buf = b.Buffer(worker, name, Dims{2 * (r1 - r0), def.shape[1]});
-        b.Put(ti, RowsOf(def.shape, r0, r1), buf, Dims{0, 0});
-        b.Put(up, RowsOf(def.shape, r0, r1), buf, Dims{r1 - r0, 0});
-        break;
-      }
-      case Role::kDown: {
-        if (def.expert >= 0) {
-          if (def.expert < e0 || def.expert >= e1) break;
-          auto [c0, c1] = Part(def.shape[1], expert_split, expert_part);
-          int32_t buf;
-          if (def.expert == e0) {
-            buf = b.Buffer(worker, ExpertsModule(def.name) + ".w2_weight",
-                           Dims{e1 - e0, def.shape[0], c1 - c0});
-          } else {
-            buf = last_w2;
-          }
-          last_w2 = buf;
-          b.Put(ti, RowsOf(def.shape, c0, c1, 1), buf, Dims{def.expert - e0, 0, 0});
-          break;
-        }
-        auto [c0, c1] = Part(def.shape[1], tp, t);
-        b.Own(worker, def.name, ti, RowsOf(def.shape, c0, c1, 1));
-        break;
-      }
-      case Role::kO: {
-        auto [c0, c1] = HeadRows(def, 1, tp, t);
-        b.Own(worker, def.name, ti, RowsOf(def.shape, c0, c1, 1));
-        break;
-      }
-      case Role::kLatentQB:
-      case Role::kLatentKVB: {
-        auto [r0, r1] = HeadRows(def, 0, tp, t);
-        b.Own(worker, def.name, ti, RowsOf(def.shape, r0, r1));
-        break;
-      }
+  return VllmRank{worker, tp, t, e0, e1, expert_split, expert_part};
+}
+
+// fused_qkv_a_proj = [q_a_proj; kv_a_proj_with_mqa], replicated.
+void AddVllmFusedQkvA(Builder& b, const VllmRank& r, const TensorDef& def, int32_t ti,
+                      const std::string& lp) {
+  const TensorDef& kva = b.Def(lp + "self_attn.kv_a_proj_with_mqa.weight");
+  const int32_t buf = b.Buffer(r.worker, lp + "self_attn.fused_qkv_a_proj.weight",
+                               Dims{def.shape[0] + kva.shape[0], def.shape[1]});
+  b.Put(ti, Box::Whole(def.shape), buf, Dims{0, 0});
+  b.Put(b.Index(kva.name), Box::Whole(kva.shape), buf, Dims{def.shape[0], 0});
+}
+
+// The embedding or lm head: the vocabulary padded to a multiple of 64, split evenly over tp.
+void AddVllmVocab(Builder& b, const VllmRank& r, const TensorDef& def, int32_t ti) {
+  const int64_t padded = RoundUp(def.shape[0], 64);
+  const int64_t per = (padded + r.tp - 1) / r.tp;
+  const int32_t buf = b.Buffer(r.worker, def.name, Dims{per, def.shape[1]});
+  const int64_t r0 = std::min(r.t * per, def.shape[0]),
+                r1 = std::min((r.t + 1) * per, def.shape[0]);
+  b.Put(ti, RowsOf(def.shape, r0, r1), buf, Dims{0, 0});
+}
+
+// qkv_proj: [q_t; k_t; v_t], the k and v heads replicated when there are fewer than ranks.
+void AddVllmQkv(Builder& b, const ModelConfig& m, const VllmRank& r, const TensorDef& def,
+                int32_t ti, const std::string& lp) {
+  const TensorDef& k = b.Def(Sibling(def.name, "q_proj", "k_proj"));
+  const int32_t vi = b.Index(Sibling(def.name, "q_proj", "v_proj"));
+  const int64_t hd = def.head_unit, kv = m.num_key_value_heads, tp = r.tp, t = r.t;
+  auto [q0, q1] = HeadRows(def, 0, tp, t);
+  int64_t k0, k1;
+  if (kv >= tp) {
+    std::tie(k0, k1) = HeadRows(k, 0, tp, t);
+  } else {  // fewer kv heads than ranks: each rank keeps a copy of its group's head
+    k0 = t * kv / tp * hd;
+    k1 = k0 + hd;
+  }
+  Dims shape = def.shape;
+  shape[0] = (q1 - q0) + 2 * (k1 - k0);
+  const std::string suffix = def.shape.rank == 1 ? "bias" : "weight";
+  const int32_t buf = b.Buffer(r.worker, lp + "self_attn.qkv_proj." + suffix, shape);
+  auto at = [&](int64_t row) { return RowAt(shape.rank, row); };
+  b.Put(ti, RowsOf(def.shape, q0, q1), buf, at(0));
+  b.Put(b.Index(k.name), RowsOf(k.shape, k0, k1), buf, at(q1 - q0));
+  b.Put(vi, RowsOf(k.shape, k0, k1), buf, at(q1 - q0 + k1 - k0));
+}
+
+// gate_up_proj ([gate_t; up_t]) of a dense MLP or shared expert; a routed expert's gate and up go
+// to its layer's stacked w13_weight [E_local, 2 * inter_r, hidden], made at the first local expert.
+void AddVllmGateUp(Builder& b, VllmRank& r, const TensorDef& def, int32_t ti) {
+  const int32_t up = b.Index(UpOf(def.name));
+  if (def.expert >= 0) {
+    if (def.expert < r.e0 || def.expert >= r.e1) return;
+    auto [r0, r1] = Part(def.shape[0], r.expert_split, r.expert_part);
+    const int32_t buf = def.expert == r.e0
+                            ? b.Buffer(r.worker, ExpertsModule(def.name) + ".w13_weight",
+                                       Dims{r.e1 - r.e0, 2 * (r1 - r0), def.shape[1]})
+                            : r.last_w13;
+    r.last_w13 = buf;
+    b.Put(ti, RowsOf(def.shape, r0, r1), buf, Dims{def.expert - r.e0, 0, 0});
+    b.Put(up, RowsOf(def.shape, r0, r1), buf, Dims{def.expert - r.e0, r1 - r0, 0});
+    return;
+  }
+  auto [r0, r1] = Part(def.shape[0], r.tp, r.t);
+  const std::string name = Sibling(def.name, "gate_proj", "gate_up_proj");
+  const int32_t buf = b.Buffer(r.worker, name, Dims{2 * (r1 - r0), def.shape[1]});
+  b.Put(ti, RowsOf(def.shape, r0, r1), buf, Dims{0, 0});
+  b.Put(up, RowsOf(def.shape, r0, r1), buf, Dims{r1 - r0, 0});
+}
+
+// down_proj, row-parallel (its columns split); a routed expert's goes to its layer's stacked
+// w2_weight [E_local, hidden, inter_r], made at the first local expert.
+void AddVllmDown(Builder& b, VllmRank& r, const TensorDef& def, int32_t ti) {
+  if (def.expert >= 0) {
+    if (def.expert < r.e0 || def.expert >= r.e1) return;
+    auto [c0, c1] = Part(def.shape[1], r.expert_split, r.expert_part);
+    const int32_t buf = def.expert == r.e0
+                            ? b.Buffer(r.worker, ExpertsModule(def.name) + ".w2_weight",
+                                       Dims{r.e1 - r.e0, def.shape[0], c1 - c0})
+                            : r.last_w2;
+    r.last_w2 = buf;
+    b.Put(ti, RowsOf(def.shape, c0, c1, 1), buf, Dims{def.expert - r.e0, 0, 0});
+    return;
+  }
+  auto [c0, c1] = Part(def.shape[1], r.tp, r.t);
+  b.Own(r.worker, def.name, ti, RowsOf(def.shape, c0, c1, 1));
+}
+
+// One tensor: its pieces, in buffers named as vLLM names them.
+void AddVllmTensor(Builder& b, const ModelConfig& m, VllmRank& r, const TensorDef& def) {
+  const int32_t ti = b.Index(def.name);
+  const std::string lp = absl::StrCat("model.layers.", def.layer, ".");
+  switch (def.role) {
+    case Role::kReplicated:
+      b.Own(r.worker, def.name, ti, Box::Whole(def.shape));
+      break;
+    case Role::kLatentQA:
+      AddVllmFusedQkvA(b, r, def, ti, lp);
+      break;
+    case Role::kLatentKVA:
+      if (m.q_lora_rank == 0) b.Own(r.worker, def.name, ti, Box::Whole(def.shape));
+      break;  // else fused with kLatentQA
+    case Role::kEmbedding:
+    case Role::kLmHead:
+      AddVllmVocab(b, r, def, ti);
+      break;
+    case Role::kQ:
+      AddVllmQkv(b, m, r, def, ti, lp);
+      break;
+    case Role::kK:
+    case Role::kV:
+    case Role::kUp:
+      break;  // fused with kQ / kGate
+    case Role::kGate:
+      AddVllmGateUp(b, r, def, ti);
+      break;
+    case Role::kDown:
+      AddVllmDown(b, r, def, ti);
+      break;
+    case Role::kO: {
+      auto [c0, c1] = HeadRows(def, 1, r.tp, r.t);
+      b.Own(r.worker, def.name, ti, RowsOf(def.shape, c0, c1, 1));
+      break;
+    }
+    case Role::kLatentQB:
+    case Role::kLatentKVB: {
+      auto [r0, r1] = HeadRows(def, 0, r.tp, r.t);
+      b.Own(r.worker, def.name, ti, RowsOf(def.shape, r0, r1));
+      break;
     }
   }
+}
+
+void AddVllmRank(Builder& b, const ModelConfig& m, const InferenceParallelism& p, int32_t worker,
+                 int64_t t, int64_t d) {
+  VllmRank r = VllmRankOf(m, p, worker, t, d);
+  for (const TensorDef& def : b.defs()) AddVllmTensor(b, m, r, def);
 }
 
 absl::Status CheckPositive(std::initializer_list<std::pair<const char*, int32_t>> values) {
@@ -549,32 +613,8 @@ absl::Status CheckTensorParallel(const char* framework, const ModelConfig& m, in
   return absl::OkStatus();
 }
 
-}  // namespace
-
-absl::StatusOr<Layout> MakeTrainerLayout(const ModelConfig& m, const TrainerParallelism& p,
-                                         const PlacementOptions& where, DType dtype) {
-  if (auto s = CheckPositive({{"gpus per node", where.gpus_per_node}}); !s.ok()) return s;
-  if (p.fsdp > 0 && p.fsdp2 > 0) {
-    return absl::InvalidArgumentError("choose FSDP1 (fsdp) or FSDP2 (fsdp2), not both");
-  }
-  if (p.fsdp_use_orig_params && p.fsdp <= 0) {
-    return absl::InvalidArgumentError("use_orig_params is an FSDP1 setting: it needs fsdp > 0");
-  }
-  if (p.fsdp_param_dtype.has_value() && p.fsdp <= 0) {
-    return absl::InvalidArgumentError("the FSDP1 param dtype needs fsdp > 0");
-  }
-  if (p.fsdp > 0 || p.fsdp2 > 0) {
-    if (p.tp != 1 || p.pp != 1 || p.ep != 1 || p.cp != 1) {
-      return absl::InvalidArgumentError(
-          "FSDP here shards everything over its ranks: tp, pp, ep and cp must be 1");
-    }
-    if (auto s = CheckPositive({{"dp (FSDP replicas)", p.dp}}); !s.ok()) return s;
-    return p.fsdp > 0 ? MakeFsdp1Layout(m, p, where, dtype) : MakeFsdp2Layout(m, p, where, dtype);
-  }
-  if (p.fsdp < 0 || p.fsdp2 < 0) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("fsdp (", p.fsdp, ") and fsdp2 (", p.fsdp2, ") must be >= 0"));
-  }
+// What Megatron-LM refuses of the parallelism `p` on model `m` (FSDP aside).
+absl::Status CheckMegatron(const ModelConfig& m, const TrainerParallelism& p) {
   if (auto s =
           CheckPositive({{"tp", p.tp}, {"pp", p.pp}, {"ep", p.ep}, {"dp", p.dp}, {"cp", p.cp}});
       !s.ok()) {
@@ -607,6 +647,36 @@ absl::StatusOr<Layout> MakeTrainerLayout(const ModelConfig& m, const TrainerPara
       return s;
     }
   }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+absl::StatusOr<Layout> MakeTrainerLayout(const ModelConfig& m, const TrainerParallelism& p,
+                                         const PlacementOptions& where, DType dtype) {
+  if (auto s = CheckPositive({{"gpus per node", where.gpus_per_node}}); !s.ok()) return s;
+  if (p.fsdp > 0 && p.fsdp2 > 0) {
+    return absl::InvalidArgumentError("choose FSDP1 (fsdp) or FSDP2 (fsdp2), not both");
+  }
+  if (p.fsdp_use_orig_params && p.fsdp <= 0) {
+    return absl::InvalidArgumentError("use_orig_params is an FSDP1 setting: it needs fsdp > 0");
+  }
+  if (p.fsdp_param_dtype.has_value() && p.fsdp <= 0) {
+    return absl::InvalidArgumentError("the FSDP1 param dtype needs fsdp > 0");
+  }
+  if (p.fsdp > 0 || p.fsdp2 > 0) {
+    if (p.tp != 1 || p.pp != 1 || p.ep != 1 || p.cp != 1) {
+      return absl::InvalidArgumentError(
+          "FSDP here shards everything over its ranks: tp, pp, ep and cp must be 1");
+    }
+    if (auto s = CheckPositive({{"dp (FSDP replicas)", p.dp}}); !s.ok()) return s;
+    return p.fsdp > 0 ? MakeFsdp1Layout(m, p, where, dtype) : MakeFsdp2Layout(m, p, where, dtype);
+  }
+  if (p.fsdp < 0 || p.fsdp2 < 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("fsdp (", p.fsdp, ") and fsdp2 (", p.fsdp2, ") must be >= 0"));
+  }
+  if (auto s = CheckMegatron(m, p); !s.ok()) return s;
   // Megatron's TopKRouter keeps its expert_bias an fp32 buffer (_maintain_float32_expert_bias).
   Builder b(m, dtype, RouterBias::kF32);
   for (int64_t stage = 0; stage < p.pp; ++stage) {

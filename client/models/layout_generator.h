@@ -20,17 +20,18 @@
 //   (transformer_auto_wrap_policy with the decoder layer class, _no_split_modules) wraps each
 //   decoder layer; the root unit holds the rest (model.embed_tokens, model.norm, lm_head unless
 //   tied). Each unit has one FlatParameter: its parameters in named_parameters() order (see
-//   client/models/model_tensors.h), flattened and concatenated; module buffers stay whole on every rank.
-//   Following torch/distributed/fsdp/_flat_param.py (FlatParamHandle._init_flat_param_and_metadata,
-//   flatten_tensors, _get_shard): with use_orig_params=False no padding goes between parameters;
-//   with use_orig_params=True each parameter starts at a multiple of _get_aligned_numel (16 bytes
-//   of the forward dtype, the mixed-precision param_dtype or else the parameter's own: 8 bf16
-//   elements, 4 fp32) and the flat parameter is padded at its end to a multiple of the shard
-//   world size. Either way rank s holds torch.chunk's chunk s of the flat parameter, padded at its
-//   end to the first chunk's size: shard = ceil(numel / N) elements, rank s holds flat elements
-//   [s * shard, (s + 1) * shard), the tail past numel being padding. Buffers, on every rank in this
-//   order: "flat_param" (the root unit), then "flat_param.model.layers.<i>" for each layer, each
-//   followed by that unit's module buffers under their own names. Pieces in flat order.
+//   client/models/model_tensors.h), flattened and concatenated; module buffers stay whole on every
+//   rank. Following torch/distributed/fsdp/_flat_param.py
+//   (FlatParamHandle._init_flat_param_and_metadata, flatten_tensors, _get_shard): with
+//   use_orig_params=False no padding goes between parameters; with use_orig_params=True each
+//   parameter starts at a multiple of _get_aligned_numel (16 bytes of the forward dtype, the
+//   mixed-precision param_dtype or else the parameter's own: 8 bf16 elements, 4 fp32) and the flat
+//   parameter is padded at its end to a multiple of the shard world size. Either way rank s holds
+//   torch.chunk's chunk s of the flat parameter, padded at its end to the first chunk's size: shard
+//   = ceil(numel / N) elements, rank s holds flat elements [s * shard, (s + 1) * shard), the tail
+//   past numel being padding. Buffers, on every rank in this order: "flat_param" (the root unit),
+//   then "flat_param.model.layers.<i>" for each layer, each followed by that unit's module buffers
+//   under their own names. Pieces in flat order.
 // Trainer, FSDP2 (fully_shard, per-parameter DTensor Shard(0); --fsdp2 N; torchtune, verl's fsdp2
 //   strategy, TRL with accelerate's FSDP2): every parameter its own
 //   buffer named exactly as the parameter, in named_parameters() order, sharded on dim 0 as

@@ -1,10 +1,10 @@
 // The architecture fields of a Hugging Face config.json that decide a model's tensors.
 //
 // Only the model types whose tensors (names, shapes, and the order Hugging Face registers them in)
-// client/models/model_tensors.cc reproduces exactly are accepted; ParseModelConfig refuses the others by
-// name rather than guess. The modules followed are transformers 4.x's (through 4.57), whose mixture
-// of experts layers hold one nn.Module per expert, as the checkpoints name them (transformers 5
-// fuses each layer's experts into two 3-D parameters: see docs/LAYOUTS.md).
+// client/models/model_tensors.cc reproduces exactly are accepted; ParseModelConfig refuses the
+// others by name rather than guess. The modules followed are transformers 4.x's (through 4.57),
+// whose mixture of experts layers hold one nn.Module per expert, as the checkpoints name them
+// (transformers 5 fuses each layer's experts into two 3-D parameters: see docs/LAYOUTS.md).
 #pragma once
 
 #include <cstdint>
@@ -36,7 +36,8 @@ struct ModelConfig {
   DType dtype = DType::kBF16;   // torch_dtype
   // quantization_config of an fp8 checkpoint (quant_method "fp8", DeepSeek-V3 and vLLM's block
   // fp8): weight_block_size and modules_to_not_convert (also read as "ignored_layers"). Engines
-  // load such a model in fp8; refit-layout --dtype fp8-block follows it (client/models/fp8_layout.h).
+  // load such a model in fp8; refit-layout --dtype fp8-block follows it
+  // (client/models/fp8_layout.h).
   struct Fp8Quantization {
     bool present = false;
     int64_t block_rows = 128, block_cols = 128;

@@ -57,7 +57,8 @@ struct TensorDef {
   int64_t head_unit = 0;  // rows (or columns) per head for head-split roles
   bool buffer = false;    // a module buffer, not a parameter: FSDP leaves it whole on every rank
   // DeepSeek's gate.e_score_correction_bias, which some frameworks hold in fp32 whatever the
-  // weights' dtype (vLLM, Megatron); the generators decide its dtype (client/models/layout_generator.h).
+  // weights' dtype (vLLM, Megatron); the generators decide its dtype
+  // (client/models/layout_generator.h).
   bool router_bias = false;
 };
 

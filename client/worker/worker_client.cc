@@ -80,20 +80,21 @@ class OwnedFd {
   int fd_;
 };
 
-// One attempt: the daemon's answer, or why there is none. `busy` when the daemon asked to retry.
-absl::StatusOr<std::string> DeliverOnce(const std::string& path, std::span<const int> fds,
-                                        absl::Time deadline, bool* busy) {
-  *busy = false;
-  sockaddr_un addr{};
-  addr.sun_family = AF_UNIX;
-  if (path.size() >= sizeof addr.sun_path) {
+// The handle socket's address; a path too long for one is refused.
+absl::Status HandleSocketAddress(const std::string& path, sockaddr_un* addr) {
+  addr->sun_family = AF_UNIX;
+  if (path.size() >= sizeof addr->sun_path) {
     return absl::InvalidArgumentError(
         absl::StrCat("the handle socket path \"", path, "\" is too long"));
   }
-  std::memcpy(addr.sun_path, path.data(), path.size());
-  OwnedFd s(socket(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0));
-  if (s.get() < 0) return Errno("socket(AF_UNIX, SOCK_SEQPACKET)");
-  while (connect(s.get(), reinterpret_cast<sockaddr*>(&addr), sizeof addr) != 0) {
+  std::memcpy(addr->sun_path, path.data(), path.size());
+  return absl::OkStatus();
+}
+
+// Connects `s` to the handle socket, waiting until `deadline` for one not there yet.
+absl::Status ConnectHandleSocket(int s, const sockaddr_un& addr, const std::string& path,
+                                 absl::Time deadline) {
+  while (connect(s, reinterpret_cast<const sockaddr*>(&addr), sizeof addr) != 0) {
     // Not there yet (a daemon still starting), or its backlog is full: wait, like gRPC's
     // wait_for_ready does for the registration.
     if ((errno == ENOENT || errno == ECONNREFUSED || errno == EAGAIN || errno == EINTR) &&
@@ -105,31 +106,42 @@ absl::StatusOr<std::string> DeliverOnce(const std::string& path, std::span<const
         absl::StrCat("cannot reach the daemon's handle socket ", path, ": ", std::strerror(errno),
                      " (is refitd running, and new enough to take file descriptors?)"));
   }
-  SetTimeout(s.get(), deadline);
-  const std::string token = RandomToken();
+  return absl::OkStatus();
+}
+
+// One packet: the magic, the token, how many descriptors it carries (`fds`, at most
+// kMaxFdsPerPacket) and whether it is the last. False when it did not all go (errno says why).
+bool SendPacket(int s, const std::string& token, std::span<const int> fds, bool last) {
+  char data[kPacketBytes];
+  std::memcpy(data, kMagic, 4);
+  std::memcpy(data + 4, token.data(), token.size());
+  StoreLe32(static_cast<uint32_t>(fds.size()), data + 36);
+  StoreLe32(last ? 1 : 0, data + 40);
+  iovec iov{data, sizeof data};
+  msghdr msg{};
+  msg.msg_iov = &iov;
+  msg.msg_iovlen = 1;
+  alignas(cmsghdr) char control[CMSG_SPACE(sizeof(int) * kMaxFdsPerPacket)];
+  if (!fds.empty()) {
+    msg.msg_control = control;
+    msg.msg_controllen = CMSG_SPACE(sizeof(int) * fds.size());
+    cmsghdr* h = CMSG_FIRSTHDR(&msg);
+    h->cmsg_level = SOL_SOCKET;
+    h->cmsg_type = SCM_RIGHTS;
+    h->cmsg_len = CMSG_LEN(sizeof(int) * fds.size());
+    std::memcpy(CMSG_DATA(h), fds.data(), sizeof(int) * fds.size());
+  }
+  return sendmsg(s, &msg, MSG_NOSIGNAL) == static_cast<ssize_t>(sizeof data);
+}
+
+// Sends `fds` under `token`, kMaxFdsPerPacket at a time (at least one packet, the last marked).
+// A daemon that refused them stops reading: the sending ends there, and its answer says why.
+absl::Status SendDescriptors(int s, const std::string& path, const std::string& token,
+                             std::span<const int> fds) {
   size_t sent = 0;
   do {
     const size_t n = std::min(kMaxFdsPerPacket, fds.size() - sent);
-    char data[kPacketBytes];
-    std::memcpy(data, kMagic, 4);
-    std::memcpy(data + 4, token.data(), token.size());
-    StoreLe32(static_cast<uint32_t>(n), data + 36);
-    StoreLe32(sent + n == fds.size() ? 1 : 0, data + 40);
-    iovec iov{data, sizeof data};
-    msghdr msg{};
-    msg.msg_iov = &iov;
-    msg.msg_iovlen = 1;
-    alignas(cmsghdr) char control[CMSG_SPACE(sizeof(int) * kMaxFdsPerPacket)];
-    if (n > 0) {
-      msg.msg_control = control;
-      msg.msg_controllen = CMSG_SPACE(sizeof(int) * n);
-      cmsghdr* h = CMSG_FIRSTHDR(&msg);
-      h->cmsg_level = SOL_SOCKET;
-      h->cmsg_type = SCM_RIGHTS;
-      h->cmsg_len = CMSG_LEN(sizeof(int) * n);
-      std::memcpy(CMSG_DATA(h), fds.data() + sent, sizeof(int) * n);
-    }
-    if (sendmsg(s.get(), &msg, MSG_NOSIGNAL) != static_cast<ssize_t>(sizeof data)) {
+    if (!SendPacket(s, token, fds.subspan(sent, n), sent + n == fds.size())) {
       if (errno == EPIPE || errno == ECONNRESET) break;  // the daemon refused: its answer says why
       if (errno == EAGAIN || errno == EWOULDBLOCK) {
         return absl::DeadlineExceededError(
@@ -139,21 +151,28 @@ absl::StatusOr<std::string> DeliverOnce(const std::string& path, std::span<const
     }
     sent += n;
   } while (sent < fds.size());
+  return absl::OkStatus();
+}
+
+// The daemon's answer to a delivery of `count` descriptors: `token` when it took them all.
+// `busy` when it refused them only for now.
+absl::StatusOr<std::string> ReadAnswer(int s, const std::string& path, const std::string& token,
+                                       size_t count, bool* busy) {
   char answer[2048];
-  ssize_t got = recv(s.get(), answer, sizeof answer, 0);
+  ssize_t got = recv(s, answer, sizeof answer, 0);
   // A daemon that closed with packets of ours unread makes the first read fail; its answer is
   // queued behind that error.
-  if (got < 0 && errno == ECONNRESET) got = recv(s.get(), answer, sizeof answer, 0);
+  if (got < 0 && errno == ECONNRESET) got = recv(s, answer, sizeof answer, 0);
   if (got < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) {
     return absl::DeadlineExceededError(
         absl::StrCat("the daemon's handle socket ", path, " did not answer in time"));
   }
   if (got < 0) return Errno(absl::StrCat("the answer of the daemon's handle socket ", path));
   if (got >= 8 && std::memcmp(answer, "OK\0\0", 4) == 0) {
-    const uint32_t count = LoadLe32(answer + 4);
-    if (count != fds.size()) {
+    const uint32_t received = LoadLe32(answer + 4);
+    if (received != count) {
       return absl::DataLossError(
-          absl::StrCat("the daemon received ", count, " of ", fds.size(), " descriptors"));
+          absl::StrCat("the daemon received ", received, " of ", count, " descriptors"));
     }
     return token;
   }
@@ -167,6 +186,91 @@ absl::StatusOr<std::string> DeliverOnce(const std::string& path, std::span<const
   return absl::UnavailableError(
       absl::StrCat("the daemon's handle socket ", path,
                    got == 0 ? " closed without answering" : " gave an answer not understood"));
+}
+
+// One attempt: the daemon's answer, or why there is none. `busy` when the daemon asked to retry.
+absl::StatusOr<std::string> DeliverOnce(const std::string& path, std::span<const int> fds,
+                                        absl::Time deadline, bool* busy) {
+  *busy = false;
+  sockaddr_un addr{};
+  if (auto st = HandleSocketAddress(path, &addr); !st.ok()) return st;
+  OwnedFd s(socket(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0));
+  if (s.get() < 0) return Errno("socket(AF_UNIX, SOCK_SEQPACKET)");
+  if (auto st = ConnectHandleSocket(s.get(), addr, path, deadline); !st.ok()) return st;
+  SetTimeout(s.get(), deadline);
+  const std::string token = RandomToken();
+  if (auto st = SendDescriptors(s.get(), path, token, fds); !st.ok()) return st;
+  return ReadAnswer(s.get(), path, token, fds.size(), busy);
+}
+
+// The registration of `layout`'s worker, without its memory: the tensors, the worker encoded, and
+// a trainer's rank when it declares one.
+absl::StatusOr<v1::RegisterWorkerRequest> RegistrationRequest(const std::string& group,
+                                                              v1::Role role, const Layout& layout,
+                                                              const ConnectOptions& options) {
+  const v1::Layout proto = LayoutToProto(layout);
+  v1::RegisterWorkerRequest request;
+  request.set_group(group);
+  request.set_role(role);
+  if (options.trainer_world_size != 0) {
+    if (role != v1::TRAINER || options.trainer_world_size < 0 || options.trainer_rank < 0 ||
+        options.trainer_rank >= options.trainer_world_size) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "trainer_rank ", options.trainer_rank, " of trainer_world_size ",
+          options.trainer_world_size,
+          ": a trainer declares a rank in [0, trainer_world_size) (an inference worker declares "
+          "its replica in its layout instead)"));
+    }
+    request.set_trainer_rank(options.trainer_rank);
+    request.set_trainer_world_size(options.trainer_world_size);
+  }
+  *request.mutable_tensors() = proto.tensors();
+  // Encoded: the daemon then receives one string, not a message per piece (10x its size there).
+  request.set_worker_encoded(proto.workers(0).SerializeAsString());
+  return request;
+}
+
+// The handle socket to register through: the one given, else the unix socket's.
+absl::StatusOr<std::string> HandleSocketOf(const std::string& daemon,
+                                           const ConnectOptions& options) {
+  const std::string handles =
+      options.handle_socket.empty() ? HandleSocketPath(daemon) : options.handle_socket;
+  if (handles.empty()) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "a worker registers through the daemon's handle socket, which a TCP address (", daemon,
+        ") does not name: connect through its unix socket, \"unix:/tmp/refitd-<node>.sock\", or "
+        "give ConnectOptions::handle_socket"));
+  }
+  return handles;
+}
+
+// Memory the worker exported itself, one handle per buffer, into the registration.
+absl::Status AddWorkerMemory(const Layout& layout, WorkerMemory& memory,
+                             v1::RegisterWorkerRequest& request) {
+  if (memory.memory.size() != layout.buffers.size()) {
+    return absl::InvalidArgumentError(absl::StrCat(layout.buffers.size(), " buffers but ",
+                                                   memory.memory.size(), " memory handles"));
+  }
+  for (auto& m : memory.memory) *request.add_memory() = std::move(m);
+  for (auto& r : memory.vmm_ranges) *request.add_vmm_ranges() = std::move(r);
+  request.set_gpu_uuid(memory.gpu_uuid);
+  return absl::OkStatus();
+}
+
+// The session's channel. Keepalive notices a dead or frozen daemon; a daemon that is starting (or
+// restarting) is reached within a fraction of a second, not after gRPC's default back-off of up to
+// minutes.
+grpc::ChannelArguments SessionChannelArguments() {
+  grpc::ChannelArguments args;
+  args.SetMaxSendMessageSize(1 << 30);
+  args.SetInt(GRPC_ARG_KEEPALIVE_TIME_MS, kKeepaliveTimeMs);
+  args.SetInt(GRPC_ARG_KEEPALIVE_TIMEOUT_MS, kKeepaliveTimeoutMs);
+  args.SetInt(GRPC_ARG_KEEPALIVE_PERMIT_WITHOUT_CALLS, 1);
+  args.SetInt(GRPC_ARG_HTTP2_MAX_PINGS_WITHOUT_DATA, 0);  // keep pinging an idle session
+  args.SetInt(GRPC_ARG_INITIAL_RECONNECT_BACKOFF_MS, 100);
+  args.SetInt(GRPC_ARG_MIN_RECONNECT_BACKOFF_MS, 100);
+  args.SetInt(GRPC_ARG_MAX_RECONNECT_BACKOFF_MS, 1000);
+  return args;
 }
 
 }  // namespace
@@ -234,93 +338,57 @@ absl::StatusOr<std::unique_ptr<WorkerClient>> WorkerClient::Connect(
   c->daemon_ = daemon;
   c->timeout_ = options.timeout;
   c->reconnect_ = options.reconnect;
-  const v1::Layout proto = LayoutToProto(layout);
-  v1::RegisterWorkerRequest request;
-  request.set_group(group);
-  request.set_role(role);
-  if (options.trainer_world_size != 0) {
-    if (role != v1::TRAINER || options.trainer_world_size < 0 || options.trainer_rank < 0 ||
-        options.trainer_rank >= options.trainer_world_size) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "trainer_rank ", options.trainer_rank, " of trainer_world_size ",
-          options.trainer_world_size,
-          ": a trainer declares a rank in [0, trainer_world_size) (an inference worker declares "
-          "its replica in its layout instead)"));
-    }
-    request.set_trainer_rank(options.trainer_rank);
-    request.set_trainer_world_size(options.trainer_world_size);
+  auto request = RegistrationRequest(group, role, layout, options);
+  if (!request.ok()) return request.status();
+  std::vector<int> fds = options.memory.fds;
+  auto handles = HandleSocketOf(daemon, options);
+  if (!handles.ok()) return handles.status();
+  if (!options.memory.memory.empty()) {
+    if (auto s = AddWorkerMemory(layout, options.memory, *request); !s.ok()) return s;
+  } else if (!layout.buffers.empty()) {
+    if (auto s = c->AllocateHostMemory(layout, *request, fds); !s.ok()) return s;
   }
-  *request.mutable_tensors() = proto.tensors();
-  // Encoded: the daemon then receives one string, not a message per piece (10x its size there).
-  request.set_worker_encoded(proto.workers(0).SerializeAsString());
-  WorkerMemory& memory = options.memory;
-  std::vector<int> fds = memory.fds;
-  const std::string handles =
-      options.handle_socket.empty() ? HandleSocketPath(daemon) : options.handle_socket;
-  if (handles.empty()) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "a worker registers through the daemon's handle socket, which a TCP address (", daemon,
-        ") does not name: connect through its unix socket, \"unix:/tmp/refitd-<node>.sock\", or "
-        "give "
-        "ConnectOptions::handle_socket"));
-  }
-  if (!memory.memory.empty()) {
-    if (memory.memory.size() != layout.buffers.size()) {
-      return absl::InvalidArgumentError(absl::StrCat(layout.buffers.size(), " buffers but ",
-                                                     memory.memory.size(), " memory handles"));
-    }
-    for (auto& m : memory.memory) *request.add_memory() = std::move(m);
-    for (auto& r : memory.vmm_ranges) *request.add_vmm_ranges() = std::move(r);
-    request.set_gpu_uuid(memory.gpu_uuid);
-  }
-  if (memory.memory.empty() && !layout.buffers.empty()) {
-    // Every buffer in one object, each at an offset aligned for any element type.
-    constexpr int64_t kAlign = 256;
-    std::vector<int64_t> offsets;
-    int64_t total = 0;
-    for (const Buffer& b : layout.buffers) {
-      offsets.push_back(total);
-      total += (b.NumBytes() + kAlign - 1) / kAlign * kAlign;
-    }
-    const size_t bytes = static_cast<size_t>(std::max<int64_t>(total, 1));
-    // Sealed against shrinking and growing: the daemon maps it, and a shrinking object would kill
-    // it.
-    auto shm =
-        SharedMemory::CreateAnonymous(absl::StrCat(getpid(), "-", layout.workers[0].name), bytes);
-    if (!shm.ok()) return shm.status();
-    c->arena_ = *std::move(shm);
-    fds.push_back(c->arena_.fd());
-    for (size_t i = 0; i < layout.buffers.size(); ++i) {
-      v1::SharedMemory* m = request.add_memory()->mutable_shm();
-      m->set_fd(static_cast<int32_t>(fds.size()));  // 1-based: the arena is the last descriptor
-      m->set_offset(offsets[i]);
-      m->set_size(static_cast<int64_t>(c->arena_.bytes().size()));
-      c->buffers_.push_back(c->arena_.bytes().subspan(
-          static_cast<size_t>(offsets[i]), static_cast<size_t>(layout.buffers[i].NumBytes())));
-    }
-  }
-  c->request_ = std::move(request);
+  c->request_ = *std::move(request);
   c->fds_ = std::move(fds);
-  c->handle_socket_ = handles;
-  grpc::ChannelArguments args;
-  args.SetMaxSendMessageSize(1 << 30);
-  args.SetInt(GRPC_ARG_KEEPALIVE_TIME_MS, kKeepaliveTimeMs);
-  args.SetInt(GRPC_ARG_KEEPALIVE_TIMEOUT_MS, kKeepaliveTimeoutMs);
-  args.SetInt(GRPC_ARG_KEEPALIVE_PERMIT_WITHOUT_CALLS, 1);
-  args.SetInt(GRPC_ARG_HTTP2_MAX_PINGS_WITHOUT_DATA, 0);  // keep pinging an idle session
-  // A daemon that is starting (or restarting) is reached within a fraction of a second, not
-  // after gRPC's default back-off of up to minutes.
-  args.SetInt(GRPC_ARG_INITIAL_RECONNECT_BACKOFF_MS, 100);
-  args.SetInt(GRPC_ARG_MIN_RECONNECT_BACKOFF_MS, 100);
-  args.SetInt(GRPC_ARG_MAX_RECONNECT_BACKOFF_MS, 1000);
-  c->stub_ = v1::RefitWorker::NewStub(
-      grpc::CreateCustomChannel(daemon, grpc::InsecureChannelCredentials(), args));
+  c->handle_socket_ = *std::move(handles);
+  c->stub_ = v1::RefitWorker::NewStub(grpc::CreateCustomChannel(
+      daemon, grpc::InsecureChannelCredentials(), SessionChannelArguments()));
   if (auto s = c->Register(deadline); !s.ok()) return s;
   if (!c->OpenSession()) {
     return absl::UnavailableError(absl::StrCat("the daemon at ", daemon, " closed the session"));
   }
   c->session_thread_ = std::thread([p = c.get()] { p->SessionLoop(); });
   return c;
+}
+
+absl::Status WorkerClient::AllocateHostMemory(const Layout& layout,
+                                              v1::RegisterWorkerRequest& request,
+                                              std::vector<int>& fds) {
+  // Every buffer in one object, each at an offset aligned for any element type.
+  constexpr int64_t kAlign = 256;
+  std::vector<int64_t> offsets;
+  int64_t total = 0;
+  for (const Buffer& b : layout.buffers) {
+    offsets.push_back(total);
+    total += (b.NumBytes() + kAlign - 1) / kAlign * kAlign;
+  }
+  const size_t bytes = static_cast<size_t>(std::max<int64_t>(total, 1));
+  // Sealed against shrinking and growing: the daemon maps it, and a shrinking object would kill
+  // it.
+  auto shm =
+      SharedMemory::CreateAnonymous(absl::StrCat(getpid(), "-", layout.workers[0].name), bytes);
+  if (!shm.ok()) return shm.status();
+  arena_ = *std::move(shm);
+  fds.push_back(arena_.fd());
+  for (size_t i = 0; i < layout.buffers.size(); ++i) {
+    v1::SharedMemory* m = request.add_memory()->mutable_shm();
+    m->set_fd(static_cast<int32_t>(fds.size()));  // 1-based: the arena is the last descriptor
+    m->set_offset(offsets[i]);
+    m->set_size(static_cast<int64_t>(arena_.bytes().size()));
+    buffers_.push_back(arena_.bytes().subspan(static_cast<size_t>(offsets[i]),
+                                              static_cast<size_t>(layout.buffers[i].NumBytes())));
+  }
+  return absl::OkStatus();
 }
 
 absl::Status WorkerClient::Register(absl::Time deadline) {

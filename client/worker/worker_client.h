@@ -129,6 +129,10 @@ class WorkerClient {
   absl::Status Register(absl::Time deadline);
   // Waits `d` unless the client is closed meanwhile; false when it was.
   bool SleepUnlessClosed(absl::Duration d);
+  // The library's host memory for every buffer of `layout` (arena_, buffers_): its descriptor
+  // appended to `fds`, each buffer's place in it added to `request`.
+  absl::Status AllocateHostMemory(const Layout& layout, v1::RegisterWorkerRequest& request,
+                                  std::vector<int>& fds);
 
   std::string worker_id_;
   v1::Role role_ = v1::ROLE_UNSPECIFIED;

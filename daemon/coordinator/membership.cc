@@ -11,15 +11,19 @@
 
 namespace refit {
 
-std::vector<ReplicaView> ReplicasOf(
-    const std::vector<std::pair<int32_t, v1::RegisterWorkerRequest>>& workers,
-    std::vector<bool>* counts) {
-  counts->assign(workers.size(), true);
-  struct Rank {
-    size_t worker;  // index into `workers`
-    int32_t rank, size;
-  };
-  std::map<std::string, std::vector<Rank>> by_replica;
+namespace {
+
+using RegisteredWorkers = std::vector<std::pair<int32_t, v1::RegisterWorkerRequest>>;
+
+struct ReplicaRank {
+  size_t worker;  // index into the registered workers
+  int32_t rank, size;
+};
+
+// Inference workers by replica name; a worker that names no replica is a replica of its own.
+std::map<std::string, std::vector<ReplicaRank>> InferenceByReplica(
+    const RegisteredWorkers& workers) {
+  std::map<std::string, std::vector<ReplicaRank>> by_replica;
   for (size_t i = 0; i < workers.size(); ++i) {
     const v1::RegisterWorkerRequest& r = workers[i].second;
     if (r.role() != v1::INFERENCE) continue;
@@ -27,75 +31,97 @@ std::vector<ReplicaView> ReplicasOf(
     if (w.replica_size() > 0) {
       by_replica[w.replica()].push_back({i, w.replica_rank(), w.replica_size()});
     } else {
-      by_replica[w.name()].push_back({i, 0, 1});  // a replica of its own
+      by_replica[w.name()].push_back({i, 0, 1});
     }
   }
+  return by_replica;
+}
+
+// Fills v.workers by rank; every disagreement (sizes, two workers on one rank) goes to conflicts.
+void AssignRanks(const RegisteredWorkers& workers, const std::vector<ReplicaRank>& ranks,
+                 ReplicaView& v, std::vector<std::string>& conflicts) {
+  const auto worker_name = [&](const ReplicaRank& k) -> const std::string& {
+    return workers[k.worker].second.worker().name();
+  };
+  for (const ReplicaRank& k : ranks) {
+    if (k.size != v.size) {
+      conflicts.push_back(absl::StrCat("workers \"", worker_name(ranks.front()), "\" and \"",
+                                       worker_name(k), "\" disagree on its size (", v.size, " and ",
+                                       k.size, ")"));
+    }
+  }
+  v.workers.assign(v.size, "");
+  for (const ReplicaRank& k : ranks) {
+    if (k.rank < 0 || k.rank >= v.size) continue;  // its size disagrees: named above
+    std::string& at = v.workers[k.rank];
+    if (!at.empty()) {
+      conflicts.push_back(absl::StrCat("workers \"", at, "\" and \"", worker_name(k),
+                                       "\" both claim rank ", k.rank));
+    } else {
+      at = worker_name(k);
+    }
+  }
+}
+
+// Records the ranks no worker holds in v.missing; the sentence naming them and a few present
+// ones, or "" when none is missing.
+std::string MissingRanks(ReplicaView& v) {
+  std::vector<std::string> present;
+  for (int32_t rank = 0; rank < v.size; ++rank) {
+    if (v.workers[rank].empty()) {
+      if (v.missing.size() < static_cast<size_t>(kMaxListedRanks)) v.missing.push_back(rank);
+    } else if (present.size() < 8) {
+      present.push_back(absl::StrCat(rank, " \"", v.workers[rank], "\""));
+    }
+  }
+  if (v.missing.empty()) return "";
+  const int32_t held =
+      v.size - static_cast<int32_t>(std::count(v.workers.begin(), v.workers.end(), ""));
+  std::vector<int32_t> listed(v.missing.begin(),
+                              v.missing.begin() + std::min<size_t>(v.missing.size(), 16));
+  return absl::StrCat(
+      held, " of ", v.size, " ranks registered; missing rank", v.missing.size() > 1 ? "s " : " ",
+      absl::StrJoin(listed, ", "), v.missing.size() > listed.size() ? ", ..." : "",
+      present.empty() ? "" : absl::StrCat(" (present: ", absl::StrJoin(present, ", "), ")"));
+}
+
+ReplicaView OneReplica(const RegisteredWorkers& workers, const std::string& name,
+                       const std::vector<ReplicaRank>& ranks, std::vector<bool>& counts) {
+  ReplicaView v;
+  v.name = name;
+  v.size = ranks.front().size;
+  const auto uncounted = [&] {
+    for (const ReplicaRank& k : ranks) counts[k.worker] = false;
+  };
+  if (v.size < 1 || v.size > (1 << 16)) {  // refused at registration (kMaxReplicaSize)
+    v.problem = absl::StrCat("replica \"", name, "\": size ", v.size, " is not a replica's size");
+    v.size = 0;
+    uncounted();
+    return v;
+  }
+  for (const ReplicaRank& k : ranks) v.nodes.push_back(workers[k.worker].first);
+  std::sort(v.nodes.begin(), v.nodes.end());
+  v.nodes.erase(std::unique(v.nodes.begin(), v.nodes.end()), v.nodes.end());
+  std::vector<std::string> conflicts;
+  AssignRanks(workers, ranks, v, conflicts);
+  if (std::string missing = MissingRanks(v); !missing.empty()) {
+    conflicts.insert(conflicts.begin(), std::move(missing));
+  }
+  v.complete = conflicts.empty();
+  if (!v.complete) {
+    v.problem = absl::StrCat("replica \"", name, "\": ", absl::StrJoin(conflicts, "; "));
+    uncounted();
+  }
+  return v;
+}
+
+}  // namespace
+
+std::vector<ReplicaView> ReplicasOf(const RegisteredWorkers& workers, std::vector<bool>* counts) {
+  counts->assign(workers.size(), true);
   std::vector<ReplicaView> out;
-  for (const auto& [name, ranks] : by_replica) {
-    ReplicaView v;
-    v.name = name;
-    v.size = ranks.front().size;
-    const auto worker_name = [&](const Rank& k) {
-      return workers[k.worker].second.worker().name();
-    };
-    std::vector<std::string> conflicts;
-    for (const Rank& k : ranks) {
-      if (k.size != v.size) {
-        conflicts.push_back(absl::StrCat("workers \"", worker_name(ranks.front()), "\" and \"",
-                                         worker_name(k), "\" disagree on its size (", v.size,
-                                         " and ", k.size, ")"));
-      }
-    }
-    if (v.size < 1 || v.size > (1 << 16)) {  // refused at registration (kMaxReplicaSize)
-      v.problem = absl::StrCat("replica \"", name, "\": size ", v.size, " is not a replica's size");
-      v.size = 0;
-      for (const Rank& k : ranks) (*counts)[k.worker] = false;
-      out.push_back(std::move(v));
-      continue;
-    }
-    for (const Rank& k : ranks) v.nodes.push_back(workers[k.worker].first);
-    std::sort(v.nodes.begin(), v.nodes.end());
-    v.nodes.erase(std::unique(v.nodes.begin(), v.nodes.end()), v.nodes.end());
-    // Workers by rank.
-    v.workers.assign(v.size, "");
-    for (const Rank& k : ranks) {
-      if (k.rank < 0 || k.rank >= v.size) continue;  // its size disagrees: named above
-      std::string& at = v.workers[k.rank];
-      if (!at.empty()) {
-        conflicts.push_back(absl::StrCat("workers \"", at, "\" and \"", worker_name(k),
-                                         "\" both claim rank ", k.rank));
-      } else {
-        at = worker_name(k);
-      }
-    }
-    std::vector<std::string> present;
-    for (int32_t rank = 0; rank < v.size; ++rank) {
-      if (v.workers[rank].empty()) {
-        if (v.missing.size() < static_cast<size_t>(kMaxListedRanks)) v.missing.push_back(rank);
-      } else if (present.size() < 8) {
-        present.push_back(absl::StrCat(rank, " \"", v.workers[rank], "\""));
-      }
-    }
-    const int32_t held =
-        v.size - static_cast<int32_t>(std::count(v.workers.begin(), v.workers.end(), ""));
-    if (!v.missing.empty()) {
-      std::vector<int32_t> listed(v.missing.begin(),
-                                  v.missing.begin() + std::min<size_t>(v.missing.size(), 16));
-      conflicts.insert(
-          conflicts.begin(),
-          absl::StrCat(held, " of ", v.size, " ranks registered; missing rank",
-                       v.missing.size() > 1 ? "s " : " ", absl::StrJoin(listed, ", "),
-                       v.missing.size() > listed.size() ? ", ..." : "",
-                       present.empty()
-                           ? ""
-                           : absl::StrCat(" (present: ", absl::StrJoin(present, ", "), ")")));
-    }
-    v.complete = conflicts.empty();
-    if (!v.complete) {
-      v.problem = absl::StrCat("replica \"", name, "\": ", absl::StrJoin(conflicts, "; "));
-      for (const Rank& k : ranks) (*counts)[k.worker] = false;
-    }
-    out.push_back(std::move(v));
+  for (const auto& [name, ranks] : InferenceByReplica(workers)) {
+    out.push_back(OneReplica(workers, name, ranks, *counts));
   }
   return out;
 }

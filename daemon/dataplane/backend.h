@@ -29,6 +29,16 @@ class MappedBuffer {
 
 // This node's part of one round: the whole plan, and the memory of the buffers on this node
 // (spans indexed like the plan's layouts' buffers; empty for buffers elsewhere).
+// What the coordinator installs on every node alike for a data plane that moves bytes between
+// nodes through collectives (the cuda backend's NCCL path); the node agent passes it through
+// unread, and the host backend ignores it.
+struct CollectiveParams {
+  std::string nccl_id;              // the communicator's ncclUniqueId for this epoch
+  int64_t step_bytes = 0;           // one network step's bytes, the same on every node
+  int64_t zero_copy_min_bytes = 0;  // smallest zero-copy descriptor (0: the backend's default)
+  bool nccl_register = false;       // staging registered with NCCL, on every node alike
+};
+
 struct TransferJob {
   std::string group;
   int64_t round_id = 0;
@@ -39,11 +49,8 @@ struct TransferJob {
   std::shared_ptr<const void> scratch;  // keeps the scratch behind dst alive for the transfer
   absl::flat_hash_map<int32_t, std::string> data_addresses;  // node -> its data plane address
   absl::Time deadline;
-  int64_t epoch = 0;       // membership epoch of the plan: a new one means new peers
-  std::string nccl_id;     // cuda backend: the communicator's ncclUniqueId for this epoch
-  int64_t step_bytes = 0;  // cuda backend: one network step's bytes, the same on every node
-  int64_t zero_copy_min_bytes = 0;  // cuda backend: smallest zero-copy descriptor (0: default)
-  bool nccl_register = false;  // cuda backend: staging registered with NCCL, on every node alike
+  int64_t epoch = 0;                  // membership epoch of the plan: a new one means new peers
+  CollectiveParams collective;        // read only by a data plane with collectives between nodes
   std::shared_ptr<const void> holds;  // keeps src and dst mapped where the job outlives its call
                                       // (RoundPreparing): the node's workers
   absl::Time requested = absl::InfinitePast();  // when the phase request reached this node (logged:

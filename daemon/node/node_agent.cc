@@ -22,10 +22,7 @@ struct NodeAgent::InstalledPlan {
   Layout src, dst;
   std::shared_ptr<const Plan> plan;
   absl::flat_hash_map<int32_t, std::string> data_addresses;
-  std::string nccl_id;
-  int64_t step_bytes = 0;
-  int64_t zero_copy_min_bytes = 0;
-  bool nccl_register = false;
+  CollectiveParams collective;
 };
 
 struct NodeAgent::Resolved {
@@ -210,10 +207,10 @@ absl::Status NodeAgent::InstallPlan(const v1::InstallPlanRequest& request) {
   }
   for (const v1::NodeAddress& n : request.nodes())
     installed->data_addresses[n.node()] = n.data_address();
-  installed->nccl_id = request.nccl_id();
-  installed->step_bytes = request.step_bytes();
-  installed->zero_copy_min_bytes = request.zero_copy_min_bytes();
-  installed->nccl_register = request.nccl_register();
+  installed->collective = CollectiveParams{.nccl_id = request.nccl_id(),
+                                           .step_bytes = request.step_bytes(),
+                                           .zero_copy_min_bytes = request.zero_copy_min_bytes(),
+                                           .nccl_register = request.nccl_register()};
   Logger("plan")->info(
       "group \"{}\" epoch {}: installed a plan of {} messages, {} bytes (plan {}, {}; {} "
       "descriptors "
@@ -480,6 +477,80 @@ absl::Status NodeAgent::Commit(const std::shared_ptr<const InstalledPlan>& insta
   return s;
 }
 
+absl::Status NodeAgent::ResolveBuffers(const std::string& group, const Layout& l,
+                                       BufferMemory& memory,
+                                       std::vector<std::shared_ptr<LocalWorker>>& hold) const {
+  memory.assign(l.buffers.size(), {});
+  std::vector<LocalWorker*> by_worker(l.workers.size(), nullptr);
+  for (size_t b = 0; b < l.buffers.size(); ++b) {
+    const int32_t wi = l.buffers[b].worker;
+    if (wi < 0) continue;  // a slice's placeholder: a buffer of another node
+    const Worker& w = l.workers[wi];
+    if (w.node != node_) continue;
+    if (by_worker[wi] == nullptr) {
+      const std::string id = absl::StrCat(group, "/", w.name);
+      auto local = registry_->Find(id);
+      if (local == nullptr) {
+        return WithCulprit(
+            absl::AbortedError(absl::StrCat("worker \"", id, "\" left node ", node_)),
+            WorkerCulprit(node_, id, "TRANSFER"));
+      }
+      by_worker[wi] = local.get();
+      hold.push_back(std::move(local));
+    }
+    const LocalWorker& local = *by_worker[wi];
+    auto k = local.buffer_index.find(l.buffers[b].name);
+    if (k == local.buffer_index.end()) {
+      return absl::FailedPreconditionError(
+          absl::StrCat("worker \"", local.id, "\" has no buffer \"", l.buffers[b].name, "\""));
+    }
+    memory[b] = local.buffers[k->second]->bytes();
+    if (static_cast<int64_t>(memory[b].size()) < l.buffers[b].NumBytes()) {
+      // The worker registered again, otherwise, since the plan was made.
+      return absl::FailedPreconditionError(absl::StrCat(
+          "node ", node_, ": worker \"", local.id, "\" buffer \"", l.buffers[b].name, "\" holds ",
+          memory[b].size(), " bytes, the plan's layout ", l.buffers[b].NumBytes()));
+    }
+  }
+  return absl::OkStatus();
+}
+
+absl::Status NodeAgent::AllocateScratch(const InstalledPlan& installed, BufferMemory& dst,
+                                        std::vector<std::unique_ptr<MappedBuffer>>& scratch) {
+  for (const ScratchBuffer& b : installed.plan->scratch) {
+    const Worker& w = installed.dst.workers[b.worker];
+    if (w.node != node_) {
+      dst.emplace_back();
+      continue;
+    }
+    auto memory = backend_->AllocateScratch(w, b.NumBytes());
+    if (!memory.ok()) {
+      return absl::ResourceExhaustedError(
+          absl::StrCat("scratch of ", b.NumBytes(), " bytes for worker \"", w.name,
+                       "\" (fp8 blocks no source holds whole): ", memory.status().message()));
+    }
+    dst.push_back((*memory)->bytes());
+    scratch.push_back(*std::move(memory));
+  }
+  return absl::OkStatus();
+}
+
+std::shared_ptr<const NodeAgent::Resolved> NodeAgent::CachedResolution(
+    const std::string& group, const std::shared_ptr<const InstalledPlan>& installed,
+    const std::vector<std::shared_ptr<LocalWorker>>& workers) const {
+  std::shared_ptr<const Resolved> cached;
+  {
+    absl::MutexLock lock(&mu_);
+    if (auto it = resolved_.find(group); it != resolved_.end()) cached = it->second;
+  }
+  bool same = cached != nullptr && cached->plan.lock() == installed &&
+              cached->workers.size() == workers.size();
+  for (size_t i = 0; same && i < workers.size(); ++i) {
+    same = workers[i] != nullptr && cached->workers[i].lock() == workers[i];
+  }
+  return same ? cached : nullptr;
+}
+
 absl::StatusOr<TransferJob> NodeAgent::JobFor(const std::string& group,
                                               const std::shared_ptr<const InstalledPlan>& installed,
                                               const v1::PhaseRequest& request,
@@ -494,10 +565,7 @@ absl::StatusOr<TransferJob> NodeAgent::JobFor(const std::string& group,
   job.data_addresses = installed->data_addresses;
   job.deadline = absl::Now() + timeout;
   job.epoch = installed->epoch;
-  job.nccl_id = installed->nccl_id;
-  job.step_bytes = installed->step_bytes;
-  job.zero_copy_min_bytes = installed->zero_copy_min_bytes;
-  job.nccl_register = installed->nccl_register;
+  job.collective = installed->collective;
   // This node's workers of both layouts, as registered now; held for the transfer (they keep
   // the mappings alive).
   workers.clear();
@@ -506,89 +574,29 @@ absl::StatusOr<TransferJob> NodeAgent::JobFor(const std::string& group,
       if (w.node == node_) workers.push_back(registry_->Find(absl::StrCat(group, "/", w.name)));
     }
   }
-  std::shared_ptr<const Resolved> cached;
-  {
-    absl::MutexLock lock(&mu_);
-    if (auto it = resolved_.find(group); it != resolved_.end()) cached = it->second;
-  }
-  bool same = cached != nullptr && cached->plan.lock() == installed &&
-              cached->workers.size() == workers.size();
-  for (size_t i = 0; same && i < workers.size(); ++i) {
-    same = workers[i] != nullptr && cached->workers[i].lock() == workers[i];
-  }
-  if (same) {
+  if (auto cached = CachedResolution(group, installed, workers)) {
     job.src = cached->src;
     job.dst = cached->dst;
     job.scratch = cached->scratch;
-  } else {
-    // Each buffer of the plan on this node, found by name in its worker's registration (once
-    // per worker, then by hash: linear over 100k buffers, not quadratic).
-    std::vector<std::shared_ptr<LocalWorker>> hold;
-    auto resolve = [&](const Layout& l, BufferMemory& memory) -> absl::Status {
-      memory.assign(l.buffers.size(), {});
-      std::vector<LocalWorker*> by_worker(l.workers.size(), nullptr);
-      for (size_t b = 0; b < l.buffers.size(); ++b) {
-        const int32_t wi = l.buffers[b].worker;
-        if (wi < 0) continue;  // a slice's placeholder: a buffer of another node
-        const Worker& w = l.workers[wi];
-        if (w.node != node_) continue;
-        if (by_worker[wi] == nullptr) {
-          const std::string id = absl::StrCat(group, "/", w.name);
-          auto local = registry_->Find(id);
-          if (local == nullptr) {
-            return WithCulprit(
-                absl::AbortedError(absl::StrCat("worker \"", id, "\" left node ", node_)),
-                WorkerCulprit(node_, id, "TRANSFER"));
-          }
-          by_worker[wi] = local.get();
-          hold.push_back(std::move(local));
-        }
-        const LocalWorker& local = *by_worker[wi];
-        auto k = local.buffer_index.find(l.buffers[b].name);
-        if (k == local.buffer_index.end()) {
-          return absl::FailedPreconditionError(
-              absl::StrCat("worker \"", local.id, "\" has no buffer \"", l.buffers[b].name, "\""));
-        }
-        memory[b] = local.buffers[k->second]->bytes();
-        if (static_cast<int64_t>(memory[b].size()) < l.buffers[b].NumBytes()) {
-          // The worker registered again, otherwise, since the plan was made.
-          return absl::FailedPreconditionError(
-              absl::StrCat("node ", node_, ": worker \"", local.id, "\" buffer \"",
-                           l.buffers[b].name, "\" holds ", memory[b].size(),
-                           " bytes, the plan's layout ", l.buffers[b].NumBytes()));
-        }
-      }
-      return absl::OkStatus();
-    };
-    REFIT_RETURN_IF_ERROR(resolve(installed->src, job.src));
-    REFIT_RETURN_IF_ERROR(resolve(installed->dst, job.dst));
-    auto fresh = std::make_shared<Resolved>();
-    fresh->scratch = std::make_shared<std::vector<std::unique_ptr<MappedBuffer>>>();
-    for (const ScratchBuffer& b : installed->plan->scratch) {
-      const Worker& w = installed->dst.workers[b.worker];
-      if (w.node != node_) {
-        job.dst.emplace_back();
-        continue;
-      }
-      auto memory = backend_->AllocateScratch(w, b.NumBytes());
-      if (!memory.ok()) {
-        return absl::ResourceExhaustedError(
-            absl::StrCat("scratch of ", b.NumBytes(), " bytes for worker \"", w.name,
-                         "\" (fp8 blocks no source holds whole): ", memory.status().message()));
-      }
-      job.dst.push_back((*memory)->bytes());
-      fresh->scratch->push_back(*std::move(memory));
-    }
-    job.scratch = fresh->scratch;
-    fresh->plan = installed;
-    for (const auto& w : workers) fresh->workers.push_back(w);
-    fresh->src = job.src;
-    fresh->dst = job.dst;
-    workers.insert(workers.end(), hold.begin(), hold.end());
-    std::shared_ptr<const Resolved> old;  // freed after the lock (its scratch: GPU memory)
-    absl::MutexLock lock(&mu_);
-    old = std::exchange(resolved_[group], std::move(fresh));
+    return job;
   }
+  // Each buffer of the plan on this node, found by name in its worker's registration (once per
+  // worker, then by hash: linear over 100k buffers, not quadratic).
+  std::vector<std::shared_ptr<LocalWorker>> hold;
+  REFIT_RETURN_IF_ERROR(ResolveBuffers(group, installed->src, job.src, hold));
+  REFIT_RETURN_IF_ERROR(ResolveBuffers(group, installed->dst, job.dst, hold));
+  auto fresh = std::make_shared<Resolved>();
+  fresh->scratch = std::make_shared<std::vector<std::unique_ptr<MappedBuffer>>>();
+  REFIT_RETURN_IF_ERROR(AllocateScratch(*installed, job.dst, *fresh->scratch));
+  job.scratch = fresh->scratch;
+  fresh->plan = installed;
+  for (const auto& w : workers) fresh->workers.push_back(w);
+  fresh->src = job.src;
+  fresh->dst = job.dst;
+  workers.insert(workers.end(), hold.begin(), hold.end());
+  std::shared_ptr<const Resolved> old;  // freed after the lock (its scratch: GPU memory)
+  absl::MutexLock lock(&mu_);
+  old = std::exchange(resolved_[group], std::move(fresh));
   return job;
 }
 

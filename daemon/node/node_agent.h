@@ -119,6 +119,16 @@ class NodeAgent {
                                      const std::shared_ptr<const InstalledPlan>& installed,
                                      const v1::PhaseRequest& request,
                                      std::vector<std::shared_ptr<LocalWorker>>& workers);
+  // JobFor's steps: the resolution kept from an earlier round when the plan and this node's
+  // workers are the same; each buffer of `l` on this node (its worker held in `hold`); the plan's
+  // scratch on this node, behind dst's spans.
+  std::shared_ptr<const Resolved> CachedResolution(
+      const std::string& group, const std::shared_ptr<const InstalledPlan>& installed,
+      const std::vector<std::shared_ptr<LocalWorker>>& workers) const ABSL_LOCKS_EXCLUDED(mu_);
+  absl::Status ResolveBuffers(const std::string& group, const Layout& l, BufferMemory& memory,
+                              std::vector<std::shared_ptr<LocalWorker>>& hold) const;
+  absl::Status AllocateScratch(const InstalledPlan& installed, BufferMemory& dst,
+                               std::vector<std::unique_ptr<MappedBuffer>>& scratch);
   absl::Status Transfer(const std::string& group,
                         const std::shared_ptr<const InstalledPlan>& installed,
                         const v1::PhaseRequest& request, v1::PhaseResponse* response);

@@ -27,27 +27,12 @@ absl::StatusOr<Registration> WorkerRegistry::Register(const v1::RegisterWorkerRe
   // The descriptors handed over under the token are claimed first, whatever happens next: they
   // are closed when this returns (mapped memory stays mapped), so a registration that fails
   // leaves nothing behind; the worker hands them over again under a new token.
-  HandleDelivery delivery;
-  if (!original.fd_token().empty()) {
-    const std::string& token = original.fd_token();
-    if (token.size() != kHandleTokenChars || !std::all_of(token.begin(), token.end(), [](char c) {
-          return (c >= '0' && c <= '9') || (c >= 'a' && c <= 'f');
-        })) {
-      return absl::InvalidArgumentError(absl::StrCat("register: worker \"", name,
-                                                     "\": fd_token must be ", kHandleTokenChars,
-                                                     " lowercase hex digits"));
-    }
-    auto taken = handles_->Take(token);
-    if (!taken.ok()) {
-      return absl::Status(taken.status().code(), absl::StrCat("register: worker \"", name,
-                                                              "\": ", taken.status().message()));
-    }
-    delivery = *std::move(taken);
-  }
+  auto delivery = TakeDelivery(original, name);
+  if (!delivery.ok()) return delivery.status();
   if (!split.ok()) return split.status();
   const v1::RegisterWorkerRequest& request = split->header();
   // Who registers, before anything of the request is looked at further.
-  if (auto s = admission_.Admit(request, transport, !request.fd_token().empty(), delivery.uid);
+  if (auto s = admission_.Admit(request, transport, !request.fd_token().empty(), delivery->uid);
       !s.ok()) {
     Logger("worker")->warn("refused a registration of \"{}/{}\": {}", request.group(),
                            request.worker().name(), std::string(s.message()));
@@ -60,6 +45,64 @@ absl::StatusOr<Registration> WorkerRegistry::Register(const v1::RegisterWorkerRe
   // the peak. Quick now that nothing as large is decoded as messages (memory_trim.h).
   if (split->request_bytes() >= kTrimAfterBytes) malloc_trim(0);
   if (auto s = CheckRegistrationFields(request); !s.ok()) return s;
+  const v1::Worker& w = request.worker();
+  auto served = ServedGpu(request);
+  if (!served.ok()) return served.status();
+  const int32_t gpu = *served;
+  auto checked =
+      CheckRegistrationLayout(*split, node_, delivery->fds.size(), gpu);  // registration_check.h
+  if (!checked.ok()) return checked.status();
+  const size_t pieces = checked->layout.pieces.size();
+  checked->layout = Layout();  // checked: what it holds is not needed any more
+  // Before its memory is mapped: a worker that cannot join its group is refused with nothing kept.
+  const TensorsByName tensors = IndexTensors(request);
+  int64_t checked_up_to = 0;
+  if (auto s = CheckAgainstGroup(request, tensors, 0, &checked_up_to); !s.ok()) return s;
+  auto worker = std::make_shared<LocalWorker>();
+  worker->id = absl::StrCat(request.group(), "/", w.name());
+  auto kept = KeepRegistration(*split, node_, gpu);
+  if (!kept.ok()) return kept.status();
+  worker->request = std::move(kept->header);
+  worker->wire = std::move(kept->wire);
+  auto mapped = backend_->MapBuffers(worker->request, checked->buffer_bytes, delivery->fds);
+  if (!mapped.ok()) {
+    return absl::Status(mapped.status().code(), absl::StrCat("register: worker \"", w.name(),
+                                                             "\": ", mapped.status().message()));
+  }
+  worker->buffers = *std::move(mapped);
+  worker->session_key = NewSessionKey();
+  for (int b = 0; b < w.buffers_size(); ++b) worker->buffer_index[w.buffers(b).name()] = b;
+  if (auto s = Add(worker, request, tensors, checked_up_to); !s.ok()) return s;
+  Registration out;
+  out.worker = std::move(worker);
+  out.pieces = pieces;
+  out.descriptors = delivery->fds.size();
+  out.pid = delivery->pid;
+  out.uid = delivery->uid;
+  return out;
+}
+
+absl::StatusOr<HandleDelivery> WorkerRegistry::TakeDelivery(
+    const v1::RegisterWorkerRequest& request, const std::string& name) {
+  HandleDelivery delivery;
+  if (request.fd_token().empty()) return delivery;
+  const std::string& token = request.fd_token();
+  if (token.size() != kHandleTokenChars || !std::all_of(token.begin(), token.end(), [](char c) {
+        return (c >= '0' && c <= '9') || (c >= 'a' && c <= 'f');
+      })) {
+    return absl::InvalidArgumentError(absl::StrCat("register: worker \"", name,
+                                                   "\": fd_token must be ", kHandleTokenChars,
+                                                   " lowercase hex digits"));
+  }
+  auto taken = handles_->Take(token);
+  if (!taken.ok()) {
+    return absl::Status(taken.status().code(), absl::StrCat("register: worker \"", name,
+                                                            "\": ", taken.status().message()));
+  }
+  return *std::move(taken);
+}
+
+absl::StatusOr<int32_t> WorkerRegistry::ServedGpu(const v1::RegisterWorkerRequest& request) const {
   const v1::Worker& w = request.worker();
   int32_t gpu = w.gpu();
   if (!request.gpu_uuid().empty()) {
@@ -76,49 +119,24 @@ absl::StatusOr<Registration> WorkerRegistry::Register(const v1::RegisterWorkerRe
         absl::StrCat("register: worker \"", w.name(), "\" is on GPU ", gpu, ", which node ", node_,
                      "'s daemon does not serve (--gpus ", absl::StrJoin(gpus_, ","), ")"));
   }
-  auto checked =
-      CheckRegistrationLayout(*split, node_, delivery.fds.size(), gpu);  // registration_check.h
-  if (!checked.ok()) return checked.status();
-  const size_t pieces = checked->layout.pieces.size();
-  checked->layout = Layout();  // checked: what it holds is not needed any more
-  // Before its memory is mapped: a worker that cannot join its group is refused with nothing kept.
-  const TensorsByName tensors = IndexTensors(request);
-  int64_t checked_up_to = 0;
-  if (auto s = CheckAgainstGroup(request, tensors, 0, &checked_up_to); !s.ok()) return s;
-  auto worker = std::make_shared<LocalWorker>();
-  worker->id = absl::StrCat(request.group(), "/", w.name());
-  auto kept = KeepRegistration(*split, node_, gpu);
-  if (!kept.ok()) return kept.status();
-  worker->request = std::move(kept->header);
-  worker->wire = std::move(kept->wire);
-  auto mapped = backend_->MapBuffers(worker->request, checked->buffer_bytes, delivery.fds);
-  if (!mapped.ok()) {
-    return absl::Status(mapped.status().code(), absl::StrCat("register: worker \"", w.name(),
-                                                             "\": ", mapped.status().message()));
+  return gpu;
+}
+
+absl::Status WorkerRegistry::Add(std::shared_ptr<LocalWorker> worker,
+                                 const v1::RegisterWorkerRequest& request,
+                                 const TensorsByName& tensors, int64_t checked_up_to) {
+  absl::MutexLock lock(&mu_);
+  if (workers_.contains(worker->id)) {
+    return absl::AlreadyExistsError(absl::StrCat("worker \"", worker->id,
+                                                 "\" is already registered on node ", node_,
+                                                 "; unregister it first"));
   }
-  worker->buffers = *std::move(mapped);
-  worker->session_key = NewSessionKey();
-  for (int b = 0; b < w.buffers_size(); ++b) worker->buffer_index[w.buffers(b).name()] = b;
-  {
-    absl::MutexLock lock(&mu_);
-    if (workers_.contains(worker->id)) {
-      return absl::AlreadyExistsError(absl::StrCat("worker \"", worker->id,
-                                                   "\" is already registered on node ", node_,
-                                                   "; unregister it first"));
-    }
-    // Only the workers added since the check above: whoever was first keeps the group.
-    if (auto s = CheckAgainstGroupLocked(request, tensors, checked_up_to); !s.ok()) return s;
-    worker->registered_at = absl::Now();
-    worker->added = ++added_;
-    workers_[worker->id] = worker;
-  }
-  Registration out;
-  out.worker = std::move(worker);
-  out.pieces = pieces;
-  out.descriptors = delivery.fds.size();
-  out.pid = delivery.pid;
-  out.uid = delivery.uid;
-  return out;
+  // Only the workers added since Register's unlocked check: whoever was first keeps the group.
+  if (auto s = CheckAgainstGroupLocked(request, tensors, checked_up_to); !s.ok()) return s;
+  worker->registered_at = absl::Now();
+  worker->added = ++added_;
+  workers_[worker->id] = std::move(worker);
+  return absl::OkStatus();
 }
 
 absl::Status WorkerRegistry::CheckAgainstGroup(const v1::RegisterWorkerRequest& request,

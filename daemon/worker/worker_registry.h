@@ -153,6 +153,14 @@ class WorkerRegistry {
 
  private:
   void Changed();
+  // Register's steps: the descriptors handed over under the request's token (claimed whatever
+  // happens next); the worker's GPU as this daemon numbers it, and served here; the worker added
+  // unless its id is taken or a worker added meanwhile conflicts with it.
+  absl::StatusOr<HandleDelivery> TakeDelivery(const v1::RegisterWorkerRequest& request,
+                                              const std::string& name);
+  absl::StatusOr<int32_t> ServedGpu(const v1::RegisterWorkerRequest& request) const;
+  absl::Status Add(std::shared_ptr<LocalWorker> worker, const v1::RegisterWorkerRequest& request,
+                   const TensorsByName& tensors, int64_t checked_up_to);
   // CheckSameTensors against each worker of `request`'s group and side added after `after`: without
   // the lock held while comparing (`checked_up_to`: the last added then), or with it held.
   absl::Status CheckAgainstGroup(const v1::RegisterWorkerRequest& request,

@@ -1,8 +1,8 @@
 // Plan installation at frontier scale (issue 13.8): the InstallPlanRequest the coordinator sends
 // to every daemon, its size in full and compact form, and what a daemon spends installing it.
-// Layouts are generated as refit-layout writes them (client/models/layout_generator.h); the full form is
-// what the coordinator gathers from the workers' registrations (every piece spelled out), the
-// compact form what GroupPlanner caches and RoundDriver sends (proto/layout_codec.h). One JSON
+// Layouts are generated as refit-layout writes them (client/models/layout_generator.h); the full
+// form is what the coordinator gathers from the workers' registrations (every piece spelled out),
+// the compact form what GroupPlanner caches and RoundDriver sends (proto/layout_codec.h). One JSON
 // object per case on stdout.
 //
 //   bazel build -c opt //tests/bench:install_benchmark

@@ -117,8 +117,8 @@ absl::StatusOr<RegistrationMemory> MeasureRegistration(const RegistrationMemoryO
   out.tensors = static_cast<int64_t>(layout.tensors.size());
   out.buffers = static_cast<int64_t>(layout.buffers.size());
   {
-    // What the worker library sends (client/worker/worker_client.cc): the layout's tensors and its one
-    // worker, one memory handle per buffer (a shared-memory descriptor and offset), a token.
+    // What the worker library sends (client/worker/worker_client.cc): the layout's tensors and its
+    // one worker, one memory handle per buffer (a shared-memory descriptor and offset), a token.
     const v1::Layout proto = LayoutToProto(layout);
     v1::RegisterWorkerRequest r;
     r.set_group("regmem");

@@ -155,7 +155,8 @@ void CudaBackend::DropCommunicator(const std::string& group, Group& g) {
 }
 
 absl::Status CudaBackend::CommunicatorFor(Group& g, const TransferJob& job) {
-  if (g.comm != nullptr && g.comm->id() == job.nccl_id && g.comm->ready()) return absl::OkStatus();
+  if (g.comm != nullptr && g.comm->id() == job.collective.nccl_id && g.comm->ready())
+    return absl::OkStatus();
   if (g.comm != nullptr) {  // of an earlier membership
     g.comm->Abort();
     ++comms_aborted_;
@@ -167,7 +168,7 @@ absl::Status CudaBackend::CommunicatorFor(Group& g, const TransferJob& job) {
     if (p.node == job.node) local.push_back({p.gpu, static_cast<int>(r)});
   }
   const int nranks = static_cast<int>(job.plan->gpus.size());
-  auto c = NodeCommunicator::Start(job.nccl_id, nranks, local);
+  auto c = NodeCommunicator::Start(job.collective.nccl_id, nranks, local);
   if (!c.ok()) return c.status();  // the ranks begun are aborted with it
   g.comm = *std::move(c);
   if (auto s = g.comm->WaitReady(
@@ -323,6 +324,41 @@ class VmmBuffer : public MappedBuffer {
 
 }  // namespace
 
+namespace {
+
+// Whether MPS shares every one of `gpus` (then rounds are armed under --arm-rounds=auto).
+bool MpsSharesAll(const std::vector<int32_t>& gpus, int count) {
+  bool mps = true;
+  for (int32_t g : gpus) {
+    int shared = 0;
+    if (g < 0 || g >= count ||
+        cudaDeviceGetAttribute(&shared, cudaDevAttrMpsEnabled, g) != cudaSuccess)
+      shared = 0;
+    mps = mps && shared != 0;
+  }
+  cudaGetLastError();
+  return mps;
+}
+
+// GPU `g` (current) reaches every other of `gpus` directly.
+absl::Status EnablePeerAccess(int32_t g, const std::vector<int32_t>& gpus) {
+  for (int32_t peer : gpus) {
+    if (peer == g) continue;
+    int can = 0;
+    cudaDeviceCanAccessPeer(&can, g, peer);
+    if (!can)
+      return absl::FailedPreconditionError(
+          absl::StrCat("GPU ", g, " cannot access GPU ", peer, " (no peer access)"));
+    const cudaError_t e = cudaDeviceEnablePeerAccess(peer, 0);
+    if (e != cudaSuccess && e != cudaErrorPeerAccessAlreadyEnabled)
+      return CudaError(e, "enabling peer access");
+    cudaGetLastError();
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
 absl::StatusOr<std::unique_ptr<CudaBackend>> CudaBackend::Start(const std::vector<int32_t>& gpus,
                                                                 int64_t staging_bytes,
                                                                 bool nccl_stream_priority,
@@ -338,15 +374,7 @@ absl::StatusOr<std::unique_ptr<CudaBackend>> CudaBackend::Start(const std::vecto
   if (b->gpus_.empty()) {
     for (int i = 0; i < count; ++i) b->gpus_.push_back(i);
   }
-  bool mps = true;
-  for (int32_t g : b->gpus_) {
-    int shared = 0;
-    if (g < 0 || g >= count ||
-        cudaDeviceGetAttribute(&shared, cudaDevAttrMpsEnabled, g) != cudaSuccess)
-      shared = 0;
-    mps = mps && shared != 0;
-  }
-  cudaGetLastError();
+  const bool mps = MpsSharesAll(b->gpus_, count);
   b->arm_rounds_ = arm_rounds == ArmRounds::kAlways || (arm_rounds == ArmRounds::kAuto && mps);
   if (b->arm_rounds_) {
     b->disarmer_ = std::thread([p = b.get()] { p->DisarmLoop(); });
@@ -362,42 +390,8 @@ absl::StatusOr<std::unique_ptr<CudaBackend>> CudaBackend::Start(const std::vecto
       return absl::InvalidArgumentError(
           absl::StrCat("--gpus names GPU ", g, "; this node has ", count));
     REFIT_RETURN_IF_ERROR(Annotate(guard.Set(g), absl::StrCat("GPU ", g)));
-    // Its names, for workers that name their GPU (their CUDA index is not this daemon's).
-    cudaDeviceProp prop;
-    REFIT_CUDA_RETURN_IF_ERROR(cudaGetDeviceProperties(&prop, g),
-                               absl::StrCat("the properties of GPU ", g));
-    char pci[64] = {};
-    REFIT_CUDA_RETURN_IF_ERROR(cudaDeviceGetPCIBusId(pci, sizeof pci, g),
-                               absl::StrCat("the PCI bus id of GPU ", g));
-    b->names_.push_back({g,
-                         FormatGpuUuid(std::span<const unsigned char, 16>(
-                             reinterpret_cast<const unsigned char*>(prop.uuid.bytes), 16)),
-                         pci});
-    int least = 0, greatest = 0;
-    REFIT_CUDA_RETURN_IF_ERROR(cudaDeviceGetStreamPriorityRange(&least, &greatest),
-                               "stream priorities");
-    // Loaded now: CUDA loads a kernel at its first launch, which may wait for the GPU's other
-    // work (armed rounds of other groups included), and WorkersPrepared and ArmAhead launch them
-    // holding the group. Not fatal: loaded at first use then.
-    if (const cudaError_t e = LoadKernels(); e != cudaSuccess) {
-      Logger("data")->warn(
-          "GPU {}: the copy kernels not loaded ahead ({}); they load at their first launch", g,
-          cudaGetErrorString(e));
-      cudaGetLastError();
-    }
-    b->priorities_[g] = {least, greatest};
-    for (int32_t peer : b->gpus_) {
-      if (peer == g) continue;
-      int can = 0;
-      cudaDeviceCanAccessPeer(&can, g, peer);
-      if (!can)
-        return absl::FailedPreconditionError(
-            absl::StrCat("GPU ", g, " cannot access GPU ", peer, " (no peer access)"));
-      const cudaError_t e = cudaDeviceEnablePeerAccess(peer, 0);
-      if (e != cudaSuccess && e != cudaErrorPeerAccessAlreadyEnabled)
-        return CudaError(e, "enabling peer access");
-      cudaGetLastError();
-    }
+    REFIT_RETURN_IF_ERROR(b->SetUpGpu(g));
+    REFIT_RETURN_IF_ERROR(EnablePeerAccess(g, b->gpus_));
   }
   std::vector<std::string> names;
   for (const GpuName& n : b->names_)
@@ -409,6 +403,34 @@ absl::StatusOr<std::unique_ptr<CudaBackend>> CudaBackend::Start(const std::vecto
                          std::string(driver.status().message()));
   }
   return b;
+}
+
+absl::Status CudaBackend::SetUpGpu(int32_t g) {
+  // Its names, for workers that name their GPU (their CUDA index is not this daemon's).
+  cudaDeviceProp prop;
+  REFIT_CUDA_RETURN_IF_ERROR(cudaGetDeviceProperties(&prop, g),
+                             absl::StrCat("the properties of GPU ", g));
+  char pci[64] = {};
+  REFIT_CUDA_RETURN_IF_ERROR(cudaDeviceGetPCIBusId(pci, sizeof pci, g),
+                             absl::StrCat("the PCI bus id of GPU ", g));
+  names_.push_back({g,
+                    FormatGpuUuid(std::span<const unsigned char, 16>(
+                        reinterpret_cast<const unsigned char*>(prop.uuid.bytes), 16)),
+                    pci});
+  int least = 0, greatest = 0;
+  REFIT_CUDA_RETURN_IF_ERROR(cudaDeviceGetStreamPriorityRange(&least, &greatest),
+                             "stream priorities");
+  // Loaded now: CUDA loads a kernel at its first launch, which may wait for the GPU's other
+  // work (armed rounds of other groups included), and WorkersPrepared and ArmAhead launch them
+  // holding the group. Not fatal: loaded at first use then.
+  if (const cudaError_t e = LoadKernels(); e != cudaSuccess) {
+    Logger("data")->warn(
+        "GPU {}: the copy kernels not loaded ahead ({}); they load at their first launch", g,
+        cudaGetErrorString(e));
+    cudaGetLastError();
+  }
+  priorities_[g] = {least, greatest};
+  return absl::OkStatus();
 }
 
 absl::StatusOr<int32_t> CudaBackend::GpuIndex(const std::string& name) {
@@ -822,7 +844,7 @@ void LogPrepared(const TransferJob& job, const NodeSchedule& schedule) {
       job.group, job.node, schedule.bytes_sent, schedule.bytes_received, schedule.bytes_zero_copy,
       schedule.network_ops, schedule.bytes_peer, schedule.bytes_local,
       staging.empty() ? "none" : staging,
-      job.nccl_register && !staging.empty() ? " (registered with NCCL)" : "");
+      job.collective.nccl_register && !staging.empty() ? " (registered with NCCL)" : "");
 }
 
 }  // namespace
@@ -866,8 +888,9 @@ absl::Status CudaBackend::BuildSchedule(Prepared& p, const TransferJob& job,
   ScheduleOptions options;
   options.node = job.node;
   options.staging_budget = staging_bytes_;
-  options.step_bytes = job.step_bytes;
-  if (job.zero_copy_min_bytes > 0) options.zero_copy_min_bytes = job.zero_copy_min_bytes;
+  options.step_bytes = job.collective.step_bytes;
+  if (job.collective.zero_copy_min_bytes > 0)
+    options.zero_copy_min_bytes = job.collective.zero_copy_min_bytes;
   auto schedule = BuildNodeSchedule(
       *job.plan, options,
       [&](int32_t gpu) -> absl::StatusOr<std::pair<BufferAddresses, BufferAddresses>> {
@@ -886,7 +909,8 @@ absl::Status CudaBackend::BuildSchedule(Prepared& p, const TransferJob& job,
       },
       [&](int32_t gpu, int64_t bytes) -> absl::StatusOr<uint64_t> {
         Prepared::OnGpu& on = p.gpus[gpu];
-        auto staging = StagingBuffer::Allocate(gpu, static_cast<size_t>(bytes), job.nccl_register);
+        auto staging =
+            StagingBuffer::Allocate(gpu, static_cast<size_t>(bytes), job.collective.nccl_register);
         if (!staging.ok()) return staging.status();
         on.staging = *std::move(staging);
         return reinterpret_cast<uint64_t>(on.staging.get());
@@ -949,7 +973,7 @@ absl::StatusOr<TransferStats> CudaBackend::Transfer(const TransferJob& job) {
     REFIT_RETURN_IF_ERROR(CommunicatorFor(g, job));
     comm = g.comm.get();
     used_comm = true;
-    if (job.nccl_register) REFIT_RETURN_IF_ERROR(RegisterStaging(job, p, *comm));
+    if (job.collective.nccl_register) REFIT_RETURN_IF_ERROR(RegisterStaging(job, p, *comm));
   }
   REFIT_ASSIGN_OR_RETURN(TransferStats stats,
                          RunPrepared(job, g, p, comm, fired, go, started, guard));

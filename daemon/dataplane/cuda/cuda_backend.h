@@ -112,6 +112,8 @@ class CudaBackend : public DataBackend {
   struct Prepared;    // a group's schedule on this node, ready to run
 
  private:
+  // Start's step for GPU `g` (current): its names, its stream priorities, the kernels loaded.
+  absl::Status SetUpGpu(int32_t g);
   struct Group;  // a group's streams, communicator and prepared schedule
   class GroupLease;
   CudaBackend() = default;

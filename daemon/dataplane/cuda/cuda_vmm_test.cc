@@ -1,7 +1,7 @@
 // The cuda backend on a GPU: GPUs found by UUID and PCI bus id; CUDA VMM memory exported as file
-// descriptors (client/worker/cuda_export.h), imported and mapped once per range, readable and writable
-// at its new address and accessible from every GPU served, unmapped when its buffers go; and the
-// errors of wrong chunks, GPUs and descriptors, naming the range and the CUDA call. Fails
+// descriptors (client/worker/cuda_export.h), imported and mapped once per range, readable and
+// writable at its new address and accessible from every GPU served, unmapped when its buffers go;
+// and the errors of wrong chunks, GPUs and descriptors, naming the range and the CUDA call. Fails
 // where no GPU is present (tagged "gpu": CI leaves it out).
 #include <cuda.h>
 #include <cuda_runtime.h>

@@ -141,6 +141,45 @@ struct HostBackend::Job {
     absl::MutexLock lock(&mu);
     return error.ok() && closed ? absl::CancelledError("the round ended") : error;
   }
+  // Takes the round's request: every incoming message still to land.
+  void Prepare(const TransferJob& request) ABSL_LOCKS_EXCLUDED(mu) {
+    job = request;
+    const Plan& plan = *request.plan;
+    absl::MutexLock lock(&mu);
+    arrived.assign(plan.messages.size(), 0);
+    missing_per_stage.assign(kMaxStages, 0);
+    for (const Message& m : plan.messages) {
+      if (IsIncoming(m)) ++missing_per_stage[m.stage];
+    }
+  }
+  // Waits until every incoming message of the stages before `stage` has landed.
+  absl::Status WaitForStagesBefore(int stage) ABSL_LOCKS_EXCLUDED(mu) {
+    absl::MutexLock lock(&mu);
+    while (true) {
+      if (!error.ok()) return error;
+      bool done = true;
+      for (int s = 0; s < stage; ++s) done &= missing_per_stage[s] == 0;
+      if (done) return absl::OkStatus();
+      if (absl::Now() >= job.deadline) return Overdue(stage);
+      changed.WaitWithDeadline(&mu, job.deadline);
+    }
+  }
+  // The deadline passed with messages of the stages before `stage` still to land: names their
+  // senders.
+  absl::Status Overdue(int stage) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu) {
+    const Plan& plan = *job.plan;
+    std::vector<std::string> owing;
+    for (size_t i = 0; i < plan.messages.size(); ++i) {
+      const Message& m = plan.messages[i];
+      if (IsIncoming(m) && m.stage < stage && !arrived[i]) {
+        const std::string who = absl::StrCat("node ", plan.gpus[m.src_gpu].node);
+        if (std::find(owing.begin(), owing.end(), who) == owing.end()) owing.push_back(who);
+      }
+    }
+    return absl::DeadlineExceededError(absl::StrCat("round ", job.round_id, ": node ", job.node,
+                                                    " still waits for messages from ",
+                                                    absl::StrJoin(owing, ", ")));
+  }
   // Marks `fd` as carrying one of this round's frames; false (nothing marked) when the round has
   // failed or ended.
   bool BeginFrame(int fd) ABSL_LOCKS_EXCLUDED(mu) {
@@ -317,8 +356,6 @@ void HostBackend::Reap() {
 }
 
 void HostBackend::AcceptLoop() {
-  auto log = Logger("xfer");
-  std::string more;
   while (true) {
     pollfd p[2] = {{listener_.get(), POLLIN, 0}, {wake_.get(), POLLIN, 0}};
     if (poll(p, 2, -1) < 0 && errno != EINTR) {
@@ -340,101 +377,139 @@ void HostBackend::AcceptLoop() {
         if (stopping_) return;
       }
       if ((p[0].revents & (POLLIN | POLLERR | POLLHUP)) == 0) break;
-      const int accepted = accept4(listener_.get(), nullptr, nullptr, SOCK_CLOEXEC);
-      if (accepted < 0) {
-        if (errno == EAGAIN || errno == EWOULDBLOCK) break;
-        if (errno == EINTR || errno == ECONNABORTED) continue;
-        // EMFILE, ENFILE, ENOBUFS, ENOMEM, ...: the connection stays in the backlog; try again
-        // shortly. Never give up: a node that stops accepting cannot take part in any round.
-        const int err = errno;
-        if (accept_errors_log_.Allow(&more)) {
-          log->error("data plane {}: accept failed: {}; retrying every {} ms{}", address_,
-                     std::strerror(err), absl::ToInt64Milliseconds(options_.accept_backoff), more);
-        }
-        absl::MutexLock lock(&mu_);
-        ++counters_.accept_errors;
-        mu_.AwaitWithTimeout(absl::Condition(&stopping_), options_.accept_backoff);
-        break;
-      }
-      Fd fd(accepted);
-      const int one = 1;
-      setsockopt(fd.get(), IPPROTO_TCP, TCP_NODELAY, &one, sizeof one);
-      // A peer host that vanishes without a FIN is found within about two minutes.
-      const int idle = 60, interval = 10, count = 6;
-      setsockopt(fd.get(), SOL_SOCKET, SO_KEEPALIVE, &one, sizeof one);
-      setsockopt(fd.get(), IPPROTO_TCP, TCP_KEEPIDLE, &idle, sizeof idle);
-      setsockopt(fd.get(), IPPROTO_TCP, TCP_KEEPINTVL, &interval, sizeof interval);
-      setsockopt(fd.get(), IPPROTO_TCP, TCP_KEEPCNT, &count, sizeof count);
-      std::string peer = "a peer";
-      sockaddr_in sa{};
-      socklen_t len = sizeof sa;
-      if (getpeername(fd.get(), reinterpret_cast<sockaddr*>(&sa), &len) == 0) {
-        char host[INET_ADDRSTRLEN] = "?";
-        inet_ntop(AF_INET, &sa.sin_addr, host, sizeof host);
-        peer = absl::StrCat(host, ":", ntohs(sa.sin_port));
-      }
-      if (options_.local_users != nullptr) {
-        // Before anything is read from it: another user's bytes never reach an engine.
-        if (absl::Status s =
-                options_.local_users->CheckPeer(fd.get(), absl::StrCat("data plane ", address_));
-            !s.ok()) {
-          if (user_refusals_log_.Allow(&more)) log->warn("{}{}", std::string(s.message()), more);
-          absl::MutexLock lock(&mu_);
-          ++counters_.user_refused;
-          continue;  // fd closes
-        }
-      }
-      absl::MutexLock lock(&mu_);
-      if (stopping_) return;
-      // Idle connections never lock senders out: the one idle the longest makes room. Those
-      // ending still hold a thread for a moment; twice the bound caps them under a flood.
-      if ((LiveConnections() >= options_.max_incoming && !EvictIdlest(peer)) ||
-          static_cast<int64_t>(connections_.size()) >= 2 * int64_t{options_.max_incoming}) {
-        ++counters_.refused;
-        if (refusals_log_.Allow(&more)) {
-          log->warn(
-              "data plane {}: refusing a data connection from {}: {} are open, each inside a "
-              "frame, the most this node serves at once{}",
-              address_, peer, LiveConnections(), more);
-        }
-        continue;  // fd closes
-      }
-      auto c = std::make_unique<Connection>();
-      c->id = next_connection_++;
-      c->idle_since = absl::Now();
-      c->stream = DataStream(std::move(fd), absl::StrCat("the data connection from ", peer));
-      Connection* raw = c.get();
-      if (!StartSmallThread([this, raw] { ReadLoop(raw); }, &c->thread)) {
-        log->error("data plane {}: no thread to read a data connection from {}: {}", address_, peer,
-                   std::strerror(errno));
-        continue;  // c (and its fd) go
-      }
-      ++counters_.accepted;
-      ++counters_.open_incoming;
-      if (tls_ != nullptr) {
-        // Anyone can open connections that never handshake: at most max_handshaking of them at
-        // once, the oldest cut off for the newest (a node's handshake takes milliseconds).
-        const int64_t most = options_.max_handshaking > 0 ? options_.max_handshaking
-                                                          : std::max(1, options_.max_incoming / 2);
-        if (counters_.handshaking >= most) {
-          Connection* oldest = nullptr;
-          for (auto& [id, other] : connections_) {
-            if (other->handshaking && (oldest == nullptr || id < oldest->id)) oldest = other.get();
-          }
-          if (oldest != nullptr) {
-            oldest->handshaking = false;
-            oldest->ending = true;
-            --counters_.handshaking;
-            ++counters_.handshakes_cut;
-            oldest->stream.Shutdown();  // its reader ends (it closes the descriptor, under mu_)
-          }
-        }
-        raw->handshaking = true;
-        ++counters_.handshaking;
-      }
-      connections_[raw->id] = std::move(c);
+      const AcceptNext next = AcceptOne();
+      if (next == AcceptNext::kStop) return;
+      if (next == AcceptNext::kPoll) break;
     }
   }
+}
+
+namespace {
+
+void SetDataSocketOptions(int fd) {
+  const int one = 1;
+  setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof one);
+  // A peer host that vanishes without a FIN is found within about two minutes.
+  const int idle = 60, interval = 10, count = 6;
+  setsockopt(fd, SOL_SOCKET, SO_KEEPALIVE, &one, sizeof one);
+  setsockopt(fd, IPPROTO_TCP, TCP_KEEPIDLE, &idle, sizeof idle);
+  setsockopt(fd, IPPROTO_TCP, TCP_KEEPINTVL, &interval, sizeof interval);
+  setsockopt(fd, IPPROTO_TCP, TCP_KEEPCNT, &count, sizeof count);
+}
+
+// "host:port" of an accepted connection's peer, for log lines.
+std::string PeerName(int fd) {
+  std::string peer = "a peer";
+  sockaddr_in sa{};
+  socklen_t len = sizeof sa;
+  if (getpeername(fd, reinterpret_cast<sockaddr*>(&sa), &len) == 0) {
+    char host[INET_ADDRSTRLEN] = "?";
+    inet_ntop(AF_INET, &sa.sin_addr, host, sizeof host);
+    peer = absl::StrCat(host, ":", ntohs(sa.sin_port));
+  }
+  return peer;
+}
+
+}  // namespace
+
+HostBackend::AcceptNext HostBackend::AcceptOne() {
+  const int accepted = accept4(listener_.get(), nullptr, nullptr, SOCK_CLOEXEC);
+  if (accepted < 0) {
+    if (errno == EAGAIN || errno == EWOULDBLOCK) return AcceptNext::kPoll;
+    if (errno == EINTR || errno == ECONNABORTED) return AcceptNext::kNext;
+    // EMFILE, ENFILE, ENOBUFS, ENOMEM, ...: the connection stays in the backlog; try again
+    // shortly. Never give up: a node that stops accepting cannot take part in any round.
+    BackOffAfterAcceptError(errno);
+    return AcceptNext::kPoll;
+  }
+  Fd fd(accepted);
+  SetDataSocketOptions(fd.get());
+  const std::string peer = PeerName(fd.get());
+  // Before anything is read from it: another user's bytes never reach an engine.
+  if (options_.local_users != nullptr && !AdmitsLocalUser(fd)) return AcceptNext::kNext;
+  return ServeConnection(std::move(fd), peer);
+}
+
+void HostBackend::BackOffAfterAcceptError(int err) {
+  std::string more;
+  if (accept_errors_log_.Allow(&more)) {
+    Logger("xfer")->error("data plane {}: accept failed: {}; retrying every {} ms{}", address_,
+                          std::strerror(err), absl::ToInt64Milliseconds(options_.accept_backoff),
+                          more);
+  }
+  absl::MutexLock lock(&mu_);
+  ++counters_.accept_errors;
+  mu_.AwaitWithTimeout(absl::Condition(&stopping_), options_.accept_backoff);
+}
+
+bool HostBackend::AdmitsLocalUser(const Fd& fd) {
+  absl::Status s = options_.local_users->CheckPeer(fd.get(), absl::StrCat("data plane ", address_));
+  if (s.ok()) return true;
+  std::string more;
+  if (user_refusals_log_.Allow(&more)) Logger("xfer")->warn("{}{}", std::string(s.message()), more);
+  absl::MutexLock lock(&mu_);
+  ++counters_.user_refused;
+  return false;
+}
+
+HostBackend::AcceptNext HostBackend::ServeConnection(Fd fd, const std::string& peer) {
+  auto log = Logger("xfer");
+  std::string more;
+  absl::MutexLock lock(&mu_);
+  if (stopping_) return AcceptNext::kStop;
+  // Idle connections never lock senders out: the one idle the longest makes room. Those
+  // ending still hold a thread for a moment; twice the bound caps them under a flood.
+  if ((LiveConnections() >= options_.max_incoming && !EvictIdlest(peer)) ||
+      static_cast<int64_t>(connections_.size()) >= 2 * int64_t{options_.max_incoming}) {
+    ++counters_.refused;
+    if (refusals_log_.Allow(&more)) {
+      log->warn(
+          "data plane {}: refusing a data connection from {}: {} are open, each inside a "
+          "frame, the most this node serves at once{}",
+          address_, peer, LiveConnections(), more);
+    }
+    return AcceptNext::kNext;  // fd closes
+  }
+  auto c = std::make_unique<Connection>();
+  c->id = next_connection_++;
+  c->idle_since = absl::Now();
+  c->stream = DataStream(std::move(fd), absl::StrCat("the data connection from ", peer));
+  Connection* raw = c.get();
+  if (!StartSmallThread([this, raw] { ReadLoop(raw); }, &c->thread)) {
+    log->error("data plane {}: no thread to read a data connection from {}: {}", address_, peer,
+               std::strerror(errno));
+    return AcceptNext::kNext;  // c (and its fd) go
+  }
+  ++counters_.accepted;
+  ++counters_.open_incoming;
+  if (tls_ != nullptr) BoundHandshakes(raw);
+  connections_[raw->id] = std::move(c);
+  return AcceptNext::kNext;
+}
+
+int HostBackend::MaxHandshaking() const {
+  return options_.max_handshaking > 0 ? options_.max_handshaking
+                                      : std::max(1, options_.max_incoming / 2);
+}
+
+void HostBackend::BoundHandshakes(Connection* incoming) {
+  // Anyone can open connections that never handshake: at most max_handshaking of them at
+  // once, the oldest cut off for the newest (a node's handshake takes milliseconds).
+  if (counters_.handshaking >= MaxHandshaking()) {
+    Connection* oldest = nullptr;
+    for (auto& [id, other] : connections_) {
+      if (other->handshaking && (oldest == nullptr || id < oldest->id)) oldest = other.get();
+    }
+    if (oldest != nullptr) {
+      oldest->handshaking = false;
+      oldest->ending = true;
+      --counters_.handshaking;
+      ++counters_.handshakes_cut;
+      oldest->stream.Shutdown();  // its reader ends (it closes the descriptor, under mu_)
+    }
+  }
+  incoming->handshaking = true;
+  ++counters_.handshaking;
 }
 
 int64_t HostBackend::LiveConnections() const {
@@ -540,50 +615,12 @@ HostBackend::FrameFate HostBackend::FindJob(const RoundKey& key, absl::Time dead
 // whole if its round is over here.
 void HostBackend::ReadLoop(Connection* c) {
   DataStream& stream = c->stream;  // only EndReader closes it
-  const Fd& fd = stream.fd();
-  const std::string& peer = stream.peer();
-  auto log = Logger("xfer");
-  std::string more;
+  if (tls_ != nullptr && !HandshakeIncoming(c)) {
+    EndReader(c);
+    return;
+  }
   std::vector<std::byte> staging;
   std::string group;
-  if (tls_ != nullptr) {
-    // Here, not in the acceptor: a peer that stalls its handshake holds only this thread, and
-    // only for handshake_timeout (or until newer handshakes cut it off).
-    absl::Status s = stream.AcceptTls(
-        *tls_, absl::Now() + std::min(options_.frame_wait, options_.handshake_timeout));
-    bool stopping, cut, evicted;
-    {
-      absl::MutexLock lock(&mu_);
-      evicted = c->evicted;
-      cut = !c->handshaking && !evicted;
-      if (c->handshaking) {
-        c->handshaking = false;
-        --counters_.handshaking;
-      }
-      if ((!s.ok() && !evicted) || cut) ++counters_.tls_refused;
-      // Its deadline for a first frame runs from here.
-      c->idle_since = absl::Now();
-      stopping = stopping_;  // then the handshake was cut off by the shutdown: nothing to say
-    }
-    if (cut) {
-      s = absl::UnavailableError(absl::StrCat(
-          "the TLS handshake of ", peer, " was cut off: it was the oldest of more than ",
-          options_.max_handshaking > 0 ? options_.max_handshaking
-                                       : std::max(1, options_.max_incoming / 2),
-          " connections in their handshake at once"));
-    }
-    if (evicted) {
-      EndReader(c);  // logged by the acceptor
-      return;
-    }
-    if (!s.ok()) {
-      if (!stopping && drops_log_.Allow(&more))
-        log->warn("data plane {}: refused a data connection: {}{}", address_,
-                  std::string(s.message()), more);
-      EndReader(c);
-      return;
-    }
-  }
   // A frame's first byte comes by this: first_byte_timeout after the connection began,
   // idle_timeout after a frame, kIdleCloseGrace once the write side is shut for idleness.
   absl::Time idle_until = absl::Now() + options_.first_byte_timeout;
@@ -599,130 +636,10 @@ void HostBackend::ReadLoop(Connection* c) {
       continue;
     }
     MarkInFrame(c, true);
-    // Every path out of this frame that keeps the connection passes `next_frame`.
-    auto next_frame = [&] {
-      MarkInFrame(c, false);
-      idle_until = absl::Now() + (closing_idle ? kIdleCloseGrace : options_.idle_timeout);
-    };
-    const absl::Time deadline = absl::Now() + options_.frame_wait;
-    if (auto s = stream.RecvAll(std::span(wire).subspan(1), deadline); !s.ok()) {
-      if (drops_log_.Allow(&more)) {
-        log->warn("dropping {}: a frame header broke off: {}{}", peer, std::string(s.message()),
-                  more);
-      }
-      break;
-    }
-    const absl::StatusOr<FrameHeader> parsed = ParseFrameHeader(wire);
-    if (!parsed.ok()) {
-      if (drops_log_.Allow(&more)) {
-        log->error("dropping {}: malformed frame header: {}{}", peer,
-                   std::string(parsed.status().message()), more);
-      }
-      break;
-    }
-    const FrameHeader& h = *parsed;
-    group.resize(h.group_bytes);
-    if (auto s =
-            stream.RecvAll({reinterpret_cast<std::byte*>(group.data()), group.size()}, deadline);
-        !s.ok()) {
-      if (drops_log_.Allow(&more)) {
-        log->warn("dropping {}: a frame header broke off: {}{}", peer, std::string(s.message()),
-                  more);
-      }
-      break;
-    }
-    std::shared_ptr<Job> job;
-    const FrameFate fate = FindJob({group, h.round_id}, deadline, &job);
-    if (fate == FrameFate::kGiveUp) {
-      if (absl::Now() >= deadline && drops_log_.Allow(&more)) {
-        log->warn("dropping {}: round {} of group \"{}\" did not begin here within {}{}", peer,
-                  h.round_id, group, absl::FormatDuration(options_.frame_wait), more);
-      }
-      break;
-    }
-    if (fate == FrameFate::kDeliver) {
-      const Plan& plan = *job->job.plan;
-      const bool in_range =
-          h.message >= 0 && h.message < static_cast<int64_t>(plan.messages.size()) &&
-          plan.messages[h.message].src_gpu >= 0 &&
-          plan.messages[h.message].src_gpu < static_cast<int32_t>(plan.gpus.size());
-      // With TLS the sender is known (its certificate's node): only the node the plan has send the
-      // message may fail the round with a bad frame of it. Anyone else's frame (another node's
-      // message, one that does not exist, for a round it has not begun yet) is dropped with its
-      // connection, so that no certificate holder can abort rounds it takes no part in.
-      const int32_t sender = in_range ? plan.gpus[plan.messages[h.message].src_gpu].node : -1;
-      if (stream.tls() &&
-          (sender < 0 || std::find(stream.peer_nodes().begin(), stream.peer_nodes().end(),
-                                   sender) == stream.peer_nodes().end())) {
-        // Not the round's failure: the true sender's frame still comes on its own connection.
-        {
-          absl::MutexLock lock(&mu_);
-          ++counters_.forged_frames;
-        }
-        if (drops_log_.Allow(&more)) {
-          if (sender < 0) {
-            log->error(
-                "dropping {}: its certificate is {}'s, and it sent message {} of round {} of group "
-                "\"{}\", "
-                "which that round does not have{}",
-                peer, stream.identity(), h.message, h.round_id, group, more);
-          } else {
-            log->error(
-                "dropping {}: its certificate is {}'s, but it sent message {} of round {} of group "
-                "\"{}\", "
-                "which node {} sends{}",
-                peer, stream.identity(), h.message, h.round_id, group, sender, more);
-          }
-        }
-        break;
-      }
-      if (absl::Status s = CheckFrameForPlan(h, plan, job->job.node); !s.ok()) {
-        // Plain TCP (no identities), or the message's own sender: a broken peer, the round's
-        // failure.
-        job->Fail(std::move(s));
-        break;
-      }
-      if (job->BeginFrame(fd.get())) {
-        staging.resize(static_cast<size_t>(h.bytes));
-        const absl::Status s = stream.RecvAll(staging, job->job.deadline);
-        if (!job->EndFrame(fd.get())) break;  // the round failed meanwhile; the socket is shut down
-        if (!s.ok()) {
-          // Not this round's failure: the sender sends the message again on a fresh connection
-          // if it can; if it cannot, it reports why (its worker died, it was cancelled) or its
-          // daemon is found gone, and that, not this symptom, is the round's reason. Failing
-          // here would race that report and blame the wrong node.
-          if (drops_log_.Allow(&more)) {
-            log->warn(
-                "dropping {}: message {} of round {} of group \"{}\" from node {} broke off: {}{}",
-                peer, h.message, h.round_id, group,
-                plan.gpus[plan.messages[h.message].src_gpu].node, std::string(s.message()), more);
-          }
-          break;
-        }
-        job->Land(h.message, staging);
-        next_frame();
-        continue;
-      }
-      // The round failed or ended here before this frame: drop it like any late one.
-    }
-    if (auto s = Drain(stream, h.bytes, staging, absl::Now() + options_.frame_wait); !s.ok()) {
-      if (drops_log_.Allow(&more)) {
-        log->warn("dropping {}: a late frame of round {} of group \"{}\" broke off: {}{}", peer,
-                  h.round_id, group, std::string(s.message()), more);
-      }
-      break;
-    }
-    {
-      absl::MutexLock lock(&mu_);
-      ++counters_.stale_frames;
-    }
-    if (stale_log_.Allow(&more)) {
-      log->info(
-          "dropped a late frame ({} bytes) of round {} of group \"{}\" from {}: that round is over "
-          "here{}",
-          h.bytes, h.round_id, group, peer, more);
-    }
-    next_frame();
+    if (!ReadFrame(stream, wire, staging, group)) break;
+    // Landed or dropped whole: the connection waits for its next frame.
+    MarkInFrame(c, false);
+    idle_until = absl::Now() + (closing_idle ? kIdleCloseGrace : options_.idle_timeout);
   }
   // Its staging (up to a message, tens of MB) goes with this thread: past glibc's dynamic mmap
   // threshold it sits in the thread's arena, which keeps it unless asked (connections end when a
@@ -731,6 +648,194 @@ void HostBackend::ReadLoop(Connection* c) {
   staging = {};
   if (large) RequestTrim();
   EndReader(c);
+}
+
+// Here, not in the acceptor: a peer that stalls its handshake holds only this thread, and
+// only for handshake_timeout (or until newer handshakes cut it off).
+bool HostBackend::HandshakeIncoming(Connection* c) {
+  DataStream& stream = c->stream;
+  absl::Status s = stream.AcceptTls(
+      *tls_, absl::Now() + std::min(options_.frame_wait, options_.handshake_timeout));
+  bool stopping, cut, evicted;
+  {
+    absl::MutexLock lock(&mu_);
+    evicted = c->evicted;
+    cut = !c->handshaking && !evicted;
+    if (c->handshaking) {
+      c->handshaking = false;
+      --counters_.handshaking;
+    }
+    if ((!s.ok() && !evicted) || cut) ++counters_.tls_refused;
+    // Its deadline for a first frame runs from here.
+    c->idle_since = absl::Now();
+    stopping = stopping_;  // then the handshake was cut off by the shutdown: nothing to say
+  }
+  if (cut) {
+    s = absl::UnavailableError(absl::StrCat(
+        "the TLS handshake of ", stream.peer(), " was cut off: it was the oldest of more than ",
+        MaxHandshaking(), " connections in their handshake at once"));
+  }
+  if (evicted) return false;  // logged by the acceptor
+  if (!s.ok()) {
+    std::string more;
+    if (!stopping && drops_log_.Allow(&more))
+      Logger("xfer")->warn("data plane {}: refused a data connection: {}{}", address_,
+                           std::string(s.message()), more);
+    return false;
+  }
+  return true;
+}
+
+bool HostBackend::ReadFrame(DataStream& stream, std::array<std::byte, kFrameHeaderBytes>& wire,
+                            std::vector<std::byte>& staging, std::string& group) {
+  const absl::Time deadline = absl::Now() + options_.frame_wait;
+  FrameHeader h;
+  if (!ReadFrameHeader(stream, wire, deadline, &h, group)) return false;
+  std::shared_ptr<Job> job;
+  const FrameFate fate = FindJob({group, h.round_id}, deadline, &job);
+  if (fate == FrameFate::kGiveUp) {
+    std::string more;
+    if (absl::Now() >= deadline && drops_log_.Allow(&more)) {
+      Logger("xfer")->warn("dropping {}: round {} of group \"{}\" did not begin here within {}{}",
+                           stream.peer(), h.round_id, group,
+                           absl::FormatDuration(options_.frame_wait), more);
+    }
+    return false;
+  }
+  if (fate == FrameFate::kDeliver) {
+    const Delivery delivery = DeliverFrame(stream, *job, h, group, staging);
+    if (delivery != Delivery::kRoundOver) return delivery == Delivery::kLanded;
+    // The round failed or ended here before this frame: drop it like any late one.
+  }
+  return DropLateFrame(stream, h, group, staging);
+}
+
+bool HostBackend::ReadFrameHeader(DataStream& stream,
+                                  std::array<std::byte, kFrameHeaderBytes>& wire,
+                                  absl::Time deadline, FrameHeader* h, std::string& group) {
+  std::string more;
+  if (auto s = stream.RecvAll(std::span(wire).subspan(1), deadline); !s.ok()) {
+    if (drops_log_.Allow(&more)) {
+      Logger("xfer")->warn("dropping {}: a frame header broke off: {}{}", stream.peer(),
+                           std::string(s.message()), more);
+    }
+    return false;
+  }
+  const absl::StatusOr<FrameHeader> parsed = ParseFrameHeader(wire);
+  if (!parsed.ok()) {
+    if (drops_log_.Allow(&more)) {
+      Logger("xfer")->error("dropping {}: malformed frame header: {}{}", stream.peer(),
+                            std::string(parsed.status().message()), more);
+    }
+    return false;
+  }
+  *h = *parsed;
+  group.resize(h->group_bytes);
+  if (auto s = stream.RecvAll({reinterpret_cast<std::byte*>(group.data()), group.size()}, deadline);
+      !s.ok()) {
+    if (drops_log_.Allow(&more)) {
+      Logger("xfer")->warn("dropping {}: a frame header broke off: {}{}", stream.peer(),
+                           std::string(s.message()), more);
+    }
+    return false;
+  }
+  return true;
+}
+
+HostBackend::Delivery HostBackend::DeliverFrame(DataStream& stream, Job& job, const FrameHeader& h,
+                                                const std::string& group,
+                                                std::vector<std::byte>& staging) {
+  const Plan& plan = *job.job.plan;
+  if (IsForgedFrame(stream, plan, h, group)) return Delivery::kDropConnection;
+  if (absl::Status s = CheckFrameForPlan(h, plan, job.job.node); !s.ok()) {
+    // Plain TCP (no identities), or the message's own sender: a broken peer, the round's
+    // failure.
+    job.Fail(std::move(s));
+    return Delivery::kDropConnection;
+  }
+  const int fd = stream.fd().get();
+  if (!job.BeginFrame(fd)) return Delivery::kRoundOver;  // failed or ended before this frame
+  staging.resize(static_cast<size_t>(h.bytes));
+  const absl::Status s = stream.RecvAll(staging, job.job.deadline);
+  // The round failed meanwhile: the socket is shut down.
+  if (!job.EndFrame(fd)) return Delivery::kDropConnection;
+  if (!s.ok()) {
+    // Not this round's failure: the sender sends the message again on a fresh connection
+    // if it can; if it cannot, it reports why (its worker died, it was cancelled) or its
+    // daemon is found gone, and that, not this symptom, is the round's reason. Failing
+    // here would race that report and blame the wrong node.
+    std::string more;
+    if (drops_log_.Allow(&more)) {
+      Logger("xfer")->warn(
+          "dropping {}: message {} of round {} of group \"{}\" from node {} broke off: {}{}",
+          stream.peer(), h.message, h.round_id, group,
+          plan.gpus[plan.messages[h.message].src_gpu].node, std::string(s.message()), more);
+    }
+    return Delivery::kDropConnection;
+  }
+  job.Land(h.message, staging);
+  return Delivery::kLanded;
+}
+
+bool HostBackend::IsForgedFrame(const DataStream& stream, const Plan& plan, const FrameHeader& h,
+                                const std::string& group) {
+  const bool in_range = h.message >= 0 && h.message < static_cast<int64_t>(plan.messages.size()) &&
+                        plan.messages[h.message].src_gpu >= 0 &&
+                        plan.messages[h.message].src_gpu < static_cast<int32_t>(plan.gpus.size());
+  // With TLS the sender is known (its certificate's node): only the node the plan has send the
+  // message may fail the round with a bad frame of it. Anyone else's frame (another node's
+  // message, one that does not exist, for a round it has not begun yet) is dropped with its
+  // connection, so that no certificate holder can abort rounds it takes no part in.
+  const int32_t sender = in_range ? plan.gpus[plan.messages[h.message].src_gpu].node : -1;
+  const std::vector<int32_t>& nodes = stream.peer_nodes();  // its certificate's
+  const bool forged =
+      stream.tls() && (sender < 0 || std::find(nodes.begin(), nodes.end(), sender) == nodes.end());
+  if (!forged) return false;
+  // Not the round's failure: the true sender's frame still comes on its own connection.
+  {
+    absl::MutexLock lock(&mu_);
+    ++counters_.forged_frames;
+  }
+  std::string more;
+  if (drops_log_.Allow(&more)) {
+    if (sender < 0) {
+      Logger("xfer")->error(
+          "dropping {}: its certificate is {}'s, and it sent message {} of round {} of group "
+          "\"{}\", "
+          "which that round does not have{}",
+          stream.peer(), stream.identity(), h.message, h.round_id, group, more);
+    } else {
+      Logger("xfer")->error(
+          "dropping {}: its certificate is {}'s, but it sent message {} of round {} of group "
+          "\"{}\", "
+          "which node {} sends{}",
+          stream.peer(), stream.identity(), h.message, h.round_id, group, sender, more);
+    }
+  }
+  return true;
+}
+
+bool HostBackend::DropLateFrame(DataStream& stream, const FrameHeader& h, const std::string& group,
+                                std::vector<std::byte>& staging) {
+  std::string more;
+  if (auto s = Drain(stream, h.bytes, staging, absl::Now() + options_.frame_wait); !s.ok()) {
+    if (drops_log_.Allow(&more)) {
+      Logger("xfer")->warn("dropping {}: a late frame of round {} of group \"{}\" broke off: {}{}",
+                           stream.peer(), h.round_id, group, std::string(s.message()), more);
+    }
+    return false;
+  }
+  {
+    absl::MutexLock lock(&mu_);
+    ++counters_.stale_frames;
+  }
+  if (stale_log_.Allow(&more)) {
+    Logger("xfer")->info(
+        "dropped a late frame ({} bytes) of round {} of group \"{}\" from {}: that round is over "
+        "here{}",
+        h.bytes, h.round_id, group, stream.peer(), more);
+  }
+  return true;
 }
 
 namespace {
@@ -809,62 +914,20 @@ absl::StatusOr<std::vector<std::unique_ptr<MappedBuffer>>> HostBackend::MapBuffe
       return Annotate(Map(m, bytes).status(), what);
     }
     const v1::SharedMemory& shm = m.shm();
+    // Checked at registration already (memory_refs.h); checked again here because this interface
+    // is public and an index past the descriptors would read out of bounds.
+    if (shm.fd() < 1 || static_cast<size_t>(shm.fd()) > fds.size()) {
+      return absl::InvalidArgumentError(absl::StrCat(what, ": its shared memory is descriptor ",
+                                                     shm.fd(), " (1-based), but ", fds.size(),
+                                                     " descriptors came with it"));
+    }
     const size_t index = static_cast<size_t>(shm.fd() - 1);
     const std::string object = absl::StrCat("descriptor ", shm.fd(), " (its shared memory)");
     std::shared_ptr<SharedMemory>& segment = by_fd[index];
     if (segment == nullptr) {
-      // Sealed before it is measured and mapped, so that it cannot shrink from under the mapping
-      // (SIGBUS in this daemon); an object that cannot be sealed is refused.
-      if (auto s = SharedMemory::SealAgainstShrinking(fds[index].get(), object); !s.ok()) {
-        return Annotate(s, what);
-      }
-      struct stat st;
-      if (fstat(fds[index].get(), &st) != 0) {
-        return absl::InternalError(
-            absl::StrCat(what, ": fstat of ", object, ": ", std::strerror(errno)));
-      }
-      absl::MutexLock lock(&segments_mu_);
-      std::weak_ptr<SharedMemory>& cached = fd_segments_[{st.st_dev, st.st_ino}];
-      segment = cached.lock();
-      if (segment == nullptr) {
-        // Mapped whole, so bounded before it is mapped: a sparse object costs no memory but
-        // as much address space as it claims (terabytes would leave no room for threads).
-        const int64_t size = static_cast<int64_t>(st.st_size);
-        if (size > max_object_bytes_) {
-          return absl::InvalidArgumentError(
-              absl::StrCat(what, ": ", object, " has ", size,
-                           " bytes, more than this machine's physical memory (", max_object_bytes_,
-                           " bytes): refused (the buffer needs ", bytes, ")"));
-        }
-        int64_t now = mapped_bytes_->load();
-        do {
-          if (size > 0 && now > max_mapped_bytes_ - size) {
-            return absl::ResourceExhaustedError(
-                absl::StrCat(what, ": ", object, " has ", size, " bytes, and this daemon maps ",
-                             now, " bytes of shared memory already: more than max_mapped_bytes (",
-                             max_mapped_bytes_, " bytes) would be mapped at once"));
-          }
-        } while (!mapped_bytes_->compare_exchange_weak(now, now + std::max<int64_t>(size, 0)));
-        const int64_t reserved = std::max<int64_t>(size, 0);
-        // At most the size measured (and reserved): an object grown since is refused.
-        auto mapped =
-            SharedMemory::MapDescriptor(fds[index].get(), object, static_cast<size_t>(reserved));
-        if (!mapped.ok()) {
-          mapped_bytes_->fetch_sub(reserved);
-          return Annotate(mapped.status(), what);
-        }
-        segment =
-            std::shared_ptr<SharedMemory>(new SharedMemory(*std::move(mapped)),
-                                          [counter = mapped_bytes_, reserved](SharedMemory* m) {
-                                            delete m;  // unmapped: its bytes no longer count
-                                            counter->fetch_sub(reserved);
-                                          });
-        cached = segment;
-        if (++fd_maps_since_prune_ >= fd_segments_.size()) {
-          fd_maps_since_prune_ = 0;
-          std::erase_if(fd_segments_, [](const auto& e) { return e.second.expired(); });
-        }
-      }
+      auto mapped = MapObjectOnce(fds[index].get(), what, object, bytes);
+      if (!mapped.ok()) return mapped.status();
+      segment = *std::move(mapped);
     }
     // The object's size as the kernel has it now, not as the worker says: a claim that
     // disagrees is a confused worker, refused before its buffers are used.
@@ -881,6 +944,61 @@ absl::StatusOr<std::vector<std::unique_ptr<MappedBuffer>>> HostBackend::MapBuffe
     out.push_back(std::unique_ptr<MappedBuffer>(new ShmBuffer(segment, shm.offset(), bytes)));
   }
   return out;
+}
+
+absl::StatusOr<std::shared_ptr<SharedMemory>> HostBackend::MapObjectOnce(int fd,
+                                                                         const std::string& what,
+                                                                         const std::string& object,
+                                                                         int64_t bytes) {
+  // Sealed before it is measured and mapped, so that it cannot shrink from under the mapping
+  // (SIGBUS in this daemon); an object that cannot be sealed is refused.
+  if (auto s = SharedMemory::SealAgainstShrinking(fd, object); !s.ok()) {
+    return Annotate(s, what);
+  }
+  struct stat st;
+  if (fstat(fd, &st) != 0) {
+    return absl::InternalError(
+        absl::StrCat(what, ": fstat of ", object, ": ", std::strerror(errno)));
+  }
+  absl::MutexLock lock(&segments_mu_);
+  std::weak_ptr<SharedMemory>& cached = fd_segments_[{st.st_dev, st.st_ino}];
+  std::shared_ptr<SharedMemory> segment = cached.lock();
+  if (segment != nullptr) return segment;
+  // Mapped whole, so bounded before it is mapped: a sparse object costs no memory but
+  // as much address space as it claims (terabytes would leave no room for threads).
+  const int64_t size = static_cast<int64_t>(st.st_size);
+  if (size > max_object_bytes_) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        what, ": ", object, " has ", size, " bytes, more than this machine's physical memory (",
+        max_object_bytes_, " bytes): refused (the buffer needs ", bytes, ")"));
+  }
+  int64_t now = mapped_bytes_->load();
+  do {
+    if (size > 0 && now > max_mapped_bytes_ - size) {
+      return absl::ResourceExhaustedError(
+          absl::StrCat(what, ": ", object, " has ", size, " bytes, and this daemon maps ", now,
+                       " bytes of shared memory already: more than max_mapped_bytes (",
+                       max_mapped_bytes_, " bytes) would be mapped at once"));
+    }
+  } while (!mapped_bytes_->compare_exchange_weak(now, now + std::max<int64_t>(size, 0)));
+  const int64_t reserved = std::max<int64_t>(size, 0);
+  // At most the size measured (and reserved): an object grown since is refused.
+  auto mapped = SharedMemory::MapDescriptor(fd, object, static_cast<size_t>(reserved));
+  if (!mapped.ok()) {
+    mapped_bytes_->fetch_sub(reserved);
+    return Annotate(mapped.status(), what);
+  }
+  segment = std::shared_ptr<SharedMemory>(new SharedMemory(*std::move(mapped)),
+                                          [counter = mapped_bytes_, reserved](SharedMemory* m) {
+                                            delete m;  // unmapped: its bytes no longer count
+                                            counter->fetch_sub(reserved);
+                                          });
+  cached = segment;
+  if (++fd_maps_since_prune_ >= fd_segments_.size()) {
+    fd_maps_since_prune_ = 0;
+    std::erase_if(fd_segments_, [](const auto& e) { return e.second.expired(); });
+  }
+  return segment;
 }
 
 absl::StatusOr<int32_t> HostBackend::GpuIndex(const std::string& name) {
@@ -923,6 +1041,25 @@ void HostBackend::RememberEnded(const RoundKey& key) {
   }
 }
 
+namespace {
+
+// A frame's header and group name, sent in one write (one TLS record).
+std::vector<std::byte> FramePrefix(const std::string& group, int64_t round_id, int64_t message,
+                                   int64_t bytes) {
+  FrameHeader h;
+  h.group_bytes = static_cast<uint32_t>(group.size());
+  h.round_id = round_id;
+  h.message = message;
+  h.bytes = bytes;
+  std::vector<std::byte> prefix(kFrameHeaderBytes + group.size());
+  const auto wire = EncodeFrameHeader(h);
+  std::copy(wire.begin(), wire.end(), prefix.begin());
+  std::memcpy(prefix.data() + kFrameHeaderBytes, group.data(), group.size());
+  return prefix;
+}
+
+}  // namespace
+
 absl::Status HostBackend::Send(Job& job, const Message& m, int64_t index,
                                std::vector<std::byte>& staging) {
   const Plan& plan = *job.job.plan;
@@ -938,16 +1075,8 @@ absl::Status HostBackend::Send(Job& job, const Message& m, int64_t index,
     return WithCulprit(std::move(s), NodeCulprit(node, addr->second, "TRANSFER"));
   };
   PackMessage(plan, m, job.job.src, job.job.dst, staging);
-  FrameHeader h;
-  h.group_bytes = static_cast<uint32_t>(job.job.group.size());
-  h.round_id = job.job.round_id;
-  h.message = index;
-  h.bytes = m.bytes;
-  // Header and group name in one write (one TLS record).
-  std::vector<std::byte> prefix(kFrameHeaderBytes + job.job.group.size());
-  const auto wire = EncodeFrameHeader(h);
-  std::copy(wire.begin(), wire.end(), prefix.begin());
-  std::memcpy(prefix.data() + kFrameHeaderBytes, job.job.group.data(), job.job.group.size());
+  const std::vector<std::byte> prefix =
+      FramePrefix(job.job.group, job.job.round_id, index, m.bytes);
   // A cached connection may have died since the last round: one fresh try.
   for (int attempt = 0; attempt < 2; ++attempt) {
     DataStream stream = attempt == 0 ? TakeCached(addr->second) : DataStream();
@@ -1005,101 +1134,20 @@ absl::StatusOr<TransferStats> HostBackend::Transfer(const TransferJob& request) 
   const absl::Time started = absl::Now();
   auto shared = std::make_shared<Job>();
   Job& job = *shared;
-  job.job = request;
-  const Plan& plan = *request.plan;
-  {
-    absl::MutexLock lock(&job.mu);
-    job.arrived.assign(plan.messages.size(), 0);
-    job.missing_per_stage.assign(kMaxStages, 0);
-    for (const Message& m : plan.messages) {
-      if (job.IsIncoming(m)) ++job.missing_per_stage[m.stage];
-    }
-  }
+  job.Prepare(request);
   std::vector<std::string> peers;  // the other nodes' data addresses
   for (const auto& [node, address] : request.data_addresses) {
     if (node != request.node) peers.push_back(address);
   }
   const RoundKey key(request.group, request.round_id);
-  {
-    absl::MutexLock lock(&mu_);
-    if (jobs_.contains(key)) {
-      return absl::AlreadyExistsError(
-          absl::StrCat("round ", request.round_id, " is already running"));
-    }
-    if (auto e = ended_.find(key); e != ended_.end()) {
-      // Over here already: cancelled before it began (the cancel is honoured once), or an
-      // earlier round of the same id (round ids start again when the coordinator restarts).
-      if (!e->second.cancelled.ok()) {
-        absl::Status cancelled = std::move(e->second.cancelled);
-        e->second.cancelled = absl::OkStatus();
-        return cancelled;
-      }
-      ended_.erase(e);
-    }
-    jobs_[key] = shared;
-    jobs_changed_.SignalAll();
-  }
-
+  REFIT_RETURN_IF_ERROR(BeginRound(key, shared));
   TransferStats stats;
-  std::vector<std::byte> staging;
-  const BufferAddresses local_src = AddressesOf(request.src), local_dst = AddressesOf(request.dst);
-  // Waits until every incoming message of the stages before `stage` has landed.
-  auto wait_for_stages_before = [&](int stage) -> absl::Status {
-    absl::MutexLock lock(&job.mu);
-    while (true) {
-      if (!job.error.ok()) return job.error;
-      bool done = true;
-      for (int s = 0; s < stage; ++s) done &= job.missing_per_stage[s] == 0;
-      if (done) return absl::OkStatus();
-      if (absl::Now() >= request.deadline) {
-        std::vector<std::string> owing;
-        for (size_t i = 0; i < plan.messages.size(); ++i) {
-          const Message& m = plan.messages[i];
-          if (job.IsIncoming(m) && m.stage < stage && !job.arrived[i]) {
-            const std::string who = absl::StrCat("node ", plan.gpus[m.src_gpu].node);
-            if (std::find(owing.begin(), owing.end(), who) == owing.end()) owing.push_back(who);
-          }
-        }
-        return absl::DeadlineExceededError(
-            absl::StrCat("round ", request.round_id, ": node ", request.node,
-                         " still waits for messages from ", absl::StrJoin(owing, ", ")));
-      }
-      job.changed.WaitWithDeadline(&job.mu, request.deadline);
-    }
-  };
-  absl::Status status;
-  for (int stage = 0; stage < kMaxStages && status.ok(); ++stage) {
-    status = wait_for_stages_before(stage);
-    for (size_t i = 0; i < plan.messages.size() && status.ok(); ++i) {
-      const Message& m = plan.messages[i];
-      if (m.stage != stage || plan.gpus[m.src_gpu].node != request.node) continue;
-      if (plan.gpus[m.dst_gpu].node == request.node) {
-        // Straight from the sources into the destinations, as the cuda backend copies inside a
-        // node (the kernels' CPU twin): not packed into staging and unpacked again.
-        RunCopyWorkOnHost(DirectWork(plan, m, local_src, local_dst));
-        stats.bytes_local += m.bytes;
-      } else {
-        status = Send(job, m, static_cast<int64_t>(i), staging);
-        if (status.ok()) stats.bytes_sent += m.bytes;
-      }
-      absl::MutexLock lock(&job.mu);
-      if (!job.error.ok()) status = job.error;
-    }
-  }
-  if (status.ok()) status = wait_for_stages_before(kMaxStages);
+  absl::Status status = RunStages(job, &stats);
   // A failure resets every connection in the middle of one of this round's frames (shut down:
   // both ends drop it); then nothing lands in the round's memory any more.
   if (!status.ok()) job.Fail(status);
   job.Close();
-  {
-    absl::MutexLock lock(&mu_);
-    jobs_.erase(key);
-    // Its late frames are dropped from now on; after a failure nothing of it may precede the next
-    // round on a cached connection.
-    if (!status.ok()) DropOutgoing(peers);
-    RememberEnded(key);
-    jobs_changed_.SignalAll();
-  }
+  EndRound(key, status.ok(), peers);
   if (!status.ok()) {
     RequestTrim();  // what the failed round held (its staging, dropped connections') goes back
     return status;
@@ -1108,6 +1156,64 @@ absl::StatusOr<TransferStats> HostBackend::Transfer(const TransferJob& request) 
   absl::MutexLock lock(&job.mu);
   stats.bytes_received = job.bytes_received;
   return stats;
+}
+
+absl::Status HostBackend::BeginRound(const RoundKey& key, const std::shared_ptr<Job>& job) {
+  absl::MutexLock lock(&mu_);
+  if (jobs_.contains(key)) {
+    return absl::AlreadyExistsError(absl::StrCat("round ", key.second, " is already running"));
+  }
+  if (auto e = ended_.find(key); e != ended_.end()) {
+    // Over here already: cancelled before it began (the cancel is honoured once), or an
+    // earlier round of the same id (round ids start again when the coordinator restarts).
+    if (!e->second.cancelled.ok()) {
+      absl::Status cancelled = std::move(e->second.cancelled);
+      e->second.cancelled = absl::OkStatus();
+      return cancelled;
+    }
+    ended_.erase(e);
+  }
+  jobs_[key] = job;
+  jobs_changed_.SignalAll();
+  return absl::OkStatus();
+}
+
+absl::Status HostBackend::RunStages(Job& job, TransferStats* stats) {
+  const TransferJob& request = job.job;
+  const Plan& plan = *request.plan;
+  std::vector<std::byte> staging;
+  const BufferAddresses local_src = AddressesOf(request.src), local_dst = AddressesOf(request.dst);
+  absl::Status status;
+  for (int stage = 0; stage < kMaxStages && status.ok(); ++stage) {
+    status = job.WaitForStagesBefore(stage);
+    for (size_t i = 0; i < plan.messages.size() && status.ok(); ++i) {
+      const Message& m = plan.messages[i];
+      if (m.stage != stage || plan.gpus[m.src_gpu].node != request.node) continue;
+      if (plan.gpus[m.dst_gpu].node == request.node) {
+        // Straight from the sources into the destinations, as the cuda backend copies inside a
+        // node (the kernels' CPU twin): not packed into staging and unpacked again.
+        RunCopyWorkOnHost(DirectWork(plan, m, local_src, local_dst));
+        stats->bytes_local += m.bytes;
+      } else {
+        status = Send(job, m, static_cast<int64_t>(i), staging);
+        if (status.ok()) stats->bytes_sent += m.bytes;
+      }
+      absl::MutexLock lock(&job.mu);
+      if (!job.error.ok()) status = job.error;
+    }
+  }
+  if (status.ok()) status = job.WaitForStagesBefore(kMaxStages);
+  return status;
+}
+
+void HostBackend::EndRound(const RoundKey& key, bool ok, const std::vector<std::string>& peers) {
+  absl::MutexLock lock(&mu_);
+  jobs_.erase(key);
+  // Its late frames are dropped from now on; after a failure nothing of it may precede the next
+  // round on a cached connection.
+  if (!ok) DropOutgoing(peers);
+  RememberEnded(key);
+  jobs_changed_.SignalAll();
 }
 
 void HostBackend::Cancel(const std::string& group, int64_t round_id, const std::string& reason) {

@@ -47,6 +47,7 @@
 
 #include <sys/types.h>
 
+#include <array>
 #include <atomic>
 #include <deque>
 #include <map>
@@ -60,6 +61,7 @@
 #include "common/tls_config.h"
 #include "daemon/base/socket.h"
 #include "daemon/dataplane/backend.h"
+#include "daemon/dataplane/host/data_frame.h"
 #include "daemon/dataplane/host/data_stream.h"
 #include "daemon/security/loopback_owner.h"
 
@@ -180,11 +182,51 @@ class HostBackend : public DataBackend {
     absl::Status cancelled;  // cancelled before it began here: a Transfer of it ends so
   };
 
+  // What the acceptor does after one accept: go on with its batch, poll again, or stop.
+  enum class AcceptNext { kNext, kPoll, kStop };
+  // How a frame of a running round ended on its reader.
+  enum class Delivery {
+    kLanded,          // whole, in the round's memory
+    kDropConnection,  // broken off, forged or bad: its connection closes
+    kRoundOver,       // the round failed or ended here first: drained like a late frame
+  };
+
   explicit HostBackend(const HostBackendOptions& options);
   void AcceptLoop();
-  void AcceptOne();
+  // Accepts one waiting connection and starts its reader (or refuses it).
+  AcceptNext AcceptOne() ABSL_LOCKS_EXCLUDED(mu_);
+  // An accept failed with errno `err` (descriptors or memory short): logged, counted, and waits
+  // accept_backoff (or until stopping) before the acceptor polls again.
+  void BackOffAfterAcceptError(int err) ABSL_LOCKS_EXCLUDED(mu_);
+  // Without TLS, with local_users: false (logged, counted) when `fd`'s peer is not admitted.
+  bool AdmitsLocalUser(const Fd& fd) ABSL_LOCKS_EXCLUDED(mu_);
+  // Starts a reader for `fd` (evicting an idle connection over max_incoming), or refuses it.
+  AcceptNext ServeConnection(Fd fd, const std::string& peer) ABSL_LOCKS_EXCLUDED(mu_);
+  // TLS: `incoming` is in its handshake, the oldest in theirs cut off over max_handshaking.
+  void BoundHandshakes(Connection* incoming) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // options_.max_handshaking, resolved (0: half of max_incoming).
+  int MaxHandshaking() const;
   void Reap() ABSL_LOCKS_EXCLUDED(mu_);
   void ReadLoop(Connection* c);
+  // TLS: the server side of `c`'s handshake. False (logged) when its reader should end.
+  bool HandshakeIncoming(Connection* c) ABSL_LOCKS_EXCLUDED(mu_);
+  // Reads the rest of a frame whose first byte is in wire[0], and lands or drops it. False when
+  // the connection must close (logged); true when it waits for its next frame.
+  bool ReadFrame(DataStream& stream, std::array<std::byte, kFrameHeaderBytes>& wire,
+                 std::vector<std::byte>& staging, std::string& group) ABSL_LOCKS_EXCLUDED(mu_);
+  // The rest of the header and the group name, by `deadline`; false (logged) if either fails.
+  bool ReadFrameHeader(DataStream& stream, std::array<std::byte, kFrameHeaderBytes>& wire,
+                       absl::Time deadline, FrameHeader* h, std::string& group);
+  Delivery DeliverFrame(DataStream& stream, Job& job, const FrameHeader& h,
+                        const std::string& group, std::vector<std::byte>& staging)
+      ABSL_LOCKS_EXCLUDED(mu_);
+  // TLS: true (counted, logged) when the frame's message is not one the plan has the peer's
+  // certificate's node send.
+  bool IsForgedFrame(const DataStream& stream, const Plan& plan, const FrameHeader& h,
+                     const std::string& group) ABSL_LOCKS_EXCLUDED(mu_);
+  // Reads a frame of a round over here to its end and drops it; false (logged) if it broke off.
+  bool DropLateFrame(DataStream& stream, const FrameHeader& h, const std::string& group,
+                     std::vector<std::byte>& staging) ABSL_LOCKS_EXCLUDED(mu_);
   void EndReader(Connection* c) ABSL_LOCKS_EXCLUDED(mu_);
   // Makes room for one more connection over max_incoming: ends the one idle the longest.
   // False when every connection is inside a frame (or ending already).
@@ -198,11 +240,28 @@ class HostBackend : public DataBackend {
   bool ExpireIdle(Connection* c) ABSL_LOCKS_EXCLUDED(mu_);
   FrameFate FindJob(const RoundKey& key, absl::Time deadline, std::shared_ptr<Job>* job)
       ABSL_LOCKS_EXCLUDED(mu_);
+  // Registers the round's job: ALREADY_EXISTS if it runs, its Cancel's status if it was
+  // cancelled before it began here.
+  absl::Status BeginRound(const RoundKey& key, const std::shared_ptr<Job>& job)
+      ABSL_LOCKS_EXCLUDED(mu_);
+  // This node's messages stage by stage, each stage once the incoming messages of the stages
+  // before it have landed; then waits for the rest.
+  absl::Status RunStages(Job& job, TransferStats* stats) ABSL_LOCKS_EXCLUDED(mu_);
   absl::Status Send(Job& job, const Message& m, int64_t index, std::vector<std::byte>& staging);
+  // The round is over here: its late frames are dropped; after a failure, its peers' cached
+  // connections go.
+  void EndRound(const RoundKey& key, bool ok, const std::vector<std::string>& peers)
+      ABSL_LOCKS_EXCLUDED(mu_);
   DataStream TakeCached(const std::string& address) ABSL_LOCKS_EXCLUDED(mu_);
   void RememberEnded(const RoundKey& key) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void DropOutgoing(const std::vector<std::string>& peers) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void Wake();
+  // The object behind descriptor `fd`, sealed and mapped whole once however many descriptors of
+  // it arrive: the mapping cached for it, or a new one within the bounds of MapBuffers.
+  absl::StatusOr<std::shared_ptr<SharedMemory>> MapObjectOnce(int fd, const std::string& what,
+                                                              const std::string& object,
+                                                              int64_t bytes)
+      ABSL_LOCKS_EXCLUDED(segments_mu_);
 
   const HostBackendOptions options_;
   std::string address_;

@@ -2,6 +2,7 @@
 (name, tensor) stream into registered buffers, and version bookkeeping against the controller."""
 from __future__ import annotations
 
+import asyncio
 import collections
 import logging
 import os
@@ -497,6 +498,69 @@ class StagedTrainer:
         if self._worker is not None:
             self._worker.close()
             self._worker = None
+        if self._controller is not None:
+            self._controller.close()
+            self._controller = None
+
+
+class StagedSync:
+    """What verl's and NeMo-RL's checkpoint engines share: a controller made at first use, the
+    sending rank's StagedTrainer, and a rollout rank's wait for the next committed version.
+    `config` names where the user sets control and daemon, for errors (e.g. "engine_kwargs.refit")."""
+
+    def __init__(self, *, control: str, daemon: str, group: str, node: int, timeout_s: float,
+                 config: str) -> None:
+        self.control, self.daemon, self.group, self.node = control, daemon, group, node
+        self.timeout_s, self.config = timeout_s, config
+        self.staged: Optional[StagedTrainer] = None
+        self._controller: Any = None
+        self.seen = 0  # rollout side: the last version this rank saw committed
+
+    def controller(self) -> Any:
+        if self._controller is None:
+            import refit
+            if not self.control:
+                raise IntegrationError(f"{self.config}.control is empty: give a refitd control address "
+                                       "('host:port') or set $REFIT_CONTROL")
+            self._controller = refit.Controller(self.control)
+        return self._controller
+
+    def start_sender(self) -> None:
+        """The sending rank: its staged trainer, made once (kept across syncs: its buffers are the
+        next sync's too)."""
+        if self.staged is not None:
+            return
+        if not self.daemon:
+            raise IntegrationError(f"{self.config}.daemon is empty: give this host's refitd worker socket "
+                                   "('unix:/path') or set $REFIT_DAEMON")
+        self.controller()
+        self.staged = StagedTrainer(self.daemon, self.group, self.control, node=self.node,
+                                    timeout_s=self.timeout_s)
+
+    def start_receiver(self) -> None:
+        self.seen = group_version(self.controller(), self.group)
+
+    async def send(self, weights: Iterable[Tuple[str, Any]], *, sending: bool, not_started: str) -> None:
+        """Every trainer rank's weight stream: the sending rank stages it and runs one round; the
+        others only consume it (its collectives run on every rank)."""
+        if not sending:
+            drain(weights)
+            return
+        if self.staged is None:
+            raise IntegrationError(not_started)
+        self.staged.stage(weights)
+        await asyncio.to_thread(self.staged.round)
+
+    async def wait_next(self) -> None:
+        """A rollout rank: returns once a version above the last one it saw is committed."""
+        floor = self.seen
+        self.seen = await asyncio.to_thread(wait_group_version_above, self.controller(), self.group, floor,
+                                            self.timeout_s)
+
+    def close(self) -> None:
+        if self.staged is not None:
+            self.staged.close()
+            self.staged = None
         if self._controller is not None:
             self._controller.close()
             self._controller = None

@@ -27,7 +27,7 @@ echo '[1, 2]' >"$tmp/array.json"
 expect_refusal "config not an object" "$tmp/array.json: not a JSON object" --config "$tmp/array.json"
 echo '{"node": 0, "log-format": "json"}' >"$tmp/good.json"
 
-# Transport security: without TLS only loopback listeners (issue 15); TLS files all or none.
+# Transport security: without TLS only loopback listeners; TLS files all or none.
 expect_refusal "routable without TLS" "--listen 10.1.2.3:7070 is not a loopback address and no TLS is configured" \
   --listen 10.1.2.3:7070
 expect_refusal "routable data plane without TLS" "--data-listen 0.0.0.0:7071 is not a loopback address" \

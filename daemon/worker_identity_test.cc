@@ -1,4 +1,4 @@
-// Workers are local and identified; memory by descriptor only (issue 15, parts 3 and 4), on an
+// Workers are local and identified; memory by descriptor only, on an
 // in-process daemon spoken to over its unix socket as workers do:
 // - a name belongs to its registration: a second Register under it is ALREADY_EXISTS; Unregister
 //   and the session's hello need its session key (PERMISSION_DENIED, and the worker stays); once

@@ -329,7 +329,7 @@ TEST_CASE("short runs are tiled with the widest access every address allows") {
   CHECK(it.segment == 8192);
   CHECK(it.Units() == CeilDiv(171 * 4096, 8192));  // 86 tiles, not 4096 runs
   // The 12x Llama-3-8B rows (341 of 682 bf16 columns, 682 bytes): runs, one unit each (faster on
-  // an H200 than tiles of them, session 16).
+  // an H200 than tiles of them).
   it = Item(bf16, bf16, 0x1000, 0x2000, 341, 4096, 682, 341);
   CutIntoUnits(it, 16384);
   CHECK_FALSE(it.tiled);

@@ -1,4 +1,4 @@
-// The planner's block rule for fp8 destinations (issue 17): every plan here is executed on the host
+// The planner's block rule for fp8 destinations: every plan here is executed on the host
 // and every code and scale compared with the CPU reference quantizing the whole tensor
 // (VerifyOnHost); the destination is poisoned first, so a code or scale written twice, misplaced
 // or left out shows.

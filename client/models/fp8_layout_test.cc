@@ -1,4 +1,4 @@
-// fp8 engine layouts from real model configs (issue 17): trainers in bf16 (FSDP1 flat ranges,
+// fp8 engine layouts from real model configs: trainers in bf16 (FSDP1 flat ranges,
 // FSDP2, Megatron TP) into fp8 engines, planned and verified on the host against the CPU reference
 // quantizing every weight whole.
 #include "client/models/fp8_layout.h"

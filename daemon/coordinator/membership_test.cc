@@ -59,7 +59,7 @@ TEST_CASE("membership: failure detection on the injected clock") {
   CHECK(m.Group("policy").epoch == epoch + 2);
 }
 
-// Issue 13.2: a node frozen past the verdict whose workers re-register (a SyncWorkers) before its
+// A node frozen past the verdict whose workers re-register (a SyncWorkers) before its
 // next heartbeat was revived by the sync; its heartbeat then took the fast path and the node
 // never learned it had been declared dead, so it never aborted its open round.
 TEST_CASE("membership: Epoch answers what Group's epoch is, without the registrations") {

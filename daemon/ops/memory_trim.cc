@@ -2,10 +2,11 @@
 
 #include <malloc.h>
 
-#include <chrono>
-#include <condition_variable>
-#include <mutex>
 #include <thread>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/time/time.h"
 
 namespace refit {
 namespace {
@@ -15,41 +16,40 @@ class Trimmer {
   Trimmer() : thread_([this] { Run(); }) {}
   ~Trimmer() {
     {
-      std::lock_guard<std::mutex> lock(mu_);
+      absl::MutexLock lock(&mu_);
       stop_ = true;
     }
-    cv_.notify_all();
     thread_.join();
   }
-  void Request() {
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-      requested_ = true;
-    }
-    cv_.notify_all();
+  void Request() ABSL_LOCKS_EXCLUDED(mu_) {
+    absl::MutexLock lock(&mu_);
+    requested_ = true;
   }
 
  private:
-  void Run() {
-    std::unique_lock<std::mutex> lock(mu_);
+  bool RequestedOrStopped() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return requested_ || stop_; }
+
+  void Run() ABSL_LOCKS_EXCLUDED(mu_) {
+    mu_.Lock();
     while (true) {
-      cv_.wait(lock, [&] { return requested_ || stop_; });
+      mu_.Await(absl::Condition(this, &Trimmer::RequestedOrStopped));
       // Once the requests stop for 200 ms: a trim of a large heap holds glibc's locks for a
       // while, so it waits for the work that asked to be over.
       while (requested_ && !stop_) {
         requested_ = false;
-        cv_.wait_for(lock, std::chrono::milliseconds(200), [&] { return stop_; });
+        mu_.AwaitWithTimeout(absl::Condition(&stop_), absl::Milliseconds(200));
       }
-      if (stop_) return;
-      lock.unlock();
+      if (stop_) break;
+      mu_.Unlock();  // the trim runs outside the lock: requests keep coming meanwhile
       malloc_trim(0);
-      lock.lock();
+      mu_.Lock();
     }
+    mu_.Unlock();
   }
 
-  std::mutex mu_;
-  std::condition_variable cv_;
-  bool requested_ = false, stop_ = false;
+  absl::Mutex mu_;
+  bool requested_ ABSL_GUARDED_BY(mu_) = false;
+  bool stop_ ABSL_GUARDED_BY(mu_) = false;
   std::thread thread_;  // last: started once the rest exists
 };
 

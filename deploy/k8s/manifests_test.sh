@@ -183,7 +183,7 @@ json.dump([d for d in yaml.safe_load_all(open(sys.argv[1])) if d], open(sys.argv
       fi
     done
     # The TLS check must be able to fail: the daemonset overlay with every TLS flag taken out
-    # (as the manifests were before issue 15) starts refitd on a routable address in plaintext.
+    # (as the manifests were before TLS) starts refitd on a routable address in plaintext.
     if [ -f "$tmp/daemonset.json" ]; then
       "$py" -c 'import json, sys
 objs = json.load(open(sys.argv[1]))

@@ -4,7 +4,7 @@
 #   MODE=disaggregated  trainer TP=4 (four processes) on GPU 0 under daemon 0, inference TP=2 (two
 #                       processes) on GPU 1 under daemon 1: NCCL between the daemons.
 #   MODE=colocated      one daemon with both GPUs: trainer FSDP=2, inference TP=2 on GPUs 0 and 1.
-#   On 4 GPUs (issue 6): MODE=disaggregated4, colocated4 (two daemons of 2 GPUs each) and
+#   On 4 GPUs: MODE=disaggregated4, colocated4 (two daemons of 2 GPUs each) and
 #   replicas4 (two inference replicas on node 1, NCCL on sockets; ROUTING=0 turns routing off).
 # Every round: destinations poisoned at PREPARE; the first round checked element by element,
 # every later one byte for byte against it (sim-worker --same-data). Prints one JSON line: the
@@ -74,7 +74,7 @@ case "$MODE" in
     set_gpus "$RUN/t.json" "g + 2 * w.get('node', 0)"; set_gpus "$RUN/i.json" "g + 2 * w.get('node', 0)"
     start_daemon 0 "${flags[@]}" $(gpus 0,1) || fail "daemon 0"
     start_daemon 1 "${flags[@]}" $(gpus 2,3) || fail "daemon 1" ;;
-  replicas4)  # issue 6: TP2 on GPUs 0-1 (node 0) -> two TP1 replicas on GPUs 2-3 (node 1), the
+  replicas4)  # TP2 on GPUs 0-1 (node 0) -> two TP1 replicas on GPUs 2-3 (node 1), the
               # daemons' NCCL on sockets over loopback (a real network path); ROUTING=0 for the
               # comparison without topology routing
     "${L[@]}" --side trainer --tp 2 --gpus-per-node 2 -o "$RUN/t.json" || fail layout

@@ -1,5 +1,5 @@
 // The host data plane's throughput between two daemons' HostBackends in one process, over
-// loopback, with and without mutual TLS (issue 15): one tensor on node 0 moved to node 1 in
+// loopback, with and without mutual TLS: one tensor on node 0 moved to node 1 in
 // --message-bytes frames, --rounds timed rounds after --warmup ones. One JSON object per round on
 // stdout, then one with the median. With --tls, --certs is a directory tools/gen_certs.sh made.
 //

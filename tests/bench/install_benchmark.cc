@@ -1,4 +1,4 @@
-// Plan installation at frontier scale (issue 13.8): the InstallPlanRequest the coordinator sends
+// Plan installation at frontier scale: the InstallPlanRequest the coordinator sends
 // to every daemon, its size in full and compact form, and what a daemon spends installing it.
 // Layouts are generated as refit-layout writes them (client/models/layout_generator.h); the full
 // form is what the coordinator gathers from the workers' registrations (every piece spelled out),
@@ -125,7 +125,7 @@ int main(int argc, char** argv) {
   std::vector<Case> cases;
   for (Case& c : FrontierCases()) {
     if (c.name == "deepseek-v3" || c.name == "kimi-k2")
-      cases.push_back(std::move(c));  // issue 13.8's two
+      cases.push_back(std::move(c));  // DeepSeek-V3 and Kimi-K2
   }
   constexpr double kGrpcCap = 2147483647.0;           // gRPC's largest message (INT32_MAX)
   constexpr double kDaemonCap = 256.0 * 1024 * 1024;  // refitd's --max-rpc-bytes default

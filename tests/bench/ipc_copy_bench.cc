@@ -1,4 +1,4 @@
-// How fast one GPU copies through memory another process exported (issue 17): refitd reaches
+// How fast one GPU copies through memory another process exported: refitd reaches
 // workers' weights through legacy CUDA IPC handles (cudaMalloc memory: PyTorch's caching
 // allocator) or CUDA VMM file descriptors (expandable segments, engines' sleep modes), and a
 // colocated refit on IPC memory ran at a third of the speed it reached on VMM memory.

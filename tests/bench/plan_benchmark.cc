@@ -126,7 +126,7 @@ int main(int argc, char** argv) {
   flags.String(
       "inference-dtype", &inference_dtype,
       "bf16, or fp8-block: engines load block fp8 (128x128, or the config's weight_block_size), "
-      "quantized on the way (issue 17)");
+      "quantized on the way");
   bool expert_parallel_engines = false;
   flags.Bool(
       "expert-parallel-engines", &expert_parallel_engines,
@@ -145,7 +145,7 @@ int main(int argc, char** argv) {
     flags.Fail("--inference-dtype must be bf16 or fp8-block");
 
   // The anchors' configurations (ANCHORS.md): NCCL M2N's NeMo-RL DeepSeek-V3 run, Perplexity's
-  // Kimi-K2 256 -> 128 GPUs, and Qwen3-235B as issue 5 names it.
+  // Kimi-K2 256 -> 128 GPUs, and Qwen3-235B 128 -> 64.
   const std::vector<Case> cases = FrontierCases();
   for (Case c : cases) {
     if (!only.empty() && c.name != only) continue;

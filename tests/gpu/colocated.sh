@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# GPU run (b) of issue 4, colocated: one daemon with both GPUs (--backend cuda), trainers
+# GPU run, colocated: one daemon with both GPUs (--backend cuda), trainers
 # FSDP-sharded over both GPUs, inference TP=2 on the same GPUs (Llama-3-8B structure, widths / 8).
 # Weights live in GPU memory exported by CUDA IPC; the daemon's copy kernels move them, reading
 # the other GPU over NVLink. Every inference byte is checked after every round.

@@ -80,7 +80,7 @@ def breakdown(s):
     data = float(n.get("data_plane_ms", 0))
     out = {"reach_ms": reach, "node_prep_ms": prep, "data_plane_ms": data,
            "rest_ms": float(s["transfer_seconds"]) * 1e3 - reach - prep - data}
-    # With the answer's times (refitd from session 15 on): the node's own work after its data
+    # With the answer's times (refitd since they were added): the node's own work after its data
     # plane (logging the timeline, answering), the answer's way back, the coordinator waking up.
     answered, received = int(n.get("answered_unix_us", 0)), int(n.get("answer_received_unix_us", 0))
     if answered and received:

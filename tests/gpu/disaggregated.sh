@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# GPU run (a) of issue 4, disaggregated: a "training node" daemon on GPU 0 with four trainer
+# GPU run, disaggregated: a "training node" daemon on GPU 0 with four trainer
 # processes (Megatron TP=4, Llama-3-8B structure, widths / SCALE), an "inference node" daemon on
 # GPU 1 with two inference processes (vLLM TP=2: fused qkv and gate_up, padded vocabulary).
 # Data crosses between the daemons by NCCL (pack, send/recv, unpack). Every inference byte is

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# GPU machine, one call (issue 17): the colocated refit on one GPU against its ceiling and the
+# GPU machine, one call: the colocated refit on one GPU against its ceiling and the
 # baseline users run, and bf16 -> fp8 against bf16 -> bf16, from the bundle tests/gpu/cuda_split.sh
 # makes (with REFITD_BEFORE: an older refitd to alternate with).
 #   there:  OUT=DIR CASES="llama3-8b:1 llama3-8b:4" RUNS="after before" bash tests/gpu/local_path.sh

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# GPU machine (issue 17): what the GPU's switch from another process's context to ours costs a
+# GPU machine: what the GPU's switch from another process's context to ours costs a
 # copy, and what removes it. tests/bench/ipc_copy_bench's host_sees_done lines (how long after the
 # GPU finished a 1 GiB copy the host saw it done; "..._after_other_process": right after another
 # process ran GPU work) with each VARIANT: "default"; "connections1" and "connections32"

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# fp8 engines through real daemons (issue 17): 3 daemons on loopback (trainer nodes 0-1, engine
+# fp8 engines through real daemons: 3 daemons on loopback (trainer nodes 0-1, engine
 # node 2, host backend), two model groups whose engines are quantized on the way:
 #   policy  Llama-3-8B structure, FSDP1 over 4 ranks (flat ranges: blocks cut between ranks are
 #           gathered into the engine daemon's scratch) -> vLLM TP2, block fp8 32x32;

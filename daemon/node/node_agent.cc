@@ -463,8 +463,18 @@ absl::Status NodeAgent::Commit(const std::shared_ptr<const InstalledPlan>& insta
   absl::Status s =
       registry_->Send(ids, RoundEventOf(request, v1::RoundEvent::COMMIT), /*reset_prepared=*/false,
                       /*reset_resumed=*/true);
+  // Those still here are awaited whoever left: the answer names every worker that did not
+  // confirm (its replica holds no version until refit whole).
+  std::vector<std::string> present;
+  for (const std::string& id : ids) {
+    if (registry_->Find(id) != nullptr) present.push_back(id);
+  }
+  const absl::Status confirmed =
+      registry_->AwaitWorkers(group, present, request.round_id(), true, timeout, "COMMIT", nullptr);
   if (s.ok()) {
-    s = registry_->AwaitWorkers(group, ids, request.round_id(), true, timeout, "COMMIT", nullptr);
+    s = confirmed;
+  } else if (!confirmed.ok()) {
+    s = Rewrap(s, s.code(), absl::StrCat(s.message(), "; ", confirmed.message()));
   }
   {
     absl::MutexLock lock(&mu_);

@@ -13,6 +13,23 @@
 #include "google/protobuf/unknown_field_set.h"
 
 namespace refit {
+
+namespace {
+
+// `worker "a"`, or `workers "a", "b"` (at most 16 named, then how many more): every worker of a
+// phase's failure is named, not only the first.
+std::string QuotedWorkers(const std::vector<std::string>& ids) {
+  constexpr size_t kNamed = 16;
+  std::string out = ids.size() > 1 ? "workers " : "worker ";
+  for (size_t i = 0; i < ids.size() && i < kNamed; ++i) {
+    absl::StrAppend(&out, i > 0 ? ", " : "", "\"", ids[i], "\"");
+  }
+  if (ids.size() > kNamed) absl::StrAppend(&out, " and ", ids.size() - kNamed, " more");
+  return out;
+}
+
+}  // namespace
+
 WorkerRegistry::WorkerRegistry(int32_t node, std::vector<int32_t> gpus, DataBackend* backend,
                                HandleInbox* handles)
     : node_(node), gpus_(std::move(gpus)), backend_(backend), handles_(handles) {}
@@ -340,18 +357,13 @@ bool WorkerRegistry::Gone(LocalWorker& w) {
 
 absl::Status WorkerRegistry::Send(const std::vector<std::string>& ids, const v1::RoundEvent& event,
                                   bool reset_prepared, bool reset_resumed) {
-  absl::Status missing;
+  std::vector<std::string> missing;
   for (const std::string& id : ids) {
     std::shared_ptr<LocalWorker> w = Find(id);
     if (w == nullptr) {
       // The others get theirs all the same: a COMMIT reaches every worker still here (a replica's
       // ranks on this node learn the version together), whoever left.
-      if (missing.ok()) {
-        missing = absl::AbortedError(
-            event.kind() == v1::RoundEvent::COMMIT
-                ? absl::StrCat("worker \"", id, "\" left node ", node_, " before the commit")
-                : absl::StrCat("worker \"", id, "\" is no longer on node ", node_));
-      }
+      missing.push_back(id);
       continue;
     }
     {
@@ -365,7 +377,14 @@ absl::Status WorkerRegistry::Send(const std::vector<std::string>& ids, const v1:
     }
     NotifySession(*w);
   }
-  return missing;
+  if (missing.empty()) return absl::OkStatus();
+  const bool commit = event.kind() == v1::RoundEvent::COMMIT;
+  return WithCulprit(
+      absl::AbortedError(
+          commit ? absl::StrCat(QuotedWorkers(missing), " left node ", node_, " before the commit")
+                 : absl::StrCat(QuotedWorkers(missing), missing.size() > 1 ? " are" : " is",
+                                " no longer on node ", node_)),
+      WorkerCulprit(node_, missing.front(), commit ? "COMMIT" : "PREPARE"));
 }
 
 void WorkerRegistry::SendToGroup(const std::string& group, const v1::RoundEvent& event) {
@@ -396,13 +415,19 @@ absl::Status WorkerRegistry::AwaitWorkers(const std::string& group,
       absl::MutexLock lock(&mu_);
       seen_changes = changes_;
     }
-    std::vector<std::string> waiting;
+    std::vector<std::string> waiting, left;
     for (const std::string& id : ids) {
       std::shared_ptr<LocalWorker> w = Find(id);
       if (w == nullptr) {
-        return WithCulprit(absl::AbortedError(absl::StrCat("worker \"", id, "\" on node ", node_,
-                                                           " left during ", phase)),
-                           WorkerCulprit(node_, id, phase));
+        // Before the commit point one departure ends the round. A COMMIT is already decided:
+        // the others are still awaited, so that every worker that did not confirm is named.
+        if (!resumed) {
+          return WithCulprit(absl::AbortedError(absl::StrCat("worker \"", id, "\" on node ", node_,
+                                                             " left during ", phase)),
+                             WorkerCulprit(node_, id, phase));
+        }
+        left.push_back(id);
+        continue;
       }
       absl::MutexLock lock(&w->mu);
       if (!resumed && w->refused_round == round_id) {  // the round cannot happen: end it now
@@ -414,23 +439,25 @@ absl::Status WorkerRegistry::AwaitWorkers(const std::string& group,
       const int64_t seen = resumed ? w->resumed_round : w->prepared_round;
       if (seen != round_id) waiting.push_back(id);
     }
-    if (waiting.empty()) return absl::OkStatus();
+    if (waiting.empty() && left.empty()) return absl::OkStatus();
+    if (waiting.empty()) {
+      return WithCulprit(absl::AbortedError(absl::StrCat(QuotedWorkers(left), " on node ", node_,
+                                                         " left during ", phase)),
+                         WorkerCulprit(node_, left.front(), phase));
+    }
     if (aborted != nullptr && aborted->load() == round_id) {
       return absl::AbortedError(absl::StrCat("node ", node_, ": round ", round_id, " of group \"",
                                              group, "\" was aborted during ", phase));
     }
     if (stopping()) return absl::UnavailableError("daemon shutting down");
     if (absl::Now() >= deadline) {
-      // The first of them is named the culprit (all are listed).
-      return WithCulprit(absl::DeadlineExceededError(absl::StrCat(
-                             "node ", node_, ": worker", waiting.size() > 1 ? "s " : " ",
-                             absl::StrJoin(waiting, ", ",
-                                           [](std::string* out, const std::string& id) {
-                                             absl::StrAppend(out, "\"", id, "\"");
-                                           }),
-                             " did not confirm ", phase, " of group \"", group, "\" within ",
-                             absl::FormatDuration(timeout))),
-                         WorkerCulprit(node_, waiting.front(), phase));
+      // The first of them is named the culprit (all are listed, and those that left).
+      return WithCulprit(
+          absl::DeadlineExceededError(
+              absl::StrCat("node ", node_, ": ", QuotedWorkers(waiting), " did not confirm ", phase,
+                           " of group \"", group, "\" within ", absl::FormatDuration(timeout),
+                           left.empty() ? "" : absl::StrCat("; ", QuotedWorkers(left), " left"))),
+          WorkerCulprit(node_, waiting.front(), phase));
     }
     absl::MutexLock lock(&mu_);
     if (changes_ == seen_changes) changed_.WaitWithTimeout(&mu_, absl::Milliseconds(50));

@@ -11,8 +11,11 @@
 #include <catch2/catch.hpp>
 #include <cstdlib>
 #include <new>
+#include <thread>
 
 #include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
+#include "daemon/base/culprit.h"
 #include "daemon/testing/test_registrations.h"
 #include "daemon/worker/registration_check.h"
 #include "proto/layout_codec.h"
@@ -291,6 +294,57 @@ TEST_CASE("a worker sent encoded costs the daemon about its size, and registerin
   // The request, what registering adds at its peak: within 4x the wire size in all.
   CHECK(decoding + registering <= 4 * wire);
   CHECK(kept <= 3 * wire / 2);
+}
+
+}  // namespace
+}  // namespace refit
+
+namespace refit {
+namespace {
+
+// A COMMIT is decided: every worker that does not confirm it is named (its replica then holds no
+// version), not only the first that left; those still here are awaited all the same.
+TEST_CASE("a COMMIT's failure names every worker that left, before it was sent and while awaited") {
+  Node node;
+  for (const char* name : {"e0", "e1", "e2", "e3"}) {
+    REQUIRE(node.Register(testing::Registration(name, v1::INFERENCE, 0, 8, 1)).ok());
+  }
+  REQUIRE(node.registry.Drop("policy/e0") != nullptr);  // left before the COMMIT was sent
+  const std::vector<std::string> ids = {"policy/e0", "policy/e1", "policy/e2", "policy/e3"};
+  v1::RoundEvent commit;
+  commit.set_kind(v1::RoundEvent::COMMIT);
+  commit.set_round_id(7);
+  const absl::Status sent = node.registry.Send(ids, commit, false, true);
+  CHECK(sent.code() == absl::StatusCode::kAborted);
+  CHECK(std::string(sent.message()) == "worker \"policy/e0\" left node 1 before the commit");
+
+  // While the rest are awaited: e1 confirms, e2 leaves, then e3 leaves too (the delays only make
+  // the departures likely to come during the wait; the outcome is the same either way).
+  std::thread others([&] {
+    absl::SleepFor(absl::Milliseconds(20));
+    v1::WorkerMessage resumed;
+    resumed.set_resumed(7);
+    node.registry.Record(*node.registry.Find("policy/e1"), resumed);
+    REQUIRE(node.registry.Drop("policy/e2") != nullptr);
+    absl::SleepFor(absl::Milliseconds(20));
+    REQUIRE(node.registry.Drop("policy/e3") != nullptr);
+  });
+  const absl::Status confirmed =
+      node.registry.AwaitWorkers("policy", {"policy/e1", "policy/e2", "policy/e3"}, 7, true,
+                                 absl::Seconds(10), "COMMIT", nullptr);
+  others.join();
+  CHECK(confirmed.code() == absl::StatusCode::kAborted);
+  CHECK(std::string(confirmed.message()) ==
+        "workers \"policy/e2\", \"policy/e3\" on node 1 left during COMMIT");
+  const auto culprit = CulpritOf(confirmed);
+  REQUIRE(culprit.has_value());
+  CHECK(culprit->worker_id() == "policy/e2");
+
+  // Several gone at once are all named.
+  const absl::Status both =
+      node.registry.Send({"policy/e0", "policy/e2", "policy/e3"}, commit, false, true);
+  CHECK(std::string(both.message()) ==
+        "workers \"policy/e0\", \"policy/e2\", \"policy/e3\" left node 1 before the commit");
 }
 
 }  // namespace

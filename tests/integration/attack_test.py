@@ -1,4 +1,4 @@
-"""Issue 15's attack suite: every attack the issue reported, performed against a TLS-configured
+"""The attack suite: every attack a security review reported, performed against a TLS-configured
 cluster on loopback (three daemons, host backend, certificates made at test time with openssl by
 tools/gen_certs.sh), each asserted to fail with the right error, while the legitimate trainer and
 engine (Python pattern workers that check every destination byte at every commit) keep refitting.
@@ -13,7 +13,6 @@ import re
 import socket
 import subprocess
 import sys
-import time
 import unittest
 from math import prod
 
@@ -257,7 +256,20 @@ class AttackSuite(unittest.TestCase):
             address = self.worker_socket(1) if i % 2 else self.daemon(1).address
             stub = self.stub(address, "RefitControl", None if i % 2 else "refit-viewer")
             calls.append(stub.WatchRounds(refit_pb2.WatchRoundsRequest(group="policy"), timeout=60))
-        time.sleep(1.0)
+        # Open before they are dropped: node 1 has refused those past each caller's 8 and holds a
+        # thread for each of the others, and so does node 0 for each one node 1 forwarded to it
+        # (less gRPC's idle pollers, at most 2, which may take some).
+        held = 2 * 8
+
+        def open_on_both():
+            return (sum(c.done() for c in calls) >= len(calls) - held and threads(1) >= before[1] + held
+                    and threads(0) >= before[0] + held - 2)
+        try:
+            harness.wait_for(open_on_both, 15, f"{held} watches to be open on node 1 and forwarded to node 0, "
+                                               f"the rest refused")
+        except AssertionError as e:
+            raise AssertionError(f"{e}: {sum(c.done() for c in calls)} of {len(calls)} ended; threads "
+                                 f"{ {n: threads(n) for n in (0, 1)} }, before {before}") from None
         for c in calls:
             c.cancel()
         harness.wait_for(lambda: all(threads(n) <= before[n] + 8 for n in (0, 1)), 15,

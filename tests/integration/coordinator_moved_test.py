@@ -1,4 +1,4 @@
-"""Issue 13.1: a coordinator restarted at a *new* address. The other daemons find it through
+"""A coordinator restarted at a *new* address. The other daemons find it through
 --coordinator file:PATH (read again when heartbeats fail), rejoin within 2 s of the file naming
 it, their workers' registrations reach it, and the next round commits byte-exact; versions never
 go back (the state file moved with it). Python workers on the coordinator's node register again
@@ -22,6 +22,16 @@ import harness
 sys.path.insert(0, os.path.dirname(harness.HERE))
 import refit  # noqa: E402
 from e2e_lib import Reports, layouts, names, start_python  # noqa: E402
+
+
+def log_since(path, offset=0):
+    """What the log at `path` holds from byte `offset` on."""
+    try:
+        with open(path, "rb") as f:
+            f.seek(offset)
+            return f.read().decode(errors="replace")
+    except OSError:
+        return ""
 
 
 class CoordinatorMoved(unittest.TestCase):
@@ -62,13 +72,18 @@ class CoordinatorMoved(unittest.TestCase):
 
         coordinator = self.cluster.daemons[0]
         old = coordinator.address
+        others = self.cluster.daemons[1:]
+        marks = {d.node: os.path.getsize(d.log) for d in others}
         coordinator.kill(signal.SIGKILL)
         coordinator.listen = "127.0.0.1:0"  # a new port: a pod rescheduled elsewhere
         coordinator.start()
         new = coordinator.address
         self.assertNotEqual(new, old)
-        # Until told, the others keep calling the old address (nobody answers there).
-        time.sleep(1.0)
+        # Until told, the others keep calling the old address (nobody answers there): each has seen a
+        # heartbeat to it fail, and joins nobody else.
+        failed = f"heartbeat to the coordinator at {old} failed"
+        harness.wait_for(lambda: all(failed in log_since(d.log, marks[d.node]) for d in others), 10,
+                         f"nodes 1 and 2 to log \"{failed}\"")
         ctl = refit.Controller(new)
         self.assertFalse(all(self.nodes_alive(ctl).get(n) for n in (1, 2)),
                          "nodes joined a coordinator at an address nobody named")
@@ -106,7 +121,7 @@ class CoordinatorMoved(unittest.TestCase):
 
 
 class StartedBeforeItsCoordinator(unittest.TestCase):
-    """Issue 16.4: a daemon whose coordinator is not up yet waits for it (bounded back-off,
+    """A daemon whose coordinator is not up yet waits for it (bounded back-off,
     logged) instead of exiting, and joins once it is; SIGTERM while it waits ends it at once."""
 
     def test_waits_then_joins(self):
@@ -124,12 +139,13 @@ class StartedBeforeItsCoordinator(unittest.TestCase):
         node1 = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
         coordinator = None
         try:
-            time.sleep(3.0)
-            self.assertIsNone(node1.poll(), "refitd exited while its coordinator was not up")
-            text = open(log.name, errors="replace").read()
-            self.assertIn("waiting for the coordinator", text)
+            # Its first attempt failed and it says it waits (or it exited: the assertion says so).
+            harness.wait_for(lambda: "waiting for the coordinator" in log_since(log.name) or node1.poll() is not None,
+                             15, "node 1 to log that it waits for its coordinator")
+            self.assertIsNone(node1.poll(), f"refitd exited while its coordinator was not up: {log_since(log.name)}")
             cluster = harness.Cluster(nodes=1, certs=certs)
             coordinator = cluster
+            self.assertIsNone(node1.poll(), "refitd exited while its coordinator was starting")
             with open(named + ".tmp", "w") as f:
                 f.write(cluster.daemons[0].address + "\n")
             os.replace(named + ".tmp", named)
@@ -153,8 +169,9 @@ class StartedBeforeItsCoordinator(unittest.TestCase):
                "--worker-socket", os.path.join(socket_dir, "refitd-1.sock"), "--coordinator", "127.0.0.1:1"]
         with open(os.path.join(d, "node1.log"), "wb") as log:
             p = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
-            time.sleep(1.0)
-            self.assertIsNone(p.poll())
+            harness.wait_for(lambda: "waiting for the coordinator" in log_since(log.name) or p.poll() is not None, 15,
+                             "the daemon to log that it waits for its coordinator")
+            self.assertIsNone(p.poll(), f"refitd exited while its coordinator was not up: {log_since(log.name)}")
             t = time.monotonic()
             p.terminate()
             self.assertEqual(p.wait(timeout=10), 0)

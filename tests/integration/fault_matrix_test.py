@@ -1,4 +1,4 @@
-"""The fault matrix of issue 13: real refitd daemons on loopback (host backend), kill -9 and SIGSTOP
+"""The fault matrix: real refitd daemons on loopback (host backend), kill -9 and SIGSTOP
 of a trainer worker, an engine worker, a non-coordinator daemon and the coordinator, at PREPARE,
 TRANSFER and COMMIT; and the cases the issue lists (an engine restarted at once after a kill
 mid-TRANSFER, the coordinator restarted: versions, round ids, rejoining).
@@ -28,8 +28,8 @@ The victims: trainer-rank1 (node 1), vllm-dp1-tp0 (node 3), the daemon of node 3
 Each case starts from a verified state (setUp heals what an earlier case left broken, or builds
 a new cluster); cases that restart the coordinator get a new cluster afterwards.
 
-Cases that fail today are marked expectedFailure with what fails (issue 13's numbering of the
-guarantees); a fix that makes one pass turns it into an "unexpected success", which fails the
+Cases that fail today are marked expectedFailure with what fails (and the guarantee of
+docs/ROUNDS.md it breaks); a fix that makes one pass turns it into an "unexpected success", which fails the
 run until the marker is removed. A case whose only failure today is a race that strikes in some
 runs only is listed in INTERMITTENT: skipped, with what was seen, when it strikes.
 
@@ -76,6 +76,7 @@ TRANSFER_STRIKE_S = 0.1  # after TRANSFERRING was seen
 # the 5 s transfer deadline.
 FULL_SPEED_S = 4.5 if harness.tls_wanted() else 2.5
 READY_S = 20.0         # longest wait for a group to be ready again (then the case reports it)
+OPEN_S = 10.0          # longest wait for a WatchRounds connection
 # policy: trainer TP2 on nodes 0 and 1, engine TP2 x DP2 on nodes 2 (dp0) and 3 (dp1).
 POLICY = [("trainer", ["--tp", "2", "--gpus-per-node", "1"]),
           ("inference", ["--tp", "2", "--dp", "2", "--gpus-per-node", "2", "--first-node", "2"])]
@@ -276,7 +277,16 @@ class Watch:
         self._call = stub.WatchRounds(refit_pb2.WatchRoundsRequest(group=group))
         self._thread = threading.Thread(target=self._run, daemon=True)
         self._thread.start()
-        time.sleep(0.2)  # the stream is open before the round starts
+        # The stream is open before the round starts. The daemon sends nothing on it until a round
+        # changes state, so what can be waited for is the connection (and TLS handshake) that
+        # carries the request; the round started next needs several calls between daemons and
+        # workers before TRANSFERRING, the first state a case waits for.
+        try:
+            grpc.channel_ready_future(self._channel).result(timeout=OPEN_S)
+        except grpc.FutureTimeoutError:
+            self.close()
+            raise AssertionError(f"the WatchRounds stream of {group}: no connection to {address} "
+                                 f"within {OPEN_S:.0f} s") from None
 
     def _run(self):
         try:
@@ -298,6 +308,12 @@ class Watch:
                 if left <= 0:
                     return None, None
                 self._cv.wait(left)
+
+    def seen(self, version):
+        """The states of round `version` the stream reported, in order (a stream opened late shows
+        none of the round's first states)."""
+        with self._cv:
+            return [r.state for _, r in self.events if r.version == version]
 
     def close(self):
         self._call.cancel()
@@ -511,7 +527,7 @@ class FaultMatrixBase(unittest.TestCase):
             self.f.wait_line(slow, lambda l: l == f"{word} {v}", 20, marks[slow.key], f"{word} {v}")
         except AssertionError as e:
             self.fail(f"round {v} never reached {phase} in {slow.key}: {rnd.describe()}\n{e}")
-        time.sleep(STRIKE_AFTER_S)
+        time.sleep(STRIKE_AFTER_S)  # the fault strikes this far into the slow callback, on purpose
 
     def matrix_case(self, fault, target, phase, group=None):
         f = self.f
@@ -559,7 +575,7 @@ class FaultMatrixBase(unittest.TestCase):
         else:
             # Past the heartbeat verdict, short of the workers' keepalive (2 s): its workers in the
             # round keep their sessions, so only the daemon itself can tell them the round ended
-            # when it returns (issue 13, guarantee 2). (Idle workers of other groups there may lose
+            # when it returns. (Idle workers of other groups there may lose
             # theirs: see INTERMITTENT.)
             hold = VERDICT_S + 0.6
 
@@ -572,8 +588,9 @@ class FaultMatrixBase(unittest.TestCase):
             t_seen, _ = watch.wait(v, "TRANSFERRING", 20)
             if t_seen is None:
                 watch.close()
-                self.fail(f"round {v} never reached TRANSFER: {rnd.describe()}\n{f.cluster.logs()}")
-            time.sleep(TRANSFER_STRIKE_S)
+                self.fail(f"round {v} never reached TRANSFER (the watch saw {watch.seen(v) or 'nothing of it'}): "
+                          f"{rnd.describe()}\n{f.cluster.logs()}")
+            time.sleep(TRANSFER_STRIKE_S)  # the strike lands this far into TRANSFER, on purpose
             if time.monotonic() - t_seen > 0.6 * f.transfer_s[group]:
                 rnd.join(60)
                 watch.close()
@@ -586,7 +603,7 @@ class FaultMatrixBase(unittest.TestCase):
         victim_proc.send_signal(signal.SIGKILL if fault == "kill" else signal.SIGSTOP)
         t_cont = None
         if fault == "stop":
-            time.sleep(hold)
+            time.sleep(hold)  # how long the victim stays frozen: the fault itself
             victim_proc.send_signal(signal.SIGCONT)
             t_cont = time.monotonic()
         else:
@@ -683,13 +700,19 @@ class FaultMatrixBase(unittest.TestCase):
                     f.coordinator_restarted = True
                     self.ctl.close()
                     self.ctl = f.controller()
-        time.sleep(0.3)
+        if victim_node is not None:
+            self.wait_daemons_back()
+        elif t_cont is not None:
+            # A woken worker's own keepalive verdict (a ping that timed out while it was frozen)
+            # lands within moments of its wake, while a session that survived leaves nothing to
+            # wait for: a fixed delay from the wake, before reregister_or_restart takes its list.
+            time.sleep(max(0.0, t_cont + 0.3 - time.monotonic()))
         self.reregister_or_restart()
         if victim_node is not None:
             for other in f.version:
                 f.dirty[other] |= other != group
         if coordinator and fault == "kill" and self.wait_members(group) is not None:
-            # Versions never go back (issue 13, guarantee 1): v - 1 was committed before the fault.
+            # Versions never go back: v - 1 was committed before the fault.
             try:
                 stats = self.ctl.refit(group, v - 1, timeout=30)
                 self.problem(f"after the restart, a refit to version {v - 1}, committed before the fault, was "
@@ -699,6 +722,27 @@ class FaultMatrixBase(unittest.TestCase):
                            f"a refit to version {v - 1} after the restart: {e}, not FAILED_PRECONDITION")
         self.recovery_round(group, f"after the {where}, the next round")
         self.finish()
+
+    def wait_daemons_back(self, timeout=READY_S):
+        """Until the coordinator lists every other daemon alive: one killed and restarted, or frozen
+        and woken, has joined again (so it ran a heartbeat after its wake, by which time whatever
+        its workers noticed while it was frozen is in their reports). A problem when it does not
+        happen; returns whether it did."""
+        want = range(1, len(self.f.cluster.daemons))
+        deadline = time.monotonic() + timeout
+        alive = {}
+        while True:
+            try:
+                alive = {int(n.get("node", 0)): n.get("alive", False) for n in self.ctl.status().get("nodes", [])}
+            except refit.RefitError:
+                alive = {}
+            if all(alive.get(n) for n in want):
+                return True
+            if time.monotonic() > deadline:
+                self.problem(f"nodes {[n for n in want if not alive.get(n)]} were not alive on the coordinator "
+                             f"{timeout:.0f} s after the repair")
+                return False
+            time.sleep(0.05)
 
     def reregister_or_restart(self, grace_s=5.0):
         """Workers whose session ended register again by themselves (Python and C++ clients both):
@@ -728,8 +772,8 @@ class FaultMatrixBase(unittest.TestCase):
 
 
 class FaultMatrix(FaultMatrixBase):
-    """kill -9 and SIGSTOP of each component at each phase (generated below), and the cases issue 13
-    lists beside the matrix."""
+    """kill -9 and SIGSTOP of each component at each phase (generated below), and the cases found
+    beside the matrix."""
 
     def restart_coordinator(self, down_s=0.0):
         """kill -9 of the coordinator between rounds, and its restart on the same address and
@@ -738,7 +782,7 @@ class FaultMatrix(FaultMatrixBase):
         marks = {w.key: len(w.lines()) for w in f.workers.values()}
         f.daemon(COORDINATOR).kill(signal.SIGKILL)
         f.coordinator_restarted = True
-        time.sleep(down_s)
+        time.sleep(down_s)  # how long the coordinator stays down: part of the case
         t = time.monotonic()
         f.daemon(COORDINATOR).start()
         self.ctl.close()
@@ -759,8 +803,9 @@ class FaultMatrix(FaultMatrixBase):
             t_seen, _ = watch.wait(v, "TRANSFERRING", 20)
             watch.close()
             if t_seen is None:
-                self.fail(f"attempt {attempt}: round {v} never reached TRANSFER: {rnd.describe()}")
-            time.sleep(0.03)
+                self.fail(f"attempt {attempt}: round {v} never reached TRANSFER (the watch saw "
+                          f"{watch.seen(v) or 'nothing of it'}): {rnd.describe()}")
+            time.sleep(0.03)  # the kill lands early in TRANSFER, on purpose
             t_strike = time.monotonic()
             w.proc.kill()
             w.proc.wait(timeout=10)
@@ -825,7 +870,7 @@ class FaultMatrix(FaultMatrixBase):
         self.recovery_round("bulk", "after the daemon's restart, the next round")
         self.finish()
 
-    # Found here, beyond issue 13's list: the C++ WorkerClient's keepalive ended the session of a
+    # Found here, beyond the matrix: the C++ WorkerClient's keepalive ended the session of a
     # worker whose callback ran 2 s or more (the callback blocked the only thread polling the
     # channel); callbacks now run on a thread of their own (client/worker/callback_thread.h).
     def test_cpp_worker_slow_to_confirm_within_the_deadline(self):
@@ -911,7 +956,7 @@ class FaultMatrix(FaultMatrixBase):
 # Cases whose only failure today is intermittent: reported as skipped (with what was seen) when all
 # their problems match; failures of any other kind fail them. Name -> (pattern, what fails). Remove
 # an entry once its race is fixed.
-INTERMITTENT = {}  # none today (a node revived by a sync before its heartbeat: fixed, issue 13.2)
+INTERMITTENT = {}  # none today (a node revived by a sync before its heartbeat: fixed)
 
 # The order cases run in: those that restart the coordinator last (each is followed by a new
 # cluster), the rest sharing one.

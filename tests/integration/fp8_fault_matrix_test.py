@@ -1,6 +1,6 @@
 """The fault matrix (fault_matrix_test.py) for an fp8 engine: its machinery, on a group whose engine
 is block fp8 with blocks cut between the trainers' shards, so that the engine daemon gathers those
-blocks' source bytes into the plan's scratch and quantizes them there (issue 17; docs/PLANNING.md,
+blocks' source bytes into the plan's scratch and quantizes them there (docs/PLANNING.md,
 "Quantizing on the way").
 
 The group "fp8": Llama-3-8B's structure (widths / 8, 2 layers), block fp8 128x128 from the
@@ -177,7 +177,7 @@ class Fp8FaultMatrix(fm.FaultMatrixBase):
             if time.monotonic() > deadline:
                 self.fail(f"round {v} never reached PREPARE: {rnd.describe()}\n{self.f.cluster.logs()}")
             time.sleep(0.02)
-        time.sleep(fm.STRIKE_AFTER_S)
+        time.sleep(fm.STRIKE_AFTER_S)  # the fault strikes this far into the delay, on purpose
         early = [l for l in slow.lines()[marks[slow.key]:] if l == f"prepare {v}"]
         if early:
             self.fail(f"{slow.key} confirmed PREPARE of round {v} before the strike (its delay did not hold)")
@@ -226,8 +226,9 @@ class Fp8FaultMatrix(fm.FaultMatrixBase):
             t_seen, _ = watch.wait(v, "TRANSFERRING", 20)
             watch.close()
             if t_seen is None:
-                self.fail(f"attempt {attempt}: round {v} never reached TRANSFER: {rnd.describe()}")
-            time.sleep(0.03)
+                self.fail(f"attempt {attempt}: round {v} never reached TRANSFER (the watch saw "
+                          f"{watch.seen(v) or 'nothing of it'}): {rnd.describe()}")
+            time.sleep(0.03)  # the kill lands early in TRANSFER, on purpose
             t_strike = time.monotonic()
             w.proc.kill()
             w.proc.wait(timeout=10)

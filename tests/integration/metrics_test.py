@@ -1,4 +1,4 @@
-"""Issue 16.2: metrics as Prometheus itself sees them. Two real daemons on loopback (host backend)
+"""Metrics as Prometheus itself sees them. Two real daemons on loopback (host backend)
 serve /metrics (--metrics-listen); Python pattern workers (a trainer on node 0, an engine on node
 1) go through ROUNDS committed rounds and one refused call; Debian's real `prometheus` server,
 on a free loopback port with its own storage, scrapes both daemons every second; the test asks
@@ -141,7 +141,7 @@ class MetricsThroughPrometheus(unittest.TestCase):
             result = self.prometheus.query(q)
             if check(result):
                 return result
-            time.sleep(0.5)
+            time.sleep(0.5)  # the poll interval: Prometheus scrapes once a second
         self.fail(f"{what}: Prometheus answered {q} with {result}\n{self.prometheus.tail()}\n{self.cluster.logs()}")
 
     def value_is(self, q, expected, what):

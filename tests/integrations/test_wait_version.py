@@ -35,7 +35,7 @@ class FakeController:
                 raise Error("RESOURCE_EXHAUSTED: at most 8 WatchRounds streams per caller")
             events, self.events = self.events, []
         yield from events
-        time.sleep(timeout or 0)
+        time.sleep(timeout or 0)  # the stream: open and silent until its deadline
 
 
 class RacingController(FakeController):
@@ -63,7 +63,7 @@ class _Stream:
         self.timeout = timeout
 
     def __iter__(self):
-        time.sleep(self.timeout or 0)
+        time.sleep(self.timeout or 0)  # the stream: nothing more happens until its deadline
         return iter(())
 
     def close(self):

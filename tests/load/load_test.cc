@@ -3,7 +3,7 @@
 // byte for byte. The daemon's memory, file descriptors and threads are read from /proc after a
 // warm-up and after the 100 rounds: none may grow.
 //
-// Leak checks (issue 13): threads (/proc/.../task), descriptors (/proc/.../fd), mappings
+// Leak checks: threads (/proc/.../task), descriptors (/proc/.../fd), mappings
 // (/proc/.../maps lines), address space and resident memory stay flat over 1,000 data
 // connections opened and closed against a HostBackend, over hundreds of transfers between
 // HostBackends (a quarter of them aborted midway), and over 1,000 StartRefit rounds of a daemon.
@@ -385,6 +385,29 @@ struct HostMemory {
   }
 };
 
+// Whether the connections dropped by aborted rounds have ended on their receivers, their readers
+// joined: what the nodes have open is then what the senders keep for the next round.
+bool ConnectionsSettled(const std::vector<std::unique_ptr<HostBackend>>& nodes) {
+  int64_t open = 0, kept = 0;
+  for (const auto& n : nodes) {
+    const HostConnectionStats s = n->connection_stats();
+    if (s.reader_threads != s.open_incoming) return false;
+    open += s.open_incoming;
+    kept += s.cached_outgoing;
+  }
+  return open == kept;
+}
+
+std::string DescribeConnections(const std::vector<std::unique_ptr<HostBackend>>& nodes) {
+  std::string out;
+  for (size_t n = 0; n < nodes.size(); ++n) {
+    const HostConnectionStats s = nodes[n]->connection_stats();
+    absl::StrAppend(&out, n == 0 ? "" : "; ", "node ", n, ": ", s.open_incoming, " open incoming, ",
+                    s.reader_threads, " reader threads, ", s.cached_outgoing, " kept outgoing");
+  }
+  return out;
+}
+
 TEST_CASE(
     "200 transfers between HostBackends, a quarter aborted midway: threads, fds, mappings, memory "
     "flat") {
@@ -455,8 +478,10 @@ TEST_CASE(
     }
   };
   rounds(20);  // warm-up
-  // The connections dropped by aborted rounds end on their receivers.
-  absl::SleepFor(absl::Milliseconds(100));
+  if (!Eventually([&] { return ConnectionsSettled(nodes); })) {
+    FAIL("the connections dropped by aborted rounds did not end on their receivers within 10 s: "
+         << DescribeConnections(nodes));
+  }
   const ProcStats before = Read(getpid());
   aborted = 0;
   const absl::Time t0 = absl::Now();
@@ -472,7 +497,10 @@ TEST_CASE(
   const int64_t stale =
       nodes[1]->connection_stats().stale_frames + nodes[2]->connection_stats().stale_frames;
   WARN("late frames dropped by nodes 1 and 2: " << stale);
-  absl::SleepFor(absl::Milliseconds(100));
+  if (!Eventually([&] { return ConnectionsSettled(nodes); })) {
+    FAIL("the connections dropped by aborted rounds did not end on their receivers within 10 s: "
+         << DescribeConnections(nodes));
+  }
   Eventually([&] { return Read(getpid()).threads == before.threads; }, absl::Seconds(5));
   CheckFlat(before, Read(getpid()), "200 rounds between three HostBackends");
 }
@@ -539,6 +567,25 @@ TEST_CASE("1,000 StartRefit rounds of a daemon: threads, fds, mappings, memory f
       }
     }
   };
+  // Until round v is over in the daemon too, not only on the engines: the group's committed
+  // version is v once the round's task finished (the next round may start).
+  auto ended = [&](int64_t v) {
+    int64_t committed = -1;
+    const bool over = Eventually([&] {
+      grpc::ClientContext ctx;
+      ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(5));
+      v1::StatusResponse status;
+      if (!control->Status(&ctx, v1::StatusRequest(), &status).ok()) return false;
+      for (const v1::GroupStatus& g : status.groups()) {
+        if (g.name() == "rounds") committed = g.version();
+      }
+      return committed == v;
+    });
+    if (!over) {
+      FAIL("round " << v << " did not end in the daemon within 10 s: the committed version is "
+                    << committed);
+    }
+  };
   auto check = [&](int64_t v) {
     for (int w = 0; w < kWorkers; ++w) {
       BufferMemory m = {engines[w]->buffer(0)};
@@ -551,7 +598,7 @@ TEST_CASE("1,000 StartRefit rounds of a daemon: threads, fds, mappings, memory f
   };
   for (int v = 1; v <= 50; ++v) round(v);  // warm-up
   check(50);
-  absl::SleepFor(absl::Milliseconds(100));
+  ended(50);
   const ProcStats before = Read(daemon.pid);
   const absl::Time t0 = absl::Now();
   for (int v = 51; v <= 1050; ++v) {
@@ -560,7 +607,7 @@ TEST_CASE("1,000 StartRefit rounds of a daemon: threads, fds, mappings, memory f
   }
   const absl::Duration took = absl::Now() - t0;
   check(1050);
-  absl::SleepFor(absl::Milliseconds(100));  // the last round's thread ends
+  ended(1050);
   const ProcStats after = Read(daemon.pid);
   WARN("1,000 StartRefit rounds in " << absl::FormatDuration(took) << "; daemon before "
                                      << Describe(before) << "; after " << Describe(after));

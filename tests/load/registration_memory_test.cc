@@ -2,8 +2,8 @@
 // of 200,000 pieces (about 9 MB on the wire) registers on a node of a two-daemon cluster and
 // unregisters (tests/bench/registration_memory.h). Each daemon's resident memory may grow by at
 // most 5x the wire size plus 24 MB of slack while it is registered (measured: 1.2x and 1.05x;
-// before decoding registrations piece by piece, 34x and 23x) and keep at most 2x plus 24 MB after it left (before:
-// all of it). Memory, not time: nothing here is timed.
+// before decoding registrations piece by piece, 34x and 23x) and keep at most 2x plus 24 MB after
+// it left (before: all of it). Memory, not time: nothing here is timed.
 #include "tests/bench/registration_memory.h"
 
 #include <catch2/catch.hpp>

@@ -25,6 +25,13 @@ LAYOUT_ONE = {
 }
 
 
+def log_since(path, offset):
+    """What the log at `path` holds from byte `offset` on."""
+    with open(path, "rb") as f:
+        f.seek(offset)
+        return f.read().decode(errors="replace")
+
+
 class EndToEnd(unittest.TestCase):
     def setUp(self):
         self.cluster = harness.Cluster(nodes=2)
@@ -138,6 +145,7 @@ class EndToEnd(unittest.TestCase):
             with self.assertRaises(refit.RegistrationError) as e:
                 refit.Worker(address, "policy", "trainer", layout, tensors, register_timeout=2)
             self.assertIn("ALREADY_EXISTS", str(e.exception))
+            # A window for a wrongly ended session to show: nothing marks that it was left alone.
             time.sleep(0.3)
             self.assertTrue(w.connected)
             self.assertEqual([x["worker_id"] for x in self.ctl.workers()], [w.worker_id])
@@ -163,8 +171,12 @@ class EndToEnd(unittest.TestCase):
         proc.send_signal(signal.SIGSTOP)
         os.unlink(self.reports.path(victim))
         layout = self.files["inference"]
+        mark = os.path.getsize(proc.log_path)  # the replacement logs to the same file
         start_python(self.cluster, victim, 1, "inference", layout, victim[len("inference-"):])
-        time.sleep(2.0)
+        # Killed once the replacement was refused the name its frozen predecessor holds (it logs
+        # that it waits, after its first second of tries).
+        harness.wait_for(lambda: "ALREADY_EXISTS" in log_since(proc.log_path, mark), 20,
+                         f"the replacement of {victim} to be refused the name its frozen predecessor holds")
         proc.kill()
         proc.wait()
         self.reports.wait(victim, "registered", timeout=30)

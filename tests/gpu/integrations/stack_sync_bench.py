@@ -1030,7 +1030,7 @@ class VerlRefit:
         received = b.engine.result()
         self.engine.finalize()
         b.engine.call("verl_finalize")
-        return {"send_weights_s": sent, "rollout_yielded": received, "version": self.engine._staged.last_version}
+        return {"send_weights_s": sent, "rollout_yielded": received, "version": self.engine.committed_version}
 
     def close(self) -> None:
         if self.engine is not None:
@@ -1054,7 +1054,7 @@ class NemoRefit(VerlRefit):
         asyncio.run(self.engine.send_weights(b.trainer.stream()))
         sent = time.perf_counter() - t0
         received = b.engine.result()
-        return {"send_weights_s": sent, "rollout_yielded": received, "version": self.engine._staged.last_version}
+        return {"send_weights_s": sent, "rollout_yielded": received, "version": self.engine.committed_version}
 
     def close(self) -> None:
         if self.engine is not None:

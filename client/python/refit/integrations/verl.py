@@ -42,6 +42,11 @@ class RefitCheckpointEngine(CheckpointEngine):
                                 group=group, node=int(env_or(node if node >= 0 else None, "REFIT_NODE", 0)),
                                 timeout_s=timeout_s, config="engine_kwargs.refit")
 
+    @property
+    def committed_version(self) -> int:
+        """The version this rank's last send_weights committed (0: none yet, or not the sending rank)."""
+        return self._sync.staged.last_version if self._sync.staged is not None else 0
+
     def prepare(self) -> Dict[str, Any]:
         return {"backend": BACKEND, "group": self.group}
 

@@ -385,27 +385,29 @@ struct HostMemory {
   }
 };
 
-// Whether the connections dropped by aborted rounds have ended on their receivers, their readers
+// Until the connections dropped by aborted rounds have ended on their receivers, their readers
 // joined: what the nodes have open is then what the senders keep for the next round.
-bool ConnectionsSettled(const std::vector<std::unique_ptr<HostBackend>>& nodes) {
-  int64_t open = 0, kept = 0;
-  for (const auto& n : nodes) {
-    const HostConnectionStats s = n->connection_stats();
-    if (s.reader_threads != s.open_incoming) return false;
-    open += s.open_incoming;
-    kept += s.cached_outgoing;
-  }
-  return open == kept;
-}
-
-std::string DescribeConnections(const std::vector<std::unique_ptr<HostBackend>>& nodes) {
-  std::string out;
+void AwaitConnectionsSettled(const std::vector<std::unique_ptr<HostBackend>>& nodes) {
+  const bool settled = Eventually([&] {
+    int64_t open = 0, kept = 0;
+    for (const auto& n : nodes) {
+      const HostConnectionStats s = n->connection_stats();
+      if (s.reader_threads != s.open_incoming) return false;
+      open += s.open_incoming;
+      kept += s.cached_outgoing;
+    }
+    return open == kept;
+  });
+  if (settled) return;
+  std::string counts;
   for (size_t n = 0; n < nodes.size(); ++n) {
     const HostConnectionStats s = nodes[n]->connection_stats();
-    absl::StrAppend(&out, n == 0 ? "" : "; ", "node ", n, ": ", s.open_incoming, " open incoming, ",
-                    s.reader_threads, " reader threads, ", s.cached_outgoing, " kept outgoing");
+    absl::StrAppend(&counts, n == 0 ? "" : "; ", "node ", n, ": ", s.open_incoming,
+                    " open incoming, ", s.reader_threads, " reader threads, ", s.cached_outgoing,
+                    " kept outgoing");
   }
-  return out;
+  FAIL("the connections dropped by aborted rounds did not end on their receivers within 10 s: "
+       << counts);
 }
 
 TEST_CASE(
@@ -478,10 +480,7 @@ TEST_CASE(
     }
   };
   rounds(20);  // warm-up
-  if (!Eventually([&] { return ConnectionsSettled(nodes); })) {
-    FAIL("the connections dropped by aborted rounds did not end on their receivers within 10 s: "
-         << DescribeConnections(nodes));
-  }
+  AwaitConnectionsSettled(nodes);
   const ProcStats before = Read(getpid());
   aborted = 0;
   const absl::Time t0 = absl::Now();
@@ -497,10 +496,7 @@ TEST_CASE(
   const int64_t stale =
       nodes[1]->connection_stats().stale_frames + nodes[2]->connection_stats().stale_frames;
   WARN("late frames dropped by nodes 1 and 2: " << stale);
-  if (!Eventually([&] { return ConnectionsSettled(nodes); })) {
-    FAIL("the connections dropped by aborted rounds did not end on their receivers within 10 s: "
-         << DescribeConnections(nodes));
-  }
+  AwaitConnectionsSettled(nodes);
   Eventually([&] { return Read(getpid()).threads == before.threads; }, absl::Seconds(5));
   CheckFlat(before, Read(getpid()), "200 rounds between three HostBackends");
 }

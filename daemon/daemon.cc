@@ -617,9 +617,10 @@ void Daemon::MonitorLoop() {
   }
 }
 
-absl::Status Daemon::SyncAdded(const v1::RegisterWorkerRequest& added) {
-  if (membership_ != nullptr)
-    return membership_->AddLocal(added);  // ALREADY_EXISTS, RESOURCE_EXHAUSTED, FAILED_PRECONDITION
+absl::Status Daemon::SyncAdded(const v1::RegisterWorkerRequest& added,
+                               const std::string& registration) {
+  if (membership_ != nullptr)  // ALREADY_EXISTS, RESOURCE_EXHAUSTED, FAILED_PRECONDITION
+    return membership_->AddLocal(added, registration);
   std::vector<v1::WorkerRefusal> refused;
   const absl::Status sent = link_->Sync(&refused);
   // Not applied (this node not joined yet): a retry may succeed, unlike a refused worker.
@@ -645,9 +646,9 @@ absl::Status Daemon::SyncAdded(const v1::RegisterWorkerRequest& added) {
   return absl::OkStatus();
 }
 
-void Daemon::SyncRemoved(const std::string& id) {
+void Daemon::SyncRemoved(const std::string& id, const std::string& registration) {
   if (membership_ != nullptr) {
-    membership_->RemoveLocal(id);
+    membership_->RemoveLocal(id, registration);
   } else {
     link_->Sync().IgnoreError();
   }
@@ -659,7 +660,9 @@ absl::Status Daemon::Register(const v1::RegisterWorkerRequest& request, WorkerTr
   if (!registered.ok()) return registered.status();
   const std::shared_ptr<LocalWorker>& worker = registered->worker;
   // The coordinator's own membership keeps the pieces; a node's sync sends its snapshot.
-  if (auto s = SyncAdded(membership_ != nullptr ? worker->Full() : worker->request); !s.ok()) {
+  if (auto s =
+          SyncAdded(membership_ != nullptr ? worker->Full() : worker->request, worker->session_key);
+      !s.ok()) {
     registry_->Drop(worker->id);
     if (s.code() == absl::StatusCode::kAlreadyExists ||
         s.code() == absl::StatusCode::kResourceExhausted ||
@@ -688,7 +691,7 @@ void Daemon::DropWorker(const std::string& id, const std::string& reason) {
   std::shared_ptr<LocalWorker> w = registry_->Drop(id);
   if (w == nullptr) return;
   Logger("worker")->warn("worker {} left: {}", id, reason);
-  SyncRemoved(id);
+  SyncRemoved(id, w->session_key);
   // A round of its group cannot complete any more: end this node's transfer now.
   agent_->WorkerLost(w->group(), id, reason);
 }

@@ -96,8 +96,9 @@ class Daemon {
   void DropWorker(const std::string& id, const std::string& reason);
   // Tells the coordinator this node's workers changed (on the coordinator: its membership, one
   // worker at a time; elsewhere the whole list).
-  absl::Status SyncAdded(const v1::RegisterWorkerRequest& added);
-  void SyncRemoved(const std::string& id);
+  // `registration`: the worker's session key (Membership::AddLocal says why).
+  absl::Status SyncAdded(const v1::RegisterWorkerRequest& added, const std::string& registration);
+  void SyncRemoved(const std::string& id, const std::string& registration);
   // Every 100 ms: on the coordinator the failure detector (not while this daemon was itself
   // paused), elsewhere the coordinator's leases on this node's rounds.
   void MonitorLoop();

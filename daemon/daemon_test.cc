@@ -14,6 +14,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "client/worker/worker_client.h"
+#include "common/watch_protocol.h"
 #include "plan/test_layouts.h"
 #include "plan/validate.h"
 #include "plan/verify.h"
@@ -396,7 +397,11 @@ TEST_CASE(
   // Every round's stats, as an operator watching sees them.
   grpc::ClientContext watch_ctx;
   auto watch = c.control->WatchRounds(&watch_ctx, v1::WatchRoundsRequest());
-  absl::SleepFor(absl::Milliseconds(300));  // the watch is in place before the round starts
+  watch->WaitForInitialMetadata();  // the daemon says the stream is open before any round
+  const auto& metadata = watch_ctx.GetServerInitialMetadata();
+  const auto open = metadata.find(kWatchOpenKey);
+  REQUIRE(open != metadata.end());
+  CHECK(open->second == kWatchOpenValue);
   auto refit = [&](int64_t version) {
     grpc::ClientContext ctx;
     v1::RefitRequest r;

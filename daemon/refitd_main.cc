@@ -74,6 +74,13 @@ int main(int argc, char** argv) {
   // whose rounds abort again and again grew by tens of MiB (tests/integration/
   // fp8_fault_matrix_test, 6 MiB of scratch: RssAnon 20 -> 43 MiB over 12 aborted rounds).
   mallopt(M_MMAP_THRESHOLD, 1 << 20);
+  // No fast bins: small chunks freed go back at once to their neighbours and the arena's top,
+  // which is given back to the system when it grows past the trim threshold. With fast bins, a
+  // large message decoded into many small objects (a registration's sync) ended up, after
+  // malloc_trim consolidated it, as the top of a per-thread arena, which malloc_trim never
+  // shrinks: the coordinator kept 50 MiB for one 9 MB registration, at random
+  // (tests/load/registration_memory_test).
+  mallopt(M_MXFAST, 0);
   // The waiter starts before the daemon: Start may wait long for the coordinator, and a signal
   // meanwhile (nothing to drain yet: no worker registers before the join) ends the process.
   std::atomic<refit::Daemon*> running{nullptr};

@@ -2,6 +2,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "common/version.h"
+#include "common/watch_protocol.h"
 #include "daemon/base/executor.h"
 #include "daemon/base/grpc_status.h"
 #include "daemon/coordinator/group_planner.h"
@@ -121,11 +122,12 @@ class ControlService : public v1::RefitControl::Service {
     if (!slot.ok()) return ToGrpc(slot.status());
     auto cancelled = [c] { return c->IsCancelled(); };
     auto write = [w](const v1::RoundStats& s) { return w->Write(s); };
-    if (p_->link != nullptr) {
-      return ToGrpc(p_->link->ForwardWatch(*r, cancelled, write));
-    } else {
-      p_->log->Watch(r->group(), cancelled, write);
-    }
+    auto opened = [c, w] {
+      c->AddInitialMetadata(kWatchOpenKey, kWatchOpenValue);
+      w->SendInitialMetadata();
+    };
+    if (p_->link != nullptr) return ToGrpc(p_->link->ForwardWatch(*r, cancelled, write, opened));
+    p_->log->Watch(r->group(), cancelled, write, opened);
     return grpc::Status::OK;
   }
   grpc::Status Status(grpc::ServerContext* c, const v1::StatusRequest* r,

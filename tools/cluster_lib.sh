@@ -76,6 +76,17 @@ wait_report() {
   return 1
 }
 
+# wait_watching FILE: until the `refitctl watch` writing to FILE (stderr included) says its stream
+# is open (10 s at most); every round started after this is seen.
+wait_watching() {
+  for _ in $(seq 200); do
+    grep -q "^refitctl: watching the rounds of" "$1" 2>/dev/null && return 0
+    sleep 0.05
+  done
+  echo "refitctl watch did not open its stream: $(cat "$1")"
+  return 1
+}
+
 ctl() { "$BIN/refitctl" --daemon "$CTL_ADDR" "$@"; }
 
 # workers_of LAYOUT: the worker names in a layout file, and their nodes ("name node" lines).

@@ -37,6 +37,7 @@
 #include "common/cli_flags.h"
 #include "common/grpc_tls.h"
 #include "common/version.h"
+#include "common/watch_protocol.h"
 #include "google/protobuf/util/json_util.h"
 #include "proto/health.grpc.pb.h"
 #include "proto/refit.grpc.pb.h"
@@ -568,7 +569,14 @@ int RunRounds(const Command& command, const Settings& settings, Endpoints& daemo
   return 0;
 }
 
-// Prints rounds from the first daemon that takes the stream until it ends; how it ended.
+bool WatchOpened(const grpc::ClientContext& ctx) {
+  const auto& metadata = ctx.GetServerInitialMetadata();
+  auto open = metadata.find(kWatchOpenKey);
+  return open != metadata.end() && open->second == kWatchOpenValue;
+}
+
+// Prints rounds from the first daemon that takes the stream until it ends; how it ended. Says on
+// stderr once the stream is open: rounds started from then on are all shown.
 grpc::Status WatchFirstDaemon(Endpoints& daemons, const v1::WatchRoundsRequest& req, Output out) {
   bool header = true;
   grpc::Status last;
@@ -576,8 +584,14 @@ grpc::Status WatchFirstDaemon(Endpoints& daemons, const v1::WatchRoundsRequest& 
     grpc::ClientContext ctx;
     auto stub = v1::RefitControl::NewStub(daemons.Channel(a));
     auto reader = stub->WatchRounds(&ctx, req);
+    reader->WaitForInitialMetadata();  // or the stream's end
+    bool any = WatchOpened(ctx);
+    if (any) {
+      const std::string what =
+          req.group().empty() ? "every group" : absl::StrCat("group \"", req.group(), "\"");
+      std::fprintf(stderr, "refitctl: watching the rounds of %s at %s\n", what.c_str(), a.c_str());
+    }
     v1::RoundStats r;
-    bool any = false;
     while (reader->Read(&r)) {
       any = true;
       PrintRound(r, out, header);

@@ -180,9 +180,11 @@ std::shared_ptr<const GroupPlan> GroupPlanner::Compute(const std::string& group,
     return g;
   }
   if (absl::Status s = BothSidesPresent(group, members, *g, problems); !s.ok()) {
-    // A plan that is not ready keeps no layouts: the full forms would stay cached with it.
-    g->src.Clear();
-    g->dst.Clear();
+    // A plan that is not ready keeps no layouts: the full forms would stay cached with it (and
+    // Clear() would keep their repeated fields' elements allocated for reuse: swapped out, they
+    // are freed here).
+    v1::Layout().Swap(&g->src);
+    v1::Layout().Swap(&g->dst);
     g->status = std::move(s);
     return g;
   }

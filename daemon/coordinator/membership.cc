@@ -401,12 +401,14 @@ absl::Status Membership::ApplySync(const v1::SyncWorkersRequest& request,
   return absl::OkStatus();
 }
 
-absl::Status Membership::AddLocal(const v1::RegisterWorkerRequest& worker) {
+absl::Status Membership::AddLocal(const v1::RegisterWorkerRequest& worker,
+                                  const std::string& registration) {
   absl::MutexLock lock(&mu_);
-  if (auto refused = Refusal(absl::StrCat(worker.group(), "/", worker.worker().name()), self_)) {
-    return absl::AlreadyExistsError(refused->reason());
-  }
+  const std::string id = absl::StrCat(worker.group(), "/", worker.worker().name());
+  if (auto refused = Refusal(id, self_)) return absl::AlreadyExistsError(refused->reason());
+  RemoveLocalLocked(id, "");            // an earlier registration whose removal is still on its way
   StoredWorker stored = Store(worker);  // handles stay on this node
+  stored.registration = registration;
   if (auto over = OverLimit(stored, LoadExcept(-1)[worker.group()]))
     return absl::ResourceExhaustedError(over->reason());
   if (auto conflict = Declare(stored.header, self_))
@@ -419,20 +421,28 @@ absl::Status Membership::AddLocal(const v1::RegisterWorkerRequest& worker) {
   return absl::OkStatus();  // adding forgets no group
 }
 
-void Membership::RemoveLocal(const std::string& id) {
+void Membership::RemoveLocal(const std::string& id, const std::string& registration) {
   {
     absl::MutexLock lock(&mu_);
-    for (const StoredWorker& r : nodes_[self_].workers) {
-      if (absl::StrCat(r.group(), "/", r.worker().name()) == id) Undeclare(r.header);
-    }
-    std::erase_if(nodes_[self_].workers, [&](const StoredWorker& r) {
-      const bool gone = absl::StrCat(r.group(), "/", r.worker().name()) == id;
-      if (gone && static_cast<int64_t>(r.wire.size()) >= kTrimAfterBytes) RequestTrim();
-      return gone;
-    });
+    RemoveLocalLocked(id, registration);
     RecomputeEpochs();
   }
   TellForgotten();
+}
+
+void Membership::RemoveLocalLocked(const std::string& id, const std::string& registration) {
+  auto gone = [&](const StoredWorker& r) {
+    return absl::StrCat(r.group(), "/", r.worker().name()) == id &&
+           (registration.empty() || r.registration == registration);
+  };
+  for (const StoredWorker& r : nodes_[self_].workers) {
+    if (gone(r)) Undeclare(r.header);
+  }
+  std::erase_if(nodes_[self_].workers, [&](const StoredWorker& r) {
+    if (!gone(r)) return false;
+    if (static_cast<int64_t>(r.wire.size()) >= kTrimAfterBytes) RequestTrim();
+    return true;
+  });
 }
 
 std::map<std::string, Membership::GroupLoad> Membership::LoadExcept(int32_t except) const {

@@ -153,9 +153,14 @@ class Membership {
                          v1::SyncWorkersResponse* response = nullptr);
   // The coordinator's own workers, one at a time (a snapshot per registration would make
   // registering n workers O(n^2)). ALREADY_EXISTS, naming the holder, when another live node
-  // holds the name.
-  absl::Status AddLocal(const v1::RegisterWorkerRequest& worker);
-  void RemoveLocal(const std::string& id);
+  // holds the name. `registration` tells one registration of a name from the next (the worker
+  // registry's session key): a worker that re-registers at once may be added before its old
+  // registration's removal arrives, which then removes only the old one. Adding replaces an
+  // entry of the same name still here (the registry holds one registration per name).
+  absl::Status AddLocal(const v1::RegisterWorkerRequest& worker,
+                        const std::string& registration = "");
+  // Removes `id`'s entry if it is still that of `registration` (empty: whichever).
+  void RemoveLocal(const std::string& id, const std::string& registration = "");
 
   // Told the name of each group whose last worker left, with no lock of the membership held
   // (a hook may call into it). Set up before the membership changes.
@@ -202,6 +207,7 @@ class Membership {
     v1::RegisterWorkerRequest header;  // buffers without pieces, no memory handles
     std::string wire;                  // the whole registration, serialized, no memory handles
     int32_t pieces = 0;
+    std::string registration;  // AddLocal's: which registration of the name this is
     const std::string& group() const { return header.group(); }
     v1::Role role() const { return header.role(); }
     const v1::Worker& worker() const { return header.worker(); }
@@ -266,6 +272,9 @@ class Membership {
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Counts a leaving worker's declarations out of the index.
   void Undeclare(const v1::RegisterWorkerRequest& w) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // RemoveLocal's work, without recomputing the epochs.
+  void RemoveLocalLocked(const std::string& id, const std::string& registration)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // A live worker of `group`'s `side` declaring `tensor`, made `held`'s holder: a scan of the
   // group, only when a refusal must name a holder and the indexed one left.
   void FindHolder(const std::string& group, int side, const std::string& tensor,

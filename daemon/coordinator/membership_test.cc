@@ -195,6 +195,29 @@ TEST_CASE("membership: the coordinator's own workers come and go one at a time")
   CHECK(listed.workers(0).worker_id() == "policy/t0");
 }
 
+TEST_CASE("membership: a worker re-registered before its old registration's removal keeps it") {
+  FakeClock clock;
+  Membership m(0, absl::Milliseconds(500), 4, &clock);
+  m.SetSelf("a", "b", 1);
+  auto listed = [&] {
+    v1::ListWorkersResponse out;
+    m.ListWorkers(v1::ListWorkersRequest(), &out);
+    std::vector<std::string> ids;
+    for (const auto& w : out.workers()) ids.push_back(w.worker_id());
+    return ids;
+  };
+  REQUIRE(m.AddLocal(Registration("t0", v1::TRAINER, 0, 8, 0), "first").ok());
+  // Its session ended and it registered again at once; the old removal comes last.
+  REQUIRE(m.AddLocal(Registration("t0", v1::TRAINER, 0, 8, 0), "second").ok());
+  CHECK(listed() == std::vector<std::string>{"policy/t0"});  // replaced, not listed twice
+  m.RemoveLocal("policy/t0", "first");
+  CHECK(listed() == std::vector<std::string>{"policy/t0"});
+  CHECK(m.Group("policy").trainers == 1);
+  m.RemoveLocal("policy/t0", "second");
+  CHECK(listed().empty());
+  CHECK_FALSE(m.Group("policy").exists);
+}
+
 // An engine rank: rows [r0, r1) of "w", rank `rank` of replica `replica` of `size` ranks.
 v1::RegisterWorkerRequest Rank(const std::string& name, const std::string& replica, int32_t rank,
                                int32_t size, int64_t r0, int64_t r1, int32_t node) {

@@ -34,12 +34,14 @@ void RoundLog::Stop() {
 }
 
 void RoundLog::Watch(const std::string& group, const std::function<bool()>& cancelled,
-                     const std::function<bool(const v1::RoundStats&)>& write) {
+                     const std::function<bool(const v1::RoundStats&)>& write,
+                     const std::function<void()>& opened) {
   int64_t next;
   {
     absl::MutexLock lock(&mu_);
     next = start_ + static_cast<int64_t>(log_.size());
   }
+  opened();
   while (true) {
     std::vector<v1::RoundStats> batch;
     {

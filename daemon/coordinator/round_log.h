@@ -24,8 +24,10 @@ class RoundLog {
   void AddListener(std::function<void(const v1::RoundStats&)> listener);
   // Sends every change from now on (of `group`, or all when empty) to `write` until it returns
   // false, `cancelled()` is true or the log stops. Checks `cancelled` at least every 200 ms.
+  // `opened` is called once "from now on" is fixed: every change published after it is sent.
   void Watch(const std::string& group, const std::function<bool()>& cancelled,
-             const std::function<bool(const v1::RoundStats&)>& write);
+             const std::function<bool(const v1::RoundStats&)>& write,
+             const std::function<void()>& opened);
   void Stop();
   // The last `limit` rounds (of `group`, or all when empty), each in its latest state, oldest
   // first: what is still in the log (its last 1,024 state changes).

@@ -7,6 +7,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/strip.h"
 #include "absl/synchronization/notification.h"
+#include "common/watch_protocol.h"
 #include "daemon/base/logging.h"
 
 namespace refit {
@@ -314,9 +315,10 @@ void CoordinatorLink::Stop() {
   if (heartbeat_.joinable()) heartbeat_.join();
 }
 
-absl::Status CoordinatorLink::ForwardWatch(
-    const v1::WatchRoundsRequest& request, const std::function<bool()>& cancelled,
-    const std::function<bool(const v1::RoundStats&)>& write) {
+absl::Status CoordinatorLink::ForwardWatch(const v1::WatchRoundsRequest& request,
+                                           const std::function<bool()>& cancelled,
+                                           const std::function<bool(const v1::RoundStats&)>& write,
+                                           const std::function<void()>& opened) {
   grpc::ClientContext ctx;
   std::shared_ptr<v1::RefitControl::Stub> stub = Control();  // outlives the stream
   auto reader = stub->WatchRounds(&ctx, request);
@@ -337,6 +339,10 @@ absl::Status CoordinatorLink::ForwardWatch(
       }
     }
   });
+  reader->WaitForInitialMetadata();  // or the stream's end (the watchdog cancels it if need be)
+  const auto& metadata = ctx.GetServerInitialMetadata();
+  auto open = metadata.find(kWatchOpenKey);
+  if (open != metadata.end() && open->second == kWatchOpenValue) opened();
   v1::RoundStats s;
   bool downstream_gone = false;
   while (reader->Read(&s)) {

@@ -100,11 +100,13 @@ class CoordinatorLink {
     std::shared_ptr<v1::RefitControl::Stub> stub = Control();
     return FromGrpc((stub.get()->*method)(&ctx, request, response));
   }
-  // Relays the coordinator's WatchRounds stream until `write` fails or `cancelled()`.
+  // Relays the coordinator's WatchRounds stream until `write` fails or `cancelled()`; calls
+  // `opened` once the coordinator said its stream is open (common/watch_protocol.h).
   // Its status: the coordinator's, when the coordinator ended the stream (e.g. refused it).
   absl::Status ForwardWatch(const v1::WatchRoundsRequest& request,
                             const std::function<bool()>& cancelled,
-                            const std::function<bool(const v1::RoundStats&)>& write);
+                            const std::function<bool(const v1::RoundStats&)>& write,
+                            const std::function<void()>& opened);
 
  private:
   void HeartbeatLoop();

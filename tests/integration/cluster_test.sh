@@ -60,9 +60,7 @@ every_inference_ok() {
 echo "== rounds, two groups at once (watched from a non-coordinator daemon)"
 "$BIN/refitctl" --daemon "unix:$RUN/refitd-2.sock" -o json watch policy >"$RUN/watch.out" 2>&1 &
 WATCH=$!
-# A fixed delay for the stream to be open before round 1: nothing shows when it is (the daemons
-# send nothing on it until a round changes state, and log nothing when it opens).
-sleep 0.3
+wait_watching "$RUN/watch.out" || fail "watch"
 for v in 1 2 3; do
   ctl refit policy "$v" >"$RUN/policy-$v.out" 2>&1 &
   p1=$!
@@ -247,7 +245,7 @@ grep -q "signal 15" "$RUN/daemon3.log" || fail "node 3 did not log the signal"
 echo "== refitctl watch ends non-zero when its daemon dies (no abort)"
 "$BIN/refitctl" --daemon "unix:$RUN/refitd-2.sock" watch >"$RUN/watch2.out" 2>&1 &
 w=$!
-sleep 0.5  # a fixed delay for the stream to be open when its daemon dies (nothing shows when it is)
+wait_watching "$RUN/watch2.out" || fail "watch"
 kill -9 "${DAEMON_PID[2]}"; wait "${DAEMON_PID[2]}" 2>/dev/null
 wait $w; rc=$?
 [ "$rc" -eq 3 ] || fail "watch exited $rc when its daemon died, not 3: $(cat "$RUN/watch2.out")"

@@ -55,7 +55,7 @@ import harness
 sys.path.insert(0, os.path.dirname(harness.HERE))
 import refit  # noqa: E402
 from refit import _rpc  # noqa: E402
-from refit.controller import RoundResult  # noqa: E402
+from refit.controller import RoundResult, RoundWatch  # noqa: E402
 from refit._proto import refit_pb2  # noqa: E402
 
 WORKER = os.path.join(harness.HERE, "pattern_worker.py")
@@ -275,18 +275,14 @@ class Watch:
         self._channel = refit.tls.channel(address)  # TLS when the cluster runs it ($REFIT_TLS_*)
         stub = _rpc.Stub(self._channel, "RefitControl")
         self._call = stub.WatchRounds(refit_pb2.WatchRoundsRequest(group=group))
+        # The stream is open (the daemon said so) before the round it must see starts.
+        try:
+            RoundWatch(self._call).wait_open(OPEN_S)
+        except refit.Error as e:
+            self.close()
+            raise AssertionError(f"the WatchRounds stream of {group} at {address} did not open: {e}") from None
         self._thread = threading.Thread(target=self._run, daemon=True)
         self._thread.start()
-        # The stream is open before the round starts. The daemon sends nothing on it until a round
-        # changes state, so what can be waited for is the connection (and TLS handshake) that
-        # carries the request; the round started next needs several calls between daemons and
-        # workers before TRANSFERRING, the first state a case waits for.
-        try:
-            grpc.channel_ready_future(self._channel).result(timeout=OPEN_S)
-        except grpc.FutureTimeoutError:
-            self.close()
-            raise AssertionError(f"the WatchRounds stream of {group}: no connection to {address} "
-                                 f"within {OPEN_S:.0f} s") from None
 
     def _run(self):
         try:
@@ -590,7 +586,9 @@ class FaultMatrixBase(unittest.TestCase):
                 watch.close()
                 self.fail(f"round {v} never reached TRANSFER (the watch saw {watch.seen(v) or 'nothing of it'}): "
                           f"{rnd.describe()}\n{f.cluster.logs()}")
-            time.sleep(TRANSFER_STRIKE_S)  # the strike lands this far into TRANSFER, on purpose
+            # The strike lands this far into TRANSFER, on purpose: early in a short transfer (the fp8
+            # group's data moves in about 0.13 s here, and TRANSFERRING is seen some time after it began).
+            time.sleep(min(TRANSFER_STRIKE_S, 0.25 * f.transfer_s[group]))
             if time.monotonic() - t_seen > 0.6 * f.transfer_s[group]:
                 rnd.join(60)
                 watch.close()

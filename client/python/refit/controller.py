@@ -11,6 +11,7 @@ refit.v1.Culprit in the status details (grpc-status-details-bin, a google.rpc.St
 daemon that sends none, it is read from the reason. refit.aio.Controller is the same for asyncio.
 """
 import re
+import threading
 import time
 from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple, TypeVar
 
@@ -240,12 +241,37 @@ def ready_wait_error(group: str, timeout: float, last: str) -> RefitTimeout:
     return RefitTimeout(f"group {group!r} not ready after {timeout} s: {last}")
 
 
+# The initial metadata a daemon sends once a WatchRounds stream is open (common/watch_protocol.h).
+WATCH_OPEN = ("refit-watch", "open")
+
+
 class RoundWatch:
     """A WatchRounds stream already requested (Controller.open_watch): iterating yields a
     RoundResult per round state change and stops at the stream's deadline; close() ends it."""
 
     def __init__(self, call: Any) -> None:
         self._call = call
+
+    def wait_open(self, timeout: float) -> None:
+        """Returns once the daemon has the stream open: every round state change published from
+        then on is delivered. Raises RefitTimeout (and closes the stream) when it is not open
+        within `timeout` seconds, or the daemon's error when it refused the stream."""
+        done = threading.Event()
+        metadata: List[Any] = []
+
+        def read() -> None:  # gRPC's initial_metadata() takes no timeout
+            metadata.extend(self._call.initial_metadata() or ())
+            done.set()
+
+        threading.Thread(target=read, name="refit-watch-open", daemon=True).start()
+        if not done.wait(timeout):
+            self.close()
+            raise RefitTimeout(f"WatchRounds: the daemon did not open the stream within {timeout:g} s")
+        if not any(tuple(m) == WATCH_OPEN for m in metadata):
+            self._call.cancel()  # ended already, unless the daemon does not say when it opens
+            if self._call.code() in (grpc.StatusCode.OK, grpc.StatusCode.CANCELLED):
+                raise RefitError(grpc.StatusCode.UNAVAILABLE, "WatchRounds: the stream ended before the daemon opened it")
+            raise error_from(self._call) from None
 
     def __iter__(self) -> Iterator[RoundResult]:
         try:
@@ -337,11 +363,13 @@ class Controller:
             yield from stream
 
     def open_watch(self, group: str = "", timeout: Optional[float] = None) -> "RoundWatch":
-        """watch(), with the stream requested now rather than at the first iteration: open it
-        before starting the rounds it must see, then read rounds() for what may have ended before
-        the daemon had the stream open (neither replays nor orders the two). Iterate it, and
-        close it (or use it as a context manager) when done."""
-        return RoundWatch(self._stub.WatchRounds(refit_pb2.WatchRoundsRequest(group=group), timeout=timeout))
+        """watch(), with the stream opened now rather than at the first iteration: returns once
+        the daemon has it open (within the controller's timeout, else RefitTimeout), so every
+        round started after this call returns is seen; rounds() tells what ended before. Iterate
+        it, and close it (or use it as a context manager) when done."""
+        watch = RoundWatch(self._stub.WatchRounds(refit_pb2.WatchRoundsRequest(group=group), timeout=timeout))
+        watch.wait_open(self.timeout if timeout is None else min(timeout, self.timeout))
+        return watch
 
     def rounds(self, group: str = "", limit: int = 100) -> List[RoundResult]:
         """The most recent rounds of `group` (empty: all), oldest first, each in its last state

@@ -3,6 +3,7 @@ storage was replaced, a missing rank named on either side, the round history, se
 and the asyncio controller."""
 import asyncio
 import os
+import signal
 import sys
 import threading
 import time
@@ -174,6 +175,41 @@ class Rounds(ArenaCluster):
             self.assertAlmostEqual(r.seconds, r.prepare_seconds + r.transfer_seconds + r.commit_seconds)
         with self.assertRaises(refit.StateError):
             self.workers[-1].serve(timeout=0)  # the engine is not blocking
+
+
+    def test_open_watch_returns_once_open_and_sees_the_next_round_whole(self):
+        self.trainers()
+        self.worker(1, "inference", ENGINE, "engine")
+        self.ctl.wait_ready("g", timeout=20)
+        # The coordinator's own stream, then one that node 1 relays from it.
+        for version, daemon in enumerate(self.cluster.daemons, start=1):
+            ctl = refit.Controller(daemon.address)
+            try:
+                with ctl.open_watch("g", timeout=30) as watch:
+                    round_id = self.ctl.start_refit("g", version)  # at once: no wait in between
+                    states = []
+                    for event in watch:
+                        if event.round_id == round_id:
+                            states.append(event.state)
+                            if event.state in ("COMMITTED", "ABORTED"):
+                                break
+            finally:
+                ctl.close()
+            self.assertEqual(states, ["PREPARING", "TRANSFERRING", "COMMITTED"], f"node {daemon.node}")
+
+    def test_open_watch_of_a_frozen_daemon_ends_at_the_controllers_timeout(self):
+        node = self.cluster.daemons[1]
+        ctl = refit.Controller(node.address, timeout=1)
+        node.kill(signal.SIGSTOP)
+        try:
+            t0 = time.monotonic()
+            with self.assertRaises(refit.RefitTimeout) as e:
+                ctl.open_watch("g", timeout=30)
+            self.assertLess(time.monotonic() - t0, 5)
+            self.assertIn("did not open the stream within 1 s", str(e.exception))
+        finally:
+            node.kill(signal.SIGCONT)
+            ctl.close()
 
 
 class AsyncController(unittest.TestCase):

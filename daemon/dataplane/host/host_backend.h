@@ -297,13 +297,10 @@ class HostBackend : public DataBackend {
   int64_t max_mapped_bytes_ = 0;
   std::shared_ptr<std::atomic<int64_t>> mapped_bytes_ = std::make_shared<std::atomic<int64_t>>(0);
 
-  // Shared-memory objects mapped once each, by (name, size), while any buffer maps them.
+  // Shared-memory objects handed over as descriptors, by (device, inode): one mapping per
+  // object, however many descriptors of it arrive, while any buffer maps it. A live mapping pins
+  // its inode, so the key cannot be reused.
   absl::Mutex segments_mu_;
-  std::map<std::pair<std::string, int64_t>, std::weak_ptr<SharedMemory>> segments_
-      ABSL_GUARDED_BY(segments_mu_);
-  size_t opens_since_prune_ ABSL_GUARDED_BY(segments_mu_) = 0;
-  // Objects handed over as descriptors, by (device, inode): one mapping per object, however
-  // many descriptors of it arrive. A live mapping pins its inode, so the key cannot be reused.
   std::map<std::pair<dev_t, ino_t>, std::weak_ptr<SharedMemory>> fd_segments_
       ABSL_GUARDED_BY(segments_mu_);
   size_t fd_maps_since_prune_ ABSL_GUARDED_BY(segments_mu_) = 0;

@@ -516,6 +516,11 @@ class StagedSync:
         self._controller: Any = None
         self.seen = 0  # rollout side: the last version this rank saw committed
 
+    @property
+    def committed_version(self) -> int:
+        """The version the sending rank's last sync committed (0: none yet, or not the sending rank)."""
+        return self.staged.last_version if self.staged is not None else 0
+
     def controller(self) -> Any:
         if self._controller is None:
             import refit

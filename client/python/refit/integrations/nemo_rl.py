@@ -45,7 +45,7 @@ class RefitCheckpointEngine(CheckpointEngine):
     @property
     def committed_version(self) -> int:
         """The version this rank's last send_weights committed (0: none yet, or not the sending rank)."""
-        return self._sync.staged.last_version if self._sync.staged is not None else 0
+        return self._sync.committed_version
 
     def prepare(self) -> Dict[str, Any]:
         return {"backend": "refit", "group": self.group}

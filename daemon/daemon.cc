@@ -659,9 +659,10 @@ absl::Status Daemon::Register(const v1::RegisterWorkerRequest& request, WorkerTr
   auto registered = registry_->Register(request, transport);
   if (!registered.ok()) return registered.status();
   const std::shared_ptr<LocalWorker>& worker = registered->worker;
-  // The coordinator's own membership keeps the pieces; a node's sync sends its snapshot.
-  if (auto s =
-          SyncAdded(membership_ != nullptr ? worker->Full() : worker->request, worker->session_key);
+  // The coordinator's own membership keeps the pieces, from the kept encoding (never decoded
+  // here); a node's sync sends its snapshot.
+  if (auto s = SyncAdded(membership_ != nullptr ? worker->WithWorkerEncoded() : worker->request,
+                         worker->session_key);
       !s.ok()) {
     registry_->Drop(worker->id);
     if (s.code() == absl::StatusCode::kAlreadyExists ||

@@ -12,6 +12,7 @@
 #include "daemon/node/coordinator_link.h"
 #include "daemon/node/node_agent.h"
 #include "daemon/security/grpc_caller.h"
+#include "daemon/worker/registration_decoder.h"
 #include "daemon/worker/registration_limits.h"
 #include "daemon/worker/worker_registry.h"
 #include "daemon/worker/worker_session.h"
@@ -281,13 +282,20 @@ class PeerService : public v1::RefitPeer::Service {
       return ToGrpc(s);
     // What a node says of its workers is checked as a registration is: each on that node, within
     // the limits, its names printable (a node's bug, or a node's stolen key, stops here).
-    for (const v1::RegisterWorkerRequest& w : r->workers()) {
-      if (w.worker().node() != r->node()) {
+    // Each worker is read from its encoding (worker_encoded), never decoded piece by piece.
+    for (const v1::RegisterWorkerRequest& request : r->workers()) {
+      absl::StatusOr<SplitRegistration> split = SplitRegistration::Of(request);
+      if (!split.ok()) {
         return ToGrpc(absl::InvalidArgumentError(
-            absl::StrCat("SyncWorkers from node ", r->node(), ": worker \"", w.worker().name(),
-                         "\" says it is on node ", w.worker().node())));
+            absl::StrCat("SyncWorkers from node ", r->node(), ": ", split.status().message())));
       }
-      if (auto s = CheckRegistration(w, p_->config->limits); !s.ok()) {
+      const v1::Worker& w = split->header().worker();
+      if (w.node() != r->node()) {
+        return ToGrpc(absl::InvalidArgumentError(absl::StrCat("SyncWorkers from node ", r->node(),
+                                                              ": worker \"", w.name(),
+                                                              "\" says it is on node ", w.node())));
+      }
+      if (auto s = CheckRegistration(*split, p_->config->limits); !s.ok()) {
         return ToGrpc(absl::Status(
             s.code(), absl::StrCat("SyncWorkers from node ", r->node(), ": ", s.message())));
       }

@@ -6,6 +6,7 @@
 #include "absl/strings/str_join.h"
 #include "daemon/base/logging.h"
 #include "daemon/ops/memory_trim.h"
+#include "daemon/worker/registration_decoder.h"
 #include "plan/dtype.h"
 #include "plan/status_macros.h"
 
@@ -332,6 +333,17 @@ std::optional<absl::Status> Membership::StaleSync(const v1::SyncWorkersRequest& 
 
 absl::Status Membership::ApplySync(const v1::SyncWorkersRequest& request,
                                    v1::SyncWorkersResponse* response) {
+  // Each worker as its header and its encoding, split before the lock is taken.
+  std::vector<SplitRegistration> workers;
+  workers.reserve(static_cast<size_t>(request.workers_size()));
+  for (const v1::RegisterWorkerRequest& w : request.workers()) {
+    absl::StatusOr<SplitRegistration> split = SplitRegistration::Of(w);
+    if (!split.ok()) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("SyncWorkers from node ", request.node(), ": ", split.status().message()));
+    }
+    workers.push_back(*std::move(split));
+  }
   bool large = false;
   {
     absl::MutexLock lock(&mu_);
@@ -372,13 +384,14 @@ absl::Status Membership::ApplySync(const v1::SyncWorkersRequest& request,
     ClearWorkersLocked(n);  // its new list is checked against the other nodes' declarations
     n.workers.reserve(static_cast<size_t>(request.workers_size()));
     std::map<std::string, GroupLoad> load = LoadExcept(request.node());
-    for (const v1::RegisterWorkerRequest& w : request.workers()) {
+    for (const SplitRegistration& split : workers) {
+      const v1::RegisterWorkerRequest& w = split.header();
       // A name another live node holds stays with it: this one is refused, never admitted.
       std::optional<v1::WorkerRefusal> refused =
           Refusal(absl::StrCat(w.group(), "/", w.worker().name()), request.node());
       StoredWorker stored;
       if (!refused) {
-        stored = Store(w);
+        stored = Store(split);
         refused = OverLimit(stored, load[w.group()]);
       }
       if (!refused) refused = Declare(stored.header, request.node());
@@ -401,13 +414,15 @@ absl::Status Membership::ApplySync(const v1::SyncWorkersRequest& request,
   return absl::OkStatus();
 }
 
-absl::Status Membership::AddLocal(const v1::RegisterWorkerRequest& worker,
+absl::Status Membership::AddLocal(const v1::RegisterWorkerRequest& request,
                                   const std::string& registration) {
+  REFIT_ASSIGN_OR_RETURN(const SplitRegistration split, SplitRegistration::Of(request));
+  const v1::RegisterWorkerRequest& worker = split.header();
   absl::MutexLock lock(&mu_);
   const std::string id = absl::StrCat(worker.group(), "/", worker.worker().name());
   if (auto refused = Refusal(id, self_)) return absl::AlreadyExistsError(refused->reason());
-  RemoveLocalLocked(id, "");            // an earlier registration whose removal is still on its way
-  StoredWorker stored = Store(worker);  // handles stay on this node
+  RemoveLocalLocked(id, "");           // an earlier registration whose removal is still on its way
+  StoredWorker stored = Store(split);  // handles stay on this node
   stored.registration = registration;
   if (auto over = OverLimit(stored, LoadExcept(-1)[worker.group()]))
     return absl::ResourceExhaustedError(over->reason());
@@ -824,10 +839,10 @@ std::vector<v1::NodeAddress> Membership::DataAddresses() const {
   return out;
 }
 
-Membership::StoredWorker Membership::Store(const v1::RegisterWorkerRequest& request) {
+Membership::StoredWorker Membership::Store(const SplitRegistration& registration) {
+  const v1::RegisterWorkerRequest& request = registration.header();  // its buffers have no pieces
   StoredWorker out;
-  // The header: all but the pieces and the memory handles, built field by field (a copy of the
-  // whole request first would cost what is being saved).
+  // The header: all but the pieces and the memory handles, built field by field.
   v1::RegisterWorkerRequest& h = out.header;
   h.set_group(request.group());
   h.set_role(request.role());
@@ -849,10 +864,12 @@ Membership::StoredWorker Membership::Store(const v1::RegisterWorkerRequest& requ
     hb->set_name(b.name());
     hb->set_dtype(b.dtype());
     *hb->mutable_shape() = b.shape();
-    out.pieces += b.pieces_size();
   }
+  // Checked before it is stored (CheckRegistration): a valid encoding.
+  out.pieces = static_cast<int32_t>(std::max<int64_t>(0, CountPieces(registration.worker())));
   // The whole: the header's top-level fields, then each tensor (field 4) and the worker with its
-  // pieces (field 3) appended as the wire format's length-delimited fields.
+  // pieces (field 3) appended as the wire format's length-delimited fields, the worker's bytes
+  // as they came (never decoded here).
   v1::RegisterWorkerRequest top;
   top.set_group(request.group());
   top.set_role(request.role());
@@ -860,16 +877,13 @@ Membership::StoredWorker Membership::Store(const v1::RegisterWorkerRequest& requ
   top.set_trainer_rank(request.trainer_rank());
   top.set_trainer_world_size(request.trainer_world_size());
   out.wire = top.SerializeAsString();
-  auto append = [&](uint32_t field, const google::protobuf::MessageLite& m) {
-    const std::string bytes = m.SerializeAsString();
-    for (uint64_t v : {uint64_t{field << 3 | 2}, uint64_t{bytes.size()}}) {
-      for (; v >= 0x80; v >>= 7) out.wire.push_back(static_cast<char>(v | 0x80));
-      out.wire.push_back(static_cast<char>(v));
-    }
-    out.wire += bytes;
+  auto append = [&](uint32_t field, absl::string_view bytes) {
+    AppendVarint(uint64_t{field << 3 | 2}, &out.wire);
+    AppendVarint(bytes.size(), &out.wire);
+    out.wire.append(bytes.data(), bytes.size());
   };
-  for (const v1::TensorSpec& t : request.tensors()) append(4, t);
-  append(3, w);
+  for (const v1::TensorSpec& t : request.tensors()) append(4, t.SerializeAsString());
+  append(3, registration.worker());
   return out;
 }
 

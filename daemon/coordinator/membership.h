@@ -44,6 +44,7 @@
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
 #include "daemon/base/clock.h"
+#include "daemon/worker/registration_decoder.h"
 #include "daemon/worker/registration_limits.h"
 #include "proto/refit.pb.h"
 
@@ -157,7 +158,9 @@ class Membership {
   // registry's session key): a worker that re-registers at once may be added before its old
   // registration's removal arrives, which then removes only the old one. Adding replaces an
   // entry of the same name still here (the registry holds one registration per name).
-  absl::Status AddLocal(const v1::RegisterWorkerRequest& worker,
+  // `request`'s worker may come as `worker` or, read without decoding its pieces, as
+  // `worker_encoded` (LocalWorker::Encoded); so may a sync's.
+  absl::Status AddLocal(const v1::RegisterWorkerRequest& request,
                         const std::string& registration = "");
   // Removes `id`'s entry if it is still that of `registration` (empty: whichever).
   void RemoveLocal(const std::string& id, const std::string& registration = "");
@@ -212,7 +215,8 @@ class Membership {
     v1::Role role() const { return header.role(); }
     const v1::Worker& worker() const { return header.worker(); }
   };
-  static StoredWorker Store(const v1::RegisterWorkerRequest& request);
+  // From a registration checked by CheckRegistration (its worker a valid encoding).
+  static StoredWorker Store(const SplitRegistration& registration);
   struct NodeInfo {
     std::string control_address, data_address;
     int64_t incarnation = 0;

@@ -106,6 +106,37 @@ bool AppendWithout(absl::string_view bytes, absl::Span<const int> path,
   }
 }
 
+bool SplitOutWorker(absl::string_view registration, std::string* rest, std::string* worker) {
+  constexpr int kWorker = v1::RegisterWorkerRequest::kWorkerFieldNumber;
+  constexpr int kEncoded = v1::RegisterWorkerRequest::kWorkerEncodedFieldNumber;
+  size_t worker_bytes = 0;
+  CodedInputStream in = InputOf(registration);
+  while (true) {
+    const int start = in.CurrentPosition();
+    const uint32_t tag = in.ReadTag();
+    if (tag == 0) {
+      if (in.CurrentPosition() != static_cast<int>(registration.size())) return false;
+      break;
+    }
+    const int number = WireFormatLite::GetTagFieldNumber(tag);
+    if (number == kEncoded) return false;
+    if (number == kWorker &&
+        WireFormatLite::GetTagWireType(tag) == WireFormatLite::WIRETYPE_LENGTH_DELIMITED) {
+      uint32_t length = 0;
+      if (!in.ReadVarint32(&length) || !in.Skip(static_cast<int>(length))) return false;
+      worker_bytes += length;
+      continue;
+    }
+    if (!WireFormatLite::SkipField(&in, tag)) return false;
+    rest->append(registration.data() + start, in.CurrentPosition() - start);
+  }
+  worker->reserve(worker->size() + worker_bytes);
+  return ForEachField(registration, kWorker, [&](absl::string_view payload) {
+    worker->append(payload.data(), payload.size());
+    return true;
+  });
+}
+
 absl::StatusOr<SplitRegistration> SplitRegistration::Of(const v1::RegisterWorkerRequest& request) {
   SplitRegistration out;
   if (request.has_worker() && !request.worker_encoded().empty()) {

@@ -67,4 +67,11 @@ bool AppendWithout(absl::string_view bytes, absl::Span<const int> path,
                    std::initializer_list<int> drop, std::string* out);
 void AppendVarint(uint64_t value, std::string* out);
 
+// The encoded RegisterWorkerRequest `registration` cut in two: every field but `worker`, as it
+// is, appended to `rest`; and the payloads of every occurrence of `worker` (a parser merges them
+// into one) concatenated, appended to `worker`: one Worker's encoding. Sent as `worker_encoded`
+// beside `rest`, a daemon reads the worker as one string (SplitRegistration), not a message per
+// piece. False if `registration` is not a valid encoding or already carries `worker_encoded`.
+bool SplitOutWorker(absl::string_view registration, std::string* rest, std::string* worker);
+
 }  // namespace refit

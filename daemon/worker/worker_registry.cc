@@ -239,8 +239,21 @@ v1::RegisterWorkerRequest LocalWorker::Full() const {
 
 v1::RegisterWorkerRequest LocalWorker::Encoded() const {
   v1::RegisterWorkerRequest r;
-  if (!r.GetReflection()->MutableUnknownFields(&r)->ParseFromString(wire))
+  std::string rest, worker;
+  google::protobuf::UnknownFieldSet* fields = r.GetReflection()->MutableUnknownFields(&r);
+  if (!SplitOutWorker(wire, &rest, &worker) || !fields->ParseFromString(rest))
     return Full();  // cannot happen, as above
+  *fields->AddLengthDelimited(v1::RegisterWorkerRequest::kWorkerEncodedFieldNumber) =
+      std::move(worker);
+  return r;
+}
+
+v1::RegisterWorkerRequest LocalWorker::WithWorkerEncoded() const {
+  v1::RegisterWorkerRequest r;
+  std::string rest, worker;
+  if (!SplitOutWorker(wire, &rest, &worker) || !r.ParseFromString(rest))
+    return Full();  // cannot happen, as above
+  r.set_worker_encoded(std::move(worker));
   return r;
 }
 

@@ -42,9 +42,14 @@ struct LocalWorker {
   std::string wire;  // the whole registration, encoded, no memory handles (KeepRegistration)
   v1::RegisterWorkerRequest Full()
       const;  // decodes `wire`: every piece as a message (12x its size)
-  // `wire` as a message that holds it undecoded (as unknown fields: its accessors read nothing):
-  // what a sync sends, at the cost of one copy of its bytes.
+  // `wire` with its worker as `worker_encoded` (AppendWithWorkerEncoded), held undecoded as
+  // unknown fields (its accessors read nothing): what a sync sends, at the cost of one copy of its
+  // bytes, and what the coordinator then reads as one string per worker rather than a message
+  // per piece.
   v1::RegisterWorkerRequest Encoded() const;
+  // The same with every field but the worker decoded: what the coordinator's own membership
+  // keeps of one of its node's workers (Membership::AddLocal).
+  v1::RegisterWorkerRequest WithWorkerEncoded() const;
   std::vector<std::unique_ptr<MappedBuffer>> buffers;
   absl::flat_hash_map<std::string, int> buffer_index;  // by name: a trainer may hold 100k buffers
   // This registration's secret (worker_admission.h): its session's hello and its Unregister

@@ -230,14 +230,22 @@ TEST_CASE(
   CHECK(again->worker->request.SerializeAsString() == w.request.SerializeAsString());
   CHECK(again->pieces == registered->pieces);
 
-  // A sync sends it as it is kept: the coordinator decodes the same registration.
+  // A sync sends it as it is kept, its worker as `worker_encoded`: the coordinator reads the same
+  // registration, and its worker as one string.
   v1::SyncWorkersRequest sync;
   for (v1::RegisterWorkerRequest& each : node.registry.Snapshot())
     *sync.add_workers() = std::move(each);
   v1::SyncWorkersRequest received;
   REQUIRE(received.ParseFromString(sync.SerializeAsString()));
   REQUIRE(received.workers_size() == 1);
-  CHECK(received.workers(0).SerializeAsString() == expected.SerializeAsString());
+  CHECK_FALSE(received.workers(0).has_worker());
+  CHECK(!received.workers(0).worker_encoded().empty());
+  v1::RegisterWorkerRequest merged = received.workers(0);
+  REQUIRE(merged.mutable_worker()->ParseFromString(merged.worker_encoded()));
+  merged.clear_worker_encoded();
+  CHECK(merged.SerializeAsString() == expected.SerializeAsString());
+  // The coordinator's own node keeps the same, decoded but for the worker.
+  CHECK(w.WithWorkerEncoded().SerializeAsString() == received.workers(0).SerializeAsString());
 }
 
 TEST_CASE("registering costs a few times the registration's size, not a copy of it as messages") {

@@ -29,8 +29,10 @@ template <typename Visit>
 bool ForEachField(absl::string_view bytes, int number, Visit&& visit) {
   CodedInputStream in = InputOf(bytes);
   while (true) {
+    // At the end, or a tag: ReadTag's 0 also stands for a truncated one.
+    if (in.CurrentPosition() == static_cast<int>(bytes.size())) return true;
     const uint32_t tag = in.ReadTag();
-    if (tag == 0) return in.CurrentPosition() == static_cast<int>(bytes.size());
+    if (tag == 0) return false;
     if (WireFormatLite::GetTagFieldNumber(tag) == number &&
         WireFormatLite::GetTagWireType(tag) == WireFormatLite::WIRETYPE_LENGTH_DELIMITED) {
       uint32_t length = 0;
@@ -81,8 +83,9 @@ bool AppendWithout(absl::string_view bytes, absl::Span<const int> path,
   CodedInputStream in = InputOf(bytes);
   while (true) {
     const int start = in.CurrentPosition();
+    if (start == static_cast<int>(bytes.size())) return true;
     const uint32_t tag = in.ReadTag();
-    if (tag == 0) return in.CurrentPosition() == static_cast<int>(bytes.size());
+    if (tag == 0) return false;  // a truncated tag, or field 0
     const int number = WireFormatLite::GetTagFieldNumber(tag);
     if (!path.empty() && number == path[0] &&
         WireFormatLite::GetTagWireType(tag) == WireFormatLite::WIRETYPE_LENGTH_DELIMITED) {
@@ -113,11 +116,9 @@ bool SplitOutWorker(absl::string_view registration, std::string* rest, std::stri
   CodedInputStream in = InputOf(registration);
   while (true) {
     const int start = in.CurrentPosition();
+    if (start == static_cast<int>(registration.size())) break;
     const uint32_t tag = in.ReadTag();
-    if (tag == 0) {
-      if (in.CurrentPosition() != static_cast<int>(registration.size())) return false;
-      break;
-    }
+    if (tag == 0) return false;  // a truncated tag, or field 0
     const int number = WireFormatLite::GetTagFieldNumber(tag);
     if (number == kEncoded) return false;
     if (number == kWorker &&

@@ -170,5 +170,43 @@ TEST_CASE("a split keeps everything but the pieces as messages, and the worker's
   }
 }
 
+TEST_CASE("a registration's worker is cut out whole, its occurrences merged, the rest kept") {
+  const v1::RegisterWorkerRequest r = Mixed();
+  // As a node keeps it: the worker, then a second occurrence setting its node and GPU.
+  v1::RegisterWorkerRequest placed;
+  placed.mutable_worker()->set_node(3);
+  placed.mutable_worker()->set_gpu(5);
+  const std::string kept = r.SerializeAsString() + placed.SerializeAsString();
+  std::string rest, worker;
+  REQUIRE(SplitOutWorker(kept, &rest, &worker));
+  v1::RegisterWorkerRequest sent;
+  REQUIRE(sent.ParseFromString(rest));
+  CHECK_FALSE(sent.has_worker());
+  sent.set_worker_encoded(worker);
+  v1::RegisterWorkerRequest expected = r;
+  expected.mutable_worker()->set_node(3);
+  expected.mutable_worker()->set_gpu(5);
+  auto split = SplitRegistration::Of(sent);
+  REQUIRE(split.ok());
+  v1::Worker whole;
+  REQUIRE(whole.ParseFromString(std::string(split->worker())));
+  CHECK(whole.SerializeAsString() == expected.worker().SerializeAsString());
+  CHECK(split->header().tensors_size() == r.tensors_size());
+  CHECK(split->header().group() == r.group());
+  auto decoded = DecodeWorkerLayout(*split, 1 << 20);
+  auto reference = Reference(expected);
+  REQUIRE(decoded.ok());
+  REQUIRE(reference.ok());
+  CheckSameLayout(*decoded, *reference);
+
+  // Not an encoding, or one that already carries worker_encoded: refused.
+  std::string r2, w2;
+  CHECK_FALSE(SplitOutWorker("\xff\xff", &r2, &w2));
+  CHECK_FALSE(SplitOutWorker(sent.SerializeAsString(), &r2, &w2));
+  // A truncated tag at the end is not the end (ReadTag answers 0 for both).
+  CHECK(CountPieces("\xff\xff") == -1);
+  CHECK(CountPieces(whole.SerializeAsString() + "\x80") == -1);
+}
+
 }  // namespace
 }  // namespace refit

@@ -1,6 +1,7 @@
 #include "daemon/daemon.h"
 
 #include <grpcpp/resource_quota.h>
+#include <grpcpp/server_posix.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -453,11 +454,11 @@ absl::StatusOr<int> Daemon::StartControlServer() {
 absl::Status Daemon::StartWorkerServer() {
   // Workers: the unix socket (its file mode says who may connect; the handle socket's
   // credentials say who registers), and TCP only when asked. RefitControl is here too, for local
-  // tools (under TLS, read-only: steering needs an operator certificate). Never RefitPeer.
+  // tools (under TLS, read-only: steering needs an operator certificate). Never RefitPeer. The
+  // unix socket is accepted here, not by gRPC, so that each caller's uid is known
+  // (daemon/security/unix_callers.h); gRPC serves each connection it is handed.
   grpc::ServerBuilder workers;
   ConfigureServer(config_, workers);
-  unlink(config_.worker_socket.c_str());  // a stale socket from a dead daemon
-  workers.AddListeningPort("unix:" + config_.worker_socket, grpc::InsecureServerCredentials());
   int worker_port = 0;
   if (!config_.worker_listen.empty()) {
     workers.AddListeningPort(config_.worker_listen, tls_->ServerCredentials(), &worker_port);
@@ -474,6 +475,11 @@ absl::Status Daemon::StartWorkerServer() {
         absl::StrCat("cannot listen on unix:", config_.worker_socket,
                      config_.worker_listen.empty() ? "" : " and " + config_.worker_listen));
   }
+  grpc::Server* server = worker_server_.get();
+  REFIT_ASSIGN_OR_RETURN(worker_socket_,
+                         UnixCallerListener::Start(config_.worker_socket, [server](int fd) {
+                           grpc::AddInsecureChannelFromFd(server, fd);
+                         }));
   if (!config_.worker_listen.empty()) {
     const std::string host = config_.worker_listen.substr(0, config_.worker_listen.rfind(':'));
     Logger("rpc")->warn("workers are also served over TCP at {}:{} (not identified by uid{})", host,
@@ -551,6 +557,7 @@ void Daemon::Shutdown() {
   // The worker service (services_) outlives server_ and waits for sessions still in OnDone.
   if (registry_) registry_->Stop();
   if (round_log_) round_log_->Stop();
+  worker_socket_.reset();  // no connection is handed to the worker server once it shuts down
   const auto deadline = std::chrono::system_clock::now() + std::chrono::seconds(2);
   for (grpc::Server* server : Servers()) server->Shutdown(deadline);
   absl::MutexLock lock(&mu_);

@@ -35,6 +35,7 @@
 #include "daemon/dataplane/backend.h"
 #include "daemon/security/authority.h"
 #include "daemon/security/loopback_owner.h"
+#include "daemon/security/unix_callers.h"
 #include "daemon/services.h"
 
 namespace refit {
@@ -144,6 +145,8 @@ class Daemon {
   std::unique_ptr<grpc::Server> server_;
   std::unique_ptr<grpc::Server> worker_server_;
   std::unique_ptr<grpc::Server> health_server_;
+  // The unix socket's connections, accepted here and handed to worker_server_ (gone first).
+  std::unique_ptr<UnixCallerListener> worker_socket_;
   std::thread monitor_;
   std::thread ticker_;
 

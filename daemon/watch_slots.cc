@@ -22,8 +22,12 @@ WatchCaller WatchCallerOf(const Caller& caller) {
     return {absl::StrCat("certificate ", absl::StrJoin(names, ",")),
             absl::StrCat("certificate \"", shown, "\"")};
   }
+  if (caller.unix_socket && caller.uid.has_value()) {
+    return {absl::StrCat("uid ", *caller.uid),
+            absl::StrCat("uid ", *caller.uid, " on the worker socket")};
+  }
   if (caller.unix_socket) {
-    return {"unix", "the callers on the worker socket (gRPC does not say which user each is)"};
+    return {"unix", "the callers on the worker socket whose user is not known"};
   }
   const absl::StatusOr<Endpoint> peer = ParseGrpcPeer(caller.peer);
   if (peer.ok() && IsLoopback(*peer)) {

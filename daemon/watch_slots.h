@@ -29,8 +29,8 @@ struct WatchCaller {
 // - without TLS over loopback TCP: the daemon's own uid or root, the only users the authority
 //   admits there (daemon/security/loopback_owner.h), and daemons forwarding watches; not capped;
 // - without TLS from another host (--insecure-listen): that host's address;
-// - the worker socket: gRPC names no unix caller (its peer is "unix:" for all, its auth context
-//   says nothing of the uid), so its callers share one share.
+// - the worker socket: its user, as the kernel says (the daemon accepts the socket's connections
+//   itself: daemon/security/unix_callers.h); a unix caller of unknown user shares one share.
 WatchCaller WatchCallerOf(const Caller& caller);
 
 class WatchSlots {

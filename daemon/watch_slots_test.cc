@@ -1,6 +1,7 @@
 #include "daemon/watch_slots.h"
 
 #include <grpcpp/grpcpp.h>
+#include <grpcpp/server_posix.h>
 #include <unistd.h>
 
 #include <catch2/catch.hpp>
@@ -13,6 +14,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 #include "daemon/coordinator/round_log.h"
+#include "daemon/security/unix_callers.h"
 #include "daemon/services.h"
 #include "proto/refit.grpc.pb.h"
 
@@ -109,8 +111,9 @@ TEST_CASE("one caller holds at most its share; others still get slots; the total
   CHECK(slots.held_by("v") == 0);
 }
 
-// Through gRPC: a coordinator's RefitControl on a unix socket and on loopback TCP, without TLS.
-// The worker socket's callers share one share; the daemon's own user over TCP is not capped.
+// Through gRPC: a coordinator's RefitControl on a unix socket (accepted as the daemon accepts its
+// worker socket) and on loopback TCP, without TLS. Each user on the worker socket has its share;
+// the daemon's own user over TCP is not capped.
 TEST_CASE(
     "WatchRounds: the worker socket's callers cannot take every slot; a TCP caller still gets "
     "one") {
@@ -129,11 +132,14 @@ TEST_CASE(
   grpc::ServerBuilder builder;
   int port = 0;
   builder.AddListeningPort("127.0.0.1:0", grpc::InsecureServerCredentials(), &port);
-  builder.AddListeningPort("unix:" + socket, grpc::InsecureServerCredentials());
   builder.RegisterService(control.get());
   std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
   REQUIRE(server != nullptr);
   REQUIRE(port != 0);
+  grpc::Server* serving = server.get();
+  auto unix_socket = UnixCallerListener::Start(
+      socket, [serving](int fd) { grpc::AddInsecureChannelFromFd(serving, fd); });
+  REQUIRE(unix_socket.ok());
 
   struct Watch {
     std::unique_ptr<v1::RefitControl::Stub> stub;
@@ -164,8 +170,7 @@ TEST_CASE(
   const grpc::Status status = refused->reader->Finish();
   CHECK(status.error_code() == grpc::StatusCode::RESOURCE_EXHAUSTED);
   CHECK(status.error_message() ==
-        absl::StrCat("WatchRounds: the callers on the worker socket (gRPC does not say which "
-                     "user each is) holds ",
+        absl::StrCat("WatchRounds: uid ", geteuid(), " on the worker socket holds ",
                      kMaxWatchesPerCaller,
                      " streams on this daemon already, the most one caller may hold at "
                      "once; close one"));
@@ -176,8 +181,8 @@ TEST_CASE(
   CHECK(eventually([&] { return parts.watch_slots.open() == 0; }));
   for (auto& w : watches) w->reader->Finish();
   log.Stop();
+  unix_socket->reset();
   server->Shutdown(absl::ToChronoTime(absl::Now() + absl::Seconds(5)));
-  unlink(socket.c_str());
   rmdir(dir);
 }
 

@@ -31,6 +31,7 @@ namespace refit {
 
 struct Caller {
   bool unix_socket = false;        // came over the worker socket
+  std::optional<uint32_t> uid;     // the worker socket's caller's user, as the kernel says
   bool authenticated = false;      // a TLS client certificate, verified against the CA
   std::vector<std::string> names;  // its CN and DNS SANs
   std::string peer;                // gRPC's peer string, for errors and logs

@@ -8,6 +8,7 @@
 #include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "daemon/security/unix_callers.h"
 
 namespace refit {
 
@@ -42,7 +43,12 @@ absl::Status CheckServerNode(const GrpcTls& tls, const grpc::ClientContext& cont
 Caller CallerOf(const grpc::ServerContextBase& context) {
   Caller caller;
   caller.peer = context.peer();
-  caller.unix_socket = absl::StartsWith(caller.peer, "unix:");
+  if (const std::optional<UnixCredentials> unix = UnixCallerOf(caller.peer)) {
+    caller.unix_socket = true;
+    caller.uid = unix->uid;
+  } else {
+    caller.unix_socket = absl::StartsWith(caller.peer, "unix:");
+  }
   const std::shared_ptr<const grpc::AuthContext> auth = context.auth_context();
   if (auth != nullptr && auth->IsPeerAuthenticated()) {
     caller.authenticated = true;

@@ -19,6 +19,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "daemon/base/socket.h"
+#include "daemon/security/unix_callers.h"
 
 namespace refit {
 namespace {
@@ -201,7 +202,8 @@ absl::StatusOr<Endpoint> ParseGrpcPeer(absl::string_view peer) {
 }
 
 bool IsUnixPeer(absl::string_view peer) {
-  return absl::StartsWith(peer, "unix:") || absl::StartsWith(peer, "unix-abstract:");
+  return absl::StartsWith(peer, "unix:") || absl::StartsWith(peer, "unix-abstract:") ||
+         UnixCallerOf(peer).has_value();
 }
 
 std::vector<Endpoint> ListenerAddresses(absl::string_view configured, int port) {

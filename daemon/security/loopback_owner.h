@@ -35,7 +35,8 @@ struct Endpoint {
 bool IsLoopback(const Endpoint& e);
 // gRPC's peer string, a URI ("ipv4:127.0.0.1:5000", "ipv6:%5B::1%5D:5000"); NOT_FOUND for others.
 absl::StatusOr<Endpoint> ParseGrpcPeer(absl::string_view peer);
-// "unix:..." or "unix-abstract:...": a unix socket's caller.
+// "unix:..." or "unix-abstract:...", or a connection the daemon accepted on its worker socket
+// ("fd:<n>", unix_callers.h): a unix socket's caller.
 bool IsUnixPeer(absl::string_view peer);
 // "127.0.0.1:5000", "[::1]:5000", "localhost:5000" (as 127.0.0.1).
 absl::StatusOr<Endpoint> ParseHostPort(absl::string_view address);

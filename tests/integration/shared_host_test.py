@@ -5,7 +5,9 @@ pattern workers that check every destination byte at every commit); then a proce
 uid 65534 (nobody) tries the control port (Status, Refit), the peer service (Join, RunPhase) and
 the data plane (a frame, and a listener on a dead node's data port is not tried here: the sender's
 check is covered by daemon/security/loopback_owner_test). Each is refused, naming the uid; the daemons log
-it; the legitimate rounds keep committing byte-exact. Needs root (to become another uid)."""
+it; the legitimate rounds keep committing byte-exact. And a user that --worker-uids lets onto the
+worker socket takes only its own share of the WatchRounds slots there: other users still watch.
+Needs root (to become another uid)."""
 import json
 import os
 import shutil
@@ -69,6 +71,48 @@ print(json.dumps(out))
 """
 
 
+# Run as nobody on the worker socket: holds every WatchRounds stream one caller may, asks for one
+# more, prints what came of it, and holds them until told (a line on stdin).
+WATCHER = r"""
+import json, sys
+sys.path.insert(0, sys.argv[1])
+import grpc
+from refit import _rpc
+from refit._proto import refit_pb2
+ctl = _rpc.Stub(grpc.insecure_channel(sys.argv[2]), "RefitControl")
+held = [ctl.WatchRounds(refit_pb2.WatchRoundsRequest(), timeout=120) for _ in range(int(sys.argv[3]))]
+for h in held:
+    h.initial_metadata()  # sent once the daemon holds the stream open
+extra = ctl.WatchRounds(refit_pb2.WatchRoundsRequest(), timeout=30)
+try:
+    extra.initial_metadata()
+    next(extra)
+    got = "OK"
+except grpc.RpcError as e:
+    got = "%s: %s" % (e.code().name, e.details())
+print(json.dumps({"one_more": got}), flush=True)
+sys.stdin.readline()
+"""
+
+MAX_WATCHES_PER_CALLER = 8  # daemon/services.h, kMaxWatchesPerCaller
+
+
+def public_package():
+    """A copy of the refit package that nobody can read (the test's own files are under root's home)."""
+    public = tempfile.mkdtemp(prefix="refit-shared-host-", dir="/tmp")
+    shutil.copytree(os.path.dirname(refit.__file__), os.path.join(public, "refit"))
+    for root, dirs, files in os.walk(public):
+        for n in dirs + files:
+            os.chmod(os.path.join(root, n), 0o755)
+    os.chmod(public, 0o755)
+    return public
+
+
+def drop_to_nobody():
+    os.setgid(NOBODY)
+    os.setuid(NOBODY)
+
+
 def routable_address():
     """An IPv4 address of this host that is not loopback ("" if none)."""
     try:
@@ -96,13 +140,7 @@ class SharedHostSuite(unittest.TestCase):
         cls.ctl = refit.Controller(cls.cluster.control)
         cls.ctl.wait_ready("policy", timeout=30)
         cls.version = 0
-        # The package, readable by nobody (the test's own files are under root's home).
-        cls.public = tempfile.mkdtemp(prefix="refit-shared-host-", dir="/tmp")
-        shutil.copytree(os.path.dirname(refit.__file__), os.path.join(cls.public, "refit"))
-        for root, dirs, files in os.walk(cls.public):
-            for n in dirs + files:
-                os.chmod(os.path.join(root, n), 0o755)
-        os.chmod(cls.public, 0o755)
+        cls.public = public_package()
 
     @classmethod
     def tearDownClass(cls):
@@ -120,11 +158,8 @@ class SharedHostSuite(unittest.TestCase):
         return address
 
     def as_nobody(self, control, data):
-        def drop():
-            os.setgid(NOBODY)
-            os.setuid(NOBODY)
         p = subprocess.run([sys.executable, "-c", HOSTILE, self.public, control, data, routable_address()],
-                           preexec_fn=drop,
+                           preexec_fn=drop_to_nobody,
                            capture_output=True, text=True, timeout=120, cwd="/tmp")
         self.assertEqual(p.returncode, 0, p.stderr)
         return json.loads(p.stdout.strip().splitlines()[-1])
@@ -150,6 +185,51 @@ class SharedHostSuite(unittest.TestCase):
         # The same calls from this uid are answered: the refusal is the user's, not the call's.
         status = self.ctl.status()
         self.assertIn("policy", json.dumps(status, default=str), status)
+
+
+@unittest.skipUnless(os.geteuid() == 0, "becoming another uid needs root")
+class WorkerSocketShareSuite(unittest.TestCase):
+    """The worker socket's WatchRounds slots are shared out per user (the daemon reads each
+    connection's uid), not one share for every user let onto the socket."""
+
+    @classmethod
+    def setUpClass(cls):
+        cls.cluster = harness.Cluster(nodes=1, tls=False, daemon_flags=["--worker-uids", f"0,{NOBODY}"])
+        os.chmod(cls.cluster.socket_dir, 0o711)  # the socket's own ACL says who may connect
+        cls.public = public_package()
+
+    @classmethod
+    def tearDownClass(cls):
+        cls.cluster.close()
+        shutil.rmtree(cls.public, ignore_errors=True)
+
+    def test_one_user_cannot_take_every_watch_on_the_worker_socket(self):
+        target = self.cluster.daemons[0].worker_address
+        nobody = subprocess.Popen([sys.executable, "-c", WATCHER, self.public, target, str(MAX_WATCHES_PER_CALLER)],
+                                  preexec_fn=drop_to_nobody, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                  stderr=subprocess.PIPE, text=True, cwd="/tmp")
+        try:
+            line = nobody.stdout.readline()
+            self.assertTrue(line, f"nobody's watcher ended: {nobody.stderr.read() if nobody.poll() is not None else ''}")
+            got = json.loads(line)["one_more"]
+            self.assertTrue(got.startswith("RESOURCE_EXHAUSTED"), got)
+            self.assertIn(f"uid {NOBODY} on the worker socket", got)
+            # This uid, on the same socket, while nobody holds its whole share: still watches.
+            ctl = refit.Controller(target, timeout=10)
+            try:
+                with ctl.open_watch():
+                    pass
+            finally:
+                ctl.close()
+        finally:
+            try:
+                nobody.stdin.write("\n")
+                nobody.stdin.close()
+            except OSError:  # it ended already; what it said is in the assertion above
+                pass
+            nobody.wait(timeout=30)
+            nobody.stdout.close()
+            nobody.stderr.close()
 
 
 if __name__ == "__main__":

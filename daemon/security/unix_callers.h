@@ -1,0 +1,67 @@
+// The worker socket's callers, each known by the user the kernel says it runs as.
+//
+// gRPC names every caller of a unix socket it listens on alike ("unix:"), and its auth context
+// carries no uid, so nothing shared per caller (WatchRounds slots) could be kept per user. So the
+// daemon listens on that socket itself: each connection it accepts is read for its credentials
+// (SO_PEERCRED), recorded under its descriptor, and handed to gRPC (AddInsecureChannelFromFd),
+// whose peer for it is then "fd:<descriptor>". UnixCallerOf reads the credentials back from that
+// peer. The record is process-wide, keyed by descriptor number: a number is reused only after
+// gRPC closed its connection, and the accept that reuses it records the new caller before gRPC
+// sees it; so the record holds at most one entry per descriptor the process may open.
+#pragma once
+
+#include <sys/types.h>
+
+#include <atomic>
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <optional>
+#include <string>
+#include <thread>
+
+#include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
+#include "daemon/base/socket.h"
+
+namespace refit {
+
+struct UnixCredentials {
+  uint32_t uid = 0;
+  int32_t pid = 0;
+};
+
+// The credentials of the connection behind gRPC peer `peer` ("fd:<n>"), if it came through a
+// UnixCallerListener; nullopt for any other peer.
+std::optional<UnixCredentials> UnixCallerOf(absl::string_view peer);
+
+// Listens on a unix socket path and hands each connection, its credentials recorded, to `serve`
+// (which owns the descriptor from then on: gRPC's AddInsecureChannelFromFd).
+class UnixCallerListener {
+ public:
+  // Binds and listens at `path` (a stale socket there is removed first); INVALID_ARGUMENT for a
+  // path too long for a unix socket, UNAVAILABLE naming the path and errno otherwise. `serve` is
+  // called on the listener's thread, one connection at a time.
+  static absl::StatusOr<std::unique_ptr<UnixCallerListener>> Start(
+      const std::string& path, std::function<void(int fd)> serve);
+  ~UnixCallerListener();  // stops accepting and removes the socket file
+  UnixCallerListener(const UnixCallerListener&) = delete;
+  UnixCallerListener& operator=(const UnixCallerListener&) = delete;
+
+  const std::string& path() const { return path_; }
+  int64_t accepted() const { return accepted_.load(); }
+
+ private:
+  UnixCallerListener(std::string path, std::function<void(int)> serve)
+      : path_(std::move(path)), serve_(std::move(serve)) {}
+  void Loop();
+
+  const std::string path_;
+  const std::function<void(int)> serve_;
+  Fd listener_;
+  Fd wake_read_, wake_write_;  // a byte written here ends Loop
+  std::atomic<int64_t> accepted_{0};
+  std::thread thread_;
+};
+
+}  // namespace refit

@@ -51,9 +51,9 @@ absl::StatusOr<std::unique_ptr<UnixCallerListener>> UnixCallerListener::Start(
   sockaddr_un addr{};
   addr.sun_family = AF_UNIX;
   if (path.empty() || path.size() >= sizeof addr.sun_path) {
-    return absl::InvalidArgumentError(absl::StrCat("the unix socket path \"", path, "\" is ",
-                                                   path.empty() ? "empty" : "too long", " (at most ",
-                                                   sizeof addr.sun_path - 1, " bytes)"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("the unix socket path \"", path, "\" is ", path.empty() ? "empty" : "too long",
+                     " (at most ", sizeof addr.sun_path - 1, " bytes)"));
   }
   std::memcpy(addr.sun_path, path.data(), path.size());
   std::unique_ptr<UnixCallerListener> l(new UnixCallerListener(path, std::move(serve)));
@@ -113,9 +113,10 @@ void UnixCallerListener::Loop() {
     ucred cred{};
     socklen_t len = sizeof cred;
     if (getsockopt(fd.get(), SOL_SOCKET, SO_PEERCRED, &cred, &len) != 0) {
-      Logger("rpc")->warn("unix:{}: a connection's credentials (SO_PEERCRED) could not be read ({}); "
-                          "closed",
-                          path_, std::strerror(errno));
+      Logger("rpc")->warn(
+          "unix:{}: a connection's credentials (SO_PEERCRED) could not be read ({}); "
+          "closed",
+          path_, std::strerror(errno));
       continue;
     }
     {

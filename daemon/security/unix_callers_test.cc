@@ -1,14 +1,14 @@
 #include "daemon/security/unix_callers.h"
 
+#include <fcntl.h>
 #include <sys/socket.h>
 #include <sys/un.h>
-#include <fcntl.h>
 #include <unistd.h>
 
 #include <catch2/catch.hpp>
+#include <condition_variable>
 #include <cstring>
 #include <mutex>
-#include <condition_variable>
 #include <vector>
 
 #include "absl/strings/str_cat.h"

@@ -638,6 +638,11 @@ __device__ __forceinline__ Divisor BlockDivisor(float amax, bool mx, uint8_t* co
     q.scale = BlockFp8Scale(amax);
     q.inverse = ReciprocalOf(q.scale);
     q.corrected = amax >= kCorrectedQuotientMinAmax;
+    // A block of zeros (amax 0) has scale 1, a power of two: the product by 1 is the division's
+    // quotient (each element itself, its sign kept). Dividing them element by element made such a
+    // block cost several times another's, and weights do hold them (the refit's checked fill has
+    // one block in eleven: on an H100 the kernel took 12.65 ms on those values, 9.90 on others).
+    q.power_of_two = amax == 0.0f;
   }
   return q;
 }

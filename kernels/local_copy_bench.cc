@@ -20,6 +20,8 @@
 //                    [--quant-min-blocks 2,3]
 // --quantizing: quantizing items in the quantizing kernel (auto: where a launch has any, as
 // HasQuantizing; 0: in the copy kernel, as before it); --quant-min-blocks: its register plan.
+// --fill refit: the sources hold what the refit's workers fill them with (FillAsWorkers: blocks
+// of zeros among the quantized weights) rather than weight-like values everywhere (weights).
 // Each line also gives the bytes the launches must read and write (a quantized weight's source
 // once, its codes and scales; a copy's both ends) and the time that traffic takes at the rate of
 // the device-to-device copy of the same run (which reads and writes `bytes`): the memory bound.
@@ -36,6 +38,7 @@
 #include "kernels/copy_kernels.h"
 #include "kernels/cuda_check.h"
 #include "plan/planner.h"
+#include "plan/verify.h"
 #include "proto/layout_codec.h"
 
 namespace refit {
@@ -73,6 +76,7 @@ struct Options {
   std::vector<int64_t> batch_caps = {0}, fill_warps = {8192}, blocks_per_sm = {0};
   std::vector<int> quantizing = {-1};  // -1: auto (HasQuantizing), 0: never
   std::vector<int64_t> quant_min_blocks = {2};
+  bool fill_refit = false;  // --fill refit: FillAsWorkers; weights (default): FillBf16Weights
 };
 
 // Bytes an item must read and write at least: a kScale item's source is its kQuantize item's.
@@ -86,6 +90,24 @@ void ItemTraffic(const CopyItem& it, int64_t* read, int64_t* written) {
   const int64_t elements = it.Rows() * it.inner;
   *read += elements * ss;
   *written += elements * ds;
+}
+
+// The sources as the refit's trainer workers fill them (plan/verify.h, version 1: what
+// tests/gpu/colocated_bench.sh's rounds carry), so that the kernels run on the values refitd
+// meets there: quantized weights with one block of zeros in eleven, others with raw bits.
+void FillAsWorkers(const Layout& src, const Layout& dst,
+                   const std::vector<std::unique_ptr<DeviceBuffer>>& device) {
+  std::vector<std::vector<std::byte>> host(src.buffers.size());
+  BufferMemory memory;
+  for (size_t i = 0; i < src.buffers.size(); ++i) {
+    host[i].resize(src.buffers[i].NumBytes());
+    memory.emplace_back(host[i].data(), host[i].size());
+  }
+  FillSources(src, MakeFillSpec(src, dst, 1), memory);
+  for (size_t i = 0; i < host.size(); ++i) {
+    REFIT_CUDA_CHECK(
+        cudaMemcpy(device[i]->get(), host[i].data(), host[i].size(), cudaMemcpyHostToDevice));
+  }
 }
 
 int Run(const std::string& src_path, const std::string& dst_path, const Options& o) {
@@ -112,6 +134,7 @@ int Run(const std::string& src_path, const std::string& dst_path, const Options&
     // holds, would time a case no refit meets).
     REFIT_CUDA_CHECK(FillBf16Weights(owners.back()->get(), b.NumBytes(), sa.size(), nullptr));
   }
+  if (o.fill_refit) FillAsWorkers(*src, *dst, owners);
   REFIT_CUDA_CHECK(cudaDeviceSynchronize());
   for (const Buffer& b : dst->buffers)
     owners.push_back(std::make_unique<DeviceBuffer>(b.NumBytes())),
@@ -228,6 +251,7 @@ int Run(const std::string& src_path, const std::string& dst_path, const Options&
                         "\"spread\":\"%s\",\"aligned_kernel\":%s,\"batch_cap\":%lld,\"fill_warps\":"
                         "%lld,"
                         "\"blocks_per_sm\":%lld,\"quantizing\":\"%s\",\"quant_min_blocks\":%lld,"
+                        "\"fill\":\"%s\","
                         "\"runs\":%"
                         "d,\"kernel_ms\":%.4f,"
                         "\"memcpy_d2d_ms\":%.4f,\"kernel_vs_memcpy\":%.3f,\"read_bytes\":%lld,"
@@ -240,9 +264,9 @@ int Run(const std::string& src_path, const std::string& dst_path, const Options&
                         spread < 0 ? (spread_used ? "auto:1" : "auto:0") : (spread ? "1" : "0"),
                         aligned_used ? "true" : "false", (long long)batch_cap, (long long)fill,
                         (long long)per_sm, quantizing != 0 ? "auto" : "0",
-                        (long long)quant_min_blocks, o.repeat, Median(tk), Median(tc),
-                        Median(tc) / Median(tk), (long long)read_bytes, (long long)written_bytes,
-                        bound_ms, bound_ms / Median(tk));
+                        (long long)quant_min_blocks, o.fill_refit ? "refit" : "weights", o.repeat,
+                        Median(tk), Median(tc), Median(tc) / Median(tk), (long long)read_bytes,
+                        (long long)written_bytes, bound_ms, bound_ms / Median(tk));
                     std::fflush(stdout);
                   }
                 }
@@ -290,6 +314,8 @@ int main(int argc, char** argv) {
       o.blocks_per_sm = list(value);
     else if (flag == "--quant-min-blocks")
       o.quant_min_blocks = list(value);
+    else if (flag == "--fill")
+      o.fill_refit = value == "refit";
     else if (flag == "--quantizing") {
       o.quantizing.clear();
       for (absl::string_view s : absl::StrSplit(value, ','))

@@ -6,6 +6,7 @@
 #include <sys/un.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <cstring>
 
@@ -47,7 +48,7 @@ std::optional<UnixCredentials> UnixCallerOf(absl::string_view peer) {
 }
 
 absl::StatusOr<std::unique_ptr<UnixCallerListener>> UnixCallerListener::Start(
-    const std::string& path, std::function<void(int fd)> serve) {
+    const std::string& path, std::function<void(int fd)> serve, absl::Duration first_byte_timeout) {
   sockaddr_un addr{};
   addr.sun_family = AF_UNIX;
   if (path.empty() || path.size() >= sizeof addr.sun_path) {
@@ -56,7 +57,8 @@ absl::StatusOr<std::unique_ptr<UnixCallerListener>> UnixCallerListener::Start(
                      " (at most ", sizeof addr.sun_path - 1, " bytes)"));
   }
   std::memcpy(addr.sun_path, path.data(), path.size());
-  std::unique_ptr<UnixCallerListener> l(new UnixCallerListener(path, std::move(serve)));
+  std::unique_ptr<UnixCallerListener> l(
+      new UnixCallerListener(path, std::move(serve), first_byte_timeout));
   auto failed = [&](const char* what) {
     return absl::UnavailableError(
         absl::StrCat("cannot listen on unix:", path, ": ", what, ": ", std::strerror(errno)));
@@ -86,47 +88,103 @@ UnixCallerListener::~UnixCallerListener() {
 }
 
 void UnixCallerListener::Loop() {
-  absl::Time error_logged = absl::InfinitePast();
+  std::vector<pollfd> fds;
+  std::vector<short> revents;
+  bool can_accept = true;
   while (true) {
-    pollfd fds[2] = {{listener_.get(), POLLIN, 0}, {wake_read_.get(), POLLIN, 0}};
-    if (poll(fds, 2, -1) < 0) {
+    fds.assign({{listener_.get(), static_cast<short>(can_accept ? POLLIN : 0), 0},
+                {wake_read_.get(), POLLIN, 0}});
+    absl::Time next = absl::InfiniteFuture();
+    for (const Waiting& w : waiting_) {
+      fds.push_back({w.fd.get(), POLLIN, 0});
+      next = std::min(next, w.deadline);
+    }
+    // Out of descriptors: try accepting again in 100 ms rather than spin on the ready listener.
+    if (!can_accept) next = std::min(next, absl::Now() + absl::Milliseconds(100));
+    int timeout_ms = -1;
+    if (next != absl::InfiniteFuture()) {
+      timeout_ms = static_cast<int>(std::max<int64_t>(
+          0, absl::ToInt64Milliseconds(next - absl::Now() + absl::Milliseconds(1))));
+    }
+    if (poll(fds.data(), fds.size(), timeout_ms) < 0) {
       if (errno == EINTR) continue;
       Logger("rpc")->error("unix:{}: poll failed: {}; no longer accepting", path_,
                            std::strerror(errno));
       return;
     }
     if (fds[1].revents != 0) return;
-    if (fds[0].revents == 0) continue;
-    // Non-blocking, as gRPC's endpoints expect their descriptors.
-    Fd fd(accept4(listener_.get(), nullptr, nullptr, SOCK_CLOEXEC | SOCK_NONBLOCK));
-    if (!fd.valid()) {
-      if (errno == EAGAIN || errno == EINTR || errno == ECONNABORTED) continue;
-      // Out of descriptors or memory: retry shortly rather than spin, and say so now and then.
-      if (absl::Now() - error_logged >= absl::Seconds(5)) {
-        Logger("rpc")->warn("unix:{}: accept failed: {}; retrying", path_, std::strerror(errno));
-        error_logged = absl::Now();
-      }
-      poll(fds + 1, 1, 100);
-      if (fds[1].revents != 0) return;
-      continue;
-    }
-    ucred cred{};
-    socklen_t len = sizeof cred;
-    if (getsockopt(fd.get(), SOL_SOCKET, SO_PEERCRED, &cred, &len) != 0) {
-      Logger("rpc")->warn(
-          "unix:{}: a connection's credentials (SO_PEERCRED) could not be read ({}); "
-          "closed",
-          path_, std::strerror(errno));
-      continue;
-    }
-    {
-      Record& r = Callers();
-      absl::MutexLock lock(&r.mu);
-      r.by_fd[fd.get()] = {static_cast<uint32_t>(cred.uid), static_cast<int32_t>(cred.pid)};
-    }
-    ++accepted_;
-    serve_(fd.Release());
+    revents.clear();
+    for (size_t i = 2; i < fds.size(); ++i) revents.push_back(fds[i].revents);
+    Settle(revents);
+    can_accept = true;
+    if (fds[0].revents != 0) can_accept = AcceptOne();
   }
+}
+
+bool UnixCallerListener::AcceptOne() {
+  // Non-blocking, as gRPC's endpoints expect their descriptors.
+  Fd fd(accept4(listener_.get(), nullptr, nullptr, SOCK_CLOEXEC | SOCK_NONBLOCK));
+  if (!fd.valid()) {
+    if (errno == EAGAIN || errno == EINTR || errno == ECONNABORTED) return true;
+    if (absl::Now() - error_logged_ >= absl::Seconds(5)) {
+      Logger("rpc")->warn("unix:{}: accept failed: {}; retrying", path_, std::strerror(errno));
+      error_logged_ = absl::Now();
+    }
+    return false;
+  }
+  ucred cred{};
+  socklen_t len = sizeof cred;
+  if (getsockopt(fd.get(), SOL_SOCKET, SO_PEERCRED, &cred, &len) != 0) {
+    Logger("rpc")->warn(
+        "unix:{}: a connection's credentials (SO_PEERCRED) could not be read ({}); closed", path_,
+        std::strerror(errno));
+    return true;
+  }
+  if (waiting_.size() >= kMaxWaiting) {
+    CloseSilent(waiting_.front(),
+                "and was the oldest of the connections waiting when one more came");
+    waiting_.erase(waiting_.begin());
+  }
+  waiting_.push_back({std::move(fd),
+                      {static_cast<uint32_t>(cred.uid), static_cast<int32_t>(cred.pid)},
+                      absl::Now() + first_byte_timeout_});
+  return true;
+}
+
+void UnixCallerListener::Settle(const std::vector<short>& revents) {
+  const absl::Time now = absl::Now();
+  std::vector<Waiting> still;
+  for (size_t i = 0; i < waiting_.size(); ++i) {
+    Waiting& w = waiting_[i];
+    const short ready = i < revents.size() ? revents[i] : 0;
+    if ((ready & POLLIN) != 0) {
+      // Its first bytes stay in the socket for gRPC to read.
+      {
+        Record& r = Callers();
+        absl::MutexLock lock(&r.mu);
+        r.by_fd[w.fd.get()] = w.credentials;
+      }
+      ++accepted_;
+      serve_(w.fd.Release());
+    } else if ((ready & (POLLHUP | POLLERR | POLLNVAL)) != 0) {
+      w.fd.Close();  // gone before it said anything
+    } else if (now >= w.deadline) {
+      CloseSilent(w, "within its first-byte deadline");
+    } else {
+      still.push_back(std::move(w));
+    }
+  }
+  waiting_ = std::move(still);
+}
+
+void UnixCallerListener::CloseSilent(Waiting& w, const char* why) {
+  ++closed_silent_;
+  if (absl::Now() - error_logged_ >= absl::Seconds(5)) {
+    Logger("rpc")->warn("unix:{}: a connection of uid {} (pid {}) sent nothing {}; closed", path_,
+                        w.credentials.uid, w.credentials.pid, why);
+    error_logged_ = absl::Now();
+  }
+  w.fd.Close();
 }
 
 }  // namespace refit

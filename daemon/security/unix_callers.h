@@ -19,9 +19,11 @@
 #include <optional>
 #include <string>
 #include <thread>
+#include <vector>
 
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
+#include "absl/time/time.h"
 #include "daemon/base/socket.h"
 
 namespace refit {
@@ -36,31 +38,57 @@ struct UnixCredentials {
 std::optional<UnixCredentials> UnixCallerOf(absl::string_view peer);
 
 // Listens on a unix socket path and hands each connection, its credentials recorded, to `serve`
-// (which owns the descriptor from then on: gRPC's AddInsecureChannelFromFd).
+// (which owns the descriptor from then on: gRPC's AddInsecureChannelFromFd) once it has sent its
+// first byte. gRPC gives a connection it is handed no handshake deadline (its own listeners close
+// one that sends no HTTP/2 settings in time), so the deadline is kept here: a connection that
+// sends nothing within `first_byte_timeout` is closed, and of more than kMaxWaiting silent ones
+// the oldest is closed, so that idle connections never hold descriptors for good nor keep a
+// worker out.
 class UnixCallerListener {
  public:
+  static constexpr size_t kMaxWaiting = 256;
+
   // Binds and listens at `path` (a stale socket there is removed first); INVALID_ARGUMENT for a
   // path too long for a unix socket, UNAVAILABLE naming the path and errno otherwise. `serve` is
   // called on the listener's thread, one connection at a time.
   static absl::StatusOr<std::unique_ptr<UnixCallerListener>> Start(
-      const std::string& path, std::function<void(int fd)> serve);
+      const std::string& path, std::function<void(int fd)> serve,
+      absl::Duration first_byte_timeout = absl::Seconds(10));
   ~UnixCallerListener();  // stops accepting and removes the socket file
   UnixCallerListener(const UnixCallerListener&) = delete;
   UnixCallerListener& operator=(const UnixCallerListener&) = delete;
 
   const std::string& path() const { return path_; }
-  int64_t accepted() const { return accepted_.load(); }
+  int64_t accepted() const { return accepted_.load(); }  // handed to `serve`
+  int64_t closed_silent() const { return closed_silent_.load(); }
 
  private:
-  UnixCallerListener(std::string path, std::function<void(int)> serve)
-      : path_(std::move(path)), serve_(std::move(serve)) {}
+  // Accepted, not yet handed over: waiting for its first byte (only the listener's thread).
+  struct Waiting {
+    Fd fd;
+    UnixCredentials credentials;
+    absl::Time deadline;
+  };
+
+  UnixCallerListener(std::string path, std::function<void(int)> serve, absl::Duration timeout)
+      : path_(std::move(path)), serve_(std::move(serve)), first_byte_timeout_(timeout) {}
   void Loop();
+  // Accepts what is pending; false once accept fails for want of descriptors or memory.
+  bool AcceptOne();
+  // Hands over the waiting connections that sent a byte; closes those that ended, or whose
+  // deadline passed.
+  void Settle(const std::vector<short>& revents);
+  void CloseSilent(Waiting& w, const char* why);
 
   const std::string path_;
   const std::function<void(int)> serve_;
+  const absl::Duration first_byte_timeout_;
+  std::vector<Waiting> waiting_;  // oldest first
+  absl::Time error_logged_ = absl::InfinitePast();
   Fd listener_;
   Fd wake_read_, wake_write_;  // a byte written here ends Loop
   std::atomic<int64_t> accepted_{0};
+  std::atomic<int64_t> closed_silent_{0};
   std::thread thread_;
 };
 

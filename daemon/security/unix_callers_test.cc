@@ -16,13 +16,24 @@
 namespace refit {
 namespace {
 
-Fd Connect(const std::string& path) {
+// Connects, and unless `silent` sends a byte (a gRPC client sends its HTTP/2 preface at once).
+Fd Connect(const std::string& path, bool silent = false) {
   Fd fd(socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0));
   sockaddr_un addr{};
   addr.sun_family = AF_UNIX;
   std::memcpy(addr.sun_path, path.data(), path.size());
   if (connect(fd.get(), reinterpret_cast<sockaddr*>(&addr), sizeof addr) != 0) return Fd();
+  if (!silent && write(fd.get(), "P", 1) != 1) return Fd();
   return fd;
+}
+
+// Whether the listener closed `fd` within `seconds` (a read sees the end).
+bool ClosedWithin(const Fd& fd, double seconds) {
+  timeval tv{static_cast<time_t>(seconds),
+             static_cast<suseconds_t>((seconds - static_cast<int>(seconds)) * 1e6)};
+  setsockopt(fd.get(), SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof tv);
+  char byte;
+  return read(fd.get(), &byte, 1) == 0;
 }
 
 struct Handed {
@@ -36,16 +47,23 @@ struct Handed {
     fds.erase(fds.begin());
     return fd;
   }
+  size_t Count() {
+    std::lock_guard<std::mutex> lock(mu);
+    return fds.size();
+  }
+  std::function<void(int)> Serve() {
+    return [this](int fd) {
+      std::lock_guard<std::mutex> lock(mu);
+      fds.push_back(fd);
+      cv.notify_all();
+    };
+  }
 };
 
 TEST_CASE("each connection is handed over with the uid and pid the kernel gives it") {
   const std::string path = absl::StrCat("/tmp/refit-unix-callers-", getpid(), ".sock");
   Handed handed;
-  auto listener = UnixCallerListener::Start(path, [&](int fd) {
-    std::lock_guard<std::mutex> lock(handed.mu);
-    handed.fds.push_back(fd);
-    handed.cv.notify_all();
-  });
+  auto listener = UnixCallerListener::Start(path, handed.Serve());
   REQUIRE(listener.ok());
   CHECK(access(path.c_str(), F_OK) == 0);
 
@@ -72,6 +90,53 @@ TEST_CASE("each connection is handed over with the uid and pid the kernel gives 
   listener->reset();
   CHECK(access(path.c_str(), F_OK) != 0);
   CHECK_FALSE(Connect(path).valid());
+}
+
+TEST_CASE(
+    "a connection that sends nothing is closed at its first-byte deadline, never handed over") {
+  const std::string path = absl::StrCat("/tmp/refit-unix-silent-", getpid(), ".sock");
+  Handed handed;
+  auto listener = UnixCallerListener::Start(path, handed.Serve(), absl::Milliseconds(300));
+  REQUIRE(listener.ok());
+  Fd silent = Connect(path, /*silent=*/true);
+  REQUIRE(silent.valid());
+  Fd speaks = Connect(path);
+  REQUIRE(speaks.valid());
+  Fd served(handed.Next());  // the one that spoke, at once
+  CHECK(UnixCallerOf(absl::StrCat("fd:", served.get())).has_value());
+  char byte = 0;
+  CHECK(read(served.get(), &byte, 1) == 1);  // its first byte is left for the server to read
+  CHECK(byte == 'P');
+  CHECK(ClosedWithin(silent, 3.0));
+  CHECK((*listener)->closed_silent() == 1);
+  CHECK((*listener)->accepted() == 1);
+  CHECK(handed.Count() == 0);
+
+  // A connection that speaks late, within its deadline, is still handed over.
+  Fd late = Connect(path, /*silent=*/true);
+  REQUIRE(late.valid());
+  usleep(100 * 1000);
+  REQUIRE(write(late.get(), "P", 1) == 1);
+  Fd served_late(handed.Next());
+  CHECK((*listener)->accepted() == 2);
+}
+
+TEST_CASE("silent connections beyond the cap close the oldest: a worker is never kept out") {
+  const std::string path = absl::StrCat("/tmp/refit-unix-flood-", getpid(), ".sock");
+  Handed handed;
+  auto listener = UnixCallerListener::Start(path, handed.Serve(), absl::Seconds(60));
+  REQUIRE(listener.ok());
+  std::vector<Fd> flood;
+  for (size_t i = 0; i < UnixCallerListener::kMaxWaiting + 1; ++i) {
+    flood.push_back(Connect(path, /*silent=*/true));
+    REQUIRE(flood.back().valid());
+  }
+  CHECK(ClosedWithin(flood.front(), 3.0));  // the oldest, long before its 60 s
+  Fd worker = Connect(path);
+  REQUIRE(worker.valid());
+  Fd served(handed.Next());
+  CHECK(UnixCallerOf(absl::StrCat("fd:", served.get())).has_value());
+  CHECK((*listener)->closed_silent() >= 2);
 }
 
 TEST_CASE("a path a unix socket cannot have is refused by name") {

@@ -109,6 +109,9 @@ ABSL_FLAG(double, transfer_timeout, refit::DefaultSeconds(&refit::DaemonConfig::
           "seconds for a round's transfer");
 ABSL_FLAG(double, commit_timeout, refit::DefaultSeconds(&refit::DaemonConfig::commit_timeout),
           "seconds for every worker to confirm COMMIT");
+ABSL_FLAG(double, rpc_keepalive, refit::DefaultSeconds(&refit::DaemonConfig::rpc_keepalive),
+          "gRPC servers: seconds after which a quiet connection is pinged, and within which the "
+          "ping must be answered, or the connection is closed (a caller gone silent or frozen)");
 ABSL_FLAG(double, peer_timeout, refit::DefaultSeconds(&refit::DaemonConfig::peer_timeout),
           "seconds for one control call between daemons");
 ABSL_FLAG(double, heartbeat, refit::DefaultSeconds(&refit::DaemonConfig::heartbeat),
@@ -200,16 +203,16 @@ const FlagSet& DaemonFlags() {
       FLAGS_max_message_bytes, FLAGS_routing, FLAGS_staging_bytes, FLAGS_max_relay_depth,
       FLAGS_nccl_register, FLAGS_aligned_copy_kernel, FLAGS_arm_rounds, FLAGS_nccl_stream_priority,
       FLAGS_zero_copy_min_bytes, FLAGS_prepare_timeout, FLAGS_transfer_timeout,
-      FLAGS_commit_timeout, FLAGS_peer_timeout, FLAGS_heartbeat, FLAGS_join_timeout,
-      FLAGS_drain_timeout, FLAGS_heartbeats_missed, FLAGS_max_nodes, FLAGS_forget_dead_after,
-      FLAGS_max_rpc_bytes, FLAGS_max_registration_pieces, FLAGS_max_registration_buffers,
-      FLAGS_max_registration_tensors, FLAGS_max_registration_bytes, FLAGS_max_group_workers,
-      FLAGS_max_group_buffers, FLAGS_max_group_tensors, FLAGS_max_group_pieces,
-      FLAGS_max_group_bytes, FLAGS_log_level, FLAGS_log_format, FLAGS_address_file,
-      FLAGS_metrics_listen, FLAGS_state_file, FLAGS_tls_cert, FLAGS_tls_key, FLAGS_tls_ca,
-      FLAGS_tls_reload_interval, FLAGS_tls_operators, FLAGS_tls_workers, FLAGS_tls_viewers,
-      FLAGS_insecure_listen, FLAGS_worker_uids, FLAGS_worker_attach_timeout, FLAGS_check_config,
-      FLAGS_health_listen, FLAGS_worker_listen);
+      FLAGS_commit_timeout, FLAGS_peer_timeout, FLAGS_rpc_keepalive, FLAGS_heartbeat,
+      FLAGS_join_timeout, FLAGS_drain_timeout, FLAGS_heartbeats_missed, FLAGS_max_nodes,
+      FLAGS_forget_dead_after, FLAGS_max_rpc_bytes, FLAGS_max_registration_pieces,
+      FLAGS_max_registration_buffers, FLAGS_max_registration_tensors, FLAGS_max_registration_bytes,
+      FLAGS_max_group_workers, FLAGS_max_group_buffers, FLAGS_max_group_tensors,
+      FLAGS_max_group_pieces, FLAGS_max_group_bytes, FLAGS_log_level, FLAGS_log_format,
+      FLAGS_address_file, FLAGS_metrics_listen, FLAGS_state_file, FLAGS_tls_cert, FLAGS_tls_key,
+      FLAGS_tls_ca, FLAGS_tls_reload_interval, FLAGS_tls_operators, FLAGS_tls_workers,
+      FLAGS_tls_viewers, FLAGS_insecure_listen, FLAGS_worker_uids, FLAGS_worker_attach_timeout,
+      FLAGS_check_config, FLAGS_health_listen, FLAGS_worker_listen);
   return *flags;
 }
 
@@ -381,6 +384,7 @@ absl::Status ReadTimeouts(DaemonConfig& c) {
   REFIT_ASSIGN_OR_RETURN(c.transfer_timeout, PositiveSeconds(FLAGS_transfer_timeout));
   REFIT_ASSIGN_OR_RETURN(c.commit_timeout, PositiveSeconds(FLAGS_commit_timeout));
   REFIT_ASSIGN_OR_RETURN(c.peer_timeout, PositiveSeconds(FLAGS_peer_timeout));
+  REFIT_ASSIGN_OR_RETURN(c.rpc_keepalive, PositiveSeconds(FLAGS_rpc_keepalive));
   REFIT_ASSIGN_OR_RETURN(c.heartbeat, PositiveSeconds(FLAGS_heartbeat));
   c.heartbeats_missed = std::max(1, absl::GetFlag(FLAGS_heartbeats_missed));
   REFIT_ASSIGN_OR_RETURN(c.forget_dead_after, PositiveSeconds(FLAGS_forget_dead_after));

@@ -52,6 +52,10 @@ struct DaemonConfig {
   absl::Duration transfer_timeout = absl::Seconds(60);
   absl::Duration commit_timeout = absl::Seconds(10);
   absl::Duration peer_timeout = absl::Seconds(5);  // one control RPC between daemons
+  // gRPC servers (--rpc-keepalive): a connection quiet this long is pinged and closed unless the
+  // ping is answered within as long again. gRPC gives connections it is handed (the worker
+  // socket's) no handshake deadline: one that sent a byte and went silent would be held for good.
+  absl::Duration rpc_keepalive = absl::Seconds(30);
   absl::Duration heartbeat = absl::Milliseconds(500);
   int heartbeats_missed = 4;  // a peer silent this many heartbeats is dead
   int64_t max_nodes = 4096;   // coordinator: most nodes listed, itself included

@@ -207,7 +207,7 @@ TEST_CASE("--help lists every flag with its help text and a default the parser a
     if (name == "config" || name == "check-config") continue;  // not settings of a run
     args.push_back(absl::StrCat("--", name, "=", value == "\"\"" ? "" : value));
   }
-  CHECK(listed == 58);
+  CHECK(listed == 59);
   for (const char* flag : {"--worker-socket", "--check-config", "--max-group-bytes", "--tls-ca"}) {
     CHECK(absl::StrContains(help, flag));
   }

@@ -382,6 +382,11 @@ void ConfigureServer(const DaemonConfig& config, grpc::ServerBuilder& builder) {
   builder.AddChannelArgument(GRPC_ARG_HTTP2_MIN_RECV_PING_INTERVAL_WITHOUT_DATA_MS, 500);
   builder.AddChannelArgument(GRPC_ARG_HTTP2_MAX_PING_STRIKES, 0);  // 0: no limit
   builder.AddChannelArgument(GRPC_ARG_KEEPALIVE_PERMIT_WITHOUT_CALLS, 1);
+  // And it pings its callers (every gRPC client answers), so that a connection whose other end
+  // went silent, froze or vanished without a FIN is closed (config.h, rpc_keepalive).
+  const int keepalive_ms = static_cast<int>(absl::ToInt64Milliseconds(config.rpc_keepalive));
+  builder.AddChannelArgument(GRPC_ARG_KEEPALIVE_TIME_MS, keepalive_ms);
+  builder.AddChannelArgument(GRPC_ARG_KEEPALIVE_TIMEOUT_MS, keepalive_ms);
   // The sync services hold a thread per call in progress (a Refit for its round, a RunPhase for
   // its phase): bounded, so that no caller can make the daemon spawn threads without end.
   grpc::ResourceQuota quota("refitd");

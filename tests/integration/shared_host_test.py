@@ -11,6 +11,7 @@ Needs root (to become another uid)."""
 import json
 import os
 import shutil
+import socket
 import subprocess
 import sys
 import tempfile
@@ -230,6 +231,60 @@ class WorkerSocketShareSuite(unittest.TestCase):
             nobody.wait(timeout=30)
             nobody.stdout.close()
             nobody.stderr.close()
+
+
+class SilentConnectionSuite(unittest.TestCase):
+    """A connection that goes silent before it has said anything gRPC can serve (here: half of
+    HTTP/2's preface) is closed by the daemon's keepalive, on the worker socket (whose connections
+    the daemon hands to gRPC itself, with no handshake deadline) and on the control port; callers
+    that speak gRPC answer the pings and are kept."""
+
+    KEEPALIVE_S = 1.0
+
+    @classmethod
+    def setUpClass(cls):
+        cls.cluster = harness.Cluster(nodes=1, tls=False, daemon_flags=["--rpc-keepalive", str(cls.KEEPALIVE_S)])
+
+    @classmethod
+    def tearDownClass(cls):
+        cls.cluster.close()
+
+    def closed_within(self, s, seconds):
+        s.settimeout(seconds)
+        try:
+            while True:
+                if s.recv(4096) == b"":  # the daemon's settings and pings, then the end
+                    return True
+        except socket.timeout:
+            return False
+        except ConnectionResetError:
+            return True
+
+    def test_half_a_preface_is_closed_by_the_keepalive(self):
+        d = self.cluster.daemons[0]
+        unix = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        unix.connect(d.socket)
+        host, port = d.address.rsplit(":", 1)
+        tcp = socket.create_connection((host, int(port)), timeout=5)
+        for s in (unix, tcp):
+            s.sendall(b"PRI * HTTP/2.0\r\n")  # and nothing more
+        ctl = refit.Controller(d.worker_address, timeout=10)
+        try:
+            ctl.status()
+            for name, s in (("worker socket", unix), ("control port", tcp)):
+                self.assertTrue(self.closed_within(s, 2 * self.KEEPALIVE_S + 5),
+                                f"a silent connection on the {name} was still open {2 * self.KEEPALIVE_S + 5:.0f} s on")
+                s.close()
+            # A gRPC caller quiet for longer than the keepalive answered its pings: its channel
+            # still serves, and the daemon still accepts.
+            self.assertIsNotNone(ctl.status())
+        finally:
+            ctl.close()
+        ctl = refit.Controller(d.worker_address, timeout=10)
+        try:
+            self.assertIsNotNone(ctl.status())
+        finally:
+            ctl.close()
 
 
 if __name__ == "__main__":

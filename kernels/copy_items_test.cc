@@ -493,5 +493,101 @@ TEST_CASE("SplitAligned cuts mixed work into aligned items and the rest, in orde
   CHECK(general.items.empty());
 }
 
+// The pairs Append made in `w` (CopyItem::rows_pair) are consistent: each paired kQuantize item
+// names a kScale item after it, within kRowsPairWindow, of the same region, marked as paired,
+// and each marked kScale item has exactly one such kQuantize item. Returns the pairs.
+int64_t CheckRowsPairs(const CopyWork& w) {
+  int64_t pairs = 0;
+  const int64_t n = static_cast<int64_t>(w.items.size());
+  for (int64_t i = 0; i < n; ++i) {
+    const CopyItem& it = w.items[static_cast<size_t>(i)];
+    INFO("item " << i << " of " << n);
+    if (it.rows_pair == kRowsPairedScales) {
+      int writers = 0;
+      for (int64_t k = 1; k <= kRowsPairWindow && i - k >= 0; ++k)
+        writers +=
+            w.items[static_cast<size_t>(i - k)].rows_pair == k &&
+            w.items[static_cast<size_t>(i - k)].op == static_cast<uint8_t>(CopyOp::kQuantize);
+      CHECK(writers == 1);
+    } else if (it.rows_pair != 0) {
+      REQUIRE(it.rows_pair <= kRowsPairWindow);
+      REQUIRE(i + it.rows_pair < n);
+      const CopyItem& twin = w.items[static_cast<size_t>(i + it.rows_pair)];
+      CHECK(RowsPairable(it, twin));
+      CHECK(twin.rows_pair == kRowsPairedScales);
+      ++pairs;
+    }
+  }
+  return pairs;
+}
+
+TEST_CASE("MXFP8 codes and scales of one region are paired, and stay paired when work is cut") {
+  int64_t pairs = 0, mx_scales = 0;
+  for (QuantCase& qc : QuantCases(20)) {
+    INFO(qc.name);
+    HostBuffers src(qc.src);
+    DestinationMemory dst(qc.dst, qc.plan);
+    CopyWork all;
+    for (const Message& m : qc.plan.messages) {
+      const uint64_t staging = 0x10000000;
+      for (const CopyWork& w :
+           {PackWork(qc.plan, m, src.addresses(), dst.buffers.addresses(), staging, 16384),
+            DirectWork(qc.plan, m, src.addresses(), dst.buffers.addresses())}) {
+        pairs += CheckRowsPairs(w);
+        for (const CopyItem& it : w.items) {
+          mx_scales += it.op == static_cast<uint8_t>(CopyOp::kScale) &&
+                       it.quant_format == kCopyItemMxfp8 && it.block_rows == 1;
+        }
+        // A row item's kScale is paired whenever its kQuantize item is listed just before it.
+        for (size_t i = 1; i < w.items.size(); ++i) {
+          if (RowsPairable(w.items[i - 1], w.items[i])) CHECK(w.items[i].rows_pair != 0);
+        }
+        CopyWork aligned, general;
+        SplitAligned(w, aligned, general);
+        CHECK(CheckRowsPairs(aligned) == CheckRowsPairs(w));
+        AppendWork(w, all);
+      }
+    }
+    CheckRowsPairs(all);
+  }
+  CHECK(mx_scales > 0);
+  CHECK(pairs > 0);
+  // Never two kQuantize items for one kScale; a kScale item with no twin (or only a paired one
+  // before it) stays unpaired.
+  CopyItem q;
+  q.op = static_cast<uint8_t>(CopyOp::kQuantize);
+  q.quant_format = kCopyItemMxfp8;
+  q.block_rows = 1;
+  q.block_cols = 32;
+  q.src = 0x1000;
+  q.src_dtype = static_cast<uint8_t>(DType::kBF16);
+  q.dst_dtype = static_cast<uint8_t>(DType::kF8E4M3);
+  q.inner = 64;
+  q.count[2] = 8;
+  q.src_stride[2] = 64;
+  q.dst_stride[2] = 64;
+  q.segments = 2;
+  q.segment = 32;
+  CopyItem s = q;
+  s.op = static_cast<uint8_t>(CopyOp::kScale);
+  s.dst_dtype = static_cast<uint8_t>(DType::kE8M0);
+  s.dst_stride[2] = 2;
+  s.rows_pair = 3;  // stale: Append sets it
+  CopyWork w;
+  Append(w, q);
+  Append(w, s);
+  Append(w, s);
+  REQUIRE(w.items.size() == 3);
+  CHECK(w.items[0].rows_pair == 1);
+  CHECK(w.items[1].rows_pair == kRowsPairedScales);
+  CHECK(w.items[2].rows_pair == 0);
+  s.dst_stride[2] = int64_t{1} << 23;  // wider than a paired unit carries
+  CopyWork wide;
+  Append(wide, q);
+  Append(wide, s);
+  CHECK(wide.items[0].rows_pair == 0);
+  CHECK(wide.items[1].rows_pair == 0);
+}
+
 }  // namespace
 }  // namespace refit

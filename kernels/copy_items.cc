@@ -85,36 +85,10 @@ BufferAddresses AddressesOf(const BufferMemory& memory) {
   return a;
 }
 
-bool RowsPairable(const CopyItem& q, const CopyItem& s) {
-  auto rows = [](const CopyItem& it) {
-    return it.quant_format == kCopyItemMxfp8 && it.block_rows == 1;
-  };
-  // A paired unit carries the source and code strides in 31 bits each and the scales' in 23.
-  auto fits = [](int64_t v, int bits) { return v >= 0 && v < (int64_t{1} << bits); };
-  return q.op == static_cast<uint8_t>(CopyOp::kQuantize) &&
-         s.op == static_cast<uint8_t>(CopyOp::kScale) && rows(q) && rows(s) && q.src == s.src &&
-         q.src_dtype == s.src_dtype && q.inner == s.inner && q.count[0] == s.count[0] &&
-         q.count[1] == s.count[1] && q.count[2] == s.count[2] &&
-         q.src_stride[2] == s.src_stride[2] && q.block_cols == s.block_cols &&
-         q.segments == s.segments && DTypeSize(static_cast<DType>(s.dst_dtype)) == 1 &&
-         fits(q.src_stride[2], 31) && fits(q.dst_stride[2], 31) && fits(s.dst_stride[2], 23);
-}
-
 void Append(CopyWork& w, const CopyItem& it) {
   if (w.unit_begin.empty()) w.unit_begin.push_back(0);
   w.unit_begin.push_back(w.unit_begin.back() + it.Units());
   w.items.push_back(it);
-  CopyItem& added = w.items.back();
-  added.rows_pair = 0;  // pairs are of this work's order (SplitAligned, AppendWork re-pair)
-  const int64_t n = static_cast<int64_t>(w.items.size()) - 1;
-  for (int k = 1; k <= kRowsPairWindow && n - k >= 0; ++k) {
-    CopyItem& q = w.items[static_cast<size_t>(n - k)];
-    if (q.rows_pair == 0 && RowsPairable(q, added)) {
-      q.rows_pair = static_cast<uint8_t>(k);
-      added.rows_pair = kRowsPairedScales;
-      break;
-    }
-  }
 }
 
 void CutIntoUnits(CopyItem& it, int64_t segment_bytes, int64_t tile_run_bytes) {

@@ -64,12 +64,7 @@ struct CopyItem {
   // 4, 2 or 1; may be less than an element at odd addresses); converting: elements per access
   // (8, 4, 2, 1), 0 where an element address is not a multiple of its size (byte accesses).
   uint8_t vector = 0;
-  // MXFP8 row items (one-row blocks) of the same region, codes and scales (Append pairs them):
-  // on a kQuantize item, k (1..kRowsPairWindow) when items[i + k] is the kScale item whose scales
-  // its units write with the codes, from one read of the source; on that kScale item,
-  // kRowsPairedScales (its units do nothing); 0 otherwise.
-  uint8_t rows_pair = 0;
-  uint8_t reserved[5] = {};
+  uint8_t reserved[6] = {};
   bool Quantizes() const { return op != static_cast<uint8_t>(CopyOp::kCopy); }
   // Rows of a quantizing item's region per work unit: a block's, or kMxfp8RowsPerUnit blocks of
   // one row (MXFP8's 1 x 32) stacked, each still scaled on its own.
@@ -96,11 +91,6 @@ inline constexpr uint8_t kCopyItemMxfp8 = 2;
 // fp8; eight rows (512 bytes) still made each unit's resolving cost more than its bytes (the
 // whole model 40.6 ms in the copy kernel). 64 rows, 4 KB a unit: 11.7 ms.
 inline constexpr int kMxfp8RowsPerUnit = 64;
-
-// How far after its kQuantize item Append looks for the kScale item to pair (the planner lists a
-// weight's codes, then its scales), and the kScale item's mark.
-inline constexpr int kRowsPairWindow = 8;
-inline constexpr uint8_t kRowsPairedScales = 0xFF;
 
 inline int64_t CopyItem::RowsPerUnit() const {
   return quant_format == kCopyItemMxfp8 && block_rows == 1 ? kMxfp8RowsPerUnit : block_rows;
@@ -136,14 +126,9 @@ void AppendWork(const CopyWork& more, CopyWork& w);
 // Cuts a plain copy item (op kCopy; addresses, dtypes, loops and inner set) into units of at
 // most `segment_bytes` (at the wider dtype): tiled when its runs are shorter than kTileRunBytes
 // (with `vector` and `segment` a multiple of it), else runs or segments of runs. The functions
-// above call it; tests that build items by hand too. Then Append() it: it sets rows_pair (an
-// MXFP8 kScale item with the nearest unpaired kQuantize item of the same region among the
-// kRowsPairWindow before it; the copy kernels then read the source once for both).
+// above call it; tests that build items by hand too. Then Append() it.
 void CutIntoUnits(CopyItem& it, int64_t segment_bytes, int64_t tile_run_bytes = kTileRunBytes);
 void Append(CopyWork& w, const CopyItem& it);
-// Whether kQuantize item q and kScale item s can be paired (rows_pair): MXFP8 one-row blocks of
-// the same source region, with strides the kernels' paired units can carry.
-bool RowsPairable(const CopyItem& q, const CopyItem& s);
 
 // Items that copy message `m` straight from its sources to its destinations, without staging:
 // for GPUs that reach each other's memory (one node, peer access).

@@ -753,15 +753,12 @@ __device__ __forceinline__ void QuantizeOneBlock(const unsigned char* s, unsigne
 // eight rows at a time, four lanes a block, a chunk each, kRowGroupsInFlight such groups loaded
 // before any is used: the max over the block's lanes (xor 1, 2), its e8m0 code, then each lane's 8
 // codes (kQuantize: rows ds bytes apart) or the block's code by its first lane (kScale: rows ds
-// codes apart). Other rows: one block after another, as QuantizeOneBlock does them. With
-// `scales` (kQuantize only), each block's code also goes there (rows sds codes apart), from the
-// same read.
+// codes apart). Other rows: one block after another, as QuantizeOneBlock does them.
 constexpr int kRowGroupsInFlight = 4;
 
 __device__ __forceinline__ void QuantizeRows(const unsigned char* s, unsigned char* d, int nr,
                                              int nc, int64_t ss, int64_t ds, uint8_t sdt,
-                                             uint8_t op, uint8_t format, int lane,
-                                             unsigned char* scales, int sds) {
+                                             uint8_t op, uint8_t format, int lane) {
   const bool quantize = op == static_cast<uint8_t>(CopyOp::kQuantize);
   const bool vector =
       sdt == static_cast<uint8_t>(DType::kBF16) && nc % 8 == 0 && nc <= 32 &&
@@ -770,12 +767,8 @@ __device__ __forceinline__ void QuantizeRows(const unsigned char* s, unsigned ch
       (!quantize || ((reinterpret_cast<uint64_t>(d) | static_cast<uint64_t>(ds)) & 7) == 0);
   if (!vector) {
     const int size = Size(sdt);
-    for (int r = 0; r < nr; ++r) {
+    for (int r = 0; r < nr; ++r)
       QuantizeOneBlock(s + r * ss * size, d + r * ds, 1, nc, ss, ds, sdt, op, format, lane);
-      if (scales != nullptr)
-        QuantizeOneBlock(s + r * ss * size, scales + r * sds, 1, nc, ss, sds, sdt,
-                         static_cast<uint8_t>(CopyOp::kScale), format, lane);
-    }
     return;
   }
   const int chunk = lane & 3;
@@ -804,28 +797,16 @@ __device__ __forceinline__ void QuantizeRows(const unsigned char* s, unsigned ch
       } else if (on) {
         *reinterpret_cast<uint2*>(d + row * ds + chunk * 8) =
             Bf16ChunkCodesFast(v[g], div, m < 0x7F80u);
-        if (scales != nullptr && chunk == 0) scales[row * sds] = code;
       }
     }
   }
 }
 
-// The format byte of a kQuantize row unit whose item is paired (CopyItem::rows_pair): it writes
-// its twin's scales too. The copy kernel's Resolve packs the unit: the scales' address in ds, the
-// source and code strides in ss (32 bits each), the scales' stride in nc's bits 8-30
-// (RowsPairable checks that they fit). Run apart, codes and scales each read the whole source
-// (bf16 -> MXFP8 of Llama-3-8B on an H100: 14.7 ms, against 8.4 ms for the bytes once).
-constexpr uint8_t kWithScales = 0x40;
-
 __device__ __forceinline__ void QuantizeBlock(const unsigned char* s, unsigned char* d, int nr,
                                               int nc, int64_t ss, int64_t ds, uint8_t sdt,
                                               uint8_t op, uint8_t format, int lane) {
   if (format & kRowsMode) {
-    const bool paired = format & kWithScales;
-    QuantizeRows(s, d, nr, paired ? nc & 0xFF : nc, paired ? ss & 0xFFFFFFFF : ss,
-                 paired ? ss >> 32 : ds, sdt, op,
-                 static_cast<uint8_t>(format & ~(kRowsMode | kWithScales)), lane,
-                 paired ? reinterpret_cast<unsigned char*>(ds) : nullptr, paired ? nc >> 8 : 0);
+    QuantizeRows(s, d, nr, nc, ss, ds, sdt, op, static_cast<uint8_t>(format & ~kRowsMode), lane);
   } else {
     QuantizeOneBlock(s, d, nr, nc, ss, ds, sdt, op, format, lane);
   }
@@ -1141,20 +1122,7 @@ __device__ __forceinline__ Unit Resolve(const CopyItem* items, const int64_t* un
   const int lo = ItemOf(unit_begin, n_items, u);
   const CopyItem& it = items[lo];
   const int64_t local = u - unit_begin[lo];
-  if (it.op != static_cast<uint8_t>(CopyOp::kCopy)) {
-    Unit unit = ResolveQuantizing(it, local);
-    if (it.rows_pair == kRowsPairedScales) {
-      unit.n = 0;                    // its kQuantize twin's units write these scales
-    } else if (it.rows_pair != 0) {  // kWithScales (QuantizeBlock)
-      const CopyItem& twin = items[lo + it.rows_pair];
-      const int64_t r0 = local / it.segments * kMxfp8RowsPerUnit, bj = local % it.segments;
-      unit.ss = it.src_stride[2] | it.dst_stride[2] << 32;
-      unit.ds = static_cast<int64_t>(twin.dst + r0 * twin.dst_stride[2] + bj);
-      unit.n |= twin.dst_stride[2] << 8;
-      unit.dtypes |= static_cast<uint32_t>(kWithScales) << 24;
-    }
-    return unit;
-  }
+  if (it.op != static_cast<uint8_t>(CopyOp::kCopy)) return ResolveQuantizing(it, local);
   if (kTiles && it.tiled) {
     // Elements [first, first + n) of the flattened index space, in accesses of sg source bytes
     // (CutIntoUnits made segment, inner and the strides multiples of them): one 64-bit
@@ -1287,7 +1255,6 @@ __global__ void __launch_bounds__(256, 3)
         if (skip_quantizing && !((dtypes >> 24) & kRowsMode)) continue;
         const int64_t ss = __shfl_sync(0xFFFFFFFFu, static_cast<long long>(mine.ss), j);
         const int64_t ds = __shfl_sync(0xFFFFFFFFu, static_cast<long long>(mine.ds), j);
-        if (n == 0) continue;  // MXFP8 scales that their codes' units write (rows_pair)
         if constexpr (kTiles) {
           QuantizeUnit(
               reinterpret_cast<const unsigned char*>(s), reinterpret_cast<unsigned char*>(d),

@@ -89,7 +89,6 @@ UnixCallerListener::~UnixCallerListener() {
 
 void UnixCallerListener::Loop() {
   std::vector<pollfd> fds;
-  std::vector<short> revents;
   bool can_accept = true;
   while (true) {
     fds.assign({{listener_.get(), static_cast<short>(can_accept ? POLLIN : 0), 0},
@@ -113,9 +112,7 @@ void UnixCallerListener::Loop() {
       return;
     }
     if (fds[1].revents != 0) return;
-    revents.clear();
-    for (size_t i = 2; i < fds.size(); ++i) revents.push_back(fds[i].revents);
-    Settle(revents);
+    Settle(absl::MakeConstSpan(fds).subspan(2));
     can_accept = true;
     if (fds[0].revents != 0) can_accept = AcceptOne();
   }
@@ -151,12 +148,12 @@ bool UnixCallerListener::AcceptOne() {
   return true;
 }
 
-void UnixCallerListener::Settle(const std::vector<short>& revents) {
+void UnixCallerListener::Settle(absl::Span<const pollfd> polled) {
   const absl::Time now = absl::Now();
   std::vector<Waiting> still;
   for (size_t i = 0; i < waiting_.size(); ++i) {
     Waiting& w = waiting_[i];
-    const short ready = i < revents.size() ? revents[i] : 0;
+    const short ready = polled[i].revents;
     if ((ready & POLLIN) != 0) {
       // Its first bytes stay in the socket for gRPC to read.
       {

@@ -10,6 +10,7 @@
 // sees it; so the record holds at most one entry per descriptor the process may open.
 #pragma once
 
+#include <poll.h>
 #include <sys/types.h>
 
 #include <atomic>
@@ -24,6 +25,7 @@
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
 #include "absl/time/time.h"
+#include "absl/types/span.h"
 #include "daemon/base/socket.h"
 
 namespace refit {
@@ -76,8 +78,8 @@ class UnixCallerListener {
   // Accepts what is pending; false once accept fails for want of descriptors or memory.
   bool AcceptOne();
   // Hands over the waiting connections that sent a byte; closes those that ended, or whose
-  // deadline passed.
-  void Settle(const std::vector<short>& revents);
+  // deadline passed. `polled[i]` is waiting_[i]'s poll entry.
+  void Settle(absl::Span<const pollfd> polled);
   void CloseSilent(Waiting& w, const char* why);
 
   const std::string path_;

@@ -132,7 +132,9 @@ int Run(const std::string& src_path, const std::string& dst_path, const Options&
     sa.push_back(owners.back()->address());
     // Weight-like values: quantizing's cost depends on them (zeros, what a fresh allocation
     // holds, would time a case no refit meets).
-    REFIT_CUDA_CHECK(FillBf16Weights(owners.back()->get(), b.NumBytes(), sa.size(), nullptr));
+    if (!o.fill_refit) {
+      REFIT_CUDA_CHECK(FillBf16Weights(owners.back()->get(), b.NumBytes(), sa.size(), nullptr));
+    }
   }
   if (o.fill_refit) FillAsWorkers(*src, *dst, owners);
   REFIT_CUDA_CHECK(cudaDeviceSynchronize());
@@ -314,9 +316,13 @@ int main(int argc, char** argv) {
       o.blocks_per_sm = list(value);
     else if (flag == "--quant-min-blocks")
       o.quant_min_blocks = list(value);
-    else if (flag == "--fill")
+    else if (flag == "--fill") {
+      if (value != "refit" && value != "weights") {
+        std::fprintf(stderr, "--fill must be refit or weights, not \"%s\"\n", value.c_str());
+        return 2;
+      }
       o.fill_refit = value == "refit";
-    else if (flag == "--quantizing") {
+    } else if (flag == "--quantizing") {
       o.quantizing.clear();
       for (absl::string_view s : absl::StrSplit(value, ','))
         o.quantizing.push_back(s == "0" ? 0 : -1);

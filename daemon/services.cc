@@ -4,6 +4,7 @@
 #include "common/version.h"
 #include "common/watch_protocol.h"
 #include "daemon/base/executor.h"
+#include "daemon/base/grpc_raw.h"
 #include "daemon/base/grpc_status.h"
 #include "daemon/coordinator/group_planner.h"
 #include "daemon/coordinator/membership.h"
@@ -12,6 +13,7 @@
 #include "daemon/node/coordinator_link.h"
 #include "daemon/node/node_agent.h"
 #include "daemon/security/grpc_caller.h"
+#include "daemon/worker/encoded_registration.h"
 #include "daemon/worker/registration_decoder.h"
 #include "daemon/worker/registration_limits.h"
 #include "daemon/worker/worker_registry.h"
@@ -27,7 +29,14 @@ namespace {
 // worker wait on the coordinator, a sync RPC bounded by peer_timeout, on nodes that are not the
 // coordinator) runs on a small executor of its own, never on gRPC's callback threads, which
 // every session's reads and writes need: a coordinator that is gone must not stall the ABORTs.
-class WorkerService : public v1::RefitWorker::CallbackService {
+// Register and Unregister take their request as bytes: a registration is checked on its encoding
+// before it is decoded (daemon/worker/encoded_registration.h), and a request that cannot be
+// decoded is refused naming why.
+using WorkerServiceBase =
+    v1::RefitWorker::WithRawCallbackMethod_Register<v1::RefitWorker::WithCallbackMethod_Session<
+        v1::RefitWorker::WithRawCallbackMethod_Unregister<v1::RefitWorker::Service>>>;
+
+class WorkerService : public WorkerServiceBase {
  public:
   explicit WorkerService(const ServiceParts* p)
       : p_(p), sessions_(p->registry, [this](const std::string& id, const std::string& reason) {
@@ -36,8 +45,8 @@ class WorkerService : public v1::RefitWorker::CallbackService {
             p_->drop_worker(id, reason);
         }) {}
   grpc::ServerUnaryReactor* Register(grpc::CallbackServerContext* c,
-                                     const v1::RegisterWorkerRequest* r,
-                                     v1::RegisterWorkerResponse* out) override {
+                                     const grpc::ByteBuffer* request,
+                                     grpc::ByteBuffer* response) override {
     grpc::ServerUnaryReactor* reactor = c->DefaultReactor();
     // "unix:..." or, with --worker-listen, "ipv4:..."/"ipv6:...": only the unix socket's
     // registrations are uid-checked (worker_admission.h).
@@ -46,13 +55,15 @@ class WorkerService : public v1::RefitWorker::CallbackService {
       reactor->Finish(ToGrpc(s));
       return reactor;
     }
-    // `r` and `out` live until Finish. Workers send their worker encoded (worker_encoded), so `r`
-    // holds it as one string, its size, rather than a message per piece (10x); the registry reads
-    // the pieces from it one at a time (registration_decoder.h). A field rather than a raw
-    // ByteBuffer handler: gRPC keeps checking sizes and parsing everything else, and requests
-    // written by hand (JSON, `worker`) take the same path.
-    if (!blocking_.Submit([this, reactor, r, out, transport] {
-          reactor->Finish(ToGrpc(p_->register_worker(*r, transport, out)));
+    // `request` and `response` live until Finish. Checked and decoded off gRPC's threads: the
+    // registry reads the worker's pieces from its encoding one at a time (registration_decoder.h).
+    if (!blocking_.Submit([this, reactor, request, response, transport] {
+          absl::StatusOr<v1::RegisterWorkerRequest> r =
+              DecodeRegistrationRequest(TakeRequestBytes(request), p_->config->limits);
+          v1::RegisterWorkerResponse out;
+          absl::Status s = r.ok() ? p_->register_worker(*r, transport, &out) : r.status();
+          if (s.ok()) s = SetResponse(out, response);
+          reactor->Finish(ToGrpc(s));
         })) {
       reactor->Finish(ToGrpc(absl::UnavailableError("the daemon is shutting down")));
     }
@@ -63,17 +74,22 @@ class WorkerService : public v1::RefitWorker::CallbackService {
     return sessions_.Start(c);
   }
   grpc::ServerUnaryReactor* Unregister(grpc::CallbackServerContext* c,
-                                       const v1::UnregisterWorkerRequest* r,
-                                       v1::UnregisterWorkerResponse*) override {
+                                       const grpc::ByteBuffer* request,
+                                       grpc::ByteBuffer* response) override {
     grpc::ServerUnaryReactor* reactor = c->DefaultReactor();
-    // Only its registration may unregister a worker (NOT_FOUND, PERMISSION_DENIED: it stays).
-    if (auto s = p_->registry->CheckKey(r->worker_id(), r->session_key()); !s.ok()) {
+    v1::UnregisterWorkerRequest r;
+    if (auto s = ParseRequest("unregister", TakeRequestBytes(request), &r); !s.ok()) {
       reactor->Finish(ToGrpc(s));
       return reactor;
     }
-    if (!blocking_.Submit([this, reactor, id = r->worker_id()] {
+    // Only its registration may unregister a worker (NOT_FOUND, PERMISSION_DENIED: it stays).
+    if (auto s = p_->registry->CheckKey(r.worker_id(), r.session_key()); !s.ok()) {
+      reactor->Finish(ToGrpc(s));
+      return reactor;
+    }
+    if (!blocking_.Submit([this, reactor, response, id = r.worker_id()] {
           p_->drop_worker(id, "unregistered");
-          reactor->Finish(grpc::Status::OK);
+          reactor->Finish(ToGrpc(SetResponse(v1::UnregisterWorkerResponse(), response)));
         })) {
       reactor->Finish(ToGrpc(absl::UnavailableError("the daemon is shutting down")));
     }

@@ -209,6 +209,17 @@ int64_t CountPieces(absl::string_view worker) {
   return ok ? pieces : -1;
 }
 
+int64_t LargestPiece(absl::string_view worker) {
+  int64_t largest = 0;
+  const bool ok = ForEachField(worker, v1::Worker::kBuffersFieldNumber, [&](absl::string_view b) {
+    return ForEachField(b, v1::Buffer::kPiecesFieldNumber, [&](absl::string_view p) {
+      largest = std::max(largest, static_cast<int64_t>(p.size()));
+      return true;
+    });
+  });
+  return ok ? largest : -1;
+}
+
 absl::StatusOr<Layout> DecodeWorkerLayout(const SplitRegistration& registration,
                                           int64_t max_pieces) {
   const v1::RegisterWorkerRequest& header = registration.header();

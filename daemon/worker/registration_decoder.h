@@ -52,6 +52,9 @@ absl::Status ForEachPiece(absl::string_view worker, const PieceVisitor& visit);
 // How many pieces an encoded worker lists, counted without decoding any (-1: not a valid
 // encoding).
 int64_t CountPieces(absl::string_view worker);
+// The size of an encoded worker's largest piece's encoding (-1: not a valid encoding): pieces are
+// decoded one at a time, so this bounds what one costs.
+int64_t LargestPiece(absl::string_view worker);
 
 // The worker's part of the layout: LayoutFromProto's result (proto/layout_codec.h) for a layout of
 // the header's tensors and this worker, without a message per piece. Registrations list their

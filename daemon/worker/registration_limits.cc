@@ -51,9 +51,6 @@ absl::Status CheckName(absl::string_view what, absl::string_view name) {
   return absl::OkStatus();
 }
 
-namespace {
-
-// The limits on counts: bytes, tensors, buffers, pieces (RESOURCE_EXHAUSTED naming the flag).
 absl::Status CheckCounts(int64_t bytes, int64_t tensors, int64_t buffers, int64_t pieces,
                          const RegistrationLimits& limits) {
   if (bytes > limits.max_bytes)
@@ -66,6 +63,8 @@ absl::Status CheckCounts(int64_t bytes, int64_t tensors, int64_t buffers, int64_
     return Exhausted("pieces", pieces, limits.max_pieces, "max-registration-pieces");
   return absl::OkStatus();
 }
+
+namespace {
 
 // Every name but the pieces', of a request whose worker's buffers are listed (pieces or not).
 absl::Status CheckNames(const v1::RegisterWorkerRequest& request) {

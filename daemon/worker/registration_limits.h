@@ -41,6 +41,10 @@ inline constexpr size_t kMaxNameBytes = 256;
 
 // OK when `name` may name a `what` (e.g. "buffer"): 1..kMaxNameBytes bytes of printable UTF-8.
 absl::Status CheckName(absl::string_view what, absl::string_view name);
+// The limits on counts: a request's encoded bytes, its tensors, its worker's buffers and pieces
+// (RESOURCE_EXHAUSTED naming the flag).
+absl::Status CheckCounts(int64_t bytes, int64_t tensors, int64_t buffers, int64_t pieces,
+                         const RegistrationLimits& limits);
 absl::Status CheckRegistration(const v1::RegisterWorkerRequest& request,
                                const RegistrationLimits& limits);
 // The same for a registration split by SplitRegistration::Of (what a node checks): its pieces

@@ -495,6 +495,57 @@ class AttackSuite(unittest.TestCase):
         self.assertIsNone(self.daemon(1).proc.poll(), "the daemon is alive")
         self.refit_still_works()
 
+    def test_a_registration_is_checked_before_it_is_decoded(self):
+        """Register takes its request as bytes: what is not a RegisterWorkerRequest is refused
+        naming it (gRPC's own answer was UNIMPLEMENTED with no message), and one that would decode
+        into many times its size is refused before it is decoded. 32 MB of empty tensor entries
+        took the node 1.4 GB, decoded by gRPC before any limit was looked at."""
+        channel = grpc.insecure_channel(self.worker_socket(1), options=[("grpc.max_send_message_length", -1)])
+        self.channels.append(channel)
+        register = channel.unary_unary("/refit.v1.RefitWorker/Register")
+        unregister = channel.unary_unary("/refit.v1.RefitWorker/Unregister")
+
+        def refused(call, request):
+            try:
+                call(request, timeout=60)
+            except grpc.RpcError as e:
+                return e.code(), e.details()
+            self.fail("accepted")
+
+        for garbage in (b"\x0a\xff\xff\xff\xff\x0f", b"\x00", b"\xff" * 11, b"\x1a\x05\x0a"):
+            self.assertEqual(refused(register, garbage),
+                             (grpc.StatusCode.INVALID_ARGUMENT,
+                              "register: the request is not a valid RegisterWorkerRequest encoding"), garbage)
+        self.assertEqual(refused(unregister, b"\x0a\x09abc"),
+                         (grpc.StatusCode.INVALID_ARGUMENT,
+                          "unregister: the request is not a valid UnregisterWorkerRequest encoding"))
+
+        pid = self.daemon(1).proc.pid
+
+        def peak_above_now(request):
+            """What sending `request` adds to the node's peak resident memory."""
+            with open(f"/proc/{pid}/clear_refs", "w") as f:
+                f.write("5")  # the peak (VmHWM) starts again from the resident size now
+            with open(f"/proc/{pid}/status") as f:
+                rss = next(int(line.split()[1]) for line in f if line.startswith("VmRSS:")) * 1024
+            answer = refused(register, request)
+            with open(f"/proc/{pid}/status") as f:
+                hwm = next(int(line.split()[1]) for line in f if line.startswith("VmHWM:")) * 1024
+            return answer, hwm - rss
+
+        empty_tensor = b"\x22\x00"
+        many = empty_tensor * (16 << 20)  # 32 MB: 16M entries, past --max-registration-tensors
+        (code, details), peak = peak_above_now(many)
+        self.assertEqual(code, grpc.StatusCode.RESOURCE_EXHAUSTED, details)
+        self.assertIn("--max-registration-tensors", details)
+        self.assertLess(peak, 4 * len(many) + (64 << 20), f"{peak / 1e6:.0f} MB above its size before")
+        fewer = empty_tensor * 500000  # within every count: 1 MB that would decode into 50
+        (code, details), peak = peak_above_now(fewer)
+        self.assertEqual(code, grpc.StatusCode.INVALID_ARGUMENT, details)
+        self.assertIn("most of it in tensors (500000 entries", details)
+        self.assertIsNone(self.daemon(1).proc.poll(), "the daemon is alive")
+        self.refit_still_works()
+
     def test_a_group_cannot_grow_past_its_limits(self):
         """Registrations on a node that is not the coordinator, past the coordinator's
         --max-group-workers: RESOURCE_EXHAUSTED naming the flag; the others keep working."""

@@ -16,14 +16,20 @@
 // watched stream broke); 4 timed out (DEADLINE_EXCEEDED); health: 1 when a service is not
 // SERVING.
 #include <grpcpp/grpcpp.h>
+#include <sys/socket.h>
+#include <sys/un.h>
+#include <unistd.h>
 
 #include <algorithm>
+#include <cerrno>
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
 #include <fstream>
 #include <functional>
 #include <memory>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "absl/status/status.h"
@@ -89,10 +95,27 @@ int Fail(const grpc::Status& s) {
   return ExitCode(s);
 }
 
+// Whether something listens on unix socket `path`, its backlog full or not (a daemon that is
+// gone refuses at once: ECONNREFUSED, ENOENT).
+bool ListeningAt(const std::string& path) {
+  sockaddr_un addr{};
+  if (path.size() >= sizeof addr.sun_path) return false;
+  addr.sun_family = AF_UNIX;
+  std::memcpy(addr.sun_path, path.data(), path.size());
+  const int fd = socket(AF_UNIX, SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0);
+  if (fd < 0) return false;
+  const int rc = connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof addr);
+  const int error = errno;
+  close(fd);
+  return rc == 0 || error == EAGAIN;
+}
+
 // The daemons named by --daemon, tried in order: a call that cannot reach one (UNAVAILABLE)
 // goes to the next; any other answer, success or refusal, is the answer.
 class Endpoints {
  public:
+  static constexpr std::chrono::seconds kConnectRetry{2};
+
   Endpoints(std::vector<std::string> addresses, double timeout_s, const TlsConfig& tls)
       : addresses_(std::move(addresses)),
         timeout_s_(timeout_s),
@@ -104,10 +127,21 @@ class Endpoints {
                     bool deadline = true) {
     grpc::Status last;
     for (const std::string& a : addresses_) {
-      grpc::ClientContext ctx;
-      if (deadline) ctx.set_deadline(Deadline());
       auto stub = v1::RefitControl::NewStub(Channel(a));
-      last = (stub.get()->*method)(&ctx, request, response);
+      // A unix socket whose backlog is full for a moment (a burst of connections) refuses the
+      // connection before anything is sent: tried again for up to kConnectRetry, 100 ms apart.
+      const auto retry_until = std::chrono::steady_clock::now() + kConnectRetry;
+      while (true) {
+        grpc::ClientContext ctx;
+        if (deadline) ctx.set_deadline(Deadline());
+        last = (stub.get()->*method)(&ctx, request, response);
+        if (last.error_code() != grpc::StatusCode::UNAVAILABLE || !absl::StartsWith(a, "unix:") ||
+            !absl::StrContains(last.error_message(), "failed to connect") ||
+            !ListeningAt(a.substr(5)) || std::chrono::steady_clock::now() >= retry_until) {
+          break;
+        }
+        std::this_thread::sleep_for(std::chrono::milliseconds(100));
+      }
       if (last.error_code() != grpc::StatusCode::UNAVAILABLE) return last;
       last = ExplainClosed(a, last);
       if (addresses_.size() > 1)

@@ -114,64 +114,102 @@ void UnixCallerListener::Loop() {
     if (fds[1].revents != 0) return;
     Settle(absl::MakeConstSpan(fds).subspan(2));
     can_accept = true;
-    if (fds[0].revents != 0) can_accept = AcceptOne();
+    if (fds[0].revents != 0) can_accept = AcceptPending();
   }
 }
 
-bool UnixCallerListener::AcceptOne() {
-  // Non-blocking, as gRPC's endpoints expect their descriptors.
-  Fd fd(accept4(listener_.get(), nullptr, nullptr, SOCK_CLOEXEC | SOCK_NONBLOCK));
-  if (!fd.valid()) {
-    if (errno == EAGAIN || errno == EINTR || errno == ECONNABORTED) return true;
-    if (absl::Now() - error_logged_ >= absl::Seconds(5)) {
-      Logger("rpc")->warn("unix:{}: accept failed: {}; retrying", path_, std::strerror(errno));
-      error_logged_ = absl::Now();
+bool UnixCallerListener::AcceptPending() {
+  for (size_t n = 0; n < kMaxAcceptsPerWake; ++n) {
+    // Non-blocking, as gRPC's endpoints expect their descriptors.
+    Fd fd(accept4(listener_.get(), nullptr, nullptr, SOCK_CLOEXEC | SOCK_NONBLOCK));
+    if (!fd.valid()) {
+      if (errno == EINTR || errno == ECONNABORTED) continue;
+      if (errno == EAGAIN) return true;
+      if (absl::Now() - error_logged_ >= absl::Seconds(5)) {
+        Logger("rpc")->warn("unix:{}: accept failed: {}; retrying", path_, std::strerror(errno));
+        error_logged_ = absl::Now();
+      }
+      return false;
     }
-    return false;
+    ucred cred{};
+    socklen_t len = sizeof cred;
+    if (getsockopt(fd.get(), SOL_SOCKET, SO_PEERCRED, &cred, &len) != 0) {
+      Logger("rpc")->warn(
+          "unix:{}: a connection's credentials (SO_PEERCRED) could not be read ({}); closed", path_,
+          std::strerror(errno));
+      continue;
+    }
+    const UnixCredentials credentials{static_cast<uint32_t>(cred.uid),
+                                      static_cast<int32_t>(cred.pid)};
+    // A client writes before it is accepted (gRPC its preface): served at once, never waiting
+    // behind, or evicted by, connections that said nothing.
+    char byte = 0;
+    const ssize_t peeked = recv(fd.get(), &byte, 1, MSG_PEEK | MSG_DONTWAIT);
+    if (peeked == 1) {
+      Serve(std::move(fd), credentials);
+      continue;
+    }
+    if (peeked == 0) continue;  // gone before it said anything
+    if (waiting_.size() >= kMaxWaiting) EvictOne();
+    ++waiting_of_uid_[credentials.uid];
+    waiting_.push_back({std::move(fd), credentials, absl::Now() + first_byte_timeout_});
   }
-  ucred cred{};
-  socklen_t len = sizeof cred;
-  if (getsockopt(fd.get(), SOL_SOCKET, SO_PEERCRED, &cred, &len) != 0) {
-    Logger("rpc")->warn(
-        "unix:{}: a connection's credentials (SO_PEERCRED) could not be read ({}); closed", path_,
-        std::strerror(errno));
-    return true;
-  }
-  if (waiting_.size() >= kMaxWaiting) {
-    CloseSilent(waiting_.front(),
-                "and was the oldest of the connections waiting when one more came");
-    waiting_.erase(waiting_.begin());
-  }
-  waiting_.push_back({std::move(fd),
-                      {static_cast<uint32_t>(cred.uid), static_cast<int32_t>(cred.pid)},
-                      absl::Now() + first_byte_timeout_});
   return true;
+}
+
+void UnixCallerListener::EvictOne() {
+  // The oldest connection of the user with the most waiting: a storm of one user closes its own.
+  uint32_t uid = 0;
+  int most = 0;
+  for (const auto& [u, n] : waiting_of_uid_) {
+    if (n > most) {
+      uid = u;
+      most = n;
+    }
+  }
+  auto it = std::find_if(waiting_.begin(), waiting_.end(),
+                         [uid](const Waiting& w) { return w.credentials.uid == uid; });
+  if (it == waiting_.end()) it = waiting_.begin();
+  CloseSilent(*it, "and its user held the most of the connections waiting when one more came");
+  Forget(it->credentials.uid);
+  waiting_.erase(it);
+}
+
+void UnixCallerListener::Forget(uint32_t uid) {
+  auto it = waiting_of_uid_.find(uid);
+  if (it != waiting_of_uid_.end() && --it->second <= 0) waiting_of_uid_.erase(it);
+}
+
+void UnixCallerListener::Serve(Fd fd, const UnixCredentials& credentials) {
+  {
+    Record& r = Callers();
+    absl::MutexLock lock(&r.mu);
+    r.by_fd[fd.get()] = credentials;
+  }
+  ++accepted_;
+  serve_(fd.Release());  // its first bytes stay in the socket for gRPC to read
 }
 
 void UnixCallerListener::Settle(absl::Span<const pollfd> polled) {
   const absl::Time now = absl::Now();
-  std::vector<Waiting> still;
+  size_t kept = 0;
   for (size_t i = 0; i < waiting_.size(); ++i) {
     Waiting& w = waiting_[i];
     const short ready = polled[i].revents;
-    if ((ready & POLLIN) != 0) {
-      // Its first bytes stay in the socket for gRPC to read.
-      {
-        Record& r = Callers();
-        absl::MutexLock lock(&r.mu);
-        r.by_fd[w.fd.get()] = w.credentials;
-      }
-      ++accepted_;
-      serve_(w.fd.Release());
-    } else if ((ready & (POLLHUP | POLLERR | POLLNVAL)) != 0) {
-      w.fd.Close();  // gone before it said anything
+    if ((ready & (POLLHUP | POLLERR | POLLNVAL)) != 0) {
+      w.fd.Close();  // gone (its peer closed: readable too, at its end)
+    } else if ((ready & POLLIN) != 0) {
+      Serve(std::move(w.fd), w.credentials);
     } else if (now >= w.deadline) {
       CloseSilent(w, "within its first-byte deadline");
     } else {
-      still.push_back(std::move(w));
+      if (kept != i) waiting_[kept] = std::move(w);
+      ++kept;
+      continue;
     }
+    Forget(w.credentials.uid);
   }
-  waiting_ = std::move(still);
+  waiting_.resize(kept);
 }
 
 void UnixCallerListener::CloseSilent(Waiting& w, const char* why) {

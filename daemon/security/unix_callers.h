@@ -22,6 +22,7 @@
 #include <thread>
 #include <vector>
 
+#include "absl/container/flat_hash_map.h"
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
 #include "absl/time/time.h"
@@ -44,11 +45,15 @@ std::optional<UnixCredentials> UnixCallerOf(absl::string_view peer);
 // first byte. gRPC gives a connection it is handed no handshake deadline (its own listeners close
 // one that sends no HTTP/2 settings in time), so the deadline is kept here: a connection that
 // sends nothing within `first_byte_timeout` is closed, and of more than kMaxWaiting silent ones
-// the oldest is closed, so that idle connections never hold descriptors for good nor keep a
-// worker out.
+// the oldest of the user holding the most is closed, so that idle connections never hold
+// descriptors for good nor keep a worker out. A connection that wrote before it was accepted (a
+// gRPC client's preface) is handed over at once.
 class UnixCallerListener {
  public:
   static constexpr size_t kMaxWaiting = 256;
+  // Accepted in one go before the waiting connections are polled again: the backlog is drained
+  // faster than a storm of connections fills it (it is shared by every user of the socket).
+  static constexpr size_t kMaxAcceptsPerWake = 1024;
 
   // Binds and listens at `path` (a stale socket there is removed first); INVALID_ARGUMENT for a
   // path too long for a unix socket, UNAVAILABLE naming the path and errno otherwise. `serve` is
@@ -75,8 +80,13 @@ class UnixCallerListener {
   UnixCallerListener(std::string path, std::function<void(int)> serve, absl::Duration timeout)
       : path_(std::move(path)), serve_(std::move(serve)), first_byte_timeout_(timeout) {}
   void Loop();
-  // Accepts what is pending; false once accept fails for want of descriptors or memory.
-  bool AcceptOne();
+  // Accepts what is pending, up to kMaxAcceptsPerWake: a connection that has written is served
+  // at once, the others wait. False once accept fails for want of descriptors or memory.
+  bool AcceptPending();
+  // Closes the oldest waiting connection of the user that has the most waiting.
+  void EvictOne();
+  void Forget(uint32_t uid);  // one of its waiting connections is gone
+  void Serve(Fd fd, const UnixCredentials& credentials);
   // Hands over the waiting connections that sent a byte; closes those that ended, or whose
   // deadline passed. `polled[i]` is waiting_[i]'s poll entry.
   void Settle(absl::Span<const pollfd> polled);
@@ -86,6 +96,7 @@ class UnixCallerListener {
   const std::function<void(int)> serve_;
   const absl::Duration first_byte_timeout_;
   std::vector<Waiting> waiting_;  // oldest first
+  absl::flat_hash_map<uint32_t, int> waiting_of_uid_;
   absl::Time error_logged_ = absl::InfinitePast();
   Fd listener_;
   Fd wake_read_, wake_write_;  // a byte written here ends Loop

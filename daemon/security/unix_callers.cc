@@ -2,7 +2,9 @@
 
 #include <fcntl.h>
 #include <poll.h>
+#include <sys/resource.h>
 #include <sys/socket.h>
+#include <sys/stat.h>
 #include <sys/un.h>
 #include <unistd.h>
 
@@ -48,7 +50,8 @@ std::optional<UnixCredentials> UnixCallerOf(absl::string_view peer) {
 }
 
 absl::StatusOr<std::unique_ptr<UnixCallerListener>> UnixCallerListener::Start(
-    const std::string& path, std::function<void(int fd)> serve, absl::Duration first_byte_timeout) {
+    const std::string& path, std::function<void(int fd)> serve, absl::Duration first_byte_timeout,
+    ServedLimits limits) {
   sockaddr_un addr{};
   addr.sun_family = AF_UNIX;
   if (path.empty() || path.size() >= sizeof addr.sun_path) {
@@ -58,7 +61,7 @@ absl::StatusOr<std::unique_ptr<UnixCallerListener>> UnixCallerListener::Start(
   }
   std::memcpy(addr.sun_path, path.data(), path.size());
   std::unique_ptr<UnixCallerListener> l(
-      new UnixCallerListener(path, std::move(serve), first_byte_timeout));
+      new UnixCallerListener(path, std::move(serve), first_byte_timeout, limits));
   auto failed = [&](const char* what) {
     return absl::UnavailableError(
         absl::StrCat("cannot listen on unix:", path, ": ", what, ": ", std::strerror(errno)));
@@ -180,7 +183,65 @@ void UnixCallerListener::Forget(uint32_t uid) {
   if (it != waiting_of_uid_.end() && --it->second <= 0) waiting_of_uid_.erase(it);
 }
 
+ServedLimits ServedLimits::ForDescriptorLimit() {
+  rlimit nofile{};
+  if (getrlimit(RLIMIT_NOFILE, &nofile) != 0 || nofile.rlim_cur == RLIM_INFINITY) return {};
+  const auto n = static_cast<size_t>(nofile.rlim_cur);
+  return {std::clamp<size_t>(n / 8, 64, 1024), std::clamp<size_t>(n / 2, 256, 8192)};
+}
+
+void UnixCallerListener::Recount() {
+  recounted_ = absl::Now();
+  for (auto it = served_.begin(); it != served_.end();) {
+    struct stat st {};
+    if (fstat(it->first, &st) == 0 && static_cast<uint64_t>(st.st_dev) == it->second.device &&
+        static_cast<uint64_t>(st.st_ino) == it->second.inode) {
+      ++it;
+      continue;
+    }
+    auto n = served_of_uid_.find(it->second.uid);
+    if (n != served_of_uid_.end() && --n->second == 0) served_of_uid_.erase(n);
+    served_.erase(it++);
+  }
+}
+
+bool UnixCallerListener::MayServe(uint32_t uid) {
+  auto within = [&] {
+    auto n = served_of_uid_.find(uid);
+    return served_.size() < limits_.total &&
+           (n == served_of_uid_.end() || n->second < limits_.per_uid);
+  };
+  if (within()) return true;
+  if (absl::Now() - recounted_ >= kRecountEvery) Recount();
+  return within();
+}
+
 void UnixCallerListener::Serve(Fd fd, const UnixCredentials& credentials) {
+  struct stat st {};
+  if (fstat(fd.get(), &st) != 0) return;
+  // A descriptor number gRPC closed and accept reused: its old connection is gone.
+  if (auto old = served_.find(fd.get()); old != served_.end()) {
+    auto n = served_of_uid_.find(old->second.uid);
+    if (n != served_of_uid_.end() && --n->second == 0) served_of_uid_.erase(n);
+    served_.erase(old);
+  }
+  if (!MayServe(credentials.uid)) {
+    ++closed_over_limit_;
+    if (absl::Now() - limit_logged_ >= absl::Seconds(5)) {
+      const auto n = served_of_uid_.find(credentials.uid);
+      Logger("rpc")->warn(
+          "unix:{}: a connection of uid {} (pid {}) closed: that user holds {} connections (at "
+          "most "
+          "{} per user), all users {} (at most {})",
+          path_, credentials.uid, credentials.pid, n == served_of_uid_.end() ? 0 : n->second,
+          limits_.per_uid, served_.size(), limits_.total);
+      limit_logged_ = absl::Now();
+    }
+    return;
+  }
+  served_[fd.get()] = {credentials.uid, static_cast<uint64_t>(st.st_dev),
+                       static_cast<uint64_t>(st.st_ino)};
+  ++served_of_uid_[credentials.uid];
   {
     Record& r = Callers();
     absl::MutexLock lock(&r.mu);

@@ -40,6 +40,18 @@ struct UnixCredentials {
 // UnixCallerListener; nullopt for any other peer.
 std::optional<UnixCredentials> UnixCallerOf(absl::string_view peer);
 
+// How many served connections (handed to gRPC and not yet closed by it) one user, and all users,
+// may hold: each holds a descriptor of the daemon until gRPC closes it (by its keepalive, within a
+// minute of a caller going quiet), and descriptors, once out, are out for everyone (rounds open
+// sockets, workers hand memory over). A connection past either is closed at once.
+struct ServedLimits {
+  size_t per_uid = 1024;
+  size_t total = 8192;
+  // From the process's descriptor limit: an eighth of it per user (64 to 1024), half in all (256
+  // to 8192).
+  static ServedLimits ForDescriptorLimit();
+};
+
 // Listens on a unix socket path and hands each connection, its credentials recorded, to `serve`
 // (which owns the descriptor from then on: gRPC's AddInsecureChannelFromFd) once it has sent its
 // first byte. gRPC gives a connection it is handed no handshake deadline (its own listeners close
@@ -47,7 +59,8 @@ std::optional<UnixCredentials> UnixCallerOf(absl::string_view peer);
 // sends nothing within `first_byte_timeout` is closed, and of more than kMaxWaiting silent ones
 // the oldest of the user holding the most is closed, so that idle connections never hold
 // descriptors for good nor keep a worker out. A connection that wrote before it was accepted (a
-// gRPC client's preface) is handed over at once.
+// gRPC client's preface) is handed over at once. Served connections are bounded per user and in
+// all (ServedLimits).
 class UnixCallerListener {
  public:
   static constexpr size_t kMaxWaiting = 256;
@@ -60,7 +73,8 @@ class UnixCallerListener {
   // called on the listener's thread, one connection at a time.
   static absl::StatusOr<std::unique_ptr<UnixCallerListener>> Start(
       const std::string& path, std::function<void(int fd)> serve,
-      absl::Duration first_byte_timeout = absl::Seconds(10));
+      absl::Duration first_byte_timeout = absl::Seconds(10),
+      ServedLimits limits = ServedLimits::ForDescriptorLimit());
   ~UnixCallerListener();  // stops accepting and removes the socket file
   UnixCallerListener(const UnixCallerListener&) = delete;
   UnixCallerListener& operator=(const UnixCallerListener&) = delete;
@@ -68,6 +82,7 @@ class UnixCallerListener {
   const std::string& path() const { return path_; }
   int64_t accepted() const { return accepted_.load(); }  // handed to `serve`
   int64_t closed_silent() const { return closed_silent_.load(); }
+  int64_t closed_over_limit() const { return closed_over_limit_.load(); }  // ServedLimits
 
  private:
   // Accepted, not yet handed over: waiting for its first byte (only the listener's thread).
@@ -77,8 +92,18 @@ class UnixCallerListener {
     absl::Time deadline;
   };
 
-  UnixCallerListener(std::string path, std::function<void(int)> serve, absl::Duration timeout)
-      : path_(std::move(path)), serve_(std::move(serve)), first_byte_timeout_(timeout) {}
+  // Handed over: its socket's device and inode tell whether the descriptor still holds it.
+  struct Served {
+    uint32_t uid = 0;
+    uint64_t device = 0, inode = 0;
+  };
+
+  UnixCallerListener(std::string path, std::function<void(int)> serve, absl::Duration timeout,
+                     ServedLimits limits)
+      : path_(std::move(path)),
+        serve_(std::move(serve)),
+        first_byte_timeout_(timeout),
+        limits_(limits) {}
   void Loop();
   // Accepts what is pending, up to kMaxAcceptsPerWake: a connection that has written is served
   // at once, the others wait. False once accept fails for want of descriptors or memory.
@@ -86,7 +111,12 @@ class UnixCallerListener {
   // Closes the oldest waiting connection of the user that has the most waiting.
   void EvictOne();
   void Forget(uint32_t uid);  // one of its waiting connections is gone
+  // Hands `fd` to `serve`, or closes it when its user or all are at their ServedLimits.
   void Serve(Fd fd, const UnixCredentials& credentials);
+  // Whether `uid` may have one more connection served; counts again what gRPC has closed first
+  // when at a limit (at most every kRecountEvery: a user at its limit is not recounted per try).
+  bool MayServe(uint32_t uid);
+  void Recount();  // drops the served connections whose descriptors gRPC has closed
   // Hands over the waiting connections that sent a byte; closes those that ended, or whose
   // deadline passed. `polled[i]` is waiting_[i]'s poll entry.
   void Settle(absl::Span<const pollfd> polled);
@@ -95,13 +125,20 @@ class UnixCallerListener {
   const std::string path_;
   const std::function<void(int)> serve_;
   const absl::Duration first_byte_timeout_;
+  const ServedLimits limits_;
+  static constexpr absl::Duration kRecountEvery = absl::Milliseconds(100);
   std::vector<Waiting> waiting_;  // oldest first
   absl::flat_hash_map<uint32_t, int> waiting_of_uid_;
+  absl::flat_hash_map<int, Served> served_;  // by descriptor
+  absl::flat_hash_map<uint32_t, size_t> served_of_uid_;
+  absl::Time recounted_ = absl::InfinitePast();
+  absl::Time limit_logged_ = absl::InfinitePast();
   absl::Time error_logged_ = absl::InfinitePast();
   Fd listener_;
   Fd wake_read_, wake_write_;  // a byte written here ends Loop
   std::atomic<int64_t> accepted_{0};
   std::atomic<int64_t> closed_silent_{0};
+  std::atomic<int64_t> closed_over_limit_{0};
   std::thread thread_;
 };
 

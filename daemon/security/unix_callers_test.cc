@@ -10,6 +10,7 @@
 #include <unistd.h>
 
 #include <catch2/catch.hpp>
+#include <cerrno>
 #include <condition_variable>
 #include <cstring>
 #include <mutex>
@@ -37,7 +38,9 @@ bool ClosedWithin(const Fd& fd, double seconds) {
              static_cast<suseconds_t>((seconds - static_cast<int>(seconds)) * 1e6)};
   setsockopt(fd.get(), SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof tv);
   char byte;
-  return read(fd.get(), &byte, 1) == 0;
+  // Closed with what it sent unread: a reset.
+  const ssize_t n = read(fd.get(), &byte, 1);
+  return n == 0 || (n < 0 && errno == ECONNRESET);
 }
 
 struct Handed {
@@ -142,6 +145,78 @@ TEST_CASE("silent connections beyond the cap close the oldest: a worker is never
   CHECK(UnixCallerOf(absl::StrCat("fd:", served.get())).has_value());
   // The worker had written when it was accepted: served without closing another.
   CHECK((*listener)->closed_silent() == 1);
+}
+
+TEST_CASE("served connections are bounded per user and in all: past a limit one is closed") {
+  const std::string path = absl::StrCat("/tmp/refit-unix-served-", getpid(), ".sock");
+  Handed handed;
+  auto listener = UnixCallerListener::Start(path, handed.Serve(), absl::Seconds(10),
+                                            ServedLimits{/*per_uid=*/8, /*total=*/12});
+  REQUIRE(listener.ok());
+  REQUIRE(chmod(path.c_str(), 0777) == 0);
+  std::vector<Fd> clients, served;
+  for (int i = 0; i < 8; ++i) {
+    clients.push_back(Connect(path));
+    REQUIRE(clients.back().valid());
+    served.emplace_back(handed.Next());
+  }
+  Fd ninth = Connect(path);
+  CHECK(ClosedWithin(ninth, 3.0));
+  CHECK((*listener)->closed_over_limit() == 1);
+  CHECK(handed.Count() == 0);
+
+  // gRPC closes two of them (its side): two more are served, and no third.
+  served.pop_back();
+  served.pop_back();
+  usleep(150 * 1000);  // past the recount interval
+  for (int i = 0; i < 2; ++i) {
+    clients.push_back(Connect(path));
+    served.emplace_back(handed.Next());
+  }
+  Fd over = Connect(path);
+  CHECK(ClosedWithin(over, 3.0));
+  CHECK((*listener)->closed_over_limit() == 2);
+
+  if (geteuid() != 0) {
+    WARN("the other user's share is skipped: needs root");
+    return;
+  }
+  // Another user, while this one holds its 8: 4 more fit the total of 12, the 5th is closed. The
+  // child's exit status is how many of its 5 were closed.
+  const pid_t other = fork();
+  if (other == 0) {
+    if (setgroups(0, nullptr) != 0 || setgid(65534) != 0 || setuid(65534) != 0) _exit(100);
+    int fds[5];
+    for (int& fd : fds) {
+      fd = socket(AF_UNIX, SOCK_STREAM, 0);
+      sockaddr_un addr{};
+      addr.sun_family = AF_UNIX;
+      std::memcpy(addr.sun_path, path.data(), path.size());
+      if (connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof addr) != 0) _exit(101);
+      if (write(fd, "P", 1) != 1) _exit(102);
+      usleep(20 * 1000);
+    }
+    sleep(1);
+    int closed = 0;
+    for (int fd : fds) {
+      char byte;
+      const ssize_t n = recv(fd, &byte, 1, MSG_DONTWAIT);
+      if (n == 0 || (n < 0 && errno == ECONNRESET)) ++closed;
+    }
+    _exit(closed);
+  }
+  for (int i = 0; i < 4; ++i) {
+    Fd in(handed.Next());
+    auto caller = UnixCallerOf(absl::StrCat("fd:", in.get()));
+    REQUIRE(caller.has_value());
+    CHECK(caller->uid == 65534);
+    served.push_back(std::move(in));
+  }
+  int status = 0;
+  REQUIRE(waitpid(other, &status, 0) == other);
+  REQUIRE(WIFEXITED(status));
+  CHECK(WEXITSTATUS(status) == 1);
+  CHECK((*listener)->closed_over_limit() == 3);
 }
 
 // Another user connecting as fast as `per_second` allows and sending nothing, keeping its last

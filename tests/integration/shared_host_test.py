@@ -10,6 +10,7 @@ worker socket takes only its own share of the WatchRounds slots there: other use
 Needs root (to become another uid)."""
 import json
 import os
+import resource
 import shutil
 import socket
 import subprocess
@@ -92,6 +93,36 @@ try:
 except grpc.RpcError as e:
     got = "%s: %s" % (e.code().name, e.details())
 print(json.dumps({"one_more": got}), flush=True)
+sys.stdin.readline()
+"""
+
+# Run as nobody: opens argv[2] connections to unix socket argv[1], each sending half of HTTP/2's
+# preface (gRPC holds such a connection until its keepalive gives up), waits, and says how many
+# the daemon closed.
+HOLDER = r"""
+import json, resource, socket, sys, time
+path, n = sys.argv[1], int(sys.argv[2])
+soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+socks = []
+for _ in range(n):
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    s.connect(path)
+    s.sendall(b"PRI * HTTP/2.0")
+    socks.append(s)
+time.sleep(3)
+closed = 0
+for s in socks:
+    try:
+        while True:
+            if s.recv(65536, socket.MSG_DONTWAIT) == b"":
+                closed += 1
+                break
+    except BlockingIOError:
+        pass  # open: what the daemon sent is read
+    except ConnectionResetError:
+        closed += 1
+print(json.dumps({"closed": closed}), flush=True)
 sys.stdin.readline()
 """
 
@@ -227,6 +258,46 @@ class WorkerSocketShareSuite(unittest.TestCase):
                 nobody.stdin.write("\n")
                 nobody.stdin.close()
             except OSError:  # it ended already; what it said is in the assertion above
+                pass
+            nobody.wait(timeout=30)
+            nobody.stdout.close()
+            nobody.stderr.close()
+
+
+    def test_one_user_cannot_hold_every_descriptor_of_the_daemon(self):
+        """Connections that are served (they spoke) and then go quiet hold a descriptor each until
+        gRPC's keepalive closes them; one user holds at most an eighth of the daemon's descriptor
+        limit (up to 1024): past that a new connection is closed at once, and other users still
+        get through. Before, 20,000 such connections took the daemon to its descriptor limit."""
+        daemon = self.cluster.daemons[0]
+        with open(f"/proc/{daemon.proc.pid}/limits") as f:
+            soft = next(int(line.split()[3]) for line in f if line.startswith("Max open files"))
+        per_user = max(64, min(1024, soft // 8))
+        extra = 100
+        if resource.getrlimit(resource.RLIMIT_NOFILE)[1] < per_user + extra + 64:
+            self.skipTest("this machine's hard descriptor limit is below what the test opens")
+        path = daemon.worker_address[len("unix:"):]
+        nobody = subprocess.Popen([sys.executable, "-c", HOLDER, path, str(per_user + extra)],
+                                  preexec_fn=drop_to_nobody, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                  stderr=subprocess.PIPE, text=True, cwd="/tmp")
+        try:
+            line = nobody.stdout.readline()
+            self.assertTrue(line, f"the holder ended: {nobody.stderr.read() if nobody.poll() is not None else ''}")
+            closed = json.loads(line)["closed"]
+            # Its connections past its share, and none of the rest (nothing else closes them in 3 s).
+            self.assertGreaterEqual(closed, extra)
+            self.assertLess(closed, extra + 16)
+            # This uid, while nobody holds its whole share, still gets through.
+            ctl = refit.Controller(daemon.worker_address, timeout=10)
+            try:
+                ctl.status()
+            finally:
+                ctl.close()
+        finally:
+            try:
+                nobody.stdin.write("\n")
+                nobody.stdin.close()
+            except OSError:
                 pass
             nobody.wait(timeout=30)
             nobody.stdout.close()

@@ -22,6 +22,7 @@
 #include "daemon/coordinator/state_store.h"
 #include "daemon/node/coordinator_link.h"
 #include "daemon/node/node_agent.h"
+#include "daemon/node/watch_hub.h"
 #include "daemon/ops/metered_backend.h"
 #include "daemon/ops/metrics.h"
 #include "daemon/security/socket_access.h"
@@ -301,6 +302,13 @@ void Daemon::MakeCoordinatorLink() {
                      ") no longer knows this node: it restarted, or declared it dead"));
   };
   link_ = std::make_unique<CoordinatorLink>(std::move(link));
+  CoordinatorLink* forward = link_.get();
+  watch_hub_ = std::make_unique<WatchHub>(
+      [forward](const std::function<bool()>& stop,
+                const std::function<bool(const v1::RoundStats&)>& deliver,
+                const std::function<void()>& opened) {
+        return forward->ForwardWatch(v1::WatchRoundsRequest(), stop, deliver, opened);
+      });
   if (metrics_ != nullptr) {
     metrics_->SetClusterView([self] {
       ClusterView view;
@@ -426,6 +434,7 @@ void Daemon::FillServiceParts() {
   parts_.registry = registry_.get();
   parts_.agent = agent_.get();
   parts_.link = link_.get();
+  parts_.watch_hub = watch_hub_.get();
   parts_.membership = membership_.get();
   parts_.planner = planner_.get();
   parts_.driver = driver_.get();
@@ -562,6 +571,7 @@ void Daemon::Shutdown() {
   // The worker service (services_) outlives server_ and waits for sessions still in OnDone.
   if (registry_) registry_->Stop();
   if (round_log_) round_log_->Stop();
+  if (watch_hub_) watch_hub_->Stop();
   worker_socket_.reset();  // no connection is handed to the worker server once it shuts down
   const auto deadline = std::chrono::system_clock::now() + std::chrono::seconds(2);
   for (grpc::Server* server : Servers()) server->Shutdown(deadline);

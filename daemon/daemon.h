@@ -41,6 +41,7 @@
 namespace refit {
 
 class CoordinatorLink;
+class WatchHub;
 class GroupPlanner;
 class GrpcPeerClient;
 class HandleInbox;
@@ -124,6 +125,7 @@ class Daemon {
   std::unique_ptr<PauseDetector> pause_;
   std::unique_ptr<NodeAgent> agent_;
   std::unique_ptr<CoordinatorLink> link_;  // not on the coordinator
+  std::unique_ptr<WatchHub> watch_hub_;    // with link_
   // The coordinator's.
   std::unique_ptr<StateStore> state_;
   std::unique_ptr<Membership> membership_;

@@ -12,6 +12,7 @@
 #include "daemon/coordinator/round_log.h"
 #include "daemon/node/coordinator_link.h"
 #include "daemon/node/node_agent.h"
+#include "daemon/node/watch_hub.h"
 #include "daemon/security/grpc_caller.h"
 #include "daemon/worker/encoded_registration.h"
 #include "daemon/worker/registration_decoder.h"
@@ -143,7 +144,8 @@ class ControlService : public v1::RefitControl::Service {
       c->AddInitialMetadata(kWatchOpenKey, kWatchOpenValue);
       w->SendInitialMetadata();
     };
-    if (p_->link != nullptr) return ToGrpc(p_->link->ForwardWatch(*r, cancelled, write, opened));
+    if (p_->watch_hub != nullptr)
+      return ToGrpc(p_->watch_hub->Watch(r->group(), cancelled, write, opened));
     p_->log->Watch(r->group(), cancelled, write, opened);
     return grpc::Status::OK;
   }

@@ -23,10 +23,11 @@ class Membership;
 class NodeAgent;
 class RoundDriver;
 class RoundLog;
+class WatchHub;
 class WorkerRegistry;
 
-// More WatchRounds at once are RESOURCE_EXHAUSTED: each holds a thread of the server (and, on a
-// node, one of the coordinator's, forwarded); and one caller may hold at most
+// More WatchRounds at once are RESOURCE_EXHAUSTED: each holds a thread of the server (a node's
+// share one stream to the coordinator: daemon/node/watch_hub.h); and one caller may hold at most
 // kMaxWatchesPerCaller of them, so that no one local user or certificate takes every slot
 // (watch_slots.h says who a caller is).
 inline constexpr int kMaxWatches = 64;
@@ -44,6 +45,7 @@ struct ServiceParts {
   WorkerRegistry* registry = nullptr;
   NodeAgent* agent = nullptr;
   CoordinatorLink* link = nullptr;
+  WatchHub* watch_hub = nullptr;  // with `link`: this node's watches, on one stream upstream
   Membership* membership = nullptr;
   GroupPlanner* planner = nullptr;
   RoundDriver* driver = nullptr;

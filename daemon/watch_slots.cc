@@ -56,31 +56,36 @@ WatchSlots::Slot& WatchSlots::Slot::operator=(Slot&& o) noexcept {
 absl::StatusOr<WatchSlots::Slot> WatchSlots::Acquire(const WatchCaller& caller) {
   absl::MutexLock lock(&mu_);
   if (open_ >= total_) {
+    // Named, the callers holding most: who to ask to close one.
+    std::vector<const Held*> holders;
+    for (const auto& [key, held] : by_caller_) holders.push_back(&held);
+    std::sort(holders.begin(), holders.end(),
+              [](const Held* a, const Held* b) { return a->streams > b->streams; });
+    std::string most;
+    for (size_t i = 0; i < holders.size() && i < 3; ++i)
+      absl::StrAppend(&most, i > 0 ? ", " : "", holders[i]->name, ": ", holders[i]->streams);
     return absl::ResourceExhaustedError(
         absl::StrCat("WatchRounds: ", total_,
-                     " streams are open on this daemon already, the most it serves; close one"));
+                     " streams are open on this daemon already, the most it serves (held most by ",
+                     most, "); close one"));
   }
-  std::string key;
-  if (caller.capped) {
-    key = caller.key;
-    int& held = by_caller_[key];
-    if (held >= per_caller_) {
-      return absl::ResourceExhaustedError(
-          absl::StrCat("WatchRounds: ", caller.name, " holds ", held,
-                       " streams on this daemon already, the most one caller may "
-                       "hold at once; close one"));
-    }
-    ++held;
+  Held& held = by_caller_[caller.key];
+  if (caller.capped && held.streams >= per_caller_) {
+    return absl::ResourceExhaustedError(
+        absl::StrCat("WatchRounds: ", caller.name, " holds ", held.streams,
+                     " streams on this daemon already, the most one caller may "
+                     "hold at once; close one"));
   }
+  held.name = caller.name;
+  ++held.streams;
   ++open_;
-  return Slot(this, std::move(key));
+  return Slot(this, caller.key);
 }
 
 void WatchSlots::Release(const std::string& key) {
   absl::MutexLock lock(&mu_);
   --open_;
-  if (key.empty()) return;
-  if (auto it = by_caller_.find(key); it != by_caller_.end() && --it->second == 0)
+  if (auto it = by_caller_.find(key); it != by_caller_.end() && --it->second.streams == 0)
     by_caller_.erase(it);
 }
 
@@ -92,7 +97,7 @@ int WatchSlots::open() const {
 int WatchSlots::held_by(const std::string& key) const {
   absl::MutexLock lock(&mu_);
   auto it = by_caller_.find(key);
-  return it == by_caller_.end() ? 0 : it->second;
+  return it == by_caller_.end() ? 0 : it->second.streams;
 }
 
 }  // namespace refit

@@ -47,7 +47,7 @@ class WatchSlots {
     friend class WatchSlots;
     Slot(WatchSlots* slots, std::string key) : slots_(slots), key_(std::move(key)) {}
     WatchSlots* slots_;
-    std::string key_;  // empty: not capped
+    std::string key_;
   };
 
   WatchSlots(int total, int per_caller) : total_(total), per_caller_(per_caller) {}
@@ -63,7 +63,12 @@ class WatchSlots {
   const int total_, per_caller_;
   mutable absl::Mutex mu_;
   int open_ ABSL_GUARDED_BY(mu_) = 0;
-  absl::flat_hash_map<std::string, int> by_caller_ ABSL_GUARDED_BY(mu_);  // capped callers only
+  struct Held {
+    std::string name;
+    int streams = 0;
+  };
+  // Every caller's, capped or not (the total's refusal names who holds most).
+  absl::flat_hash_map<std::string, Held> by_caller_ ABSL_GUARDED_BY(mu_);
 };
 
 }  // namespace refit

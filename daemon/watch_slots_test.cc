@@ -97,7 +97,9 @@ TEST_CASE("one caller holds at most its share; others still get slots; the total
   }
   CHECK(slots.open() == 10);
   CHECK(Says(slots.Acquire(node).status(), absl::StatusCode::kResourceExhausted,
-             "WatchRounds: 10 streams are open on this daemon already"));
+             "WatchRounds: 10 streams are open on this daemon already, the most it serves (held "
+             "most by node 1's daemon: 6, certificate \"refit-viewer\": 3, certificate "
+             "\"refit-operator\": 1); close one"));
   CHECK(Says(slots.Acquire({"x", "certificate \"x\""}).status(),
              absl::StatusCode::kResourceExhausted, "10 streams are open"));
   // Slots come back when their streams end (moved-from holders give nothing back twice).

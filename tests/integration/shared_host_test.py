@@ -304,6 +304,59 @@ class WorkerSocketShareSuite(unittest.TestCase):
             nobody.stderr.close()
 
 
+class ForwardedWatchSuite(unittest.TestCase):
+    """A node's watchers reach the coordinator on one stream: eight users of a node's worker
+    socket, each holding its whole share of watches there, took every slot of the coordinator
+    when each watch was forwarded as a stream of its own, and no one else could watch."""
+
+    USERS = [NOBODY] + list(range(2001, 2008))
+
+    @classmethod
+    def setUpClass(cls):
+        uids = ",".join(str(u) for u in [0] + cls.USERS)
+        cls.cluster = harness.Cluster(nodes=2, tls=False, daemon_flags=["--worker-uids", uids])
+        os.chmod(cls.cluster.socket_dir, 0o711)
+        cls.public = public_package()
+
+    @classmethod
+    def tearDownClass(cls):
+        cls.cluster.close()
+        shutil.rmtree(cls.public, ignore_errors=True)
+
+    def test_one_nodes_watchers_do_not_take_the_coordinators_slots(self):
+        node = self.cluster.daemons[1].worker_address
+        watchers = []
+        try:
+            for uid in self.USERS:
+                def become(uid=uid):
+                    os.setgid(uid)
+                    os.setuid(uid)
+                watchers.append(subprocess.Popen(
+                    [sys.executable, "-c", WATCHER, self.public, node, str(MAX_WATCHES_PER_CALLER)],
+                    preexec_fn=become, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                    text=True, cwd="/tmp"))
+            for w in watchers:
+                line = w.stdout.readline()
+                self.assertTrue(line, f"a watcher ended: {w.stderr.read() if w.poll() is not None else ''}")
+            # 64 watches held on the node; the coordinator still serves this user.
+            ctl = refit.Controller(self.cluster.daemons[0].worker_address, timeout=10)
+            try:
+                with ctl.open_watch():
+                    pass
+            finally:
+                ctl.close()
+        finally:
+            for w in watchers:
+                try:
+                    w.stdin.write("\n")
+                    w.stdin.close()
+                except OSError:
+                    pass
+                w.wait(timeout=30)
+                w.stdout.close()
+                w.stderr.close()
+
+
 class SilentConnectionSuite(unittest.TestCase):
     """A connection that goes silent before it has said anything gRPC can serve (here: half of
     HTTP/2's preface) is closed by the daemon's keepalive, on the worker socket (whose connections

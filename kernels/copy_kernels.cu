@@ -496,8 +496,11 @@ struct Unit {
 __device__ __forceinline__ bool MxRows(const CopyItem& it) {
   return it.quant_format == kCopyItemMxfp8 && it.block_rows == 1 && it.block_cols == 32;
 }
+// (A 32-bit division: segment is at most kMxfp8UnitCols; 64-bit ones here, inlined into the
+// units' resolving, made ptxas spill in the aligned copy kernel.)
 __device__ __forceinline__ int64_t UnitRows(const CopyItem& it) {
-  return MxRows(it) ? max(int64_t{1}, kMxfp8UnitElements / max(it.segment, int64_t{1}))
+  return MxRows(it) ? max(1u, static_cast<uint32_t>(kMxfp8UnitElements) /
+                                  max(static_cast<uint32_t>(it.segment), 1u))
                     : static_cast<int64_t>(it.block_rows);
 }
 
@@ -770,68 +773,26 @@ __device__ __forceinline__ Divisor RowsBlockDivisor(const uint4& v, uint8_t* cod
   return BlockDivisor(amax, true, code);
 }
 
-// MXFP8, rows mode: a unit of nr rows of nc elements (whole 32-element blocks but maybe the last),
-// rows ss elements apart, each block scaled on its own. bf16 rows of whole blocks, aligned
-// (RowsVector): the unit's 16-byte chunks (at most kTileChunks: Mxfp8UnitRows) in row-major order,
-// consecutive lanes on consecutive chunks (four lanes a block), kRowGroupsInFlight loaded per lane
-// before any is used; then each lane's 8 codes (kQuantize: rows ds bytes apart) or the block's code
-// by its first lane (kScale: rows ds codes apart). Other units: block after block, as
-// QuantizeOneBlock does them (QuantizeBlock).
-constexpr int kRowGroupsInFlight = 4;
-
-__device__ __forceinline__ bool RowsVector(const unsigned char* s, unsigned char* d, int nc,
-                                           int64_t ss, int64_t ds, uint8_t sdt, bool quantize) {
-  return sdt == static_cast<uint8_t>(DType::kBF16) && nc % 32 == 0 &&
-         ((reinterpret_cast<uint64_t>(s) | static_cast<uint64_t>(ss * 2)) & 15) == 0 &&
-         (!quantize || ((reinterpret_cast<uint64_t>(d) | static_cast<uint64_t>(ds)) & 7) == 0);
-}
-
-__device__ __forceinline__ void QuantizeRows(const unsigned char* s, unsigned char* d, int nr,
-                                             int nc, int64_t ss, int64_t ds, bool quantize,
-                                             int lane) {
-  const uint32_t cpr =
-      static_cast<uint32_t>(nc / 8);  // a multiple of 4: a block's lanes share a row
-  const uint32_t chunks = static_cast<uint32_t>(nr) * cpr;
-  for (uint32_t k0 = 0; k0 < chunks; k0 += 32 * kRowGroupsInFlight) {
-    uint4 v[kRowGroupsInFlight];
-#pragma unroll
-    for (int g = 0; g < kRowGroupsInFlight; ++g) {
-      const uint32_t k = k0 + 32 * g + lane, row = k / cpr;
-      v[g] = make_uint4(0, 0, 0, 0);
-      if (k < chunks)
-        v[g] = *reinterpret_cast<const uint4*>(s + (row * ss + (k - row * cpr) * 8) * 2);
-    }
-#pragma unroll
-    for (int g = 0; g < kRowGroupsInFlight; ++g) {
-      const uint32_t k = k0 + 32 * g + lane, row = k / cpr, col = k - row * cpr;
-      uint8_t code;
-      bool finite;
-      const Divisor div = RowsBlockDivisor(v[g], &code, &finite);
-      if (k >= chunks) continue;
-      if (quantize)
-        *reinterpret_cast<uint2*>(d + row * ds + col * 8) = Bf16ChunkCodesFast(v[g], div, finite);
-      else if ((col & 3) == 0)
-        d[row * ds + col / 4] = code;
-    }
-  }
-}
-
 __device__ __forceinline__ void QuantizeBlock(const unsigned char* s, unsigned char* d, int nr,
                                               int nc, int64_t ss, int64_t ds, uint8_t sdt,
                                               uint8_t op, uint8_t format, int lane) {
   const bool quantize = op == static_cast<uint8_t>(CopyOp::kQuantize);
   const bool rows = (format & kRowsMode) != 0;
   format &= ~kRowsMode;
-  if (rows && RowsVector(s, d, nc, ss, ds, sdt, quantize)) {
-    QuantizeRows(s, d, nr, nc, ss, ds, quantize, lane);
+  // One block; or MXFP8's one-row blocks one after another, a warp each: the copy kernels meet
+  // their tiles only without the quantizing kernel (LaunchCopyItems' `quantizing` false), which
+  // sends here only rare shapes. A vector loop of the tiles inlined in the aligned kernel, with
+  // 64-bit divisions at resolve, made ptxas spill 120 bytes there and its bf16 copies lost 2.5%
+  // (11.16 -> 11.44 ms, one H100).
+  if (!rows) {
+    QuantizeOneBlock(s, d, nr, nc, ss, ds, sdt, op, format, lane);
     return;
   }
-  // One block, or rows mode's blocks one after another.
-  const int size = Size(sdt), block_rows = rows ? 1 : nr, block_cols = rows ? 32 : nc;
-  for (int r = 0; r < nr; r += block_rows) {
-    for (int c = 0; c < nc; c += block_cols) {
-      QuantizeOneBlock(s + (r * ss + c) * size, d + r * ds + (quantize ? c : c / block_cols),
-                       block_rows, min(block_cols, nc - c), ss, ds, sdt, op, format, lane);
+  const int size = Size(sdt);
+  for (int r = 0; r < nr; ++r) {
+    for (int c = 0; c < nc; c += 32) {
+      QuantizeOneBlock(s + (r * ss + c) * size, d + r * ds + (quantize ? c : c / 32), 1,
+                       min(32, nc - c), ss, ds, sdt, op, format, lane);
     }
   }
 }
@@ -931,7 +892,7 @@ __device__ __forceinline__ QuantUnit ShflQuantUnit(const QuantUnit& q, int j) {
 __device__ __forceinline__ void BlockOf(const CopyItem& it, int64_t local, int64_t* first_row,
                                         int64_t* bj) {
   *first_row = local / it.segments * UnitRows(it);
-  *bj = local % it.segments * it.segment / it.block_cols;
+  *bj = MxRows(it) ? local % it.segments * it.segment / 32 : local % it.segments;
 }
 
 // The quantizing kernel's main work is block fp8 tiles: a block of at most kTileChunks 16-byte
@@ -1160,7 +1121,7 @@ __device__ __forceinline__ Unit ResolveQuantizing(const CopyItem& it, int64_t lo
   unit.s = it.src + (r0 * it.src_stride[2] + c0) * Size(it.src_dtype);
   unit.d = it.op == static_cast<uint8_t>(CopyOp::kQuantize)
                ? it.dst + r0 * it.dst_stride[2] + c0
-               : it.dst + (r0 / it.block_rows * it.dst_stride[2] + c0 / it.block_cols) *
+               : it.dst + (r0 / it.block_rows * it.dst_stride[2] + (rows ? c0 / 32 : bj)) *
                               Size(it.dst_dtype);
   unit.ss = it.src_stride[2];
   unit.ds = it.dst_stride[2];

@@ -26,7 +26,7 @@ CopyItem ItemFor(const CopyDescriptor& d) {
 
 // A quantizing descriptor's item (kQuantize, kScale): its [rows, inner] region, read at `src`,
 // written at `dst` with rows (codes) or block rows (scales) `dst_stride` apart. One unit per
-// block (per kMxfp8RowsPerUnit blocks of MXFP8).
+// block (MXFP8's one-row blocks: per tile of Mxfp8UnitRows x Mxfp8UnitCols).
 CopyItem QuantizeItemFor(const CopyDescriptor& d, uint64_t src, uint64_t dst, int64_t dst_stride) {
   CopyItem it;
   it.src = src;
@@ -35,14 +35,14 @@ CopyItem QuantizeItemFor(const CopyDescriptor& d, uint64_t src, uint64_t dst, in
   it.count[2] = d.outer_rank > 0 ? d.count[0] : 1;
   it.src_stride[2] = d.outer_rank > 0 ? d.src_stride[0] : 0;
   it.dst_stride[2] = dst_stride;
-  it.segment = d.block_cols;
-  it.segments = CeilDiv(d.inner, d.block_cols);
   it.src_dtype = static_cast<uint8_t>(d.src_dtype);
   it.dst_dtype = static_cast<uint8_t>(d.dst_dtype);
   it.op = static_cast<uint8_t>(d.op);
   it.quant_format = d.quant_format;
   it.block_rows = d.block_rows;
   it.block_cols = d.block_cols;
+  it.segment = it.Mxfp8Rows() ? Mxfp8UnitCols(d.inner) : d.block_cols;
+  it.segments = CeilDiv(d.inner, it.segment);
   return it;
 }
 
@@ -272,12 +272,12 @@ CopyWork DirectWork(const Plan& plan, const Message& m, const BufferAddresses& s
 
 namespace {
 
-// Unit `u` of a quantizing item: its RowsPerUnit rows of blocks at (u / segments, u % segments)
-// (one block; MXFP8: eight one-row blocks), by QuantizeRegion on them alone (blocks are
-// independent: the same bytes as the whole region).
+// Unit `u` of a quantizing item: its RowsPerUnit rows of `segment` columns at (u / segments,
+// u % segments) (one block; MXFP8's one-row blocks: a tile of them), by QuantizeRegion on them
+// alone (blocks are independent: the same bytes as the whole region).
 void QuantizeUnitOnHost(const CopyItem& it, int64_t u) {
   const int64_t bi = u / it.segments, bj = u % it.segments;
-  const int64_t r0 = bi * it.RowsPerUnit(), c0 = bj * it.block_cols;
+  const int64_t r0 = bi * it.RowsPerUnit(), c0 = bj * it.segment;
   CopyDescriptor block;
   block.op = static_cast<CopyOp>(it.op);
   block.quant_format = it.quant_format;
@@ -287,7 +287,7 @@ void QuantizeUnitOnHost(const CopyItem& it, int64_t u) {
   block.dst_dtype = static_cast<DType>(it.dst_dtype);
   block.outer_rank = 1;
   block.count[0] = std::min<int64_t>(it.RowsPerUnit(), it.count[2] - r0);  // whole blocks
-  block.inner = std::min<int64_t>(it.block_cols, it.inner - c0);
+  block.inner = std::min<int64_t>(it.segment, it.inner - c0);
   block.src_stride[0] = it.src_stride[2];
   const std::byte* src = reinterpret_cast<const std::byte*>(it.src) +
                          (r0 * it.src_stride[2] + c0) * DTypeSize(block.src_dtype);
@@ -295,8 +295,9 @@ void QuantizeUnitOnHost(const CopyItem& it, int64_t u) {
     uint8_t* codes = reinterpret_cast<uint8_t*>(it.dst) + r0 * it.dst_stride[2] + c0;
     QuantizeRegion(block, src, codes, it.dst_stride[2], nullptr, 0);
   } else {
-    std::byte* scale = reinterpret_cast<std::byte*>(it.dst) +
-                       (r0 / it.block_rows * it.dst_stride[2] + bj) * DTypeSize(block.dst_dtype);
+    std::byte* scale =
+        reinterpret_cast<std::byte*>(it.dst) +
+        (r0 / it.block_rows * it.dst_stride[2] + c0 / it.block_cols) * DTypeSize(block.dst_dtype);
     QuantizeRegion(block, src, nullptr, 0, scale, it.dst_stride[2]);
   }
 }

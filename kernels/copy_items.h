@@ -16,7 +16,8 @@
 // Quantizing items (op kQuantize or kScale, plan/plan.h; the arithmetic of plan/fp8_block.h) read
 // a [count[2], inner] region of a 2-D weight, rows src_stride[2] apart, cut into blocks of
 // block_rows x block_cols (the last block row and column partial): one unit per block (MXFP8's
-// 1 x 32 blocks: kMxfp8RowsPerUnit of them stacked), a block never split. kQuantize writes the
+// 1 x 32 blocks: a tile of them, Mxfp8UnitRows rows of up to kMxfp8UnitCols), a block never
+// split. kQuantize writes the
 // block's e4m3 codes at dst, rows dst_stride[2] bytes apart; kScale writes its scale (fp32 for
 // block fp8, an e8m0 byte for MXFP8) into a row-major grid at dst, block rows dst_stride[2]
 // scales apart. Pack items of a message write codes (rows packed)
@@ -25,6 +26,7 @@
 // tensor's), as plan/host_copy.h's UnpackMessage does.
 #pragma once
 
+#include <algorithm>
 #include <cstdint>
 #include <vector>
 
@@ -50,9 +52,9 @@ struct CopyItem {
   int64_t src_stride[kMaxOuterDims] = {0, 0, 0};  // in elements
   int64_t dst_stride[kMaxOuterDims] = {0, 0, 0};
   // Elements per work unit: within a run, or (tiled) of the flattened index space; quantizing:
-  // block_cols.
+  // block_cols (MXFP8's one-row blocks: the columns of a unit, Mxfp8UnitCols).
   int64_t segment = 0;
-  int64_t segments = 0;  // work units per run (quantizing: blocks per block row; tiled: unused, 0)
+  int64_t segments = 0;  // work units per run (quantizing: units per block row; tiled: unused, 0)
   uint8_t src_dtype = 0;
   uint8_t dst_dtype = 0;
   uint8_t op = 0;            // CopyOp: kCopy, or quantizing (kQuantize, kScale)
@@ -66,8 +68,10 @@ struct CopyItem {
   uint8_t vector = 0;
   uint8_t reserved[6] = {};
   bool Quantizes() const { return op != static_cast<uint8_t>(CopyOp::kCopy); }
-  // Rows of a quantizing item's region per work unit: a block's, or kMxfp8RowsPerUnit blocks of
-  // one row (MXFP8's 1 x 32) stacked, each still scaled on its own.
+  // MXFP8's 1 x 32 blocks, whose units are tiles of many (the copy kernels' rows mode).
+  bool Mxfp8Rows() const;
+  // Rows of a quantizing item's region per work unit: a block's, or (MXFP8's 1 x 32 blocks, each
+  // still scaled on its own) Mxfp8UnitRows(segment).
   int64_t RowsPerUnit() const;
   // Units down a quantizing item's region.
   int64_t UnitRowsOfRegion() const {
@@ -85,15 +89,29 @@ static_assert(sizeof(CopyItem) == 128, "CopyItem is shared with the kernels: kee
 
 // QuantFormat::kMxfp8 (plan/layout.h, which the kernels do not include).
 inline constexpr uint8_t kCopyItemMxfp8 = 2;
-// MXFP8 blocks of one row per work unit (a warp: 4 lanes a 32-element bf16 block, eight rows at
-// once, eight such groups). One block a unit left 28 of 32 lanes idle and made a unit of 64 bytes:
-// a quarter-size Llama-3-8B bf16 -> MXFP8 refit took 17.5 ms on an H200, against 2.5 ms to block
-// fp8; eight rows (512 bytes) still made each unit's resolving cost more than its bytes (the
-// whole model 40.6 ms in the copy kernel). 64 rows, 4 KB a unit: 11.7 ms.
-inline constexpr int kMxfp8RowsPerUnit = 64;
+// MXFP8's one-row blocks: a work unit is a tile of the region, up to kMxfp8UnitCols columns (whole
+// blocks) of Mxfp8UnitRows rows, kMxfp8UnitElements elements at most: what one thread block of the
+// quantizing kernel converts at once (copy_kernels.cu kTileChunks: 2048 16-byte chunks, a chunk a
+// thread and row), its loads 512 contiguous bytes a warp, its codes 256, its scales 8. The units
+// were columns of 64 blocks (64 rows of 32 elements, 4 KB): each warp load then touched eight rows
+// 64 bytes apart, and 4 M units of the 16 GB Llama-3-8B cost their resolving (14.7 ms on an H100,
+// 0.57 of the memory bound). Earlier still, one block a unit (64 bytes) and eight rows (512 bytes).
+inline constexpr int64_t kMxfp8UnitElements = 16384;
+inline constexpr int64_t kMxfp8UnitCols = 2048;
+// The columns of an MXFP8 row item's unit for runs of `inner` elements (whole 32-element blocks,
+// at most kMxfp8UnitCols), and its rows for `cols` columns.
+inline int64_t Mxfp8UnitCols(int64_t inner) {
+  return std::min(kMxfp8UnitCols, std::max<int64_t>(32, (inner + 31) / 32 * 32));
+}
+inline int64_t Mxfp8UnitRows(int64_t cols) {
+  return std::max<int64_t>(1, kMxfp8UnitElements / std::max<int64_t>(cols, 1));
+}
 
+inline bool CopyItem::Mxfp8Rows() const {
+  return Quantizes() && quant_format == kCopyItemMxfp8 && block_rows == 1 && block_cols == 32;
+}
 inline int64_t CopyItem::RowsPerUnit() const {
-  return quant_format == kCopyItemMxfp8 && block_rows == 1 ? kMxfp8RowsPerUnit : block_rows;
+  return Mxfp8Rows() ? Mxfp8UnitRows(segment) : block_rows;
 }
 
 struct CopyWork {

@@ -80,8 +80,8 @@ struct DestinationMemory {
   }
 };
 
-// The units of quantizing items: one per block (MXFP8's one-row blocks: kMxfp8RowsPerUnit stacked
-// in one), never a block split.
+// The units of quantizing items: one per block (MXFP8's one-row blocks: tiles of Mxfp8UnitRows rows
+// of Mxfp8UnitCols columns), never a block split.
 void CheckQuantizingUnits(const Plan& plan, const Message& m, const CopyWork& w) {
   size_t item = 0;
   for (int64_t k = 0; k < m.num_descriptors; ++k) {
@@ -89,12 +89,15 @@ void CheckQuantizingUnits(const Plan& plan, const Message& m, const CopyWork& w)
     const CopyItem& it = w.items[item++];
     CHECK(it.Quantizes() == d.Quantizes());
     if (!d.Quantizes()) continue;
-    const int64_t rows =
-        d.quant_format == static_cast<uint8_t>(QuantFormat::kMxfp8) && d.block_rows == 1
-            ? kMxfp8RowsPerUnit
-            : d.block_rows;
+    const bool mx_rows = d.quant_format == static_cast<uint8_t>(QuantFormat::kMxfp8) &&
+                         d.block_rows == 1 && d.block_cols == 32;
+    const int64_t cols = mx_rows ? Mxfp8UnitCols(d.inner) : d.block_cols;
+    const int64_t rows = mx_rows ? Mxfp8UnitRows(cols) : d.block_rows;
+    CHECK(cols % d.block_cols == 0);  // whole blocks
+    CHECK(rows * cols <= std::max<int64_t>(kMxfp8UnitElements, d.block_rows * d.block_cols));
+    CHECK(it.segment == cols);
     CHECK(it.RowsPerUnit() == rows);
-    CHECK(it.Units() == CeilDiv(d.count[0], rows) * CeilDiv(d.inner, d.block_cols));
+    CHECK(it.Units() == CeilDiv(d.count[0], rows) * CeilDiv(d.inner, cols));
     CHECK(it.block_rows == d.block_rows);
     CHECK(it.block_cols == d.block_cols);
   }
@@ -231,8 +234,8 @@ TEST_CASE("the host twin's codes are FloatToE4M3 itself across e4m3's range") {
   const CopyItem it = SweepItem(values, codes);
   w.items = {it};
   w.unit_begin.push_back(it.Units());
-  REQUIRE(it.Units() ==
-          static_cast<int64_t>(CeilDiv(values.size() / 32, kMxfp8RowsPerUnit)));  // rows of 32
+  REQUIRE(it.Units() == static_cast<int64_t>(CeilDiv(values.size() / 32,
+                                                     Mxfp8UnitRows(32))));  // rows of 32
   RunCopyWorkOnHost(w);
   size_t wrong = 0, first = 0;
   for (size_t i = 0; i < values.size(); ++i) {

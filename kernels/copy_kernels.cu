@@ -491,6 +491,19 @@ struct Unit {
 
 // ---- Quantization: the arithmetic of plan/fp8_block.cc, bit for bit. ----
 
+// CopyItem::Mxfp8Rows and RowsPerUnit on the device (the header's are host code): MXFP8's 1 x 32
+// blocks, whose units are tiles of Mxfp8UnitRows(segment) rows and `segment` columns.
+__device__ __forceinline__ bool MxRows(const CopyItem& it) {
+  return it.quant_format == kCopyItemMxfp8 && it.block_rows == 1 && it.block_cols == 32;
+}
+// (A 32-bit division: segment is at most kMxfp8UnitCols; 64-bit ones here, inlined into the
+// units' resolving, made ptxas spill in the aligned copy kernel.)
+__device__ __forceinline__ int64_t UnitRows(const CopyItem& it) {
+  return MxRows(it) ? max(1u, static_cast<uint32_t>(kMxfp8UnitElements) /
+                                  max(static_cast<uint32_t>(it.segment), 1u))
+                    : static_cast<int64_t>(it.block_rows);
+}
+
 // FloatToE4M3 (plan/fp8_block.cc), ported line by line: round to nearest even on the exact fp32
 // value, saturating to +-448 (inf too; 464 is 448), NaN -> 0x7f / 0xff with its sign, the sign of
 // a zero result kept. Integer code rather than __nv_cvt_float_to_fp8, whose NaN sign and
@@ -670,8 +683,8 @@ __device__ __forceinline__ uint2 Bf16ChunkCodesFast(const uint4& v, const Diviso
   return make_uint2(pair[0] | (pair[1] << 16), pair[2] | (pair[3] << 16));
 }
 
-// The top bit of a quantizing unit's format byte: its nr rows are nr blocks of one row (MXFP8),
-// not one block (Resolve, kMxfp8RowsPerUnit).
+// The top bit of a quantizing unit's format byte: its nr x nc elements are MXFP8's one-row blocks
+// (Resolve, Mxfp8UnitRows), not one block.
 constexpr uint8_t kRowsMode = 0x80;
 
 // A warp quantizes one block of nr x nc elements at s (rows ss elements apart): the max of |x|
@@ -748,67 +761,39 @@ __device__ __forceinline__ void QuantizeOneBlock(const unsigned char* s, unsigne
   }
 }
 
-// MXFP8, rows mode: nr (at most kMxfp8RowsPerUnit) blocks of one row of nc (at most 32)
-// elements, rows ss elements apart, each scaled on its own. bf16 rows of whole 16-byte chunks:
-// eight rows at a time, four lanes a block, a chunk each, kRowGroupsInFlight such groups loaded
-// before any is used: the max over the block's lanes (xor 1, 2), its e8m0 code, then each lane's 8
-// codes (kQuantize: rows ds bytes apart) or the block's code by its first lane (kScale: rows ds
-// codes apart). Other rows: one block after another, as QuantizeOneBlock does them.
-constexpr int kRowGroupsInFlight = 4;
-
-__device__ __forceinline__ void QuantizeRows(const unsigned char* s, unsigned char* d, int nr,
-                                             int nc, int64_t ss, int64_t ds, uint8_t sdt,
-                                             uint8_t op, uint8_t format, int lane) {
-  const bool quantize = op == static_cast<uint8_t>(CopyOp::kQuantize);
-  const bool vector =
-      sdt == static_cast<uint8_t>(DType::kBF16) && nc % 8 == 0 && nc <= 32 &&
-      nr <= kMxfp8RowsPerUnit &&
-      ((reinterpret_cast<uint64_t>(s) | static_cast<uint64_t>(ss * 2)) & 15) == 0 &&
-      (!quantize || ((reinterpret_cast<uint64_t>(d) | static_cast<uint64_t>(ds)) & 7) == 0);
-  if (!vector) {
-    const int size = Size(sdt);
-    for (int r = 0; r < nr; ++r)
-      QuantizeOneBlock(s + r * ss * size, d + r * ds, 1, nc, ss, ds, sdt, op, format, lane);
-    return;
-  }
-  const int chunk = lane & 3;
-  for (int r0 = lane >> 2; r0 - (lane >> 2) < nr; r0 += 8 * kRowGroupsInFlight) {
-    uint4 v[kRowGroupsInFlight];
-#pragma unroll
-    for (int g = 0; g < kRowGroupsInFlight; ++g) {
-      const int row = r0 + 8 * g;
-      v[g] = make_uint4(0, 0, 0, 0);
-      if (row < nr && chunk < nc / 8)
-        v[g] =
-            *reinterpret_cast<const uint4*>(s + (static_cast<int64_t>(row) * ss + chunk * 8) * 2);
-    }
-#pragma unroll
-    for (int g = 0; g < kRowGroupsInFlight; ++g) {
-      const int row = r0 + 8 * g;
-      const bool on = row < nr && chunk < nc / 8;
-      const uint32_t m = HalvesMax(Bf16ChunkMagnitudeMax(v[g], 0));
-      float amax = m >= 0x7F80u ? Bf16ChunkAmax(v[g], 0.0f) : __uint_as_float(m << 16);
-      amax = fmaxf(amax, __shfl_xor_sync(0xFFFFFFFFu, amax, 1));
-      amax = fmaxf(amax, __shfl_xor_sync(0xFFFFFFFFu, amax, 2));
-      uint8_t code;
-      const Divisor div = BlockDivisor(amax, true, &code);
-      if (!quantize) {
-        if (on && chunk == 0) d[row * ds] = code;
-      } else if (on) {
-        *reinterpret_cast<uint2*>(d + row * ds + chunk * 8) =
-            Bf16ChunkCodesFast(v[g], div, m < 0x7F80u);
-      }
-    }
-  }
+// MXFP8's block of one lane's chunk (eight bf16): its four chunks in lanes 4k..4k+3 (every lane of
+// the warp calls it), the max of their finite |x| (xor 1, 2), its e8m0 code and divisor; `finite`
+// when this chunk holds no inf or NaN.
+__device__ __forceinline__ Divisor RowsBlockDivisor(const uint4& v, uint8_t* code, bool* finite) {
+  const uint32_t m = HalvesMax(Bf16ChunkMagnitudeMax(v, 0));
+  *finite = m < 0x7F80u;
+  float amax = *finite ? __uint_as_float(m << 16) : Bf16ChunkAmax(v, 0.0f);
+  amax = fmaxf(amax, __shfl_xor_sync(0xFFFFFFFFu, amax, 1));
+  amax = fmaxf(amax, __shfl_xor_sync(0xFFFFFFFFu, amax, 2));
+  return BlockDivisor(amax, true, code);
 }
 
 __device__ __forceinline__ void QuantizeBlock(const unsigned char* s, unsigned char* d, int nr,
                                               int nc, int64_t ss, int64_t ds, uint8_t sdt,
                                               uint8_t op, uint8_t format, int lane) {
-  if (format & kRowsMode) {
-    QuantizeRows(s, d, nr, nc, ss, ds, sdt, op, static_cast<uint8_t>(format & ~kRowsMode), lane);
-  } else {
+  const bool quantize = op == static_cast<uint8_t>(CopyOp::kQuantize);
+  const bool rows = (format & kRowsMode) != 0;
+  format &= ~kRowsMode;
+  // One block; or MXFP8's one-row blocks one after another, a warp each: the copy kernels meet
+  // their tiles only without the quantizing kernel (LaunchCopyItems' `quantizing` false), which
+  // sends here only rare shapes. A vector loop of the tiles inlined in the aligned kernel, with
+  // 64-bit divisions at resolve, made ptxas spill 120 bytes there and its bf16 copies lost 2.5%
+  // (11.16 -> 11.44 ms, one H100).
+  if (!rows) {
     QuantizeOneBlock(s, d, nr, nc, ss, ds, sdt, op, format, lane);
+    return;
+  }
+  const int size = Size(sdt);
+  for (int r = 0; r < nr; ++r) {
+    for (int c = 0; c < nc; c += 32) {
+      QuantizeOneBlock(s + (r * ss + c) * size, d + r * ds + (quantize ? c : c / 32), 1,
+                       min(32, nc - c), ss, ds, sdt, op, format, lane);
+    }
   }
 }
 
@@ -903,12 +888,11 @@ __device__ __forceinline__ QuantUnit ShflQuantUnit(const QuantUnit& q, int j) {
   return r;
 }
 
-// The unit's block coordinates in its item: block row (of the scale grid) and block column.
+// The unit's first row in its item and its first block's column (of the scale grid).
 __device__ __forceinline__ void BlockOf(const CopyItem& it, int64_t local, int64_t* first_row,
                                         int64_t* bj) {
-  const bool rows = it.quant_format == kCopyItemMxfp8 && it.block_rows == 1;
-  *first_row = local / it.segments * (rows ? kMxfp8RowsPerUnit : it.block_rows);
-  *bj = local % it.segments;
+  *first_row = local / it.segments * UnitRows(it);
+  *bj = MxRows(it) ? local % it.segments * it.segment / 32 : local % it.segments;
 }
 
 // The quantizing kernel's main work is block fp8 tiles: a block of at most kTileChunks 16-byte
@@ -945,20 +929,23 @@ __device__ __forceinline__ void WaitStaged() {
   asm volatile("cp.async.wait_group %0;\n" ::"n"(kStages - 2) : "memory");
 }
 
-// MXFP8 units of one-row blocks: the copy kernel's, in both kernels' launches (LaunchCopyItems).
+// MXFP8 units of one-row blocks (tiles of them: FinishRowsTile).
 __device__ __forceinline__ bool RowsMode(const QuantUnit& q) {
   return q.item >= 0 && (q.format() & kRowsMode);
 }
 
+// A tile of whole 16-byte chunks, aligned; MXFP8 rows of whole blocks (a block's four chunks in
+// four lanes of a row) with at most one twin.
 __device__ __forceinline__ bool TileFits(const QuantUnit& q) {
-  return !(q.format() & kRowsMode) && q.Vector() &&
+  return q.Vector() &&
+         (!(q.format() & kRowsMode) || (q.nc() % 32 == 0 && (q.twins & (q.twins - 1)) == 0)) &&
          static_cast<int64_t>(q.nr()) * (q.nc() / 8) <= kTileChunks;
 }
 
-// Whether the kernel runs a resolved unit: not a copy unit or an MXFP8 row unit, and not a kScale
-// unit whose twin writes its scales.
+// Whether the kernel runs a resolved unit: not a copy unit, and not a kScale unit whose twin
+// writes its scales.
 __device__ __forceinline__ bool Runs(const QuantUnit& q) {
-  return q.item >= 0 && !RowsMode(q) && (q.quantize() || q.twins == 0);
+  return q.item >= 0 && (q.quantize() || q.twins == 0);
 }
 
 // Where chunk i of this thread lies in a tile of `cpr` chunks a row: chunk t + kQuantThreads * i
@@ -1058,6 +1045,46 @@ __device__ __forceinline__ void FinishTile(const QuantUnit& q, const CopyItem* i
   }
 }
 
+// A tile of MXFP8's one-row blocks from its chunks in v (StageTile): no thread block's amax; each
+// block's four chunks are in four consecutive threads of one row (TileChunks: a row's chunks run
+// along the threads), which take its amax and code (RowsBlockDivisor) and write their codes; the
+// block's first thread writes its code into the kScale unit's grid, or (kQuantize) into its
+// twin's, so that the source is read once for both.
+__device__ __forceinline__ void FinishRowsTile(const QuantUnit& q, const CopyItem* items,
+                                               int64_t local, const uint4 (&v)[kChunksPerThread]) {
+  const bool quantize = q.quantize();
+  // Where block (row, 0) of the tile puts its code, and the grid's row stride: the kScale unit's,
+  // or its twin's (TileFits: one at most).
+  unsigned char* scale = reinterpret_cast<unsigned char*>(q.u.d);
+  int64_t scale_stride = q.u.ds;
+  if (quantize) {
+    scale = nullptr;
+    if (q.twins != 0) {
+      int64_t first_row, bj;
+      BlockOf(items[q.item], local, &first_row, &bj);
+      const CopyItem& twin = items[q.item + __ffs(q.twins)];
+      scale = TwinScaleAt(twin, first_row, bj);
+      scale_stride = twin.dst_stride[2];
+    }
+  }
+  unsigned char* d = reinterpret_cast<unsigned char*>(q.u.d);
+  const TileChunks walk(q.nc() / 8);
+#pragma unroll
+  for (int i = 0; i < kChunksPerThread; ++i) {
+    int row, c;
+    walk.At(i, &row, &c);
+    uint8_t code;
+    bool finite;
+    const Divisor div = RowsBlockDivisor(v[i], &code, &finite);
+    if (row >= q.nr()) continue;
+    if (quantize) {
+      *reinterpret_cast<uint2*>(d + static_cast<int64_t>(row) * q.u.ds + c * 8) =
+          Bf16ChunkCodesFast(v[i], div, finite);
+    }
+    if ((c & 3) == 0 && scale != nullptr) scale[row * scale_stride + c / 4] = code;
+  }
+}
+
 // Any other quantizing unit, one warp: the copy kernel's code (QuantizeBlock), then each twin's
 // scales by the same code (a second read; these shapes are rare: fp16 and fp32 sources, unaligned
 // rows, blocks over 128 x 128).
@@ -1081,20 +1108,21 @@ __device__ __noinline__ void QuantizeUnitWithTwins(const QuantUnit& q, const Cop
 
 // A quantizing unit (op != kCopy): unit `local` of item `it`.
 __device__ __forceinline__ Unit ResolveQuantizing(const CopyItem& it, int64_t local) {
-  // Block (bi, bj) of the region, or (MXFP8, one-row blocks) kMxfp8RowsPerUnit blocks down
-  // from block (bi * kMxfp8RowsPerUnit, bj), each scaled on its own (QuantizeBlock's rows mode).
-  const bool rows = it.quant_format == kCopyItemMxfp8 && it.block_rows == 1;
-  const int64_t g = rows ? kMxfp8RowsPerUnit : it.block_rows;
+  // Block (bi, bj) of the region, or (MXFP8, one-row blocks) the tile of UnitRows(it) rows and
+  // `segment` columns at (bi, bj), each block scaled on its own (QuantizeBlock's rows mode).
+  const bool rows = MxRows(it);
+  const int64_t g = UnitRows(it);
   const int64_t bi = local / it.segments, bj = local % it.segments;
-  const int64_t r0 = bi * g, c0 = bj * it.block_cols;
+  const int64_t r0 = bi * g, c0 = bj * it.segment;
   const int64_t nr = min(g, it.count[2] - r0);
-  const int64_t nc = min(static_cast<int64_t>(it.block_cols), it.inner - c0);
+  const int64_t nc = min(it.segment, it.inner - c0);
   Unit unit;
   unit.n = nr << 32 | nc;
   unit.s = it.src + (r0 * it.src_stride[2] + c0) * Size(it.src_dtype);
   unit.d = it.op == static_cast<uint8_t>(CopyOp::kQuantize)
                ? it.dst + r0 * it.dst_stride[2] + c0
-               : it.dst + (r0 / it.block_rows * it.dst_stride[2] + bj) * Size(it.dst_dtype);
+               : it.dst + (r0 / it.block_rows * it.dst_stride[2] + (rows ? c0 / 32 : bj)) *
+                              Size(it.dst_dtype);
   unit.ss = it.src_stride[2];
   unit.ds = it.dst_stride[2];
   unit.dtypes = it.src_dtype | (static_cast<uint32_t>(it.dst_dtype) << 8) |
@@ -1215,8 +1243,11 @@ __device__ __forceinline__ void CopyAlignedUnit(const unsigned char* s, unsigned
 // 16-byte loop and the vector conversion, inlined with the fp8 blocks into 80 registers without
 // spills, as before tiles existed (the general kernel spills a few hundred bytes per thread and
 // calls its loops: the 16 GB aligned refit 8.34 -> 8.77 ms, bf16 -> fp8 27.7 -> 35.3 ms through
-// it). skip_quantizing: quantizing units are QuantizeItemsKernel's, launched beside it.
-template <bool kTiles>
+// it). skip_quantizing: quantizing units are QuantizeItemsKernel's, launched beside it; and
+// kQuantizes false: a kernel without the copy kernels' quantizing code, for launches that skip it
+// (LaunchCopyItems' `quantizing`), so that its copies are allocated alone (the aligned kernel
+// with the MXFP8 row tiles' code inlined spilled 120 bytes, 4 without).
+template <bool kTiles, bool kQuantizes>
 __global__ void __launch_bounds__(256, 3)
     CopyItemsKernel(const CopyItem* items, const int64_t* unit_begin, int n_items,
                     int64_t total_units, int batch, bool spread, bool skip_quantizing,
@@ -1251,8 +1282,8 @@ __global__ void __launch_bounds__(256, 3)
       const uint32_t dtypes = __shfl_sync(0xFFFFFFFFu, mine.dtypes, j);
       if (((dtypes >> 16) & 0xFF) !=
           0) {  // a quantizing unit (op != kCopy): one block, this warp alone
-        // The quantizing kernel's unit, unless an MXFP8 row unit (the one kind it leaves here).
-        if (skip_quantizing && !((dtypes >> 24) & kRowsMode)) continue;
+        // The quantizing kernel's unit (MXFP8's row tiles too).
+        if (!kQuantizes || skip_quantizing) continue;
         const int64_t ss = __shfl_sync(0xFFFFFFFFu, static_cast<long long>(mine.ss), j);
         const int64_t ds = __shfl_sync(0xFFFFFFFFu, static_cast<long long>(mine.ds), j);
         if constexpr (kTiles) {
@@ -1286,10 +1317,11 @@ __global__ void __launch_bounds__(256, 3)
 // the task's units (a lane each, the same in every warp). Units of rare shapes (fp16 and fp32
 // sources, unaligned rows, blocks over 128 x 128) run first, one warp each in turn, the copy
 // kernel's way; then the tiles, one after another, each staged while the one before it converts
-// (StageTile, FinishTile). Copy units and MXFP8 row units are the copy kernel's; a kScale unit
-// whose twin writes its scales does nothing. The grid is at most the blocks the GPU holds at once,
-// each taking every gridDim.x-th task, so that no late wave of blocks runs alone.
-// kMinBlocks: the thread blocks an SM holds that ptxas plans registers for (2: up to 128 a thread).
+// (StageTile, FinishTile; MXFP8's one-row blocks FinishRowsTile). Copy units are the copy
+// kernel's; a kScale unit whose twin writes its scales does nothing. The grid is at most the blocks
+// the GPU holds at once, each taking every gridDim.x-th task, so that no late wave of blocks runs
+// alone. kMinBlocks: the thread blocks an SM holds that ptxas plans registers for (2: up to 128 a
+// thread).
 template <int kMinBlocks>
 __global__ void __launch_bounds__(kQuantThreads, kMinBlocks)
     QuantizeItemsKernel(const CopyItem* items, const int64_t* unit_begin, int n_items,
@@ -1351,8 +1383,13 @@ __global__ void __launch_bounds__(kQuantThreads, kMinBlocks)
       // refill.
       stage_next((stage + kStages - 1) % kStages);
       const int64_t local = __shfl_sync(0xFFFFFFFFu, static_cast<long long>(my_local), j);
-      FinishTile(ShflQuantUnit(mine, j), items, local, partial[turn], v);
-      turn ^= 1;
+      const QuantUnit q = ShflQuantUnit(mine, j);
+      if (RowsMode(q)) {  // the same unit in every thread: no barrier inside either branch
+        FinishRowsTile(q, items, local, v);
+      } else {
+        FinishTile(q, items, local, partial[turn], v);
+        turn ^= 1;  // only tiles that use `partial` take turns: a rows tile has no barrier
+      }
       stage = (stage + 1) % kStages;
     }
     // Groups staged past the task's last tile are empty; waiting for the next task's first drains
@@ -1411,8 +1448,10 @@ cudaError_t LoadKernels() {
   cudaFuncAttributes attributes;
   for (const void* f :
        {reinterpret_cast<const void*>(NothingKernel), reinterpret_cast<const void*>(GateKernel),
-        reinterpret_cast<const void*>(CopyItemsKernel<true>),
-        reinterpret_cast<const void*>(CopyItemsKernel<false>),
+        reinterpret_cast<const void*>(CopyItemsKernel<true, true>),
+        reinterpret_cast<const void*>(CopyItemsKernel<false, true>),
+        reinterpret_cast<const void*>(CopyItemsKernel<true, false>),
+        reinterpret_cast<const void*>(CopyItemsKernel<false, false>),
         reinterpret_cast<const void*>(QuantizeItemsKernel<2>),
         reinterpret_cast<const void*>(QuantizeItemsKernel<3>)}) {
     if (const cudaError_t e = cudaFuncGetAttributes(&attributes, f); e != cudaSuccess) return e;
@@ -1478,9 +1517,8 @@ cudaError_t LaunchCopyItems(const CopyItem* items, const int64_t* unit_begin, in
 }
 
 bool HasQuantizing(const CopyWork& work) {
-  return std::any_of(work.items.begin(), work.items.end(), [](const CopyItem& it) {
-    return it.Quantizes() && !(it.quant_format == kCopyItemMxfp8 && it.block_rows == 1);
-  });
+  return std::any_of(work.items.begin(), work.items.end(),
+                     [](const CopyItem& it) { return it.Quantizes(); });
 }
 
 CopyLaunchShape DefaultCopyLaunchShape(bool aligned_only) {
@@ -1509,13 +1547,12 @@ cudaError_t LaunchCopyItemsShaped(const CopyItem* items, const int64_t* unit_beg
   const int64_t batches = (total_units + batch - 1) / batch;
   const int64_t wanted = (batches + 7) / 8;
   const int blocks = static_cast<int>(std::min<int64_t>(wanted, std::max(shape.max_blocks, 1)));
-  if (!aligned_only) {
-    CopyItemsKernel<true><<<blocks, kThreads, 0, stream>>>(items, unit_begin, n_items, total_units,
-                                                           batch, spread, quantizing, gate, go);
-  } else {
-    CopyItemsKernel<false><<<blocks, kThreads, 0, stream>>>(items, unit_begin, n_items, total_units,
-                                                            batch, spread, quantizing, gate, go);
-  }
+  // With the quantizing kernel, the copy kernel without quantizing code (kQuantizes false).
+  auto copy = !aligned_only
+                  ? (quantizing ? CopyItemsKernel<true, false> : CopyItemsKernel<true, true>)
+                  : (quantizing ? CopyItemsKernel<false, false> : CopyItemsKernel<false, true>);
+  copy<<<blocks, kThreads, 0, stream>>>(items, unit_begin, n_items, total_units, batch, spread,
+                                        quantizing, gate, go);
   if (quantizing) {
     if (const cudaError_t e = cudaGetLastError(); e != cudaSuccess) return e;
     const bool three = shape.quant_min_blocks == 3;

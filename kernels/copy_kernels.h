@@ -31,21 +31,22 @@ namespace refit {
 // general one, which runs any work.
 // `gate` (device memory, optional): the kernel copies only if *gate == go when it starts, and
 // does nothing otherwise (work launched ahead of its round's go-ahead: LaunchGate).
-// `quantizing` (HasQuantizing(work)): the quantizing units other than MXFP8's one-row blocks run
-// in a second kernel launched after the copy kernel, which then skips them: a thread block per
+// `quantizing` (HasQuantizing(work)): the quantizing units run in a second kernel launched after
+// the copy kernel, which then skips them (a copy kernel built without quantizing code): a thread
+// block per
 // block fp8 block, read once (the copy kernel's warp reads a block twice, and once more for its
 // kScale unit) through shared memory while the previous block converts, the quotients by an
 // FMA-corrected reciprocal (kernels/e4m3_quotient.h), the codes by the hardware's conversion, and
 // each block's scale written with its codes where the work holds the kScale item of the same
-// region (whose units then do nothing). MXFP8 row units stay in the copy kernel (a warp a unit of
-// kMxfp8RowsPerUnit rows, no block-wide amax to share). The same bytes either way; false runs
-// every unit in the copy kernel (one launch).
+// region (whose units then do nothing). MXFP8's one-row blocks the same way, a tile of them a unit
+// (Mxfp8UnitRows x Mxfp8UnitCols), each block's amax over the four threads of its chunks. The same
+// bytes either way; false runs every unit in the copy kernel (one launch).
 cudaError_t LaunchCopyItems(const CopyItem* items, const int64_t* unit_begin, int n_items,
                             int64_t total_units, cudaStream_t stream, bool spread = false,
                             bool aligned_only = false, const uint32_t* gate = nullptr,
                             uint32_t go = 0, bool quantizing = false);
-// Whether any item of `work` is the quantizing kernel's (LaunchCopyItems' `quantizing`): it
-// quantizes, and not to MXFP8's one-row blocks.
+// Whether any item of `work` is the quantizing kernel's (LaunchCopyItems' `quantizing`): any that
+// quantizes.
 bool HasQuantizing(const CopyWork& work);
 
 // The launch's shape: units per warp's batch (total_units / warps_to_fill, between 1 and

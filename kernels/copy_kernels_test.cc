@@ -448,7 +448,7 @@ TEST_CASE("one launch mixing quantizing and copy units matches the host twin", "
     offset += m->bytes + 16;
   }
   int64_t quantizing_units = 0,
-          quantizing_rows = 0;  // rows of units: MXFP8 units stack kMxfp8RowsPerUnit one-row blocks
+          quantizing_rows = 0;  // rows of units: MXFP8 units are tiles of Mxfp8UnitRows rows
   for (size_t i = 0; i < device.items.size(); ++i) {
     const CopyItem& it = device.items[i];
     if (!it.Quantizes()) continue;
@@ -458,7 +458,7 @@ TEST_CASE("one launch mixing quantizing and copy units matches the host twin", "
   INFO(device.unit_begin.back() << " units, " << quantizing_units << " quantizing ("
                                 << quantizing_rows << " rows)");
   REQUIRE(device.unit_begin.back() > 32 * 8192);
-  REQUIRE(quantizing_units > 1000);
+  REQUIRE(quantizing_units > 500);  // 897: MXFP8's units are tiles of up to 16384 elements
   REQUIRE(quantizing_rows > 10000);
   RunCopyWorkOnHost(host);
   for (int mode : {0, 1}) {  // the copy kernel's quantizing units, then the quantizing kernel's

@@ -84,7 +84,8 @@ void ItemTraffic(const CopyItem& it, int64_t* read, int64_t* written) {
   const int ss = DTypeSize(static_cast<DType>(it.src_dtype)),
             ds = DTypeSize(static_cast<DType>(it.dst_dtype));
   if (it.op == static_cast<uint8_t>(CopyOp::kScale)) {
-    *written += (it.count[2] + it.block_rows - 1) / it.block_rows * it.segments * ds;
+    *written += (it.count[2] + it.block_rows - 1) / it.block_rows *
+                ((it.inner + it.block_cols - 1) / it.block_cols) * ds;
     return;
   }
   const int64_t elements = it.Rows() * it.inner;

@@ -27,8 +27,7 @@ void WatchHub::Stop() {
     changed_.SignalAll();
     // The watches end within a wait of theirs (they hold pointers into this hub until they do).
     const absl::Time give_up = absl::Now() + absl::Seconds(5);
-    while (!watchers_.empty() && absl::Now() < give_up)
-      changed_.WaitWithDeadline(&mu_, give_up);
+    while (!watchers_.empty() && absl::Now() < give_up) changed_.WaitWithDeadline(&mu_, give_up);
   }
   if (thread_.joinable()) thread_.join();
 }

@@ -14,7 +14,6 @@
 #include <deque>
 #include <functional>
 #include <optional>
-
 #include <string>
 #include <thread>
 

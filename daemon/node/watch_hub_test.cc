@@ -3,8 +3,8 @@
 // ends every watch, and a watcher that stops reading is dropped rather than queued without bound.
 #include "daemon/node/watch_hub.h"
 
-#include <catch2/catch.hpp>
 #include <atomic>
+#include <catch2/catch.hpp>
 #include <thread>
 #include <vector>
 
@@ -81,7 +81,8 @@ struct Caller {
             absl::MutexLock lock(&mu);
             rounds.push_back(s.round_id());
             if (stall_after >= 0 && static_cast<int64_t>(rounds.size()) >= stall_after)
-              mu.Await(absl::Condition(+[](std::atomic<bool>* c) { return c->load(); }, &cancel));
+              mu.Await(absl::Condition(
+                  +[](std::atomic<bool>* c) { return c->load(); }, &cancel));
             return true;
           },
           [this] { opened.Notify(); });
@@ -120,7 +121,8 @@ TEST_CASE("a node's watchers share one stream and each gets its group's rounds")
   coordinator.Send("policy", 1);
   coordinator.Send("critic", 2);
   coordinator.Send("policy", 3);
-  REQUIRE(Eventually([&] { return all.Count() == 3 && policy.Count() == 2 && other.Count() == 1; }));
+  REQUIRE(
+      Eventually([&] { return all.Count() == 3 && policy.Count() == 2 && other.Count() == 1; }));
   CHECK(coordinator.streams == 1);
   {
     absl::MutexLock lock(&policy.mu);
@@ -166,7 +168,8 @@ TEST_CASE("a watcher that stops reading is dropped, the others go on") {
   slow.Start(hub, "policy");
   fast.Start(hub, "policy");
   REQUIRE(Eventually([&] { return hub.watchers() == 2 && coordinator.open == 1; }));
-  const int64_t n = 2 * WatchHub::kMaxQueued;  // its queue overflows, whatever it took before it stalled
+  const int64_t n =
+      2 * WatchHub::kMaxQueued;  // its queue overflows, whatever it took before it stalled
   for (int64_t i = 1; i <= n; ++i) {
     coordinator.Send("policy", i);
     if (i % 100 == 0) REQUIRE(Eventually([&] { return fast.Count() == static_cast<size_t>(i); }));
@@ -174,7 +177,7 @@ TEST_CASE("a watcher that stops reading is dropped, the others go on") {
   REQUIRE(Eventually([&] { return fast.Count() == static_cast<size_t>(n); }));
   {
     absl::MutexLock lock(&slow.mu);  // Await looks again when the mutex is released
-    slow.cancel = true;               // lets its blocked write return
+    slow.cancel = true;              // lets its blocked write return
   }
   REQUIRE(slow.done.WaitForNotificationWithTimeout(absl::Seconds(5)));
   CHECK(slow.status.code() == absl::StatusCode::kResourceExhausted);

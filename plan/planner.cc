@@ -10,6 +10,7 @@
 
 #include "absl/container/flat_hash_map.h"
 #include "absl/strings/str_cat.h"
+#include "plan/huge_pages.h"
 #include "plan/lower.h"
 #include "plan/region_set.h"
 #include "plan/status_macros.h"
@@ -328,6 +329,7 @@ absl::StatusOr<Plan> Planner::Run() {
   // One descriptor per destination piece is typical; reserving avoids regrowing a vector of
   // hundreds of MB.
   plan_.descriptors.reserve(dst_.pieces.size() + dst_.pieces.size() / 8 + 16);
+  AdviseHugePages(plan_.descriptors.data(), plan_.descriptors.capacity() * sizeof(CopyDescriptor));
   absl::flat_hash_map<int64_t, int32_t> nic_ids;
   for (const PlanGpu& g : plan_.gpus) {
     const int64_t key = (int64_t{g.node} << 32) | static_cast<uint32_t>(topo_.NicOf(g.gpu));
@@ -1039,6 +1041,8 @@ void Planner::BuildMessages() {
   // Left uninitialized: their pages are first touched on every thread below, not zeroed on one.
   const std::unique_ptr<int32_t[]> group_rank(new int32_t[desc.size()]);  // then each message
   const std::unique_ptr<int64_t[]> wire_bytes(new int64_t[desc.size()]);
+  AdviseHugePages(group_rank.get(), desc.size() * sizeof(int32_t));
+  AdviseHugePages(wire_bytes.get(), desc.size() * sizeof(int64_t));
   ForRanges(desc.size(), [&](size_t from, size_t to) {
     for (size_t i = from; i < to; ++i) {
       group_rank[i] = rank[desc[i].message];
@@ -1050,6 +1054,8 @@ void Planner::BuildMessages() {
   for (size_t i = 0; i < desc.size(); ++i) ++begin[group_rank[i] + 1];
   std::partial_sum(begin.begin(), begin.end(), begin.begin());
   std::vector<int64_t>& index = plan_.message_descriptors;
+  index.reserve(desc.size());
+  AdviseHugePages(index.data(), index.capacity() * sizeof(int64_t));
   index.resize(desc.size());
   {
     std::vector<int64_t> next(begin.begin(), begin.end() - 1);

@@ -19,11 +19,6 @@ absl::Status NotARequest() {
       "register: the request is not a valid RegisterWorkerRequest encoding");
 }
 
-absl::Status Exhausted(absl::string_view what, int64_t n, int64_t limit, absl::string_view flag) {
-  return absl::ResourceExhaustedError(absl::StrCat(
-      "register: ", n, " ", what, " in one registration, more than ", limit, " (--", flag, ")"));
-}
-
 std::string Megabytes(int64_t bytes) { return absl::StrFormat("%.1f MB", bytes / 1e6); }
 
 int64_t Occurrences(const DecodedSize& size, int number) {
@@ -72,10 +67,11 @@ absl::StatusOr<Request> DecodeRegistrationRequest(std::string encoded,
   const int64_t tensors = Occurrences(*header, Request::kTensorsFieldNumber);
   if (auto s = CheckCounts(0, tensors, 0, 0, limits); !s.ok()) return s;
   if (const int64_t n = Occurrences(*header, Request::kMemoryFieldNumber); n > limits.max_buffers)
-    return Exhausted("memory entries", n, limits.max_buffers, "max-registration-buffers");
+    return OverRegistrationLimit("memory entries", n, limits.max_buffers,
+                                 "max-registration-buffers");
   if (const int64_t n = Occurrences(*header, Request::kVmmRangesFieldNumber);
       n > limits.max_buffers)
-    return Exhausted("vmm_ranges", n, limits.max_buffers, "max-registration-buffers");
+    return OverRegistrationLimit("vmm_ranges", n, limits.max_buffers, "max-registration-buffers");
   if (header->bytes > budget) return TooLarge(header->bytes, size, Costliest(*header, type));
 
   // The rest decoded, the worker kept as its encoding.

@@ -22,12 +22,13 @@ std::string Shown(absl::string_view name) {
   return out;
 }
 
-absl::Status Exhausted(absl::string_view what, int64_t n, int64_t limit, absl::string_view flag) {
+}  // namespace
+
+absl::Status OverRegistrationLimit(absl::string_view what, int64_t n, int64_t limit,
+                                   absl::string_view flag) {
   return absl::ResourceExhaustedError(absl::StrCat(
       "register: ", n, " ", what, " in one registration, more than ", limit, " (--", flag, ")"));
 }
-
-}  // namespace
 
 absl::Status CheckName(absl::string_view what, absl::string_view name) {
   if (name.empty())
@@ -54,13 +55,15 @@ absl::Status CheckName(absl::string_view what, absl::string_view name) {
 absl::Status CheckCounts(int64_t bytes, int64_t tensors, int64_t buffers, int64_t pieces,
                          const RegistrationLimits& limits) {
   if (bytes > limits.max_bytes)
-    return Exhausted("bytes", bytes, limits.max_bytes, "max-registration-bytes");
+    return OverRegistrationLimit("bytes", bytes, limits.max_bytes, "max-registration-bytes");
   if (tensors > limits.max_tensors)
-    return Exhausted("tensors", tensors, limits.max_tensors, "max-registration-tensors");
+    return OverRegistrationLimit("tensors", tensors, limits.max_tensors,
+                                 "max-registration-tensors");
   if (buffers > limits.max_buffers)
-    return Exhausted("buffers", buffers, limits.max_buffers, "max-registration-buffers");
+    return OverRegistrationLimit("buffers", buffers, limits.max_buffers,
+                                 "max-registration-buffers");
   if (pieces > limits.max_pieces)
-    return Exhausted("pieces", pieces, limits.max_pieces, "max-registration-pieces");
+    return OverRegistrationLimit("pieces", pieces, limits.max_pieces, "max-registration-pieces");
   return absl::OkStatus();
 }
 

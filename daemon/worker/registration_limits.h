@@ -39,6 +39,10 @@ struct GroupLimits {
 };
 inline constexpr size_t kMaxNameBytes = 256;
 
+// The RESOURCE_EXHAUSTED of a registration holding `n` `what` (e.g. "pieces") past `limit`, naming
+// the daemon flag that sets it (e.g. "max-registration-pieces").
+absl::Status OverRegistrationLimit(absl::string_view what, int64_t n, int64_t limit,
+                                   absl::string_view flag);
 // OK when `name` may name a `what` (e.g. "buffer"): 1..kMaxNameBytes bytes of printable UTF-8.
 absl::Status CheckName(absl::string_view what, absl::string_view name);
 // The limits on counts: a request's encoded bytes, its tensors, its worker's buffers and pieces

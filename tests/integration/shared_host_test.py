@@ -8,6 +8,8 @@ check is covered by daemon/security/loopback_owner_test). Each is refused, namin
 it; the legitimate rounds keep committing byte-exact. And a user that --worker-uids lets onto the
 worker socket takes only its own share of the WatchRounds slots there: other users still watch.
 Needs root (to become another uid)."""
+import contextlib
+import functools
 import json
 import os
 import resource
@@ -140,9 +142,44 @@ def public_package():
     return public
 
 
+def become(uid):
+    os.setgid(uid)
+    os.setuid(uid)
+
+
 def drop_to_nobody():
-    os.setgid(NOBODY)
-    os.setuid(NOBODY)
+    become(NOBODY)
+
+
+@contextlib.contextmanager
+def held_by_users(uids, program, *args):
+    """Runs the Python `program` once as each of `uids`, from a directory every user may read,
+    each holding what it opened until its stdin gets a line: at the end of the block, whatever the
+    block did (a program that ended already has nothing to hear)."""
+    procs = []
+    try:
+        for uid in uids:
+            procs.append(subprocess.Popen([sys.executable, "-c", program, *args],
+                                          preexec_fn=functools.partial(become, uid), stdin=subprocess.PIPE,
+                                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd="/tmp"))
+        yield procs
+    finally:
+        for p in procs:
+            try:
+                p.stdin.write("\n")
+                p.stdin.close()
+            except OSError:
+                pass
+            p.wait(timeout=30)
+            p.stdout.close()
+            p.stderr.close()
+
+
+def first_line(test, proc, who):
+    """The first line `proc` prints; the test fails with its stderr if it ended without one."""
+    line = proc.stdout.readline()
+    test.assertTrue(line, f"{who} ended: {proc.stderr.read() if proc.poll() is not None else ''}")
+    return json.loads(line)
 
 
 def routable_address():
@@ -237,13 +274,8 @@ class WorkerSocketShareSuite(unittest.TestCase):
 
     def test_one_user_cannot_take_every_watch_on_the_worker_socket(self):
         target = self.cluster.daemons[0].worker_address
-        nobody = subprocess.Popen([sys.executable, "-c", WATCHER, self.public, target, str(MAX_WATCHES_PER_CALLER)],
-                                  preexec_fn=drop_to_nobody, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                  stderr=subprocess.PIPE, text=True, cwd="/tmp")
-        try:
-            line = nobody.stdout.readline()
-            self.assertTrue(line, f"nobody's watcher ended: {nobody.stderr.read() if nobody.poll() is not None else ''}")
-            got = json.loads(line)["one_more"]
+        with held_by_users([NOBODY], WATCHER, self.public, target, str(MAX_WATCHES_PER_CALLER)) as (nobody,):
+            got = first_line(self, nobody, "nobody's watcher")["one_more"]
             self.assertTrue(got.startswith("RESOURCE_EXHAUSTED"), got)
             self.assertIn(f"uid {NOBODY} on the worker socket", got)
             # This uid, on the same socket, while nobody holds its whole share: still watches.
@@ -253,16 +285,6 @@ class WorkerSocketShareSuite(unittest.TestCase):
                     pass
             finally:
                 ctl.close()
-        finally:
-            try:
-                nobody.stdin.write("\n")
-                nobody.stdin.close()
-            except OSError:  # it ended already; what it said is in the assertion above
-                pass
-            nobody.wait(timeout=30)
-            nobody.stdout.close()
-            nobody.stderr.close()
-
 
     def test_one_user_cannot_hold_every_descriptor_of_the_daemon(self):
         """Connections that are served (they spoke) and then go quiet hold a descriptor each until
@@ -277,13 +299,8 @@ class WorkerSocketShareSuite(unittest.TestCase):
         if resource.getrlimit(resource.RLIMIT_NOFILE)[1] < per_user + extra + 64:
             self.skipTest("this machine's hard descriptor limit is below what the test opens")
         path = daemon.worker_address[len("unix:"):]
-        nobody = subprocess.Popen([sys.executable, "-c", HOLDER, path, str(per_user + extra)],
-                                  preexec_fn=drop_to_nobody, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                  stderr=subprocess.PIPE, text=True, cwd="/tmp")
-        try:
-            line = nobody.stdout.readline()
-            self.assertTrue(line, f"the holder ended: {nobody.stderr.read() if nobody.poll() is not None else ''}")
-            closed = json.loads(line)["closed"]
+        with held_by_users([NOBODY], HOLDER, path, str(per_user + extra)) as (nobody,):
+            closed = first_line(self, nobody, "the holder")["closed"]
             # Its connections past its share, and none of the rest (nothing else closes them in 3 s).
             self.assertGreaterEqual(closed, extra)
             self.assertLess(closed, extra + 16)
@@ -293,15 +310,6 @@ class WorkerSocketShareSuite(unittest.TestCase):
                 ctl.status()
             finally:
                 ctl.close()
-        finally:
-            try:
-                nobody.stdin.write("\n")
-                nobody.stdin.close()
-            except OSError:
-                pass
-            nobody.wait(timeout=30)
-            nobody.stdout.close()
-            nobody.stderr.close()
 
 
 class ForwardedWatchSuite(unittest.TestCase):
@@ -325,19 +333,9 @@ class ForwardedWatchSuite(unittest.TestCase):
 
     def test_one_nodes_watchers_do_not_take_the_coordinators_slots(self):
         node = self.cluster.daemons[1].worker_address
-        watchers = []
-        try:
-            for uid in self.USERS:
-                def become(uid=uid):
-                    os.setgid(uid)
-                    os.setuid(uid)
-                watchers.append(subprocess.Popen(
-                    [sys.executable, "-c", WATCHER, self.public, node, str(MAX_WATCHES_PER_CALLER)],
-                    preexec_fn=become, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                    text=True, cwd="/tmp"))
+        with held_by_users(self.USERS, WATCHER, self.public, node, str(MAX_WATCHES_PER_CALLER)) as watchers:
             for w in watchers:
-                line = w.stdout.readline()
-                self.assertTrue(line, f"a watcher ended: {w.stderr.read() if w.poll() is not None else ''}")
+                first_line(self, w, "a watcher")
             # 64 watches held on the node; the coordinator still serves this user.
             ctl = refit.Controller(self.cluster.daemons[0].worker_address, timeout=10)
             try:
@@ -345,16 +343,6 @@ class ForwardedWatchSuite(unittest.TestCase):
                     pass
             finally:
                 ctl.close()
-        finally:
-            for w in watchers:
-                try:
-                    w.stdin.write("\n")
-                    w.stdin.close()
-                except OSError:
-                    pass
-                w.wait(timeout=30)
-                w.stdout.close()
-                w.stderr.close()
 
 
 class SilentConnectionSuite(unittest.TestCase):

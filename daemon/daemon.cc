@@ -45,6 +45,7 @@ ClusterView ViewForMetrics(const Membership& membership, GroupPlanner& planner) 
   const MembershipCounts counts = membership.Counts();
   view.stale_syncs = counts.stale_syncs;
   view.rebased_syncs = counts.rebased_syncs;
+  view.synced_bytes = counts.synced_bytes;
   view.forgotten_nodes = counts.forgotten_nodes;
   view.refused_joins = counts.refused_joins;
   for (const std::string& name : membership.GroupNames()) {

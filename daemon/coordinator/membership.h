@@ -118,6 +118,7 @@ struct NodeLimits {
 struct MembershipCounts {
   int64_t stale_syncs = 0;      // worker lists older than one applied, or from before an admission
   int64_t rebased_syncs = 0;    // changes refused for a base other than the list held (ABORTED)
+  int64_t synced_bytes = 0;     // registrations received in nodes' syncs, as stored
   int64_t forgotten_nodes = 0;  // dead for --forget-dead-after, or making room for a new node
   int64_t refused_joins = 0;    // new nodes past --max-nodes, every node listed alive
 };

@@ -145,8 +145,14 @@ class Metrics::ClusterCollector : public prometheus::Collectable {
         Sample(static_cast<double>(v.forgotten_nodes), {{"event", "node_forgotten"}}, true));
     membership.metric.push_back(
         Sample(static_cast<double>(v.refused_joins), {{"event", "join_refused"}}, true));
-    for (auto* f :
-         {&workers, &ready, &membership_epoch, &plan_epoch, &planning, &plannings, &membership}) {
+    prometheus::MetricFamily synced = CounterFamily(
+        "refit_membership_synced_bytes_total",
+        "Bytes of worker registrations the coordinator received in nodes' syncs: a registration "
+        "travels once, and a node revived at the same incarnation names its list instead of "
+        "sending it again.");
+    synced.metric.push_back(Sample(static_cast<double>(v.synced_bytes), {}, /*counter=*/true));
+    for (auto* f : {&workers, &ready, &membership_epoch, &plan_epoch, &planning, &plannings,
+                    &membership, &synced}) {
       out.push_back(std::move(*f));
     }
     return out;

@@ -382,7 +382,8 @@ absl::Status Membership::ApplySync(const v1::SyncWorkersRequest& request,
       }
     }
     NodeInfo& n = nodes_[request.node()];
-    for (const StoredWorker& w : stored) counts_.synced_bytes += static_cast<int64_t>(w.wire->size());
+    for (const StoredWorker& w : stored)
+      counts_.synced_bytes += static_cast<int64_t>(w.wire->size());
     const bool same = n.incarnation == request.incarnation() && request.base_sequence() > 0;
     const bool onto_list = same && n.synced && n.applied_sequence == request.base_sequence();
     const bool onto_stash =

@@ -200,7 +200,8 @@ struct Rejoin {
   std::atomic<int> resyncs{0};  // answers that told the node to resync (it aborts its rounds)
   std::unique_ptr<CoordinatorLink> link;
 
-  explicit Rejoin(absl::Duration heartbeat = absl::Milliseconds(50)) {
+  explicit Rejoin(absl::Duration heartbeat = absl::Milliseconds(50),
+                  absl::Duration peer_timeout = absl::Milliseconds(300)) {
     membership.SetSelf("127.0.0.1:1", "127.0.0.1:2", 1);
     REQUIRE(membership.AddLocal(Registration("t0", v1::TRAINER, 0, 8, 0)).ok());
     int port = 0;
@@ -214,7 +215,7 @@ struct Rejoin {
     o.node = 1;
     o.incarnation = 11;
     o.heartbeat = heartbeat;
-    o.peer_timeout = absl::Milliseconds(300);
+    o.peer_timeout = peer_timeout;
     o.snapshot = [this] {
       absl::MutexLock lock(&mu);
       return workers;
@@ -380,13 +381,13 @@ TEST_CASE(
 // Resyncs were sent from the heartbeat thread: a list that took longer than the death verdict to
 // send held up the heartbeats, the node was declared dead for it, and asked for the list again.
 TEST_CASE("coordinator link: heartbeats go on while a sync is on its way") {
-  Rejoin r;
+  Rejoin r(absl::Milliseconds(50), /*peer_timeout=*/absl::Seconds(3));
   r.coordinator.DeclareDeadThen(1, Call::kJoin, Fault::kNone);
   r.coordinator.HoldNextSync(Call::kSync);  // the resync, held until the next sync is handled
   REQUIRE(r.coordinator.SyncHeld());
   const int joins = r.coordinator.seen().joins;
-  absl::SleepFor(absl::Milliseconds(250));         // within the held sync's deadline (300 ms)
-  CHECK(r.coordinator.seen().joins >= joins + 2);  // heartbeats every 50 ms
+  absl::SleepFor(absl::Seconds(1));                // within the held sync's deadline
+  CHECK(r.coordinator.seen().joins >= joins + 4);  // heartbeats every 50 ms
   CHECK(r.Converges(2));  // the next resync is applied (then the held one, stale, is not)
   const std::optional<absl::Status> held = r.coordinator.HeldSyncDelivered();
   REQUIRE(held.has_value());

@@ -13,38 +13,12 @@ logs=$OUT/call1; mkdir -p "$logs"
 B=.device/bin
 T0=$SECONDS
 DEADLINE=${DEADLINE:-530}
-step() {  # step NAME SECONDS COMMAND...
-  local name=$1 secs=$2; shift 2
-  local left=$((DEADLINE - (SECONDS - T0)))
-  if [ "$left" -lt 15 ]; then echo "$name skipped (deadline)"; return; fi
-  [ "$secs" -gt "$left" ] && secs=$left
-  local t0=$SECONDS
-  timeout "$secs" "$@" >"$logs/$name.log" 2>&1
-  echo "$name rc=$? $((SECONDS - t0))s: $(tail -n 1 "$logs/$name.log" | cut -c1-250)"
-}
+source "$(dirname "$0")/lib.sh"
 { nvidia-smi -L; nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm,clocks.mem,temperature.gpu,power.draw --format=csv,noheader; nproc; cat .device/commit.txt; echo "ncu: $(command -v ncu)"; } >"$logs/machine.txt" 2>&1
 cat "$logs/machine.txt"
 step copy_kernels_test_fp8 120 $B/copy_kernels_test "[fp8]" --durations yes
-layouts() {  # layouts DIR CONFIG [DTYPE]
-  local dir=$1 config=$2 dtype=${3:-}
-  mkdir -p "$dir"
-  local L=("$B/refit-layout" --config "tests/configs/$config.json" --scale-down 1)
-  "${L[@]}" --side trainer --fsdp 2 --gpus-per-node 2 -o "$dir/t.json" || return 1
-  "${L[@]}" --side inference --tp 2 --gpus-per-node 2 ${dtype:+--dtype "$dtype"} -o "$dir/i.json" || return 1
-  for f in "$dir/t.json" "$dir/i.json"; do
-    python3 -c 'import json,sys; l=json.load(open(sys.argv[1])); [w.update(node=0, gpu=0) for w in l["workers"]]; json.dump(l, open(sys.argv[1], "w"))' "$f" || return 1
-  done
-}
 layouts /tmp/l-mx llama3-8b mxfp8; layouts /tmp/l-fp8 llama3-8b fp8-block; layouts /tmp/l-bf16 llama3-8b
 layouts /tmp/l-moe many-small-moe
-bench() {  # bench NAME PROG DIR SECONDS FLAGS...
-  local name=$1 prog=$2 dir=$3 secs=$4; shift 4
-  step "bench_$name" "$secs" "$prog" --src "$dir/t.json" --dst "$dir/i.json" --repeat 15 "$@"
-  grep '^{' "$logs/bench_$name.log" 2>/dev/null | python3 -c '
-import json, sys
-for l in sys.stdin:
-    d = json.loads(l); d["case"] = sys.argv[1]; print(json.dumps(d))' "$name" >>"$logs/results.jsonl"
-}
 bench mx_weights_after $B/local_copy_bench /tmp/l-mx 60 --split 1
 bench mx_weights_before $B/local_copy_bench-before /tmp/l-mx 60 --split 1
 bench mx_refit_after $B/local_copy_bench /tmp/l-mx 75 --fill refit --split 1

@@ -257,7 +257,7 @@ absl::Status CoordinatorLink::Sync(std::vector<v1::WorkerRefusal>* refused) {
   return SyncAllLocked(refused);
 }
 
-absl::Status CoordinatorLink::SyncChange(const v1::RegisterWorkerRequest* added,
+absl::Status CoordinatorLink::SyncChange(v1::RegisterWorkerRequest* added,
                                          const std::string& removed,
                                          std::vector<v1::WorkerRefusal>* refused) {
   absl::MutexLock order(&sync_order_);
@@ -267,7 +267,9 @@ absl::Status CoordinatorLink::SyncChange(const v1::RegisterWorkerRequest* added,
     v1::SyncWorkersRequest sync = NumberedRequest();
     sync.set_delta(true);
     sync.set_base_sequence(acked_sequence_);
-    if (added != nullptr) *sync.add_workers() = *added;
+    // Moved, not copied: a registration is as large as its pieces, and while it is sent the node
+    // already holds it kept (LocalWorker::wire), as received and as gRPC serialized it.
+    if (added != nullptr) *sync.add_workers() = std::move(*added);
     if (!removed.empty()) sync.add_removed(removed);
     const absl::Status s = Send(sync, refused);
     if (s.code() != absl::StatusCode::kAborted) return s;
@@ -276,10 +278,12 @@ absl::Status CoordinatorLink::SyncChange(const v1::RegisterWorkerRequest* added,
         "the whole list",
         std::string(s.message()));
   }
+  // The whole list holds the added worker again (the snapshot's copy): this one goes first.
+  if (added != nullptr) v1::RegisterWorkerRequest().Swap(added);
   return SyncAllLocked(refused);
 }
 
-absl::Status CoordinatorLink::SyncAdded(const v1::RegisterWorkerRequest& added,
+absl::Status CoordinatorLink::SyncAdded(v1::RegisterWorkerRequest added,
                                         std::vector<v1::WorkerRefusal>* refused) {
   return SyncChange(&added, "", refused);
 }

@@ -100,8 +100,9 @@ class CoordinatorLink {
   // the list again (back-off kFirstSyncRetry to kLastSyncRetry) until a sync succeeds.
   absl::Status Sync(std::vector<v1::WorkerRefusal>* refused = nullptr);
   // A worker registered here (its encoding, LocalWorker::Encoded): sent as a change, or as the
-  // whole list when no base is known. `refused` as for Sync.
-  absl::Status SyncAdded(const v1::RegisterWorkerRequest& added,
+  // whole list when no base is known. `refused` as for Sync. Taken by value and moved into the
+  // request: a copy would add the registration's size to the node's peak while it is sent.
+  absl::Status SyncAdded(v1::RegisterWorkerRequest added,
                          std::vector<v1::WorkerRefusal>* refused = nullptr);
   // The worker `id` ("group/worker") left this node: as SyncAdded.
   absl::Status SyncRemoved(const std::string& id);
@@ -139,9 +140,10 @@ class CoordinatorLink {
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(sync_order_);
   absl::Status SyncAllLocked(std::vector<v1::WorkerRefusal>* refused)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(sync_order_);
-  // `added` (may be null) and `removed` (may be empty) as a change when the coordinator's list is
-  // known to be that of the last sync, else the whole list.
-  absl::Status SyncChange(const v1::RegisterWorkerRequest* added, const std::string& removed,
+  // `added` (may be null; left empty, its contents moved or dropped before a whole list is taken)
+  // and `removed` (may be empty) as a change when the coordinator's list is known to be that of
+  // the last sync, else the whole list.
+  absl::Status SyncChange(v1::RegisterWorkerRequest* added, const std::string& removed,
                           std::vector<v1::WorkerRefusal>* refused);
   // One heartbeat: the answer, or nullopt when unanswered (`lost` tracks the outage, logged
   // once).

@@ -804,16 +804,21 @@ void Membership::RecomputeEpochs() {
 bool Membership::MarkDeadLocked(int32_t node, const std::string& why) {
   auto it = nodes_.find(node);
   if (it == nodes_.end() || !it->second.alive) return false;
-  it->second.alive = false;
-  it->second.synced = false;
-  it->second.dead_since = clock_->Now();
   // Kept aside: a node that comes back at the same incarnation (it was frozen, or cut off) names
   // its list rather than sending it again, which for large workers takes long enough to be
-  // declared dead again.
-  for (const StoredWorker& w : it->second.workers) Undeclare(w.header);
-  it->second.stashed = std::move(it->second.workers);
-  it->second.stashed_sequence = it->second.applied_sequence;
-  it->second.workers.clear();
+  // declared dead again. A node admitted again but dead before any list reached it holds no
+  // workers here: what it will name is still the list kept at its first verdict, which an empty
+  // one must not replace (the node would come back believing its workers held, with none).
+  NodeInfo& n = it->second;
+  for (const StoredWorker& w : n.workers) Undeclare(w.header);
+  if (n.synced || !n.stashed.has_value()) {
+    n.stashed = std::move(n.workers);
+    n.stashed_sequence = n.applied_sequence;
+  }
+  n.workers.clear();
+  n.alive = false;
+  n.synced = false;
+  n.dead_since = clock_->Now();
   beats_.erase(node);  // its next heartbeat takes the slow path and resyncs
   Logger("rpc")->warn("node {} ({}) is dead: {}", node, it->second.control_address, why);
   dead_because_[node] = why;

@@ -235,7 +235,8 @@ class Membership {
     std::vector<StoredWorker> workers;
     // Its list when it was declared dead (of sync `stashed_sequence`), out of every group: the
     // node revived at the same incarnation names it in a change instead of sending it again.
-    // Dropped at a whole list, a restart or when the node is forgotten.
+    // Kept through another verdict that comes before any list (the node admitted again, then
+    // silent again); dropped at a whole list, a restart or when the node is forgotten.
     std::optional<std::vector<StoredWorker>> stashed;
     int64_t stashed_sequence = 0;
   };

@@ -754,6 +754,47 @@ TEST_CASE(
   CHECK_THAT(std::string(restarted.message()), Catch::Contains("no list of this incarnation"));
 }
 
+// A node whose heartbeats arrive but whose answers do not (a one-way partition) is declared dead,
+// admitted again by its next heartbeat, and declared dead again before its list (or any answer)
+// reaches it, over and over. When it hears at last, it names the list of its last sync.
+TEST_CASE(
+    "membership: a node declared dead again before any list reached it keeps the list kept at its "
+    "first verdict") {
+  FakeClock clock;
+  Membership m(0, absl::Milliseconds(500), 4, &clock);  // dead after 2 s of silence
+  m.SetSelf("10.0.0.0:7070", "10.0.0.0:7071", 1);
+  REQUIRE(m.AddLocal(Registration("t0", v1::TRAINER, 0, 8, 0)).ok());
+  REQUIRE(m.Join(Beat(1, 11, 0)));
+  REQUIRE(m.ApplySync(Numbered(SyncOf(1, 11,
+                                      {Registration("i0", v1::INFERENCE, 0, 4, 1),
+                                       Registration("i1", v1::INFERENCE, 4, 8, 1)}),
+                               1, 1))
+              .ok());
+  for (int verdict = 0; verdict < 3; ++verdict) {
+    clock.Advance(absl::Seconds(3));
+    REQUIRE(m.CheckLiveness().size() == 1);
+    CHECK(m.Group("policy").inference == 0);
+    REQUIRE(m.Join(Beat(1, 11, 0)));  // admitted again; its answer (resync) is held
+    CHECK(m.Group("policy").inference == 0);
+  }
+  // The held answers arrive: the node names its last list, and has its workers back.
+  REQUIRE(m.Join(Beat(1, 11, 1)));
+  const int64_t received = m.Counts().synced_bytes;
+  v1::SyncWorkersResponse out;
+  REQUIRE(m.ApplySync(Change(1, 11, 2, 1, 1, {}), &out).ok());
+  CHECK(out.refused_size() == 0);
+  CHECK(m.Counts().synced_bytes == received);
+  CHECK(m.Group("policy").inference == 2);
+  CHECK_FALSE(m.Join(Beat(1, 11, 1)));  // resynced
+  // Dead once more after that list was applied: the list kept now is that one (sync 2).
+  clock.Advance(absl::Seconds(3));
+  REQUIRE(m.CheckLiveness().size() == 1);
+  REQUIRE(m.Join(Beat(1, 11, 1)));
+  CHECK(m.ApplySync(Change(1, 11, 3, 1, 2, {})).code() == absl::StatusCode::kAborted);
+  REQUIRE(m.ApplySync(Change(1, 11, 4, 2, 2, {})).ok());
+  CHECK(m.Group("policy").inference == 2);
+}
+
 TEST_CASE("membership: a node dead for --forget-dead-after is forgotten once, and may join again") {
   FakeClock clock;
   Membership m(0, absl::Milliseconds(500), 4, &clock);  // dead after 2 s of silence

@@ -44,10 +44,12 @@ ClusterView ViewForMetrics(const Membership& membership, GroupPlanner& planner) 
   view.coordinator = true;
   const MembershipCounts counts = membership.Counts();
   view.stale_syncs = counts.stale_syncs;
+  view.rebased_syncs = counts.rebased_syncs;
+  view.synced_bytes = counts.synced_bytes;
   view.forgotten_nodes = counts.forgotten_nodes;
   view.refused_joins = counts.refused_joins;
   for (const std::string& name : membership.GroupNames()) {
-    const GroupMembers members = membership.Group(name);
+    const GroupMembers members = membership.Group(name, /*with_pieces=*/false);
     const std::shared_ptr<const GroupPlan> plan = planner.Get(name);
     GroupView& g = view.groups.emplace_back();
     g.name = name;
@@ -639,19 +641,19 @@ void Daemon::MonitorLoop() {
   }
 }
 
-absl::Status Daemon::SyncAdded(const v1::RegisterWorkerRequest& added,
-                               const std::string& registration) {
+absl::Status Daemon::SyncAdded(const LocalWorker& worker) {
+  // The coordinator keeps the pieces from the kept encoding (never decoded here), its own
+  // workers' and a node's alike.
   if (membership_ != nullptr)  // ALREADY_EXISTS, RESOURCE_EXHAUSTED, FAILED_PRECONDITION
-    return membership_->AddLocal(added, registration);
+    return membership_->AddLocal(worker.WithWorkerEncoded(), worker.session_key);
   std::vector<v1::WorkerRefusal> refused;
-  const absl::Status sent = link_->Sync(&refused);
+  const absl::Status sent = link_->SyncAdded(worker.Encoded(), &refused);
   // Not applied (this node not joined yet): a retry may succeed, unlike a refused worker.
   if (sent.code() == absl::StatusCode::kFailedPrecondition)
     return absl::UnavailableError(sent.message());
   REFIT_RETURN_IF_ERROR(sent);
-  const std::string id = absl::StrCat(added.group(), "/", added.worker().name());
   for (const v1::WorkerRefusal& r : refused) {
-    if (r.worker_id() != id) {  // refused since it registered (e.g. after a resync)
+    if (r.worker_id() != worker.id) {  // refused since it registered (e.g. after a resync)
       DropWorker(r.worker_id(), absl::StrCat("the coordinator refused it: ", r.reason()));
       continue;
     }
@@ -671,8 +673,9 @@ absl::Status Daemon::SyncAdded(const v1::RegisterWorkerRequest& added,
 void Daemon::SyncRemoved(const std::string& id, const std::string& registration) {
   if (membership_ != nullptr) {
     membership_->RemoveLocal(id, registration);
-  } else {
-    link_->Sync().IgnoreError();
+  } else if (registry_->Find(id) == nullptr) {
+    // Registered again meanwhile: that registration's change replaces this one at the coordinator.
+    link_->SyncRemoved(id).IgnoreError();
   }
 }
 
@@ -681,11 +684,7 @@ absl::Status Daemon::Register(const v1::RegisterWorkerRequest& request, WorkerTr
   auto registered = registry_->Register(request, transport);
   if (!registered.ok()) return registered.status();
   const std::shared_ptr<LocalWorker>& worker = registered->worker;
-  // The coordinator's own membership keeps the pieces, from the kept encoding (never decoded
-  // here); a node's sync sends its snapshot.
-  if (auto s = SyncAdded(membership_ != nullptr ? worker->WithWorkerEncoded() : worker->request,
-                         worker->session_key);
-      !s.ok()) {
+  if (auto s = SyncAdded(*worker); !s.ok()) {
     registry_->Drop(worker->id);
     if (s.code() == absl::StatusCode::kAlreadyExists ||
         s.code() == absl::StatusCode::kResourceExhausted ||

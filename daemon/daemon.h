@@ -47,6 +47,7 @@ class GrpcPeerClient;
 class HandleInbox;
 class Membership;
 class Metrics;
+struct LocalWorker;
 class NodeAgent;
 class PauseDetector;
 class RoundDriver;
@@ -96,10 +97,10 @@ class Daemon {
   absl::Status Register(const v1::RegisterWorkerRequest& request, WorkerTransport transport,
                         v1::RegisterWorkerResponse* response);
   void DropWorker(const std::string& id, const std::string& reason);
-  // Tells the coordinator this node's workers changed (on the coordinator: its membership, one
-  // worker at a time; elsewhere the whole list).
-  // `registration`: the worker's session key (Membership::AddLocal says why).
-  absl::Status SyncAdded(const v1::RegisterWorkerRequest& added, const std::string& registration);
+  // Tells the coordinator this node's workers changed, one worker at a time (on the coordinator:
+  // its membership; elsewhere a change to the node's list, or the whole list when the coordinator
+  // may hold another). `registration`: the worker's session key (Membership::AddLocal says why).
+  absl::Status SyncAdded(const LocalWorker& worker);
   void SyncRemoved(const std::string& id, const std::string& registration);
   // Every 100 ms: on the coordinator the failure detector (not while this daemon was itself
   // paused), elsewhere the coordinator's leases on this node's rounds.

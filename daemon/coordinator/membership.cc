@@ -1,6 +1,7 @@
 #include "daemon/coordinator/membership.h"
 
 #include <algorithm>
+#include <set>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
@@ -261,7 +262,11 @@ absl::StatusOr<bool> Membership::AdmitLocked(const v1::JoinRequest& request) {
     if (n.incarnation != 0 && n.incarnation != request.incarnation()) {
       Logger("rpc")->warn("node {} restarted; its old workers are gone", request.node());
     }
-    if (n.incarnation != request.incarnation()) n.applied_sequence = 0;  // it numbers anew
+    if (n.incarnation != request.incarnation()) {
+      n.applied_sequence = 0;  // it numbers anew
+      n.stashed.reset();
+      RequestTrim();  // rare, and its workers may have been large
+    }
     ClearWorkersLocked(n);
     n.incarnation = request.incarnation();
     n.synced = false;
@@ -333,18 +338,20 @@ std::optional<absl::Status> Membership::StaleSync(const v1::SyncWorkersRequest& 
 
 absl::Status Membership::ApplySync(const v1::SyncWorkersRequest& request,
                                    v1::SyncWorkersResponse* response) {
-  // Each worker as its header and its encoding, split before the lock is taken.
-  std::vector<SplitRegistration> workers;
-  workers.reserve(static_cast<size_t>(request.workers_size()));
+  // Each worker split and stored (its header built, its pieces counted) before the lock is
+  // taken: a large list must not hold up the heartbeats that keep its node alive.
+  std::vector<StoredWorker> stored;
+  stored.reserve(static_cast<size_t>(request.workers_size()));
+  bool large = false;
   for (const v1::RegisterWorkerRequest& w : request.workers()) {
     absl::StatusOr<SplitRegistration> split = SplitRegistration::Of(w);
     if (!split.ok()) {
       return absl::InvalidArgumentError(
           absl::StrCat("SyncWorkers from node ", request.node(), ": ", split.status().message()));
     }
-    workers.push_back(*std::move(split));
+    stored.push_back(Store(*split));
+    large |= static_cast<int64_t>(stored.back().wire->size()) >= kTrimAfterBytes;
   }
-  bool large = false;
   {
     absl::MutexLock lock(&mu_);
     // Only a node joined at this incarnation syncs. A node declared dead (it was frozen, or cut
@@ -375,33 +382,69 @@ absl::Status Membership::ApplySync(const v1::SyncWorkersRequest& request,
       }
     }
     NodeInfo& n = nodes_[request.node()];
+    for (const StoredWorker& w : stored)
+      counts_.synced_bytes += static_cast<int64_t>(w.wire->size());
+    const bool same = n.incarnation == request.incarnation() && request.base_sequence() > 0;
+    const bool onto_list = same && n.synced && n.applied_sequence == request.base_sequence();
+    const bool onto_stash =
+        same && !n.synced && n.stashed.has_value() && n.stashed_sequence == request.base_sequence();
+    if (request.delta() && !onto_list && !onto_stash) {
+      ++counts_.rebased_syncs;
+      return absl::AbortedError(absl::StrCat(
+          "SyncWorkers ", request.sequence(), " from node ", request.node(),
+          " changes its list of sync ", request.base_sequence(), ", but the coordinator holds ",
+          same && n.synced ? absl::StrCat("that of sync ", n.applied_sequence)
+          : same && n.stashed.has_value()
+              ? absl::StrCat("that of sync ", n.stashed_sequence, " (kept while it was dead)")
+              : std::string("no list of this incarnation"),
+          "; the node sends its whole list"));
+    }
     n.incarnation = request.incarnation();
     if (request.sequence() > 0) n.applied_sequence = request.sequence();
-    // The old list and the request itself (freed by gRPC after this returns) may be large.
-    for (const StoredWorker& w : n.workers)
-      large |= static_cast<int64_t>(w.wire.size()) >= kTrimAfterBytes;
-    large |= static_cast<int64_t>(request.ByteSizeLong()) >= kTrimAfterBytes;
-    ClearWorkersLocked(n);  // its new list is checked against the other nodes' declarations
-    n.workers.reserve(static_cast<size_t>(request.workers_size()));
-    std::map<std::string, GroupLoad> load = LoadExcept(request.node());
-    for (const SplitRegistration& split : workers) {
-      const v1::RegisterWorkerRequest& w = split.header();
+    if (onto_stash && request.delta()) {
+      // Revived: its list comes back, checked again as a whole list is (a name or a declaration
+      // may have been taken on another node meanwhile), then changed.
+      std::vector<StoredWorker> kept = *std::move(n.stashed);
+      std::set<std::string> changed(request.removed().begin(), request.removed().end());
+      for (const StoredWorker& w : stored)
+        changed.insert(absl::StrCat(w.group(), "/", w.worker().name()));
+      std::erase_if(kept, [&](const StoredWorker& w) {
+        return changed.contains(absl::StrCat(w.group(), "/", w.worker().name()));
+      });
+      Logger("rpc")->info(
+          "node {}: its list of sync {} kept while it was dead is back ({} workers)",
+          request.node(), request.base_sequence(), kept.size());
+      stored.insert(stored.begin(), std::make_move_iterator(kept.begin()),
+                    std::make_move_iterator(kept.end()));
+    } else if (request.delta()) {
+      for (const std::string& id : request.removed()) large |= RemoveWorkerLocked(n, id, "");
+      for (const StoredWorker& w : stored)  // the same name again: the new registration replaces it
+        large |= RemoveWorkerLocked(n, absl::StrCat(w.group(), "/", w.worker().name()), "");
+    } else {
+      // The old list and the request itself (freed by gRPC after this returns) may be large.
+      for (const StoredWorker& w : n.workers)
+        large |= static_cast<int64_t>(w.wire->size()) >= kTrimAfterBytes;
+      large |= static_cast<int64_t>(request.ByteSizeLong()) >= kTrimAfterBytes;
+      ClearWorkersLocked(n);  // its new list is checked against the other nodes' declarations
+    }
+    large |= n.stashed.has_value();
+    n.stashed.reset();
+    n.workers.reserve(n.workers.size() + stored.size());
+    // A change counts the node's other workers in its groups' limits; a whole list replaces them.
+    std::map<std::string, GroupLoad> load = LoadExcept(request.delta() ? -1 : request.node());
+    for (StoredWorker& w : stored) {
       // A name another live node holds stays with it: this one is refused, never admitted.
       std::optional<v1::WorkerRefusal> refused =
           Refusal(absl::StrCat(w.group(), "/", w.worker().name()), request.node());
-      StoredWorker stored;
-      if (!refused) {
-        stored = Store(split);
-        refused = OverLimit(stored, load[w.group()]);
-      }
-      if (!refused) refused = Declare(stored.header, request.node());
+      if (!refused) refused = OverLimit(w, load[w.group()]);
+      if (!refused) refused = Declare(w.header, request.node());
       if (refused) {
         Logger("rpc")->warn("node {}: {}", request.node(), refused->reason());
         if (response != nullptr) *response->add_refused() = *std::move(refused);
         continue;
       }
-      load[w.group()].Add(stored);
-      n.workers.push_back(std::move(stored));
+      load[w.group()].Add(w);
+      n.workers.push_back(std::move(w));
     }
     n.alive = true;
     n.synced = true;
@@ -431,7 +474,7 @@ absl::Status Membership::AddLocal(const v1::RegisterWorkerRequest& request,
   nodes_[self_].workers.push_back(std::move(stored));
   groups_[worker.group()];
   RecomputeEpochs();
-  if (static_cast<int64_t>(nodes_[self_].workers.back().wire.size()) >= kTrimAfterBytes)
+  if (static_cast<int64_t>(nodes_[self_].workers.back().wire->size()) >= kTrimAfterBytes)
     RequestTrim();
   return absl::OkStatus();  // adding forgets no group
 }
@@ -446,18 +489,25 @@ void Membership::RemoveLocal(const std::string& id, const std::string& registrat
 }
 
 void Membership::RemoveLocalLocked(const std::string& id, const std::string& registration) {
+  if (RemoveWorkerLocked(nodes_[self_], id, registration)) RequestTrim();
+}
+
+bool Membership::RemoveWorkerLocked(NodeInfo& n, const std::string& id,
+                                    const std::string& registration) {
   auto gone = [&](const StoredWorker& r) {
     return absl::StrCat(r.group(), "/", r.worker().name()) == id &&
            (registration.empty() || r.registration == registration);
   };
-  for (const StoredWorker& r : nodes_[self_].workers) {
+  for (const StoredWorker& r : n.workers) {
     if (gone(r)) Undeclare(r.header);
   }
-  std::erase_if(nodes_[self_].workers, [&](const StoredWorker& r) {
+  bool large = false;
+  std::erase_if(n.workers, [&](const StoredWorker& r) {
     if (!gone(r)) return false;
-    if (static_cast<int64_t>(r.wire.size()) >= kTrimAfterBytes) RequestTrim();
+    large |= static_cast<int64_t>(r.wire->size()) >= kTrimAfterBytes;
     return true;
   });
+  return large;
 }
 
 std::map<std::string, Membership::GroupLoad> Membership::LoadExcept(int32_t except) const {
@@ -494,7 +544,7 @@ std::optional<v1::WorkerRefusal> Membership::OverLimit(const StoredWorker& w,
   if (load.pieces + w.pieces > limits_.max_pieces) {
     return over("pieces", load.pieces + w.pieces, limits_.max_pieces, "max-group-pieces");
   }
-  const int64_t bytes = load.bytes + static_cast<int64_t>(w.wire.size());
+  const int64_t bytes = load.bytes + static_cast<int64_t>(w.wire->size());
   if (bytes > limits_.max_bytes)
     return over("registration bytes", bytes, limits_.max_bytes, "max-group-bytes");
   return std::nullopt;
@@ -754,11 +804,21 @@ void Membership::RecomputeEpochs() {
 bool Membership::MarkDeadLocked(int32_t node, const std::string& why) {
   auto it = nodes_.find(node);
   if (it == nodes_.end() || !it->second.alive) return false;
-  it->second.alive = false;
-  it->second.synced = false;
-  it->second.dead_since = clock_->Now();
-  ClearWorkersLocked(it->second);
-  RequestTrim();       // rare, and its workers may have been large
+  // Kept aside: a node that comes back at the same incarnation (it was frozen, or cut off) names
+  // its list rather than sending it again, which for large workers takes long enough to be
+  // declared dead again. A node admitted again but dead before any list reached it holds no
+  // workers here: what it will name is still the list kept at its first verdict, which an empty
+  // one must not replace (the node would come back believing its workers held, with none).
+  NodeInfo& n = it->second;
+  for (const StoredWorker& w : n.workers) Undeclare(w.header);
+  if (n.synced || !n.stashed.has_value()) {
+    n.stashed = std::move(n.workers);
+    n.stashed_sequence = n.applied_sequence;
+  }
+  n.workers.clear();
+  n.alive = false;
+  n.synced = false;
+  n.dead_since = clock_->Now();
   beats_.erase(node);  // its next heartbeat takes the slow path and resyncs
   Logger("rpc")->warn("node {} ({}) is dead: {}", node, it->second.control_address, why);
   dead_because_[node] = why;
@@ -876,46 +936,57 @@ Membership::StoredWorker Membership::Store(const SplitRegistration& registration
   top.set_gpu_uuid(request.gpu_uuid());
   top.set_trainer_rank(request.trainer_rank());
   top.set_trainer_world_size(request.trainer_world_size());
-  out.wire = top.SerializeAsString();
+  std::string wire = top.SerializeAsString();
   auto append = [&](uint32_t field, absl::string_view bytes) {
-    AppendVarint(uint64_t{field << 3 | 2}, &out.wire);
-    AppendVarint(bytes.size(), &out.wire);
-    out.wire.append(bytes.data(), bytes.size());
+    AppendVarint(uint64_t{field << 3 | 2}, &wire);
+    AppendVarint(bytes.size(), &wire);
+    wire.append(bytes.data(), bytes.size());
   };
   for (const v1::TensorSpec& t : request.tensors()) append(4, t.SerializeAsString());
   append(3, registration.worker());
+  out.wire = std::make_shared<const std::string>(std::move(wire));
   return out;
 }
 
 GroupMembers Membership::Group(const std::string& group, bool with_pieces) const {
-  absl::MutexLock lock(&mu_);
   GroupMembers out;
-  auto g = groups_.find(group);
-  if (g == groups_.end()) return out;
-  out.exists = true;
-  out.epoch = g->second.epoch;
-  for (const auto& [node, info] : nodes_) {
-    if (!info.alive) continue;
-    bool here = false;
-    for (const auto& w : info.workers) {
-      if (w.group() != group) continue;
-      if (with_pieces) {
-        v1::RegisterWorkerRequest& full =
-            out.workers.emplace_back(node, v1::RegisterWorkerRequest()).second;
-        if (!full.ParseFromString(w.wire)) full = w.header;  // cannot happen: Store wrote it
-      } else {
-        out.workers.emplace_back(node, w.header);
+  // Decoded after the lock is released: a worker of 10^6 pieces takes seconds, and heartbeats
+  // (Join) wait for this lock.
+  std::vector<std::shared_ptr<const std::string>> wires;
+  std::map<std::string, int64_t> versions;  // replica -> version
+  {
+    absl::MutexLock lock(&mu_);
+    auto g = groups_.find(group);
+    if (g == groups_.end()) return out;
+    out.exists = true;
+    out.epoch = g->second.epoch;
+    for (const auto& [name, record] : g->second.replicas) versions[name] = record.version;
+    for (const auto& [node, info] : nodes_) {
+      if (!info.alive) continue;
+      bool here = false;
+      for (const auto& w : info.workers) {
+        if (w.group() != group) continue;
+        if (with_pieces) {
+          out.workers.emplace_back(node, v1::RegisterWorkerRequest());
+          wires.push_back(w.wire);
+        } else {
+          out.workers.emplace_back(node, w.header);
+        }
+        (w.role() == v1::TRAINER ? out.trainers : out.inference)++;
+        here = true;
       }
-      (w.role() == v1::TRAINER ? out.trainers : out.inference)++;
-      here = true;
+      if (here) out.nodes.push_back(node);
     }
-    if (here) out.nodes.push_back(node);
+  }
+  for (size_t i = 0; i < wires.size(); ++i) {
+    // Cannot fail: Store wrote it.
+    if (!out.workers[i].second.ParseFromString(*wires[i])) out.workers[i].second.Clear();
   }
   out.replicas = ReplicasOf(out.workers, &out.counts);
   out.trainer_ranks = TrainerRanksOf(out.workers);
   for (ReplicaView& r : out.replicas) {
-    auto record = g->second.replicas.find(r.name);
-    if (record != g->second.replicas.end()) r.version = record->second.version;
+    auto version = versions.find(r.name);
+    if (version != versions.end()) r.version = version->second;
   }
   return out;
 }

@@ -117,6 +117,8 @@ struct NodeLimits {
 // What the membership turned away or dropped since it started.
 struct MembershipCounts {
   int64_t stale_syncs = 0;      // worker lists older than one applied, or from before an admission
+  int64_t rebased_syncs = 0;    // changes refused for a base other than the list held (ABORTED)
+  int64_t synced_bytes = 0;     // registrations received in nodes' syncs, as stored
   int64_t forgotten_nodes = 0;  // dead for --forget-dead-after, or making room for a new node
   int64_t refused_joins = 0;    // new nodes past --max-nodes, every node listed alive
 };
@@ -149,7 +151,8 @@ class Membership {
   // it is listed in `response->refused` (may be null), naming the holder. FAILED_PRECONDITION
   // from a node not joined at this incarnation (unknown, restarted, or declared dead since), or
   // for a list taken before the node heard of its latest admission (resyncs_seen). A list older
-  // than the last applied (sequence) is ignored: OK, nothing changes.
+  // than the last applied (sequence) is ignored: OK, nothing changes. A change (`delta`) applies
+  // only onto the list of its `base_sequence`, else ABORTED: the node sends its whole list.
   absl::Status ApplySync(const v1::SyncWorkersRequest& request,
                          v1::SyncWorkersResponse* response = nullptr);
   // The coordinator's own workers, one at a time (a snapshot per registration would make
@@ -208,7 +211,9 @@ class Membership {
   // coordinator 12x its size for as long as the worker lived.
   struct StoredWorker {
     v1::RegisterWorkerRequest header;  // buffers without pieces, no memory handles
-    std::string wire;                  // the whole registration, serialized, no memory handles
+    // The whole registration, serialized, no memory handles; shared, so that a reader copies it
+    // under the lock by reference and decodes it after.
+    std::shared_ptr<const std::string> wire;
     int32_t pieces = 0;
     std::string registration;  // AddLocal's: which registration of the name this is
     const std::string& group() const { return header.group(); }
@@ -228,6 +233,12 @@ class Membership {
     int64_t applied_sequence = 0;  // of the last list applied at this incarnation
     absl::Time dead_since = absl::InfinitePast();
     std::vector<StoredWorker> workers;
+    // Its list when it was declared dead (of sync `stashed_sequence`), out of every group: the
+    // node revived at the same incarnation names it in a change instead of sending it again.
+    // Kept through another verdict that comes before any list (the node admitted again, then
+    // silent again); dropped at a whole list, a restart or when the node is forgotten.
+    std::optional<std::vector<StoredWorker>> stashed;
+    int64_t stashed_sequence = 0;
   };
   struct ReplicaRecord {
     std::string fingerprint;  // its workers; a change resets the version
@@ -279,6 +290,10 @@ class Membership {
   // RemoveLocal's work, without recomputing the epochs.
   void RemoveLocalLocked(const std::string& id, const std::string& registration)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Takes `id`'s entries (of `registration`; empty: any) off `n`, undeclared; true when one
+  // was large enough to trim the heap for.
+  bool RemoveWorkerLocked(NodeInfo& n, const std::string& id, const std::string& registration)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // A live worker of `group`'s `side` declaring `tensor`, made `held`'s holder: a scan of the
   // group, only when a refusal must name a holder and the indexed one left.
   void FindHolder(const std::string& group, int side, const std::string& tensor,
@@ -304,7 +319,7 @@ class Membership {
       buffers += w.worker().buffers_size();
       tensors += w.header.tensors_size();
       pieces += w.pieces;
-      bytes += static_cast<int64_t>(w.wire.size());
+      bytes += static_cast<int64_t>(w.wire->size());
     }
   };
   // Each group's workers, pieces and encoded bytes on every node but `except` (-1: none).

@@ -649,6 +649,152 @@ TEST_CASE("membership: a list taken before the node heard of its readmission is 
   CHECK(m.Counts().stale_syncs == 1);
 }
 
+// A change to the node's list of sync `base`.
+v1::SyncWorkersRequest Change(int32_t node, int64_t incarnation, int64_t sequence, int64_t base,
+                              int64_t resyncs_seen, std::vector<v1::RegisterWorkerRequest> added,
+                              std::vector<std::string> removed = {}) {
+  v1::SyncWorkersRequest sync = Numbered(SyncOf(node, incarnation, {}), sequence, resyncs_seen);
+  for (v1::RegisterWorkerRequest& w : added) *sync.add_workers() = std::move(w);
+  sync.set_delta(true);
+  sync.set_base_sequence(base);
+  for (std::string& id : removed) sync.add_removed(std::move(id));
+  return sync;
+}
+
+TEST_CASE("membership: a change applies onto the list it names, and only onto that one") {
+  FakeClock clock;
+  Membership m(0, absl::Milliseconds(500), 4, &clock);
+  m.SetSelf("10.0.0.0:7070", "10.0.0.0:7071", 1);
+  REQUIRE(m.AddLocal(Registration("t0", v1::TRAINER, 0, 8, 0)).ok());
+  REQUIRE(m.Join(Beat(1, 11, 0)));
+  // Before any whole list of this incarnation: refused, the node sends its whole list.
+  absl::Status s =
+      m.ApplySync(Change(1, 11, 1, 1, 1, {Registration("i0", v1::INFERENCE, 0, 8, 1)}));
+  CHECK(s.code() == absl::StatusCode::kAborted);
+  CHECK_THAT(std::string(s.message()), Catch::Contains("no list of this incarnation"));
+  REQUIRE(m.ApplySync(Numbered(SyncOf(1, 11, {Registration("i0", v1::INFERENCE, 0, 4, 1)}), 2, 1))
+              .ok());
+  const int64_t epoch = m.Group("policy").epoch;
+  // Added, onto list 2.
+  REQUIRE(m.ApplySync(Change(1, 11, 3, 2, 1, {Registration("i1", v1::INFERENCE, 4, 8, 1)})).ok());
+  CHECK(m.Group("policy").inference == 2);
+  CHECK(m.Group("policy").epoch > epoch);
+  // Onto list 2 again (the coordinator holds 3): refused, nothing changes, counted.
+  s = m.ApplySync(Change(1, 11, 4, 2, 1, {}, {"policy/i0"}));
+  CHECK(s.code() == absl::StatusCode::kAborted);
+  CHECK_THAT(std::string(s.message()), Catch::Contains("holds that of sync 3"));
+  CHECK(m.Group("policy").inference == 2);
+  CHECK(m.Counts().rebased_syncs == 2);
+  // Removed, and the same name registered again (replacing the one held), onto list 3.
+  REQUIRE(m.ApplySync(
+               Change(1, 11, 5, 3, 1, {Registration("i1", v1::INFERENCE, 0, 8, 1)}, {"policy/i0"}))
+              .ok());
+  GroupMembers g = m.Group("policy");
+  REQUIRE(g.inference == 1);
+  CHECK(g.workers.size() == 2);  // t0 and the new i1
+  // A name another node holds: refused, listed, and the node's old entry of it is gone too.
+  REQUIRE(m.Join(Beat(2, 21, 0)));
+  REQUIRE(
+      m.ApplySync(Numbered(SyncOf(2, 21, {Registration("i1", v1::INFERENCE, 0, 8, 2, "b")}), 1, 1))
+          .ok());
+  REQUIRE(m.ApplySync(Change(1, 11, 6, 5, 1, {Registration("i1", v1::INFERENCE, 0, 8, 1, "b")}))
+              .ok());  // group b's i1 is node 2's
+  v1::SyncWorkersResponse refused;
+  REQUIRE(m.ApplySync(Change(1, 11, 7, 6, 1, {}, {"b/i1"}), &refused).ok());
+  CHECK(refused.refused_size() == 0);
+  CHECK(m.Group("b").inference == 1);  // node 2's, untouched by node 1's removal of its own
+  // Received: each registration once.
+  CHECK(m.Counts().synced_bytes > 0);
+}
+
+TEST_CASE(
+    "membership: a node revived at the same incarnation names the list kept while it was dead") {
+  FakeClock clock;
+  Membership m(0, absl::Milliseconds(500), 4, &clock);  // dead after 2 s of silence
+  m.SetSelf("10.0.0.0:7070", "10.0.0.0:7071", 1);
+  REQUIRE(m.AddLocal(Registration("t0", v1::TRAINER, 0, 8, 0)).ok());
+  REQUIRE(m.Join(Beat(1, 11, 0)));
+  REQUIRE(m.ApplySync(Numbered(SyncOf(1, 11,
+                                      {Registration("i0", v1::INFERENCE, 0, 4, 1),
+                                       Registration("i1", v1::INFERENCE, 4, 8, 1)}),
+                               1, 1))
+              .ok());
+  clock.Advance(absl::Seconds(3));
+  REQUIRE(m.CheckLiveness().size() == 1);
+  CHECK(m.Group("policy").inference == 0);  // out of the group while dead
+  // Meanwhile node 2 takes i1's name.
+  REQUIRE(m.Join(Beat(2, 21, 0)));
+  REQUIRE(m.ApplySync(Numbered(SyncOf(2, 21, {Registration("i1", v1::INFERENCE, 4, 8, 2)}), 1, 1))
+              .ok());
+  // Back: asked to resync; a change onto list 1 brings the kept list back, checked as a whole
+  // list is: i1's name is node 2's now.
+  REQUIRE(m.Join(Beat(1, 11, 1)));
+  const int64_t received = m.Counts().synced_bytes;
+  v1::SyncWorkersResponse out;
+  REQUIRE(m.ApplySync(Change(1, 11, 2, 1, 2, {}), &out).ok());
+  CHECK(m.Counts().synced_bytes == received);  // nothing sent again
+  REQUIRE(out.refused_size() == 1);
+  CHECK(out.refused(0).worker_id() == "policy/i1");
+  CHECK(out.refused(0).holder_node() == 2);
+  CHECK(m.Group("policy").inference == 2);  // node 1's i0, node 2's i1
+  CHECK_FALSE(m.Join(Beat(1, 11, 2)));      // resynced
+  // Kept only once: dead again, then a change onto an older list is refused.
+  clock.Advance(absl::Seconds(3));
+  CHECK_FALSE(m.Join(Beat(2, 21, 1)));  // node 2 stays alive
+  REQUIRE(m.CheckLiveness().size() == 1);
+  REQUIRE(m.Join(Beat(1, 11, 2)));
+  CHECK(m.ApplySync(Change(1, 11, 3, 1, 3, {})).code() == absl::StatusCode::kAborted);
+  // Restarted (a new incarnation): nothing kept.
+  clock.Advance(absl::Seconds(3));
+  CHECK_FALSE(m.Join(Beat(2, 21, 1)));  // node 2 stays alive
+  REQUIRE(m.CheckLiveness().size() == 1);
+  REQUIRE(m.Join(Beat(1, 12, 0)));
+  const absl::Status restarted = m.ApplySync(Change(1, 12, 1, 2, 1, {}));
+  CHECK(restarted.code() == absl::StatusCode::kAborted);
+  CHECK_THAT(std::string(restarted.message()), Catch::Contains("no list of this incarnation"));
+}
+
+// A node whose heartbeats arrive but whose answers do not (a one-way partition) is declared dead,
+// admitted again by its next heartbeat, and declared dead again before its list (or any answer)
+// reaches it, over and over. When it hears at last, it names the list of its last sync.
+TEST_CASE(
+    "membership: a node declared dead again before any list reached it keeps the list kept at its "
+    "first verdict") {
+  FakeClock clock;
+  Membership m(0, absl::Milliseconds(500), 4, &clock);  // dead after 2 s of silence
+  m.SetSelf("10.0.0.0:7070", "10.0.0.0:7071", 1);
+  REQUIRE(m.AddLocal(Registration("t0", v1::TRAINER, 0, 8, 0)).ok());
+  REQUIRE(m.Join(Beat(1, 11, 0)));
+  REQUIRE(m.ApplySync(Numbered(SyncOf(1, 11,
+                                      {Registration("i0", v1::INFERENCE, 0, 4, 1),
+                                       Registration("i1", v1::INFERENCE, 4, 8, 1)}),
+                               1, 1))
+              .ok());
+  for (int verdict = 0; verdict < 3; ++verdict) {
+    clock.Advance(absl::Seconds(3));
+    REQUIRE(m.CheckLiveness().size() == 1);
+    CHECK(m.Group("policy").inference == 0);
+    REQUIRE(m.Join(Beat(1, 11, 0)));  // admitted again; its answer (resync) is held
+    CHECK(m.Group("policy").inference == 0);
+  }
+  // The held answers arrive: the node names its last list, and has its workers back.
+  REQUIRE(m.Join(Beat(1, 11, 1)));
+  const int64_t received = m.Counts().synced_bytes;
+  v1::SyncWorkersResponse out;
+  REQUIRE(m.ApplySync(Change(1, 11, 2, 1, 1, {}), &out).ok());
+  CHECK(out.refused_size() == 0);
+  CHECK(m.Counts().synced_bytes == received);
+  CHECK(m.Group("policy").inference == 2);
+  CHECK_FALSE(m.Join(Beat(1, 11, 1)));  // resynced
+  // Dead once more after that list was applied: the list kept now is that one (sync 2).
+  clock.Advance(absl::Seconds(3));
+  REQUIRE(m.CheckLiveness().size() == 1);
+  REQUIRE(m.Join(Beat(1, 11, 1)));
+  CHECK(m.ApplySync(Change(1, 11, 3, 1, 2, {})).code() == absl::StatusCode::kAborted);
+  REQUIRE(m.ApplySync(Change(1, 11, 4, 2, 2, {})).ok());
+  CHECK(m.Group("policy").inference == 2);
+}
+
 TEST_CASE("membership: a node dead for --forget-dead-after is forgotten once, and may join again") {
   FakeClock clock;
   Membership m(0, absl::Milliseconds(500), 4, &clock);  // dead after 2 s of silence

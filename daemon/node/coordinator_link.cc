@@ -69,16 +69,19 @@ void CoordinatorLink::Refresh() {
                       target_.empty() ? "none" : target_);
   target_ = now;
   peer_.reset();  // calls in flight keep their stubs (shared)
+  sync_peer_.reset();
   control_.reset();
 }
 
 CoordinatorLink::~CoordinatorLink() { Stop(); }
 
-std::shared_ptr<grpc::Channel> CoordinatorLink::NewChannel() {
-  if (options_.tls != nullptr)
-    return options_.tls->Channel(target_, ChannelArgs(options_.max_rpc_bytes));
-  return grpc::CreateCustomChannel(target_, grpc::InsecureChannelCredentials(),
-                                   ChannelArgs(options_.max_rpc_bytes));
+std::shared_ptr<grpc::Channel> CoordinatorLink::NewChannel(bool own_connection) {
+  grpc::ChannelArguments args = ChannelArgs(options_.max_rpc_bytes);
+  // Syncs travel on a connection of their own: a list of hundreds of MB on the heartbeats'
+  // connection held them up past the death verdict.
+  if (own_connection) args.SetInt(GRPC_ARG_USE_LOCAL_SUBCHANNEL_POOL, 1);
+  if (options_.tls != nullptr) return options_.tls->Channel(target_, args);
+  return grpc::CreateCustomChannel(target_, grpc::InsecureChannelCredentials(), args);
 }
 
 KnownCoordinator CoordinatorLink::Coordinator() {
@@ -116,15 +119,23 @@ absl::Status CoordinatorLink::Answered(const grpc::ClientContext& ctx,
 std::shared_ptr<v1::RefitPeer::Stub> CoordinatorLink::Peer() {
   absl::MutexLock lock(&mu_);
   if (!peer_) {
-    peer_ = v1::RefitPeer::NewStub(NewChannel());
+    peer_ = v1::RefitPeer::NewStub(NewChannel(/*own_connection=*/false));
   }
   return peer_;
+}
+
+std::shared_ptr<v1::RefitPeer::Stub> CoordinatorLink::SyncPeer() {
+  absl::MutexLock lock(&mu_);
+  if (!sync_peer_) {
+    sync_peer_ = v1::RefitPeer::NewStub(NewChannel(/*own_connection=*/true));
+  }
+  return sync_peer_;
 }
 
 std::shared_ptr<v1::RefitControl::Stub> CoordinatorLink::Control() {
   absl::MutexLock lock(&mu_);
   if (!control_) {
-    control_ = v1::RefitControl::NewStub(NewChannel());
+    control_ = v1::RefitControl::NewStub(NewChannel(/*own_connection=*/false));
   }
   return control_;
 }
@@ -186,41 +197,99 @@ absl::Status CoordinatorLink::Join(const std::string& control_address,
         "cannot join the coordinator at ", options_.coordinator,
         Target() != options_.coordinator ? " (" + Target() + ")" : "", ": ", joined.message()));
   }
+  {
+    absl::MutexLock lock(&mu_);
+    resyncs_handled_ = resyncs_seen_;  // nothing of this node's to abort yet
+  }
   heartbeat_ = std::thread([this] { HeartbeatLoop(); });
+  syncer_ = std::thread([this] { SyncLoop(); });
   return absl::OkStatus();
 }
 
-absl::Status CoordinatorLink::Sync(std::vector<v1::WorkerRefusal>* refused) {
-  absl::MutexLock order(&sync_order_);
+v1::SyncWorkersRequest CoordinatorLink::NumberedRequest() {
   v1::SyncWorkersRequest sync;
   sync.set_node(options_.node);
   sync.set_incarnation(options_.incarnation);
   sync.set_sequence(++last_sequence_);
-  {
-    absl::MutexLock lock(&mu_);
-    sync.set_resyncs_seen(resyncs_seen_);
-  }
-  for (v1::RegisterWorkerRequest& w : options_.snapshot()) *sync.add_workers() = std::move(w);
+  absl::MutexLock lock(&mu_);
+  sync.set_resyncs_seen(resyncs_handled_);
+  return sync;
+}
+
+absl::Duration CoordinatorLink::SyncTimeout(int64_t bytes) const {
+  return options_.peer_timeout + absl::Seconds(static_cast<double>(bytes) / kSyncBytesPerSecond);
+}
+
+absl::Status CoordinatorLink::Send(const v1::SyncWorkersRequest& sync,
+                                   std::vector<v1::WorkerRefusal>* refused) {
   grpc::ClientContext ctx;
-  ctx.set_deadline(Deadline(options_.peer_timeout));
+  ctx.set_deadline(Deadline(SyncTimeout(static_cast<int64_t>(sync.ByteSizeLong()))));
   v1::SyncWorkersResponse out;
-  const absl::Status s = FromGrpc(Peer()->SyncWorkers(&ctx, sync, &out));  // stub kept for the call
+  const absl::Status s = FromGrpc(SyncPeer()->SyncWorkers(&ctx, sync, &out));  // kept for the call
   for (const v1::WorkerRefusal& r : out.refused()) {
     Logger("rpc")->warn("the coordinator did not admit {}: {}", r.worker_id(), r.reason());
     if (refused != nullptr) refused->push_back(r);
   }
-  {
-    // Under `sync_order_`: the last sync's outcome is what the coordinator holds. A failed one may
-    // still have been applied; sending the list again is harmless.
-    absl::MutexLock lock(&mu_);
-    sync_owed_ = !s.ok();
+  // A change refused for its base leaves the list held as it was: the whole list follows at once.
+  if (s.code() == absl::StatusCode::kAborted && sync.delta()) return s;
+  // Under `sync_order_`: the last sync's outcome is what the coordinator holds. A failed one may
+  // still have been applied; sending the whole list again is harmless.
+  acked_sequence_ = s.ok() ? sync.sequence() : 0;
+  absl::MutexLock lock(&mu_);
+  sync_owed_ = !s.ok();
+  if (sync_owed_) {
+    // Sent again once a heartbeat is answered: if the coordinator does not know this node, that
+    // answer rejoins it; if it is unreachable, a list sent now would fail as well.
+    sync_after_answers_ = answers_ + 1;
+    sync_wake_.Signal();
   }
   return s;
 }
 
-bool CoordinatorLink::SyncOwed() {
-  absl::MutexLock lock(&mu_);
-  return sync_owed_;
+absl::Status CoordinatorLink::SyncAllLocked(std::vector<v1::WorkerRefusal>* refused) {
+  v1::SyncWorkersRequest sync = NumberedRequest();
+  for (v1::RegisterWorkerRequest& w : options_.snapshot()) *sync.add_workers() = std::move(w);
+  return Send(sync, refused);
+}
+
+absl::Status CoordinatorLink::Sync(std::vector<v1::WorkerRefusal>* refused) {
+  absl::MutexLock order(&sync_order_);
+  return SyncAllLocked(refused);
+}
+
+absl::Status CoordinatorLink::SyncChange(v1::RegisterWorkerRequest* added,
+                                         const std::string& removed,
+                                         std::vector<v1::WorkerRefusal>* refused) {
+  absl::MutexLock order(&sync_order_);
+  // Also after this node was declared dead, or the coordinator restarted: the coordinator may
+  // still hold (or have kept aside) the list of the last sync, and says so by applying the change.
+  if (acked_sequence_ > 0) {
+    v1::SyncWorkersRequest sync = NumberedRequest();
+    sync.set_delta(true);
+    sync.set_base_sequence(acked_sequence_);
+    // Moved, not copied: a registration is as large as its pieces, and while it is sent the node
+    // already holds it kept (LocalWorker::wire), as received and as gRPC serialized it.
+    if (added != nullptr) *sync.add_workers() = std::move(*added);
+    if (!removed.empty()) sync.add_removed(removed);
+    const absl::Status s = Send(sync, refused);
+    if (s.code() != absl::StatusCode::kAborted) return s;
+    Logger("rpc")->info(
+        "the coordinator holds another list of this node's workers ({}); sending "
+        "the whole list",
+        std::string(s.message()));
+  }
+  // The whole list holds the added worker again (the snapshot's copy): this one goes first.
+  if (added != nullptr) v1::RegisterWorkerRequest().Swap(added);
+  return SyncAllLocked(refused);
+}
+
+absl::Status CoordinatorLink::SyncAdded(v1::RegisterWorkerRequest added,
+                                        std::vector<v1::WorkerRefusal>* refused) {
+  return SyncChange(&added, "", refused);
+}
+
+absl::Status CoordinatorLink::SyncRemoved(const std::string& id) {
+  return SyncChange(nullptr, id, nullptr);
 }
 
 std::optional<v1::JoinResponse> CoordinatorLink::Heartbeat(bool* lost) {
@@ -250,59 +319,64 @@ std::optional<v1::JoinResponse> CoordinatorLink::Heartbeat(bool* lost) {
 
 void CoordinatorLink::HeartbeatLoop() {
   bool lost = false;
-  absl::Time next_beat = absl::Now() + options_.heartbeat;
-  // A sync owed is sent after an answered heartbeat, and one that failed is tried again with a
-  // back-off (each attempt within --peer-timeout) between heartbeats, which go on meanwhile: a
-  // node that stopped heartbeating to resend a large list would be declared dead for it. One
-  // refused because the coordinator does not know this node waits for the heartbeat that
-  // rejoins it.
-  absl::Time not_before = absl::InfinitePast();
-  absl::Duration backoff = kFirstSyncRetry;
-  bool retry_between_beats = false;
   while (true) {
     {
       absl::MutexLock lock(&mu_);
-      absl::Time wake = next_beat;
-      if (sync_owed_ && retry_between_beats) {
-        wake = std::min(wake, std::max(not_before, absl::Now()));
-      }
-      if (!stopping_) stop_.WaitWithDeadline(&mu_, wake);
+      if (!stopping_) stop_.WaitWithTimeout(&mu_, options_.heartbeat);
       if (stopping_) return;
     }
-    bool answered = false;
-    if (absl::Now() >= next_beat) {
-      const std::optional<v1::JoinResponse> answer = Heartbeat(&lost);
-      next_beat = absl::Now() + options_.heartbeat;
-      // Unanswered: the next answer says whether the coordinator lacks this node's list.
-      if (!answer.has_value()) continue;
-      answered = true;
-      if (options_.on_answer) options_.on_answer(*answer);
-      // The coordinator restarted or declared this node dead, and no list of this incarnation
-      // reached it since: it asks in every answer until one does.
-      if (answer->resync()) {
-        absl::MutexLock lock(&mu_);
-        sync_owed_ = true;
+    const std::optional<v1::JoinResponse> answer = Heartbeat(&lost);
+    // Unanswered: the next answer says whether the coordinator lacks this node's list.
+    if (!answer.has_value()) continue;
+    if (options_.on_answer) options_.on_answer(*answer);
+    absl::MutexLock lock(&mu_);
+    ++answers_;
+    // Acted on (its rounds aborted): a list taken from now on shows the coordinator that this
+    // node heard it was admitted again.
+    resyncs_handled_ = resyncs_seen_;
+    // The coordinator restarted or declared this node dead, and no list of this incarnation
+    // reached it since: it asks in every answer until one does.
+    if (answer->resync()) sync_owed_ = true;
+    if (sync_owed_) sync_wake_.Signal();
+  }
+}
+
+void CoordinatorLink::SyncLoop() {
+  // A sync owed is sent on this thread, not the heartbeat's: a list of many large workers may take
+  // seconds to send and apply, and a node that stopped heartbeating meanwhile would be declared
+  // dead for it (then asked for the list again, which took as long: for good). One that failed is
+  // tried again after the next answered heartbeat, with a back-off.
+  absl::Duration backoff = kFirstSyncRetry;
+  absl::Time not_before = absl::InfinitePast();
+  while (true) {
+    {
+      absl::MutexLock lock(&mu_);
+      auto due = [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+        return stopping_ ||
+               (sync_owed_ && answers_ >= sync_after_answers_ && absl::Now() >= not_before);
+      };
+      while (!due()) {
+        const absl::Time wake = sync_owed_ && answers_ >= sync_after_answers_
+                                    ? not_before
+                                    : absl::Now() + options_.heartbeat;
+        sync_wake_.WaitWithDeadline(&mu_, wake);
       }
+      if (stopping_) return;
     }
-    if (!SyncOwed()) {  // sent, perhaps by a registration meanwhile
-      not_before = absl::InfinitePast();
+    std::vector<v1::WorkerRefusal> refused;
+    const absl::Status s = SyncChange(nullptr, "", &refused);  // nothing changed: the list again
+    if (!refused.empty() && options_.on_refused) options_.on_refused(refused);
+    if (s.ok()) {
       backoff = kFirstSyncRetry;
-      retry_between_beats = false;
+      not_before = absl::InfinitePast();
       continue;
     }
-    if (absl::Now() < not_before || !(answered || retry_between_beats)) continue;
-    std::vector<v1::WorkerRefusal> refused;
-    const absl::Status s = Sync(&refused);
-    if (!refused.empty() && options_.on_refused) options_.on_refused(refused);
-    if (!s.ok()) {
-      Logger("rpc")->warn(
-          "sending this node's workers to the coordinator at {} failed (again in {} at the "
-          "earliest): {}",
-          Target(), absl::FormatDuration(backoff), std::string(s.message()));
-      not_before = absl::Now() + backoff;
-      backoff = std::min(backoff * 2, kLastSyncRetry);
-      retry_between_beats = s.code() != absl::StatusCode::kFailedPrecondition;
-    }
+    Logger("rpc")->warn(
+        "sending this node's workers to the coordinator at {} failed (again in {} at the "
+        "earliest, after a heartbeat is answered): {}",
+        Target(), absl::FormatDuration(backoff), std::string(s.message()));
+    not_before = absl::Now() + backoff;
+    backoff = std::min(backoff * 2, kLastSyncRetry);
   }
 }
 
@@ -311,8 +385,10 @@ void CoordinatorLink::Stop() {
     absl::MutexLock lock(&mu_);
     stopping_ = true;
     stop_.SignalAll();
+    sync_wake_.SignalAll();
   }
   if (heartbeat_.joinable()) heartbeat_.join();
+  if (syncer_.joinable()) syncer_.join();
 }
 
 absl::Status CoordinatorLink::ForwardWatch(const v1::WatchRoundsRequest& request,

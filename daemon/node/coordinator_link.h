@@ -2,7 +2,8 @@
 // answers), a heartbeat every `--heartbeat` (the whole worker list again when the coordinator
 // asks: it restarted, or declared this node dead; it asks in every answer until a list
 // arrives, so a lost or late answer costs a heartbeat, not the node's workers), ordered worker
-// syncs (one that failed is sent again, with a back-off), and the forwarding of operator calls. Its
+// syncs (one that failed is sent again, with a back-off, on a thread of its own so that
+// heartbeats never wait for a large list), and the forwarding of operator calls. Its
 // channels reconnect within a second (back-off 100 ms to 1 s), and a heartbeat waits for the
 // connection (within --peer-timeout), so a restarted coordinator is joined again at its next
 // heartbeat.
@@ -18,10 +19,18 @@
 // than one it applied, and refuses one taken before the node heard that it was admitted again
 // (declared dead, then revived), whatever order the network delivers them in.
 //
+// A registration or a worker leaving sends only that change (`delta`), onto the list of the last
+// sync that succeeded: registering n workers costs the coordinator their sizes, not n^2/2 of them.
+// A resync is an empty change first: a coordinator that declared this node dead kept its list
+// aside and takes it back. When the coordinator holds another list (it restarted, or a sync failed
+// here but was applied there), it refuses the change (ABORTED) and the whole list follows in the
+// same call. Syncs travel on a connection of their own, and a sync's deadline grows with its
+// size: --peer-timeout plus one second per kSyncBytesPerSecond.
+//
 // Locks: `mu_` guards the stop flag, the stubs, whether a sync is owed and the resyncs seen.
-// `sync_order_` orders syncs, each a snapshot numbered, taken and sent under it, so that the
-// outcome of the last sync is what the coordinator holds (`sync_owed_` stays exact). It is the one
-// lock held across an RPC (bounded by --peer-timeout).
+// `sync_order_` orders syncs, each numbered, taken and sent under it, so that the outcome of the
+// last sync is what the coordinator holds (`sync_owed_` and the base of a change stay exact). It is
+// the one lock held across an RPC (bounded by the sync's deadline).
 #pragma once
 
 #include <grpcpp/grpcpp.h>
@@ -76,6 +85,10 @@ class CoordinatorLink {
  public:
   static constexpr absl::Duration kFirstSyncRetry = absl::Milliseconds(100);
   static constexpr absl::Duration kLastSyncRetry = absl::Seconds(5);
+  // The slowest a sync's bytes are expected to be sent and applied (a coordinator on a busy core
+  // applies about 25 MB/s of pieces): beyond --peer-timeout, its deadline grows by a second for
+  // each of these.
+  static constexpr double kSyncBytesPerSecond = 8e6;
 
   explicit CoordinatorLink(CoordinatorLinkOptions options);
   ~CoordinatorLink();  // Stop()
@@ -83,9 +96,18 @@ class CoordinatorLink {
   // Joins (waiting for the coordinator: join_timeout), then heartbeats until Stop().
   absl::Status Join(const std::string& control_address, const std::string& data_address);
   // Sends this node's whole worker list; `refused` (may be null) gets the workers the coordinator
-  // did not admit (their name is held on another node). When it fails, the heartbeat loop sends
+  // did not admit (their name is held on another node). When it fails, the sync thread sends
   // the list again (back-off kFirstSyncRetry to kLastSyncRetry) until a sync succeeds.
   absl::Status Sync(std::vector<v1::WorkerRefusal>* refused = nullptr);
+  // A worker registered here (its encoding, LocalWorker::Encoded): sent as a change, or as the
+  // whole list when no base is known. `refused` as for Sync. Taken by value and moved into the
+  // request: a copy would add the registration's size to the node's peak while it is sent.
+  absl::Status SyncAdded(v1::RegisterWorkerRequest added,
+                         std::vector<v1::WorkerRefusal>* refused = nullptr);
+  // The worker `id` ("group/worker") left this node: as SyncAdded.
+  absl::Status SyncRemoved(const std::string& id);
+  // A sync's deadline: --peer-timeout, and a second per kSyncBytesPerSecond of its size.
+  absl::Duration SyncTimeout(int64_t bytes) const;
   void Stop();
   // The coordinator as its last answer to Join named it (node -1 before the first). With TLS an
   // answer counts only from a certificate of the node it names.
@@ -110,17 +132,30 @@ class CoordinatorLink {
 
  private:
   void HeartbeatLoop();
+  void SyncLoop();  // sends the whole list when owed
+  // A request numbered next, with the resyncs this node has acted on.
+  v1::SyncWorkersRequest NumberedRequest() ABSL_EXCLUSIVE_LOCKS_REQUIRED(sync_order_);
+  // Sends `sync` and records its outcome (unless a change refused for its base: ABORTED).
+  absl::Status Send(const v1::SyncWorkersRequest& sync, std::vector<v1::WorkerRefusal>* refused)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(sync_order_);
+  absl::Status SyncAllLocked(std::vector<v1::WorkerRefusal>* refused)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(sync_order_);
+  // `added` (may be null; left empty, its contents moved or dropped before a whole list is taken)
+  // and `removed` (may be empty) as a change when the coordinator's list is known to be that of
+  // the last sync, else the whole list.
+  absl::Status SyncChange(v1::RegisterWorkerRequest* added, const std::string& removed,
+                          std::vector<v1::WorkerRefusal>* refused);
   // One heartbeat: the answer, or nullopt when unanswered (`lost` tracks the outage, logged
   // once).
   std::optional<v1::JoinResponse> Heartbeat(bool* lost);
-  bool SyncOwed();
   // The join or heartbeat to send now: join_ with the resyncs seen so far.
   v1::JoinRequest JoinRequestNow();
   // Records who answered a Join; an answer whose certificate is not the node it names is refused.
   absl::Status Answered(const grpc::ClientContext& ctx, const v1::JoinResponse& out);
   // The stubs of the current target; shared: a refresh may replace them while a call uses them.
-  std::shared_ptr<grpc::Channel> NewChannel() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  std::shared_ptr<grpc::Channel> NewChannel(bool own_connection) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   std::shared_ptr<v1::RefitPeer::Stub> Peer();
+  std::shared_ptr<v1::RefitPeer::Stub> SyncPeer();  // on a connection of its own
   std::shared_ptr<v1::RefitControl::Stub> Control();
   // "file:PATH": reads PATH again; a new target replaces the channels. No-op otherwise.
   void Refresh();
@@ -129,8 +164,12 @@ class CoordinatorLink {
   const CoordinatorLinkOptions options_;
   v1::JoinRequest join_;  // set by Join, before the heartbeat thread starts
   std::thread heartbeat_;
+  std::thread syncer_;
   absl::Mutex sync_order_;
   int64_t last_sequence_ ABSL_GUARDED_BY(sync_order_) = 0;
+  // The last sync that succeeded (0: none, or a later one failed): the list the coordinator holds,
+  // the base of a change.
+  int64_t acked_sequence_ ABSL_GUARDED_BY(sync_order_) = 0;
 
   absl::Mutex mu_;
   absl::CondVar stop_;
@@ -138,10 +177,17 @@ class CoordinatorLink {
   // The coordinator may lack this node's current worker list: the last sync failed, or an
   // answer asked for it (resync). Cleared by a sync that succeeds.
   bool sync_owed_ ABSL_GUARDED_BY(mu_) = false;
-  // Answers that said `resync`, counted before anything acts on them (JoinRequest.resyncs_seen).
+  // Answers that said `resync`, counted before anything acts on them (JoinRequest.resyncs_seen),
+  // and those acted on (on_answer returned): a list carries the latter.
   int64_t resyncs_seen_ ABSL_GUARDED_BY(mu_) = 0;
+  int64_t resyncs_handled_ ABSL_GUARDED_BY(mu_) = 0;
+  int64_t answers_ ABSL_GUARDED_BY(mu_) = 0;  // heartbeats answered
+  // An owed sync waits until this many heartbeats were answered (the one after its failure).
+  int64_t sync_after_answers_ ABSL_GUARDED_BY(mu_) = 0;
+  absl::CondVar sync_wake_;                  // a sync is owed, or stopping
   std::string target_ ABSL_GUARDED_BY(mu_);  // the coordinator's gRPC target now
   std::shared_ptr<v1::RefitPeer::Stub> peer_ ABSL_GUARDED_BY(mu_);
+  std::shared_ptr<v1::RefitPeer::Stub> sync_peer_ ABSL_GUARDED_BY(mu_);
   std::shared_ptr<v1::RefitControl::Stub> control_ ABSL_GUARDED_BY(mu_);
   KnownCoordinator coordinator_ ABSL_GUARDED_BY(mu_);
 };

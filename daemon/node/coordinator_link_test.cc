@@ -25,6 +25,7 @@ enum class Fault {
   kDropRequest,  // never reaches the coordinator
   kDropAnswer,   // the coordinator acts on it; its answer is lost
   kLateAnswer,   // the coordinator acts on it; its answer comes after the caller's deadline
+  kRebase,       // a change: refused as onto another list than the one held (ABORTED)
 };
 
 std::string Name(Call c) { return c == Call::kJoin ? "Join" : "SyncWorkers"; }
@@ -36,6 +37,8 @@ std::string Name(Fault f) {
       return "answer dropped";
     case Fault::kLateAnswer:
       return "answer late";
+    case Fault::kRebase:
+      return "change refused";
     case Fault::kNone:
       break;
   }
@@ -90,6 +93,13 @@ class FakeCoordinator : public v1::RefitPeer::Service {
     absl::MutexLock lock(&mu_);
     return fired_;
   }
+  struct Seen {
+    int joins = 0, changes = 0, whole_lists = 0;
+  };
+  Seen seen() {
+    absl::MutexLock lock(&mu_);
+    return seen_;
+  }
 
   grpc::Status Join(grpc::ServerContext* ctx, const v1::JoinRequest* r,
                     v1::JoinResponse* out) override {
@@ -98,6 +108,7 @@ class FakeCoordinator : public v1::RefitPeer::Service {
       absl::MutexLock lock(&mu_);
       f = Take(Call::kJoin);
       if (f == Fault::kDropRequest) return Dropped();
+      ++seen_.joins;
       out->set_resync(membership_->Join(*r));
       out->set_coordinator_node(0);
       out->set_coordinator_incarnation(1);
@@ -114,6 +125,9 @@ class FakeCoordinator : public v1::RefitPeer::Service {
       if (std::exchange(hold_next_sync_, false)) return DeliverWhenReleased(*r, out);
       f = Take(Call::kSync);
       if (f == Fault::kDropRequest) return Dropped();
+      ++(r->delta() ? seen_.changes : seen_.whole_lists);
+      if (f == Fault::kRebase && r->delta())
+        return grpc::Status(grpc::StatusCode::ABORTED, "refused by the test");
       const absl::Status s = membership_->ApplySync(*r, out);
       applied =
           s.ok() ? grpc::Status::OK
@@ -170,6 +184,7 @@ class FakeCoordinator : public v1::RefitPeer::Service {
   std::optional<Call> deliver_after_ ABSL_GUARDED_BY(mu_);
   bool release_held_ ABSL_GUARDED_BY(mu_) = false;
   std::optional<absl::Status> held_result_ ABSL_GUARDED_BY(mu_);
+  Seen seen_ ABSL_GUARDED_BY(mu_);
 };
 
 // A coordinator (node 0) on a loopback port, and node 1's link to it, heartbeating every
@@ -185,7 +200,8 @@ struct Rejoin {
   std::atomic<int> resyncs{0};  // answers that told the node to resync (it aborts its rounds)
   std::unique_ptr<CoordinatorLink> link;
 
-  explicit Rejoin(absl::Duration heartbeat = absl::Milliseconds(50)) {
+  explicit Rejoin(absl::Duration heartbeat = absl::Milliseconds(50),
+                  absl::Duration peer_timeout = absl::Milliseconds(300)) {
     membership.SetSelf("127.0.0.1:1", "127.0.0.1:2", 1);
     REQUIRE(membership.AddLocal(Registration("t0", v1::TRAINER, 0, 8, 0)).ok());
     int port = 0;
@@ -199,7 +215,7 @@ struct Rejoin {
     o.node = 1;
     o.incarnation = 11;
     o.heartbeat = heartbeat;
-    o.peer_timeout = absl::Milliseconds(300);
+    o.peer_timeout = peer_timeout;
     o.snapshot = [this] {
       absl::MutexLock lock(&mu);
       return workers;
@@ -310,6 +326,73 @@ TEST_CASE("coordinator link: a worker list sent before a death verdict is not th
   CHECK(r.membership.Counts().stale_syncs == 1);
   CHECK(r.Converges(2));
   CHECK(r.resyncs.load() > told_before);  // the node learned it had been declared dead
+}
+
+TEST_CASE(
+    "coordinator link: registrations and departures travel as changes; a change the coordinator "
+    "cannot apply is followed by the whole list in the same call") {
+  Rejoin r;
+  const FakeCoordinator::Seen start = r.coordinator.seen();
+  const v1::RegisterWorkerRequest i2 = Registration("i2", v1::INFERENCE, 0, 8, 1, "other");
+  {
+    absl::MutexLock lock(&r.mu);
+    r.workers.push_back(i2);
+  }
+  REQUIRE(r.link->SyncAdded(i2).ok());
+  CHECK(r.membership.Group("other", false).inference == 1);
+  {
+    absl::MutexLock lock(&r.mu);
+    r.workers.erase(r.workers.begin());  // i0 leaves
+  }
+  REQUIRE(r.link->SyncRemoved("policy/i0").ok());
+  CHECK(r.membership.Group("policy", false).inference == 1);
+  FakeCoordinator::Seen now = r.coordinator.seen();
+  CHECK(now.changes - start.changes == 2);
+  CHECK(now.whole_lists == start.whole_lists);
+  // The coordinator holds another list than the node believes: refused, then the whole list.
+  const v1::RegisterWorkerRequest i3 = Registration("i3", v1::INFERENCE, 0, 8, 1, "third");
+  {
+    absl::MutexLock lock(&r.mu);
+    r.workers.push_back(i3);
+  }
+  r.coordinator.Arm(Call::kSync, Fault::kRebase);
+  REQUIRE(r.link->SyncAdded(i3).ok());
+  CHECK(r.coordinator.Fired());
+  CHECK(r.membership.Group("third", false).inference == 1);
+  CHECK(r.membership.Group("policy", false).inference == 1);
+  now = r.coordinator.seen();
+  CHECK(now.whole_lists == start.whole_lists + 1);
+  // A sync whose answer was lost: the coordinator's list is unknown, so the next goes whole.
+  r.coordinator.Arm(Call::kSync, Fault::kDropAnswer);
+  CHECK_FALSE(r.link->SyncRemoved("other/i2").ok());
+  const FakeCoordinator::Seen lost = r.coordinator.seen();
+  {
+    absl::MutexLock lock(&r.mu);
+    r.workers.erase(r.workers.begin() + 1);  // i2 left
+  }
+  REQUIRE(r.link->SyncRemoved("other/i2").ok());
+  CHECK(r.coordinator.seen().whole_lists >= lost.whole_lists + 1);
+  CHECK_FALSE(r.membership.Group("other", false).exists);
+  // The deadline of a sync grows with its size.
+  CHECK(r.link->SyncTimeout(0) == absl::Milliseconds(300));
+  CHECK(r.link->SyncTimeout(80'000'000) == absl::Milliseconds(300) + absl::Seconds(10));
+}
+
+// Resyncs were sent from the heartbeat thread: a list that took longer than the death verdict to
+// send held up the heartbeats, the node was declared dead for it, and asked for the list again.
+TEST_CASE("coordinator link: heartbeats go on while a sync is on its way") {
+  Rejoin r(absl::Milliseconds(50), /*peer_timeout=*/absl::Seconds(3));
+  r.coordinator.DeclareDeadThen(1, Call::kJoin, Fault::kNone);
+  r.coordinator.HoldNextSync(Call::kSync);  // the resync, held until the next sync is handled
+  REQUIRE(r.coordinator.SyncHeld());
+  const int joins = r.coordinator.seen().joins;
+  absl::SleepFor(absl::Seconds(1));                // within the held sync's deadline
+  CHECK(r.coordinator.seen().joins >= joins + 4);  // heartbeats every 50 ms
+  CHECK(r.Converges(2));  // the next resync is applied (then the held one, stale, is not)
+  const std::optional<absl::Status> held = r.coordinator.HeldSyncDelivered();
+  REQUIRE(held.has_value());
+  CHECK(held->ok());
+  CHECK(r.Converges(2));
 }
 
 }  // namespace

@@ -134,16 +134,25 @@ class Metrics::ClusterCollector : public prometheus::Collectable {
     prometheus::MetricFamily membership = CounterFamily(
         "refit_membership_events_total",
         "The coordinator's membership events: stale_sync (a worker list older than one applied, "
-        "or taken before the node's readmission), node_forgotten (dead for --forget-dead-after, "
+        "or taken before the node's readmission), rebased_sync (a change to a list other than the "
+        "one held: the node sends its whole list), node_forgotten (dead for --forget-dead-after, "
         "or making room), join_refused (over --max-nodes, every node alive).");
     membership.metric.push_back(
         Sample(static_cast<double>(v.stale_syncs), {{"event", "stale_sync"}}, true));
     membership.metric.push_back(
+        Sample(static_cast<double>(v.rebased_syncs), {{"event", "rebased_sync"}}, true));
+    membership.metric.push_back(
         Sample(static_cast<double>(v.forgotten_nodes), {{"event", "node_forgotten"}}, true));
     membership.metric.push_back(
         Sample(static_cast<double>(v.refused_joins), {{"event", "join_refused"}}, true));
-    for (auto* f :
-         {&workers, &ready, &membership_epoch, &plan_epoch, &planning, &plannings, &membership}) {
+    prometheus::MetricFamily synced = CounterFamily(
+        "refit_membership_synced_bytes_total",
+        "Bytes of worker registrations the coordinator received in nodes' syncs: a registration "
+        "travels once, and a node revived at the same incarnation names its list instead of "
+        "sending it again.");
+    synced.metric.push_back(Sample(static_cast<double>(v.synced_bytes), {}, /*counter=*/true));
+    for (auto* f : {&workers, &ready, &membership_epoch, &plan_epoch, &planning, &plannings,
+                    &membership, &synced}) {
       out.push_back(std::move(*f));
     }
     return out;

@@ -56,9 +56,10 @@ struct ClusterView {
   bool coordinator = false;  // groups, plannings and membership events are the coordinator's
   std::vector<GroupView> groups;
   int64_t plannings = 0;  // plannings run since start (one per group and epoch)
-  // Membership events since start: worker lists refused as stale, nodes forgotten, Joins
-  // refused over --max-nodes.
-  int64_t stale_syncs = 0, forgotten_nodes = 0, refused_joins = 0;
+  // Membership events since start: worker lists refused as stale, changes to a list other than
+  // the one held, nodes forgotten, Joins refused over --max-nodes.
+  int64_t stale_syncs = 0, rebased_syncs = 0, forgotten_nodes = 0, refused_joins = 0;
+  int64_t synced_bytes = 0;  // worker registrations received in nodes' syncs
   // This node's data connections: event -> count since start (DataBackend::ConnectionEvents).
   std::vector<std::pair<std::string, int64_t>> data_connections;
 };

@@ -232,6 +232,7 @@ TEST_CASE("metrics: groups, workers and plans read at scrape time; /metrics over
     v.groups.push_back(g);
     v.plannings = 4;
     v.stale_syncs = 5;
+    v.synced_bytes = 12345;
     v.forgotten_nodes = 6;
     v.refused_joins = 9;
     v.data_connections = {{"accepted", 11}, {"evicted", 3}, {"user_refused", 2}};
@@ -252,6 +253,7 @@ TEST_CASE("metrics: groups, workers and plans read at scrape time; /metrics over
   CHECK(Value(body, R"(refit_group_planning_seconds{group="policy"})") == Approx(0.25));
   CHECK(Value(body, "refit_plannings_total") == 4);
   CHECK(Value(body, R"(refit_membership_events_total{event="stale_sync"})") == 5);
+  CHECK(Value(body, "refit_membership_synced_bytes_total") == 12345);
   CHECK(Value(body, R"(refit_membership_events_total{event="node_forgotten"})") == 6);
   CHECK(Value(body, R"(refit_membership_events_total{event="join_refused"})") == 9);
   CHECK(Value(body, R"(refit_data_connections_total{event="accepted"})") == 11);

@@ -386,23 +386,19 @@ absl::Status NodeAgent::Prepare(const std::shared_ptr<const InstalledPlan>& inst
   const absl::Duration timeout = absl::Milliseconds(request.timeout_ms());
   REFIT_ASSIGN_OR_RETURN(std::shared_ptr<std::atomic<int64_t>> aborted,
                          OpenRound(request, timeout));
+  // Aborted since OpenRound (the coordinator's ABORT, or this node's own on a resync answer): its
+  // ABORT went to the workers already, and a PREPARE after it would leave a worker prepared for a
+  // round whose end it already heard, waiting for another end that never comes. (Checked before
+  // the send, not after: after it, an abort answering the workers' own refusal looks the same,
+  // and a second ABORT of the round would follow theirs.)
+  if (aborted->load() == request.round_id()) {
+    return absl::AbortedError(absl::StrCat("node ", node_, ": round ", request.round_id(),
+                                           " of group \"", group,
+                                           "\" was aborted before its PREPARE was sent"));
+  }
   // Answers about an earlier round of the same id (before a coordinator restart) are stale.
   REFIT_RETURN_IF_ERROR(registry_->Send(ids, RoundEventOf(request, v1::RoundEvent::PREPARE),
                                         /*reset_prepared=*/true, /*reset_resumed=*/false));
-  // Aborted since OpenRound (the coordinator's ABORT, or this node's own on a resync answer): that
-  // ABORT may have reached a worker before this PREPARE did, and a worker prepared for a round
-  // whose end it already heard waits for another end that never comes, missing the next rounds.
-  // Its ABORT again, after the PREPARE: an abort that comes after this check sends its own.
-  if (aborted->load() == request.round_id()) {
-    v1::RoundEvent again = RoundEventOf(request, v1::RoundEvent::ABORT);
-    {
-      absl::MutexLock lock(&mu_);
-      auto why = abort_reasons_.find(group);
-      if (why != abort_reasons_.end() && why->second.first == request.round_id())
-        again.set_reason(why->second.second);
-    }
-    registry_->Send(ids, again, /*reset_prepared=*/false, /*reset_resumed=*/false).IgnoreError();
-  }
   const bool arms = backend_->ArmsRounds();
   if (arms) OfferToArm(installed, request);
   if (absl::Status s = registry_->AwaitWorkers(group, ids, request.round_id(), false, timeout,

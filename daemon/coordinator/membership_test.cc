@@ -707,10 +707,9 @@ TEST_CASE("membership: a change applies onto the list it names, and only onto th
   CHECK(m.Counts().synced_bytes > 0);
 }
 
-TEST_CASE(
-    "membership: a node revived at the same incarnation names the list kept while it was dead") {
-  FakeClock clock;
-  Membership m(0, absl::Milliseconds(500), 4, &clock);  // dead after 2 s of silence
+// The coordinator (node 0, trainer t0) joined by node 1 (incarnation 11), whose first list
+// (sync 1) holds engines i0 and i1.
+void JoinNodeOneWithTwoEngines(Membership& m) {
   m.SetSelf("10.0.0.0:7070", "10.0.0.0:7071", 1);
   REQUIRE(m.AddLocal(Registration("t0", v1::TRAINER, 0, 8, 0)).ok());
   REQUIRE(m.Join(Beat(1, 11, 0)));
@@ -719,6 +718,13 @@ TEST_CASE(
                                        Registration("i1", v1::INFERENCE, 4, 8, 1)}),
                                1, 1))
               .ok());
+}
+
+TEST_CASE(
+    "membership: a node revived at the same incarnation names the list kept while it was dead") {
+  FakeClock clock;
+  Membership m(0, absl::Milliseconds(500), 4, &clock);  // dead after 2 s of silence
+  JoinNodeOneWithTwoEngines(m);
   clock.Advance(absl::Seconds(3));
   REQUIRE(m.CheckLiveness().size() == 1);
   CHECK(m.Group("policy").inference == 0);  // out of the group while dead
@@ -762,14 +768,7 @@ TEST_CASE(
     "first verdict") {
   FakeClock clock;
   Membership m(0, absl::Milliseconds(500), 4, &clock);  // dead after 2 s of silence
-  m.SetSelf("10.0.0.0:7070", "10.0.0.0:7071", 1);
-  REQUIRE(m.AddLocal(Registration("t0", v1::TRAINER, 0, 8, 0)).ok());
-  REQUIRE(m.Join(Beat(1, 11, 0)));
-  REQUIRE(m.ApplySync(Numbered(SyncOf(1, 11,
-                                      {Registration("i0", v1::INFERENCE, 0, 4, 1),
-                                       Registration("i1", v1::INFERENCE, 4, 8, 1)}),
-                               1, 1))
-              .ok());
+  JoinNodeOneWithTwoEngines(m);
   for (int verdict = 0; verdict < 3; ++verdict) {
     clock.Advance(absl::Seconds(3));
     REQUIRE(m.CheckLiveness().size() == 1);

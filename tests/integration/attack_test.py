@@ -28,7 +28,7 @@ from refit.dtypes import ELEMENT_BYTES  # noqa: E402
 from refit._proto import layout_pb2, refit_pb2  # noqa: E402
 from refit.tls import TlsFiles  # noqa: E402
 
-from e2e_lib import Reports, commit_checked, data_address, layouts, names, start_python  # noqa: E402
+from e2e_lib import Reports, commit_checked, data_address, layouts, names, start_policy_workers  # noqa: E402
 
 F_GET_SEALS = 1034
 F_SEAL_SHRINK = 0x0002
@@ -66,14 +66,7 @@ class AttackSuite(unittest.TestCase):
         cls.certs = cls.cluster.certs
         cls.reports = Reports(cls.cluster)
         cls.files = layouts(cls.cluster)
-        cls.engines = []
-        for role, node in [("trainer", 0), ("inference", 1)]:
-            for w in names(cls.files[role]):
-                key = f"{role}-{w}"
-                start_python(cls.cluster, key, node, role, cls.files[role], w)
-                cls.reports.wait(key, "registered")
-                if role == "inference":
-                    cls.engines.append(key)
+        cls.engines = start_policy_workers(cls.cluster, cls.reports, cls.files)
         cls.trainer_ids = [f"policy/{w}" for w in names(cls.files["trainer"])]
         cls.ctl = refit.Controller(cls.cluster.control, tls=cls.tls("refit-operator"))
         cls.ctl.wait_ready("policy", timeout=30)

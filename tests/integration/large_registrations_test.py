@@ -30,7 +30,7 @@ import refit  # noqa: E402
 from refit import _rpc, handles  # noqa: E402
 from refit._proto import refit_pb2  # noqa: E402
 
-from e2e_lib import Reports, commit_checked, layouts, names, start_python  # noqa: E402
+from e2e_lib import Reports, commit_checked, layouts, start_policy_workers  # noqa: E402
 
 PIECES = 200_000  # about 4.8 MB a registration
 WORKERS = 4
@@ -72,14 +72,7 @@ class LargeRegistrationSuite(unittest.TestCase):
         cls.cluster = harness.Cluster(nodes=2, tls=False, daemon_flags=["--metrics-listen", "127.0.0.1:0"])
         cls.reports = Reports(cls.cluster)
         cls.files = layouts(cls.cluster)
-        cls.engines = []
-        for role, node in [("trainer", 0), ("inference", 1)]:
-            for w in names(cls.files[role]):
-                key = f"{role}-{w}"
-                start_python(cls.cluster, key, node, role, cls.files[role], w)
-                cls.reports.wait(key, "registered")
-                if role == "inference":
-                    cls.engines.append(key)
+        cls.engines = start_policy_workers(cls.cluster, cls.reports, cls.files)
         cls.ctl = refit.Controller(cls.cluster.control)
         cls.ctl.wait_ready("policy", timeout=30)
         cls.version = 0

@@ -25,7 +25,7 @@ import harness
 sys.path.insert(0, os.path.dirname(harness.HERE))
 import refit  # noqa: E402
 
-from e2e_lib import Reports, commit_checked, data_address, layouts, names, start_python  # noqa: E402
+from e2e_lib import Reports, commit_checked, data_address, layouts, start_policy_workers  # noqa: E402
 
 NOBODY = 65534
 
@@ -198,14 +198,7 @@ class SharedHostSuite(unittest.TestCase):
         cls.cluster = harness.Cluster(nodes=2, tls=False)
         cls.reports = Reports(cls.cluster)
         cls.files = layouts(cls.cluster)
-        cls.engines = []
-        for role, node in [("trainer", 0), ("inference", 1)]:
-            for w in names(cls.files[role]):
-                key = f"{role}-{w}"
-                start_python(cls.cluster, key, node, role, cls.files[role], w)
-                cls.reports.wait(key, "registered")
-                if role == "inference":
-                    cls.engines.append(key)
+        cls.engines = start_policy_workers(cls.cluster, cls.reports, cls.files)
         cls.ctl = refit.Controller(cls.cluster.control)
         cls.ctl.wait_ready("policy", timeout=30)
         cls.version = 0

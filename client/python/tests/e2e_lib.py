@@ -66,6 +66,21 @@ def start_sim(cluster, key, node, role, layout, worker):
                           "--report", os.path.join(cluster.dir, f"{key}.report")], key)
 
 
+def start_policy_workers(cluster, reports, files):
+    """Starts a pattern worker for every worker of `files` (layouts()): the trainers on node 0, the
+    engines on node 1, each waited for until it reports "registered". Returns the engines' report
+    keys."""
+    engines = []
+    for role, node in [("trainer", 0), ("inference", 1)]:
+        for w in names(files[role]):
+            key = f"{role}-{w}"
+            start_python(cluster, key, node, role, files[role], w)
+            reports.wait(key, "registered")
+            if role == "inference":
+                engines.append(key)
+    return engines
+
+
 def commit_checked(test, ctl, reports, engines, version):
     """Refits group "policy" to `version` and asserts that the round committed and that every
     engine of `engines` (report keys) checked every byte of it ("commit V ok ...")."""

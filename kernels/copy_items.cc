@@ -215,6 +215,42 @@ CopyWork UnpackWork(const Plan& plan, const Message& m, uint64_t staging,
   return w;
 }
 
+bool ScaleTwins(const CopyItem& q, const CopyItem& s) {
+  return q.op == static_cast<uint8_t>(CopyOp::kQuantize) &&
+         s.op == static_cast<uint8_t>(CopyOp::kScale) && q.src == s.src &&
+         q.src_dtype == s.src_dtype && q.inner == s.inner && q.count[0] == s.count[0] &&
+         q.count[1] == s.count[1] && q.count[2] == s.count[2] &&
+         q.src_stride[2] == s.src_stride[2] && q.block_rows == s.block_rows &&
+         q.block_cols == s.block_cols && q.quant_format == s.quant_format &&
+         q.segments == s.segments;
+}
+
+bool ScalesByTwin(const CopyWork& work, size_t i) {
+  if (work.items[i].op != static_cast<uint8_t>(CopyOp::kScale)) return false;
+  for (size_t k = 1; k <= kTwinWindow && k <= i; ++k) {
+    if (ScaleTwins(work.items[i - k], work.items[i])) return true;
+  }
+  return false;
+}
+
+std::vector<int64_t> QuantizingLaunchUnits(const CopyWork& work) {
+  std::vector<int64_t> begin;
+  begin.reserve(work.items.size() + 1);
+  begin.push_back(0);
+  for (size_t i = 0; i < work.items.size(); ++i)
+    begin.push_back(begin.back() + (ScalesByTwin(work, i) ? 0 : work.items[i].Units()));
+  return begin;
+}
+
+void OrderBySource(CopyWork& work) {
+  std::stable_sort(work.items.begin(), work.items.end(),
+                   [](const CopyItem& a, const CopyItem& b) { return a.src < b.src; });
+  work.unit_begin.assign(1, 0);
+  work.unit_begin.reserve(work.items.size() + 1);
+  for (const CopyItem& it : work.items)
+    work.unit_begin.push_back(work.unit_begin.back() + it.Units());
+}
+
 bool AlignedItem(const CopyItem& it) {
   if (it.Quantizes()) return true;  // fp8 blocks: the same code in both kernels
   if (it.tiled) return false;

@@ -154,6 +154,28 @@ CopyWork DirectWork(const Plan& plan, const Message& m, const BufferAddresses& s
                     const BufferAddresses& dst, int64_t segment_bytes = 16384,
                     int64_t tile_run_bytes = kTileRunBytes);
 
+// A kQuantize item and the kScale item of the same region (same source, blocks and format) are
+// twins: the quantizing kernel writes the scales with the codes, from one read of the source, when
+// the kScale item is among the kTwinWindow items after its twin (the planner lists a weight's
+// codes, then its scales). The kernel's device twin of ScaleTwins must agree with this one.
+inline constexpr int kTwinWindow = 8;
+bool ScaleTwins(const CopyItem& quantize, const CopyItem& scale);
+// Whether item i of `work` is a kScale item whose scales a twin before it writes.
+bool ScalesByTwin(const CopyWork& work, size_t i);
+// `work`'s unit prefix sums for a launch with the quantizing kernel (LaunchCopyItems'
+// `quantizing`): no units for the items whose scales their twins write (ScalesByTwin). Their units
+// would only be resolved and skipped, by both kernels: half the quantizing kernel's tasks, for
+// a block fp8 or MXFP8 engine. The items stay, for the twins to find.
+std::vector<int64_t> QuantizingLaunchUnits(const CopyWork& work);
+
+// Reorders `work`'s items by source address (stable: items of one source keep their order, so a
+// quantizing item's twins stay as near as they were), its unit prefix sums rebuilt. For direct
+// work, which plans list by destination: the items that read neighbouring source rows (the two
+// halves of a row-parallel weight, going to two ranks) then run side by side, each DRAM page of
+// the source opened once rather than once per destination a whole message apart. Items of a
+// stage are independent, so their order changes no result.
+void OrderBySource(CopyWork& work);
+
 // Whether every copy unit of `work` is 16-byte aligned at both ends, in whole 16 bytes (same
 // dtype) or 8 elements (converting), and none is a tile: then the aligned kernel runs it
 // (LaunchCopyItems' `aligned_only`).

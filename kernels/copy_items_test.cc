@@ -4,6 +4,7 @@
 // adversarial sources.
 #include "kernels/copy_items.h"
 
+#include <algorithm>
 #include <catch2/catch.hpp>
 #include <cmath>
 #include <cstring>
@@ -67,6 +68,38 @@ TEST_CASE("direct items (no staging) give the CPU reference's destinations") {
   }
 }
 
+TEST_CASE("a stage's direct work ordered by source: each item keeps its units, same results") {
+  int64_t moved = 0;
+  for (uint64_t seed = 100; seed <= 130; ++seed) {
+    TestRun run(seed);
+    auto& [t, src, ref, got, spec] = run;
+    ExecuteOnHost(t.plan, src.memory, ref.memory);
+    for (int stage = 0; stage < kMaxStages; ++stage) {
+      CopyWork w;
+      w.unit_begin.push_back(0);
+      for (const Message& m : t.plan.messages) {
+        if (m.stage == stage)
+          AppendWork(DirectWork(t.plan, m, src.addresses(), got.addresses(), 128), w);
+      }
+      const CopyWork plan_order = w;
+      OrderBySource(w);
+      REQUIRE(w.items.size() == plan_order.items.size());
+      REQUIRE(w.unit_begin.size() == w.items.size() + 1);
+      CHECK(w.unit_begin.front() == 0);
+      CHECK(w.bytes == plan_order.bytes);
+      for (size_t i = 0; i < w.items.size(); ++i) {
+        CHECK(w.unit_begin[i + 1] - w.unit_begin[i] == w.items[i].Units());
+        if (i > 0) CHECK(w.items[i - 1].src <= w.items[i].src);
+        moved += w.items[i].src != plan_order.items[i].src;
+      }
+      CHECK(w.unit_begin.back() == plan_order.unit_begin.back());
+      RunCopyWorkOnHost(w);
+    }
+    for (size_t b = 0; b < t.dst.buffers.size(); ++b) REQUIRE(ref.storage[b] == got.storage[b]);
+  }
+  CHECK(moved > 0);  // the plans' order is not the sources' (else this case tests nothing)
+}
+
 // Destination memory with the plan's scratch buffers after the layout's.
 struct DestinationMemory {
   HostBuffers buffers;
@@ -104,8 +137,41 @@ void CheckQuantizingUnits(const Plan& plan, const Message& m, const CopyWork& w)
   CHECK(item == w.items.size());
 }
 
+// The kScale items of `w` whose scales a twin writes (the quantizing kernel skips their units).
+int64_t ScalesWithTwin(const CopyWork& w) {
+  int64_t n = 0;
+  for (size_t i = 0; i < w.items.size(); ++i) n += ScalesByTwin(w, i);
+  return n;
+}
+
+// The item of launch unit u as the kernels find it (ItemOf): the last with begin <= u.
+size_t ItemOfUnit(const std::vector<int64_t>& begin, int64_t u) {
+  return static_cast<size_t>(std::upper_bound(begin.begin(), begin.end() - 1, u) - begin.begin()) -
+         1;
+}
+
+// QuantizingLaunchUnits: each item's own units, none for scales a twin writes, and every unit of
+// the launch found in an item that runs it, at its own index there.
+void CheckQuantizingLaunchUnits(const CopyWork& w) {
+  const std::vector<int64_t> begin = QuantizingLaunchUnits(w);
+  REQUIRE(begin.size() == w.items.size() + 1);
+  REQUIRE(begin[0] == 0);
+  int64_t elided = 0;
+  for (size_t i = 0; i < w.items.size(); ++i) {
+    const bool by_twin = ScalesByTwin(w, i);
+    CHECK(begin[i + 1] - begin[i] == (by_twin ? 0 : w.items[i].Units()));
+    elided += by_twin ? w.items[i].Units() : 0;
+  }
+  CHECK(begin.back() + elided == w.unit_begin.back());
+  for (int64_t u = 0; u < begin.back(); u += 1 + u % 7) {
+    const size_t i = ItemOfUnit(begin, u);
+    REQUIRE_FALSE(ScalesByTwin(w, i));
+    CHECK(u - begin[i] < w.items[i].Units());
+  }
+}
+
 TEST_CASE("quantizing items pack, unpack and copy directly exactly like the CPU reference") {
-  int64_t quantizing = 0, scales = 0, from_scratch = 0, messages = 0;
+  int64_t quantizing = 0, scales = 0, from_scratch = 0, messages = 0, twins = 0;
   for (QuantCase& qc : QuantCases(40)) {
     for (uint64_t seed = 1; seed <= 3; ++seed) {
       INFO(qc.name << ", fill " << seed);
@@ -153,15 +219,24 @@ TEST_CASE("quantizing items pack, unpack and copy directly exactly like the CPU 
         INFO(checked.status().message());
         REQUIRE(checked.ok());
       }
-      // Direct: every message straight from its sources to its destinations.
+      // Direct: every message straight from its sources to its destinations, a stage's items
+      // ordered by source as the cuda backend launches them; every twin still within the
+      // quantizing kernel's window of its kQuantize item (some come into it).
       DestinationMemory ref2(qc.dst, qc.plan), got2(qc.dst, qc.plan);
       ExecuteOnHost(qc.plan, src.memory, ref2.buffers.memory);
       for (int stage = 0; stage < kMaxStages; ++stage) {
+        CopyWork w;
+        w.unit_begin.push_back(0);
         for (const Message& m : qc.plan.messages) {
           if (m.stage == stage)
-            RunCopyWorkOnHost(
-                DirectWork(qc.plan, m, src.addresses(), got2.buffers.addresses(), 128));
+            AppendWork(DirectWork(qc.plan, m, src.addresses(), got2.buffers.addresses(), 128), w);
         }
+        const int64_t twinned = ScalesWithTwin(w);
+        OrderBySource(w);
+        CHECK(ScalesWithTwin(w) >= twinned);  // stable: twins only come nearer
+        twins += twinned;
+        CheckQuantizingLaunchUnits(w);
+        RunCopyWorkOnHost(w);
       }
       REQUIRE(ref2 == got2);
       REQUIRE(ref2 == ref);
@@ -171,6 +246,7 @@ TEST_CASE("quantizing items pack, unpack and copy directly exactly like the CPU 
   CHECK(quantizing > scales);
   CHECK(scales > 0);
   CHECK(from_scratch > 0);
+  CHECK(twins > 0);
   WARN(messages << " messages, " << quantizing << " quantizing descriptors (" << scales
                 << " of scales, " << from_scratch << " from scratch)");
 }

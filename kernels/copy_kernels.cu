@@ -810,11 +810,8 @@ __device__ __noinline__ void QuantizeUnit(const unsigned char* s, unsigned char*
 // ----
 
 // A kQuantize item and the kScale item of the same region (same source, block and format): the
-// quantizing kernel writes the scales with the codes, from one read, and skips the kScale item's
-// units (the planner lists a weight's codes, then its scales, kTwinWindow is how far apart it
-// looks).
-constexpr int kTwinWindow = 8;
-
+// quantizing kernel writes the scales with the codes, from one read (ScaleTwins on the host, whose
+// QuantizingLaunchUnits gives such kScale items no units; where units remain, they do nothing).
 __device__ __forceinline__ bool Twins(const CopyItem& q, const CopyItem& s) {
   return (q.op == static_cast<uint8_t>(CopyOp::kQuantize)) &
          (s.op == static_cast<uint8_t>(CopyOp::kScale)) & (q.src == s.src) &
@@ -1313,6 +1310,31 @@ __global__ void __launch_bounds__(256, 3)
   }
 }
 
+// A task's unit as a lane resolved it: the unit (item -1: a copy unit, or past the last) and its
+// index in its item.
+struct TaskUnit {
+  QuantUnit q;
+  int64_t local = 0;
+};
+
+// Unit `lane` of the task of 32 units from `first` (nothing past total_units).
+__device__ __forceinline__ TaskUnit ResolveTaskUnit(const CopyItem* items,
+                                                    const int64_t* unit_begin, int n_items,
+                                                    int64_t total_units, int64_t first, int lane) {
+  TaskUnit r;
+  const int64_t u = first + lane;
+  if (u >= total_units) return r;
+  const int lo = ItemOf(unit_begin, n_items, u);
+  const CopyItem& it = items[lo];
+  r.local = u - unit_begin[lo];
+  if (it.op != static_cast<uint8_t>(CopyOp::kCopy)) {
+    r.q.u = ResolveQuantizing(it, r.local);
+    r.q.item = lo;
+    r.q.twins = TwinMask(items, n_items, lo);
+  }
+  return r;
+}
+
 // The quantizing kernel: a thread block takes tasks of 32 consecutive units; each warp resolves
 // the task's units (a lane each, the same in every warp). Units of rare shapes (fp16 and fp32
 // sources, unaligned rows, blocks over 128 x 128) run first, one warp each in turn, the copy
@@ -1322,55 +1344,61 @@ __global__ void __launch_bounds__(256, 3)
 // the GPU holds at once, each taking every gridDim.x-th task, so that no late wave of blocks runs
 // alone. kMinBlocks: the thread blocks an SM holds that ptxas plans registers for (2: up to 128 a
 // thread).
+// Tasks are pipelined too: the next task's units are resolved (a chain of dependent item searches
+// and loads) into this warp's `ahead` slots while the current task's first tile is in flight, and
+// the next task's first tile is staged while the current task's last tile converts. Each task
+// began with those searches and a tile load with nothing in flight.
 template <int kMinBlocks>
 __global__ void __launch_bounds__(kQuantThreads, kMinBlocks)
     QuantizeItemsKernel(const CopyItem* items, const int64_t* unit_begin, int n_items,
                         int64_t total_units, const uint32_t* gate, uint32_t go) {
+  static_assert(kStages == 2, "one tile in flight: staged from the next task at a task's end");
   if (gate != nullptr && *reinterpret_cast<const volatile uint32_t*>(gate) != go) return;
   __shared__ float
       partial[2][kQuantWarps];  // by turns: a tile's reads end before the next but one writes
+  __shared__ TaskUnit ahead[kQuantWarps][32];  // the next task's units, per warp, a lane each
   extern __shared__ uint4
       staged[];  // kStagedBytes: kStages tiles of kChunksPerThread * kQuantThreads
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   int turn = 0, stage = 0;
   const int64_t tasks = (total_units + 31) / 32;
+  if (static_cast<int64_t>(blockIdx.x) >= tasks) return;
+  TaskUnit mine =
+      ResolveTaskUnit(items, unit_begin, n_items, total_units, int64_t{blockIdx.x} * 32, lane);
+  bool first_staged = false;  // the current task's first tile, staged at the last one's end
   for (int64_t task = blockIdx.x; task < tasks; task += gridDim.x) {
-    const int64_t first = task * 32;
-    const int count = static_cast<int>(min(static_cast<int64_t>(32), total_units - first));
-    QuantUnit mine;
-    int64_t my_local = 0;
-    if (lane < count) {
-      const int64_t u = first + lane;
-      const int lo = ItemOf(unit_begin, n_items, u);
-      const CopyItem& it = items[lo];
-      my_local = u - unit_begin[lo];
-      if (it.op != static_cast<uint8_t>(CopyOp::kCopy)) {
-        mine.u = ResolveQuantizing(it, my_local);
-        mine.item = lo;
-        mine.twins = TwinMask(items, n_items, lo);
-      }
-    }
-    const bool runs = Runs(mine), tile_fits = TileFits(mine);
+    const bool runs = Runs(mine.q), tile_fits = TileFits(mine.q);
     const uint32_t others = __ballot_sync(0xFFFFFFFFu, runs && !tile_fits);
+    // The task's tiles in lane order, one staged ahead of the one converting: `staging` holds the
+    // lanes of the tiles not yet staged, `todo` those not yet converted.
+    uint32_t todo = __ballot_sync(0xFFFFFFFFu, runs && tile_fits), staging = todo;
+    if (first_staged) {
+      staging &= staging - 1;
+    } else if (todo != 0) {
+      StageTile(ShflQuantUnit(mine.q, __ffs(staging) - 1),
+                staged + stage * kChunksPerThread * kQuantThreads, items);
+      staging &= staging - 1;
+      CommitStaged();
+    }
+    // The next task's units while that tile loads (every lane reads `ahead` only after the
+    // __syncwarp below, and the last reads of the previous task's slots were before this).
+    const int64_t next = task + gridDim.x;
+    const TaskUnit coming =
+        next < tasks ? ResolveTaskUnit(items, unit_begin, n_items, total_units, next * 32, lane)
+                     : TaskUnit{};
+    __syncwarp();  // every lane's reads of the slots (the last task's end) before they change
+    ahead[warp][lane] = coming;
+    const uint32_t next_tiles =
+        __ballot_sync(0xFFFFFFFFu, next < tasks && Runs(coming.q) && TileFits(coming.q));
+    __syncwarp();
     for (uint32_t rest = others; rest != 0; rest &= rest - 1) {
       const int j = __ffs(rest) - 1;
       if (j % kQuantWarps != warp) continue;  // uniform across the warp
-      const QuantUnit q = ShflQuantUnit(mine, j);
-      QuantizeUnitWithTwins(q, items, __shfl_sync(0xFFFFFFFFu, static_cast<long long>(my_local), j),
-                            lane);
+      const QuantUnit q = ShflQuantUnit(mine.q, j);
+      QuantizeUnitWithTwins(q, items,
+                            __shfl_sync(0xFFFFFFFFu, static_cast<long long>(mine.local), j), lane);
     }
-    // The task's tiles in lane order, kStages - 1 staged ahead of the one converting: `staging`
-    // holds the lanes of the tiles not yet staged, `todo` those not yet converted.
-    uint32_t todo = __ballot_sync(0xFFFFFFFFu, runs && tile_fits), staging = todo;
-    if (todo == 0) continue;
-    auto stage_next = [&](int at) {  // one group a tile, empty past the task's last
-      if (staging != 0)
-        StageTile(ShflQuantUnit(mine, __ffs(staging) - 1),
-                  staged + at * kChunksPerThread * kQuantThreads, items);
-      staging &= staging - 1;
-      CommitStaged();
-    };
-    for (int k = 0; k < kStages - 1; ++k) stage_next((stage + k) % kStages);
+    first_staged = false;
     while (todo != 0) {
       const int j = __ffs(todo) - 1;
       todo &= todo - 1;
@@ -1379,22 +1407,30 @@ __global__ void __launch_bounds__(kQuantThreads, kMinBlocks)
 #pragma unroll
       for (int i = 0; i < kChunksPerThread; ++i)
         v[i] = staged[(stage * kChunksPerThread + i) * kQuantThreads + threadIdx.x];
-      // The stage before this one was read (and its values used) by the tile before: free to
-      // refill.
-      stage_next((stage + kStages - 1) % kStages);
-      const int64_t local = __shfl_sync(0xFFFFFFFFu, static_cast<long long>(my_local), j);
-      const QuantUnit q = ShflQuantUnit(mine, j);
+      // The other stage was read (and its values used) by the tile before: free to refill, with
+      // this task's next tile or, at its last, the next task's first.
+      uint4* other = staged + (stage ^ 1) * kChunksPerThread * kQuantThreads;
+      if (staging != 0) {
+        StageTile(ShflQuantUnit(mine.q, __ffs(staging) - 1), other, items);
+        staging &= staging - 1;
+      } else if (todo == 0 && next_tiles != 0) {
+        StageTile(ahead[warp][__ffs(next_tiles) - 1].q, other, items);
+        first_staged = true;
+      }
+      CommitStaged();
+      const int64_t local = __shfl_sync(0xFFFFFFFFu, static_cast<long long>(mine.local), j);
+      const QuantUnit q = ShflQuantUnit(mine.q, j);
       if (RowsMode(q)) {  // the same unit in every thread: no barrier inside either branch
         FinishRowsTile(q, items, local, v);
       } else {
         FinishTile(q, items, local, partial[turn], v);
         turn ^= 1;  // only tiles that use `partial` take turns: a rows tile has no barrier
       }
-      stage = (stage + 1) % kStages;
+      stage ^= 1;
     }
-    // Groups staged past the task's last tile are empty; waiting for the next task's first drains
-    // them.
+    mine = ahead[warp][lane];  // from shared memory: `coming` held in registers would spill
   }
+  // Groups committed past the last tile are empty.
 }
 
 }  // namespace

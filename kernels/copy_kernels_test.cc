@@ -63,11 +63,6 @@ int quantizing_launches = 0;  // launches with the quantizing kernel (LaunchCopy
 int quantizing_mode = -1;
 
 void Run(const CopyWork& w, cudaStream_t stream) {
-  DeviceBuffer items(w.items.size() * sizeof(CopyItem)),
-      begin(w.unit_begin.size() * sizeof(int64_t));
-  REFIT_CUDA_CHECK(cudaMemcpy(items.get(), w.items.data(), items.size(), cudaMemcpyHostToDevice));
-  REFIT_CUDA_CHECK(
-      cudaMemcpy(begin.get(), w.unit_begin.data(), begin.size(), cudaMemcpyHostToDevice));
   // Every other launch in the spread unit order: both orders must give the same bytes.
   static int launches = 0;
   // And, of works the aligned kernel can run (AlignedOnly: the backend launches it for them), every
@@ -79,10 +74,15 @@ void Run(const CopyWork& w, cudaStream_t stream) {
   const bool quantizing =
       HasQuantizing(w) && (quantizing_mode < 0 ? (k / 4) % 2 == 0 : quantizing_mode == 1);
   if (quantizing) ++quantizing_launches;
+  // As the cuda backend uploads it: with the quantizing kernel, no units for scales twins write.
+  const std::vector<int64_t> units = quantizing ? QuantizingLaunchUnits(w) : w.unit_begin;
+  DeviceBuffer items(w.items.size() * sizeof(CopyItem)), begin(units.size() * sizeof(int64_t));
+  REFIT_CUDA_CHECK(cudaMemcpy(items.get(), w.items.data(), items.size(), cudaMemcpyHostToDevice));
+  REFIT_CUDA_CHECK(cudaMemcpy(begin.get(), units.data(), begin.size(), cudaMemcpyHostToDevice));
   REFIT_CUDA_CHECK(LaunchCopyItems(static_cast<const CopyItem*>(items.get()),
                                    static_cast<const int64_t*>(begin.get()),
-                                   static_cast<int>(w.items.size()), w.unit_begin.back(), stream,
-                                   spread, aligned, nullptr, 0, quantizing));
+                                   static_cast<int>(w.items.size()), units.back(), stream, spread,
+                                   aligned, nullptr, 0, quantizing));
   REFIT_CUDA_CHECK(cudaStreamSynchronize(stream));
 }
 

@@ -795,17 +795,23 @@ absl::Status UploadWork(CudaBackend::Prepared& p, bool aligned_copy_kernel, Work
   DeviceGuard guard;
   for (auto& [gpu, list] : works) {
     std::vector<std::byte> host;
-    std::vector<std::pair<size_t, size_t>> at;  // (items, units) offsets
+    struct At {
+      size_t items = 0, units = 0;  // offsets
+      int64_t total_units = 0;
+    };
+    std::vector<At> at;
     for (auto& [w, d] : list) {
       const size_t items = host.size();
       host.resize(items + w->items.size() * sizeof(CopyItem));
       std::memcpy(host.data() + items, w->items.data(), w->items.size() * sizeof(CopyItem));
+      // With the quantizing kernel (HasQuantizing), none for the scales that twins write.
+      const std::vector<int64_t> begin =
+          HasQuantizing(*w) ? QuantizingLaunchUnits(*w) : w->unit_begin;
       const size_t units = host.size();
-      host.resize(units + w->unit_begin.size() * sizeof(int64_t));
-      std::memcpy(host.data() + units, w->unit_begin.data(),
-                  w->unit_begin.size() * sizeof(int64_t));
+      host.resize(units + begin.size() * sizeof(int64_t));
+      std::memcpy(host.data() + units, begin.data(), begin.size() * sizeof(int64_t));
       host.resize((host.size() + 15) / 16 * 16);
-      at.push_back({items, units});
+      at.push_back({items, units, begin.empty() ? 0 : begin.back()});
     }
     CudaBackend::Prepared::OnGpu& on = p.gpus[gpu];
     auto arrays = DeviceMemory::Allocate(gpu, std::max<size_t>(host.size(), 16));
@@ -818,10 +824,10 @@ absl::Status UploadWork(CudaBackend::Prepared& p, bool aligned_copy_kernel, Work
     auto* base = static_cast<std::byte*>(on.arrays.get());
     for (size_t i = 0; i < list.size(); ++i) {
       auto& [w, d] = list[i];
-      d->items = reinterpret_cast<const CopyItem*>(base + at[i].first);
-      d->units = reinterpret_cast<const int64_t*>(base + at[i].second);
+      d->items = reinterpret_cast<const CopyItem*>(base + at[i].items);
+      d->units = reinterpret_cast<const int64_t*>(base + at[i].units);
       d->n = static_cast<int>(w->items.size());
-      d->total_units = w->unit_begin.empty() ? 0 : w->unit_begin.back();
+      d->total_units = at[i].total_units;
       // The aligned kernel where it applies (--aligned-copy-kernel=false: the general one always).
       d->aligned = aligned_copy_kernel && AlignedOnly(*w);
       d->quantizing = HasQuantizing(*w);

@@ -242,15 +242,6 @@ std::vector<int64_t> QuantizingLaunchUnits(const CopyWork& work) {
   return begin;
 }
 
-void OrderBySource(CopyWork& work) {
-  std::stable_sort(work.items.begin(), work.items.end(),
-                   [](const CopyItem& a, const CopyItem& b) { return a.src < b.src; });
-  work.unit_begin.assign(1, 0);
-  work.unit_begin.reserve(work.items.size() + 1);
-  for (const CopyItem& it : work.items)
-    work.unit_begin.push_back(work.unit_begin.back() + it.Units());
-}
-
 bool AlignedItem(const CopyItem& it) {
   if (it.Quantizes()) return true;  // fp8 blocks: the same code in both kernels
   if (it.tiled) return false;

@@ -168,14 +168,6 @@ bool ScalesByTwin(const CopyWork& work, size_t i);
 // a block fp8 or MXFP8 engine. The items stay, for the twins to find.
 std::vector<int64_t> QuantizingLaunchUnits(const CopyWork& work);
 
-// Reorders `work`'s items by source address (stable: items of one source keep their order, so a
-// quantizing item's twins stay as near as they were), its unit prefix sums rebuilt. For direct
-// work, which plans list by destination: the items that read neighbouring source rows (the two
-// halves of a row-parallel weight, going to two ranks) then run side by side, each DRAM page of
-// the source opened once rather than once per destination a whole message apart. Items of a
-// stage are independent, so their order changes no result.
-void OrderBySource(CopyWork& work);
-
 // Whether every copy unit of `work` is 16-byte aligned at both ends, in whole 16 bytes (same
 // dtype) or 8 elements (converting), and none is a tile: then the aligned kernel runs it
 // (LaunchCopyItems' `aligned_only`).

@@ -1546,7 +1546,8 @@ cudaError_t LaunchNothing(cudaStream_t stream) {
 
 cudaError_t LaunchCopyItems(const CopyItem* items, const int64_t* unit_begin, int n_items,
                             int64_t total_units, cudaStream_t stream, bool spread,
-                            bool aligned_only, const uint32_t* gate, uint32_t go, bool quantizing) {
+                            bool aligned_only, const uint32_t* gate, uint32_t go,
+                            QuantizingUnits quantizing) {
   return LaunchCopyItemsShaped(items, unit_begin, n_items, total_units, stream, spread,
                                aligned_only, DefaultCopyLaunchShape(aligned_only), gate, go,
                                quantizing);
@@ -1555,6 +1556,10 @@ cudaError_t LaunchCopyItems(const CopyItem* items, const int64_t* unit_begin, in
 bool HasQuantizing(const CopyWork& work) {
   return std::any_of(work.items.begin(), work.items.end(),
                      [](const CopyItem& it) { return it.Quantizes(); });
+}
+
+QuantizingUnits QuantizingUnitsOf(const CopyWork& work) {
+  return HasQuantizing(work) ? QuantizingUnits::kInQuantizingKernel : QuantizingUnits::kNone;
 }
 
 CopyLaunchShape DefaultCopyLaunchShape(bool aligned_only) {
@@ -1572,8 +1577,12 @@ CopyLaunchShape DefaultCopyLaunchShape(bool aligned_only) {
 cudaError_t LaunchCopyItemsShaped(const CopyItem* items, const int64_t* unit_begin, int n_items,
                                   int64_t total_units, cudaStream_t stream, bool spread,
                                   bool aligned_only, const CopyLaunchShape& shape,
-                                  const uint32_t* gate, uint32_t go, bool quantizing) {
+                                  const uint32_t* gate, uint32_t go,
+                                  QuantizingUnits quantizing_units) {
   if (n_items == 0 || total_units == 0) return cudaSuccess;
+  const bool quantizing = quantizing_units == QuantizingUnits::kInQuantizingKernel;
+  // Without quantizing code: beside the quantizing kernel, or where no unit quantizes.
+  const bool plain = quantizing || quantizing_units == QuantizingUnits::kNone;
   constexpr int kThreads = 256;  // 8 warps
   // Units per batch: 1 while there are fewer units than warps to fill the GPU (large runs keep
   // every warp busy), up to max_batch (32: a lane per unit) for tens of thousands of small ones.
@@ -1583,10 +1592,9 @@ cudaError_t LaunchCopyItemsShaped(const CopyItem* items, const int64_t* unit_beg
   const int64_t batches = (total_units + batch - 1) / batch;
   const int64_t wanted = (batches + 7) / 8;
   const int blocks = static_cast<int>(std::min<int64_t>(wanted, std::max(shape.max_blocks, 1)));
-  // With the quantizing kernel, the copy kernel without quantizing code (kQuantizes false).
   auto copy = !aligned_only
-                  ? (quantizing ? CopyItemsKernel<true, false> : CopyItemsKernel<true, true>)
-                  : (quantizing ? CopyItemsKernel<false, false> : CopyItemsKernel<false, true>);
+                  ? (plain ? CopyItemsKernel<true, false> : CopyItemsKernel<true, true>)
+                  : (plain ? CopyItemsKernel<false, false> : CopyItemsKernel<false, true>);
   copy<<<blocks, kThreads, 0, stream>>>(items, unit_begin, n_items, total_units, batch, spread,
                                         quantizing, gate, go);
   if (quantizing) {

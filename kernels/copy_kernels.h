@@ -31,23 +31,29 @@ namespace refit {
 // general one, which runs any work.
 // `gate` (device memory, optional): the kernel copies only if *gate == go when it starts, and
 // does nothing otherwise (work launched ahead of its round's go-ahead: LaunchGate).
-// `quantizing` (HasQuantizing(work)): the quantizing units run in a second kernel launched after
-// the copy kernel, which then skips them (a copy kernel built without quantizing code): a thread
-// block per
-// block fp8 block, read once (the copy kernel's warp reads a block twice, and once more for its
-// kScale unit) through shared memory while the previous block converts, the quotients by an
-// FMA-corrected reciprocal (kernels/e4m3_quotient.h), the codes by the hardware's conversion, and
-// each block's scale written with its codes where the work holds the kScale item of the same
-// region (whose units then do nothing). MXFP8's one-row blocks the same way, a tile of them a unit
-// (Mxfp8UnitRows x Mxfp8UnitCols), each block's amax over the four threads of its chunks. The same
-// bytes either way; false runs every unit in the copy kernel (one launch).
+// `quantizing` (QuantizingUnitsOf(work)): kInQuantizingKernel runs the quantizing units in a
+// second kernel launched after the copy kernel, which then skips them (a copy kernel built without
+// quantizing code; unit_begin from QuantizingLaunchUnits): a thread block per block fp8 block, read
+// once (the copy kernel's warp reads a block twice, and once more for its kScale unit) through
+// shared memory while the previous block converts, the quotients by an FMA-corrected reciprocal
+// (kernels/e4m3_quotient.h), the codes by the hardware's conversion, and each block's scale written
+// with its codes where the work holds the kScale item of the same region (whose units then do
+// nothing). MXFP8's one-row blocks the same way, a tile of them a unit (Mxfp8UnitRows x
+// Mxfp8UnitCols), each block's amax over the four threads of its chunks. The same bytes either way;
+// kInCopyKernel runs every unit in the copy kernel (one launch). kNone: no item quantizes, and the
+// copy kernel is the one without quantizing code, whose copy loops ptxas allocates alone (the
+// aligned kernel 58 registers without spills, against 80 registers and 36 bytes of spills; the
+// general one 228 bytes of spills against 356).
+enum class QuantizingUnits : uint8_t { kInCopyKernel, kNone, kInQuantizingKernel };
 cudaError_t LaunchCopyItems(const CopyItem* items, const int64_t* unit_begin, int n_items,
                             int64_t total_units, cudaStream_t stream, bool spread = false,
                             bool aligned_only = false, const uint32_t* gate = nullptr,
-                            uint32_t go = 0, bool quantizing = false);
-// Whether any item of `work` is the quantizing kernel's (LaunchCopyItems' `quantizing`): any that
-// quantizes.
+                            uint32_t go = 0,
+                            QuantizingUnits quantizing = QuantizingUnits::kInCopyKernel);
+// Whether any item of `work` quantizes.
 bool HasQuantizing(const CopyWork& work);
+// How the refit launches `work`: its quantizing units in the quantizing kernel, if it has any.
+QuantizingUnits QuantizingUnitsOf(const CopyWork& work);
 
 // The launch's shape: units per warp's batch (total_units / warps_to_fill, between 1 and
 // max_batch) and blocks (enough for every batch, at most max_blocks; the warps loop over what is
@@ -64,7 +70,7 @@ cudaError_t LaunchCopyItemsShaped(const CopyItem* items, const int64_t* unit_beg
                                   int64_t total_units, cudaStream_t stream, bool spread,
                                   bool aligned_only, const CopyLaunchShape& shape,
                                   const uint32_t* gate = nullptr, uint32_t go = 0,
-                                  bool quantizing = false);
+                                  QuantizingUnits quantizing = QuantizingUnits::kInCopyKernel);
 
 // Work launched ahead, at a round's PREPARE, and let go at its TRANSFER
 // (daemon/dataplane/cuda/cuda_backend.cc): the caller makes the stream wait (cuStreamWaitValue32,

@@ -74,6 +74,13 @@ void Run(const CopyWork& w, cudaStream_t stream) {
   const bool quantizing =
       HasQuantizing(w) && (quantizing_mode < 0 ? (k / 4) % 2 == 0 : quantizing_mode == 1);
   if (quantizing) ++quantizing_launches;
+  // Work without quantizing units: every other four pairs of launches through the copy kernel
+  // built without quantizing code (as the cuda backend launches it), both must give the same
+  // bytes.
+  const QuantizingUnits units_mode = quantizing ? QuantizingUnits::kInQuantizingKernel
+                                     : !HasQuantizing(w) && (k / 8) % 2 == 0
+                                         ? QuantizingUnits::kNone
+                                         : QuantizingUnits::kInCopyKernel;
   // As the cuda backend uploads it: with the quantizing kernel, no units for scales twins write.
   const std::vector<int64_t> units = quantizing ? QuantizingLaunchUnits(w) : w.unit_begin;
   DeviceBuffer items(w.items.size() * sizeof(CopyItem)), begin(units.size() * sizeof(int64_t));
@@ -82,7 +89,7 @@ void Run(const CopyWork& w, cudaStream_t stream) {
   REFIT_CUDA_CHECK(LaunchCopyItems(static_cast<const CopyItem*>(items.get()),
                                    static_cast<const int64_t*>(begin.get()),
                                    static_cast<int>(w.items.size()), units.back(), stream, spread,
-                                   aligned, nullptr, 0, quantizing));
+                                   aligned, nullptr, 0, units_mode));
   REFIT_CUDA_CHECK(cudaStreamSynchronize(stream));
 }
 

@@ -11,17 +11,17 @@
 // a stage's aligned items through the aligned kernel and the rest through the general one, two
 // launches (0: one launch, the aligned kernel only where every item allows it). --batch-caps,
 // --fill-warps, --blocks-per-sm: the launch's shape (CopyLaunchShape; batch cap 0: the kernel's
-// default; blocks at most this many times the SMs, 0 for LaunchCopyItems' cap). --order source:
-// a stage's items by source address, as the cuda backend launches them (OrderBySource); plan:
-// in the plan's message order.
+// default; blocks at most this many times the SMs, 0 for LaunchCopyItems' cap).
 //   local_copy_bench --src t.json --dst i.json [--repeat 10] [--segments 16384,65536,262144]
 //   [--spread auto,0,1]
 //                    [--aligned-kernel 1] [--tile-run-bytes 512] [--split 0,1] [--batch-caps
 //                    32,8,4]
 //                    [--fill-warps 8192,2048] [--blocks-per-sm 0,1,2,3] [--quantizing auto,0]
-//                    [--quant-min-blocks 2,3] [--order source,plan]
+//                    [--quant-min-blocks 2,3] [--plain 1,0]
 // --quantizing: quantizing items in the quantizing kernel (auto: where a launch has any, as
-// HasQuantizing; 0: in the copy kernel, as before it); --quant-min-blocks: its register plan.
+// HasQuantizing; 0: in the copy kernel, as before it); --quant-min-blocks: its register plan;
+// --plain: launches without quantizing units through the copy kernel without quantizing code (1,
+// as refitd launches them) or with it (0).
 // --fill refit: the sources hold what the refit's workers fill them with (FillAsWorkers: blocks
 // of zeros among the quantized weights) rather than weight-like values everywhere (weights).
 // Each line also gives the bytes the launches must read and write (a quantized weight's source
@@ -73,11 +73,13 @@ struct Options {
   bool aligned_kernel = true;
   std::vector<int64_t> tile_run_bytes = {kTileRunBytes};
   std::vector<int> splits = {0};
-  std::vector<int> orders = {1};  // 1: by source address (OrderBySource), 0: the plan's order
   // The launch's shape (CopyLaunchShape): batch caps (0: each kernel's default), warps to fill,
   // blocks at most this many per SM (0: LaunchCopyItems' cap of 4096).
   std::vector<int64_t> batch_caps = {0}, fill_warps = {8192}, blocks_per_sm = {0};
   std::vector<int> quantizing = {-1};  // -1: auto (HasQuantizing), 0: never
+  // Launches without quantizing units: 1 through the copy kernel without quantizing code
+  // (QuantizingUnits::kNone, as refitd launches them), 0 through the one with it.
+  std::vector<int> plains = {1};
   std::vector<int64_t> quant_min_blocks = {2};
   bool fill_refit = false;  // --fill refit: FillAsWorkers; weights (default): FillBf16Weights
 };
@@ -158,72 +160,71 @@ int Run(const std::string& src_path, const std::string& dst_path, const Options&
     for (int spread : o.spreads) {
       for (int64_t tile_run : o.tile_run_bytes) {
         for (int split : o.splits) {
-          for (int by_source : o.orders) {
-            // One work list per stage, every message of it (all local here); with --split 1, a
-            // stage's aligned items in one launch of the aligned kernel and the rest in one of the
-            // general.
-            struct Launch {
-              // begin_q: the units with the quantizing kernel (QuantizingLaunchUnits), units_q of
-              // them.
-              std::unique_ptr<DeviceBuffer> items, begin, begin_q;
-              int n = 0;
-              int64_t units = 0, units_q = 0, tiled_units = 0;
-              bool spread = false;  // as the cuda backend launches it (SpreadPays), unless --spread
-              bool aligned =
-                  false;  // AlignedOnly: the aligned kernel, as the cuda backend launches it
-              bool has_quantizing = false;
-            };
-            int64_t read_bytes = 0, written_bytes = 0;
-            std::vector<Launch> launches;
-            auto add = [&](const CopyWork& w) {
-              if (w.items.empty()) return;
-              Launch& st = launches.emplace_back();
-              st.items = std::make_unique<DeviceBuffer>(w.items.size() * sizeof(CopyItem));
-              st.begin = std::make_unique<DeviceBuffer>(w.unit_begin.size() * sizeof(int64_t));
-              REFIT_CUDA_CHECK(cudaMemcpy(st.items->get(), w.items.data(), st.items->size(),
-                                          cudaMemcpyHostToDevice));
-              REFIT_CUDA_CHECK(cudaMemcpy(st.begin->get(), w.unit_begin.data(), st.begin->size(),
-                                          cudaMemcpyHostToDevice));
-              const std::vector<int64_t> begin_q = QuantizingLaunchUnits(w);
-              st.begin_q = std::make_unique<DeviceBuffer>(begin_q.size() * sizeof(int64_t));
-              REFIT_CUDA_CHECK(cudaMemcpy(st.begin_q->get(), begin_q.data(), st.begin_q->size(),
-                                          cudaMemcpyHostToDevice));
-              st.n = static_cast<int>(w.items.size());
-              st.units = w.unit_begin.back();
-              st.units_q = begin_q.back();
-              st.spread = spread < 0 ? SpreadPays(w) : spread == 1;
-              st.aligned = o.aligned_kernel && AlignedOnly(w);
-              st.has_quantizing = HasQuantizing(w);
-              for (const CopyItem& it : w.items) {
-                st.tiled_units += it.tiled ? it.Units() : 0;
-                ItemTraffic(it, &read_bytes, &written_bytes);
-              }
-            };
-            for (int s = 0; s < kMaxStages; ++s) {
-              CopyWork w;
-              w.unit_begin.push_back(0);
-              for (const Message& m : plan->messages) {
-                if (m.stage == s) AppendWork(DirectWork(*plan, m, sa, da, segment, tile_run), w);
-              }
-              if (by_source) OrderBySource(w);
-              if (split == 0) {
-                add(w);
-                continue;
-              }
-              CopyWork aligned, general;
-              SplitAligned(w, aligned, general);
-              add(aligned);
-              add(general);
+          // One work list per stage, every message of it (all local here); with --split 1, a
+          // stage's aligned items in one launch of the aligned kernel and the rest in one of the
+          // general.
+          struct Launch {
+            // begin_q: the units with the quantizing kernel (QuantizingLaunchUnits), units_q of
+            // them.
+            std::unique_ptr<DeviceBuffer> items, begin, begin_q;
+            int n = 0;
+            int64_t units = 0, units_q = 0, tiled_units = 0;
+            bool spread = false;  // as the cuda backend launches it (SpreadPays), unless --spread
+            bool aligned =
+                false;  // AlignedOnly: the aligned kernel, as the cuda backend launches it
+            bool has_quantizing = false;
+          };
+          int64_t read_bytes = 0, written_bytes = 0;
+          std::vector<Launch> launches;
+          auto add = [&](const CopyWork& w) {
+            if (w.items.empty()) return;
+            Launch& st = launches.emplace_back();
+            st.items = std::make_unique<DeviceBuffer>(w.items.size() * sizeof(CopyItem));
+            st.begin = std::make_unique<DeviceBuffer>(w.unit_begin.size() * sizeof(int64_t));
+            REFIT_CUDA_CHECK(cudaMemcpy(st.items->get(), w.items.data(), st.items->size(),
+                                        cudaMemcpyHostToDevice));
+            REFIT_CUDA_CHECK(cudaMemcpy(st.begin->get(), w.unit_begin.data(), st.begin->size(),
+                                        cudaMemcpyHostToDevice));
+            const std::vector<int64_t> begin_q = QuantizingLaunchUnits(w);
+            st.begin_q = std::make_unique<DeviceBuffer>(begin_q.size() * sizeof(int64_t));
+            REFIT_CUDA_CHECK(cudaMemcpy(st.begin_q->get(), begin_q.data(), st.begin_q->size(),
+                                        cudaMemcpyHostToDevice));
+            st.n = static_cast<int>(w.items.size());
+            st.units = w.unit_begin.back();
+            st.units_q = begin_q.back();
+            st.spread = spread < 0 ? SpreadPays(w) : spread == 1;
+            st.aligned = o.aligned_kernel && AlignedOnly(w);
+            st.has_quantizing = HasQuantizing(w);
+            for (const CopyItem& it : w.items) {
+              st.tiled_units += it.tiled ? it.Units() : 0;
+              ItemTraffic(it, &read_bytes, &written_bytes);
             }
-            int64_t units = 0, items = 0, tiled_units = 0;
-            bool spread_used = false, aligned_used = false;
-            for (const Launch& st : launches)
-              units += st.units, items += st.n, tiled_units += st.tiled_units,
-                  spread_used |= st.spread, aligned_used |= st.aligned;
-            for (int64_t batch_cap : o.batch_caps) {
-              for (int64_t fill : o.fill_warps) {
-                for (int64_t per_sm : o.blocks_per_sm) {
-                  for (int quantizing : o.quantizing) {
+          };
+          for (int s = 0; s < kMaxStages; ++s) {
+            CopyWork w;
+            w.unit_begin.push_back(0);
+            for (const Message& m : plan->messages) {
+              if (m.stage == s) AppendWork(DirectWork(*plan, m, sa, da, segment, tile_run), w);
+            }
+            if (split == 0) {
+              add(w);
+              continue;
+            }
+            CopyWork aligned, general;
+            SplitAligned(w, aligned, general);
+            add(aligned);
+            add(general);
+          }
+          int64_t units = 0, items = 0, tiled_units = 0;
+          bool spread_used = false, aligned_used = false;
+          for (const Launch& st : launches)
+            units += st.units, items += st.n, tiled_units += st.tiled_units,
+                spread_used |= st.spread, aligned_used |= st.aligned;
+          for (int64_t batch_cap : o.batch_caps) {
+            for (int64_t fill : o.fill_warps) {
+              for (int64_t per_sm : o.blocks_per_sm) {
+                for (int quantizing : o.quantizing) {
+                  for (int plain : o.plains) {
                     for (int64_t quant_min_blocks : o.quant_min_blocks) {
                       auto shape_of = [&](const Launch& st) {
                         CopyLaunchShape shape = DefaultCopyLaunchShape(st.aligned);
@@ -243,7 +244,11 @@ int Run(const std::string& src_path, const std::string& dst_path, const Options&
                                 static_cast<CopyItem*>(st.items->get()),
                                 static_cast<int64_t*>((q ? st.begin_q : st.begin)->get()), st.n,
                                 q ? st.units_q : st.units, stream, st.spread, st.aligned,
-                                shape_of(st), nullptr, 0, q));
+                                shape_of(st), nullptr, 0,
+                                q                   ? QuantizingUnits::kInQuantizingKernel
+                                : st.has_quantizing ? QuantizingUnits::kInCopyKernel
+                                : plain             ? QuantizingUnits::kNone
+                                                    : QuantizingUnits::kInCopyKernel));
                           }
                         });
                         const float c = TimeMs(stream, [&] {
@@ -264,12 +269,13 @@ int Run(const std::string& src_path, const std::string& dst_path, const Options&
                           "lld,"
                           "\"units\":%lld,"
                           "\"tiled_units\":%lld,\"segment_bytes\":%lld,\"tile_run_bytes\":%lld,"
-                          "\"split\":%d,\"order\":\"%s\","
+                          "\"split\":%d,"
                           "\"launches\":%zu,"
                           "\"spread\":\"%s\",\"aligned_kernel\":%s,\"batch_cap\":%lld,\"fill_"
                           "warps\":"
                           "%lld,"
-                          "\"blocks_per_sm\":%lld,\"quantizing\":\"%s\",\"quant_min_blocks\":%lld,"
+                          "\"blocks_per_sm\":%lld,\"quantizing\":\"%s\",\"plain\":%d,\"quant_min_"
+                          "blocks\":%lld,"
                           "\"fill\":\"%s\","
                           "\"runs\":%"
                           "d,\"kernel_ms\":%.4f,"
@@ -279,10 +285,10 @@ int Run(const std::string& src_path, const std::string& dst_path, const Options&
                           "\"traffic_bound_ms\":%.4f,\"of_traffic_bound\":%.3f}\n",
                           src_path.c_str(), (long long)bytes, (long long)items, (long long)units,
                           (long long)tiled_units, (long long)segment, (long long)tile_run, split,
-                          by_source ? "source" : "plan", launches.size(),
+                          launches.size(),
                           spread < 0 ? (spread_used ? "auto:1" : "auto:0") : (spread ? "1" : "0"),
                           aligned_used ? "true" : "false", (long long)batch_cap, (long long)fill,
-                          (long long)per_sm, quantizing != 0 ? "auto" : "0",
+                          (long long)per_sm, quantizing != 0 ? "auto" : "0", plain,
                           (long long)quant_min_blocks, o.fill_refit ? "refit" : "weights", o.repeat,
                           Median(tk), Median(tc), Median(tc) / Median(tk), (long long)read_bytes,
                           (long long)written_bytes, bound_ms, bound_ms / Median(tk));
@@ -344,19 +350,12 @@ int main(int argc, char** argv) {
       o.quantizing.clear();
       for (absl::string_view s : absl::StrSplit(value, ','))
         o.quantizing.push_back(s == "0" ? 0 : -1);
+    } else if (flag == "--plain") {
+      o.plains.clear();
+      for (int64_t v : list(value)) o.plains.push_back(v != 0);
     } else if (flag == "--split") {
       o.splits.clear();
       for (int64_t v : list(value)) o.splits.push_back(v != 0);
-    } else if (flag == "--order") {
-      o.orders.clear();
-      for (absl::string_view s : absl::StrSplit(value, ',')) {
-        if (s != "source" && s != "plan") {
-          std::fprintf(stderr, "--order takes source and plan, not \"%s\"\n",
-                       std::string(s).c_str());
-          return 2;
-        }
-        o.orders.push_back(s == "source");
-      }
     } else if (flag == "--aligned-kernel") {
       o.aligned_kernel = value == "1";
     } else if (flag == "--spread") {
@@ -366,8 +365,8 @@ int main(int argc, char** argv) {
     }
   }
   if (src.empty() || dst.empty() || o.segments.empty() || o.spreads.empty() ||
-      o.tile_run_bytes.empty() || o.splits.empty() || o.orders.empty() || o.batch_caps.empty() ||
-      o.fill_warps.empty() || o.blocks_per_sm.empty() || o.quantizing.empty() ||
+      o.tile_run_bytes.empty() || o.splits.empty() || o.batch_caps.empty() ||
+      o.fill_warps.empty() || o.blocks_per_sm.empty() || o.quantizing.empty() || o.plains.empty() ||
       o.quant_min_blocks.empty()) {
     std::fprintf(
         stderr,

@@ -239,9 +239,6 @@ absl::StatusOr<NodeSchedule> BuildNodeSchedule(const Plan& plan, const ScheduleO
                out.stages[m.stage].direct[to.gpu]);
     (from.gpu == to.gpu ? out.bytes_local : out.bytes_peer) += m.bytes;
   }
-  for (StageSchedule& s : out.stages) {
-    for (auto& [gpu, work] : s.direct) OrderBySource(work);
-  }
   for (int stage = 0; stage < kMaxStages; ++stage) {
     StageSchedule& s = out.stages[stage];
     for (const auto& [gpu, lists] : grouped[stage]) {

@@ -830,7 +830,7 @@ absl::Status UploadWork(CudaBackend::Prepared& p, bool aligned_copy_kernel, Work
       d->total_units = at[i].total_units;
       // The aligned kernel where it applies (--aligned-copy-kernel=false: the general one always).
       d->aligned = aligned_copy_kernel && AlignedOnly(*w);
-      d->quantizing = HasQuantizing(*w);
+      d->quantizing = QuantizingUnitsOf(*w);
     }
   }
   return absl::OkStatus();

@@ -16,6 +16,7 @@
 #include "daemon/dataplane/cuda/staging.h"
 #include "daemon/dataplane/cuda/stream.h"
 #include "kernels/copy_items.h"
+#include "kernels/copy_kernels.h"
 #include "kernels/network_schedule.h"
 
 namespace refit {
@@ -36,10 +37,11 @@ struct CudaBackend::Prepared {
     int64_t total_units = 0;
     bool spread = false;   // LaunchCopyItems' unit order (direct work only: measured there)
     bool aligned = false;  // AlignedOnly: the aligned kernel runs it
-    // HasQuantizing: its block fp8 units run in the quantizing kernel (a thread block per block,
-    // read once), launched after the copy kernel: 23.1 -> 8.7 ms for Llama-3-8B bf16 -> block
-    // fp8 on one H200 (local_copy_bench --quantizing auto,0).
-    bool quantizing = false;
+    // QuantizingUnitsOf: its block fp8 units run in the quantizing kernel (a thread block per
+    // block, read once), launched after the copy kernel: 23.1 -> 8.7 ms for Llama-3-8B bf16 ->
+    // block fp8 on one H200 (local_copy_bench --quantizing auto,0); work without any, in the copy
+    // kernel built without quantizing code.
+    QuantizingUnits quantizing = QuantizingUnits::kNone;
   };
   struct OnGpu {
     DeviceMemory arrays;    // every item of this GPU, one allocation

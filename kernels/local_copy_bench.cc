@@ -245,10 +245,9 @@ int Run(const std::string& src_path, const std::string& dst_path, const Options&
                                 static_cast<int64_t*>((q ? st.begin_q : st.begin)->get()), st.n,
                                 q ? st.units_q : st.units, stream, st.spread, st.aligned,
                                 shape_of(st), nullptr, 0,
-                                q                   ? QuantizingUnits::kInQuantizingKernel
-                                : st.has_quantizing ? QuantizingUnits::kInCopyKernel
-                                : plain             ? QuantizingUnits::kNone
-                                                    : QuantizingUnits::kInCopyKernel));
+                                q                             ? QuantizingUnits::kInQuantizingKernel
+                                : !st.has_quantizing && plain ? QuantizingUnits::kNone
+                                                              : QuantizingUnits::kInCopyKernel));
                           }
                         });
                         const float c = TimeMs(stream, [&] {

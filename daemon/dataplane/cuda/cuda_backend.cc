@@ -798,20 +798,23 @@ absl::Status UploadWork(CudaBackend::Prepared& p, bool aligned_copy_kernel, Work
     struct At {
       size_t items = 0, units = 0;  // offsets
       int64_t total_units = 0;
+      QuantizingUnits quantizing = QuantizingUnits::kNone;
     };
     std::vector<At> at;
     for (auto& [w, d] : list) {
       const size_t items = host.size();
       host.resize(items + w->items.size() * sizeof(CopyItem));
       std::memcpy(host.data() + items, w->items.data(), w->items.size() * sizeof(CopyItem));
-      // With the quantizing kernel (HasQuantizing), none for the scales that twins write.
-      const std::vector<int64_t> begin =
-          HasQuantizing(*w) ? QuantizingLaunchUnits(*w) : w->unit_begin;
+      // With the quantizing kernel, none for the scales that twins write.
+      const QuantizingUnits quantizing = QuantizingUnitsOf(*w);
+      const std::vector<int64_t> begin = quantizing == QuantizingUnits::kInQuantizingKernel
+                                             ? QuantizingLaunchUnits(*w)
+                                             : w->unit_begin;
       const size_t units = host.size();
       host.resize(units + begin.size() * sizeof(int64_t));
       std::memcpy(host.data() + units, begin.data(), begin.size() * sizeof(int64_t));
       host.resize((host.size() + 15) / 16 * 16);
-      at.push_back({items, units, begin.empty() ? 0 : begin.back()});
+      at.push_back({items, units, begin.empty() ? 0 : begin.back(), quantizing});
     }
     CudaBackend::Prepared::OnGpu& on = p.gpus[gpu];
     auto arrays = DeviceMemory::Allocate(gpu, std::max<size_t>(host.size(), 16));
@@ -830,7 +833,7 @@ absl::Status UploadWork(CudaBackend::Prepared& p, bool aligned_copy_kernel, Work
       d->total_units = at[i].total_units;
       // The aligned kernel where it applies (--aligned-copy-kernel=false: the general one always).
       d->aligned = aligned_copy_kernel && AlignedOnly(*w);
-      d->quantizing = QuantizingUnitsOf(*w);
+      d->quantizing = at[i].quantizing;
     }
   }
   return absl::OkStatus();

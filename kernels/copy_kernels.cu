@@ -256,31 +256,48 @@ __device__ __forceinline__ void WarpCopyBytes(const unsigned char* s, unsigned c
 // ---- Tiles: a stretch of an item's [rows, inner] index space, crossing rows. ----
 
 // Where a tile's accesses go. Positions count accesses (of `vector` bytes or elements, see
-// CopyItem::vector): a row has inner_v of them. Row r of the item is run (a, b, c) of its loops.
+// CopyItem::vector): a row has inner_v of them. The access loops below take a view by value and
+// are called, not inlined (see CopyItemsKernel), so a view is kept small: RowsView, the usual
+// one, travels in registers; TileView's 100-odd bytes went through the stack at every call (the
+// general kernel's kilobyte of stack, millions of local-memory requests for many small tensors).
+
+// Each row one run (count[0] = count[1] = 1, most items, and a span as a tile of one row): row r
+// at r * stride at both ends.
+struct RowsView {
+  const unsigned char* s;
+  unsigned char* d;
+  int64_t sst, dst;  // bytes between rows
+  uint32_t inner_v;
+
+  __device__ __forceinline__ int64_t SourceOffset(uint64_t row) const {
+    return static_cast<int64_t>(row) * sst;
+  }
+  __device__ __forceinline__ int64_t DestinationOffset(uint64_t row) const {
+    return static_cast<int64_t>(row) * dst;
+  }
+};
+
+// Several loops (3-D and 4-D tensors): row r of the item is run (a, b, c) of its loops.
 struct TileView {
   const unsigned char* s;
   unsigned char* d;
   int64_t sst[3], dst[3];  // bytes between runs of each loop
   int64_t c1, c2;          // count[1], count[2]
-  bool flat;               // count[0] = count[1] = 1: row r at r * stride[2]
   uint32_t inner_v;
-  int sg;  // bytes per access at the source
 
   __device__ __forceinline__ int64_t SourceOffset(uint64_t row) const {
-    if (flat) return static_cast<int64_t>(row) * sst[2];
     int64_t so, dof;
     RowOffsets(row, so, dof);
     return so;
   }
   __device__ __forceinline__ int64_t DestinationOffset(uint64_t row) const {
-    if (flat) return static_cast<int64_t>(row) * dst[2];
     int64_t so, dof;
     RowOffsets(row, so, dof);
     return dof;
   }
 
-  // Byte offsets of row `row` at both ends. Several loops (3-D and 4-D tensors): divisions per
-  // access, rare enough; 32-bit when they fit.
+  // Byte offsets of row `row` at both ends: divisions per access, rare enough; 32-bit when they
+  // fit.
   __device__ __forceinline__ void RowOffsets(uint64_t row, int64_t& so, int64_t& dof) const {
     int64_t a, b, c;
     if ((row >> 32) == 0 && ((c1 | c2) >> 32) == 0) {
@@ -322,9 +339,9 @@ struct TileWalk {
 
 // Same dtype: nv accesses of V bytes, K loads in flight per lane before their stores (more for
 // narrow accesses, so that a warp keeps as many bytes in flight).
-template <int V, int K>
-__device__ __noinline__ void TileCopy(const TileView t, uint64_t row0, uint32_t col0, int64_t nv,
-                                      int lane) {
+template <int V, int K, class View>
+__device__ __forceinline__ void TileCopyInline(const View& t, uint64_t row0, uint32_t col0,
+                                               int64_t nv, int lane) {
   using T = typename Access<V>::T;
   TileWalk w(row0, col0, t.inner_v, lane);
   for (int64_t i = lane; i < nv; i += 32 * K) {
@@ -350,9 +367,15 @@ __device__ __noinline__ void TileCopy(const TileView t, uint64_t row0, uint32_t 
   }
 }
 
+template <int V, int K, class View>
+__device__ __noinline__ void TileCopy(const View t, uint64_t row0, uint32_t col0, int64_t nv,
+                                      int lane) {
+  TileCopyInline<V, K>(t, row0, col0, nv, lane);
+}
+
 // Converting: nv accesses of E elements (E * SS bytes read, E * DS written).
-template <int SS, int DS, int E, int K>
-__device__ __noinline__ void TileConvert(const TileView t, uint64_t row0, uint32_t col0, int64_t nv,
+template <int SS, int DS, int E, int K, class View>
+__device__ __noinline__ void TileConvert(const View t, uint64_t row0, uint32_t col0, int64_t nv,
                                          uint8_t sdt, uint8_t ddt, int lane) {
   using TS = typename Access<E * SS>::T;
   using TD = typename Access<E * DS>::T;
@@ -386,7 +409,8 @@ __device__ __noinline__ void TileConvert(const TileView t, uint64_t row0, uint32
 }
 
 // Converting at addresses that are not multiples of the element size: element by element, bytes.
-__device__ __noinline__ void TileConvertBytes(const TileView t, uint64_t row0, uint32_t col0,
+template <class View>
+__device__ __noinline__ void TileConvertBytes(const View t, uint64_t row0, uint32_t col0,
                                               int64_t nv, uint8_t sdt, uint8_t ddt, int lane) {
   const int ss = Size(sdt), ds = Size(ddt);
   TileWalk w(row0, col0, t.inner_v, lane);
@@ -399,10 +423,9 @@ __device__ __noinline__ void TileConvertBytes(const TileView t, uint64_t row0, u
   }
 }
 
-template <int SS, int DS>
-__device__ __forceinline__ void TileConvertE(const TileView t, uint64_t row0, uint32_t col0,
-                                             int64_t nv, int e, uint8_t sdt, uint8_t ddt,
-                                             int lane) {
+template <int SS, int DS, class View>
+__device__ __forceinline__ void TileConvertE(const View t, uint64_t row0, uint32_t col0, int64_t nv,
+                                             int e, uint8_t sdt, uint8_t ddt, int lane) {
   constexpr int kMaxE = 16 / (SS > DS ? SS : DS);
   if (e >= 8 && kMaxE >= 8)
     TileConvert<SS, DS, (kMaxE >= 8 ? 8 : 1), 4>(t, row0, col0, nv, sdt, ddt, lane);
@@ -415,8 +438,9 @@ __device__ __forceinline__ void TileConvertE(const TileView t, uint64_t row0, ui
 }
 
 // e elements per access (0: bytes, at any address; CutIntoUnits sets 0 for pairs other than these).
-__device__ __forceinline__ void ConvertTile(const TileView t, uint64_t row0, uint32_t col0,
-                                            int64_t nv, int e, uint8_t sdt, uint8_t ddt, int lane) {
+template <class View>
+__device__ __forceinline__ void ConvertTile(const View t, uint64_t row0, uint32_t col0, int64_t nv,
+                                            int e, uint8_t sdt, uint8_t ddt, int lane) {
   const int ss = Size(sdt), ds = Size(ddt);
   if (e == 0)
     TileConvertBytes(t, row0, col0, nv, sdt, ddt, lane);
@@ -428,34 +452,43 @@ __device__ __forceinline__ void ConvertTile(const TileView t, uint64_t row0, uin
     TileConvertE<2, 2>(t, row0, col0, nv, e, sdt, ddt, lane);
 }
 
-// Bytes per access at the source end of a tiled item, and the item's view.
+// Bytes per access at the source end of a tiled item.
 __device__ __forceinline__ int SourceGrain(const CopyItem& it) {
   const int ss = Size(it.src_dtype);
   if (it.src_dtype == it.dst_dtype) return it.vector;
   return it.vector == 0 ? ss : it.vector * ss;
 }
 
-__device__ __forceinline__ TileView ViewOf(const CopyItem& it) {
-  TileView t;
+// An item's view: its rows' ends (RowsView) when count[0] = count[1] = 1, else its loops.
+__device__ __forceinline__ RowsView RowsViewOf(const CopyItem& it, int sg) {
   const int ss = Size(it.src_dtype), ds = Size(it.dst_dtype);
+  RowsView t;
+  t.s = reinterpret_cast<const unsigned char*>(it.src);
+  t.d = reinterpret_cast<unsigned char*>(it.dst);
+  t.sst = it.src_stride[2] * ss;
+  t.dst = it.dst_stride[2] * ds;
+  t.inner_v = static_cast<uint32_t>(it.inner * ss / sg);
+  return t;
+}
+
+__device__ __forceinline__ TileView TileViewOf(const CopyItem& it, int sg) {
+  const int ss = Size(it.src_dtype), ds = Size(it.dst_dtype);
+  TileView t;
   t.s = reinterpret_cast<const unsigned char*>(it.src);
   t.d = reinterpret_cast<unsigned char*>(it.dst);
   for (int k = 0; k < 3; ++k) t.sst[k] = it.src_stride[k] * ss, t.dst[k] = it.dst_stride[k] * ds;
   t.c1 = it.count[1];
   t.c2 = it.count[2];
-  t.flat = it.count[0] == 1 && it.count[1] == 1;
-  t.sg = SourceGrain(it);
-  t.inner_v = static_cast<uint32_t>(it.inner * ss / t.sg);
+  t.inner_v = static_cast<uint32_t>(it.inner * ss / sg);
   return t;
 }
 
-// A warp runs nv accesses of a tiled item from position (row0, col0).
-__device__ __forceinline__ void CopyTile(const CopyItem& it, uint64_t row0, uint32_t col0,
-                                         int64_t nv, int lane) {
-  const TileView t = ViewOf(it);
-  const uint8_t sdt = it.src_dtype, ddt = it.dst_dtype;
+// nv accesses of sg source bytes through view t from position (row0, col0).
+template <class View>
+__device__ __forceinline__ void CopyTileIn(const View& t, int sg, uint8_t sdt, uint8_t ddt, int e,
+                                           uint64_t row0, uint32_t col0, int64_t nv, int lane) {
   if (sdt == ddt) {
-    switch (t.sg) {
+    switch (sg) {
       case 16:
         TileCopy<16, 4>(t, row0, col0, nv, lane);
         return;
@@ -473,7 +506,20 @@ __device__ __forceinline__ void CopyTile(const CopyItem& it, uint64_t row0, uint
         return;
     }
   }
-  ConvertTile(t, row0, col0, nv, it.vector, sdt, ddt, lane);
+  ConvertTile(t, row0, col0, nv, e, sdt, ddt, lane);
+}
+
+// A warp runs nv accesses of a tiled item from position (row0, col0).
+__device__ __forceinline__ void CopyTile(const CopyItem& it, uint64_t row0, uint32_t col0,
+                                         int64_t nv, int lane) {
+  const int sg = SourceGrain(it);
+  if (it.count[0] == 1 && it.count[1] == 1 && sg == 16 && it.src_dtype == it.dst_dtype) {
+    TileCopyInline<16, 4>(RowsViewOf(it, sg), row0, col0, nv, lane);
+  } else if (it.count[0] == 1 && it.count[1] == 1) {
+    CopyTileIn(RowsViewOf(it, sg), sg, it.src_dtype, it.dst_dtype, it.vector, row0, col0, nv, lane);
+  } else {
+    CopyTileIn(TileViewOf(it, sg), sg, it.src_dtype, it.dst_dtype, it.vector, row0, col0, nv, lane);
+  }
 }
 
 // One work unit resolved: `n` elements from s (src dtype) to d (dst dtype). A quantizing unit is
@@ -1195,19 +1241,16 @@ __device__ __forceinline__ void CopyUnit(const unsigned char* s, unsigned char* 
     return;
   }
   // The span as a tile of one row: the widest access both ends allow.
-  TileView t;
+  RowsView t;
   t.s = s;
   t.d = d;
-  for (int k = 0; k < 3; ++k) t.sst[k] = t.dst[k] = 0;
-  t.c1 = t.c2 = 1;
-  t.flat = true;
+  t.sst = t.dst = 0;
   const bool pair = (ss == 2 || ss == 4) && (ds == 2 || ds == 4);
   int e = 0;
   if (pair && sa % ss == 0 && da % ds == 0) {
     e = 16 / max(ss, ds);
     while (e > 1 && ((sa / ss) % e != 0 || (da / ds) % e != 0 || n % e != 0)) e /= 2;
   }
-  t.sg = e == 0 ? ss : e * ss;
   const int64_t nv = e == 0 ? n : n / e;
   t.inner_v =
       static_cast<uint32_t>(min(nv, static_cast<int64_t>(0x7FFFFFFF)));  // a segment: far below

@@ -586,12 +586,12 @@ __device__ __forceinline__ float BlockFp8Scale(float amax) {
 }
 
 // Mxfp8ScaleCode: floor(log2(amax)) from the bits, minus 8, clamped to -127; 127 for 0.
+// Selects rather than an early return for 0 (whose bits give code 0 here): no branch per block.
 __device__ __forceinline__ uint8_t Mxfp8ScaleCode(float amax) {
-  if (amax == 0.0f) return 127;
   const uint32_t u = __float_as_uint(amax) & 0x7FFFFFFFu;
   const int floor_log2 = (u >> 23) != 0 ? static_cast<int>(u >> 23) - 127 : (31 - __clz(u)) - 149;
   const int shared_exp = max(floor_log2 - 8, -127);
-  return static_cast<uint8_t>(shared_exp + 127);
+  return u == 0 ? 127 : static_cast<uint8_t>(shared_exp + 127);
 }
 
 // E8M0ToFloat for the codes Mxfp8ScaleCode makes (0..254): 2^(code - 127), 2^-127 a subnormal.
@@ -1005,6 +1005,11 @@ struct TileChunks {
     col0 = even ? t & (cpr - 1) : 0;
     rows_per_step = even ? kQuantThreads >> (__ffs(cpr) - 1) : 0;
   }
+  // Whether this thread's chunks are all inside a tile of nr rows, at rows row0 + rows_per_step * i
+  // of column col0.
+  __device__ __forceinline__ bool AllIn(int nr) const {
+    return even && row0 + rows_per_step * (kChunksPerThread - 1) < nr;
+  }
   __device__ __forceinline__ void At(int i, int* row, int* col) const {
     if (even) {
       *row = row0 + rows_per_step * i;
@@ -1033,7 +1038,10 @@ __device__ __forceinline__ void StageTile(const QuantUnit& q, uint4* staged, con
 }
 
 // A tile's codes (and its twins' scales) or its scale, from its chunks in v (StageTile), the amax
-// reduced across the thread block through `partial` (one __syncthreads).
+// reduced across the thread block through `partial` (one __syncthreads). kStraight: with the
+// straight-line path for the usual tile (compiled into the kernel for block fp8's tiles only: its
+// registers cost the other path spills).
+template <bool kStraight>
 __device__ __forceinline__ void FinishTile(const QuantUnit& q, const CopyItem* items, int64_t local,
                                            float* partial, const uint4 (&v)[kChunksPerThread]) {
   const int t = threadIdx.x, lane = t & 31, warp = t >> 5;
@@ -1078,6 +1086,24 @@ __device__ __forceinline__ void FinishTile(const QuantUnit& q, const CopyItem* i
   if (!q.quantize()) return;
   unsigned char* d = reinterpret_cast<unsigned char*>(q.u.d);
   const TileChunks walk(q.nc() / 8);
+  if (kStraight && __all_sync(0xFFFFFFFFu, finite && walk.AllIn(q.nr())) &&
+      (div.power_of_two || div.corrected)) {
+    // The usual tile: straight-line code for one kind of quotient, the stores' addresses stepped.
+    unsigned char* out = d + static_cast<int64_t>(walk.row0) * q.u.ds + walk.col0 * 8;
+    const int64_t out_step = static_cast<int64_t>(walk.rows_per_step) * q.u.ds;
+    if (div.corrected) {
+      const Divisor corrected = {div.scale, div.inverse, false, true};
+#pragma unroll
+      for (int i = 0; i < kChunksPerThread; ++i)
+        *reinterpret_cast<uint2*>(out + i * out_step) = Bf16ChunkCodesFast(v[i], corrected, true);
+    } else {
+      const Divisor pow2 = {div.scale, div.inverse, true, false};
+#pragma unroll
+      for (int i = 0; i < kChunksPerThread; ++i)
+        *reinterpret_cast<uint2*>(out + i * out_step) = Bf16ChunkCodesFast(v[i], pow2, true);
+    }
+    return;
+  }
 #pragma unroll
   for (int i = 0; i < kChunksPerThread; ++i) {
     int row, c;
@@ -1092,7 +1118,9 @@ __device__ __forceinline__ void FinishTile(const QuantUnit& q, const CopyItem* i
 // block's four chunks are in four consecutive threads of one row (TileChunks: a row's chunks run
 // along the threads), which take its amax and code (RowsBlockDivisor) and write their codes; the
 // block's first thread writes its code into the kScale unit's grid, or (kQuantize) into its
-// twin's, so that the source is read once for both.
+// twin's, so that the source is read once for both. kStraight: with the straight-line path for
+// the usual tile (compiled into the kernel for MXFP8's tiles only, as FinishTile's).
+template <bool kStraight>
 __device__ __forceinline__ void FinishRowsTile(const QuantUnit& q, const CopyItem* items,
                                                int64_t local, const uint4 (&v)[kChunksPerThread]) {
   const bool quantize = q.quantize();
@@ -1112,17 +1140,49 @@ __device__ __forceinline__ void FinishRowsTile(const QuantUnit& q, const CopyIte
   }
   unsigned char* d = reinterpret_cast<unsigned char*>(q.u.d);
   const TileChunks walk(q.nc() / 8);
+  uint32_t all = 0;
+  if (kStraight) {
+#pragma unroll
+    for (int i = 0; i < kChunksPerThread; ++i) all = Bf16ChunkMagnitudeMax(v[i], all);
+  }
+  if (kStraight && __all_sync(0xFFFFFFFFu, HalvesMax(all) < 0x7F80u && walk.AllIn(q.nr()))) {
+    // The usual tile: straight-line code, the stores' addresses stepped (the loop below spent
+    // two thirds of its ~120 instructions a chunk on branches, the walk and addresses).
+    const Divisor pow2 = {1.0f, 1.0f, true, false};
+    unsigned char* out = d + static_cast<int64_t>(walk.row0) * q.u.ds + walk.col0 * 8;
+    const int64_t out_step = static_cast<int64_t>(walk.rows_per_step) * q.u.ds;
+    const bool writes_scale = scale != nullptr && (walk.col0 & 3) == 0;
+    unsigned char* code_at =
+        writes_scale ? scale + static_cast<int64_t>(walk.row0) * scale_stride + walk.col0 / 4
+                     : nullptr;
+    const int64_t code_step = static_cast<int64_t>(walk.rows_per_step) * scale_stride;
+#pragma unroll
+    for (int i = 0; i < kChunksPerThread; ++i) {
+      // Each chunk's max again: eight kept from the check above spilled (128 registers a thread).
+      float amax = __uint_as_float(HalvesMax(Bf16ChunkMagnitudeMax(v[i], 0)) << 16);
+      amax = fmaxf(amax, __shfl_xor_sync(0xFFFFFFFFu, amax, 1));
+      amax = fmaxf(amax, __shfl_xor_sync(0xFFFFFFFFu, amax, 2));
+      const uint8_t code = Mxfp8ScaleCode(amax);
+      Divisor div = pow2;
+      div.inverse = E8M0ToFloat(static_cast<uint8_t>(254 - code));  // 2^(127 - code)
+      if (quantize) *reinterpret_cast<uint2*>(out) = Bf16ChunkCodesFast(v[i], div, true);
+      if (writes_scale) *code_at = code;
+      out += out_step;
+      code_at += code_step;
+    }
+    return;
+  }
 #pragma unroll
   for (int i = 0; i < kChunksPerThread; ++i) {
     int row, c;
     walk.At(i, &row, &c);
     uint8_t code;
-    bool finite;
-    const Divisor div = RowsBlockDivisor(v[i], &code, &finite);
+    bool chunk_finite;
+    const Divisor div = RowsBlockDivisor(v[i], &code, &chunk_finite);
     if (row >= q.nr()) continue;
     if (quantize) {
       *reinterpret_cast<uint2*>(d + static_cast<int64_t>(row) * q.u.ds + c * 8) =
-          Bf16ChunkCodesFast(v[i], div, finite);
+          Bf16ChunkCodesFast(v[i], div, chunk_finite);
     }
     if ((c & 3) == 0 && scale != nullptr) scale[row * scale_stride + c / 4] = code;
   }
@@ -1386,12 +1446,13 @@ __device__ __forceinline__ TaskUnit ResolveTaskUnit(const CopyItem* items,
 // kernel's; a kScale unit whose twin writes its scales does nothing. The grid is at most the blocks
 // the GPU holds at once, each taking every gridDim.x-th task, so that no late wave of blocks runs
 // alone. kMinBlocks: the thread blocks an SM holds that ptxas plans registers for (2: up to 128 a
-// thread).
+// thread). kMx: built for MXFP8's one-row-block tiles (their straight-line path, FinishRowsTile's)
+// rather than block fp8's (FinishTile's); either runs every unit, to the same bytes.
 // Tasks are pipelined too: the next task's units are resolved (a chain of dependent item searches
 // and loads) into this warp's `ahead` slots while the current task's first tile is in flight, and
 // the next task's first tile is staged while the current task's last tile converts. Each task
 // began with those searches and a tile load with nothing in flight.
-template <int kMinBlocks>
+template <int kMinBlocks, bool kMx>
 __global__ void __launch_bounds__(kQuantThreads, kMinBlocks)
     QuantizeItemsKernel(const CopyItem* items, const int64_t* unit_begin, int n_items,
                         int64_t total_units, const uint32_t* gate, uint32_t go) {
@@ -1464,9 +1525,9 @@ __global__ void __launch_bounds__(kQuantThreads, kMinBlocks)
       const int64_t local = __shfl_sync(0xFFFFFFFFu, static_cast<long long>(mine.local), j);
       const QuantUnit q = ShflQuantUnit(mine.q, j);
       if (RowsMode(q)) {  // the same unit in every thread: no barrier inside either branch
-        FinishRowsTile(q, items, local, v);
+        FinishRowsTile<kMx>(q, items, local, v);
       } else {
-        FinishTile(q, items, local, partial[turn], v);
+        FinishTile<!kMx>(q, items, local, partial[turn], v);
         turn ^= 1;  // only tiles that use `partial` take turns: a rows tile has no barrier
       }
       stage ^= 1;
@@ -1531,8 +1592,10 @@ cudaError_t LoadKernels() {
         reinterpret_cast<const void*>(CopyItemsKernel<false, true>),
         reinterpret_cast<const void*>(CopyItemsKernel<true, false>),
         reinterpret_cast<const void*>(CopyItemsKernel<false, false>),
-        reinterpret_cast<const void*>(QuantizeItemsKernel<2>),
-        reinterpret_cast<const void*>(QuantizeItemsKernel<3>)}) {
+        reinterpret_cast<const void*>(QuantizeItemsKernel<2, false>),
+        reinterpret_cast<const void*>(QuantizeItemsKernel<3, false>),
+        reinterpret_cast<const void*>(QuantizeItemsKernel<2, true>),
+        reinterpret_cast<const void*>(QuantizeItemsKernel<3, true>)}) {
     if (const cudaError_t e = cudaFuncGetAttributes(&attributes, f); e != cudaSuccess) return e;
   }
   return cudaSuccess;
@@ -1602,7 +1665,19 @@ bool HasQuantizing(const CopyWork& work) {
 }
 
 QuantizingUnits QuantizingUnitsOf(const CopyWork& work) {
-  return HasQuantizing(work) ? QuantizingUnits::kInQuantizingKernel : QuantizingUnits::kNone;
+  // The kernel built for the tiles that carry most of the quantized bytes.
+  int64_t mx = 0, other = 0;
+  for (const CopyItem& it : work.items) {
+    if (it.op != static_cast<uint8_t>(CopyOp::kQuantize)) continue;
+    (it.Mxfp8Rows() ? mx : other) += it.inner * it.count[0] * it.count[1] * it.count[2];
+  }
+  if (!HasQuantizing(work)) return QuantizingUnits::kNone;
+  return mx > other ? QuantizingUnits::kInMxQuantizingKernel : QuantizingUnits::kInQuantizingKernel;
+}
+
+bool InQuantizingKernel(QuantizingUnits quantizing) {
+  return quantizing == QuantizingUnits::kInQuantizingKernel ||
+         quantizing == QuantizingUnits::kInMxQuantizingKernel;
 }
 
 CopyLaunchShape DefaultCopyLaunchShape(bool aligned_only) {
@@ -1623,7 +1698,7 @@ cudaError_t LaunchCopyItemsShaped(const CopyItem* items, const int64_t* unit_beg
                                   const uint32_t* gate, uint32_t go,
                                   QuantizingUnits quantizing_units) {
   if (n_items == 0 || total_units == 0) return cudaSuccess;
-  const bool quantizing = quantizing_units == QuantizingUnits::kInQuantizingKernel;
+  const bool quantizing = InQuantizingKernel(quantizing_units);
   // Without quantizing code: beside the quantizing kernel, or where no unit quantizes.
   const bool plain = quantizing || quantizing_units == QuantizingUnits::kNone;
   constexpr int kThreads = 256;  // 8 warps
@@ -1643,8 +1718,11 @@ cudaError_t LaunchCopyItemsShaped(const CopyItem* items, const int64_t* unit_beg
   if (quantizing) {
     if (const cudaError_t e = cudaGetLastError(); e != cudaSuccess) return e;
     const bool three = shape.quant_min_blocks == 3;
-    const void* kernel = three ? reinterpret_cast<const void*>(QuantizeItemsKernel<3>)
-                               : reinterpret_cast<const void*>(QuantizeItemsKernel<2>);
+    const bool mx = quantizing_units == QuantizingUnits::kInMxQuantizingKernel;
+    auto* const quantize =
+        three ? (mx ? QuantizeItemsKernel<3, true> : QuantizeItemsKernel<3, false>)
+              : (mx ? QuantizeItemsKernel<2, true> : QuantizeItemsKernel<2, false>);
+    const void* kernel = reinterpret_cast<const void*>(quantize);
     int device = 0, sms = 0, per_sm = 0;
     if (const cudaError_t e = cudaGetDevice(&device); e != cudaSuccess) return e;
     if (const cudaError_t e = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
@@ -1664,13 +1742,8 @@ cudaError_t LaunchCopyItemsShaped(const CopyItem* items, const int64_t* unit_beg
     const int quant_blocks =
         static_cast<int>(std::min({tasks, static_cast<int64_t>(std::max(shape.max_blocks, 1)),
                                    std::max<int64_t>(int64_t{sms} * per_sm, 1)}));
-    if (three) {
-      QuantizeItemsKernel<3><<<quant_blocks, kQuantThreads, kStagedBytes, stream>>>(
-          items, unit_begin, n_items, total_units, gate, go);
-    } else {
-      QuantizeItemsKernel<2><<<quant_blocks, kQuantThreads, kStagedBytes, stream>>>(
-          items, unit_begin, n_items, total_units, gate, go);
-    }
+    quantize<<<quant_blocks, kQuantThreads, kStagedBytes, stream>>>(items, unit_begin, n_items,
+                                                                    total_units, gate, go);
   }
   return cudaGetLastError();
 }

@@ -76,11 +76,12 @@ void Run(const CopyWork& w, cudaStream_t stream) {
   if (quantizing) ++quantizing_launches;
   // Work without quantizing units: every other four pairs of launches through the copy kernel
   // built without quantizing code (as the cuda backend launches it), both must give the same
-  // bytes.
-  const QuantizingUnits units_mode = quantizing ? QuantizingUnits::kInQuantizingKernel
-                                     : !HasQuantizing(w) && (k / 8) % 2 == 0
-                                         ? QuantizingUnits::kNone
-                                         : QuantizingUnits::kInCopyKernel;
+  // bytes. And the quantizing kernel's two builds by turns, whatever the units: the same bytes.
+  const QuantizingUnits units_mode =
+      quantizing ? (quantizing_launches % 2 == 1 ? QuantizingUnits::kInQuantizingKernel
+                                                 : QuantizingUnits::kInMxQuantizingKernel)
+      : !HasQuantizing(w) && (k / 8) % 2 == 0 ? QuantizingUnits::kNone
+                                              : QuantizingUnits::kInCopyKernel;
   // As the cuda backend uploads it: with the quantizing kernel, no units for scales twins write.
   const std::vector<int64_t> units = quantizing ? QuantizingLaunchUnits(w) : w.unit_begin;
   DeviceBuffer items(w.items.size() * sizeof(CopyItem)), begin(units.size() * sizeof(int64_t));

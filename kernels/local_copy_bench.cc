@@ -173,6 +173,7 @@ int Run(const std::string& src_path, const std::string& dst_path, const Options&
             bool aligned =
                 false;  // AlignedOnly: the aligned kernel, as the cuda backend launches it
             bool has_quantizing = false;
+            QuantizingUnits quantizing_units = QuantizingUnits::kNone;  // QuantizingUnitsOf
           };
           int64_t read_bytes = 0, written_bytes = 0;
           std::vector<Launch> launches;
@@ -195,6 +196,7 @@ int Run(const std::string& src_path, const std::string& dst_path, const Options&
             st.spread = spread < 0 ? SpreadPays(w) : spread == 1;
             st.aligned = o.aligned_kernel && AlignedOnly(w);
             st.has_quantizing = HasQuantizing(w);
+            st.quantizing_units = QuantizingUnitsOf(w);
             for (const CopyItem& it : w.items) {
               st.tiled_units += it.tiled ? it.Units() : 0;
               ItemTraffic(it, &read_bytes, &written_bytes);
@@ -245,7 +247,7 @@ int Run(const std::string& src_path, const std::string& dst_path, const Options&
                                 static_cast<int64_t*>((q ? st.begin_q : st.begin)->get()), st.n,
                                 q ? st.units_q : st.units, stream, st.spread, st.aligned,
                                 shape_of(st), nullptr, 0,
-                                q                             ? QuantizingUnits::kInQuantizingKernel
+                                q                             ? st.quantizing_units
                                 : !st.has_quantizing && plain ? QuantizingUnits::kNone
                                                               : QuantizingUnits::kInCopyKernel));
                           }

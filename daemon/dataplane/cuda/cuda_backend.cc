@@ -807,9 +807,8 @@ absl::Status UploadWork(CudaBackend::Prepared& p, bool aligned_copy_kernel, Work
       std::memcpy(host.data() + items, w->items.data(), w->items.size() * sizeof(CopyItem));
       // With the quantizing kernel, none for the scales that twins write.
       const QuantizingUnits quantizing = QuantizingUnitsOf(*w);
-      const std::vector<int64_t> begin = quantizing == QuantizingUnits::kInQuantizingKernel
-                                             ? QuantizingLaunchUnits(*w)
-                                             : w->unit_begin;
+      const std::vector<int64_t> begin =
+          InQuantizingKernel(quantizing) ? QuantizingLaunchUnits(*w) : w->unit_begin;
       const size_t units = host.size();
       host.resize(units + begin.size() * sizeof(int64_t));
       std::memcpy(host.data() + units, begin.data(), begin.size() * sizeof(int64_t));

@@ -1,0 +1,36 @@
+#!/usr/bin/env bash
+# Call 3 (from the bundle's tree: cd .device/s3 && OUT=$OUT DEADLINE=560 bash docs/runs/2026-12-06-s3/call3.sh):
+# the quantizing kernel in two builds, one with block fp8's straight-line tile path and one with
+# MXFP8's, each launch through the build for most of its quantized bytes ("after"); main's build
+# ("before": neither path). copy_kernels_test in full (both builds by turns); MXFP8 and block fp8
+# through local_copy_bench, alternated; tests/gpu/local_path.sh on many-small-moe, MXFP8 and block
+# fp8 (refitd this build, the kernel, the ceiling and the per-piece baseline); last, ncu on the
+# MXFP8 build with the instruction mix.
+set -uo pipefail
+export LD_LIBRARY_PATH=$PWD/.device/lib:/usr/local/cuda/lib64 NCCL_NVLS_ENABLE=0 PYTHONUNBUFFERED=1
+export PATH=$PATH:/usr/local/cuda/bin
+logs=$OUT/call3; mkdir -p "$logs"
+B=.device/bin
+T0=$SECONDS
+DEADLINE=${DEADLINE:-560}
+source tests/gpu/bench_lib.sh
+{ nvidia-smi -L; nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm,clocks.mem,temperature.gpu,power.draw --format=csv,noheader
+  nproc; cat .device/commit.txt; } >"$logs/machine.txt" 2>&1
+cat "$logs/machine.txt"
+step copy_kernels_test 150 $B/copy_kernels_test --durations yes
+layouts /tmp/l-mx llama3-8b mxfp8; layouts /tmp/l-fp8 llama3-8b fp8-block
+for k in 1 2; do
+  for q in mx fp8; do
+    bench ${q}_after$k $B/local_copy_bench /tmp/l-$q 40 --split 1
+    bench ${q}_before$k $B/local_copy_bench-before /tmp/l-$q 40 --split 1
+  done
+done
+summary | tee "$logs/summary.txt"
+echo "benches done at $((SECONDS - T0))s"
+left=$((DEADLINE - 70 - (SECONDS - T0)))
+step local_path $left env OUT="$OUT" CASES="llama3-8b:1:mxfp8 llama3-8b:1:fp8-block many-small-moe:1" RUNS="after" \
+  SEGMENTS=16384 KERNEL_FLAGS="--split 1" BUDGET_S=$((left - 60)) bash tests/gpu/local_path.sh
+step ncu_mx 50 ncu --clock-control none --import-source no -k regex:QuantizeItemsKernel --launch-skip 3 -c 1 \
+  --section SpeedOfLight --section WarpStateStats --section InstructionStats --section Occupancy \
+  $B/local_copy_bench --src /tmp/l-mx/t.json --dst /tmp/l-mx/i.json --repeat 1 --split 1
+echo "total $((SECONDS - T0))s"

@@ -353,7 +353,16 @@ absl::StatusOr<std::unique_ptr<WorkerClient>> WorkerClient::Connect(
   c->handle_socket_ = *std::move(handles);
   c->stub_ = v1::RefitWorker::NewStub(grpc::CreateCustomChannel(
       daemon, grpc::InsecureChannelCredentials(), SessionChannelArguments()));
-  if (auto s = c->Register(deadline); !s.ok()) return s;
+  // A refusal the daemon marks transient (UNAVAILABLE: its coordinator unreachable for a moment,
+  // or its node rejoining after a restart) is tried again until the deadline, as re-registrations
+  // are: on a loaded machine a TLS handshake to the coordinator can outlast one attempt.
+  for (absl::Duration backoff = absl::Milliseconds(100);;
+       backoff = std::min(backoff * 2, absl::Seconds(1))) {
+    const absl::Status s = c->Register(deadline);
+    if (s.ok()) break;
+    if (s.code() != absl::StatusCode::kUnavailable || absl::Now() + backoff >= deadline) return s;
+    absl::SleepFor(backoff);
+  }
   if (!c->OpenSession()) {
     return absl::UnavailableError(absl::StrCat("the daemon at ", daemon, " closed the session"));
   }

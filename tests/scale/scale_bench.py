@@ -593,8 +593,8 @@ def launch_workers(run, workers, extra=None):
 
 
 # A first registration the coordinator did not take (its node was declared dead meanwhile and not
-# yet rejoined): WorkerClient::Connect makes one attempt (only re-registrations retry), so the
-# sim-worker exits 1 with this. The harness starts it again and counts it (run.relaunched).
+# yet rejoined): WorkerClient::Connect tries again until the sim-worker's register timeout, then
+# the sim-worker exits 1 with this. The harness starts it again and counts it (run.relaunched).
 RETRYABLE = ("the coordinator did not take the worker", "is not alive", "UNAVAILABLE")
 
 

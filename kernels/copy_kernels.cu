@@ -1665,13 +1665,16 @@ bool HasQuantizing(const CopyWork& work) {
 }
 
 QuantizingUnits QuantizingUnitsOf(const CopyWork& work) {
-  // The kernel built for the tiles that carry most of the quantized bytes.
+  // The kernel built for the tiles that carry most of the quantized elements (kQuantize items':
+  // a kScale item's region is its twin's).
+  bool quantizes = false;
   int64_t mx = 0, other = 0;
   for (const CopyItem& it : work.items) {
-    if (it.op != static_cast<uint8_t>(CopyOp::kQuantize)) continue;
-    (it.Mxfp8Rows() ? mx : other) += it.inner * it.count[0] * it.count[1] * it.count[2];
+    quantizes |= it.Quantizes();
+    if (it.op == static_cast<uint8_t>(CopyOp::kQuantize))
+      (it.Mxfp8Rows() ? mx : other) += it.Rows() * it.inner;
   }
-  if (!HasQuantizing(work)) return QuantizingUnits::kNone;
+  if (!quantizes) return QuantizingUnits::kNone;
   return mx > other ? QuantizingUnits::kInMxQuantizingKernel : QuantizingUnits::kInQuantizingKernel;
 }
 

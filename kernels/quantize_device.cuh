@@ -506,6 +506,16 @@ struct TileChunks {
 __device__ __forceinline__ void StageTile(const QuantUnit& q, uint4* staged, const void* fallback) {
   const unsigned char* s = reinterpret_cast<const unsigned char*>(q.u.s);
   const TileChunks walk(q.nc() / 8);
+  if (walk.AllIn(q.nr())) {  // the usual tile: the addresses stepped, no walk, every chunk in
+    const unsigned char* at = s + (static_cast<int64_t>(walk.row0) * q.u.ss + walk.col0 * 8) * 2;
+    const int64_t step = static_cast<int64_t>(walk.rows_per_step) * q.u.ss * 2;
+#pragma unroll
+    for (int i = 0; i < kChunksPerThread; ++i) {
+      Stage16(staged + i * kQuantThreads + threadIdx.x, at, true);
+      at += step;
+    }
+    return;
+  }
 #pragma unroll
   for (int i = 0; i < kChunksPerThread; ++i) {
     int row, c;
@@ -619,15 +629,9 @@ __device__ __forceinline__ void FinishRowsTile(const QuantUnit& q, const CopyIte
   }
   unsigned char* d = reinterpret_cast<unsigned char*>(q.u.d);
   const TileChunks walk(q.nc() / 8);
-  uint32_t all = 0;
-  if (kStraight) {
-#pragma unroll
-    for (int i = 0; i < kChunksPerThread; ++i) all = Bf16ChunkMagnitudeMax(v[i], all);
-  }
-  if (kStraight && __all_sync(0xFFFFFFFFu, HalvesMax(all) < 0x7F80u && walk.AllIn(q.nr()))) {
+  if (kStraight && __all_sync(0xFFFFFFFFu, walk.AllIn(q.nr()))) {
     // The usual tile: straight-line code, the stores' addresses stepped (the loop below spent
     // two thirds of its ~120 instructions a chunk on branches, the walk and addresses).
-    const Divisor pow2 = {1.0f, 1.0f, true, false};
     unsigned char* out = d + static_cast<int64_t>(walk.row0) * q.u.ds + walk.col0 * 8;
     const int64_t out_step = static_cast<int64_t>(walk.rows_per_step) * q.u.ds;
     const bool writes_scale = scale != nullptr && (walk.col0 & 3) == 0;
@@ -637,14 +641,10 @@ __device__ __forceinline__ void FinishRowsTile(const QuantUnit& q, const CopyIte
     const int64_t code_step = static_cast<int64_t>(walk.rows_per_step) * scale_stride;
 #pragma unroll
     for (int i = 0; i < kChunksPerThread; ++i) {
-      // Each chunk's max again: eight kept from the check above spilled (128 registers a thread).
-      float amax = __uint_as_float(HalvesMax(Bf16ChunkMagnitudeMax(v[i], 0)) << 16);
-      amax = fmaxf(amax, __shfl_xor_sync(0xFFFFFFFFu, amax, 1));
-      amax = fmaxf(amax, __shfl_xor_sync(0xFFFFFFFFu, amax, 2));
-      const uint8_t code = Mxfp8ScaleCode(amax);
-      Divisor div = pow2;
-      div.inverse = E8M0ToFloat(static_cast<uint8_t>(254 - code));  // 2^(127 - code)
-      if (quantize) *reinterpret_cast<uint2*>(out) = Bf16ChunkCodesFast(v[i], div, true);
+      uint8_t code;
+      bool chunk_finite;
+      const Divisor div = RowsBlockDivisor(v[i], &code, &chunk_finite);
+      if (quantize) *reinterpret_cast<uint2*>(out) = Bf16ChunkCodesFast(v[i], div, chunk_finite);
       if (writes_scale) *code_at = code;
       out += out_step;
       code_at += code_step;

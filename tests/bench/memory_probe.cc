@@ -1,8 +1,10 @@
 // The machine's state beside a CPU benchmark: how fast it computes, how fast it writes memory it
 // already holds, and what the first touch of fresh memory costs. On a VM whose balloon reports
 // free pages to the host, the last varies by 10-20x with how recently the pages were in use,
-// while the first two hold still; a planning's time follows it (docs/BENCHMARKS.md, "Planning
-// Kimi-K2 on this VM"). Run it beside plan_benchmark, alternated, to tell the two apart.
+// while the first two hold still. Also how fast the memory just written reads at random
+// addresses, independent 8-byte reads scattered over it: what address translation and the
+// memory's latency cost this process. Run it beside plan_benchmark, alternated (docs/BENCHMARKS.md,
+// "Planning Kimi-K2 on this VM").
 //
 //   memory_probe [--rounds N] [--fresh-mib M]     one JSON line per round
 #include <sys/mman.h>
@@ -48,13 +50,24 @@ int Main(int argc, char** argv) {
     start = std::chrono::steady_clock::now();
     memset(p, 1, fresh);
     const double fresh_write = Seconds(start);
+    // Independent loads at pseudo-random 8-byte slots: misses, not the core, set the pace.
+    const auto* words = static_cast<const uint64_t*>(p);
+    const uint64_t slots = fresh / sizeof(uint64_t);
+    constexpr int kReads = 16'000'000;
+    uint64_t index = static_cast<uint64_t>(r) + 1, sum = 0;
+    start = std::chrono::steady_clock::now();
+    for (int i = 0; i < kReads; ++i) {
+      index = index * 6364136223846793005ULL + 1442695040888963407ULL;
+      sum += words[(index >> 17) % slots];
+    }
+    const double random_read = Seconds(start);
     munmap(p, fresh);
     printf(
         "{\"round\":%lld,\"compute_seconds\":%.4f,\"held_write_gbps\":%.2f,"
-        "\"fresh_write_seconds_per_gib\":%.4f,\"check\":%llu}\n",
+        "\"fresh_write_seconds_per_gib\":%.4f,\"random_read_ns\":%.2f,\"check\":%llu}\n",
         static_cast<long long>(r), compute, held.size() / held_write / 1e9,
-        fresh_write / (static_cast<double>(fresh) / (1 << 30)),
-        static_cast<unsigned long long>(x & 1));
+        fresh_write / (static_cast<double>(fresh) / (1 << 30)), random_read / kReads * 1e9,
+        static_cast<unsigned long long>((x ^ sum) & 1));
     fflush(stdout);
   }
   return 0;

@@ -50,13 +50,18 @@ DescriptorList::Packed DescriptorList::Wide(const CopyDescriptor& d) {
   return p;
 }
 
-CopyDescriptor DescriptorList::WideAt(const Packed& p) const {
-  CopyDescriptor d = wide_[static_cast<size_t>(p.src_offset)];
-  d.message = p.message;
-  return d;
+void DescriptorList::push_back(const CopyDescriptor& d) {
+  Packed& p = packed_.emplace_back();
+  if (!Pack(d, p)) p = Wide(d);
 }
 
-CopyDescriptor DescriptorList::Unpack(const Packed& p) {
+const CopyDescriptor DescriptorList::operator[](size_t i) const {
+  const Packed& p = packed_[i];
+  if (p.outer_rank == kWide) {
+    CopyDescriptor d = wide_[static_cast<size_t>(p.src_offset)];
+    d.message = p.message;
+    return d;
+  }
   CopyDescriptor d;
   d.src_buffer = p.src_buffer;
   d.dst_buffer = p.dst_buffer;
@@ -72,7 +77,7 @@ CopyDescriptor DescriptorList::Unpack(const Packed& p) {
   d.src_dtype = p.src_dtype;
   d.dst_dtype = p.dst_dtype;
   d.src_is_destination = (p.flags & 1) != 0;
-  d.op = static_cast<CopyOp>((p.flags & kOpBits) >> 1);
+  d.op = static_cast<CopyOp>((p.flags >> 1) & 3);
   d.quant_format = static_cast<uint8_t>(p.flags >> 3);
   d.block_rows = p.block_rows;
   d.block_cols = p.block_cols;

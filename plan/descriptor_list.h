@@ -5,7 +5,6 @@
 // CopyDescriptor by value, the same fields as were stored: the list changes nothing but memory.
 #pragma once
 
-#include <algorithm>
 #include <cstddef>
 #include <cstdint>
 #include <iterator>
@@ -54,25 +53,10 @@ class DescriptorList {
   // advice to the kernel about its pages, never to read descriptors from.
   const void* storage() const { return packed_.data(); }
 
-  void push_back(const CopyDescriptor& d) {
-    Packed& p = packed_.emplace_back();
-    if (!Pack(d, p)) p = Wide(d);
-  }
+  void push_back(const CopyDescriptor& d);
   // By value: a descriptor is unpacked on reading. `const` so that assigning to the result,
   // which would change nothing, does not compile.
-  const CopyDescriptor operator[](size_t i) const {
-    const Packed& p = packed_[i];
-    return p.outer_rank == kWide ? WideAt(p) : Unpack(p);
-  }
-  // (*this)[i].WireBytes() without unpacking a copy: the messages' cutting reads it for every
-  // descriptor of the plan.
-  int64_t WireBytes(size_t i) const {
-    const Packed& p = packed_[i];
-    if (p.outer_rank == kWide || (p.flags & kOpBits) != 0) return (*this)[i].WireBytes();
-    int64_t n = p.inner;  // a copy: its region's elements, at the narrower of its two dtypes
-    for (int k = 0; k < p.outer_rank; ++k) n *= p.count[k];
-    return n * std::min(DTypeSize(p.src_dtype), DTypeSize(p.dst_dtype));
-  }
+  const CopyDescriptor operator[](size_t i) const;
   // Replaces descriptor i.
   void set(size_t i, const CopyDescriptor& d);
   int32_t message(size_t i) const { return packed_[i].message; }
@@ -84,8 +68,7 @@ class DescriptorList {
   const_iterator end() const { return {this, packed_.size()}; }
 
  private:
-  static constexpr uint8_t kWide = 0xff;   // outer_rank of a descriptor kept in wide_
-  static constexpr uint8_t kOpBits = 0x6;  // Packed::flags' op
+  static constexpr uint8_t kWide = 0xff;  // outer_rank of a descriptor kept in wide_
   struct Packed {
     int64_t src_offset;  // kWide: the index into wide_
     int64_t dst_offset;
@@ -106,8 +89,6 @@ class DescriptorList {
   static_assert(sizeof(Packed) == kPackedBytes);
 
   static bool Pack(const CopyDescriptor& d, Packed& p);
-  static CopyDescriptor Unpack(const Packed& p);
-  CopyDescriptor WideAt(const Packed& p) const;
   Packed Wide(const CopyDescriptor& d);
 
   std::vector<Packed> packed_;

@@ -1049,8 +1049,9 @@ void Planner::BuildMessages() {
   AdviseHugePages(wire_bytes.get(), desc.size() * sizeof(int64_t));
   ForRanges(desc.size(), [&](size_t from, size_t to) {
     for (size_t i = from; i < to; ++i) {
-      group_rank[i] = rank[desc.message(i)];
-      wire_bytes[i] = desc.WireBytes(i);
+      const CopyDescriptor d = desc[i];
+      group_rank[i] = rank[d.message];
+      wire_bytes[i] = d.WireBytes();
     }
   });
   // Counting sort of descriptor indices by group rank: no copy of the descriptors themselves.

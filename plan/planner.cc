@@ -235,7 +235,6 @@ class Planner {
   std::vector<int32_t> group_table_;                 // [stage][src gpu][dst gpu] -> group
   std::vector<Group> groups_;
   std::vector<CopyDescriptor> lowered_;
-  std::vector<CopyDescriptor> split_;  // Append's: a descriptor cut to fit messages
 
   // Scratch reused across tensors.
   RegionSet src_regions_, need_regions_;
@@ -330,8 +329,7 @@ absl::StatusOr<Plan> Planner::Run() {
   // One descriptor per destination piece is typical; reserving avoids regrowing a vector of
   // hundreds of MB.
   plan_.descriptors.reserve(dst_.pieces.size() + dst_.pieces.size() / 8 + 16);
-  AdviseHugePages(plan_.descriptors.storage(),
-                  plan_.descriptors.capacity() * DescriptorList::kPackedBytes);
+  AdviseHugePages(plan_.descriptors.data(), plan_.descriptors.capacity() * sizeof(CopyDescriptor));
   absl::flat_hash_map<int64_t, int32_t> nic_ids;
   for (const PlanGpu& g : plan_.gpus) {
     const int64_t key = (int64_t{g.node} << 32) | static_cast<uint32_t>(topo_.NicOf(g.gpu));
@@ -1013,9 +1011,7 @@ void Planner::Append(int32_t group) {
     if (d.Quantizes() || d.WireBytes() <= opt_.max_message_bytes) {
       plan_.descriptors.push_back(d);  // quantizing ops were cut at block boundaries already
     } else {
-      split_.clear();
-      SplitDescriptor(d, opt_.max_message_bytes, split_);
-      for (const CopyDescriptor& part : split_) plan_.descriptors.push_back(part);
+      SplitDescriptor(d, opt_.max_message_bytes, plan_.descriptors);
     }
   }
 }
@@ -1041,7 +1037,7 @@ void Planner::BuildMessages() {
   for (size_t r = 0; r < G; ++r) rank[order[r]] = static_cast<int32_t>(r);
   // The descriptors are hundreds of MB: read once (on every thread) into 12 bytes each, worked
   // on there, and written once, rather than visited in message order.
-  DescriptorList& desc = plan_.descriptors;
+  std::vector<CopyDescriptor>& desc = plan_.descriptors;
   // Left uninitialized: their pages are first touched on every thread below, not zeroed on one.
   const std::unique_ptr<int32_t[]> group_rank(new int32_t[desc.size()]);  // then each message
   const std::unique_ptr<int64_t[]> wire_bytes(new int64_t[desc.size()]);
@@ -1049,9 +1045,8 @@ void Planner::BuildMessages() {
   AdviseHugePages(wire_bytes.get(), desc.size() * sizeof(int64_t));
   ForRanges(desc.size(), [&](size_t from, size_t to) {
     for (size_t i = from; i < to; ++i) {
-      const CopyDescriptor d = desc[i];
-      group_rank[i] = rank[d.message];
-      wire_bytes[i] = d.WireBytes();
+      group_rank[i] = rank[desc[i].message];
+      wire_bytes[i] = desc[i].WireBytes();
     }
   });
   // Counting sort of descriptor indices by group rank: no copy of the descriptors themselves.
@@ -1089,7 +1084,7 @@ void Planner::BuildMessages() {
     close();
   }
   ForRanges(desc.size(), [&](size_t from, size_t to) {
-    for (size_t i = from; i < to; ++i) desc.set_message(i, group_rank[i]);
+    for (size_t i = from; i < to; ++i) desc[i].message = group_rank[i];
   });
   plan_.stats.descriptors = static_cast<int64_t>(desc.size());
   plan_.stats.messages = static_cast<int64_t>(plan_.messages.size());

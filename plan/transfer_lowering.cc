@@ -51,7 +51,8 @@ bool SameShapeView(const Box& tensor_box, const Box& buffer_box, const Dims& buf
 }  // namespace
 
 TransferLowerer::TransferLowerer(const Layout& source, const Layout& destination,
-                                 int64_t max_message_bytes, DescriptorList& out, bool threaded)
+                                 int64_t max_message_bytes, std::vector<CopyDescriptor>& out,
+                                 bool threaded)
     : src_(source), dst_(destination), max_message_bytes_(max_message_bytes), out_(out) {
   if (threaded) {
     ArmPrefaulting();
@@ -61,12 +62,11 @@ TransferLowerer::TransferLowerer(const Layout& source, const Layout& destination
 
 void TransferLowerer::ArmPrefaulting() {
   const uintptr_t page = static_cast<uintptr_t>(sysconf(_SC_PAGESIZE));
-  out_storage_ = reinterpret_cast<uintptr_t>(out_.storage());
+  out_storage_ = reinterpret_cast<uintptr_t>(out_.data());
   routed_ = out_.size();
   lowered_size_.store(out_.size(), std::memory_order_relaxed);
-  constexpr size_t kBytes = DescriptorList::kPackedBytes;
-  prefault_next_ = (out_storage_ + out_.size() * kBytes + page - 1) & ~(page - 1);
-  prefault_end_ = (out_storage_ + out_.capacity() * kBytes) & ~(page - 1);
+  prefault_next_ = (out_storage_ + out_.size() * sizeof(CopyDescriptor) + page - 1) & ~(page - 1);
+  prefault_end_ = (out_storage_ + out_.capacity() * sizeof(CopyDescriptor)) & ~(page - 1);
   prefault_stopping_ = false;
   absl::MutexLock lock(&prefault_mu_);
   prefault_stopped_ = false;
@@ -152,9 +152,9 @@ void TransferLowerer::StopPrefaulting() {
 bool TransferLowerer::PrefaultAhead() {
   absl::MutexLock lock(&prefault_mu_);
   if (prefault_stopped_) return false;
-  constexpr size_t kBytes = DescriptorList::kPackedBytes;
-  const uintptr_t lowered = out_storage_ + lowered_size_.load(std::memory_order_acquire) * kBytes;
-  const uintptr_t routed = std::min(prefault_end_, out_storage_ + routed_ * kBytes);
+  const uintptr_t lowered =
+      out_storage_ + lowered_size_.load(std::memory_order_acquire) * sizeof(CopyDescriptor);
+  const uintptr_t routed = std::min(prefault_end_, out_storage_ + routed_ * sizeof(CopyDescriptor));
   // Pages below the worker's last batch are written already.
   while (prefault_next_ + kPrefaultBytes <= lowered) prefault_next_ += kPrefaultBytes;
   if (prefault_next_ >= routed) return false;
@@ -224,20 +224,22 @@ void TransferLowerer::Lower(const Batch& batch) {
                          dst_.buffers[to.buffer].dtype};
     if (t.op == CopyOp::kCopy || t.from_destination) {
       // Forwarding copies what an earlier stage landed: codes and scales are already made.
-      lowered_.clear();
-      LowerCopy(box, from_end, to_end, t.from_destination, lowered_, t.group);
+      // Lowered in place: a descriptor too large for a message is rare, and cut afterwards.
+      const size_t first = out_.size();
+      LowerCopy(box, from_end, to_end, t.from_destination, out_, t.group);
       // No descriptor carries more than the whole box: only a box too large for one message
-      // needs its descriptors looked at (rare: then cut to fit).
+      // needs its descriptors looked at.
       const int64_t wire_size = std::min(DTypeSize(from_end.dtype), DTypeSize(to_end.dtype));
-      const bool may_be_too_large = box.NumElements() * wire_size > max_message_bytes_;
-      for (const CopyDescriptor& d : lowered_) {
-        if (may_be_too_large && d.WireBytes() > max_message_bytes_) {
-          split_.clear();
-          SplitDescriptor(d, max_message_bytes_, split_);
-          for (const CopyDescriptor& part : split_) out_.push_back(part);
-        } else {
-          out_.push_back(d);
+      bool too_large = false;
+      if (box.NumElements() * wire_size > max_message_bytes_) {
+        for (size_t i = first; i < out_.size(); ++i) {
+          too_large |= out_[i].WireBytes() > max_message_bytes_;
         }
+      }
+      if (too_large) {
+        lowered_.assign(out_.begin() + static_cast<ptrdiff_t>(first), out_.end());
+        out_.resize(first);
+        for (const CopyDescriptor& d : lowered_) SplitDescriptor(d, max_message_bytes_, out_);
       }
       continue;
     }

@@ -36,7 +36,7 @@ class TransferLowerer {
   // Appends to `out`, which the caller must not touch until Drain() returns. `threaded`: lower on
   // a thread of its own (else on the caller's, as batches fill).
   TransferLowerer(const Layout& source, const Layout& destination, int64_t max_message_bytes,
-                  DescriptorList& out, bool threaded);
+                  std::vector<CopyDescriptor>& out, bool threaded);
   ~TransferLowerer();  // drains
   TransferLowerer(const TransferLowerer&) = delete;
   TransferLowerer& operator=(const TransferLowerer&) = delete;
@@ -71,13 +71,12 @@ class TransferLowerer {
   const Layout& src_;
   const Layout& dst_;
   const int64_t max_message_bytes_;
-  DescriptorList& out_;
+  std::vector<CopyDescriptor>& out_;
 
   Batch filling_;  // the caller's
   // Lowering state: the worker's while it runs, else the caller's.
   absl::Status status_;
-  std::vector<CopyDescriptor> lowered_;  // one transfer's, before they join out_
-  std::vector<CopyDescriptor> split_;    // one descriptor cut to fit messages
+  std::vector<CopyDescriptor> lowered_;
   struct CachedView {
     const Layout* layout = nullptr;
     int32_t piece = -1;
@@ -92,7 +91,7 @@ class TransferLowerer {
   void ArmPrefaulting();       // the caller's, while the worker is idle
   void StopPrefaulting();      // the worker's
   bool drained_ = false;       // the caller's: Drain() returned, no batch handed over since
-  uintptr_t out_storage_ = 0;  // out_.storage() when made
+  uintptr_t out_storage_ = 0;  // out_.data() when made
   uintptr_t prefault_next_ = 0, prefault_end_ = 0;  // the caller's: next page, the reserve's end
   size_t routed_ = 0;                    // the caller's: out_.size() + transfers handed over
   std::atomic<size_t> lowered_size_{0};  // out_.size() after the worker's last batch

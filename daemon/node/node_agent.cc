@@ -396,9 +396,12 @@ absl::Status NodeAgent::Prepare(const std::shared_ptr<const InstalledPlan>& inst
                                            " of group \"", group,
                                            "\" was aborted before its PREPARE was sent"));
   }
-  // Answers about an earlier round of the same id (before a coordinator restart) are stale.
+  // Answers about an earlier round of the same id (before a coordinator restart) are stale. An
+  // ABORT that comes between the check above and the send reaches some workers first: they are
+  // not sent the PREPARE, and the wait below ends on the abort.
   REFIT_RETURN_IF_ERROR(registry_->Send(ids, RoundEventOf(request, v1::RoundEvent::PREPARE),
-                                        /*reset_prepared=*/true, /*reset_resumed=*/false));
+                                        /*reset_prepared=*/true, /*reset_resumed=*/false,
+                                        aborted.get()));
   const bool arms = backend_->ArmsRounds();
   if (arms) OfferToArm(installed, request);
   if (absl::Status s = registry_->AwaitWorkers(group, ids, request.round_id(), false, timeout,

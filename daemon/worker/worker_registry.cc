@@ -369,7 +369,8 @@ bool WorkerRegistry::Gone(LocalWorker& w) {
 }
 
 absl::Status WorkerRegistry::Send(const std::vector<std::string>& ids, const v1::RoundEvent& event,
-                                  bool reset_prepared, bool reset_resumed) {
+                                  bool reset_prepared, bool reset_resumed,
+                                  const std::atomic<int64_t>* unless_aborted) {
   std::vector<std::string> missing;
   for (const std::string& id : ids) {
     std::shared_ptr<LocalWorker> w = Find(id);
@@ -381,6 +382,8 @@ absl::Status WorkerRegistry::Send(const std::vector<std::string>& ids, const v1:
     }
     {
       absl::MutexLock lock(&w->mu);
+      // Read under the worker's lock: an ABORT queued before this point was marked before it.
+      if (unless_aborted != nullptr && unless_aborted->load() == event.round_id()) continue;
       if (reset_prepared) {
         w->prepared_round = -1;
         w->refused_round = -1;

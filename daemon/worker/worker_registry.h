@@ -140,9 +140,13 @@ class WorkerRegistry {
 
   // Round events. Queues `event` for each of `ids` that is here (ABORTED naming the first that is
   // not; every other one got its event). `reset_prepared` / `reset_resumed` forget answers to an
-  // earlier round of the same id first.
+  // earlier round of the same id first. With `unless_aborted`, the round's aborted-round mark
+  // (set before its ABORT is queued), `event` is not queued for a worker once the mark names its
+  // round: a PREPARE behind that round's ABORT would leave the worker prepared for a round whose
+  // end it has already heard.
   absl::Status Send(const std::vector<std::string>& ids, const v1::RoundEvent& event,
-                    bool reset_prepared, bool reset_resumed);
+                    bool reset_prepared, bool reset_resumed,
+                    const std::atomic<int64_t>* unless_aborted = nullptr);
   // Queues `event` for every worker of `group`.
   void SendToGroup(const std::string& group, const v1::RoundEvent& event);
   // Until each of `ids` answered `round_id` (resumed: COMMIT, else PREPARE), or one left or

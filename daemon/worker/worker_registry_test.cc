@@ -355,5 +355,41 @@ TEST_CASE("a COMMIT's failure names every worker that left, before it was sent a
         "workers \"policy/e0\", \"policy/e2\", \"policy/e3\" left node 1 before the commit");
 }
 
+TEST_CASE("a PREPARE is never queued behind its own round's ABORT") {
+  Node node;
+  REQUIRE(node.Register(testing::Registration("e0", v1::INFERENCE, 0, 8, 1)).ok());
+  LocalWorker& w = *node.registry.Find("policy/e0");
+  std::atomic<int64_t> aborted{-1};
+  v1::RoundEvent abort, prepare;
+  abort.set_kind(v1::RoundEvent::ABORT);
+  abort.set_round_id(16);
+  prepare.set_kind(v1::RoundEvent::PREPARE);
+  prepare.set_round_id(16);
+
+  // The node's ABORT of round 16 marks the round, then queues its event; the PREPARE of the same
+  // round, sent on another thread after that, must not follow it.
+  aborted.store(16);
+  REQUIRE(node.registry.Send({"policy/e0"}, abort, false, false).ok());
+  REQUIRE(node.registry.Send({"policy/e0"}, prepare, true, false, &aborted).ok());
+  auto first = node.registry.NextForSession(w);
+  REQUIRE(first.event.has_value());
+  CHECK(first.event->kind() == v1::RoundEvent::ABORT);
+  CHECK_FALSE(node.registry.NextForSession(w).event.has_value());
+
+  // The next round (the mark names another) is queued, and so is round 16 once the mark is
+  // cleared (round ids start again after a coordinator restart).
+  prepare.set_round_id(17);
+  REQUIRE(node.registry.Send({"policy/e0"}, prepare, true, false, &aborted).ok());
+  aborted.store(-1);
+  prepare.set_round_id(16);
+  REQUIRE(node.registry.Send({"policy/e0"}, prepare, true, false, &aborted).ok());
+  for (int64_t round : {17, 16}) {
+    auto next = node.registry.NextForSession(w);
+    REQUIRE(next.event.has_value());
+    CHECK(next.event->kind() == v1::RoundEvent::PREPARE);
+    CHECK(next.event->round_id() == round);
+  }
+}
+
 }  // namespace
 }  // namespace refit

@@ -230,7 +230,10 @@ class PartitionTest(unittest.TestCase):
     def finish(self):
         sys.stderr.write(f"\n  [{self._testMethodName}] " + "; ".join(self.seen) + "\n")
         if self.problems:
-            tails = "\n".join(f"--- daemon {d.node}:\n{d.tail(20)}" for d in self.cluster.daemons)
+            tails = "\n".join(f"--- daemon {d.node}:\n{d.tail(40 if d.node == CUT_NODE else 20)}"
+                              for d in self.cluster.daemons)
+            tails += "".join(f"\n--- {key}'s report:\n" + "\n".join(self.reports.lines(key)[-12:])
+                             for key in self.engines(CUT_NODE))
             self.fail("\n  - " + "\n  - ".join(self.problems) + "\n" + tails)
 
     def status_lies(self) -> List[str]:

@@ -551,6 +551,12 @@ class Worker:
             self._round_ended(ended)
         with self._mu:
             if e.kind == kinds.PREPARE:
+                # A round still open here when the next begins never ended for this worker (its end
+                # was lost, or its PREPARE overtook its own ABORT): the daemon is past it, and so
+                # is whoever serves it, or else it is dropped unserved.
+                if ended is not None and not self._drop_pending_prepare(ended):
+                    self._events.append(("SUPERSEDED", ended, 0,
+                                         f"round {ended} never ended here: round {e.round_id} began"))
                 self._in_round = e.round_id
                 if self._inference:
                     self._version = 0  # the tensors are about to change
@@ -572,10 +578,12 @@ class Worker:
         if self._on_round_end:
             self._call_safely(self._on_round_end, round_id)
 
-    def _drop_pending_prepare(self, round_id: int) -> None:  # _mu held
+    def _drop_pending_prepare(self, round_id: int) -> bool:  # _mu held; whether one was dropped
         kept = [x for x in self._events if not (x[0] == "PREPARE" and x[1] == round_id)]
+        dropped = len(kept) != len(self._events)
         self._events.clear()
         self._events.extend(kept)
+        return dropped
 
     def _send(self, message: Any) -> None:
         with self._mu:
@@ -633,7 +641,7 @@ class Worker:
         ended = time.monotonic()
         if kind == "COMMIT":
             self._commit(round_id, version2)
-        else:
+        else:  # ABORT; LOST or SUPERSEDED: nobody waits for an acknowledgement
             self._finish_abort(round_id, reason, kind == "ABORT")
         committed = kind == "COMMIT"
         return Round(round_id, version2 if committed else version, committed, "" if committed else reason,

@@ -177,6 +177,35 @@ class Rounds(ArenaCluster):
             self.workers[-1].serve(timeout=0)  # the engine is not blocking
 
 
+    def test_a_round_whose_end_never_came_does_not_hold_up_the_next(self):
+        """A PREPARE that overtook its own round's ABORT leaves the engine prepared for a round
+        that is over; the next round's PREPARE must still be served (not after a 600 s wait)."""
+        from refit._proto import refit_pb2
+        prepared, aborted = [], []
+        self.trainers()
+        engine = self.worker(1, "inference", ENGINE, "engine", on_prepare=prepared.append,
+                             on_abort=lambda reason, round_id: aborted.append((round_id, reason)))
+        self.ctl.wait_ready("g", timeout=20)
+        kinds = refit_pb2.RoundEvent
+
+        def arrive(kind, round_id, version):  # as the session thread queues what the daemon sent
+            engine._enqueue(refit_pb2.RoundEvent(kind=kind, round_id=round_id, version=version))
+
+        arrive(kinds.ABORT, 900, 5)
+        arrive(kinds.PREPARE, 900, 5)
+        harness.wait_for(lambda: prepared == [5], 5, f"on_prepare(5): {prepared}")
+        arrive(kinds.PREPARE, 901, 6)
+        harness.wait_for(lambda: prepared == [5, 6], 5, f"on_prepare(6) after round 900 never ended: {prepared}")
+        self.assertEqual([r for r, _ in aborted], [900, 900], aborted)
+        self.assertIn("round 900 never ended here: round 901 began", aborted[1][1])
+        self.assertTrue(engine.round_is_open(901))
+        arrive(kinds.ABORT, 901, 6)
+        harness.wait_for(lambda: len(aborted) == 3, 5, f"on_abort of round 901: {aborted}")
+        # The daemon's next round is served as ever, and the engine holds its version.
+        self.assertTrue(self.ctl.refit("g", 7, timeout=30).committed)
+        harness.wait_for(lambda: engine.version == 7, 5, f"the engine at version 7: {engine.version}")
+        self.assertEqual(prepared, [5, 6, 7])
+
     def test_open_watch_returns_once_open_and_sees_the_next_round_whole(self):
         self.trainers()
         self.worker(1, "inference", ENGINE, "engine")

@@ -24,7 +24,8 @@ Which round: a callback with a parameter named `round_id` (`def on_abort(reason,
 is also passed the round's id; one without it is called as before. `round_is_open(round_id)`
 says whether that round is still in flight as this worker knows it, and `on_round_end(round_id)`
 is called the moment the worker learns a round ended (its ABORT or COMMIT received, a later
-round's PREPARE, the session lost, the worker closed), before on_commit/on_abort run in turn:
+round's PREPARE, the session lost, the worker closed), before on_commit/on_abort run in turn
+(a served round ended by a later PREPARE gets its on_abort, "never ended here"):
 an on_prepare that waits for something (an engine's update window) uses them to stop waiting
 for a round that is over, and an on_abort to tell a stale round's ABORT from the current one's.
 

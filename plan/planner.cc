@@ -12,6 +12,7 @@
 #include "absl/strings/str_cat.h"
 #include "plan/huge_pages.h"
 #include "plan/lower.h"
+#include "plan/message_cutter.h"
 #include "plan/region_set.h"
 #include "plan/status_macros.h"
 #include "plan/transfer_lowering.h"
@@ -198,8 +199,6 @@ class Planner {
   // lowerer (which must be drained first, to keep the descriptors in order).
   void Append(int32_t group);
   void BuildMessages();
-  // fn(from, to) over [0, n) cut into one range per planning thread, run at once.
-  void ForRanges(size_t n, const std::function<void(size_t, size_t)>& fn) const;
   void ComputeCost();
 
   const Layout& src_;
@@ -235,6 +234,7 @@ class Planner {
   std::vector<int32_t> group_table_;                 // [stage][src gpu][dst gpu] -> group
   std::vector<Group> groups_;
   std::vector<CopyDescriptor> lowered_;
+  std::optional<MessageCutter> cutter_;  // every descriptor's message, as it is made
 
   // Scratch reused across tensors.
   RegionSet src_regions_, need_regions_;
@@ -355,7 +355,8 @@ absl::StatusOr<Plan> Planner::Run() {
   plan_.first_scratch_buffer = static_cast<int32_t>(dst_.buffers.size());
   threads_ =
       opt_.threads > 0 ? opt_.threads : std::max<int32_t>(1, std::thread::hardware_concurrency());
-  lowerer_.emplace(src_, dst_, opt_.max_message_bytes, plan_.descriptors, threads_ > 1);
+  cutter_.emplace(opt_.max_message_bytes);
+  lowerer_.emplace(src_, dst_, opt_.max_message_bytes, plan_.descriptors, *cutter_, threads_ > 1);
   const absl::Status routed = RouteTensors();
   // A lowering error was made by a transfer routed before whatever stopped the routing.
   REFIT_RETURN_IF_ERROR(lowerer_->Drain());
@@ -1006,6 +1007,7 @@ int32_t Planner::Account(int32_t from_gpu, int32_t to_gpu, int64_t bytes, int64_
 }
 
 void Planner::Append(int32_t group) {
+  const size_t first = plan_.descriptors.size();
   for (CopyDescriptor& d : lowered_) {
     d.message = group;
     if (d.Quantizes() || d.WireBytes() <= opt_.max_message_bytes) {
@@ -1014,15 +1016,10 @@ void Planner::Append(int32_t group) {
       SplitDescriptor(d, opt_.max_message_bytes, plan_.descriptors);
     }
   }
-}
-
-void Planner::ForRanges(size_t n, const std::function<void(size_t, size_t)>& fn) const {
-  const size_t ranges = std::clamp<size_t>(threads_, 1, 1 + n / (size_t{1} << 16));
-  std::vector<std::thread> helpers;
-  for (size_t k = 1; k < ranges; ++k)
-    helpers.emplace_back(fn, n * k / ranges, n * (k + 1) / ranges);
-  fn(0, n / ranges);
-  for (std::thread& t : helpers) t.join();
+  for (size_t i = first; i < plan_.descriptors.size(); ++i) {
+    CopyDescriptor& d = plan_.descriptors[i];
+    d.message = cutter_->Add(group, d.WireBytes());
+  }
 }
 
 void Planner::BuildMessages() {
@@ -1035,57 +1032,35 @@ void Planner::BuildMessages() {
            std::tie(groups_[b].stage, groups_[b].src_gpu, groups_[b].dst_gpu);
   });
   for (size_t r = 0; r < G; ++r) rank[order[r]] = static_cast<int32_t>(r);
-  // The descriptors are hundreds of MB: read once (on every thread) into 12 bytes each, worked
-  // on there, and written once, rather than visited in message order.
+  // The messages were cut as the descriptors were made (MessageCutter): here they are put in
+  // execution order, and each descriptor's message renumbered, in one pass over the descriptors.
+  const std::vector<MessageCutter::Cut>& cuts = cutter_->messages();
+  const std::vector<int32_t> in_order = cutter_->ExecutionOrder(rank);
+  std::vector<int32_t> final_id(cuts.size());
+  std::vector<int64_t> next(cuts.size());
+  plan_.messages.reserve(cuts.size());
+  int64_t first = 0;
+  for (size_t r = 0; r < in_order.size(); ++r) {
+    const MessageCutter::Cut& c = cuts[in_order[r]];
+    const Group& g = groups_[c.group];
+    const Message m{g.src_gpu, g.dst_gpu, g.stage, g.link, c.bytes, first, c.descriptors};
+    stage_tail_[m.stage] = std::max(stage_tail_[m.stage], m.bytes / LinkBytesPerSecond(m.link));
+    plan_.stats.stages = std::max<int32_t>(plan_.stats.stages, m.stage + 1);
+    plan_.messages.push_back(m);
+    final_id[in_order[r]] = static_cast<int32_t>(r);
+    next[r] = first;
+    first += c.descriptors;
+  }
   std::vector<CopyDescriptor>& desc = plan_.descriptors;
-  // Left uninitialized: their pages are first touched on every thread below, not zeroed on one.
-  const std::unique_ptr<int32_t[]> group_rank(new int32_t[desc.size()]);  // then each message
-  const std::unique_ptr<int64_t[]> wire_bytes(new int64_t[desc.size()]);
-  AdviseHugePages(group_rank.get(), desc.size() * sizeof(int32_t));
-  AdviseHugePages(wire_bytes.get(), desc.size() * sizeof(int64_t));
-  ForRanges(desc.size(), [&](size_t from, size_t to) {
-    for (size_t i = from; i < to; ++i) {
-      group_rank[i] = rank[desc[i].message];
-      wire_bytes[i] = desc[i].WireBytes();
-    }
-  });
-  // Counting sort of descriptor indices by group rank: no copy of the descriptors themselves.
-  std::vector<int64_t> begin(G + 1, 0);
-  for (size_t i = 0; i < desc.size(); ++i) ++begin[group_rank[i] + 1];
-  std::partial_sum(begin.begin(), begin.end(), begin.begin());
   std::vector<int64_t>& index = plan_.message_descriptors;
   index.reserve(desc.size());
   AdviseHugePages(index.data(), index.capacity() * sizeof(int64_t));
   index.resize(desc.size());
-  {
-    std::vector<int64_t> next(begin.begin(), begin.end() - 1);
-    for (size_t i = 0; i < desc.size(); ++i) index[next[group_rank[i]]++] = static_cast<int64_t>(i);
+  for (size_t i = 0; i < desc.size(); ++i) {
+    const int32_t m = final_id[desc[i].message];
+    desc[i].message = m;
+    index[next[m]++] = static_cast<int64_t>(i);
   }
-  // Cut each group into messages of at most max_message_bytes.
-  for (size_t r = 0; r < G; ++r) {
-    const Group& g = groups_[order[r]];
-    Message m{g.src_gpu, g.dst_gpu, g.stage, g.link, 0, begin[r], 0};
-    auto close = [&] {
-      if (m.num_descriptors == 0) return;
-      stage_tail_[m.stage] = std::max(stage_tail_[m.stage], m.bytes / LinkBytesPerSecond(m.link));
-      plan_.stats.stages = std::max<int32_t>(plan_.stats.stages, m.stage + 1);
-      plan_.messages.push_back(m);
-      m.first_descriptor += m.num_descriptors;
-      m.num_descriptors = 0;
-      m.bytes = 0;
-    };
-    for (int64_t i = begin[r]; i < begin[r + 1]; ++i) {
-      const int64_t bytes = wire_bytes[index[i]];
-      if (m.bytes + bytes > opt_.max_message_bytes) close();
-      group_rank[index[i]] = static_cast<int32_t>(plan_.messages.size());
-      m.bytes += bytes;
-      ++m.num_descriptors;
-    }
-    close();
-  }
-  ForRanges(desc.size(), [&](size_t from, size_t to) {
-    for (size_t i = from; i < to; ++i) desc[i].message = group_rank[i];
-  });
   plan_.stats.descriptors = static_cast<int64_t>(desc.size());
   plan_.stats.messages = static_cast<int64_t>(plan_.messages.size());
 }

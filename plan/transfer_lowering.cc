@@ -52,8 +52,12 @@ bool SameShapeView(const Box& tensor_box, const Box& buffer_box, const Dims& buf
 
 TransferLowerer::TransferLowerer(const Layout& source, const Layout& destination,
                                  int64_t max_message_bytes, std::vector<CopyDescriptor>& out,
-                                 bool threaded)
-    : src_(source), dst_(destination), max_message_bytes_(max_message_bytes), out_(out) {
+                                 MessageCutter& cutter, bool threaded)
+    : src_(source),
+      dst_(destination),
+      max_message_bytes_(max_message_bytes),
+      out_(out),
+      cutter_(cutter) {
   if (threaded) {
     ArmPrefaulting();
     worker_ = std::thread([this] { Work(); });
@@ -222,10 +226,10 @@ void TransferLowerer::Lower(const Batch& batch) {
                            from.buffer, from_layout.buffers[from.buffer].dtype};
     const CopyEnd to_end{&dst_.tensor_box(to), ViewOfPiece(dst_, t.to_piece, 1), to.buffer,
                          dst_.buffers[to.buffer].dtype};
+    const size_t first = out_.size();
     if (t.op == CopyOp::kCopy || t.from_destination) {
       // Forwarding copies what an earlier stage landed: codes and scales are already made.
       // Lowered in place: a descriptor too large for a message is rare, and cut afterwards.
-      const size_t first = out_.size();
       LowerCopy(box, from_end, to_end, t.from_destination, out_, t.group);
       // No descriptor carries more than the whole box: only a box too large for one message
       // needs its descriptors looked at.
@@ -241,15 +245,20 @@ void TransferLowerer::Lower(const Batch& batch) {
         out_.resize(first);
         for (const CopyDescriptor& d : lowered_) SplitDescriptor(d, max_message_bytes_, out_);
       }
-      continue;
+    } else {
+      lowered_.clear();
+      absl::Status lowered =
+          LowerQuantize(t.op, box, *t.quant, from_end, to_end, false, max_message_bytes_, lowered_);
+      if (!lowered.ok() && status_.ok()) status_ = std::move(lowered);
+      for (CopyDescriptor& d : lowered_) {
+        d.message = t.group;
+        out_.push_back(d);  // quantizing ops were cut at block boundaries already
+      }
     }
-    lowered_.clear();
-    absl::Status lowered =
-        LowerQuantize(t.op, box, *t.quant, from_end, to_end, false, max_message_bytes_, lowered_);
-    if (!lowered.ok() && status_.ok()) status_ = std::move(lowered);
-    for (CopyDescriptor& d : lowered_) {
-      d.message = t.group;
-      out_.push_back(d);  // quantizing ops were cut at block boundaries already
+    // Into messages while the descriptors are in cache: `message` was the group, becomes the id.
+    for (size_t i = first; i < out_.size(); ++i) {
+      CopyDescriptor& d = out_[i];
+      d.message = cutter_.Add(d.message, d.WireBytes());
     }
   }
 }

@@ -16,6 +16,7 @@
 #include "absl/synchronization/mutex.h"
 #include "plan/layout.h"
 #include "plan/lower.h"
+#include "plan/message_cutter.h"
 #include "plan/plan.h"
 
 namespace refit {
@@ -33,10 +34,11 @@ struct RoutedTransfer {
 
 class TransferLowerer {
  public:
-  // Appends to `out`, which the caller must not touch until Drain() returns. `threaded`: lower on
-  // a thread of its own (else on the caller's, as batches fill).
+  // Appends to `out`, which the caller must not touch until Drain() returns, each descriptor's
+  // `message` the id `cutter` gives it (which the caller likewise leaves alone until then).
+  // `threaded`: lower on a thread of its own (else on the caller's, as batches fill).
   TransferLowerer(const Layout& source, const Layout& destination, int64_t max_message_bytes,
-                  std::vector<CopyDescriptor>& out, bool threaded);
+                  std::vector<CopyDescriptor>& out, MessageCutter& cutter, bool threaded);
   ~TransferLowerer();  // drains
   TransferLowerer(const TransferLowerer&) = delete;
   TransferLowerer& operator=(const TransferLowerer&) = delete;
@@ -72,6 +74,7 @@ class TransferLowerer {
   const Layout& dst_;
   const int64_t max_message_bytes_;
   std::vector<CopyDescriptor>& out_;
+  MessageCutter& cutter_;
 
   Batch filling_;  // the caller's
   // Lowering state: the worker's while it runs, else the caller's.

@@ -1,0 +1,52 @@
+// Cutting each group's descriptors into messages as the descriptors are made, rather than after:
+// a group (stage, sending GPU, receiving GPU) is cut in the order its descriptors come, into
+// messages of at most max_message_bytes (a descriptor larger than that alone in one), exactly as
+// a pass over the finished plan would cut it. Done on the fly, the cutting needs no per-descriptor
+// arrays and no second read of the descriptors (hundreds of MB for a frontier model), only a
+// final pass that renumbers each descriptor's message into execution order.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <vector>
+
+namespace refit {
+
+class MessageCutter {
+ public:
+  explicit MessageCutter(int64_t max_message_bytes) : max_bytes_(max_message_bytes) {}
+
+  // The next descriptor of `group`, of `wire_bytes`: returns its message's id, in the order
+  // messages were opened.
+  int32_t Add(int32_t group, int64_t wire_bytes) {
+    if (static_cast<size_t>(group) >= open_.size()) open_.resize(group + size_t{1}, -1);
+    int32_t& open = open_[group];
+    if (open < 0 || (messages_[open].bytes + wire_bytes > max_bytes_)) {
+      open = static_cast<int32_t>(messages_.size());
+      messages_.push_back({group, 0, 0});
+    }
+    Cut& m = messages_[open];
+    m.bytes += wire_bytes;
+    ++m.descriptors;
+    return open;
+  }
+
+  struct Cut {
+    int32_t group;
+    int64_t bytes;
+    int64_t descriptors;
+  };
+  // By id (the order they were opened); a group's messages in the order of its descriptors.
+  const std::vector<Cut>& messages() const { return messages_; }
+
+  // The ids in execution order: by `group_rank[group]`, then in the order each group's messages
+  // were opened.
+  std::vector<int32_t> ExecutionOrder(const std::vector<int32_t>& group_rank) const;
+
+ private:
+  const int64_t max_bytes_;
+  std::vector<int32_t> open_;  // per group: its message being filled, or -1
+  std::vector<Cut> messages_;
+};
+
+}  // namespace refit

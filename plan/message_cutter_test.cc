@@ -37,7 +37,7 @@ TEST_CASE("cut on the fly, interleaved groups come out as a pass over each group
   const int64_t limit = 1000;
   MessageCutter cutter(limit);
   std::map<int32_t, std::vector<int64_t>> by_group;  // each group's descriptors, in order
-  std::vector<std::pair<int32_t, int32_t>> given;     // (group, message id) per descriptor
+  std::vector<std::pair<int32_t, int32_t>> given;    // (group, message id) per descriptor
   for (int i = 0; i < 20000; ++i) {
     const int32_t group = static_cast<int32_t>(rng() % 37);
     const int64_t bytes = rng() % 16 == 0 ? limit + rng() % 500 : 1 + rng() % 400;

@@ -10,6 +10,8 @@
 #include <cstdint>
 #include <vector>
 
+#include "plan/plan.h"
+
 namespace refit {
 
 class MessageCutter {
@@ -29,6 +31,15 @@ class MessageCutter {
     m.bytes += wire_bytes;
     ++m.descriptors;
     return open;
+  }
+
+  // Descriptors [first, end) of `descriptors`, just made, each with its group as `message`:
+  // each gets its message's id instead.
+  void CutFrom(std::vector<CopyDescriptor>& descriptors, size_t first) {
+    for (size_t i = first; i < descriptors.size(); ++i) {
+      CopyDescriptor& d = descriptors[i];
+      d.message = Add(d.message, d.WireBytes());
+    }
   }
 
   struct Cut {

@@ -32,6 +32,19 @@ TEST_CASE("a group's descriptors fill a message up to the limit, then open the n
   CHECK(cutter.ExecutionOrder({0, 1}) == std::vector<int32_t>{0, 1, 4, 2, 3});
 }
 
+TEST_CASE("descriptors just made, their group in `message`, get their message's id") {
+  std::vector<CopyDescriptor> made(4);
+  for (CopyDescriptor& d : made) d.inner = 30;  // 30 bf16 elements: 60 bytes on the wire
+  made[0].message = 0, made[1].message = 0, made[2].message = 5, made[3].message = 0;
+  MessageCutter cutter(100);
+  cutter.CutFrom(made, 1);  // the first is left as it is
+  CHECK(made[0].message == 0);
+  CHECK(made[1].message == 0);  // group 0's first message
+  CHECK(made[2].message == 1);  // group 5's
+  CHECK(made[3].message == 2);  // 120 bytes would not fit group 0's first
+  CHECK(cutter.messages()[2].group == 0);
+}
+
 TEST_CASE("cut on the fly, interleaved groups come out as a pass over each group would cut them") {
   std::mt19937 rng(7);
   const int64_t limit = 1000;

@@ -2,8 +2,6 @@
 
 #include <algorithm>
 #include <chrono>
-#include <functional>
-#include <memory>
 #include <numeric>
 #include <optional>
 #include <thread>
@@ -1016,10 +1014,7 @@ void Planner::Append(int32_t group) {
       SplitDescriptor(d, opt_.max_message_bytes, plan_.descriptors);
     }
   }
-  for (size_t i = first; i < plan_.descriptors.size(); ++i) {
-    CopyDescriptor& d = plan_.descriptors[i];
-    d.message = cutter_->Add(group, d.WireBytes());
-  }
+  cutter_->CutFrom(plan_.descriptors, first);
 }
 
 void Planner::BuildMessages() {

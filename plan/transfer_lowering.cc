@@ -255,11 +255,7 @@ void TransferLowerer::Lower(const Batch& batch) {
         out_.push_back(d);  // quantizing ops were cut at block boundaries already
       }
     }
-    // Into messages while the descriptors are in cache: `message` was the group, becomes the id.
-    for (size_t i = first; i < out_.size(); ++i) {
-      CopyDescriptor& d = out_[i];
-      d.message = cutter_.Add(d.message, d.WireBytes());
-    }
+    cutter_.CutFrom(out_, first);  // into messages while the descriptors are in cache
   }
 }
 

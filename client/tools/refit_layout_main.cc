@@ -2,8 +2,7 @@
 // config.json and a parallel configuration, as layout JSON (docs/LAYOUTS.md).
 //
 //   refit-layout --config llama3-8b.json --side trainer --tp 4 --pp 2 --dp 2 -o trainer.json
-//   refit-layout --config llama3-8b.json --side inference --tp 2 --dp 2 --first-node 2 \
-//       -o engine.json
+//   refit-layout --config llama3-8b.json --side inference --tp 2 --dp 2 --first-node 2 -o e.json
 //   refit-layout --config llama3-8b.json --side trainer --fsdp2 8 [--dp 2] -o fsdp2.json
 //
 // A config with an fp8 quantization_config (DeepSeek-V3 as shipped) gives an fp8 engine layout

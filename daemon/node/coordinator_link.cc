@@ -1,5 +1,6 @@
 #include "daemon/node/coordinator_link.h"
 
+#include <algorithm>
 #include <fstream>
 #include <sstream>
 
@@ -233,8 +234,12 @@ absl::Status CoordinatorLink::Send(const v1::SyncWorkersRequest& sync,
   // A change refused for its base leaves the list held as it was: the whole list follows at once.
   if (s.code() == absl::StatusCode::kAborted && sync.delta()) return s;
   // Under `sync_order_`: the last sync's outcome is what the coordinator holds. A failed one may
-  // still have been applied; sending the whole list again is harmless.
-  acked_sequence_ = s.ok() ? sync.sequence() : 0;
+  // still have been applied; sending the whole list again is harmless. A change refused because
+  // this node has not (re)joined was not applied at all: the coordinator still holds, or keeps
+  // aside while the node is dead, the list it was based on, and a change onto that list revives
+  // it, rather than the whole list again (tens of MB for a node of large workers).
+  const bool not_applied = s.code() == absl::StatusCode::kFailedPrecondition && sync.delta();
+  if (!not_applied) acked_sequence_ = s.ok() ? sync.sequence() : 0;
   absl::MutexLock lock(&mu_);
   sync_owed_ = !s.ok();
   if (sync_owed_) {
@@ -247,6 +252,7 @@ absl::Status CoordinatorLink::Send(const v1::SyncWorkersRequest& sync,
 }
 
 absl::Status CoordinatorLink::SyncAllLocked(std::vector<v1::WorkerRefusal>* refused) {
+  unsent_removals_.clear();  // the whole list is without them
   v1::SyncWorkersRequest sync = NumberedRequest();
   for (v1::RegisterWorkerRequest& w : options_.snapshot()) *sync.add_workers() = std::move(w);
   return Send(sync, refused);
@@ -270,8 +276,18 @@ absl::Status CoordinatorLink::SyncChange(v1::RegisterWorkerRequest* added,
     // Moved, not copied: a registration is as large as its pieces, and while it is sent the node
     // already holds it kept (LocalWorker::wire), as received and as gRPC serialized it.
     if (added != nullptr) *sync.add_workers() = std::move(*added);
+    for (const std::string& id : unsent_removals_) sync.add_removed(id);
     if (!removed.empty()) sync.add_removed(removed);
     const absl::Status s = Send(sync, refused);
+    if (s.code() == absl::StatusCode::kFailedPrecondition) {
+      // Not applied: this node has not joined (again) yet. A departure goes with the next change;
+      // a registration is refused to its worker, which registers again.
+      if (!removed.empty() && std::find(unsent_removals_.begin(), unsent_removals_.end(),
+                                        removed) == unsent_removals_.end())
+        unsent_removals_.push_back(removed);
+      return s;
+    }
+    if (s.ok()) unsent_removals_.clear();
     if (s.code() != absl::StatusCode::kAborted) return s;
     Logger("rpc")->info(
         "the coordinator holds another list of this node's workers ({}); sending "

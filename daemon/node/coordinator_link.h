@@ -170,6 +170,9 @@ class CoordinatorLink {
   // The last sync that succeeded (0: none, or a later one failed): the list the coordinator holds,
   // the base of a change.
   int64_t acked_sequence_ ABSL_GUARDED_BY(sync_order_) = 0;
+  // Departures in changes the coordinator refused, unapplied, while this node was not joined: sent
+  // with the next change onto acked_sequence_ (a whole list has them gone). At most one per worker.
+  std::vector<std::string> unsent_removals_ ABSL_GUARDED_BY(sync_order_);
 
   absl::Mutex mu_;
   absl::CondVar stop_;

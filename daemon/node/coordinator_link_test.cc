@@ -378,6 +378,42 @@ TEST_CASE(
   CHECK(r.link->SyncTimeout(80'000'000) == absl::Milliseconds(300) + absl::Seconds(10));
 }
 
+// A change sent while the node was dead and had not yet heartbeated again was refused unapplied,
+// yet the node then took the coordinator's list for unknown and sent its whole list: tens of MB
+// for a node of large workers, where the coordinator kept the list to revive with a change.
+TEST_CASE(
+    "coordinator link: a change refused before the node rejoined follows as a change onto the "
+    "list kept for it, a departure included") {
+  Rejoin r(/*heartbeat=*/absl::Milliseconds(400));
+  const FakeCoordinator::Seen start = r.coordinator.seen();
+  REQUIRE(r.membership.MarkDead(1, "declared dead by the test"));
+  {
+    absl::MutexLock lock(&r.mu);
+    r.workers.erase(r.workers.begin());  // i0 leaves while the node is dead
+  }
+  const absl::Status refused = r.link->SyncRemoved("policy/i0");
+  CHECK(refused.code() == absl::StatusCode::kFailedPrecondition);
+  CHECK(refused.message().find("has not joined") != std::string::npos);
+  // The next heartbeat rejoins the node; its resync is a change onto the kept list, with i0 gone.
+  CHECK(r.Converges(1));
+  const FakeCoordinator::Seen now = r.coordinator.seen();
+  CHECK(now.whole_lists == start.whole_lists);
+  CHECK(now.changes >= start.changes + 2);
+  std::vector<std::string> names;
+  for (const auto& [node, w] : r.membership.Group("policy", false).workers)
+    if (node == 1) names.push_back(w.worker().name());
+  CHECK(names == std::vector<std::string>{"i1"});
+  // And the list the coordinator holds is the base of the next change.
+  const v1::RegisterWorkerRequest i2 = Registration("i2", v1::INFERENCE, 0, 8, 1, "other");
+  {
+    absl::MutexLock lock(&r.mu);
+    r.workers.push_back(i2);
+  }
+  REQUIRE(r.link->SyncAdded(i2).ok());
+  CHECK(r.membership.Group("other", false).inference == 1);
+  CHECK(r.coordinator.seen().whole_lists == start.whole_lists);
+}
+
 // Resyncs were sent from the heartbeat thread: a list that took longer than the death verdict to
 // send held up the heartbeats, the node was declared dead for it, and asked for the list again.
 TEST_CASE("coordinator link: heartbeats go on while a sync is on its way") {

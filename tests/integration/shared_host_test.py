@@ -344,7 +344,7 @@ class SilentConnectionSuite(unittest.TestCase):
     the daemon hands to gRPC itself, with no handshake deadline) and on the control port; callers
     that speak gRPC answer the pings and are kept."""
 
-    KEEPALIVE_S = 1.0
+    KEEPALIVE_S = 2.0
 
     @classmethod
     def setUpClass(cls):

@@ -6,6 +6,13 @@
 
 namespace refit {
 
+void MessageCutter::TakeMark(size_t descriptors) {
+  Mark& m = mark_.emplace();
+  m.descriptors = descriptors;
+  m.per_message.reserve(messages_.size());
+  for (const Cut& c : messages_) m.per_message.push_back(c.descriptors);
+}
+
 std::vector<int32_t> MessageCutter::ExecutionOrder(const std::vector<int32_t>& group_rank) const {
   std::vector<int32_t> order(messages_.size());
   std::iota(order.begin(), order.end(), 0);

@@ -8,11 +8,18 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <optional>
 #include <vector>
 
 #include "plan/plan.h"
 
 namespace refit {
+
+// What each message held when the cutter had seen a given number of descriptors.
+struct MessageCutMark {
+  size_t descriptors = 0;            // descriptors [0, this) were cut when it was taken
+  std::vector<int64_t> per_message;  // by message id; messages opened later held none
+};
 
 class MessageCutter {
  public:
@@ -40,7 +47,14 @@ class MessageCutter {
       CopyDescriptor& d = descriptors[i];
       d.message = Add(d.message, d.WireBytes());
     }
+    if (!mark_.has_value() && descriptors.size() >= mark_after_) TakeMark(descriptors.size());
   }
+
+  // Once CutFrom has seen `descriptors` descriptors in all, it notes how many each message then
+  // held (mark()): the final pass over the descriptors may then run in two parts at once.
+  void MarkAfter(size_t descriptors) { mark_after_ = descriptors; }
+  using Mark = MessageCutMark;
+  const std::optional<Mark>& mark() const { return mark_; }
 
   struct Cut {
     int32_t group;
@@ -55,9 +69,13 @@ class MessageCutter {
   std::vector<int32_t> ExecutionOrder(const std::vector<int32_t>& group_rank) const;
 
  private:
+  void TakeMark(size_t descriptors);
+
   const int64_t max_bytes_;
   std::vector<int32_t> open_;  // per group: its message being filled, or -1
   std::vector<Cut> messages_;
+  size_t mark_after_ = SIZE_MAX;
+  std::optional<Mark> mark_;
 };
 
 }  // namespace refit

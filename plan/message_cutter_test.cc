@@ -45,6 +45,36 @@ TEST_CASE("descriptors just made, their group in `message`, get their message's 
   CHECK(cutter.messages()[2].group == 0);
 }
 
+// The planner's final pass runs in two parts at once from the mark: what each message held when
+// the descriptors before the mark had been cut is where the second part's descriptors go.
+TEST_CASE("the mark is what each message held once the descriptors before it were cut") {
+  std::mt19937 rng(11);
+  MessageCutter cutter(500);
+  cutter.MarkAfter(1000);
+  std::vector<CopyDescriptor> made;
+  while (made.size() < 3000) {
+    const size_t first = made.size();
+    for (uint32_t k = 1 + rng() % 3; k > 0; --k) {  // a transfer: a descriptor or a few
+      CopyDescriptor& d = made.emplace_back();
+      d.inner = 1 + rng() % 200;
+      d.message = static_cast<int32_t>(rng() % 9);
+    }
+    cutter.CutFrom(made, first);
+    if (made.size() < 1000) CHECK_FALSE(cutter.mark().has_value());
+  }
+  REQUIRE(cutter.mark().has_value());
+  const MessageCutter::Mark& mark = *cutter.mark();
+  CHECK(mark.descriptors >= 1000);
+  CHECK(mark.descriptors < 1003);  // taken after the transfer that reached it
+  std::vector<int64_t> before(cutter.messages().size(), 0);
+  for (size_t i = 0; i < mark.descriptors; ++i) ++before[made[i].message];
+  REQUIRE(mark.per_message.size() <= before.size());
+  for (size_t m = 0; m < before.size(); ++m) {
+    INFO("message " << m);
+    CHECK(before[m] == (m < mark.per_message.size() ? mark.per_message[m] : 0));
+  }
+}
+
 TEST_CASE("cut on the fly, interleaved groups come out as a pass over each group would cut them") {
   std::mt19937 rng(7);
   const int64_t limit = 1000;

@@ -354,6 +354,8 @@ absl::StatusOr<Plan> Planner::Run() {
   threads_ =
       opt_.threads > 0 ? opt_.threads : std::max<int32_t>(1, std::thread::hardware_concurrency());
   cutter_.emplace(opt_.max_message_bytes);
+  // Halfway through the descriptors (about one per destination piece), for the final pass.
+  if (threads_ > 1) cutter_->MarkAfter(dst_.pieces.size() / 2);
   lowerer_.emplace(src_, dst_, opt_.max_message_bytes, plan_.descriptors, *cutter_, threads_ > 1);
   const absl::Status routed = RouteTensors();
   // A lowering error was made by a transfer routed before whatever stopped the routing.
@@ -370,7 +372,17 @@ absl::StatusOr<Plan> Planner::Run() {
 }
 
 absl::Status Planner::RouteTensors() {
-  const PiecesByTensor src_by_tensor(src_), dst_by_tensor(dst_);
+  // Each a pass over a layout's millions of pieces: the two at once.
+  std::optional<PiecesByTensor> dst_index;
+  std::thread indexing;
+  if (threads_ > 1) indexing = std::thread([&] { dst_index.emplace(dst_); });
+  const PiecesByTensor src_by_tensor(src_);
+  if (indexing.joinable()) {
+    indexing.join();
+  } else {
+    dst_index.emplace(dst_);
+  }
+  const PiecesByTensor& dst_by_tensor = *dst_index;
   for (size_t t = 0; t < dst_.tensors.size(); ++t) {
     // A tensor's destination pieces lie far apart (each worker's pieces are together), a cache
     // miss each: fetch the next tensor's while this one is planned.
@@ -530,6 +542,7 @@ void Planner::RouteMatch(const TensorMatch& match, std::span<const int32_t> src_
     }
   }
   landings_.Clear(match.distinct_boxes);
+  lowerer_->ForgetBoxKeys();  // box ids are this match's
   for (const TensorMatch::Step& step : match.steps) {
     const int32_t* holders = holder_ids_.data() + match.region_owner_begin[step.region];
     Route(step.x, step.x_id,
@@ -583,6 +596,7 @@ void Planner::CountUniqueOut() {
 absl::Status Planner::PlanNeeds(int32_t dst_tensor, std::span<const int32_t> dst_pieces,
                                 std::vector<Missing>* missing) {
   landings_.Clear(0);
+  lowerer_->ForgetBoxKeys();
   box_ids_.clear();
   // Destination pieces of this tensor, node by node.
   by_node_.assign(dst_pieces.begin(), dst_pieces.end());
@@ -870,7 +884,7 @@ void Planner::Route(const Box& x, int32_t x_id, std::span<const int32_t> needers
                     std::span<const int32_t> holders, int32_t node) {
   const int64_t bytes = x.NumElements() * wire_elem_bytes_;
   lowerer_->SubmitIfFull();
-  const int32_t x_box = lowerer_->AddBox(x);
+  const int32_t x_box = lowerer_->AddBox(x, x_id);
   holder_gpus_.clear();
   bool node_has_it = false;
   for (int32_t c : holders) {
@@ -1051,10 +1065,26 @@ void Planner::BuildMessages() {
   index.reserve(desc.size());
   AdviseHugePages(index.data(), index.capacity() * sizeof(int64_t));
   index.resize(desc.size());
-  for (size_t i = 0; i < desc.size(); ++i) {
-    const int32_t m = final_id[desc[i].message];
-    desc[i].message = m;
-    index[next[m]++] = static_cast<int64_t>(i);
+  auto renumber = [&](size_t begin, size_t end, std::vector<int64_t>& slot) {
+    for (size_t i = begin; i < end; ++i) {
+      const int32_t m = final_id[desc[i].message];
+      desc[i].message = m;
+      index[slot[m]++] = static_cast<int64_t>(i);
+    }
+  };
+  // A pass over every descriptor (hundreds of MB), on the critical path: in two parts at once
+  // where the cutter marked what each message held partway, the second part's descriptors of a
+  // message going after the first part's.
+  const std::optional<MessageCutter::Mark>& mark = cutter_->mark();
+  if (threads_ > 1 && mark.has_value() && mark->descriptors < desc.size()) {
+    std::vector<int64_t> later = next;
+    for (size_t c = 0; c < mark->per_message.size(); ++c)
+      later[final_id[c]] += mark->per_message[c];
+    std::thread second([&] { renumber(mark->descriptors, desc.size(), later); });
+    renumber(0, mark->descriptors, next);
+    second.join();
+  } else {
+    renumber(0, desc.size(), next);
   }
   plan_.stats.descriptors = static_cast<int64_t>(desc.size());
   plan_.stats.messages = static_cast<int64_t>(plan_.messages.size());

@@ -92,6 +92,7 @@ void TransferLowerer::SubmitIfFull() {
 }
 
 void TransferLowerer::Submit() {
+  ++box_generation_;  // the boxes stay with the batch
   if (filling_.transfers.empty()) {
     filling_.boxes.clear();
     return;

@@ -46,11 +46,18 @@ class TransferLowerer {
   // Hands the batch being filled over when it is full. Box indices are a batch's own: call it
   // only where no index from AddBox is still to be used.
   void SubmitIfFull();
-  // The index by which transfers of the current batch name `box`.
-  int32_t AddBox(const Box& box) {
-    filling_.boxes.push_back(box);
-    return static_cast<int32_t>(filling_.boxes.size() - 1);
+  // The index by which transfers of the current batch name `box`. `key` >= 0 is the caller's
+  // name for it (equal keys, equal boxes, until ForgetBoxKeys()): a box that several transfers
+  // share (a region several nodes need) is then stored once per batch, not once per transfer.
+  int32_t AddBox(const Box& box, int32_t key = -1) {
+    if (key < 0) return Push(box);
+    if (static_cast<size_t>(key) >= box_keys_.size()) box_keys_.resize(key + 1);
+    BoxKey& k = box_keys_[key];
+    if (k.generation != box_generation_) k = {box_generation_, Push(box)};
+    return k.index;
   }
+  // Keys name other boxes from now on.
+  void ForgetBoxKeys() { ++box_generation_; }
   void Add(const RoutedTransfer& transfer) { filling_.transfers.push_back(transfer); }
 
   // Returns once every transfer added so far is in `out`: the first lowering error, if any.
@@ -61,6 +68,10 @@ class TransferLowerer {
     std::vector<Box> boxes;
     std::vector<RoutedTransfer> transfers;
   };
+  int32_t Push(const Box& box) {
+    filling_.boxes.push_back(box);
+    return static_cast<int32_t>(filling_.boxes.size() - 1);
+  }
   void Submit();
   // Until `done` (under mu_) holds, pre-faults the pages the worker will write next; blocks once
   // there are none. The caller's, threaded only.
@@ -77,6 +88,14 @@ class TransferLowerer {
   MessageCutter& cutter_;
 
   Batch filling_;  // the caller's
+  // The caller's: the index in `filling_` of each key's box, valid while its generation is the
+  // current one (a new batch, or ForgetBoxKeys(), starts another).
+  struct BoxKey {
+    uint64_t generation = 0;
+    int32_t index = 0;
+  };
+  std::vector<BoxKey> box_keys_;
+  uint64_t box_generation_ = 1;
   // Lowering state: the worker's while it runs, else the caller's.
   absl::Status status_;
   std::vector<CopyDescriptor> lowered_;

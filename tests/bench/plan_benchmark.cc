@@ -251,7 +251,8 @@ int main(int argc, char** argv) {
     std::sort(cpu_seconds.begin(), cpu_seconds.end());
     std::printf(
         "{\"case\":\"%s\",\"trainer_gpus\":%d,\"inference_gpus\":%d,\"tensors\":%lld,"
-        "\"pieces\":%lld,\"transfers\":%lld,\"messages\":%lld,\"bytes_total\":%lld,"
+        "\"pieces\":%lld,\"destination_pieces\":%lld,\"transfers\":%lld,\"descriptors\":%lld,"
+        "\"messages\":%lld,\"bytes_total\":%lld,"
         "\"bytes_network\":%lld,\"bytes_nvlink\":%lld,\"max_nic_bytes\":%lld,"
         "\"predicted_seconds\":%.6f,\"lower_bound_seconds\":%.6f,\"ratio\":%.4f,"
         "\"generate_seconds\":%.3f,\"validate_seconds\":%.3f,\"planning_seconds_median\":%.3f,"
@@ -265,8 +266,9 @@ int main(int argc, char** argv) {
         "\"inference_dtype\":\"%s\",\"expert_parallel_engines\":%s,\"bytes_before_conversion\":%"
         "lld,\"bytes_gathered\":%lld%s}\n",
         c.name.c_str(), c.trainer.World(), c.inference.World(), (long long)stats.tensors,
-        (long long)stats.pieces, (long long)stats.transfers, (long long)stats.messages,
-        (long long)stats.bytes_total, (long long)stats.bytes_network, (long long)stats.bytes_nvlink,
+        (long long)stats.pieces, (long long)dst->pieces.size(), (long long)stats.transfers,
+        (long long)stats.descriptors, (long long)stats.messages, (long long)stats.bytes_total,
+        (long long)stats.bytes_network, (long long)stats.bytes_nvlink,
         (long long)stats.max_nic_bytes, stats.predicted_seconds, stats.lower_bound_seconds,
         stats.predicted_seconds / stats.lower_bound_seconds, t1 - t0, validate_seconds, median,
         seconds.front(), seconds.back(), cpu_seconds[cpu_seconds.size() / 2], (long long)repeat,

@@ -111,7 +111,8 @@ ABSL_FLAG(double, commit_timeout, refit::DefaultSeconds(&refit::DaemonConfig::co
           "seconds for every worker to confirm COMMIT");
 ABSL_FLAG(double, rpc_keepalive, refit::DefaultSeconds(&refit::DaemonConfig::rpc_keepalive),
           "gRPC servers: seconds after which a quiet connection is pinged, and within which the "
-          "ping must be answered, or the connection is closed (a caller gone silent or frozen)");
+          "ping must be answered, or the connection is closed (a caller gone silent or frozen); "
+          "not below ~8: an idle gRPC client answers pings only every 5 s");
 ABSL_FLAG(double, peer_timeout, refit::DefaultSeconds(&refit::DaemonConfig::peer_timeout),
           "seconds for one control call between daemons");
 ABSL_FLAG(double, heartbeat, refit::DefaultSeconds(&refit::DaemonConfig::heartbeat),

@@ -55,6 +55,8 @@ struct DaemonConfig {
   // gRPC servers (--rpc-keepalive): a connection quiet this long is pinged and closed unless the
   // ping is answered within as long again. gRPC gives connections it is handed (the worker
   // socket's) no handshake deadline: one that sent a byte and went silent would be held for good.
+  // Not below ~8 s: an idle gRPC C-core client answers pings only when its backup poller runs
+  // (every 5 s), so a shorter one closes idle callers' connections.
   absl::Duration rpc_keepalive = absl::Seconds(30);
   absl::Duration heartbeat = absl::Milliseconds(500);
   int heartbeats_missed = 4;  // a peer silent this many heartbeats is dead

@@ -342,9 +342,13 @@ class SilentConnectionSuite(unittest.TestCase):
     """A connection that goes silent before it has said anything gRPC can serve (here: half of
     HTTP/2's preface) is closed by the daemon's keepalive, on the worker socket (whose connections
     the daemon hands to gRPC itself, with no handshake deadline) and on the control port; callers
-    that speak gRPC answer the pings and are kept."""
+    that speak gRPC answer the pings and are kept.
 
-    KEEPALIVE_S = 2.0
+    An idle gRPC C-core caller (Python's, C++'s) reads its connection only when its backup poller
+    runs, every 5 s: it answers a ping within 5 s, so a keepalive shorter than that closes idle
+    callers' connections (and a call sent as one closes fails). Hence 8 s here, not 1 s."""
+
+    KEEPALIVE_S = 8.0
 
     @classmethod
     def setUpClass(cls):

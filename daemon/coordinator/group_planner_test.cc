@@ -22,7 +22,7 @@ TEST_CASE("group planner: one plan per epoch, cached; a new membership plans aga
   Membership m(0, absl::Milliseconds(500), 4, &clock);
   m.SetSelf("a", "b", 1);
   GroupPlanner planner(GroupPlannerOptions{}, &m);
-  m.AddLocal(Registration("t0", v1::TRAINER, 0, 8, 0));
+  REQUIRE(m.AddLocal(Registration("t0", v1::TRAINER, 0, 8, 0)).ok());
 
   auto first = planner.Get("policy");
   CHECK(first->status.code() == absl::StatusCode::kFailedPrecondition);
@@ -31,8 +31,8 @@ TEST_CASE("group planner: one plan per epoch, cached; a new membership plans aga
   CHECK(planner.Get("policy") == first);
   CHECK(planner.plannings() == 1);
 
-  m.AddLocal(Registration("i0", v1::INFERENCE, 0, 4, 0));
-  m.AddLocal(Registration("i1", v1::INFERENCE, 4, 8, 0));
+  REQUIRE(m.AddLocal(Registration("i0", v1::INFERENCE, 0, 4, 0)).ok());
+  REQUIRE(m.AddLocal(Registration("i1", v1::INFERENCE, 4, 8, 0)).ok());
   auto ready = planner.Get("policy");
   REQUIRE(ready->status.ok());
   CHECK(ready->plan != nullptr);
@@ -64,8 +64,8 @@ TEST_CASE(
     return MakePlan(src, dst, o);
   };
   GroupPlanner planner(options, &m);
-  m.AddLocal(Registration("t0", v1::TRAINER, 0, 8, 0));
-  m.AddLocal(Registration("i0", v1::INFERENCE, 0, 8, 0));
+  REQUIRE(m.AddLocal(Registration("t0", v1::TRAINER, 0, 8, 0)).ok());
+  REQUIRE(m.AddLocal(Registration("i0", v1::INFERENCE, 0, 8, 0)).ok());
   auto first = planner.Get("policy");
   REQUIRE(first->status.ok());
   CHECK(first->digest.size() == 32);
@@ -73,7 +73,7 @@ TEST_CASE(
   CHECK(made == 1);
   // A second engine joins (a new layout pair: planned), then leaves (the first pair: reused),
   // then comes back (reused too).
-  m.AddLocal(Registration("i1", v1::INFERENCE, 0, 8, 0));
+  REQUIRE(m.AddLocal(Registration("i1", v1::INFERENCE, 0, 8, 0)).ok());
   auto two = planner.Get("policy");
   REQUIRE(two->status.ok());
   CHECK(two->digest != first->digest);
@@ -85,7 +85,7 @@ TEST_CASE(
   CHECK(back->digest == first->digest);
   CHECK(back->reused);
   CHECK(back->plan == first->plan);
-  m.AddLocal(Registration("i1", v1::INFERENCE, 0, 8, 0));
+  REQUIRE(m.AddLocal(Registration("i1", v1::INFERENCE, 0, 8, 0)).ok());
   auto again = planner.Get("policy");
   CHECK(again->plan == two->plan);
   CHECK(made == 2);
@@ -124,9 +124,10 @@ TEST_CASE(
     return MakePlan(src, dst, o);
   };
   GroupPlanner planner(options, &m);
-  m.AddLocal(Registration("t0", v1::TRAINER, 0, 8, 0));
-  m.AddLocal(Registration("i0", v1::INFERENCE, 0, 8, 0));
-  m.AddLocal(Registration("t0", v1::TRAINER, 0, 8, 0, "other"));  // another group: not ready
+  REQUIRE(m.AddLocal(Registration("t0", v1::TRAINER, 0, 8, 0)).ok());
+  REQUIRE(m.AddLocal(Registration("i0", v1::INFERENCE, 0, 8, 0)).ok());
+  REQUIRE(m.AddLocal(Registration("t0", v1::TRAINER, 0, 8, 0, "other"))
+              .ok());  // another group: not ready
 
   std::shared_ptr<const GroupPlan> a, b;
   std::thread first([&] { a = planner.Get("policy"); });
@@ -169,7 +170,7 @@ TEST_CASE("group planner: only complete replicas are planned, never part of one"
   Membership m(0, absl::Milliseconds(500), 4, &clock);
   m.SetSelf("a", "b", 1);
   GroupPlanner planner(GroupPlannerOptions{}, &m);
-  m.AddLocal(Registration("t0", v1::TRAINER, 0, 8, 0));
+  REQUIRE(m.AddLocal(Registration("t0", v1::TRAINER, 0, 8, 0)).ok());
   CHECK(m.Join(JoinOf(1, 5)));
   CHECK(m.Join(JoinOf(2, 6)));
   // TP2 x DP2: dp0 on node 1, dp1 on node 2 without its rank 0 (killed, say).
@@ -237,9 +238,9 @@ TEST_CASE("group planner: a complete replica must still be covered by the traine
   Membership m(0, absl::Milliseconds(500), 4, &clock);
   m.SetSelf("a", "b", 1);
   GroupPlanner planner(GroupPlannerOptions{}, &m);
-  m.AddLocal(Registration("t0", v1::TRAINER, 0, 4, 0));  // rows [4, 8) held by nobody
-  m.AddLocal(Rank("e0", "dp0", 0, 2, 0, 4, 0));
-  m.AddLocal(Rank("e1", "dp0", 1, 2, 4, 8, 0));
+  REQUIRE(m.AddLocal(Registration("t0", v1::TRAINER, 0, 4, 0)).ok());  // rows [4, 8) held by nobody
+  REQUIRE(m.AddLocal(Rank("e0", "dp0", 0, 2, 0, 4, 0)).ok());
+  REQUIRE(m.AddLocal(Rank("e1", "dp0", 1, 2, 4, 8, 0)).ok());
   auto plan = planner.Get("policy");
   CHECK(plan->status.code() == absl::StatusCode::kFailedPrecondition);
   CHECK(std::string(plan->status.message()).find("is not ready") != std::string::npos);
@@ -251,16 +252,16 @@ TEST_CASE("group planner: a forgotten group's plan is dropped") {
   m.SetSelf("a", "b", 1);
   GroupPlanner planner(GroupPlannerOptions{}, &m);
   m.OnGroupForgotten([&](const std::string& g) { planner.Forget(g); });
-  m.AddLocal(Registration("t0", v1::TRAINER, 0, 8, 0));
-  m.AddLocal(Registration("i0", v1::INFERENCE, 0, 8, 0));
+  REQUIRE(m.AddLocal(Registration("t0", v1::TRAINER, 0, 8, 0)).ok());
+  REQUIRE(m.AddLocal(Registration("i0", v1::INFERENCE, 0, 8, 0)).ok());
   auto ready = planner.Get("policy");
   REQUIRE(ready->status.ok());
   m.RemoveLocal("policy/t0");
   m.RemoveLocal("policy/i0");
   CHECK(m.GroupNames().empty());
   // Registered again, at a new epoch: planned anew (the old plan is gone, not reused).
-  m.AddLocal(Registration("t0", v1::TRAINER, 0, 8, 0));
-  m.AddLocal(Registration("i0", v1::INFERENCE, 0, 8, 0));
+  REQUIRE(m.AddLocal(Registration("t0", v1::TRAINER, 0, 8, 0)).ok());
+  REQUIRE(m.AddLocal(Registration("i0", v1::INFERENCE, 0, 8, 0)).ok());
   auto again = planner.Get("policy");
   REQUIRE(again->status.ok());
   CHECK(again != ready);
@@ -272,14 +273,14 @@ TEST_CASE("group planner: the layouts sent are compact and expand to the layouts
   Membership m(0, absl::Milliseconds(500), 4, &clock);
   m.SetSelf("a", "b", 1);
   GroupPlanner planner(GroupPlannerOptions{}, &m);
-  m.AddLocal(Registration("t0", v1::TRAINER, 0, 8, 0));
+  REQUIRE(m.AddLocal(Registration("t0", v1::TRAINER, 0, 8, 0)).ok());
   // Two engine replicas of one rank each, with the same buffers (only name and GPU differ).
   v1::RegisterWorkerRequest i0 = Registration("i0", v1::INFERENCE, 0, 8, 0);
   v1::RegisterWorkerRequest i1 = i0;
   i1.mutable_worker()->set_name("i1");
   i1.mutable_worker()->set_gpu(1);
-  m.AddLocal(i0);
-  m.AddLocal(i1);
+  REQUIRE(m.AddLocal(i0).ok());
+  REQUIRE(m.AddLocal(i1).ok());
   auto g = planner.Get("policy");
   REQUIRE(g->status.ok());
   REQUIRE(g->dst.workers_size() == 2);

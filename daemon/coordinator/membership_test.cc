@@ -18,7 +18,7 @@ TEST_CASE("membership: failure detection on the injected clock") {
   FakeClock clock;
   Membership m(0, absl::Milliseconds(500), 4, &clock);  // dead after 2 s of silence
   m.SetSelf("10.0.0.0:7070", "10.0.0.0:7071", 1);
-  m.AddLocal(Registration("t0", v1::TRAINER, 0, 8, 0));
+  REQUIRE(m.AddLocal(Registration("t0", v1::TRAINER, 0, 8, 0)).ok());
   CHECK(m.Join(JoinOf(1, 11)));  // new: send the workers
   REQUIRE(m.ApplySync(SyncOf(1, 11, {Registration("i0", v1::INFERENCE, 0, 8, 1)})).ok());
   const int64_t epoch = m.Group("policy").epoch;
@@ -67,10 +67,10 @@ TEST_CASE("membership: Epoch answers what Group's epoch is, without the registra
   Membership m(0, absl::Milliseconds(500), 4, &clock);
   m.SetSelf("a", "b", 1);
   CHECK(m.Epoch("policy") == m.Group("policy").epoch);  // no such group yet
-  m.AddLocal(Registration("t0", v1::TRAINER, 0, 8, 0));
+  REQUIRE(m.AddLocal(Registration("t0", v1::TRAINER, 0, 8, 0)).ok());
   const int64_t first = m.Epoch("policy");
   CHECK(first == m.Group("policy").epoch);
-  m.AddLocal(Registration("i0", v1::INFERENCE, 0, 8, 0));
+  REQUIRE(m.AddLocal(Registration("i0", v1::INFERENCE, 0, 8, 0)).ok());
   CHECK(m.Epoch("policy") > first);
   CHECK(m.Epoch("policy") == m.Group("policy").epoch);
 }
@@ -140,7 +140,7 @@ TEST_CASE("membership: the coordinator itself is never judged by heartbeats") {
   FakeClock clock;
   Membership m(0, absl::Milliseconds(500), 4, &clock);
   m.SetSelf("a", "b", 1);
-  m.AddLocal(Registration("t0", v1::TRAINER, 0, 8, 0));
+  REQUIRE(m.AddLocal(Registration("t0", v1::TRAINER, 0, 8, 0)).ok());
   clock.Advance(absl::Hours(1));
   CHECK(m.CheckLiveness().empty());
   CHECK(m.ControlAddress(0).ok());
@@ -181,8 +181,8 @@ TEST_CASE("membership: the coordinator's own workers come and go one at a time")
   Membership m(0, absl::Milliseconds(500), 4, &clock);
   m.SetSelf("a", "b", 1);
   CHECK_FALSE(m.Group("policy").exists);
-  m.AddLocal(Registration("t0", v1::TRAINER, 0, 8, 0));
-  m.AddLocal(Registration("i0", v1::INFERENCE, 0, 8, 0));
+  REQUIRE(m.AddLocal(Registration("t0", v1::TRAINER, 0, 8, 0)).ok());
+  REQUIRE(m.AddLocal(Registration("i0", v1::INFERENCE, 0, 8, 0)).ok());
   CHECK(m.Group("policy").exists);
   CHECK(m.GroupNames() == std::vector<std::string>{"policy"});
   const int64_t epoch = m.Group("policy").epoch;
@@ -239,11 +239,12 @@ TEST_CASE("membership: replicas count only when complete; the missing ranks are 
   FakeClock clock;
   Membership m(0, absl::Milliseconds(500), 4, &clock);
   m.SetSelf("a", "b", 1);
-  m.AddLocal(Registration("t0", v1::TRAINER, 0, 8, 0));
-  m.AddLocal(Rank("vllm-dp0-tp0", "dp0", 0, 2, 0, 4, 0));
-  m.AddLocal(Rank("vllm-dp0-tp1", "dp0", 1, 2, 4, 8, 0));
-  m.AddLocal(Rank("vllm-dp1-tp1", "dp1", 1, 2, 4, 8, 0));
-  m.AddLocal(Registration("solo", v1::INFERENCE, 0, 8, 0));  // no declaration: a replica of its own
+  REQUIRE(m.AddLocal(Registration("t0", v1::TRAINER, 0, 8, 0)).ok());
+  REQUIRE(m.AddLocal(Rank("vllm-dp0-tp0", "dp0", 0, 2, 0, 4, 0)).ok());
+  REQUIRE(m.AddLocal(Rank("vllm-dp0-tp1", "dp0", 1, 2, 4, 8, 0)).ok());
+  REQUIRE(m.AddLocal(Rank("vllm-dp1-tp1", "dp1", 1, 2, 4, 8, 0)).ok());
+  REQUIRE(m.AddLocal(Registration("solo", v1::INFERENCE, 0, 8, 0))
+              .ok());  // no declaration: a replica of its own
   GroupMembers g = m.Group("policy");
   REQUIRE(g.replicas.size() == 3);
   REQUIRE(Find(g, "dp0") != nullptr);
@@ -262,14 +263,14 @@ TEST_CASE("membership: replicas count only when complete; the missing ranks are 
   CHECK(g.counts == std::vector<bool>{true, true, true, false, true});
 
   // Its missing rank comes: complete.
-  m.AddLocal(Rank("vllm-dp1-tp0", "dp1", 0, 2, 0, 4, 0));
+  REQUIRE(m.AddLocal(Rank("vllm-dp1-tp0", "dp1", 0, 2, 0, 4, 0)).ok());
   CHECK(Find(m.Group("policy"), "dp1")->complete);
 
   // Ranks that disagree: two claims of one rank, or another size.
-  m.AddLocal(Rank("x0", "dp2", 0, 2, 0, 4, 0));
-  m.AddLocal(Rank("x1", "dp2", 0, 2, 4, 8, 0));
-  m.AddLocal(Rank("y0", "dp3", 0, 2, 0, 4, 0));
-  m.AddLocal(Rank("y1", "dp3", 1, 4, 4, 8, 0));
+  REQUIRE(m.AddLocal(Rank("x0", "dp2", 0, 2, 0, 4, 0)).ok());
+  REQUIRE(m.AddLocal(Rank("x1", "dp2", 0, 2, 4, 8, 0)).ok());
+  REQUIRE(m.AddLocal(Rank("y0", "dp3", 0, 2, 0, 4, 0)).ok());
+  REQUIRE(m.AddLocal(Rank("y1", "dp3", 1, 4, 4, 8, 0)).ok());
   g = m.Group("policy");
   CHECK(Find(g, "dp2")->problem ==
         "replica \"dp2\": 1 of 2 ranks registered; missing rank 1 (present: 0 \"x0\"); workers "
@@ -293,7 +294,7 @@ TEST_CASE("membership: the trainer side's declared ranks; the last one missing i
   FakeClock clock;
   Membership m(0, absl::Milliseconds(500), 4, &clock);
   m.SetSelf("a", "b", 1);
-  m.AddLocal(Registration("i0", v1::INFERENCE, 0, 8, 0));
+  REQUIRE(m.AddLocal(Registration("i0", v1::INFERENCE, 0, 8, 0)).ok());
   // Ranks 0..2 of 4 hold rows 0..6 of 8 between them; rank 3 (rows 6..8) never registers.
   for (int32_t rank = 0; rank < 3; ++rank) {
     REQUIRE(
@@ -372,7 +373,7 @@ TEST_CASE("membership: a replica's version: recorded when committed whole, reset
   FakeClock clock;
   Membership m(0, absl::Milliseconds(500), 4, &clock);
   m.SetSelf("a", "b", 1);
-  m.AddLocal(Registration("t0", v1::TRAINER, 0, 8, 0));
+  REQUIRE(m.AddLocal(Registration("t0", v1::TRAINER, 0, 8, 0)).ok());
   CHECK(m.Join(JoinOf(1, 7)));
   REQUIRE(m.ApplySync(SyncOf(1, 7,
                              {Rank("vllm-dp0-tp0", "dp0", 0, 2, 0, 4, 1),
@@ -460,8 +461,8 @@ TEST_CASE(
     told.push_back(g);
     CHECK_FALSE(m.Group(g).exists);  // called with no lock held: it may call back in
   });
-  m.AddLocal(Registration("t0", v1::TRAINER, 0, 8, 0));
-  m.AddLocal(Registration("t0", v1::TRAINER, 0, 8, 0, "other"));
+  REQUIRE(m.AddLocal(Registration("t0", v1::TRAINER, 0, 8, 0)).ok());
+  REQUIRE(m.AddLocal(Registration("t0", v1::TRAINER, 0, 8, 0, "other")).ok());
   CHECK(m.Join(JoinOf(1, 5)));
   REQUIRE(m.ApplySync(SyncOf(1, 5, {Registration("i0", v1::INFERENCE, 0, 8, 1)})).ok());
   const int64_t epoch = m.Group("policy").epoch;
@@ -472,7 +473,7 @@ TEST_CASE(
   CHECK(m.GroupNames() == std::vector<std::string>{"other"});
   CHECK_FALSE(m.Group("policy").exists);
   // Registered again: a new group, at an epoch above every one it had.
-  m.AddLocal(Registration("t0", v1::TRAINER, 0, 8, 0));
+  REQUIRE(m.AddLocal(Registration("t0", v1::TRAINER, 0, 8, 0)).ok());
   CHECK(m.Group("policy").epoch > epoch);
   // A node declared dead takes its groups with it when it held their last workers.
   REQUIRE(m.ApplySync(SyncOf(1, 5, {Registration("i9", v1::INFERENCE, 0, 8, 1, "remote")})).ok());

@@ -50,7 +50,7 @@ struct Coordinator {
     REQUIRE(opened.ok());
     state = *std::move(opened);
     membership.SetSelf("10.0.0.0:7070", "10.0.0.0:7071", 1);
-    membership.AddLocal(Registration("t0", v1::TRAINER, 0, 8, 0));
+    REQUIRE(membership.AddLocal(Registration("t0", v1::TRAINER, 0, 8, 0)).ok());
     membership.Join(JoinOf(1, 7));
     REQUIRE(membership.ApplySync(SyncOf(1, 7, {Registration("i0", v1::INFERENCE, 0, 8, 1)})).ok());
     RoundDriverOptions options;

@@ -109,7 +109,7 @@ struct Fixture {
 
   Fixture() {
     membership.SetSelf("10.0.0.0:7070", "10.0.0.0:7071", 1);
-    membership.AddLocal(Registration("t0", v1::TRAINER, 0, 8, 0));
+    REQUIRE(membership.AddLocal(Registration("t0", v1::TRAINER, 0, 8, 0)).ok());
     membership.Join(JoinOf(1, 7));
     REQUIRE(membership.ApplySync(SyncOf(1, 7, {Registration("i0", v1::INFERENCE, 0, 8, 1)})).ok());
     RoundDriverOptions options;
@@ -343,7 +343,7 @@ struct SlicedGroup {
   RoundLog log;
   SlicedGroup() {
     membership.SetSelf("10.0.0.0:7070", "10.0.0.0:7071", 1);
-    membership.AddLocal(Registration("t0", v1::TRAINER, 0, 8, 0));
+    REQUIRE(membership.AddLocal(Registration("t0", v1::TRAINER, 0, 8, 0)).ok());
     membership.Join(JoinOf(1, 7));
     REQUIRE(membership.ApplySync(SyncOf(1, 7, {Registration("i0", v1::INFERENCE, 0, 8, 1)})).ok());
   }

@@ -15,7 +15,8 @@
 
 namespace refit {
 
-// What each message held when the cutter had seen a given number of descriptors.
+// What each message held when the cutter had seen a given number of descriptors. Outside the
+// class: clang does not let a class emplace a nested struct with member initializers.
 struct MessageCutMark {
   size_t descriptors = 0;            // descriptors [0, this) were cut when it was taken
   std::vector<int64_t> per_message;  // by message id; messages opened later held none

@@ -30,6 +30,7 @@
 #include "daemon/dataplane/cuda/staging.h"
 #include "daemon/dataplane/cuda/stream.h"
 #include "daemon/dataplane/cuda/vmm.h"
+#include "daemon/dataplane/wait_pacer.h"
 #include "daemon/worker/memory_refs.h"
 #include "kernels/copy_kernels.h"
 #include "kernels/network_schedule.h"
@@ -945,6 +946,7 @@ absl::StatusOr<TransferStats> CudaBackend::Transfer(const TransferJob& job) {
   auto lease = GroupLease::Take(this, job);
   if (!lease.ok()) return lease.status();
   Group& g = lease->group();
+  const absl::Time leased = absl::Now();
   // This round's work waits on the GPU since PREPARE (RoundPreparing, armed): let go first, so
   // that what follows (finding the schedule unchanged) runs while the GPU copies. Armed means
   // still valid: every change of memory or plan since the arming called it off. The caller holds
@@ -984,15 +986,15 @@ absl::StatusOr<TransferStats> CudaBackend::Transfer(const TransferJob& job) {
     if (job.collective.nccl_register) REFIT_RETURN_IF_ERROR(RegisterStaging(job, p, *comm));
   }
   REFIT_ASSIGN_OR_RETURN(TransferStats stats,
-                         RunPrepared(job, g, p, comm, fired, go, started, guard));
+                         RunPrepared(job, g, p, comm, fired, go, leased, started, guard));
   ok = true;
   return stats;
 }
 
 absl::StatusOr<TransferStats> CudaBackend::RunPrepared(const TransferJob& job, const Group& g,
                                                        const Prepared& p, NodeCommunicator* comm,
-                                                       bool fired, uint32_t go, absl::Time started,
-                                                       DeviceGuard& guard) {
+                                                       bool fired, uint32_t go, absl::Time leased,
+                                                       absl::Time started, DeviceGuard& guard) {
   const NodeSchedule& schedule = p.schedule;
   if (auto s = Interrupted(job); !s.ok()) {
     CallOff(job.group, job.round_id);
@@ -1016,7 +1018,7 @@ absl::StatusOr<TransferStats> CudaBackend::RunPrepared(const TransferJob& job, c
     REFIT_ASSIGN_OR_RETURN(const std::set<int32_t> busy,
                            LaunchStage(job, g, p, stage, comm, guard));
     launched = absl::Now();
-    REFIT_RETURN_IF_ERROR(WaitForStage(job, g, busy, stage, comm));
+    REFIT_RETURN_IF_ERROR(WaitForStage(job, p, g, busy, stage, comm));
   }
   const absl::Time done = absl::Now();
   TransferStats stats;
@@ -1024,7 +1026,7 @@ absl::StatusOr<TransferStats> CudaBackend::RunPrepared(const TransferJob& job, c
   stats.bytes_received = schedule.bytes_received + schedule.bytes_peer;
   stats.bytes_local = schedule.bytes_local;
   stats.bytes_nvlink = schedule.bytes_peer;
-  LogRound(job, p, {started, launched, done, fired}, &stats);
+  LogRound(job, p, {leased, started, launched, done, fired}, &stats);
   if (schedule.uses_network) LogNetworkTimeline(job, p);
   return stats;
 }
@@ -1045,7 +1047,7 @@ absl::StatusOr<bool> CudaBackend::ArmedWorkRan(const TransferJob& job, const Gro
   const int stage = ArmableStage(schedule);
   std::set<int32_t> busy;
   for (const auto& [gpu, w] : schedule.stages[stage].direct) busy.insert(gpu);
-  REFIT_RETURN_IF_ERROR(WaitForStage(job, g, busy, stage, nullptr));
+  REFIT_RETURN_IF_ERROR(WaitForStage(job, p, g, busy, stage, nullptr));
   // What each GPU's gate decided: go, or the work did nothing (it read an older word): then the
   // round is launched as usual, never reported done without its bytes.
   std::string missed = GatesMissed(job.group, busy, go);
@@ -1205,18 +1207,19 @@ absl::Status CudaBackend::UnpackAndPackNext(const Group& g, const Prepared& p, i
   return absl::OkStatus();
 }
 
-absl::Status CudaBackend::WaitForStage(const TransferJob& job, const Group& g,
+absl::Status CudaBackend::WaitForStage(const TransferJob& job, const Prepared& p, const Group& g,
                                        const std::set<int32_t>& busy, int stage,
                                        NodeCommunicator* comm) {
   // Polls rather than blocking in the driver: a deadline, a Cancel and an NCCL error (a dead peer
-  // on the socket transport) must be able to end the wait. The first kSpin without sleeping: a
-  // colocated refit's copies end within a millisecond or two, and one sleep's wake-up (60-80 us
-  // under the kernel's default 50 us timer slack) was a tenth of a 1 GB refit's transfer phase.
-  // Then every kPoll, with this thread's timer slack at 1 us so the sleep is what it says.
-  constexpr absl::Duration kSpin = absl::Milliseconds(2), kPoll = absl::Microseconds(20);
+  // on the socket transport) must be able to end the wait. Spins where the stage most likely ends
+  // (WaitPacer: its first 2 ms, and around what it took last round), since one sleep's wake-up
+  // (60-80 us under the kernel's default 50 us timer slack) was a tenth of a 1 GB refit's transfer
+  // phase; elsewhere every kPoll, with this thread's timer slack at 1 us so the sleep is what it
+  // says.
   static thread_local bool precise_sleep = prctl(PR_SET_TIMERSLACK, 1000UL, 0, 0, 0) == 0;
   (void)precise_sleep;
-  const absl::Time spin_until = absl::Now() + kSpin;
+  const absl::Time begun = absl::Now();
+  const WaitPacer pacer(p.waited[stage]);
   for (int32_t gpu : busy) {
     const Group::Streams& st = g.streams.at(gpu);
     for (const Stream* stream : {&st.direct, &st.comm, &st.compute}) {
@@ -1234,10 +1237,11 @@ absl::Status CudaBackend::WaitForStage(const TransferJob& job, const Group& g,
               absl::StrCat("round ", job.round_id, ": GPU ", gpu, " did not finish stage ", stage,
                            comm != nullptr ? " (NCCL aborted)" : "", ": ", s.message()));
         }
-        if (absl::Now() > spin_until) absl::SleepFor(kPoll);
+        if (!pacer.ShouldSpin(absl::Now() - begun)) absl::SleepFor(WaitPacer::kPoll);
       }
     }
   }
+  p.waited[stage] = absl::Now() - begun;
   return absl::OkStatus();
 }
 

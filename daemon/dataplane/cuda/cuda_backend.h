@@ -205,8 +205,8 @@ class CudaBackend : public DataBackend {
   // (`fired`, with the gates' `go`) or launched stage by stage, waited for, and logged.
   absl::StatusOr<TransferStats> RunPrepared(const TransferJob& job, const Group& g,
                                             const Prepared& p, NodeCommunicator* comm, bool fired,
-                                            uint32_t go, absl::Time started, DeviceGuard& guard)
-      ABSL_LOCKS_EXCLUDED(mu_, armed_mu_);
+                                            uint32_t go, absl::Time leased, absl::Time started,
+                                            DeviceGuard& guard) ABSL_LOCKS_EXCLUDED(mu_, armed_mu_);
   // Waits for the round's work armed at PREPARE, now let go; false where some GPU's gate did not
   // let it go (the round is then launched as usual).
   absl::StatusOr<bool> ArmedWorkRan(const TransferJob& job, const Group& g, const Prepared& p,
@@ -237,8 +237,9 @@ class CudaBackend : public DataBackend {
                                  DeviceGuard& guard);
   // Until every stream `busy` GPUs ran the stage on is idle, or the round is interrupted (the
   // deadline, Cancel, an NCCL error).
-  absl::Status WaitForStage(const TransferJob& job, const Group& g, const std::set<int32_t>& busy,
-                            int stage, NodeCommunicator* comm) ABSL_LOCKS_EXCLUDED(mu_);
+  absl::Status WaitForStage(const TransferJob& job, const Prepared& p, const Group& g,
+                            const std::set<int32_t>& busy, int stage, NodeCommunicator* comm)
+      ABSL_LOCKS_EXCLUDED(mu_);
   // ABORTED once the round is cancelled, DEADLINE_EXCEEDED past its deadline, else OK.
   absl::Status Interrupted(const TransferJob& job) ABSL_LOCKS_EXCLUDED(mu_);
 

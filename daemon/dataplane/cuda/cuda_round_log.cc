@@ -124,8 +124,10 @@ void LogRound(const TransferJob& job, const CudaBackend::Prepared& p, const Host
         absl::StrAppend(&line, fmt::format("; moved in {:.3f} ms", stats.data_plane_ms));
         if (from_request) {
           absl::StrAppend(&line,
-                          fmt::format(", started {:.3f} ms after the request arrived at {}",
-                                      stats.started_after_request_ms, UtcTimeOfDay(requested)));
+                          fmt::format(", started {:.3f} ms after the request arrived at {} (the "
+                                      "group's lease taken at {:.3f} ms)",
+                                      stats.started_after_request_ms, UtcTimeOfDay(requested),
+                                      absl::ToDoubleMilliseconds(host.leased - requested)));
         }
         for (const Direct& d : direct) {
           absl::StrAppend(

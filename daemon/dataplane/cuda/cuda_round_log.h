@@ -10,9 +10,10 @@
 
 namespace refit {
 
-// When the host began a round, had launched every stage's work, and saw it done.
+// When the host had the group's lease (after any arming of it ended), began a round, had launched
+// every stage's work, and saw it done.
 struct HostTimes {
-  absl::Time started, launched, done;
+  absl::Time leased, started, launched, done;
   bool armed = false;  // launched at PREPARE, let go at `started`
 };
 

@@ -30,7 +30,6 @@
 #include "daemon/dataplane/cuda/staging.h"
 #include "daemon/dataplane/cuda/stream.h"
 #include "daemon/dataplane/cuda/vmm.h"
-#include "daemon/dataplane/wait_pacer.h"
 #include "daemon/worker/memory_refs.h"
 #include "kernels/copy_kernels.h"
 #include "kernels/network_schedule.h"
@@ -1018,7 +1017,7 @@ absl::StatusOr<TransferStats> CudaBackend::RunPrepared(const TransferJob& job, c
     REFIT_ASSIGN_OR_RETURN(const std::set<int32_t> busy,
                            LaunchStage(job, g, p, stage, comm, guard));
     launched = absl::Now();
-    REFIT_RETURN_IF_ERROR(WaitForStage(job, p, g, busy, stage, comm));
+    REFIT_RETURN_IF_ERROR(WaitForStage(job, g, busy, stage, comm));
   }
   const absl::Time done = absl::Now();
   TransferStats stats;
@@ -1047,7 +1046,7 @@ absl::StatusOr<bool> CudaBackend::ArmedWorkRan(const TransferJob& job, const Gro
   const int stage = ArmableStage(schedule);
   std::set<int32_t> busy;
   for (const auto& [gpu, w] : schedule.stages[stage].direct) busy.insert(gpu);
-  REFIT_RETURN_IF_ERROR(WaitForStage(job, p, g, busy, stage, nullptr));
+  REFIT_RETURN_IF_ERROR(WaitForStage(job, g, busy, stage, nullptr));
   // What each GPU's gate decided: go, or the work did nothing (it read an older word): then the
   // round is launched as usual, never reported done without its bytes.
   std::string missed = GatesMissed(job.group, busy, go);
@@ -1207,19 +1206,18 @@ absl::Status CudaBackend::UnpackAndPackNext(const Group& g, const Prepared& p, i
   return absl::OkStatus();
 }
 
-absl::Status CudaBackend::WaitForStage(const TransferJob& job, const Prepared& p, const Group& g,
+absl::Status CudaBackend::WaitForStage(const TransferJob& job, const Group& g,
                                        const std::set<int32_t>& busy, int stage,
                                        NodeCommunicator* comm) {
   // Polls rather than blocking in the driver: a deadline, a Cancel and an NCCL error (a dead peer
-  // on the socket transport) must be able to end the wait. Spins where the stage most likely ends
-  // (WaitPacer: its first 2 ms, and around what it took last round), since one sleep's wake-up
-  // (60-80 us under the kernel's default 50 us timer slack) was a tenth of a 1 GB refit's transfer
-  // phase; elsewhere every kPoll, with this thread's timer slack at 1 us so the sleep is what it
-  // says.
+  // on the socket transport) must be able to end the wait. The first kSpin without sleeping: a
+  // colocated refit's copies end within a millisecond or two, and one sleep's wake-up (60-80 us
+  // under the kernel's default 50 us timer slack) was a tenth of a 1 GB refit's transfer phase.
+  // Then every kPoll, with this thread's timer slack at 1 us so the sleep is what it says.
+  constexpr absl::Duration kSpin = absl::Milliseconds(2), kPoll = absl::Microseconds(20);
   static thread_local bool precise_sleep = prctl(PR_SET_TIMERSLACK, 1000UL, 0, 0, 0) == 0;
   (void)precise_sleep;
-  const absl::Time begun = absl::Now();
-  const WaitPacer pacer(p.waited[stage]);
+  const absl::Time spin_until = absl::Now() + kSpin;
   for (int32_t gpu : busy) {
     const Group::Streams& st = g.streams.at(gpu);
     for (const Stream* stream : {&st.direct, &st.comm, &st.compute}) {
@@ -1237,11 +1235,10 @@ absl::Status CudaBackend::WaitForStage(const TransferJob& job, const Prepared& p
               absl::StrCat("round ", job.round_id, ": GPU ", gpu, " did not finish stage ", stage,
                            comm != nullptr ? " (NCCL aborted)" : "", ": ", s.message()));
         }
-        if (!pacer.ShouldSpin(absl::Now() - begun)) absl::SleepFor(WaitPacer::kPoll);
+        if (absl::Now() > spin_until) absl::SleepFor(kPoll);
       }
     }
   }
-  p.waited[stage] = absl::Now() - begun;
   return absl::OkStatus();
 }
 

@@ -237,9 +237,8 @@ class CudaBackend : public DataBackend {
                                  DeviceGuard& guard);
   // Until every stream `busy` GPUs ran the stage on is idle, or the round is interrupted (the
   // deadline, Cancel, an NCCL error).
-  absl::Status WaitForStage(const TransferJob& job, const Prepared& p, const Group& g,
-                            const std::set<int32_t>& busy, int stage, NodeCommunicator* comm)
-      ABSL_LOCKS_EXCLUDED(mu_);
+  absl::Status WaitForStage(const TransferJob& job, const Group& g, const std::set<int32_t>& busy,
+                            int stage, NodeCommunicator* comm) ABSL_LOCKS_EXCLUDED(mu_);
   // ABORTED once the round is cancelled, DEADLINE_EXCEEDED past its deadline, else OK.
   absl::Status Interrupted(const TransferJob& job) ABSL_LOCKS_EXCLUDED(mu_);
 

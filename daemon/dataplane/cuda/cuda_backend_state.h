@@ -2,7 +2,6 @@
 // preparing, transferring; cuda_armed.cc: armed rounds). Private to //daemon:cuda_backend.
 #pragma once
 
-#include <array>
 #include <cstdint>
 #include <map>
 #include <memory>
@@ -19,7 +18,6 @@
 #include "kernels/copy_items.h"
 #include "kernels/copy_kernels.h"
 #include "kernels/network_schedule.h"
-#include "plan/plan.h"
 
 namespace refit {
 
@@ -63,9 +61,6 @@ struct CudaBackend::Prepared {
   uint64_t released = 0;     // CudaBackend::released_ before its addresses were resolved
   NodeSchedule schedule;
   std::map<int32_t, OnGpu> gpus;
-  // How long each stage's wait took in the last round that ran this schedule (WaitPacer: where to
-  // spin this round). Only the group's lease holder touches it.
-  mutable std::array<absl::Duration, kMaxStages> waited{};
   // Last: waits for the group's streams before any memory or event above is released.
   StreamFence idle;
 };

@@ -522,6 +522,19 @@ absl::StatusOr<DaemonInvocation> ParseDaemonFlags(int argc, const char* const* a
 
 std::string DaemonFlagsHelp() { return DaemonFlags().Help(); }
 
+std::vector<std::string> ConfigWarnings(const DaemonConfig& c) {
+  std::vector<std::string> warnings;
+  // An idle gRPC C-core client reads its connection only when its backup poller runs, every 5 s:
+  // a ping it must answer sooner closes its connection, and a call sent as it closes fails.
+  if (c.rpc_keepalive < absl::Seconds(8)) {
+    warnings.push_back(absl::StrCat(
+        "--rpc-keepalive ", absl::FormatDuration(c.rpc_keepalive),
+        " is below 8s: an idle gRPC client answers pings only every 5s, so its connection will "
+        "be closed and a call made as it closes will fail"));
+  }
+  return warnings;
+}
+
 std::string DescribeConfig(const DaemonConfig& c) {
   const std::string role =
       c.is_coordinator() ? "coordinator" : absl::StrCat("coordinator at ", c.coordinator);

@@ -121,4 +121,8 @@ std::string DaemonFlagsHelp();
 // --check-config's line: what would run.
 std::string DescribeConfig(const DaemonConfig& config);
 
+// Settings that are valid but known to misbehave, one sentence each naming the flag: logged as
+// warnings at start and printed by --check-config. Empty for the defaults.
+std::vector<std::string> ConfigWarnings(const DaemonConfig& config);
+
 }  // namespace refit

@@ -228,5 +228,15 @@ TEST_CASE("--check-config returns the checked config for main to describe") {
                           "is not a loopback address"));
 }
 
+TEST_CASE(
+    "an rpc keepalive that idle gRPC clients cannot answer in time is warned of, not refused") {
+  CHECK(ConfigWarnings(ParseOk({})).empty());
+  CHECK(ConfigWarnings(ParseOk({"--rpc-keepalive", "8"})).empty());
+  const std::vector<std::string> warnings = ConfigWarnings(ParseOk({"--rpc-keepalive", "2.5"}));
+  REQUIRE(warnings.size() == 1);
+  CHECK(absl::StartsWith(warnings[0], "--rpc-keepalive 2.5s is below 8s"));
+  CHECK(absl::StrContains(warnings[0], "every 5s"));
+}
+
 }  // namespace
 }  // namespace refit

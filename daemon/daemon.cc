@@ -78,6 +78,7 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(const DaemonConfig& config
   std::unique_ptr<Daemon> d(new Daemon(config));
   d->MakeSecurity();
   d->LogSecurityPosture();
+  for (const std::string& w : ConfigWarnings(config)) Logger("rpc")->warn("{}", w);
   REFIT_RETURN_IF_ERROR(d->StartBackend());
   REFIT_RETURN_IF_ERROR(d->StartMetrics());
   REFIT_RETURN_IF_ERROR(d->StartHandleInbox());

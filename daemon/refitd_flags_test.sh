@@ -38,6 +38,12 @@ expect_refusal "TLS file unreadable" "cannot read TLS file $tmp/none.pem" \
 expect_refusal "worker uid" '--worker-uids: "root" is not a uid' --worker-uids root
 out=$("$refitd" --check-config --listen 10.1.2.3:7070 --insecure-listen 2>&1) || fail "--insecure-listen: $out"
 echo "$out" | grep -q "no TLS, and --insecure-listen" || fail "--check-config: $out"
+# A setting that is valid but known to misbehave is named, not refused: an rpc keepalive below the
+# 5 s an idle gRPC client takes to answer a ping.
+out=$("$refitd" --check-config --rpc-keepalive 2 2>&1) || fail "--rpc-keepalive 2: $out"
+echo "$out" | grep -q "^warning: --rpc-keepalive 2s is below 8s" || fail "--rpc-keepalive 2: $out"
+out=$("$refitd" --check-config 2>&1) || fail "--check-config: $out"
+echo "$out" | grep -q "^warning:" && fail "the defaults warned: $out"
 # The certificate itself is checked: its names, its key, its CA (daemon/security/certificate_check.h).
 bash tools/gen_certs.sh "$tmp/certs" 2 refit-node-5 >/dev/null 2>&1 || fail "tools/gen_certs.sh"
 c=$tmp/certs

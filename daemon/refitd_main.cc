@@ -34,6 +34,8 @@ std::variant<refit::DaemonConfig, int> ConfigFromFlags(int argc, char** argv) {
       return 0;
     case refit::DaemonInvocation::Action::kCheckConfig:
       std::printf("%s\n", refit::DescribeConfig(invocation->config).c_str());
+      for (const std::string& w : refit::ConfigWarnings(invocation->config))
+        std::printf("warning: %s\n", w.c_str());
       return 0;
     case refit::DaemonInvocation::Action::kRun:
       break;

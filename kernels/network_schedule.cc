@@ -14,7 +14,7 @@ constexpr int64_t kMinSteps = 8;        // a stage with little to move still pip
 
 int64_t AlignUp(int64_t n) { return (n + kSlotAlign - 1) / kSlotAlign * kSlotAlign; }
 
-bool Contiguous(const CopyDescriptor& d, const std::array<int64_t, kMaxOuterDims>& stride) {
+bool Contiguous(const CopyDescriptor& d, const std::array<int32_t, kMaxOuterDims>& stride) {
   int64_t expect = d.inner;
   for (int i = d.outer_rank - 1; i >= 0; --i) {
     if (d.count[i] > 1 && stride[i] != expect) return false;

@@ -41,7 +41,7 @@ std::span<std::byte> SourceOf(const CopyDescriptor& d, const BufferMemory& src,
 int64_t EndOffset(int64_t offset, int64_t inner, const CopyDescriptor& d, bool src_side) {
   int64_t end = offset + inner;
   for (int i = 0; i < d.outer_rank; ++i) {
-    end += (d.count[i] - 1) * (src_side ? d.src_stride[i] : d.dst_stride[i]);
+    end += (int64_t{d.count[i]} - 1) * (src_side ? d.src_stride[i] : d.dst_stride[i]);
   }
   return end;
 }
@@ -172,7 +172,7 @@ absl::Status CheckDescriptorBounds(const Plan& plan, const BufferMemory& src,
       }
     }
     if (d.op == CopyOp::kScale) {
-      const int64_t grid_rows = (d.count[0] + d.block_rows - 1) / d.block_rows;
+      const int64_t grid_rows = (int64_t{d.count[0]} + d.block_rows - 1) / d.block_rows;
       const int64_t grid_cols = (d.inner + d.block_cols - 1) / d.block_cols;
       dst_end =
           (d.dst_offset + (grid_rows - 1) * d.dst_stride[0] + grid_cols) * DTypeSize(d.dst_dtype);

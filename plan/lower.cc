@@ -1,6 +1,9 @@
 #include "plan/lower.h"
 
 #include <algorithm>
+#include <cstdlib>
+
+#include "absl/strings/str_cat.h"
 
 namespace refit {
 
@@ -65,9 +68,16 @@ void LowerCopy(const Box& region, const CopyEnd& src, const CopyEnd& dst, bool s
     inner = count[n - 1];
     --n;
   }
-  // Keep the innermost kMaxOuterDims loops in the descriptor; enumerate the rest.
-  const int kept = std::min(n, kMaxOuterDims);
-  const int extra = n - kept;
+  // Keep the innermost kMaxOuterDims loops in the descriptor; enumerate the rest, and every loop
+  // outside one that a descriptor's 32-bit loops cannot hold.
+  int extra = n - std::min(n, kMaxOuterDims);
+  for (int i = extra; i < n; ++i) {
+    if (count[i] > kMaxLoopValue || std::abs(ss[i]) > kMaxLoopValue ||
+        std::abs(ds[i]) > kMaxLoopValue) {
+      extra = i + 1;
+    }
+  }
+  const int kept = n - extra;
   auto fill = [&](CopyDescriptor& d) {
     d.src_buffer = src.buffer;
     d.dst_buffer = dst.buffer;
@@ -77,10 +87,10 @@ void LowerCopy(const Box& region, const CopyEnd& src, const CopyEnd& dst, bool s
     d.message = message;
     d.inner = inner;
     d.outer_rank = static_cast<uint8_t>(kept);
-    for (int i = 0; i < kept; ++i) {
-      d.count[i] = count[extra + i];
-      d.src_stride[i] = ss[extra + i];
-      d.dst_stride[i] = ds[extra + i];
+    for (int i = 0; i < kept; ++i) {  // each fits: see `extra`
+      d.count[i] = static_cast<int32_t>(count[extra + i]);
+      d.src_stride[i] = static_cast<int32_t>(ss[extra + i]);
+      d.dst_stride[i] = static_cast<int32_t>(ds[extra + i]);
     }
   };
   if (extra == 0) {  // the common case: one descriptor, written once where it stays
@@ -136,6 +146,13 @@ absl::Status LowerQuantize(CopyOp op, const Box& region, const Quantization& q, 
         "a quantized tensor's piece whose columns are not contiguous in its buffer cannot be "
         "quantized");
   }
+  if (rows > kMaxLoopValue || std::abs(src.view.strides[0]) > kMaxLoopValue ||
+      std::abs(dst.view.strides[0]) > kMaxLoopValue) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "a quantized region of ", rows, " rows, ", src.view.strides[0], " and ",
+        dst.view.strides[0], " elements apart in its buffers: a descriptor's loops hold at most ",
+        kMaxLoopValue));
+  }
   CopyDescriptor base;
   base.op = op;
   base.quant_format = static_cast<uint8_t>(q.format);
@@ -147,8 +164,8 @@ absl::Status LowerQuantize(CopyOp op, const Box& region, const Quantization& q, 
   base.dst_dtype = dst.dtype;
   base.src_is_destination = src_is_destination;
   base.outer_rank = 1;
-  base.src_stride[0] = src.view.strides[0];
-  base.dst_stride[0] = dst.view.strides[0];
+  base.src_stride[0] = static_cast<int32_t>(src.view.strides[0]);
+  base.dst_stride[0] = static_cast<int32_t>(dst.view.strides[0]);
   const int64_t src_origin = offset(region, src), dst_origin = offset(to, dst);
   // Parts: whole block rows while they fit, else whole blocks along a block row.
   const int64_t elem = DTypeSize(dst.dtype);
@@ -164,7 +181,7 @@ absl::Status LowerQuantize(CopyOp op, const Box& region, const Quantization& q, 
   for (int64_t r = 0; r < rows; r += rows_per_part) {
     for (int64_t c = 0; c < cols; c += cols_per_part) {
       CopyDescriptor d = base;
-      d.count[0] = std::min(rows_per_part, rows - r);
+      d.count[0] = static_cast<int32_t>(std::min(rows_per_part, rows - r));
       d.inner = std::min(cols_per_part, cols - c);
       d.src_offset =
           src_origin + r * src.view.strides[0] + c * (cols > 1 ? src.view.strides[1] : 0);
@@ -220,7 +237,7 @@ void SplitDescriptor(const CopyDescriptor& d, int64_t max_wire_bytes,
   const int64_t per_part = std::max<int64_t>(1, max_wire_bytes / one_bytes);
   for (int64_t start = 0; start < d.count[0]; start += per_part) {
     CopyDescriptor part = d;
-    part.count[0] = std::min(per_part, d.count[0] - start);
+    part.count[0] = static_cast<int32_t>(std::min<int64_t>(per_part, d.count[0] - start));
     part.src_offset += start * d.src_stride[0];
     part.dst_offset += start * d.dst_stride[0];
     out.push_back(part);

@@ -53,6 +53,47 @@ TEST_CASE("more loops than a descriptor holds are enumerated") {
   CHECK(out.size() == 2 * 2);  // inner run + three loops kept, two leading loops enumerated
 }
 
+TEST_CASE("a loop past a descriptor's 32-bit loops is enumerated, and every loop outside it") {
+  // [2, 3, 4] out of a buffer whose outermost stride is 5e9 elements (a 4-D stacked layout): the
+  // outer loop cannot be held, the middle one can.
+  constexpr int64_t kFar = 5'000'000'000;
+  const Box region = B({0, 0, 0}, {2, 3, 4});
+  std::vector<CopyDescriptor> out;
+  LowerCopy(region, End(region, 7, Dims{kFar, 8, 1}), End(region, 0, Dims{12, 4, 1}), false, out);
+  REQUIRE(out.size() == 2);
+  for (int k = 0; k < 2; ++k) {
+    CHECK(out[k].outer_rank == 1);
+    CHECK(out[k].inner == 4);
+    CHECK(out[k].count[0] == 3);
+    CHECK(out[k].src_stride[0] == 8);
+    CHECK(out[k].dst_stride[0] == 4);
+    CHECK(out[k].src_offset == 7 + k * kFar);
+    CHECK(out[k].dst_offset == 12 * k);
+  }
+  // A run next to such a loop: each row its own descriptor, 64-bit offsets kept whole.
+  out.clear();
+  const Box rows = B({0, 0}, {3, 4});
+  LowerCopy(rows, End(rows, 0, Dims{kFar, 1}), End(rows, 0, Dims{4, 1}), false, out);
+  REQUIRE(out.size() == 3);
+  CHECK(out[2].outer_rank == 0);
+  CHECK(out[2].src_offset == 2 * kFar);
+  CHECK(out[2].dst_offset == 8);
+}
+
+TEST_CASE("a quantized region whose rows lie past a descriptor's loops is refused") {
+  Quantization q;
+  q.format = QuantFormat::kBlockFp8;
+  q.block_rows = q.block_cols = 128;
+  const Box region = B({0, 0}, {256, 256});
+  std::vector<CopyDescriptor> out;
+  const absl::Status s =
+      LowerQuantize(CopyOp::kQuantize, region, q, End(region, 0, Dims{int64_t{3} << 31, 1}),
+                    End(region, 0, Dims{256, 1}), false, int64_t{1} << 26, out);
+  CHECK(s.code() == absl::StatusCode::kInvalidArgument);
+  CHECK(s.message().find("at most 2147483647") != std::string::npos);
+  CHECK(out.empty());
+}
+
 TEST_CASE("splitting keeps every element and bounds every part") {
   CopyDescriptor d;
   d.inner = 10;

@@ -39,16 +39,21 @@ enum class CopyOp : uint8_t { kCopy, kQuantize, kScale };
 
 // One strided copy: `inner` contiguous elements, repeated over up to kMaxOuterDims outer loops
 // (count[0] outermost). Offsets and strides are in elements of the respective buffer. A copy with
-// more dimensions than that is emitted as several descriptors.
+// more dimensions than that is emitted as several descriptors, and so is one with a loop whose
+// count or stride passes kMaxLoopValue: the loops are 32-bit, the offsets and the run 64-bit (a
+// stacked expert buffer holds billions of elements; a stride past 2^31 is a rare 4-D layout).
+// Narrower loops make a descriptor 88 bytes, not 120: a frontier plan writes millions of them into
+// fresh memory, and the planner's time follows their bytes (docs/BENCHMARKS.md).
+inline constexpr int64_t kMaxLoopValue = INT32_MAX;
 struct CopyDescriptor {
   int32_t src_buffer = 0;  // in the source layout, or in the destination layout when forwarding
   int32_t dst_buffer = 0;  // in the destination layout
   int64_t src_offset = 0;
   int64_t dst_offset = 0;
   int64_t inner = 0;
-  std::array<int64_t, kMaxOuterDims> count{};
-  std::array<int64_t, kMaxOuterDims> src_stride{};
-  std::array<int64_t, kMaxOuterDims> dst_stride{};
+  std::array<int32_t, kMaxOuterDims> count{};
+  std::array<int32_t, kMaxOuterDims> src_stride{};
+  std::array<int32_t, kMaxOuterDims> dst_stride{};
   uint8_t outer_rank = 0;
   DType src_dtype = DType::kBF16;
   DType dst_dtype = DType::kBF16;
@@ -69,7 +74,7 @@ struct CopyDescriptor {
   DType WireDType() const;
   bool Quantizes() const { return op != CopyOp::kCopy; }
 };
-static_assert(sizeof(CopyDescriptor) <= 128, "descriptors are kept small: millions per plan");
+static_assert(sizeof(CopyDescriptor) <= 88, "descriptors are kept small: millions per plan");
 
 // A bounded batch of descriptors from one GPU to one GPU: one pack, one send, one unpack.
 // Stage 0 reads sources. A stage s > 0 message reads destination buffers that stages < s filled:

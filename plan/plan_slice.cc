@@ -47,7 +47,8 @@ absl::StatusOr<int64_t> Extent(const CopyDescriptor& d, bool dst_side) {
   if (d.outer_rank > kMaxOuterDims)
     return absl::InvalidArgumentError("more outer loops than a descriptor has");
   int64_t inner = d.inner;
-  std::array<int64_t, kMaxOuterDims> count = d.count;
+  std::array<int64_t, kMaxOuterDims> count{};
+  for (int i = 0; i < kMaxOuterDims; ++i) count[i] = d.count[i];
   if (dst_side && d.op == CopyOp::kScale) {  // one scale per block: a grid of blocks
     if (d.block_rows == 0 || d.block_cols == 0 || d.outer_rank != 1) {
       return absl::InvalidArgumentError(

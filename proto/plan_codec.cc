@@ -226,9 +226,16 @@ absl::StatusOr<DecodedSlice> SliceFromWire(absl::string_view wire, int32_t node)
       }
       d.outer_rank = static_cast<uint8_t>(p.outer_rank(k));
       for (int j = 0; j < d.outer_rank; ++j, ++outer) {
-        d.count[j] = p.count(outer);
-        d.src_stride[j] = p.src_stride(outer);
-        d.dst_stride[j] = p.dst_stride(outer);
+        const int64_t loop[3] = {p.count(outer), p.src_stride(outer), p.dst_stride(outer)};
+        for (int64_t v : loop) {
+          if (v < -kMaxLoopValue || v > kMaxLoopValue) {
+            return bad(absl::StrCat("descriptor ", k, "'s outer loop ", j, " holds ", v,
+                                    ", past a descriptor's 32-bit loops"));
+          }
+        }
+        d.count[j] = static_cast<int32_t>(loop[0]);
+        d.src_stride[j] = static_cast<int32_t>(loop[1]);
+        d.dst_stride[j] = static_cast<int32_t>(loop[2]);
       }
       const int32_t dtypes = p.dtypes(k);
       const int64_t op = p.op(k);

@@ -102,6 +102,13 @@ TEST_CASE("a slice for another node, or damaged, is refused with what is wrong")
   CHECK(SliceFromWire(proto.SerializeAsString(), 2).status().message().find("differ in length") !=
         std::string::npos);
   REQUIRE(proto.ParseFromString(wire));
+  REQUIRE(proto.count_size() > 0);  // the column split's strided loops
+  proto.mutable_src_stride()->Set(0, int64_t{1} << 33);
+  CHECK(SliceFromWire(proto.SerializeAsString(), 2)
+            .status()
+            .message()
+            .find("past a descriptor's 32-bit loops") != std::string::npos);
+  REQUIRE(proto.ParseFromString(wire));
   proto.mutable_destination()->set_buffer_count(1);
   CHECK(SliceFromWire(proto.SerializeAsString(), 2).status().message().find("out of range") !=
         std::string::npos);

@@ -9,7 +9,9 @@
 // --aligned-copy-kernel), with 0 through the general one. One JSON line per case.
 // --tile-run-bytes: runs shorter than this are tiled (kTileRunBytes as refitd runs); --split 1:
 // a stage's aligned items through the aligned kernel and the rest through the general one, two
-// launches (0: one launch, the aligned kernel only where every item allows it). --batch-caps,
+// launches (0: one launch, the aligned kernel only where every item allows it; 2 and 3: only the
+// aligned launch, or only the general one, timed alone against the bound of its own traffic).
+// --batch-caps,
 // --fill-warps, --blocks-per-sm: the launch's shape (CopyLaunchShape; batch cap 0: the kernel's
 // default; blocks at most this many times the SMs, 0 for LaunchCopyItems' cap).
 //   local_copy_bench --src t.json --dst i.json [--repeat 10] [--segments 16384,65536,262144]
@@ -214,8 +216,8 @@ int Run(const std::string& src_path, const std::string& dst_path, const Options&
             }
             CopyWork aligned, general;
             SplitAligned(w, aligned, general);
-            add(aligned);
-            add(general);
+            if (split != 3) add(aligned);  // --split 2: the aligned launch alone, 3: the general
+            if (split != 2) add(general);
           }
           int64_t units = 0, items = 0, tiled_units = 0;
           bool spread_used = false, aligned_used = false;
@@ -356,7 +358,8 @@ int main(int argc, char** argv) {
       for (int64_t v : list(value)) o.plains.push_back(v != 0);
     } else if (flag == "--split") {
       o.splits.clear();
-      for (int64_t v : list(value)) o.splits.push_back(v != 0);
+      for (int64_t v : list(value))
+        o.splits.push_back(static_cast<int>(std::clamp<int64_t>(v, 0, 3)));
     } else if (flag == "--aligned-kernel") {
       o.aligned_kernel = value == "1";
     } else if (flag == "--spread") {

@@ -11,9 +11,8 @@
 // a stage's aligned items through the aligned kernel and the rest through the general one, two
 // launches (0: one launch, the aligned kernel only where every item allows it; 2 and 3: only the
 // aligned launch, or only the general one, timed alone against the bound of its own traffic).
-// --batch-caps,
-// --fill-warps, --blocks-per-sm: the launch's shape (CopyLaunchShape; batch cap 0: the kernel's
-// default; blocks at most this many times the SMs, 0 for LaunchCopyItems' cap).
+// --batch-caps, --fill-warps, --blocks-per-sm: the launch's shape (CopyLaunchShape; batch cap 0:
+// the kernel's default; blocks at most this many times the SMs, 0 for LaunchCopyItems' cap).
 //   local_copy_bench --src t.json --dst i.json [--repeat 10] [--segments 16384,65536,262144]
 //   [--spread auto,0,1]
 //                    [--aligned-kernel 1] [--tile-run-bytes 512] [--split 0,1] [--batch-caps

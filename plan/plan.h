@@ -42,8 +42,8 @@ enum class CopyOp : uint8_t { kCopy, kQuantize, kScale };
 // more dimensions than that is emitted as several descriptors, and so is one with a loop whose
 // count or stride passes kMaxLoopValue: the loops are 32-bit, the offsets and the run 64-bit (a
 // stacked expert buffer holds billions of elements; a stride past 2^31 is a rare 4-D layout).
-// Narrower loops make a descriptor 88 bytes, not 120: a frontier plan writes millions of them into
-// fresh memory, and the planner's time follows their bytes (docs/BENCHMARKS.md).
+// Narrower loops make a descriptor 88 bytes, not 120: a frontier plan holds millions of them, most
+// of the planner's peak memory and of every kept plan's (docs/BENCHMARKS.md).
 inline constexpr int64_t kMaxLoopValue = INT32_MAX;
 struct CopyDescriptor {
   int32_t src_buffer = 0;  // in the source layout, or in the destination layout when forwarding

@@ -357,8 +357,13 @@ int main(int argc, char** argv) {
       for (int64_t v : list(value)) o.plains.push_back(v != 0);
     } else if (flag == "--split") {
       o.splits.clear();
-      for (int64_t v : list(value))
-        o.splits.push_back(static_cast<int>(std::clamp<int64_t>(v, 0, 3)));
+      for (int64_t v : list(value)) {
+        if (v < 0 || v > 3) {
+          std::fprintf(stderr, "--split values are 0, 1, 2 or 3, not %lld\n", (long long)v);
+          return 2;
+        }
+        o.splits.push_back(static_cast<int>(v));
+      }
     } else if (flag == "--aligned-kernel") {
       o.aligned_kernel = value == "1";
     } else if (flag == "--spread") {

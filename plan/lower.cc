@@ -1,7 +1,6 @@
 #include "plan/lower.h"
 
 #include <algorithm>
-#include <cstdlib>
 
 #include "absl/strings/str_cat.h"
 
@@ -72,10 +71,7 @@ void LowerCopy(const Box& region, const CopyEnd& src, const CopyEnd& dst, bool s
   // outside one that a descriptor's 32-bit loops cannot hold.
   int extra = n - std::min(n, kMaxOuterDims);
   for (int i = extra; i < n; ++i) {
-    if (count[i] > kMaxLoopValue || std::abs(ss[i]) > kMaxLoopValue ||
-        std::abs(ds[i]) > kMaxLoopValue) {
-      extra = i + 1;
-    }
+    if (!FitsLoop(count[i]) || !FitsLoop(ss[i]) || !FitsLoop(ds[i])) extra = i + 1;
   }
   const int kept = n - extra;
   auto fill = [&](CopyDescriptor& d) {
@@ -146,8 +142,7 @@ absl::Status LowerQuantize(CopyOp op, const Box& region, const Quantization& q, 
         "a quantized tensor's piece whose columns are not contiguous in its buffer cannot be "
         "quantized");
   }
-  if (rows > kMaxLoopValue || std::abs(src.view.strides[0]) > kMaxLoopValue ||
-      std::abs(dst.view.strides[0]) > kMaxLoopValue) {
+  if (!FitsLoop(rows) || !FitsLoop(src.view.strides[0]) || !FitsLoop(dst.view.strides[0])) {
     return absl::InvalidArgumentError(absl::StrCat(
         "a quantized region of ", rows, " rows, ", src.view.strides[0], " and ",
         dst.view.strides[0], " elements apart in its buffers: a descriptor's loops hold at most ",

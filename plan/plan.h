@@ -45,6 +45,8 @@ enum class CopyOp : uint8_t { kCopy, kQuantize, kScale };
 // Narrower loops make a descriptor 88 bytes, not 120: a frontier plan holds millions of them, most
 // of the planner's peak memory and of every kept plan's (docs/BENCHMARKS.md).
 inline constexpr int64_t kMaxLoopValue = INT32_MAX;
+// Whether a count or stride fits a descriptor's 32-bit loop.
+inline bool FitsLoop(int64_t v) { return v >= -kMaxLoopValue && v <= kMaxLoopValue; }
 struct CopyDescriptor {
   int32_t src_buffer = 0;  // in the source layout, or in the destination layout when forwarding
   int32_t dst_buffer = 0;  // in the destination layout

@@ -228,7 +228,7 @@ absl::StatusOr<DecodedSlice> SliceFromWire(absl::string_view wire, int32_t node)
       for (int j = 0; j < d.outer_rank; ++j, ++outer) {
         const int64_t loop[3] = {p.count(outer), p.src_stride(outer), p.dst_stride(outer)};
         for (int64_t v : loop) {
-          if (v < -kMaxLoopValue || v > kMaxLoopValue) {
+          if (!FitsLoop(v)) {
             return bad(absl::StrCat("descriptor ", k, "'s outer loop ", j, " holds ", v,
                                     ", past a descriptor's 32-bit loops"));
           }

@@ -41,14 +41,12 @@ class MessageCutter {
     return open;
   }
 
-  // Descriptors [first, end) of `descriptors`, just made, each with its group as `message`:
-  // each gets its message's id instead.
-  void CutFrom(std::vector<CopyDescriptor>& descriptors, size_t first) {
-    for (size_t i = first; i < descriptors.size(); ++i) {
-      CopyDescriptor& d = descriptors[i];
-      d.message = Add(d.message, d.WireBytes());
-    }
-    if (!mark_.has_value() && descriptors.size() >= mark_after_) TakeMark(descriptors.size());
+  // Descriptors just made, each with its group as `message`, to follow `before` others: each
+  // gets its message's id instead.
+  void CutFrom(std::vector<CopyDescriptor>& made, size_t before) {
+    for (CopyDescriptor& d : made) d.message = Add(d.message, d.WireBytes());
+    const size_t seen = before + made.size();
+    if (!mark_.has_value() && seen >= mark_after_) TakeMark(seen);
   }
 
   // Once CutFrom has seen `descriptors` descriptors in all, it notes how many each message then

@@ -33,16 +33,16 @@ TEST_CASE("a group's descriptors fill a message up to the limit, then open the n
 }
 
 TEST_CASE("descriptors just made, their group in `message`, get their message's id") {
-  std::vector<CopyDescriptor> made(4);
+  std::vector<CopyDescriptor> made(3);
   for (CopyDescriptor& d : made) d.inner = 30;  // 30 bf16 elements: 60 bytes on the wire
-  made[0].message = 0, made[1].message = 0, made[2].message = 5, made[3].message = 0;
+  made[0].message = 0, made[1].message = 5, made[2].message = 0;
   MessageCutter cutter(100);
-  cutter.CutFrom(made, 1);  // the first is left as it is
-  CHECK(made[0].message == 0);
-  CHECK(made[1].message == 0);  // group 0's first message
-  CHECK(made[2].message == 1);  // group 5's
-  CHECK(made[3].message == 2);  // 120 bytes would not fit group 0's first
+  cutter.CutFrom(made, 7);      // seven others before them
+  CHECK(made[0].message == 0);  // group 0's first message
+  CHECK(made[1].message == 1);  // group 5's
+  CHECK(made[2].message == 2);  // 120 bytes would not fit group 0's first
   CHECK(cutter.messages()[2].group == 0);
+  CHECK(cutter.messages()[0].descriptors == 1);
 }
 
 // The planner's final pass runs in two parts at once from the mark: what each message held when
@@ -51,15 +51,16 @@ TEST_CASE("the mark is what each message held once the descriptors before it wer
   std::mt19937 rng(11);
   MessageCutter cutter(500);
   cutter.MarkAfter(1000);
-  std::vector<CopyDescriptor> made;
+  std::vector<CopyDescriptor> made, transfer;
   while (made.size() < 3000) {
-    const size_t first = made.size();
+    transfer.clear();
     for (uint32_t k = 1 + rng() % 3; k > 0; --k) {  // a transfer: a descriptor or a few
-      CopyDescriptor& d = made.emplace_back();
+      CopyDescriptor& d = transfer.emplace_back();
       d.inner = 1 + rng() % 200;
       d.message = static_cast<int32_t>(rng() % 9);
     }
-    cutter.CutFrom(made, first);
+    cutter.CutFrom(transfer, made.size());
+    made.insert(made.end(), transfer.begin(), transfer.end());
     if (made.size() < 1000) CHECK_FALSE(cutter.mark().has_value());
   }
   REQUIRE(cutter.mark().has_value());

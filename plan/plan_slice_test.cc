@@ -119,31 +119,38 @@ TEST_CASE("a slice that reaches outside this node's buffers is refused, naming t
     change(slice);
     return CheckSlice(slice, node, src, dst);
   };
-  auto first_received = [&](Plan& slice) -> CopyDescriptor& {
+  // Changes the first descriptor that node 2 receives.
+  auto edit_first_received = [&](Plan& slice, auto change) {
     for (const Message& m : slice.messages) {
-      if (slice.gpus[m.dst_gpu].node == node && m.num_descriptors > 0)
-        return slice.descriptors[m.first_descriptor];
+      if (slice.gpus[m.dst_gpu].node == node && m.num_descriptors > 0) {
+        CopyDescriptor d = slice.descriptors[m.first_descriptor];
+        change(d);
+        slice.descriptors.set(m.first_descriptor, d);
+        return;
+      }
     }
     FAIL("no message into node 2");
-    return slice.descriptors[0];
   };
-  absl::Status s = tampered([&](Plan& p) { first_received(p).dst_offset += 1 << 20; });
+  absl::Status s = tampered(
+      [&](Plan& p) { edit_first_received(p, [](CopyDescriptor& d) { d.dst_offset += 1 << 20; }); });
   CHECK(s.code() == absl::StatusCode::kInvalidArgument);
   CHECK(s.message().find("destination side") != std::string::npos);
   CHECK(s.message().find("reaches element") != std::string::npos);
   s = tampered([&](Plan& p) {
-    CopyDescriptor& d = first_received(p);
-    for (size_t b = 0; b < dst.buffers.size(); ++b) {
-      if (dst.workers[dst.buffers[b].worker].node == 3) d.dst_buffer = static_cast<int32_t>(b);
-    }
+    edit_first_received(p, [&](CopyDescriptor& d) {
+      for (size_t b = 0; b < dst.buffers.size(); ++b) {
+        if (dst.workers[dst.buffers[b].worker].node == 3) d.dst_buffer = static_cast<int32_t>(b);
+      }
+    });
   });
   CHECK(s.message().find("is not on GPU") != std::string::npos);
-  s = tampered([&](Plan& p) { first_received(p).message += 1; });
+  s = tampered([&](Plan& p) { edit_first_received(p, [](CopyDescriptor& d) { d.message += 1; }); });
   CHECK(s.message().find("says it belongs to message") != std::string::npos);
   s = tampered([&](Plan& p) { p.messages[0].src_gpu = 99; });
   CHECK(s.message().find("out of range") != std::string::npos);
-  s = tampered(
-      [&](Plan& p) { first_received(p).dst_stride[0] = -1, first_received(p).outer_rank = 1; });
+  s = tampered([&](Plan& p) {
+    edit_first_received(p, [](CopyDescriptor& d) { d.dst_stride[0] = -1, d.outer_rank = 1; });
+  });
   CHECK(s.code() == absl::StatusCode::kInvalidArgument);
   CHECK(tampered([](Plan&) {}).ok());
 }

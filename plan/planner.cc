@@ -231,7 +231,7 @@ class Planner {
   absl::flat_hash_map<uint64_t, int32_t> group_of_;  // when there are too many GPUs for the table
   std::vector<int32_t> group_table_;                 // [stage][src gpu][dst gpu] -> group
   std::vector<Group> groups_;
-  std::vector<CopyDescriptor> lowered_;
+  std::vector<CopyDescriptor> lowered_, split_;
   std::optional<MessageCutter> cutter_;  // every descriptor's message, as it is made
 
   // Scratch reused across tensors.
@@ -327,7 +327,8 @@ absl::StatusOr<Plan> Planner::Run() {
   // One descriptor per destination piece is typical; reserving avoids regrowing a vector of
   // hundreds of MB.
   plan_.descriptors.reserve(dst_.pieces.size() + dst_.pieces.size() / 8 + 16);
-  AdviseHugePages(plan_.descriptors.data(), plan_.descriptors.capacity() * sizeof(CopyDescriptor));
+  AdviseHugePages(plan_.descriptors.data(),
+                  plan_.descriptors.capacity() * DescriptorTable::kBytesPerDescriptor);
   absl::flat_hash_map<int64_t, int32_t> nic_ids;
   for (const PlanGpu& g : plan_.gpus) {
     const int64_t key = (int64_t{g.node} << 32) | static_cast<uint32_t>(topo_.NicOf(g.gpu));
@@ -383,6 +384,10 @@ absl::Status Planner::RouteTensors() {
     dst_index.emplace(dst_);
   }
   const PiecesByTensor& dst_by_tensor = *dst_index;
+  // The source tensor of the same name, looked up by name only where the layouts' orders differ:
+  // both usually list a model's tensors in one order, and 70 k lookups of long names in a hash
+  // table cost a cache miss or more each.
+  int32_t next_source = 0;
   for (size_t t = 0; t < dst_.tensors.size(); ++t) {
     // A tensor's destination pieces lie far apart (each worker's pieces are together), a cache
     // miss each: fetch the next tensor's while this one is planned.
@@ -392,10 +397,16 @@ absl::Status Planner::RouteTensors() {
       }
     }
     const LogicalTensor& dt = dst_.tensors[t];
-    auto in_source = src_.tensor_index.find(dt.name);
-    if (in_source == src_.tensor_index.end()) continue;  // a scale the data plane computes
-    if (dt.quant.format != QuantFormat::kNone &&
-        CanQuantizeFrom(src_.tensors[in_source->second].dtype)) {
+    int32_t source = -1;
+    if (next_source < static_cast<int32_t>(src_.tensors.size()) &&
+        src_.tensors[next_source].name == dt.name) {
+      source = next_source;
+    } else if (auto it = src_.tensor_index.find(dt.name); it != src_.tensor_index.end()) {
+      source = it->second;
+    }
+    if (source < 0) continue;  // a scale the data plane computes
+    next_source = source + 1;
+    if (dt.quant.format != QuantFormat::kNone && CanQuantizeFrom(src_.tensors[source].dtype)) {
       const bool needed = !dst_by_tensor.of(static_cast<int32_t>(t)).empty() ||
                           !dst_by_tensor.of(dst_.tensor_index.at(dt.quant.scale)).empty();
       if (!needed) continue;
@@ -405,7 +416,7 @@ absl::Status Planner::RouteTensors() {
     }
     if (dst_by_tensor.of(static_cast<int32_t>(t)).empty()) continue;
     REFIT_RETURN_IF_ERROR(
-        PlanTensor(static_cast<int32_t>(t), in_source->second, src_by_tensor, dst_by_tensor));
+        PlanTensor(static_cast<int32_t>(t), source, src_by_tensor, dst_by_tensor));
     ++plan_.stats.tensors;
   }
   return absl::OkStatus();
@@ -1019,16 +1030,17 @@ int32_t Planner::Account(int32_t from_gpu, int32_t to_gpu, int64_t bytes, int64_
 }
 
 void Planner::Append(int32_t group) {
-  const size_t first = plan_.descriptors.size();
+  split_.clear();
   for (CopyDescriptor& d : lowered_) {
     d.message = group;
     if (d.Quantizes() || d.WireBytes() <= opt_.max_message_bytes) {
-      plan_.descriptors.push_back(d);  // quantizing ops were cut at block boundaries already
+      split_.push_back(d);  // quantizing ops were cut at block boundaries already
     } else {
-      SplitDescriptor(d, opt_.max_message_bytes, plan_.descriptors);
+      SplitDescriptor(d, opt_.max_message_bytes, split_);
     }
   }
-  cutter_->CutFrom(plan_.descriptors, first);
+  cutter_->CutFrom(split_, plan_.descriptors.size());
+  for (const CopyDescriptor& d : split_) plan_.descriptors.push_back(d);
 }
 
 void Planner::BuildMessages() {
@@ -1060,15 +1072,15 @@ void Planner::BuildMessages() {
     next[r] = first;
     first += c.descriptors;
   }
-  std::vector<CopyDescriptor>& desc = plan_.descriptors;
+  DescriptorTable& desc = plan_.descriptors;
   std::vector<int64_t>& index = plan_.message_descriptors;
   index.reserve(desc.size());
   AdviseHugePages(index.data(), index.capacity() * sizeof(int64_t));
   index.resize(desc.size());
   auto renumber = [&](size_t begin, size_t end, std::vector<int64_t>& slot) {
     for (size_t i = begin; i < end; ++i) {
-      const int32_t m = final_id[desc[i].message];
-      desc[i].message = m;
+      const int32_t m = final_id[desc.message(i)];
+      desc.set_message(i, m);
       index[slot[m]++] = static_cast<int64_t>(i);
     }
   };

@@ -91,8 +91,6 @@ void AddFlatShard(Layout& layout, int32_t tensor, int32_t worker, int64_t begin,
   }
 }
 
-namespace {
-
 std::string DescriptorFields(const CopyDescriptor& d) {
   return absl::StrCat(
       d.src_buffer, " ", d.dst_buffer, " ", d.src_offset, " ", d.dst_offset, " ", d.inner, " ",
@@ -101,6 +99,8 @@ std::string DescriptorFields(const CopyDescriptor& d) {
       static_cast<int>(d.dst_dtype), " ", d.src_is_destination, " ", static_cast<int>(d.op), " ",
       d.quant_format, " ", d.block_rows, " ", d.block_cols, " ", d.message);
 }
+
+namespace {
 
 std::string MessageFields(const Message& m) {
   return absl::StrCat(m.src_gpu, " ", m.dst_gpu, " ", m.stage, " ", static_cast<int>(m.link), " ",

@@ -37,6 +37,9 @@ void AddQuantized(Layout& layout, const std::string& name, Dims shape, QuantForm
 // worker `worker`.
 void AddFlatShard(Layout& layout, int32_t tensor, int32_t worker, int64_t begin, int64_t end);
 
+// Every field of a descriptor, as text: equal texts, equal descriptors.
+std::string DescriptorFields(const CopyDescriptor& d);
+
 // "" when the plans are the same (descriptors in the same order, messages, scratch, statistics
 // other than the planning time), else the first difference.
 std::string PlanDifference(const Plan& a, const Plan& b);

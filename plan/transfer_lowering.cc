@@ -19,6 +19,8 @@ constexpr uintptr_t kPrefaultBytes = uintptr_t{1} << 20;
 // Room left in the descriptors' reserve, in descriptors, below which pre-faulting stops: the
 // lowering may then move them, and pre-faulting must touch only their memory.
 constexpr size_t kPrefaultMargin = 4096;
+// Bytes of one descriptor in the plan's storage.
+constexpr uintptr_t kBytes = DescriptorTable::kBytesPerDescriptor;
 
 // ViewOf's common case, inline: a non-empty piece whose tensor box has the shape of its buffer box
 // (less leading dimensions of extent 1: an expert's matrix in a stacked [experts, rows, cols]
@@ -51,7 +53,7 @@ bool SameShapeView(const Box& tensor_box, const Box& buffer_box, const Dims& buf
 }  // namespace
 
 TransferLowerer::TransferLowerer(const Layout& source, const Layout& destination,
-                                 int64_t max_message_bytes, std::vector<CopyDescriptor>& out,
+                                 int64_t max_message_bytes, DescriptorTable& out,
                                  MessageCutter& cutter, bool threaded)
     : src_(source),
       dst_(destination),
@@ -69,8 +71,8 @@ void TransferLowerer::ArmPrefaulting() {
   out_storage_ = reinterpret_cast<uintptr_t>(out_.data());
   routed_ = out_.size();
   lowered_size_.store(out_.size(), std::memory_order_relaxed);
-  prefault_next_ = (out_storage_ + out_.size() * sizeof(CopyDescriptor) + page - 1) & ~(page - 1);
-  prefault_end_ = (out_storage_ + out_.capacity() * sizeof(CopyDescriptor)) & ~(page - 1);
+  prefault_next_ = (out_storage_ + out_.size() * kBytes + page - 1) & ~(page - 1);
+  prefault_end_ = (out_storage_ + out_.capacity() * kBytes) & ~(page - 1);
   prefault_stopping_ = false;
   absl::MutexLock lock(&prefault_mu_);
   prefault_stopped_ = false;
@@ -157,9 +159,8 @@ void TransferLowerer::StopPrefaulting() {
 bool TransferLowerer::PrefaultAhead() {
   absl::MutexLock lock(&prefault_mu_);
   if (prefault_stopped_) return false;
-  const uintptr_t lowered =
-      out_storage_ + lowered_size_.load(std::memory_order_acquire) * sizeof(CopyDescriptor);
-  const uintptr_t routed = std::min(prefault_end_, out_storage_ + routed_ * sizeof(CopyDescriptor));
+  const uintptr_t lowered = out_storage_ + lowered_size_.load(std::memory_order_acquire) * kBytes;
+  const uintptr_t routed = std::min(prefault_end_, out_storage_ + routed_ * kBytes);
   // Pages below the worker's last batch are written already.
   while (prefault_next_ + kPrefaultBytes <= lowered) prefault_next_ += kPrefaultBytes;
   if (prefault_next_ >= routed) return false;
@@ -227,36 +228,31 @@ void TransferLowerer::Lower(const Batch& batch) {
                            from.buffer, from_layout.buffers[from.buffer].dtype};
     const CopyEnd to_end{&dst_.tensor_box(to), ViewOfPiece(dst_, t.to_piece, 1), to.buffer,
                          dst_.buffers[to.buffer].dtype};
-    const size_t first = out_.size();
+    lowered_.clear();
     if (t.op == CopyOp::kCopy || t.from_destination) {
       // Forwarding copies what an earlier stage landed: codes and scales are already made.
-      // Lowered in place: a descriptor too large for a message is rare, and cut afterwards.
-      LowerCopy(box, from_end, to_end, t.from_destination, out_, t.group);
+      LowerCopy(box, from_end, to_end, t.from_destination, lowered_, t.group);
       // No descriptor carries more than the whole box: only a box too large for one message
       // needs its descriptors looked at.
       const int64_t wire_size = std::min(DTypeSize(from_end.dtype), DTypeSize(to_end.dtype));
-      bool too_large = false;
       if (box.NumElements() * wire_size > max_message_bytes_) {
-        for (size_t i = first; i < out_.size(); ++i) {
-          too_large |= out_[i].WireBytes() > max_message_bytes_;
+        bool too_large = false;
+        for (const CopyDescriptor& d : lowered_) too_large |= d.WireBytes() > max_message_bytes_;
+        if (too_large) {
+          split_.clear();
+          for (const CopyDescriptor& d : lowered_) SplitDescriptor(d, max_message_bytes_, split_);
+          lowered_.swap(split_);
         }
       }
-      if (too_large) {
-        lowered_.assign(out_.begin() + static_cast<ptrdiff_t>(first), out_.end());
-        out_.resize(first);
-        for (const CopyDescriptor& d : lowered_) SplitDescriptor(d, max_message_bytes_, out_);
-      }
     } else {
-      lowered_.clear();
       absl::Status lowered =
           LowerQuantize(t.op, box, *t.quant, from_end, to_end, false, max_message_bytes_, lowered_);
       if (!lowered.ok() && status_.ok()) status_ = std::move(lowered);
-      for (CopyDescriptor& d : lowered_) {
-        d.message = t.group;
-        out_.push_back(d);  // quantizing ops were cut at block boundaries already
-      }
+      // Quantizing ops were cut at block boundaries already.
+      for (CopyDescriptor& d : lowered_) d.message = t.group;
     }
-    cutter_.CutFrom(out_, first);  // into messages while the descriptors are in cache
+    cutter_.CutFrom(lowered_, out_.size());  // into messages while the descriptors are in cache
+    for (const CopyDescriptor& d : lowered_) out_.push_back(d);
   }
 }
 

@@ -32,13 +32,16 @@ struct RoutedTransfer {
   const Quantization* quant = nullptr;  // op != kCopy
 };
 
+// Fields two threads write apart are kept this far apart.
+inline constexpr size_t kCacheLineBytes = 64;
+
 class TransferLowerer {
  public:
   // Appends to `out`, which the caller must not touch until Drain() returns, each descriptor's
   // `message` the id `cutter` gives it (which the caller likewise leaves alone until then).
   // `threaded`: lower on a thread of its own (else on the caller's, as batches fill).
   TransferLowerer(const Layout& source, const Layout& destination, int64_t max_message_bytes,
-                  std::vector<CopyDescriptor>& out, MessageCutter& cutter, bool threaded);
+                  DescriptorTable& out, MessageCutter& cutter, bool threaded);
   ~TransferLowerer();  // drains
   TransferLowerer(const TransferLowerer&) = delete;
   TransferLowerer& operator=(const TransferLowerer&) = delete;
@@ -84,10 +87,12 @@ class TransferLowerer {
   const Layout& src_;
   const Layout& dst_;
   const int64_t max_message_bytes_;
-  std::vector<CopyDescriptor>& out_;
+  DescriptorTable& out_;
   MessageCutter& cutter_;
 
-  Batch filling_;  // the caller's
+  // The caller's, written for every transfer: apart from the fields above, which the worker reads
+  // for every descriptor.
+  alignas(kCacheLineBytes) Batch filling_;
   // The caller's: the index in `filling_` of each key's box, valid while its generation is the
   // current one (a new batch, or ForgetBoxKeys(), starts another).
   struct BoxKey {
@@ -96,9 +101,11 @@ class TransferLowerer {
   };
   std::vector<BoxKey> box_keys_;
   uint64_t box_generation_ = 1;
-  // Lowering state: the worker's while it runs, else the caller's.
-  absl::Status status_;
-  std::vector<CopyDescriptor> lowered_;
+  // Lowering state: the worker's while it runs, else the caller's. On cache lines of its own: the
+  // worker writes it for every descriptor and the caller its batch for every transfer, and sharing
+  // a line made each core wait for the other's writes.
+  alignas(kCacheLineBytes) absl::Status status_;
+  std::vector<CopyDescriptor> lowered_, split_;  // one transfer's, before they are packed
   struct CachedView {
     const Layout* layout = nullptr;
     int32_t piece = -1;
@@ -110,10 +117,12 @@ class TransferLowerer {
   // worker's time. While the caller would wait for the worker, it faults in the pages of the
   // descriptors already routed (MADV_POPULATE_WRITE: the kernel's work; contents unchanged).
   // Only inside `out_`'s reserve: the worker stops it before `out_` could outgrow the reserve.
-  void ArmPrefaulting();       // the caller's, while the worker is idle
-  void StopPrefaulting();      // the worker's
-  bool drained_ = false;       // the caller's: Drain() returned, no batch handed over since
-  uintptr_t out_storage_ = 0;  // out_.data() when made
+  void ArmPrefaulting();   // the caller's, while the worker is idle
+  void StopPrefaulting();  // the worker's
+  // The caller's: Drain() returned, no batch handed over since. On a line apart from the
+  // lowering state above.
+  alignas(kCacheLineBytes) bool drained_ = false;
+  uintptr_t out_storage_ = 0;                       // out_.data() when made
   uintptr_t prefault_next_ = 0, prefault_end_ = 0;  // the caller's: next page, the reserve's end
   size_t routed_ = 0;                    // the caller's: out_.size() + transfers handed over
   std::atomic<size_t> lowered_size_{0};  // out_.size() after the worker's last batch

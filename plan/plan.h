@@ -81,8 +81,9 @@ struct Plan {
   DescriptorTable descriptors;       // in the order the planner made them
   // Message m's descriptors are descriptors[message_descriptors[m.first_descriptor + k]] for
   // k < m.num_descriptors. An index rather than a sorted copy: the descriptors of a frontier
-  // model's plan are hundreds of MB, and each daemon lays out only its own part.
-  std::vector<int64_t> message_descriptors;
+  // model's plan are hundreds of MB, and each daemon lays out only its own part. 32-bit: a plan
+  // holds fewer than 2^31 descriptors (the planner refuses more, 64 GB of them).
+  std::vector<int32_t> message_descriptors;
   std::vector<Message> messages;  // in execution order: stage, sending GPU, receiving GPU
   PlanStats stats;
 

@@ -33,7 +33,7 @@ Plan SliceOfPlan(const Plan& plan, int32_t node, int64_t keep_remote_min_bytes) 
   }
   slice.message_descriptors.resize(slice.descriptors.size());
   for (size_t i = 0; i < slice.descriptors.size(); ++i)
-    slice.message_descriptors[i] = static_cast<int64_t>(i);
+    slice.message_descriptors[i] = static_cast<int32_t>(i);
   return slice;
 }
 

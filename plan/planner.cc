@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <climits>
 #include <numeric>
 #include <optional>
 #include <thread>
@@ -363,6 +364,11 @@ absl::StatusOr<Plan> Planner::Run() {
   REFIT_RETURN_IF_ERROR(lowerer_->Drain());
   REFIT_RETURN_IF_ERROR(routed);
   lowerer_.reset();
+  if (plan_.descriptors.size() > static_cast<size_t>(INT32_MAX)) {
+    return absl::ResourceExhaustedError(
+        absl::StrCat("the plan needs ", plan_.descriptors.size(),
+                     " copy descriptors, more than a plan can index (2^31 - 1)"));
+  }
   for (const ScratchBuffer& b : plan_.scratch) plan_.stats.scratch_bytes += b.NumBytes();
   plan_.stats.pieces = static_cast<int64_t>(src_.pieces.size() + dst_.pieces.size());
   BuildMessages();
@@ -1073,15 +1079,15 @@ void Planner::BuildMessages() {
     first += c.descriptors;
   }
   DescriptorTable& desc = plan_.descriptors;
-  std::vector<int64_t>& index = plan_.message_descriptors;
+  std::vector<int32_t>& index = plan_.message_descriptors;
   index.reserve(desc.size());
-  AdviseHugePages(index.data(), index.capacity() * sizeof(int64_t));
+  AdviseHugePages(index.data(), index.capacity() * sizeof(int32_t));
   index.resize(desc.size());
   auto renumber = [&](size_t begin, size_t end, std::vector<int64_t>& slot) {
     for (size_t i = begin; i < end; ++i) {
       const int32_t m = final_id[desc.message(i)];
       desc.set_message(i, m);
-      index[slot[m]++] = static_cast<int64_t>(i);
+      index[slot[m]++] = static_cast<int32_t>(i);
     }
   };
   // A pass over every descriptor (hundreds of MB), on the critical path: in two parts at once

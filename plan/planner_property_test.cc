@@ -262,7 +262,7 @@ TEST_CASE("random layout pairs: every destination element written exactly once, 
       next_descriptor += m.num_descriptors;
     }
     REQUIRE(next_descriptor == static_cast<int64_t>(plan->descriptors.size()));
-    std::vector<int64_t> index = plan->message_descriptors;  // a permutation of the descriptors
+    std::vector<int32_t> index = plan->message_descriptors;  // a permutation of the descriptors
     std::sort(index.begin(), index.end());
     for (size_t k = 0; k < index.size(); ++k) REQUIRE(index[k] == static_cast<int64_t>(k));
     REQUIRE(plan->stats.predicted_seconds >= plan->stats.lower_bound_seconds);

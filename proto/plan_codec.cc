@@ -263,7 +263,7 @@ absl::StatusOr<DecodedSlice> SliceFromWire(absl::string_view wire, int32_t node)
     return bad("descriptors or outer loops that no message carries");
   plan.message_descriptors.resize(plan.descriptors.size());
   for (size_t i = 0; i < plan.descriptors.size(); ++i)
-    plan.message_descriptors[i] = static_cast<int64_t>(i);
+    plan.message_descriptors[i] = static_cast<int32_t>(i);
   const int scratch = p.scratch_gpu_size();
   if (p.scratch_worker_size() != scratch || p.scratch_dtype_size() != scratch ||
       p.scratch_elements_size() != scratch) {

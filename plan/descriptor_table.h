@@ -65,8 +65,9 @@ struct PackedDescriptor {
 };
 static_assert(sizeof(PackedDescriptor) == 32, "millions per plan");
 
-// Written by one thread at a time. On cache lines of its own (64 bytes): the lowering thread
-// appends a descriptor while the routing thread works on the plan's other fields.
+// Written by one thread at a time, but for set_message on disjoint ranges. On cache lines of its
+// own (64 bytes): the lowering thread appends a descriptor while the routing thread works on the
+// plan's other fields.
 class alignas(64) DescriptorTable {
  public:
   // Whole descriptors, in order, by value.
@@ -146,7 +147,11 @@ class alignas(64) DescriptorTable {
   int32_t Intern(const CopyShape& shape) {
     const uint64_t hash = HashShape(shape);
     const int32_t recent = recent_[hash >> 58];
-    if (recent > 0 && SameShape(shapes_[static_cast<size_t>(recent - 1)], shape)) return recent - 1;
+    // Bounded: a table moved from keeps its recent ids but no shapes.
+    if (recent > 0 && static_cast<size_t>(recent) <= shapes_.size() &&
+        SameShape(shapes_[static_cast<size_t>(recent - 1)], shape)) {
+      return recent - 1;
+    }
     return InternSlowly(shape, hash);
   }
   int32_t InternSlowly(const CopyShape& shape, uint64_t hash);

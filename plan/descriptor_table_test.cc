@@ -111,5 +111,22 @@ TEST_CASE("a copy is a table of its own; clear empties shapes too") {
   CHECK(table.num_shapes() == 1);
 }
 
+TEST_CASE("a table moved from takes new descriptors as an empty one") {
+  std::mt19937_64 rng(21);
+  DescriptorTable table;
+  for (int i = 0; i < 50; ++i) table.push_back(RandomDescriptor(rng, 3));
+  const CopyDescriptor d = table[0];
+  DescriptorTable moved = std::move(table);
+  table.clear();  // valid but unspecified after a move: cleared, as a caller reusing it would
+  table.push_back(d);
+  CHECK(table.size() == 1);
+  CHECK(DescriptorFields(table[0]) == DescriptorFields(d));
+  CHECK(DescriptorFields(moved[0]) == DescriptorFields(d));
+  // Without clearing: the recent-shape slots must not name shapes the table no longer has.
+  DescriptorTable again = std::move(moved);
+  moved.push_back(d);
+  CHECK(DescriptorFields(moved[moved.size() - 1]) == DescriptorFields(d));
+}
+
 }  // namespace
 }  // namespace refit

@@ -67,7 +67,7 @@ TransferLowerer::TransferLowerer(const Layout& source, const Layout& destination
 }
 
 void TransferLowerer::ArmPrefaulting() {
-  const uintptr_t page = static_cast<uintptr_t>(sysconf(_SC_PAGESIZE));
+  const uintptr_t page = page_;
   out_storage_ = reinterpret_cast<uintptr_t>(out_.data());
   routed_ = out_.size();
   lowered_size_.store(out_.size(), std::memory_order_relaxed);
@@ -160,7 +160,10 @@ bool TransferLowerer::PrefaultAhead() {
   absl::MutexLock lock(&prefault_mu_);
   if (prefault_stopped_) return false;
   const uintptr_t lowered = out_storage_ + lowered_size_.load(std::memory_order_acquire) * kBytes;
-  const uintptr_t routed = std::min(prefault_end_, out_storage_ + routed_ * kBytes);
+  // Whole pages only, so that the next start stays page-aligned (madvise refuses another); the
+  // reserve's end is a page boundary, so rounding up stays inside it.
+  const uintptr_t routed =
+      std::min(prefault_end_, (out_storage_ + routed_ * kBytes + page_ - 1) & ~(page_ - 1));
   // Pages below the worker's last batch are written already.
   while (prefault_next_ + kPrefaultBytes <= lowered) prefault_next_ += kPrefaultBytes;
   if (prefault_next_ >= routed) return false;

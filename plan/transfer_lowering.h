@@ -5,6 +5,8 @@
 // the lowering runs on a thread of its own or on the caller's.
 #pragma once
 
+#include <unistd.h>
+
 #include <atomic>
 #include <cstdint>
 #include <deque>
@@ -124,6 +126,7 @@ class TransferLowerer {
   alignas(kCacheLineBytes) bool drained_ = false;
   uintptr_t out_storage_ = 0;                       // out_.data() when made
   uintptr_t prefault_next_ = 0, prefault_end_ = 0;  // the caller's: next page, the reserve's end
+  const uintptr_t page_ = static_cast<uintptr_t>(sysconf(_SC_PAGESIZE));
   size_t routed_ = 0;                    // the caller's: out_.size() + transfers handed over
   std::atomic<size_t> lowered_size_{0};  // out_.size() after the worker's last batch
   absl::Mutex prefault_mu_;              // held while pre-faulting

@@ -1,7 +1,7 @@
 // A plan's descriptors, stored as what tells them apart and what they share. A frontier plan
 // holds millions of descriptors but a few dozen shapes (loops, dtypes, operation): each descriptor
-// keeps its buffers, offsets and message in 32 bytes and names its shape, kept once. The whole
-// descriptor was 88 bytes, and writing those hundreds of MB of fresh memory was most of a
+// keeps its buffers, offsets and message in 32 bytes and names its shape, kept once. Whole, they
+// were 88 bytes each, and writing those hundreds of MB of fresh memory was over a third of a
 // frontier model's planning time (docs/BENCHMARKS.md). Readers get whole descriptors, by value.
 #pragma once
 

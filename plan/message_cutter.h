@@ -48,6 +48,11 @@ class MessageCutter {
     const size_t seen = before + made.size();
     if (!mark_.has_value() && seen >= mark_after_) TakeMark(seen);
   }
+  // CutFrom, then `made` appended to `out`, the descriptors it follows.
+  void CutInto(std::vector<CopyDescriptor>& made, DescriptorTable& out) {
+    CutFrom(made, out.size());
+    for (const CopyDescriptor& d : made) out.push_back(d);
+  }
 
   // Once CutFrom has seen `descriptors` descriptors in all, it notes how many each message then
   // held (mark()): the final pass over the descriptors may then run in two parts at once.

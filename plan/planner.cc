@@ -1045,8 +1045,7 @@ void Planner::Append(int32_t group) {
       SplitDescriptor(d, opt_.max_message_bytes, split_);
     }
   }
-  cutter_->CutFrom(split_, plan_.descriptors.size());
-  for (const CopyDescriptor& d : split_) plan_.descriptors.push_back(d);
+  cutter_->CutInto(split_, plan_.descriptors);
 }
 
 void Planner::BuildMessages() {

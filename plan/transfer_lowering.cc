@@ -67,12 +67,11 @@ TransferLowerer::TransferLowerer(const Layout& source, const Layout& destination
 }
 
 void TransferLowerer::ArmPrefaulting() {
-  const uintptr_t page = page_;
   out_storage_ = reinterpret_cast<uintptr_t>(out_.data());
   routed_ = out_.size();
   lowered_size_.store(out_.size(), std::memory_order_relaxed);
-  prefault_next_ = (out_storage_ + out_.size() * kBytes + page - 1) & ~(page - 1);
-  prefault_end_ = (out_storage_ + out_.capacity() * kBytes) & ~(page - 1);
+  prefault_next_ = PageUp(out_storage_ + out_.size() * kBytes);
+  prefault_end_ = PageDown(out_storage_ + out_.capacity() * kBytes);
   prefault_stopping_ = false;
   absl::MutexLock lock(&prefault_mu_);
   prefault_stopped_ = false;
@@ -162,8 +161,7 @@ bool TransferLowerer::PrefaultAhead() {
   const uintptr_t lowered = out_storage_ + lowered_size_.load(std::memory_order_acquire) * kBytes;
   // Whole pages only, so that the next start stays page-aligned (madvise refuses another); the
   // reserve's end is a page boundary, so rounding up stays inside it.
-  const uintptr_t routed =
-      std::min(prefault_end_, (out_storage_ + routed_ * kBytes + page_ - 1) & ~(page_ - 1));
+  const uintptr_t routed = std::min(prefault_end_, PageUp(out_storage_ + routed_ * kBytes));
   // Pages below the worker's last batch are written already.
   while (prefault_next_ + kPrefaultBytes <= lowered) prefault_next_ += kPrefaultBytes;
   if (prefault_next_ >= routed) return false;
@@ -254,8 +252,7 @@ void TransferLowerer::Lower(const Batch& batch) {
       // Quantizing ops were cut at block boundaries already.
       for (CopyDescriptor& d : lowered_) d.message = t.group;
     }
-    cutter_.CutFrom(lowered_, out_.size());  // into messages while the descriptors are in cache
-    for (const CopyDescriptor& d : lowered_) out_.push_back(d);
+    cutter_.CutInto(lowered_, out_);  // into messages while the descriptors are in cache
   }
 }
 

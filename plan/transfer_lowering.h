@@ -127,6 +127,8 @@ class TransferLowerer {
   uintptr_t out_storage_ = 0;                       // out_.data() when made
   uintptr_t prefault_next_ = 0, prefault_end_ = 0;  // the caller's: next page, the reserve's end
   const uintptr_t page_ = static_cast<uintptr_t>(sysconf(_SC_PAGESIZE));
+  uintptr_t PageUp(uintptr_t a) const { return (a + page_ - 1) & ~(page_ - 1); }
+  uintptr_t PageDown(uintptr_t a) const { return a & ~(page_ - 1); }
   size_t routed_ = 0;                    // the caller's: out_.size() + transfers handed over
   std::atomic<size_t> lowered_size_{0};  // out_.size() after the worker's last batch
   absl::Mutex prefault_mu_;              // held while pre-faulting

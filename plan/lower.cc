@@ -195,10 +195,13 @@ void SplitDescriptor(const CopyDescriptor& d, int64_t max_wire_bytes,
   // Cut the outermost loop; a single iteration that is still too large is cut further.
   CopyDescriptor one = d;
   one.outer_rank = d.outer_rank - 1;
-  for (int i = 0; i < one.outer_rank; ++i) {
-    one.count[i] = d.count[i + 1];
-    one.src_stride[i] = d.src_stride[i + 1];
-    one.dst_stride[i] = d.dst_stride[i + 1];
+  for (int i = 0; i < kMaxOuterDims; ++i) {
+    // Loops past outer_rank are zero, as everywhere else: equal copies are equal descriptors
+    // (the plan's table keeps each shape once, and its digest hashes them).
+    const bool kept = i < one.outer_rank;
+    one.count[i] = kept ? d.count[i + 1] : 0;
+    one.src_stride[i] = kept ? d.src_stride[i + 1] : 0;
+    one.dst_stride[i] = kept ? d.dst_stride[i + 1] : 0;
   }
   const int64_t one_bytes = one.WireBytes();
   if (one_bytes > max_wire_bytes) {

@@ -3,6 +3,7 @@
 #include <catch2/catch.hpp>
 #include <deque>
 
+#include "plan/descriptor_table.h"
 #include "plan/test_layouts.h"
 
 namespace refit {
@@ -111,6 +112,36 @@ TEST_CASE("splitting keeps every element and bounds every part") {
       CHECK(p.WireBytes() <= std::max<int64_t>(limit, 4));
     }
     CHECK(elements == d.NumElements());
+  }
+}
+
+TEST_CASE("the parts of a split have no loop values past their rank") {
+  CopyDescriptor d;
+  d.inner = 10;
+  d.outer_rank = 3;
+  d.count = {4, 6, 5};
+  d.src_stride = {3000, 500, 100};
+  d.dst_stride = {300, 50, 10};
+  d.src_dtype = d.dst_dtype = DType::kF32;
+  // At most one row of 10 elements (40 bytes) a part, then two rows: parts of the innermost loop.
+  for (int64_t limit : {40, 100}) {
+    std::vector<CopyDescriptor> parts;
+    SplitDescriptor(d, limit, parts);
+    REQUIRE(parts.size() == (limit == 40 ? 4 * 6 * 5 : 4 * 6 * 3));
+    DescriptorTable table;
+    for (const CopyDescriptor& p : parts) {
+      REQUIRE(p.outer_rank == 1);
+      CHECK(p.src_stride[0] == 100);
+      CHECK(p.dst_stride[0] == 10);
+      for (int i = p.outer_rank; i < kMaxOuterDims; ++i) {
+        CHECK(p.count[i] == 0);
+        CHECK(p.src_stride[i] == 0);
+        CHECK(p.dst_stride[i] == 0);
+      }
+      table.push_back(p);
+    }
+    // Equal copies are one shape: rows of one, or pairs and the odd row left of each 5.
+    CHECK(table.num_shapes() == (limit == 40 ? 1u : 2u));
   }
 }
 

@@ -37,14 +37,19 @@ void Write(const Line& line) {
   Logger(line.logger)->log(line.time, spdlog::source_loc{}, line.level, text);
 }
 
-// The writer wakes every kPeriod, or at once when the lines waiting fill half its capacity or a
-// flush waits for lines: a line logged does not wake it (a wake-up cost the logging thread 5-40
-// us, the price this is here to avoid).
+// While lines come, the writer wakes every kPeriod, or at once when the lines waiting fill half
+// its capacity or a flush waits for lines: a line logged does not wake it (a wake-up cost the
+// logging thread 5-40 us, the price this is here to avoid). After a period with nothing to write
+// it sleeps until a line comes (the first one wakes it, once a burst): an idle daemon does not
+// wake 50 times a second for nothing.
 constexpr absl::Duration kPeriod = absl::Milliseconds(20);
 
 class Writer {
  public:
-  Writer() : thread_([this] { Run(); }) { thread_.detach(); }
+  Writer() : thread_([this] { Run(); }) {
+    pthread_setname_np(thread_.native_handle(), "log-later");  // for top -H and the tests
+    thread_.detach();
+  }
 
   void Add(Line line) {
     if (!Here()) {  // a child forked from this process: the writer thread is not in it
@@ -103,6 +108,7 @@ class Writer {
 
  private:
   void Run() {
+    bool idle = false;  // the last period had nothing to write
     while (true) {
       std::deque<Line> batch;
       bool stop = false;
@@ -112,10 +118,16 @@ class Writer {
           return stopped_ || (flushing_ > 0 && !waiting_.empty()) ||
                  waiting_.size() >= kLaterCapacity / 2;
         };
+        auto any = [this]()
+                       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return stopped_ || !waiting_.empty(); };
+        // Idle: until a line comes (the hour only bounds the wait), then a period to gather the
+        // lines that follow it.
+        if (idle && !mu_.AwaitWithTimeout(absl::Condition(&any), absl::Hours(1))) continue;
         mu_.AwaitWithTimeout(absl::Condition(&urgent), kPeriod);
         stop = stopped_;
         batch.swap(waiting_);
       }
+      idle = batch.empty();
       for (const Line& line : batch) Write(line);  // without the lock: callers keep adding
       if (!batch.empty()) {
         absl::MutexLock lock(&mu_);

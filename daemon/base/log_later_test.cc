@@ -7,10 +7,14 @@
 #include <unistd.h>
 
 #include <catch2/catch.hpp>
+#include <filesystem>
+#include <fstream>
 #include <sstream>
 #include <string>
 #include <vector>
 
+#include "absl/strings/ascii.h"
+#include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_split.h"
 #include "absl/time/clock.h"
@@ -102,6 +106,50 @@ TEST_CASE("log later: a line made later is made from what was captured, in order
   CHECK(out.str() == "before\nparts: 1 2 3\nafter\n");
   CHECK_FALSE(made);
   spdlog::drop("later_made");
+}
+
+// The writer thread's voluntary context switches so far (-1: no thread named log-later).
+int64_t WriterWakeUps() {
+  const std::string task = "/proc/self/task/";
+  for (const auto& entry : std::filesystem::directory_iterator(task)) {
+    std::ifstream comm(entry.path() / "comm");
+    std::string name;
+    std::getline(comm, name);
+    if (name != "log-later") continue;
+    std::ifstream status(entry.path() / "status");
+    for (std::string line; std::getline(status, line);) {
+      int64_t n = 0;
+      if (absl::StartsWith(line, "voluntary_ctxt_switches:") &&
+          absl::SimpleAtoi(absl::StripAsciiWhitespace(line.substr(line.find(':') + 1)), &n)) {
+        return n;
+      }
+    }
+  }
+  return -1;
+}
+
+// An idle daemon's writer sleeps until a line comes (it woke every 20 ms, 50 times a second, for
+// nothing); the first line after the quiet still gets written, unflushed, within a period or two.
+TEST_CASE("log later: an idle writer does not wake, and the next line still comes out") {
+  std::ostringstream out;
+  auto logger = std::make_shared<spdlog::logger>(
+      "later_idle", std::make_shared<spdlog::sinks::ostream_sink_mt>(out));
+  logger->set_pattern("%v");
+  spdlog::register_logger(logger);
+  LogLater("later_idle", spdlog::level::info, "first");
+  REQUIRE(FlushLaterLogs(absl::Seconds(10)));
+  absl::SleepFor(absl::Milliseconds(100));  // a period with nothing to write: idle
+  const int64_t before = WriterWakeUps();
+  REQUIRE(before >= 0);
+  absl::SleepFor(absl::Milliseconds(500));
+  CHECK(WriterWakeUps() - before <= 2);  // 25 at one wake-up every 20 ms
+  LogLater("later_idle", spdlog::level::info, "after the quiet");
+  const absl::Time deadline = absl::Now() + absl::Seconds(10);
+  while (out.str().find("after the quiet") == std::string::npos && absl::Now() < deadline) {
+    absl::SleepFor(absl::Milliseconds(5));
+  }
+  CHECK(out.str() == "first\nafter the quiet\n");
+  spdlog::drop("later_idle");
 }
 
 TEST_CASE("log later: every line, in order, with its time and its thread's group and round") {

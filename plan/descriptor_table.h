@@ -79,18 +79,24 @@ class alignas(64) DescriptorTable {
     using pointer = void;
     using reference = CopyDescriptor;
 
+    const_iterator() = default;
     const_iterator(const DescriptorTable* table, size_t index) : table_(table), index_(index) {}
     CopyDescriptor operator*() const { return (*table_)[index_]; }
     const_iterator& operator++() {
       ++index_;
       return *this;
     }
+    const_iterator operator++(int) {
+      const_iterator before = *this;
+      ++index_;
+      return before;
+    }
     bool operator==(const const_iterator& o) const { return index_ == o.index_; }
     bool operator!=(const const_iterator& o) const { return index_ != o.index_; }
 
    private:
-    const DescriptorTable* table_;
-    size_t index_;
+    const DescriptorTable* table_ = nullptr;
+    size_t index_ = 0;
   };
 
   size_t size() const { return packed_.size(); }

@@ -3,6 +3,7 @@
 #include "plan/descriptor_table.h"
 
 #include <catch2/catch.hpp>
+#include <iterator>
 #include <random>
 #include <vector>
 
@@ -58,6 +59,25 @@ TEST_CASE("every field of every descriptor comes back, by index and by iteration
     }
     CHECK(i == made.size());
   }
+}
+
+// Standard algorithms and ranges take the table as they would a container.
+static_assert(std::forward_iterator<DescriptorTable::const_iterator>);
+
+TEST_CASE("iterating with i++ and ++i visits the same descriptors") {
+  DescriptorTable table;
+  for (int i = 0; i < 5; ++i) {
+    CopyDescriptor d;
+    d.inner = 10 + i;
+    d.src_offset = 100 * i;
+    table.push_back(d);
+  }
+  std::vector<int64_t> pre, post;
+  for (auto it = table.begin(); it != table.end(); ++it) pre.push_back((*it).src_offset);
+  for (auto it = table.begin(); it != table.end();) post.push_back((*it++).src_offset);
+  CHECK(pre == std::vector<int64_t>{0, 100, 200, 300, 400});
+  CHECK(post == pre);
+  CHECK(std::distance(table.begin(), table.end()) == 5);
 }
 
 TEST_CASE("descriptors of one shape keep it once; each differs only in what is its own") {

@@ -17,6 +17,7 @@ pack() { tar czf "$OUT/call3.tgz.part" -C /tmp call3 2>/dev/null && mv "$OUT/cal
 { nvidia-smi -L; nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm,clocks.mem,temperature.gpu,power.draw --format=csv,noheader
   nproc; uptime; cat .device/commit.txt; } >"$logs/machine.txt" 2>&1
 cat "$logs/machine.txt"
+cp $B/local_copy_bench-k4p $B/local_copy_bench
 step copy_kernels_test 60 $B/copy_kernels_test --durations yes
 pack
 left=$((DEADLINE - 45 - (SECONDS - T0)))

@@ -624,16 +624,33 @@ def wait_registered(run, workers, timeout):
                        f"{missing[:3]}: {run.workers and [w.tail() for w in workers if w.name in missing[:1]]}")
 
 
+def fanout_ms(stats):
+    """The TRANSFER fan-out as the coordinator timed it (its clock, RoundStats.nodes): ms from its
+    first call to its last (what a node's call waits behind the others'), and from the first call to
+    the last answer. None for a round without the nodes' times."""
+    sent, got = [], []
+    for n in (stats or {}).get("nodes") or []:
+        a, b = int(n.get("request_sent_unix_us", 0)), int(n.get("answer_received_unix_us", 0))
+        if a > 0 and b > 0:
+            sent.append(a)
+            got.append(b)
+    if not sent:
+        return None, None
+    return rnd((max(sent) - min(sent)) / 1e3, 3), rnd((max(got) - min(sent)) / 1e3, 3)
+
+
 def round_record(stats, err, wall):
     s = stats or {}
     c = s.get("culprit") or {}
+    calls_ms, answered_ms = fanout_ms(stats)
     return {"version": int(s.get("version", 0)) if s else None, "state": s.get("state"),
             "seconds": s.get("seconds"), "prepare_s": s.get("prepare_seconds"),
             "transfer_s": s.get("transfer_seconds"), "commit_s": s.get("commit_seconds"),
             "bytes": int(s.get("bytes", 0)) if s else None, "wall_s": rnd(wall),
             "culprit": {"kind": c.get("kind"), "node": c.get("node"), "worker_id": c.get("worker_id"),
                         "phase": c.get("phase")} if c.get("kind") not in (None, "KIND_UNSPECIFIED") else None,
-            "reason": s.get("reason") or err or "", "commit_note": s.get("commit_note", "")}
+            "reason": s.get("reason") or err or "", "commit_note": s.get("commit_note", ""),
+            "transfer_calls_ms": calls_ms, "transfer_answered_ms": answered_ms}
 
 
 def fault_round(run, victim, sig, delay_worker, res_key, res):
@@ -883,6 +900,10 @@ def _run_one(run, res):
         "transfer_s_median": rnd(med(r["transfer_s"] for r in ok)), "commit_s_median": rnd(med(r["commit_s"] for r in ok)),
         "control_s_median": rnd(med((r["prepare_s"] or 0) + (r["commit_s"] or 0) for r in ok)),
         "wall_s_median": rnd(med(r["wall_s"] for r in ok)), "bytes": ok[0]["bytes"] if ok else None,
+        # The coordinator's TRANSFER calls to every node, first to last: the fan-out's serial part.
+        "transfer_calls_ms_median": rnd(med(r["transfer_calls_ms"] for r in ok if r["transfer_calls_ms"] is not None), 3),
+        "transfer_answered_ms_median": rnd(med(r["transfer_answered_ms"] for r in ok
+                                               if r["transfer_answered_ms"] is not None), 3),
         "each": rounds if a.verbose_rounds else None,
     }
     rss0 = [v["rss_mb"] for v in snap0.values()]
@@ -906,7 +927,9 @@ def _run_one(run, res):
     res["coordinator"]["anon_mb"] = rnd(snap1[0]["anon_mb"], 1)
     log(f"  {len(ok)}/{len(rounds)} rounds committed: median {res['rounds']['seconds_median']} s (prepare "
         f"{res['rounds']['prepare_s_median']}, transfer {res['rounds']['transfer_s_median']}, commit "
-        f"{res['rounds']['commit_s_median']}); RSS max {res['rss']['after_rounds_max_mb']} MB, growth max "
+        f"{res['rounds']['commit_s_median']}; TRANSFER's calls first to last "
+        f"{res['rounds']['transfer_calls_ms_median']} ms, to the last answer {res['rounds']['transfer_answered_ms_median']} ms)"
+        f"; RSS max {res['rss']['after_rounds_max_mb']} MB, growth max "
         f"{res['rss']['growth_max_mb']} MB (anonymous: {res['rss']['anon_growth_max_mb']} MB)")
 
     if not a.faults:

@@ -123,6 +123,9 @@ ABSL_FLAG(double, drain_timeout, refit::DefaultSeconds(&refit::DaemonConfig::dra
           "seconds SIGTERM waits for running rounds before aborting them (then exit 0)");
 ABSL_FLAG(int32_t, heartbeats_missed, refit::Defaults().heartbeats_missed,
           "a daemon silent for this many heartbeats is declared dead");
+ABSL_FLAG(int32_t, fanout_threads, refit::Defaults().fanout_threads,
+          "coordinator: threads that start a phase's calls to the nodes, 1 to 16 (0: a quarter of "
+          "the machine's cores, 1 to 4); phases of 16 nodes or more are split among them");
 ABSL_FLAG(int64_t, max_nodes, refit::Defaults().max_nodes,
           "coordinator: most nodes it lists, itself included; a new node past it is refused "
           "unless a dead one can be forgotten to make room");
@@ -205,8 +208,8 @@ const FlagSet& DaemonFlags() {
       FLAGS_nccl_register, FLAGS_aligned_copy_kernel, FLAGS_arm_rounds, FLAGS_nccl_stream_priority,
       FLAGS_zero_copy_min_bytes, FLAGS_prepare_timeout, FLAGS_transfer_timeout,
       FLAGS_commit_timeout, FLAGS_peer_timeout, FLAGS_rpc_keepalive, FLAGS_heartbeat,
-      FLAGS_join_timeout, FLAGS_drain_timeout, FLAGS_heartbeats_missed, FLAGS_max_nodes,
-      FLAGS_forget_dead_after, FLAGS_max_rpc_bytes, FLAGS_max_registration_pieces,
+      FLAGS_join_timeout, FLAGS_drain_timeout, FLAGS_heartbeats_missed, FLAGS_fanout_threads,
+      FLAGS_max_nodes, FLAGS_forget_dead_after, FLAGS_max_rpc_bytes, FLAGS_max_registration_pieces,
       FLAGS_max_registration_buffers, FLAGS_max_registration_tensors, FLAGS_max_registration_bytes,
       FLAGS_max_group_workers, FLAGS_max_group_buffers, FLAGS_max_group_tensors,
       FLAGS_max_group_pieces, FLAGS_max_group_bytes, FLAGS_log_level, FLAGS_log_format,
@@ -397,6 +400,11 @@ absl::Status ReadTimeouts(DaemonConfig& c) {
 
 absl::Status ReadLimits(DaemonConfig& c) {
   REFIT_ASSIGN_OR_RETURN(c.max_nodes, PositiveCount(FLAGS_max_nodes));
+  c.fanout_threads = absl::GetFlag(FLAGS_fanout_threads);
+  if (c.fanout_threads < 0 || c.fanout_threads > 16) {
+    return Invalid(absl::StrCat("--fanout-threads must be in [0, 16] (0: from the cores), not ",
+                                c.fanout_threads));
+  }
   c.max_rpc_bytes = absl::GetFlag(FLAGS_max_rpc_bytes);
   if (c.max_rpc_bytes < 1024 || c.max_rpc_bytes > (int64_t{2} << 30) - 1) {
     return Invalid("--max-rpc-bytes must be in [1024, 2^31)");

@@ -61,6 +61,7 @@ struct DaemonConfig {
   absl::Duration heartbeat = absl::Milliseconds(500);
   int heartbeats_missed = 4;  // a peer silent this many heartbeats is dead
   int64_t max_nodes = 4096;   // coordinator: most nodes listed, itself included
+  int fanout_threads = 0;     // coordinator: threads starting a phase's calls (0: from the cores)
   absl::Duration forget_dead_after =
       absl::Minutes(1);               // coordinator: a dead node is listed this long
   int64_t max_rpc_bytes = 256 << 20;  // largest gRPC message accepted (--max-rpc-bytes)

@@ -63,7 +63,8 @@ TEST_CASE("flags set the config; unset ones keep DaemonConfig's defaults") {
   const DaemonConfig c =
       ParseOk({"--node", "3", "--listen=127.0.0.1:7070", "--coordinator", "10.0.0.1:7070", "--gpus",
                "0,2", "--prepare-timeout", "2.5", "--norouting", "--worker-uids", "1000,0",
-               "--max-group-pieces=99", "--log-format", "json", "--nccl-register"});
+               "--max-group-pieces=99", "--log-format", "json", "--nccl-register",
+               "--fanout-threads", "3"});
   CHECK(c.node == 3);
   CHECK(c.listen == "127.0.0.1:7070");
   CHECK(c.coordinator == "10.0.0.1:7070");
@@ -75,6 +76,7 @@ TEST_CASE("flags set the config; unset ones keep DaemonConfig's defaults") {
   CHECK(c.group_limits.max_pieces == 99);
   CHECK(c.log_format == "json");
   CHECK(c.nccl_register);
+  CHECK(c.fanout_threads == 3);
   CHECK(c.worker_socket == "/tmp/refitd-3.sock");
   CHECK(c.state_file == "/tmp/refitd-3.sock.state");
 
@@ -144,6 +146,9 @@ TEST_CASE("every kind of bad value is refused by name") {
       {{"--gpus", "-1"}, "--gpus: \"-1\" is not a GPU index"},
       {{"--worker-uids", "root"}, "--worker-uids: \"root\" is not a uid"},
       {{"--max-nodes", "0"}, "--max-nodes must be positive"},
+      {{"--fanout-threads", "17"},
+       "--fanout-threads must be in [0, 16] (0: from the cores), not 17"},
+      {{"--fanout-threads", "-1"}, "--fanout-threads must be in [0, 16]"},
       {{"--max-registration-buffers", "0"}, "--max-registration-buffers must be positive"},
       {{"--max-group-bytes", "-5"}, "--max-group-bytes must be positive"},
       {{"--tls-cert", "c.pem"}, "--tls-cert, --tls-key and --tls-ca go together"},
@@ -207,7 +212,7 @@ TEST_CASE("--help lists every flag with its help text and a default the parser a
     if (name == "config" || name == "check-config") continue;  // not settings of a run
     args.push_back(absl::StrCat("--", name, "=", value == "\"\"" ? "" : value));
   }
-  CHECK(listed == 59);
+  CHECK(listed == 60);
   for (const char* flag : {"--worker-socket", "--check-config", "--max-group-bytes", "--tls-ca"}) {
     CHECK(absl::StrContains(help, flag));
   }

@@ -271,6 +271,7 @@ void Daemon::MakeRoundDriver() {
   rounds.state = state_.get();
   rounds.pause = pause_.get();
   rounds.blame_pause = config_.heartbeat * config_.heartbeats_missed;
+  rounds.fanout_threads = config_.fanout_threads;
   driver_ = std::make_unique<RoundDriver>(rounds, membership_.get(), planner_.get(), peers_.get(),
                                           round_log_.get(), Clock::Real());
 }

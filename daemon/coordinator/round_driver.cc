@@ -1,5 +1,6 @@
 #include "daemon/coordinator/round_driver.h"
 
+#include <algorithm>
 #include <atomic>
 #include <map>
 #include <memory>
@@ -15,6 +16,10 @@
 #include "proto/plan_codec.h"
 
 namespace refit {
+
+// Below 2 x this many peers a phase's calls start on one thread: handing a share to another
+// costs about as much as starting a few calls (65 us each).
+constexpr size_t kPeersPerStarter = 8;
 
 // One call on each of several nodes at once, through the PeerClient. The first failure is kept
 // and handed to `on_failure` once (outside the lock: it may start more calls). Everything the
@@ -45,9 +50,46 @@ class RoundDriver::FanOut {
     return fan;
   }
   static void Run(const std::shared_ptr<FanOut>& fan, const Call& call) {
-    for (int32_t n : fan->nodes_) {
-      call(n, &fan->responses_.at(n), [fan, n](absl::Status s) { fan->Done(n, std::move(s)); });
+    StartCalls(fan, call, 0, fan->nodes_.size());
+  }
+  // The same with the peers' calls started by `threads` threads at once: this one and
+  // threads - 1 of `starters`, each a contiguous share of at least kPeersPerStarter. The last
+  // node (the coordinator's own, Order()) starts on this thread after every other call started,
+  // as with Run, or after `wait` if a starter is late (its calls then follow).
+  static void RunSpread(const std::shared_ptr<FanOut>& fan, const Call& call, Executor* starters,
+                        int threads, absl::Duration wait) {
+    const size_t peers = fan->nodes_.empty() ? 0 : fan->nodes_.size() - 1;
+    const size_t shares =
+        std::min<size_t>(static_cast<size_t>(std::max(threads, 1)), peers / kPeersPerStarter);
+    if (starters == nullptr || shares <= 1) {
+      Run(fan, call);
+      return;
     }
+    struct Started {
+      absl::Mutex mu;
+      size_t shares ABSL_GUARDED_BY(mu) = 0;
+    };
+    auto started = std::make_shared<Started>();
+    auto shared_call = std::make_shared<const Call>(call);  // a late starter outlives this frame
+    for (size_t k = 1; k < shares; ++k) {
+      const size_t begin = peers * k / shares, end = peers * (k + 1) / shares;
+      auto task = [fan, shared_call, started, begin, end] {
+        StartCalls(fan, *shared_call, begin, end);
+        absl::MutexLock lock(&started->mu);
+        ++started->shares;
+      };
+      if (!starters->Submit(task)) task();  // stopping: here, in turn
+    }
+    StartCalls(fan, call, 0, peers / shares);
+    {
+      absl::MutexLock lock(&started->mu);
+      ++started->shares;
+      auto all = [&started, shares]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(started->mu) {
+        return started->shares == shares;
+      };
+      started->mu.AwaitWithTimeout(absl::Condition(&all), wait);
+    }
+    StartCalls(fan, call, peers, fan->nodes_.size());
   }
 
   // The first failure, once every call ended; DEADLINE_EXCEEDED naming the nodes that did not
@@ -111,6 +153,14 @@ class RoundDriver::FanOut {
   // One per node, made before any call starts and never rehashed (std::map): each call writes
   // only its own.
   std::map<int32_t, v1::PhaseResponse> responses_;
+  static void StartCalls(const std::shared_ptr<FanOut>& fan, const Call& call, size_t begin,
+                         size_t end) {
+    for (size_t i = begin; i < end; ++i) {
+      const int32_t n = fan->nodes_[i];
+      call(n, &fan->responses_.at(n), [fan, n](absl::Status s) { fan->Done(n, std::move(s)); });
+    }
+  }
+
   std::function<void(const absl::Status&)> on_failure_;
   std::vector<int32_t> nodes_;
 };
@@ -124,6 +174,11 @@ RoundDriver::RoundDriver(RoundDriverOptions options, Membership* membership, Gro
       log_(log),
       clock_(clock),
       background_(options_.max_background_rounds),
+      fanout_threads_(
+          options_.fanout_threads > 0
+              ? options_.fanout_threads
+              : static_cast<int>(std::clamp(std::thread::hardware_concurrency() / 4, 1u, 4u))),
+      starters_(std::max(1, fanout_threads_ - 1)),
       own_state_(options_.state == nullptr ? *StateStore::Open("") : nullptr),
       state_(options_.state != nullptr ? options_.state : own_state_.get()) {
   absl::MutexLock lock(&mu_);
@@ -482,8 +537,14 @@ class RoundDriver::Round {
     if (p == v1::PhaseRequest::PREPARE)
       r.set_plan_digest(plan_->digest);  // every node runs this plan
     const bool abort_on_failure = p == v1::PhaseRequest::TRANSFER || p == v1::PhaseRequest::PREPARE;
-    auto calls = FanOut::Start(
-        nodes_,
+    auto calls =
+        FanOut::Make(nodes_, abort_on_failure ? std::function<void(const absl::Status&)>(
+                                                    [aborter = aborter_](const absl::Status& s) {
+                                                      aborter->Start(std::string(s.message()));
+                                                    })
+                                              : nullptr);
+    FanOut::RunSpread(
+        calls,
         [peers = d_.peers_, r, timeout, sent](int32_t n, v1::PhaseResponse* out,
                                               PeerClient::Done done) {
           {
@@ -498,11 +559,7 @@ class RoundDriver::Round {
             done(std::move(s));
           });
         },
-        abort_on_failure
-            ? std::function<void(const absl::Status&)>([aborter = aborter_](const absl::Status& s) {
-                aborter->Start(std::string(s.message()));
-              })
-            : nullptr);
+        &d_.starters_, d_.fanout_threads_, d_.options_.peer_timeout);
     // Each call has the phase's deadline plus the peer allowance; the wait adds a margin.
     absl::Status s =
         calls->Wait(timeout + d_.options_.peer_timeout + absl::Seconds(1), PhaseName(p));

@@ -28,6 +28,7 @@ class FakePeers : public PeerClient {
     int32_t node;
     std::string what;  // INSTALL or the phase
     std::string reason;
+    std::thread::id thread;  // that made the call
   };
 
   void RunPhase(int32_t node, const v1::PhaseRequest& request, absl::Duration,
@@ -39,7 +40,7 @@ class FakePeers : public PeerClient {
     absl::Status s;
     {
       absl::MutexLock lock(&mu_);
-      calls_.push_back({node, what, request.reason()});
+      calls_.push_back({node, what, request.reason(), std::this_thread::get_id()});
       if (node == fail_node_ && what == fail_phase_) {
         s = absl::UnavailableError(
             absl::StrCat("node ", node, " (10.0.0.", node, ":7070) failed ", what, ": boom"));
@@ -164,6 +165,61 @@ TEST_CASE("round driver: install once per membership, then PREPARE, TRANSFER, CO
   v1::RoundStats ignored;
   CHECK(f.driver->Refit(unknown, &ignored).code() == absl::StatusCode::kNotFound);
   CHECK(f.peers.Take().empty());
+}
+
+// A phase's calls to 39 peers start from one thread, or from several at once when the driver has
+// them (each a share); every node is called once a phase, and the coordinator's own node after
+// every peer's call started, either way.
+TEST_CASE("round driver: a phase's calls to many nodes start on several threads, its own last") {
+  constexpr int kNodes = 40;
+  for (int threads : {1, 4}) {
+    CAPTURE(threads);
+    FakeClock clock;
+    Membership membership{0, absl::Milliseconds(500), 4, &clock};
+    GroupPlanner planner{GroupPlannerOptions{}, &membership};
+    RoundLog log;
+    FakePeers peers;
+    membership.SetSelf("10.0.0.0:7070", "10.0.0.0:7071", 1);
+    REQUIRE(membership.AddLocal(Registration("t0", v1::TRAINER, 0, 8, 0)).ok());
+    for (int n = 1; n < kNodes; ++n) {
+      membership.Join(JoinOf(n, 7));
+      REQUIRE(
+          membership
+              .ApplySync(SyncOf(n, 7, {Registration(absl::StrCat("i", n), v1::INFERENCE, 0, 8, n)}))
+              .ok());
+    }
+    RoundDriverOptions options;
+    options.self = 0;
+    options.peer_timeout = absl::Seconds(1);
+    options.fanout_threads = threads;
+    RoundDriver driver(options, &membership, &planner, &peers, &log, &clock);
+    v1::RefitRequest r;
+    r.set_group("policy");
+    r.set_version(1);
+    v1::RoundStats stats;
+    REQUIRE(driver.Refit(r, &stats).ok());
+    CHECK(stats.state() == v1::RoundStats::COMMITTED);
+    CHECK(stats.nodes_size() == kNodes);
+    const std::vector<FakePeers::Call> calls = peers.Take();
+    for (const std::string phase : {"PREPARE", "TRANSFER", "COMMIT"}) {
+      CAPTURE(phase);
+      std::vector<int32_t> order;
+      std::set<std::thread::id> peer_threads;
+      for (const FakePeers::Call& c : calls) {
+        if (c.what != phase) continue;
+        order.push_back(c.node);
+        if (c.node != 0) peer_threads.insert(c.thread);
+      }
+      REQUIRE(order.size() == kNodes);
+      CHECK(std::set<int32_t>(order.begin(), order.end()).size() == kNodes);
+      CHECK(order.back() == 0);
+      if (threads == 1) {
+        CHECK(peer_threads.size() == 1);
+      } else {
+        CHECK(peer_threads.size() >= 2);
+      }
+    }
+  }
 }
 
 TEST_CASE(

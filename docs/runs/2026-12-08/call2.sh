@@ -20,9 +20,12 @@ run() {  # run NAME ARGS...: one scale_bench.py run, skipped once DEADLINE is ne
   echo "$name rc=$? $((SECONDS - t0))s"
   grep -E "N=|rounds committed|round CPU|abort" "$logs/$name.log" | cut -c1-220
 }
-mkdir -p /tmp/scale-a /tmp/scale-b /tmp/scale-c
+mkdir -p /tmp/scale-a /tmp/scale-a1 /tmp/scale-b /tmp/scale-c
 # The goal's pair first: 4 and 64 daemons, 2 workers each, in one run; then the curve.
 run a --nodes 4,64 --model small --gpus-per-node 2 --rounds 100 --faults kill --idle-cpu-window 4
+# The same with the coordinator's calls started from one thread (the default takes 4 of 16 cores).
+run a1 --nodes 4,64 --model small --gpus-per-node 2 --rounds 100 --faults "" --idle-cpu-window 4 \
+  --daemon-flag=--fanout-threads=1
 run b --nodes 4,8,16,32,64 --model small --gpus-per-node 2 --rounds 50 --faults stop,kill
 run c --nodes 64,4 --model small --gpus-per-node 2 --rounds 100 --faults "" --idle-cpu-window 4
 echo "total $((SECONDS - T0))s"

@@ -13,6 +13,8 @@ Asserts:
   that node (kind NODE, node 7) and the reason saying "node 7";
 - the node restarted on its address with fresh workers: the group is ready again and the next
   round commits, byte-exact.
+All of it again at N = 17 (9 training nodes, 8 serving) with the coordinator's calls of a phase
+started from 2 threads at once (--fanout-threads=2).
 
 Deadlines are generous (minutes; the machine has 2 cores and other builds) and every wait is a
 poll. Run: bazel test //tests/scale:scale_ci_test, or with the binaries built:
@@ -27,23 +29,26 @@ import unittest
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import scale_bench  # noqa: E402
 
-NODES = 8
 ROUNDS = 3
-VICTIM = NODES - 1
 PREPARE_TIMEOUT = 30.0
 
 
 class ScaleCiTest(unittest.TestCase):
+    NODES = 8
+    ARGS = []
+
     @classmethod
     def setUpClass(cls):
+        cls.victim = cls.NODES - 1
         out_dir = os.environ.get("TEST_UNDECLARED_OUTPUTS_DIR") or tempfile.mkdtemp(prefix="scale-ci-")
-        cls.out_path = os.path.join(out_dir, "scale_ci.json")
-        argv = ["--nodes", str(NODES), "--model", "small", "--gpus-per-node", "2", "--rounds", str(ROUNDS),
-                "--faults", "kill", "--victim-node", str(VICTIM), "--prepare-delay", "3",
+        cls.out_path = os.path.join(out_dir, f"scale_ci_{cls.NODES}.json")
+        argv = ["--nodes", str(cls.NODES), "--model", "small", "--gpus-per-node", "2", "--rounds", str(ROUNDS),
+                "--faults", "kill", "--victim-node", str(cls.victim), "--prepare-delay", "3",
                 "--prepare-timeout", str(PREPARE_TIMEOUT), "--transfer-timeout", "60", "--commit-timeout", "60",
                 "--peer-timeout", "10", "--register-wait", "240", "--ready-timeout", "240",
                 "--round-timeout", "240", "--ctl-timeout", "120", "--status-timeout", "120",
                 "--idle-cpu-window", "0.5", "--verbose-rounds", "--out", cls.out_path]
+        argv += cls.ARGS
         if os.environ.get("TEST_UNDECLARED_OUTPUTS_DIR"):
             argv.append("--keep")  # daemon logs and worker reports beside the JSON
         data = scale_bench.main(argv)
@@ -55,8 +60,8 @@ class ScaleCiTest(unittest.TestCase):
 
     def test_group_ready_and_plan_installed_everywhere(self):
         self.assertIsNotNone(self.r.get("ready_after_last_registration_s"), "the group never became ready")
-        self.assertEqual(self.r["workers"], NODES * 2)
-        self.assertEqual(self.r["install"]["nodes_installed"], NODES,
+        self.assertEqual(self.r["workers"], self.NODES * 2)
+        self.assertEqual(self.r["install"]["nodes_installed"], self.NODES,
                          f"nodes that logged the plan's install: {self.r['install']['per_node_s']}")
 
     def test_rounds_commit_and_every_byte_checks(self):
@@ -76,7 +81,7 @@ class ScaleCiTest(unittest.TestCase):
         self.assertEqual(k["state"], "ABORTED", k["round"])
         culprit = k["round"]["culprit"] or {}
         self.assertEqual(culprit.get("kind"), "NODE", k["round"])
-        self.assertEqual(int(culprit.get("node") or 0), VICTIM, k["round"])
+        self.assertEqual(int(culprit.get("node") or 0), self.victim, k["round"])
         self.assertTrue(k["reason_names_victim"], k["round"]["reason"])
         # A killed daemon's connections close at once: the round ends long before PREPARE's
         # deadline (the delayed worker alone would hold it 3 s).
@@ -87,7 +92,7 @@ class ScaleCiTest(unittest.TestCase):
         self.assertIsNotNone(j, "the node was not brought back")
         self.assertEqual(j["round"]["state"], "COMMITTED", j["round"])
         self.assertTrue(j["round"].get("verified"), j["round"])
-        self.assertEqual(j["nodes_installed"], NODES, "the new membership's plan was not installed everywhere")
+        self.assertEqual(j["nodes_installed"], self.NODES, "the new membership's plan was not installed everywhere")
 
     def test_round_cpu_is_reported_for_every_kind_of_process(self):
         c = self.r["round_cpu"]
@@ -96,6 +101,14 @@ class ScaleCiTest(unittest.TestCase):
             self.assertIsNotNone(c[key], c)
         # The coordinator does work in every round (its phase calls): some CPU must show.
         self.assertGreater(c["coordinator_ms"], 0, c)
+
+
+# The same at 17 daemons (9 training, 8 serving) with the coordinator's calls started from 2
+# threads at once (a phase of 16 peers or more is split): concurrent call starts through the real
+# gRPC client, a round killed in PREPARE, a node back.
+class SpreadCallsCiTest(ScaleCiTest):
+    NODES = 17
+    ARGS = ["--train-nodes", "9", "--daemon-flag=--fanout-threads=2"]
 
 
 class HarnessPartsTest(unittest.TestCase):

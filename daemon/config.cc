@@ -125,7 +125,7 @@ ABSL_FLAG(int32_t, heartbeats_missed, refit::Defaults().heartbeats_missed,
           "a daemon silent for this many heartbeats is declared dead");
 ABSL_FLAG(int32_t, fanout_threads, refit::Defaults().fanout_threads,
           "coordinator: threads that start a phase's calls to the nodes, 1 to 16 (0: a quarter of "
-          "the machine's cores, 1 to 4); phases of 16 nodes or more are split among them");
+          "the machine's cores, 1 to 4); phases with 16 peers or more are split among them");
 ABSL_FLAG(int64_t, max_nodes, refit::Defaults().max_nodes,
           "coordinator: most nodes it lists, itself included; a new node past it is refused "
           "unless a dead one can be forgotten to make room");

@@ -10,6 +10,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "daemon/base/culprit.h"
+#include "daemon/base/log_later.h"
 #include "daemon/base/logging.h"
 #include "daemon/base/round_protocol.h"
 #include "daemon/coordinator/plan_slices.h"
@@ -71,9 +72,11 @@ class RoundDriver::FanOut {
     };
     auto started = std::make_shared<Started>();
     auto shared_call = std::make_shared<const Call>(call);  // a late starter outlives this frame
+    const LogContext context = CurrentLogContext();  // the round's, for the starters' lines too
     for (size_t k = 1; k < shares; ++k) {
       const size_t begin = peers * k / shares, end = peers * (k + 1) / shares;
-      auto task = [fan, shared_call, started, begin, end] {
+      auto task = [fan, shared_call, started, begin, end, context] {
+        ScopedLogContext log_context(context.group, context.round);
         StartCalls(fan, *shared_call, begin, end);
         absl::MutexLock lock(&started->mu);
         ++started->shares;
@@ -81,13 +84,24 @@ class RoundDriver::FanOut {
       if (!starters->Submit(task)) task();  // stopping: here, in turn
     }
     StartCalls(fan, call, 0, peers / shares);
+    bool all_started = false;
     {
       absl::MutexLock lock(&started->mu);
       ++started->shares;
       auto all = [&started, shares]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(started->mu) {
         return started->shares == shares;
       };
-      started->mu.AwaitWithTimeout(absl::Condition(&all), wait);
+      all_started = started->mu.AwaitWithTimeout(absl::Condition(&all), wait);
+    }
+    if (all_started) {
+      LogLater("round", spdlog::level::info, "calls to {} peers started from {} threads", peers,
+               shares);
+    } else {
+      // Starters busy with other rounds' calls: this node's own part goes ahead of some peers'.
+      Logger("round")->warn(
+          "calls to {} peers: not every one of {} threads started its share within {}; the "
+          "coordinator's own node is called now",
+          peers, shares, absl::FormatDuration(wait));
     }
     StartCalls(fan, call, peers, fan->nodes_.size());
   }

@@ -167,18 +167,17 @@ TEST_CASE("round driver: install once per membership, then PREPARE, TRANSFER, CO
   CHECK(f.peers.Take().empty());
 }
 
-// A phase's calls to 39 peers start from one thread, or from several at once when the driver has
-// them (each a share); every node is called once a phase, and the coordinator's own node after
-// every peer's call started, either way.
-TEST_CASE("round driver: a phase's calls to many nodes start on several threads, its own last") {
-  constexpr int kNodes = 40;
-  for (int threads : {1, 4}) {
-    CAPTURE(threads);
-    FakeClock clock;
-    Membership membership{0, absl::Milliseconds(500), 4, &clock};
-    GroupPlanner planner{GroupPlannerOptions{}, &membership};
-    RoundLog log;
-    FakePeers peers;
+// The coordinator (node 0, a trainer) and 39 inference nodes.
+struct ManyNodes {
+  static constexpr int kNodes = 40;
+  FakeClock clock;
+  Membership membership{0, absl::Milliseconds(500), 4, &clock};
+  GroupPlanner planner{GroupPlannerOptions{}, &membership};
+  RoundLog log;
+  FakePeers peers;
+  std::unique_ptr<RoundDriver> driver;
+
+  explicit ManyNodes(int fanout_threads) {
     membership.SetSelf("10.0.0.0:7070", "10.0.0.0:7071", 1);
     REQUIRE(membership.AddLocal(Registration("t0", v1::TRAINER, 0, 8, 0)).ok());
     for (int n = 1; n < kNodes; ++n) {
@@ -190,17 +189,34 @@ TEST_CASE("round driver: a phase's calls to many nodes start on several threads,
     }
     RoundDriverOptions options;
     options.self = 0;
-    options.peer_timeout = absl::Seconds(1);
-    options.fanout_threads = threads;
-    RoundDriver driver(options, &membership, &planner, &peers, &log, &clock);
+    // Far longer than a round here: a share that never reports started would show as a round
+    // this long.
+    options.peer_timeout = absl::Seconds(20);
+    options.fanout_threads = fanout_threads;
+    driver = std::make_unique<RoundDriver>(options, &membership, &planner, &peers, &log, &clock);
+  }
+  absl::Status Refit(int64_t version, v1::RoundStats* stats) {
     v1::RefitRequest r;
     r.set_group("policy");
-    r.set_version(1);
+    r.set_version(version);
+    return driver->Refit(r, stats);
+  }
+};
+
+// A phase's calls to 39 peers start from one thread, or from several at once when the driver has
+// them (each a share); every node is called once a phase, and the coordinator's own node after
+// every peer's call started, either way, without waiting out the starters' deadline.
+TEST_CASE("round driver: a phase's calls to many nodes start on several threads, its own last") {
+  for (int threads : {1, 4}) {
+    CAPTURE(threads);
+    ManyNodes f(threads);
     v1::RoundStats stats;
-    REQUIRE(driver.Refit(r, &stats).ok());
+    const absl::Time t0 = absl::Now();
+    REQUIRE(f.Refit(1, &stats).ok());
+    CHECK(absl::Now() - t0 < absl::Seconds(5));
     CHECK(stats.state() == v1::RoundStats::COMMITTED);
-    CHECK(stats.nodes_size() == kNodes);
-    const std::vector<FakePeers::Call> calls = peers.Take();
+    CHECK(stats.nodes_size() == ManyNodes::kNodes);
+    const std::vector<FakePeers::Call> calls = f.peers.Take();
     for (const std::string phase : {"PREPARE", "TRANSFER", "COMMIT"}) {
       CAPTURE(phase);
       std::vector<int32_t> order;
@@ -210,8 +226,8 @@ TEST_CASE("round driver: a phase's calls to many nodes start on several threads,
         order.push_back(c.node);
         if (c.node != 0) peer_threads.insert(c.thread);
       }
-      REQUIRE(order.size() == kNodes);
-      CHECK(std::set<int32_t>(order.begin(), order.end()).size() == kNodes);
+      REQUIRE(order.size() == ManyNodes::kNodes);
+      CHECK(std::set<int32_t>(order.begin(), order.end()).size() == ManyNodes::kNodes);
       CHECK(order.back() == 0);
       if (threads == 1) {
         CHECK(peer_threads.size() == 1);
@@ -220,6 +236,32 @@ TEST_CASE("round driver: a phase's calls to many nodes start on several threads,
       }
     }
   }
+}
+
+// A failure in one share of the calls (a starter's thread, not the round's) aborts the round on
+// every node, naming the culprit, as a failure on the round's thread does.
+TEST_CASE("round driver: a failure among calls started by another thread aborts every node") {
+  ManyNodes f(4);
+  f.peers.FailAt(33, "TRANSFER", /*as_node=*/true);  // in the last share
+  v1::RoundStats stats;
+  const absl::Status s = f.Refit(1, &stats);
+  const std::string culprit = "node 33 (10.0.0.33:7070) failed TRANSFER: boom";
+  CHECK(s.code() == absl::StatusCode::kAborted);
+  CHECK(std::string(s.message()) == "round 1 of group \"policy\" aborted: " + culprit);
+  CHECK(stats.state() == v1::RoundStats::ABORTED);
+  CHECK(stats.reason() == culprit);
+  CHECK(stats.culprit().kind() == v1::Culprit::NODE);
+  CHECK(stats.culprit().node() == 33);
+  std::set<int32_t> aborted;
+  for (const FakePeers::Call& c : f.peers.Take()) {
+    CHECK(c.what != "COMMIT");
+    if (c.what == "ABORT") {
+      CHECK(c.reason == culprit);
+      aborted.insert(c.node);
+    }
+  }
+  CHECK(aborted.size() == ManyNodes::kNodes);
+  CHECK(f.driver->CommittedVersion("policy") == 0);
 }
 
 TEST_CASE(

@@ -108,7 +108,14 @@ class ScaleCiTest(unittest.TestCase):
 # gRPC client, a round killed in PREPARE, a node back.
 class SpreadCallsCiTest(ScaleCiTest):
     NODES = 17
-    ARGS = ["--train-nodes", "9", "--daemon-flag=--fanout-threads=2"]
+    ARGS = ["--train-nodes", "9", "--daemon-flag=--fanout-threads=2", "--keep"]
+
+    def test_calls_started_from_two_threads(self):
+        # The coordinator says so for each phase it split (its log, kept with --keep).
+        with open(os.path.join(self.r["run_dir"], "daemon0.log"), errors="replace") as f:
+            split = f.read().count("calls to 16 peers started from 2 threads")
+        # PREPARE, TRANSFER and COMMIT of the first round and of the K after it at least.
+        self.assertGreaterEqual(split, 3 * (ROUNDS + 1))
 
 
 class HarnessPartsTest(unittest.TestCase):

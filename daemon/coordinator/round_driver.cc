@@ -144,6 +144,15 @@ class RoundDriver::FanOut {
   }
 
  private:
+  // The calls of nodes_[begin, end), in order.
+  static void StartCalls(const std::shared_ptr<FanOut>& fan, const Call& call, size_t begin,
+                         size_t end) {
+    for (size_t i = begin; i < end; ++i) {
+      const int32_t n = fan->nodes_[i];
+      call(n, &fan->responses_.at(n), [fan, n](absl::Status s) { fan->Done(n, std::move(s)); });
+    }
+  }
+
   void Done(int32_t node, absl::Status s) {
     bool report = false;
     {
@@ -167,14 +176,6 @@ class RoundDriver::FanOut {
   // One per node, made before any call starts and never rehashed (std::map): each call writes
   // only its own.
   std::map<int32_t, v1::PhaseResponse> responses_;
-  static void StartCalls(const std::shared_ptr<FanOut>& fan, const Call& call, size_t begin,
-                         size_t end) {
-    for (size_t i = begin; i < end; ++i) {
-      const int32_t n = fan->nodes_[i];
-      call(n, &fan->responses_.at(n), [fan, n](absl::Status s) { fan->Done(n, std::move(s)); });
-    }
-  }
-
   std::function<void(const absl::Status&)> on_failure_;
   std::vector<int32_t> nodes_;
 };

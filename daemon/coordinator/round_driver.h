@@ -56,7 +56,7 @@ struct RoundDriverOptions {
   int max_background_rounds = 16;  // StartRefit rounds running at once; more wait their turn
   // Threads that start a phase's calls (0: a quarter of the machine's cores, 1 to 4). A call's
   // start is gRPC's write on the starting thread, about 65 us: one thread reaches 64 nodes in
-  // 4 ms, each phase. Phases of 2 x kPeersPerStarter peers or more are split among them.
+  // 4 ms, each phase. Phases with 16 peers or more are split among them.
   int fanout_threads = 0;
   // A fresh communicator id per installation (the backend's; empty: none needed).
   std::function<absl::StatusOr<std::string>()> new_communicator_id;

@@ -99,7 +99,8 @@ int Threads() {
   return n;
 }
 
-// A coordinator (node 0, a trainer) and node 1 (an inference worker).
+// A coordinator (node 0, a trainer) and node 1 (an inference worker "i0"), or more inference
+// nodes (worker "i<k>" on node k + 1); a phase's calls started from `fanout_threads` threads.
 struct Fixture {
   FakeClock clock;
   Membership membership{0, absl::Milliseconds(500), 4, &clock};
@@ -108,15 +109,22 @@ struct Fixture {
   FakePeers peers;
   std::unique_ptr<RoundDriver> driver;
 
-  Fixture() {
+  explicit Fixture(int nodes = 2, int fanout_threads = 0,
+                   absl::Duration peer_timeout = absl::Seconds(1)) {
     membership.SetSelf("10.0.0.0:7070", "10.0.0.0:7071", 1);
     REQUIRE(membership.AddLocal(Registration("t0", v1::TRAINER, 0, 8, 0)).ok());
-    membership.Join(JoinOf(1, 7));
-    REQUIRE(membership.ApplySync(SyncOf(1, 7, {Registration("i0", v1::INFERENCE, 0, 8, 1)})).ok());
+    for (int n = 1; n < nodes; ++n) {
+      membership.Join(JoinOf(n, 7));
+      REQUIRE(membership
+                  .ApplySync(SyncOf(
+                      n, 7, {Registration(absl::StrCat("i", n - 1), v1::INFERENCE, 0, 8, n)}))
+                  .ok());
+    }
     RoundDriverOptions options;
     options.self = 0;
-    options.peer_timeout = absl::Seconds(1);
+    options.peer_timeout = peer_timeout;
     options.max_background_rounds = 2;
+    options.fanout_threads = fanout_threads;
     driver = std::make_unique<RoundDriver>(options, &membership, &planner, &peers, &log, &clock);
   }
   absl::Status Refit(int64_t version, v1::RoundStats* stats = nullptr) {
@@ -167,41 +175,11 @@ TEST_CASE("round driver: install once per membership, then PREPARE, TRANSFER, CO
   CHECK(f.peers.Take().empty());
 }
 
-// The coordinator (node 0, a trainer) and 39 inference nodes.
-struct ManyNodes {
-  static constexpr int kNodes = 40;
-  FakeClock clock;
-  Membership membership{0, absl::Milliseconds(500), 4, &clock};
-  GroupPlanner planner{GroupPlannerOptions{}, &membership};
-  RoundLog log;
-  FakePeers peers;
-  std::unique_ptr<RoundDriver> driver;
-
-  explicit ManyNodes(int fanout_threads) {
-    membership.SetSelf("10.0.0.0:7070", "10.0.0.0:7071", 1);
-    REQUIRE(membership.AddLocal(Registration("t0", v1::TRAINER, 0, 8, 0)).ok());
-    for (int n = 1; n < kNodes; ++n) {
-      membership.Join(JoinOf(n, 7));
-      REQUIRE(
-          membership
-              .ApplySync(SyncOf(n, 7, {Registration(absl::StrCat("i", n), v1::INFERENCE, 0, 8, n)}))
-              .ok());
-    }
-    RoundDriverOptions options;
-    options.self = 0;
-    // Far longer than a round here: a share that never reports started would show as a round
-    // this long.
-    options.peer_timeout = absl::Seconds(20);
-    options.fanout_threads = fanout_threads;
-    driver = std::make_unique<RoundDriver>(options, &membership, &planner, &peers, &log, &clock);
-  }
-  absl::Status Refit(int64_t version, v1::RoundStats* stats) {
-    v1::RefitRequest r;
-    r.set_group("policy");
-    r.set_version(version);
-    return driver->Refit(r, stats);
-  }
-};
+// The coordinator and 39 inference nodes. Their peer timeout, far longer than a round here, also
+// bounds the wait for the starters: a share that never reports started would show as a round this
+// long.
+constexpr int kManyNodes = 40;
+constexpr absl::Duration kManyNodesPeerTimeout = absl::Seconds(20);
 
 // A phase's calls to 39 peers start from one thread, or from several at once when the driver has
 // them (each a share); every node is called once a phase, and the coordinator's own node after
@@ -209,13 +187,13 @@ struct ManyNodes {
 TEST_CASE("round driver: a phase's calls to many nodes start on several threads, its own last") {
   for (int threads : {1, 4}) {
     CAPTURE(threads);
-    ManyNodes f(threads);
+    Fixture f(kManyNodes, threads, kManyNodesPeerTimeout);
     v1::RoundStats stats;
     const absl::Time t0 = absl::Now();
     REQUIRE(f.Refit(1, &stats).ok());
     CHECK(absl::Now() - t0 < absl::Seconds(5));
     CHECK(stats.state() == v1::RoundStats::COMMITTED);
-    CHECK(stats.nodes_size() == ManyNodes::kNodes);
+    CHECK(stats.nodes_size() == kManyNodes);
     const std::vector<FakePeers::Call> calls = f.peers.Take();
     for (const std::string phase : {"PREPARE", "TRANSFER", "COMMIT"}) {
       CAPTURE(phase);
@@ -226,8 +204,8 @@ TEST_CASE("round driver: a phase's calls to many nodes start on several threads,
         order.push_back(c.node);
         if (c.node != 0) peer_threads.insert(c.thread);
       }
-      REQUIRE(order.size() == ManyNodes::kNodes);
-      CHECK(std::set<int32_t>(order.begin(), order.end()).size() == ManyNodes::kNodes);
+      REQUIRE(order.size() == kManyNodes);
+      CHECK(std::set<int32_t>(order.begin(), order.end()).size() == kManyNodes);
       CHECK(order.back() == 0);
       if (threads == 1) {
         CHECK(peer_threads.size() == 1);
@@ -241,7 +219,7 @@ TEST_CASE("round driver: a phase's calls to many nodes start on several threads,
 // A failure in one share of the calls (a starter's thread, not the round's) aborts the round on
 // every node, naming the culprit, as a failure on the round's thread does.
 TEST_CASE("round driver: a failure among calls started by another thread aborts every node") {
-  ManyNodes f(4);
+  Fixture f(kManyNodes, 4, kManyNodesPeerTimeout);
   f.peers.FailAt(33, "TRANSFER", /*as_node=*/true);  // in the last share
   v1::RoundStats stats;
   const absl::Status s = f.Refit(1, &stats);
@@ -260,7 +238,7 @@ TEST_CASE("round driver: a failure among calls started by another thread aborts 
       aborted.insert(c.node);
     }
   }
-  CHECK(aborted.size() == ManyNodes::kNodes);
+  CHECK(aborted.size() == kManyNodes);
   CHECK(f.driver->CommittedVersion("policy") == 0);
 }
 

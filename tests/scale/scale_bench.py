@@ -901,9 +901,8 @@ def _run_one(run, res):
         "control_s_median": rnd(med((r["prepare_s"] or 0) + (r["commit_s"] or 0) for r in ok)),
         "wall_s_median": rnd(med(r["wall_s"] for r in ok)), "bytes": ok[0]["bytes"] if ok else None,
         # The coordinator's TRANSFER calls to every node, first to last: the fan-out's serial part.
-        "transfer_calls_ms_median": rnd(med(r["transfer_calls_ms"] for r in ok if r["transfer_calls_ms"] is not None), 3),
-        "transfer_answered_ms_median": rnd(med(r["transfer_answered_ms"] for r in ok
-                                               if r["transfer_answered_ms"] is not None), 3),
+        "transfer_calls_ms_median": rnd(med(r["transfer_calls_ms"] for r in ok), 3),
+        "transfer_answered_ms_median": rnd(med(r["transfer_answered_ms"] for r in ok), 3),
         "each": rounds if a.verbose_rounds else None,
     }
     rss0 = [v["rss_mb"] for v in snap0.values()]
